@@ -1,0 +1,40 @@
+"""Shared builders for the loss tests: random GRPO batches with odd shapes."""
+
+import torch
+
+from grpo_fast import reference
+
+
+def make_batch(B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_scale=0.3, masked_row=True,
+               seed=0):
+    """Hidden states, lm_head, targets, advantages and a mask with a fully masked sequence."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * logit_scale).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[0, 0] = True
+    if masked_row and B > 1:
+        mask[1] = False
+    advantages = torch.randn(B, generator=g)
+    true_logp = reference.logprobs(hidden, weight, targets, b)
+    old = true_logp + 0.3 * torch.randn(B, T, generator=g)
+    ref = true_logp + 0.3 * torch.randn(B, T, generator=g)
+    return dict(hidden=hidden, weight=weight, bias=b, targets=targets, mask=mask, advantages=advantages,
+                old=old, ref=ref, generator=g)
+
+
+def run_loss(fn, batch, requires=("hidden", "weight", "bias"), **kwargs):
+    """Loss, metrics and gradients of fn (reference.loss or grpo_fast.loss) on fresh leaf copies of the inputs."""
+    leaves = {}
+    for name in ("hidden", "weight", "bias"):
+        x = batch[name]
+        if x is not None:
+            x = x.detach().clone().requires_grad_(name in requires)
+        leaves[name] = x
+    loss, metrics = fn(leaves["hidden"], leaves["weight"], batch["targets"], kwargs.pop("advantages", batch["advantages"]),
+                       batch["mask"], bias=leaves["bias"], **kwargs)
+    loss.backward()
+    grads = {n: (x.grad if x is not None else None) for n, x in leaves.items()}
+    return loss.detach(), {k: v for k, v in metrics.items()}, grads

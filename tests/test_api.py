@@ -1,0 +1,145 @@
+"""grpo_fast.loss end to end (fused layer 1 + token kernel) against grpo_fast.reference.loss, and bad input."""
+
+import itertools
+
+import pytest
+import torch
+
+import grpo_fast
+from grpo_fast import reference
+
+from conftest import TOLERANCES
+from helpers import make_batch, run_loss
+
+
+def _check_against_reference(batch, dtype, backend, requires=("hidden", "weight", "bias"), **kw):
+    ref_batch = dict(batch)  # the spec runs in fp32 on the same (rounded) inputs
+    for n in ("hidden", "weight", "bias"):
+        if batch[n] is not None:
+            ref_batch[n] = batch[n].float()
+    rl, rm, rg = run_loss(reference.loss, ref_batch, requires=requires, **dict(kw))
+    fl, fm, fg = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch, requires=requires,
+                          **dict(kw))
+    torch.testing.assert_close(fl, rl, rtol=1e-4, atol=1e-5)
+    assert set(fm) == set(rm)
+    for k in rm:
+        torch.testing.assert_close(fm[k], rm[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"metric {k}: {m}")
+    for name in requires:
+        if rg[name] is None:
+            continue
+        assert fg[name].dtype == dtype
+        torch.testing.assert_close(fg[name].float(), rg[name], **TOLERANCES[dtype], msg=lambda m: f"d{name}: {m}")
+    return fl, fm, fg
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_type, level", list(itertools.product(reference.LOSS_TYPES, ("token", "sequence"))))
+def test_loss_matches_reference(backend, dtype, loss_type, level):
+    batch = make_batch(dtype=dtype, bias=True)
+    _check_against_reference(batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"],
+                             beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
+                             importance_sampling_level=level, temperature=0.7, max_completion_length=9)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_loss_with_every_option_at_once(backend):
+    batch = make_batch(B=2, T=13, D=40, V=257, bias=True, seed=3)
+    g = batch["generator"]
+    _check_against_reference(
+        batch, torch.float32, backend, advantages=torch.randn(2, 13, generator=g), old_logprobs=batch["old"],
+        ref_logprobs=batch["ref"], beta=0.1, epsilon=0.1, epsilon_high=0.3, delta=1.2,
+        importance_weights=torch.rand(2, 13, generator=g) * 2, temperature=1.3, num_items_in_batch=31)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_on_policy_frozen_lm_head_like_lora(backend):
+    batch = make_batch(seed=4)
+    _, metrics, grads = _check_against_reference(batch, torch.float32, backend, requires=("hidden",),
+                                                 loss_type="grpo")
+    assert grads["weight"] is None
+    assert metrics["ratio_mean"].item() == 1.0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend):
+    batch = make_batch(seed=5)
+    _, metrics = grpo_fast.loss(batch["hidden"], batch["weight"], batch["targets"], batch["advantages"],
+                                batch["mask"], backend=backend)
+    expected_logp, expected_entropy = reference.logprobs_and_entropy(batch["hidden"], batch["weight"],
+                                                                     batch["targets"])
+    assert not metrics.logprobs.requires_grad
+    torch.testing.assert_close(metrics.logprobs, expected_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics.entropies, expected_entropy, rtol=1e-5, atol=1e-5)
+    assert all(v.dtype == torch.float32 and v.dim() == 0 and not v.requires_grad for v in metrics.values())
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_empty_mask_gives_zero_loss_and_zero_gradients(backend):
+    batch = make_batch(seed=6)
+    batch["mask"] = torch.zeros_like(batch["mask"])
+    loss, metrics, grads = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch,
+                                    old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(v) for v in metrics.values())
+    for name in ("hidden", "weight"):
+        assert torch.count_nonzero(grads[name]) == 0
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _good(**override):
+    batch = make_batch(B=2, T=3, D=8, V=11, masked_row=False)
+    args = dict(hidden=batch["hidden"], weight=batch["weight"], targets=batch["targets"],
+                advantages=batch["advantages"], completion_mask=batch["mask"])
+    args.update(override)
+    return args
+
+
+BAD_INPUTS = [
+    (dict(hidden=torch.randn(6, 8)), ValueError, "hidden must have shape"),
+    (dict(weight=torch.randn(11, 9)), ValueError, "weight must have shape"),
+    (dict(weight=torch.randn(11, 8, dtype=torch.float64)), TypeError, "weight must be float32"),
+    (dict(weight=torch.randn(11, 8).bfloat16()), TypeError, "differs from hidden dtype"),
+    (dict(targets=torch.zeros(2, 4, dtype=torch.long)), ValueError, "targets must have shape"),
+    (dict(targets=torch.full((2, 3), 11)), ValueError, r"targets must be token ids in \[0, V\)"),
+    (dict(targets=torch.full((2, 3), -1)), ValueError, r"targets must be token ids in \[0, V\)"),
+    (dict(targets=torch.zeros(2, 3)), TypeError, "targets must be an integer tensor"),
+    (dict(advantages=torch.zeros(3)), ValueError, "advantages must have shape"),
+    (dict(advantages=torch.zeros(2, 3, 1)), ValueError, "advantages must have shape"),
+    (dict(completion_mask=torch.ones(2, 4)), ValueError, "completion_mask must have shape"),
+    (dict(completion_mask=torch.full((2, 3), 0.5)), ValueError, "completion_mask must be bool or hold only 0 and 1"),
+    (dict(completion_mask=torch.full((2, 3), 2)), ValueError, "completion_mask must be bool or hold only 0 and 1"),
+    (dict(loss_type="ppo"), ValueError, "loss_type must be one of"),
+    (dict(importance_sampling_level="batch"), ValueError, "importance_sampling_level must be"),
+    (dict(beta=0.1), ValueError, "beta != 0 needs ref_logprobs"),
+    (dict(loss_type="dr_grpo"), ValueError, "dr_grpo' needs max_completion_length"),
+    (dict(old_logprobs=torch.zeros(2, 2)), ValueError, "old_logprobs must have shape"),
+    (dict(ref_logprobs=torch.zeros(3, 3), beta=0.1), ValueError, "ref_logprobs must have shape"),
+    (dict(importance_weights=torch.ones(5)), ValueError, "importance_weights must have shape"),
+    (dict(bias=torch.zeros(10)), ValueError, "bias must have shape"),
+    (dict(temperature=0.0), ValueError, "temperature must be a positive number"),
+    (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),
+    (dict(hidden=torch.randn(0, 3, 8)), ValueError, "hidden must be non-empty"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(epsilon_low=0.2), TypeError, "unexpected keyword arguments"),
+]
+
+
+@pytest.mark.parametrize("override, error, message", BAD_INPUTS)
+def test_bad_input_raises_a_named_error(override, error, message):
+    args = _good(**override)
+    with pytest.raises(error, match=message):
+        grpo_fast.loss(args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("advantages"),
+                       args.pop("completion_mask"), **args)
+
+
+def test_mixed_devices_are_rejected():
+    meta_mask = torch.ones(2, 3, device="meta")
+    with pytest.raises(ValueError, match="completion_mask is on meta"):
+        grpo_fast.loss(**_good(completion_mask=meta_mask))
+
+
+def test_logprobs_rejects_bad_shapes_too():
+    args = _good()
+    with pytest.raises(ValueError, match="targets must have shape"):
+        grpo_fast.logprobs(args["hidden"], args["weight"], torch.zeros(2, 5, dtype=torch.long))
