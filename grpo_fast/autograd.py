@@ -4,7 +4,7 @@ import torch
 
 from grpo_fast import cpu
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import linear_logprobs_bwd, linear_logprobs_fwd
+from grpo_fast.kernels import linear_logprobs_bwd, linear_logprobs_fwd, logit_grad
 
 
 def linear_logprobs_forward(hidden, weight, targets, bias, temperature, compute_entropy, backend):
@@ -39,17 +39,24 @@ class LinearLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         coef = grad_logp.float().contiguous()
         dev = hidden.device
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
+        cfg = kconfig.launch_config(dev, fwd=False) if ctx.backend == "triton" else None
+        chunked = cfg is not None and cfg.bwd_mode == "chunked"
+        # dH: the chunked path writes each row block once in the input dtype; the others accumulate in fp32
+        if need_h:
+            grad_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if chunked
+                           else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+        else:
+            grad_hidden = None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
         if need_h or need_w or need_b:
-            if ctx.backend == "triton":
-                cfg = kconfig.launch_config(dev, fwd=False)
-                linear_logprobs_bwd.linear_logprobs_bwd(hidden, weight, targets, bias, lse, coef, ctx.temperature,
-                                        grad_hidden, grad_weight, grad_bias, cfg)
+            args = (hidden, weight, targets, bias, lse, coef, ctx.temperature, grad_hidden, grad_weight, grad_bias)
+            if chunked:
+                logit_grad.linear_logprobs_bwd_chunked(*args, cfg)
+            elif cfg is not None:
+                linear_logprobs_bwd.linear_logprobs_bwd(*args, cfg)
             else:
-                cpu.linear_logprobs_bwd(hidden, weight, targets, bias, lse, coef, ctx.temperature,
-                                        grad_hidden, grad_weight, grad_bias)
+                cpu.linear_logprobs_bwd(*args)
         return (
             grad_hidden.to(hidden.dtype) if need_h else None,
             grad_weight.to(weight.dtype) if need_w else None,

@@ -8,7 +8,7 @@ import torch
 import grpo_fast
 from grpo_fast import reference
 
-from conftest import TOLERANCES
+from conftest import assert_grad_close
 from helpers import make_batch, run_loss
 
 
@@ -27,8 +27,7 @@ def _check_against_reference(batch, dtype, backend, requires=("hidden", "weight"
     for name in requires:
         if rg[name] is None:
             continue
-        assert fg[name].dtype == dtype
-        torch.testing.assert_close(fg[name].float(), rg[name], **TOLERANCES[dtype], msg=lambda m: f"d{name}: {m}")
+        assert_grad_close(fg[name], rg[name], dtype, f"d{name}")
     return fl, fm, fg
 
 

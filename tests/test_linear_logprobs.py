@@ -10,9 +10,20 @@ import grpo_fast
 from grpo_fast import reference
 from grpo_fast.autograd import LinearLogprobs
 
-from conftest import TOLERANCES
+from conftest import assert_grad_close
 
-BACKENDS = ["triton", "torch"]
+# the Triton backend has two backward kernels (GRPO_FAST_BWD): chunked g + GEMMs (default), fully fused
+BACKENDS = ["triton", "triton-fused", "torch"]
+
+
+@pytest.fixture(autouse=True)
+def _bwd_mode(request, monkeypatch):
+    backend = request.node.callspec.params.get("backend", "") if hasattr(request.node, "callspec") else ""
+    monkeypatch.setenv("GRPO_FAST_BWD", "fused" if backend == "triton-fused" else "chunked")
+
+
+def _impl(backend):
+    return "triton" if backend.startswith("triton") else backend
 # (N-ish as B x T, D, V): none a block multiple, V not a power of two, D not a multiple of 16, one token
 SHAPES = [(2, 9, 37, 203), (1, 1, 24, 50), (3, 5, 70, 131)]
 
@@ -41,23 +52,22 @@ def test_forward_and_gradients_match_reference(backend, dtype, shape):
             logp, ent = reference.logprobs_and_entropy(*leaves[:2], y, leaves[2], temperature=0.8)
             logp, ent = logp.reshape(-1), ent.reshape(-1)
         else:
-            logp, ent = LinearLogprobs.apply(leaves[0].view(-1, D), leaves[1], leaves[2], y.view(-1), 0.8, True, impl)
+            logp, ent = LinearLogprobs.apply(leaves[0].view(-1, D), leaves[1], leaves[2], y.view(-1), 0.8, True,
+                                             _impl(impl))
         (logp * coef).sum().backward()
         results.append((logp.detach(), ent.detach(), *[x.grad for x in leaves]))
-    tol = TOLERANCES[dtype]
     (ref_logp, ent_ref, *ref_grads), (logp, ent, *grads) = results
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)  # fp32 outputs in every dtype
     torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=2e-5)
     for name, g, rg in zip(("hidden", "weight", "bias"), grads, ref_grads):
-        assert g.dtype == dtype, name
-        torch.testing.assert_close(g.float(), rg.float(), **tol, msg=lambda m: f"{name}: {m}")
+        assert_grad_close(g, rg.float(), dtype, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend):
     h, w, b, y = _inputs(2, 4, 20, 77, torch.float32, bias=False)
     h.requires_grad_()
-    logp, _ = LinearLogprobs.apply(h.view(-1, 20), w, None, y.view(-1), 1.0, False, backend)
+    logp, _ = LinearLogprobs.apply(h.view(-1, 20), w, None, y.view(-1), 1.0, False, _impl(backend))
     logp.sum().backward()
     assert w.grad is None
     h2 = h.detach().clone().requires_grad_()
@@ -73,7 +83,7 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend):
     bias[::7] = 0.0
     y = (y // 7) * 7
     h.requires_grad_()
-    logp, ent = LinearLogprobs.apply(h.view(-1, 16), w, bias, y.view(-1), 1.0, True, backend)
+    logp, ent = LinearLogprobs.apply(h.view(-1, 16), w, bias, y.view(-1), 1.0, True, _impl(backend))
     logp.sum().backward()
     ref_logp, ref_ent = reference.logprobs_and_entropy(h.detach(), w, y, bias)
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(h.grad).all()
@@ -85,7 +95,7 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend):
 def test_logprobs_function_is_fp32_without_grad(backend):
     h, w, b, y = _inputs(2, 5, 33, 150, torch.bfloat16)
     h.requires_grad_()
-    logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, backend=backend)
+    logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, backend=_impl(backend))
     assert logp.shape == (2, 5) and logp.dtype == torch.float32 and not logp.requires_grad
     torch.testing.assert_close(logp, reference.logprobs(h, w, y, b, 0.9), rtol=1e-5, atol=2e-5)
 
