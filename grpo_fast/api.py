@@ -138,8 +138,8 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, tem
     backend = _resolve_backend(backend, hidden.device)
     h, w, y, b = _flat_inputs(hidden, weight, targets, bias)
     logp_flat, entropy_flat = LinearLogprobs.apply(h, w, b, y, float(temperature), True, backend)
-    return token_loss(logp_flat.view(B, T), advantages, completion_mask, entropy=entropy_flat.view(B, T),
-                      backend=backend, **loss_kwargs)
+    return _token_loss(logp_flat.view(B, T), advantages, completion_mask, entropy_flat.view(B, T), backend,
+                       loss_kwargs)
 
 
 def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
@@ -204,7 +204,12 @@ def token_loss(logprobs, advantages, completion_mask, *, entropy=None, backend="
     if entropy is not None:
         _float_tensor("entropy", entropy)
         _shape("entropy", entropy, [(B, T)], f"[B, T] = [{B}, {T}]")
-    backend = _resolve_backend(backend, logprobs.device)
+    return _token_loss(logprobs, advantages, completion_mask, entropy, _resolve_backend(backend, logprobs.device),
+                       loss_kwargs)
+
+
+def _token_loss(logprobs, advantages, completion_mask, entropy, backend, loss_kwargs):
+    """Layer 2 on checked inputs: the reference's autograd (torch backend) or the token kernel (triton)."""
     kw = {**_TOKEN_LOSS_DEFAULTS, **loss_kwargs}
     mask = completion_mask.to(torch.float32).contiguous()
     for name in ("old_logprobs", "ref_logprobs", "importance_weights"):
