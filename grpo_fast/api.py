@@ -112,6 +112,14 @@ def _flat_inputs(hidden, weight, targets, bias):
 
 
 # ----------------------------------------------------------------------------------------------- API
+# the keyword arguments of layer 2 (TRL's names and defaults)
+_TOKEN_LOSS_DEFAULTS = dict(
+    old_logprobs=None, ref_logprobs=None, beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, loss_type="dapo",
+    importance_sampling_level="token", max_completion_length=None, num_items_in_batch=None,
+    importance_weights=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+)
+
+
 def logprobs(hidden, weight, targets, bias=None, temperature=1.0, backend="auto"):
     """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` under ``(hidden @ weight.T + bias) / temperature``.
 
@@ -125,14 +133,21 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, backend="auto"
     return logp.view(B, T)
 
 
-def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, backend="auto",
-         **loss_kwargs):
+def loss(
+    hidden, weight, targets, advantages, completion_mask, *,
+    bias=None, old_logprobs=None, ref_logprobs=None, beta=0.0, epsilon=0.2, epsilon_high=None, delta=None,
+    loss_type="dapo", importance_sampling_level="token", temperature=1.0, max_completion_length=None,
+    num_items_in_batch=None, importance_weights=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+    backend="auto",
+):
     """The GRPO loss (TRL semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
-    advantages [B] or [B, T], completion_mask [B, T]; keyword arguments as ``token_loss``.
+    advantages [B] or [B, T], completion_mask [B, T] bool or 0/1; the keyword arguments are TRL's (README).
     Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
     """
+    arguments = locals()
+    loss_kwargs = {name: arguments[name] for name in _TOKEN_LOSS_DEFAULTS}
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, temperature)
     _check_loss_kwargs(advantages, completion_mask, (B, T), hidden.device, loss_kwargs)
     backend = _resolve_backend(backend, hidden.device)
@@ -150,9 +165,6 @@ def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
     _same_device([("advantages", advantages), ("completion_mask", completion_mask)]
                  + [(n, kw.get(n)) for n in ("old_logprobs", "ref_logprobs", "importance_weights")], device)
     loss_type = kw.get("loss_type", "dapo")
-    unknown = set(kw) - set(_TOKEN_LOSS_DEFAULTS)
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; expected some of {sorted(_TOKEN_LOSS_DEFAULTS)}")
     if loss_type not in reference.LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {reference.LOSS_TYPES}, got {loss_type!r}")
     level = kw.get("importance_sampling_level", "token")
@@ -184,18 +196,18 @@ def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
         raise ValueError(f"num_items_in_batch must be >= 0, got {float(n_items)}")
 
 
-_TOKEN_LOSS_DEFAULTS = dict(
-    old_logprobs=None, ref_logprobs=None, beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, loss_type="dapo",
-    importance_sampling_level="token", max_completion_length=None, num_items_in_batch=None,
-    importance_weights=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-)
-
-
-def token_loss(logprobs, advantages, completion_mask, *, entropy=None, backend="auto", **loss_kwargs):
+def token_loss(
+    logprobs, advantages, completion_mask, *,
+    entropy=None, old_logprobs=None, ref_logprobs=None, beta=0.0, epsilon=0.2, epsilon_high=None, delta=None,
+    loss_type="dapo", importance_sampling_level="token", max_completion_length=None, num_items_in_batch=None,
+    importance_weights=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, backend="auto",
+):
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs [B, T] that carry the gradient.
 
-    For callers that already have the policy's log-probs. ``loss`` calls it after the fused layer 1.
+    For callers that already have the policy's log-probs; ``entropy`` [B, T] is only averaged into the metrics.
     """
+    arguments = locals()
+    loss_kwargs = {name: arguments[name] for name in _TOKEN_LOSS_DEFAULTS}
     _float_tensor("logprobs", logprobs)
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")

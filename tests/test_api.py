@@ -120,7 +120,7 @@ BAD_INPUTS = [
     (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),
     (dict(hidden=torch.randn(0, 3, 8)), ValueError, "hidden must be non-empty"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
-    (dict(epsilon_low=0.2), TypeError, "unexpected keyword arguments"),
+    (dict(epsilon_low=0.2), TypeError, "unexpected keyword argument"),
 ]
 
 
