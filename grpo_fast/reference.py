@@ -30,12 +30,18 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
-def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0):
+def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True):
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
-    ``logits = (hidden @ weight.T + bias) / temperature`` is built in fp32: [*targets.shape, V].
+    ``logits = (hidden @ weight.T + bias) / temperature`` [*targets.shape, V], in fp32. With ``fp32_matmul``
+    (the spec) the matmul itself runs in fp32; without it, the matmul runs in the input dtype (bf16 logits,
+    as a model's lm_head produces them in a TRL training step) and is upcast after: the benchmark's eager
+    baseline, on tensor cores.
     """
-    logits = hidden.float() @ weight.float().T
+    if fp32_matmul:
+        logits = hidden.float() @ weight.float().T
+    else:
+        logits = (hidden @ weight.T).float()
     if bias is not None:
         logits = logits + bias.float()
     logits = logits / temperature
@@ -45,10 +51,10 @@ def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0):
     return logp, entropy
 
 
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0):
+def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True):
     """Per-token log-prob of ``targets`` under ``(hidden @ weight.T + bias) / temperature``; no grad."""
     with torch.no_grad():
-        return logprobs_and_entropy(hidden, weight, targets, bias, temperature)[0]
+        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul)[0]
 
 
 def _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch):
@@ -162,8 +168,9 @@ def token_loss(
     return loss, metrics
 
 
-def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, **kwargs):
+def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, fp32_matmul=True,
+         **kwargs):
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss."""
-    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature)
+    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul)
     total, metrics = token_loss(logp, advantages, completion_mask, entropy=entropy, **kwargs)
     return total, metrics

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The benchmark on a lent GPU machine (python3 there: torch 2.11, triton 3.6, no network), in one command that
+# ends within about 8 minutes, writing <device>-<date>.json/.md/.png and bench.log into $OUT.
+#
+# From the repository root on the GPU machine (see bench/README.md for the whole procedure):
+#   BENCH_COMMIT=<sha> bash bench/gpu_run.sh            # the full sweep, cut by a 400 s budget (BENCH_BUDGET)
+#   BENCH_COMMIT=<sha> bash bench/gpu_run.sh quick      # Qwen2.5-1.5B at 4k and 16k tokens
+#   BENCH_COMMIT=<sha> bash bench/gpu_run.sh full --shapes qwen2.5-1.5b --tokens 16k   # extra args go to bench
+# liger-kernel travels as a wheel in .whl/ (the run names .whl in carry); without it the Liger rows read
+# "unavailable". The sweep runs the goals' point (Qwen2.5-1.5B, 16k tokens) first, then the rest by priority;
+# what the budget leaves out is recorded as "skipped", and the files are rewritten after every point.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+OUT="${OUT:-$REPO/bench/results}"
+mkdir -p "$OUT"
+MODE="${1:-full}"
+[ $# -gt 0 ] && shift
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+exec > >(tee -a "$OUT/bench.log") 2>&1
+
+echo "== $(date -u +%FT%TZ) gpu_run.sh $MODE $*"
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv || true
+
+# liger-kernel (and any other carried wheel), the device README's way
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# grpo_fast installs its kernels/ folder as grpo_fast.kernels: an editable install maps it; if that fails, a copy
+# with the mapping is put first on the path and the benchmark runs from outside the tree
+RUN_DIR="$REPO"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
+if ! python3 -c "import grpo_fast.kernels" 2>/dev/null; then
+  echo "editable install unavailable: running a copy of grpo_fast with its kernels"
+  rm -rf /tmp/gf && mkdir -p /tmp/gf && cp -r grpo_fast /tmp/gf/ && cp -r kernels /tmp/gf/grpo_fast/kernels
+  export PYTHONPATH="/tmp/gf:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  RUN_DIR=/tmp
+fi
+(cd "$RUN_DIR" && python3 -c "
+import torch, triton, grpo_fast, grpo_fast.kernels
+print('torch', torch.__version__, 'triton', triton.__version__, 'grpo_fast', grpo_fast.__file__)
+print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')
+try:
+    import importlib.metadata as m, liger_kernel.chunked_loss
+    print('liger-kernel', m.version('liger-kernel'))
+except Exception as e:
+    print('liger-kernel not importable:', type(e).__name__, e)
+")
+
+case "$MODE" in
+  quick) ARGS=(--quick --time-budget "${BENCH_BUDGET:-240}") ;;
+  full) ARGS=(--time-budget "${BENCH_BUDGET:-400}") ;;
+  *) echo "usage: bash bench/gpu_run.sh [full|quick] [python -m bench options]"; exit 2 ;;
+esac
+(cd "$RUN_DIR" && python3 -m bench "${ARGS[@]}" --out-dir "$OUT" --no-progress "$@")
+rc=$?
+echo "== exit $rc"
+ls -la "$OUT"
+exit $rc

@@ -1,0 +1,180 @@
+"""The implementations the benchmark compares, in a registry that tests (and users) can extend.
+
+An Impl builds, for a mode, a function of (inputs, weight):
+  mode "fwdbwd":   returns the loss (a differentiable scalar, or a tuple whose first item is); the runner calls
+                   backward on it, so the timed region is forward + backward (gradients of hidden and weight).
+  mode "logprobs": returns the per-token log-probs [B, T] of the targets, without autograd.
+``weight`` is inputs.weight (requires grad) or, for a frozen Impl, inputs.weight_frozen (the same storage, no
+grad: the LoRA case, no dW). Every implementation gets the same batch and loss configuration (inputs.loss_kwargs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import grpo_fast
+from grpo_fast import reference
+
+MODES = ("fwdbwd", "logprobs")
+
+
+@dataclass
+class Impl:
+    name: str
+    label: str
+    build: Callable  # build(mode, options) -> fn(inputs, weight)
+    modes: tuple = MODES
+    frozen: bool = False
+    unavailable: Callable = field(default=lambda device: None)  # unavailable(device) -> reason or None
+    note: str = ""
+
+
+IMPLS: dict[str, Impl] = {}
+
+
+def register(impl: Impl) -> Impl:
+    IMPLS[impl.name] = impl
+    return impl
+
+
+# ----------------------------------------------------------------------------------------------- eager
+# The eager baseline computes the logits as a training step does: the lm_head matmul in the input dtype (bf16 on
+# tensor cores), then fp32 for the log-softmax (grpo_fast.reference with fp32_matmul=False).
+def _eager_loss(hidden, weight, targets, advantages, mask, old, ref, kw):
+    return reference.loss(hidden, weight, targets, advantages, mask, old_logprobs=old, ref_logprobs=ref,
+                          fp32_matmul=False, **kw)
+
+
+def _eager_logprobs(hidden, weight, targets, bias, temperature):
+    return reference.logprobs(hidden, weight, targets, bias, temperature, fp32_matmul=False)
+
+
+def _build_eager(mode, options):
+    if mode == "fwdbwd":
+        return lambda x, w: _eager_loss(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs,
+                                        x.ref_logprobs, x.loss_kwargs())
+    return lambda x, w: _eager_logprobs(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"])
+
+
+register(Impl("eager", "eager PyTorch (grpo_fast.reference: full logits, matmul in the input dtype, as TRL)",
+              _build_eager))
+
+# ----------------------------------------------------------------------------------------------- torch.compile
+_COMPILED = {}
+
+
+def _raise_recompile_limit(limit=64):
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
+
+
+def _build_compile(mode, options):
+    _raise_recompile_limit()
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(_eager_loss if mode == "fwdbwd" else _eager_logprobs)
+    fn = _COMPILED[mode]
+    if mode == "fwdbwd":
+        return lambda x, w: fn(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs,
+                               x.loss_kwargs())
+    return lambda x, w: fn(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"])
+
+
+register(Impl("compile", "eager PyTorch under torch.compile (default mode)", _build_compile))
+
+# ----------------------------------------------------------------------------------------------- Liger-Kernel
+
+
+def _liger_unavailable(device):
+    try:
+        import importlib
+
+        importlib.import_module("liger_kernel.chunked_loss").LigerFusedLinearGRPOLoss
+    except Exception as e:  # ImportError, or a failure inside its import (it imports Triton kernels)
+        return f"liger-kernel cannot be imported: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _build_liger(mode, options):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    _raise_recompile_limit()  # it compiles its loss math: the sweep's many shapes must not push it back to eager
+
+    if mode == "logprobs":
+        # Liger has no public log-probs function; its GRPO loss computes the policy's log-probs with this
+        # chunked (2048 rows x 4096 vocab) selective log-softmax, which is what a Liger user could call.
+        from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+
+        def logprobs(x, w):
+            with torch.no_grad():
+                return LigerFusedLinearPPOBase.chunk_forward(x.hidden, w, x.targets, bias=None,
+                                                             temperature=x.loss_kwargs()["temperature"])
+
+        return logprobs
+
+    cache = {}
+
+    def loss(x, w):
+        kw = x.loss_kwargs()
+        key = tuple(sorted((k, v) for k, v in kw.items() if k != "num_items_in_batch"))
+        if key not in cache:
+            cache[key] = LigerFusedLinearGRPOLoss(
+                beta=kw["beta"], compiled=x.hidden.is_cuda, use_ref_model=kw["beta"] != 0.0, chunk_size=1,
+                epsilon_low=kw["epsilon"], epsilon_high=kw["epsilon_high"], loss_type=kw["loss_type"],
+                importance_sampling_level=kw["importance_sampling_level"], temperature=kw["temperature"])
+        # returns (loss, (mean KL, clip ratio)); it computes the gradients inside its forward
+        return cache[key](x.hidden, w, x.targets, x.mask, x.advantages, bias=None,
+                          ref_per_token_logps=x.ref_logprobs, old_per_token_logps=x.old_logprobs,
+                          num_items_in_batch=kw["num_items_in_batch"])
+
+    return loss
+
+
+register(Impl("liger", "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)", _build_liger,
+              unavailable=_liger_unavailable,
+              note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public one)"))
+register(Impl("liger_frozen", "Liger-Kernel, lm_head frozen (no dW)", _build_liger, modes=("fwdbwd",), frozen=True,
+              unavailable=_liger_unavailable))
+
+# ----------------------------------------------------------------------------------------------- grpo_fast
+
+
+def _build_grpo_fast(mode, options):
+    backend = options.get("backend", "auto")
+    if mode == "fwdbwd":
+        return lambda x, w: grpo_fast.loss(x.hidden, w, x.targets, x.advantages, x.mask, old_logprobs=x.old_logprobs,
+                                           ref_logprobs=x.ref_logprobs, backend=backend, **x.loss_kwargs())
+    return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"],
+                                           backend=backend)
+
+
+register(Impl("grpo_fast", "grpo_fast (Triton on CUDA; chunked torch on a CPU)", _build_grpo_fast))
+register(Impl("grpo_fast_frozen", "grpo_fast, lm_head frozen (LoRA: no dW)", _build_grpo_fast, modes=("fwdbwd",),
+              frozen=True))
+
+DEFAULT_GPU = ("eager", "compile", "liger", "grpo_fast", "grpo_fast_frozen")
+DEFAULT_CPU = ("eager", "liger", "grpo_fast", "grpo_fast_frozen")  # torch.compile on a CPU: ask for it
+
+
+def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:
+    """The work's floor, the same for every implementation: 2NDV for the forward matmul; forward + backward
+    with the logits recomputed: 8NDV (forward, recompute, dH, dW), 6NDV without dW (frozen lm_head)."""
+    if mode == "logprobs":
+        return 2 * N * D * V
+    return (6 if frozen else 8) * N * D * V
+
+
+def resolve(names, device) -> list[Impl]:
+    if not names:
+        names = DEFAULT_GPU if torch.device(device).type == "cuda" else DEFAULT_CPU
+    out = []
+    for n in names:
+        if n not in IMPLS:
+            raise ValueError(f"unknown implementation {n!r}: choose from {', '.join(IMPLS)}")
+        out.append(IMPLS[n])
+    return out

@@ -1,0 +1,360 @@
+"""The results file (JSON), its Markdown table with the goals, and the plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from bench.shapes import GOAL_SHAPE, GOAL_TOKENS
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "wrong", "oom", "unavailable", "error", "skipped")
+CPU_BANNER = ("CPU numbers: not GPU figures. This run had no CUDA device: it times the CPU fallback "
+              "(grpo_fast's chunked torch path) against eager PyTorch on small shapes.")
+
+
+# ----------------------------------------------------------------------------------------------- environment
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_info(device) -> dict:
+    device = torch.device(device)
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return dict(device_type="cuda", device_name=torch.cuda.get_device_name(device),
+                    device_slug=slug(torch.cuda.get_device_name(device)), device_memory_bytes=p.total_memory,
+                    multiprocessors=p.multi_processor_count, cuda_version=torch.version.cuda)
+    name = cpu_name()
+    return dict(device_type="cpu", device_name=f"CPU: {name}", device_slug="cpu-" + slug(name)[:40],
+                cpu_threads=torch.get_num_threads())
+
+
+def git_commit() -> dict:
+    """The commit (BENCH_COMMIT overrides: a copy of the tree without .git, as on a lent GPU machine)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return dict(commit=os.environ["BENCH_COMMIT"], commit_dirty=None)
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return dict(commit=commit or "unknown", commit_dirty=dirty)
+    except Exception:  # noqa: BLE001
+        return dict(commit="unknown", commit_dirty=None)
+
+
+def versions() -> dict:
+    out = dict(python=platform.python_version(), torch=torch.__version__)
+    for mod in ("triton", "liger_kernel", "grpo_fast"):
+        try:
+            m = __import__(mod)
+            out[mod] = getattr(m, "__version__", "unknown")
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    if out.get("liger_kernel") == "unknown":
+        try:
+            from importlib.metadata import version
+
+            out["liger_kernel"] = version("liger-kernel")
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def now():
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+# ----------------------------------------------------------------------------------------------- derived numbers
+def derive(records, matmul_tflops):
+    """Adds TFLOP/s, % of the measured matmul throughput and the ratios to eager (same shape, N and mode)."""
+    eager = {(r["shape"], r["N"], r["mode"]): r for r in records if r["impl"] == "eager" and r["status"] == "ok"}
+    for r in records:
+        r.setdefault("median_ms", None)
+        r.setdefault("times_ms", [])
+        r.setdefault("peak_mem_bytes", None)
+        r.setdefault("errors", {})
+        r.setdefault("reason", None)
+        ok = r["status"] == "ok" and r["median_ms"]
+        r["tflops"] = r["flops"] / (r["median_ms"] * 1e-3) / 1e12 if ok else None
+        r["pct_of_matmul_peak"] = 100.0 * r["tflops"] / matmul_tflops if ok and matmul_tflops else None
+        e = eager.get((r["shape"], r["N"], r["mode"]))
+        r["ratio_time_vs_eager"] = r["median_ms"] / e["median_ms"] if ok and e else None
+        r["ratio_mem_vs_eager"] = (r["peak_mem_bytes"] / e["peak_mem_bytes"]
+                                   if ok and e and r["peak_mem_bytes"] is not None and e["peak_mem_bytes"] else None)
+    return records
+
+
+def _find(records, impl, shape=GOAL_SHAPE, N=GOAL_TOKENS, mode="fwdbwd"):
+    for r in records:
+        if (r["impl"], r["shape"], r["N"], r["mode"]) == (impl, shape, N, mode):
+            return r
+    return None
+
+
+def evaluate_goals(meta, records):
+    """The issue's three goals at Qwen2.5-1.5B, N = 16k, fwd+bwd: PASS, FAIL or 'not measured', with why."""
+    goals = []
+
+    def add(name, target, measured, result, note=""):
+        goals.append(dict(goal=name, target=target, measured=measured, result=result, note=note))
+
+    names = [("memory_vs_eager", "peak memory of grpo_fast fwd+bwd <= 10% of eager's"),
+             ("memory_vs_liger", "peak memory of grpo_fast fwd+bwd below Liger's"),
+             ("time_vs_eager", "time of grpo_fast fwd+bwd <= 0.5x eager's"),
+             ("time_vs_liger", "time of grpo_fast fwd+bwd below Liger's"),
+             ("matmul_fraction", "grpo_fast fwd+bwd >= 60% of the measured matmul throughput (8NDV floor)")]
+    if meta.get("device_type") != "cuda":
+        for key, name in names:
+            add(name, "", None, "not measured", "CPU run: the goals are for an H100/H200 GPU")
+        return goals
+    g, e, l = _find(records, "grpo_fast"), _find(records, "eager"), _find(records, "liger")
+    if g is None or g["status"] in ("skipped", "unavailable"):
+        for key, name in names:
+            add(name, "", None, "not measured", f"grpo_fast was not run at {GOAL_SHAPE}, N={GOAL_TOKENS}")
+        return goals
+    if g["status"] != "ok":
+        for key, name in names:
+            add(name, "", None, "FAIL", f"grpo_fast: {g['status']} ({g.get('reason') or ''})")
+        return goals
+
+    def versus(name, field, limit, other, other_name, fmt, oom_passes=False):
+        """limit: grpo_fast / other <= limit; None: strictly below the other's."""
+        if other is None or other["status"] in ("skipped", "unavailable", "error", "wrong"):
+            why = "not run" if other is None else f"{other['status']}: {other.get('reason') or ''}"
+            add(name, "", None, "not measured", f"{other_name} {why}")
+            return
+        if other["status"] == "oom":
+            if oom_passes:
+                add(name, "", "OOM", "PASS", f"{other_name} ran out of memory at this point; grpo_fast did not")
+            else:
+                add(name, "", "OOM", "not measured", f"{other_name} ran out of memory: no ratio")
+            return
+        if not other.get(field):
+            add(name, "", None, "not measured", f"{other_name} has no {field}")
+            return
+        ratio = g[field] / other[field]
+        passed = ratio <= limit if limit is not None else ratio < 1.0
+        target = f"<= {fmt(limit)}" if limit is not None else f"< {fmt(1.0)}"
+        unit = (lambda v: f"{v / 2 ** 20:.0f} MiB") if field == "peak_mem_bytes" else (lambda v: f"{v:.2f} ms")
+        add(name, target, fmt(ratio), "PASS" if passed else "FAIL",
+            f"grpo_fast {unit(g[field])} vs {other_name} {unit(other[field])}")
+
+    pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
+    times = lambda v: f"{v:.3f}x"  # noqa: E731
+    versus(names[0][1], "peak_mem_bytes", 0.10, e, "eager", pct)
+    versus(names[1][1], "peak_mem_bytes", None, l, "Liger", times, oom_passes=True)
+    versus(names[2][1], "median_ms", 0.5, e, "eager", times)
+    versus(names[3][1], "median_ms", None, l, "Liger", times)
+    frac = g.get("pct_of_matmul_peak")
+    if frac is None:
+        add(names[4][1], ">= 60%", None, "not measured", "no matmul throughput measured")
+    else:
+        add(names[4][1], ">= 60%", f"{frac:.1f}%", "PASS" if frac >= 60.0 else "FAIL",
+            f"{g['tflops']:.1f} TFLOP/s of {meta.get('matmul_peak_tflops', 0):.1f}")
+    return goals
+
+
+# ----------------------------------------------------------------------------------------------- writers
+def _clean(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path, doc):
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_clean(doc), f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _mib(b):
+    return None if b is None else b / 2 ** 20
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def _err_cell(r):
+    e = r.get("errors") or {}
+    parts = []
+    for key, short in (("loss_abs_err", "loss"), ("grad_hidden_rel_err", "dH"), ("grad_weight_rel_err", "dW"),
+                       ("logprobs_max_abs_err", "logp")):
+        if e.get(key) is not None:
+            parts.append(f"{short} {e[key]:.1e}")
+    return ", ".join(parts)
+
+
+MODE_TITLES = {"fwdbwd": "Forward + backward (loss, dH, dW)", "logprobs": "Log-probs, no grad (reference / old policy)"}
+
+
+def display_order(doc):
+    """Records sorted for reading: by shape (as given), N, then implementation (as given)."""
+    m, records = doc["meta"], doc["results"]
+    shapes = list(m.get("shapes") or {}) + [r["shape"] for r in records]
+    impls = list(m.get("impl_labels") or {}) + [r["impl"] for r in records]
+    return sorted(records, key=lambda r: (shapes.index(r["shape"]), r["N"], impls.index(r["impl"])))
+
+
+def markdown(doc) -> str:
+    m, records = doc["meta"], display_order(doc)
+    lines = [f"# grpo_fast benchmark: {m['device_name']}", ""]
+    if m["device_type"] != "cuda":
+        lines += [f"> **{CPU_BANNER}**", ""]
+    if not doc.get("complete", True):
+        lines += ["> **Incomplete**: the run stopped before the end of the sweep.", ""]
+    v = m["versions"]
+    lines += [
+        f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
+        f"- torch {v['torch']}, triton {v.get('triton')}, liger-kernel {v.get('liger_kernel') or 'not installed'}, "
+        f"python {v['python']}" + (f", CUDA {m['cuda_version']}" if m.get("cuda_version") else ""),
+        f"- dtype {m['dtype']}; loss {json.dumps(m['loss_config'])}; B = 16 completions x T tokens",
+        f"- measured {m['dtype']} matmul throughput: {m['matmul_peak_tflops']:.4g} TFLOP/s "
+        f"({m['matmul_size']}^3 products)" if m.get("matmul_peak_tflops") else "- matmul throughput: not measured",
+        f"- time: {m['timing_method']}; peak memory: {m['memory_method']}",
+        "- TFLOP/s count the work's floor for every implementation: 2NDV (log-probs), 8NDV (fwd+bwd with "
+        "recompute), 6NDV (frozen lm_head, no dW); `x eager` is the ratio to eager (which computes dW) at the same "
+        "point; peak MiB is the memory above the inputs, gradients included",
+        "- every implementation is checked against grpo_fast.reference (fp32, row-chunked) before timing: "
+        "`wrong` is not timed; `oom` ran out of memory",
+        "",
+        f"## Goals (Qwen2.5-1.5B shape, N = {GOAL_TOKENS} tokens, fwd+bwd)",
+        "",
+        "| goal | target | measured | result | note |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for g in doc.get("goals", []):
+        lines.append(f"| {g['goal']} | {g['target']} | {g['measured'] or ''} | **{g['result']}** | {g['note']} |")
+    lines.append("")
+    for mode in ("fwdbwd", "logprobs"):
+        rows = [r for r in records if r["mode"] == mode]
+        if not rows:
+            continue
+        lines += [f"## {MODE_TITLES[mode]}", "",
+                  "| shape | N | implementation | status | median ms | x eager | peak MiB | mem x eager | TFLOP/s "
+                  "| % matmul | max error |",
+                  "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in rows:
+            status = r["status"] if r["status"] == "ok" else f"**{r['status'].upper()}**"
+            lines.append(
+                f"| {r['shape']} | {r['N']} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
+                f"| {_fmt(r['ratio_time_vs_eager'], '.3f')} | {_fmt(_mib(r['peak_mem_bytes']), '.1f')} "
+                f"| {_fmt(r['ratio_mem_vs_eager'], '.3f')} | {_fmt(r['tflops'], '.3g')} "
+                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_err_cell(r)} |")
+        lines.append("")
+    notes = [(r["shape"], r["N"], r["mode"], r["impl"], r["status"], r["reason"]) for r in records
+             if r["status"] != "ok" and r.get("reason")]
+    if notes:
+        lines += ["## Why not timed", ""]
+        seen = set()
+        for shape, N, mode, impl, status, reason in notes:
+            key = (impl, status, reason) if status in ("unavailable", "skipped") else (shape, N, mode, impl)
+            if key in seen:
+                continue
+            seen.add(key)
+            where = "everywhere" if status in ("unavailable", "skipped") else f"{shape} N={N} {mode}"
+            lines.append(f"- {impl} ({where}): {status}: {reason}")
+        lines.append("")
+    lines += ["Implementations:", ""]
+    for name, label in m.get("impl_labels", {}).items():
+        lines.append(f"- `{name}`: {label}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(doc, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter, NullLocator
+    from matplotlib.transforms import blended_transform_factory
+
+    records = display_order(doc)
+    modes = [m for m in ("fwdbwd", "logprobs") if any(r["mode"] == m for r in records)]
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    if not modes or not shapes:
+        return None
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(impls)}
+    nrows = 2 * len(modes)
+    fig, axes = plt.subplots(nrows, len(shapes), figsize=(max(9.0, 4.2 * len(shapes)), 3.0 * nrows), squeeze=False)
+    for mi, mode in enumerate(modes):
+        for si, shape in enumerate(shapes):
+            for kind, row in (("time", 2 * mi), ("mem", 2 * mi + 1)):
+                ax = axes[row][si]
+                trans = blended_transform_factory(ax.transData, ax.transAxes)
+                for impl in impls:
+                    rs = sorted((r for r in records if (r["mode"], r["shape"], r["impl"]) == (mode, shape, impl)),
+                                key=lambda r: r["N"])
+                    pts = [(r["N"], r["median_ms"] if kind == "time" else _mib(r["peak_mem_bytes"]))
+                           for r in rs if r["status"] == "ok"]
+                    pts = [(n, y) for n, y in pts if y is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", ms=3, color=colors[impl], label=impl,
+                                linestyle="--" if impl.endswith("frozen") else "-")
+                    for r in rs:
+                        if r["status"] in ("oom", "wrong"):
+                            ax.plot([r["N"]], [0.97], marker="x", color=colors[impl], transform=trans, clip_on=False)
+                            ax.annotate(r["status"].upper(), (r["N"], 0.97), xycoords=trans, fontsize=6,
+                                        color=colors[impl], xytext=(-8, -10), textcoords="offset points")
+                ax.set_xscale("log", base=2)
+                ns = sorted({r["N"] for r in records if r["shape"] == shape})
+                ax.set_xticks(ns)
+                ax.set_xticklabels([f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ns])
+                ax.xaxis.set_minor_locator(NullLocator())
+                if ax.has_data():
+                    ax.set_yscale("log")
+                    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))  # 20, 50, not 2x10^1
+                    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+                ax.grid(True, which="both", alpha=0.3)
+                ax.set_xlabel("tokens N")
+                unit = "median ms" if kind == "time" else "peak MiB above inputs"
+                ax.set_ylabel(f"{'fwd+bwd' if mode == 'fwdbwd' else 'log-probs'}: {unit}")
+                if row == 0:
+                    ax.set_title(shape)
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, 0.975))
+    m = doc["meta"]
+    title = f"grpo_fast benchmark, {m['device_name']}, {m['dtype']}, {m['date'][:10]}"
+    if m["device_type"] != "cuda":
+        title = "CPU numbers, not GPU figures: " + title
+    fig.suptitle(title, y=0.995, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95 if nrows > 2 else 0.9))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

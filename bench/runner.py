@@ -1,0 +1,165 @@
+"""The sweep: for each shape and token count, one batch; for each mode and implementation, the correctness
+guard (one run compared with the reference), then warm-up and timed runs. Every outcome is a record:
+ok (timed), wrong (the guard failed: not timed), oom, unavailable, error, or skipped (time budget)."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from bench import measure
+from bench.impls import Impl, flops
+from bench.inputs import check_fwdbwd, check_logprobs, make_inputs, reference_fwdbwd
+from bench.shapes import GOAL_SHAPE, GOAL_TOKENS, batch_of
+
+
+@dataclass
+class Options:
+    shapes: list            # [(name, D, V)]
+    tokens: list            # [N]
+    impls: list             # [Impl]
+    modes: list             # ["fwdbwd", "logprobs"]
+    device: str
+    dtype: torch.dtype
+    reps: int = 10
+    warmup: int = 2
+    min_reps: int = 3
+    max_seconds: float = 3.0   # per implementation and point: stop timing once this much has passed (>= min_reps)
+    time_budget: float = float("inf")  # seconds for the whole sweep; what is left after it is recorded as skipped
+    backend: str = "auto"
+    seed: int = 0
+    progress: bool = True
+    impl_options: dict = field(default_factory=dict)
+
+
+def ordered_points(shapes, tokens):
+    """(shape, N) pairs, most wanted first, so that a time budget cuts the least useful: the goals' point
+    (Qwen2.5-1.5B, 16k tokens), the goal shape at the other N, the other shapes at 16k, then the rest."""
+    def priority(p):
+        (name, _, _), N = p
+        return (name != GOAL_SHAPE or N != GOAL_TOKENS, name != GOAL_SHAPE, N != GOAL_TOKENS)
+
+    return sorted(((s, N) for s in shapes for N in tokens), key=priority)  # stable: given order within
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def _loss_of(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _run_fwdbwd(fn, x, w):
+    loss = _loss_of(fn(x, w))
+    loss.backward()
+    return loss
+
+
+def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
+    """Guard, then time one implementation on one batch. Returns the record's measured fields."""
+    device = opts.device
+    w = x.weight_frozen if (impl.frozen or mode == "logprobs") else x.weight
+    rec = {}
+    failure = None
+    try:
+        fn = impl.build(mode, dict(opts.impl_options, backend=opts.backend))
+        x.reset_grads()
+        if mode == "fwdbwd":
+            loss = _run_fwdbwd(fn, x, w)
+            ok, errors = check_fwdbwd(float(loss.detach()), x.hidden.grad, None if impl.frozen else x.weight.grad,
+                                      ref, x.hidden.dtype, impl.frozen)
+            del loss
+        else:
+            ok, errors = check_logprobs(fn(x, w), x, x.hidden.dtype)
+        x.reset_grads()
+        rec["errors"] = errors
+        if not ok:
+            rec.update(status="wrong", reason="differs from the reference beyond the tolerance: not timed")
+        else:
+            call = (lambda: _run_fwdbwd(fn, x, w)) if mode == "fwdbwd" else (lambda: fn(x, w))
+            warmup, cpu_peak = opts.warmup, None
+            if torch.device(device).type != "cuda":  # the CPU's peak: one warm-up run under the profiler
+                cpu_peak = measure.cpu_peak_bytes(call, x.reset_grads)
+                warmup = max(0, warmup - 1)
+            times, peak = measure.time_runs(call, x.reset_grads, device, warmup, opts.reps, opts.min_reps,
+                                            opts.max_seconds)
+            peak = cpu_peak if cpu_peak is not None else peak
+            rec.update(status="ok", times_ms=times, median_ms=measure.median(times), peak_mem_bytes=peak)
+    except Exception as e:  # noqa: BLE001 (every failure is a record, the sweep goes on)
+        failure = ("oom" if measure.is_oom(e) else "error", _first_line(e),
+                   None if measure.is_oom(e) else traceback.format_exc(limit=-8))
+    if failure is not None:  # outside the except block, so the traceback's frames (and tensors) are gone
+        rec["status"], rec["reason"] = failure[0], failure[1]
+        if failure[2]:
+            rec["traceback"] = failure[2]
+    x.reset_grads()
+    measure.cleanup(device)
+    return rec
+
+
+def run(opts: Options, on_point_done=None) -> list:
+    """The sweep; returns the records. ``on_point_done(records)`` is called after each (shape, N) point."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    points = ordered_points(opts.shapes, opts.tokens)
+    todo = [(p, m, i) for p in points for m in opts.modes for i in opts.impls if m in i.modes]
+    bar = tqdm(total=len(todo), disable=not opts.progress, unit="run", dynamic_ncols=True) if tqdm else None
+    records = []
+    t_start = time.perf_counter()
+    for (name, D, V), N in points:
+        B, T = batch_of(N)
+        jobs = [(m, i) for m in opts.modes for i in opts.impls if m in i.modes]
+        base = lambda m, i: dict(shape=name, D=D, V=V, N=N, B=B, T=T, mode=m, impl=i.name,  # noqa: E731
+                                 label=i.label, frozen=i.frozen, flops=flops(m, i.frozen, N, D, V))
+        point_records = []
+        x, ref, setup_failure = None, None, None
+        over = time.perf_counter() - t_start > opts.time_budget
+        if not over:
+            try:
+                x = make_inputs(D, V, B, T, opts.dtype, opts.device, opts.seed)
+                if "fwdbwd" in opts.modes:
+                    ref = reference_fwdbwd(x)
+            except Exception as e:  # noqa: BLE001
+                setup_failure = ("oom" if measure.is_oom(e) else "error",
+                                 f"batch or guard reference failed: {_first_line(e)}")
+            if setup_failure:
+                x = ref = None
+                measure.cleanup(opts.device)
+        for mode, impl in jobs:
+            rec = base(mode, impl)
+            if bar:
+                bar.set_description(f"{name} N={N} {mode} {impl.name}")
+            if time.perf_counter() - t_start > opts.time_budget:
+                rec.update(status="skipped", reason=f"time budget of {opts.time_budget:.0f} s spent")
+            elif setup_failure:
+                rec.update(status=setup_failure[0], reason=setup_failure[1])
+            else:
+                why = impl.unavailable(opts.device)
+                if why:
+                    rec.update(status="unavailable", reason=why)
+                else:
+                    rec.update(bench_one(impl, mode, x, ref, opts))
+            point_records.append(rec)
+            if bar:
+                bar.update(1)
+            if not opts.progress:  # a log line per run instead of the bar (logs of a remote machine)
+                ms = f" {rec['median_ms']:.3f} ms" if rec.get("median_ms") else ""
+                mem = f" {rec['peak_mem_bytes'] / 2 ** 20:.0f} MiB" if rec.get("peak_mem_bytes") is not None else ""
+                print(f"[bench] {name} N={N} {mode} {impl.name}: {rec['status']}{ms}{mem}"
+                      + (f" ({rec['reason']})" if rec.get("reason") and rec["status"] != "unavailable" else ""),
+                      flush=True)
+        del x, ref
+        measure.cleanup(opts.device)
+        records.extend(point_records)
+        if on_point_done:
+            on_point_done(records)
+    if bar:
+        bar.close()
+    return records

@@ -1,0 +1,189 @@
+"""The benchmark (python -m bench) end to end on a CPU, in fresh processes run from the repository's root.
+
+The interpreter is turned off in those processes (conftest turns it on for the kernel tests), so grpo_fast
+runs its chunked torch path, as on any machine without CUDA.
+"""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU numbers, also on a machine with a GPU
+    return env
+
+
+def _run(args, timeout=300):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                                  f"stderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _only(directory, suffix):
+    found = sorted(Path(directory).glob(f"*{suffix}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_quick_mode_writes_a_well_formed_results_file(tmp_path):
+    proc = _run(["-m", "bench", "--quick", "--out-dir", str(tmp_path), "--no-progress"])
+    assert "CPU numbers: not GPU figures" in proc.stdout
+    doc = json.loads(_only(tmp_path, ".json").read_text())
+    md = _only(tmp_path, ".md").read_text()
+    png = _only(tmp_path, ".png")
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "CPU numbers: not GPU figures" in md and "## Goals" in md
+
+    assert doc["complete"] is True and doc["schema_version"] == 1
+    meta = doc["meta"]
+    assert meta["device_type"] == "cpu" and meta["device_name"].startswith("CPU")
+    assert "not GPU figures" in meta["banner"]
+    for key in ("date", "commit", "versions", "dtype", "loss_config", "matmul_peak_tflops", "memory_method"):
+        assert key in meta, key
+    assert meta["versions"]["torch"] and "triton" in meta["versions"]
+    assert meta["matmul_peak_tflops"] > 0
+    assert _only(tmp_path, ".json").name.startswith("cpu-")
+
+    records = doc["results"]
+    statuses = {"ok", "wrong", "oom", "unavailable", "error", "skipped"}
+    assert all(r["status"] in statuses for r in records)
+    points = {(r["shape"], r["N"]) for r in records}
+    assert len(points) >= 2
+    by_key = {(r["shape"], r["N"], r["mode"], r["impl"]): r for r in records}
+    for shape, N in points:
+        expected = (("fwdbwd", ("eager", "grpo_fast", "grpo_fast_frozen")), ("logprobs", ("eager", "grpo_fast")))
+        for mode, impls in expected:
+            for impl in impls:
+                r = by_key[(shape, N, mode, impl)]
+                assert r["status"] == "ok", r
+        assert by_key[(shape, N, "fwdbwd", "liger")]["status"] in ("ok", "unavailable")
+        assert (shape, N, "logprobs", "grpo_fast_frozen") not in by_key  # no dW to skip without grad
+
+    for r in records:
+        if r["status"] != "ok":
+            assert r["reason"] and r["median_ms"] is None
+            continue
+        assert r["times_ms"] and all(t > 0 for t in r["times_ms"])
+        assert math.isclose(r["median_ms"], statistics.median(r["times_ms"]))
+        assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] > 0
+        assert r["N"] == r["B"] * r["T"]
+        factor = 2 if r["mode"] == "logprobs" else (6 if r["frozen"] else 8)
+        assert r["flops"] == factor * r["N"] * r["D"] * r["V"]
+        assert math.isclose(r["tflops"], r["flops"] / (r["median_ms"] * 1e-3) / 1e12, rel_tol=1e-9)
+        assert math.isclose(r["pct_of_matmul_peak"], 100 * r["tflops"] / meta["matmul_peak_tflops"], rel_tol=1e-9)
+        eager = by_key[(r["shape"], r["N"], r["mode"], "eager")]
+        assert math.isclose(r["ratio_time_vs_eager"], r["median_ms"] / eager["median_ms"], rel_tol=1e-9)
+        assert math.isclose(r["ratio_mem_vs_eager"], r["peak_mem_bytes"] / eager["peak_mem_bytes"], rel_tol=1e-9)
+        errors = r["errors"]
+        if r["mode"] == "fwdbwd":
+            assert errors["loss_abs_err"] < 1e-4 and errors["grad_hidden_rel_err"] < 1e-3
+            assert ("grad_weight_rel_err" in errors) != r["frozen"]
+        else:
+            assert errors["logprobs_max_abs_err"] < 1e-3
+
+    # the eager baseline holds the fp32 logits: its peak grows with N x V, past the logits' own size
+    for shape, N in points:
+        r = by_key[(shape, N, "fwdbwd", "eager")]
+        assert r["peak_mem_bytes"] >= 4 * N * r["V"]
+
+    goals = doc["goals"]
+    assert len(goals) == 5 and all(g["result"] == "not measured" for g in goals)
+
+
+INJECTED = textwrap.dedent("""
+    import json, sys
+    import bench
+    from bench.impls import IMPLS, Impl, register
+
+    def scaled(mode, options):
+        good = IMPLS["grpo_fast"].build(mode, options)
+        if mode == "fwdbwd":
+            return lambda x, w: good(x, w)[0] * 1.5
+        return lambda x, w: good(x, w) + 0.5
+
+    def no_dw(mode, options):  # the right loss, but the lm_head gets no gradient
+        good = IMPLS["grpo_fast"].build(mode, options)
+        return lambda x, w: good(x, x.weight_frozen)
+
+    def broken(mode, options):
+        def fn(x, w):
+            raise RuntimeError("kernel exploded")
+        return fn
+
+    register(Impl("wrong_scale", "test: grpo_fast's loss x 1.5", scaled))
+    register(Impl("wrong_no_dw", "test: no weight gradient", no_dw, modes=("fwdbwd",)))
+    register(Impl("broken", "test: raises", broken))
+    register(Impl("absent", "test: unavailable", broken, unavailable=lambda device: "not installed"))
+    bench.main(["--shapes", "32x300", "--tokens", "128", "--reps", "2", "--warmup", "0", "--no-plot",
+                "--no-progress", "--name", "injected", "--out-dir", sys.argv[1],
+                "--impls", "eager,grpo_fast,wrong_scale,wrong_no_dw,broken,absent"])
+""")
+
+
+def test_guard_marks_a_wrong_implementation_wrong_and_does_not_time_it(tmp_path):
+    _run(["-c", INJECTED, str(tmp_path)])
+    doc = json.loads((tmp_path / "injected.json").read_text())
+    status = {(r["mode"], r["impl"]): r for r in doc["results"]}
+    for mode in ("fwdbwd", "logprobs"):
+        assert status[(mode, "eager")]["status"] == "ok"
+        assert status[(mode, "grpo_fast")]["status"] == "ok"
+        wrong = status[(mode, "wrong_scale")]
+        assert wrong["status"] == "wrong" and wrong["times_ms"] == [] and wrong["median_ms"] is None
+        assert wrong["ratio_time_vs_eager"] is None and wrong["errors"]
+        assert status[(mode, "broken")]["status"] == "error"
+        assert "kernel exploded" in status[(mode, "broken")]["reason"]
+        assert status[(mode, "absent")]["status"] == "unavailable"
+    assert status[("fwdbwd", "wrong_scale")]["errors"]["loss_abs_err"] > 1e-3
+    no_dw = status[("fwdbwd", "wrong_no_dw")]
+    assert no_dw["status"] == "wrong" and no_dw["errors"]["grad_weight_max_abs_err"] is None
+    md = (tmp_path / "injected.md").read_text()
+    assert "**WRONG**" in md and "**ERROR**" in md and "**UNAVAILABLE**" in md
+
+
+GOALS = textwrap.dedent("""
+    import json
+    from bench import report
+
+    def rec(impl, status="ok", ms=None, mem=None, **kw):
+        r = dict(shape="qwen2.5-1.5b", N=16384, mode="fwdbwd", impl=impl, status=status, median_ms=ms,
+                 times_ms=[ms] if ms else [], peak_mem_bytes=mem, frozen=False, flops=8 * 16384 * 1536 * 151936)
+        r.update(kw)
+        return r
+
+    meta = dict(device_type="cuda", matmul_peak_tflops=800.0)
+    out = {}
+    pass_all = [rec("eager", ms=400.0, mem=50e9), rec("liger", ms=150.0, mem=3e9), rec("grpo_fast", ms=60.0, mem=1e9)]
+    out["pass"] = report.evaluate_goals(meta, report.derive(pass_all, 800.0))
+    fail_all = [rec("eager", ms=100.0, mem=5e9), rec("liger", ms=50.0, mem=1e9), rec("grpo_fast", ms=90.0, mem=2e9)]
+    out["fail"] = report.evaluate_goals(meta, report.derive(fail_all, 800.0))
+    oom = [rec("eager", status="oom", reason="OOM"), rec("liger", status="oom", reason="OOM"),
+           rec("grpo_fast", ms=60.0, mem=1e9)]
+    out["oom"] = report.evaluate_goals(meta, report.derive(oom, 800.0))
+    out["absent"] = report.evaluate_goals(meta, report.derive([rec("eager", ms=1.0, mem=1)], 800.0))
+    out["cpu"] = report.evaluate_goals(dict(device_type="cpu"), report.derive(pass_all, 800.0))
+    print(json.dumps(out))
+""")
+
+
+def test_goals_are_evaluated_honestly():
+    out = json.loads(_run(["-c", GOALS]).stdout.strip().splitlines()[-1])
+    assert [g["result"] for g in out["pass"]] == ["PASS"] * 5
+    # 8NDV / 60 ms = 509 TFLOP/s = 64% of 800
+    assert out["pass"][4]["measured"].startswith("63.") or out["pass"][4]["measured"].startswith("64.")
+    assert [g["result"] for g in out["fail"]] == ["FAIL"] * 5
+    # eager and Liger out of memory: no ratio to eager; below Liger's memory; no time to compare with Liger
+    assert [g["result"] for g in out["oom"]] == ["not measured", "PASS", "not measured", "not measured", "PASS"]
+    assert all(g["result"] == "not measured" for g in out["absent"])
+    assert all(g["result"] == "not measured" for g in out["cpu"])
