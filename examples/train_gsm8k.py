@@ -1,0 +1,488 @@
+#!/usr/bin/env python
+"""GRPO on GSM8K with grpo_fast: a minimal training loop, TRL's GRPOTrainer semantics, one script.
+
+    python examples/train_gsm8k.py                                   # Qwen2.5-1.5B-Instruct + LoRA, openai/gsm8k
+    python examples/train_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --lora-r 0   # full parameters
+    python examples/train_gsm8k.py --data /path/to/gsm8k --model /path/to/model  # local files, no hub
+
+Each step: sample ``num_generations`` completions for each of ``prompts_per_step`` prompts, score them with the
+reward functions, normalise the rewards within each group into advantages, then ``num_iterations`` optimizer
+steps over the batch in micro-batches. The policy loss is ``grpo_fast.loss`` on the last hidden states and the
+lm_head weight, and the reference / old log-probs come from ``grpo_fast.logprobs``: no full-vocab logits are
+ever built. ``--loss eager`` swaps in ``grpo_fast.reference`` (full logits) for comparison.
+
+Outputs in ``--output-dir``: metrics.jsonl (one line per step), samples.jsonl (one completion per step),
+metrics.png, summary.json (eval before / after), checkpoint-<step>/ (model or LoRA adapter + trainer_state.pt).
+``--memory-report FILE`` appends the peak GPU memory of each phase to FILE (see examples/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import grpo_fast
+from grpo_fast import gsm8k, rollout
+from grpo_fast.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward
+
+# Public configs of the Qwen2.5 instruct models, for --random-init (memory measurements without the hub).
+MODEL_CONFIGS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument_group("model and data")
+    a.add_argument("--model", default="Qwen/Qwen2.5-1.5B-Instruct", help="hub id or local folder")
+    a.add_argument("--gguf-file", default=None, help="a .gguf file name inside --model (transformers dequantizes it)")
+    a.add_argument("--tokenizer", default=None, help="hub id or folder (default: --model); 'bytes': grpo_fast's "
+                   "offline byte tokenizer (the default with --random-init)")
+    a.add_argument("--data", default=gsm8k.HUB_ID, help="openai/gsm8k, or a folder with GSM8K's train/test.jsonl")
+    a.add_argument("--random-init", action="store_true", help="random weights (for memory measurements)")
+    a.add_argument("--config-from", choices=sorted(MODEL_CONFIGS), default=None,
+                   help="with --random-init: build this public config instead of reading --model's")
+    a.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, else fp32")
+    a.add_argument("--lora-r", type=int, default=16, help="LoRA rank (0: train all parameters)")
+    a.add_argument("--lora-alpha", type=int, default=32)
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompts-per-step", type=int, default=4)
+    g.add_argument("--num-generations", type=int, default=16)
+    g.add_argument("--max-prompt-length", type=int, default=512)
+    g.add_argument("--max-completion-length", type=int, default=786)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--force-full-length", action="store_true", help="forbid EOS: every completion is full length")
+    r = p.add_argument_group("GRPO")
+    r.add_argument("--reward-weights", default=None,
+                   help="name=weight,... over " + ",".join(DEFAULT_REWARDS) + " (default: all 1.0)")
+    r.add_argument("--scale-rewards", choices=["group", "batch", "none"], default="group")
+    r.add_argument("--loss-type", default="dapo", choices=list(grpo_fast.reference.LOSS_TYPES))
+    r.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no reference model)")
+    r.add_argument("--epsilon", type=float, default=0.2)
+    r.add_argument("--epsilon-high", type=float, default=None)
+    r.add_argument("--num-iterations", type=int, default=1, help="optimizer steps per generation batch (mu)")
+    r.add_argument("--loss", choices=["fused", "eager"], default="fused", help="eager: grpo_fast.reference")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--max-steps", type=int, default=300, help="generation steps")
+    o.add_argument("--micro-batch-size", type=int, default=4, help="completions per forward / backward")
+    o.add_argument("--lr", type=float, default=None, help="default: 2e-5 with LoRA, 5e-6 without")
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    o.add_argument("--warmup-ratio", type=float, default=0.1)
+    o.add_argument("--max-grad-norm", type=float, default=0.1)
+    o.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    o.add_argument("--seed", type=int, default=0)
+    l = p.add_argument_group("logging, checkpoints, eval")
+    l.add_argument("--output-dir", default="runs/gsm8k")
+    l.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps and at the end (0: never)")
+    l.add_argument("--keep-checkpoints", type=int, default=2)
+    l.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    l.add_argument("--eval-samples", type=int, default=256, help="GSM8K test questions per eval (0: none, -1: all)")
+    l.add_argument("--eval-batch-size", type=int, default=32)
+    l.add_argument("--max-memory-gb", type=float, default=None, help="cap this process's CUDA memory")
+    l.add_argument("--memory-report", default=None, help="append peak memory per phase (JSON line) to this file")
+    args = p.parse_args(argv)
+    if args.lr is None:
+        args.lr = 2e-5 if args.lora_r > 0 else 5e-6
+    if args.random_init and args.tokenizer is None:
+        args.tokenizer = "bytes"
+    return args
+
+
+# ------------------------------------------------------------------------------------------ set-up
+def load_model_and_tokenizer(args, device, dtype, source=None):
+    """The policy and tokenizer (local folders and GGUF files never touch the hub)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = source or args.model
+    gguf = {"gguf_file": args.gguf_file} if args.gguf_file and source == args.model else {}
+    if args.tokenizer == "bytes":
+        tokenizer = grpo_fast_byte_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, **gguf)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.random_init and source == args.model:
+        if args.config_from:
+            config = random_init_config(args.config_from)
+        else:
+            config = AutoConfig.from_pretrained(args.model)
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **gguf)
+    if gguf:  # GGUF weights are dequantized to plain tensors: drop the marker so checkpoints save normally
+        model.hf_quantizer, model.is_quantized = None, False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device), tokenizer
+
+
+def random_init_config(name):
+    """A Qwen2 config from MODEL_CONFIGS (Qwen2.5's public numbers), for a randomly initialised model."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**MODEL_CONFIGS[name], max_position_embeddings=32768, rope_theta=1e6)
+
+
+def grpo_fast_byte_tokenizer():
+    from grpo_fast.tokenizer import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+def reward_functions(spec, functions=None):
+    """{name: (function, weight)} from '--reward-weights name=w,...' (unnamed rewards keep weight 1.0).
+
+    ``functions``: {name: callable} to use instead of the demo's five (grpo_fast.rewards.DEFAULT_REWARDS).
+    """
+    functions = DEFAULT_REWARDS if functions is None else functions
+    weights = {name: 1.0 for name in functions}
+    for item in filter(None, (spec or "").split(",")):
+        name, value = item.split("=")
+        if name not in weights:
+            raise SystemExit(f"--reward-weights: unknown reward {name!r}, expected one of {list(weights)}")
+        weights[name] = float(value)
+    return {name: (fn, weights[name]) for name, fn in functions.items()}
+
+
+@functools.lru_cache(maxsize=2)
+def prompt_order(n, seed, epoch):
+    """A fixed shuffle of the training set per epoch: resuming at any step needs no sampler state."""
+    return random.Random(seed * 1_000_003 + epoch).sample(range(n), n)
+
+
+class PhaseMemory:
+    """Wall time and peak CUDA memory (allocated, reserved) of each named phase, per step and over the run."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.step, self.peak = {}, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        self.current = name
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+            alloc, reserved = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+            self.step[f"memory/{name}_gb"] = alloc
+            old = self.peak.get(name, (0.0, 0.0))
+            self.peak[name] = (max(old[0], alloc), max(old[1], reserved))
+        self.step[f"time/{name}_s"] = self.step.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------ eval
+def evaluate(model, tokenizer, examples, args):
+    """Greedy accuracy (correctness reward > 0) and soft-format rate on ``examples``."""
+    correct = formatted = 0
+    for i in tqdm(range(0, len(examples), args.eval_batch_size), desc="eval", leave=False):
+        batch = examples[i:i + args.eval_batch_size]
+        out = rollout.generate(model, tokenizer, [e["prompt"] for e in batch], num_generations=1, do_sample=False,
+                               max_completion_length=args.max_completion_length,
+                               max_prompt_length=args.max_prompt_length)
+        texts = rollout.decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        correct += sum(r > 0 for r in correctness_reward(None, texts, [e["answer"] for e in batch]))
+        formatted += sum(r > 0 for r in soft_format_reward(None, texts))
+    n = max(len(examples), 1)
+    return {"accuracy": correct / n, "soft_format": formatted / n, "n": len(examples)}
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep):
+    path = out_dir / f"checkpoint-{step}"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
+               path / "trainer_state.pt")
+    old = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    for stale in old[:-keep] if keep > 0 else []:
+        shutil.rmtree(stale)
+    return path
+
+
+def find_checkpoint(args, out_dir):
+    if args.resume != "latest":
+        return Path(args.resume)
+    found = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return found[-1] if found else None
+
+
+# ------------------------------------------------------------------------------------------ plot
+def plot_metrics(metrics_path, png_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    if not rows:
+        return
+    reward_keys = [k for k in rows[0] if k.startswith("rewards/")]
+    panels = [("reward", ["reward"] + reward_keys), ("accuracy", ["accuracy"]), ("loss", ["loss"]),
+              ("kl", ["kl"]), ("completion length", ["completion_length"]), ("entropy", ["entropy"])]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    steps = [r["step"] for r in rows]
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            if key in rows[0]:
+                ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=key.removeprefix("rewards/"))
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=80)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ the loop
+def main(argv=None, reward_funcs=None):
+    """Train; ``reward_funcs`` ({name: f(prompts, completions, answer, **kw) -> list[float]}) replaces the
+    default rewards (add yours to ``dict(grpo_fast.rewards.DEFAULT_REWARDS)`` to keep them)."""
+    args = parse_args(argv)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.max_memory_gb and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_memory_gb / total))
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = find_checkpoint(args, out_dir) if args.resume else None
+    lora = args.lora_r > 0
+
+    # policy (full parameters resume from the checkpoint's weights; LoRA loads the adapter below)
+    model, tokenizer = load_model_and_tokenizer(args, device, dtype)
+    ref_model = None
+    if args.beta != 0.0 and not lora:  # a frozen copy of the starting weights
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if checkpoint is not None and not lora:
+        model, _ = load_model_and_tokenizer(args, device, dtype, source=str(checkpoint))
+    if args.gradient_checkpointing:  # transformers >= 5.x renamed it activation checkpointing
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        if checkpoint is not None:
+            set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
+    model.train()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    from transformers import get_cosine_schedule_with_warmup
+
+    total_updates = args.max_steps * args.num_iterations
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * total_updates), total_updates)
+    start_step = 0
+    if checkpoint is not None:
+        state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        start_step = state["step"]
+        print(f"resumed from {checkpoint} at step {start_step}")
+
+    train = gsm8k.load_gsm8k("train", args.data)
+    test = gsm8k.load_gsm8k("test", args.data) if args.eval_samples else []
+    test = test if args.eval_samples < 0 else test[:args.eval_samples]
+    rewards = reward_functions(args.reward_weights, reward_funcs)
+    loss_fn = grpo_fast.loss if args.loss == "fused" else grpo_fast.reference.loss
+    logprobs_fn = grpo_fast.logprobs if args.loss == "fused" else grpo_fast.reference.logprobs
+    G, mb = args.num_generations, args.micro_batch_size
+
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() and checkpoint else {}
+    if test and checkpoint is None:
+        summary["eval_before"] = evaluate(model, tokenizer, test, args)
+        print("eval before training:", summary["eval_before"])
+        summary_path.write_text(json.dumps(summary, indent=2))
+
+    # metrics.jsonl: on resume keep the lines of the steps the checkpoint holds
+    metrics_path, samples_path = out_dir / "metrics.jsonl", out_dir / "samples.jsonl"
+    for path in (metrics_path, samples_path):
+        lines = path.read_text().splitlines() if checkpoint and path.exists() else []
+        path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start_step))
+
+    def weight_and_hidden(batch, policy=True):
+        """lm_head weight and completion hidden states of the policy, or of the reference model."""
+        if policy or ref_model is not None:
+            net = model if policy else ref_model
+            return net.get_output_embeddings().weight, rollout.completion_hidden_states(
+                net, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        with model.disable_adapter():  # LoRA: the reference is the base model
+            return model.get_output_embeddings().weight, rollout.completion_hidden_states(
+                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+
+    def batch_logprobs(full, policy):
+        """Per-token log-probs [B, T] of the whole generation batch, micro-batch by micro-batch, no grad."""
+        out = torch.zeros(full.completion_ids.shape, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for i in range(0, full.completion_ids.shape[0], mb):
+                part = full.select(slice(i, i + mb))
+                weight, hidden = weight_and_hidden(part, policy)
+                T = part.completion_ids.shape[1]
+                out[i:i + mb, :T] = logprobs_fn(hidden, weight, part.completion_ids, temperature=args.temperature)
+        return out
+
+    memory = PhaseMemory(device)
+    status = "ok"
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GRPO")
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            memory.step = {}
+            # 1. prompts of this step and their completions
+            first = step * args.prompts_per_step
+            examples = []
+            for k in range(first, first + args.prompts_per_step):
+                examples.append(train[prompt_order(len(train), args.seed, k // len(train))[k % len(train)]])
+            with memory("generation"):
+                batch = rollout.generate(
+                    model, tokenizer, [e["prompt"] for e in examples], num_generations=G,
+                    max_completion_length=args.max_completion_length, temperature=args.temperature,
+                    top_p=args.top_p, max_prompt_length=args.max_prompt_length,
+                    force_full_length=args.force_full_length)
+            B = batch.completion_ids.shape[0]
+            texts = rollout.decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)
+
+            # 2. rewards and advantages
+            prompts = [e["prompt"] for e in examples for _ in range(G)]
+            answers = [e["answer"] for e in examples for _ in range(G)]
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+            per_function = {name: torch.tensor(fn(prompts, completions, answers), dtype=torch.float32)
+                            for name, (fn, _) in rewards.items()}
+            total_reward = sum(w * per_function[name] for name, (_, w) in rewards.items())
+            advantages, std = rollout.group_advantages(total_reward, G, args.scale_rewards)
+            advantages = advantages.to(device)
+
+            # 3. old and reference log-probs (no grad, no logits)
+            with memory("logprobs"):
+                old_logprobs = batch_logprobs(batch, policy=True) if args.num_iterations > 1 else None
+                ref_logprobs = batch_logprobs(batch, policy=False) if args.beta != 0.0 else None
+
+            # 4. num_iterations optimizer steps over the batch, micro-batch by micro-batch
+            num_items = batch.completion_mask.sum()
+            n_micro = math.ceil(B / mb)
+            sums, total_loss = {}, 0.0
+            for _ in range(args.num_iterations):
+                with memory("policy_fwd_bwd"):
+                    for i in range(0, B, mb):
+                        part = batch.select(slice(i, i + mb))
+                        T = part.completion_ids.shape[1]
+                        weight, hidden = weight_and_hidden(part)
+                        loss, metrics = loss_fn(
+                            hidden, weight, part.completion_ids, advantages[i:i + mb], part.completion_mask,
+                            old_logprobs=None if old_logprobs is None else old_logprobs[i:i + mb, :T],
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i:i + mb, :T],
+                            beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                            loss_type=args.loss_type, temperature=args.temperature,
+                            max_completion_length=args.max_completion_length,
+                            num_items_in_batch=num_items if args.loss_type in ("dapo", "cispo") else None)
+                        if args.loss_type not in ("dapo", "cispo"):  # per-micro-batch means: average them
+                            loss = loss / n_micro
+                        loss.backward()
+                        total_loss += loss.item() / args.num_iterations
+                        tokens = float(part.completion_mask.sum())  # token metrics: token-weighted means
+                        for key, value in metrics.items():
+                            sums[key] = sums.get(key, 0.0) + float(value) * tokens
+                with memory("optimizer"):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+            # 5. log
+            lengths = batch.completion_mask.sum(1).float()
+            token_total = float(num_items) * args.num_iterations
+            row = {"step": step + 1, "loss": total_loss, "reward": total_reward.mean().item(),
+                   "reward_std": std.mean().item(),
+                   "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
+                   **{f"rewards/{name}": v.mean().item() for name, v in per_function.items()},
+                   "accuracy": float((torch.tensor(correctness_reward(prompts, completions, answers)) > 0).float().mean()),
+                   "completion_length": lengths.mean().item(),
+                   "completion_length_max": lengths.max().item(),
+                   "prompt_length": batch.prompt_ids.shape[1],
+                   **{key: value / token_total for key, value in sums.items()},
+                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                   "step_time_s": time.perf_counter() - t0, **memory.step}
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            with open(samples_path, "a") as f:
+                f.write(json.dumps({"step": step + 1, "question": examples[0]["question"], "answer": answers[0],
+                                    "completion": texts[0], "reward": total_reward[0].item()}) + "\n")
+            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{total_loss:.4f}")
+            if args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.max_steps):
+                save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, scheduler, args.keep_checkpoints)
+    except torch.cuda.OutOfMemoryError:
+        status = f"out of memory in {memory.current}"
+        if not args.memory_report:
+            raise
+    finally:
+        if args.memory_report:
+            write_memory_report(args, memory, status, device, locals().get("batch"))
+
+    if status == "ok":
+        plot_metrics(metrics_path, out_dir / "metrics.png")
+        if test:
+            summary["eval_after"] = evaluate(model, tokenizer, test, args)
+            print("eval after training:", summary["eval_after"])
+            summary_path.write_text(json.dumps(summary, indent=2))
+    return {"status": status, "output_dir": str(out_dir), "summary": summary}
+
+
+def write_memory_report(args, memory, status, device, batch):
+    """One JSON line: the run's set-up and the peak CUDA memory of each phase (GiB, max over steps)."""
+    report = {
+        "status": status, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "max_memory_gb": args.max_memory_gb, "model": args.config_from or args.model, "random_init": args.random_init,
+        "lora_r": args.lora_r, "loss": args.loss, "loss_type": args.loss_type, "beta": args.beta,
+        "dtype": args.dtype, "num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
+        "micro_batch_size": args.micro_batch_size, "max_completion_length": args.max_completion_length,
+        "force_full_length": args.force_full_length, "gradient_checkpointing": args.gradient_checkpointing,
+        "prompt_tokens": None if batch is None else batch.prompt_ids.shape[1],
+        "completion_tokens": None if batch is None else batch.completion_ids.shape[1],
+        "peak_allocated_gb": {k: round(v[0], 3) for k, v in memory.peak.items()},
+        "peak_reserved_gb": {k: round(v[1], 3) for k, v in memory.peak.items()},
+    }
+    with open(args.memory_report, "a") as f:
+        f.write(json.dumps(report) + "\n")
+    print("memory report:", json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

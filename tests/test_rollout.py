@@ -1,0 +1,121 @@
+"""Rollout pieces: the completion mask, group advantages, decoding, prompts and completion hidden states."""
+
+import pytest
+import torch
+
+import grpo_fast
+from grpo_fast import reference, rollout
+from grpo_fast.tokenizer import byte_tokenizer
+
+
+def tiny_model(vocab=259, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=512, eos_token_id=256, pad_token_id=257, bos_token_id=None)
+    return Qwen2ForCausalLM(config).eval()
+
+
+# ------------------------------------------------------------------------------------------ completion mask
+def test_completion_mask_cut_after_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0], [3, 4, 2, 2]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]])
+    assert torch.equal(rollout.completion_mask(ids, [2]), expected)
+
+
+def test_completion_mask_several_eos_ids():
+    ids = torch.tensor([[5, 9, 2, 1], [9, 2, 2, 2], [1, 1, 1, 1]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    assert torch.equal(rollout.completion_mask(ids, [2, 9]), expected)
+
+
+# ------------------------------------------------------------------------------------------ advantages
+REWARDS = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
+
+
+def test_group_advantages_group_scaling_and_zero_std_group():
+    adv, std = rollout.group_advantages(REWARDS, 4, "group")
+    s = 1.2909944487358056  # unbiased std of 1, 2, 3, 4
+    expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (s + 1e-4)
+    torch.testing.assert_close(adv[:4], expected)
+    assert torch.equal(adv[4:], torch.zeros(4))  # all-equal rewards: zero advantages, no NaN
+    torch.testing.assert_close(std, torch.tensor([s] * 4 + [0.0] * 4))
+    torch.testing.assert_close(adv[:4].mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
+
+
+def test_group_advantages_batch_and_none():
+    adv, std = rollout.group_advantages(REWARDS, 4, "batch")
+    s = float(REWARDS.std())  # one std over the whole batch
+    assert s == pytest.approx(1.5811388300841898)  # sqrt(17.5 / 7)
+    torch.testing.assert_close(adv, torch.tensor([-1.5, -0.5, 0.5, 1.5, 0.0, 0.0, 0.0, 0.0]) / (s + 1e-4))
+    torch.testing.assert_close(std, torch.full((8,), s))
+    adv, std = rollout.group_advantages(REWARDS, 4, "none")  # Dr. GRPO: no division
+    assert torch.equal(adv, torch.tensor([-1.5, -0.5, 0.5, 1.5, 0.0, 0.0, 0.0, 0.0]))
+    adv, _ = rollout.group_advantages(torch.zeros(6), 3, "batch")  # the whole batch at zero std
+    assert torch.equal(adv, torch.zeros(6))
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="scale_rewards"):
+        rollout.group_advantages(REWARDS, 4, "sequence")
+    with pytest.raises(ValueError, match="num_generations"):
+        rollout.group_advantages(REWARDS, 3)
+    with pytest.raises(ValueError, match="num_generations"):
+        rollout.group_advantages(REWARDS, 1)
+
+
+# ------------------------------------------------------------------------------------------ text
+def test_tokenize_prompts_left_pads_and_decode_drops_masked_and_unknown_ids():
+    tok = byte_tokenizer()
+    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a longer one"}]]
+    ids, mask = rollout.tokenize_prompts(tok, prompts)
+    assert ids.shape[0] == 2 and mask[0, 0] == 0 and mask[1].all() and mask[:, -1].all()
+    assert ids[0, 0] == tok.pad_token_id
+    assert tok.decode(ids[1]).endswith("<|im_start|>assistant\n")
+    comp = torch.tensor([tok("ok")["input_ids"] + [tok.eos_token_id, 65], tok("x")["input_ids"] + [1000, 66, 67]])
+    texts = rollout.decode_completions(tok, comp, rollout.completion_mask(comp, [tok.eos_token_id]))
+    assert texts == ["ok", tok.decode([66, 67]).join(["x", ""])]
+
+
+# ------------------------------------------------------------------------------------------ hidden states
+def test_completion_hidden_states_match_model_logits_and_ignore_left_padding():
+    model = tiny_model()
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 256, (1, 7))
+    completion = torch.randint(0, 256, (1, 5))
+    # row 0: a 7-token prompt; row 1: its last 4 tokens behind 3 pad tokens
+    pad = torch.full((1, 3), 257)
+    short = prompt[:, 3:]
+    prompt_ids = torch.cat([prompt, torch.cat([pad, short], 1)], 0)
+    prompt_mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)], 0).long()
+    completion_ids = completion.repeat(2, 1)
+    completion_mask = torch.ones_like(completion_ids)
+    with torch.no_grad():
+        hidden = rollout.completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        assert hidden.shape == (2, 5, 32)
+        # row 0: the model's own logits at positions 6..10 predict the completion
+        logits = model(torch.cat([prompt, completion], 1)).logits[:, 6:11]
+        torch.testing.assert_close(hidden[:1] @ model.lm_head.weight.T, logits, rtol=1e-5, atol=1e-5)
+        # row 1: padding changes nothing: equal to the unpadded short prompt alone
+        alone = model(torch.cat([short, completion], 1)).logits[:, 3:8]
+        torch.testing.assert_close(hidden[1:] @ model.lm_head.weight.T, alone, rtol=1e-5, atol=1e-5)
+        logp = grpo_fast.logprobs(hidden, model.lm_head.weight, completion_ids)
+        torch.testing.assert_close(logp, reference.logprobs(hidden, model.lm_head.weight, completion_ids),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_generate_shapes_mask_and_force_full_length():
+    model, tok = tiny_model(), byte_tokenizer()
+    prompts = [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "2+2, please?"}]]
+    torch.manual_seed(0)
+    batch = rollout.generate(model, tok, prompts, num_generations=3, max_completion_length=6)
+    assert batch.prompt_ids.shape[0] == batch.completion_ids.shape[0] == 6
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2]) and not torch.equal(batch.prompt_ids[0], batch.prompt_ids[3])
+    assert torch.equal(batch.completion_mask, rollout.completion_mask(batch.completion_ids, [tok.eos_token_id]))
+    full = rollout.generate(model, tok, prompts, num_generations=2, max_completion_length=6, force_full_length=True)
+    assert full.completion_ids.shape == (4, 6) and full.completion_mask.all()
+    assert not (full.completion_ids == tok.eos_token_id).any()
+    part = full.select(slice(1, 3))
+    assert part.completion_ids.shape == (2, 6) and torch.equal(part.prompt_ids, full.prompt_ids[1:3])

@@ -1,0 +1,170 @@
+"""End to end on CPU: examples/train_gsm8k.py with a tiny random Qwen2 model, a byte tokenizer, local jsonl files.
+
+The script is imported from its path (the repo root is never put on sys.path) and run through ``main(argv)``.
+"""
+
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_fast.tokenizer import byte_tokenizer
+
+SCRIPT = Path(__file__).parents[1] / "examples" / "train_gsm8k.py"
+QUESTIONS = [("What is 2 plus 3?", "5"), ("Tom has 4 apples and eats 1. How many are left?", "3"),
+             ("What is 6 times 7?", "42"), ("Half of 18?", "9"), ("What is 1,000 plus 1?", "1001"),
+             ("A box holds 12 eggs. How many eggs in 2 boxes?", "24")]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_gsm8k", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def letters_reward(prompts, completions, answer, **kwargs):
+    """A dense reward for a random model: the fraction of ASCII letters in the completion."""
+    texts = [c[-1]["content"] for c in completions]
+    return [sum(ch.isascii() and ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("gsm8k_e2e")
+    data = root / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        with open(data / f"{split}.jsonl", "w") as f:
+            for q, a in QUESTIONS:
+                f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
+    tok = byte_tokenizer()
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=512, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    return root, load_script()
+
+
+def base_args(root, out, *extra):
+    return ["--model", str(root / "model"), "--data", str(root / "data"), "--output-dir", str(out),
+            "--prompts-per-step", "2", "--num-generations", "3", "--max-completion-length", "8",
+            "--micro-batch-size", "4", "--warmup-ratio", "0", "--lr", "1e-2", "--max-grad-norm", "1.0",
+            "--eval-samples", "0", "--seed", "0", *extra]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_full_parameters_two_steps_checkpoint_and_resume(setup, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, script = setup
+    rewards = {"letters": letters_reward, "correctness": script.DEFAULT_REWARDS["correctness"]}
+    out = root / "full"
+    result = script.main(base_args(root, out, "--max-steps", "2", "--save-every", "1", "--lora-r", "0",
+                                   "--eval-samples", "2", "--keep-checkpoints", "3"), reward_funcs=rewards)
+    assert result["status"] == "ok"
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["loss"] != 0.0
+        assert r["reward_std"] > 0 and r["frac_reward_zero_std"] == 0.0
+        assert 0 < r["rewards/letters"] < 1 and r["rewards/correctness"] == 0.0
+        assert r["kl"] >= 0 and r["ratio_mean"] == pytest.approx(1.0)  # on-policy (num_iterations 1)
+        assert 1 <= r["completion_length"] <= 8 and r["grad_norm"] > 0
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 0  # the policy moved away
+    assert (out / "metrics.png").stat().st_size > 10_000
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2
+    assert set(result["summary"]) == {"eval_before", "eval_after"}
+    assert result["summary"]["eval_after"]["n"] == 2
+
+    # the weights changed, and each checkpoint reloads as a transformers model
+    from transformers import AutoModelForCausalLM
+
+    start = load_file(root / "model" / "model.safetensors")
+    step1, step2 = (load_file(out / f"checkpoint-{s}" / "model.safetensors") for s in (1, 2))
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert not torch.equal(start[name], step1[name]) and not torch.equal(step1[name], step2[name])
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+    assert torch.equal(reloaded.state_dict()["model.norm.weight"], step2["model.norm.weight"])
+
+    # resume from checkpoint 1 in a copy of the run: step 2 comes out identical
+    resumed = root / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoint-2")
+    script.main(base_args(root, resumed, "--max-steps", "2", "--save-every", "1", "--lora-r", "0",
+                          "--resume", "latest"), reward_funcs=rewards)
+    again = read_metrics(resumed)
+    assert [r["step"] for r in again] == [1, 2]
+    assert again[1]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
+    assert again[1]["reward"] == pytest.approx(rows[1]["reward"], rel=1e-6)
+    redo = load_file(resumed / "checkpoint-2" / "model.safetensors")
+    for name, value in step2.items():
+        torch.testing.assert_close(redo[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_reference_from_disabled_adapter_and_num_iterations(setup, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, script = setup
+    out = root / "lora"
+    result = script.main(base_args(root, out, "--max-steps", "1", "--num-iterations", "2", "--lora-r", "4",
+                                   "--loss-type", "grpo", "--beta", "0.1", "--lr", "5e-2"),
+                         reward_funcs={"letters": letters_reward})
+    assert result["status"] == "ok"
+    (row,) = read_metrics(out)
+    assert math.isfinite(row["loss"]) and row["kl"] >= 0
+    # two optimizer steps on one batch: the second sees a ratio != 1 (the mean over both passes moves)
+    assert row["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    adapter = load_file(out / "checkpoint-1" / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # lora_B starts at zero: it trained
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "model"), out / "checkpoint-1")
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        tuned = model(ids).logits
+        with model.disable_adapter():
+            base = model(ids).logits
+    assert not torch.allclose(tuned, base)
+
+
+def test_eager_and_fused_losses_agree(setup, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, script = setup
+    losses = {}
+    for name in ("fused", "eager"):
+        out = root / f"loss-{name}"
+        script.main(base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--loss", name,
+                              "--memory-report", str(root / "memory.jsonl")), reward_funcs={"letters": letters_reward})
+        losses[name] = read_metrics(out)[0]
+    for key in ("loss", "kl", "entropy", "reward"):
+        assert losses["fused"][key] == pytest.approx(losses["eager"][key], rel=1e-4, abs=1e-6), key
+    reports = [json.loads(line) for line in (root / "memory.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in reports] == ["fused", "eager"] and all(r["status"] == "ok" for r in reports)
+    assert reports[0]["completion_tokens"] <= 8 and reports[0]["device"] == "cpu"
+
+
+def test_random_init_configs_have_qwen25_sizes(setup):
+    from transformers import AutoModelForCausalLM
+
+    _, script = setup
+    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}  # the models' published sizes
+    for name, count in expected.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(script.random_init_config(name))
+        assert sum(p.numel() for p in model.parameters()) == count, name
+        assert model.config.tie_word_embeddings and model.get_output_embeddings().weight.shape == (151936, model.config.hidden_size)
