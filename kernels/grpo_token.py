@@ -114,7 +114,8 @@ def _grpo_token_kernel(
         in_row = offs < T
         m = tl.load(mask_ptr + row + offs, mask=in_row, other=0.0)
         active = m > 0.0
-        lp = tl.load(logp_ptr + row + offs, mask=in_row, other=0.0)
+        # a masked token's log-prob may be anything (-inf for a padding id): zero it so no 0 * inf forms
+        lp = tl.where(active, tl.load(logp_ptr + row + offs, mask=in_row, other=0.0), 0.0)
         if ADV_PER_TOKEN:
             adv = tl.load(adv_ptr + row + offs, mask=in_row, other=0.0)
         else:
