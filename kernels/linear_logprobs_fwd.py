@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.logit_tile import logit_tile
+
 
 @triton.jit
 def _linear_logprobs_fwd_kernel(
@@ -49,21 +51,9 @@ def _linear_logprobs_fwd_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d < D
-            h = tl.load(hidden_ptr + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            w = tl.load(weight_ptr + offs_v[None, :] * stride_wv + offs_d[:, None] * stride_wd,
-                        mask=v_mask[None, :] & d_mask[:, None], other=0.0)
-            if DOT_FP32:
-                h = h.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(v_mask[None, :], acc * inv_temperature, float("-inf"))
+        z = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+                       stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+                       HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
 
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.logit_tile import logit_grad, logit_tile
+
 
 @triton.jit
 def _logit_grad_kernel(
@@ -44,24 +46,10 @@ def _logit_grad_kernel(
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
 
-    acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
-        h = tl.load(hidden_ptr + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        w = tl.load(weight_ptr + offs_v[None, :] * stride_wv + offs_d[:, None] * stride_wd,
-                    mask=v_mask[None, :] & d_mask[:, None], other=0.0)
-        if DOT_FP32:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
-    z = tl.where(v_mask[None, :], acc * inv_temperature, float("-inf"))
-    p = tl.exp(z - lse[:, None])
-    is_target = (offs_v[None, :] == targets[:, None]).to(tl.float32)
-    g = (coef * inv_temperature)[:, None] * (is_target - p)
+    z = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+                   stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+                   HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    g = logit_grad(z, lse, coef, targets, offs_v, inv_temperature)
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=out_mask)
