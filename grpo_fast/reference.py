@@ -30,31 +30,32 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
-def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True):
+def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True,
+                         compute_dtype=torch.float32):
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
-    ``logits = (hidden @ weight.T + bias) / temperature`` [*targets.shape, V], in fp32. With ``fp32_matmul``
-    (the spec) the matmul itself runs in fp32; without it, the matmul runs in the input dtype (bf16 logits,
-    as a model's lm_head produces them in a TRL training step) and is upcast after: the benchmark's eager
-    baseline, on tensor cores.
+    ``logits = (hidden @ weight.T + bias) / temperature`` [*targets.shape, V], in ``compute_dtype`` (fp32; the
+    tests use fp64 as a stricter truth). With ``fp32_matmul`` (the spec) the matmul itself runs in that dtype;
+    without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them in a TRL
+    training step) and is upcast after: the benchmark's eager baseline, on tensor cores.
     """
     if fp32_matmul:
-        logits = hidden.float() @ weight.float().T
+        logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
     else:
-        logits = (hidden @ weight.T).float()
+        logits = (hidden @ weight.T).to(compute_dtype)
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + bias.to(compute_dtype)
     logits = logits / temperature
     logsoftmax = F.log_softmax(logits, dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logsoftmax.exp() * logsoftmax).sum(-1)
-    return logp, entropy
+    return logp.float(), entropy.float()
 
 
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True):
+def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True, compute_dtype=torch.float32):
     """Per-token log-prob of ``targets`` under ``(hidden @ weight.T + bias) / temperature``; no grad."""
     with torch.no_grad():
-        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul)[0]
+        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype)[0]
 
 
 def _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch):
@@ -169,8 +170,8 @@ def token_loss(
 
 
 def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, fp32_matmul=True,
-         **kwargs):
+         compute_dtype=torch.float32, **kwargs):
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss."""
-    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul)
+    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype)
     total, metrics = token_loss(logp, advantages, completion_mask, entropy=entropy, **kwargs)
     return total, metrics

@@ -17,7 +17,8 @@ def _check_against_reference(batch, dtype, backend, requires=("hidden", "weight"
     for n in ("hidden", "weight", "bias"):
         if batch[n] is not None:
             ref_batch[n] = batch[n].float()
-    rl, rm, rg = run_loss(reference.loss, ref_batch, requires=requires, **dict(kw))
+    # the spec in fp64 (see test_linear_logprobs.F64)
+    rl, rm, rg = run_loss(reference.loss, ref_batch, requires=requires, compute_dtype=torch.float64, **dict(kw))
     fl, fm, fg = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch, requires=requires,
                           **dict(kw))
     torch.testing.assert_close(fl, rl, rtol=1e-4, atol=1e-5)
@@ -66,7 +67,7 @@ def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend):
     _, metrics = grpo_fast.loss(batch["hidden"], batch["weight"], batch["targets"], batch["advantages"],
                                 batch["mask"], backend=backend)
     expected_logp, expected_entropy = reference.logprobs_and_entropy(batch["hidden"], batch["weight"],
-                                                                     batch["targets"])
+                                                                     batch["targets"], compute_dtype=torch.float64)
     assert not metrics.logprobs.requires_grad
     torch.testing.assert_close(metrics.logprobs, expected_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(metrics.entropies, expected_entropy, rtol=1e-5, atol=1e-5)

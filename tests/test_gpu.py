@@ -46,7 +46,8 @@ def test_loss_on_gpu_matches_reference(dtype, loss_type, level):
     for fn, inputs in ((reference.loss, (hidden.float(), weight.float(), bias.float())),
                        (grpo_fast.loss, (hidden, weight, bias))):
         leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        loss, metrics = fn(leaves[0], leaves[1], targets, adv, mask, bias=leaves[2], **kw)
+        extra = dict(compute_dtype=torch.float64) if fn is reference.loss else {}
+        loss, metrics = fn(leaves[0], leaves[1], targets, adv, mask, bias=leaves[2], **kw, **extra)
         loss.backward()
         outs.append((loss, metrics, [x.grad for x in leaves]))
     (rl, rm, rg), (fl, fm, fg) = outs
@@ -64,4 +65,5 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
     weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16) * 0.02
     targets = torch.randint(0, 151936, (1, 3), device="cuda")
     lp = grpo_fast.logprobs(hidden, weight, targets)
-    torch.testing.assert_close(lp, reference.logprobs(hidden, weight, targets), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(lp, reference.logprobs(hidden, weight, targets, compute_dtype=torch.float64),
+                               rtol=1e-4, atol=1e-3)

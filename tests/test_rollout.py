@@ -79,6 +79,16 @@ def test_tokenize_prompts_left_pads_and_decode_drops_masked_and_unknown_ids():
     assert texts == ["ok", tok.decode([66, 67]).join(["x", ""])]
 
 
+def test_tokenize_prompts_completion_prefix_follows_the_generation_prompt():
+    tok = byte_tokenizer()
+    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a longer one"}]]
+    plain, _ = rollout.tokenize_prompts(tok, prompts)
+    ids, mask = rollout.tokenize_prompts(tok, prompts, completion_prefix="<reasoning>\n")
+    for row, m in zip(ids, mask):
+        assert tok.decode(row[m.bool()]).endswith("<|im_start|>assistant\n<reasoning>\n")
+    assert tok.decode(ids[1]) == tok.decode(plain[1]) + "<reasoning>\n"
+
+
 # ------------------------------------------------------------------------------------------ hidden states
 def test_completion_hidden_states_match_model_logits_and_ignore_left_padding():
     model = tiny_model()

@@ -168,3 +168,33 @@ def test_random_init_configs_have_qwen25_sizes(setup):
             model = AutoModelForCausalLM.from_config(script.random_init_config(name))
         assert sum(p.numel() for p in model.parameters()) == count, name
         assert model.config.tie_word_embeddings and model.get_output_embeddings().weight.shape == (151936, model.config.hidden_size)
+
+
+def test_completion_prefix_reaches_prompt_ids_and_rewards_and_one_shot_prompts(setup, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, script = setup
+    seen, generated = {}, []
+    real_generate = script.rollout.generate
+
+    def spy_generate(model, tokenizer, prompts, **kwargs):
+        batch = real_generate(model, tokenizer, prompts, **kwargs)
+        generated.append((tokenizer, batch))
+        return batch
+
+    def recording_reward(prompts, completions, answer, **kwargs):
+        seen["prompts"], seen["texts"] = prompts, [c[-1]["content"] for c in completions]
+        return letters_reward(prompts, completions, answer)
+
+    monkeypatch.setattr(script.rollout, "generate", spy_generate)
+    out = root / "prefix"
+    result = script.main(base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--one-shot",
+                                   "--completion-prefix", "<reasoning>\\n"), reward_funcs={"r": recording_reward})
+    assert result["status"] == "ok"
+    tok, batch = generated[0]
+    for ids, mask in zip(batch.prompt_ids, batch.prompt_mask):  # the prompt ends with the template, then the prefix
+        assert tok.decode(ids[mask.bool()]).endswith("<|im_start|>assistant\n<reasoning>\n")
+    completions = script.rollout.decode_completions(tok, batch.completion_ids, batch.completion_mask)
+    assert seen["texts"] == ["<reasoning>\n" + t for t in completions]  # the rewards see prefix + completion
+    assert read_metrics(out)[0]["reward"] == pytest.approx(sum(letters_reward(None, [[{"content": t}] for t in
+                                                                seen["texts"]], None)) / len(seen["texts"]))
+    assert seen["prompts"][0][1:3] == script.gsm8k.ONE_SHOT and seen["prompts"][0][3]["role"] == "user"
