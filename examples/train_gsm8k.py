@@ -54,6 +54,8 @@ def parse_args(argv=None):
     a.add_argument("--tokenizer", default=None, help="hub id or folder (default: --model); 'bytes': grpo_fast's "
                    "offline byte tokenizer (the default with --random-init)")
     a.add_argument("--data", default=gsm8k.HUB_ID, help="openai/gsm8k, or a folder with GSM8K's train/test.jsonl")
+    a.add_argument("--one-shot", action="store_true",
+                   help="put a worked example in the answer format (grpo_fast.gsm8k.ONE_SHOT) before each question")
     a.add_argument("--random-init", action="store_true", help="random weights (for memory measurements)")
     a.add_argument("--config-from", choices=sorted(MODEL_CONFIGS), default=None,
                    help="with --random-init: build this public config instead of reading --model's")
@@ -68,6 +70,10 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--force-full-length", action="store_true", help="forbid EOS: every completion is full length")
+    g.add_argument("--completion-prefix", default="",
+                   help="text appended to each prompt after the chat template's generation prompt, which the model "
+                   "continues, and prepended to each completion before the rewards score it (priming), e.g. "
+                   "'<reasoning>\\n'; a backslash-n in it is read as a newline")
     r = p.add_argument_group("GRPO")
     r.add_argument("--reward-weights", default=None,
                    help="name=weight,... over " + ",".join(DEFAULT_REWARDS) + " (default: all 1.0)")
@@ -101,6 +107,7 @@ def parse_args(argv=None):
         args.lr = 2e-5 if args.lora_r > 0 else 5e-6
     if args.random_init and args.tokenizer is None:
         args.tokenizer = "bytes"
+    args.completion_prefix = args.completion_prefix.replace("\\n", "\n")
     return args
 
 
@@ -200,8 +207,9 @@ def evaluate(model, tokenizer, examples, args):
         batch = examples[i:i + args.eval_batch_size]
         out = rollout.generate(model, tokenizer, [e["prompt"] for e in batch], num_generations=1, do_sample=False,
                                max_completion_length=args.max_completion_length,
-                               max_prompt_length=args.max_prompt_length)
-        texts = rollout.decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+                               max_prompt_length=args.max_prompt_length, completion_prefix=args.completion_prefix)
+        texts = [args.completion_prefix + t
+                 for t in rollout.decode_completions(tokenizer, out.completion_ids, out.completion_mask)]
         correct += sum(r > 0 for r in correctness_reward(None, texts, [e["answer"] for e in batch]))
         formatted += sum(r > 0 for r in soft_format_reward(None, texts))
     n = max(len(examples), 1)
@@ -317,8 +325,8 @@ def main(argv=None, reward_funcs=None):
         start_step = state["step"]
         print(f"resumed from {checkpoint} at step {start_step}")
 
-    train = gsm8k.load_gsm8k("train", args.data)
-    test = gsm8k.load_gsm8k("test", args.data) if args.eval_samples else []
+    train = gsm8k.load_gsm8k("train", args.data, one_shot=args.one_shot)
+    test = gsm8k.load_gsm8k("test", args.data, one_shot=args.one_shot) if args.eval_samples else []
     test = test if args.eval_samples < 0 else test[:args.eval_samples]
     rewards = reward_functions(args.reward_weights, reward_funcs)
     loss_fn = grpo_fast.loss if args.loss == "fused" else grpo_fast.reference.loss
@@ -376,9 +384,11 @@ def main(argv=None, reward_funcs=None):
                     model, tokenizer, [e["prompt"] for e in examples], num_generations=G,
                     max_completion_length=args.max_completion_length, temperature=args.temperature,
                     top_p=args.top_p, max_prompt_length=args.max_prompt_length,
-                    force_full_length=args.force_full_length)
+                    force_full_length=args.force_full_length, completion_prefix=args.completion_prefix)
             B = batch.completion_ids.shape[0]
-            texts = rollout.decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)
+            # the rewards see the whole assistant answer: the prefix (part of the prompt ids) and the completion
+            texts = [args.completion_prefix + t
+                     for t in rollout.decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)]
 
             # 2. rewards and advantages
             prompts = [e["prompt"] for e in examples for _ in range(G)]

@@ -50,12 +50,15 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def tokenize_prompts(tokenizer, prompts, max_prompt_length=None, device=None):
+def tokenize_prompts(tokenizer, prompts, max_prompt_length=None, device=None, completion_prefix=""):
     """Chat-templated prompts (lists of messages) -> left-padded ``input_ids``, ``attention_mask`` [N, P].
 
     Prompts longer than ``max_prompt_length`` tokens keep their last tokens, as TRL does.
+    ``completion_prefix``: text appended after the template's generation prompt, the start of the assistant's
+    answer that the model then continues ("priming", e.g. ``"<reasoning>\n"``).
     """
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + completion_prefix
+             for p in prompts]
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False,
@@ -74,14 +77,17 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, *, num_generations=1, max_completion_length=256, temperature=1.0,
-             top_p=1.0, do_sample=True, max_prompt_length=None, force_full_length=False) -> Rollout:
+             top_p=1.0, do_sample=True, max_prompt_length=None, force_full_length=False,
+             completion_prefix="") -> Rollout:
     """``num_generations`` completions of each prompt with ``model.generate``.
 
     Sampling with ``temperature`` and ``top_p`` (no top-k), or greedy with ``do_sample=False``.
     ``force_full_length`` forbids EOS until ``max_completion_length`` tokens (the worst case for memory).
+    ``completion_prefix`` is part of the prompt ids (see ``tokenize_prompts``), not of the completion ids: the
+    caller prepends it to the decoded texts when the whole answer is scored.
     """
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device, completion_prefix)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)
     prompt_mask = prompt_mask.repeat_interleave(num_generations, 0)
     eos = eos_token_ids(model, tokenizer)
