@@ -158,40 +158,40 @@ def loss(
 
 
 def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
-    """Checks of layer 2's inputs, named after the argument at fault."""
+    """Checks of layer 2's inputs (kw holds every key of _TOKEN_LOSS_DEFAULTS), named after the argument at fault."""
     B, T = shape
     _tensor("advantages", advantages)
     _tensor("completion_mask", completion_mask)
     _same_device([("advantages", advantages), ("completion_mask", completion_mask)]
-                 + [(n, kw.get(n)) for n in ("old_logprobs", "ref_logprobs", "importance_weights")], device)
-    loss_type = kw.get("loss_type", "dapo")
+                 + [(n, kw[n]) for n in ("old_logprobs", "ref_logprobs", "importance_weights")], device)
+    loss_type = kw["loss_type"]
     if loss_type not in reference.LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {reference.LOSS_TYPES}, got {loss_type!r}")
-    level = kw.get("importance_sampling_level", "token")
+    level = kw["importance_sampling_level"]
     if level not in reference.IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
-    if kw.get("beta", 0.0) != 0.0 and kw.get("ref_logprobs") is None:
+    if kw["beta"] != 0.0 and kw["ref_logprobs"] is None:
         raise ValueError("beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from "
                          "grpo_fast.logprobs)")
-    mcl = kw.get("max_completion_length")
+    mcl = kw["max_completion_length"]
     if loss_type == "dr_grpo" and not (isinstance(mcl, int) and mcl > 0):
         raise ValueError(f"loss_type='dr_grpo' needs max_completion_length, a positive int, got {mcl!r}")
-    eps, eps_high = kw.get("epsilon", 0.2), kw.get("epsilon_high")
+    eps, eps_high = kw["epsilon"], kw["epsilon_high"]
     if eps < 0 or (eps_high is not None and eps_high < 0):
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {eps}, {eps_high}")
     _check_mask(completion_mask, shape)
     _float_tensor("advantages", advantages)
     _shape("advantages", advantages, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
     for name in ("old_logprobs", "ref_logprobs"):
-        x = kw.get(name)
+        x = kw[name]
         if x is not None:
             _float_tensor(name, x)
             _shape(name, x, [shape], f"[B, T] = [{B}, {T}]")
-    iw = kw.get("importance_weights")
+    iw = kw["importance_weights"]
     if iw is not None:
         _float_tensor("importance_weights", iw)
         _shape("importance_weights", iw, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
-    n_items = kw.get("num_items_in_batch")
+    n_items = kw["num_items_in_batch"]
     if n_items is not None and float(n_items) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {float(n_items)}")
 
@@ -222,7 +222,7 @@ def token_loss(
 
 def _token_loss(logprobs, advantages, completion_mask, entropy, backend, loss_kwargs):
     """Layer 2 on checked inputs: the reference's autograd (torch backend) or the token kernel (triton)."""
-    kw = {**_TOKEN_LOSS_DEFAULTS, **loss_kwargs}
+    kw = dict(loss_kwargs)
     mask = completion_mask.to(torch.float32).contiguous()
     for name in ("old_logprobs", "ref_logprobs", "importance_weights"):
         if kw[name] is not None:
