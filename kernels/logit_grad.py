@@ -55,9 +55,9 @@ def _logit_grad_kernel(
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=out_mask)
 
 
-def chunk_size(N, D, V):
-    """Tokens per chunk: g of one chunk (chunk x V) is never larger than the weight (V x D)."""
-    return max(1, min(N, max(16, (D // 16) * 16)))
+def chunk_size(N, D):
+    """Tokens per chunk: g of one chunk (chunk x V) is never larger than the weight (V x D), D >= 16."""
+    return min(N, max(16, (D // 16) * 16))
 
 
 def linear_logprobs_bwd_chunked(hidden, weight, targets, bias, lse, coef, temperature,
@@ -65,7 +65,7 @@ def linear_logprobs_bwd_chunked(hidden, weight, targets, bias, lse, coef, temper
     """dH (input dtype, written in place), dW (fp32 accumulator, added to), db (fp32, added to); any may be None."""
     N, D = hidden.shape
     V = weight.shape[0]
-    chunk = chunk_size(N, D, V)
+    chunk = chunk_size(N, D)
     g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
     dummy = lse
     for n0 in range(0, N, chunk):
