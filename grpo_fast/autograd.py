@@ -10,7 +10,7 @@ from grpo_fast.kernels import linear_logprobs_bwd, linear_logprobs_fwd, logit_gr
 def linear_logprobs_forward(hidden, weight, targets, bias, temperature, compute_entropy, backend):
     """(logp, entropy or None, lse), fp32 [N], by the chosen backend; no autograd."""
     if backend == "triton":
-        cfg = kconfig.launch_config(hidden.device, fwd=True)
+        cfg = kconfig.launch_config(hidden.device, fwd=True, dtype=hidden.dtype)
         return linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, bias, temperature, compute_entropy, cfg)
     return cpu.linear_logprobs_fwd(hidden, weight, targets, bias, temperature, compute_entropy)
 
@@ -39,7 +39,7 @@ class LinearLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         coef = grad_logp.float().contiguous()
         dev = hidden.device
-        cfg = kconfig.launch_config(dev, fwd=False) if ctx.backend == "triton" else None
+        cfg = kconfig.launch_config(dev, fwd=False, dtype=hidden.dtype) if ctx.backend == "triton" else None
         chunked = cfg is not None and cfg.bwd_mode == "chunked"
         # dH: the chunked path writes each row block once in the input dtype; the others accumulate in fp32
         if need_h:

@@ -37,10 +37,34 @@ def bwd_mode() -> str:
     return mode
 
 
-def launch_config(device: torch.device, fwd: bool) -> LaunchConfig:
+def gpu_launch_config(fwd: bool, dtype: torch.dtype, sm_count: int, smem_per_block: int,
+                      mode: str = None) -> LaunchConfig:
+    """The compiled-GPU configuration for a device with sm_count SMs and smem_per_block bytes of shared memory.
+
+    Chosen without a GPU by compiling every kernel for sm_90 / sm_89 / sm_80 (tests/sm_compile.py, run in CI):
+    each choice fits the card's shared memory and spills no registers. Speed is not tuned yet: bench/ does that.
+    """
+    mode = mode or bwd_mode()
+    big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
+    if dtype == torch.float32:
+        # IEEE fp32 products run on the FMA units, not the tensor cores: short K steps keep registers in bounds
+        block_n, block_v, block_d, warps, stages = (32, 64, 16, 4, 2) if (not fwd and mode == "fused") \
+            else (64, 64, 32, 4, 2)
+    elif fwd:
+        block_n, block_v, block_d, warps, stages = 64, 128, 64, 8, 3
+    elif mode == "chunked":
+        block_n, block_v, block_d, warps, stages = 128, 128, 64, 8, 3
+    else:
+        # the fused backward also stages W and H tiles for its two gradient products
+        block_n, block_v, block_d, warps, stages = 64, 128, 32, 8, 3 if big_smem else 2
+    return LaunchConfig(block_n, block_v, block_d, warps, stages, False, 2 * sm_count, mode)
+
+
+def launch_config(device: torch.device, fwd: bool, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     if interpreting() or device.type != "cuda":
         # small blocks keep the interpreter's numpy tiles cheap; shapes in tests are not block multiples
         return LaunchConfig(16, 32, 16, 4, 1, True, 8, bwd_mode())
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # untuned first guesses for Hopper (no GPU was available when these were written): tune with bench/
-    return LaunchConfig(64 if fwd else 128, 128, 64, 8 if fwd else 4, 3, False, 2 * sms, bwd_mode())
+    props = torch.cuda.get_device_properties(device)
+    # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    return gpu_launch_config(fwd, dtype, props.multi_processor_count, smem)

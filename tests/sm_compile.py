@@ -1,0 +1,229 @@
+"""Compile every Triton kernel for real GPUs without having one: sm_90 (H100/H200), sm_89 (RTX 4090), sm_80 (A100).
+
+Why: CI has no GPU. The interpreter checks the numbers, not the compiler: a kernel can pass every interpreter
+test and still fail to compile for a GPU, ask for more shared memory than the card has (a launch-time
+"out of resource"), or spill registers. This script runs the kernel wrappers with the GPU launch configuration
+on small CPU stand-in tensors, records each launch instead of running it, compiles the recorded launch with
+Triton's own compiler and the ptxas shipped in the triton wheel, and reads the cubin's resource use with the
+cuobjdump shipped beside it. Nothing runs on a device and no numbers are checked here (tests/test_gpu.py does that).
+
+The signature is specialised as Triton's JIT does at launch: pointers and ints divisible by 16 get the
+divisibility hint, ints equal to 1 become constants. The stand-in shapes use real model widths (D = 1536,
+the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is cut to 4096, which changes no
+compiled code (V only enters as a loop bound and a mask).
+
+    TRITON_INTERPRET=0 python tests/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("sm_compile needs the real compiler: run it with TRITON_INTERPRET=0")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from grpo_fast.kernels import config as kconfig  # noqa: E402
+from grpo_fast.kernels import grpo_token, linear_logprobs_bwd, linear_logprobs_fwd, logit_grad  # noqa: E402
+
+# Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
+SMEM_LIMIT = {90: 232448, 89: 101376, 86: 101376, 80: 166912}
+SM_COUNT = {90: 132, 89: 128, 86: 82, 80: 108}
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.int64: "i64", torch.int32: "i32"}
+
+
+@dataclass
+class Launch:
+    kernel: object  # the JITFunction
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](...)` records the launch instead of running it."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(Launch(self.kernel, args, kwargs))
+
+
+@contextmanager
+def recording(module, name):
+    launches = []
+    kernel = getattr(module, name)
+    setattr(module, name, _Recorder(kernel, launches))
+    try:
+        yield launches
+    finally:
+        setattr(module, name, kernel)
+
+
+def specialise(launch):
+    """(signature, constexprs, attrs, options) for ASTSource / triton.compile, as the JIT would build them."""
+    kw = dict(launch.kwargs)
+    options = {"num_warps": kw.pop("num_warps", 4), "num_stages": kw.pop("num_stages", 3)}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(launch.kernel.params):
+        value = launch.args[i] if i < len(launch.args) else kw[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = BaseBackend.parse_attr("D")
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                signature[param.name] = "constexpr"
+                constexprs[(i,)] = 1
+                continue
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = BaseBackend.parse_attr("D")
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{param.name}: cannot specialise a {type(value).__name__}")
+    return signature, constexprs, attrs, options
+
+
+def resource_usage(cubin):
+    """{'REG': .., 'STACK': .., 'SHARED': .., 'LOCAL': ..} from cuobjdump -res-usage."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
+def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, D, generator=gen).to(dtype)
+    weight = torch.randn(V, D, generator=gen).to(dtype)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    b = torch.randn(V, generator=gen).to(dtype) if bias else None
+    lse = torch.zeros(N)
+    coef = torch.ones(N)
+    return hidden, weight, targets, b, lse, coef
+
+
+def layer1_launches(arch, dtype, bias=False, entropy=True):
+    """The launches of the forward, the chunked backward and the fused backward (dW on and off) for one dtype."""
+    sms = SM_COUNT[arch]
+    hidden, weight, targets, b, lse, coef = _inputs(dtype, bias=bias)
+    D, V = hidden.shape[1], weight.shape[0]
+    out = []
+    cfg = kconfig.gpu_launch_config(fwd=True, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch])
+    with recording(linear_logprobs_fwd, "_linear_logprobs_fwd_kernel") as launches:
+        linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, b, 0.7, entropy, cfg)
+    out += [("fwd", launches[0])]
+    cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
+                                    mode="chunked")
+    grad_bias = torch.zeros(V) if bias else None
+    with recording(logit_grad, "_logit_grad_kernel") as launches:
+        logit_grad.linear_logprobs_bwd_chunked(hidden, weight, targets, b, lse, coef, 0.7,
+                                               torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg)
+    out += [("bwd chunked", launches[0])]
+    cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
+                                    mode="fused")
+    for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
+        with recording(linear_logprobs_bwd, "_linear_logprobs_bwd_kernel") as launches:
+            linear_logprobs_bwd.linear_logprobs_bwd(hidden, weight, targets, b, lse, coef, 0.7,
+                                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg)
+        out += [(name, launches[0])]
+    return out
+
+
+def grpo_token_launches():
+    """The GRPO token kernel for each loss family (clipped, cispo, sapo), token and sequence level, all inputs on."""
+    B, T = 4, 37
+    logp, old, ref, entropy = (torch.randn(B, T) for _ in range(4))
+    mask = torch.ones(B, T)
+    out = []
+    for loss_kind, sequence, per_token_adv, name in ((0, False, False, "clipped, token"),
+                                                     (0, True, False, "clipped, sequence (GSPO)"),
+                                                     (0, False, True, "clipped, per-token advantages"),
+                                                     (1, False, False, "cispo"), (2, False, False, "sapo")):
+        adv = torch.randn(B, T) if per_token_adv else torch.randn(B)
+        with recording(grpo_token, "_grpo_token_kernel") as launches:
+            grpo_token.grpo_token(logp, adv, mask, old, ref, torch.rand(B, T), entropy, loss_kind=loss_kind,
+                                  sequence=sequence, row_mean=True, scale=0.25, beta=0.04, eps_low=0.2,
+                                  eps_high=0.28, delta=2.0 if loss_kind == 0 else None, sapo_pos=1.0, sapo_neg=1.05)
+        out.append((f"grpo_token {name}", launches[0]))
+    return out
+
+
+def all_launches(arch):
+    out = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out += [(f"{name} {TRITON_TYPES[dtype]}", launch) for name, launch in layer1_launches(arch, dtype)]
+    out += [(f"{name} bf16 +bias, no entropy", launch)
+            for name, launch in layer1_launches(arch, torch.bfloat16, bias=True, entropy=False)]
+    return out + grpo_token_launches()
+
+
+def compile_all(archs):
+    """[{arch, kernel, REG, SHARED (static + dynamic, bytes), LOCAL, STACK, limit, error}] for every launch."""
+    rows = []
+    for arch in archs:
+        for name, launch in all_launches(arch):
+            signature, constexprs, attrs, options = specialise(launch)
+            row = {"arch": arch, "kernel": name, "num_warps": options["num_warps"],
+                   "num_stages": options["num_stages"], "smem_limit": SMEM_LIMIT[arch], "error": None}
+            try:
+                compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
+                                          target=GPUTarget("cuda", arch, 32), options=options)
+            except Exception as e:  # noqa: BLE001 - every compiler failure is a result to report
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                rows.append(row)
+                continue
+            usage = resource_usage(compiled.asm["cubin"])
+            row.update(REG=usage["REG"], LOCAL=usage["LOCAL"], STACK=usage["STACK"],
+                       SHARED=usage["SHARED"] + compiled.metadata.shared)
+            rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80], choices=sorted(SMEM_LIMIT))
+    parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
+    args = parser.parse_args(argv)
+    rows = compile_all(args.arch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = 0
+    print(f"{'arch':>4}  {'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>4} {'smem KiB':>8} {'limit':>6} "
+          f"{'spill B':>7}  status")
+    for r in rows:
+        if r["error"]:
+            status, bad = r["error"], bad + 1
+            print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6}  {status}")
+            continue
+        over = r["SHARED"] > r["smem_limit"]
+        status = "OVER SHARED MEMORY" if over else ("spills" if r["LOCAL"] or r["STACK"] else "ok")
+        bad += over
+        print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
+              f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7}  {status}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

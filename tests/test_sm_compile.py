@@ -1,0 +1,46 @@
+"""Every kernel compiles for sm_90 (H100/H200), sm_89 (RTX 4090) and sm_80 (A100) with the GPU launch configuration,
+fits the card's shared memory and spills no registers. No GPU needed: see tests/sm_compile.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+HERE = os.path.dirname(__file__)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+ARCHS = (90, 89, 80)
+# per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32 and
+# bf16 with a bias; then the GRPO token kernel for five loss configurations
+VARIANTS_PER_ARCH = 4 * 4 + 5
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    if not os.path.exists(PTXAS):
+        pytest.skip(f"this triton wheel ships no ptxas ({PTXAS})")
+    out = tmp_path_factory.mktemp("sm") / "rows.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sm_compile.py"), "--arch", *map(str, ARCHS),
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc
+
+
+def test_every_variant_was_compiled(compiled):
+    rows, _ = compiled
+    for arch in ARCHS:
+        assert sum(r["arch"] == arch for r in rows) == VARIANTS_PER_ARCH
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
+    rows, proc = compiled
+    for r in (r for r in rows if r["arch"] == arch):
+        assert r["error"] is None, (r["kernel"], r["error"])
+        assert 0 < r["REG"] <= 255, r
+        assert r["SHARED"] <= r["smem_limit"], (r["kernel"], r["SHARED"], r["smem_limit"])
+        assert r["LOCAL"] == 0 and r["STACK"] == 0, (r["kernel"], "spills", r["LOCAL"], r["STACK"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
