@@ -112,6 +112,13 @@ def resource_usage(cubin):
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
+def tensor_core_instruction(ptx):
+    """'wgmma' (Hopper warpgroup MMA), 'mma' (Ampere/Ada mma.sync) or 'none': how the kernel's tl.dot runs."""
+    if re.search(r"\bwgmma\.mma_async", ptx):
+        return "wgmma"
+    return "mma" if re.search(r"\bmma\.sync\.aligned", ptx) else "none"
+
+
 def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(N, D, generator=gen).to(dtype)
@@ -179,7 +186,7 @@ def all_launches(arch):
 
 
 def compile_all(archs):
-    """[{arch, kernel, REG, SHARED (static + dynamic, bytes), LOCAL, STACK, limit, error}] for every launch."""
+    """[{arch, kernel, REG, SHARED (static + dynamic, bytes), LOCAL, STACK, smem_limit, tensor_cores, error}]."""
     rows = []
     for arch in archs:
         for name, launch in all_launches(arch):
@@ -194,6 +201,7 @@ def compile_all(archs):
                 rows.append(row)
                 continue
             usage = resource_usage(compiled.asm["cubin"])
+            row["tensor_cores"] = tensor_core_instruction(compiled.asm["ptx"])
             row.update(REG=usage["REG"], LOCAL=usage["LOCAL"], STACK=usage["STACK"],
                        SHARED=usage["SHARED"] + compiled.metadata.shared)
             rows.append(row)
@@ -211,7 +219,7 @@ def main(argv=None):
             json.dump(rows, f, indent=1)
     bad = 0
     print(f"{'arch':>4}  {'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>4} {'smem KiB':>8} {'limit':>6} "
-          f"{'spill B':>7}  status")
+          f"{'spill B':>7} {'MMA':>5}  status")
     for r in rows:
         if r["error"]:
             status, bad = r["error"], bad + 1
@@ -221,7 +229,7 @@ def main(argv=None):
         status = "OVER SHARED MEMORY" if over else ("spills" if r["LOCAL"] or r["STACK"] else "ok")
         bad += over
         print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
-              f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7}  {status}")
+              f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} {r['tensor_cores']:>5}  {status}")
     return 1 if bad else 0
 
 

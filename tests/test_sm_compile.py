@@ -44,3 +44,16 @@ def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
         assert r["SHARED"] <= r["smem_limit"], (r["kernel"], r["SHARED"], r["smem_limit"])
         assert r["LOCAL"] == 0 and r["STACK"] == 0, (r["kernel"], "spills", r["LOCAL"], r["STACK"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
+    # bf16/fp16 logit tiles must use the tensor cores (Hopper's wgmma, else mma.sync); the fp32 path asks for IEEE
+    # fp32 products, which only the FMA units give; the GRPO token kernel has no dot
+    rows, _ = compiled
+    expected = "wgmma" if arch >= 90 else "mma"
+    for r in (r for r in rows if r["arch"] == arch):
+        if r["kernel"].startswith("grpo_token") or " fp32" in r["kernel"]:
+            assert r["tensor_cores"] == "none", r["kernel"]
+        else:
+            assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])
