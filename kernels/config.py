@@ -38,7 +38,7 @@ def bwd_mode() -> str:
 
 
 def gpu_launch_config(fwd: bool, dtype: torch.dtype, sm_count: int, smem_per_block: int,
-                      mode: str = None) -> LaunchConfig:
+                      mode: "str | None" = None) -> LaunchConfig:
     """The compiled-GPU configuration for a device with sm_count SMs and smem_per_block bytes of shared memory.
 
     Chosen without a GPU by compiling every kernel for sm_90 / sm_89 / sm_80 (tests/sm_compile.py, run in CI):
