@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.logit_tile import logit_grad, logit_tile
+from grpo_fast.kernels.logit_tile import logit_grad
 
 
 @triton.jit
@@ -43,15 +43,9 @@ def _logit_grad_kernel(
     if tl.max(tl.abs(coef), axis=0) == 0.0:  # masked rows: exactly zero, no matmul needed
         tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=out_mask)
         return
-    targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
-    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-
-    z = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-                   stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
-                   HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
-    g = logit_grad(z, lse, coef, targets, offs_v, inv_temperature)
-    if COMPUTE_DB:
-        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
+    g = logit_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, grad_bias_ptr, coef,
+                   offs_n, offs_v, n_mask, v_mask, D, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+                   HAS_BIAS, COMPUTE_DB, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=out_mask)
 
 

@@ -4,7 +4,7 @@
                                          columns past the vocab are -inf)
     g[i, j] = c_i (1[j = y_i] - exp(z[i, j] - lse_i)) / tau     (dL/d(h_i . W_j + b_j))
 
-Registers only: a BLOCK_N x BLOCK_V fp32 tile. ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16
+Registers only: a BLOCK_N x BLOCK_V fp32 tile (logit_grad also adds the tile's column sums of g to an fp32 db). ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16
 tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the tensor cores.
 """
 
@@ -35,7 +35,20 @@ def logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask,
 
 
 @triton.jit
-def logit_grad(z, lse, coef, targets, offs_v, inv_temperature):
+def logit_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, grad_bias_ptr, coef,
+               offs_n, offs_v, n_mask, v_mask, D,
+               stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+               HAS_BIAS: tl.constexpr, COMPUTE_DB: tl.constexpr, DOT_FP32: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """g for one tile, from the recomputed logits and the saved lse; adds its column sums to db when COMPUTE_DB."""
+    targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    z = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+                   stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+                   HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     p = tl.exp(z - lse[:, None])
     is_target = (offs_v[None, :] == targets[:, None]).to(tl.float32)
-    return (coef * inv_temperature)[:, None] * (is_target - p)
+    g = (coef * inv_temperature)[:, None] * (is_target - p)
+    if COMPUTE_DB:
+        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
+    return g
