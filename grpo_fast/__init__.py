@@ -2,11 +2,15 @@
 
     loss, metrics = grpo_fast.loss(hidden, weight, targets, advantages, completion_mask, ...)
     logp = grpo_fast.logprobs(hidden, weight, targets)        # reference / old policy, no grad
+    logp, entropy = grpo_fast.logprobs_and_entropy(hidden, weight, targets)   # both differentiable
     loss, metrics = grpo_fast.token_loss(logprobs, advantages, completion_mask, ...)  # layer 2 alone
+    weights = grpo_fast.sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask)
 """
 
 from grpo_fast import reference
-from grpo_fast.api import Metrics, logprobs, loss, token_loss
+from grpo_fast.api import (Metrics, logprobs, logprobs_and_entropy, loss, sampling_importance_weights,
+                           token_loss)
 
-__all__ = ["loss", "logprobs", "token_loss", "Metrics", "reference"]
+__all__ = ["loss", "logprobs", "logprobs_and_entropy", "token_loss", "sampling_importance_weights", "Metrics",
+           "reference"]
 __version__ = "0.1.0"

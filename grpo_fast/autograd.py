@@ -1,4 +1,4 @@
-"""torch.autograd.Function wrappers: layer 1 (fused linear log-probs) and layer 2 (GRPO token math)."""
+"""torch.autograd.Function wrappers: layer 1 (fused linear log-probs and entropy) and layer 2 (GRPO token math)."""
 
 import torch
 
@@ -7,39 +7,46 @@ from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import linear_logprobs_bwd, linear_logprobs_fwd, logit_grad
 
 
-def linear_logprobs_forward(hidden, weight, targets, bias, temperature, compute_entropy, backend):
-    """(logp, entropy or None, lse), fp32 [N], by the chosen backend; no autograd."""
+def linear_logprobs_forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
+    """(logp, entropy, lse, mean logit), fp32 [N], by the chosen backend; entropy and mean None without
+    ``compute_entropy``; no autograd."""
     if backend == "triton":
         cfg = kconfig.launch_config(hidden.device, fwd=True, dtype=hidden.dtype)
-        return linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, bias, temperature, compute_entropy, cfg)
-    return cpu.linear_logprobs_fwd(hidden, weight, targets, bias, temperature, compute_entropy)
+        return linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, bias, transform, compute_entropy, cfg)
+    return cpu.linear_logprobs_fwd(hidden, weight, targets, bias, transform, compute_entropy)
 
 
 class LinearLogprobs(torch.autograd.Function):
     """(hidden [N, D], weight [V, D], bias [V] | None, targets [N]) -> logp [N] fp32, entropy [N] fp32.
 
-    Only logp carries a gradient (the entropy is a metric). Saves the inputs and the [N] lse, nothing of size V.
+    Both outputs carry their exact gradient. Saves the inputs and O(N) fp32 values (lse, and the mean logit for the
+    entropy's gradient), nothing of size V. An entropy that receives no gradient costs the backward nothing: its
+    term is compiled out. N = 0 (every row masked) gives empty outputs and zero gradients.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, backend):
-        logp, entropy, lse = linear_logprobs_forward(hidden, weight, targets, bias, temperature, compute_entropy,
-                                                     backend)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature = temperature
+    def forward(ctx, hidden, weight, bias, targets, transform, backend):
+        # entropy is usually a metric: without this, autograd would hand the backward a zero gradient for it
+        ctx.set_materialize_grads(False)
+        if hidden.shape[0] == 0:
+            logp = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            lse = mean_logit = entropy = logp
+        else:
+            logp, entropy, lse, mean_logit = linear_logprobs_forward(hidden, weight, targets, bias, transform, True,
+                                                                     backend)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_logit)
+        ctx.transform = transform
         ctx.backend = backend
-        if entropy is None:
-            entropy = torch.zeros_like(logp)
-        ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        coef = grad_logp.float().contiguous()
+        hidden, weight, bias, targets, lse, mean_logit = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dev = hidden.device
-        cfg = kconfig.launch_config(dev, fwd=False, dtype=hidden.dtype) if ctx.backend == "triton" else None
+        wide_epilogue = ctx.transform.softcap is not None or grad_entropy is not None
+        cfg = (kconfig.launch_config(dev, fwd=False, dtype=hidden.dtype, wide_epilogue=wide_epilogue)
+               if ctx.backend == "triton" else None)
         chunked = cfg is not None and cfg.bwd_mode == "chunked"
         # dH: the chunked path writes each row block once in the input dtype; the others accumulate in fp32
         if need_h:
@@ -49,8 +56,12 @@ class LinearLogprobs(torch.autograd.Function):
             grad_hidden = None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
-        if need_h or need_w or need_b:
-            args = (hidden, weight, targets, bias, lse, coef, ctx.temperature, grad_hidden, grad_weight, grad_bias)
+        if (need_h or need_w or need_b) and hidden.shape[0] > 0:
+            coef = (grad_logp.float().contiguous() if grad_logp is not None
+                    else torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev))
+            entropy_coef = grad_entropy.float().contiguous() if grad_entropy is not None else None
+            args = (hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, ctx.transform,
+                    grad_hidden, grad_weight, grad_bias)
             if chunked:
                 logit_grad.linear_logprobs_bwd_chunked(*args, cfg)
             elif cfg is not None:
@@ -61,19 +72,21 @@ class LinearLogprobs(torch.autograd.Function):
             grad_hidden.to(hidden.dtype) if need_h else None,
             grad_weight.to(weight.dtype) if need_w else None,
             grad_bias.to(bias.dtype) if need_b else None,
-            None, None, None, None,
+            None, None, None,
         )
 
 
 class ScaledByCoefficient(torch.autograd.Function):
-    """Returns a loss computed outside autograd; its gradient with respect to logp is ``coef`` (dL/dlogp)."""
+    """Returns a loss computed outside autograd; its gradients with respect to logp and entropy are the given
+    coefficients (dL/dlogp, dL/dentropy; the latter may be None: the entropy then gets no gradient)."""
 
     @staticmethod
-    def forward(ctx, logp, loss_value, coef):
-        ctx.save_for_backward(coef)
+    def forward(ctx, logp, entropy, loss_value, coef, entropy_coef):
+        ctx.save_for_backward(coef, entropy_coef)
         return loss_value.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (coef,) = ctx.saved_tensors
-        return coef * grad_loss, None, None
+        coef, entropy_coef = ctx.saved_tensors
+        grad_entropy = entropy_coef * grad_loss if entropy_coef is not None and ctx.needs_input_grad[1] else None
+        return coef * grad_loss, grad_entropy, None, None, None

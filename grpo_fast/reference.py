@@ -1,61 +1,139 @@
 """The spec: an eager, readable PyTorch GRPO loss that builds the full logits.
 
-Every fused path in grpo_fast is tested against this module, and the benchmark uses it as the eager
-baseline. It follows TRL's ``GRPOTrainer._compute_loss`` line by line (the per-token log-probs come from
-``log_softmax(logits / temperature)`` gathered at the targets), so a TRL user gets the same numbers.
+Every fused path in grpo_fast is tested against this module, the benchmark uses it as the eager baseline, and
+it is itself tested against TRL 1.16.0's own ``GRPOTrainer._compute_loss`` (tests/test_trl_loss.py). It follows
+TRL line by line, at one process and no gradient accumulation, so a TRL user gets the same numbers.
 
 Two layers, the same as the fused paths:
   1. ``logprobs_and_entropy``: hidden states and lm_head -> per-token log-prob of the target and entropy.
-  2. ``token_loss``: per-token log-probs (+ old / ref log-probs, advantages, mask) -> loss and metrics.
+  2. ``token_loss``: per-token log-probs (+ entropy, old / ref / sampler log-probs, advantages, mask) -> loss, metrics.
 
-Formulas (r: importance ratio, A: advantage, m: completion mask, w: importance weights):
+Layer 1, the logit of vocabulary entry v (TRL 1.16's fused head applies the transforms in this order):
+    z_v = softcap * tanh(logit_scale * (h . W_v + b_v) / softcap) / temperature     (no tanh when softcap is None)
+    logp = z_y - logsumexp(z),   entropy = -sum_v p_v log p_v,   p = softmax(z)
+
+Layer 2 (r: importance ratio, A: advantage, m: completion mask, w: importance weights):
   token level     r_t = exp(logp_t - old_t)
   sequence level  r_b = exp(sum_t m_t (logp_t - old_t) / max(sum_t m_t, 1))         (GSPO)
   clipped family  l_t = -min(min(r, delta) * A, clamp(r, 1 - eps, 1 + eps_high) * A)  (grpo bnpo dr_grpo dapo luspo)
   cispo           l_t = -stopgrad(min(r, eps_high)) * A * logp_t
   sapo            l_t = -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
-  then            l_t = w_t * l_t + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
+  vespo           l_t = -stopgrad(phi_b) * A * logp_t,  phi = exp(lam + k log W - lam W) (gamma weight, phi(1) = 1),
+                  W = exp(clamp(sum_t m_t clamp(logp_t - old_t, -20, 20) + sum_t m_t log w_t, log 1e-8, 20)),
+                  (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg)
+  masks           l_t *= off-policy keep_b (A >= 0 or mean_t KL(sampler || policy) <= threshold), NaN sampler = 0
+                  l_t *= 1[entropy_t >= quantile_{1 - top_entropy_quantile}(masked entropies)]
+  then            l_t = w_t * l_t (not vespo) + beta * k_t,  k_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) * r
+                  (the factor r only with use_bias_correction_kl, its gradient included)
   normalisation   grpo, sapo: mean_b(sum_t m l / max(sum_t m, 1));  bnpo: sum m l / max(sum m, 1)
-                  dr_grpo: sum m l / (B * max_completion_length);  dapo, cispo: sum m l / max(num_items, 1)
+                  dr_grpo: sum m l / (B * max_completion_length);  dapo, cispo, vespo: sum m l / max(num_items, 1)
                   luspo: mean_b(sum_t m l)
+  entropy bonus   loss -= entropy_coef * sum_t e_t H_t / max(sum_t e_t, 1),  e = m * the entropy mask
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# loss types normalised by num_items_in_batch (the tokens of the whole accumulation window)
+NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale=1.0, fp32_matmul=True,
+           compute_dtype=torch.float32):
+    """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``.
+
+    With ``fp32_matmul`` (the spec) the matmul itself runs in ``compute_dtype`` (fp32; the tests use fp64 as a
+    stricter truth); without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them
+    in a TRL training step) and is upcast after: the benchmark's eager baseline, on tensor cores.
+    """
+    if fp32_matmul:
+        z = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
+    else:
+        z = (hidden @ weight.T).to(compute_dtype)
+    if bias is not None:
+        z = z + bias.to(compute_dtype)
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
 
 
 def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True,
-                         compute_dtype=torch.float32):
+                         compute_dtype=torch.float32, softcap=None, logit_scale=1.0):
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
-    ``logits = (hidden @ weight.T + bias) / temperature`` [*targets.shape, V], in ``compute_dtype`` (fp32; the
-    tests use fp64 as a stricter truth). With ``fp32_matmul`` (the spec) the matmul itself runs in that dtype;
-    without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them in a TRL
-    training step) and is upcast after: the benchmark's eager baseline, on tensor cores.
+    Both are differentiable (the entropy too: TRL's entropy bonus trains through it). See ``logits``.
     """
-    if fp32_matmul:
-        logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
-    else:
-        logits = (hidden @ weight.T).to(compute_dtype)
-    if bias is not None:
-        logits = logits + bias.to(compute_dtype)
-    logits = logits / temperature
-    logsoftmax = F.log_softmax(logits, dim=-1)
+    z = logits(hidden, weight, bias, temperature, softcap, logit_scale, fp32_matmul, compute_dtype)
+    logsoftmax = F.log_softmax(z, dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logsoftmax.exp() * logsoftmax).sum(-1)
+    p = logsoftmax.exp()
+    # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, and so is its gradient
+    entropy = -(p * logsoftmax.masked_fill(p == 0, 0.0)).sum(-1)
     return logp.float(), entropy.float()
 
 
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True, compute_dtype=torch.float32):
-    """Per-token log-prob of ``targets`` under ``(hidden @ weight.T + bias) / temperature``; no grad."""
+def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True, compute_dtype=torch.float32,
+             softcap=None, logit_scale=1.0):
+    """Per-token log-prob of ``targets`` (see ``logits``); no grad."""
     with torch.no_grad():
-        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype)[0]
+        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
+                                    softcap, logit_scale)[0]
+
+
+def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
+                                clip_max=3.0, clip_min=None):
+    """TRL's importance-sampling correction for a sampler (vLLM) that is not the trained policy.
+
+    ``rho = exp(old - sampling)`` per token (``token_*``: [B, T]) or ``exp(sum_t m_t (old_t - sampling_t))`` per
+    sequence (``sequence_*``: [B, 1]); ``*_truncate`` clamps rho to [clip_min, clip_max], ``*_mask`` sets rho outside
+    it to 0. A NaN sampler log-prob (a token the sampler could not score) contributes a zero difference (rho 1).
+    """
+    mask = completion_mask.to(torch.float32)
+    diff = torch.nan_to_num((old_logprobs.float() - sampling_logprobs.float()) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    rho = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(rho, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+def entropy_quantile_threshold(entropy, completion_mask, top_entropy_quantile):
+    """The entropy at quantile ``1 - top_entropy_quantile`` of the masked entropies (None when no token is masked in).
+
+    One process; TRL gathers the masked entropies of every process first (see grpo_fast.loss's entropy_threshold).
+    """
+    values = entropy.detach().float()[completion_mask.bool()]
+    if values.numel() == 0:
+        return None
+    return torch.quantile(values, 1.0 - top_entropy_quantile)
+
+
+def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's detached sequence weight phi(W) = exp(lam + k log W - lam W) [B, 1] (or [B, T] for per-token A)."""
+    log_floor = math.log(1e-8)
+    seq_log_ratio = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if importance_weights is not None:
+        # padding is ignored (TRL's sampler ratios are exactly 1 there)
+        log_iw = torch.clamp(torch.log(importance_weights), log_floor, 20.0)
+        seq_log_ratio = seq_log_ratio + (log_iw * mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq_log_ratio, log_floor, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
 def _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch):
@@ -66,7 +144,7 @@ def _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in NUM_ITEMS_LOSS_TYPES:
         return (per_token_loss * mask).sum() / max(float(num_items_in_batch), 1.0)
     if loss_type == "luspo":
         return (per_token_loss * mask).sum(-1).mean()
@@ -81,21 +159,32 @@ def token_loss(
     entropy=None,
     old_logprobs=None,
     ref_logprobs=None,
+    sampling_logprobs=None,
+    importance_weights=None,
     beta=0.0,
     epsilon=0.2,
     epsilon_high=None,
     delta=None,
     loss_type="dapo",
     importance_sampling_level="token",
-    max_completion_length=None,
+    max_completion_length=512,
     num_items_in_batch=None,
-    importance_weights=None,
     sapo_temperature_pos=1.0,
     sapo_temperature_neg=1.05,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+    use_bias_correction_kl=True,
+    off_policy_mask_threshold=None,
+    top_entropy_quantile=1.0,
+    entropy_threshold=None,
+    entropy_coef=0.0,
 ):
-    """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL computes them.
+    """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
 
-    Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars.
+    ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
+    mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars.
     """
     mask = completion_mask.to(torch.float32)
     epsilon_low = epsilon
@@ -105,6 +194,25 @@ def token_loss(
     advantages = advantages.float()
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
+    if importance_weights is not None:
+        importance_weights = importance_weights.float()
+        if importance_weights.dim() == 1:
+            importance_weights = importance_weights.unsqueeze(1)
+
+    entropy_mask = None
+    if top_entropy_quantile < 1.0:
+        threshold = (entropy_quantile_threshold(entropy, mask, top_entropy_quantile) if entropy_threshold is None
+                     else torch.as_tensor(float(entropy_threshold)))
+        if threshold is None:
+            entropy_mask = torch.zeros_like(mask, dtype=torch.bool)
+        else:
+            entropy_mask = ((entropy.detach().float() * mask) >= threshold) & mask.bool()
+
+    if off_policy_mask_threshold is not None:
+        sampler = old if sampling_logprobs is None else sampling_logprobs.float()
+        kl_div = torch.nan_to_num(sampler - logp.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= off_policy_mask_threshold)).float()
 
     log_ratio = logp - old
     if importance_sampling_level == "token":
@@ -114,11 +222,13 @@ def token_loss(
     else:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     coef_1 = torch.exp(log_importance_weights)
-    ratio = coef_1  # before delta: the metric reports the importance ratio itself
+    ratio = coef_1  # before delta: the ratio_mean metric reports the importance ratio itself
 
     if beta != 0.0:
         ref = ref_logprobs.float()
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
 
     if loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
@@ -131,24 +241,42 @@ def token_loss(
     elif loss_type == "sapo":
         temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
+    elif loss_type == "vespo":
+        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights, vespo_k_pos, vespo_lambda_pos,
+                                vespo_k_neg, vespo_lambda_neg)
+        per_token_loss = -phi_seq * advantages * logp
     else:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
-    if importance_weights is not None:
-        w = importance_weights.float()
-        per_token_loss = per_token_loss * (w.unsqueeze(1) if w.dim() == 1 else w)
+    if off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if importance_weights is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_weights
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
 
     if num_items_in_batch is None:
         num_items_in_batch = mask.sum()
     loss = _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch)
+    policy_loss = loss.detach()
+    if entropy_coef != 0.0:
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss - entropy_coef * (entropy.float() * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
     # Metrics: TRL's global masked mean; a [B, 1] value (sequence level) is averaged over sequences.
     def masked_mean(x):
         if x.shape[1] == 1:
             return x.sum() / x.shape[0]
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def per_sequence(x):  # TRL's masked_seq_mean: NaN for a sequence without tokens, which nanmin / nanmax skip
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    def nan_reduce(x, reduce):
+        kept = x[~torch.isnan(x)]
+        return reduce(kept) if kept.numel() else torch.tensor(float("nan"))
 
     with torch.no_grad():
         metrics = {}
@@ -157,21 +285,27 @@ def token_loss(
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.float())
         if loss_type in CLIPPED_LOSS_TYPES:
-            is_low = (coef_1 < 1 - epsilon_low) & (advantages < 0)
-            is_high = (coef_1 > 1 + epsilon_high) & (advantages > 0)
-            metrics["clip_ratio/low_mean"] = masked_mean(is_low.float())
-            metrics["clip_ratio/high_mean"] = masked_mean(is_high.float())
-            metrics["clip_ratio/region_mean"] = masked_mean((is_low | is_high).float())
+            is_low = ((coef_1 < 1 - epsilon_low) & (advantages < 0)).float()
+            is_high = ((coef_1 > 1 + epsilon_high) & (advantages > 0)).float()
+            metrics["clip_ratio/low_mean"] = masked_mean(is_low)
+            metrics["clip_ratio/high_mean"] = masked_mean(is_high)
+            metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(is_low, is_high))
+            metrics["clip_ratio/low_min"] = nan_reduce(per_sequence(is_low), torch.min)
+            metrics["clip_ratio/high_max"] = nan_reduce(per_sequence(is_high), torch.max)
         elif loss_type == "cispo":
             metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > epsilon_high) & (advantages > 0)).float())
+        elif loss_type == "vespo":
+            metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq)
+        if entropy_coef != 0.0:
+            metrics["policy_loss"] = policy_loss
         metrics["ratio_mean"] = masked_mean(ratio)
-        metrics = {k: v.detach().float() for k, v in metrics.items()}
+        metrics = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
     return loss, metrics
 
 
-def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, fp32_matmul=True,
-         compute_dtype=torch.float32, **kwargs):
+def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, softcap=None,
+         logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, **kwargs):
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss."""
-    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype)
-    total, metrics = token_loss(logp, advantages, completion_mask, entropy=entropy, **kwargs)
-    return total, metrics
+    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
+                                         softcap, logit_scale)
+    return token_loss(logp, advantages, completion_mask, entropy=entropy, **kwargs)

@@ -1,4 +1,4 @@
-"""Launch configuration shared by the linear log-probs kernels (block sizes, warps, dot precision)."""
+"""What the linear log-probs kernels share: the logit transform, and the launch configuration (blocks, warps, dots)."""
 
 import os
 from dataclasses import dataclass
@@ -9,6 +9,23 @@ import torch
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1), as the CI tests do."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """z = softcap * tanh(logit_scale * (h . W + b) / softcap) / temperature, TRL 1.16's order (no tanh: softcap None).
+
+    Gemma 2 / 3 soft-cap their logits (config.final_logit_softcapping); Cohere, Granite, Falcon-H1 and others scale
+    them (logit_scale, 1 / logits_scaling, lm_head_multiplier, ...).
+    """
+
+    temperature: float = 1.0
+    softcap: "float | None" = None
+    logit_scale: float = 1.0
+
+    def kernel_scalars(self):
+        """(inv_temperature, logit_scale, softcap) as the kernels take them (softcap 1.0 when unused)."""
+        return 1.0 / self.temperature, float(self.logit_scale), float(self.softcap or 1.0)
 
 
 @dataclass(frozen=True)
@@ -38,11 +55,13 @@ def bwd_mode() -> str:
 
 
 def gpu_launch_config(fwd: bool, dtype: torch.dtype, sm_count: int, smem_per_block: int,
-                      mode: "str | None" = None) -> LaunchConfig:
+                      mode: "str | None" = None, wide_epilogue: bool = False) -> LaunchConfig:
     """The compiled-GPU configuration for a device with sm_count SMs and smem_per_block bytes of shared memory.
 
-    Chosen without a GPU by compiling every kernel for sm_90 / sm_89 / sm_80 (tests/sm_compile.py, run in CI):
-    each choice fits the card's shared memory and spills no registers. Speed is not tuned yet: bench/ does that.
+    ``wide_epilogue``: the backward's tile gradient also has a soft-cap slope or an entropy term (more live values
+    per logit). Chosen without a GPU by compiling every kernel for sm_90 / sm_89 / sm_80 (tests/sm_compile.py, run
+    in CI): each choice fits the card's shared memory and spills no registers. Speed is not tuned yet: bench/ does
+    that.
     """
     mode = mode or bwd_mode()
     big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
@@ -53,18 +72,20 @@ def gpu_launch_config(fwd: bool, dtype: torch.dtype, sm_count: int, smem_per_blo
     elif fwd:
         block_n, block_v, block_d, warps, stages = 64, 128, 64, 8, 3
     elif mode == "chunked":
-        block_n, block_v, block_d, warps, stages = 128, 128, 64, 8, 3
+        # a 128 x 128 tile with the soft-cap slope and the entropy term needs all 255 registers and spills on sm_8x
+        block_n, block_v, block_d, warps, stages = (128, 64, 64, 8, 3) if wide_epilogue else (128, 128, 64, 8, 3)
     else:
         # the fused backward also stages W and H tiles for its two gradient products
         block_n, block_v, block_d, warps, stages = 64, 128, 32, 8, 3 if big_smem else 2
     return LaunchConfig(block_n, block_v, block_d, warps, stages, False, 2 * sm_count, mode)
 
 
-def launch_config(device: torch.device, fwd: bool, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+def launch_config(device: torch.device, fwd: bool, dtype: torch.dtype = torch.bfloat16,
+                  wide_epilogue: bool = False) -> LaunchConfig:
     if interpreting() or device.type != "cuda":
         # small blocks keep the interpreter's numpy tiles cheap; shapes in tests are not block multiples
         return LaunchConfig(16, 32, 16, 4, 1, True, 8, bwd_mode())
     props = torch.cuda.get_device_properties(device)
     # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
-    return gpu_launch_config(fwd, dtype, props.multi_processor_count, smem)
+    return gpu_launch_config(fwd, dtype, props.multi_processor_count, smem, wide_epilogue=wide_epilogue)

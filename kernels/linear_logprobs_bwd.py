@@ -1,35 +1,35 @@
-"""Backward of the fused linear log-probs: dH, dW, db from dL/dlogp, recomputing the logits tile by tile.
+"""Backward of the fused linear log-probs: dH, dW, db from dL/dlogp and dL/dentropy, recomputing the logits tile by tile.
 
-Math: with c_n = dL/dlogp_n (from the GRPO token kernel), p_nv = exp(z_nv - lse_n) and
-z = (H W^T + b) / tau, the gradient with respect to the pre-temperature logits is
-    g_nv = c_n * (1[v = y_n] - p_nv) / tau
+Math (kernels/logit_tile.py): with c_n = dL/dlogp_n and e_n = dL/dH_n (the entropy; a compile-time option),
+p_nv = exp(z_nv - lse_n) and mean_n = sum_v p_nv z_nv, the gradient with respect to u = H W^T + b is
+    g_nv = (c_n (1[v = y_n] - p_nv) + e_n p_nv (mean_n - z_nv)) * dz/du_nv
 and then  dH = g W  [N, D],  dW = g^T H  [V, D],  db = sum_n g_nv  [V].
-(The entropy is a metric here: it receives no gradient, so its term is not formed.)
 
 Program (i, j) recomputes the logit tile of token block i and vocab block j (the K-loop over D, as in the
 forward), forms g in registers, then walks D in BLOCK_D chunks and adds g W_j into dH_i and g^T H_i into dW_j
 with fp32 atomics. A token block whose coefficients are all zero (masked rows) exits at once: that is exact.
 
 Memory: fp32 accumulators for dH (N x D, only if hidden needs a gradient), dW (V x D, only if the weight needs
-one: a frozen lm_head skips every dW product) and db (V); the inputs, the [N] fp32 lse and coefficients. No
-tensor of size N x V exists. The caller casts the accumulators to the input dtypes. Atomics make the float
+one: a frozen lm_head skips every dW product) and db (V); the inputs, the [N] fp32 lse, mean logit and coefficients.
+No tensor of size N x V exists. The caller casts the accumulators to the input dtypes. Atomics make the float
 summation order vary run to run (differences at fp32 rounding level).
 """
 
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.logit_tile import logit_grad
+from grpo_fast.kernels.logit_tile import logit_grad, row_coefficients
 
 
 @triton.jit
 def _linear_logprobs_bwd_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, coef_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, coef_ptr, entropy_coef_ptr,
     grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
     N, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd,
-    inv_temperature,
-    HAS_BIAS: tl.constexpr, COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    inv_temperature, logit_scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+    COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -40,12 +40,13 @@ def _linear_logprobs_bwd_kernel(
     n_mask = offs_n < N
     v_mask = offs_v < V
 
-    coef = tl.load(coef_ptr + offs_n, mask=n_mask, other=0.0)
-    if tl.max(tl.abs(coef), axis=0) == 0.0:
+    coef, entropy_coef, scale = row_coefficients(coef_ptr, entropy_coef_ptr, offs_n, n_mask, ENTROPY_GRAD)
+    if scale == 0.0:  # rows without a gradient (masked): nothing to add
         return
-    g = logit_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, grad_bias_ptr, coef,
-                   offs_n, offs_v, n_mask, v_mask, D, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
-                   HAS_BIAS, COMPUTE_DB, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    g = logit_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, grad_bias_ptr,
+                   coef, entropy_coef, offs_n, offs_v, n_mask, v_mask, D,
+                   stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
+                   HAS_BIAS, HAS_SOFTCAP, ENTROPY_GRAD, COMPUTE_DB, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     if DOT_FP32:
         g_dot = g
     else:
@@ -71,22 +72,28 @@ def _linear_logprobs_bwd_kernel(
                           mask=v_mask[:, None] & d_mask[None, :])
 
 
-def linear_logprobs_bwd(hidden, weight, targets, bias, lse, coef, temperature,
+def linear_logprobs_bwd(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform,
                         grad_hidden, grad_weight, grad_bias, config):
-    """Accumulate dH, dW, db (fp32 buffers, zero-initialised, or None when not needed) from coef = dL/dlogp [N]."""
+    """Accumulate dH, dW, db (fp32 buffers, zero-initialised, or None when not needed).
+
+    ``coef`` = dL/dlogp [N] fp32; ``entropy_coef`` = dL/dentropy [N] fp32 or None (then ``mean_logit`` is unused).
+    """
     N, D = hidden.shape
     V = weight.shape[0]
     dummy = lse
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(V, config.block_v))
     _linear_logprobs_bwd_kernel[grid](
-        hidden, weight, bias if bias is not None else dummy, targets, lse, coef,
+        hidden, weight, bias if bias is not None else dummy, targets, lse,
+        mean_logit if entropy_coef is not None else dummy, coef,
+        entropy_coef if entropy_coef is not None else dummy,
         grad_hidden if grad_hidden is not None else dummy,
         grad_weight if grad_weight is not None else dummy,
         grad_bias if grad_bias is not None else dummy,
         N, V, D,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        1.0 / temperature,
-        HAS_BIAS=bias is not None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
+        *transform.kernel_scalars(),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_coef is not None,
+        COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
         COMPUTE_DB=grad_bias is not None,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,

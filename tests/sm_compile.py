@@ -130,58 +130,94 @@ def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
     return hidden, weight, targets, b, lse, coef
 
 
-def layer1_launches(arch, dtype, bias=False, entropy=True):
-    """The launches of the forward, the chunked backward and the fused backward (dW on and off) for one dtype."""
+def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False):
+    """The launches of the forward, the chunked backward and the fused backward (dW on and off) for one dtype.
+
+    ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too."""
     sms = SM_COUNT[arch]
     hidden, weight, targets, b, lse, coef = _inputs(dtype, bias=bias)
     D, V = hidden.shape[1], weight.shape[0]
+    transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
+    mean_logit, entropy_coef = (lse, coef) if entropy_grad else (None, None)
     out = []
     cfg = kconfig.gpu_launch_config(fwd=True, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch])
     with recording(linear_logprobs_fwd, "_linear_logprobs_fwd_kernel") as launches:
-        linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, b, 0.7, entropy, cfg)
+        linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, b, transform, entropy, cfg)
     out += [("fwd", launches[0])]
+    wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.autograd chooses
     cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
-                                    mode="chunked")
+                                    mode="chunked", wide_epilogue=wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
     with recording(logit_grad, "_logit_grad_kernel") as launches:
-        logit_grad.linear_logprobs_bwd_chunked(hidden, weight, targets, b, lse, coef, 0.7,
-                                               torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg)
+        logit_grad.linear_logprobs_bwd_chunked(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef,
+                                               transform, torch.empty_like(hidden), torch.zeros(V, D), grad_bias,
+                                               cfg)
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
-                                    mode="fused")
+                                    mode="fused", wide_epilogue=wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(linear_logprobs_bwd, "_linear_logprobs_bwd_kernel") as launches:
-            linear_logprobs_bwd.linear_logprobs_bwd(hidden, weight, targets, b, lse, coef, 0.7,
-                                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg)
+            linear_logprobs_bwd.linear_logprobs_bwd(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef,
+                                                    transform, torch.zeros(hidden.shape), grad_weight, grad_bias,
+                                                    cfg)
         out += [(name, launches[0])]
     return out
 
 
+# every constexpr path of the GRPO token kernel, each loss family with the options TRL 1.16 combines with it
+GRPO_TOKEN_VARIANTS = (
+    # name, loss kind, sequence level, per-token advantages, options
+    ("clipped, token", 0, False, False, dict()),
+    ("clipped, sequence (GSPO)", 0, True, False, dict()),
+    ("clipped, per-token advantages", 0, False, True, dict()),
+    ("cispo", 1, False, False, dict()),
+    ("sapo", 2, False, False, dict()),
+    ("vespo", 3, False, False, dict()),
+    ("clipped, masks + bonus + bias-corrected KL", 0, False, False,
+     dict(off_policy=True, entropy_mask=True, bonus=True, bias_correction=True)),
+    ("clipped, sequence, masks + bonus + bias-corrected KL", 0, True, False,
+     dict(off_policy=True, entropy_mask=True, bonus=True, bias_correction=True)),
+    ("vespo, masks + bonus + bias-corrected KL", 3, False, False,
+     dict(off_policy=True, entropy_mask=True, bonus=True, bias_correction=True)),
+)
+
+
 def grpo_token_launches():
-    """The GRPO token kernel for each loss family (clipped, cispo, sapo), token and sequence level, all inputs on."""
+    """The GRPO token kernel for each variant of GRPO_TOKEN_VARIANTS, with every input on."""
     B, T = 4, 37
-    logp, old, ref, entropy = (torch.randn(B, T) for _ in range(4))
+    logp, old, ref, sampler, entropy = (torch.randn(B, T) for _ in range(5))
     mask = torch.ones(B, T)
     out = []
-    for loss_kind, sequence, per_token_adv, name in ((0, False, False, "clipped, token"),
-                                                     (0, True, False, "clipped, sequence (GSPO)"),
-                                                     (0, False, True, "clipped, per-token advantages"),
-                                                     (1, False, False, "cispo"), (2, False, False, "sapo")):
+    for name, loss_kind, sequence, per_token_adv, options in GRPO_TOKEN_VARIANTS:
         adv = torch.randn(B, T) if per_token_adv else torch.randn(B)
         with recording(grpo_token, "_grpo_token_kernel") as launches:
-            grpo_token.grpo_token(logp, adv, mask, old, ref, torch.rand(B, T), entropy, loss_kind=loss_kind,
-                                  sequence=sequence, row_mean=True, scale=0.25, beta=0.04, eps_low=0.2,
-                                  eps_high=0.28, delta=2.0 if loss_kind == 0 else None, sapo_pos=1.0, sapo_neg=1.05)
+            grpo_token.grpo_token(
+                logp, adv, mask, old, ref, sampler if options.get("off_policy") else None, torch.rand(B, T),
+                entropy, loss_kind=loss_kind, sequence=sequence, row_mean=True, scale=0.25, beta=0.04,
+                eps_low=0.2, eps_high=0.28, delta=2.0 if loss_kind == 0 else None, sapo_pos=1.0, sapo_neg=1.05,
+                vespo=(2.0, 3.0, 3.0, 2.0), use_bias_correction_kl=options.get("bias_correction", False),
+                off_policy_threshold=0.5 if options.get("off_policy") else None,
+                entropy_threshold=1.5 if options.get("entropy_mask") else None,
+                entropy_bonus=options.get("bonus", False))
         out.append((f"grpo_token {name}", launches[0]))
     return out
+
+
+# layer 1's variants beyond one per dtype: a bias without entropy; a soft-cap, the entropy's gradient, both
+LAYER1_EXTRA = (("bf16 +bias, no entropy", dict(bias=True, entropy=False)),
+                ("bf16 +softcap", dict(softcap=30.0)),
+                ("bf16 +entropy grad", dict(entropy_grad=True)),
+                ("bf16 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
+                ("fp32 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)))
 
 
 def all_launches(arch):
     out = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         out += [(f"{name} {TRITON_TYPES[dtype]}", launch) for name, launch in layer1_launches(arch, dtype)]
-    out += [(f"{name} bf16 +bias, no entropy", launch)
-            for name, launch in layer1_launches(arch, torch.bfloat16, bias=True, entropy=False)]
+    for label, kw in LAYER1_EXTRA:
+        dtype = torch.float32 if label.startswith("fp32") else torch.bfloat16
+        out += [(f"{name} {label}", launch) for name, launch in layer1_launches(arch, dtype, **kw)]
     return out + grpo_token_launches()
 
 

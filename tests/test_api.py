@@ -52,6 +52,30 @@ def test_loss_with_every_option_at_once(backend):
         importance_weights=torch.rand(2, 13, generator=g) * 2, temperature=1.3, num_items_in_batch=31)
 
 
+# TRL 1.16's options end to end, each on the fused path (entropy gradients through layer 1 included)
+OPTIONS = {
+    "softcap-logit-scale": dict(softcap=2.5, logit_scale=1.3, temperature=0.9),
+    "entropy-bonus": dict(entropy_coef=0.05),
+    "top-entropy-and-bonus": dict(top_entropy_quantile=0.4, entropy_coef=0.02),
+    "off-policy-mask": dict(off_policy_mask_threshold=0.05),
+    "vespo": dict(loss_type="vespo"),
+    "sequence-weights": dict(importance_weights="per-sequence"),
+    "no-bias-correction": dict(use_bias_correction_kl=False),
+}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_trl_options_end_to_end(backend, dtype, option):
+    batch = make_batch(dtype=dtype, bias=True, seed=7)
+    kw = dict(OPTIONS[option])
+    if kw.get("importance_weights") == "per-sequence":
+        kw["importance_weights"] = torch.rand(3, 1, generator=batch["generator"]) + 0.5
+    _check_against_reference(batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04,
+                             **kw)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_on_policy_frozen_lm_head_like_lora(backend):
     batch = make_batch(seed=4)
@@ -69,8 +93,10 @@ def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend):
     expected_logp, expected_entropy = reference.logprobs_and_entropy(batch["hidden"], batch["weight"],
                                                                      batch["targets"], compute_dtype=torch.float64)
     assert not metrics.logprobs.requires_grad
-    torch.testing.assert_close(metrics.logprobs, expected_logp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(metrics.entropies, expected_entropy, rtol=1e-5, atol=1e-5)
+    mask = batch["mask"]  # only completion tokens are computed: exact zeros elsewhere
+    torch.testing.assert_close(metrics.logprobs, expected_logp * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics.entropies, expected_entropy * mask, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(metrics.logprobs[~mask]) == 0
     assert all(v.dtype == torch.float32 and v.dim() == 0 and not v.requires_grad for v in metrics.values())
 
 
@@ -81,7 +107,10 @@ def test_empty_mask_gives_zero_loss_and_zero_gradients(backend):
     loss, metrics, grads = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch,
                                     old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04)
     assert loss.item() == 0.0
-    assert all(torch.isfinite(v) for v in metrics.values())
+    # every metric is finite but TRL's min / max over sequences, of which there is none with a token (NaN in TRL too)
+    undefined = {"clip_ratio/low_min", "clip_ratio/high_max"}
+    assert all(torch.isfinite(v) for k, v in metrics.items() if k not in undefined)
+    assert all(torch.isnan(metrics[k]) for k in undefined)
     for name in ("hidden", "weight"):
         assert torch.count_nonzero(grads[name]) == 0
 
@@ -112,10 +141,24 @@ BAD_INPUTS = [
     (dict(loss_type="ppo"), ValueError, "loss_type must be one of"),
     (dict(importance_sampling_level="batch"), ValueError, "importance_sampling_level must be"),
     (dict(beta=0.1), ValueError, "beta != 0 needs ref_logprobs"),
-    (dict(loss_type="dr_grpo"), ValueError, "dr_grpo' needs max_completion_length"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), ValueError, "max_completion_length must be a positive int"),
+    (dict(max_completion_length=12.5), ValueError, "max_completion_length must be a positive int"),
+    (dict(loss_type="vespo", importance_weights=torch.ones(2)), ValueError, "vespo' takes per-token importance"),
+    (dict(sampling_logprobs=torch.zeros(2, 3)), ValueError, "sampling_logprobs is only used by the off-policy mask"),
+    (dict(sampling_logprobs=torch.zeros(2, 4), off_policy_mask_threshold=0.5), ValueError,
+     "sampling_logprobs must have shape"),
+    (dict(off_policy_mask_threshold=float("nan")), ValueError, "off_policy_mask_threshold must be a finite number"),
+    (dict(top_entropy_quantile=1.5), ValueError, r"top_entropy_quantile must be a number in \[0, 1\]"),
+    (dict(entropy_threshold=1.0), ValueError, "entropy_threshold is only used with top_entropy_quantile < 1"),
+    (dict(entropy_coef="0.1"), ValueError, "entropy_coef must be a finite number"),
+    (dict(use_bias_correction_kl=1), ValueError, "use_bias_correction_kl must be a bool"),
+    (dict(beta=float("inf")), ValueError, "beta must be a finite number"),
     (dict(old_logprobs=torch.zeros(2, 2)), ValueError, "old_logprobs must have shape"),
     (dict(ref_logprobs=torch.zeros(3, 3), beta=0.1), ValueError, "ref_logprobs must have shape"),
     (dict(importance_weights=torch.ones(5)), ValueError, "importance_weights must have shape"),
+    (dict(importance_weights=torch.ones(2, 2)), ValueError, "importance_weights must have shape"),
+    (dict(targets=torch.full((2, 3), -100), completion_mask=torch.tensor([[1, 0, 0], [0, 0, 0]])), ValueError,
+     r"targets must be token ids in \[0, V\) = \[0, 11\) where completion_mask is 1"),
     (dict(bias=torch.zeros(10)), ValueError, "bias must have shape"),
     (dict(temperature=0.0), ValueError, "temperature must be a positive number"),
     (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),

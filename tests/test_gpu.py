@@ -67,3 +67,84 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
     lp = grpo_fast.logprobs(hidden, weight, targets)
     torch.testing.assert_close(lp, reference.logprobs(hidden, weight, targets, compute_dtype=torch.float64),
                                rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bwd_mode", ["chunked", "fused"])
+@pytest.mark.parametrize("transform", [dict(), dict(softcap=30.0), dict(softcap=2.0, logit_scale=1.7, temperature=0.7),
+                                       dict(logit_scale=0.0625)])
+def test_logprobs_and_entropy_gradients_on_gpu(dtype, bwd_mode, transform, monkeypatch):
+    # a loss on both outputs: the entropy-gradient and soft-cap variants of both backward kernels, compiled
+    monkeypatch.setenv("GRPO_FAST_BWD", bwd_mode)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, T, D, V = 3, 211, 520, 9973
+    hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(V, D, device="cuda", generator=g) * (2.0 if "softcap" in transform else 0.05)).to(dtype)
+    bias = (torch.randn(V, device="cuda", generator=g) * 0.1).to(dtype)
+    targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
+    c_logp, c_ent = torch.randn(B, T, device="cuda", generator=g), torch.randn(B, T, device="cuda", generator=g)
+    outs = []
+    for fn, inputs in ((reference.logprobs_and_entropy, (hidden.double(), weight.double(), bias.double())),
+                       (grpo_fast.logprobs_and_entropy, (hidden, weight, bias))):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        if fn is reference.logprobs_and_entropy:
+            logp, ent = fn(leaves[0], leaves[1], targets, leaves[2], compute_dtype=torch.float64, **transform)
+            logp, ent = logp * mask, ent * mask
+        else:
+            logp, ent = fn(leaves[0], leaves[1], targets, bias=leaves[2], completion_mask=mask, **transform)
+        ((c_logp * logp).sum() + (c_ent * ent).sum()).backward()
+        outs.append((logp.detach(), ent.detach(), [x.grad for x in leaves]))
+    (rl, re, rg), (fl, fe, fg) = outs
+    torch.testing.assert_close(fl, rl.float(), rtol=1e-4, atol=1e-3 if dtype == torch.bfloat16 else 1e-4)
+    torch.testing.assert_close(fe, re.float(), rtol=1e-4, atol=1e-3 if dtype == torch.bfloat16 else 1e-4)
+    for name, a, b in zip(("hidden", "weight", "bias"), fg, rg):
+        assert a.dtype == dtype
+        assert _max_rel(a, b) < GPU_TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [dict(entropy_coef=0.01, top_entropy_quantile=0.2),
+                                     dict(loss_type="vespo"), dict(off_policy_mask_threshold=0.05),
+                                     dict(importance_sampling_level="sequence", use_bias_correction_kl=True)])
+def test_trl_options_on_gpu_match_reference(dtype, options):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, T, D, V = 4, 157, 264, 5003
+    hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(V, D, device="cuda", generator=g) * 0.05).to(dtype)
+    targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
+    adv = torch.randn(B, device="cuda", generator=g)
+    true = reference.logprobs(hidden, weight, targets)
+    old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
+    ref = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
+    kw = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04, **options)
+    outs = []
+    for fn, inputs in ((reference.loss, (hidden.float(), weight.float())), (grpo_fast.loss, (hidden, weight))):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        extra = dict(compute_dtype=torch.float64) if fn is reference.loss else {}
+        loss, metrics = fn(leaves[0], leaves[1], targets, adv, mask, **kw, **extra)
+        loss.backward()
+        outs.append((loss, metrics, [x.grad for x in leaves]))
+    (rl, rm, rg), (fl, fm, fg) = outs
+    assert abs(fl.item() - rl.item()) <= 1e-4 * max(1.0, abs(rl.item()))
+    for k in rm:
+        assert abs(fm[k].item() - rm[k].item()) <= 1e-4 * max(1.0, abs(rm[k].item())), k
+    for name, a, b in zip(("hidden", "weight"), fg, rg):
+        assert _max_rel(a, b) < GPU_TOL[dtype], name
+
+
+def test_weight_gradient_accumulates_chunk_products_in_fp32():
+    # bf16 g^T H of many chunks is added to the fp32 dW inside the GEMM (torch.addmm out_dtype): no chunk's product
+    # is rounded to bf16 first (2^-9 relative), so the sum stays within fp32 rounding of the exact one
+    from grpo_fast.kernels.logit_grad import _add_gt_h
+    g = torch.Generator(device="cuda").manual_seed(3)
+    V, D, chunk = 4096, 256, 256
+    grad_weight = torch.zeros(V, D, device="cuda")
+    exact = torch.zeros(V, D, device="cuda", dtype=torch.float64)
+    for _ in range(16):
+        g_rows = torch.randn(chunk, V, device="cuda", generator=g).bfloat16()
+        h_rows = torch.randn(chunk, D, device="cuda", generator=g).bfloat16()
+        _add_gt_h(grad_weight, g_rows, h_rows, vocab_slab=16384)
+        exact += g_rows.double().T @ h_rows.double()
+    assert _max_rel(grad_weight, exact) < 1e-5

@@ -1,7 +1,9 @@
-"""Layer 2 (the per-token GRPO kernel): loss, metrics and dL/dlogp against the reference's autograd.
+"""Layer 2 (the per-token GRPO kernel): loss, metrics, dL/dlogp and dL/dentropy against the reference's autograd.
 
-Every loss type x importance level x on/off-policy x KL on/off x per-sequence/per-token advantages, plus
-delta, epsilon_high, importance weights, fully masked rows, ties on the clip boundary and num_items_in_batch.
+Every loss type x importance level x on/off-policy x KL on/off (bias-corrected or not) x per-sequence/per-token
+advantages, plus delta, epsilon_high, importance weights of every shape, the off-policy mask (with NaN sampler
+log-probs), the top-entropy mask, the entropy bonus, fully masked rows, ties on the clip boundary and
+num_items_in_batch.
 """
 
 import itertools
@@ -32,30 +34,38 @@ def _batch(seed=0, per_token_adv=False):
 
 
 def _compare(logp, adv, mask, entropy, **kw):
+    """The kernel's loss, metrics and gradients (log-probs and entropy) equal the reference's autograd."""
     out = {}
     for backend in ("reference", "triton"):
         leaf = logp.clone().requires_grad_()
+        ent_leaf = entropy.clone().requires_grad_() if entropy is not None else None
         if backend == "reference":
-            loss, metrics = reference.token_loss(leaf, adv, mask, entropy=entropy, **kw)
+            loss, metrics = reference.token_loss(leaf, adv, mask, entropy=ent_leaf, **kw)
         else:
-            loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, backend="triton", **kw)
+            loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=ent_leaf, backend="triton", **kw)
         loss.backward()
-        out[backend] = (loss.detach(), dict(metrics), leaf.grad)
-    (rl, rm, rg), (fl, fm, fg) = out["reference"], out["triton"]
+        ent_grad = ent_leaf.grad if ent_leaf is not None else None
+        if ent_grad is None and ent_leaf is not None:
+            ent_grad = torch.zeros_like(ent_leaf)  # no entropy bonus: no gradient reaches the entropy
+        out[backend] = (loss.detach(), dict(metrics), leaf.grad, ent_grad)
+    (rl, rm, rg, reg), (fl, fm, fg, feg) = out["reference"], out["triton"]
     assert torch.isfinite(fl) and torch.isfinite(fg).all()
     torch.testing.assert_close(fl, rl, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fg, rg, rtol=1e-5, atol=1e-7)
+    if reg is not None:
+        torch.testing.assert_close(feg, reg, rtol=1e-5, atol=1e-7)
     assert set(fm) == set(rm)
     for k in rm:
-        torch.testing.assert_close(fm[k], rm[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(fm[k], rm[k], rtol=1e-5, atol=1e-6, equal_nan=True, msg=lambda m: f"{k}: {m}")
     return rl, rm, rg
 
 
-@pytest.mark.parametrize("loss_type, level, off_policy, beta, per_token_adv", list(itertools.product(
-    LOSS_TYPES, ("token", "sequence"), (False, True), (0.0, 0.04), (False, True))))
-def test_token_kernel_matches_reference(loss_type, level, off_policy, beta, per_token_adv):
+@pytest.mark.parametrize("loss_type, level, off_policy, kl, per_token_adv", list(itertools.product(
+    LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True))))
+def test_token_kernel_matches_reference(loss_type, level, off_policy, kl, per_token_adv):
     logp, mask, adv, old, ref, entropy = _batch(per_token_adv=per_token_adv)
-    _compare(logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref, beta=beta,
+    _compare(logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
+             beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected",
              loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, epsilon_high=0.28)
 
 
@@ -64,7 +74,10 @@ def test_token_kernel_matches_reference(loss_type, level, off_policy, beta, per_
 def test_delta_and_importance_weights(loss_type, level):
     logp, mask, adv, old, ref, entropy = _batch(seed=1)
     g = torch.Generator().manual_seed(5)
-    for iw in (torch.rand(B, T, generator=g) * 2, torch.rand(B, generator=g) * 2):
+    per_sequence = torch.rand(B, generator=g) * 2
+    for iw in (torch.rand(B, T, generator=g) * 2, per_sequence, per_sequence[:, None]):
+        if loss_type == "vespo" and iw.shape != (B, T):
+            continue  # TRL rejects VESPO with sequence-level weights: test_vespo_rejects_per_sequence_weights
         _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
                  importance_weights=iw, loss_type=loss_type, importance_sampling_level=level,
                  max_completion_length=T + 3, epsilon=0.1, epsilon_high=0.15, num_items_in_batch=57,
@@ -91,10 +104,13 @@ def test_all_masked_batch_is_zero_not_nan(loss_type):
         loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, old_logprobs=old, ref_logprobs=ref,
                                              beta=0.04, loss_type=loss_type, max_completion_length=T, backend=backend)
         loss.backward()
-        if backend == "triton":  # the reference itself multiplies -inf by 0 here; ours must not
-            assert loss.item() == 0.0
-            assert torch.equal(leaf.grad, torch.zeros_like(leaf))
-            assert all(math.isfinite(v.item()) for v in metrics.values())
+        # the spec alone would multiply -inf by 0 here; neither backend may
+        assert loss.item() == 0.0
+        assert torch.equal(leaf.grad, torch.zeros_like(leaf))
+        # a min / max over sequences that have no token is NaN in TRL too (its nanmin of nothing)
+        undefined = {"clip_ratio/low_min", "clip_ratio/high_max"}
+        assert all(math.isfinite(v.item()) for k, v in metrics.items() if k not in undefined)
+        assert all(math.isnan(metrics[k].item()) for k in undefined & set(metrics))
 
 
 def test_num_items_in_batch_tensor_and_float_agree():
@@ -105,3 +121,78 @@ def test_num_items_in_batch_tensor_and_float_agree():
     c, _ = reference.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40)
     assert a.item() == b.item()
     assert math.isclose(a.item(), c.item(), rel_tol=1e-6)
+
+
+def test_vespo_rejects_per_sequence_weights():
+    logp, mask, adv, old, _, _ = _batch()
+    for iw in (torch.ones(B), torch.ones(B, 1)):
+        with pytest.raises(ValueError, match="vespo' takes per-token importance_weights"):
+            grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, importance_weights=iw, loss_type="vespo")
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ("token", "sequence"))
+@pytest.mark.parametrize("per_token_adv", (False, True))
+def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_token_adv):
+    # sampler log-probs far off the policy on some sequences, NaN where the sampler could not score a token
+    logp, mask, adv, old, ref, entropy = _batch(seed=2, per_token_adv=per_token_adv)
+    g = torch.Generator().manual_seed(7)
+    sampler = old + torch.tensor([0.0, 2.0, 0.0, 1.5])[:, None] + 0.1 * torch.randn(B, T, generator=g)
+    sampler[0, 1] = float("nan")
+    sampler[1, :3] = float("nan")
+    for sampling in (sampler, None):  # None: the old policy's log-probs are the sampler's
+        for threshold in (0.05, 0.5):
+            _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+                     sampling_logprobs=sampling, off_policy_mask_threshold=threshold, loss_type=loss_type,
+                     importance_sampling_level=level, max_completion_length=T)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ("token", "sequence"))
+def test_top_entropy_mask_and_entropy_bonus(loss_type, level):
+    logp, mask, adv, old, ref, entropy = _batch(seed=3)
+    for kw in (dict(top_entropy_quantile=0.2), dict(entropy_coef=0.01),
+               dict(top_entropy_quantile=0.5, entropy_coef=0.03), dict(top_entropy_quantile=0.0),
+               dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02)):
+        _, metrics, _ = _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+                                 loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
+                                 **kw)
+        assert ("policy_loss" in metrics) == ("entropy_coef" in kw)
+
+
+def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens():
+    logp, mask, adv, _, _, entropy = _batch(seed=4)
+    ent = entropy.clone().requires_grad_()
+    loss, metrics = grpo_fast.token_loss(logp, adv, mask, entropy=ent, entropy_coef=0.5, backend="triton")
+    loss.backward()
+    expected = -0.5 * mask.float() / mask.sum()
+    torch.testing.assert_close(ent.grad, expected)
+    bonus = 0.5 * (entropy * mask).sum() / mask.sum()
+    assert math.isclose(loss.item(), metrics["policy_loss"].item() - bonus.item(), rel_tol=1e-6)
+
+
+def test_top_entropy_quantile_zero_keeps_only_the_highest_entropy_token():
+    # TRL's doc: 0.0 masks all but the highest-entropy token; on-policy dapo, so each kept token gives -A / tokens
+    logp, mask, adv, _, _, entropy = _batch(seed=5)
+    leaf = logp.clone().requires_grad_()
+    loss, _ = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, top_entropy_quantile=0.0, backend="triton")
+    loss.backward()
+    top = torch.where(mask, entropy, torch.tensor(-1.0)).flatten().argmax()
+    expected = torch.zeros(B * T)
+    expected[top] = -adv.repeat_interleave(T)[top] / mask.sum()
+    torch.testing.assert_close(leaf.grad.flatten(), expected)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_sampler_importance_weights_of_every_mode(mode, loss_type):
+    logp, mask, adv, old, ref, entropy = _batch(seed=6)
+    g = torch.Generator().manual_seed(8)
+    sampler = old + 0.3 * torch.randn(B, T, generator=g)
+    sampler[0, 0] = float("nan")
+    iw = grpo_fast.sampling_importance_weights(old, sampler, mask, mode=mode, clip_max=1.5, clip_min=0.6)
+    assert iw.shape == ((B, T) if mode.startswith("token") else (B, 1))
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        return
+    _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04, importance_weights=iw,
+             loss_type=loss_type, max_completion_length=T)

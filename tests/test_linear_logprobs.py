@@ -1,6 +1,10 @@
-"""Layer 1 (fused linear log-probs) against the full-logits reference: both backends, fp32/bf16/fp16, odd shapes.
+"""Layer 1 (fused linear log-probs and entropy) against the full-logits reference, forward and every gradient.
 
-The Triton backend runs through Triton's interpreter here (conftest sets TRITON_INTERPRET=1).
+Both backends (the Triton backend with both backward kernels), fp32 / bf16 / fp16, odd shapes, the logit
+transforms (temperature, soft-cap, logit scale, bias), losses on the log-probs, on the entropies and on both,
+masked rows and one-token completions. The Triton backend runs through Triton's interpreter here (conftest sets
+TRITON_INTERPRET=1). The reference runs in fp64: a stricter truth, and immune to the rare imprecise fp32 GEMM
+that torch's CPU BLAS was seen to return for one thread's rows under load (off by 1e-4 in a log-prob).
 """
 
 import pytest
@@ -8,12 +12,14 @@ import torch
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.autograd import LinearLogprobs
 
 from conftest import assert_grad_close
 
 # the Triton backend has two backward kernels (GRPO_FAST_BWD): chunked g + GEMMs (default), fully fused
 BACKENDS = ["triton", "triton-fused", "torch"]
+F64 = torch.float64
+# (B, T, D, V): none a block multiple, V not a power of two, D not a multiple of 16, one token
+SHAPES = [(2, 9, 37, 203), (1, 1, 24, 50), (3, 5, 70, 131)]
 
 
 @pytest.fixture(autouse=True)
@@ -24,11 +30,6 @@ def _bwd_mode(request, monkeypatch):
 
 def _impl(backend):
     return "triton" if backend.startswith("triton") else backend
-# (N-ish as B x T, D, V): none a block multiple, V not a power of two, D not a multiple of 16, one token
-# The reference runs in fp64 here: a stricter truth, and immune to the rare imprecise fp32 GEMM that torch's
-# CPU BLAS was seen to return for one thread's rows under load (off by 1e-4 in a log-prob).
-F64 = torch.float64
-SHAPES = [(2, 9, 37, 203), (1, 1, 24, 50), (3, 5, 70, 131)]
 
 
 def _inputs(B, T, D, V, dtype, scale=0.3, bias=True, seed=0):
@@ -40,67 +41,160 @@ def _inputs(B, T, D, V, dtype, scale=0.3, bias=True, seed=0):
     return h, w, b, y
 
 
+def _check(backend, dtype, h, w, b, y, *, logp_coef, entropy_coef, completion_mask=None, **transform):
+    """grpo_fast.logprobs_and_entropy vs the fp64 reference: outputs, and the gradients of
+    sum(logp_coef * logp + entropy_coef * entropy) (either coefficient may be None: that output gets no gradient)."""
+    results = []
+    for impl in ("reference", backend):
+        leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
+        if impl == "reference":
+            logp, ent = reference.logprobs_and_entropy(leaves[0], leaves[1], y.clamp(min=0), leaves[2],
+                                                       compute_dtype=F64, **transform)
+            if completion_mask is not None:
+                logp, ent = logp * completion_mask, ent * completion_mask
+        else:
+            logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2],
+                                                       completion_mask=completion_mask, backend=_impl(impl),
+                                                       **transform)
+        total = sum((c * x).sum() for c, x in ((logp_coef, logp), (entropy_coef, ent)) if c is not None)
+        total.backward()
+        results.append((logp.detach(), ent.detach(), [x.grad if x is not None else None for x in leaves]))
+    (ref_logp, ref_ent, ref_grads), (logp, ent, grads) = results
+    assert logp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)  # fp32 outputs in every dtype
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=2e-5)
+    for name, g, rg in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        if rg is not None:
+            assert_grad_close(g, rg.float(), dtype, name)
+    return logp, ent, grads
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_and_gradients_match_reference(backend, dtype, shape):
+    # a loss on both outputs with random coefficients: dL/dlogp and dL/dentropy both reach hidden, weight, bias
     B, T, D, V = shape
     h, w, b, y = _inputs(B, T, D, V, dtype)
-    coef = torch.randn(B * T)  # an arbitrary dL/dlogp
-    ent_ref = None
-    results = []
-    for impl in ("reference", backend):
-        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-        if impl == "reference":
-            logp, ent = reference.logprobs_and_entropy(*leaves[:2], y, leaves[2], temperature=0.8, compute_dtype=F64)
-            logp, ent = logp.reshape(-1), ent.reshape(-1)
-        else:
-            logp, ent = LinearLogprobs.apply(leaves[0].view(-1, D), leaves[1], leaves[2], y.view(-1), 0.8, True,
-                                             _impl(impl))
-        (logp * coef).sum().backward()
-        results.append((logp.detach(), ent.detach(), *[x.grad for x in leaves]))
-    (ref_logp, ent_ref, *ref_grads), (logp, ent, *grads) = results
-    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=2e-5)  # fp32 outputs in every dtype
-    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=2e-5)
-    for name, g, rg in zip(("hidden", "weight", "bias"), grads, ref_grads):
-        assert_grad_close(g, rg.float(), dtype, name)
+    g = torch.Generator().manual_seed(1)
+    _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(B, T, generator=g),
+           entropy_coef=torch.randn(B, T, generator=g), temperature=0.8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_on", ["logprobs", "entropy"])
+def test_a_loss_on_one_output_only(backend, dtype, loss_on):
+    h, w, b, y = _inputs(2, 7, 40, 157, dtype)
+    coef = torch.randn(2, 7, generator=torch.Generator().manual_seed(2))
+    _check(backend, dtype, h, w, b, y, logp_coef=coef if loss_on == "logprobs" else None,
+           entropy_coef=coef if loss_on == "entropy" else None, temperature=1.3)
+
+
+# Gemma 2's soft-cap is 30: weights of scale 40 make logits of ~200, most of tanh saturated; a small cap with a
+# logit scale and a temperature; a logit scale alone (Granite divides by logits_scaling; Cohere's is 0.0625)
+TRANSFORMS = {
+    "softcap-saturated": (40.0, dict(softcap=30.0)),
+    "softcap-scale-temperature": (1.0, dict(softcap=2.0, logit_scale=1.7, temperature=0.7)),
+    "logit-scale": (1.0, dict(logit_scale=0.0625)),
+    "negative-logit-scale": (0.3, dict(logit_scale=-1.5, temperature=1.2)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_logit_transforms(backend, dtype, transform):
+    weight_scale, kw = TRANSFORMS[transform]
+    h, w, b, y = _inputs(2, 6, 37, 203, dtype, scale=weight_scale)
+    g = torch.Generator().manual_seed(3)
+    _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(2, 6, generator=g),
+           entropy_coef=torch.randn(2, 6, generator=g), **kw)
+
+
+def test_softcap_really_saturates_in_the_saturated_case():
+    # the test above is only meaningful if tanh saturates: most logits of that case sit beyond |tanh| = 0.999
+    weight_scale, kw = TRANSFORMS["softcap-saturated"]
+    h, w, b, _ = _inputs(2, 6, 37, 203, torch.float32, scale=weight_scale)
+    raw = (h @ w.T + b) / kw["softcap"]
+    assert (torch.tanh(raw).abs() > 0.999).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_rows_and_one_token_completions(backend, dtype):
+    # only rows with mask 1 are computed; masked targets are never read (-100 as TRL's labels), masked outputs
+    # and their gradients are exact zeros
+    h, w, b, y = _inputs(3, 8, 37, 131, dtype)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[0, 5:] = False
+    mask[1] = False
+    mask[2, 1:] = False  # a one-token completion
+    y = y.masked_fill(~mask, -100)
+    g = torch.Generator().manual_seed(4)
+    logp, ent, grads = _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(3, 8, generator=g),
+                              entropy_coef=torch.randn(3, 8, generator=g), completion_mask=mask, temperature=0.9)
+    assert torch.count_nonzero(logp[~mask]) == 0 and torch.count_nonzero(ent[~mask]) == 0
+    assert torch.count_nonzero(grads[0][~mask]) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
+    h, w, b, y = _inputs(2, 4, 20, 77, torch.float32)
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2], completion_mask=mask,
+                                               backend=_impl(backend))
+    (logp.sum() + ent.sum()).backward()
+    assert torch.count_nonzero(logp) == 0 and torch.count_nonzero(ent) == 0
+    assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
+    assert torch.count_nonzero(grpo_fast.logprobs(h, w, y, b, completion_mask=mask, backend=_impl(backend))) == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend):
-    h, w, b, y = _inputs(2, 4, 20, 77, torch.float32, bias=False)
+    h, w, _, y = _inputs(2, 4, 20, 77, torch.float32, bias=False)
     h.requires_grad_()
-    logp, _ = LinearLogprobs.apply(h.view(-1, 20), w, None, y.view(-1), 1.0, False, _impl(backend))
-    logp.sum().backward()
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, backend=_impl(backend))
+    (logp.sum() + 0.1 * ent.sum()).backward()
     assert w.grad is None
     h2 = h.detach().clone().requires_grad_()
-    reference.logprobs_and_entropy(h2, w, y, compute_dtype=F64)[0].sum().backward()
+    ref_logp, ref_ent = reference.logprobs_and_entropy(h2, w, y, compute_dtype=F64)
+    (ref_logp.sum() + 0.1 * ref_ent.sum()).backward()
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend):
-    # logits of size ~1e4 and a bias that removes most of the vocabulary: log-softmax stays finite and exact
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap):
+    # logits of size ~1e4 and a bias that removes most of the vocabulary: log-softmax stays finite and exact, and so
+    # does the entropy's gradient, whose p (mean - z) would be 0 * inf at a -inf logit. With a soft-cap the removed
+    # entries sit at -softcap / temperature (tanh(-inf) = -1), as in the reference and TRL.
     h, w, _, y = _inputs(2, 3, 16, 300, torch.float32, scale=300.0, bias=False)
     bias = torch.full((300,), float("-inf"))
     bias[::7] = 0.0
     y = (y // 7) * 7
     h.requires_grad_()
-    logp, ent = LinearLogprobs.apply(h.view(-1, 16), w, bias, y.view(-1), 1.0, True, _impl(backend))
-    logp.sum().backward()
-    ref_logp, ref_ent = reference.logprobs_and_entropy(h.detach(), w, y, bias, compute_dtype=F64)
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, softcap=softcap, backend=_impl(backend))
+    (logp.sum() + ent.sum()).backward()
+    h2 = h.detach().clone().requires_grad_()
+    ref_logp, ref_ent = reference.logprobs_and_entropy(h2, w, y, bias, softcap=softcap, compute_dtype=F64)
+    (ref_logp.sum() + ref_ent.sum()).backward()
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(h.grad).all()
-    torch.testing.assert_close(logp, ref_logp.reshape(-1), rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(ent, torch.nan_to_num(ref_ent.reshape(-1)), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(h.grad, h2.grad.float(), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_function_is_fp32_without_grad(backend):
     h, w, b, y = _inputs(2, 5, 33, 150, torch.bfloat16)
     h.requires_grad_()
-    logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, backend=_impl(backend))
+    logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, softcap=3.0, logit_scale=0.8,
+                              backend=_impl(backend))
     assert logp.shape == (2, 5) and logp.dtype == torch.float32 and not logp.requires_grad
-    torch.testing.assert_close(logp, reference.logprobs(h, w, y, b, 0.9, compute_dtype=F64), rtol=1e-5, atol=2e-5)
+    expected = reference.logprobs(h, w, y, b, 0.9, softcap=3.0, logit_scale=0.8, compute_dtype=F64)
+    torch.testing.assert_close(logp, expected, rtol=1e-5, atol=2e-5)
 
 
 def test_many_vocab_splits_merge_exactly():
@@ -108,3 +202,24 @@ def test_many_vocab_splits_merge_exactly():
     h, w, b, y = _inputs(1, 3, 16, 1000, torch.float32)
     logp = grpo_fast.logprobs(h, w, y, bias=b, backend="triton")
     torch.testing.assert_close(logp, reference.logprobs(h, w, y, b, compute_dtype=F64), rtol=1e-5, atol=1e-5)
+
+
+BAD_TRANSFORMS = [
+    (dict(softcap=0.0), "softcap must be None or a positive number"),
+    (dict(softcap=-30.0), "softcap must be None or a positive number"),
+    (dict(softcap=float("inf")), "softcap must be None or a positive number"),
+    (dict(logit_scale=0.0), "logit_scale must be a finite non-zero number"),
+    (dict(logit_scale=float("nan")), "logit_scale must be a finite non-zero number"),
+    (dict(logit_scale=float("inf")), "logit_scale must be a finite non-zero number"),
+    (dict(temperature=0.0), "temperature must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("kw, message", BAD_TRANSFORMS)
+def test_bad_transform_raises_a_value_error_naming_the_argument(kw, message):
+    h, w, b, y = _inputs(1, 2, 8, 11, torch.float32)
+    for fn in (grpo_fast.logprobs_and_entropy, grpo_fast.logprobs):
+        with pytest.raises(ValueError, match=message):
+            fn(h, w, y, **kw)
+    with pytest.raises(ValueError, match=message):
+        grpo_fast.loss(h, w, y, torch.zeros(1), torch.ones(1, 2), **kw)

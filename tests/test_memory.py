@@ -1,9 +1,10 @@
-"""No tensor of size tokens x vocab is ever built, forward or backward, by either backend.
+"""No tensor of size tokens x vocab is ever built, forward or backward, by either backend, and padding costs nothing.
 
-Two checks: (1) every tensor that any torch op creates during loss + backward is recorded through a
+Three checks: (1) every tensor that any torch op creates during loss + backward is recorded through a
 TorchDispatchMode, and the largest must stay far below N x V elements (the reference, as a control, crosses
 it); (2) in a fresh process the torch backend's peak resident memory stays far below what fp32 logits of
-the same shape would take.
+the same shape would take; (3) the matmul FLOPs of a padded batch (counted by torch's FlopCounterMode on the
+torch backend) scale with its completion tokens, not with B x T.
 """
 
 import os
@@ -14,6 +15,7 @@ import textwrap
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import grpo_fast
 from grpo_fast import reference
@@ -84,3 +86,36 @@ def test_process_peak_memory_stays_far_below_full_logits():
     grown = int(out.stdout.strip().splitlines()[-1])
     full_logits = 4096 * 131072 * 4  # 2 GiB of fp32 logits, which eager PyTorch builds several times
     assert grown < full_logits / 4, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def _matmul_flops(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_padded_batch_costs_only_its_completion_tokens():
+    # 8 completions padded to 64 tokens, 16 real tokens each: 25% fill. Loss + backward and the no-grad log-probs
+    # must do about a quarter of the dense batch's matmul work (only rows with mask 1 enter the kernels)
+    B, T, D, V = 8, 64, 32, 3001
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B, T, D, generator=g, requires_grad=True)
+    weight = (torch.randn(V, D, generator=g) * 0.1).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    advantages = torch.randn(B, generator=g)
+    dense = torch.ones(B, T, dtype=torch.bool)
+    padded = torch.zeros(B, T, dtype=torch.bool)
+    padded[:, :16] = True
+    targets_padded = targets.masked_fill(~padded, -100)  # padding ids are never read
+
+    def fwd_bwd(mask, y):
+        return lambda: grpo_fast.loss(hidden, weight, y, advantages, mask, backend="torch")[0].backward()
+
+    def logprobs(mask, y):
+        return lambda: grpo_fast.logprobs(hidden, weight, y, completion_mask=mask, backend="torch")
+
+    for make in (fwd_bwd, logprobs):
+        dense_flops = _matmul_flops(make(dense, targets))
+        padded_flops = _matmul_flops(make(padded, targets_padded))
+        assert dense_flops > 0
+        assert 0.24 <= padded_flops / dense_flops <= 0.26, (make.__name__, padded_flops / dense_flops)

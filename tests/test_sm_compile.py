@@ -12,9 +12,10 @@ import triton
 HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (90, 89, 80)
-# per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32 and
-# bf16 with a bias; then the GRPO token kernel for five loss configurations
-VARIANTS_PER_ARCH = 4 * 4 + 5
+# per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32, bf16
+# with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, and fp32 with both; then the GRPO
+# token kernel's variants (sm_compile.GRPO_TOKEN_VARIANTS)
+VARIANTS_PER_ARCH = 4 * 8 + 9
 
 
 @pytest.fixture(scope="module")
