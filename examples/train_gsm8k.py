@@ -33,8 +33,9 @@ import torch
 from tqdm import tqdm
 
 import grpo_fast
-from grpo_fast import gsm8k, rollout
-from grpo_fast.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward
+from grpo_fast.gsm8k import data, rollout
+from grpo_fast.gsm8k.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward
+from grpo_fast.reference import NUM_ITEMS_LOSS_TYPES
 
 # Public configs of the Qwen2.5 instruct models, for --random-init (memory measurements without the hub).
 MODEL_CONFIGS = {
@@ -53,9 +54,9 @@ def parse_args(argv=None):
     a.add_argument("--gguf-file", default=None, help="a .gguf file name inside --model (transformers dequantizes it)")
     a.add_argument("--tokenizer", default=None, help="hub id or folder (default: --model); 'bytes': grpo_fast's "
                    "offline byte tokenizer (the default with --random-init)")
-    a.add_argument("--data", default=gsm8k.HUB_ID, help="openai/gsm8k, or a folder with GSM8K's train/test.jsonl")
+    a.add_argument("--data", default=data.HUB_ID, help="openai/gsm8k, or a folder with GSM8K's train/test.jsonl")
     a.add_argument("--one-shot", action="store_true",
-                   help="put a worked example in the answer format (grpo_fast.gsm8k.ONE_SHOT) before each question")
+                   help="put a worked example in the answer format (grpo_fast.gsm8k.data.ONE_SHOT) before each question")
     a.add_argument("--random-init", action="store_true", help="random weights (for memory measurements)")
     a.add_argument("--config-from", choices=sorted(MODEL_CONFIGS), default=None,
                    help="with --random-init: build this public config instead of reading --model's")
@@ -149,7 +150,7 @@ def random_init_config(name):
 
 
 def grpo_fast_byte_tokenizer():
-    from grpo_fast.tokenizer import byte_tokenizer
+    from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
     return byte_tokenizer()
 
@@ -157,7 +158,7 @@ def grpo_fast_byte_tokenizer():
 def reward_functions(spec, functions=None):
     """{name: (function, weight)} from '--reward-weights name=w,...' (unnamed rewards keep weight 1.0).
 
-    ``functions``: {name: callable} to use instead of the demo's five (grpo_fast.rewards.DEFAULT_REWARDS).
+    ``functions``: {name: callable} to use instead of the demo's five (grpo_fast.gsm8k.rewards.DEFAULT_REWARDS).
     """
     functions = DEFAULT_REWARDS if functions is None else functions
     weights = {name: 1.0 for name in functions}
@@ -270,7 +271,7 @@ def plot_metrics(metrics_path, png_path):
 # ------------------------------------------------------------------------------------------ the loop
 def main(argv=None, reward_funcs=None):
     """Train; ``reward_funcs`` ({name: f(prompts, completions, answer, **kw) -> list[float]}) replaces the
-    default rewards (add yours to ``dict(grpo_fast.rewards.DEFAULT_REWARDS)`` to keep them)."""
+    default rewards (add yours to ``dict(grpo_fast.gsm8k.rewards.DEFAULT_REWARDS)`` to keep them)."""
     args = parse_args(argv)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -325,8 +326,8 @@ def main(argv=None, reward_funcs=None):
         start_step = state["step"]
         print(f"resumed from {checkpoint} at step {start_step}")
 
-    train = gsm8k.load_gsm8k("train", args.data, one_shot=args.one_shot)
-    test = gsm8k.load_gsm8k("test", args.data, one_shot=args.one_shot) if args.eval_samples else []
+    train = data.load_gsm8k("train", args.data, one_shot=args.one_shot)
+    test = data.load_gsm8k("test", args.data, one_shot=args.one_shot) if args.eval_samples else []
     test = test if args.eval_samples < 0 else test[:args.eval_samples]
     rewards = reward_functions(args.reward_weights, reward_funcs)
     loss_fn = grpo_fast.loss if args.loss == "fused" else grpo_fast.reference.loss
@@ -422,8 +423,8 @@ def main(argv=None, reward_funcs=None):
                             beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
                             loss_type=args.loss_type, temperature=args.temperature,
                             max_completion_length=args.max_completion_length,
-                            num_items_in_batch=num_items if args.loss_type in ("dapo", "cispo") else None)
-                        if args.loss_type not in ("dapo", "cispo"):  # per-micro-batch means: average them
+                            num_items_in_batch=num_items if args.loss_type in NUM_ITEMS_LOSS_TYPES else None)
+                        if args.loss_type not in NUM_ITEMS_LOSS_TYPES:  # per-micro-batch means: average them
                             loss = loss / n_micro
                         loss.backward()
                         total_loss += loss.item() / args.num_iterations

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fast import gsm8k
-from grpo_fast.rewards import (
+from grpo_fast.gsm8k import data
+from grpo_fast.gsm8k.rewards import (
     DEFAULT_REWARDS, correctness_reward, count_xml, extract_xml_answer, int_reward, same_answer,
     soft_format_reward, strict_format_reward, xmlcount_reward,
 )
@@ -32,10 +32,10 @@ def test_extract_xml_answer():
 
 
 def test_gold_answer():
-    assert gsm8k.extract_gold_answer("48/2 = <<48/2=24>>24\n#### 72") == "72"
-    assert gsm8k.extract_gold_answer("so\n#### 1,234") == "1234"
-    assert gsm8k.extract_gold_answer("#### $5") == "5"
-    assert gsm8k.extract_gold_answer("no marker") is None
+    assert data.extract_gold_answer("48/2 = <<48/2=24>>24\n#### 72") == "72"
+    assert data.extract_gold_answer("so\n#### 1,234") == "1234"
+    assert data.extract_gold_answer("#### $5") == "5"
+    assert data.extract_gold_answer("no marker") is None
 
 
 def test_same_answer_compares_numbers_as_numbers():
@@ -97,18 +97,18 @@ def test_default_rewards_have_trl_signature():
 def test_load_local_jsonl(tmp_path):
     rows = [{"question": "What is 1+1?", "answer": "1+1=2\n#### 2"}, {"question": "Q2", "answer": "#### 1,500"}]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = gsm8k.load_gsm8k("train", str(tmp_path))
-    assert [d["answer"] for d in data] == ["2", "1500"]
-    assert data[0]["prompt"] == [{"role": "system", "content": gsm8k.SYSTEM_PROMPT},
-                                 {"role": "user", "content": "What is 1+1?"}]
+    loaded = data.load_gsm8k("train", str(tmp_path))
+    assert [d["answer"] for d in loaded] == ["2", "1500"]
+    assert loaded[0]["prompt"] == [{"role": "system", "content": data.SYSTEM_PROMPT},
+                                   {"role": "user", "content": "What is 1+1?"}]
     with pytest.raises(FileNotFoundError, match="test.jsonl"):
-        gsm8k.load_gsm8k("test", str(tmp_path))
+        data.load_gsm8k("test", str(tmp_path))
 
 
 @pytest.mark.skipif(not (LOCAL_GSM8K / "train.jsonl").exists(), reason="no local GSM8K in ../shared/data/gsm8k")
 def test_load_real_gsm8k_files():
-    train = gsm8k.load_gsm8k("train", str(LOCAL_GSM8K))
-    test = gsm8k.load_gsm8k("test", str(LOCAL_GSM8K))
+    train = data.load_gsm8k("train", str(LOCAL_GSM8K))
+    test = data.load_gsm8k("test", str(LOCAL_GSM8K))
     assert (len(train), len(test)) == (7473, 1319)
     assert train[0]["answer"] == "72" and train[1]["answer"] == "10"
     assert all(d["answer"] is not None and "," not in d["answer"] for d in train + test)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import grpo_fast
-from grpo_fast import reference, rollout
-from grpo_fast.tokenizer import byte_tokenizer
+from grpo_fast import reference
+from grpo_fast.gsm8k import rollout
+from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
 
 def tiny_model(vocab=259, seed=0):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_fast.tokenizer import byte_tokenizer
+from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "train_gsm8k.py"
 QUESTIONS = [("What is 2 plus 3?", "5"), ("Tom has 4 apples and eats 1. How many are left?", "3"),
@@ -197,4 +197,4 @@ def test_completion_prefix_reaches_prompt_ids_and_rewards_and_one_shot_prompts(s
     assert seen["texts"] == ["<reasoning>\n" + t for t in completions]  # the rewards see prefix + completion
     assert read_metrics(out)[0]["reward"] == pytest.approx(sum(letters_reward(None, [[{"content": t}] for t in
                                                                 seen["texts"]], None)) / len(seen["texts"]))
-    assert seen["prompts"][0][1:3] == script.gsm8k.ONE_SHOT and seen["prompts"][0][3]["role"] == "user"
+    assert seen["prompts"][0][1:3] == script.data.ONE_SHOT and seen["prompts"][0][3]["role"] == "user"
