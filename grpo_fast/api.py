@@ -353,9 +353,10 @@ def _token_loss(logprobs, advantages, completion_mask, entropy, backend, loss_kw
         masked = mask == 0
         logp = logp.masked_fill(masked, 0.0)
         entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
-        for name, fill in (("old_logprobs", 0.0), ("ref_logprobs", 0.0), ("importance_weights", 1.0)):
-            if kw[name] is not None and kw[name].shape == mask.shape:
-                kw[name] = kw[name].masked_fill(masked, fill)
+        # (importance weights stay: vespo reads them at padding too, as TRL; elsewhere they are masked out)
+        for name in ("old_logprobs", "ref_logprobs"):
+            if kw[name] is not None:
+                kw[name] = kw[name].masked_fill(masked, 0.0)
         total, metrics = reference.token_loss(logp, adv, mask, entropy=entropy, **kw)
         metrics = Metrics(metrics)
     else:

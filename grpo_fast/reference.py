@@ -19,7 +19,7 @@ Layer 2 (r: importance ratio, A: advantage, m: completion mask, w: importance we
   cispo           l_t = -stopgrad(min(r, eps_high)) * A * logp_t
   sapo            l_t = -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
   vespo           l_t = -stopgrad(phi_b) * A * logp_t,  phi = exp(lam + k log W - lam W) (gamma weight, phi(1) = 1),
-                  W = exp(clamp(sum_t m_t clamp(logp_t - old_t, -20, 20) + sum_t m_t log w_t, log 1e-8, 20)),
+                  W = exp(clamp(sum_t m_t clamp(logp_t - old_t, -20, 20) + sum_t log w_t, log 1e-8, 20)),
                   (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg)
   masks           l_t *= off-policy keep_b (A >= 0 or mean_t KL(sampler || policy) <= threshold), NaN sampler = 0
                   l_t *= 1[entropy_t >= quantile_{1 - top_entropy_quantile}(masked entropies)]
@@ -125,9 +125,10 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     log_floor = math.log(1e-8)
     seq_log_ratio = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
     if importance_weights is not None:
-        # padding is ignored (TRL's sampler ratios are exactly 1 there)
+        # over every position, padding included, as TRL (its sampler ratios are 1 there unless clip_min > 1 or
+        # clip_max < 1 clamp or mask them)
         log_iw = torch.clamp(torch.log(importance_weights), log_floor, 20.0)
-        seq_log_ratio = seq_log_ratio + (log_iw * mask).sum(-1, keepdim=True)
+        seq_log_ratio = seq_log_ratio + log_iw.sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_ratio, log_floor, 20.0)
     nonneg = advantages >= 0
     k = torch.where(nonneg, k_pos, k_neg)

@@ -11,7 +11,8 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
     sapo            pg = -sigmoid(tau (r - 1)) 4 / tau A               dpg/dr = -4 sig (1 - sig) A
     vespo           pg = -stopgrad(phi) A logp_t                       dpg/dlogp_t = -phi A
                     phi = exp(lam + k log W - lam W), log W = clamp(sum_t m_t clamp(logp_t - old_t, -20, 20)
-                          + sum_t m_t clamp(log w_t, log 1e-8, 20), log 1e-8, 20), (k, lam) by the sign of A
+                          + sum_t clamp(log w_t, log 1e-8, 20), log 1e-8, 20), (k, lam) by the sign of A
+                          (the weights' sum runs over padding too, as TRL's)
     masks           keep_t = [A_t >= 0 or sum_t m_t nan_to_0(sampler_t - logp_t) / L_b <= off_policy_threshold]
                     e_t = m_t [entropy_t >= entropy_threshold]          (top-entropy tokens)
     kl              k_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) * (r if BIAS_CORRECTION_KL else 1)
@@ -124,7 +125,8 @@ def _grpo_token_kernel(
                 if IW_PER_TOKEN:
                     iw = tl.load(iw_ptr + row + offs, mask=in_row, other=1.0)
                     log_iw = tl.minimum(tl.log(tl.maximum(iw, 1e-8)), 20.0)  # = clamp(log w, log 1e-8, 20)
-                    vespo_log_w += tl.sum(tl.where(active, log_iw, 0.0), axis=0)
+                    # every position, padding included: TRL's sum (its ratios are 1 there but for odd clips)
+                    vespo_log_w += tl.sum(tl.where(in_row, log_iw, 0.0), axis=0)
         if OFF_POLICY_MASK:
             sampler = tl.load(sampler_ptr + row + offs, mask=in_row, other=0.0)
             kl = sampler - lp

@@ -96,9 +96,9 @@ def test_vespo_gamma_weight_by_hand():
     old = torch.tensor([[-1.1, -1.2, 0.0], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     adv = torch.tensor([1.0, -1.0])
-    iw = torch.tensor([[0.5, 1.0, 7.0], [1.0, 1.0, 1.0]])  # 7.0 sits under the mask: ignored
+    iw = torch.tensor([[0.5, 1.0, 1.5], [1.0, 1.0, 1.0]])  # 1.5 sits under the mask: counted, as TRL sums them all
     loss, metrics = reference.token_loss(logp, adv, mask, old_logprobs=old, importance_weights=iw, loss_type="vespo")
-    log_w0 = 0.1 + 0.2 + math.log(0.5)
+    log_w0 = 0.1 + 0.2 + math.log(0.5) + math.log(1.5)
     phi0 = math.exp(3.0 + 2.0 * log_w0 - 3.0 * math.exp(log_w0))  # A >= 0: k = 2, lam = 3
     phi1 = 1.0  # W = 1: phi(1) = exp(lam - lam) = 1 for any k, lam
     expected = (-phi0 * 1.0 * (-2.0) - phi1 * (-1.0) * (-6.0)) / 5  # dapo: sum over 5 tokens / 5
