@@ -1,0 +1,324 @@
+"""grpo_fast inside TRL: TRL's fused LM head computed by grpo_fast, and TRL's GRPO / RLOO trainers using it.
+
+    from grpo_fast.trl import GRPOConfig, GRPOTrainer     # instead of `from trl import GRPOConfig, GRPOTrainer`
+
+Since TRL 1.15 every TRL trainer scores tokens through ``trl.trainer.utils.add_fused_lm_head``: the model's forward
+with ``labels=..., fused_lm_head=True`` returns a ``FusedCausalLMOutput`` (per-token ``log_probs``, ``entropy``, ...)
+instead of ``[tokens, vocab]`` logits. ``add_fused_lm_head`` here implements the same protocol, with the same
+arguments and output type, on grpo_fast's kernels (``grpo_fast.logprobs_and_entropy``):
+
+- the forward without ``fused_lm_head=True`` is the model's own (generation is unchanged; the signature is kept
+  for ``generate``); with it, the backbone runs with ``use_cache=False`` and only the positions whose next-token
+  label is not ``-100`` are scored (``labels`` shifted by one, or pre-shifted ``shift_labels`` as given);
+- the logit transforms are read from the config exactly as TRL reads them: ``final_logit_softcapping`` and the
+  logit scale (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, or ``logits_scaling``: divided by it,
+  multiplied on HyperCLOVA X); the logit is ``softcap * tanh(scale * (h . W + b) / softcap) / temperature``;
+- ``loss`` is TRL's (minus summed log-probs over ``num_items_in_batch`` or the label count, plus the MoE
+  load-balancing loss times ``router_aux_loss_coef`` when router logits are requested); ``label_mask`` and
+  ``aux_loss`` are filled as TRL fills them; PEFT models are patched on their base model, as TRL does;
+- ``log_probs`` and ``entropy`` come from grpo_fast's kernels, both differentiable (the entropy bonus trains
+  through the entropy). The no-grad extras that TRL's SFT / DPO / KTO trainers ask for (``log_sum_sq_probs``,
+  ``mean_logits``, ``is_top1``) are computed exactly in fp32 by a chunked torch pass over at most 2^24 logits at a
+  time (they are metrics and WPO weights: never on the GRPO path). An output name TRL does not know is refused.
+
+Compute dtype, as TRL's head: the autocast dtype when autocast is on, else the hidden states' dtype; with
+``cast_lm_head_to_fp32`` the hidden states go to fp32 and autocast is off. grpo_fast needs hidden and weight in
+one dtype, so both are cast to the compute dtype with a differentiable ``.to``: free when they already match (a
+bf16 model, or fp32 everywhere); otherwise it costs one copy of the weight in the compute dtype for the forward
+(kept for the backward) and a weight-sized gradient in that dtype before autograd casts it back. grpo_fast then
+accumulates in fp32 whatever the compute dtype, and runs with autocast off.
+
+Distributed weights, as TRL: a DTensor weight (tensor parallelism) is gathered with ``full_tensor()``, whose
+backward keeps each rank's shard of the gradient (right when every rank sees the same tokens). Under FSDP2 the
+head usually belongs to the root's parameter group, which FSDP gathers before the forward and whose gradient it
+reduce-scatters; when the head is a ``fully_shard`` unit of its own, its forward is never called, so this head asks
+FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters the gradient (TRL's ``full_tensor()`` would
+leave each rank an unreduced gradient there). DeepSpeed ZeRO-3: the weight is gathered with TRL's
+``maybe_gather_lm_head_ctx`` for the forward; grpo_fast's backward reads the weight saved by the forward, which
+ZeRO-3 has released by then, so a saved-tensor hook gathers it again when the backward unpacks it (TRL's own
+backward re-enters the gather for the same reason).
+
+``GRPOTrainer`` and ``RLOOTrainer`` are TRL's classes, unchanged but for the head: while their constructor runs,
+the name ``add_fused_lm_head`` that TRL's trainer module calls resolves to this module's, so TRL's own call sites
+patch the policy (its PEFT base model) and the reference model with TRL's arguments; the old policy's log-probs
+come from the policy. The loss, the config and every option are TRL's. The name is restored when the last
+constructor in progress returns, and other threads constructing TRL's own trainers meanwhile get TRL's head.
+
+TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
+with another TRL raises ``ImportError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import types
+
+from packaging.version import Version
+
+TRL_VERSIONS = ">=1.16,<1.17"
+_TRL_MIN, _TRL_END = Version("1.16"), Version("1.17")
+
+
+def _import_trl():
+    hint = f'grpo_fast.trl needs trl{TRL_VERSIONS} (pip install "grpo_fast[trl]")'
+    try:
+        import trl
+    except ImportError as e:
+        raise ImportError(f"{hint}; trl is not installed") from e
+    if not _TRL_MIN <= Version(trl.__version__) < _TRL_END:
+        raise ImportError(f"{hint}; found trl {trl.__version__}")
+    return trl
+
+
+trl = _import_trl()
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled  # noqa: E402
+from trl import GRPOConfig, RLOOConfig  # noqa: E402
+from trl.trainer import grpo_trainer as _trl_grpo_trainer  # noqa: E402
+from trl.trainer import rloo_trainer as _trl_rloo_trainer  # noqa: E402
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
+
+import grpo_fast  # noqa: E402
+from grpo_fast import reference  # noqa: E402
+
+__all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
+           "TRL_VERSIONS"]
+
+# the per-token fields of FusedCausalLMOutput that a caller can request
+OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# the no-grad extras' chunked torch pass: at most this many fp32 logits at a time (64 MiB)
+EXTRA_OUTPUTS_CHUNK_LOGITS = 1 << 24
+
+
+# ---------------------------------------------------------------------------------------------- the head
+def logit_scale_of(text_config) -> float:
+    """The factor TRL 1.16's fused head multiplies the logits by, read from the config in TRL's order."""
+    # None on models that do not scale (MPT): unscaled. Muse Glimmer's `output_multiplier` is the same factor.
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)  # Falcon-H1
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        # Granite and MiniCPM3 divide the logits by `logits_scaling`; HyperCLOVA X multiplies them by it
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else scale
+
+
+def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                      outputs: tuple[str, ...] = ("log_probs",)) -> None:
+    """TRL's ``add_fused_lm_head`` computed by grpo_fast: ``model(..., labels=labels, fused_lm_head=True)`` returns a
+    ``FusedCausalLMOutput`` without building the ``[tokens, vocab]`` logits (see the module docstring).
+
+    ``temperature`` divides the logits; ``cast_lm_head_to_fp32`` scores in fp32 outside autocast; ``outputs``
+    names the per-token fields to fill among ``OUTPUTS`` (``log_probs``, and so ``loss``, always). Add the head
+    before wrapping the model with PEFT.
+    """
+    unknown = [name for name in outputs if name not in OUTPUTS]
+    if unknown:
+        raise ValueError(f"add_fused_lm_head: unknown outputs {unknown}; the fused head computes {list(OUTPUTS)}")
+    original_forward = model.forward
+    text_config = model.config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    logit_scale = logit_scale_of(text_config)
+    # Before transformers 5, vision-language models expose their language backbone as `model`
+    backbone_attr = "base_model"
+    if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
+        backbone_attr = "model"
+    extras = tuple(name for name in ("log_sum_sq_probs", "mean_logits", "is_top1") if name in outputs)
+
+    # Keep the original signature: `generate` validates its model kwargs against it
+    @functools.wraps(type(model).forward)
+    def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                      **kwargs):
+        if not fused_lm_head:
+            for name, value in (("labels", labels), ("shift_labels", shift_labels),
+                                ("num_items_in_batch", num_items_in_batch)):
+                if value is not None:
+                    kwargs[name] = value
+            return original_forward(*args, **kwargs)
+
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)  # as the model's own forward does
+        # The backbone and the head are looked up on each call: FSDP and PEFT replace them after patching
+        backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)
+        if shift_labels is None:
+            hidden, labels = backbone_outputs.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = backbone_outputs.last_hidden_state, shift_labels
+        with _head_parameters(self.get_output_embeddings()) as (weight, bias):
+            # with `device_map`, the backbone can end on another device than the head
+            hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+            mask = labels != -100
+            device_type = hidden.device.type
+            if cast_lm_head_to_fp32:
+                hidden, compute_dtype = hidden.float(), torch.float32
+            elif torch.is_autocast_enabled(device_type):
+                compute_dtype = torch.get_autocast_dtype(device_type)
+            else:
+                compute_dtype = hidden.dtype
+            with (torch.autocast(device_type, enabled=False), maybe_gather_lm_head_ctx(weight, bias),
+                  _gathered_again_for_backward(weight, bias)):
+                w = weight.to(compute_dtype)
+                b = None if bias is None else bias.to(compute_dtype)
+                h = hidden.to(compute_dtype)
+                log_probs, entropy = grpo_fast.logprobs_and_entropy(
+                    h, w, labels, bias=b, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                    completion_mask=mask)
+                extra = _extra_outputs(h, w, b, labels, mask, temperature, softcap, logit_scale, extras)
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _load_balancing_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy if "entropy" in outputs else None,
+                                   label_mask=mask, aux_loss=aux_loss, **extra)
+
+    model.forward = types.MethodType(fused_forward, model)
+
+
+@contextlib.contextmanager
+def _head_parameters(lm_head):
+    """The head's weight and bias as tensors the kernel can read (see the module docstring on distributed)."""
+    reshard = False
+    if isinstance(lm_head, FSDPModule) and isinstance(lm_head.weight, DTensor):
+        # A head that is an FSDP unit of its own is never called, so FSDP's hooks would neither gather it nor
+        # reduce its gradient: gather it through FSDP, whose post-backward reduce-scatters the gradient and
+        # reshards. Without grad no backward will come: reshard as soon as the head is done.
+        lm_head.unshard()
+        reshard = not torch.is_grad_enabled()
+    try:
+        weight, bias = lm_head.weight, lm_head.bias
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        yield weight, bias
+    finally:
+        if reshard:
+            lm_head.reshard()
+
+
+@contextlib.contextmanager
+def _gathered_again_for_backward(*params):
+    """ZeRO-3: tensors saved for the backward that are one of ``params`` are gathered again when the backward
+    unpacks them (ZeRO-3 releases a gathered parameter when its gather context exits, before the backward)."""
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    ids = {id(p) for p in params if p is not None}
+
+    def pack(tensor):
+        return tensor, id(tensor) in ids
+
+    def unpack(packed):
+        tensor, is_partitioned_param = packed
+        if not is_partitioned_param:
+            return tensor
+        with maybe_gather_lm_head_ctx(tensor):
+            return tensor.detach().clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+@torch.no_grad()
+def _extra_outputs(hidden, weight, bias, labels, mask, temperature, softcap, logit_scale, names):
+    """The requested no-grad extras {name: [B, T]} (zero / False where the label is -100), exactly in fp32 from
+    chunks of the scored rows' logits (grpo_fast.reference.logits: the same transform)."""
+    if not names:
+        return {}
+    rows, targets = hidden[mask], labels[mask]
+    V = weight.shape[0]
+    values = {name: [] for name in names}
+    step = max(1, EXTRA_OUTPUTS_CHUNK_LOGITS // V)
+    for start in range(0, rows.shape[0], step):
+        z = reference.logits(rows[start:start + step], weight, bias, temperature, softcap, logit_scale)
+        y = targets[start:start + step]
+        if "log_sum_sq_probs" in values:  # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
+            values["log_sum_sq_probs"].append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+        if "mean_logits" in values:
+            values["mean_logits"].append(z.mean(-1))
+        if "is_top1" in values:  # the label is the first maximum, as TRL counts ties
+            values["is_top1"].append(z.argmax(-1) == y)
+    out = {}
+    for name, chunks in values.items():
+        if not chunks:  # no label at all
+            chunks = [torch.zeros(0, dtype=torch.bool if name == "is_top1" else torch.float32, device=hidden.device)]
+        out[name] = chunks[0].new_zeros(mask.shape).masked_scatter(mask, torch.cat(chunks))
+    return out
+
+
+def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
+    """The MoE load-balancing loss, as TRL's head computes it (Mixtral's function, which every MoE family uses)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    # transformers 5 configs name the expert counts `num_experts` / `num_experts_per_tok`; earlier models held them
+    num_experts = getattr(text_config, "num_experts", None) or model.num_experts
+    num_experts_per_tok = getattr(text_config, "num_experts_per_tok", None) or model.num_experts_per_tok
+    # padding-free batches pack every token into one row with no attention mask: every token counts
+    return load_balancing_loss_func(backbone_outputs.router_logits, num_experts, num_experts_per_tok, attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------- the trainers
+# Constructors of grpo_fast's trainers in progress, per TRL trainer module, and in this thread: while one runs,
+# the module's `add_fused_lm_head` is a dispatcher that gives grpo_fast's head to the threads constructing one.
+_swap_lock = threading.Lock()
+_swapped: dict[types.ModuleType, list] = {}  # module -> [TRL's add_fused_lm_head, constructors in progress]
+_this_thread = threading.local()
+
+
+@contextlib.contextmanager
+def _grpo_fast_head_in(trainer_module):
+    """Within: TRL's trainer module's calls to ``add_fused_lm_head`` from this thread patch grpo_fast's head."""
+    with _swap_lock:
+        if trainer_module not in _swapped:
+            trl_head = trainer_module.add_fused_lm_head
+
+            @functools.wraps(trl_head)
+            def dispatch(*args, **kwargs):
+                head = add_fused_lm_head if getattr(_this_thread, "constructing", 0) else trl_head
+                return head(*args, **kwargs)
+
+            trainer_module.add_fused_lm_head = dispatch
+            _swapped[trainer_module] = [trl_head, 0]
+        _swapped[trainer_module][1] += 1
+    _this_thread.constructing = getattr(_this_thread, "constructing", 0) + 1
+    try:
+        yield
+    finally:
+        _this_thread.constructing -= 1
+        with _swap_lock:
+            entry = _swapped[trainer_module]
+            entry[1] -= 1
+            if entry[1] == 0:
+                trainer_module.add_fused_lm_head = entry[0]
+                del _swapped[trainer_module]
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with grpo_fast's fused head on the policy and the reference model: same constructor,
+    same ``GRPOConfig``, same loss; only the per-token log-probs and entropies are computed by grpo_fast."""
+
+    @functools.wraps(trl.GRPOTrainer.__init__)
+    def __init__(self, *args, **kwargs):
+        with _grpo_fast_head_in(_trl_grpo_trainer):
+            super().__init__(*args, **kwargs)
+
+
+class RLOOTrainer(trl.RLOOTrainer):
+    """TRL's ``RLOOTrainer`` with grpo_fast's fused head on the policy and the reference model (see ``GRPOTrainer``)."""
+
+    @functools.wraps(trl.RLOOTrainer.__init__)
+    def __init__(self, *args, **kwargs):
+        with _grpo_fast_head_in(_trl_rloo_trainer):
+            super().__init__(*args, **kwargs)

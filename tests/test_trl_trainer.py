@@ -1,0 +1,195 @@
+"""grpo_fast.trl's GRPOTrainer / RLOOTrainer against TRL 1.16's own on the same model, seed and data (fp32, CPU).
+
+Training runs: the completions must be identical (generation does not go through the fused head), then every
+logged metric and loss, every parameter's gradient at every optimizer step and the trained parameters agree within
+1e-5. One shared generation batch then sweeps every loss type x importance-sampling level and the loss options
+through ``compute_loss``. TRL's ``ChunkedLogProbFunction`` is made to raise around every grpo_fast trainer, and a
+test shows that the trap does catch TRL's own trainer.
+"""
+
+import contextlib
+import copy
+import threading
+
+import pytest
+import torch
+import trl
+from peft import LoraConfig
+from trl.trainer import grpo_trainer as trl_grpo_trainer
+from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+
+import grpo_fast.trl
+from grpo_fast.trl import GRPOTrainer, RLOOTrainer
+from trl_harness import (
+    _PROMPTS, byte_tokenizer, grpo_config, set_loss_options, tiny_gemma2, tiny_prompt_dataset, tiny_qwen2,
+)
+from trl_pairs import (
+    assert_close, assert_runs_match, assert_tensors_close, save_model, token_reward, train, trl_kernel_forbidden,
+)
+
+LOGGED = dict(logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5, max_steps=2)
+
+
+def runs(model, args, trainer_classes=(trl.GRPOTrainer, GRPOTrainer), **kwargs):
+    """TRL's run and grpo_fast's (with TRL's kernel forbidden) of the same model (a path, or copied)."""
+    theirs_cls, ours_cls = trainer_classes
+    copy_of = (lambda m: m) if isinstance(model, str) else copy.deepcopy
+    theirs = train(theirs_cls, copy_of(model), args, **kwargs)
+    ours = train(ours_cls, copy_of(model), args, forbid_trl_kernel=True, **kwargs)
+    return ours, theirs
+
+
+def test_reference_model_accumulation_generation_reuse_entropy_bonus_and_mask(tmp_path):
+    """Untied Qwen2 loaded by path (TRL builds the reference model from it: beta != 0 runs grpo_fast's head on the
+    reference model), gradient accumulation 2, steps_per_generation 2, num_iterations 2 (old-policy log-probs),
+    entropy bonus, top-entropy mask, temperature."""
+    path = save_model(tiny_qwen2(), tmp_path / "qwen2")
+    args = grpo_config(beta=0.04, gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2,
+                       entropy_coef=0.01, top_entropy_quantile=0.5, temperature=0.9, loss_type="dapo", **LOGGED)
+    ours, theirs = runs(path, args)
+    assert_runs_match(ours, theirs)
+    assert {"kl", "entropy", "clip_ratio/region_mean"} <= theirs.log_history[0].keys()
+    assert any(entry.get("kl", 0) > 0 for entry in theirs.log_history)  # the reference model was used
+
+
+def test_tied_embeddings_lora_reference_and_gradient_checkpointing():
+    """Tied Qwen2 + PEFT LoRA (the head patched on the base model; beta != 0: the reference is the policy with the
+    adapter disabled), gradient checkpointing, sequence-level importance sampling, accumulation 2."""
+    model = tiny_qwen2(tie_word_embeddings=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
+    args = grpo_config(beta=0.04, gradient_checkpointing=True, gradient_accumulation_steps=2, loss_type="grpo",
+                       importance_sampling_level="sequence", **LOGGED)
+    ours, theirs = runs(model, args, peft_config=lora)
+    assert_runs_match(ours, theirs)
+    assert ours.grads[0] and all("lora_" in name for name in ours.grads[0])
+
+
+def test_softcapped_tied_gemma2():
+    """Gemma 2's final-logit soft-cap, made to bind: cap 2.0 and a head scaled so that the raw logits reach 10+; its
+    embeddings are tied, all parameters trained (the head's gradient and the embedding's meet in one tensor)."""
+    model = tiny_gemma2(final_logit_softcapping=2.0)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # tied to the input embeddings: Gemma 2 normalises them anyway
+        hidden = model.model(input_ids=torch.arange(16)[None]).last_hidden_state
+        assert (hidden @ model.lm_head.weight.T).abs().max() > 5 * model.config.final_logit_softcapping
+    args = grpo_config(loss_type="bnpo", temperature=0.7, steps_per_generation=2, **LOGGED)
+    ours, theirs = runs(model, args)
+    assert_runs_match(ours, theirs)
+
+
+def test_rloo_trainer(tmp_path):
+    """RLOOTrainer shares the head: same comparison, with its reference model (beta != 0)."""
+    path = save_model(tiny_qwen2(), tmp_path / "qwen2")
+    args = trl.RLOOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=False,
+                          per_device_train_batch_size=4, num_generations=2, max_completion_length=8, beta=0.04,
+                          gradient_accumulation_steps=2, num_iterations=2, save_strategy="no", disable_tqdm=True,
+                          dataloader_num_workers=0, seed=0, **LOGGED)
+    ours, theirs = runs(path, args, trainer_classes=(trl.RLOOTrainer, RLOOTrainer))
+    assert_runs_match(ours, theirs)
+
+
+def test_the_kernel_trap_catches_trl_own_trainer():
+    """The trap around grpo_fast's runs is not vacuous: TRL's own trainer trips it."""
+    with pytest.raises(AssertionError, match="ChunkedLogProbFunction ran"):
+        train(trl.GRPOTrainer, tiny_qwen2(), grpo_config(max_steps=1), forbid_trl_kernel=True)
+
+
+def test_every_patched_model_gets_grpo_fast_head_and_trl_name_is_restored(tmp_path):
+    path = save_model(tiny_qwen2(), tmp_path / "qwen2")
+    trainer = GRPOTrainer(model=path, reward_funcs=[token_reward], args=grpo_config(beta=0.04),
+                          train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+    for model in (trainer.model, trainer.ref_model):
+        assert model.forward.__func__.__code__.co_filename == grpo_fast.trl.__file__
+    assert trl_grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
+
+
+def test_other_threads_keep_trl_head_while_a_grpo_fast_trainer_is_built():
+    """The swapped name dispatches per thread: a TRL trainer built concurrently in another thread gets TRL's head."""
+    seen = {}
+
+    def patch_in_other_thread():
+        model = tiny_qwen2()
+        trl_grpo_trainer.add_fused_lm_head(model)
+        seen["other"] = model.forward.__func__.__code__.co_filename
+
+    with grpo_fast.trl._grpo_fast_head_in(trl_grpo_trainer):
+        model = tiny_qwen2()
+        trl_grpo_trainer.add_fused_lm_head(model)
+        seen["this"] = model.forward.__func__.__code__.co_filename
+        thread = threading.Thread(target=patch_in_other_thread)
+        thread.start()
+        thread.join()
+    assert seen["this"] == grpo_fast.trl.__file__ and seen["other"] != grpo_fast.trl.__file__
+    assert trl_grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
+
+
+# ------------------------------------------------------------------------ loss options on one generation batch
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# the options a case may change, at their GRPOConfig defaults (each case sets them all, so none leaks into the next)
+OPTION_DEFAULTS = dict(loss_type="dapo", importance_sampling_level="token", epsilon=0.2, epsilon_high=None,
+                       delta=None, use_bias_correction_kl=True, top_entropy_quantile=1.0, entropy_coef=0.0,
+                       off_policy_mask_threshold=None)
+OPTION_CASES = [dict(loss_type=t, importance_sampling_level=level)
+                for t in LOSS_TYPES for level in ("token", "sequence")]
+OPTION_CASES += [dict(loss_type="grpo", delta=1.5, epsilon_high=0.28),
+                 dict(loss_type="dapo", use_bias_correction_kl=False),
+                 dict(loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=0.05),
+                 dict(loss_type="grpo", off_policy_mask_threshold=0.01)]
+
+
+@pytest.fixture(scope="module")
+def trainer_pair(tmp_path_factory):
+    """TRL's trainer and grpo_fast's on the same saved Qwen2 (beta != 0, so each has a reference model), each with its
+    own generation batch from the same seed (old and reference log-probs from its own head), then both policies
+    moved by the same noise so that the importance ratios differ from 1 and clipping happens."""
+    path = save_model(tiny_qwen2(), tmp_path_factory.mktemp("qwen2"))
+    args = grpo_config(beta=0.04, num_iterations=2)  # num_iterations 2 with no accumulation: old log-probs computed
+    prompts = [{"prompt": p} for p in _PROMPTS[:2] for _ in range(args.num_generations)]
+    pair = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("grpo_fast", GRPOTrainer)):
+        with trl_kernel_forbidden() if name == "grpo_fast" else contextlib.nullcontext():
+            torch.manual_seed(0)
+            trainer = cls(model=path, reward_funcs=[token_reward], args=args, train_dataset=tiny_prompt_dataset(),
+                          processing_class=byte_tokenizer())
+            trainer.model.train()
+            trainer.current_gradient_accumulation_steps = 1
+            torch.manual_seed(1)
+            inputs = trainer._generate_and_score_completions(prompts)
+        noise = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=noise))
+        pair[name] = trainer, inputs
+    return pair
+
+
+def test_generation_batches_match(trainer_pair):
+    (_, theirs), (_, ours) = trainer_pair["trl"], trainer_pair["grpo_fast"]
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        assert_close(ours[key] * ours["completion_mask"], theirs[key] * theirs["completion_mask"], key)
+    assert_close(ours["advantages"], theirs["advantages"], "advantages")
+
+
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_loss_options_match_trl(trainer_pair, options):
+    results = {}
+    for name, (trainer, inputs) in trainer_pair.items():
+        set_loss_options(trainer, **{**OPTION_DEFAULTS, **options})
+        trainer._metrics["train"].clear()
+        trainer.model.zero_grad(set_to_none=True)
+        with trl_kernel_forbidden() if name == "grpo_fast" else contextlib.nullcontext():
+            loss = trainer.compute_loss(trainer.model, inputs)
+            loss.backward()
+        grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        results[name] = loss.detach(), grads, metrics
+    (loss, grads, metrics), (ref_loss, ref_grads, ref_metrics) = results["grpo_fast"], results["trl"]
+    assert_close(loss, ref_loss, "loss")
+    assert_tensors_close(grads, ref_grads, "gradient")
+    assert metrics.keys() == ref_metrics.keys()
+    for key in ref_metrics:
+        assert_close(metrics[key], ref_metrics[key], key)
+    if options == OPTION_CASES[0]:  # grpo, token level: the noise moved the policy enough to clip
+        assert ref_metrics["clip_ratio/region_mean"] > 0
