@@ -1,11 +1,13 @@
-"""The grpo_fast benchmark: speed and peak memory against eager PyTorch, torch.compile and Liger-Kernel.
+"""The grpo_fast benchmark: speed, peak memory and precision against eager PyTorch, torch.compile, TRL 1.16's fused
+head and Liger-Kernel, on dense and padded batches.
 
-    python -m bench --quick                 # a first look (CPU: small shapes, CPU numbers only)
-    python -m bench                         # the full sweep on a CUDA GPU (model shapes, N = 2k .. 64k tokens)
+    python -m bench --quick                 # a first look (CPU: a tiny shape, CPU numbers only)
+    python -m bench                         # the full sweep (GPU: model shapes, N = 2k .. 64k; CPU: two model heads)
 
 Modules: shapes (the named lm_head shapes and token counts), impls (the registry of implementations),
-inputs (the batch and the guard's chunked fp32 reference), measure (timers, peak memory, matmul throughput),
-runner (the sweep), report (JSON, Markdown, goals, plot). See bench/README.md.
+inputs (the batches and the chunked fp64 truth), completion_lengths (the padded batch's GSM8K lengths),
+measure (timers, peak memory, matmul throughput), runner (the sweep), report (JSON, Markdown, goals, plot).
+See bench/README.md.
 """
 
 from bench.impls import IMPLS, Impl, register

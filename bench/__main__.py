@@ -1,9 +1,10 @@
-"""python -m bench: grpo_fast against eager PyTorch, torch.compile and Liger-Kernel, speed and peak memory.
+"""python -m bench: grpo_fast against eager PyTorch, torch.compile, TRL 1.16's fused head and Liger-Kernel: speed,
+peak memory and precision against fp64, on dense and padded batches.
 
     python -m bench --quick                                   # a first look
-    python -m bench                                           # the full sweep (GPU)
-    python -m bench --shapes qwen2.5-1.5b --tokens 16384 --impls eager,liger,grpo_fast --mode fwdbwd
-    python -m bench --shapes 64x2000 --tokens 512 --device cpu --dtype float32
+    python -m bench                                           # the full sweep
+    python -m bench --shapes qwen2.5-1.5b --tokens 16384 --impls eager,trl,liger,grpo_fast --mode fwdbwd
+    python -m bench --shapes 64x2000 --tokens 512 --device cpu --dtype float32 --scenarios padded
 
 Writes <out-dir>/<device>-<date>[-quick].json, .md and .png (see bench/README.md).
 """
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from bench import completion_lengths, measure, report, runner
 from bench import impls as impl_registry
-from bench import measure, report, runner
-from bench.inputs import LOSS_CONFIG
+from bench.inputs import LOSS_CONFIG, SCENARIOS
 from bench.shapes import (CPU_FULL_SHAPES, CPU_QUICK_SHAPES, CPU_QUICK_TOKENS, CPU_SHAPES, CPU_TOKENS,
                           GPU_QUICK_SHAPES, GPU_QUICK_TOKENS, GPU_TOKENS, MODEL_SHAPES, resolve_shape)
 
@@ -46,12 +47,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", help="comma-separated: " + ", ".join(list(MODEL_SHAPES) + list(CPU_SHAPES))
-                   + ", or DxV (default: the model shapes on a GPU, the cpu-* shapes on a CPU)")
-    p.add_argument("--tokens", help="comma-separated tokens per call N = 16 x T, e.g. 2k,4k,16k,64k "
+                   + ", or DxV (default: the model shapes on a GPU; CPU " + ",".join(CPU_FULL_SHAPES)
+                   + ", quick " + ",".join(CPU_QUICK_SHAPES) + ")")
+    p.add_argument("--tokens", help="comma-separated positions per call N = 16 x T, e.g. 2k,4k,16k,64k "
                    f"(default GPU {','.join(map(str, GPU_TOKENS))}; CPU {','.join(map(str, CPU_TOKENS))})")
     p.add_argument("--impls", help="comma-separated: " + ", ".join(impl_registry.IMPLS)
                    + f" (default GPU {','.join(impl_registry.DEFAULT_GPU)}; CPU {','.join(impl_registry.DEFAULT_CPU)})")
     p.add_argument("--mode", choices=("fwdbwd", "logprobs", "both"), default="both")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="comma-separated: dense (every completion T tokens), padded (GSM8K solutions' lengths, "
+                        "padded to the longest) (default: both)")
     p.add_argument("--reps", type=int, help="timed runs (at most; default 10, quick 5, CPU quick 3)")
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--warmup", type=int, help="untimed runs after the guard's run, itself untimed (default 1)")
@@ -90,11 +95,15 @@ def build_options(args):
         tokens = list(CPU_QUICK_TOKENS if args.quick else CPU_TOKENS)
     impls = impl_registry.resolve(_csv(args.impls), device)
     modes = ["fwdbwd", "logprobs"] if args.mode == "both" else [args.mode]
+    scenarios = _csv(args.scenarios)
+    for scenario in scenarios:
+        if scenario not in SCENARIOS:
+            raise SystemExit(f"--scenarios: unknown scenario {scenario!r}: choose from {', '.join(SCENARIOS)}")
     reps = args.reps or (10 if not args.quick else (5 if cuda else 3))
     warmup = args.warmup if args.warmup is not None else 1  # after the guard's run, itself a first warm-up
-    return runner.Options(shapes=shapes, tokens=tokens, impls=impls, modes=modes, device=device,
-                          dtype=DTYPES[args.dtype or ("bfloat16" if cuda else "float32")], reps=reps, warmup=warmup,
-                          min_reps=min(args.min_reps, reps),
+    return runner.Options(shapes=shapes, tokens=tokens, impls=impls, modes=modes, scenarios=scenarios,
+                          device=device, dtype=DTYPES[args.dtype or ("bfloat16" if cuda else "float32")], reps=reps,
+                          warmup=warmup, min_reps=min(args.min_reps, reps),
                           max_seconds=args.max_seconds, time_budget=args.time_budget, backend=args.backend,
                           seed=args.seed, progress=not args.no_progress)
 
@@ -131,6 +140,9 @@ def main(argv=None):
         reps=opts.reps, warmup=opts.warmup, min_reps=opts.min_reps, max_seconds=opts.max_seconds,
         impl_labels={i.name: i.label + (f" [{i.note}]" if i.note else "") for i in opts.impls},
         shapes={name: dict(D=D, V=V) for name, D, V in opts.shapes}, tokens=opts.tokens, modes=opts.modes,
+        scenarios=opts.scenarios, padded_lengths=completion_lengths.describe(),
+        precision_method="errors against grpo_fast.reference with fp64 logits, on the completion tokens: loss "
+                         "|abs|; dH, dW max |error| / max |truth|; log-probs max |error| in nats",
         time_budget_s=None if opts.time_budget == float("inf") else args.time_budget,
         env={k: os.environ[k] for k in ("TRITON_INTERPRET", "GRPO_FAST_BWD") if k in os.environ},
     )

@@ -3,13 +3,17 @@
 An Impl builds, for a mode, a function of (inputs, weight):
   mode "fwdbwd":   returns the loss (a differentiable scalar, or a tuple whose first item is); the runner calls
                    backward on it, so the timed region is forward + backward (gradients of hidden and weight).
-  mode "logprobs": returns the per-token log-probs [B, T] of the targets, without autograd.
+  mode "logprobs": returns the per-token log-probs [B, T] of the targets, without autograd (only the completion
+                   tokens' are checked: an implementation that skips the padding may leave anything there).
 ``weight`` is inputs.weight (requires grad) or, for a frozen Impl, inputs.weight_frozen (the same storage, no
-grad: the LoRA case, no dW). Every implementation gets the same batch and loss configuration (inputs.loss_kwargs).
+grad: the LoRA case, no dW). Every implementation gets the same batch, completion mask (inputs.mask) and loss
+configuration (inputs.loss_kwargs); those that can skip the padding are given the mask to do so, eager PyTorch
+computes every position as a plain training step does.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,8 +63,8 @@ def _build_eager(mode, options):
     return lambda x, w: _eager_logprobs(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"])
 
 
-register(Impl("eager", "eager PyTorch (grpo_fast.reference: full logits, matmul in the input dtype, as TRL)",
-              _build_eager))
+register(Impl("eager", "eager PyTorch (grpo_fast.reference: full logits of every position, matmul in the input "
+              "dtype)", _build_eager))
 
 # ----------------------------------------------------------------------------------------------- torch.compile
 _COMPILED = {}
@@ -90,14 +94,18 @@ register(Impl("compile", "eager PyTorch under torch.compile (default mode)", _bu
 # ----------------------------------------------------------------------------------------------- Liger-Kernel
 
 
-def _liger_unavailable(device):
+def _import_failure(package, modules):
+    """Why ``package`` is unavailable (None when it is): the first of ``modules`` that fails to import, and why."""
     try:
-        import importlib
-
-        importlib.import_module("liger_kernel.chunked_loss").LigerFusedLinearGRPOLoss
-    except Exception as e:  # ImportError, or a failure inside its import (it imports Triton kernels)
-        return f"liger-kernel cannot be imported: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        for module in modules:
+            importlib.import_module(module)
+    except Exception as e:  # ImportError, or a failure inside its imports (Triton kernels, transformers, ...)
+        return f"{package} cannot be imported: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
+
+
+def _liger_unavailable(device):
+    return _import_failure("liger-kernel", ("liger_kernel.chunked_loss",))
 
 
 def _build_liger(mode, options):
@@ -126,7 +134,8 @@ def _build_liger(mode, options):
             cache[key] = LigerFusedLinearGRPOLoss(
                 beta=kw["beta"], compiled=x.hidden.is_cuda, use_ref_model=kw["beta"] != 0.0, chunk_size=1,
                 epsilon_low=kw["epsilon"], epsilon_high=kw["epsilon_high"], loss_type=kw["loss_type"],
-                importance_sampling_level=kw["importance_sampling_level"], temperature=kw["temperature"])
+                importance_sampling_level=kw["importance_sampling_level"], temperature=kw["temperature"],
+                use_bias_correction_kl=kw["use_bias_correction_kl"])
         # returns (loss, (mean KL, clip ratio)); it computes the gradients inside its forward
         return cache[key](x.hidden, w, x.targets, x.mask, x.advantages, bias=None,
                           ref_per_token_logps=x.ref_logprobs, old_per_token_logps=x.old_logprobs,
@@ -141,6 +150,53 @@ register(Impl("liger", "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)", _
 register(Impl("liger_frozen", "Liger-Kernel, lm_head frozen (no dW)", _build_liger, modes=("fwdbwd",), frozen=True,
               unavailable=_liger_unavailable))
 
+# ----------------------------------------------------------------------------------------------- TRL's fused head
+# TRL 1.16's GRPOTrainer patches the policy with add_fused_lm_head (trl/trainer/utils.py): the model's forward
+# calls trl.kernels.ChunkedLogProbFunction on the positions whose label is not -100, [4096 tokens x 32768 vocab]
+# tiles of logits in the input dtype (cuBLAS), each folded into an online logsumexp by a Triton kernel (its torch
+# twin on a CPU), the backward recomputing each tile; the trainer's _compute_loss then applies the GRPO formula,
+# which grpo_fast.reference.token_loss follows line by line. On CUDA, add_fused_lm_head scores only the labelled
+# positions (hidden[mask]); on other devices it scores every position, to keep the tile shapes fixed. The
+# benchmark scores only the completion tokens on every device: what a TRL user gets on a GPU.
+
+
+def _trl_unavailable(device):
+    # ChunkedLogProbFunction's backward imports trl.trainer.utils (and with it datasets and accelerate)
+    return _import_failure("trl", ("trl.kernels", "trl.trainer.utils"))
+
+
+def _build_trl(mode, options):
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE  # the vocabulary tile add_fused_lm_head passes
+
+    def completion_outputs(x, w, outputs):
+        """ChunkedLogProbFunction on the completion tokens, each requested output scattered back to [B, T] with
+        zeros at the padding (add_fused_lm_head's masked_scatter)."""
+        per_token = ChunkedLogProbFunction.apply(
+            x.hidden[x.mask], w, None, x.targets[x.mask], x.loss_kwargs()["temperature"],
+            _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs)  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads)
+        return [None if t is None else t.new_zeros(x.mask.shape).masked_scatter(x.mask, t) for t in per_token[:2]]
+
+    if mode == "logprobs":
+        def logprobs(x, w):  # the reference model's head: add_fused_lm_head's default outputs
+            with torch.no_grad():
+                return completion_outputs(x, w, ("log_probs",))[0]
+
+        return logprobs
+
+    def loss(x, w):  # the policy's head computes the entropy too (the trainer's `entropy` metric)
+        logp, entropy = completion_outputs(x, w, ("log_probs", "entropy"))
+        kw = x.loss_kwargs()
+        del kw["temperature"]  # applied in the head
+        return reference.token_loss(logp, x.advantages, x.mask, entropy=entropy, old_logprobs=x.old_logprobs,
+                                    ref_logprobs=x.ref_logprobs, **kw)
+
+    return loss
+
+
+register(Impl("trl", "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction on the completion tokens) + "
+              "TRL's GRPO loss", _build_trl, unavailable=_trl_unavailable))
+
 # ----------------------------------------------------------------------------------------------- grpo_fast
 
 
@@ -150,20 +206,21 @@ def _build_grpo_fast(mode, options):
         return lambda x, w: grpo_fast.loss(x.hidden, w, x.targets, x.advantages, x.mask, old_logprobs=x.old_logprobs,
                                            ref_logprobs=x.ref_logprobs, backend=backend, **x.loss_kwargs())
     return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"],
-                                           backend=backend)
+                                           completion_mask=x.mask, backend=backend)
 
 
 register(Impl("grpo_fast", "grpo_fast (Triton on CUDA; chunked torch on a CPU)", _build_grpo_fast))
 register(Impl("grpo_fast_frozen", "grpo_fast, lm_head frozen (LoRA: no dW)", _build_grpo_fast, modes=("fwdbwd",),
               frozen=True))
 
-DEFAULT_GPU = ("eager", "compile", "liger", "grpo_fast", "grpo_fast_frozen")
-DEFAULT_CPU = ("eager", "liger", "grpo_fast", "grpo_fast_frozen")  # torch.compile on a CPU: ask for it
+DEFAULT_GPU = ("eager", "compile", "trl", "liger", "grpo_fast", "grpo_fast_frozen")
+DEFAULT_CPU = ("eager", "trl", "liger", "grpo_fast", "grpo_fast_frozen")  # torch.compile on a CPU: ask for it
 
 
 def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:
-    """The work's floor, the same for every implementation: 2NDV for the forward matmul; forward + backward
-    with the logits recomputed: 8NDV (forward, recompute, dH, dW), 6NDV without dW (frozen lm_head)."""
+    """The work's floor for N completion tokens, the same for every implementation: 2NDV for the forward matmul;
+    forward + backward with the logits recomputed: 8NDV (forward, recompute, dH, dW), 6NDV without dW (frozen
+    lm_head). Padding is no part of the work: an implementation that computes it does more."""
     if mode == "logprobs":
         return 2 * N * D * V
     return (6 if frozen else 8) * N * D * V

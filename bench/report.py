@@ -15,10 +15,10 @@ import torch
 
 from bench.shapes import GOAL_SHAPE, GOAL_TOKENS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: scenarios (dense, padded), the fp64 truth, flops on the completion tokens
 STATUSES = ("ok", "wrong", "oom", "unavailable", "error", "skipped")
 CPU_BANNER = ("CPU numbers: not GPU figures. This run had no CUDA device: it times the CPU fallback "
-              "(grpo_fast's chunked torch path) against eager PyTorch on small shapes.")
+              "(grpo_fast's chunked torch path) against eager PyTorch and the peers' CPU paths.")
 
 
 # ----------------------------------------------------------------------------------------------- environment
@@ -66,7 +66,7 @@ def git_commit() -> dict:
 
 def versions() -> dict:
     out = dict(python=platform.python_version(), torch=torch.__version__)
-    for mod in ("triton", "liger_kernel", "grpo_fast"):
+    for mod in ("triton", "liger_kernel", "trl", "grpo_fast"):
         try:
             m = __import__(mod)
             out[mod] = getattr(m, "__version__", "unknown")
@@ -88,8 +88,9 @@ def now():
 
 # ----------------------------------------------------------------------------------------------- derived numbers
 def derive(records, matmul_tflops):
-    """Adds TFLOP/s, % of the measured matmul throughput and the ratios to eager (same shape, N and mode)."""
-    eager = {(r["shape"], r["N"], r["mode"]): r for r in records if r["impl"] == "eager" and r["status"] == "ok"}
+    """Adds TFLOP/s, % of the measured matmul throughput, the ratios to eager (same shape, N, scenario and mode) and,
+    for a padded batch, the ratios to the same implementation on the dense batch of the same shape, N and mode."""
+    ok_records = {(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"]): r for r in records if r["status"] == "ok"}
     for r in records:
         r.setdefault("median_ms", None)
         r.setdefault("times_ms", [])
@@ -99,16 +100,25 @@ def derive(records, matmul_tflops):
         ok = r["status"] == "ok" and r["median_ms"]
         r["tflops"] = r["flops"] / (r["median_ms"] * 1e-3) / 1e12 if ok else None
         r["pct_of_matmul_peak"] = 100.0 * r["tflops"] / matmul_tflops if ok and matmul_tflops else None
-        e = eager.get((r["shape"], r["N"], r["mode"]))
-        r["ratio_time_vs_eager"] = r["median_ms"] / e["median_ms"] if ok and e else None
-        r["ratio_mem_vs_eager"] = (r["peak_mem_bytes"] / e["peak_mem_bytes"]
-                                   if ok and e and r["peak_mem_bytes"] is not None and e["peak_mem_bytes"] else None)
+        e = ok_records.get((r["shape"], r["N"], r["scenario"], r["mode"], "eager"))
+        r["ratio_time_vs_eager"], r["ratio_mem_vs_eager"] = _ratios(r, e) if ok else (None, None)
+        d = ok_records.get((r["shape"], r["N"], "dense", r["mode"], r["impl"])) if r["scenario"] != "dense" else None
+        r["ratio_time_vs_dense"], r["ratio_mem_vs_dense"] = _ratios(r, d) if ok else (None, None)
     return records
 
 
-def _find(records, impl, shape=GOAL_SHAPE, N=GOAL_TOKENS, mode="fwdbwd"):
+def _ratios(r, other):
+    """(time ratio, peak memory ratio) of record r to the record other (None where either lacks the number)."""
+    if other is None:
+        return None, None
+    mem = (r["peak_mem_bytes"] / other["peak_mem_bytes"]
+           if r["peak_mem_bytes"] is not None and other["peak_mem_bytes"] else None)
+    return r["median_ms"] / other["median_ms"], mem
+
+
+def _find(records, impl, shape=GOAL_SHAPE, N=GOAL_TOKENS, mode="fwdbwd", scenario="dense"):
     for r in records:
-        if (r["impl"], r["shape"], r["N"], r["mode"]) == (impl, shape, N, mode):
+        if (r["impl"], r["shape"], r["N"], r["mode"], r["scenario"]) == (impl, shape, N, mode, scenario):
             return r
     return None
 
@@ -204,16 +214,19 @@ def _fmt(v, spec):
     return "" if v is None else format(v, spec)
 
 
-def _err_cell(r):
-    e = r.get("errors") or {}
-    parts = []
-    for key, short in (("loss_abs_err", "loss"), ("grad_hidden_rel_err", "dH"), ("grad_weight_rel_err", "dW"),
-                       ("logprobs_max_abs_err", "logp")):
-        if e.get(key) is not None:
-            parts.append(f"{short} {e[key]:.1e}")
-    return ", ".join(parts)
+# the precision columns of each mode: (key in a record's errors, column title)
+ERROR_COLUMNS = {
+    "fwdbwd": (("loss_abs_err", "loss err"), ("grad_hidden_rel_err", "dH rel err"),
+               ("grad_weight_rel_err", "dW rel err")),
+    "logprobs": (("logprobs_max_abs_err", "logp err"),),
+}
 
 
+def _batch(r):
+    return "dense" if r["scenario"] == "dense" else f"{r['scenario']} {100 * r['fill']:.0f}%"
+
+
+MODES_ORDER = ("fwdbwd", "logprobs")
 MODE_TITLES = {"fwdbwd": "Forward + backward (loss, dH, dW)", "logprobs": "Log-probs, no grad (reference / old policy)"}
 
 
@@ -222,7 +235,38 @@ def display_order(doc):
     m, records = doc["meta"], doc["results"]
     shapes = list(m.get("shapes") or {}) + [r["shape"] for r in records]
     impls = list(m.get("impl_labels") or {}) + [r["impl"] for r in records]
-    return sorted(records, key=lambda r: (shapes.index(r["shape"]), r["N"], impls.index(r["impl"])))
+    return sorted(records, key=lambda r: (shapes.index(r["shape"]), r["N"], r["scenario"] != "dense",
+                                          impls.index(r["impl"])))
+
+
+def _time_and_memory_cells(r):
+    """[median ms, peak MiB] of a record for the summary table (its status when it was not timed)."""
+    if r is None:
+        return ["", ""]
+    if r["status"] != "ok":
+        return [f"**{r['status'].upper()}**", ""]
+    return [_fmt(r["median_ms"], ".1f"), _fmt(_mib(r["peak_mem_bytes"]), ".0f")]
+
+
+def summary_markdown(doc) -> list[str]:
+    """One row per (shape, N, batch, implementation): both modes' time and peak memory and the precision columns,
+    the table the top-level README shows."""
+    records = display_order(doc)
+    by_mode = {(r["shape"], r["N"], r["scenario"], r["impl"], r["mode"]): r for r in records}
+    lines = ["| shape | N | batch | implementation | fwd+bwd ms | fwd+bwd MiB | log-probs ms | log-probs MiB "
+             "| logp err | dH rel err | dW rel err |",
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key in dict.fromkeys((r["shape"], r["N"], r["scenario"], r["impl"]) for r in records):
+        fwdbwd, logprobs = by_mode.get((*key, "fwdbwd")), by_mode.get((*key, "logprobs"))
+        first = fwdbwd or logprobs
+        if all(r is None or r["status"] in ("unavailable", "skipped") for r in (fwdbwd, logprobs)):
+            continue  # the "Why not timed" list says why
+        errors = [_fmt((r or {}).get("errors", {}).get(k), ".1e") for r, k in (
+            (logprobs, "logprobs_max_abs_err"), (fwdbwd, "grad_hidden_rel_err"), (fwdbwd, "grad_weight_rel_err"))]
+        lines.append("| " + " | ".join([first["shape"], str(first["N"]), _batch(first), first["impl"],
+                                        *_time_and_memory_cells(fwdbwd), *_time_and_memory_cells(logprobs),
+                                        *errors]) + " |")
+    return lines
 
 
 def markdown(doc) -> str:
@@ -235,17 +279,22 @@ def markdown(doc) -> str:
     v = m["versions"]
     lines += [
         f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
-        f"- torch {v['torch']}, triton {v.get('triton')}, liger-kernel {v.get('liger_kernel') or 'not installed'}, "
-        f"python {v['python']}" + (f", CUDA {m['cuda_version']}" if m.get("cuda_version") else ""),
-        f"- dtype {m['dtype']}; loss {json.dumps(m['loss_config'])}; B = 16 completions x T tokens",
+        f"- torch {v['torch']}, triton {v.get('triton')}, trl {v.get('trl') or 'not installed'}, "
+        f"liger-kernel {v.get('liger_kernel') or 'not installed'}, python {v['python']}"
+        + (f", CUDA {m['cuda_version']}" if m.get("cuda_version") else ""),
+        f"- dtype {m['dtype']}; loss {json.dumps(m['loss_config'])}; B = 16 completions x T positions (N = B T)",
+        "- batches: `dense`, every completion T tokens; `padded NN%`, the completions' lengths those of GSM8K "
+        "solutions (SmolLM2 tokens, bench/completion_lengths.py) scaled so that the longest fills T, NN% = the "
+        "completion tokens' fraction of the B T positions; the implementations that can skip padding get the mask",
         f"- measured {m['dtype']} matmul throughput: {m['matmul_peak_tflops']:.4g} TFLOP/s "
         f"({m['matmul_size']}^3 products)" if m.get("matmul_peak_tflops") else "- matmul throughput: not measured",
         f"- time: {m['timing_method']}; peak memory: {m['memory_method']}",
-        "- TFLOP/s count the work's floor for every implementation: 2NDV (log-probs), 8NDV (fwd+bwd with "
-        "recompute), 6NDV (frozen lm_head, no dW); `x eager` is the ratio to eager (which computes dW) at the same "
-        "point; peak MiB is the memory above the inputs, gradients included",
-        "- every implementation is checked against grpo_fast.reference (fp32, row-chunked) before timing: "
-        "`wrong` is not timed; `oom` ran out of memory",
+        "- TFLOP/s count the work's floor for every implementation, on the completion tokens n: 2nDV (log-probs), "
+        "8nDV (fwd+bwd with recompute), 6nDV (frozen lm_head, no dW); `x eager` is the ratio to eager (which "
+        "computes dW) at the same point; peak MiB is the memory above the inputs, gradients included",
+        "- precision (`err` columns), at the input dtype, against grpo_fast.reference with fp64 logits (row-chunked) "
+        "on the completion tokens: loss |error|; dH, dW: max |error| / max |truth|; logp: max |error| in nats. "
+        "Beyond the guard's tolerances an implementation is `wrong` and not timed; `oom` ran out of memory",
         "",
         f"## Goals (Qwen2.5-1.5B shape, N = {GOAL_TOKENS} tokens, fwd+bwd)",
         "",
@@ -254,34 +303,53 @@ def markdown(doc) -> str:
     ]
     for g in doc.get("goals", []):
         lines.append(f"| {g['goal']} | {g['target']} | {g['measured'] or ''} | **{g['result']}** | {g['note']} |")
-    lines.append("")
-    for mode in ("fwdbwd", "logprobs"):
+    lines += ["", "## Summary", "", *summary_markdown(doc), ""]
+    for mode in MODES_ORDER:
         rows = [r for r in records if r["mode"] == mode]
         if not rows:
             continue
+        columns = ERROR_COLUMNS[mode]
         lines += [f"## {MODE_TITLES[mode]}", "",
-                  "| shape | N | implementation | status | median ms | x eager | peak MiB | mem x eager | TFLOP/s "
-                  "| % matmul | max error |",
-                  "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "| shape | N | batch | implementation | status | median ms | x eager | peak MiB | mem x eager "
+                  "| TFLOP/s | % matmul | " + " | ".join(title for _, title in columns) + " |",
+                  "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+                  + " ---: |" * len(columns)]
         for r in rows:
             status = r["status"] if r["status"] == "ok" else f"**{r['status'].upper()}**"
+            errors = " | ".join(_fmt(r["errors"].get(key), ".1e") for key, _ in columns)
             lines.append(
-                f"| {r['shape']} | {r['N']} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
+                f"| {r['shape']} | {r['N']} | {_batch(r)} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
                 f"| {_fmt(r['ratio_time_vs_eager'], '.3f')} | {_fmt(_mib(r['peak_mem_bytes']), '.1f')} "
                 f"| {_fmt(r['ratio_mem_vs_eager'], '.3f')} | {_fmt(r['tflops'], '.3g')} "
-                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_err_cell(r)} |")
+                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {errors} |")
         lines.append("")
-    notes = [(r["shape"], r["N"], r["mode"], r["impl"], r["status"], r["reason"]) for r in records
+    padded = [r for r in records if r["scenario"] != "dense" and r["status"] not in ("unavailable", "skipped")]
+    if padded:
+        dense = {(r["shape"], r["N"], r["mode"], r["impl"]): r for r in records if r["scenario"] == "dense"}
+        lines += ["## Padded batch against the dense batch (same B x T positions)", "",
+                  "| shape | N | mode | batch | completion tokens | implementation | ms dense | ms padded "
+                  "| time x dense | MiB dense | MiB padded | mem x dense |",
+                  "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in sorted(padded, key=lambda r: MODES_ORDER.index(r["mode"])):  # stable: display order within
+            d = dense.get((r["shape"], r["N"], r["mode"], r["impl"]), {})
+            lines.append(
+                f"| {r['shape']} | {r['N']} | {r['mode']} | {_batch(r)} | {r['active_tokens']} | {r['impl']} "
+                f"| {_fmt(d.get('median_ms'), '.3f')} | {_fmt(r['median_ms'], '.3f')} "
+                f"| {_fmt(r['ratio_time_vs_dense'], '.3f')} | {_fmt(_mib(d.get('peak_mem_bytes')), '.1f')} "
+                f"| {_fmt(_mib(r['peak_mem_bytes']), '.1f')} | {_fmt(r['ratio_mem_vs_dense'], '.3f')} |")
+        lines.append("")
+    notes = [(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"], r["status"], r["reason"]) for r in records
              if r["status"] != "ok" and r.get("reason")]
     if notes:
         lines += ["## Why not timed", ""]
         seen = set()
-        for shape, N, mode, impl, status, reason in notes:
-            key = (impl, status, reason) if status in ("unavailable", "skipped") else (shape, N, mode, impl)
+        for shape, N, scenario, mode, impl, status, reason in notes:
+            key = ((impl, status, reason) if status in ("unavailable", "skipped")
+                   else (shape, N, scenario, mode, impl))
             if key in seen:
                 continue
             seen.add(key)
-            where = "everywhere" if status in ("unavailable", "skipped") else f"{shape} N={N} {mode}"
+            where = "everywhere" if status in ("unavailable", "skipped") else f"{shape} N={N} {scenario} {mode}"
             lines.append(f"- {impl} ({where}): {status}: {reason}")
         lines.append("")
     lines += ["Implementations:", ""]
@@ -291,70 +359,99 @@ def markdown(doc) -> str:
     return "\n".join(lines)
 
 
+def _plot_value(r, kind):
+    """The number a plot panel shows for record r, or None: time and memory of a timed run, the error of a checked
+    one (a precision panel)."""
+    if kind == "time":
+        return r["median_ms"] if r["status"] == "ok" else None
+    if kind == "mem":
+        return _mib(r["peak_mem_bytes"]) if r["status"] == "ok" else None
+    err = r["errors"].get(kind) if r["status"] in ("ok", "wrong") else None
+    return err if err else None  # an exact 0 has no place on a log scale
+
+
+PANEL_LABELS = {"time": "median ms", "mem": "peak MiB above inputs",
+                "logprobs_max_abs_err": "max |logp - fp64| (nats)", "grad_hidden_rel_err": "dH: max |err| / max |dH|"}
+
+
 def plot(doc, path):
+    """Time and peak memory against N, a row per mode and quantity, a column per shape, a line per implementation
+    (dense batch solid, padded dotted with open markers), then one row of precision against fp64 (the log-probs'
+    error, or dH's without the logprobs mode) on the dense batch. OOM / WRONG are crosses at the top."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import LogFormatter, NullLocator
     from matplotlib.transforms import blended_transform_factory
 
     records = display_order(doc)
-    modes = [m for m in ("fwdbwd", "logprobs") if any(r["mode"] == m for r in records)]
+    modes = [m for m in MODES_ORDER if any(r["mode"] == m for r in records)]
     shapes = list(dict.fromkeys(r["shape"] for r in records))
     impls = list(dict.fromkeys(r["impl"] for r in records))
     if not modes or not shapes:
         return None
+    panels = [(mode, kind) for mode in modes for kind in ("time", "mem")]
+    panels.append(("logprobs", "logprobs_max_abs_err") if "logprobs" in modes else ("fwdbwd", "grad_hidden_rel_err"))
     colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(impls)}
-    nrows = 2 * len(modes)
-    fig, axes = plt.subplots(nrows, len(shapes), figsize=(max(9.0, 4.2 * len(shapes)), 3.0 * nrows), squeeze=False)
-    for mi, mode in enumerate(modes):
+    scenarios = list(dict.fromkeys(r["scenario"] for r in records))
+    nrows = len(panels)
+    fig, axes = plt.subplots(nrows, len(shapes), figsize=(max(9.0, 4.2 * len(shapes)), 2.8 * nrows), squeeze=False)
+    for row, (mode, kind) in enumerate(panels):
         for si, shape in enumerate(shapes):
-            for kind, row in (("time", 2 * mi), ("mem", 2 * mi + 1)):
-                ax = axes[row][si]
-                trans = blended_transform_factory(ax.transData, ax.transAxes)
-                for impl in impls:
-                    rs = sorted((r for r in records if (r["mode"], r["shape"], r["impl"]) == (mode, shape, impl)),
-                                key=lambda r: r["N"])
-                    pts = [(r["N"], r["median_ms"] if kind == "time" else _mib(r["peak_mem_bytes"]))
-                           for r in rs if r["status"] == "ok"]
+            ax = axes[row][si]
+            trans = blended_transform_factory(ax.transData, ax.transAxes)
+            for impl in impls:
+                for scenario in scenarios if kind in ("time", "mem") else ["dense"]:
+                    rs = sorted((r for r in records if (r["mode"], r["shape"], r["impl"], r["scenario"])
+                                 == (mode, shape, impl, scenario)), key=lambda r: r["N"])
+                    pts = [(r["N"], _plot_value(r, kind)) for r in rs]
                     pts = [(n, y) for n, y in pts if y is not None]
+                    dense = scenario == "dense"
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", ms=3, color=colors[impl], label=impl,
-                                linestyle="--" if impl.endswith("frozen") else "-")
+                        ax.plot(*zip(*pts), marker="o", ms=3.5, color=colors[impl],
+                                linestyle=("--" if impl.endswith("frozen") else "-") if dense else ":",
+                                markerfacecolor=colors[impl] if dense else "none")
                     for r in rs:
                         if r["status"] in ("oom", "wrong"):
                             ax.plot([r["N"]], [0.97], marker="x", color=colors[impl], transform=trans, clip_on=False)
                             ax.annotate(r["status"].upper(), (r["N"], 0.97), xycoords=trans, fontsize=6,
                                         color=colors[impl], xytext=(-8, -10), textcoords="offset points")
-                ax.set_xscale("log", base=2)
-                ns = sorted({r["N"] for r in records if r["shape"] == shape})
-                ax.set_xticks(ns)
-                ax.set_xticklabels([f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ns])
-                ax.xaxis.set_minor_locator(NullLocator())
-                if ax.has_data():
-                    ax.set_yscale("log")
-                    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))  # 20, 50, not 2x10^1
+            ax.set_xscale("log", base=2)
+            ns = sorted({r["N"] for r in records if r["shape"] == shape})
+            ax.set_xticks(ns)
+            ax.set_xticklabels([f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ns])
+            ax.xaxis.set_minor_locator(NullLocator())
+            if ax.has_data():
+                ax.set_yscale("log")
+                if kind in ("time", "mem"):  # 20, 50, not 2x10^1; errors keep the scientific labels
+                    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
                     ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
-                ax.grid(True, which="both", alpha=0.3)
-                ax.set_xlabel("tokens N")
-                unit = "median ms" if kind == "time" else "peak MiB above inputs"
-                ax.set_ylabel(f"{'fwd+bwd' if mode == 'fwdbwd' else 'log-probs'}: {unit}")
-                if row == 0:
-                    ax.set_title(shape)
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            if l not in labels:
-                handles.append(h)
-                labels.append(l)
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, 0.975))
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_xlabel("positions N = B x T")
+            ax.set_ylabel(f"{'fwd+bwd' if mode == 'fwdbwd' else 'log-probs'}: {PANEL_LABELS[kind]}", fontsize=8)
+            if row == 0:
+                ax.set_title(shape)
+    plotted = [i for i in impls if any(r["impl"] == i and r["status"] in ("ok", "wrong", "oom") for r in records)]
+    handles = [Line2D([], [], color=colors[i], marker="o", ms=3.5, linestyle="--" if i.endswith("frozen") else "-",
+                      label=i) for i in plotted]
+    fills = sorted({f"{100 * r['fill']:.0f}%" for r in records if r["scenario"] == "padded"})
+    if fills:
+        handles += [Line2D([], [], color="gray", marker="o", ms=3.5, label="dense batch"),
+                    Line2D([], [], color="gray", marker="o", ms=3.5, linestyle=":", markerfacecolor="none",
+                           label=f"padded batch ({', '.join(fills)} completion tokens)")]
+    ncol = min(len(handles), 4 if len(shapes) <= 2 else 8)
+    legend_rows = -(-len(handles) // ncol)
+    height = fig.get_size_inches()[1]
     m = doc["meta"]
     title = f"grpo_fast benchmark, {m['device_name']}, {m['dtype']}, {m['date'][:10]}"
     if m["device_type"] != "cuda":
         title = "CPU numbers, not GPU figures: " + title
-    fig.suptitle(title, y=0.995, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95 if nrows > 2 else 0.9))
+    fig.suptitle(title, y=1 - 0.05 / height, fontsize=10, va="top")
+    fig.legend(handles=handles, loc="upper center", ncol=ncol, frameon=False, fontsize=8,
+               bbox_to_anchor=(0.5, 1 - 0.25 / height))
+    fig.tight_layout(rect=(0, 0, 1, 1 - (0.25 + 0.18 * legend_rows) / height))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

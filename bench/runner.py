@@ -1,9 +1,11 @@
-"""The sweep: for each shape and token count, one batch; for each mode and implementation, the correctness
-guard (one run compared with the reference), then warm-up and timed runs. Every outcome is a record:
-ok (timed), wrong (the guard failed: not timed), oom, unavailable, error, or skipped (time budget)."""
+"""The sweep: for each shape, token count and scenario (dense, padded), one batch; for each mode and
+implementation, the correctness guard (one run compared with the fp64 reference, whose errors are kept as the
+precision columns), then warm-up and timed runs. Every outcome is a record: ok (timed), wrong (the guard failed:
+not timed), oom, unavailable, error, or skipped (time budget)."""
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -12,7 +14,8 @@ import torch
 
 from bench import measure
 from bench.impls import Impl, flops
-from bench.inputs import check_fwdbwd, check_logprobs, make_inputs, reference_fwdbwd
+from bench.inputs import (SCENARIOS, check_fwdbwd, check_logprobs, completion_lengths_of, make_inputs,
+                          reference_fwdbwd)
 from bench.shapes import GOAL_SHAPE, GOAL_TOKENS, batch_of
 
 
@@ -33,16 +36,18 @@ class Options:
     seed: int = 0
     progress: bool = True
     impl_options: dict = field(default_factory=dict)
+    scenarios: list = field(default_factory=lambda: list(SCENARIOS))  # ["dense", "padded"]
 
 
-def ordered_points(shapes, tokens):
-    """(shape, N) pairs, most wanted first, so that a time budget cuts the least useful: the goals' point
-    (Qwen2.5-1.5B, 16k tokens), the goal shape at the other N, the other shapes at 16k, then the rest."""
+def ordered_points(shapes, tokens, scenarios=("dense",)):
+    """(shape, N, scenario) triples, most wanted first, so that a time budget cuts the least useful: the goals'
+    point (Qwen2.5-1.5B, 16k tokens), dense then padded, then the dense points (the goal shape at the other N, the
+    other shapes at 16k, the rest), then the padded ones in the same order."""
     def priority(p):
-        (name, _, _), N = p
-        return (name != GOAL_SHAPE or N != GOAL_TOKENS, name != GOAL_SHAPE, N != GOAL_TOKENS)
+        (name, _, _), N, scenario = p
+        return (name != GOAL_SHAPE or N != GOAL_TOKENS, scenario != "dense", name != GOAL_SHAPE, N != GOAL_TOKENS)
 
-    return sorted(((s, N) for s in shapes for N in tokens), key=priority)  # stable: given order within
+    return sorted(((s, N, sc) for s in shapes for N in tokens for sc in scenarios), key=priority)  # stable
 
 
 def _first_line(e: BaseException) -> str:
@@ -108,22 +113,29 @@ def run(opts: Options, on_point_done=None) -> list:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    points = ordered_points(opts.shapes, opts.tokens)
+    points = ordered_points(opts.shapes, opts.tokens, opts.scenarios)
     todo = [(p, m, i) for p in points for m in opts.modes for i in opts.impls if m in i.modes]
     bar = tqdm(total=len(todo), disable=not opts.progress, unit="run", dynamic_ncols=True) if tqdm else None
+    # Each peer's check imports it (TRL brings transformers, datasets, pandas: millions of Python objects); freezing
+    # them out of the garbage collector's view keeps the gc.collect() between runs at milliseconds.
+    unavailable = {impl.name: impl.unavailable(opts.device) for impl in opts.impls}
+    gc.collect()
+    gc.freeze()
     records = []
     t_start = time.perf_counter()
-    for (name, D, V), N in points:
+    for (name, D, V), N, scenario in points:
         B, T = batch_of(N)
+        active = int(completion_lengths_of(scenario, B, T, opts.seed).sum())
         jobs = [(m, i) for m in opts.modes for i in opts.impls if m in i.modes]
-        base = lambda m, i: dict(shape=name, D=D, V=V, N=N, B=B, T=T, mode=m, impl=i.name,  # noqa: E731
-                                 label=i.label, frozen=i.frozen, flops=flops(m, i.frozen, N, D, V))
+        base = lambda m, i: dict(shape=name, D=D, V=V, N=N, B=B, T=T, scenario=scenario,  # noqa: E731
+                                 active_tokens=active, fill=active / N, mode=m, impl=i.name, label=i.label,
+                                 frozen=i.frozen, flops=flops(m, i.frozen, active, D, V))
         point_records = []
         x, ref, setup_failure = None, None, None
         over = time.perf_counter() - t_start > opts.time_budget
         if not over:
             try:
-                x = make_inputs(D, V, B, T, opts.dtype, opts.device, opts.seed)
+                x = make_inputs(D, V, B, T, opts.dtype, opts.device, opts.seed, scenario)
                 if "fwdbwd" in opts.modes:
                     ref = reference_fwdbwd(x)
             except Exception as e:  # noqa: BLE001
@@ -134,14 +146,15 @@ def run(opts: Options, on_point_done=None) -> list:
                 measure.cleanup(opts.device)
         for mode, impl in jobs:
             rec = base(mode, impl)
+            where = f"{name} N={N} {scenario} {mode} {impl.name}"
             if bar:
-                bar.set_description(f"{name} N={N} {mode} {impl.name}")
+                bar.set_description(where)
             if time.perf_counter() - t_start > opts.time_budget:
                 rec.update(status="skipped", reason=f"time budget of {opts.time_budget:.0f} s spent")
             elif setup_failure:
                 rec.update(status=setup_failure[0], reason=setup_failure[1])
             else:
-                why = impl.unavailable(opts.device)
+                why = unavailable[impl.name]
                 if why:
                     rec.update(status="unavailable", reason=why)
                 else:
@@ -152,7 +165,7 @@ def run(opts: Options, on_point_done=None) -> list:
             if not opts.progress:  # a log line per run instead of the bar (logs of a remote machine)
                 ms = f" {rec['median_ms']:.3f} ms" if rec.get("median_ms") else ""
                 mem = f" {rec['peak_mem_bytes'] / 2 ** 20:.0f} MiB" if rec.get("peak_mem_bytes") is not None else ""
-                print(f"[bench] {name} N={N} {mode} {impl.name}: {rec['status']}{ms}{mem}"
+                print(f"[bench] {where}: {rec['status']}{ms}{mem}"
                       + (f" ({rec['reason']})" if rec.get("reason") and rec["status"] != "unavailable" else ""),
                       flush=True)
         del x, ref

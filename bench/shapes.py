@@ -19,16 +19,16 @@ CPU_SHAPES = {
     "cpu-d128-v4k": (128, 4096),
     "cpu-d128-v16k": (128, 16384),  # several vocab tiles: the memory gap shows from N = 2048 on
 }
-CPU_QUICK_SHAPES = ("cpu-d64-v2k", "cpu-d128-v4k")
-CPU_FULL_SHAPES = ("cpu-d128-v4k", "cpu-d128-v16k")
+CPU_QUICK_SHAPES = ("cpu-d64-v2k",)  # CI's smoke run: seconds on 2 cores
+CPU_FULL_SHAPES = ("smollm2-135m", "qwen2.5-1.5b")  # real vocabularies: the memory of a real lm_head
 
-# tokens per call N = B x T: 16 completions of T tokens
+# positions per call N = B x T: 16 completions padded to T (the dense batch: N completion tokens)
 COMPLETIONS = 16
 GPU_TOKENS = (2048, 4096, 16384, 65536)
 GPU_QUICK_SHAPES = ("qwen2.5-1.5b",)
 GPU_QUICK_TOKENS = (4096, 16384)
-CPU_TOKENS = (256, 1024, 4096)
-CPU_QUICK_TOKENS = (256, 1024)
+CPU_TOKENS = (1024, 2048)
+CPU_QUICK_TOKENS = (128, 512)
 
 # where the goals are evaluated
 GOAL_SHAPE, GOAL_TOKENS = "qwen2.5-1.5b", 16384
