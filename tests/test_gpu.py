@@ -40,14 +40,19 @@ def test_loss_on_gpu_matches_reference(dtype, loss_type, level):
     true = reference.logprobs(hidden, weight, targets, bias, 0.9)
     old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
     ref = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
-    kw = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04, epsilon_high=0.28, loss_type=loss_type,
-              importance_sampling_level=level, temperature=0.9, max_completion_length=T)
+    _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
+                            beta=0.04, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
+                            temperature=0.9, max_completion_length=T)
+
+
+def _loss_matches_reference(dtype, hidden, weight, bias, targets, advantages, mask, **kw):
+    """grpo_fast.loss against the fp64 reference: loss and metrics to 1e-4, gradients within GPU_TOL."""
     outs = []
     for fn, inputs in ((reference.loss, (hidden.float(), weight.float(), bias.float())),
                        (grpo_fast.loss, (hidden, weight, bias))):
         leaves = [x.detach().clone().requires_grad_() for x in inputs]
         extra = dict(compute_dtype=torch.float64) if fn is reference.loss else {}
-        loss, metrics = fn(leaves[0], leaves[1], targets, adv, mask, bias=leaves[2], **kw, **extra)
+        loss, metrics = fn(leaves[0], leaves[1], targets, advantages, mask, bias=leaves[2], **kw, **extra)
         loss.backward()
         outs.append((loss, metrics, [x.grad for x in leaves]))
     (rl, rm, rg), (fl, fm, fg) = outs
@@ -112,26 +117,15 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
     B, T, D, V = 4, 157, 264, 5003
     hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(V, D, device="cuda", generator=g) * 0.05).to(dtype)
+    bias = (torch.randn(V, device="cuda", generator=g) * 0.1).to(dtype)
     targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
     mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
     adv = torch.randn(B, device="cuda", generator=g)
-    true = reference.logprobs(hidden, weight, targets)
+    true = reference.logprobs(hidden, weight, targets, bias)
     old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
     ref = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
-    kw = dict(old_logprobs=old, ref_logprobs=ref, beta=0.04, **options)
-    outs = []
-    for fn, inputs in ((reference.loss, (hidden.float(), weight.float())), (grpo_fast.loss, (hidden, weight))):
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        extra = dict(compute_dtype=torch.float64) if fn is reference.loss else {}
-        loss, metrics = fn(leaves[0], leaves[1], targets, adv, mask, **kw, **extra)
-        loss.backward()
-        outs.append((loss, metrics, [x.grad for x in leaves]))
-    (rl, rm, rg), (fl, fm, fg) = outs
-    assert abs(fl.item() - rl.item()) <= 1e-4 * max(1.0, abs(rl.item()))
-    for k in rm:
-        assert abs(fm[k].item() - rm[k].item()) <= 1e-4 * max(1.0, abs(rm[k].item())), k
-    for name, a, b in zip(("hidden", "weight"), fg, rg):
-        assert _max_rel(a, b) < GPU_TOL[dtype], name
+    _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
+                            beta=0.04, **options)
 
 
 def test_weight_gradient_accumulates_chunk_products_in_fp32():
