@@ -117,6 +117,8 @@ def _check_linear(hidden, weight, targets, bias, completion_mask):
     if bias is not None:
         _float_tensor("bias", bias)
         _shape("bias", bias, [(V,)], f"[V] = [{V}]")
+    if completion_mask is not None:
+        _tensor("completion_mask", completion_mask)
     _same_device([("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
                  hidden.device)
     if completion_mask is not None:
@@ -254,6 +256,7 @@ def token_loss(
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
     B, T = logprobs.shape
     _check_loss_kwargs(advantages, completion_mask, (B, T), logprobs.device, loss_kwargs)
+    _check_mask(completion_mask, (B, T))
     if entropy is not None:
         _float_tensor("entropy", entropy)
         _shape("entropy", entropy, [(B, T)], f"[B, T] = [{B}, {T}]")
@@ -266,7 +269,8 @@ def token_loss(
 
 
 def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
-    """Checks of layer 2's inputs (kw holds every key of _TOKEN_LOSS_DEFAULTS), named after the argument at fault."""
+    """Checks of layer 2's inputs (kw holds every key of _TOKEN_LOSS_DEFAULTS), named after the argument at fault;
+    the mask itself is checked by the caller (once: it costs a pass over it)."""
     B, T = shape
     _tensor("advantages", advantages)
     _tensor("completion_mask", completion_mask)
@@ -305,7 +309,6 @@ def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
         if kw["top_entropy_quantile"] >= 1.0:
             raise ValueError("entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
                              "value over every process's masked entropies)")
-    _check_mask(completion_mask, shape)
     _float_tensor("advantages", advantages)
     _shape("advantages", advantages, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
     for name in ("old_logprobs", "ref_logprobs", "sampling_logprobs"):
