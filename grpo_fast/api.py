@@ -11,14 +11,16 @@ Only completion tokens are computed: with a ``completion_mask``, the rows with m
 from __future__ import annotations
 
 import math
-import numbers
+from dataclasses import dataclass
 
 import torch
 
 from grpo_fast import reference
-from grpo_fast.autograd import LinearLogprobs, ScaledByCoefficient, linear_logprobs_forward
+from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, check_number as _number, option_keywords
+from grpo_fast import autograd
+from grpo_fast.autograd import LinearLogprobs, ScaledByCoefficient
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import grpo_token as token_kernel
+from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.kernels.config import LogitTransform
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,12 +51,6 @@ def _float_tensor(name, x):
 def _shape(name, x, expected_shapes, descr):
     if tuple(x.shape) not in [tuple(s) for s in expected_shapes]:
         raise ValueError(f"{name} must have shape {descr}, got {tuple(x.shape)}")
-
-
-def _number(name, x, condition=lambda v: True, expected="a finite number"):
-    """x must be a real number (a Python or numpy scalar, not a bool) for which condition holds."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not condition(x):
-        raise ValueError(f"{name} must be {expected}, got {x!r}")
 
 
 def _same_device(named, device):
@@ -168,7 +164,7 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
         h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
         if h.shape[0] == 0:
             return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-        logp = linear_logprobs_forward(h, w, y, b, transform, False, backend)[0]
+        logp = autograd.forward(h, w, y, b, transform, False, backend)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
@@ -192,255 +188,216 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
 def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend):
     B, T = targets.shape
     h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-    logp, entropy = LinearLogprobs.apply(h, w, b, y, transform, backend)
+    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
 # ----------------------------------------------------------------------------------------------- layer 2
-# layer 2's keyword arguments: TRL 1.16.0's GRPOConfig names and defaults (and grpo_fast's per-batch inputs)
-_TOKEN_LOSS_DEFAULTS = dict(
-    old_logprobs=None, ref_logprobs=None, sampling_logprobs=None, importance_weights=None,
-    beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, loss_type="dapo", importance_sampling_level="token",
-    max_completion_length=512, num_items_in_batch=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=True,
-    off_policy_mask_threshold=None, top_entropy_quantile=1.0, entropy_threshold=None, entropy_coef=0.0,
-)
+@dataclass(frozen=True)
+class _LossBatch:
+    """Layer 2's per-batch inputs besides the log-probs (README's keyword table); checked once by _check_batch."""
+
+    advantages: torch.Tensor
+    completion_mask: torch.Tensor
+    old_logprobs: "torch.Tensor | None" = None
+    ref_logprobs: "torch.Tensor | None" = None
+    sampling_logprobs: "torch.Tensor | None" = None
+    importance_weights: "torch.Tensor | None" = None
+    num_items_in_batch: "float | torch.Tensor | None" = None
+    entropy_threshold: "float | None" = None
 
 
-def loss(
-    hidden, weight, targets, advantages, completion_mask, *,
-    bias=None, old_logprobs=None, ref_logprobs=None, sampling_logprobs=None, importance_weights=None,
-    beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, loss_type="dapo", importance_sampling_level="token",
-    temperature=1.0, softcap=None, logit_scale=1.0, max_completion_length=512, num_items_in_batch=None,
-    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-    use_bias_correction_kl=True, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
-    entropy_threshold=None, entropy_coef=0.0, backend="auto",
-):
+@option_keywords
+def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old_logprobs=None, ref_logprobs=None,
+         sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
+         temperature=1.0, softcap=None, logit_scale=1.0, options=None, backend="auto", **loss_options):
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
-    advantages [B] or [B, T], completion_mask [B, T] bool or 0/1; the keyword arguments are TRL's (README).
-    Only tokens with mask 1 are computed. Returns ``(loss, metrics)``: a differentiable fp32 scalar and a
-    ``Metrics`` dict.
+    advantages [B] or [B, T], completion_mask [B, T] bool or 0/1. The loss options are TRL's ``GRPOConfig``
+    keywords (``loss_type``, ``beta``, ``epsilon``, ...: ``grpo_fast.LossOptions``), given one by one or as
+    ``options=LossOptions(...)``; the other keywords are per-batch inputs (README). Only tokens with mask 1 are
+    computed. Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
     """
-    arguments = locals()
-    loss_kwargs = {name: arguments[name] for name in _TOKEN_LOSS_DEFAULTS}
+    options = LossOptions.resolve(options, loss_options, "loss")
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
     transform = _logit_transform(temperature, softcap, logit_scale)
-    _check_loss_kwargs(advantages, completion_mask, (B, T), hidden.device, loss_kwargs)
+    batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
+                       num_items_in_batch, entropy_threshold)
+    _check_batch(batch, (B, T), hidden.device, options)
     backend = _resolve_backend(backend, hidden.device)
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend)
-    return _token_loss(logp, advantages, completion_mask, entropy, backend, loss_kwargs)
+    return _token_loss(logp, entropy, batch, options, backend)
 
 
-def token_loss(
-    logprobs, advantages, completion_mask, *,
-    entropy=None, old_logprobs=None, ref_logprobs=None, sampling_logprobs=None, importance_weights=None,
-    beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, loss_type="dapo", importance_sampling_level="token",
-    max_completion_length=512, num_items_in_batch=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-    use_bias_correction_kl=True, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
-    entropy_threshold=None, entropy_coef=0.0, backend="auto",
-):
+@option_keywords
+def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logprobs=None, ref_logprobs=None,
+               sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
+               options=None, backend="auto", **loss_options):
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs [B, T] that carry the gradient.
 
-    For callers that already have the policy's log-probs. ``entropy`` [B, T] feeds the entropy metric, the
-    top-entropy mask and the entropy bonus (which trains through it when it carries a gradient); the last two
-    need it.
+    For callers that already have the policy's log-probs; same keywords as ``loss``. ``entropy`` [B, T] feeds the
+    entropy metric, the top-entropy mask and the entropy bonus (which trains through it when it carries a
+    gradient); the last two need it.
     """
-    arguments = locals()
-    loss_kwargs = {name: arguments[name] for name in _TOKEN_LOSS_DEFAULTS}
+    options = LossOptions.resolve(options, loss_options, "token_loss")
     _float_tensor("logprobs", logprobs)
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
     B, T = logprobs.shape
-    _check_loss_kwargs(advantages, completion_mask, (B, T), logprobs.device, loss_kwargs)
+    batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
+                       num_items_in_batch, entropy_threshold)
+    _check_batch(batch, (B, T), logprobs.device, options)
     _check_mask(completion_mask, (B, T))
     if entropy is not None:
         _float_tensor("entropy", entropy)
         _shape("entropy", entropy, [(B, T)], f"[B, T] = [{B}, {T}]")
         _same_device([("entropy", entropy)], logprobs.device)
-    elif top_entropy_quantile < 1.0 or entropy_coef != 0.0:
+    elif options.entropy_mask or options.entropy_coef != 0.0:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
                          "(grpo_fast.logprobs_and_entropy gives it with its gradient)")
-    return _token_loss(logprobs, advantages, completion_mask, entropy, _resolve_backend(backend, logprobs.device),
-                       loss_kwargs)
+    return _token_loss(logprobs, entropy, batch, options, _resolve_backend(backend, logprobs.device))
 
 
-def _check_loss_kwargs(advantages, completion_mask, shape, device, kw):
-    """Checks of layer 2's inputs (kw holds every key of _TOKEN_LOSS_DEFAULTS), named after the argument at fault;
+def _check_batch(batch, shape, device, options):
+    """Checks of layer 2's per-batch inputs against each other and the options, named after the argument at fault;
     the mask itself is checked by the caller (once: it costs a pass over it)."""
     B, T = shape
-    _tensor("advantages", advantages)
-    _tensor("completion_mask", completion_mask)
-    _same_device([("advantages", advantages), ("completion_mask", completion_mask)]
-                 + [(n, kw[n]) for n in ("old_logprobs", "ref_logprobs", "sampling_logprobs", "importance_weights")],
-                 device)
-    loss_type = kw["loss_type"]
-    if loss_type not in reference.LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {reference.LOSS_TYPES}, got {loss_type!r}")
-    level = kw["importance_sampling_level"]
-    if level not in reference.IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
-    for name in ("beta", "epsilon", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                 "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
-        _number(name, kw[name])
-    if kw["beta"] != 0.0 and kw["ref_logprobs"] is None:
+    _tensor("advantages", batch.advantages)
+    _tensor("completion_mask", batch.completion_mask)
+    _same_device([("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
+                 + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)], device)
+    if options.beta != 0.0 and batch.ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from "
                          "grpo_fast.logprobs)")
-    mcl = kw["max_completion_length"]
-    if isinstance(mcl, bool) or not isinstance(mcl, numbers.Integral) or mcl <= 0:
-        raise ValueError(f"max_completion_length must be a positive int (the dr_grpo normaliser), got {mcl!r}")
-    eps, eps_high = kw["epsilon"], kw["epsilon_high"]
-    if eps_high is not None:
-        _number("epsilon_high", eps_high)
-    if eps < 0 or (eps_high is not None and eps_high < 0):
-        raise ValueError(f"epsilon and epsilon_high must be >= 0, got {eps}, {eps_high}")
-    if kw["delta"] is not None:
-        _number("delta", kw["delta"])
-    if not isinstance(kw["use_bias_correction_kl"], bool):
-        raise ValueError(f"use_bias_correction_kl must be a bool, got {kw['use_bias_correction_kl']!r}")
-    if kw["off_policy_mask_threshold"] is not None:
-        _number("off_policy_mask_threshold", kw["off_policy_mask_threshold"])
-    _number("top_entropy_quantile", kw["top_entropy_quantile"], lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
-    if kw["entropy_threshold"] is not None:
-        _number("entropy_threshold", kw["entropy_threshold"])
-        if kw["top_entropy_quantile"] >= 1.0:
+    if batch.entropy_threshold is not None:
+        _number("entropy_threshold", batch.entropy_threshold)
+        if not options.entropy_mask:
             raise ValueError("entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
                              "value over every process's masked entropies)")
-    _float_tensor("advantages", advantages)
-    _shape("advantages", advantages, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
-    for name in ("old_logprobs", "ref_logprobs", "sampling_logprobs"):
-        x = kw[name]
+    _float_tensor("advantages", batch.advantages)
+    _shape("advantages", batch.advantages, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
+    for name in _LOGPROB_INPUTS:
+        x = getattr(batch, name)
         if x is not None:
             _float_tensor(name, x)
             _shape(name, x, [shape], f"[B, T] = [{B}, {T}]")
-    if kw["sampling_logprobs"] is not None and kw["off_policy_mask_threshold"] is None:
+    if batch.sampling_logprobs is not None and options.off_policy_mask_threshold is None:
         raise ValueError("sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
                          "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
                          "as importance_weights)")
-    iw = kw["importance_weights"]
+    iw = batch.importance_weights
     if iw is not None:
         _float_tensor("importance_weights", iw)
         _shape("importance_weights", iw, [(B,), (B, 1), (B, T)], f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
-        if loss_type == "vespo" and iw.shape != (B, T):
+        if options.loss_type == "vespo" and iw.shape != (B, T):
             raise ValueError("loss_type='vespo' takes per-token importance_weights [B, T] (TRL's token_truncate or "
                              f"token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO with sequence-level "
                              "importance sampling")
-    n_items = kw["num_items_in_batch"]
+    n_items = batch.num_items_in_batch
     if n_items is not None and float(n_items) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {float(n_items)}")
 
 
-def _token_loss(logprobs, advantages, completion_mask, entropy, backend, loss_kwargs):
-    """Layer 2 on checked inputs: the reference's autograd (torch backend) or the token kernel (triton)."""
-    kw = dict(loss_kwargs)
-    mask = completion_mask.to(torch.float32).contiguous()
-    for name in ("old_logprobs", "ref_logprobs", "sampling_logprobs", "importance_weights"):
-        if kw[name] is not None:
-            kw[name] = kw[name].detach().float().contiguous()
-    if kw["importance_weights"] is not None and kw["importance_weights"].dim() == 2 \
-            and kw["importance_weights"].shape[1] == 1 and mask.shape[1] != 1:
-        kw["importance_weights"] = kw["importance_weights"].squeeze(1)  # [B, 1]: one weight per sequence
-    if kw["beta"] == 0.0:
-        kw["ref_logprobs"] = None
-    if isinstance(kw["num_items_in_batch"], torch.Tensor):
-        kw["num_items_in_batch"] = float(kw["num_items_in_batch"])
-    adv = advantages.detach().float().contiguous()
+_LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
+
+
+def _prepared(batch, options):
+    """The batch as layer 2 computes on it: detached fp32 contiguous tensors, [B, 1] weights as [B], no reference
+    log-probs without a KL term, num_items_in_batch a float."""
+    def fp32(x):
+        return x.detach().float().contiguous() if x is not None else None
+
+    iw = fp32(batch.importance_weights)
+    if iw is not None and iw.dim() == 2 and iw.shape[1] == 1 and batch.completion_mask.shape[1] != 1:
+        iw = iw.squeeze(1)  # [B, 1]: one weight per sequence
+    n_items = batch.num_items_in_batch
+    return _LossBatch(fp32(batch.advantages), batch.completion_mask.to(torch.float32).contiguous(),
+                      fp32(batch.old_logprobs), fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
+                      fp32(batch.sampling_logprobs), iw, float(n_items) if n_items is not None else None,
+                      batch.entropy_threshold)
+
+
+def _token_loss(logprobs, entropy, batch, options, backend):
+    """Layer 2 on checked inputs: the torch twin (grpo_fast.reference.token_loss, with autograd) or the token kernel."""
+    batch = _prepared(batch, options)
     logp = logprobs.float()
-    if entropy is not None:
-        entropy = entropy.float()
+    entropy = entropy.float() if entropy is not None else None
     if backend == "torch":
         # the spec multiplies masked values by 0: a -inf or NaN there (a padding id's log-prob) would leak a NaN
-        masked = mask == 0
+        masked = batch.completion_mask == 0
         logp = logp.masked_fill(masked, 0.0)
         entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
         # (importance weights stay: vespo reads them at padding too, as TRL; elsewhere they are masked out)
-        for name in ("old_logprobs", "ref_logprobs"):
-            if kw[name] is not None:
-                kw[name] = kw[name].masked_fill(masked, 0.0)
-        total, metrics = reference.token_loss(logp, adv, mask, entropy=entropy, **kw)
+        old, ref = (x.masked_fill(masked, 0.0) if x is not None else None
+                    for x in (batch.old_logprobs, batch.ref_logprobs))
+        total, metrics = reference.token_loss(
+            logp, batch.advantages, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
+            ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=batch.importance_weights,
+            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=batch.entropy_threshold)
         metrics = Metrics(metrics)
     else:
-        total, metrics = _token_loss_triton(logp, entropy, adv, mask, **kw)
+        total, metrics = _token_loss_triton(logp, entropy, batch, options)
     metrics.logprobs = logp.detach()
     metrics.entropies = entropy.detach() if entropy is not None else None
     return total, metrics
 
 
-def _token_loss_triton(logp, entropy, adv, mask, *, old_logprobs, ref_logprobs, sampling_logprobs,
-                       importance_weights, beta, epsilon, epsilon_high, delta, loss_type, importance_sampling_level,
-                       max_completion_length, num_items_in_batch, sapo_temperature_pos, sapo_temperature_neg,
-                       vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, use_bias_correction_kl,
-                       off_policy_mask_threshold, top_entropy_quantile, entropy_threshold, entropy_coef):
+def _token_loss_triton(logp, entropy, batch, options):
+    adv, mask = batch.advantages, batch.completion_mask
     B = logp.shape[0]
-    sequence = importance_sampling_level == "sequence"
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    mask_total = float(mask.sum())
-    if loss_type in ("grpo", "sapo", "luspo"):
-        scale = 1.0 / B
-    elif loss_type == "bnpo":
-        scale = 1.0 / max(mask_total, 1.0)
-    elif loss_type == "dr_grpo":
-        scale = 1.0 / (B * max_completion_length)
-    else:  # dapo, cispo, vespo
-        scale = 1.0 / max(mask_total if num_items_in_batch is None else float(num_items_in_batch), 1.0)
-    if top_entropy_quantile < 1.0 and entropy_threshold is None:
-        threshold = reference.entropy_quantile_threshold(entropy, mask, top_entropy_quantile)
-        # no completion token anywhere: no token is high-entropy (TRL's all-False mask)
-        entropy_threshold = math.inf if threshold is None else float(threshold)
+    scale = 1.0 / options.denominator(B, mask.sum(), batch.num_items_in_batch)
+    entropy_threshold = None
+    if options.entropy_mask:
+        entropy_threshold = batch.entropy_threshold
+        if entropy_threshold is None:
+            threshold = reference.entropy_quantile_threshold(entropy, mask, options.top_entropy_quantile)
+            # no completion token anywhere: no token is high-entropy (TRL's all-False mask)
+            entropy_threshold = math.inf if threshold is None else float(threshold)
     sampler = None
-    if off_policy_mask_threshold is not None:
-        sampler = next(x for x in (sampling_logprobs, old_logprobs, logp.detach()) if x is not None).contiguous()
-    kind = {"cispo": token_kernel.LOSS_CISPO, "sapo": token_kernel.LOSS_SAPO,
-            "vespo": token_kernel.LOSS_VESPO}.get(loss_type, token_kernel.LOSS_CLIPPED)
-    coef, bonus_mask, stats = token_kernel.grpo_token(
-        logp.detach().contiguous(), adv, mask, old_logprobs, ref_logprobs, sampler, importance_weights,
-        entropy.detach().contiguous() if entropy is not None else None,
-        loss_kind=kind, sequence=sequence, row_mean=loss_type in ("grpo", "sapo"), scale=scale, beta=beta,
-        eps_low=epsilon, eps_high=eps_high, delta=delta, sapo_pos=sapo_temperature_pos,
-        sapo_neg=sapo_temperature_neg, vespo=(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg),
-        use_bias_correction_kl=use_bias_correction_kl, off_policy_threshold=off_policy_mask_threshold,
-        entropy_threshold=entropy_threshold if top_entropy_quantile < 1.0 else None,
-        entropy_bonus=entropy_coef != 0.0)
+    if options.off_policy_mask_threshold is not None:
+        sampler = next(x for x in (batch.sampling_logprobs, batch.old_logprobs, logp.detach()) if x is not None)
+        sampler = sampler.contiguous()
+    coef, bonus_mask, stats = token_kernel.token_loss(
+        logp.detach().contiguous(), adv, mask, batch.old_logprobs, batch.ref_logprobs, sampler,
+        batch.importance_weights, entropy.detach().contiguous() if entropy is not None else None, options,
+        scale=scale, entropy_threshold=entropy_threshold)
 
-    sums = stats.sum(0)
-    policy_loss = sums[token_kernel.STAT_LOSS]
+    sums = {name: values.sum() for name, values in stats.items()}
+    policy_loss = sums["loss"]
     entropy_coef_per_token = None
     total_value = policy_loss
-    if entropy_coef != 0.0:
+    if options.entropy_coef != 0.0:
         # loss -= entropy_coef * (mean entropy over the bonus tokens): dL/dentropy = -entropy_coef * e_t / count
-        bonus_scale = -entropy_coef / float(sums[token_kernel.STAT_BONUS_COUNT].clamp(min=1.0))
-        total_value = policy_loss + bonus_scale * sums[token_kernel.STAT_BONUS_ENTROPY]
+        bonus_scale = -options.entropy_coef / float(sums["bonus_count"].clamp(min=1.0))
+        total_value = policy_loss + bonus_scale * sums["bonus_entropy"]
         entropy_coef_per_token = bonus_mask * bonus_scale
     total = ScaledByCoefficient.apply(logp, entropy, total_value, coef, entropy_coef_per_token)
 
-    tokens = sums[token_kernel.STAT_COUNT].clamp(min=1.0)
-    per_seq_clip = sequence and adv.dim() == 1
+    tokens = sums["count"].clamp(min=1.0)
+    per_seq_clip = options.sequence_level and adv.dim() == 1
     metrics = Metrics()
-    if beta != 0.0:
-        metrics["kl"] = sums[token_kernel.STAT_KL] / tokens
+    if options.beta != 0.0:
+        metrics["kl"] = sums["kl"] / tokens
     if entropy is not None:
-        metrics["entropy"] = sums[token_kernel.STAT_ENTROPY] / tokens
+        metrics["entropy"] = sums["entropy"] / tokens
     clip_denominator = B if per_seq_clip else tokens
-    if loss_type in reference.CLIPPED_LOSS_TYPES:
-        metrics["clip_ratio/low_mean"] = sums[token_kernel.STAT_LOW] / clip_denominator
-        metrics["clip_ratio/high_mean"] = sums[token_kernel.STAT_HIGH] / clip_denominator
-        metrics["clip_ratio/region_mean"] = sums[token_kernel.STAT_REGION] / clip_denominator
+    if options.clipped:
+        for name in ("low", "high", "region"):
+            metrics[f"clip_ratio/{name}_mean"] = sums[name] / clip_denominator
         # TRL's min / max over sequences of each sequence's clip fraction (sequences without tokens are skipped)
-        counts = stats[:, token_kernel.STAT_COUNT]
-        for name, stat, reduce in (("clip_ratio/low_min", token_kernel.STAT_LOW, torch.min),
-                                   ("clip_ratio/high_max", token_kernel.STAT_HIGH, torch.max)):
-            per_sequence = stats[:, stat] if per_seq_clip else (stats[:, stat] / counts)[counts > 0]
-            metrics[name] = reduce(per_sequence) if per_sequence.numel() else torch.tensor(math.nan)
-    elif loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = sums[token_kernel.STAT_CISPO] / clip_denominator
-    elif loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = sums[token_kernel.STAT_PHI] / (tokens if adv.dim() == 2 else B)
-    if entropy_coef != 0.0:
+        counts = stats["count"]
+        for name, stat, reduce in (("clip_ratio/low_min", "low", torch.min), ("clip_ratio/high_max", "high", torch.max)):
+            per_sequence = stats[stat] if per_seq_clip else (stats[stat] / counts)[counts > 0]
+            metrics[name] = (reduce(per_sequence) if per_sequence.numel()
+                             else torch.tensor(math.nan, device=logp.device))
+    elif options.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = sums["cispo"] / clip_denominator
+    elif options.loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = sums["phi"] / (tokens if adv.dim() == 2 else B)
+    if options.entropy_coef != 0.0:
         metrics["policy_loss"] = policy_loss
-    metrics["ratio_mean"] = sums[token_kernel.STAT_RATIO] / (B if sequence else tokens)
+    metrics["ratio_mean"] = sums["ratio"] / (B if options.sequence_level else tokens)
     return total, metrics
 
 
@@ -454,8 +411,8 @@ def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask
     summed log-ratio; ``*_truncate`` clamps them to [clip_min, clip_max], ``*_mask`` zeroes those outside it.
     Defaults are TRL's (``vllm_importance_sampling_clip_max=3.0``, ``_clip_min=None``).
     """
-    if mode not in reference.IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(f"mode must be one of {reference.IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
     for name, x in (("old_logprobs", old_logprobs), ("sampling_logprobs", sampling_logprobs)):
         _float_tensor(name, x)
         if x.dim() != 2:

@@ -1,23 +1,48 @@
-"""torch.autograd.Function wrappers: layer 1 (fused linear log-probs and entropy) and layer 2 (GRPO token math)."""
+"""torch.autograd.Function wrappers: layer 1 (fused linear log-probs and entropy) and layer 2's loss value.
+
+Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do.
+"""
 
 import torch
 
 from grpo_fast import cpu
+from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import linear_logprobs_bwd, linear_logprobs_fwd, logit_grad
+from grpo_fast.kernels import forward as kforward
 
 
-def linear_logprobs_forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
+def forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
     """(logp, entropy, lse, mean logit), fp32 [N], by the chosen backend; entropy and mean None without
     ``compute_entropy``; no autograd."""
     if backend == "triton":
         cfg = kconfig.launch_config(hidden.device, fwd=True, dtype=hidden.dtype)
-        return linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, bias, transform, compute_entropy, cfg)
-    return cpu.linear_logprobs_fwd(hidden, weight, targets, bias, transform, compute_entropy)
+        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg)
+    return cpu.forward(hidden, weight, targets, bias, transform, compute_entropy)
+
+
+def backward(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform, grad_hidden,
+             grad_weight, grad_bias, backend):
+    """Layer 1's backward by the chosen backend (and, for triton, GRPO_FAST_BWD's mode) into the given buffers."""
+    args = (hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform,
+            grad_hidden, grad_weight, grad_bias)
+    if backend == "torch":
+        cpu.backward(*args)
+        return
+    wide_epilogue = transform.softcap is not None or entropy_coef is not None
+    cfg = kconfig.launch_config(hidden.device, fwd=False, dtype=hidden.dtype, wide_epilogue=wide_epilogue)
+    if cfg.bwd_mode == "chunked":
+        kbackward.backward_chunked(*args, cfg)
+    else:
+        kbackward.backward_fused(*args, cfg)
+
+
+def writes_grad_hidden_in_place(hidden, backend):
+    """True when the backward writes dH once in the input dtype (chunked Triton), False when it accumulates in fp32."""
+    return backend == "triton" and kconfig.launch_config(hidden.device, fwd=False).bwd_mode == "chunked"
 
 
 class LinearLogprobs(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], bias [V] | None, targets [N]) -> logp [N] fp32, entropy [N] fp32.
+    """(hidden [N, D], weight [V, D], targets [N], bias [V] | None) -> logp [N] fp32, entropy [N] fp32.
 
     Both outputs carry their exact gradient. Saves the inputs and O(N) fp32 values (lse, and the mean logit for the
     entropy's gradient), nothing of size V. An entropy that receives no gradient costs the backward nothing: its
@@ -25,32 +50,28 @@ class LinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, backend):
+    def forward(ctx, hidden, weight, targets, bias, transform, backend):
         # entropy is usually a metric: without this, autograd would hand the backward a zero gradient for it
         ctx.set_materialize_grads(False)
         if hidden.shape[0] == 0:
             logp = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             lse = mean_logit = entropy = logp
         else:
-            logp, entropy, lse, mean_logit = linear_logprobs_forward(hidden, weight, targets, bias, transform, True,
-                                                                     backend)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_logit)
+            logp, entropy, lse, mean_logit = forward(hidden, weight, targets, bias, transform, True, backend)
+        ctx.save_for_backward(hidden, weight, targets, bias, lse, mean_logit)
         ctx.transform = transform
         ctx.backend = backend
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, mean_logit = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        hidden, weight, targets, bias, lse, mean_logit = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        need_b = ctx.needs_input_grad[3]
         dev = hidden.device
-        wide_epilogue = ctx.transform.softcap is not None or grad_entropy is not None
-        cfg = (kconfig.launch_config(dev, fwd=False, dtype=hidden.dtype, wide_epilogue=wide_epilogue)
-               if ctx.backend == "triton" else None)
-        chunked = cfg is not None and cfg.bwd_mode == "chunked"
-        # dH: the chunked path writes each row block once in the input dtype; the others accumulate in fp32
         if need_h:
-            grad_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if chunked
+            grad_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
+                           if writes_grad_hidden_in_place(hidden, ctx.backend)
                            else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
         else:
             grad_hidden = None
@@ -60,19 +81,14 @@ class LinearLogprobs(torch.autograd.Function):
             coef = (grad_logp.float().contiguous() if grad_logp is not None
                     else torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev))
             entropy_coef = grad_entropy.float().contiguous() if grad_entropy is not None else None
-            args = (hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, ctx.transform,
-                    grad_hidden, grad_weight, grad_bias)
-            if chunked:
-                logit_grad.linear_logprobs_bwd_chunked(*args, cfg)
-            elif cfg is not None:
-                linear_logprobs_bwd.linear_logprobs_bwd(*args, cfg)
-            else:
-                cpu.linear_logprobs_bwd(*args)
+            backward(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, ctx.transform,
+                     grad_hidden, grad_weight, grad_bias, ctx.backend)
         return (
             grad_hidden.to(hidden.dtype) if need_h else None,
             grad_weight.to(weight.dtype) if need_w else None,
+            None,
             grad_bias.to(bias.dtype) if need_b else None,
-            None, None, None,
+            None, None,
         )
 
 

@@ -1,8 +1,14 @@
-"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits.
+"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits, and the torch twin of layer 2.
 
 Every fused path in grpo_fast is tested against this module, the benchmark uses it as the eager baseline, and
 it is itself tested against TRL 1.16.0's own ``GRPOTrainer._compute_loss`` (tests/test_trl_loss.py). It follows
 TRL line by line, at one process and no gradient accumulation, so a TRL user gets the same numbers.
+
+``token_loss`` is also what ``grpo_fast.loss`` runs as layer 2 on the torch backend (CPU tensors without Triton),
+as TRL keeps one torch twin beside its kernel: one torch implementation of the formulas, held to TRL's trainer by
+tests/test_trl_loss.py and to the token kernel by tests/test_grpo_token.py. Layer 1 is not shared: the spec builds
+the full logits, the product (grpo_fast/cpu.py) never does. The option sets and the normaliser live in
+grpo_fast/options.py.
 
 Two layers, the same as the fused paths:
   1. ``logprobs_and_entropy``: hidden states and lm_head -> per-token log-prob of the target and entropy.
@@ -38,12 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# loss types normalised by num_items_in_batch (the tokens of the whole accumulation window)
-NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from grpo_fast.options import LOSS_TYPES, LossOptions, option_keywords  # noqa: F401 (LOSS_TYPES: for readers)
 
 
 def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale=1.0, fp32_matmul=True,
@@ -137,59 +138,27 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-def _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch):
-    """Each loss type's own reduction of the masked per-token loss (TRL's, with no gradient accumulation)."""
-    if loss_type in ("grpo", "sapo"):
-        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    if loss_type in NUM_ITEMS_LOSS_TYPES:
-        return (per_token_loss * mask).sum() / max(float(num_items_in_batch), 1.0)
-    if loss_type == "luspo":
-        return (per_token_loss * mask).sum(-1).mean()
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+def _normalise(per_token_loss, mask, options, num_items_in_batch):
+    """Each loss type's own reduction of the masked per-token loss (TRL's, with no gradient accumulation): the
+    rows' sums (each divided by its token count for grpo and sapo), summed, over LossOptions.denominator."""
+    per_row = (per_token_loss * mask).sum(-1)
+    if options.row_mean:
+        per_row = per_row / mask.sum(-1).clamp(min=1.0)
+    return per_row.sum() / options.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
 
 
-def token_loss(
-    logp,
-    advantages,
-    completion_mask,
-    *,
-    entropy=None,
-    old_logprobs=None,
-    ref_logprobs=None,
-    sampling_logprobs=None,
-    importance_weights=None,
-    beta=0.0,
-    epsilon=0.2,
-    epsilon_high=None,
-    delta=None,
-    loss_type="dapo",
-    importance_sampling_level="token",
-    max_completion_length=512,
-    num_items_in_batch=None,
-    sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0,
-    vespo_lambda_pos=3.0,
-    vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0,
-    use_bias_correction_kl=True,
-    off_policy_mask_threshold=None,
-    top_entropy_quantile=1.0,
-    entropy_threshold=None,
-    entropy_coef=0.0,
-):
+@option_keywords
+def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None, old_logprobs=None,
+               ref_logprobs=None, sampling_logprobs=None, importance_weights=None, num_items_in_batch=None,
+               entropy_threshold=None, **loss_options):
     """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
 
     ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
     mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars.
     """
+    o = LossOptions.resolve(options, loss_options, "token_loss")
     mask = completion_mask.to(torch.float32)
-    epsilon_low = epsilon
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    epsilon_low, epsilon_high, beta, loss_type = o.epsilon, o.clip_high, o.beta, o.loss_type
     logp = logp.float()
     old = logp.detach() if old_logprobs is None else old_logprobs.float()
     advantages = advantages.float()
@@ -201,55 +170,51 @@ def token_loss(
             importance_weights = importance_weights.unsqueeze(1)
 
     entropy_mask = None
-    if top_entropy_quantile < 1.0:
-        threshold = (entropy_quantile_threshold(entropy, mask, top_entropy_quantile) if entropy_threshold is None
+    if o.top_entropy_quantile < 1.0:
+        threshold = (entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile) if entropy_threshold is None
                      else torch.as_tensor(float(entropy_threshold)))
         if threshold is None:
             entropy_mask = torch.zeros_like(mask, dtype=torch.bool)
         else:
             entropy_mask = ((entropy.detach().float() * mask) >= threshold) & mask.bool()
 
-    if off_policy_mask_threshold is not None:
+    if o.off_policy_mask_threshold is not None:
         sampler = old if sampling_logprobs is None else sampling_logprobs.float()
         kl_div = torch.nan_to_num(sampler - logp.detach(), nan=0.0)
         avg_seq_kl = (kl_div * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= off_policy_mask_threshold)).float()
+        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= o.off_policy_mask_threshold)).float()
 
     log_ratio = logp - old
-    if importance_sampling_level == "token":
-        log_importance_weights = log_ratio
-    elif importance_sampling_level == "sequence":
+    if o.sequence_level:
         log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+        log_importance_weights = log_ratio
     coef_1 = torch.exp(log_importance_weights)
     ratio = coef_1  # before delta: the ratio_mean metric reports the importance ratio itself
 
     if beta != 0.0:
         ref = ref_logprobs.float()
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if use_bias_correction_kl:
+        if o.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
     if loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
         per_token_loss = -clamped_ratios * advantages * logp
-    elif loss_type in CLIPPED_LOSS_TYPES:
+    elif o.clipped:
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        if delta is not None:
-            coef_1 = torch.clamp(coef_1, max=delta)
+        if o.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=o.delta)
         per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     elif loss_type == "sapo":
-        temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        temperatures = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
     elif loss_type == "vespo":
-        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights, vespo_k_pos, vespo_lambda_pos,
-                                vespo_k_neg, vespo_lambda_neg)
+        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights, o.vespo_k_pos, o.vespo_lambda_pos,
+                                o.vespo_k_neg, o.vespo_lambda_neg)
         per_token_loss = -phi_seq * advantages * logp
-    else:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
-    if off_policy_mask_threshold is not None:
+    if o.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
@@ -258,13 +223,11 @@ def token_loss(
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
 
-    if num_items_in_batch is None:
-        num_items_in_batch = mask.sum()
-    loss = _normalise(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch)
+    loss = _normalise(per_token_loss, mask, o, num_items_in_batch)
     policy_loss = loss.detach()
-    if entropy_coef != 0.0:
+    if o.entropy_coef != 0.0:
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        loss = loss - entropy_coef * (entropy.float() * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+        loss = loss - o.entropy_coef * (entropy.float() * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
     # Metrics: TRL's global masked mean; a [B, 1] value (sequence level) is averaged over sequences.
     def masked_mean(x):
@@ -277,7 +240,7 @@ def token_loss(
 
     def nan_reduce(x, reduce):
         kept = x[~torch.isnan(x)]
-        return reduce(kept) if kept.numel() else torch.tensor(float("nan"))
+        return reduce(kept) if kept.numel() else torch.tensor(float("nan"), device=x.device)
 
     with torch.no_grad():
         metrics = {}
@@ -285,7 +248,7 @@ def token_loss(
             metrics["kl"] = masked_mean(per_token_kl)
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.float())
-        if loss_type in CLIPPED_LOSS_TYPES:
+        if o.clipped:
             is_low = ((coef_1 < 1 - epsilon_low) & (advantages < 0)).float()
             is_high = ((coef_1 > 1 + epsilon_high) & (advantages > 0)).float()
             metrics["clip_ratio/low_mean"] = masked_mean(is_low)
@@ -297,16 +260,17 @@ def token_loss(
             metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > epsilon_high) & (advantages > 0)).float())
         elif loss_type == "vespo":
             metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq)
-        if entropy_coef != 0.0:
+        if o.entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
         metrics["ratio_mean"] = masked_mean(ratio)
         metrics = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
     return loss, metrics
 
 
-def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, temperature=1.0, softcap=None,
-         logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, **kwargs):
-    """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss."""
+def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, bias=None, temperature=1.0,
+         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, **kwargs):
+    """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss
+    (the loss options as ``options`` or keywords)."""
     logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
                                          softcap, logit_scale)
-    return token_loss(logp, advantages, completion_mask, entropy=entropy, **kwargs)
+    return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)

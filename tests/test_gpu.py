@@ -131,7 +131,7 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
 def test_weight_gradient_accumulates_chunk_products_in_fp32():
     # bf16 g^T H of many chunks is added to the fp32 dW inside the GEMM (torch.addmm out_dtype): no chunk's product
     # is rounded to bf16 first (2^-9 relative), so the sum stays within fp32 rounding of the exact one
-    from grpo_fast.kernels.logit_grad import _add_gt_h
+    from grpo_fast.kernels.backward import add_gt_h
     g = torch.Generator(device="cuda").manual_seed(3)
     V, D, chunk = 4096, 256, 256
     grad_weight = torch.zeros(V, D, device="cuda")
@@ -139,6 +139,6 @@ def test_weight_gradient_accumulates_chunk_products_in_fp32():
     for _ in range(16):
         g_rows = torch.randn(chunk, V, device="cuda", generator=g).bfloat16()
         h_rows = torch.randn(chunk, D, device="cuda", generator=g).bfloat16()
-        _add_gt_h(grad_weight, g_rows, h_rows, vocab_slab=16384)
+        add_gt_h(grad_weight, g_rows, h_rows, vocab_slab=16384)
         exact += g_rows.double().T @ h_rows.double()
     assert _max_rel(grad_weight, exact) < 1e-5

@@ -1,5 +1,5 @@
 """Every kernel compiles for sm_90 (H100/H200), sm_89 (RTX 4090) and sm_80 (A100) with the GPU launch configuration,
-fits the card's shared memory and spills no registers. No GPU needed: see tests/sm_compile.py."""
+fits the card's shared memory and spills no registers. No GPU needed: see tools/sm_compile.py."""
 
 import json
 import os
@@ -14,7 +14,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 ARCHS = (90, 89, 80)
 # per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32, bf16
 # with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, and fp32 with both; then the GRPO
-# token kernel's variants (sm_compile.GRPO_TOKEN_VARIANTS)
+# token kernel's variants (sm_compile.TOKEN_LOSS_VARIANTS)
 VARIANTS_PER_ARCH = 4 * 8 + 9
 
 
@@ -24,7 +24,7 @@ def compiled(tmp_path_factory):
         pytest.skip(f"this triton wheel ships no ptxas ({PTXAS})")
     out = tmp_path_factory.mktemp("sm") / "rows.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sm_compile.py"), "--arch", *map(str, ARCHS),
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "..", "tools", "sm_compile.py"), "--arch", *map(str, ARCHS),
                            "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout + proc.stderr
     return json.loads(out.read_text()), proc
@@ -54,7 +54,7 @@ def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     rows, _ = compiled
     expected = "wgmma" if arch >= 90 else "mma"
     for r in (r for r in rows if r["arch"] == arch):
-        if r["kernel"].startswith("grpo_token") or " fp32" in r["kernel"]:
+        if r["kernel"].startswith("token_loss") or " fp32" in r["kernel"]:
             assert r["tensor_cores"] == "none", r["kernel"]
         else:
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])

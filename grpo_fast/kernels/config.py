@@ -89,3 +89,18 @@ def launch_config(device: torch.device, fwd: bool, dtype: torch.dtype = torch.bf
     # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
     return gpu_launch_config(fwd, dtype, props.multi_processor_count, smem, wide_epilogue=wide_epilogue)
+
+
+def frozen_launch_config(device: torch.device) -> LaunchConfig:
+    """The frozen-head forward's tile kernel (kernels/forward_frozen.py): no dot, two elementwise passes over a
+    [<= D tokens, vocab chunk] fp32 buffer between two cuBLAS GEMMs. Few rows per program, so that one token chunk
+    fills the GPU (1536 rows / 2 = 768 programs). ``dot_fp32``: the GEMMs run on fp32 operands (the interpreter, a
+    CPU device); block_d, target_programs and bwd_mode are unused. Compiled for sm_90 / 89 / 80 without spills."""
+    if interpreting() or device.type != "cuda":
+        return LaunchConfig(16, 32, 16, 4, 1, True, 8)
+    return gpu_frozen_launch_config()
+
+
+def gpu_frozen_launch_config() -> LaunchConfig:
+    """The compiled-GPU configuration of the frozen-head forward's tile kernel (the same for every card and dtype)."""
+    return LaunchConfig(2, 512, 16, 4, 1, False, 0)

@@ -1,4 +1,4 @@
-"""Device functions shared by the linear log-probs kernels: one logit tile, and its gradient.
+"""Tile helpers: the device functions the forward and backward kernels share: one logit tile, and its gradient.
 
     u[i, j] = h_i . W_j + b_j                          (fp32 accumulation over D in BLOCK_D steps)
     z[i, j] = softcap * tanh(logit_scale * u / softcap) / tau      (no tanh without HAS_SOFTCAP; TRL 1.16's order;
@@ -11,7 +11,7 @@ The entropy term: H = lse - sum_j p_j z_j, so dH/dz_j = p_j (mean - z_j). tanh i
 (1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow for any x, and the slope keeps its relative precision
 where tanh saturates (1 - tanh^2 would cancel to 0 there).
 
-Registers only: a BLOCK_N x BLOCK_V fp32 tile (logit_grad also adds the tile's column sums of g to an fp32 db).
+Registers only: a BLOCK_N x BLOCK_V fp32 tile (tile_grad also adds the tile's column sums of g to an fp32 db).
 ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16 tl.dot is wrong in triton 3.9); on a GPU they stay
 in the input dtype for the tensor cores.
 """
@@ -44,7 +44,7 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_
 
 
 @triton.jit
-def _tanh_and_slope(x):
+def tanh_and_slope(x):
     """(tanh x, 1 - tanh^2 x), both exact in fp32 for every x (see the module docstring)."""
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
@@ -61,7 +61,7 @@ def logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask,
                         stride_hn, stride_hd, stride_wv, stride_wd,
                         HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D) * logit_scale
     if HAS_SOFTCAP:
-        t, _ = _tanh_and_slope(a / softcap)
+        t, _ = tanh_and_slope(a / softcap)
         a = softcap * t
     return tl.where(v_mask[None, :], a * inv_temperature, float("-inf"))
 
@@ -80,7 +80,7 @@ def row_coefficients(coef_ptr, entropy_coef_ptr, offs_n, n_mask, ENTROPY_GRAD: t
 
 
 @triton.jit
-def logit_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, grad_bias_ptr,
+def tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, grad_bias_ptr,
                coef, entropy_coef, offs_n, offs_v, n_mask, v_mask, D,
                stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
@@ -98,7 +98,7 @@ def logit_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logi
                         HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D) * logit_scale
     slope = logit_scale * inv_temperature
     if HAS_SOFTCAP:
-        t, dt = _tanh_and_slope(a / softcap)
+        t, dt = tanh_and_slope(a / softcap)
         a = softcap * t
         slope = slope * dt
     z = tl.where(v_mask[None, :], a * inv_temperature, float("-inf"))

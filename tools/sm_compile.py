@@ -12,7 +12,7 @@ divisibility hint, ints equal to 1 become constants. The stand-in shapes use rea
 the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is cut to 4096, which changes no
 compiled code (V only enters as a loop bound and a mask).
 
-    TRITON_INTERPRET=0 python tests/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
+    TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
 """
 
 import argparse
@@ -34,7 +34,8 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from grpo_fast.kernels import config as kconfig  # noqa: E402
-from grpo_fast.kernels import grpo_token, linear_logprobs_bwd, linear_logprobs_fwd, logit_grad  # noqa: E402
+from grpo_fast.kernels import backward, forward, token_loss  # noqa: E402
+from grpo_fast.options import LossOptions  # noqa: E402
 
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
 SMEM_LIMIT = {90: 232448, 89: 101376, 86: 101376, 80: 166912}
@@ -141,65 +142,65 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
     mean_logit, entropy_coef = (lse, coef) if entropy_grad else (None, None)
     out = []
     cfg = kconfig.gpu_launch_config(fwd=True, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch])
-    with recording(linear_logprobs_fwd, "_linear_logprobs_fwd_kernel") as launches:
-        linear_logprobs_fwd.linear_logprobs_fwd(hidden, weight, targets, b, transform, entropy, cfg)
+    with recording(forward, "_forward_kernel") as launches:
+        forward.forward(hidden, weight, targets, b, transform, entropy, cfg)
     out += [("fwd", launches[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.autograd chooses
     cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
                                     mode="chunked", wide_epilogue=wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
-    with recording(logit_grad, "_logit_grad_kernel") as launches:
-        logit_grad.linear_logprobs_bwd_chunked(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef,
-                                               transform, torch.empty_like(hidden), torch.zeros(V, D), grad_bias,
-                                               cfg)
+    with recording(backward, "_backward_kernel") as launches:
+        backward.backward_chunked(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef, transform,
+                                  torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg)
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
                                     mode="fused", wide_epilogue=wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
-        with recording(linear_logprobs_bwd, "_linear_logprobs_bwd_kernel") as launches:
-            linear_logprobs_bwd.linear_logprobs_bwd(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef,
-                                                    transform, torch.zeros(hidden.shape), grad_weight, grad_bias,
-                                                    cfg)
+        with recording(backward, "_backward_kernel") as launches:
+            backward.backward_fused(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef, transform,
+                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg)
         out += [(name, launches[0])]
     return out
 
 
 # every constexpr path of the GRPO token kernel, each loss family with the options TRL 1.16 combines with it
-GRPO_TOKEN_VARIANTS = (
-    # name, loss kind, sequence level, per-token advantages, options
-    ("clipped, token", 0, False, False, dict()),
-    ("clipped, sequence (GSPO)", 0, True, False, dict()),
-    ("clipped, per-token advantages", 0, False, True, dict()),
-    ("cispo", 1, False, False, dict()),
-    ("sapo", 2, False, False, dict()),
-    ("vespo", 3, False, False, dict()),
-    ("clipped, masks + bonus + bias-corrected KL", 0, False, False,
-     dict(off_policy=True, entropy_mask=True, bonus=True, bias_correction=True)),
-    ("clipped, sequence, masks + bonus + bias-corrected KL", 0, True, False,
-     dict(off_policy=True, entropy_mask=True, bonus=True, bias_correction=True)),
-    ("vespo, masks + bonus + bias-corrected KL", 3, False, False,
-     dict(off_policy=True, entropy_mask=True, bonus=True, bias_correction=True)),
+TOKEN_LOSS_VARIANTS = (
+    # name, loss options, per-token advantages, inputs (off-policy mask, top-entropy mask)
+    ("clipped, token", dict(loss_type="dapo", delta=2.0), False, dict()),
+    ("clipped, sequence (GSPO)", dict(loss_type="grpo", delta=2.0, importance_sampling_level="sequence"), False,
+     dict()),
+    ("clipped, per-token advantages", dict(loss_type="grpo", delta=2.0), True, dict()),
+    ("cispo", dict(loss_type="cispo"), False, dict()),
+    ("sapo", dict(loss_type="sapo"), False, dict()),
+    ("vespo", dict(loss_type="vespo"), False, dict()),
+    ("clipped, masks + bonus + bias-corrected KL",
+     dict(loss_type="grpo", delta=2.0, off_policy_mask_threshold=0.5, top_entropy_quantile=0.2, entropy_coef=0.01),
+     False, dict(off_policy=True, entropy_mask=True)),
+    ("clipped, sequence, masks + bonus + bias-corrected KL",
+     dict(loss_type="grpo", delta=2.0, importance_sampling_level="sequence", off_policy_mask_threshold=0.5,
+          top_entropy_quantile=0.2, entropy_coef=0.01), False, dict(off_policy=True, entropy_mask=True)),
+    ("vespo, masks + bonus + bias-corrected KL",
+     dict(loss_type="vespo", off_policy_mask_threshold=0.5, top_entropy_quantile=0.2, entropy_coef=0.01), False,
+     dict(off_policy=True, entropy_mask=True)),
 )
 
 
-def grpo_token_launches():
-    """The GRPO token kernel for each variant of GRPO_TOKEN_VARIANTS, with every input on."""
+def token_loss_launches():
+    """The GRPO token kernel for each variant of TOKEN_LOSS_VARIANTS, with every input on (a KL term too; the
+    variants without "bias-corrected" in their name have use_bias_correction_kl off)."""
     B, T = 4, 37
     logp, old, ref, sampler, entropy = (torch.randn(B, T) for _ in range(5))
     mask = torch.ones(B, T)
     out = []
-    for name, loss_kind, sequence, per_token_adv, options in GRPO_TOKEN_VARIANTS:
+    for name, options, per_token_adv, inputs in TOKEN_LOSS_VARIANTS:
         adv = torch.randn(B, T) if per_token_adv else torch.randn(B)
-        with recording(grpo_token, "_grpo_token_kernel") as launches:
-            grpo_token.grpo_token(
-                logp, adv, mask, old, ref, sampler if options.get("off_policy") else None, torch.rand(B, T),
-                entropy, loss_kind=loss_kind, sequence=sequence, row_mean=True, scale=0.25, beta=0.04,
-                eps_low=0.2, eps_high=0.28, delta=2.0 if loss_kind == 0 else None, sapo_pos=1.0, sapo_neg=1.05,
-                vespo=(2.0, 3.0, 3.0, 2.0), use_bias_correction_kl=options.get("bias_correction", False),
-                off_policy_threshold=0.5 if options.get("off_policy") else None,
-                entropy_threshold=1.5 if options.get("entropy_mask") else None,
-                entropy_bonus=options.get("bonus", False))
-        out.append((f"grpo_token {name}", launches[0]))
+        options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl="bias-corrected" in name,
+                              **options)
+        with recording(token_loss, "_token_loss_kernel") as launches:
+            token_loss.token_loss(logp, adv, mask, old, ref, sampler if inputs.get("off_policy") else None,
+                                  torch.rand(B, T), entropy, options, scale=0.25,
+                                  entropy_threshold=1.5 if inputs.get("entropy_mask") else None)
+        out.append((f"token_loss {name}", launches[0]))
     return out
 
 
@@ -218,7 +219,7 @@ def all_launches(arch):
     for label, kw in LAYER1_EXTRA:
         dtype = torch.float32 if label.startswith("fp32") else torch.bfloat16
         out += [(f"{name} {label}", launch) for name, launch in layer1_launches(arch, dtype, **kw)]
-    return out + grpo_token_launches()
+    return out + token_loss_launches()
 
 
 def compile_all(archs):

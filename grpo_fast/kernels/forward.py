@@ -1,7 +1,7 @@
-"""Forward of the fused linear log-probs: log-prob of each target and entropy, without [N, V] logits.
+"""The forward pass of layer 1 (linear log-probs): log-prob of each target and entropy, without [N, V] logits.
 
 Math, for token n with hidden row h_n [D], weight W [V, D], optional bias b [V], temperature tau, optional
-soft-cap c and logit scale k (TRL 1.16's order; kernels/logit_tile.py):
+soft-cap c and logit scale k (TRL 1.16's order; tile.py):
     z_nv   = c tanh(k (h_n . W_v + b_v) / c) / tau           (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator)
     lse_n  = log sum_v exp(z_nv)                              (online: running max m, running sum s = sum exp(z - m))
     logp_n = z_n,y_n - lse_n                                  (the target logit is picked out of the tile that holds it)
@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.logit_tile import logit_tile
+from .tile import logit_tile
 
 
 @triton.jit
-def _linear_logprobs_fwd_kernel(
+def _forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, targets_ptr,
     part_max_ptr, part_sumexp_ptr, part_zsum_ptr, part_target_ptr,
     N, V, D, vocab_per_split,
@@ -94,7 +94,7 @@ def merge_partials(part_max, part_sumexp, part_zsum, part_target, compute_entrop
     return logp, entropy, lse, mean_logit
 
 
-def linear_logprobs_fwd(hidden, weight, targets, bias, transform, compute_entropy, config):
+def forward(hidden, weight, targets, bias, transform, compute_entropy, config):
     """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, lse, mean logit), [N] fp32 each.
 
     ``transform``: a LogitTransform (temperature, softcap, logit_scale); entropy and mean are None without
@@ -111,7 +111,7 @@ def linear_logprobs_fwd(hidden, weight, targets, bias, transform, compute_entrop
 
     parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=hidden.device)
     part_max, part_sumexp, part_zsum, part_target = parts.unbind(0)
-    _linear_logprobs_fwd_kernel[(n_blocks, num_splits)](
+    _forward_kernel[(n_blocks, num_splits)](
         hidden, weight, bias if bias is not None else hidden, targets,
         part_max, part_sumexp, part_zsum, part_target,
         N, V, D, vocab_per_split,

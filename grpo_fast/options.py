@@ -1,0 +1,157 @@
+"""The loss's options, once: TRL 1.16.0 ``GRPOConfig``'s names and defaults, validated in one place.
+
+``LossOptions`` is what every layer-2 implementation takes (the Triton token kernel's launcher, the torch layer 2 in
+``grpo_fast.reference``, the benchmark, the examples). ``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take
+the same names as keyword arguments, TRL style, and turn them into a ``LossOptions`` here (``resolve``); an unknown
+name is a ``TypeError`` that says which names exist.
+
+The per-batch inputs (old / reference / sampler log-probs, importance weights, ``num_items_in_batch``,
+``entropy_threshold``) are not options: they are arguments of the functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+from dataclasses import dataclass
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# the PPO-style clipped objective: -min(r A, clamp(r, 1 - eps, 1 + eps_high) A)
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# normalised per sequence (mean over sequences of each sequence's token mean)
+ROW_MEAN_LOSS_TYPES = ("grpo", "sapo")
+# normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window)
+NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# TRL's vllm_importance_sampling_mode values (grpo_fast.sampling_importance_weights)
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def check_number(name, x, condition=lambda v: True, expected="a finite number"):
+    """x must be a real number (a Python or numpy scalar, not a bool) for which condition holds."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not condition(x):
+        raise ValueError(f"{name} must be {expected}, got {x!r}")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """GRPOConfig's loss options (TRL 1.16.0 names and defaults; README's keyword table says what each means)."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    max_completion_length: int = 512
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = True
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
+                             f"{self.importance_sampling_level!r}")
+        for name in ("beta", "epsilon", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
+            check_number(name, getattr(self, name))
+        for name in ("epsilon_high", "delta", "off_policy_mask_threshold"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name))
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ValueError(f"epsilon and epsilon_high must be >= 0, got {self.epsilon}, {self.epsilon_high}")
+        mcl = self.max_completion_length
+        if isinstance(mcl, bool) or not isinstance(mcl, numbers.Integral) or mcl <= 0:
+            raise ValueError(f"max_completion_length must be a positive int (the dr_grpo normaliser), got {mcl!r}")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+        check_number("top_entropy_quantile", self.top_entropy_quantile, lambda v: 0.0 <= v <= 1.0,
+                     "a number in [0, 1]")
+
+    # ------------------------------------------------------------------------------------------ derived facts
+    @property
+    def clip_high(self) -> float:
+        """The upper clip offset: ``epsilon_high``, or ``epsilon`` when it is None (TRL's rule)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.importance_sampling_level == "sequence"
+
+    @property
+    def clipped(self) -> bool:
+        return self.loss_type in CLIPPED_LOSS_TYPES
+
+    @property
+    def row_mean(self) -> bool:
+        """Each sequence's token sum is divided by its own token count before the batch reduction."""
+        return self.loss_type in ROW_MEAN_LOSS_TYPES
+
+    @property
+    def entropy_mask(self) -> bool:
+        """Only the top ``top_entropy_quantile`` of tokens by entropy carry the policy loss."""
+        return self.top_entropy_quantile < 1.0
+
+    def denominator(self, batch_size, mask_total, num_items_in_batch=None) -> float:
+        """The loss's divisor: loss = sum_b (sum_t m l [/ the row's token count when ``row_mean``]) / denominator.
+
+        TRL's reductions at one process without gradient accumulation: grpo, sapo, luspo: B (a mean over
+        sequences); bnpo: the mask's sum; dr_grpo: B * max_completion_length; dapo, cispo, vespo:
+        ``num_items_in_batch`` (default: the mask's sum). Sums are clamped at 1 (an all-masked batch gives 0).
+        """
+        if self.loss_type in ("grpo", "sapo", "luspo"):
+            return float(batch_size)
+        if self.loss_type == "bnpo":
+            return max(float(mask_total), 1.0)
+        if self.loss_type == "dr_grpo":
+            return float(batch_size * self.max_completion_length)
+        return max(float(mask_total if num_items_in_batch is None else num_items_in_batch), 1.0)
+
+    # ------------------------------------------------------------------------------------------ construction
+    @classmethod
+    def resolve(cls, options: "LossOptions | None" = None, keywords: "dict | None" = None,
+                caller: str = "loss") -> "LossOptions":
+        """``options`` (default: TRL's defaults) with the TRL-style ``keywords`` applied on top; unknown names raise."""
+        if options is not None and not isinstance(options, LossOptions):
+            raise TypeError(f"options must be a grpo_fast.LossOptions, got {type(options).__name__}")
+        keywords = keywords or {}
+        unknown = sorted(set(keywords) - set(FIELD_NAMES))
+        if unknown:
+            hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, FIELD_NAMES, 1))
+                     else repr(name) for name in unknown]
+            raise TypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; the loss options are "
+                            f"{', '.join(FIELD_NAMES)}")
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **keywords) if keywords else base
+
+    @classmethod
+    def from_trl(cls, config) -> "LossOptions":
+        """The options of a TRL ``GRPOConfig`` (or any object with those attribute names)."""
+        return cls(**{name: getattr(config, name) for name in FIELD_NAMES if hasattr(config, name)})
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+
+
+def option_keywords(function):
+    """Show the loss options in ``function``'s signature (``help()``, ``inspect.signature``) in place of its
+    ``**loss_options``: the names and defaults are LossOptions' own, listed here and nowhere else."""
+    import inspect
+
+    signature = inspect.signature(function)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in dataclasses.fields(LossOptions)]
+    function.__signature__ = signature.replace(parameters=params)
+    return function
