@@ -5,12 +5,14 @@
     logp, entropy = grpo_fast.logprobs_and_entropy(hidden, weight, targets)   # both differentiable
     loss, metrics = grpo_fast.token_loss(logprobs, advantages, completion_mask, ...)  # layer 2 alone
     weights = grpo_fast.sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask)
+    options = grpo_fast.LossOptions(loss_type="dapo", beta=0.04)   # TRL's GRPOConfig names; options=options
 """
 
 from grpo_fast import reference
 from grpo_fast.api import (Metrics, logprobs, logprobs_and_entropy, loss, sampling_importance_weights,
                            token_loss)
+from grpo_fast.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions
 
 __all__ = ["loss", "logprobs", "logprobs_and_entropy", "token_loss", "sampling_importance_weights", "Metrics",
-           "reference"]
+           "LossOptions", "LOSS_TYPES", "NUM_ITEMS_LOSS_TYPES", "reference"]
 __version__ = "0.1.0"

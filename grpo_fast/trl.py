@@ -85,7 +85,7 @@ from trl.trainer import rloo_trainer as _trl_rloo_trainer  # noqa: E402
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
 
 import grpo_fast  # noqa: E402
-from grpo_fast import reference  # noqa: E402
+from grpo_fast.kernels.config import LogitTransform  # noqa: E402
 
 __all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
            "TRL_VERSIONS"]
@@ -234,15 +234,18 @@ def _gathered_again_for_backward(*params):
 @torch.no_grad()
 def _extra_outputs(hidden, weight, bias, labels, mask, temperature, softcap, logit_scale, names):
     """The requested no-grad extras {name: [B, T]} (zero / False where the label is -100), exactly in fp32 from
-    chunks of the scored rows' logits (grpo_fast.reference.logits: the same transform)."""
+    chunks of the scored rows' logits (LogitTransform: the kernels' transform)."""
     if not names:
         return {}
     rows, targets = hidden[mask], labels[mask]
     V = weight.shape[0]
     values = {name: [] for name in names}
     step = max(1, EXTRA_OUTPUTS_CHUNK_LOGITS // V)
+    transform = LogitTransform(temperature, softcap, logit_scale)
+    weight32, bias32 = weight.float(), bias.float() if bias is not None else None
     for start in range(0, rows.shape[0], step):
-        z = reference.logits(rows[start:start + step], weight, bias, temperature, softcap, logit_scale)
+        u = rows[start:start + step].float() @ weight32.T
+        z = transform.apply(u + bias32 if bias32 is not None else u)
         y = targets[start:start + step]
         if "log_sum_sq_probs" in values:  # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
             values["log_sum_sq_probs"].append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))

@@ -23,6 +23,13 @@ class LogitTransform:
     softcap: "float | None" = None
     logit_scale: float = 1.0
 
+    def apply(self, u):
+        """z from raw fp32 logits u = h . W + b, in torch (the kernels' tile functions compute the same in-tile)."""
+        z = u * self.logit_scale
+        if self.softcap is not None:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        return z / self.temperature
+
     def kernel_scalars(self):
         """(inv_temperature, logit_scale, softcap) as the kernels take them (softcap 1.0 when unused)."""
         return 1.0 / self.temperature, float(self.logit_scale), float(self.softcap or 1.0)
