@@ -1,0 +1,248 @@
+"""The frozen-head forward of layer 1: log-probs, entropy, lse, mean logit, and J = d logp / d h built in the forward.
+
+When neither the weight nor the bias needs a gradient and the entropy needs none (a LoRA / frozen lm_head, the
+entropy a metric only), the backward needs only dH = c[:, None] * J, c = dL/dlogp: two vocabulary GEMM sweeps in
+total (u = H W^T here, and P' W here) instead of three (forward, recompute, dH GEMM). TRL main's shape
+(``trl/kernels/chunked_logprob.py``): cuBLAS for both GEMMs, a Triton kernel for the softmax state between them.
+
+Math, for token n, u_nv = h_n . W_v (+ b_v), the transform of tile.py (soft-cap c, logit scale k, temperature tau):
+    z_nv  = c tanh(k u_nv / c) / tau        (k u / tau without a soft-cap)
+    s'_nv = dz_nv / du_nv = k (1 - tanh^2) / tau       (k / tau without a soft-cap; tile.tanh_and_slope's form)
+    J_n   = d logp_n / d h_n = s'_ny W_y - sum_v p_nv s'_nv W_v,     p = softmax(z)
+          = (s'_ny R_n W_y - sum_{v != y} e_nv s'_nv W_v) / S_n,
+with e_nv = exp(z_nv - m_n), S_n = sum_v e_nv, R_n = sum_{v != y} e_nv (so 1 - p_ny = R_n / S_n is a sum of
+positive terms, never the cancelling difference 1 - p_ny: J stays exact to fp32 rounding when the model is sure of
+its token). Per chunk of at most ``chunk_size(N, D)`` tokens (backward.py) and per vocabulary chunk [v0, v1):
+    u  = H_chunk W[v0:v1]^T  (fp32, cuBLAS: out_dtype=float32 for bf16 / fp16 on CUDA; fp32 operands elsewhere)
+    ``_frozen_chunk_kernel`` (one program per BLOCK_N rows, BLOCK_V-wide tiles of the chunk, two passes):
+        pass 1: z = transform(u + b), the chunk's row max;  m_new = max(m, chunk max) (a finite pivot while every
+                logit so far is -inf, as forward.py), rescale = exp(m - m_new)
+        pass 2: e = exp(z - m_new); S, R, sum e z (the entropy) and the target's z and s' are updated
+                (S = S rescale + sum e, ...); P' = e s' with the target column zeroed, written in the GEMM dtype
+    J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
+and at the end J = (s'_y R W[y] - J) / S; logp = z_y - lse, lse = m + log S, mean = sum e z / S, entropy =
+lse - mean, as forward.py computes them. The gradient is exactly d logp / dh: no other term exists on this path.
+
+Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
+on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
+off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
+
+Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
+only O(N) but its backward writes dH of the same size), the u buffer of chunk x vocab-chunk fp32, with the vocab
+chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
+chunks of 76032), and 7 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
+came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half of u[n]'s bytes, and a tile's stores
+only reach u entries the program has already read in pass 2, so no program reads a value it or another has
+overwritten). No tensor of N x V exists.
+
+GPU estimate, on paper (arithmetic, not a measurement): Qwen2.5-1.5B head, D 1536, V 151936, N 16384 tokens, bf16.
+    one vocabulary GEMM 2NDV = 7.65 TFLOP; this path 2 x 2NDV = 15.3 TFLOP, the recompute path 3 x 2NDV = 22.9.
+    buffer traffic, this path: u fp32 written by GEMM 1 (9.96 GB), read twice by the kernel (19.9 GB; pass 2's read
+        may partly hit L2), P' bf16 written (4.98 GB) and read by GEMM 2 (4.98 GB): 39.8 GB (29.9 GB with one u read);
+        the recompute path: g bf16 written and read once, 9.96 GB. Both read W (467 MB) twice per token chunk
+        (11 chunks: 10.3 GB) and J / dH (100 MB) a few times.
+    H100 SXM (~990 TFLOP/s dense bf16, 3.35 TB/s): GEMMs 15.4 ms vs 23.2 ms; buffers 11.9 ms (8.9) vs 3.0 ms;
+        total ~27.3 ms (24.3) vs ~26.1 ms: no gain on paper at this vocab chunk, the saved GEMM is spent on u traffic.
+    RTX 4090 (~165 TFLOP/s bf16 with fp32 accumulate, ~1 TB/s): GEMMs 92.7 ms vs 139.0 ms; buffers 39.5 ms (29.6)
+        vs 9.9 ms; total ~132 ms (122) vs ~149 ms: 11-18 % less time.
+    A vocab chunk whose u buffer fits in L2 (50 MB H100, 72 MB RTX 4090: ~8k columns at 1536 rows) would keep most
+    of the u / P' traffic out of HBM, at the price of ~4 launches per 8k columns and more J rescales: measure.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .backward import chunk_size
+from .tile import tanh_and_slope
+
+# torch.mm / torch.addmm(..., out_dtype=torch.float32) from bf16 / fp16 operands: CUDA only, torch >= 2.8
+_OUT_DTYPE_GEMM = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+# the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
+VOCAB_ALIGN = 128
+# the rows of the running state [7, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
+# S = sum e, R = sum_{v != y} e, sum e z, target logit, target slope, the last chunk's rescale exp(m_old - m_new)
+_MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE = (tl.constexpr(i) for i in range(7))
+
+
+@triton.jit
+def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
+                      inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(z, dz/du) of one tile of the u buffer: z is -inf past the chunk; dz/du is a number without a soft-cap."""
+    a = tl.load(u_ptr + offs_n[:, None] * stride_un + offs_v[None, :],
+                mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+    if HAS_BIAS:
+        a += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+    a = a * logit_scale
+    slope = logit_scale * inv_temperature
+    if HAS_SOFTCAP:
+        t, dt = tanh_and_slope(a / softcap)
+        a = softcap * t
+        slope = slope * dt
+    return tl.where(v_mask[None, :], a * inv_temperature, float("-inf")), slope
+
+
+@triton.jit
+def _frozen_chunk_kernel(
+    u_ptr, p_ptr, bias_ptr, targets_ptr, state_ptr,
+    rows, cols, v0,
+    stride_un, stride_pn, stride_state,
+    inv_temperature, logit_scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < rows
+    local_target = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1) - v0  # outside [0, cols): not this chunk
+
+    # pass 1: the chunk's row max
+    chunk_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    for c0 in range(0, cols, BLOCK_V):
+        offs_v = c0 + tl.arange(0, BLOCK_V)
+        z, _ = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, offs_v < cols, stride_un,
+                                 inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        chunk_max = tl.maximum(chunk_max, tl.max(z, axis=1))
+    old_max = tl.load(state_ptr + _MAX * stride_state + offs_n, mask=n_mask, other=float("-inf"))
+    new_max = tl.maximum(old_max, chunk_max)
+    # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
+    pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(old_max - pivot)
+
+    # pass 2: the state's sums, and P' = e s' (the target's column zeroed) written over the u tile just read
+    sumexp = tl.zeros((BLOCK_N,), tl.float32)
+    rest = tl.zeros((BLOCK_N,), tl.float32)
+    zsum = tl.zeros((BLOCK_N,), tl.float32)
+    target_logit = tl.zeros((BLOCK_N,), tl.float32)
+    target_slope = tl.zeros((BLOCK_N,), tl.float32)
+    for c0 in range(0, cols, BLOCK_V):
+        offs_v = c0 + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < cols
+        z, slope = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
+                                     inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        e = tl.exp(z - pivot[:, None])
+        is_target = offs_v[None, :] == local_target[:, None]
+        e_rest = tl.where(is_target, 0.0, e)
+        sumexp += tl.sum(e, axis=1)
+        rest += tl.sum(e_rest, axis=1)
+        if COMPUTE_ENTROPY:
+            # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
+            zsum += tl.sum(e * tl.where(z == float("-inf"), 0.0, z), axis=1)
+        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        if HAS_SOFTCAP:
+            target_slope += tl.sum(tl.where(is_target, slope, 0.0), axis=1)
+        tl.store(p_ptr + offs_n[:, None] * stride_pn + offs_v[None, :], (e_rest * slope).to(p_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & v_mask[None, :])
+
+    # the running state (targets fall in one chunk: their sums just add)
+    s = state_ptr + offs_n
+    tl.store(s + _MAX * stride_state, new_max, mask=n_mask)
+    tl.store(s + _SUMEXP * stride_state, tl.load(s + _SUMEXP * stride_state, mask=n_mask) * rescale + sumexp,
+             mask=n_mask)
+    tl.store(s + _REST * stride_state, tl.load(s + _REST * stride_state, mask=n_mask) * rescale + rest, mask=n_mask)
+    if COMPUTE_ENTROPY:
+        tl.store(s + _ZSUM * stride_state, tl.load(s + _ZSUM * stride_state, mask=n_mask) * rescale + zsum,
+                 mask=n_mask)
+    tl.store(s + _TARGET * stride_state, tl.load(s + _TARGET * stride_state, mask=n_mask) + target_logit,
+             mask=n_mask)
+    if HAS_SOFTCAP:
+        tl.store(s + _SLOPE * stride_state, tl.load(s + _SLOPE * stride_state, mask=n_mask) + target_slope,
+                 mask=n_mask)
+    tl.store(s + _RESCALE * stride_state, rescale, mask=n_mask)
+
+
+def available(hidden) -> bool:
+    """Whether this path runs for ``hidden``'s device and dtype: cuBLAS must give an fp32 product of bf16 / fp16
+    operands (CUDA with torch >= 2.8); fp32 inputs, a CPU device and the interpreter always can."""
+    return not hidden.is_cuda or hidden.dtype == torch.float32 or _OUT_DTYPE_GEMM
+
+
+def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
+    """Vocabulary columns per chunk: the fp32 u buffer (chunk x columns) about the size of W (V x D), in equal
+    chunks rounded up to ``align`` (at most V)."""
+    most = max(1, (V * D * weight_bytes_per_entry) // (chunk * 4))
+    n_chunks = triton.cdiv(V, most)
+    return min(V, triton.cdiv(triton.cdiv(V, n_chunks), align) * align)
+
+
+def _mm_fp32(a, b, out, accumulate):
+    """out (fp32) = a @ b, or out += a @ b, without rounding the product to the operands' dtype."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        if accumulate:
+            torch.addmm(out, a, b, out=out)  # not addmm_, which FlopCounterMode does not count
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda and _OUT_DTYPE_GEMM and a.dtype == b.dtype:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:  # CPU / the interpreter: fp32 operands
+        _mm_fp32(a.float(), b.float(), out, accumulate)
+
+
+def forward_frozen(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
+                   vocab_chunk=None, gemm_dtype=None):
+    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, lse, mean logit) [N] fp32 each (as forward.py's
+    ``forward``; entropy and mean None without ``compute_entropy``) and J = d logp / d hidden [N, D] fp32.
+
+    ``config``: config.frozen_launch_config's (block_n, block_v, num_warps, num_stages; dot_fp32: every GEMM on fp32
+    operands). ``token_chunk`` (default chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and
+    ``gemm_dtype`` (P''s dtype: default the input dtype on a GPU, fp32 with dot_fp32) are for tests and tuning.
+    """
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    if gemm_dtype is None:
+        gemm_dtype = torch.float32 if config.dot_fp32 else hidden.dtype
+    chunk = min(N, token_chunk or chunk_size(N, D))
+    vchunk = min(V, vocab_chunk or vocab_chunk_size(V, D, chunk, weight.element_size()))
+    bias = bias.contiguous() if bias is not None else None
+    targets = targets.contiguous()
+
+    state = torch.zeros((7, N), dtype=torch.float32, device=dev)
+    row_max, sumexp, rest, zsum, target_logit, target_slope, rescale = state.unbind(0)
+    row_max.fill_(float("-inf"))
+    grad = torch.empty((N, D), dtype=torch.float32, device=dev)
+    u_buffer = torch.empty(chunk * vchunk, dtype=torch.float32, device=dev)
+    inv_temperature, logit_scale, softcap = transform.kernel_scalars()
+    if transform.softcap is None:
+        target_slope.fill_(logit_scale * inv_temperature)
+    for n0 in range(0, N, chunk):
+        n1 = min(n0 + chunk, N)
+        rows = n1 - n0
+        acc = grad[n0:n1]
+        chunk_state = state[:, n0:n1]
+        for v0 in range(0, V, vchunk):
+            v1 = min(v0 + vchunk, V)
+            cols = v1 - v0
+            u = u_buffer[:rows * cols].view(rows, cols)
+            _mm_fp32(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False)
+            # P' over u: in place (fp32), or the first half of each u row's bytes (bf16 / fp16, row stride 2 cols)
+            p = u if gemm_dtype == torch.float32 else u.view(gemm_dtype)[:, :cols]
+            _frozen_chunk_kernel[(triton.cdiv(rows, config.block_n),)](
+                u, p, bias[v0:] if bias is not None else u, targets[n0:n1], chunk_state,
+                rows, cols, v0,
+                u.stride(0), p.stride(0), chunk_state.stride(0),
+                inv_temperature, logit_scale, softcap,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
+                COMPUTE_ENTROPY=compute_entropy,
+                BLOCK_N=config.block_n, BLOCK_V=config.block_v,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+            if v0 > 0:
+                acc.mul_(rescale[n0:n1, None])
+            _mm_fp32(p, weight[v0:v1], acc, accumulate=v0 > 0)
+        # J = (s'_y R W_y - acc) / S for the chunk's rows (a target outside the vocabulary: no W_y term)
+        tgt = targets[n0:n1]
+        coef = torch.where((tgt >= 0) & (tgt < V), target_slope[n0:n1] * rest[n0:n1], 0.0)
+        w_y = weight[tgt.clamp(0, V - 1)].float().mul_(coef[:, None])
+        acc.neg_().add_(w_y).div_(sumexp[n0:n1, None])
+
+    lse = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max) + torch.log(sumexp)
+    logp = target_logit - lse
+    entropy = mean_logit = None
+    if compute_entropy:
+        mean_logit = zsum / sumexp
+        entropy = lse - mean_logit
+    return logp, entropy, lse, mean_logit, grad

@@ -1,0 +1,300 @@
+"""The frozen-head forward (a frozen lm_head: only dH needed): J = d logp / d h built in the forward, dH = c J.
+
+Both paths: the chunked torch one (grpo_fast.cpu.forward_with_grad_hidden) and the Triton one
+(grpo_fast.kernels.forward_frozen, through Triton's interpreter here: conftest sets TRITON_INTERPRET=1), against the
+fp64 reference's autograd (J = d(sum logp)/dh, dH = d(sum c logp)/dh); the forward's outputs against today's
+forward. Small token and vocabulary chunks are forced so that the running max moves between chunks, the
+target falls in every chunk position and the token loop runs several times. The "triton-bf16-gemm" case rounds P'
+to bf16 as a GPU does (written over the fp32 u buffer's bytes), and only the GEMMs are computed on fp32 operands.
+Also: the matmul FLOPs of a frozen-head forward + backward (at most 2.2 x 2NDV), and the LinearLogprobs
+integration proposed for grpo_fast.autograd (a copy here: ``_FrozenLinearLogprobs``), entropy gradient included.
+"""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from grpo_fast import autograd, cpu, reference
+from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels import forward_frozen as kfrozen
+
+from conftest import HALF_GRAD_RTOL, assert_grad_close
+
+F64 = torch.float64
+PATHS = ["torch", "triton", "triton-bf16-gemm"]
+
+
+def _inputs(N, D, V, dtype, scale=0.3, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g).to(dtype)
+    w = (torch.randn(V, D, generator=g) * scale).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
+    y = torch.randint(0, V, (N,), generator=g)
+    c = torch.randn(N, generator=g)
+    return h, w, b, y, c
+
+
+def _truth(h, w, b, y, c, **transform):
+    """fp64 reference: logp, entropy, J = d(sum logp)/dh and dH = d(sum c logp)/dh (each logp_n depends on h_n only)."""
+    h64 = h.to(F64).requires_grad_()
+    logp, ent = reference.logprobs_and_entropy(h64, w, y, b, compute_dtype=F64, **transform)
+    (jac,) = torch.autograd.grad(logp.sum(), h64, retain_graph=True)
+    (grad_hidden,) = torch.autograd.grad((c.to(F64) * logp).sum(), h64)
+    return logp.detach(), ent.detach(), jac, grad_hidden
+
+
+def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
+    """(logp, entropy, lse, mean logit, J) by the path; small_chunks: 16 tokens and 64 vocabulary entries a chunk."""
+    t = kconfig.LogitTransform(**transform)
+    if path == "torch":
+        if small_chunks:
+            monkeypatch.setattr(cpu, "CHUNK_N", 16)
+            monkeypatch.setattr(cpu, "CHUNK_V", 64)
+        return cpu.forward_with_grad_hidden(h, w, y, b, t, True)
+    chunks = dict(token_chunk=16, vocab_chunk=64) if small_chunks else {}
+    gemm_dtype = torch.bfloat16 if path == "triton-bf16-gemm" else None
+    return kfrozen.forward_frozen(h, w, y, b, t, True, kconfig.frozen_launch_config(h.device), gemm_dtype=gemm_dtype,
+                                  **chunks)
+
+
+def _todays_forward(path, h, w, b, y, transform):
+    t = kconfig.LogitTransform(**transform)
+    if path == "torch":
+        return cpu.forward(h, w, y, b, t, True)
+    return kforward.forward(h, w, y, b, t, True, kconfig.launch_config(h.device, fwd=True, dtype=h.dtype))
+
+
+def _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=True, **transform):
+    """Outputs vs the fp64 reference and today's forward; J and dH = c J vs the fp64 autograd."""
+    out = _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch)
+    logp, ent, lse, mean_logit, jac = out
+    ref_logp, ref_ent, ref_jac, ref_grad_hidden = _truth(h, w, b, y, c, **transform)
+    assert jac.dtype == torch.float32 and jac.shape == h.shape
+    torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
+    today = _todays_forward(path, h, w, b, y, transform)
+    for name, a, t in zip(("logp", "entropy", "lse", "mean logit"), out[:4], today):
+        if path == "torch":  # the same operations in the same order
+            assert torch.equal(a, t), name
+        else:  # u from one GEMM instead of the forward kernel's tiles: fp32 rounding of another summation order
+            torch.testing.assert_close(a, t, rtol=1e-6, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    grad_hidden = (c[:, None] * jac).to(dtype)  # the backward: dH = c J
+    if path == "triton-bf16-gemm":  # P' rounded to bf16 for the GEMM, as backward.py rounds g
+        err = (jac.double() - ref_jac).abs().max().item()
+        assert err <= HALF_GRAD_RTOL[torch.bfloat16] * ref_jac.abs().max().item(), err
+    else:  # fp32 accumulation everywhere: J is fp32-exact whatever the input dtype
+        assert_grad_close(jac, ref_jac.float(), torch.float32, "J")
+        assert (jac.double() - ref_jac).abs().max() <= 1e-5 * ref_jac.abs().max()
+    assert_grad_close(grad_hidden, ref_grad_hidden.float(), dtype, "hidden")
+    return out
+
+
+# weight scale and transform: Gemma 2's soft-cap 30 with logits of ~200 (most of tanh saturated); a small cap with
+# a logit scale and a temperature; a logit scale (Cohere 0.0625), a negative one; a temperature alone
+TRANSFORMS = {
+    "none": (0.3, dict()),
+    "temperature": (0.3, dict(temperature=0.7)),
+    "logit-scale": (1.0, dict(logit_scale=0.0625)),
+    "negative-logit-scale": (0.3, dict(logit_scale=-1.5, temperature=1.2)),
+    "softcap-saturated": (40.0, dict(softcap=30.0)),
+    "softcap-scale-temperature": (1.0, dict(softcap=2.0, logit_scale=1.7, temperature=0.7)),
+}
+
+
+# the bf16 GEMM rounding is for bf16 inputs
+PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{str(d).split('.')[-1]}") for p in PATHS
+               for d in (torch.float32, torch.bfloat16) if not (p == "triton-bf16-gemm" and d == torch.float32)]
+
+
+@pytest.mark.parametrize("path, dtype", PATH_DTYPES)
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_transforms_with_and_without_bias(path, dtype, transform, monkeypatch):
+    # N 37, D 29, V 203: no block multiple, V not a power of two; 3 token chunks x 4 vocabulary chunks
+    scale, kw = TRANSFORMS[transform]
+    h, w, b, y, c = _inputs(37, 29, 203, dtype, scale=scale, bias=transform != "none")
+    _check(path, dtype, h, w, b, y, c, monkeypatch, **kw)
+
+
+def test_softcap_really_saturates_in_the_saturated_case():
+    scale, kw = TRANSFORMS["softcap-saturated"]
+    h, w, b, _, _ = _inputs(37, 29, 203, torch.float32, scale=scale)
+    assert (torch.tanh((h @ w.T + b) / kw["softcap"]).abs() > 0.999).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(1, 24, 50), (3, 70, 131), (20, 16, 1000)])
+def test_odd_shapes_one_token_and_default_chunks(path, shape, monkeypatch):
+    # the default chunking (one token chunk; the vocabulary in one chunk for fp32, two for bf16 u-sized chunks)
+    N, D, V = shape
+    dtype = torch.bfloat16 if path == "triton-bf16-gemm" else torch.float32
+    h, w, b, y, c = _inputs(N, D, V, dtype)
+    _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=False, temperature=0.9)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_minus_inf_bias_and_a_whole_chunk_of_minus_inf(path, softcap, monkeypatch):
+    # a bias that removes most of the vocabulary, the whole first vocabulary chunk included (its running max is -inf:
+    # the pivot stays finite, the next chunk's rescale is 0), logits of size ~1e3; with a soft-cap the removed
+    # entries sit at -softcap / temperature and have slope 0
+    h, w, _, y, c = _inputs(9, 16, 300, torch.float32, scale=30.0, bias=False)
+    bias = torch.full((300,), float("-inf"))
+    bias[70::7] = 0.0
+    y = 70 + ((y % 230) // 7) * 7
+    out = _frozen(path, h, w, bias, y, dict(softcap=softcap), True, monkeypatch)
+    ref_logp, ref_ent, ref_jac, _ = _truth(h, w, bias, y, c, softcap=softcap)
+    assert all(torch.isfinite(x).all() for x in out)
+    torch.testing.assert_close(out[0], ref_logp.float(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(out[1], ref_ent.float(), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(out[4], ref_jac.float(), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_confident_tokens_keep_their_gradient(path, monkeypatch):
+    # a target logit far above the rest: 1 - p_y from 1e-4 down to 4e-10, below fp32's resolution of p_y near 1.
+    # J = (s'_y R W_y - sum_{v != y} e_v s'_v W_v) / S never forms 1 - p_y by cancellation, so each row of J keeps
+    # fp32's relative precision (the recompute path's c (onehot - p) was seen 0.6 % to 160 % off on these rows).
+    g = torch.Generator().manual_seed(5)
+    N, D, V = 8, 32, 203
+    w = torch.randn(V, D, generator=g) * 0.3
+    y = torch.randint(0, V, (N,), generator=g)
+    direction = w[y] / w[y].norm(dim=1, keepdim=True) ** 2
+    h = 0.3 * torch.randn(N, D, generator=g) + 4 * direction * torch.linspace(5, 10, N)[:, None]
+    ref_logp, _, ref_jac, _ = _truth(h, w, None, y, torch.ones(N))
+    assert (ref_logp > -1e-4).all() and (ref_logp < -1e-10).all()
+    jac = _frozen(path, h, w, None, y, {}, True, monkeypatch)[4].double()
+    row_err = (jac - ref_jac).abs().max(1).values / ref_jac.abs().max(1).values
+    assert (row_err < 5e-5).all(), row_err
+
+
+def test_vocab_chunk_keeps_u_about_the_size_of_the_weight():
+    # Qwen2.5-1.5B's head, bf16: two chunks of 76032 (a multiple of 128), u 1536 x 76032 fp32 ~ W's 467 MB
+    V, D = 151936, 1536
+    chunk = kfrozen.vocab_chunk_size(V, D, 1536, 2)
+    assert chunk == 76032 and chunk % kfrozen.VOCAB_ALIGN == 0
+    assert abs(1536 * chunk * 4 / (V * D * 2) - 1) < 0.01
+    assert kfrozen.vocab_chunk_size(V, D, 1536, 4) == V  # fp32 weights: one chunk
+    assert kfrozen.vocab_chunk_size(50, 24, 1, 4) == 50
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def _count_matmul_flops(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
+    # B 4, T 64, D 256, V 8192, frozen weight: forward (J built) + backward dH = c J, against 2 N D V per GEMM
+    B, T, D, V = 4, 64, 256, 8192
+    N = B * T
+    h, w, _, y, c = _inputs(N, D, V, torch.float32, bias=False)
+    t = kconfig.LogitTransform(temperature=0.9)
+
+    def frozen():
+        jac = cpu.forward_with_grad_hidden(h, w, y, None, t, True)[4]
+        return c[:, None] * jac
+
+    def recompute():
+        _, _, lse, mean_logit = cpu.forward(h, w, y, None, t, True)
+        grad_hidden = torch.zeros(N, D)
+        cpu.backward(h, w, y, None, lse, mean_logit, c, None, t, grad_hidden, None, None)
+
+    one_gemm = 2 * N * D * V
+    frozen_ratio = _count_matmul_flops(frozen) / one_gemm
+    assert 1.9 <= frozen_ratio <= 2.2, frozen_ratio  # at least 1.9: both GEMMs are seen by the counter
+    assert _count_matmul_flops(recompute) / one_gemm >= 2.9  # today's three sweeps, for comparison
+
+    # the same through the proposed LinearLogprobs integration, with autograd
+    def through_autograd():
+        leaf = h.clone().requires_grad_()
+        logp, _ = _FrozenLinearLogprobs.apply(leaf, w, y, None, t, "torch", True)
+        (c * logp).sum().backward()
+
+    assert _count_matmul_flops(through_autograd) / one_gemm <= 2.2
+
+
+# ------------------------------------------------------------------ the proposed grpo_fast.autograd integration
+def forward_with_grad_hidden(hidden, weight, targets, bias, transform, backend):
+    """(logp, entropy, lse, mean logit, J = d logp / d hidden [N, D] fp32) by the chosen backend; no autograd."""
+    if backend == "triton":
+        return kfrozen.forward_frozen(hidden, weight, targets, bias, transform, True,
+                                      kconfig.frozen_launch_config(hidden.device))
+    return cpu.forward_with_grad_hidden(hidden, weight, targets, bias, transform, True)
+
+
+class _FrozenLinearLogprobs(torch.autograd.Function):
+    """LinearLogprobs with the frozen-head path (the snippet proposed for grpo_fast/autograd.py, as a copy)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, transform, backend, allow_frozen_path=False):
+        ctx.set_materialize_grads(False)
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        ctx.frozen = (allow_frozen_path and need_h and not need_w and not need_b and hidden.shape[0] > 0
+                      and (backend != "triton" or kfrozen.available(hidden)))
+        if hidden.shape[0] == 0:
+            logp = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            lse = mean_logit = entropy = logp
+        elif ctx.frozen:
+            logp, entropy, lse, mean_logit, jac = forward_with_grad_hidden(hidden, weight, targets, bias, transform,
+                                                                           backend)
+        else:
+            logp, entropy, lse, mean_logit = autograd.forward(hidden, weight, targets, bias, transform, True, backend)
+        saved = (hidden, weight, targets, bias, lse, mean_logit)
+        ctx.save_for_backward(*saved, jac) if ctx.frozen else ctx.save_for_backward(*saved)
+        ctx.transform = transform
+        ctx.backend = backend
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        if not ctx.frozen:
+            raise NotImplementedError("the recompute path: LinearLogprobs.backward as it is")
+        hidden, weight, targets, bias, lse, mean_logit, jac = ctx.saved_tensors
+        dev = hidden.device
+        if grad_logp is not None:
+            grad_hidden = grad_logp.float()[:, None] * jac  # dH = c J: the whole backward of this path
+        else:
+            grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
+        if grad_entropy is not None:
+            # an entropy gradient after all: the recompute path's entropy-only term (dL/dlogp zero), added
+            in_place = autograd.writes_grad_hidden_in_place(hidden, ctx.backend)
+            grad_entropy_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if in_place
+                                   else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+            autograd.backward(hidden, weight, targets, bias, lse, mean_logit,
+                              torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev),
+                              grad_entropy.float().contiguous(), ctx.transform, grad_entropy_hidden, None, None,
+                              ctx.backend)
+            grad_hidden += grad_entropy_hidden
+        return grad_hidden.to(hidden.dtype), None, None, None, None, None, None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_integration_snippet_matches_the_reference(backend, dtype, entropy_grad):
+    # the frozen path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
+    h, w, b, y, c = _inputs(11, 29, 203, dtype)
+    e = torch.randn(11, generator=torch.Generator().manual_seed(7))
+    kw = dict(softcap=3.0, temperature=0.8)
+    t = kconfig.LogitTransform(**kw)
+    leaf = h.clone().requires_grad_()
+    logp, ent = _FrozenLinearLogprobs.apply(leaf, w, y, b, t, backend, True)
+    ((c * logp).sum() + ((e * ent).sum() if entropy_grad else 0.0)).backward()
+    ref_leaf = h.to(F64).requires_grad_()
+    ref_logp, ref_ent = reference.logprobs_and_entropy(ref_leaf, w, y, b, compute_dtype=F64, **kw)
+    ((c * ref_logp).sum() + ((e * ref_ent).sum() if entropy_grad else 0.0)).backward()
+    torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
+    assert_grad_close(leaf.grad, ref_leaf.grad.float(), dtype, "hidden")
+
+
+def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
+    # the Triton path's cuBLAS / torch GEMMs (its Triton kernel has no dot), on a shape the interpreter runs quickly
+    N, D, V = 32, 32, 512
+    h, w, b, y, _ = _inputs(N, D, V, torch.float32)
+    cfg = kconfig.frozen_launch_config(h.device)
+    flops = _count_matmul_flops(lambda: kfrozen.forward_frozen(h, w, y, b, kconfig.LogitTransform(), True, cfg,
+                                                               token_chunk=16, vocab_chunk=128))
+    assert flops == 2 * (2 * N * D * V)
