@@ -182,13 +182,16 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
     transform = _logit_transform(temperature, softcap, logit_scale)
     return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform,
-                                 _resolve_backend(backend, hidden.device))
+                                 _resolve_backend(backend, hidden.device), allow_frozen_path=True)
 
 
-def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend):
+def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, allow_frozen_path):
+    """Layer 1 with autograd. ``allow_frozen_path``: with a frozen weight and bias, build d logp / d hidden in the
+    forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
+    usually get no gradient."""
     B, T = targets.shape
     h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend)
+    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, allow_frozen_path)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -226,7 +229,9 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
                        num_items_in_batch, entropy_threshold)
     _check_batch(batch, (B, T), hidden.device, options)
     backend = _resolve_backend(backend, hidden.device)
-    logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend)
+    # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
+    logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
+                                          allow_frozen_path=options.entropy_coef == 0.0)
     return _token_loss(logp, entropy, batch, options, backend)
 
 

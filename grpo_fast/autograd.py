@@ -9,6 +9,7 @@ from grpo_fast import cpu
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels import forward_frozen as kfrozen
 
 
 def forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
@@ -18,6 +19,20 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
         cfg = kconfig.launch_config(hidden.device, fwd=True, dtype=hidden.dtype)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg)
     return cpu.forward(hidden, weight, targets, bias, transform, compute_entropy)
+
+
+def forward_with_grad_hidden(hidden, weight, targets, bias, transform, backend):
+    """(logp, entropy, lse, mean logit, J = d logp / d hidden [N, D] fp32) by the chosen backend; no autograd."""
+    if backend == "triton":
+        return kfrozen.forward_frozen(hidden, weight, targets, bias, transform, True,
+                                      kconfig.frozen_launch_config(hidden.device))
+    return cpu.forward_with_grad_hidden(hidden, weight, targets, bias, transform, True)
+
+
+def frozen_path_available(hidden, backend):
+    """The frozen-head forward runs here: any torch device; Triton where cuBLAS can return fp32 from bf16 (see
+    kernels/forward_frozen.py's ``available``)."""
+    return backend != "triton" or kfrozen.available(hidden)
 
 
 def backward(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform, grad_hidden,
@@ -44,31 +59,56 @@ def writes_grad_hidden_in_place(hidden, backend):
 class LinearLogprobs(torch.autograd.Function):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None) -> logp [N] fp32, entropy [N] fp32.
 
-    Both outputs carry their exact gradient. Saves the inputs and O(N) fp32 values (lse, and the mean logit for the
-    entropy's gradient), nothing of size V. An entropy that receives no gradient costs the backward nothing: its
-    term is compiled out. N = 0 (every row masked) gives empty outputs and zero gradients.
+    Both outputs carry their exact gradient. Two paths:
+    * recompute (the general one): saves the inputs and O(N) fp32 values (lse, and the mean logit for the
+      entropy's gradient), nothing of size V; the backward recomputes the logits (an entropy that receives no
+      gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
+    * frozen head (``allow_frozen_path``, and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also
+      builds J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the
+      backward is dH = c J: two sweeps. Callers allow it when the entropy will get no gradient (``loss`` without an
+      entropy bonus); if one arrives anyway, its term comes from the recompute path (exact, one sweep more).
+    N = 0 (every row masked) gives empty outputs and zero gradients.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, transform, backend):
+    def forward(ctx, hidden, weight, targets, bias, transform, backend, allow_frozen_path=False):
         # entropy is usually a metric: without this, autograd would hand the backward a zero gradient for it
         ctx.set_materialize_grads(False)
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        ctx.frozen = (allow_frozen_path and need_h and not need_w and not need_b and hidden.shape[0] > 0
+                      and frozen_path_available(hidden, backend))
+        jac = None
         if hidden.shape[0] == 0:
             logp = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             lse = mean_logit = entropy = logp
+        elif ctx.frozen:
+            logp, entropy, lse, mean_logit, jac = forward_with_grad_hidden(hidden, weight, targets, bias, transform,
+                                                                           backend)
         else:
             logp, entropy, lse, mean_logit = forward(hidden, weight, targets, bias, transform, True, backend)
-        ctx.save_for_backward(hidden, weight, targets, bias, lse, mean_logit)
+        ctx.save_for_backward(hidden, weight, targets, bias, lse, mean_logit, jac)
         ctx.transform = transform
         ctx.backend = backend
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, bias, lse, mean_logit = ctx.saved_tensors
+        hidden, weight, targets, bias, lse, mean_logit, jac = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         need_b = ctx.needs_input_grad[3]
         dev = hidden.device
+        if ctx.frozen:
+            grad_hidden = (grad_logp.float()[:, None] * jac if grad_logp is not None
+                           else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+            if grad_entropy is not None:  # an entropy gradient after all: the recompute path's entropy-only term
+                entropy_term = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
+                                if writes_grad_hidden_in_place(hidden, ctx.backend)
+                                else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+                backward(hidden, weight, targets, bias, lse, mean_logit,
+                         torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev),
+                         grad_entropy.float().contiguous(), ctx.transform, entropy_term, None, None, ctx.backend)
+                grad_hidden += entropy_term
+            return grad_hidden.to(hidden.dtype), None, None, None, None, None, None
         if need_h:
             grad_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
                            if writes_grad_hidden_in_place(hidden, ctx.backend)
@@ -88,7 +128,7 @@ class LinearLogprobs(torch.autograd.Function):
             grad_weight.to(weight.dtype) if need_w else None,
             None,
             grad_bias.to(bias.dtype) if need_b else None,
-            None, None,
+            None, None, None,
         )
 
 

@@ -6,8 +6,9 @@ fp64 reference's autograd (J = d(sum logp)/dh, dH = d(sum c logp)/dh); the forwa
 forward. Small token and vocabulary chunks are forced so that the running max moves between chunks, the
 target falls in every chunk position and the token loop runs several times. The "triton-bf16-gemm" case rounds P'
 to bf16 as a GPU does (written over the fp32 u buffer's bytes), and only the GEMMs are computed on fp32 operands.
-Also: the matmul FLOPs of a frozen-head forward + backward (at most 2.2 x 2NDV), and the LinearLogprobs
-integration proposed for grpo_fast.autograd (a copy here: ``_FrozenLinearLogprobs``), entropy gradient included.
+Also: the matmul FLOPs of a frozen-head forward + backward (at most 2.2 x 2NDV), the path through
+grpo_fast.autograd.LinearLogprobs (entropy gradient included: the recompute fallback) and grpo_fast.loss, which takes
+it by itself for a frozen weight and equals the recompute path.
 """
 
 import pytest
@@ -18,6 +19,7 @@ from grpo_fast import autograd, cpu, reference
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
+import grpo_fast
 
 from conftest import HALF_GRAD_RTOL, assert_grad_close
 
@@ -206,81 +208,27 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     assert 1.9 <= frozen_ratio <= 2.2, frozen_ratio  # at least 1.9: both GEMMs are seen by the counter
     assert _count_matmul_flops(recompute) / one_gemm >= 2.9  # today's three sweeps, for comparison
 
-    # the same through the proposed LinearLogprobs integration, with autograd
+    # the same through grpo_fast.autograd.LinearLogprobs, with autograd
     def through_autograd():
         leaf = h.clone().requires_grad_()
-        logp, _ = _FrozenLinearLogprobs.apply(leaf, w, y, None, t, "torch", True)
+        logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, None, t, "torch", True)
         (c * logp).sum().backward()
 
     assert _count_matmul_flops(through_autograd) / one_gemm <= 2.2
 
 
-# ------------------------------------------------------------------ the proposed grpo_fast.autograd integration
-def forward_with_grad_hidden(hidden, weight, targets, bias, transform, backend):
-    """(logp, entropy, lse, mean logit, J = d logp / d hidden [N, D] fp32) by the chosen backend; no autograd."""
-    if backend == "triton":
-        return kfrozen.forward_frozen(hidden, weight, targets, bias, transform, True,
-                                      kconfig.frozen_launch_config(hidden.device))
-    return cpu.forward_with_grad_hidden(hidden, weight, targets, bias, transform, True)
-
-
-class _FrozenLinearLogprobs(torch.autograd.Function):
-    """LinearLogprobs with the frozen-head path (the snippet proposed for grpo_fast/autograd.py, as a copy)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, transform, backend, allow_frozen_path=False):
-        ctx.set_materialize_grads(False)
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        ctx.frozen = (allow_frozen_path and need_h and not need_w and not need_b and hidden.shape[0] > 0
-                      and (backend != "triton" or kfrozen.available(hidden)))
-        if hidden.shape[0] == 0:
-            logp = torch.zeros(0, dtype=torch.float32, device=hidden.device)
-            lse = mean_logit = entropy = logp
-        elif ctx.frozen:
-            logp, entropy, lse, mean_logit, jac = forward_with_grad_hidden(hidden, weight, targets, bias, transform,
-                                                                           backend)
-        else:
-            logp, entropy, lse, mean_logit = autograd.forward(hidden, weight, targets, bias, transform, True, backend)
-        saved = (hidden, weight, targets, bias, lse, mean_logit)
-        ctx.save_for_backward(*saved, jac) if ctx.frozen else ctx.save_for_backward(*saved)
-        ctx.transform = transform
-        ctx.backend = backend
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        if not ctx.frozen:
-            raise NotImplementedError("the recompute path: LinearLogprobs.backward as it is")
-        hidden, weight, targets, bias, lse, mean_logit, jac = ctx.saved_tensors
-        dev = hidden.device
-        if grad_logp is not None:
-            grad_hidden = grad_logp.float()[:, None] * jac  # dH = c J: the whole backward of this path
-        else:
-            grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
-        if grad_entropy is not None:
-            # an entropy gradient after all: the recompute path's entropy-only term (dL/dlogp zero), added
-            in_place = autograd.writes_grad_hidden_in_place(hidden, ctx.backend)
-            grad_entropy_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if in_place
-                                   else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
-            autograd.backward(hidden, weight, targets, bias, lse, mean_logit,
-                              torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev),
-                              grad_entropy.float().contiguous(), ctx.transform, grad_entropy_hidden, None, None,
-                              ctx.backend)
-            grad_hidden += grad_entropy_hidden
-        return grad_hidden.to(hidden.dtype), None, None, None, None, None, None
-
-
+# ------------------------------------------------------------------ through grpo_fast.autograd and grpo_fast.loss
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_integration_snippet_matches_the_reference(backend, dtype, entropy_grad):
+def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entropy_grad):
     # the frozen path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
     h, w, b, y, c = _inputs(11, 29, 203, dtype)
     e = torch.randn(11, generator=torch.Generator().manual_seed(7))
     kw = dict(softcap=3.0, temperature=0.8)
     t = kconfig.LogitTransform(**kw)
     leaf = h.clone().requires_grad_()
-    logp, ent = _FrozenLinearLogprobs.apply(leaf, w, y, b, t, backend, True)
+    logp, ent = autograd.LinearLogprobs.apply(leaf, w, y, b, t, backend, True)
     ((c * logp).sum() + ((e * ent).sum() if entropy_grad else 0.0)).backward()
     ref_leaf = h.to(F64).requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(ref_leaf, w, y, b, compute_dtype=F64, **kw)
@@ -298,3 +246,83 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     flops = _count_matmul_flops(lambda: kfrozen.forward_frozen(h, w, y, b, kconfig.LogitTransform(), True, cfg,
                                                                token_chunk=16, vocab_chunk=128))
     assert flops == 2 * (2 * N * D * V)
+
+
+def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(B, T, D, generator=g) * 0.5).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * 0.5).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[1, 1:] = False  # a one-token completion
+    mask[1, 0] = True
+    mask[2] = False      # a fully masked row
+    adv = torch.randn(B, generator=g)
+    logp = reference.logprobs(hidden, weight, targets)
+    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv,
+                old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T, generator=g))
+
+
+def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
+    hidden = x["hidden"].clone().requires_grad_()
+    weight = x["weight"].clone().requires_grad_(weight_requires_grad)
+    loss, metrics = grpo_fast.loss(hidden, weight, x["targets"], x["adv"], x["mask"], old_logprobs=x["old"],
+                                   ref_logprobs=x["ref"], beta=0.04, backend=backend, **kw)
+    loss.backward()
+    return loss, metrics, hidden.grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_kw", [dict(loss_type="dapo"), dict(loss_type="grpo", importance_sampling_level="sequence"),
+                                     dict(loss_type="cispo", softcap=4.0, temperature=0.7),
+                                     dict(loss_type="dapo", entropy_coef=0.01)])
+def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(backend, dtype, loss_kw):
+    """grpo_fast.loss with a frozen weight (the frozen path; with an entropy bonus, the recompute path) gives the
+    loss, metrics and dH of the same call with a trainable weight (the recompute path) and of the fp64 spec."""
+    x = _loss_batch(dtype=dtype)
+    frozen_loss, frozen_metrics, frozen_dh = _loss_grad_hidden(x, False, backend, **loss_kw)
+    loss, metrics, dh = _loss_grad_hidden(x, True, backend, **loss_kw)
+    torch.testing.assert_close(frozen_loss, loss, rtol=1e-6, atol=1e-7)
+    for name in metrics:
+        torch.testing.assert_close(frozen_metrics[name], metrics[name], rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert_grad_close(frozen_dh, dh.float().to(dtype), dtype, "frozen vs recompute")
+    hidden = x["hidden"].to(F64).requires_grad_()
+    ref_loss, _ = reference.loss(hidden, x["weight"].to(F64), x["targets"], x["adv"], x["mask"],
+                                 old_logprobs=x["old"], ref_logprobs=x["ref"], beta=0.04, compute_dtype=F64, **loss_kw)
+    ref_loss.backward()
+    assert_grad_close(frozen_dh, hidden.grad.float(), dtype, "frozen vs fp64 spec")
+
+
+def test_loss_takes_the_frozen_path_only_when_it_can(monkeypatch):
+    """With a frozen weight and no entropy bonus grpo_fast.loss builds J in the forward; with a trainable weight, an
+    entropy bonus or no gradient at all it does not."""
+    calls = []
+    original = autograd.forward_with_grad_hidden
+    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    x = _loss_batch()
+    _loss_grad_hidden(x, False, "torch")
+    assert len(calls) == 1
+    _loss_grad_hidden(x, True, "torch")
+    _loss_grad_hidden(x, False, "torch", entropy_coef=0.01)
+    with torch.no_grad():
+        grpo_fast.loss(x["hidden"], x["weight"], x["targets"], x["adv"], x["mask"])
+    assert len(calls) == 1
+
+
+def test_loss_with_a_frozen_head_does_two_vocabulary_sweeps():
+    """The issue's count: B 4, T 64, D 256, V 8192, frozen weight, grpo_fast.loss then backward on the CPU path:
+    at most 2.2 x 2NDV matmul FLOPs (the recompute path, with a trainable weight's dW products left out by
+    freezing, did 3.0)."""
+    B, T, D, V = 4, 64, 256, 8192
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B, T, D, generator=g, requires_grad=True)
+    weight = torch.randn(V, D, generator=g) * 0.05
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+
+    def step():
+        loss, _ = grpo_fast.loss(hidden, weight, targets, torch.randn(B, generator=g), mask, backend="torch")
+        loss.backward()
+
+    assert _count_matmul_flops(step) / (2 * B * T * D * V) <= 2.2

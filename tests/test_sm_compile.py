@@ -13,9 +13,9 @@ HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (90, 89, 80)
 # per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32, bf16
-# with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, and fp32 with both; then the GRPO
-# token kernel's variants (sm_compile.TOKEN_LOSS_VARIANTS)
-VARIANTS_PER_ARCH = 4 * 8 + 9
+# with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, and fp32 with both; the frozen-head
+# forward's variants (sm_compile.FROZEN_VARIANTS); then the GRPO token kernel's (sm_compile.TOKEN_LOSS_VARIANTS)
+VARIANTS_PER_ARCH = 4 * 8 + 6 + 9
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,12 @@ def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     # bf16/fp16 logit tiles must use the tensor cores (Hopper's wgmma, else mma.sync); the fp32 path asks for IEEE
-    # fp32 products, which only the FMA units give; the GRPO token kernel has no dot
+    # fp32 products, which only the FMA units give; the GRPO token kernel and the frozen-head forward's tile kernel
+    # (its two GEMMs are cuBLAS's) have no dot
     rows, _ = compiled
     expected = "wgmma" if arch >= 90 else "mma"
     for r in (r for r in rows if r["arch"] == arch):
-        if r["kernel"].startswith("token_loss") or " fp32" in r["kernel"]:
+        if r["kernel"].startswith(("token_loss", "fwd frozen")) or " fp32" in r["kernel"]:
             assert r["tensor_cores"] == "none", r["kernel"]
         else:
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])

@@ -34,7 +34,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from grpo_fast.kernels import config as kconfig  # noqa: E402
-from grpo_fast.kernels import backward, forward, token_loss  # noqa: E402
+from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
 from grpo_fast.options import LossOptions  # noqa: E402
 
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
@@ -163,6 +163,25 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
     return out
 
 
+def frozen_launch(dtype, bias=False, softcap=None, entropy=True):
+    """The frozen-head forward's tile kernel (the stand-in's 48 tokens x 4096 entries are one chunk: one launch)."""
+    hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
+    transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
+    with recording(forward_frozen, "_frozen_chunk_kernel") as launches:
+        forward_frozen.forward_frozen(hidden, weight, targets, b, transform, entropy,
+                                      kconfig.gpu_frozen_launch_config())
+    return launches[0]
+
+
+# the frozen-head forward: per dtype, and with a bias and a soft-cap, and without the entropy
+FROZEN_VARIANTS = tuple((f"fwd frozen {TRITON_TYPES[d]}", d, dict()) for d in (torch.bfloat16, torch.float16,
+                                                                               torch.float32)) + (
+    ("fwd frozen bf16 +bias +softcap", torch.bfloat16, dict(bias=True, softcap=30.0)),
+    ("fwd frozen fp32 +bias +softcap", torch.float32, dict(bias=True, softcap=30.0)),
+    ("fwd frozen bf16 no entropy", torch.bfloat16, dict(entropy=False)),
+)
+
+
 # every constexpr path of the GRPO token kernel, each loss family with the options TRL 1.16 combines with it
 TOKEN_LOSS_VARIANTS = (
     # name, loss options, per-token advantages, inputs (off-policy mask, top-entropy mask)
@@ -219,6 +238,7 @@ def all_launches(arch):
     for label, kw in LAYER1_EXTRA:
         dtype = torch.float32 if label.startswith("fp32") else torch.bfloat16
         out += [(f"{name} {label}", launch) for name, launch in layer1_launches(arch, dtype, **kw)]
+    out += [(name, frozen_launch(dtype, **kw)) for name, dtype, kw in FROZEN_VARIANTS]
     return out + token_loss_launches()
 
 
