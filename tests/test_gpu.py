@@ -1,8 +1,8 @@
-"""The compiled Triton kernels on a CUDA GPU against the fp32 reference (skipped without CUDA).
+"""The compiled Triton kernels on a CUDA GPU against the fp64 reference (skipped without CUDA).
 
 Run on a GPU machine with the interpreter off:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
 Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = c (onehot - p) / tau rounded to
-bf16, so gradients match the fp32 reference to about 1% of their largest entry; fp32 inputs use IEEE
+bf16, so gradients match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
 fp32 dots and match tightly.
 """
 
@@ -142,3 +142,40 @@ def test_weight_gradient_accumulates_chunk_products_in_fp32():
         add_gt_h(grad_weight, g_rows, h_rows, vocab_slab=16384)
         exact += g_rows.double().T @ h_rows.double()
     assert _max_rel(grad_weight, exact) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transform", [dict(), dict(softcap=30.0), dict(softcap=2.0, logit_scale=1.7, temperature=0.7)])
+def test_frozen_head_on_gpu_matches_reference(dtype, transform):
+    # a frozen weight and bias, no entropy bonus: the forward builds d logp / dh (kernels/forward_frozen.py: cuBLAS
+    # with fp32 output, the tile kernel, cuBLAS into fp32 J) and dH = c J; several token and vocabulary chunks
+    from grpo_fast import autograd
+    from grpo_fast.kernels import forward_frozen
+    g = torch.Generator(device="cuda").manual_seed(4)
+    B, T, D, V = 4, 300, 264, 50021
+    hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(V, D, device="cuda", generator=g) * 0.05).to(dtype)
+    bias = (torch.randn(V, device="cuda", generator=g) * 0.1).to(dtype)
+    targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
+    adv = torch.randn(B, device="cuda", generator=g)
+    true = reference.logprobs(hidden, weight, targets, bias, **transform)
+    old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
+    assert forward_frozen.available(hidden.reshape(-1, D)) or dtype != torch.float32
+    calls = []
+    original = autograd.forward_with_grad_hidden
+    autograd.forward_with_grad_hidden = lambda *a: calls.append(1) or original(*a)
+    try:
+        leaf = hidden.clone().requires_grad_()
+        loss, _ = grpo_fast.loss(leaf, weight, targets, adv, mask, bias=bias, old_logprobs=old, **transform)
+        loss.backward()
+    finally:
+        autograd.forward_with_grad_hidden = original
+    assert calls == ([1] if forward_frozen.available(hidden.reshape(-1, D)) else [])
+    ref_leaf = hidden.double().requires_grad_()
+    ref_loss, _ = reference.loss(ref_leaf, weight.double(), targets, adv, mask, bias=bias.double(), old_logprobs=old,
+                                 compute_dtype=torch.float64, **transform)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-4, atol=1e-5)
+    assert leaf.grad.dtype == dtype
+    assert _max_rel(leaf.grad, ref_leaf.grad) < GPU_TOL[dtype]
