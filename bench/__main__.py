@@ -6,7 +6,8 @@ peak memory and precision against fp64, on dense and padded batches.
     python -m bench --shapes qwen2.5-1.5b --tokens 16384 --impls eager,trl,liger,grpo_fast --mode fwdbwd
     python -m bench --shapes 64x2000 --tokens 512 --device cpu --dtype float32 --scenarios padded
 
-Writes <out-dir>/<device>-<date>[-quick].json, .md and .png (see bench/README.md).
+Writes <out>/<device>-<date>[-quick].json, .md and .png (see bench/README.md); <out> is runs/bench/ in the
+repository (ignored by git) unless --out names another folder (--out bench/results: results to commit).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from bench import impls as impl_registry
 from bench.inputs import LOSS_CONFIG, SCENARIOS
 from bench.shapes import (CPU_FULL_SHAPES, CPU_QUICK_SHAPES, CPU_QUICK_TOKENS, CPU_SHAPES, CPU_TOKENS,
                           GPU_QUICK_SHAPES, GPU_QUICK_TOKENS, GPU_TOKENS, MODEL_SHAPES, resolve_shape)
+
+# runs/ is ignored by git: a benchmark run leaves the checkout clean unless asked to write elsewhere
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = str(ROOT / "runs" / "bench")
+DEFAULT_OUT_SHOWN = "runs/bench"
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -68,7 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="grpo_fast's backend")
-    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", "--out-dir", dest="out_dir", default=DEFAULT_OUT,
+                   help=f"output folder (default {DEFAULT_OUT_SHOWN}/, which git ignores; --out bench/results to "
+                        "commit results)")
     p.add_argument("--name", help="file stem (default <device>-<date>[-quick])")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")

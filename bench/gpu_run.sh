@@ -59,7 +59,7 @@ case "$MODE" in
   full) ARGS=(--time-budget "${BENCH_BUDGET:-400}") ;;
   *) echo "usage: bash bench/gpu_run.sh [full|quick] [python -m bench options]"; exit 2 ;;
 esac
-(cd "$RUN_DIR" && python3 -m bench "${ARGS[@]}" --out-dir "$OUT" --no-progress "$@")
+(cd "$RUN_DIR" && python3 -m bench "${ARGS[@]}" --out "$OUT" --no-progress "$@")
 rc=$?
 echo "== exit $rc"
 ls -la "$OUT"

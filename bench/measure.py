@@ -13,10 +13,13 @@ quantity as on CUDA (bytes of tensors alive at once above the inputs), not the p
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import re
 import statistics
+import sys
 import tempfile
 import time
 
@@ -88,8 +91,14 @@ def cpu_peak_bytes(call, reset):
 
     reset()
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _without_kineto_markers():
+        prof.start()
+    try:
         call()
+    finally:
+        with _without_kineto_markers():
+            prof.stop()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
@@ -103,6 +112,34 @@ def cpu_peak_bytes(call, reset):
     events.sort(key=lambda e: (e.get("ts", 0), e["args"].get("Ev Idx", 0)))
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
     return max(0, max(e["args"]["Total Allocated"] for e in events) - start)
+
+
+# libkineto (inside torch) marks each trace's start and stop for USDT probes by logging
+# "USDT:<date> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and profiler_stop) to stderr, at a
+# level above ERROR: KINETO_LOG_LEVEL could only drop them together with its errors. So the profiler's start and
+# stop run with the process's stderr (fd 2, where C++ writes) sent to a file, and everything but those two lines
+# goes back to stderr.
+_KINETO_MARKER = re.compile(r"^USDT:.*\] profiler_(start|stop)$")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _KINETO_MARKER.match(line.rstrip("\r\n"))]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def median(xs):

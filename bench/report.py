@@ -124,7 +124,9 @@ def _find(records, impl, shape=GOAL_SHAPE, N=GOAL_TOKENS, mode="fwdbwd", scenari
 
 
 def evaluate_goals(meta, records):
-    """The issue's three goals at Qwen2.5-1.5B, N = 16k, fwd+bwd: PASS, FAIL or 'not measured', with why."""
+    """The five goals at Qwen2.5-1.5B, N = 16k, dense, fwd+bwd, on a GPU (grpo_fast's memory against eager's and
+    Liger's, its time against eager's and Liger's, its share of the matmul throughput): PASS, FAIL or 'not measured',
+    with why."""
     goals = []
 
     def add(name, target, measured, result, note=""):

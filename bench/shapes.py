@@ -30,7 +30,7 @@ GPU_QUICK_TOKENS = (4096, 16384)
 CPU_TOKENS = (1024, 2048)
 CPU_QUICK_TOKENS = (128, 512)
 
-# where the goals are evaluated
+# where the goals are evaluated (bench/README.md, "Goals")
 GOAL_SHAPE, GOAL_TOKENS = "qwen2.5-1.5b", 16384
 
 
