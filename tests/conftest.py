@@ -7,8 +7,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Gradient tolerances against the fp32 reference. fp32: the rounding of another summation order, per
-# element. bf16 / fp16: the backward feeds the GEMMs with g = c (onehot - p) / tau rounded to the input dtype
+# Gradient tolerances against the fp64 reference. fp32: the rounding of another summation order, per element.
+# bf16 / fp16: the backward feeds the GEMMs with g = c (onehot - p) / tau rounded to the input dtype
 # (2^-9 relative for bf16), as tensor cores need; a sum of rounded terms that cancel is off by a fraction of
 # the terms, not of the result, so the bound is on the largest error relative to the largest gradient entry.
 HALF_GRAD_RTOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -27,3 +27,54 @@ def assert_grad_close(actual, expected, dtype, name=""):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ----------------------------------------------------------------------------------------------- the fast tier
+# `pytest -m "not slow"` is the inner loop (a few minutes on 2 cores); `pytest` runs everything (README, CI).
+# Slow are: the tests marked @pytest.mark.slow (whole training runs, TRL trainer comparisons, several processes,
+# the benchmark end to end, the offline GPU compiles), and, of each parametrized test, the cases beyond a covering
+# subset: the fast tier keeps, in collection order, the fewest cases in which every value of every parameter
+# appears at least once (a dict parameter: every key=value; a parameter with an ``id``: every "-"-separated part
+# of it), so every backend, dtype, loss type, level and option still runs at small size.
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
+                   "beyond a covering subset; deselect with -m 'not slow' for the fast tier")
+
+
+def _parameter_values(item):
+    """The (parameter, value) facts a parametrized case covers."""
+    facts = set()
+    for name, value in item.callspec.params.items():
+        if isinstance(value, dict):
+            facts.update((name, key, repr(v)) for key, v in value.items())
+            facts.add((name, "keys", tuple(sorted(map(str, value)))))
+        elif isinstance(getattr(value, "id", None), str):
+            facts.update((name, part) for part in value.id.split("-"))
+        else:
+            facts.add((name, repr(value)))
+    return facts
+
+
+def pytest_collection_modifyitems(config, items):
+    families = {}
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params and item.get_closest_marker("slow") is None:
+            families.setdefault((item.path, item.originalname), []).append(item)
+    for cases in families.values():
+        # greedy set cover: the case that adds the most facts not yet covered, the earliest on a tie
+        facts = [_parameter_values(item) for item in cases]
+        covered, kept = set(), set()
+        while True:
+            gain, best = max(((len(f - covered), -i) for i, f in enumerate(facts) if i not in kept),
+                             default=(0, 0))
+            if gain == 0:
+                break
+            kept.add(-best)
+            covered |= facts[-best]
+        for i, item in enumerate(cases):
+            if i not in kept:
+                item.add_marker(pytest.mark.slow)

@@ -5,14 +5,23 @@ import torch
 from grpo_fast import reference
 
 
-def make_batch(B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_scale=0.3, masked_row=True,
-               seed=0):
-    """Hidden states, lm_head, targets, advantages and a mask with a fully masked sequence."""
-    g = torch.Generator().manual_seed(seed)
+def head_inputs(B, T, D, V, dtype=torch.float32, scale=0.3, bias=True, seed=0, generator=None):
+    """(hidden [B, T, D], lm_head weight [V, D] times ``scale``, bias [V] or None, targets [B, T]) in ``dtype``
+    (targets int64), drawn from ``generator`` (default: a fresh one seeded with ``seed``)."""
+    g = torch.Generator().manual_seed(seed) if generator is None else generator
     hidden = torch.randn(B, T, D, generator=g).to(dtype)
-    weight = (torch.randn(V, D, generator=g) * logit_scale).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * scale).to(dtype)
     b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
     targets = torch.randint(0, V, (B, T), generator=g)
+    return hidden, weight, b, targets
+
+
+def make_batch(B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_scale=0.3, masked_row=True,
+               seed=0):
+    """Hidden states, lm_head, targets (``head_inputs``), then advantages, a mask with a fully masked sequence and
+    old / reference log-probs near the true ones, from the same generator."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight, b, targets = head_inputs(B, T, D, V, dtype, logit_scale, bias, generator=g)
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[0, 0] = True
     if masked_row and B > 1:

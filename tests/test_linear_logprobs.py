@@ -14,6 +14,7 @@ import grpo_fast
 from grpo_fast import reference
 
 from conftest import assert_grad_close
+from helpers import head_inputs
 
 # the Triton backend has two backward kernels (GRPO_FAST_BWD): chunked g + GEMMs (default), fully fused
 BACKENDS = ["triton", "triton-fused", "torch"]
@@ -30,15 +31,6 @@ def _bwd_mode(request, monkeypatch):
 
 def _impl(backend):
     return "triton" if backend.startswith("triton") else backend
-
-
-def _inputs(B, T, D, V, dtype, scale=0.3, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(B, T, D, generator=g).to(dtype)
-    w = (torch.randn(V, D, generator=g) * scale).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
-    y = torch.randint(0, V, (B, T), generator=g)
-    return h, w, b, y
 
 
 def _check(backend, dtype, h, w, b, y, *, logp_coef, entropy_coef, completion_mask=None, **transform):
@@ -75,7 +67,7 @@ def _check(backend, dtype, h, w, b, y, *, logp_coef, entropy_coef, completion_ma
 def test_forward_and_gradients_match_reference(backend, dtype, shape):
     # a loss on both outputs with random coefficients: dL/dlogp and dL/dentropy both reach hidden, weight, bias
     B, T, D, V = shape
-    h, w, b, y = _inputs(B, T, D, V, dtype)
+    h, w, b, y = head_inputs(B, T, D, V, dtype)
     g = torch.Generator().manual_seed(1)
     _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(B, T, generator=g),
            entropy_coef=torch.randn(B, T, generator=g), temperature=0.8)
@@ -85,7 +77,7 @@ def test_forward_and_gradients_match_reference(backend, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss_on", ["logprobs", "entropy"])
 def test_a_loss_on_one_output_only(backend, dtype, loss_on):
-    h, w, b, y = _inputs(2, 7, 40, 157, dtype)
+    h, w, b, y = head_inputs(2, 7, 40, 157, dtype)
     coef = torch.randn(2, 7, generator=torch.Generator().manual_seed(2))
     _check(backend, dtype, h, w, b, y, logp_coef=coef if loss_on == "logprobs" else None,
            entropy_coef=coef if loss_on == "entropy" else None, temperature=1.3)
@@ -106,7 +98,7 @@ TRANSFORMS = {
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_logit_transforms(backend, dtype, transform):
     weight_scale, kw = TRANSFORMS[transform]
-    h, w, b, y = _inputs(2, 6, 37, 203, dtype, scale=weight_scale)
+    h, w, b, y = head_inputs(2, 6, 37, 203, dtype, scale=weight_scale)
     g = torch.Generator().manual_seed(3)
     _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(2, 6, generator=g),
            entropy_coef=torch.randn(2, 6, generator=g), **kw)
@@ -115,7 +107,7 @@ def test_logit_transforms(backend, dtype, transform):
 def test_softcap_really_saturates_in_the_saturated_case():
     # the test above is only meaningful if tanh saturates: most logits of that case sit beyond |tanh| = 0.999
     weight_scale, kw = TRANSFORMS["softcap-saturated"]
-    h, w, b, _ = _inputs(2, 6, 37, 203, torch.float32, scale=weight_scale)
+    h, w, b, _ = head_inputs(2, 6, 37, 203, torch.float32, scale=weight_scale)
     raw = (h @ w.T + b) / kw["softcap"]
     assert (torch.tanh(raw).abs() > 0.999).float().mean() > 0.5
 
@@ -125,7 +117,7 @@ def test_softcap_really_saturates_in_the_saturated_case():
 def test_masked_rows_and_one_token_completions(backend, dtype):
     # only rows with mask 1 are computed; masked targets are never read (-100 as TRL's labels), masked outputs
     # and their gradients are exact zeros
-    h, w, b, y = _inputs(3, 8, 37, 131, dtype)
+    h, w, b, y = head_inputs(3, 8, 37, 131, dtype)
     mask = torch.ones(3, 8, dtype=torch.bool)
     mask[0, 5:] = False
     mask[1] = False
@@ -140,7 +132,7 @@ def test_masked_rows_and_one_token_completions(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
-    h, w, b, y = _inputs(2, 4, 20, 77, torch.float32)
+    h, w, b, y = head_inputs(2, 4, 20, 77, torch.float32)
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     mask = torch.zeros(2, 4, dtype=torch.bool)
     logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2], completion_mask=mask,
@@ -153,7 +145,7 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend):
-    h, w, _, y = _inputs(2, 4, 20, 77, torch.float32, bias=False)
+    h, w, _, y = head_inputs(2, 4, 20, 77, torch.float32, bias=False)
     h.requires_grad_()
     logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, backend=_impl(backend))
     (logp.sum() + 0.1 * ent.sum()).backward()
@@ -170,7 +162,7 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap):
     # logits of size ~1e4 and a bias that removes most of the vocabulary: log-softmax stays finite and exact, and so
     # does the entropy's gradient, whose p (mean - z) would be 0 * inf at a -inf logit. With a soft-cap the removed
     # entries sit at -softcap / temperature (tanh(-inf) = -1), as in the reference and TRL.
-    h, w, _, y = _inputs(2, 3, 16, 300, torch.float32, scale=300.0, bias=False)
+    h, w, _, y = head_inputs(2, 3, 16, 300, torch.float32, scale=300.0, bias=False)
     bias = torch.full((300,), float("-inf"))
     bias[::7] = 0.0
     y = (y // 7) * 7
@@ -188,7 +180,7 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_function_is_fp32_without_grad(backend):
-    h, w, b, y = _inputs(2, 5, 33, 150, torch.bfloat16)
+    h, w, b, y = head_inputs(2, 5, 33, 150, torch.bfloat16)
     h.requires_grad_()
     logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, softcap=3.0, logit_scale=0.8,
                               backend=_impl(backend))
@@ -199,7 +191,7 @@ def test_logprobs_function_is_fp32_without_grad(backend):
 
 def test_many_vocab_splits_merge_exactly():
     # one token block and a vocab of many tiles: the forward splits the vocab and merges the partials
-    h, w, b, y = _inputs(1, 3, 16, 1000, torch.float32)
+    h, w, b, y = head_inputs(1, 3, 16, 1000, torch.float32)
     logp = grpo_fast.logprobs(h, w, y, bias=b, backend="triton")
     torch.testing.assert_close(logp, reference.logprobs(h, w, y, b, compute_dtype=F64), rtol=1e-5, atol=1e-5)
 
@@ -217,7 +209,7 @@ BAD_TRANSFORMS = [
 
 @pytest.mark.parametrize("kw, message", BAD_TRANSFORMS)
 def test_bad_transform_raises_a_value_error_naming_the_argument(kw, message):
-    h, w, b, y = _inputs(1, 2, 8, 11, torch.float32)
+    h, w, b, y = head_inputs(1, 2, 8, 11, torch.float32)
     for fn in (grpo_fast.logprobs_and_entropy, grpo_fast.logprobs):
         with pytest.raises(ValueError, match=message):
             fn(h, w, y, **kw)

@@ -49,6 +49,7 @@ def _largest_tensor_of(fn, N, D, V):
     return probe.largest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_no_tokens_by_vocab_tensor_is_created(backend):
     N, D, V = 160, 16, 1031  # N x V = 165k elements; the weight and its gradient are V x D = 16k
@@ -78,6 +79,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_process_peak_memory_stays_far_below_full_logits():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600,

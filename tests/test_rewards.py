@@ -1,7 +1,6 @@
 """The GSM8K reward functions (willccbb's grpo_demo.py values), answer extraction and the GSM8K loader."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,6 @@ from grpo_fast.gsm8k.rewards import (
     soft_format_reward, strict_format_reward, xmlcount_reward,
 )
 
-LOCAL_GSM8K = Path(__file__).parents[2] / "shared/data/gsm8k"
 
 PERFECT = "<reasoning>\nShe sold 48 + 24 = 72.\n</reasoning>\n<answer>\n72\n</answer>\n"
 TRAILING = "<reasoning>\nx\n</reasoning>\n<answer>\n72\n</answer>\nThanks!"
@@ -105,10 +103,12 @@ def test_load_local_jsonl(tmp_path):
         data.load_gsm8k("test", str(tmp_path))
 
 
-@pytest.mark.skipif(not (LOCAL_GSM8K / "train.jsonl").exists(), reason="no local GSM8K in ../shared/data/gsm8k")
 def test_load_real_gsm8k_files():
-    train = data.load_gsm8k("train", str(LOCAL_GSM8K))
-    test = data.load_gsm8k("test", str(LOCAL_GSM8K))
+    """The GSM8K files grpo_fast ships (grpo_fast/gsm8k/files/), read as a folder like any other."""
+    assert {p.name for p in data.BUNDLED_DIR.iterdir()} >= {"train.jsonl.gz", "test.jsonl.gz", "LICENSE"}
+    train = data.load_gsm8k("train", str(data.BUNDLED_DIR))
+    test = data.load_gsm8k("test", str(data.BUNDLED_DIR))
+    assert data.load_gsm8k("test") == test  # the default data
     assert (len(train), len(test)) == (7473, 1319)
     assert train[0]["answer"] == "72" and train[1]["answer"] == "10"
     assert all(d["answer"] is not None and "," not in d["answer"] for d in train + test)

@@ -30,12 +30,14 @@ def compiled(tmp_path_factory):
     return json.loads(out.read_text()), proc
 
 
+@pytest.mark.slow
 def test_every_variant_was_compiled(compiled):
     rows, _ = compiled
     for arch in ARCHS:
         assert sum(r["arch"] == arch for r in rows) == VARIANTS_PER_ARCH
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
     rows, proc = compiled
@@ -47,6 +49,7 @@ def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     # bf16/fp16 logit tiles must use the tensor cores (Hopper's wgmma, else mma.sync); the fp32 path asks for IEEE

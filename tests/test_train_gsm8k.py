@@ -67,6 +67,7 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_full_parameters_two_steps_checkpoint_and_resume(setup, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, script = setup
@@ -114,6 +115,7 @@ def test_full_parameters_two_steps_checkpoint_and_resume(setup, monkeypatch):
         torch.testing.assert_close(redo[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_reference_from_disabled_adapter_and_num_iterations(setup, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, script = setup
@@ -142,6 +144,7 @@ def test_lora_reference_from_disabled_adapter_and_num_iterations(setup, monkeypa
     assert not torch.allclose(tuned, base)
 
 
+@pytest.mark.slow
 def test_eager_and_fused_losses_agree(setup, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, script = setup
@@ -170,6 +173,7 @@ def test_random_init_configs_have_qwen25_sizes(setup):
         assert model.config.tie_word_embeddings and model.get_output_embeddings().weight.shape == (151936, model.config.hidden_size)
 
 
+@pytest.mark.slow
 def test_completion_prefix_reaches_prompt_ids_and_rewards_and_one_shot_prompts(setup, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, script = setup

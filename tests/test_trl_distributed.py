@@ -1,12 +1,21 @@
-"""grpo_fast's TRL head across 2 processes (CPU, gloo): DDP and FSDP2 equal the single-process run of the batch.
+"""grpo_fast's TRL head across 2 processes (CPU, gloo): DDP, FSDP2 and DeepSpeed ZeRO-3 equal one process.
 
-Two spawned ranks each build the same tiny Qwen2 with grpo_fast.trl's head, wrap it (DDP; FSDP2 ``fully_shard``
-on each decoder layer and the root, as accelerate does; FSDP2 with the lm_head as a unit of its own), score their
-half of one global batch through ``model(..., labels=..., fused_lm_head=True)``, take a TRL-style loss (DAPO's
-token sum over the global token count, with an entropy bonus) and run the backward. The loss summed over ranks and
-every parameter's full gradient (DTensor shards gathered) must equal a single-process run of the whole batch.
+DDP and FSDP2: two spawned ranks each build the same tiny Qwen2 with grpo_fast.trl's head, wrap it (DDP; FSDP2
+``fully_shard`` on each decoder layer and the root, as accelerate does; FSDP2 with the lm_head as a unit of its
+own), score their half of one global batch through ``model(..., labels=..., fused_lm_head=True)``, take a TRL-style
+loss (DAPO's token sum over the global token count, with an entropy bonus) and run the backward. The loss summed
+over ranks and every parameter's full gradient (DTensor shards gathered) must equal a single-process run of the
+whole batch.
+
+DeepSpeed ZeRO-3 (when deepspeed is installed; its CPU accelerator, gloo): grpo_fast.trl's GRPOTrainer trains one
+step on 2 ranks, each with half of the global batch, against one process with all of it. The completions are
+scripted (a ``rollout_func``), so sampling cannot differ; with SGD at learning rate 1 and no clipping a
+parameter's change is minus its gradient, so the logged loss and every parameter's change (gathered from ZeRO-3's
+partitions) must equal the single process's (within RTOL of the largest change, plus the rounding of the fp32
+parameter the change is read from).
 """
 
+import importlib.util
 import os
 import socket
 import time
@@ -147,6 +156,7 @@ def results(tmp_path_factory):
             for case in CASES for rank in range(WORLD)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_equal_one(results, case):
     from trl_pairs import assert_close, assert_tensors_close
@@ -161,3 +171,96 @@ def test_two_processes_equal_one(results, case):
                                          for seen in r["weights_seen"]), r["weights_seen"]
         if case == "fsdp2_head_unit":
             assert r["head_sharded_after_no_grad"]
+
+
+# ----------------------------------------------------------------------------------------------- DeepSpeed ZeRO-3
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# every parameter partitioned and released after use, however small (ZeRO-3 keeps parameters below
+# stage3_param_persistence_threshold elements, 1e5 by default, gathered for good: the whole tiny model). The head's
+# weight is then gathered by ZeRO-3 itself when the patched forward reads it (DeepSpeed 0.19 gathers a partitioned
+# parameter on access inside a module's forward and registers it with that module for the backward).
+ZERO3 = dict(zero_optimization=dict(stage=3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                                    stage3_prefetch_bucket_size=0),
+             train_micro_batch_size_per_gpu="auto", train_batch_size="auto",
+             gradient_accumulation_steps="auto", gradient_clipping="auto", bf16=dict(enabled=False),
+             fp16=dict(enabled=False))
+GLOBAL_BATCH, GENERATIONS = 4, 2
+
+
+def scripted_rollout(prompts, trainer):
+    """Completions fixed by the prompt and the generation's index within its group (no sampling): TRL's
+    ``rollout_func`` signature; lengths differ, some end in EOS, some are truncated."""
+    tok = trainer.processing_class
+    seen, out = {}, dict(prompt_ids=[], completion_ids=[], logprobs=[])
+    for prompt in prompts:
+        k = seen[prompt] = seen.get(prompt, -1) + 1
+        text = f"{prompt[::-1]} {k}" * (1 + (len(prompt) + k) % 2)
+        ids = tok(text, add_special_tokens=False)["input_ids"][: 5 + 2 * k]
+        if k % 2 == 0:
+            ids = ids + [tok.eos_token_id]
+        out["prompt_ids"].append(tok(prompt, add_special_tokens=False)["input_ids"])
+        out["completion_ids"].append(ids)
+        out["logprobs"].append([0.0] * len(ids))
+    return out
+
+
+def zero3_step(out_dir, world):
+    """One GRPOTrainer step (grpo_fast.trl's) on this process's share of the batch; ZeRO-3 when world > 1.
+    Returns (the logged loss, {parameter: (its value before, its change)})."""
+    from grpo_fast.trl import GRPOTrainer
+    from trl_harness import byte_tokenizer, grpo_config, tiny_prompt_dataset, tiny_qwen2
+    from trl_pairs import token_reward, trl_kernel_forbidden
+
+    model = tiny_qwen2()  # before the config: ZeRO-3 partitions it in deepspeed.initialize, not while it is built
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = grpo_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, num_generations=GENERATIONS,
+                       max_completion_length=8, deepspeed=ZERO3 if world > 1 else None, optim="sgd",
+                       learning_rate=1.0, max_grad_norm=1e9, logging_strategy="steps", logging_steps=1)
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL 1.16
+    trainer = GRPOTrainer(model=model, reward_funcs=[token_reward], args=args, train_dataset=tiny_prompt_dataset(),
+                          processing_class=byte_tokenizer(), rollout_func=scripted_rollout)
+    with trl_kernel_forbidden():  # grpo_fast's head, never TRL's kernel
+        trainer.train()
+    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    trained = trainer.model_wrapped if world > 1 else trainer.model
+    if world > 1:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(trained.parameters())):
+            after = {name.removeprefix("module."): p.detach().clone() for name, p in trained.named_parameters()}
+    else:
+        after = {name: p.detach().clone() for name, p in trained.named_parameters()}
+    return loss, {name: (before[name], after[name] - before[name]) for name in before}
+
+
+def zero3_worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    loss, deltas = zero3_step(os.path.join(out_dir, f"rank{rank}"), WORLD)
+    if rank == 0:
+        torch.save(dict(loss=loss, deltas=deltas), os.path.join(out_dir, "zero3.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEEPSPEED, reason="deepspeed is not installed")
+def test_deepspeed_zero3_grpo_trainer_equals_one_process(tmp_path):
+    from trl_pairs import RTOL, assert_close
+
+    ranks = mp.start_processes(zero3_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
+                               join=False)
+    deadline = time.monotonic() + 2 * TIMEOUT_S  # the first run JIT-builds DeepSpeed's shared-memory op
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the 2-process ZeRO-3 run did not finish in {2 * TIMEOUT_S} s")
+    zero3 = torch.load(tmp_path / "zero3.pt")
+    loss, deltas = zero3_step(str(tmp_path / "single"), 1)
+    assert_close(zero3["loss"], loss, "loss")
+    assert zero3["deltas"].keys() == deltas.keys()
+    for name, (before, delta) in deltas.items():
+        err = (zero3["deltas"][name][1] - delta).abs().max().item()
+        # a change is read as after - before: exact but for the rounding of the fp32 parameter after the step
+        allowed = RTOL * delta.abs().max().item() + torch.finfo(torch.float32).eps * before.abs().max().item()
+        assert err <= allowed, f"{name}: the change (minus the gradient) is off by {err:.3g} (allowed {allowed:.3g})"
+    assert all(delta.abs().max() > 0 for name, (_, delta) in deltas.items() if "lm_head" in name)

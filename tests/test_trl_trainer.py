@@ -39,6 +39,7 @@ def runs(model, args, trainer_classes=(trl.GRPOTrainer, GRPOTrainer), **kwargs):
     return ours, theirs
 
 
+@pytest.mark.slow
 def test_reference_model_accumulation_generation_reuse_entropy_bonus_and_mask(tmp_path):
     """Untied Qwen2 loaded by path (TRL builds the reference model from it: beta != 0 runs grpo_fast's head on the
     reference model), gradient accumulation 2, steps_per_generation 2, num_iterations 2 (old-policy log-probs),
@@ -52,6 +53,7 @@ def test_reference_model_accumulation_generation_reuse_entropy_bonus_and_mask(tm
     assert any(entry.get("kl", 0) > 0 for entry in theirs.log_history)  # the reference model was used
 
 
+@pytest.mark.slow
 def test_tied_embeddings_lora_reference_and_gradient_checkpointing():
     """Tied Qwen2 + PEFT LoRA (the head patched on the base model; beta != 0: the reference is the policy with the
     adapter disabled), gradient checkpointing, sequence-level importance sampling, accumulation 2."""
@@ -64,6 +66,7 @@ def test_tied_embeddings_lora_reference_and_gradient_checkpointing():
     assert ours.grads[0] and all("lora_" in name for name in ours.grads[0])
 
 
+@pytest.mark.slow
 def test_softcapped_tied_gemma2():
     """Gemma 2's final-logit soft-cap, made to bind: cap 2.0 and a head scaled so that the raw logits reach 10+; its
     embeddings are tied, all parameters trained (the head's gradient and the embedding's meet in one tensor)."""
@@ -78,6 +81,7 @@ def test_softcapped_tied_gemma2():
     assert_runs_match(ours, theirs)
 
 
+@pytest.mark.slow
 def test_rloo_trainer(tmp_path):
     """RLOOTrainer shares the head: same comparison, with its reference model (beta != 0)."""
     path = save_model(tiny_qwen2(), tmp_path / "qwen2")
@@ -164,6 +168,7 @@ def trainer_pair(tmp_path_factory):
     return pair
 
 
+@pytest.mark.slow
 def test_generation_batches_match(trainer_pair):
     (_, theirs), (_, ours) = trainer_pair["trl"], trainer_pair["grpo_fast"]
     assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
@@ -172,6 +177,7 @@ def test_generation_batches_match(trainer_pair):
     assert_close(ours["advantages"], theirs["advantages"], "advantages")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_loss_options_match_trl(trainer_pair, options):
     results = {}

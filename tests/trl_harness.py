@@ -8,11 +8,11 @@ Builders (names are stable: other test modules import them):
 * ``tiny_qwen2_config`` / ``tiny_qwen2``: a 2-layer Qwen2 (hidden 48, vocab ``BYTE_VOCAB_SIZE`` = 259, not a power
   of two), attention dropout 0, untied lm_head (its weight is a separate parameter, as in a larger Qwen2).
 * ``tiny_gemma2_config`` / ``tiny_gemma2``: a 2-layer Gemma 2 with ``final_logit_softcapping`` (the softcap path).
-* ``byte_tokenizer``: a ``PreTrainedTokenizerFast`` over the 256 bytes plus ``<|im_end|>`` (EOS, 256),
-  ``<|endoftext|>`` (pad, 257) and ``<|im_start|>`` (258), with a ChatML chat template; ``ascii_tokenizer``: the
-  same over the 128 ASCII bytes (131 tokens: EOS 128, pad 129, im_start 130), for a smaller vocabulary (the Triton
-  interpreter's cost grows with V). The model builders take the special ids as the last three of ``vocab_size``,
-  which is right for both.
+* ``byte_tokenizer``: grpo_fast's own (``grpo_fast.gsm8k.tokenizer``), a ``PreTrainedTokenizerFast`` over the 256
+  bytes plus ``<|im_end|>`` (EOS, 256), ``<|endoftext|>`` (pad, 257) and ``<|im_start|>`` (258), with a ChatML chat
+  template; ``ascii_tokenizer``: the same over the 128 ASCII bytes (131 tokens: EOS 128, pad 129, im_start 130),
+  for a smaller vocabulary (the Triton interpreter's cost grows with V). The model builders take the special ids as
+  the last three of ``vocab_size``, which is right for both.
 * ``tiny_prompt_dataset``: a ``datasets.Dataset`` with a ``prompt`` column (plain text or conversational).
 * ``length_reward``: a trivial reward function (TRL's signature).
 * ``grpo_config``: a ``GRPOConfig`` for one CPU process: no reporting, no saving, no logging, fp32, no gradient
@@ -37,60 +37,17 @@ import tempfile
 
 import torch
 
+from grpo_fast.gsm8k.tokenizer import ASCII_VOCAB_SIZE, BYTE_VOCAB_SIZE, byte_tokenizer
+
 # ----------------------------------------------------------------------------------------------- tokenizer
-BYTE_VOCAB_SIZE = 259
-EOS_TOKEN, PAD_TOKEN, BOS_TOKEN = "<|im_end|>", "<|endoftext|>", "<|im_start|>"
-EOS_ID, PAD_ID, IM_START_ID = 256, 257, 258
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def byte_tokenizer():
-    """A byte-level ``PreTrainedTokenizerFast`` built in memory: ids 0-255 are the bytes (in the order of ByteLevel's
-    printable characters for them), then EOS, pad, im_start.
-
-    Any text encodes (one token per UTF-8 byte) and decodes back; there is nothing to download.
-    """
-    from tokenizers import pre_tokenizers
-
-    fast = _byte_level_tokenizer(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    assert len(fast) == BYTE_VOCAB_SIZE and fast.eos_token_id == EOS_ID and fast.pad_token_id == PAD_ID
-    return fast
-
-
-ASCII_VOCAB_SIZE = 131
-ASCII_EOS_ID, ASCII_PAD_ID, ASCII_IM_START_ID = 128, 129, 130
+# grpo_fast's own byte tokenizer (grpo_fast/gsm8k/tokenizer.py); the harness names its special ids
+EOS_ID, PAD_ID, IM_START_ID = BYTE_VOCAB_SIZE - 3, BYTE_VOCAB_SIZE - 2, BYTE_VOCAB_SIZE - 1  # 256, 257, 258
+ASCII_EOS_ID, ASCII_PAD_ID, ASCII_IM_START_ID = ASCII_VOCAB_SIZE - 3, ASCII_VOCAB_SIZE - 2, ASCII_VOCAB_SIZE - 1
 
 
 def ascii_tokenizer():
     """``byte_tokenizer`` over the 128 ASCII bytes only (131 tokens; other characters are dropped when encoding)."""
-    from tokenizers import pre_tokenizers
-
-    # ByteLevel's alphabet maps byte b to one printable character; keep those of bytes 0-127
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    byte_to_char, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in byte_to_char:
-            byte_to_char[b], extra = chr(256 + extra), extra + 1
-    assert set(byte_to_char.values()) == set(pre_tokenizers.ByteLevel.alphabet())
-    fast = _byte_level_tokenizer(sorted(byte_to_char[b] for b in range(128)))
-    assert len(fast) == ASCII_VOCAB_SIZE and fast.eos_token_id == ASCII_EOS_ID and fast.pad_token_id == ASCII_PAD_ID
-    return fast
-
-
-def _byte_level_tokenizer(alphabet):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
-                                   additional_special_tokens=[BOS_TOKEN])
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return byte_tokenizer(ascii_only=True)
 
 
 def _special_ids(vocab_size):
