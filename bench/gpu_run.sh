@@ -30,17 +30,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-# grpo_fast installs its kernels/ folder as grpo_fast.kernels: an editable install maps it; if that fails, a copy
-# with the mapping is put first on the path and the benchmark runs from outside the tree
-RUN_DIR="$REPO"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
-if ! python3 -c "import grpo_fast.kernels" 2>/dev/null; then
-  echo "editable install unavailable: running a copy of grpo_fast with its kernels"
-  rm -rf /tmp/gf && mkdir -p /tmp/gf && cp -r grpo_fast /tmp/gf/ && cp -r kernels /tmp/gf/grpo_fast/kernels
-  export PYTHONPATH="/tmp/gf:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-  RUN_DIR=/tmp
-fi
-(cd "$RUN_DIR" && python3 -c "
+# grpo_fast (its kernels included) runs from the source tree: no install
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+(cd "$REPO" && python3 -c "
 import torch, triton, grpo_fast, grpo_fast.kernels
 print('torch', torch.__version__, 'triton', triton.__version__, 'grpo_fast', grpo_fast.__file__)
 print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')
@@ -59,7 +51,7 @@ case "$MODE" in
   full) ARGS=(--time-budget "${BENCH_BUDGET:-400}") ;;
   *) echo "usage: bash bench/gpu_run.sh [full|quick] [python -m bench options]"; exit 2 ;;
 esac
-(cd "$RUN_DIR" && python3 -m bench "${ARGS[@]}" --out "$OUT" --no-progress "$@")
+(cd "$REPO" && python3 -m bench "${ARGS[@]}" --out "$OUT" --no-progress "$@")
 rc=$?
 echo "== exit $rc"
 ls -la "$OUT"
