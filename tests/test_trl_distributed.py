@@ -141,17 +141,23 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """One spawn of 2 ranks runs every case (TRITON_INTERPRET and sys.path reach the children from this process)."""
-    out_dir = str(tmp_path_factory.mktemp("distributed"))
-    ranks = mp.start_processes(worker, args=(free_port(), out_dir), nprocs=WORLD, start_method="spawn", join=False)
-    deadline = time.monotonic() + TIMEOUT_S
+def spawn(fn, out_dir, timeout=TIMEOUT_S):
+    """``fn(rank, port, out_dir)`` on WORLD spawned ranks (TRITON_INTERPRET and sys.path reach the children from this
+    process); a rank's exception is raised here, a run past ``timeout`` seconds killed and failed."""
+    ranks = mp.start_processes(fn, args=(free_port(), out_dir), nprocs=WORLD, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
     while not ranks.join(timeout=5):  # re-raises a rank's exception
         if time.monotonic() > deadline:
             for process in ranks.processes:
                 process.kill()
-            pytest.fail(f"the 2-process run did not finish in {TIMEOUT_S} s")
+            pytest.fail(f"the {WORLD}-process run did not finish in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One spawn of 2 ranks runs every case."""
+    out_dir = str(tmp_path_factory.mktemp("distributed"))
+    spawn(worker, out_dir)
     return {(case, rank): torch.load(os.path.join(out_dir, f"{case}-rank{rank}.pt"))
             for case in CASES for rank in range(WORLD)}
 
@@ -246,14 +252,7 @@ def zero3_worker(rank, port, out_dir):
 def test_deepspeed_zero3_grpo_trainer_equals_one_process(tmp_path):
     from trl_pairs import RTOL, assert_close
 
-    ranks = mp.start_processes(zero3_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
-                               join=False)
-    deadline = time.monotonic() + 2 * TIMEOUT_S  # the first run JIT-builds DeepSpeed's shared-memory op
-    while not ranks.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the 2-process ZeRO-3 run did not finish in {2 * TIMEOUT_S} s")
+    spawn(zero3_worker, str(tmp_path), timeout=2 * TIMEOUT_S)  # a first run JIT-builds DeepSpeed's shm op
     zero3 = torch.load(tmp_path / "zero3.pt")
     loss, deltas = zero3_step(str(tmp_path / "single"), 1)
     assert_close(zero3["loss"], loss, "loss")
