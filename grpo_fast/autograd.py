@@ -31,8 +31,8 @@ def forward_with_grad_hidden(hidden, weight, targets, bias, transform, backend):
 
 def frozen_path_available(hidden, backend):
     """The frozen-head forward runs here: any torch device; Triton where cuBLAS can return fp32 from bf16 (see
-    kernels/forward_frozen.py's ``available``)."""
-    return backend != "triton" or kfrozen.available(hidden)
+    kernels/forward_frozen.py's ``available``); not with GRPO_FAST_FROZEN=recompute."""
+    return kconfig.frozen_mode() == "jacobian" and (backend != "triton" or kfrozen.available(hidden))
 
 
 def backward(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform, grad_hidden,

@@ -326,3 +326,22 @@ def test_loss_with_a_frozen_head_does_two_vocabulary_sweeps():
         loss.backward()
 
     assert _count_matmul_flops(step) / (2 * B * T * D * V) <= 2.2
+
+
+def test_recompute_mode_turns_the_frozen_path_off(monkeypatch):
+    """GRPO_FAST_FROZEN=recompute (the benchmark's comparison row) takes the general path with a frozen weight, and
+    an unknown value is an error that names the variable."""
+    calls = []
+    original = autograd.forward_with_grad_hidden
+    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    x = _loss_batch()
+    monkeypatch.setenv("GRPO_FAST_FROZEN", "recompute")
+    _, _, recompute_dh = _loss_grad_hidden(x, False, "torch")
+    assert calls == []
+    monkeypatch.setenv("GRPO_FAST_FROZEN", "jacobian")
+    _, _, dh = _loss_grad_hidden(x, False, "torch")
+    assert calls == [1]
+    assert_grad_close(dh, recompute_dh, torch.float32, "jacobian vs recompute")
+    monkeypatch.setenv("GRPO_FAST_FROZEN", "fast")
+    with pytest.raises(ValueError, match="GRPO_FAST_FROZEN must be one of"):
+        _loss_grad_hidden(x, False, "torch")

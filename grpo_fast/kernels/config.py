@@ -52,12 +52,22 @@ class LaunchConfig:
 
 
 BWD_MODES = ("chunked", "fused")
+# a frozen lm_head: "jacobian" builds d logp / d hidden in the forward (two vocabulary sweeps, the default),
+# "recompute" takes the general path (three), for comparison (the benchmark's grpo_fast_frozen_recompute)
+FROZEN_MODES = ("jacobian", "recompute")
 
 
 def bwd_mode() -> str:
     mode = os.environ.get("GRPO_FAST_BWD", "chunked")
     if mode not in BWD_MODES:
         raise ValueError(f"GRPO_FAST_BWD must be one of {BWD_MODES}, got {mode!r}")
+    return mode
+
+
+def frozen_mode() -> str:
+    mode = os.environ.get("GRPO_FAST_FROZEN", "jacobian")
+    if mode not in FROZEN_MODES:
+        raise ValueError(f"GRPO_FAST_FROZEN must be one of {FROZEN_MODES}, got {mode!r}")
     return mode
 
 
