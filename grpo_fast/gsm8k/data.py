@@ -1,4 +1,7 @@
-"""GSM8K for GRPO: loading (the hub or local jsonl files), chat prompts and the gold answer.
+"""GSM8K for GRPO: loading (the copy bundled with grpo_fast, a local folder or the hub), chat prompts, the gold answer.
+
+GSM8K's original release files (OpenAI, MIT licence) ship with the package in ``BUNDLED_DIR``
+(``train.jsonl.gz``, ``test.jsonl.gz`` and the ``LICENSE``): the default everywhere, no network needed.
 
 Each example becomes ``{"prompt": [system, user messages], "answer": gold number as a string, "question": ...}``,
 the layout TRL's GRPOTrainer expects; ``answer`` is passed on to the reward functions.
@@ -6,12 +9,17 @@ the layout TRL's GRPOTrainer expects; ``answer`` is passed on to the reward func
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
-__all__ = ["SYSTEM_PROMPT", "ONE_SHOT", "extract_gold_answer", "make_prompt", "load_gsm8k", "HUB_ID"]
+__all__ = ["SYSTEM_PROMPT", "ONE_SHOT", "extract_gold_answer", "make_prompt", "load_gsm8k", "find_split",
+           "describe", "HUB_ID", "BUNDLED", "BUNDLED_DIR"]
 
 HUB_ID = "openai/gsm8k"
+BUNDLED = "bundled"  # the name of the default data source: the files in BUNDLED_DIR
+# GSM8K's original release (github.com/openai/grade-school-math, MIT): train.jsonl.gz (7473), test.jsonl.gz (1319)
+BUNDLED_DIR = Path(__file__).parent / "files"
 
 # willccbb's grpo_demo.py system prompt
 SYSTEM_PROMPT = """
@@ -47,8 +55,26 @@ def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, one_shot: boo
             {"role": "user", "content": question}]
 
 
+def find_split(folder, split: str) -> Path | None:
+    """``{split}.jsonl`` or ``{split}.jsonl.gz`` in ``folder``, or None when neither is there."""
+    for name in (f"{split}.jsonl", f"{split}.jsonl.gz"):
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def describe(data: str | None) -> str:
+    """One line naming the data source ``data`` (as ``load_gsm8k`` takes it), for a script's first lines."""
+    if data is None or data == BUNDLED:
+        return "GSM8K bundled with grpo_fast (7473 train / 1319 test questions, no network)"
+    if data == HUB_ID:
+        return f"GSM8K from the hub ({HUB_ID}, main)"
+    return f"GSM8K files in {data}"
+
+
 def _rows_from_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -56,18 +82,22 @@ def load_gsm8k(split: str = "train", data: str | None = None, system_prompt: str
                one_shot: bool = False) -> list[dict]:
     """GSM8K ``split`` ("train" or "test") as a list of ``{"prompt", "answer", "question"}`` dicts.
 
-    ``data``: a folder holding ``{split}.jsonl`` in the original release format (one ``{"question", "answer"}``
-    per line, the answer ending with ``#### <number>``); None or ``"openai/gsm8k"`` loads the hub's ``main``
-    configuration with ``datasets``. ``one_shot``: put the worked example ``ONE_SHOT`` before each question.
+    ``data``: None or ``"bundled"`` (the default): the original release files shipped in ``BUNDLED_DIR``; a folder
+    holding ``{split}.jsonl`` or ``{split}.jsonl.gz`` in the original release format (one ``{"question",
+    "answer"}`` per line, the answer ending with ``#### <number>``); or ``"openai/gsm8k"``: the hub's ``main``
+    configuration through ``datasets``. ``one_shot``: put the worked example ``ONE_SHOT`` before each question.
     """
-    if data is None or data == HUB_ID:
+    if data == HUB_ID:
         import datasets
 
         rows = datasets.load_dataset(HUB_ID, "main", split=split)
     else:
-        path = Path(data) / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"--data {data}: no {split}.jsonl there (GSM8K's original jsonl files)")
+        folder = BUNDLED_DIR if data is None or data == BUNDLED else Path(data)
+        path = find_split(folder, split)
+        if path is None:
+            raise FileNotFoundError(
+                f"--data {data}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with GSM8K's original "
+                f"jsonl files, leave --data out for the bundled copy, or pass --data {HUB_ID} for the hub")
         rows = _rows_from_jsonl(path)
     return [{"prompt": make_prompt(r["question"], system_prompt, one_shot),
              "answer": extract_gold_answer(r["answer"]), "question": r["question"]} for r in rows]
