@@ -169,7 +169,7 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
 
 
 def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
-                         completion_mask=None, backend="auto"):
+                         completion_mask=None, entropy_grad=False, backend="auto"):
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -177,12 +177,16 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     ``softcap`` is None), TRL 1.16's order. Gradients reach hidden, weight and bias through both outputs (an
     entropy bonus trains through the entropy); no tensor of size V x tokens exists in the forward or the backward.
     With ``completion_mask`` only its tokens are computed; masked positions are exact zeros and their targets are
-    not read.
+    not read. With a frozen weight (and bias) the forward also builds d logp / d hidden, so the backward does two
+    vocabulary sweeps instead of three; ``entropy_grad=True`` says the entropy will be differentiated too (an entropy
+    bonus), which that path serves at five sweeps: the general path is then taken. Either way the gradients are exact.
     """
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
     transform = _logit_transform(temperature, softcap, logit_scale)
+    if not isinstance(entropy_grad, bool):
+        raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
     return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform,
-                                 _resolve_backend(backend, hidden.device), allow_frozen_path=True)
+                                 _resolve_backend(backend, hidden.device), allow_frozen_path=not entropy_grad)
 
 
 def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, allow_frozen_path):

@@ -65,8 +65,9 @@ class LinearLogprobs(torch.autograd.Function):
       gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
     * frozen head (``allow_frozen_path``, and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also
       builds J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the
-      backward is dH = c J: two sweeps. Callers allow it when the entropy will get no gradient (``loss`` without an
-      entropy bonus); if one arrives anyway, its term comes from the recompute path (exact, one sweep more).
+      backward is dH = c J: two sweeps. Callers allow it when the entropy will usually get no gradient (``loss``
+      without an entropy bonus, ``logprobs_and_entropy``); if one arrives anyway, its term comes from the recompute
+      path with its own forward statistics: exact, at three sweeps more (five in all, against three).
     N = 0 (every row masked) gives empty outputs and zero gradients.
     """
 
@@ -100,7 +101,11 @@ class LinearLogprobs(torch.autograd.Function):
         if ctx.frozen:
             grad_hidden = (grad_logp.float()[:, None] * jac if grad_logp is not None
                            else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
-            if grad_entropy is not None:  # an entropy gradient after all: the recompute path's entropy-only term
+            if grad_entropy is not None:
+                # an entropy gradient after all: the recompute path's entropy-only term, with that path's own lse and
+                # mean logit (the frozen forward's cuBLAS logits may round differently from the recomputed tiles, and
+                # p = exp(z - lse) must see one z: at logits of 1e4 the difference is 1e-3 relative)
+                _, _, lse, mean_logit = forward(hidden, weight, targets, bias, ctx.transform, True, ctx.backend)
                 entropy_term = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
                                 if writes_grad_hidden_in_place(hidden, ctx.backend)
                                 else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))

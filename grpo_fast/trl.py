@@ -133,6 +133,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
         backbone_attr = "model"
     extras = tuple(name for name in ("log_sum_sq_probs", "mean_logits", "is_top1") if name in outputs)
+    # the entropy trains only through GRPOTrainer's entropy bonus (set while one of ours is constructed): a frozen head
+    # (LoRA) then takes the general path, else the one that builds d logp / d hidden in the forward
+    entropy_grad = bool(getattr(_this_thread, "entropy_bonus", False))
 
     # Keep the original signature: `generate` validates its model kwargs against it
     @functools.wraps(type(model).forward)
@@ -172,7 +175,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                 h = hidden.to(compute_dtype)
                 log_probs, entropy = grpo_fast.logprobs_and_entropy(
                     h, w, labels, bias=b, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                    completion_mask=mask)
+                    completion_mask=mask, entropy_grad=entropy_grad)
                 extra = _extra_outputs(h, w, b, labels, mask, temperature, softcap, logit_scale, extras)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
 
@@ -314,8 +317,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     @functools.wraps(trl.GRPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
-        with _grpo_fast_head_in(_trl_grpo_trainer):
-            super().__init__(*args, **kwargs)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        _this_thread.entropy_bonus = config is not None and (config.entropy_coef != 0.0 or config.use_adaptive_entropy)
+        try:
+            with _grpo_fast_head_in(_trl_grpo_trainer):
+                super().__init__(*args, **kwargs)
+        finally:
+            _this_thread.entropy_bonus = False
 
 
 class RLOOTrainer(trl.RLOOTrainer):

@@ -345,3 +345,17 @@ def test_recompute_mode_turns_the_frozen_path_off(monkeypatch):
     monkeypatch.setenv("GRPO_FAST_FROZEN", "fast")
     with pytest.raises(ValueError, match="GRPO_FAST_FROZEN must be one of"):
         _loss_grad_hidden(x, False, "torch")
+
+
+def test_logprobs_and_entropy_takes_the_frozen_path_unless_told_the_entropy_trains(monkeypatch):
+    calls = []
+    original = autograd.forward_with_grad_hidden
+    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    x = _loss_batch()
+    hidden = x["hidden"].clone().requires_grad_()
+    grpo_fast.logprobs_and_entropy(hidden, x["weight"], x["targets"], backend="torch")
+    assert calls == [1]
+    grpo_fast.logprobs_and_entropy(hidden, x["weight"], x["targets"], entropy_grad=True, backend="torch")
+    assert calls == [1]
+    with pytest.raises(TypeError, match="entropy_grad must be a bool"):
+        grpo_fast.logprobs_and_entropy(hidden, x["weight"], x["targets"], entropy_grad="yes")
