@@ -7,13 +7,14 @@ An Impl builds, for a mode, a function of (inputs, weight):
                    tokens' are checked: an implementation that skips the padding may leave anything there).
 ``weight`` is inputs.weight (requires grad) or, for a frozen Impl, inputs.weight_frozen (the same storage, no
 grad: the LoRA case, no dW). Every implementation gets the same batch, completion mask (inputs.mask) and loss
-configuration (inputs.loss_kwargs); those that can skip the padding are given the mask to do so, eager PyTorch
+configuration (inputs.options, .temperature, .num_items_in_batch); those that can skip the padding are given the mask to do so, eager PyTorch
 computes every position as a plain training step does.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,9 +48,9 @@ def register(impl: Impl) -> Impl:
 # ----------------------------------------------------------------------------------------------- eager
 # The eager baseline computes the logits as a training step does: the lm_head matmul in the input dtype (bf16 on
 # tensor cores), then fp32 for the log-softmax (grpo_fast.reference with fp32_matmul=False).
-def _eager_loss(hidden, weight, targets, advantages, mask, old, ref, kw):
-    return reference.loss(hidden, weight, targets, advantages, mask, old_logprobs=old, ref_logprobs=ref,
-                          fp32_matmul=False, **kw)
+def _eager_loss(hidden, weight, targets, advantages, mask, old, ref, options, temperature, num_items_in_batch):
+    return reference.loss(hidden, weight, targets, advantages, mask, options, old_logprobs=old, ref_logprobs=ref,
+                          temperature=temperature, num_items_in_batch=num_items_in_batch, fp32_matmul=False)
 
 
 def _eager_logprobs(hidden, weight, targets, bias, temperature):
@@ -59,8 +60,8 @@ def _eager_logprobs(hidden, weight, targets, bias, temperature):
 def _build_eager(mode, options):
     if mode == "fwdbwd":
         return lambda x, w: _eager_loss(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs,
-                                        x.ref_logprobs, x.loss_kwargs())
-    return lambda x, w: _eager_logprobs(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"])
+                                        x.ref_logprobs, x.options, x.temperature, x.num_items_in_batch)
+    return lambda x, w: _eager_logprobs(x.hidden, w, x.targets, None, x.temperature)
 
 
 register(Impl("eager", "eager PyTorch (grpo_fast.reference: full logits of every position, matmul in the input "
@@ -85,8 +86,8 @@ def _build_compile(mode, options):
     fn = _COMPILED[mode]
     if mode == "fwdbwd":
         return lambda x, w: fn(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs,
-                               x.loss_kwargs())
-    return lambda x, w: fn(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"])
+                               x.options, x.temperature, x.num_items_in_batch)
+    return lambda x, w: fn(x.hidden, w, x.targets, None, x.temperature)
 
 
 register(Impl("compile", "eager PyTorch under torch.compile (default mode)", _build_compile))
@@ -121,25 +122,25 @@ def _build_liger(mode, options):
         def logprobs(x, w):
             with torch.no_grad():
                 return LigerFusedLinearPPOBase.chunk_forward(x.hidden, w, x.targets, bias=None,
-                                                             temperature=x.loss_kwargs()["temperature"])
+                                                             temperature=x.temperature)
 
         return logprobs
 
     cache = {}
 
     def loss(x, w):
-        kw = x.loss_kwargs()
-        key = tuple(sorted((k, v) for k, v in kw.items() if k != "num_items_in_batch"))
+        o = x.options
+        key = (o, x.temperature)
         if key not in cache:
             cache[key] = LigerFusedLinearGRPOLoss(
-                beta=kw["beta"], compiled=x.hidden.is_cuda, use_ref_model=kw["beta"] != 0.0, chunk_size=1,
-                epsilon_low=kw["epsilon"], epsilon_high=kw["epsilon_high"], loss_type=kw["loss_type"],
-                importance_sampling_level=kw["importance_sampling_level"], temperature=kw["temperature"],
-                use_bias_correction_kl=kw["use_bias_correction_kl"])
+                beta=o.beta, compiled=x.hidden.is_cuda, use_ref_model=o.beta != 0.0, chunk_size=1,
+                epsilon_low=o.epsilon, epsilon_high=o.clip_high, loss_type=o.loss_type,
+                importance_sampling_level=o.importance_sampling_level, temperature=x.temperature,
+                use_bias_correction_kl=o.use_bias_correction_kl)
         # returns (loss, (mean KL, clip ratio)); it computes the gradients inside its forward
         return cache[key](x.hidden, w, x.targets, x.mask, x.advantages, bias=None,
                           ref_per_token_logps=x.ref_logprobs, old_per_token_logps=x.old_logprobs,
-                          num_items_in_batch=kw["num_items_in_batch"])
+                          num_items_in_batch=x.num_items_in_batch)
 
     return loss
 
@@ -173,7 +174,7 @@ def _build_trl(mode, options):
         """ChunkedLogProbFunction on the completion tokens, each requested output scattered back to [B, T] with
         zeros at the padding (add_fused_lm_head's masked_scatter)."""
         per_token = ChunkedLogProbFunction.apply(
-            x.hidden[x.mask], w, None, x.targets[x.mask], x.loss_kwargs()["temperature"],
+            x.hidden[x.mask], w, None, x.targets[x.mask], x.temperature,
             _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs)  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads)
         return [None if t is None else t.new_zeros(x.mask.shape).masked_scatter(x.mask, t) for t in per_token[:2]]
 
@@ -185,17 +186,18 @@ def _build_trl(mode, options):
         return logprobs
 
     def loss(x, w):  # the policy's head computes the entropy too (the trainer's `entropy` metric)
-        logp, entropy = completion_outputs(x, w, ("log_probs", "entropy"))
-        kw = x.loss_kwargs()
-        del kw["temperature"]  # applied in the head
-        return reference.token_loss(logp, x.advantages, x.mask, entropy=entropy, old_logprobs=x.old_logprobs,
-                                    ref_logprobs=x.ref_logprobs, **kw)
+        logp, entropy = completion_outputs(x, w, ("log_probs", "entropy"))  # the temperature: applied in the head
+        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy,
+                                    old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
+                                    num_items_in_batch=x.num_items_in_batch)
 
     return loss
 
 
 register(Impl("trl", "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction on the completion tokens) + "
               "TRL's GRPO loss", _build_trl, unavailable=_trl_unavailable))
+register(Impl("trl_frozen", "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
+              _build_trl, modes=("fwdbwd",), frozen=True, unavailable=_trl_unavailable))
 
 # ----------------------------------------------------------------------------------------------- grpo_fast
 
@@ -204,26 +206,51 @@ def _build_grpo_fast(mode, options):
     backend = options.get("backend", "auto")
     if mode == "fwdbwd":
         return lambda x, w: grpo_fast.loss(x.hidden, w, x.targets, x.advantages, x.mask, old_logprobs=x.old_logprobs,
-                                           ref_logprobs=x.ref_logprobs, backend=backend, **x.loss_kwargs())
-    return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, None, x.loss_kwargs()["temperature"],
+                                           ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch,
+                                           temperature=x.temperature, options=x.options, backend=backend)
+    return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, None, x.temperature,
                                            completion_mask=x.mask, backend=backend)
 
 
 register(Impl("grpo_fast", "grpo_fast (Triton on CUDA; chunked torch on a CPU)", _build_grpo_fast))
-register(Impl("grpo_fast_frozen", "grpo_fast, lm_head frozen (LoRA: no dW)", _build_grpo_fast, modes=("fwdbwd",),
-              frozen=True))
+def _build_grpo_fast_recompute(mode, options):
+    """grpo_fast with its frozen-head path off (GRPO_FAST_FROZEN=recompute): the general path's three sweeps."""
+    fn = _build_grpo_fast(mode, options)
 
-DEFAULT_GPU = ("eager", "compile", "trl", "liger", "grpo_fast", "grpo_fast_frozen")
-DEFAULT_CPU = ("eager", "trl", "liger", "grpo_fast", "grpo_fast_frozen")  # torch.compile on a CPU: ask for it
+    def run(x, w):
+        before = os.environ.get("GRPO_FAST_FROZEN")
+        os.environ["GRPO_FAST_FROZEN"] = "recompute"
+        try:
+            return fn(x, w)
+        finally:
+            if before is None:
+                del os.environ["GRPO_FAST_FROZEN"]
+            else:
+                os.environ["GRPO_FAST_FROZEN"] = before
+
+    return run
+
+
+register(Impl("grpo_fast_frozen", "grpo_fast, lm_head frozen (LoRA: no dW; d logp / dh built in the forward, two "
+              "vocabulary sweeps)", _build_grpo_fast, modes=("fwdbwd",), frozen=True))
+register(Impl("grpo_fast_frozen_recompute", "grpo_fast, lm_head frozen, general path (GRPO_FAST_FROZEN=recompute: "
+              "three sweeps)", _build_grpo_fast_recompute, modes=("fwdbwd",), frozen=True))
+
+DEFAULT_GPU = ("eager", "compile", "trl", "liger", "grpo_fast", "grpo_fast_frozen", "trl_frozen",
+               "grpo_fast_frozen_recompute")
+DEFAULT_CPU = ("eager", "trl", "liger", "grpo_fast", "grpo_fast_frozen", "trl_frozen",  # torch.compile on a CPU: ask
+               "grpo_fast_frozen_recompute")
 
 
 def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:
     """The work's floor for N completion tokens, the same for every implementation: 2NDV for the forward matmul;
-    forward + backward with the logits recomputed: 8NDV (forward, recompute, dH, dW), 6NDV without dW (frozen
-    lm_head). Padding is no part of the work: an implementation that computes it does more."""
+    forward + backward with the logits recomputed: 8NDV (forward, recompute, dH, dW); a frozen lm_head: 4NDV (the
+    logits and d logp / dh = P' W built in the forward, grpo_fast_frozen's two sweeps; a recomputing backward does
+    6NDV). Padding is no part of the work: an implementation that computes it does more. Each record also holds the
+    matmul FLOPs the implementation did run, counted (``matmul_flops``, CPU runs: see runner.count_matmul_flops)."""
     if mode == "logprobs":
         return 2 * N * D * V
-    return (6 if frozen else 8) * N * D * V
+    return (4 if frozen else 8) * N * D * V
 
 
 def resolve(names, device) -> list[Impl]:

@@ -20,6 +20,7 @@ Its errors are the precision columns of the results; the guard's tolerances on t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,12 +28,15 @@ import torch
 
 from bench import completion_lengths
 from grpo_fast import reference
+from grpo_fast.options import LossOptions
 
 # The loss the benchmark measures, passed to every implementation: TRL 1.16's GRPOConfig defaults (DAPO, token
 # level, temperature 1, the k3 KL multiplied by the importance ratio: use_bias_correction_kl) with a KL term
 # (beta 0.04) and clip-higher (epsilon_high 0.28). Liger-Kernel 0.8.5 takes every one of these arguments.
-LOSS_CONFIG = dict(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", importance_sampling_level="token",
-                   temperature=1.0, use_bias_correction_kl=True)
+LOSS_OPTIONS = LossOptions(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+                           importance_sampling_level="token", use_bias_correction_kl=True)
+TEMPERATURE = 1.0  # the logits' (layer 1's), not a loss option
+LOSS_CONFIG = dict(dataclasses.asdict(LOSS_OPTIONS), temperature=TEMPERATURE)  # for the results' metadata
 SCENARIOS = ("dense", "padded")
 LOGIT_STD = 2.0          # std of the logits of the random lm_head on random hidden states
 OLD_REF_NOISE = 0.2      # std of old/ref log-probs around the true log-probs
@@ -68,9 +72,9 @@ class Inputs:
         """Completion tokens: the positions with mask 1, the work an lm_head pass needs."""
         return int(self.num_items_in_batch)
 
-    def loss_kwargs(self):
-        """The loss configuration with this batch's num_items_in_batch (every implementation gets the same)."""
-        return dict(LOSS_CONFIG, num_items_in_batch=self.num_items_in_batch)
+    # every implementation gets the same loss: these options, this temperature, this batch's num_items_in_batch
+    options = LOSS_OPTIONS
+    temperature = TEMPERATURE
 
     def reset_grads(self):
         self.hidden.grad = None
@@ -113,7 +117,7 @@ def completion_lengths_of(scenario, B, T, seed=0) -> torch.Tensor:
 def away_from_clip_boundaries(log_ratio):
     """Log-ratios (logp - old) within CLIP_MARGIN of log(1 - epsilon) or log(1 + epsilon_high) moved out to the
     nearer edge of that band."""
-    for boundary in (math.log(1 - LOSS_CONFIG["epsilon"]), math.log(1 + LOSS_CONFIG["epsilon_high"])):
+    for boundary in (math.log(1 - LOSS_OPTIONS.epsilon), math.log(1 + LOSS_OPTIONS.clip_high)):
         offset = log_ratio - boundary
         edge = boundary + torch.where(offset < 0, -CLIP_MARGIN, CLIP_MARGIN)
         log_ratio = torch.where(offset.abs() < CLIP_MARGIN, edge, log_ratio)
@@ -129,7 +133,7 @@ def make_inputs(D, V, B, T, dtype, device, seed=0, scenario="dense"):
     advantages = torch.randn(B, generator=g, device=device)
     lengths = completion_lengths_of(scenario, B, T, seed).to(device)
     mask = torch.arange(T, device=device)[None, :] < lengths[:, None]
-    true = true_logprobs(hidden, weight, targets, mask, LOSS_CONFIG["temperature"])
+    true = true_logprobs(hidden, weight, targets, mask, TEMPERATURE)
     old = true.float() - away_from_clip_boundaries(OLD_REF_NOISE * torch.randn(B, T, generator=g, device=device))
     ref = true.float() + OLD_REF_NOISE * torch.randn(B, T, generator=g, device=device)
     return Inputs(hidden=hidden, weight=weight, weight_frozen=weight.detach(), targets=targets,
@@ -150,12 +154,11 @@ def reference_fwdbwd(x: Inputs) -> Reference:
     """Loss and gradients of grpo_fast.reference.loss on x, the logits in fp64, computed in row chunks (see the
     module's docstring). reference.token_loss computes in fp32: the coefficient dL/dlogp is exact to 1e-7
     relative, below every error the benchmark reports."""
-    kw = x.loss_kwargs()
-    temperature = kw.pop("temperature")
+    temperature = x.temperature
     D = x.D
     logp = x.true_logprobs.float().requires_grad_()
-    loss, _ = reference.token_loss(logp, x.advantages, x.mask, old_logprobs=x.old_logprobs,
-                                   ref_logprobs=x.ref_logprobs, **kw)
+    loss, _ = reference.token_loss(logp, x.advantages, x.mask, x.options, old_logprobs=x.old_logprobs,
+                                   ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch)
     (coef,) = torch.autograd.grad(loss, logp)
     h, t, c = x.hidden.detach().reshape(-1, D), x.targets.reshape(-1), coef.double().reshape(-1)
     w64 = x.weight.detach().double().requires_grad_()

@@ -172,3 +172,24 @@ def _matmul_tflops(n, dtype, device, cuda):
     times, _ = time_runs(lambda: torch.matmul(a, b), lambda: None, device, warmup=3 if cuda else 1,
                          reps=20 if cuda else 5, min_reps=5 if cuda else 3, max_seconds=2.0)
     return 2 * n ** 3 / (median(times) * 1e-3) / 1e12
+
+
+def _addmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+@contextlib.contextmanager
+def count_matmul_flops(device):
+    """The matmul FLOPs run inside (a one-item list, filled on exit) where torch sees every one: on a CPU, where
+    each implementation runs in torch ops. torch's FlopCounterMode leaves in-place ``addmm_`` out (TRL's head
+    accumulates dH with it): counted here. On CUDA, Triton kernels' dots are invisible to torch's counter, so
+    nothing is counted (an empty list)."""
+    counted = []
+    if torch.device(device).type == "cuda":
+        yield counted
+        return
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_inplace_flops}) as counter:
+        yield counted
+    counted.append(int(counter.get_total_flops()))

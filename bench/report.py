@@ -87,6 +87,13 @@ def now():
 
 
 # ----------------------------------------------------------------------------------------------- derived numbers
+def _sweeps(r):
+    """The matmul FLOPs the implementation ran (counted on a CPU), in vocabulary sweeps of the completion tokens:
+    units of 2 N D V. None where not counted."""
+    counted = r.get("matmul_flops")
+    return counted / (2 * r["active_tokens"] * r["D"] * r["V"]) if counted is not None else None
+
+
 def derive(records, matmul_tflops):
     """Adds TFLOP/s, % of the measured matmul throughput, the ratios to eager (same shape, N, scenario and mode) and,
     for a padded batch, the ratios to the same implementation on the dense batch of the same shape, N and mode."""
@@ -313,8 +320,8 @@ def markdown(doc) -> str:
         columns = ERROR_COLUMNS[mode]
         lines += [f"## {MODE_TITLES[mode]}", "",
                   "| shape | N | batch | implementation | status | median ms | x eager | peak MiB | mem x eager "
-                  "| TFLOP/s | % matmul | " + " | ".join(title for _, title in columns) + " |",
-                  "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+                  "| TFLOP/s | % matmul | matmul / 2NDV | " + " | ".join(title for _, title in columns) + " |",
+                  "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
                   + " ---: |" * len(columns)]
         for r in rows:
             status = r["status"] if r["status"] == "ok" else f"**{r['status'].upper()}**"
@@ -323,7 +330,7 @@ def markdown(doc) -> str:
                 f"| {r['shape']} | {r['N']} | {_batch(r)} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
                 f"| {_fmt(r['ratio_time_vs_eager'], '.3f')} | {_fmt(_mib(r['peak_mem_bytes']), '.1f')} "
                 f"| {_fmt(r['ratio_mem_vs_eager'], '.3f')} | {_fmt(r['tflops'], '.3g')} "
-                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {errors} |")
+                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_fmt(_sweeps(r), '.2f')} | {errors} |")
         lines.append("")
     padded = [r for r in records if r["scenario"] != "dense" and r["status"] not in ("unavailable", "skipped")]
     if padded:

@@ -74,13 +74,20 @@ def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
     try:
         fn = impl.build(mode, dict(opts.impl_options, backend=opts.backend))
         x.reset_grads()
+        with measure.count_matmul_flops(device) as counted:  # the guard's run: untimed
+            if mode == "fwdbwd":
+                loss = _run_fwdbwd(fn, x, w)
+            else:
+                logp = fn(x, w)
+        if counted:
+            rec["matmul_flops"] = counted[0]
         if mode == "fwdbwd":
-            loss = _run_fwdbwd(fn, x, w)
             ok, errors = check_fwdbwd(float(loss.detach()), x.hidden.grad, None if impl.frozen else x.weight.grad,
                                       ref, x.hidden.dtype, impl.frozen)
             del loss
         else:
-            ok, errors = check_logprobs(fn(x, w), x, x.hidden.dtype)
+            ok, errors = check_logprobs(logp, x, x.hidden.dtype)
+            del logp
         x.reset_grads()
         rec["errors"] = errors
         if not ok:

@@ -126,7 +126,8 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
     by_key = {(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"]): r for r in records}
     trl_status = "ok" if TRL_INSTALLED else "unavailable"
     for shape, N, scenario in points:
-        expected = (("fwdbwd", ("eager", "grpo_fast", "grpo_fast_frozen")), ("logprobs", ("eager", "grpo_fast")))
+        expected = (("fwdbwd", ("eager", "grpo_fast", "grpo_fast_frozen", "grpo_fast_frozen_recompute")),
+                    ("logprobs", ("eager", "grpo_fast")))
         for mode, impls in expected:
             for impl in impls:
                 r = by_key[(shape, N, scenario, mode, impl)]
@@ -147,8 +148,16 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
         assert r["times_ms"] and all(t > 0 for t in r["times_ms"])
         assert math.isclose(r["median_ms"], statistics.median(r["times_ms"]))
         assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] > 0
-        factor = 2 if r["mode"] == "logprobs" else (6 if r["frozen"] else 8)
+        factor = 2 if r["mode"] == "logprobs" else (4 if r["frozen"] else 8)
         assert r["flops"] == factor * r["active_tokens"] * r["D"] * r["V"]  # the work: completion tokens only
+        # the matmul FLOPs each ran (counted on a CPU), in vocabulary sweeps of the completion tokens: the frozen head
+        # builds d logp / dh in the forward (two sweeps); its general path and TRL's head recompute (three)
+        sweeps = r["matmul_flops"] / (2 * r["active_tokens"] * r["D"] * r["V"])
+        expected_sweeps = {("fwdbwd", "grpo_fast"): (3.9, 4.1), ("fwdbwd", "grpo_fast_frozen"): (1.9, 2.2),
+                           ("fwdbwd", "grpo_fast_frozen_recompute"): (2.9, 3.1), ("fwdbwd", "trl_frozen"): (2.9, 3.1),
+                           ("logprobs", "grpo_fast"): (0.9, 1.1)}.get((r["mode"], r["impl"]))
+        if expected_sweeps:
+            assert expected_sweeps[0] <= sweeps <= expected_sweeps[1], (r["impl"], r["mode"], sweeps)
         assert math.isclose(r["tflops"], r["flops"] / (r["median_ms"] * 1e-3) / 1e12, rel_tol=1e-9)
         assert math.isclose(r["pct_of_matmul_peak"], 100 * r["tflops"] / meta["matmul_peak_tflops"], rel_tol=1e-9)
         eager = by_key[(r["shape"], r["N"], r["scenario"], r["mode"], "eager")]
