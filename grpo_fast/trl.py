@@ -36,7 +36,9 @@ FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters the g
 leave each rank an unreduced gradient there). DeepSpeed ZeRO-3: the weight is gathered with TRL's
 ``maybe_gather_lm_head_ctx`` for the forward; grpo_fast's backward reads the weight saved by the forward, which
 ZeRO-3 has released by then, so a saved-tensor hook gathers it again when the backward unpacks it (TRL's own
-backward re-enters the gather for the same reason).
+backward re-enters the gather for the same reason). DeepSpeed 0.19 itself gathers a partitioned weight when the
+forward reads it, so there both are no-ops: the end result is tested (ZeRO-3 on 2 CPU processes equals one process,
+tests/test_trl_distributed.py), the re-gather only through a simulation (tests/test_trl_head.py).
 
 ``GRPOTrainer`` and ``RLOOTrainer`` are TRL's classes, unchanged but for the head: while their constructor runs,
 the name ``add_fused_lm_head`` that TRL's trainer module calls resolves to this module's, so TRL's own call sites
