@@ -47,3 +47,13 @@ def run_loss(fn, batch, requires=("hidden", "weight", "bias"), **kwargs):
     loss.backward()
     grads = {n: (x.grad if x is not None else None) for n, x in leaves.items()}
     return loss.detach(), {k: v for k, v in metrics.items()}, grads
+
+
+def matmul_flops(fn):
+    """The matmul FLOPs torch counts while fn() runs (FlopCounterMode; grpo_fast's CPU paths use out= GEMMs, which
+    it counts, never in-place addmm_, which it does not)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()

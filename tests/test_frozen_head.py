@@ -13,7 +13,6 @@ it by itself for a frozen weight and equals the recompute path.
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from grpo_fast import autograd, cpu, reference
 from grpo_fast.kernels import config as kconfig
@@ -22,6 +21,7 @@ from grpo_fast.kernels import forward_frozen as kfrozen
 import grpo_fast
 
 from conftest import HALF_GRAD_RTOL, assert_grad_close
+from helpers import matmul_flops
 
 F64 = torch.float64
 PATHS = ["torch", "triton", "triton-bf16-gemm"]
@@ -181,12 +181,6 @@ def test_vocab_chunk_keeps_u_about_the_size_of_the_weight():
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
-def _count_matmul_flops(fn):
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
-
 def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     # B 4, T 64, D 256, V 8192, frozen weight: forward (J built) + backward dH = c J, against 2 N D V per GEMM
     B, T, D, V = 4, 64, 256, 8192
@@ -204,9 +198,9 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
         cpu.backward(h, w, y, None, lse, mean_logit, c, None, t, grad_hidden, None, None)
 
     one_gemm = 2 * N * D * V
-    frozen_ratio = _count_matmul_flops(frozen) / one_gemm
+    frozen_ratio = matmul_flops(frozen) / one_gemm
     assert 1.9 <= frozen_ratio <= 2.2, frozen_ratio  # at least 1.9: both GEMMs are seen by the counter
-    assert _count_matmul_flops(recompute) / one_gemm >= 2.9  # today's three sweeps, for comparison
+    assert matmul_flops(recompute) / one_gemm >= 2.9  # today's three sweeps, for comparison
 
     # the same through grpo_fast.autograd.LinearLogprobs, with autograd
     def through_autograd():
@@ -214,7 +208,7 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
         logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, None, t, "torch", True)
         (c * logp).sum().backward()
 
-    assert _count_matmul_flops(through_autograd) / one_gemm <= 2.2
+    assert matmul_flops(through_autograd) / one_gemm <= 2.2
 
 
 # ------------------------------------------------------------------ through grpo_fast.autograd and grpo_fast.loss
@@ -243,7 +237,7 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     N, D, V = 32, 32, 512
     h, w, b, y, _ = _inputs(N, D, V, torch.float32)
     cfg = kconfig.frozen_launch_config(h.device)
-    flops = _count_matmul_flops(lambda: kfrozen.forward_frozen(h, w, y, b, kconfig.LogitTransform(), True, cfg,
+    flops = matmul_flops(lambda: kfrozen.forward_frozen(h, w, y, b, kconfig.LogitTransform(), True, cfg,
                                                                token_chunk=16, vocab_chunk=128))
     assert flops == 2 * (2 * N * D * V)
 
@@ -261,6 +255,14 @@ def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3):
     logp = reference.logprobs(hidden, weight, targets)
     return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv,
                 old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T, generator=g))
+
+
+def _frozen_forward_calls(monkeypatch):
+    """A list that grows by one each time the frozen-head forward runs."""
+    calls = []
+    original = autograd.forward_with_grad_hidden
+    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    return calls
 
 
 def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
@@ -297,9 +299,7 @@ def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(b
 def test_loss_takes_the_frozen_path_only_when_it_can(monkeypatch):
     """With a frozen weight and no entropy bonus grpo_fast.loss builds J in the forward; with a trainable weight, an
     entropy bonus or no gradient at all it does not."""
-    calls = []
-    original = autograd.forward_with_grad_hidden
-    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    calls = _frozen_forward_calls(monkeypatch)
     x = _loss_batch()
     _loss_grad_hidden(x, False, "torch")
     assert len(calls) == 1
@@ -311,7 +311,7 @@ def test_loss_takes_the_frozen_path_only_when_it_can(monkeypatch):
 
 
 def test_loss_with_a_frozen_head_does_two_vocabulary_sweeps():
-    """The issue's count: B 4, T 64, D 256, V 8192, frozen weight, grpo_fast.loss then backward on the CPU path:
+    """The required count: B 4, T 64, D 256, V 8192, frozen weight, grpo_fast.loss then backward on the CPU path:
     at most 2.2 x 2NDV matmul FLOPs (the recompute path, with a trainable weight's dW products left out by
     freezing, did 3.0)."""
     B, T, D, V = 4, 64, 256, 8192
@@ -325,15 +325,13 @@ def test_loss_with_a_frozen_head_does_two_vocabulary_sweeps():
         loss, _ = grpo_fast.loss(hidden, weight, targets, torch.randn(B, generator=g), mask, backend="torch")
         loss.backward()
 
-    assert _count_matmul_flops(step) / (2 * B * T * D * V) <= 2.2
+    assert matmul_flops(step) / (2 * B * T * D * V) <= 2.2
 
 
 def test_recompute_mode_turns_the_frozen_path_off(monkeypatch):
     """GRPO_FAST_FROZEN=recompute (the benchmark's comparison row) takes the general path with a frozen weight, and
     an unknown value is an error that names the variable."""
-    calls = []
-    original = autograd.forward_with_grad_hidden
-    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    calls = _frozen_forward_calls(monkeypatch)
     x = _loss_batch()
     monkeypatch.setenv("GRPO_FAST_FROZEN", "recompute")
     _, _, recompute_dh = _loss_grad_hidden(x, False, "torch")
@@ -348,9 +346,7 @@ def test_recompute_mode_turns_the_frozen_path_off(monkeypatch):
 
 
 def test_logprobs_and_entropy_takes_the_frozen_path_unless_told_the_entropy_trains(monkeypatch):
-    calls = []
-    original = autograd.forward_with_grad_hidden
-    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    calls = _frozen_forward_calls(monkeypatch)
     x = _loss_batch()
     hidden = x["hidden"].clone().requires_grad_()
     grpo_fast.logprobs_and_entropy(hidden, x["weight"], x["targets"], backend="torch")

@@ -108,22 +108,28 @@ def test_logprobs_and_entropy_gradients_on_gpu(dtype, bwd_mode, transform, monke
         assert _max_rel(a, b) < GPU_TOL[dtype], name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [dict(entropy_coef=0.01, top_entropy_quantile=0.2),
-                                     dict(loss_type="vespo"), dict(off_policy_mask_threshold=0.05),
-                                     dict(importance_sampling_level="sequence", use_bias_correction_kl=True)])
-def test_trl_options_on_gpu_match_reference(dtype, options):
-    g = torch.Generator(device="cuda").manual_seed(2)
-    B, T, D, V = 4, 157, 264, 5003
+def _cuda_batch(seed, B, T, D, V, dtype, **transform):
+    """hidden, weight, bias (dtype), targets, mask (80% ones), advantages [B] and old / reference log-probs 0.2 nat
+    around the true ones, on CUDA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(V, D, device="cuda", generator=g) * 0.05).to(dtype)
     bias = (torch.randn(V, device="cuda", generator=g) * 0.1).to(dtype)
     targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
     mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
     adv = torch.randn(B, device="cuda", generator=g)
-    true = reference.logprobs(hidden, weight, targets, bias)
+    true = reference.logprobs(hidden, weight, targets, bias, **transform)
     old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
     ref = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
+    return hidden, weight, bias, targets, mask, adv, old, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [dict(entropy_coef=0.01, top_entropy_quantile=0.2),
+                                     dict(loss_type="vespo"), dict(off_policy_mask_threshold=0.05),
+                                     dict(importance_sampling_level="sequence", use_bias_correction_kl=True)])
+def test_trl_options_on_gpu_match_reference(dtype, options):
+    hidden, weight, bias, targets, mask, adv, old, ref = _cuda_batch(2, 4, 157, 264, 5003, dtype)
     _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
                             beta=0.04, **options)
 
@@ -151,16 +157,8 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     # with fp32 output, the tile kernel, cuBLAS into fp32 J) and dH = c J; several token and vocabulary chunks
     from grpo_fast import autograd
     from grpo_fast.kernels import forward_frozen
-    g = torch.Generator(device="cuda").manual_seed(4)
-    B, T, D, V = 4, 300, 264, 50021
-    hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
-    weight = (torch.randn(V, D, device="cuda", generator=g) * 0.05).to(dtype)
-    bias = (torch.randn(V, device="cuda", generator=g) * 0.1).to(dtype)
-    targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
-    mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
-    adv = torch.randn(B, device="cuda", generator=g)
-    true = reference.logprobs(hidden, weight, targets, bias, **transform)
-    old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
+    D = 264
+    hidden, weight, bias, targets, mask, adv, old, _ = _cuda_batch(4, 4, 300, D, 50021, dtype, **transform)
     assert forward_frozen.available(hidden.reshape(-1, D)) or dtype != torch.float32
     calls = []
     original = autograd.forward_with_grad_hidden

@@ -15,10 +15,11 @@ import textwrap
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 import grpo_fast
 from grpo_fast import reference
+
+from helpers import matmul_flops
 
 
 class LargestTensor(TorchDispatchMode):
@@ -90,12 +91,6 @@ def test_process_peak_memory_stays_far_below_full_logits():
     assert grown < full_logits / 4, f"peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
-def _matmul_flops(fn):
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
-
 def test_padded_batch_costs_only_its_completion_tokens():
     # 8 completions padded to 64 tokens, 16 real tokens each: 25% fill. Loss + backward and the no-grad log-probs
     # must do about a quarter of the dense batch's matmul work (only rows with mask 1 enter the kernels)
@@ -117,7 +112,7 @@ def test_padded_batch_costs_only_its_completion_tokens():
         return lambda: grpo_fast.logprobs(hidden, weight, y, completion_mask=mask, backend="torch")
 
     for make in (fwd_bwd, logprobs):
-        dense_flops = _matmul_flops(make(dense, targets))
-        padded_flops = _matmul_flops(make(padded, targets_padded))
+        dense_flops = matmul_flops(make(dense, targets))
+        padded_flops = matmul_flops(make(padded, targets_padded))
         assert dense_flops > 0
         assert 0.24 <= padded_flops / dense_flops <= 0.26, (make.__name__, padded_flops / dense_flops)

@@ -45,7 +45,7 @@ TRL_ONLY_OPTIONS = ("use_vllm", "vllm_importance_sampling_correction", "vllm_imp
 TRL_ONLY_METRICS = {"entropy_coef"}
 GRPO_FAST_ONLY_METRICS = {"ratio_mean"}
 
-# fp32 tolerances: the issue's 1e-5 relative. TRL's chunked log-softmax and grpo_fast's online logsumexp sum the same
+# fp32 tolerances: 1e-5 relative, the parity we promise. TRL's chunked log-softmax and grpo_fast's online logsumexp sum the same
 # fp32 numbers in other orders, so each log-prob / entropy differs by a few ulps (~1e-7 relative); a loss, metric or
 # gradient entry that is a sum of terms of both signs can be ~0 while its terms are not, and then its own relative
 # error is unbounded. So the 1e-5 is also allowed relative to the size of the terms summed: ATOL for the loss and
