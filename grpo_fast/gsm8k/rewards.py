@@ -22,12 +22,13 @@ equal the gold ``"18"``; otherwise the strings are compared exactly, as the demo
 
 from __future__ import annotations
 
+import functools
 import re
 
 __all__ = [
     "extract_xml_answer", "completion_text", "same_answer", "count_xml",
     "correctness_reward", "int_reward", "strict_format_reward", "soft_format_reward", "xmlcount_reward",
-    "DEFAULT_REWARDS",
+    "DEFAULT_REWARDS", "with_completion_prefix",
 ]
 
 STRICT_FORMAT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n$")
@@ -117,3 +118,20 @@ DEFAULT_REWARDS = {
     "int": int_reward,
     "correctness": correctness_reward,
 }
+
+
+def with_completion_prefix(reward, prefix: str):
+    """``reward`` scoring ``prefix`` + each completion, for prompts that end with the start of the answer (priming:
+    the prompt ends with ``prefix``, the model continues it), so that the reward sees the whole answer. The name
+    stays ``reward``'s (TRL logs rewards by name)."""
+
+    def whole(completion):
+        if isinstance(completion, str):
+            return prefix + completion
+        return [*completion[:-1], {**completion[-1], "content": prefix + completion[-1]["content"]}]
+
+    @functools.wraps(reward)
+    def scored(prompts, completions, *args, **kwargs):
+        return reward(prompts, [whole(c) for c in completions], *args, **kwargs)
+
+    return scored

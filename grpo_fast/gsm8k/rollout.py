@@ -1,4 +1,7 @@
-"""The GRPO rollout pieces: sampling completions, the completion mask, group advantages and hidden states.
+"""The GRPO rollout pieces of the GSM8K recipe: sampling completions with ``model.generate``, the completion mask,
+decoding (the group advantages and the completion hidden states are generic GRPO: ``grpo_fast.grpo``).
+
+    from grpo_fast.grpo import completion_hidden_states, group_advantages
 
     batch = generate(model, tokenizer, prompts, num_generations=16, max_completion_length=786)
     texts = decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)
@@ -13,16 +16,14 @@ Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G com
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "Rollout", "eos_token_ids", "tokenize_prompts", "generate", "completion_mask", "decode_completions",
-    "group_advantages", "decoder_of", "completion_hidden_states",
-]
-
-SCALE_REWARDS = ("group", "batch", "none")
+__all__ = ["Rollout", "eos_token_ids", "tokenize_prompts", "generate", "completion_mask", "decode_completions",
+           "GenerationProgress", "show_generation_progress", "prompt_cache", "prime_chat_template"]
 
 
 @dataclass
@@ -66,6 +67,16 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length=None, device=None, co
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+def prime_chat_template(tokenizer, completion_prefix: str):
+    """Make ``tokenizer``'s chat template end every generation prompt with ``completion_prefix`` (the start of the
+    assistant's answer, which the model then continues): ``tokenize_prompts(..., completion_prefix=...)`` for code
+    that applies the template itself, such as TRL's trainers."""
+    if completion_prefix:
+        tokenizer.chat_template = (tokenizer.chat_template + "{% if add_generation_prompt %}{{ "
+                                   + json.dumps(completion_prefix) + " }}{% endif %}")
+    return tokenizer
+
+
 def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """1 up to and including the first EOS of each row, 0 after it (all ones where no EOS was generated)."""
     is_eos = torch.isin(completion_ids, torch.as_tensor(list(eos_ids), device=completion_ids.device))
@@ -75,16 +86,71 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
     return (positions <= first_eos.unsqueeze(1)).long()
 
 
+class GenerationProgress:
+    """A ``model.generate`` streamer that shows a progress bar: sequences finished, tokens so far, tokens/s.
+
+    ``generate`` calls ``put`` with the prompt ids first, then with each step's new token of every row; a row is
+    finished at its first ``eos_ids`` token. Rows go on being padded after that; only unfinished rows count as
+    tokens.
+    """
+
+    def __init__(self, num_sequences, max_new_tokens, eos_ids, desc="generation", leave=False):
+        from tqdm.auto import tqdm
+
+        self.max_new_tokens, self.eos_ids = max_new_tokens, torch.as_tensor(list(eos_ids))
+        self.bar = tqdm(total=num_sequences, desc=desc, unit="seq", leave=leave, dynamic_ncols=True)
+        self.prompt_seen, self.done, self.steps, self.tokens = False, None, 0, 0
+        self.start = time.perf_counter()
+
+    def put(self, value):
+        if not self.prompt_seen:  # the prompt ids
+            self.prompt_seen = True
+            return
+        value = value.reshape(-1).cpu()
+        if self.done is None:
+            self.done = torch.zeros(value.shape, dtype=torch.bool)
+        self.tokens += int((~self.done).sum())
+        self.done |= torch.isin(value, self.eos_ids)
+        self.steps += 1
+        self.bar.update(int(self.done.sum()) - self.bar.n)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"token {self.steps}/{self.max_new_tokens}, {rate:.0f} tokens/s", refresh=False)
+
+    def end(self):
+        self.bar.update(self.bar.total - self.bar.n)  # every row is done at the length limit
+        self.bar.close()
+
+
+def show_generation_progress(model, tokenizer, desc="generation"):
+    """Make every later ``model.generate(...)`` call (a trainer's too) show a ``GenerationProgress`` bar."""
+    generate_of_class = type(model).generate
+
+    def generate_with_progress(*args, **kwargs):
+        if kwargs.get("streamer") is None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            config = kwargs.get("generation_config") or model.generation_config
+            num_rows = 0 if ids is None else ids.shape[0] * (getattr(config, "num_return_sequences", 1) or 1)
+            kwargs["streamer"] = GenerationProgress(num_rows, kwargs.get("max_new_tokens", config.max_new_tokens),
+                                                    eos_token_ids(model, tokenizer), desc)
+        return generate_of_class(model, *args, **kwargs)
+
+    model.generate = generate_with_progress
+    return model
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts, *, num_generations=1, max_completion_length=256, temperature=1.0,
              top_p=1.0, do_sample=True, max_prompt_length=None, force_full_length=False,
-             completion_prefix="") -> Rollout:
+             completion_prefix="", progress=None, share_prompts=True) -> Rollout:
     """``num_generations`` completions of each prompt with ``model.generate``.
 
     Sampling with ``temperature`` and ``top_p`` (no top-k), or greedy with ``do_sample=False``.
     ``force_full_length`` forbids EOS until ``max_completion_length`` tokens (the worst case for memory).
     ``completion_prefix`` is part of the prompt ids (see ``tokenize_prompts``), not of the completion ids: the
-    caller prepends it to the decoded texts when the whole answer is scored.
+    caller prepends it to the decoded texts when the whole answer is scored. ``progress``: a description to
+    show a ``GenerationProgress`` bar under (None: no bar). ``share_prompts``: with ``num_generations`` > 1, run
+    each prompt once (a key / value cache, copied to its ``num_generations`` rows) instead of once per row; the
+    same completions, for a fraction of the prompt's cost.
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device, completion_prefix)
@@ -100,14 +166,31 @@ def generate(model, tokenizer, prompts, *, num_generations=1, max_completion_len
         kwargs.update(temperature=None, top_p=None, top_k=None)
     if force_full_length:
         kwargs["min_new_tokens"] = max_completion_length
+    if progress is not None:
+        kwargs["streamer"] = GenerationProgress(prompt_ids.shape[0], max_completion_length, eos, progress)
     was_training = model.training
     model.eval()
     try:
+        if share_prompts and num_generations > 1 and prompt_ids.shape[1] > 1:
+            kwargs["past_key_values"] = prompt_cache(model, prompt_ids[::num_generations, :-1],
+                                                     prompt_mask[::num_generations, :-1], num_generations)
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     finally:
         model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1]:]
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, eos))
+
+
+def prompt_cache(model, prompt_ids, prompt_mask, repeats):
+    """The key / value cache of the (left-padded) prompts, each row repeated ``repeats`` times, for
+    ``model.generate(past_key_values=...)``: generate then runs only the tokens after it."""
+    from grpo_fast.grpo import decoder_of
+
+    out = decoder_of(model)(input_ids=prompt_ids, attention_mask=prompt_mask,
+                            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(repeats)
+    return cache
 
 
 def decode_completions(tokenizer, completion_ids, mask) -> list[str]:
@@ -121,47 +204,3 @@ def decode_completions(tokenizer, completion_ids, mask) -> list[str]:
         ids = [i for i, keep in zip(ids, m) if keep and i < vocab]
         texts.append(tokenizer.decode(ids, skip_special_tokens=True))
     return texts
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4):
-    """TRL's advantages: reward minus its group's mean, divided by a std (+ eps); returns (advantages, std).
-
-    ``scale_rewards``: "group" divides by each group's std, "batch" by the std of all rewards, "none" does not
-    divide (Dr. GRPO). ``std`` [B] is the group std ("group", "none") or the batch std ("batch"); a group
-    whose rewards are all equal gets zero advantages, never a NaN.
-    """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
-    if num_generations < 2 or rewards.numel() % num_generations:
-        raise ValueError(f"need num_generations >= 2 dividing the {rewards.numel()} rewards, got {num_generations}")
-    grouped = rewards.float().view(-1, num_generations)
-    mean = grouped.mean(1).repeat_interleave(num_generations)
-    if scale_rewards == "batch":
-        std = rewards.float().std().expand(rewards.numel())
-    else:
-        std = grouped.std(1).repeat_interleave(num_generations)
-    advantages = rewards.float() - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + eps)
-    return advantages, std
-
-
-def decoder_of(model):
-    """The transformer body (``model.model`` of a ``*ForCausalLM``, through a peft wrapper): no lm_head."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, base.base_model_prefix)
-
-
-def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Last hidden states [B, T, D] of the positions that predict the completion tokens; no logits are built.
-
-    Position ``P - 1 + t`` (the prompt's last token, then each completion token but the last) predicts
-    completion token ``t``; position ids skip the left padding, as in ``generate``.
-    """
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], 1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
-    P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    return out.last_hidden_state[:, P - 1:P + T - 1]
