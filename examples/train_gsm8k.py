@@ -48,10 +48,11 @@ from tqdm.auto import tqdm
 import grpo_fast
 from grpo_fast import NUM_ITEMS_LOSS_TYPES
 from grpo_fast.grpo import SCALE_REWARDS, completion_hidden_states, group_advantages
-from grpo_fast.gsm8k import data, models, rollout
+from grpo_fast.gsm8k import cli, data, models, rollout
 from grpo_fast.gsm8k.rewards import (DEFAULT_REWARDS, correctness_reward, soft_format_reward,
                                      strict_format_reward)
 
+PROG = "train_gsm8k.py"
 # Public configs of the Qwen2.5 instruct models, for --random-init (memory measurements without the hub).
 MODEL_CONFIGS = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -143,44 +144,16 @@ def parse_args(argv=None):
     l.add_argument("--max-memory-gb", type=float, default=None, help="cap this process's CUDA memory")
     l.add_argument("--memory-report", default=None, help="append peak memory per phase (JSON line) to this file")
     args = p.parse_args(argv)
-    if args.preset == "auto":
-        args.preset = "gpu" if torch.cuda.is_available() else "cpu"
-    args.changed = sorted(k for k, v in PRESETS[args.preset].items() if getattr(args, k) is not None)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    cli.apply_preset(args, PRESETS)
     if args.lr is None:
         args.lr = 2e-5 if args.lora_r > 0 else 5e-6
     if args.random_init and args.tokenizer is None:
         args.tokenizer = "bytes"
-    args.completion_prefix = args.completion_prefix.replace("\\n", "\n")
     return args
 
 
 def fail(message):
-    """Stop with one line on stderr that says what to pass instead (no traceback)."""
-    raise SystemExit(f"train_gsm8k.py: error: {message}")
-
-
-def check_inputs(args):
-    """Resolve --model / --tokenizer and check --data before anything slow; one-line errors (``fail``)."""
-    source = tokenizer_source = None
-    try:
-        if not (args.random_init and args.config_from):
-            source = models.resolve(args.model, args.gguf_file)
-        if args.tokenizer not in (None, "bytes"):
-            tokenizer_source = models.resolve(args.tokenizer, flag="--tokenizer")
-        if args.data == data.HUB_ID:
-            models.check_hub_dataset(data.HUB_ID, instead="leave --data out for the GSM8K copy bundled with "
-                                     "grpo_fast")
-    except models.ModelError as e:
-        fail(e)
-    if args.data not in (None, data.BUNDLED, data.HUB_ID):
-        for split in ("train", "test") if args.eval_samples else ("train",):
-            if data.find_split(args.data, split) is None:
-                fail(f"--data {args.data}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with GSM8K's "
-                     f"original files, leave --data out for the copy bundled with grpo_fast, or --data {data.HUB_ID}")
-    return source, tokenizer_source
+    cli.fail(PROG, message)
 
 
 def print_plan(args, source, device, dtype):
@@ -190,8 +163,6 @@ def print_plan(args, source, device, dtype):
     model = f"random {args.config_from or args.model} weights" if args.random_init and args.config_from else (
         ("random weights of " if args.random_init else "") + source.describe())
     training = f"LoRA r={args.lora_r}" if args.lora_r > 0 else "all parameters"
-    priming = [p for p in (args.one_shot and "a worked example before each question",
-                           args.completion_prefix and f"answers start with {args.completion_prefix!r}") if p]
     evals = (f"greedy accuracy and rewards on {'all' if args.eval_samples < 0 else args.eval_samples} GSM8K test "
              "questions, before and after training") if args.eval_samples else "none (--eval-samples 0)"
     saves = f"checkpoint every {args.save_every} steps" if args.save_every > 0 else "no checkpoints (--save-every N)"
@@ -203,7 +174,7 @@ def print_plan(args, source, device, dtype):
         f"  data     {data.describe(args.data)}",
         f"  steps    {args.max_steps} GRPO steps of {args.prompts_per_step} questions x {args.num_generations} "
         f"completions (up to {args.max_completion_length} tokens, temperature {args.temperature}), {args.loss_type} "
-        f"loss, beta {args.beta}, lr {args.lr:g}" + (f"; priming: {', '.join(priming)}" if priming else ""),
+        f"loss, beta {args.beta}, lr {args.lr:g}" + cli.priming(args.one_shot, args.completion_prefix),
         f"  eval     {evals}",
         f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png, samples.jsonl, summary.json; {saves}",
     ]
@@ -410,7 +381,10 @@ def main(argv=None, reward_funcs=None):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     rewards = reward_functions(args.reward_weights, reward_funcs)
-    source, tokenizer_source = check_inputs(args)
+    source, tokenizer_source = cli.check_inputs(  # before anything slow
+        PROG, None if args.random_init and args.config_from else args.model, args.gguf_file, args.data,
+        splits=("train", "test") if args.eval_samples else ("train",),
+        tokenizer=args.tokenizer if args.tokenizer not in (None, "bytes") else None)
     out_dir = Path(args.output_dir)
     checkpoint = find_checkpoint(args, out_dir) if args.resume else None
     print_plan(args, source, device, dtype)
@@ -421,12 +395,8 @@ def main(argv=None, reward_funcs=None):
     lora = args.lora_r > 0
 
     # data (local files: a second; the hub: datasets' download or cache)
-    try:
-        train = data.load_gsm8k("train", args.data, one_shot=args.one_shot)
-        test = data.load_gsm8k("test", args.data, one_shot=args.one_shot) if args.eval_samples else []
-    except (OSError, ConnectionError, ValueError) as e:  # datasets offline without a cached copy, and the like
-        fail(f"--data {args.data}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; leave --data out for "
-             "the GSM8K copy bundled with grpo_fast")
+    train = cli.load_split(PROG, "train", args.data, one_shot=args.one_shot)
+    test = cli.load_split(PROG, "test", args.data, one_shot=args.one_shot) if args.eval_samples else []
     test = test if args.eval_samples < 0 else test[:args.eval_samples]
 
     # policy (full parameters resume from the checkpoint's weights; LoRA loads the adapter below)

@@ -41,11 +41,12 @@ import argparse
 
 import torch
 
-from grpo_fast.gsm8k import data, models, rollout
+from grpo_fast.gsm8k import cli, data, models, rollout
 from grpo_fast.gsm8k.rewards import (
     correctness_reward, int_reward, soft_format_reward, strict_format_reward, with_completion_prefix, xmlcount_reward,
 )
 
+PROG = "trl_gsm8k.py"
 # "gpu": the demo's values. "cpu": a few minutes on 2 cores; warm-up 0 so that no optimizer step runs at learning
 # rate 0 (transformers' linear warm-up starts there), checkpoints off (the demo needs none: --save-steps N).
 PRESETS = {
@@ -94,19 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--report-to", default="none", help="the demo's is wandb")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args(argv)
-    if args.preset == "auto":
-        args.preset = "gpu" if torch.cuda.is_available() else "cpu"
-    args.changed = sorted(k for k, v in PRESETS[args.preset].items() if getattr(args, k) is not None)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.completion_prefix = args.completion_prefix.replace("\\n", "\n")
+    cli.apply_preset(args, PRESETS)
     return args
-
-
-def fail(message):
-    """Stop with one line on stderr that says what to pass instead (no traceback)."""
-    raise SystemExit(f"trl_gsm8k.py: error: {message}")
 
 
 def main(argv=None):
@@ -115,18 +105,8 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
 
     # everything that can be wrong with the input, in a second (before TRL, the model and the data load)
-    try:
-        source = models.resolve(args.model, args.gguf_file)
-        if args.data == data.HUB_ID:
-            models.check_hub_dataset(data.HUB_ID, instead="leave --data out for the GSM8K copy bundled with grpo_fast")
-    except models.ModelError as e:
-        fail(e)
-    if args.data not in (None, data.BUNDLED, data.HUB_ID) and data.find_split(args.data, "train") is None:
-        fail(f"--data {args.data}: no train.jsonl (or train.jsonl.gz) there; pass a folder with GSM8K's original "
-             f"files, leave --data out for the copy bundled with grpo_fast, or --data {data.HUB_ID}")
+    source, _ = cli.check_inputs(PROG, args.model, args.gguf_file, args.data)
     saves = f"a checkpoint every {args.save_steps} steps" if args.save_steps > 0 else "no checkpoints (--save-steps N)"
-    priming = [p for p in (args.one_shot and "a worked example before each question",
-                           args.completion_prefix and f"answers start with {args.completion_prefix!r}") if p]
     steps = f"{args.max_steps} optimizer steps" if args.max_steps > 0 else "one epoch"
     print("\n".join([
         f"GRPO demo on TRL's GRPOTrainer with grpo_fast inside: the {args.preset.upper()} recipe"
@@ -136,7 +116,7 @@ def main(argv=None):
         f"  data     {data.describe(args.data)}",
         f"  steps    {steps}; {args.generation_batch_size} completions per generation ({args.num_generations} per "
         f"question, up to {args.max_completion_length} tokens, temperature {args.temperature}), lr "
-        f"{args.learning_rate:g}" + (f"; priming: {', '.join(priming)}" if priming else ""),
+        f"{args.learning_rate:g}" + cli.priming(args.one_shot, args.completion_prefix),
         f"  outputs  {args.output_dir}/, {saves}; TRL logs every step to the console",
         *(["  time     about 5 minutes on 2 CPU cores"] if args.preset == "cpu" and not args.changed else []),
         f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, {data.HUB_ID}), "
@@ -148,12 +128,8 @@ def main(argv=None):
 
     from grpo_fast.trl import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
 
-    try:
-        train = data.load_gsm8k("train", args.data, one_shot=args.one_shot)  # the demo's system prompt, gold answers
-    except (OSError, ConnectionError, ValueError) as e:  # datasets offline without a cached copy, and the like
-        fail(f"--data {args.data}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; leave --data out for "
-             "the GSM8K copy bundled with grpo_fast")
-    dataset = Dataset.from_list(train)
+    # the demo's system prompt and gold answers
+    dataset = Dataset.from_list(cli.load_split(PROG, "train", args.data, one_shot=args.one_shot))
 
     training_args = GRPOConfig(
         output_dir=args.output_dir,
