@@ -179,7 +179,7 @@ def print_plan(args, source, device, dtype):
         f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png, samples.jsonl, summary.json; {saves}",
     ]
     if args.preset == "cpu" and not args.changed and not args.random_init:
-        lines.append("  time     about 7 minutes on 2 CPU cores (most of it sampling and the forward / backward)")
+        lines.append("  time     about 6 minutes on 2 free CPU cores (up to twice that while other processes load them)")
     lines.append(f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
                  f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
                  "--help for all")

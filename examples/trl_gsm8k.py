@@ -118,7 +118,8 @@ def main(argv=None):
         f"question, up to {args.max_completion_length} tokens, temperature {args.temperature}), lr "
         f"{args.learning_rate:g}" + cli.priming(args.one_shot, args.completion_prefix),
         f"  outputs  {args.output_dir}/, {saves}; TRL logs every step to the console",
-        *(["  time     about 5 minutes on 2 CPU cores"] if args.preset == "cpu" and not args.changed else []),
+        *(["  time     about 3 minutes on 2 free CPU cores (up to twice that while other processes load them)"]
+          if args.preset == "cpu" and not args.changed else []),
         f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, {data.HUB_ID}), "
         "--max-steps, ...; --preset gpu / cpu; --help for all",
     ]), flush=True)
