@@ -172,7 +172,8 @@ def print_plan(args, source, device, dtype):
             f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({torch.get_num_threads()} threads)"),
         f"  model    {model}; trains {training}, {str(dtype).removeprefix('torch.')}",
         f"  data     {data.describe(args.data)}",
-        f"  steps    {args.max_steps} GRPO steps of {args.prompts_per_step} questions x {args.num_generations} "
+        f"  steps    {args.max_steps} GRPO step{'s' if args.max_steps != 1 else ''} of {args.prompts_per_step} "
+        f"questions x {args.num_generations} "
         f"completions (up to {args.max_completion_length} tokens, temperature {args.temperature}), {args.loss_type} "
         f"loss, beta {args.beta}, lr {args.lr:g}" + cli.priming(args.one_shot, args.completion_prefix),
         f"  eval     {evals}",
