@@ -448,6 +448,10 @@ def main(argv=None, reward_funcs=None):
         print(f"resumed from {checkpoint} at step {start_step}")
 
     loss_fn = grpo_fast.loss if args.loss == "fused" else grpo_fast.reference.loss
+    # the loss's options, once (TRL's GRPOConfig names; validated here, before any step)
+    loss_options = grpo_fast.LossOptions(loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon,
+                                         epsilon_high=args.epsilon_high,
+                                         max_completion_length=args.max_completion_length)
     logprobs_fn = grpo_fast.logprobs if args.loss == "fused" else grpo_fast.reference.logprobs
     G, mb = args.num_generations, args.micro_batch_size
 
@@ -555,9 +559,7 @@ def main(argv=None, reward_funcs=None):
                             hidden, weight, part.completion_ids, advantages[i:i + mb], part.completion_mask,
                             old_logprobs=None if old_logprobs is None else old_logprobs[i:i + mb, :T],
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[i:i + mb, :T],
-                            beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                            loss_type=args.loss_type, temperature=args.temperature,
-                            max_completion_length=args.max_completion_length,
+                            options=loss_options, temperature=args.temperature,
                             num_items_in_batch=num_items if args.loss_type in NUM_ITEMS_LOSS_TYPES else None)
                         if args.loss_type not in NUM_ITEMS_LOSS_TYPES:  # per-micro-batch means: average them
                             loss = loss / n_micro
