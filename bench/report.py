@@ -299,7 +299,8 @@ def markdown(doc) -> str:
         f"({m['matmul_size']}^3 products)" if m.get("matmul_peak_tflops") else "- matmul throughput: not measured",
         f"- time: {m['timing_method']}; peak memory: {m['memory_method']}",
         "- TFLOP/s count the work's floor for every implementation, on the completion tokens n: 2nDV (log-probs), "
-        "8nDV (fwd+bwd with recompute), 6nDV (frozen lm_head, no dW); `x eager` is the ratio to eager (which "
+        "8nDV (fwd+bwd with recompute), 4nDV (frozen lm_head: no dW, d logp / dh built in the forward); "
+        "`matmul / 2NDV`: the matmul FLOPs each ran, counted on a CPU; `x eager` is the ratio to eager (which "
         "computes dW) at the same point; peak MiB is the memory above the inputs, gradients included",
         "- precision (`err` columns), at the input dtype, against grpo_fast.reference with fp64 logits (row-chunked) "
         "on the completion tokens: loss |error|; dH, dW: max |error| / max |truth|; logp: max |error| in nats. "
