@@ -56,6 +56,13 @@ def writes_grad_hidden_in_place(hidden, backend):
     return backend == "triton" and kconfig.launch_config(hidden.device, fwd=False).bwd_mode == "chunked"
 
 
+def _grad_hidden_buffer(hidden, backend):
+    """dH's buffer for ``backward``: written once in the input dtype (chunked Triton), else an fp32 zero accumulator."""
+    if writes_grad_hidden_in_place(hidden, backend):
+        return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+
+
 class LinearLogprobs(torch.autograd.Function):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None) -> logp [N] fp32, entropy [N] fp32.
 
@@ -106,20 +113,13 @@ class LinearLogprobs(torch.autograd.Function):
                 # mean logit (the frozen forward's cuBLAS logits may round differently from the recomputed tiles, and
                 # p = exp(z - lse) must see one z: at logits of 1e4 the difference is 1e-3 relative)
                 _, _, lse, mean_logit = forward(hidden, weight, targets, bias, ctx.transform, True, ctx.backend)
-                entropy_term = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
-                                if writes_grad_hidden_in_place(hidden, ctx.backend)
-                                else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+                entropy_term = _grad_hidden_buffer(hidden, ctx.backend)
                 backward(hidden, weight, targets, bias, lse, mean_logit,
                          torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev),
                          grad_entropy.float().contiguous(), ctx.transform, entropy_term, None, None, ctx.backend)
                 grad_hidden += entropy_term
             return grad_hidden.to(hidden.dtype), None, None, None, None, None, None
-        if need_h:
-            grad_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
-                           if writes_grad_hidden_in_place(hidden, ctx.backend)
-                           else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
-        else:
-            grad_hidden = None
+        grad_hidden = _grad_hidden_buffer(hidden, ctx.backend) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
         if (need_h or need_w or need_b) and hidden.shape[0] > 0:

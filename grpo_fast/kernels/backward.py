@@ -31,8 +31,8 @@ import triton.language as tl
 
 from .tile import row_coefficients, tile_grad
 
-# torch.addmm(..., out_dtype=torch.float32) from bf16 / fp16 operands: CUDA only, torch >= 2.8
-_ADDMM_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+# torch.mm / torch.addmm(..., out_dtype=torch.float32) from bf16 / fp16 operands: CUDA only, torch >= 2.8
+OUT_DTYPE_GEMM = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def add_gt_h(grad_weight, g_rows, h_rows, vocab_slab):
     """grad_weight (fp32) += g_rows^T h_rows without rounding the product to the input dtype."""
     if grad_weight.dtype == g_rows.dtype:
         grad_weight.addmm_(g_rows.T, h_rows)
-    elif _ADDMM_OUT_DTYPE and grad_weight.is_cuda:
+    elif OUT_DTYPE_GEMM and grad_weight.is_cuda:
         torch.addmm(grad_weight, g_rows.T, h_rows, out_dtype=torch.float32, out=grad_weight)
     else:  # one vocabulary slab at a time: the fp32 product of a slab is the only extra buffer
         h32 = h_rows.float()

@@ -56,11 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import chunk_size
+from .backward import OUT_DTYPE_GEMM, chunk_size
 from .tile import tanh_and_slope
 
-# torch.mm / torch.addmm(..., out_dtype=torch.float32) from bf16 / fp16 operands: CUDA only, torch >= 2.8
-_OUT_DTYPE_GEMM = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
 VOCAB_ALIGN = 128
 # the rows of the running state [7, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
@@ -157,7 +155,7 @@ def _frozen_chunk_kernel(
 def available(hidden) -> bool:
     """Whether this path runs for ``hidden``'s device and dtype: cuBLAS must give an fp32 product of bf16 / fp16
     operands (CUDA with torch >= 2.8); fp32 inputs, a CPU device and the interpreter always can."""
-    return not hidden.is_cuda or hidden.dtype == torch.float32 or _OUT_DTYPE_GEMM
+    return not hidden.is_cuda or hidden.dtype == torch.float32 or OUT_DTYPE_GEMM
 
 
 def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
@@ -175,7 +173,7 @@ def _mm_fp32(a, b, out, accumulate):
             torch.addmm(out, a, b, out=out)  # not addmm_, which FlopCounterMode does not count
         else:
             torch.mm(a, b, out=out)
-    elif out.is_cuda and _OUT_DTYPE_GEMM and a.dtype == b.dtype:
+    elif out.is_cuda and OUT_DTYPE_GEMM and a.dtype == b.dtype:
         if accumulate:
             torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
         else:
