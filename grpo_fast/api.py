@@ -53,10 +53,13 @@ def _shape(name, x, expected_shapes, descr):
         raise ValueError(f"{name} must have shape {descr}, got {tuple(x.shape)}")
 
 
-def _same_device(named, device):
+def _same_device(named, device, reference_name):
+    """Every tensor of ``named`` on ``device``, the device of the argument ``reference_name``; checked before any
+    value is read (a tensor on another device, or a meta tensor, gets this error, not torch's)."""
     for name, x in named:
         if x is not None and x.device != device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {device}: all tensors must share a device")
+            raise ValueError(f"{name} is on {x.device} but {reference_name} is on {device}: all tensors must share "
+                             "a device")
 
 
 def _check_targets(targets, shape, V, mask):
@@ -88,6 +91,19 @@ def _resolve_backend(backend, device):
     return backend
 
 
+def _layer1_choices(head_path, backward_mode, backend):
+    """The caller's choice of layer-1 path and backward (kernels/config.py lists them); returns the path to take."""
+    if head_path not in kconfig.HEAD_PATHS:
+        raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS} ('auto': the frozen-head path when only "
+                         f"hidden needs a gradient; 'general': always the recompute path), got {head_path!r}")
+    if backward_mode not in kconfig.BACKWARD_MODES:
+        raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
+    if backward_mode != "chunked" and backend == "torch":
+        raise ValueError(f"backward_mode={backward_mode!r} is a Triton backward; the torch backend (CPU tensors "
+                         "without TRITON_INTERPRET=1, or backend='torch') has only 'chunked'")
+    return head_path
+
+
 def _logit_transform(temperature, softcap, logit_scale):
     _number("temperature", temperature, lambda v: v > 0, "a positive number")
     if softcap is not None:
@@ -116,7 +132,7 @@ def _check_linear(hidden, weight, targets, bias, completion_mask):
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
     _same_device([("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
-                 hidden.device)
+                 hidden.device, "hidden")
     if completion_mask is not None:
         _check_mask(completion_mask, (B, T))
     _check_targets(targets, (B, T), V, completion_mask)
@@ -169,7 +185,8 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
 
 
 def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
-                         completion_mask=None, entropy_grad=False, backend="auto"):
+                         completion_mask=None, entropy_grad=False, head_path="auto", backward_mode="chunked",
+                         backend="auto"):
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -180,22 +197,27 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     not read. With a frozen weight (and bias) the forward also builds d logp / d hidden, so the backward does two
     vocabulary sweeps instead of three; ``entropy_grad=True`` says the entropy will be differentiated too (an entropy
     bonus), which that path serves at five sweeps: the general path is then taken. Either way the gradients are exact.
+    ``head_path="general"`` never takes the frozen-head path; ``backward_mode`` picks the Triton backward
+    ("chunked": g per token chunk and two GEMMs; "fused": one kernel with fp32 atomics).
     """
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
     transform = _logit_transform(temperature, softcap, logit_scale)
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
-    return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform,
-                                 _resolve_backend(backend, hidden.device), allow_frozen_path=not entropy_grad)
+    backend = _resolve_backend(backend, hidden.device)
+    head_path = _layer1_choices(head_path, backward_mode, backend)
+    return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
+                                 "general" if entropy_grad else head_path, backward_mode)
 
 
-def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, allow_frozen_path):
-    """Layer 1 with autograd. ``allow_frozen_path``: with a frozen weight and bias, build d logp / d hidden in the
+def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, head_path,
+                          backward_mode):
+    """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
     forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
-    usually get no gradient."""
+    usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, allow_frozen_path)
+    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -217,25 +239,28 @@ class _LossBatch:
 @option_keywords
 def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old_logprobs=None, ref_logprobs=None,
          sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
-         temperature=1.0, softcap=None, logit_scale=1.0, options=None, backend="auto", **loss_options):
+         temperature=1.0, softcap=None, logit_scale=1.0, options=None, head_path="auto", backward_mode="chunked",
+         backend="auto", **loss_options):
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
     advantages [B] or [B, T], completion_mask [B, T] bool or 0/1. The loss options are TRL's ``GRPOConfig``
     keywords (``loss_type``, ``beta``, ``epsilon``, ...: ``grpo_fast.LossOptions``), given one by one or as
     ``options=LossOptions(...)``; the other keywords are per-batch inputs (README). Only tokens with mask 1 are
-    computed. Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
+    computed. ``head_path`` and ``backward_mode``: layer 1's path and Triton backward (``logprobs_and_entropy``).
+    Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
     """
     options = LossOptions.resolve(options, loss_options, "loss")
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
     transform = _logit_transform(temperature, softcap, logit_scale)
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
                        num_items_in_batch, entropy_threshold)
-    _check_batch(batch, (B, T), hidden.device, options)
+    _check_batch(batch, (B, T), hidden.device, "hidden", options)
     backend = _resolve_backend(backend, hidden.device)
+    head_path = _layer1_choices(head_path, backward_mode, backend)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
-                                          allow_frozen_path=options.entropy_coef == 0.0)
+                                          head_path if options.entropy_coef == 0.0 else "general", backward_mode)
     return _token_loss(logp, entropy, batch, options, backend)
 
 
@@ -256,26 +281,28 @@ def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logpr
     B, T = logprobs.shape
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
                        num_items_in_batch, entropy_threshold)
-    _check_batch(batch, (B, T), logprobs.device, options)
+    _check_batch(batch, (B, T), logprobs.device, "logprobs", options)
     _check_mask(completion_mask, (B, T))
     if entropy is not None:
         _float_tensor("entropy", entropy)
         _shape("entropy", entropy, [(B, T)], f"[B, T] = [{B}, {T}]")
-        _same_device([("entropy", entropy)], logprobs.device)
+        _same_device([("entropy", entropy)], logprobs.device, "logprobs")
     elif options.entropy_mask or options.entropy_coef != 0.0:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
                          "(grpo_fast.logprobs_and_entropy gives it with its gradient)")
     return _token_loss(logprobs, entropy, batch, options, _resolve_backend(backend, logprobs.device))
 
 
-def _check_batch(batch, shape, device, options):
-    """Checks of layer 2's per-batch inputs against each other and the options, named after the argument at fault;
-    the mask itself is checked by the caller (once: it costs a pass over it)."""
+def _check_batch(batch, shape, device, device_of, options):
+    """Checks of layer 2's per-batch inputs against each other and the options, named after the argument at fault
+    (``device`` is the argument ``device_of``'s); the mask itself is checked by the caller (once: it costs a pass
+    over it)."""
     B, T = shape
     _tensor("advantages", batch.advantages)
     _tensor("completion_mask", batch.completion_mask)
     _same_device([("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
-                 + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)], device)
+                 + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)], device,
+                 device_of)
     if options.beta != 0.0 and batch.ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from "
                          "grpo_fast.logprobs)")
@@ -427,9 +454,10 @@ def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape [B, T], got {tuple(x.shape)}")
     _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape], f"old_logprobs' {list(old_logprobs.shape)}")
-    _check_mask(completion_mask, tuple(old_logprobs.shape))
+    _tensor("completion_mask", completion_mask)
     _same_device([("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
-                 old_logprobs.device)
+                 old_logprobs.device, "old_logprobs")
+    _check_mask(completion_mask, tuple(old_logprobs.shape))
     for name, x in (("clip_max", clip_max), ("clip_min", clip_min)):
         if x is not None:
             _number(name, x)

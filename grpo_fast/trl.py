@@ -41,10 +41,14 @@ forward reads it, so there both are no-ops: the end result is tested (ZeRO-3 on 
 tests/test_trl_distributed.py), the re-gather only through a simulation (tests/test_trl_head.py).
 
 ``GRPOTrainer`` and ``RLOOTrainer`` are TRL's classes, unchanged but for the head: while their constructor runs,
-the name ``add_fused_lm_head`` that TRL's trainer module calls resolves to this module's, so TRL's own call sites
-patch the policy (its PEFT base model) and the reference model with TRL's arguments; the old policy's log-probs
-come from the policy. The loss, the config and every option are TRL's. The name is restored when the last
-constructor in progress returns, and other threads constructing TRL's own trainers meanwhile get TRL's head.
+the name ``add_fused_lm_head`` that TRL's trainer module calls resolves to a dispatcher that looks at its caller:
+a call made by one of this module's trainers gets this module's head, so TRL's own call sites patch the policy (its
+PEFT base model) and the reference model with TRL's arguments; any other caller (a TRL trainer built meanwhile in
+another thread, say) gets TRL's head. The dispatcher hands the head the trainer's own decision, read from its
+config: the entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
+``use_adaptive_entropy``); without one, a frozen lm_head (LoRA) takes the frozen-head path. The old policy's
+log-probs come from the policy. The loss, the config and every option are TRL's. TRL's name is restored when the
+last constructor in progress returns.
 
 TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
 with another TRL raises ``ImportError``.
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import types
 
@@ -115,14 +120,18 @@ def logit_scale_of(text_config) -> float:
 
 
 def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                      outputs: tuple[str, ...] = ("log_probs",)) -> None:
+                      outputs: tuple[str, ...] = ("log_probs",), *, entropy_grad: bool = False) -> None:
     """TRL's ``add_fused_lm_head`` computed by grpo_fast: ``model(..., labels=labels, fused_lm_head=True)`` returns a
     ``FusedCausalLMOutput`` without building the ``[tokens, vocab]`` logits (see the module docstring).
 
     ``temperature`` divides the logits; ``cast_lm_head_to_fp32`` scores in fp32 outside autocast; ``outputs``
     names the per-token fields to fill among ``OUTPUTS`` (``log_probs``, and so ``loss``, always). Add the head
-    before wrapping the model with PEFT.
+    before wrapping the model with PEFT. ``entropy_grad`` (grpo_fast's, not TRL's): the entropy will be
+    differentiated (an entropy bonus); without it a frozen lm_head takes the frozen-head path (two vocabulary
+    sweeps instead of three). Either way every gradient is exact.
     """
+    if not isinstance(entropy_grad, bool):
+        raise TypeError(f"add_fused_lm_head: entropy_grad must be a bool, got {entropy_grad!r}")
     unknown = [name for name in outputs if name not in OUTPUTS]
     if unknown:
         raise ValueError(f"add_fused_lm_head: unknown outputs {unknown}; the fused head computes {list(OUTPUTS)}")
@@ -135,9 +144,6 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
         backbone_attr = "model"
     extras = tuple(name for name in ("log_sum_sq_probs", "mean_logits", "is_top1") if name in outputs)
-    # the entropy trains only through GRPOTrainer's entropy bonus (set while one of ours is constructed): a frozen head
-    # (LoRA) then takes the general path, else the one that builds d logp / d hidden in the forward
-    entropy_grad = bool(getattr(_this_thread, "entropy_bonus", False))
 
     # Keep the original signature: `generate` validates its model kwargs against it
     @functools.wraps(type(model).forward)
@@ -278,33 +284,42 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
 
 
 # ---------------------------------------------------------------------------------------------- the trainers
-# Constructors of grpo_fast's trainers in progress, per TRL trainer module, and in this thread: while one runs,
-# the module's `add_fused_lm_head` is a dispatcher that gives grpo_fast's head to the threads constructing one.
+# TRL trainer modules whose `add_fused_lm_head` is the dispatcher, and how many of our constructors are in progress
+# in each (any thread): the name is TRL's again when the count returns to 0.
 _swap_lock = threading.Lock()
 _swapped: dict[types.ModuleType, list] = {}  # module -> [TRL's add_fused_lm_head, constructors in progress]
-_this_thread = threading.local()
+
+
+class _GRPOFastHead:
+    """What grpo_fast's trainers add to TRL's: the head's settings, from the trainer's config."""
+
+    def _head_entropy_grad(self) -> bool:
+        """The entropy is differentiated only through an entropy bonus (GRPOConfig's ``entropy_coef`` or the
+        adaptive controller; RLOO has neither)."""
+        return getattr(self.args, "entropy_coef", 0.0) != 0.0 or bool(getattr(self.args, "use_adaptive_entropy", False))
 
 
 @contextlib.contextmanager
 def _grpo_fast_head_in(trainer_module):
-    """Within: TRL's trainer module's calls to ``add_fused_lm_head`` from this thread patch grpo_fast's head."""
+    """Within: the trainer module's ``add_fused_lm_head`` gives grpo_fast's head to calls made by a grpo_fast trainer
+    (its ``self`` in the calling frame: TRL calls it from the trainer's constructor) and TRL's head to any other."""
     with _swap_lock:
         if trainer_module not in _swapped:
             trl_head = trainer_module.add_fused_lm_head
 
             @functools.wraps(trl_head)
             def dispatch(*args, **kwargs):
-                head = add_fused_lm_head if getattr(_this_thread, "constructing", 0) else trl_head
-                return head(*args, **kwargs)
+                caller = sys._getframe(1).f_locals.get("self")
+                if isinstance(caller, _GRPOFastHead):
+                    return add_fused_lm_head(*args, **kwargs, entropy_grad=caller._head_entropy_grad())
+                return trl_head(*args, **kwargs)
 
             trainer_module.add_fused_lm_head = dispatch
             _swapped[trainer_module] = [trl_head, 0]
         _swapped[trainer_module][1] += 1
-    _this_thread.constructing = getattr(_this_thread, "constructing", 0) + 1
     try:
         yield
     finally:
-        _this_thread.constructing -= 1
         with _swap_lock:
             entry = _swapped[trainer_module]
             entry[1] -= 1
@@ -313,22 +328,17 @@ def _grpo_fast_head_in(trainer_module):
                 del _swapped[trainer_module]
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with grpo_fast's fused head on the policy and the reference model: same constructor,
     same ``GRPOConfig``, same loss; only the per-token log-probs and entropies are computed by grpo_fast."""
 
     @functools.wraps(trl.GRPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        _this_thread.entropy_bonus = config is not None and (config.entropy_coef != 0.0 or config.use_adaptive_entropy)
-        try:
-            with _grpo_fast_head_in(_trl_grpo_trainer):
-                super().__init__(*args, **kwargs)
-        finally:
-            _this_thread.entropy_bonus = False
+        with _grpo_fast_head_in(_trl_grpo_trainer):
+            super().__init__(*args, **kwargs)
 
 
-class RLOOTrainer(trl.RLOOTrainer):
+class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
     """TRL's ``RLOOTrainer`` with grpo_fast's fused head on the policy and the reference model (see ``GRPOTrainer``)."""
 
     @functools.wraps(trl.RLOOTrainer.__init__)

@@ -164,6 +164,9 @@ BAD_INPUTS = [
     (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),
     (dict(hidden=torch.randn(0, 3, 8)), ValueError, "hidden must be non-empty"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(head_path="frozen"), ValueError, "head_path must be one of"),
+    (dict(backward_mode="atomic"), ValueError, "backward_mode must be one of"),
+    (dict(backward_mode="fused", backend="torch"), ValueError, "backward_mode='fused' is a Triton backward"),
     (dict(epsilon_low=0.2), TypeError, "unexpected keyword argument"),
 ]
 
@@ -178,8 +181,20 @@ def test_bad_input_raises_a_named_error(override, error, message):
 
 def test_mixed_devices_are_rejected():
     meta_mask = torch.ones(2, 3, device="meta")
-    with pytest.raises(ValueError, match="completion_mask is on meta"):
+    with pytest.raises(ValueError, match="completion_mask is on meta but hidden is on cpu"):
         grpo_fast.loss(**_good(completion_mask=meta_mask))
+
+
+def test_device_errors_name_the_argument_they_compare_with():
+    """token_loss has no hidden; sampling_importance_weights checks devices before it reads the mask's values."""
+    args = _good()
+    logp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="advantages is on meta but logprobs is on cpu"):
+        grpo_fast.token_loss(logp, torch.zeros(2, device="meta"), args["completion_mask"])
+    with pytest.raises(ValueError, match="entropy is on meta but logprobs is on cpu"):
+        grpo_fast.token_loss(logp, args["advantages"], args["completion_mask"], entropy=torch.zeros(2, 3, device="meta"))
+    with pytest.raises(ValueError, match="completion_mask is on meta but old_logprobs is on cpu"):
+        grpo_fast.sampling_importance_weights(logp, logp, torch.ones(2, 3, device="meta"))
 
 
 def test_logprobs_rejects_bad_shapes_too():

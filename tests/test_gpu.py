@@ -1,6 +1,7 @@
 """The compiled Triton kernels on a CUDA GPU against the fp64 reference (skipped without CUDA).
 
-Run on a GPU machine with the interpreter off:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
+On a machine with CUDA the README's `pytest` runs this file in a subprocess with the interpreter off
+(tests/test_gpu_compiled.py); alone:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
 Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = c (onehot - p) / tau rounded to
 bf16, so gradients match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
 fp32 dots and match tightly.
@@ -15,8 +16,11 @@ import grpo_fast
 from grpo_fast import reference
 from grpo_fast.kernels.config import interpreting
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                reason="needs a CUDA GPU and TRITON_INTERPRET unset or 0")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 in this process (tests/conftest.py): on a CUDA "
+                                              "machine tests/test_gpu_compiled.py runs this file with it off"),
+]
 
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 

@@ -10,6 +10,7 @@ test shows that the trap does catch TRL's own trainer.
 import contextlib
 import copy
 import threading
+import types
 
 import pytest
 import torch
@@ -108,24 +109,56 @@ def test_every_patched_model_gets_grpo_fast_head_and_trl_name_is_restored(tmp_pa
     assert trl_grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
 
 
-def test_other_threads_keep_trl_head_while_a_grpo_fast_trainer_is_built():
-    """The swapped name dispatches per thread: a TRL trainer built concurrently in another thread gets TRL's head."""
+class _TrainerLike(grpo_fast.trl._GRPOFastHead):
+    """Calls the trainer module's ``add_fused_lm_head`` from a method, as TRL's constructor does."""
+
+    def __init__(self, **config):
+        self.args = types.SimpleNamespace(**config)
+
+    def patch(self, model):
+        trl_grpo_trainer.add_fused_lm_head(model)
+
+
+def test_the_swapped_name_dispatches_by_caller_not_by_thread():
+    """While one of our trainers is built, a grpo_fast trainer's call gets grpo_fast's head; any other call, from this
+    thread or another, gets TRL's."""
     seen = {}
 
     def patch_in_other_thread():
         model = tiny_qwen2()
         trl_grpo_trainer.add_fused_lm_head(model)
-        seen["other"] = model.forward.__func__.__code__.co_filename
+        seen["other thread"] = model.forward.__func__.__code__.co_filename
 
     with grpo_fast.trl._grpo_fast_head_in(trl_grpo_trainer):
         model = tiny_qwen2()
+        _TrainerLike(entropy_coef=0.0).patch(model)
+        seen["trainer"] = model.forward.__func__.__code__.co_filename
+        model = tiny_qwen2()
         trl_grpo_trainer.add_fused_lm_head(model)
-        seen["this"] = model.forward.__func__.__code__.co_filename
+        seen["this thread, no trainer"] = model.forward.__func__.__code__.co_filename
         thread = threading.Thread(target=patch_in_other_thread)
         thread.start()
         thread.join()
-    assert seen["this"] == grpo_fast.trl.__file__ and seen["other"] != grpo_fast.trl.__file__
+    assert seen["trainer"] == grpo_fast.trl.__file__
+    assert seen["this thread, no trainer"] != grpo_fast.trl.__file__
+    assert seen["other thread"] != grpo_fast.trl.__file__
     assert trl_grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
+
+
+@pytest.mark.parametrize("config, entropy_grad", [(dict(entropy_coef=0.0), False), (dict(entropy_coef=0.01), True),
+                                                  (dict(entropy_coef=0.0, use_adaptive_entropy=True), True), ({}, False)])
+def test_the_head_gets_the_trainers_entropy_decision_from_its_config(monkeypatch, config, entropy_grad):
+    """The entropy is differentiated only with an entropy bonus in the trainer's config (RLOO's has none: {})."""
+    calls = []
+    monkeypatch.setattr(grpo_fast.trl, "add_fused_lm_head", lambda model, **kwargs: calls.append(kwargs))
+    with grpo_fast.trl._grpo_fast_head_in(trl_grpo_trainer):
+        _TrainerLike(**config).patch(tiny_qwen2())
+    assert calls == [dict(entropy_grad=entropy_grad)]
+
+
+def test_add_fused_lm_head_checks_entropy_grad():
+    with pytest.raises(TypeError, match="entropy_grad must be a bool"):
+        grpo_fast.trl.add_fused_lm_head(tiny_qwen2(), entropy_grad=1)
 
 
 # ------------------------------------------------------------------------ loss options on one generation batch
