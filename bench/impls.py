@@ -14,7 +14,6 @@ computes every position as a plain training step does.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -202,39 +201,27 @@ register(Impl("trl_frozen", "TRL 1.16's fused head, lm_head frozen (LoRA: no dW;
 # ----------------------------------------------------------------------------------------------- grpo_fast
 
 
-def _build_grpo_fast(mode, options):
+def _build_grpo_fast(mode, options, head_path="auto"):
     backend = options.get("backend", "auto")
     if mode == "fwdbwd":
         return lambda x, w: grpo_fast.loss(x.hidden, w, x.targets, x.advantages, x.mask, old_logprobs=x.old_logprobs,
                                            ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch,
-                                           temperature=x.temperature, options=x.options, backend=backend)
+                                           temperature=x.temperature, options=x.options, head_path=head_path,
+                                           backend=backend)
     return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, None, x.temperature,
                                            completion_mask=x.mask, backend=backend)
 
 
+def _build_grpo_fast_general_path(mode, options):
+    """grpo_fast with its frozen-head path off (head_path="general"): the general path's three sweeps."""
+    return _build_grpo_fast(mode, options, head_path="general")
+
+
 register(Impl("grpo_fast", "grpo_fast (Triton on CUDA; chunked torch on a CPU)", _build_grpo_fast))
-def _build_grpo_fast_recompute(mode, options):
-    """grpo_fast with its frozen-head path off (GRPO_FAST_FROZEN=recompute): the general path's three sweeps."""
-    fn = _build_grpo_fast(mode, options)
-
-    def run(x, w):
-        before = os.environ.get("GRPO_FAST_FROZEN")
-        os.environ["GRPO_FAST_FROZEN"] = "recompute"
-        try:
-            return fn(x, w)
-        finally:
-            if before is None:
-                del os.environ["GRPO_FAST_FROZEN"]
-            else:
-                os.environ["GRPO_FAST_FROZEN"] = before
-
-    return run
-
-
 register(Impl("grpo_fast_frozen", "grpo_fast, lm_head frozen (LoRA: no dW; d logp / dh built in the forward, two "
               "vocabulary sweeps)", _build_grpo_fast, modes=("fwdbwd",), frozen=True))
-register(Impl("grpo_fast_frozen_recompute", "grpo_fast, lm_head frozen, general path (GRPO_FAST_FROZEN=recompute: "
-              "three sweeps)", _build_grpo_fast_recompute, modes=("fwdbwd",), frozen=True))
+register(Impl("grpo_fast_frozen_recompute", "grpo_fast, lm_head frozen, general path (head_path='general': "
+              "three sweeps)", _build_grpo_fast_general_path, modes=("fwdbwd",), frozen=True))
 
 DEFAULT_GPU = ("eager", "compile", "trl", "liger", "grpo_fast", "grpo_fast_frozen", "trl_frozen",
                "grpo_fast_frozen_recompute")
