@@ -164,7 +164,7 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
         h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
         if h.shape[0] == 0:
             return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-        logp = autograd.forward(h, w, y, b, transform, False, backend)[0]
+        logp = autograd.head_forward(h, w, y, b, transform, False, backend)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
@@ -195,7 +195,8 @@ def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transf
     usually get no gradient."""
     B, T = targets.shape
     h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, allow_frozen_path)
+    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend,
+                                         "auto" if allow_frozen_path else "general", "chunked")
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
