@@ -68,24 +68,15 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
             z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True)
-            chunk_max = z.max(dim=1).values
-            pivot = torch.where(torch.isinf(chunk_max), torch.zeros_like(chunk_max), chunk_max)
-            e = torch.exp(z - pivot[:, None])
-            sumexp = e.sum(1)
-            # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
-            zsum = (e * torch.where(torch.isinf(z), 0.0, z - pivot[:, None])).sum(1) if compute_entropy else empty
-            in_tile = (tgt >= v0) & (tgt < v1)
-            local = (tgt - v0).clamp(0, v1 - v0 - 1)
-            target_logit = torch.where(in_tile, z.gather(1, local[:, None]).squeeze(1), 0.0)
-            rows = torch.nonzero(in_tile).squeeze(1)
-            e[rows, local[rows]] = 0.0  # e now holds the other entries only
-            chunk = SoftmaxStats(chunk_max, sumexp, e.sum(1), zsum, target_logit)
+            chunk, e = softmax_stats.record(z, tgt - v0, compute_entropy)
             if frozen_head:
-                new_pivot = torch.maximum(run.max, chunk_max)
+                new_pivot = torch.maximum(run.max, chunk.max)
                 new_pivot = torch.where(torch.isinf(new_pivot), torch.zeros_like(new_pivot), new_pivot)
                 if torch.is_tensor(dz_du):
+                    in_tile = (tgt >= v0) & (tgt < v1)
+                    local = (tgt - v0).clamp(0, v1 - v0 - 1)
                     target_slope += torch.where(in_tile, dz_du.gather(1, local[:, None]).squeeze(1), 0.0)
-                e.mul_(dz_du).mul_(torch.exp(chunk_max - new_pivot)[:, None])
+                e.mul_(dz_du).mul_(torch.exp(chunk.max - new_pivot)[:, None])
                 # torch.addmm with out=, not addmm_: the same in-place product, and FlopCounterMode counts it
                 torch.addmm(acc.mul_(torch.exp(run.max - new_pivot)[:, None]), e, weight[v0:v1].float(), out=acc)
             run = softmax_stats.merge(softmax_stats.stack(run, chunk))

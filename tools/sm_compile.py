@@ -291,6 +291,9 @@ def main(argv=None):
         bad += over or spills
         print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
               f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} {r['tensor_cores']:>5}  {status}")
+    if bad:
+        print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers",
+              file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -2,7 +2,8 @@
 backward read from it. Plain torch (no Triton): the torch backend uses it too.
 
 The record of token n over a set A of vocabulary entries (one tile, one vocabulary split of the Triton forward, one
-chunk of the torch backend, or, for a vocab-parallel head, one rank's shard), z the transformed logits, y the target:
+chunk of the torch backend, or, for a vocab-parallel head, one rank's shard; ``record`` in torch), z the transformed
+logits, y the target:
     max     m  = max_{v in A} z_v                        (-inf when A holds no finite logit)
     sumexp  S  = sum_{v in A} exp(z_v - m)
     rest    R  = sum_{v in A, v != y} exp(z_v - m)      (the target kept out of the sum)
@@ -57,6 +58,26 @@ class BackwardStats(NamedTuple):
 def _pivot(row_max):
     """The finite reference the sums are taken against: m, or 0 where m is -inf (no inf - inf)."""
     return torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+
+
+def record(z, local_target, compute_entropy=True):
+    """The record of a block of logits z [rows, cols] (fp32; -inf allowed) whose target column is ``local_target``
+    [rows] (outside [0, cols): the target is not in this block), and exp(z - m) with the target column zeroed (the
+    frozen head's P' before its slope), [rows, cols]."""
+    row_max = z.max(dim=1).values
+    pivot = _pivot(row_max)
+    e = torch.exp(z - pivot[:, None])
+    sumexp = e.sum(1)
+    # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
+    zsum = ((e * torch.where(torch.isinf(z), 0.0, z - pivot[:, None])).sum(1) if compute_entropy
+            else torch.zeros_like(sumexp))
+    in_block = (local_target >= 0) & (local_target < z.shape[1])
+    rows = torch.nonzero(in_block).squeeze(1)
+    columns = local_target[rows]
+    target = torch.zeros_like(sumexp)
+    target[rows] = z[rows, columns]
+    e[rows, columns] = 0.0  # e now holds the other entries only
+    return SoftmaxStats(row_max, sumexp, e.sum(1), zsum, target), e
 
 
 def merge(stats: SoftmaxStats) -> SoftmaxStats:
