@@ -217,7 +217,7 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entropy_grad):
-    # the frozen path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
+    # the frozen-head path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
     h, w, b, y, c = _inputs(11, 29, 203, dtype)
     e = torch.randn(11, generator=torch.Generator().manual_seed(7))
     kw = dict(softcap=3.0, temperature=0.8)
@@ -281,7 +281,7 @@ def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
                                      dict(loss_type="cispo", softcap=4.0, temperature=0.7),
                                      dict(loss_type="dapo", entropy_coef=0.01)])
 def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(backend, dtype, loss_kw):
-    """grpo_fast.loss with a frozen weight (the frozen path; with an entropy bonus, the recompute path) gives the
+    """grpo_fast.loss with a frozen weight (the frozen-head path; with an entropy bonus, the general path) gives the
     loss, metrics and dH of the same call with a trainable weight (the recompute path) and of the fp64 spec."""
     x = _loss_batch(dtype=dtype)
     frozen_loss, frozen_metrics, frozen_dh = _loss_grad_hidden(x, False, backend, **loss_kw)
