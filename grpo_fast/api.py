@@ -180,7 +180,7 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
         h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
         if h.shape[0] == 0:
             return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-        logp = autograd.forward(h, w, y, b, transform, False, backend)[0]
+        logp = autograd.head_forward(h, w, y, b, transform, False, backend)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 

@@ -7,7 +7,7 @@ TRL line by line, at one process and no gradient accumulation, so a TRL user get
 ``token_loss`` is also what ``grpo_fast.loss`` runs as layer 2 on the torch backend (CPU tensors without Triton),
 as TRL keeps one torch twin beside its kernel: one torch implementation of the formulas, held to TRL's trainer by
 tests/test_trl_loss.py and to the token kernel by tests/test_grpo_token.py. Layer 1 is not shared: the spec builds
-the full logits, the product (grpo_fast/cpu.py) never does. The option sets and the normaliser live in
+the full logits, the product (grpo_fast/torch_backend.py) never does. The option sets and the normaliser live in
 grpo_fast/options.py.
 
 Two layers, the same as the fused paths:
@@ -44,6 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from grpo_fast.kernels.config import LogitTransform
 from grpo_fast.options import LOSS_TYPES, LossOptions, option_keywords  # noqa: F401 (LOSS_TYPES: for readers)
 
 
@@ -61,10 +62,7 @@ def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale
         z = (hidden @ weight.T).to(compute_dtype)
     if bias is not None:
         z = z + bias.to(compute_dtype)
-    z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z / temperature
+    return LogitTransform(temperature, softcap, logit_scale).apply(z)
 
 
 def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True,

@@ -1,6 +1,6 @@
 """The frozen-head forward (a frozen lm_head: only dH needed): J = d logp / d h built in the forward, dH = c J.
 
-Both paths: the chunked torch one (grpo_fast.cpu.forward_with_grad_hidden) and the Triton one
+Both paths: the chunked torch one (grpo_fast.torch_backend.forward_frozen_head) and the Triton one
 (grpo_fast.kernels.forward_frozen, through Triton's interpreter here: conftest sets TRITON_INTERPRET=1), against the
 fp64 reference's autograd (J = d(sum logp)/dh, dH = d(sum c logp)/dh); the forward's outputs against today's
 forward. Small token and vocabulary chunks are forced so that the running max moves between chunks, the
@@ -14,7 +14,7 @@ it by itself for a frozen weight and equals the recompute path.
 import pytest
 import torch
 
-from grpo_fast import autograd, cpu, reference
+from grpo_fast import autograd, reference, torch_backend
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
@@ -47,36 +47,37 @@ def _truth(h, w, b, y, c, **transform):
 
 
 def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
-    """(logp, entropy, lse, mean logit, J) by the path; small_chunks: 16 tokens and 64 vocabulary entries a chunk."""
+    """(logp, entropy, BackwardStats, J) by the path; small_chunks: 16 tokens and 64 vocabulary entries a chunk."""
     t = kconfig.LogitTransform(**transform)
     if path == "torch":
         if small_chunks:
-            monkeypatch.setattr(cpu, "CHUNK_N", 16)
-            monkeypatch.setattr(cpu, "CHUNK_V", 64)
-        return cpu.forward_with_grad_hidden(h, w, y, b, t, True)
+            monkeypatch.setattr(torch_backend, "CHUNK_N", 16)
+            monkeypatch.setattr(torch_backend, "CHUNK_V", 64)
+        return torch_backend.forward_frozen_head(h, w, y, b, t, True)
     chunks = dict(token_chunk=16, vocab_chunk=64) if small_chunks else {}
     gemm_dtype = torch.bfloat16 if path == "triton-bf16-gemm" else None
-    return kfrozen.forward_frozen(h, w, y, b, t, True, kconfig.frozen_launch_config(h.device), gemm_dtype=gemm_dtype,
+    return kfrozen.forward_frozen_head(h, w, y, b, t, True, kconfig.frozen_head_config(h.device), gemm_dtype=gemm_dtype,
                                   **chunks)
 
 
 def _todays_forward(path, h, w, b, y, transform):
     t = kconfig.LogitTransform(**transform)
     if path == "torch":
-        return cpu.forward(h, w, y, b, t, True)
-    return kforward.forward(h, w, y, b, t, True, kconfig.launch_config(h.device, fwd=True, dtype=h.dtype))
+        return torch_backend.forward(h, w, y, b, t, True)
+    return kforward.forward(h, w, y, b, t, True, kconfig.forward_config(h.device, h.dtype))
 
 
 def _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=True, **transform):
     """Outputs vs the fp64 reference and today's forward; J and dH = c J vs the fp64 autograd."""
     out = _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch)
-    logp, ent, lse, mean_logit, jac = out
+    logp, ent, stats, jac = out
     ref_logp, ref_ent, ref_jac, ref_grad_hidden = _truth(h, w, b, y, c, **transform)
     assert jac.dtype == torch.float32 and jac.shape == h.shape
     torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
     today = _todays_forward(path, h, w, b, y, transform)
-    for name, a, t in zip(("logp", "entropy", "lse", "mean logit"), out[:4], today):
+    for name, a, t in zip(("logp", "entropy") + stats._fields, (logp, ent) + tuple(stats),
+                          today[:2] + tuple(today[2])):
         if path == "torch":  # the same operations in the same order
             assert torch.equal(a, t), name
         else:  # u from one GEMM instead of the forward kernel's tiles: fp32 rounding of another summation order
@@ -146,10 +147,10 @@ def test_minus_inf_bias_and_a_whole_chunk_of_minus_inf(path, softcap, monkeypatc
     y = 70 + ((y % 230) // 7) * 7
     out = _frozen(path, h, w, bias, y, dict(softcap=softcap), True, monkeypatch)
     ref_logp, ref_ent, ref_jac, _ = _truth(h, w, bias, y, c, softcap=softcap)
-    assert all(torch.isfinite(x).all() for x in out)
+    assert all(torch.isfinite(x).all() for x in out[:2] + tuple(out[2]) + out[3:])
     torch.testing.assert_close(out[0], ref_logp.float(), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(out[1], ref_ent.float(), rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(out[4], ref_jac.float(), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(out[3], ref_jac.float(), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -165,7 +166,7 @@ def test_confident_tokens_keep_their_gradient(path, monkeypatch):
     h = 0.3 * torch.randn(N, D, generator=g) + 4 * direction * torch.linspace(5, 10, N)[:, None]
     ref_logp, _, ref_jac, _ = _truth(h, w, None, y, torch.ones(N))
     assert (ref_logp > -1e-4).all() and (ref_logp < -1e-10).all()
-    jac = _frozen(path, h, w, None, y, {}, True, monkeypatch)[4].double()
+    jac = _frozen(path, h, w, None, y, {}, True, monkeypatch)[3].double()
     row_err = (jac - ref_jac).abs().max(1).values / ref_jac.abs().max(1).values
     assert (row_err < 5e-5).all(), row_err
 
@@ -189,13 +190,13 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     t = kconfig.LogitTransform(temperature=0.9)
 
     def frozen():
-        jac = cpu.forward_with_grad_hidden(h, w, y, None, t, True)[4]
+        jac = torch_backend.forward_frozen_head(h, w, y, None, t, True)[3]
         return c[:, None] * jac
 
     def recompute():
-        _, _, lse, mean_logit = cpu.forward(h, w, y, None, t, True)
+        _, _, stats = torch_backend.forward(h, w, y, None, t, True)
         grad_hidden = torch.zeros(N, D)
-        cpu.backward(h, w, y, None, lse, mean_logit, c, None, t, grad_hidden, None, None)
+        torch_backend.backward(h, w, y, None, stats, c, None, t, grad_hidden, None, None)
 
     one_gemm = 2 * N * D * V
     frozen_ratio = matmul_flops(frozen) / one_gemm
@@ -205,7 +206,7 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     # the same through grpo_fast.autograd.LinearLogprobs, with autograd
     def through_autograd():
         leaf = h.clone().requires_grad_()
-        logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, None, t, "torch", True)
+        logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, None, t, "torch", "auto", "chunked")
         (c * logp).sum().backward()
 
     assert matmul_flops(through_autograd) / one_gemm <= 2.2
@@ -216,13 +217,13 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entropy_grad):
-    # the frozen path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
+    # the frozen-head path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
     h, w, b, y, c = _inputs(11, 29, 203, dtype)
     e = torch.randn(11, generator=torch.Generator().manual_seed(7))
     kw = dict(softcap=3.0, temperature=0.8)
     t = kconfig.LogitTransform(**kw)
     leaf = h.clone().requires_grad_()
-    logp, ent = autograd.LinearLogprobs.apply(leaf, w, y, b, t, backend, True)
+    logp, ent = autograd.LinearLogprobs.apply(leaf, w, y, b, t, backend, "auto", "chunked")
     ((c * logp).sum() + ((e * ent).sum() if entropy_grad else 0.0)).backward()
     ref_leaf = h.to(F64).requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(ref_leaf, w, y, b, compute_dtype=F64, **kw)
@@ -236,8 +237,8 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     # the Triton path's cuBLAS / torch GEMMs (its Triton kernel has no dot), on a shape the interpreter runs quickly
     N, D, V = 32, 32, 512
     h, w, b, y, _ = _inputs(N, D, V, torch.float32)
-    cfg = kconfig.frozen_launch_config(h.device)
-    flops = matmul_flops(lambda: kfrozen.forward_frozen(h, w, y, b, kconfig.LogitTransform(), True, cfg,
+    cfg = kconfig.frozen_head_config(h.device)
+    flops = matmul_flops(lambda: kfrozen.forward_frozen_head(h, w, y, b, kconfig.LogitTransform(), True, cfg,
                                                                token_chunk=16, vocab_chunk=128))
     assert flops == 2 * (2 * N * D * V)
 
@@ -260,8 +261,8 @@ def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3):
 def _frozen_forward_calls(monkeypatch):
     """A list that grows by one each time the frozen-head forward runs."""
     calls = []
-    original = autograd.forward_with_grad_hidden
-    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: calls.append(1) or original(*a))
+    original = autograd.head_forward_frozen_head
+    monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -280,7 +281,7 @@ def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
                                      dict(loss_type="cispo", softcap=4.0, temperature=0.7),
                                      dict(loss_type="dapo", entropy_coef=0.01)])
 def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(backend, dtype, loss_kw):
-    """grpo_fast.loss with a frozen weight (the frozen path; with an entropy bonus, the recompute path) gives the
+    """grpo_fast.loss with a frozen weight (the frozen-head path; with an entropy bonus, the general path) gives the
     loss, metrics and dH of the same call with a trainable weight (the recompute path) and of the fp64 spec."""
     x = _loss_batch(dtype=dtype)
     frozen_loss, frozen_metrics, frozen_dh = _loss_grad_hidden(x, False, backend, **loss_kw)
@@ -328,21 +329,29 @@ def test_loss_with_a_frozen_head_does_two_vocabulary_sweeps():
     assert matmul_flops(step) / (2 * B * T * D * V) <= 2.2
 
 
-def test_recompute_mode_turns_the_frozen_path_off(monkeypatch):
-    """GRPO_FAST_FROZEN=recompute (the benchmark's comparison row) takes the general path with a frozen weight, and
-    an unknown value is an error that names the variable."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_general_head_path_turns_the_frozen_path_off(backend, monkeypatch):
+    """head_path="general" (the benchmark's comparison row) takes the general path with a frozen weight, "auto" the
+    frozen-head path, with the same dH; an unknown head path or backward mode is an error naming the argument."""
     calls = _frozen_forward_calls(monkeypatch)
-    x = _loss_batch()
-    monkeypatch.setenv("GRPO_FAST_FROZEN", "recompute")
-    _, _, recompute_dh = _loss_grad_hidden(x, False, "torch")
+    h, w, b, y, c = _inputs(11, 29, 203, torch.float32)
+    t = kconfig.LogitTransform(temperature=0.8)
+
+    def grad_hidden(head_path, backward_mode="chunked"):
+        leaf = h.clone().requires_grad_()
+        logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, b, t, backend, head_path, backward_mode)
+        (c * logp).sum().backward()
+        return leaf.grad
+
+    general = grad_hidden("general")
     assert calls == []
-    monkeypatch.setenv("GRPO_FAST_FROZEN", "jacobian")
-    _, _, dh = _loss_grad_hidden(x, False, "torch")
+    frozen_head = grad_hidden("auto")
     assert calls == [1]
-    assert_grad_close(dh, recompute_dh, torch.float32, "jacobian vs recompute")
-    monkeypatch.setenv("GRPO_FAST_FROZEN", "fast")
-    with pytest.raises(ValueError, match="GRPO_FAST_FROZEN must be one of"):
-        _loss_grad_hidden(x, False, "torch")
+    assert_grad_close(frozen_head, general, torch.float32, "frozen head vs general")
+    with pytest.raises(ValueError, match="head_path must be one of"):
+        grad_hidden("recompute")
+    with pytest.raises(ValueError, match="backward_mode must be one of"):
+        grad_hidden("general", "atomic")
 
 
 def test_logprobs_and_entropy_takes_the_frozen_path_unless_told_the_entropy_trains(monkeypatch):

@@ -2,8 +2,8 @@
 
 On a machine with CUDA the README's `pytest` runs this file in a subprocess with the interpreter off
 (tests/test_gpu_compiled.py); alone:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
-Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = c (onehot - p) / tau rounded to
-bf16, so gradients match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
+Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = dL/du rounded to bf16, so gradients
+match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
 fp32 dots and match tightly.
 """
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import grpo_fast
-from grpo_fast import reference
-from grpo_fast.kernels.config import interpreting
+from grpo_fast import api, reference
+from grpo_fast.autograd import LinearLogprobs
+from grpo_fast.kernels.config import LogitTransform, interpreting
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -79,12 +80,14 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bwd_mode", ["chunked", "fused"])
+@pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
 @pytest.mark.parametrize("transform", [dict(), dict(softcap=30.0), dict(softcap=2.0, logit_scale=1.7, temperature=0.7),
                                        dict(logit_scale=0.0625)])
-def test_logprobs_and_entropy_gradients_on_gpu(dtype, bwd_mode, transform, monkeypatch):
+def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform, monkeypatch):
     # a loss on both outputs: the entropy-gradient and soft-cap variants of both backward kernels, compiled
-    monkeypatch.setenv("GRPO_FAST_BWD", bwd_mode)
+    if backward_mode == "fused":  # grpo_fast.api's layer-1 call, its last argument (the backward mode) replaced
+        monkeypatch.setattr(api, "LinearLogprobs",
+                            type("Fused", (), {"apply": staticmethod(lambda *a: LinearLogprobs.apply(*a[:-1], "fused"))}))
     g = torch.Generator(device="cuda").manual_seed(1)
     B, T, D, V = 3, 211, 520, 9973
     hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
@@ -141,7 +144,7 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
 def test_weight_gradient_accumulates_chunk_products_in_fp32():
     # bf16 g^T H of many chunks is added to the fp32 dW inside the GEMM (torch.addmm out_dtype): no chunk's product
     # is rounded to bf16 first (2^-9 relative), so the sum stays within fp32 rounding of the exact one
-    from grpo_fast.kernels.backward import add_gt_h
+    from grpo_fast.kernels.gemm import mm_fp32
     g = torch.Generator(device="cuda").manual_seed(3)
     V, D, chunk = 4096, 256, 256
     grad_weight = torch.zeros(V, D, device="cuda")
@@ -149,7 +152,7 @@ def test_weight_gradient_accumulates_chunk_products_in_fp32():
     for _ in range(16):
         g_rows = torch.randn(chunk, V, device="cuda", generator=g).bfloat16()
         h_rows = torch.randn(chunk, D, device="cuda", generator=g).bfloat16()
-        add_gt_h(grad_weight, g_rows, h_rows, vocab_slab=16384)
+        mm_fp32(g_rows.T, h_rows, grad_weight, accumulate=True)
         exact += g_rows.double().T @ h_rows.double()
     assert _max_rel(grad_weight, exact) < 1e-5
 
@@ -165,14 +168,14 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     hidden, weight, bias, targets, mask, adv, old, _ = _cuda_batch(4, 4, 300, D, 50021, dtype, **transform)
     assert forward_frozen.available(hidden.reshape(-1, D)) or dtype != torch.float32
     calls = []
-    original = autograd.forward_with_grad_hidden
-    autograd.forward_with_grad_hidden = lambda *a: calls.append(1) or original(*a)
+    original = autograd.head_forward_frozen_head
+    autograd.head_forward_frozen_head = lambda *a: calls.append(1) or original(*a)
     try:
         leaf = hidden.clone().requires_grad_()
         loss, _ = grpo_fast.loss(leaf, weight, targets, adv, mask, bias=bias, old_logprobs=old, **transform)
         loss.backward()
     finally:
-        autograd.forward_with_grad_hidden = original
+        autograd.head_forward_frozen_head = original
     assert calls == ([1] if forward_frozen.available(hidden.reshape(-1, D)) else [])
     ref_leaf = hidden.double().requires_grad_()
     ref_loss, _ = reference.loss(ref_leaf, weight.double(), targets, adv, mask, bias=bias.double(), old_logprobs=old,
@@ -181,3 +184,31 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-4, atol=1e-5)
     assert leaf.grad.dtype == dtype
     assert _max_rel(leaf.grad, ref_leaf.grad) < GPU_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
+def test_confident_tokens_on_gpu(dtype, backward_mode):
+    # every token confident (1 - p_y from 1e-3 down to 1e-6), soft-cap, temperature, bias, entropy bonus: the
+    # compiled general path against fp64 (tests/test_confident_tokens.py has the batch and the CPU / interpreter runs)
+    from test_confident_tokens import GRAD_TOL, TRANSFORMS, confident_batch
+
+    kw = TRANSFORMS["softcap-temperature"]
+    N, D, V = 300, 264, 5003
+    h, w, b, y = (x.cuda() for x in confident_batch(N, D, V, dtype, kw))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    grad_logp, grad_entropy = torch.randn(N, device="cuda", generator=g), torch.randn(N, device="cuda", generator=g)
+    grads = []
+    for backend in (None, "triton"):
+        leaves = [x.detach().clone().requires_grad_() for x in ((h, w, b) if backend else
+                                                                 (h.double(), w.double(), b.double()))]
+        if backend is None:
+            logp, ent = reference.logprobs_and_entropy(leaves[0], leaves[1], y, leaves[2],
+                                                       compute_dtype=torch.float64, **kw)
+        else:
+            logp, ent = LinearLogprobs.apply(leaves[0], leaves[1], y, leaves[2], LogitTransform(**kw), backend,
+                                             "general", backward_mode)
+        ((grad_logp * logp).sum() + (grad_entropy * ent).sum()).backward()
+        grads.append([x.grad for x in leaves])
+    for name, a, e in zip(("hidden", "weight", "bias"), grads[1], grads[0]):
+        assert _max_rel(a.double(), e) <= GRAD_TOL[dtype], name

@@ -11,31 +11,41 @@ import pytest
 import torch
 
 import grpo_fast
-from grpo_fast import reference
+from grpo_fast import api, reference
+from grpo_fast.autograd import LinearLogprobs
 
 from conftest import assert_grad_close
 from helpers import head_inputs
 
-# the Triton backend has two backward kernels (GRPO_FAST_BWD): chunked g + GEMMs (default), fully fused
+# the Triton backend has two backward kernels (config.BACKWARD_MODES): chunked g + GEMMs (default), fully fused
 BACKENDS = ["triton", "triton-fused", "torch"]
 F64 = torch.float64
 # (B, T, D, V): none a block multiple, V not a power of two, D not a multiple of 16, one token
 SHAPES = [(2, 9, 37, 203), (1, 1, 24, 50), (3, 5, 70, 131)]
 
 
+class _FusedBackward:
+    """grpo_fast.api's layer-1 entry point with backward_mode "fused" (its last argument) instead of the default."""
+
+    @staticmethod
+    def apply(*args):
+        return LinearLogprobs.apply(*args[:-1], "fused")
+
+
 @pytest.fixture(autouse=True)
-def _bwd_mode(request, monkeypatch):
+def _backward_mode(request, monkeypatch):
     backend = request.node.callspec.params.get("backend", "") if hasattr(request.node, "callspec") else ""
-    monkeypatch.setenv("GRPO_FAST_BWD", "fused" if backend == "triton-fused" else "chunked")
+    if backend == "triton-fused":
+        monkeypatch.setattr(api, "LinearLogprobs", _FusedBackward)
 
 
 def _impl(backend):
     return "triton" if backend.startswith("triton") else backend
 
 
-def _check(backend, dtype, h, w, b, y, *, logp_coef, entropy_coef, completion_mask=None, **transform):
+def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_mask=None, **transform):
     """grpo_fast.logprobs_and_entropy vs the fp64 reference: outputs, and the gradients of
-    sum(logp_coef * logp + entropy_coef * entropy) (either coefficient may be None: that output gets no gradient)."""
+    sum(grad_logp * logp + grad_entropy * entropy) (either may be None: that output gets no gradient)."""
     results = []
     for impl in ("reference", backend):
         leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
@@ -48,7 +58,7 @@ def _check(backend, dtype, h, w, b, y, *, logp_coef, entropy_coef, completion_ma
             logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2],
                                                        completion_mask=completion_mask, backend=_impl(impl),
                                                        **transform)
-        total = sum((c * x).sum() for c, x in ((logp_coef, logp), (entropy_coef, ent)) if c is not None)
+        total = sum((c * x).sum() for c, x in ((grad_logp, logp), (grad_entropy, ent)) if c is not None)
         total.backward()
         results.append((logp.detach(), ent.detach(), [x.grad if x is not None else None for x in leaves]))
     (ref_logp, ref_ent, ref_grads), (logp, ent, grads) = results
@@ -69,8 +79,8 @@ def test_forward_and_gradients_match_reference(backend, dtype, shape):
     B, T, D, V = shape
     h, w, b, y = head_inputs(B, T, D, V, dtype)
     g = torch.Generator().manual_seed(1)
-    _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(B, T, generator=g),
-           entropy_coef=torch.randn(B, T, generator=g), temperature=0.8)
+    _check(backend, dtype, h, w, b, y, grad_logp=torch.randn(B, T, generator=g),
+           grad_entropy=torch.randn(B, T, generator=g), temperature=0.8)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -79,8 +89,8 @@ def test_forward_and_gradients_match_reference(backend, dtype, shape):
 def test_a_loss_on_one_output_only(backend, dtype, loss_on):
     h, w, b, y = head_inputs(2, 7, 40, 157, dtype)
     coef = torch.randn(2, 7, generator=torch.Generator().manual_seed(2))
-    _check(backend, dtype, h, w, b, y, logp_coef=coef if loss_on == "logprobs" else None,
-           entropy_coef=coef if loss_on == "entropy" else None, temperature=1.3)
+    _check(backend, dtype, h, w, b, y, grad_logp=coef if loss_on == "logprobs" else None,
+           grad_entropy=coef if loss_on == "entropy" else None, temperature=1.3)
 
 
 # Gemma 2's soft-cap is 30: weights of scale 40 make logits of ~200, most of tanh saturated; a small cap with a
@@ -100,8 +110,8 @@ def test_logit_transforms(backend, dtype, transform):
     weight_scale, kw = TRANSFORMS[transform]
     h, w, b, y = head_inputs(2, 6, 37, 203, dtype, scale=weight_scale)
     g = torch.Generator().manual_seed(3)
-    _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(2, 6, generator=g),
-           entropy_coef=torch.randn(2, 6, generator=g), **kw)
+    _check(backend, dtype, h, w, b, y, grad_logp=torch.randn(2, 6, generator=g),
+           grad_entropy=torch.randn(2, 6, generator=g), **kw)
 
 
 def test_softcap_really_saturates_in_the_saturated_case():
@@ -124,8 +134,8 @@ def test_masked_rows_and_one_token_completions(backend, dtype):
     mask[2, 1:] = False  # a one-token completion
     y = y.masked_fill(~mask, -100)
     g = torch.Generator().manual_seed(4)
-    logp, ent, grads = _check(backend, dtype, h, w, b, y, logp_coef=torch.randn(3, 8, generator=g),
-                              entropy_coef=torch.randn(3, 8, generator=g), completion_mask=mask, temperature=0.9)
+    logp, ent, grads = _check(backend, dtype, h, w, b, y, grad_logp=torch.randn(3, 8, generator=g),
+                              grad_entropy=torch.randn(3, 8, generator=g), completion_mask=mask, temperature=0.9)
     assert torch.count_nonzero(logp[~mask]) == 0 and torch.count_nonzero(ent[~mask]) == 0
     assert torch.count_nonzero(grads[0][~mask]) == 0
 
@@ -215,3 +225,18 @@ def test_bad_transform_raises_a_value_error_naming_the_argument(kw, message):
             fn(h, w, y, **kw)
     with pytest.raises(ValueError, match=message):
         grpo_fast.loss(h, w, y, torch.zeros(1), torch.ones(1, 2), **kw)
+
+
+def test_the_fused_case_runs_the_fused_backward(monkeypatch):
+    # the "triton-fused" cases above reach backward_fused (and not backward_chunked) through the public entry point
+    from grpo_fast.kernels import backward as kbackward
+
+    calls = []
+    monkeypatch.setattr(api, "LinearLogprobs", _FusedBackward)
+    monkeypatch.setattr(kbackward, "backward_chunked", lambda *a: calls.append("chunked"))
+    original = kbackward.backward_fused
+    monkeypatch.setattr(kbackward, "backward_fused", lambda *a: calls.append("fused") or original(*a))
+    h, w, b, y = head_inputs(1, 3, 24, 50, torch.float32)
+    logp, _ = grpo_fast.logprobs_and_entropy(h, w.requires_grad_(), y, bias=b, backend="triton")
+    logp.sum().backward()
+    assert calls == ["fused"]

@@ -62,3 +62,21 @@ def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
             assert r["tensor_cores"] == "none", r["kernel"]
         else:
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])
+
+
+def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow():
+    # main()'s verdict on rows as compile_all returns them: a clean row passes, a spill or an overflow fails
+    code = (
+        "import sys; sys.argv = ['sm_compile']; sys.path.insert(0, 'tools'); import sm_compile as s\n"
+        "row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, LOCAL=0, "
+        "STACK=0, SHARED=10, tensor_cores='none')\n"
+        "for change, want in ((dict(), 0), (dict(LOCAL=8), 1), (dict(STACK=16), 1), (dict(SHARED=2000), 1), "
+        "(dict(error='E'), 1)):\n"
+        "    s.compile_all = lambda archs: [dict(row, **change)]\n"
+        "    assert s.main([]) == want, (change, want)\n"
+        "print('verdicts ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(HERE, ".."), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "verdicts ok" in proc.stdout, proc.stdout + proc.stderr

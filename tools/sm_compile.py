@@ -6,6 +6,8 @@ test and still fail to compile for a GPU, ask for more shared memory than the ca
 on small CPU stand-in tensors, records each launch instead of running it, compiles the recorded launch with
 Triton's own compiler and the ptxas shipped in the triton wheel, and reads the cubin's resource use with the
 cuobjdump shipped beside it. Nothing runs on a device and no numbers are checked here (tests/test_gpu.py does that).
+It exits non-zero when any variant fails to compile, asks for more shared memory than the card has, or spills
+registers (tests/test_sm_compile.py runs it in CI).
 
 The signature is specialised as Triton's JIT does at launch: pointers and ints divisible by 16 get the
 divisibility hint, ints equal to 1 become constants. The stand-in shapes use real model widths (D = 1536,
@@ -35,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
+from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 from grpo_fast.options import LossOptions  # noqa: E402
 
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
@@ -126,9 +129,9 @@ def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
     weight = torch.randn(V, D, generator=gen).to(dtype)
     targets = torch.randint(0, V, (N,), generator=gen)
     b = torch.randn(V, generator=gen).to(dtype) if bias else None
-    lse = torch.zeros(N)
-    coef = torch.ones(N)
-    return hidden, weight, targets, b, lse, coef
+    per_token = torch.zeros(N)
+    grad_logp = torch.ones(N)
+    return hidden, weight, targets, b, per_token, grad_logp
 
 
 def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False):
@@ -136,28 +139,28 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
 
     ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too."""
     sms = SM_COUNT[arch]
-    hidden, weight, targets, b, lse, coef = _inputs(dtype, bias=bias)
+    hidden, weight, targets, b, per_token, grad_logp = _inputs(dtype, bias=bias)
     D, V = hidden.shape[1], weight.shape[0]
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
-    mean_logit, entropy_coef = (lse, coef) if entropy_grad else (None, None)
+    stats = BackwardStats(per_token, per_token.clone(), per_token.clone() if entropy_grad else None,
+                          per_token.clone() if entropy_grad else None)
+    grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
-    cfg = kconfig.gpu_launch_config(fwd=True, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch])
+    cfg = kconfig.gpu_forward_config(dtype, sms)
     with recording(forward, "_forward_kernel") as launches:
         forward.forward(hidden, weight, targets, b, transform, entropy, cfg)
     out += [("fwd", launches[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.autograd chooses
-    cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
-                                    mode="chunked", wide_epilogue=wide_epilogue)
+    cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
-        backward.backward_chunked(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef, transform,
+        backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
                                   torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg)
     out += [("bwd chunked", launches[0])]
-    cfg = kconfig.gpu_launch_config(fwd=False, dtype=dtype, sm_count=sms, smem_per_block=SMEM_LIMIT[arch],
-                                    mode="fused", wide_epilogue=wide_epilogue)
+    cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
-            backward.backward_fused(hidden, weight, targets, b, lse, mean_logit, coef, entropy_coef, transform,
+            backward.backward_fused(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
                                     torch.zeros(hidden.shape), grad_weight, grad_bias, cfg)
         out += [(name, launches[0])]
     return out
@@ -168,8 +171,8 @@ def frozen_launch(dtype, bias=False, softcap=None, entropy=True):
     hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     with recording(forward_frozen, "_frozen_chunk_kernel") as launches:
-        forward_frozen.forward_frozen(hidden, weight, targets, b, transform, entropy,
-                                      kconfig.gpu_frozen_launch_config())
+        forward_frozen.forward_frozen_head(hidden, weight, targets, b, transform, entropy,
+                                      kconfig.gpu_frozen_head_config())
     return launches[0]
 
 
@@ -283,10 +286,14 @@ def main(argv=None):
             print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6}  {status}")
             continue
         over = r["SHARED"] > r["smem_limit"]
-        status = "OVER SHARED MEMORY" if over else ("spills" if r["LOCAL"] or r["STACK"] else "ok")
-        bad += over
+        spills = bool(r["LOCAL"] or r["STACK"])
+        status = "OVER SHARED MEMORY" if over else ("spills" if spills else "ok")
+        bad += over or spills
         print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
               f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} {r['tensor_cores']:>5}  {status}")
+    if bad:
+        print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers",
+              file=sys.stderr)
     return 1 if bad else 0
 
 

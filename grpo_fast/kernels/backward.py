@@ -1,22 +1,25 @@
 """The backward pass of layer 1: dH, dW, db from dL/dlogp and dL/dentropy, recomputing the logits tile by tile.
 
-Math (tile.py): for token n with c_n = dL/dlogp_n and e_n = dL/dentropy_n (the entropy term is a compile-time
-option: without an entropy gradient it is not formed), z recomputed with fp32 accumulation,
-    g_nv = dL/du_nv = (c_n (1[v = y_n] - p_nv) + e_n p_nv (mean_n - z_nv)) * dz/du_nv,   p_nv = exp(z_nv - lse_n)
-    dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V].
-One kernel, ``_backward_kernel``, forms g for a BLOCK_N x BLOCK_V tile (the K-loop over D, as the forward; a token
-block whose coefficients are all zero, i.e. masked rows, is exactly zero and skips the matmul). Its two modes:
+Math (tile.py): for token n with c_n = grad_logp_n = dL/dlogp_n and e_n = grad_entropy_n = dL/dentropy_n (the
+entropy term is a compile-time option: without an entropy gradient it is not formed), z recomputed with fp32
+accumulation and p_nv = exp(z_nv - lse_n),
+    g_nv = dL/du_nv = (-c_n p_nv + e_n p_nv (mean_n - z_nv)) * dz/du_nv                          for v != y_n,
+    g_ny = (c_n nontarget_mass_n + e_n p_ny mean_minus_target_n) * dz/du_ny,
+    dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V],
+where lse, nontarget_mass = 1 - p_y, mean and mean_minus_target = mean - z_y are the forward's per-token values
+(softmax_stats.BackwardStats): the target column never forms 1 - p_y or mean - z_y by cancellation, so a confident
+token (1 - p_y down to 1e-6) keeps fp32 precision. One kernel, ``_backward_kernel``, forms g for a
+BLOCK_N x BLOCK_V tile (the K-loop over D, as the forward; a token block whose coefficients are all zero, i.e.
+masked rows, is exactly zero and skips the matmul) and adds the tile's column sums of g (fp32) to db. Its two modes
+(config.BACKWARD_MODES, the caller's choice):
 
 * chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input
   dtype, and cuBLAS does the two gradient products as dense GEMMs: dH[chunk] = g W (written once),
-  dW += g^T H[chunk] (fp32 accumulator). On CUDA with torch >= 2.8, ``torch.addmm(..., out_dtype=torch.float32)``
-  adds each chunk's bf16 g^T H to the fp32 accumulator inside the GEMM, never rounding a chunk's product to bf16
-  (TRL reports that bf16-rounded chunk sums bias training: the entropy drifts lower); elsewhere the product of one
-  vocabulary slab is formed in fp32 (CPU, and under the interpreter) and added.
+  dW += g^T H[chunk] (fp32 accumulator, gemm.mm_fp32: never a bf16-rounded chunk product).
   Memory: one chunk of g, chunk_n x V with chunk_n <= D, so at most the size of W; the fp32 dW accumulator (only
-  when the weight needs a gradient) and, without out_dtype, one vocabulary slab of g^T H in fp32; dH in the input
-  dtype; the saved per-token lse, mean logit and coefficients are O(N). No tensor of N x V exists for N > D.
-* fused (``GRPO_FAST_BWD=fused``, ``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
+  when the weight needs a gradient) and, without cuBLAS's out_dtype, one vocabulary slab of g^T H in fp32; dH in
+  the input dtype; the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
+* fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
   and g^T H_i into dW_j with fp32 atomics; no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
   only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
   N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
@@ -29,15 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import chunk_size, mm_fp32
 from .tile import row_coefficients, tile_grad
-
-# torch.mm / torch.addmm(..., out_dtype=torch.float32) from bf16 / fp16 operands: CUDA only, torch >= 2.8
-OUT_DTYPE_GEMM = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
 
 
 @triton.jit
 def _backward_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, coef_ptr, entropy_coef_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
+    mean_minus_target_ptr, grad_logp_ptr, grad_entropy_ptr,
     g_ptr, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
     N, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
@@ -56,15 +58,17 @@ def _backward_kernel(
     g_ptrs = g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :]
     g_mask = n_mask[:, None] & v_mask[None, :]
 
-    coef, entropy_coef, scale = row_coefficients(coef_ptr, entropy_coef_ptr, offs_n, n_mask, ENTROPY_GRAD)
+    grad_logp, grad_entropy, scale = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD)
     if scale == 0.0:  # rows without a gradient (masked): exactly zero, no matmul needed
         if not FUSED:
             tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    g = tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, grad_bias_ptr,
-                  coef, entropy_coef, offs_n, offs_v, n_mask, v_mask, D,
+    g = tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
+                  mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v, n_mask, v_mask, D,
                   stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-                  HAS_BIAS, HAS_SOFTCAP, ENTROPY_GRAD, COMPUTE_DB, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+                  HAS_BIAS, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    if COMPUTE_DB:
+        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
     if not FUSED:
         tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=g_mask)
         return
@@ -93,17 +97,18 @@ def _backward_kernel(
                           mask=v_mask[:, None] & d_mask[None, :])
 
 
-def _launch(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform, g, grad_hidden,
+def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
             grad_weight, grad_bias, config):
     """One launch over hidden's rows; g (chunked) or the fp32 dH / dW (fused) receive the result."""
     N, D = hidden.shape
     V = weight.shape[0]
-    dummy = lse
+    dummy = stats.lse
+    entropy_grad = grad_entropy is not None
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(V, config.block_v))
     _backward_kernel[grid](
-        hidden, weight, bias if bias is not None else dummy, targets, lse,
-        mean_logit if entropy_coef is not None else dummy, coef,
-        entropy_coef if entropy_coef is not None else dummy,
+        hidden, weight, bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
+        stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
+        grad_logp, grad_entropy if entropy_grad else dummy,
         g if g is not None else dummy,
         grad_hidden if grad_hidden is not None else dummy,
         grad_weight if grad_weight is not None else dummy,
@@ -111,7 +116,7 @@ def _launch(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, 
         N, V, D,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0) if g is not None else 0,
         *transform.kernel_scalars(),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_coef is not None,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_grad,
         FUSED=g is None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
         COMPUTE_DB=grad_bias is not None,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
@@ -120,52 +125,36 @@ def _launch(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, 
     )
 
 
-def chunk_size(N, D):
-    """Tokens per chunk: g of one chunk (chunk x V) is never larger than the weight (V x D), D >= 16."""
-    return min(N, max(16, (D // 16) * 16))
+def _rows(stats, n0, n1):
+    return type(stats)(*(x[n0:n1] if x is not None else None for x in stats))
 
 
-def add_gt_h(grad_weight, g_rows, h_rows, vocab_slab):
-    """grad_weight (fp32) += g_rows^T h_rows without rounding the product to the input dtype."""
-    if grad_weight.dtype == g_rows.dtype:
-        grad_weight.addmm_(g_rows.T, h_rows)
-    elif OUT_DTYPE_GEMM and grad_weight.is_cuda:
-        torch.addmm(grad_weight, g_rows.T, h_rows, out_dtype=torch.float32, out=grad_weight)
-    else:  # one vocabulary slab at a time: the fp32 product of a slab is the only extra buffer
-        h32 = h_rows.float()
-        for v0 in range(0, grad_weight.shape[0], vocab_slab):
-            v1 = min(v0 + vocab_slab, grad_weight.shape[0])
-            grad_weight[v0:v1].addmm_(g_rows[:, v0:v1].T.float(), h32)
-
-
-def backward_chunked(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform,
-                     grad_hidden, grad_weight, grad_bias, config, vocab_slab=16384):
+def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
+                     grad_hidden, grad_weight, grad_bias, config):
     """dH (input dtype, written in place), dW (fp32 accumulator, added to), db (fp32, added to); any may be None.
 
-    ``coef`` = dL/dlogp [N] fp32; ``entropy_coef`` = dL/dentropy [N] fp32 or None (then ``mean_logit`` is unused).
+    ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N] fp32; ``grad_entropy`` =
+    dL/dentropy [N] fp32 or None (then the stats' entropy values are unused); ``config``: a config.BackwardConfig.
     """
     N, D = hidden.shape
     V = weight.shape[0]
     chunk = chunk_size(N, D)
     g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
-    entropy_grad = entropy_coef is not None
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
-        _launch(hidden[n0:n1], weight, targets[n0:n1], bias, lse[n0:n1], mean_logit[n0:n1] if entropy_grad else None,
-                coef[n0:n1], entropy_coef[n0:n1] if entropy_grad else None, transform, g, None, None, grad_bias,
+        _launch(hidden[n0:n1], weight, targets[n0:n1], bias, _rows(stats, n0, n1), grad_logp[n0:n1],
+                grad_entropy[n0:n1] if grad_entropy is not None else None, transform, g, None, None, grad_bias,
                 config)
         g_rows = g[:n1 - n0]
         if grad_hidden is not None:
             torch.mm(g_rows, weight, out=grad_hidden[n0:n1])
         if grad_weight is not None:
-            add_gt_h(grad_weight, g_rows, hidden[n0:n1], vocab_slab)
+            mm_fp32(g_rows.T, hidden[n0:n1], grad_weight, accumulate=True)
 
 
-def backward_fused(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform,
+def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
                    grad_hidden, grad_weight, grad_bias, config):
-    """Accumulate dH, dW, db into fp32 buffers (zero-initialised, or None when not needed) with atomics.
-
-    ``coef`` = dL/dlogp [N] fp32; ``entropy_coef`` = dL/dentropy [N] fp32 or None (then ``mean_logit`` is unused).
-    """
-    _launch(hidden, weight, targets, bias, lse, mean_logit, coef, entropy_coef, transform, None, grad_hidden,
+    """Accumulate dH, dW, db into fp32 buffers (zero-initialised, or None when not needed) with atomics; the
+    arguments as ``backward_chunked``'s."""
+    _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, None, grad_hidden,
             grad_weight, grad_bias, config)

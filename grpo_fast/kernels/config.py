@@ -1,9 +1,23 @@
-"""What the linear log-probs kernels share: the logit transform, and the launch configuration (blocks, warps, dots)."""
+"""What the linear log-probs kernels share: the logit transform, the caller's choices (head path, backward mode),
+and one launch-configuration type per kernel family (forward, backward, frozen-head tile kernel).
+
+The GPU configurations are chosen without a GPU by compiling every kernel variant for sm_90 / sm_89 / sm_80 with
+tools/sm_compile.py (run in CI through tests/test_sm_compile.py): each fits the card's shared memory and spills no
+registers. Speed is not tuned yet: bench/ does that.
+"""
 
 import os
 from dataclasses import dataclass
 
 import torch
+
+# the layer-1 path: "auto" takes the frozen-head path (J = d logp / d hidden built in the forward, two vocabulary
+# sweeps) when only ``hidden`` needs a gradient; "general" always takes the recompute path (three sweeps with a
+# frozen weight: the benchmark's comparison row, and callers whose entropy will be differentiated)
+HEAD_PATHS = ("auto", "general")
+# the Triton backward: "chunked" (a Triton kernel writes g per token chunk, cuBLAS does the two gradient GEMMs) or
+# "fused" (one kernel, fp32 atomics, no g buffer); the torch backend has only "chunked"
+BACKWARD_MODES = ("chunked", "fused")
 
 
 def interpreting() -> bool:
@@ -16,108 +30,147 @@ class LogitTransform:
     """z = softcap * tanh(logit_scale * (h . W + b) / softcap) / temperature, TRL 1.16's order (no tanh: softcap None).
 
     Gemma 2 / 3 soft-cap their logits (config.final_logit_softcapping); Cohere, Granite, Falcon-H1 and others scale
-    them (logit_scale, 1 / logits_scaling, lm_head_multiplier, ...).
+    them (logit_scale, 1 / logits_scaling, lm_head_multiplier, ...). ``apply`` is the one torch form (the spec, the
+    torch backend, TRL's head); kernels/tile.py's ``transform_and_slope`` is the one Triton form.
     """
 
     temperature: float = 1.0
     softcap: "float | None" = None
     logit_scale: float = 1.0
 
-    def apply(self, u):
-        """z from raw fp32 logits u = h . W + b, in torch (the kernels' tile functions compute the same in-tile)."""
+    def apply(self, u, slope=False):
+        """z from raw logits u = h . W + b (any float dtype, differentiable); with ``slope`` also dz/du, a tensor
+        (a soft-cap) or a number.
+
+        dz/du = logit_scale (1 - tanh^2) / temperature, with 1 - tanh^2 x formed as 4e / (1 + e)^2, e = exp(-2|x|):
+        it keeps its relative precision where tanh saturates (1 - tanh^2 would cancel to 0 there)."""
         z = u * self.logit_scale
+        dz_du = self.logit_scale / self.temperature
         if self.softcap is not None:
-            z = self.softcap * torch.tanh(z / self.softcap)
-        return z / self.temperature
+            x = z / self.softcap
+            if slope:
+                e = torch.exp(-2.0 * x.abs())
+                dz_du = (4.0 * dz_du) * e / (1.0 + e).square()
+            z = self.softcap * torch.tanh(x)
+        z = z / self.temperature
+        return (z, dz_du) if slope else z
 
     def kernel_scalars(self):
         """(inv_temperature, logit_scale, softcap) as the kernels take them (softcap 1.0 when unused)."""
         return 1.0 / self.temperature, float(self.logit_scale), float(self.softcap or 1.0)
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
+def _dot_precision(dtype, dot_fp32):
+    # fp32 inputs get IEEE fp32 products (tl.dot defaults to TF32 on GPUs); bf16/fp16 are exact products.
+    return "ieee" if (dtype == torch.float32 or dot_fp32) else "tf32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardConfig:
+    """kernels/forward.py's launch: BLOCK_N x BLOCK_V logit tiles, K steps of BLOCK_D; the vocabulary is split until
+    about ``target_programs`` programs run. ``dot_fp32``: upcast the dot operands (the interpreter's bf16 tl.dot is
+    wrong in triton 3.9)."""
+
     block_n: int
     block_v: int
     block_d: int
     num_warps: int
     num_stages: int
-    dot_fp32: bool          # upcast dot operands to fp32 (the interpreter's bf16 tl.dot is wrong)
-    target_programs: int    # forward: split the vocab until about this many programs run
-    bwd_mode: str = "chunked"  # backward: "chunked" (Triton g + cuBLAS GEMMs) or "fused" (one kernel, atomics)
+    dot_fp32: bool
+    target_programs: int
 
     def dot_precision(self, dtype):
-        # fp32 inputs get IEEE fp32 products (tl.dot defaults to TF32 on GPUs); bf16/fp16 are exact products.
-        return "ieee" if (dtype == torch.float32 or self.dot_fp32) else "tf32"
+        return _dot_precision(dtype, self.dot_fp32)
 
 
-BWD_MODES = ("chunked", "fused")
-# a frozen lm_head: "jacobian" builds d logp / d hidden in the forward (two vocabulary sweeps, the default),
-# "recompute" takes the general path (three), for comparison (the benchmark's grpo_fast_frozen_recompute)
-FROZEN_MODES = ("jacobian", "recompute")
+@dataclass(frozen=True, kw_only=True)
+class BackwardConfig:
+    """kernels/backward.py's launch (either mode): BLOCK_N x BLOCK_V gradient tiles, K steps of BLOCK_D."""
+
+    block_n: int
+    block_v: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    dot_fp32: bool
+
+    def dot_precision(self, dtype):
+        return _dot_precision(dtype, self.dot_fp32)
 
 
-def bwd_mode() -> str:
-    mode = os.environ.get("GRPO_FAST_BWD", "chunked")
-    if mode not in BWD_MODES:
-        raise ValueError(f"GRPO_FAST_BWD must be one of {BWD_MODES}, got {mode!r}")
-    return mode
+@dataclass(frozen=True, kw_only=True)
+class FrozenHeadConfig:
+    """kernels/forward_frozen.py's tile kernel (no dot: BLOCK_N rows x BLOCK_V columns of the u buffer a step);
+    ``gemm_fp32``: its two cuBLAS GEMMs run on fp32 operands (the interpreter, a CPU device)."""
+
+    block_n: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    gemm_fp32: bool
 
 
-def frozen_mode() -> str:
-    mode = os.environ.get("GRPO_FAST_FROZEN", "jacobian")
-    if mode not in FROZEN_MODES:
-        raise ValueError(f"GRPO_FAST_FROZEN must be one of {FROZEN_MODES}, got {mode!r}")
-    return mode
+def _compiled(device) -> bool:
+    return not interpreting() and device.type == "cuda"
 
 
-def gpu_launch_config(fwd: bool, dtype: torch.dtype, sm_count: int, smem_per_block: int,
-                      mode: "str | None" = None, wide_epilogue: bool = False) -> LaunchConfig:
-    """The compiled-GPU configuration for a device with sm_count SMs and smem_per_block bytes of shared memory.
+# the interpreter (and a CPU device): small blocks keep its numpy tiles cheap; shapes in tests are not block multiples
+_INTERPRETER_TILES = dict(block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, dot_fp32=True)
 
-    ``wide_epilogue``: the backward's tile gradient also has a soft-cap slope or an entropy term (more live values
-    per logit). Chosen without a GPU by compiling every kernel for sm_90 / sm_89 / sm_80 (tests/sm_compile.py, run
-    in CI): each choice fits the card's shared memory and spills no registers. Speed is not tuned yet: bench/ does
-    that.
-    """
-    mode = mode or bwd_mode()
-    big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
+
+def gpu_forward_config(dtype: torch.dtype, sm_count: int) -> ForwardConfig:
+    """The compiled forward's configuration on a device with ``sm_count`` SMs."""
     if dtype == torch.float32:
         # IEEE fp32 products run on the FMA units, not the tensor cores: short K steps keep registers in bounds
-        block_n, block_v, block_d, warps, stages = (32, 64, 16, 4, 2) if (not fwd and mode == "fused") \
-            else (64, 64, 32, 4, 2)
-    elif fwd:
-        block_n, block_v, block_d, warps, stages = 64, 128, 64, 8, 3
+        tiles = dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
+    else:
+        tiles = dict(block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3)
+    return ForwardConfig(**tiles, dot_fp32=False, target_programs=2 * sm_count)
+
+
+def gpu_backward_config(dtype: torch.dtype, mode: str, smem_per_block: int,
+                        wide_epilogue: bool = False) -> BackwardConfig:
+    """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device with ``smem_per_block`` bytes
+    of shared memory per block. ``wide_epilogue``: the tile gradient also has a soft-cap slope or an entropy term
+    (more live values per logit)."""
+    big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
+    if dtype == torch.float32:
+        tiles = (dict(block_n=32, block_v=64, block_d=16, num_warps=4, num_stages=2) if mode == "fused"
+                 else dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2))
     elif mode == "chunked":
         # a 128 x 128 tile with the soft-cap slope and the entropy term needs all 255 registers and spills on sm_8x
-        block_n, block_v, block_d, warps, stages = (128, 64, 64, 8, 3) if wide_epilogue else (128, 128, 64, 8, 3)
+        tiles = dict(block_n=128, block_v=64 if wide_epilogue else 128, block_d=64, num_warps=8, num_stages=3)
     else:
         # the fused backward also stages W and H tiles for its two gradient products
-        block_n, block_v, block_d, warps, stages = 64, 128, 32, 8, 3 if big_smem else 2
-    return LaunchConfig(block_n, block_v, block_d, warps, stages, False, 2 * sm_count, mode)
+        tiles = dict(block_n=64, block_v=128, block_d=32, num_warps=8, num_stages=3 if big_smem else 2)
+    return BackwardConfig(**tiles, dot_fp32=False)
 
 
-def launch_config(device: torch.device, fwd: bool, dtype: torch.dtype = torch.bfloat16,
-                  wide_epilogue: bool = False) -> LaunchConfig:
-    if interpreting() or device.type != "cuda":
-        # small blocks keep the interpreter's numpy tiles cheap; shapes in tests are not block multiples
-        return LaunchConfig(16, 32, 16, 4, 1, True, 8, bwd_mode())
+def gpu_frozen_head_config() -> FrozenHeadConfig:
+    """The compiled frozen-head tile kernel's configuration (the same for every card and dtype): few rows per
+    program, so that one token chunk fills the GPU (1536 rows / 2 = 768 programs)."""
+    return FrozenHeadConfig(block_n=2, block_v=512, num_warps=4, num_stages=1, gemm_fp32=False)
+
+
+def _device_props(device):
     props = torch.cuda.get_device_properties(device)
     # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
-    return gpu_launch_config(fwd, dtype, props.multi_processor_count, smem, wide_epilogue=wide_epilogue)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 0) or 101376
 
 
-def frozen_launch_config(device: torch.device) -> LaunchConfig:
-    """The frozen-head forward's tile kernel (kernels/forward_frozen.py): no dot, two elementwise passes over a
-    [<= D tokens, vocab chunk] fp32 buffer between two cuBLAS GEMMs. Few rows per program, so that one token chunk
-    fills the GPU (1536 rows / 2 = 768 programs). ``dot_fp32``: the GEMMs run on fp32 operands (the interpreter, a
-    CPU device); block_d, target_programs and bwd_mode are unused. Compiled for sm_90 / 89 / 80 without spills."""
-    if interpreting() or device.type != "cuda":
-        return LaunchConfig(16, 32, 16, 4, 1, True, 8)
-    return gpu_frozen_launch_config()
+def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:
+    if not _compiled(device):
+        return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
+    return gpu_forward_config(dtype, _device_props(device)[0])
 
 
-def gpu_frozen_launch_config() -> LaunchConfig:
-    """The compiled-GPU configuration of the frozen-head forward's tile kernel (the same for every card and dtype)."""
-    return LaunchConfig(2, 512, 16, 4, 1, False, 0)
+def backward_config(device: torch.device, dtype: torch.dtype, mode: str, wide_epilogue: bool = False) -> BackwardConfig:
+    if not _compiled(device):
+        return BackwardConfig(**_INTERPRETER_TILES)
+    return gpu_backward_config(dtype, mode, _device_props(device)[1], wide_epilogue)
+
+
+def frozen_head_config(device: torch.device) -> FrozenHeadConfig:
+    if not _compiled(device):
+        return FrozenHeadConfig(block_n=16, block_v=32, num_warps=4, num_stages=1, gemm_fp32=True)
+    return gpu_frozen_head_config()

@@ -2,36 +2,37 @@
 
 Math, for token n with hidden row h_n [D], weight W [V, D], optional bias b [V], temperature tau, optional
 soft-cap c and logit scale k (TRL 1.16's order; tile.py):
-    z_nv   = c tanh(k (h_n . W_v + b_v) / c) / tau           (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator)
-    lse_n  = log sum_v exp(z_nv)                              (online: running max m, running sum s = sum exp(z - m))
-    logp_n = z_n,y_n - lse_n                                  (the target logit is picked out of the tile that holds it)
-    mean_n = sum_v softmax(z_n)_v z_nv                        (running t = sum exp(z - m) z, rescaled like s)
-    H_n    = lse_n - mean_n
-The backward needs lse (and mean, for the entropy's gradient): O(N) values, saved by the caller.
+    z_nv = c tanh(k (h_n . W_v + b_v) / c) / tau            (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator)
+and the per-token softmax record of softmax_stats.py over the vocabulary: running max m, S = sum exp(z - m),
+R = sum over the non-targets of exp(z - m), Z = sum exp(z - m) (z - m) (only with COMPUTE_ENTROPY) and the target
+logit, each tile folded into the running record by softmax_stats' merge formulas. ``softmax_stats.finish`` turns it
+into logp, H and what the backward reads (lse, 1 - p_y, mean logit, mean - z_y): O(N) values, saved by the caller,
+with 1 - p_y and mean - z_y formed as sums of same-signed terms (exact where a token is confident).
 
 The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU: program
-(i, k) sweeps the vocab range k for the token block i and writes its partial (m, s, t, z_target) for each token.
-``merge_partials`` folds the splits together (a logsumexp over k; a handful of [num_splits, N] fp32 ops).
+(i, k) sweeps the vocab range k for the token block i and writes its record for each token; the epilogue folds the
+splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge a
+vocab-parallel head would all-gather across ranks.
 
-Memory: inputs are read in place; the only buffers are 4 x num_splits x N fp32 partials and N fp32 outputs
-(logp, entropy, lse, mean). No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores
-in the input dtype (bf16/fp16), fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) so fp32 is exact.
-Under TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``): the interpreter's bf16
-``tl.dot`` is wrong in triton 3.9.
+Memory: inputs are read in place; the only buffers are 5 x num_splits x N fp32 records and N fp32 outputs.
+No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores in the input dtype
+(bf16/fp16), fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) so fp32 is exact. Under
+TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``): the interpreter's bf16 ``tl.dot`` is
+wrong in triton 3.9.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from . import softmax_stats
 from .tile import logit_tile
 
 
 @triton.jit
 def _forward_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, targets_ptr,
-    part_max_ptr, part_sumexp_ptr, part_zsum_ptr, part_target_ptr,
-    N, V, D, vocab_per_split,
+    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, stats_ptr,
+    N, V, D, vocab_per_split, stride_stats_field,
     stride_hn, stride_hd, stride_wv, stride_wd,
     inv_temperature, logit_scale, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -44,8 +45,10 @@ def _forward_kernel(
     n_mask = offs_n < N
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
 
+    # the running record (softmax_stats.SoftmaxStats), its sums taken against the pivot: m, or 0 while m is -inf
     run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     run_sumexp = tl.zeros((BLOCK_N,), tl.float32)
+    run_rest = tl.zeros((BLOCK_N,), tl.float32)
     run_zsum = tl.zeros((BLOCK_N,), tl.float32)
     target_logit = tl.zeros((BLOCK_N,), tl.float32)
 
@@ -54,73 +57,65 @@ def _forward_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        z = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-                       stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-                       HAS_BIAS, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        z, _ = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+                          stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
+                          HAS_BIAS, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
 
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
         pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp(run_max - pivot)
-        p = tl.exp(z - pivot[:, None])
-        run_sumexp = run_sumexp * rescale + tl.sum(p, axis=1)
-        if COMPUTE_ENTROPY:
-            # p is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
-            run_zsum = run_zsum * rescale + tl.sum(p * tl.where(z == float("-inf"), 0.0, z), axis=1)
+        e = tl.exp(z - pivot[:, None])
         is_target = offs_v[None, :] == targets[:, None]
+        if COMPUTE_ENTROPY:
+            # Z relative to the new pivot: (Z_old + (m_old - m_new) S_old) rescale; an empty record adds nothing, and
+            # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
+            shift = tl.where(run_max == float("-inf"), 0.0, run_max - pivot)
+            run_zsum = (run_zsum + shift * run_sumexp) * rescale + \
+                tl.sum(e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1)
+        run_sumexp = run_sumexp * rescale + tl.sum(e, axis=1)
+        run_rest = run_rest * rescale + tl.sum(tl.where(is_target, 0.0, e), axis=1)
         target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
         run_max = new_max
 
-    out = split * N + offs_n
-    tl.store(part_max_ptr + out, run_max, mask=n_mask)
-    tl.store(part_sumexp_ptr + out, run_sumexp, mask=n_mask)
-    tl.store(part_target_ptr + out, target_logit, mask=n_mask)
-    if COMPUTE_ENTROPY:
-        tl.store(part_zsum_ptr + out, run_zsum, mask=n_mask)
+    out = stats_ptr + split * N + offs_n
+    tl.store(out, run_max, mask=n_mask)
+    tl.store(out + stride_stats_field, run_sumexp, mask=n_mask)
+    tl.store(out + 2 * stride_stats_field, run_rest, mask=n_mask)
+    tl.store(out + 3 * stride_stats_field, run_zsum, mask=n_mask)
+    tl.store(out + 4 * stride_stats_field, target_logit, mask=n_mask)
 
 
-def merge_partials(part_max, part_sumexp, part_zsum, part_target, compute_entropy):
-    """Fold [num_splits, N] partials into logp, entropy, lse and mean logit, all [N] fp32 (entropy, mean: or None)."""
-    row_max = part_max.max(dim=0).values
-    pivot = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    scale = torch.exp(part_max - pivot)
-    sumexp = (part_sumexp * scale).sum(dim=0)
-    lse = pivot + torch.log(sumexp)
-    logp = part_target.sum(dim=0) - lse
-    entropy = mean_logit = None
-    if compute_entropy:
-        mean_logit = (part_zsum * scale).sum(dim=0) / sumexp
-        entropy = lse - mean_logit
-    return logp, entropy, lse, mean_logit
+def num_vocab_splits(N, V, config):
+    """(num_splits, vocab_per_split): split the vocabulary until about config.target_programs programs run."""
+    n_blocks = triton.cdiv(N, config.block_n)
+    v_tiles = triton.cdiv(V, config.block_v)
+    num_splits = max(1, min(v_tiles, triton.cdiv(config.target_programs, n_blocks)))
+    vocab_per_split = triton.cdiv(v_tiles, num_splits) * config.block_v
+    return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
 def forward(hidden, weight, targets, bias, transform, compute_entropy, config):
-    """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, lse, mean logit), [N] fp32 each.
+    """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
 
-    ``transform``: a LogitTransform (temperature, softcap, logit_scale); entropy and mean are None without
-    ``compute_entropy``.
+    ``transform``: a LogitTransform; ``config``: a config.ForwardConfig. Entropy (and the backward's entropy
+    values) are None without ``compute_entropy``.
     """
     N, D = hidden.shape
     V = weight.shape[0]
-    block_n, block_v, block_d = config.block_n, config.block_v, config.block_d
-    n_blocks = triton.cdiv(N, block_n)
-    v_tiles = triton.cdiv(V, block_v)
-    num_splits = max(1, min(v_tiles, triton.cdiv(config.target_programs, n_blocks)))
-    vocab_per_split = triton.cdiv(v_tiles, num_splits) * block_v
-    num_splits = triton.cdiv(V, vocab_per_split)
-
-    parts = torch.empty((4, num_splits, N), dtype=torch.float32, device=hidden.device)
-    part_max, part_sumexp, part_zsum, part_target = parts.unbind(0)
-    _forward_kernel[(n_blocks, num_splits)](
-        hidden, weight, bias if bias is not None else hidden, targets,
-        part_max, part_sumexp, part_zsum, part_target,
-        N, V, D, vocab_per_split,
+    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
+    # the five fields of softmax_stats.SoftmaxStats, one record per vocabulary split and token
+    records = torch.empty((5, num_splits, N), dtype=torch.float32, device=hidden.device)
+    _forward_kernel[(triton.cdiv(N, config.block_n), num_splits)](
+        hidden, weight, bias if bias is not None else hidden, targets, records,
+        N, V, D, vocab_per_split, records.stride(0),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         *transform.kernel_scalars(),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, COMPUTE_ENTROPY=compute_entropy,
         DOT_FP32=config.dot_fp32,
         DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return merge_partials(part_max, part_sumexp, part_zsum, part_target, compute_entropy)
+    merged = softmax_stats.merge(softmax_stats.SoftmaxStats(*records.unbind(0)))
+    return softmax_stats.finish(merged, compute_entropy)

@@ -1,4 +1,4 @@
-"""The frozen-head forward of layer 1: log-probs, entropy, lse, mean logit, and J = d logp / d h built in the forward.
+"""The frozen-head forward of layer 1: log-probs, entropy, the backward's per-token values, and J = d logp / d h.
 
 When neither the weight nor the bias needs a gradient and the entropy needs none (a LoRA / frozen lm_head, the
 entropy a metric only), the backward needs only dH = c[:, None] * J, c = dL/dlogp: two vocabulary GEMM sweeps in
@@ -7,21 +7,22 @@ total (u = H W^T here, and P' W here) instead of three (forward, recompute, dH G
 
 Math, for token n, u_nv = h_n . W_v (+ b_v), the transform of tile.py (soft-cap c, logit scale k, temperature tau):
     z_nv  = c tanh(k u_nv / c) / tau        (k u / tau without a soft-cap)
-    s'_nv = dz_nv / du_nv = k (1 - tanh^2) / tau       (k / tau without a soft-cap; tile.tanh_and_slope's form)
+    s'_nv = dz_nv / du_nv = k (1 - tanh^2) / tau       (k / tau without a soft-cap; tile.transform_and_slope)
     J_n   = d logp_n / d h_n = s'_ny W_y - sum_v p_nv s'_nv W_v,     p = softmax(z)
           = (s'_ny R_n W_y - sum_{v != y} e_nv s'_nv W_v) / S_n,
 with e_nv = exp(z_nv - m_n), S_n = sum_v e_nv, R_n = sum_{v != y} e_nv (so 1 - p_ny = R_n / S_n is a sum of
 positive terms, never the cancelling difference 1 - p_ny: J stays exact to fp32 rounding when the model is sure of
-its token). Per chunk of at most ``chunk_size(N, D)`` tokens (backward.py) and per vocabulary chunk [v0, v1):
+its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabulary chunk [v0, v1):
     u  = H_chunk W[v0:v1]^T  (fp32, cuBLAS: out_dtype=float32 for bf16 / fp16 on CUDA; fp32 operands elsewhere)
     ``_frozen_chunk_kernel`` (one program per BLOCK_N rows, BLOCK_V-wide tiles of the chunk, two passes):
         pass 1: z = transform(u + b), the chunk's row max;  m_new = max(m, chunk max) (a finite pivot while every
                 logit so far is -inf, as forward.py), rescale = exp(m - m_new)
-        pass 2: e = exp(z - m_new); S, R, sum e z (the entropy) and the target's z and s' are updated
-                (S = S rescale + sum e, ...); P' = e s' with the target column zeroed, written in the GEMM dtype
+        pass 2: e = exp(z - m_new); S, R, Z = sum e (z - m_new) (the entropy) and the target's z and s' are
+                updated (S = S rescale + sum e, ...: softmax_stats' merge of the running record and the chunk's);
+                P' = e s' with the target column zeroed, written in the GEMM dtype
     J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
-and at the end J = (s'_y R W[y] - J) / S; logp = z_y - lse, lse = m + log S, mean = sum e z / S, entropy =
-lse - mean, as forward.py computes them. The gradient is exactly d logp / dh: no other term exists on this path.
+and at the end J = (s'_y R W[y] - J) / S; logp, entropy and the backward's values by softmax_stats.finish from the
+record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly d logp / dh: no other term exists on this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
 on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
@@ -36,7 +37,7 @@ only reach u entries the program has already read in pass 2, so no program reads
 overwritten). No tensor of N x V exists.
 
 Taken where ``available``: CUDA with torch >= 2.8 (cuBLAS's out_dtype) or fp32 inputs, a CPU device, the
-interpreter. Launch configuration: config.frozen_launch_config (2 rows x 512 columns a tile, 4 warps on a GPU).
+interpreter. Launch configuration: config.frozen_head_config (2 rows x 512 columns a tile, 4 warps on a GPU).
 
 GPU estimate, on paper (arithmetic, not a measurement): Qwen2.5-1.5B head, D 1536, V 151936, N 16384 tokens, bf16.
     one vocabulary GEMM 2NDV = 7.65 TFLOP; this path 2 x 2NDV = 15.3 TFLOP, the recompute path 3 x 2NDV = 22.9.
@@ -56,13 +57,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import OUT_DTYPE_GEMM, chunk_size
-from .tile import tanh_and_slope
+from . import softmax_stats
+from .gemm import OUT_DTYPE_GEMM, chunk_size, mm_fp32
+from .tile import transform_and_slope
 
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
 VOCAB_ALIGN = 128
 # the rows of the running state [7, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
-# S = sum e, R = sum_{v != y} e, sum e z, target logit, target slope, the last chunk's rescale exp(m_old - m_new)
+# S = sum e, R = sum_{v != y} e, Z = sum e (z - m), target logit (softmax_stats.SoftmaxStats' fields first), target slope, the last chunk's rescale exp(m_old - m_new)
 _MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE = (tl.constexpr(i) for i in range(7))
 
 
@@ -70,17 +72,12 @@ _MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE = (tl.constexpr(i) for i 
 def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
                       inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(z, dz/du) of one tile of the u buffer: z is -inf past the chunk; dz/du is a number without a soft-cap."""
-    a = tl.load(u_ptr + offs_n[:, None] * stride_un + offs_v[None, :],
+    u = tl.load(u_ptr + offs_n[:, None] * stride_un + offs_v[None, :],
                 mask=n_mask[:, None] & v_mask[None, :], other=0.0)
     if HAS_BIAS:
-        a += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
-    a = a * logit_scale
-    slope = logit_scale * inv_temperature
-    if HAS_SOFTCAP:
-        t, dt = tanh_and_slope(a / softcap)
-        a = softcap * t
-        slope = slope * dt
-    return tl.where(v_mask[None, :], a * inv_temperature, float("-inf")), slope
+        u += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+    z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
+    return tl.where(v_mask[None, :], z, float("-inf")), slope
 
 
 @triton.jit
@@ -128,7 +125,7 @@ def _frozen_chunk_kernel(
         rest += tl.sum(e_rest, axis=1)
         if COMPUTE_ENTROPY:
             # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
-            zsum += tl.sum(e * tl.where(z == float("-inf"), 0.0, z), axis=1)
+            zsum += tl.sum(e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1)
         target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
         if HAS_SOFTCAP:
             target_slope += tl.sum(tl.where(is_target, slope, 0.0), axis=1)
@@ -138,12 +135,16 @@ def _frozen_chunk_kernel(
     # the running state (targets fall in one chunk: their sums just add)
     s = state_ptr + offs_n
     tl.store(s + _MAX * stride_state, new_max, mask=n_mask)
-    tl.store(s + _SUMEXP * stride_state, tl.load(s + _SUMEXP * stride_state, mask=n_mask) * rescale + sumexp,
-             mask=n_mask)
     tl.store(s + _REST * stride_state, tl.load(s + _REST * stride_state, mask=n_mask) * rescale + rest, mask=n_mask)
     if COMPUTE_ENTROPY:
-        tl.store(s + _ZSUM * stride_state, tl.load(s + _ZSUM * stride_state, mask=n_mask) * rescale + zsum,
-                 mask=n_mask)
+        # Z is relative to the pivot: the old part moves by (m_old - m_new) S_old (softmax_stats' merge); an empty
+        # record (m_old = -inf) adds nothing
+        shift = tl.where(old_max == float("-inf"), 0.0, old_max - pivot)
+        old_sumexp = tl.load(s + _SUMEXP * stride_state, mask=n_mask)
+        tl.store(s + _ZSUM * stride_state,
+                 (tl.load(s + _ZSUM * stride_state, mask=n_mask) + shift * old_sumexp) * rescale + zsum, mask=n_mask)
+    tl.store(s + _SUMEXP * stride_state, tl.load(s + _SUMEXP * stride_state, mask=n_mask) * rescale + sumexp,
+             mask=n_mask)
     tl.store(s + _TARGET * stride_state, tl.load(s + _TARGET * stride_state, mask=n_mask) + target_logit,
              mask=n_mask)
     if HAS_SOFTCAP:
@@ -166,36 +167,20 @@ def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
     return min(V, triton.cdiv(triton.cdiv(V, n_chunks), align) * align)
 
 
-def _mm_fp32(a, b, out, accumulate):
-    """out (fp32) = a @ b, or out += a @ b, without rounding the product to the operands' dtype."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        if accumulate:
-            torch.addmm(out, a, b, out=out)  # not addmm_, which FlopCounterMode does not count
-        else:
-            torch.mm(a, b, out=out)
-    elif out.is_cuda and OUT_DTYPE_GEMM and a.dtype == b.dtype:
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:  # CPU / the interpreter: fp32 operands
-        _mm_fp32(a.float(), b.float(), out, accumulate)
-
-
-def forward_frozen(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
+def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
                    vocab_chunk=None, gemm_dtype=None):
-    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, lse, mean logit) [N] fp32 each (as forward.py's
-    ``forward``; entropy and mean None without ``compute_entropy``) and J = d logp / d hidden [N, D] fp32.
+    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as forward.py's
+    ``forward`` (entropy None without ``compute_entropy``) and J = d logp / d hidden [N, D] fp32.
 
-    ``config``: config.frozen_launch_config's (block_n, block_v, num_warps, num_stages; dot_fp32: every GEMM on fp32
-    operands). ``token_chunk`` (default chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and
-    ``gemm_dtype`` (P''s dtype: default the input dtype on a GPU, fp32 with dot_fp32) are for tests and tuning.
+    ``config``: a config.FrozenHeadConfig (gemm_fp32: every GEMM on fp32 operands). ``token_chunk`` (default
+    gemm.chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and ``gemm_dtype`` (P''s dtype: default the
+    input dtype on a GPU, fp32 with gemm_fp32) are for tests and tuning.
     """
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     if gemm_dtype is None:
-        gemm_dtype = torch.float32 if config.dot_fp32 else hidden.dtype
+        gemm_dtype = torch.float32 if config.gemm_fp32 else hidden.dtype
     chunk = min(N, token_chunk or chunk_size(N, D))
     vchunk = min(V, vocab_chunk or vocab_chunk_size(V, D, chunk, weight.element_size()))
     bias = bias.contiguous() if bias is not None else None
@@ -218,7 +203,7 @@ def forward_frozen(hidden, weight, targets, bias, transform, compute_entropy, co
             v1 = min(v0 + vchunk, V)
             cols = v1 - v0
             u = u_buffer[:rows * cols].view(rows, cols)
-            _mm_fp32(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False)
+            mm_fp32(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False)
             # P' over u: in place (fp32), or the first half of each u row's bytes (bf16 / fp16, row stride 2 cols)
             p = u if gemm_dtype == torch.float32 else u.view(gemm_dtype)[:, :cols]
             _frozen_chunk_kernel[(triton.cdiv(rows, config.block_n),)](
@@ -233,17 +218,13 @@ def forward_frozen(hidden, weight, targets, bias, transform, compute_entropy, co
             )
             if v0 > 0:
                 acc.mul_(rescale[n0:n1, None])
-            _mm_fp32(p, weight[v0:v1], acc, accumulate=v0 > 0)
+            mm_fp32(p, weight[v0:v1], acc, accumulate=v0 > 0)
         # J = (s'_y R W_y - acc) / S for the chunk's rows (a target outside the vocabulary: no W_y term)
         tgt = targets[n0:n1]
-        coef = torch.where((tgt >= 0) & (tgt < V), target_slope[n0:n1] * rest[n0:n1], 0.0)
-        w_y = weight[tgt.clamp(0, V - 1)].float().mul_(coef[:, None])
+        target_weight = torch.where((tgt >= 0) & (tgt < V), target_slope[n0:n1] * rest[n0:n1], 0.0)
+        w_y = weight[tgt.clamp(0, V - 1)].float().mul_(target_weight[:, None])
         acc.neg_().add_(w_y).div_(sumexp[n0:n1, None])
 
-    lse = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max) + torch.log(sumexp)
-    logp = target_logit - lse
-    entropy = mean_logit = None
-    if compute_entropy:
-        mean_logit = zsum / sumexp
-        entropy = lse - mean_logit
-    return logp, entropy, lse, mean_logit, grad
+    logp, entropy, stats = softmax_stats.finish(
+        softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), compute_entropy)
+    return logp, entropy, stats, grad

@@ -1,23 +1,42 @@
-"""Tile helpers: the device functions the forward and backward kernels share: one logit tile, and its gradient.
+"""Tile helpers: the device functions the layer-1 kernels share: the logit transform (value and slope), one logit
+tile, a token block's gradient coefficients, and one tile of the general path's gradient.
 
     u[i, j] = h_i . W_j + b_j                          (fp32 accumulation over D in BLOCK_D steps)
     z[i, j] = softcap * tanh(logit_scale * u / softcap) / tau      (no tanh without HAS_SOFTCAP; TRL 1.16's order;
                                                                     columns past the vocab are -inf)
-    g[i, j] = dL/du[i, j] = (c_i (1[j = y_i] - p_ij) + e_i p_ij (mean_i - z_ij)) * dz/du[i, j]
-        with p_ij = exp(z_ij - lse_i), mean_i = sum_j p_ij z_ij, c = dL/dlogp, e = dL/dentropy (only with ENTROPY_GRAD),
-        dz/du = logit_scale (1 - tanh^2) / tau  (logit_scale / tau without a soft-cap).
+    g[i, j] = dL/du[i, j] = dz[i, j] * dz/du[i, j],  dz/du = logit_scale (1 - tanh^2) / tau  (logit_scale / tau
+        without a soft-cap), with c = grad_logp, e = grad_entropy (only with ENTROPY_GRAD), p = exp(z - lse):
+        dz[i, j] = -c_i p_ij + e_i p_ij (mean_i - z_ij)                            for j != y_i
+        dz[i, y] =  c_i (1 - p_iy) + e_i p_iy (mean_i - z_iy)
+                 =  c_i nontarget_mass_i + e_i p_iy mean_minus_target_i            (carried from the forward)
+The entropy term: H = lse - sum_j p_j z_j, so dH/dz_j = p_j (mean - z_j). The target column takes 1 - p_y and
+mean - z_y from the forward's record (softmax_stats.py), where they are sums of same-signed terms: recomputed here
+they would cancel (1 - p_y and mean - z_y are 1e-6 at a confident token, z_y - lse is rounded at |z| eps).
 
-The entropy term: H = lse - sum_j p_j z_j, so dH/dz_j = p_j (mean - z_j). tanh is formed from e = exp(-2|x|) as
-(1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow for any x, and the slope keeps its relative precision
-where tanh saturates (1 - tanh^2 would cancel to 0 there).
+tanh is formed from e = exp(-2|x|) as (1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow for any x, and
+the slope keeps its relative precision where tanh saturates (1 - tanh^2 would cancel to 0 there); LogitTransform.apply
+(config.py) is the same transform in torch.
 
-Registers only: a BLOCK_N x BLOCK_V fp32 tile (tile_grad also adds the tile's column sums of g to an fp32 db).
-``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16 tl.dot is wrong in triton 3.9); on a GPU they stay
-in the input dtype for the tensor cores.
+Registers only: a BLOCK_N x BLOCK_V fp32 tile. ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16
+tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the tensor cores.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(z, dz/du) of raw fp32 logits u: dz/du is a tile with a soft-cap, a number without (unused: compiled out)."""
+    a = u * logit_scale
+    slope = logit_scale * inv_temperature
+    if HAS_SOFTCAP:
+        x = a / softcap
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        a = softcap * tl.where(x < 0.0, -t, t)
+        slope = slope * (4.0 * e / ((1.0 + e) * (1.0 + e)))
+    return a * inv_temperature, slope
 
 
 @triton.jit
@@ -44,72 +63,55 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_
 
 
 @triton.jit
-def tanh_and_slope(x):
-    """(tanh x, 1 - tanh^2 x), both exact in fp32 for every x (see the module docstring)."""
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0.0, -t, t), 4.0 * e / ((1.0 + e) * (1.0 + e))
-
-
-@triton.jit
 def logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
                stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The transformed logits z of one tile, -inf past the vocabulary."""
-    a = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+    """The transformed logits z of one tile (-inf past the vocabulary) and dz/du (see transform_and_slope)."""
+    u = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
                         stride_hn, stride_hd, stride_wv, stride_wd,
-                        HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D) * logit_scale
-    if HAS_SOFTCAP:
-        t, _ = tanh_and_slope(a / softcap)
-        a = softcap * t
-    return tl.where(v_mask[None, :], a * inv_temperature, float("-inf"))
+                        HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
+    return tl.where(v_mask[None, :], z, float("-inf")), slope
 
 
 @triton.jit
-def row_coefficients(coef_ptr, entropy_coef_ptr, offs_n, n_mask, ENTROPY_GRAD: tl.constexpr):
+def row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD: tl.constexpr):
     """A token block's dL/dlogp and dL/dentropy (the latter only with ENTROPY_GRAD), and their largest magnitude:
     0 means the block has no gradient (masked rows), which the kernels skip exactly."""
-    coef = tl.load(coef_ptr + offs_n, mask=n_mask, other=0.0)
-    scale = tl.max(tl.abs(coef), axis=0)
-    entropy_coef = coef
+    grad_logp = tl.load(grad_logp_ptr + offs_n, mask=n_mask, other=0.0)
+    scale = tl.max(tl.abs(grad_logp), axis=0)
+    grad_entropy = grad_logp
     if ENTROPY_GRAD:
-        entropy_coef = tl.load(entropy_coef_ptr + offs_n, mask=n_mask, other=0.0)
-        scale = tl.maximum(scale, tl.max(tl.abs(entropy_coef), axis=0))
-    return coef, entropy_coef, scale
+        grad_entropy = tl.load(grad_entropy_ptr + offs_n, mask=n_mask, other=0.0)
+        scale = tl.maximum(scale, tl.max(tl.abs(grad_entropy), axis=0))
+    return grad_logp, grad_entropy, scale
 
 
 @triton.jit
-def tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, mean_logit_ptr, grad_bias_ptr,
-               coef, entropy_coef, offs_n, offs_v, n_mask, v_mask, D,
-               stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-               COMPUTE_DB: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    """g = dL/du for one tile, from the recomputed logits and the saved lse (and mean logit with ENTROPY_GRAD).
+def tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
+              mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v, n_mask, v_mask, D,
+              stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+              DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """g = dL/du for one tile, from the recomputed logits and the forward's per-token values (module docstring).
 
-    ``coef`` and ``entropy_coef`` are this tile's rows of dL/dlogp and dL/dentropy; adds the tile's column sums of g
-    to db when COMPUTE_DB.
-    """
+    ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-    a = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-                        stride_hn, stride_hd, stride_wv, stride_wd,
-                        HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D) * logit_scale
-    slope = logit_scale * inv_temperature
-    if HAS_SOFTCAP:
-        t, dt = tanh_and_slope(a / softcap)
-        a = softcap * t
-        slope = slope * dt
-    z = tl.where(v_mask[None, :], a * inv_temperature, float("-inf"))
+    nontarget_mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
+    z, slope = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+                          stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
+                          HAS_BIAS, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     p = tl.exp(z - lse[:, None])
-    is_target = (offs_v[None, :] == targets[:, None]).to(tl.float32)
-    dz = coef[:, None] * (is_target - p)
+    is_target = offs_v[None, :] == targets[:, None]
+    dz = -grad_logp[:, None] * p
+    target_dz = grad_logp[:, None] * nontarget_mass[:, None]
     if ENTROPY_GRAD:
         mean_logit = tl.load(mean_logit_ptr + offs_n, mask=n_mask, other=0.0)
+        mean_minus_target = tl.load(mean_minus_target_ptr + offs_n, mask=n_mask, other=0.0)
         # p is 0 where z is -inf: keep 0 * inf from forming a NaN
-        dz += entropy_coef[:, None] * p * tl.where(p > 0.0, mean_logit[:, None] - z, 0.0)
-    g = dz * slope
-    if COMPUTE_DB:
-        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
-    return g
+        dz += grad_entropy[:, None] * p * tl.where(p > 0.0, mean_logit[:, None] - z, 0.0)
+        target_dz += grad_entropy[:, None] * p * mean_minus_target[:, None]
+    return tl.where(is_target, target_dz, dz) * slope

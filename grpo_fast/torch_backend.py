@@ -1,0 +1,136 @@
+"""The "torch" backend of layer 1: the kernels' algorithm in chunked PyTorch, for any torch device (a laptop's CPU,
+a GPU without Triton).
+
+Same math as kernels/forward.py and kernels/backward.py (kernels/tile.py has the gradient, config.LogitTransform the
+transform): the logits exist one [CHUNK_N, CHUNK_V] fp32 tile at a time; each vocabulary chunk's per-token record
+(kernels/softmax_stats.py: max, sum of exp, the non-target sum, the relative z-sum, the target logit) is folded into
+the running one with ``softmax_stats.merge``, and ``softmax_stats.finish`` gives the outputs and what the backward
+reads. The backward recomputes each tile to form g (every non-target column from p = exp(z - lse); the target
+column from the carried 1 - p_y and mean - z_y, never by cancellation) and accumulates dH, dW, db. Peak extra
+memory: one tile and a few same-sized temporaries (fp32), plus fp32 dH / dW accumulators; never N x V.
+
+The frozen head (kernels/forward_frozen.py's math): ``forward_frozen_head`` also accumulates J = d logp / dh online
+with the record, so that the backward is dH = grad_logp J: two vocabulary GEMMs in all instead of three.
+"""
+
+import torch
+
+from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.softmax_stats import SoftmaxStats
+
+CHUNK_N = 1024
+CHUNK_V = 8192
+
+
+def _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=False):
+    """z = transform(h W^T + b) for one tile, fp32; with ``slope`` also dz/du (a tile, or a number without a soft-cap)."""
+    u = hidden[n0:n1].float() @ weight[v0:v1].float().T
+    if bias is not None:
+        u += bias[v0:v1].float()
+    return transform.apply(u, slope=slope)
+
+
+def forward(hidden, weight, targets, bias, transform, compute_entropy):
+    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
+
+    entropy (and the backward's entropy values) are None without ``compute_entropy``.
+    """
+    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=False)[:3]
+
+
+def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy=True):
+    """The frozen-head forward: ``forward``'s (logp, entropy, BackwardStats) and J = d logp / d hidden [N, D] fp32.
+
+    For a weight and bias that need no gradient and an entropy that needs none: the backward is then
+    dH = grad_logp[:, None] * J, with no recompute and no third vocabulary GEMM (kernels/forward_frozen.py has the
+    math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
+    fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
+    """
+    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True)
+
+
+def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head):
+    """(logp, entropy, BackwardStats[, J]): the online record over vocab chunks, and with ``frozen_head`` the online
+    J = s'_y W_y - sum_v p_v s'_v W_v (s' = dz/du). The target's own term is kept out of the running sum and weighted
+    by the running sum of the other entries' exp, so that 1 - p_y is never formed by cancellation."""
+    N, V = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    records = []
+    grad = torch.empty((N, hidden.shape[1]), dtype=torch.float32, device=dev) if frozen_head else None
+    for n0 in range(0, N, CHUNK_N):
+        n1 = min(n0 + CHUNK_N, N)
+        tgt = targets[n0:n1]
+        empty = torch.zeros(n1 - n0, device=dev)
+        run = SoftmaxStats(torch.full((n1 - n0,), float("-inf"), device=dev), empty, empty, empty, empty)
+        if frozen_head:
+            acc = grad[n0:n1].zero_()  # sum_{v != y} exp(z_v - m) s'_v W_v, rescaled with the running max m
+            target_slope = torch.zeros(n1 - n0, device=dev)
+        for v0 in range(0, V, CHUNK_V):
+            v1 = min(v0 + CHUNK_V, V)
+            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True)
+            chunk, e = softmax_stats.record(z, tgt - v0, compute_entropy)
+            if frozen_head:
+                new_pivot = torch.maximum(run.max, chunk.max)
+                new_pivot = torch.where(torch.isinf(new_pivot), torch.zeros_like(new_pivot), new_pivot)
+                if torch.is_tensor(dz_du):
+                    in_tile = (tgt >= v0) & (tgt < v1)
+                    local = (tgt - v0).clamp(0, v1 - v0 - 1)
+                    target_slope += torch.where(in_tile, dz_du.gather(1, local[:, None]).squeeze(1), 0.0)
+                e.mul_(dz_du).mul_(torch.exp(chunk.max - new_pivot)[:, None])
+                # torch.addmm with out=, not addmm_: the same in-place product, and FlopCounterMode counts it
+                torch.addmm(acc.mul_(torch.exp(run.max - new_pivot)[:, None]), e, weight[v0:v1].float(), out=acc)
+            run = softmax_stats.merge(softmax_stats.stack(run, chunk))
+        records.append(run)
+        if frozen_head:
+            if transform.softcap is None:
+                target_slope.fill_(transform.logit_scale / transform.temperature)
+            has_target = (tgt >= 0) & (tgt < V)
+            w_y = weight[tgt.clamp(0, V - 1)].float()
+            # J = (s'_y (1 - p_y) W_y - sum_{v != y} p_v s'_v W_v), with 1 - p_y = rest / sumexp
+            w_y.mul_(torch.where(has_target, target_slope * run.rest, 0.0)[:, None])
+            acc.neg_().add_(w_y).div_(run.sumexp[:, None])
+    stats = (SoftmaxStats(*(torch.cat(fields) for fields in zip(*records))) if records
+             else SoftmaxStats(*(torch.zeros(0, device=dev) for _ in SoftmaxStats._fields)))
+    logp, entropy, backward_stats = softmax_stats.finish(stats, compute_entropy)
+    return logp, entropy, backward_stats, grad
+
+
+def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
+             grad_hidden, grad_weight, grad_bias):
+    """Accumulate into fp32 grad_hidden [N, D], grad_weight [V, D], grad_bias [V] (each may be None).
+
+    ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N]; ``grad_entropy`` =
+    dL/dentropy [N] or None (then the stats' entropy values are unused).
+    """
+    N, V = hidden.shape[0], weight.shape[0]
+    for n0 in range(0, N, CHUNK_N):
+        n1 = min(n0 + CHUNK_N, N)
+        c = grad_logp[n0:n1]
+        e = grad_entropy[n0:n1] if grad_entropy is not None else None
+        if not bool((c != 0).any()) and (e is None or not bool((e != 0).any())):
+            continue  # rows without a gradient (masked): exactly zero
+        tgt = targets[n0:n1]
+        lse = stats.lse[n0:n1]
+        target_dz = c * stats.nontarget_mass[n0:n1]  # c (1 - p_y), and below e p_y (mean - z_y): carried, exact
+        h = hidden[n0:n1].float()
+        for v0 in range(0, V, CHUNK_V):
+            v1 = min(v0 + CHUNK_V, V)
+            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True)
+            p = torch.exp(z - lse[:, None])
+            g = p * -c[:, None]
+            if e is not None:
+                # p is 0 where z is -inf: keep 0 * inf from forming a NaN
+                g += p * (stats.mean_logit[n0:n1, None] - z).masked_fill_(p == 0, 0.0) * e[:, None]
+            rows = torch.nonzero((tgt >= v0) & (tgt < v1)).squeeze(1)
+            local = tgt[rows] - v0
+            column = target_dz[rows]
+            if e is not None:
+                column = column + e[rows] * p[rows, local] * stats.mean_minus_target[n0:n1][rows]
+            g[rows, local] = column
+            g.mul_(dz_du)
+            if grad_hidden is not None:
+                grad_hidden[n0:n1] += g @ weight[v0:v1].float()
+            if grad_weight is not None:
+                grad_weight[v0:v1] += g.T @ h
+            if grad_bias is not None:
+                grad_bias[v0:v1] += g.sum(0)
