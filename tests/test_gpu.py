@@ -212,3 +212,91 @@ def test_confident_tokens_on_gpu(dtype, backward_mode):
         grads.append([x.grad for x in leaves])
     for name, a, e in zip(("hidden", "weight", "bias"), grads[1], grads[0]):
         assert _max_rel(a.double(), e) <= GRAD_TOL[dtype], name
+
+
+# ------------------------------------------------------------------------------------ tensors past 2^31 elements
+# (N tokens, D, V), by the tensor that passes 2^31 elements (tests/test_large_offsets.py covers the same offsets
+# under the interpreter with strided views, and says which it cannot):
+#   weight: W (V x D); with N >= D tokens the chunked backward's g (D x V) too; the fused backward's fp32 dW; with
+#           an fp32 weight, the frozen-head forward's u buffer (token chunk x vocabulary, fp32, the size of W)
+#   hidden: the hidden states (N x D); the fused backward's fp32 dH; the frozen-head path's fp32 J
+PAST_2_31 = {"weight": (16400, 16384, 131200), "hidden": (131200, 16384, 1000)}
+
+
+def _max_rel_by_rows(a, b, rows=8192):
+    """_max_rel of two large tensors, a slab of rows at a time (no full-size fp32 temporaries)."""
+    err = scale = 0.0
+    for r0 in range(0, a.shape[0], rows):
+        x, y = a[r0:r0 + rows].float(), b[r0:r0 + rows].float()
+        err, scale = max(err, (x - y).abs().max().item()), max(scale, y.abs().max().item())
+    return err / max(scale, 1e-12)
+
+
+def layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, monkeypatch, token_chunk=1024,
+                                             logp_atol=1e-3, grad_rtol=2e-2):
+    """LinearLogprobs on the Triton backend (random [N, D] hidden, [V, D] weight, bias; soft-cap and temperature)
+    against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
+    entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
+    log-probs only, and the frozen-head path must be the one taken."""
+    from grpo_fast import autograd
+    from grpo_fast.kernels.config import LogitTransform
+
+    transform = dict(temperature=0.7, softcap=30.0)
+    g = torch.Generator(device=device).manual_seed(9)
+    hidden = torch.randn(N, D, device=device, generator=g, dtype=dtype)
+    weight = torch.randn(V, D, device=device, generator=g, dtype=dtype).mul_(2.0 * D ** -0.5)  # logits of std ~2
+    bias = torch.randn(V, device=device, generator=g, dtype=dtype)
+    targets = torch.randint(0, V, (N,), device=device, generator=g)
+    c_logp = torch.randn(N, device=device, generator=g)
+    c_ent = None if frozen else torch.randn(N, device=device, generator=g)
+
+    def weighted(logp, ent, rows):
+        return (c_logp[rows] * logp).sum() + ((c_ent[rows] * ent).sum() if c_ent is not None else 0.0)
+
+    frozen_calls = []
+    original = autograd.forward_with_grad_hidden
+    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: frozen_calls.append(1) or original(*a))
+    leaves = [hidden.requires_grad_()] + [x.requires_grad_(not frozen) for x in (weight, bias)]
+    logp, ent = autograd.LinearLogprobs.apply(hidden, weight, targets, bias, LogitTransform(**transform), "triton",
+                                              frozen)
+    assert len(frozen_calls) == frozen
+    weighted(logp, ent, slice(None)).backward()
+    logp, ent = logp.detach(), ent.detach()
+
+    ref_weight = weight.detach().float().requires_grad_(not frozen)  # the same tensor when fp32 and frozen
+    ref_bias = bias.detach().float().requires_grad_(not frozen)
+    err = {"logp": 0.0, "entropy": 0.0, "hidden": 0.0}
+    scale = dict.fromkeys(err, 0.0)
+    for n0 in range(0, N, token_chunk):
+        rows = slice(n0, n0 + token_chunk)
+        h = hidden.detach()[rows].to(torch.float32, copy=True).requires_grad_()
+        ref_logp, ref_ent = reference.logprobs_and_entropy(h, ref_weight, targets[rows], ref_bias, **transform)
+        weighted(ref_logp, ref_ent, rows).backward()
+        for name, ours, ref in (("logp", logp[rows], ref_logp), ("entropy", ent[rows], ref_ent),
+                                ("hidden", hidden.grad[rows], h.grad)):
+            err[name] = max(err[name], (ours.float() - ref.detach()).abs().max().item())
+            scale[name] = max(scale[name], ref.detach().abs().max().item())
+    assert err["logp"] <= logp_atol and err["entropy"] <= logp_atol, err
+    assert err["hidden"] <= grad_rtol * scale["hidden"], (err, scale)
+    if not frozen:
+        for name, leaf, ref in (("weight", weight, ref_weight), ("bias", bias, ref_bias)):
+            assert leaf.grad.dtype == dtype
+            assert _max_rel_by_rows(leaf.grad, ref.grad) < grad_rtol, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["chunked", "fused", "frozen"])
+@pytest.mark.parametrize("large", list(PAST_2_31))
+def test_layer1_with_tensors_past_2_31_elements_on_gpu(large, path, monkeypatch):
+    # real tensors past 2^31 elements, forward and backward; the 32-bit offsets that wrapped there read and wrote
+    # the wrong memory without an error
+    if torch.cuda.get_device_properties(0).total_memory < 60 * 2 ** 30:
+        pytest.skip("needs 60 GiB of GPU memory (tensors of 2^31 elements in fp32 and bf16, and the reference's)")
+    monkeypatch.setenv("GRPO_FAST_BWD", "fused" if path == "fused" else "chunked")
+    N, D, V = PAST_2_31[large]
+    assert (V if large == "weight" else N) * D > 2 ** 31
+    # the frozen-head path's u buffer is about W's size in bytes: past 2^31 fp32 elements with an fp32 weight
+    dtype = torch.float32 if (large, path) == ("weight", "frozen") else torch.bfloat16
+    layer1_matches_reference_in_token_chunks(N, D, V, dtype, path == "frozen", "cuda", monkeypatch,
+                                             logp_atol=1e-3 if dtype == torch.bfloat16 else 1e-4,
+                                             grad_rtol=GPU_TOL[dtype])

@@ -55,7 +55,9 @@ def _backward_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_mask = offs_n < N
     v_mask = offs_v < V
-    g_ptrs = g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :]
+    # int64 row offsets wherever a row times a stride may pass 2^31 elements (g: chunk x V with chunk <= D, at most
+    # the size of W; hidden N x D; weight V x D; the fp32 dH and dW); tile.py says why
+    g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_gn + offs_v[None, :]
     g_mask = n_mask[:, None] & v_mask[None, :]
 
     grad_logp, grad_entropy, scale = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD)
@@ -80,20 +82,20 @@ def _backward_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         if COMPUTE_DH:
-            w_vd = tl.load(weight_ptr + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
+            w_vd = tl.load(weight_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
                            mask=v_mask[:, None] & d_mask[None, :], other=0.0)
             if DOT_FP32:
                 w_vd = w_vd.to(tl.float32)
             dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION)
-            tl.atomic_add(grad_hidden_ptr + offs_n[:, None] * D + offs_d[None, :], dh,
+            tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
                           mask=n_mask[:, None] & d_mask[None, :])
         if COMPUTE_DW:
-            h_nd = tl.load(hidden_ptr + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
+            h_nd = tl.load(hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             if DOT_FP32:
                 h_nd = h_nd.to(tl.float32)
             dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION)
-            tl.atomic_add(grad_weight_ptr + offs_v[:, None] * D + offs_d[None, :], dw,
+            tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
                           mask=v_mask[:, None] & d_mask[None, :])
 
 

@@ -72,7 +72,8 @@ _MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE = (tl.constexpr(i) for i 
 def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
                       inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(z, dz/du) of one tile of the u buffer: z is -inf past the chunk; dz/du is a number without a soft-cap."""
-    u = tl.load(u_ptr + offs_n[:, None] * stride_un + offs_v[None, :],
+    # int64 row offsets: the u buffer is about the size of W and may pass 2^31 elements (tile.py)
+    u = tl.load(u_ptr + offs_n[:, None].to(tl.int64) * stride_un + offs_v[None, :],
                 mask=n_mask[:, None] & v_mask[None, :], other=0.0)
     if HAS_BIAS:
         u += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
@@ -129,7 +130,8 @@ def _frozen_chunk_kernel(
         target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
         if HAS_SOFTCAP:
             target_slope += tl.sum(tl.where(is_target, slope, 0.0), axis=1)
-        tl.store(p_ptr + offs_n[:, None] * stride_pn + offs_v[None, :], (e_rest * slope).to(p_ptr.dtype.element_ty),
+        tl.store(p_ptr + offs_n[:, None].to(tl.int64) * stride_pn + offs_v[None, :],
+                 (e_rest * slope).to(p_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & v_mask[None, :])
 
     # the running state (targets fall in one chunk: their sums just add)

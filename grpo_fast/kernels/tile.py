@@ -49,9 +49,11 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
-        h = tl.load(hidden_ptr + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
+        # int64 row offsets: N x D and V x D may pass 2^31 elements, and a 32-bit index times a 32-bit stride would
+        # wrap (Triton passes a stride below 2^31 as i32); the column strides are 1 (the API makes them so)
+        h = tl.load(hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        w = tl.load(weight_ptr + offs_v[None, :] * stride_wv + offs_d[:, None] * stride_wd,
+        w = tl.load(weight_ptr + offs_v[None, :].to(tl.int64) * stride_wv + offs_d[:, None] * stride_wd,
                     mask=v_mask[None, :] & d_mask[:, None], other=0.0)
         if DOT_FP32:
             h = h.to(tl.float32)

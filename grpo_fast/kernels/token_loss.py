@@ -245,7 +245,7 @@ def _token_loss_kernel(
     SEQ_CLIP_METRICS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
-    row = b * T
+    row = b.to(tl.int64) * T  # int64: B x T may pass 2^31 tokens (kernels/tile.py says why)
     IS_VESPO: tl.constexpr = LOSS_KIND == LOSS_VESPO
     # the per-token term's derivative is with respect to logp (cispo, vespo) or to the ratio (the others)
     DPG_IS_DLOGP: tl.constexpr = LOSS_KIND == LOSS_CISPO or LOSS_KIND == LOSS_VESPO
