@@ -22,6 +22,7 @@ from grpo_fast.autograd import LinearLogprobs, ScaledByCoefficient
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.kernels.config import LogitTransform
+from grpo_fast.metrics import loss_metrics
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "torch")
@@ -360,16 +361,23 @@ def _token_loss(logprobs, entropy, batch, options, backend):
     logp = logprobs.float()
     entropy = entropy.float() if entropy is not None else None
     if backend == "torch":
-        # the spec multiplies masked values by 0: a -inf or NaN there (a padding id's log-prob) would leak a NaN
+        # masked values still enter the spec's metrics and gradients, times 0: a -inf or NaN there (a padding id's
+        # log-prob) would leak a NaN
         masked = batch.completion_mask == 0
         logp = logp.masked_fill(masked, 0.0)
         entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
-        # (importance weights stay: vespo reads them at padding too, as TRL; elsewhere they are masked out)
         old, ref = (x.masked_fill(masked, 0.0) if x is not None else None
                     for x in (batch.old_logprobs, batch.ref_logprobs))
+        # per-token advantages and importance weights too: the loss selects masked tokens out, but a NaN there would
+        # reach a sequence-level ratio's gradient (vespo's weights stay: it reads them at padding too, as TRL)
+        adv, iw = batch.advantages, batch.importance_weights
+        if adv.dim() == 2:
+            adv = adv.masked_fill(masked, 0.0)
+        if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
+            iw = iw.masked_fill(masked, 0.0)
         total, metrics = reference.token_loss(
-            logp, batch.advantages, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
-            ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=batch.importance_weights,
+            logp, adv, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
+            ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=iw,
             num_items_in_batch=batch.num_items_in_batch, entropy_threshold=batch.entropy_threshold)
         metrics = Metrics(metrics)
     else:
@@ -380,6 +388,8 @@ def _token_loss(logprobs, entropy, batch, options, backend):
 
 
 def _token_loss_triton(logp, entropy, batch, options):
+    """Layer 2 by the token kernel: the loss (its gradients: the kernel's grad_logp, and grad_entropy from the bonus
+    tokens) and the metrics, built by grpo_fast.metrics from the kernel's per-sequence statistics."""
     adv, mask = batch.advantages, batch.completion_mask
     B = logp.shape[0]
     scale = 1.0 / options.denominator(B, mask.sum(), batch.num_items_in_batch)
@@ -394,47 +404,20 @@ def _token_loss_triton(logp, entropy, batch, options):
     if options.off_policy_mask_threshold is not None:
         sampler = next(x for x in (batch.sampling_logprobs, batch.old_logprobs, logp.detach()) if x is not None)
         sampler = sampler.contiguous()
-    coef, bonus_mask, stats = token_kernel.token_loss(
+    grad_logp, bonus_mask, rows = token_kernel.token_loss(
         logp.detach().contiguous(), adv, mask, batch.old_logprobs, batch.ref_logprobs, sampler,
         batch.importance_weights, entropy.detach().contiguous() if entropy is not None else None, options,
         scale=scale, entropy_threshold=entropy_threshold)
 
-    sums = {name: values.sum() for name, values in stats.items()}
-    policy_loss = sums["loss"]
-    entropy_coef_per_token = None
-    total_value = policy_loss
+    policy_loss = rows["loss"].values.sum()
+    total_value, grad_entropy = policy_loss, None
     if options.entropy_coef != 0.0:
         # loss -= entropy_coef * (mean entropy over the bonus tokens): dL/dentropy = -entropy_coef * e_t / count
-        bonus_scale = -options.entropy_coef / float(sums["bonus_count"].clamp(min=1.0))
-        total_value = policy_loss + bonus_scale * sums["bonus_entropy"]
-        entropy_coef_per_token = bonus_mask * bonus_scale
-    total = ScaledByCoefficient.apply(logp, entropy, total_value, coef, entropy_coef_per_token)
-
-    tokens = sums["count"].clamp(min=1.0)
-    per_seq_clip = options.sequence_level and adv.dim() == 1
-    metrics = Metrics()
-    if options.beta != 0.0:
-        metrics["kl"] = sums["kl"] / tokens
-    if entropy is not None:
-        metrics["entropy"] = sums["entropy"] / tokens
-    clip_denominator = B if per_seq_clip else tokens
-    if options.clipped:
-        for name in ("low", "high", "region"):
-            metrics[f"clip_ratio/{name}_mean"] = sums[name] / clip_denominator
-        # TRL's min / max over sequences of each sequence's clip fraction (sequences without tokens are skipped)
-        counts = stats["count"]
-        for name, stat, reduce in (("clip_ratio/low_min", "low", torch.min), ("clip_ratio/high_max", "high", torch.max)):
-            per_sequence = stats[stat] if per_seq_clip else (stats[stat] / counts)[counts > 0]
-            metrics[name] = (reduce(per_sequence) if per_sequence.numel()
-                             else torch.tensor(math.nan, device=logp.device))
-    elif options.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = sums["cispo"] / clip_denominator
-    elif options.loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = sums["phi"] / (tokens if adv.dim() == 2 else B)
-    if options.entropy_coef != 0.0:
-        metrics["policy_loss"] = policy_loss
-    metrics["ratio_mean"] = sums["ratio"] / (B if options.sequence_level else tokens)
-    return total, metrics
+        bonus_scale = -options.entropy_coef / float(rows["bonus_count"].values.sum().clamp(min=1.0))
+        total_value = policy_loss + bonus_scale * rows["bonus_entropy"].values.sum()
+        grad_entropy = bonus_mask * bonus_scale
+    total = ScaledByCoefficient.apply(logp, entropy, total_value, grad_logp, grad_entropy)
+    return total, Metrics(loss_metrics(options, rows, rows["count"].values, policy_loss))
 
 
 def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",

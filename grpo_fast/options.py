@@ -5,6 +5,11 @@
 the same names as keyword arguments, TRL style, and turn them into a ``LossOptions`` here (``resolve``); an unknown
 name is a ``TypeError`` that says which names exist.
 
+Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
+its metrics. The spec (grpo_fast.reference), the token kernel's launcher, ``LossOptions.denominator`` and the
+metrics builder (grpo_fast.metrics) read it and raise on a value they do not know, so a new loss type is its record
+plus, if it brings a new family of term, that term's formula in the spec and in the kernel.
+
 The per-batch inputs (old / reference / sampler log-probs, importance weights, ``num_items_in_batch``,
 ``entropy_threshold``) are not options: they are arguments of the functions.
 """
@@ -17,13 +22,61 @@ import math
 import numbers
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-# the PPO-style clipped objective: -min(r A, clamp(r, 1 - eps, 1 + eps_high) A)
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# normalised per sequence (mean over sequences of each sequence's token mean)
-ROW_MEAN_LOSS_TYPES = ("grpo", "sapo")
-# normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window)
-NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (grpo_fast.metrics),
+    reduced by ``reduce``: "mean" (TRL's global masked mean: over tokens, or over sequences for a value with one per
+    sequence), "min_over_sequences" / "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
+
+    name: str
+    statistic: str
+    reduce: str = "mean"
+
+
+@dataclass(frozen=True)
+class LossType:
+    """Everything about a loss type outside its formula; the spec, the token kernel's launcher and the metrics
+    builder read it, and each raises on a value it does not know.
+
+    ``policy_term``: the family of per-token term (the formula, written once in the spec and once in the token
+    kernel): "clipped" (PPO's -min(r A, clamp(r, 1 - eps, 1 + eps_high) A)), "cispo", "sapo", "vespo".
+    ``normaliser``: the loss's divisor (``LossOptions.denominator``): "sequences" (B), "tokens" (the mask's sum),
+    "max_completion_length" (B x max_completion_length), "num_items_in_batch" (default: the mask's sum).
+    ``row_mean``: each sequence's token sum is first divided by its own token count.
+    ``metrics``: the loss type's own metrics, beyond the ones every type logs (kl, entropy, ratio_mean, policy_loss).
+    """
+
+    name: str
+    policy_term: str
+    normaliser: str
+    row_mean: bool = False
+    metrics: tuple[Metric, ...] = ()
+
+
+# TRL 1.16 logs these for its clipped loss types: the clip fractions (masked means), and the min / max over sequences
+# of each sequence's low / high clip fraction
+CLIP_METRICS = (Metric("clip_ratio/low_mean", "low"), Metric("clip_ratio/high_mean", "high"),
+                Metric("clip_ratio/region_mean", "region"),
+                Metric("clip_ratio/low_min", "low", "min_over_sequences"),
+                Metric("clip_ratio/high_max", "high", "max_over_sequences"))
+
+# TRL 1.16's loss types (GRPOTrainer._compute_loss), one record each
+LOSS_TYPE_RECORDS = {record.name: record for record in (
+    LossType("grpo", "clipped", "sequences", row_mean=True, metrics=CLIP_METRICS),
+    LossType("bnpo", "clipped", "tokens", metrics=CLIP_METRICS),
+    LossType("dr_grpo", "clipped", "max_completion_length", metrics=CLIP_METRICS),
+    LossType("dapo", "clipped", "num_items_in_batch", metrics=CLIP_METRICS),
+    LossType("cispo", "cispo", "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),)),
+    LossType("sapo", "sapo", "sequences", row_mean=True),
+    LossType("luspo", "clipped", "sequences", metrics=CLIP_METRICS),
+    LossType("vespo", "vespo", "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
+)}
+LOSS_TYPES = tuple(LOSS_TYPE_RECORDS)
+# normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window): a training loop sums
+# those losses over its micro-batches, and averages the others
+NUM_ITEMS_LOSS_TYPES = tuple(name for name, record in LOSS_TYPE_RECORDS.items()
+                             if record.normaliser == "num_items_in_batch")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # TRL's vllm_importance_sampling_mode values (grpo_fast.sampling_importance_weights)
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -58,8 +111,8 @@ class LossOptions:
     entropy_coef: float = 0.0
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.loss_type not in LOSS_TYPE_RECORDS:
+            raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPE_RECORDS)}, got {self.loss_type!r}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
                              f"{self.importance_sampling_level!r}")
@@ -90,13 +143,9 @@ class LossOptions:
         return self.importance_sampling_level == "sequence"
 
     @property
-    def clipped(self) -> bool:
-        return self.loss_type in CLIPPED_LOSS_TYPES
-
-    @property
-    def row_mean(self) -> bool:
-        """Each sequence's token sum is divided by its own token count before the batch reduction."""
-        return self.loss_type in ROW_MEAN_LOSS_TYPES
+    def loss_type_record(self) -> LossType:
+        """The loss type's record (``LOSS_TYPE_RECORDS``)."""
+        return LOSS_TYPE_RECORDS[self.loss_type]
 
     @property
     def entropy_mask(self) -> bool:
@@ -104,19 +153,23 @@ class LossOptions:
         return self.top_entropy_quantile < 1.0
 
     def denominator(self, batch_size, mask_total, num_items_in_batch=None) -> float:
-        """The loss's divisor: loss = sum_b (sum_t m l [/ the row's token count when ``row_mean``]) / denominator.
+        """The loss's divisor: loss = sum_b (sum_t m l [/ the row's token count with ``row_mean``]) / denominator.
 
-        TRL's reductions at one process without gradient accumulation: grpo, sapo, luspo: B (a mean over
-        sequences); bnpo: the mask's sum; dr_grpo: B * max_completion_length; dapo, cispo, vespo:
-        ``num_items_in_batch`` (default: the mask's sum). Sums are clamped at 1 (an all-masked batch gives 0).
+        TRL's reductions at one process without gradient accumulation, by the loss type's normaliser: "sequences":
+        B (a mean over sequences); "tokens": the mask's sum; "max_completion_length": B * max_completion_length;
+        "num_items_in_batch": ``num_items_in_batch`` (default: the mask's sum). Sums are clamped at 1 (an all-masked
+        batch gives 0).
         """
-        if self.loss_type in ("grpo", "sapo", "luspo"):
+        normaliser = self.loss_type_record.normaliser
+        if normaliser == "sequences":
             return float(batch_size)
-        if self.loss_type == "bnpo":
+        if normaliser == "tokens":
             return max(float(mask_total), 1.0)
-        if self.loss_type == "dr_grpo":
+        if normaliser == "max_completion_length":
             return float(batch_size * self.max_completion_length)
-        return max(float(mask_total if num_items_in_batch is None else num_items_in_batch), 1.0)
+        if normaliser == "num_items_in_batch":
+            return max(float(mask_total if num_items_in_batch is None else num_items_in_batch), 1.0)
+        raise ValueError(f"loss type {self.loss_type!r} has an unknown normaliser {normaliser!r}")
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod

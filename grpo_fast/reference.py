@@ -7,8 +7,9 @@ TRL line by line, at one process and no gradient accumulation, so a TRL user get
 ``token_loss`` is also what ``grpo_fast.loss`` runs as layer 2 on the torch backend (CPU tensors without Triton),
 as TRL keeps one torch twin beside its kernel: one torch implementation of the formulas, held to TRL's trainer by
 tests/test_trl_loss.py and to the token kernel by tests/test_grpo_token.py. Layer 1 is not shared: the spec builds
-the full logits, the product (grpo_fast/torch_backend.py) never does. The option sets and the normaliser live in
-grpo_fast/options.py.
+the full logits, the product (grpo_fast/torch_backend.py) never does. What a loss type is outside its formula (its
+normaliser, its family of per-token term, its metrics) is its record in grpo_fast/options.py; the metrics are reduced
+from per-sequence sums by grpo_fast/metrics.py, for the token kernel too.
 
 Two layers, the same as the fused paths:
   1. ``logprobs_and_entropy``: hidden states and lm_head -> per-token log-prob of the target and entropy.
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_fast.kernels.config import LogitTransform
+from grpo_fast.metrics import loss_metrics, row_values
 from grpo_fast.options import LOSS_TYPES, LossOptions, option_keywords  # noqa: F401 (LOSS_TYPES: for readers)
 
 
@@ -133,14 +135,18 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     k = torch.where(nonneg, k_pos, k_neg)
     lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+    # TRL's nan_to_num(nan=0, posinf=0): an overflow gives 0; a NaN comes only from a NaN input and stays (TRL's 0
+    # would hide it from the loss)
+    return phi.masked_fill(torch.isinf(phi), 0.0).detach()
 
 
 def _normalise(per_token_loss, mask, options, num_items_in_batch):
     """Each loss type's own reduction of the masked per-token loss (TRL's, with no gradient accumulation): the
-    rows' sums (each divided by its token count for grpo and sapo), summed, over LossOptions.denominator."""
-    per_row = (per_token_loss * mask).sum(-1)
-    if options.row_mean:
+    rows' sums (each divided by its token count with the record's row_mean), summed, over LossOptions.denominator.
+    Masked tokens are selected out, not multiplied by 0 as TRL does: a NaN there (in a sequence without tokens, whose
+    advantage may be anything) changes nothing, as in the token kernel."""
+    per_row = torch.where(mask.bool(), per_token_loss, 0.0).sum(-1)
+    if options.loss_type_record.row_mean:
         per_row = per_row / mask.sum(-1).clamp(min=1.0)
     return per_row.sum() / options.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
 
@@ -156,7 +162,8 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     """
     o = LossOptions.resolve(options, loss_options, "token_loss")
     mask = completion_mask.to(torch.float32)
-    epsilon_low, epsilon_high, beta, loss_type = o.epsilon, o.clip_high, o.beta, o.loss_type
+    epsilon_low, epsilon_high, beta = o.epsilon, o.clip_high, o.beta
+    policy_term = o.loss_type_record.policy_term  # TRL dispatches on loss_type; its record names the formula
     logp = logp.float()
     old = logp.detach() if old_logprobs is None else old_logprobs.float()
     advantages = advantages.float()
@@ -187,6 +194,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
         log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
         log_importance_weights = log_ratio
+    # TRL's names: coef_1 is the importance ratio r, coef_2 (below) the clipped ratio clamp(r, 1 - eps, 1 + eps_high)
     coef_1 = torch.exp(log_importance_weights)
     ratio = coef_1  # before delta: the ratio_mean metric reports the importance ratio itself
 
@@ -196,27 +204,30 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
         if o.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    if loss_type == "cispo":
+    phi_seq = None
+    if policy_term == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
         per_token_loss = -clamped_ratios * advantages * logp
-    elif o.clipped:
+    elif policy_term == "clipped":
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         if o.delta is not None:
             coef_1 = torch.clamp(coef_1, max=o.delta)
         per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    elif loss_type == "sapo":
+    elif policy_term == "sapo":
         temperatures = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
-    elif loss_type == "vespo":
+    elif policy_term == "vespo":
         phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights, o.vespo_k_pos, o.vespo_lambda_pos,
                                 o.vespo_k_neg, o.vespo_lambda_neg)
         per_token_loss = -phi_seq * advantages * logp
+    else:
+        raise ValueError(f"loss type {o.loss_type!r} has an unknown policy term {policy_term!r}")
 
     if o.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
-    if importance_weights is not None and loss_type != "vespo":
+    if importance_weights is not None and policy_term != "vespo":
         per_token_loss = per_token_loss * importance_weights
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
@@ -227,41 +238,21 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
         loss = loss - o.entropy_coef * (entropy.float() * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
-    # Metrics: TRL's global masked mean; a [B, 1] value (sequence level) is averaged over sequences.
-    def masked_mean(x):
-        if x.shape[1] == 1:
-            return x.sum() / x.shape[0]
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-    def per_sequence(x):  # TRL's masked_seq_mean: NaN for a sequence without tokens, which nanmin / nanmax skip
-        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
-    def nan_reduce(x, reduce):
-        kept = x[~torch.isnan(x)]
-        return reduce(kept) if kept.numel() else torch.tensor(float("nan"), device=x.device)
-
+    # Log the metrics: TRL's quantities, reduced by grpo_fast.metrics from per-sequence sums as for the token kernel
+    # (each loss type's own metrics are named by its record)
     with torch.no_grad():
-        metrics = {}
+        is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
+        is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
+        quantities = {"ratio": ratio, "low": is_low_clipped, "high": is_high_clipped,
+                      "region": is_low_clipped | is_high_clipped, "cispo": (coef_1 > epsilon_high) & (advantages > 0)}
         if beta != 0.0:
-            metrics["kl"] = masked_mean(per_token_kl)
+            quantities["kl"] = per_token_kl
         if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy.float())
-        if o.clipped:
-            is_low = ((coef_1 < 1 - epsilon_low) & (advantages < 0)).float()
-            is_high = ((coef_1 > 1 + epsilon_high) & (advantages > 0)).float()
-            metrics["clip_ratio/low_mean"] = masked_mean(is_low)
-            metrics["clip_ratio/high_mean"] = masked_mean(is_high)
-            metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(is_low, is_high))
-            metrics["clip_ratio/low_min"] = nan_reduce(per_sequence(is_low), torch.min)
-            metrics["clip_ratio/high_max"] = nan_reduce(per_sequence(is_high), torch.max)
-        elif loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > epsilon_high) & (advantages > 0)).float())
-        elif loss_type == "vespo":
-            metrics["vespo/phi_seq_mean"] = masked_mean(phi_seq)
-        if o.entropy_coef != 0.0:
-            metrics["policy_loss"] = policy_loss
-        metrics["ratio_mean"] = masked_mean(ratio)
-        metrics = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
+            quantities["entropy"] = entropy
+        if phi_seq is not None:
+            quantities["phi"] = phi_seq
+        rows = {name: row_values(x, mask) for name, x in quantities.items()}
+        metrics = loss_metrics(o, rows, mask.sum(-1), policy_loss)
     return loss, metrics
 
 

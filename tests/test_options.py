@@ -81,7 +81,7 @@ def test_denominator_is_trls_reduction(loss_type):
     assert options.denominator(4, torch.tensor(10.0), 7) == expected[loss_type]
     assert options.denominator(4, 0.0, None) == {"bnpo": 1, "dapo": 1, "cispo": 1, "vespo": 1}.get(loss_type,
                                                                                                      expected[loss_type])
-    assert options.row_mean == (loss_type in ("grpo", "sapo"))
+    assert options.loss_type_record.row_mean == (loss_type in ("grpo", "sapo"))
 
 
 def test_field_names_are_the_dataclass_fields():

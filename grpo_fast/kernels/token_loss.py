@@ -1,5 +1,5 @@
-"""Layer 2, the token kernel: the per-token GRPO math (TRL 1.16): loss, metrics, c_t = dL/dlogp_t and the entropy
-mask, one program per sequence.
+"""Layer 2, the token kernel: the per-token GRPO math (TRL 1.16): loss, metrics, dL/dlogp_t and the entropy bonus's
+token mask, one program per sequence.
 
 For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weights, s: normaliser):
     token level     r_t = exp(logp_t - old_t)                 dr_t/dlogp_t = r_t
@@ -21,12 +21,17 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
     loss            L = sum_b sum_t s_bt (keep_t e_t w_t pg_t + beta k_t),  s_bt = m_t * scale / (L_b if ROW_MEAN else 1)
                     (w_t is 1 for vespo: its weights enter phi instead)
 
-Outputs: ``coef`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS: the
-tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
-dL/dentropy) and the per-row statistics (``STATS``, returned by name): the row's share of the policy loss, its mask sum, masked sums of
-kl, entropy, ratio, the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and
-vespo's per-sequence phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and
-entropy sum. Masked tokens contribute exactly zero, whatever their log-probs (no 0 * inf = NaN).
+Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
+the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
+dL/dentropy, ``grad_entropy``) and the per-row statistics (``STATS``, returned by name as
+grpo_fast.metrics.RowValues): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
+the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and vespo's per-sequence
+phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and entropy sum. Masked
+tokens contribute exactly zero, whatever their values (no 0 * inf = NaN).
+
+NaN: a NaN at a scored token (or one formed there from an inf) reaches the loss, as in torch: every min / max / clamp
+of a value derived from the inputs propagates NaN (``_minimum``, ``_maximum``); tl.minimum's default, like PTX's
+min.f32, returns the other operand and would give a finite loss over NaN log-probs.
 
 The kernel is a short sequence of device functions, one concern each: ``_row_sums`` (pass 1: token count and the
 row's log-ratio sums), ``_importance_ratio``, ``_policy_weight`` (importance weights and the off-policy / entropy
@@ -42,12 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Loss kinds: the families of per-token term (``_policy_term``), by loss_type.
-LOSS_CLIPPED = tl.constexpr(0)   # grpo, bnpo, dr_grpo, dapo, luspo
+from grpo_fast.metrics import RowValues
+
+# Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term``
+# (grpo_fast.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
+LOSS_CLIPPED = tl.constexpr(0)
 LOSS_CISPO = tl.constexpr(1)
 LOSS_SAPO = tl.constexpr(2)
 LOSS_VESPO = tl.constexpr(3)
-LOSS_KINDS = {"cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "vespo": LOSS_VESPO}  # any other loss_type: LOSS_CLIPPED
+LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "vespo": LOSS_VESPO}
 
 # Statistics slots: row_stats[b, slot] (the launcher returns them by name, STATS; nothing else sees a number).
 STAT_LOSS = tl.constexpr(0)            # the row's share of the policy loss (already normalised)
@@ -75,6 +83,18 @@ LOG_RATIO_CAP = tl.constexpr(20.0)              # TRL's clamp of each log-ratio 
 
 
 @triton.jit
+def _minimum(x, y):
+    """torch.minimum's rule: NaN if either operand is NaN."""
+    return tl.minimum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _maximum(x, y):
+    """torch.maximum's rule: NaN if either operand is NaN."""
+    return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
               SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, IS_VESPO: tl.constexpr, HAS_IW: tl.constexpr,
               IW_PER_TOKEN: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -90,20 +110,23 @@ def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
         m = tl.load(mask_ptr + row + offs, mask=in_row, other=0.0)
         active = m > 0.0
         count += tl.sum(m, axis=0)
-        if (SEQUENCE and HAS_OLD) or IS_VESPO or OFF_POLICY_MASK:
+        if SEQUENCE or IS_VESPO or OFF_POLICY_MASK:
             lp = tl.where(active, tl.load(logp_ptr + row + offs, mask=in_row, other=0.0), 0.0)
-        if HAS_OLD:
-            if SEQUENCE or IS_VESPO:
+        if SEQUENCE or IS_VESPO:
+            # on-policy the old log-prob is logp itself: a log-ratio of exactly 0, or NaN for a non-finite log-prob
+            # (torch's logp - logp.detach())
+            old = lp
+            if HAS_OLD:
                 old = tl.where(active, tl.load(old_ptr + row + offs, mask=in_row, other=0.0), 0.0)
-                if SEQUENCE:
-                    log_ratio_sum += tl.sum(lp - old, axis=0)
-                if IS_VESPO:
-                    vespo_log_w += tl.sum(tl.minimum(tl.maximum(lp - old, -LOG_RATIO_CAP), LOG_RATIO_CAP), axis=0)
+            if SEQUENCE:
+                log_ratio_sum += tl.sum(lp - old, axis=0)
+            if IS_VESPO:
+                vespo_log_w += tl.sum(_minimum(_maximum(lp - old, -LOG_RATIO_CAP), LOG_RATIO_CAP), axis=0)
         if IS_VESPO:
             if HAS_IW:
                 if IW_PER_TOKEN:
                     iw = tl.load(iw_ptr + row + offs, mask=in_row, other=1.0)
-                    log_iw = tl.minimum(tl.log(tl.maximum(iw, 1e-8)), LOG_RATIO_CAP)  # clamp(log w, log 1e-8, 20)
+                    log_iw = _minimum(_maximum(tl.log(iw), LOG_RATIO_FLOOR), LOG_RATIO_CAP)  # clamp(log w, ..)
                     # every position, padding included: TRL's sum (its ratios are 1 there but for odd clips)
                     vespo_log_w += tl.sum(tl.where(in_row, log_iw, 0.0), axis=0)
         if OFF_POLICY_MASK:
@@ -117,15 +140,15 @@ def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
 @triton.jit
 def _importance_ratio(lp, old_ptr, row, offs, in_row, active, seq_ratio,
                       SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """r per token: the row's sequence ratio (GSPO), exp(logp - old), or 1 on-policy (its gradient still flows)."""
+    """r per token: the row's sequence ratio (GSPO), exp(logp - old), or on-policy exp(logp - logp): 1 (its gradient
+    still flows), or NaN for a non-finite log-prob, as torch's."""
     if SEQUENCE:
         r = tl.zeros((BLOCK_T,), tl.float32) + seq_ratio
     else:
+        old = lp
         if HAS_OLD:
             old = tl.load(old_ptr + row + offs, mask=in_row, other=0.0)
-            r = tl.where(active, tl.exp(lp - old), 1.0)
-        else:
-            r = tl.full((BLOCK_T,), 1.0, tl.float32)
+        r = tl.where(active, tl.exp(lp - old), 1.0)
     return r
 
 
@@ -167,16 +190,16 @@ def _policy_term(r, lp, adv, phi, eps_low, eps_high, delta, sapo_pos, sapo_neg,
         r1 = r
         d1 = adv
         if HAS_DELTA:
-            r1 = tl.minimum(r, delta)
+            r1 = _minimum(r, delta)
             d1 = tl.where(r <= delta, adv, 0.0)
-        r2 = tl.minimum(tl.maximum(r, 1.0 - eps_low), 1.0 + eps_high)
+        r2 = _minimum(_maximum(r, 1.0 - eps_low), 1.0 + eps_high)
         d2 = tl.where((r >= 1.0 - eps_low) & (r <= 1.0 + eps_high), adv, 0.0)
         a1 = r1 * adv
         a2 = r2 * adv
-        pg = -tl.minimum(a1, a2)
+        pg = -_minimum(a1, a2)
         dpg = -tl.where(a1 < a2, d1, tl.where(a2 < a1, d2, 0.5 * (d1 + d2)))
     elif LOSS_KIND == LOSS_CISPO:
-        clamped = tl.minimum(r, eps_high)
+        clamped = _minimum(r, eps_high)
         pg = -clamped * adv * lp
         dpg = -clamped * adv
     elif LOSS_KIND == LOSS_SAPO:
@@ -225,7 +248,7 @@ def _clip_indicators(r, adv, eps_low, eps_high, delta, HAS_DELTA: tl.constexpr):
     """(low, high, cispo) clip indicators, TRL's definitions (clipping is reported on the delta-capped ratio)."""
     r_capped = r
     if HAS_DELTA:
-        r_capped = tl.minimum(r, delta)
+        r_capped = _minimum(r, delta)
     low = (r_capped < 1.0 - eps_low) & (adv < 0.0)
     high = (r_capped > 1.0 + eps_high) & (adv > 0.0)
     cispo = (r > eps_high) & (adv > 0.0)
@@ -235,7 +258,7 @@ def _clip_indicators(r, adv, eps_low, eps_high, delta, HAS_DELTA: tl.constexpr):
 @triton.jit
 def _token_loss_kernel(
     logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, iw_ptr, entropy_ptr,
-    coef_ptr, bonus_mask_ptr, stats_ptr,
+    grad_logp_ptr, bonus_mask_ptr, stats_ptr,
     T, beta, eps_low, eps_high, delta, sapo_pos, sapo_neg, scale,
     vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg, off_policy_threshold, entropy_threshold,
     LOSS_KIND: tl.constexpr, SEQUENCE: tl.constexpr, ROW_MEAN: tl.constexpr, HAS_DELTA: tl.constexpr,
@@ -258,7 +281,7 @@ def _token_loss_kernel(
     if ROW_MEAN:
         row_scale = scale / length
     seq_ratio = tl.exp(log_ratio_sum / length)
-    vespo_log_w = tl.minimum(tl.maximum(vespo_log_w, LOG_RATIO_FLOOR), LOG_RATIO_CAP)
+    vespo_log_w = _minimum(_maximum(vespo_log_w, LOG_RATIO_FLOOR), LOG_RATIO_CAP)
     sampler_kl = sampler_kl_sum / length
     if ADV_PER_TOKEN:
         adv_row = 0.0
@@ -269,7 +292,7 @@ def _token_loss_kernel(
         if not IW_PER_TOKEN:
             iw_row = tl.load(iw_ptr + b)
 
-    # pass 2: per-token loss, coefficient (token part), bonus mask and metric sums
+    # pass 2: per-token loss, dL/dlogp (its token part), bonus mask and metric sums
     loss_sum = 0.0
     kl_sum = 0.0
     entropy_sum = 0.0
@@ -310,22 +333,23 @@ def _token_loss_kernel(
         pg, dpg = _policy_term(r, lp, adv, phi, eps_low, eps_high, delta, sapo_pos, sapo_neg, LOSS_KIND, HAS_DELTA)
         s = tl.where(active, row_scale, 0.0)
         per_token = weight * pg
-        coef = tl.zeros((BLOCK_T,), tl.float32)
+        grad_logp = tl.zeros((BLOCK_T,), tl.float32)
         if DPG_IS_DLOGP:
-            coef += s * weight * dpg
+            grad_logp += s * weight * dpg
         elif SEQUENCE:
-            dl_dratio += tl.sum(s * weight * dpg, axis=0)
+            dl_dratio += tl.sum(tl.where(active, s * weight * dpg, 0.0), axis=0)  # padding: 0, even a NaN
         else:
-            coef += s * weight * dpg * r
+            grad_logp += s * weight * dpg * r
         if HAS_KL:
             kl, dkl, dkl_dr = _kl_term(ref_ptr, row, offs, in_row, active, lp, r, SEQUENCE, BIAS_CORRECTION_KL)
             per_token += beta * kl
-            coef += s * beta * dkl
+            grad_logp += s * beta * dkl
             if SEQUENCE:
-                dl_dratio += tl.sum(s * beta * dkl_dr, axis=0)
+                dl_dratio += tl.sum(tl.where(active, s * beta * dkl_dr, 0.0), axis=0)
             kl_sum += tl.sum(tl.where(active, kl, 0.0), axis=0)
         loss_sum += tl.sum(tl.where(active, s * per_token, 0.0), axis=0)
-        tl.store(coef_ptr + row + offs, coef, mask=in_row)
+        # exactly 0 at padding, whatever its values (a NaN advantage there times s = 0 would be NaN)
+        tl.store(grad_logp_ptr + row + offs, tl.where(active, grad_logp, 0.0), mask=in_row)
 
         low, high, cispo = _clip_indicators(r, adv, eps_low, eps_high, delta, HAS_DELTA)
         ratio_sum += tl.sum(tl.where(active, r, 0.0), axis=0)
@@ -341,9 +365,9 @@ def _token_loss_kernel(
                 offs = t0 + tl.arange(0, BLOCK_T)
                 in_row = offs < T
                 m = tl.load(mask_ptr + row + offs, mask=in_row, other=0.0)
-                coef = tl.load(coef_ptr + row + offs, mask=in_row, other=0.0)
-                coef += dl_dratio * seq_ratio * m / length
-                tl.store(coef_ptr + row + offs, coef, mask=in_row)
+                grad_logp = tl.load(grad_logp_ptr + row + offs, mask=in_row, other=0.0)
+                grad_logp += dl_dratio * seq_ratio * m / length
+                tl.store(grad_logp_ptr + row + offs, grad_logp, mask=in_row)
 
     stats = stats_ptr + b * NUM_STATS
     tl.store(stats + STAT_LOSS, loss_sum)
@@ -380,25 +404,33 @@ def _token_loss_kernel(
 
 def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale,
                entropy_threshold):
-    """Launch one program per sequence; returns (coef, bonus_mask or None, {statistic name: [B] fp32}).
+    """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: RowValues [B]}).
 
     All tensors fp32 contiguous [B, T] on one device (advantages [B] or [B, T], importance_weights [B] or [B, T]);
     ``options`` a ``grpo_fast.LossOptions``; ``scale`` = 1 / the loss's denominator; ``sampler`` (the off-policy
     mask's log-probs) is None without that mask, ``entropy_threshold`` None without the top-entropy mask;
-    ``ref`` None without a KL term.
+    ``ref`` None without a KL term. The statistics are those of ``STATS`` the kernel computed (no "kl" without a KL
+    term, no "entropy" without the entropy, no "phi" but for vespo's term).
     """
+    record = options.loss_type_record
+    if record.policy_term not in LOSS_KINDS:
+        raise ValueError(f"loss type {options.loss_type!r} has a policy term the token kernel does not have: "
+                         f"{record.policy_term!r} (it has {tuple(LOSS_KINDS)})")
+    loss_kind = LOSS_KINDS[record.policy_term]
     B, T = logp.shape
     entropy_bonus = options.entropy_coef != 0.0
-    coef = torch.empty_like(logp)
+    has_kl = ref is not None and options.beta != 0.0
+    grad_logp = torch.empty_like(logp)
     bonus_mask = torch.empty_like(logp) if entropy_bonus else None
     stats = torch.empty((B, NUM_STATS.value), dtype=torch.float32, device=logp.device)
     adv_per_token = advantages.dim() == 2
+    seq_clip_metrics = options.sequence_level and not adv_per_token
     block_t = min(1024, max(16, triton.next_power_of_2(T)))
     _token_loss_kernel[(B,)](
         logp, old if old is not None else logp, ref if ref is not None else logp,
         sampler if sampler is not None else logp, advantages, mask,
         importance_weights if importance_weights is not None else logp, entropy if entropy is not None else logp,
-        coef, bonus_mask if bonus_mask is not None else coef, stats,
+        grad_logp, bonus_mask if bonus_mask is not None else grad_logp, stats,
         T, float(options.beta), float(options.epsilon), float(options.clip_high),
         float(options.delta if options.delta is not None else 0.0),
         float(options.sapo_temperature_pos), float(options.sapo_temperature_neg), float(scale),
@@ -406,15 +438,20 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
         float(options.vespo_lambda_neg),
         float(options.off_policy_mask_threshold if sampler is not None else 0.0),
         float(entropy_threshold if entropy_threshold is not None else 0.0),
-        LOSS_KIND=LOSS_KINDS.get(options.loss_type, LOSS_CLIPPED), SEQUENCE=options.sequence_level,
-        ROW_MEAN=options.row_mean, HAS_DELTA=options.delta is not None,
-        HAS_OLD=old is not None, HAS_KL=ref is not None and options.beta != 0.0,
+        LOSS_KIND=loss_kind, SEQUENCE=options.sequence_level,
+        ROW_MEAN=record.row_mean, HAS_DELTA=options.delta is not None,
+        HAS_OLD=old is not None, HAS_KL=has_kl,
         BIAS_CORRECTION_KL=options.use_bias_correction_kl, ADV_PER_TOKEN=adv_per_token,
         HAS_IW=importance_weights is not None,
         IW_PER_TOKEN=importance_weights is not None and importance_weights.dim() == 2,
         HAS_ENTROPY=entropy is not None, OFF_POLICY_MASK=sampler is not None,
         ENTROPY_MASK=entropy_threshold is not None, ENTROPY_BONUS=entropy_bonus,
-        SEQ_CLIP_METRICS=options.sequence_level and not adv_per_token, BLOCK_T=block_t,
+        SEQ_CLIP_METRICS=seq_clip_metrics, BLOCK_T=block_t,
         num_warps=NUM_WARPS,
     )
-    return coef, bonus_mask, {name: stats[:, slot.value] for name, slot in STATS.items()}
+    # the statistics with one value per sequence (the row's own), not a masked sum over its tokens
+    per_sequence = {"ratio": options.sequence_level, "low": seq_clip_metrics, "high": seq_clip_metrics,
+                    "region": seq_clip_metrics, "cispo": seq_clip_metrics, "phi": not adv_per_token}
+    computed = {"kl": has_kl, "entropy": entropy is not None, "phi": loss_kind == LOSS_VESPO}
+    return grad_logp, bonus_mask, {name: RowValues(stats[:, slot.value], per_sequence.get(name, False))
+                                   for name, slot in STATS.items() if computed.get(name, True)}

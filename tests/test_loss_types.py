@@ -1,0 +1,151 @@
+"""One record per loss type (grpo_fast.options.LOSS_TYPE_RECORDS): the spec, the token kernel's launcher, the
+normaliser and the metrics builder all read it, and each raises on what it does not know.
+
+A hypothetical loss type registered here as a record, and nothing else, runs on both backends with the normaliser
+and metrics the record names; a record whose formula exists nowhere raises in the spec and in the launcher.
+"""
+
+import math
+
+import pytest
+import torch
+
+import grpo_fast
+from grpo_fast import metrics as metrics_module
+from grpo_fast import reference
+from grpo_fast.kernels import token_loss as token_kernel
+from grpo_fast.options import LOSS_TYPE_RECORDS, LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions, LossType, Metric
+
+B, T = 4, 9
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g) * 3
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[2] = False          # a sequence without tokens
+    mask[3, 0] = True
+    adv = torch.randn(B, generator=g)
+    old = logp + 0.4 * torch.randn(B, T, generator=g)
+    ref = logp + 0.4 * torch.randn(B, T, generator=g)
+    entropy = torch.rand(B, T, generator=g) * 4
+    return logp, mask, adv, old, ref, entropy
+
+
+def _run(fn, logp, adv, mask, entropy, **kw):
+    leaf = logp.clone().requires_grad_()
+    loss, metrics = fn(leaf, adv, mask, entropy=entropy, **kw)
+    loss.backward()
+    return loss.detach(), dict(metrics), leaf.grad
+
+
+def test_the_records_are_trls_loss_types():
+    assert LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+    assert NUM_ITEMS_LOSS_TYPES == ("dapo", "cispo", "vespo")
+    assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.policy_term == "clipped"} == {
+        "grpo", "bnpo", "dr_grpo", "dapo", "luspo"}
+    assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.row_mean} == {"grpo", "sapo"}
+    # every record's formula exists in the token kernel
+    assert {r.policy_term for r in LOSS_TYPE_RECORDS.values()} == set(token_kernel.LOSS_KINDS)
+
+
+# A loss type TRL does not have: cispo's per-token term, normalised per sequence (grpo's reduction), logging the
+# cispo clip fraction and its largest per-sequence value.
+CISPO_PER_SEQUENCE = LossType("cispo_per_sequence", "cispo", "sequences", row_mean=True,
+                              metrics=(Metric("cispo_clip_ratio", "cispo"),
+                                       Metric("cispo_clip_ratio/max", "cispo", "max_over_sequences")))
+
+
+@pytest.mark.parametrize("level", ("token", "sequence"))
+def test_a_new_loss_type_is_one_record(monkeypatch, level):
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, CISPO_PER_SEQUENCE.name, CISPO_PER_SEQUENCE)
+    logp, mask, adv, old, ref, entropy = _batch(seed=1)
+    kw = dict(loss_type="cispo_per_sequence", importance_sampling_level=level, old_logprobs=old, ref_logprobs=ref,
+              beta=0.04, epsilon_high=1.1)
+    assert LossOptions(loss_type="cispo_per_sequence").denominator(B, mask.sum()) == B
+    spec = _run(reference.token_loss, logp, adv, mask, entropy, **kw)
+
+    # the spec by hand: -min(r, eps_high) A logp + beta k3 r, each sequence's token mean, averaged over sequences
+    m = mask.float()
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+    r = log_ratio.exp().expand(B, T)
+    kl = ((ref - logp).exp() - (ref - logp) - 1) * r
+    per_token = -torch.clamp(r, max=1.1) * adv[:, None] * logp + 0.04 * kl
+    expected = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    assert math.isclose(spec[0].item(), expected.item(), rel_tol=1e-6)
+    clipped = ((r > 1.1) & (adv[:, None] > 0)).float()
+    if level == "token":
+        per_sequence = (clipped * m).sum(-1)[m.sum(-1) > 0] / m.sum(-1)[m.sum(-1) > 0]
+        assert math.isclose(spec[1]["cispo_clip_ratio"].item(), ((clipped * m).sum() / m.sum()).item(), rel_tol=1e-6)
+    else:  # one value per sequence, every sequence
+        per_sequence = clipped[:, 0]
+        assert math.isclose(spec[1]["cispo_clip_ratio"].item(), per_sequence.mean().item(), rel_tol=1e-6)
+    assert spec[1]["cispo_clip_ratio/max"].item() == per_sequence.max().item()
+    assert per_sequence.max().item() > 0  # not vacuous: some sequence clips
+    assert set(spec[1]) == {"kl", "entropy", "cispo_clip_ratio", "cispo_clip_ratio/max", "ratio_mean"}
+
+    # both backends of the product: the same loss, metrics and gradient
+    for backend in ("torch", "triton"):
+        loss, metrics, grad = _run(grpo_fast.token_loss, logp, adv, mask, entropy, backend=backend, **kw)
+        torch.testing.assert_close(loss, spec[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, spec[2], rtol=1e-5, atol=1e-7)
+        assert set(metrics) == set(spec[1])
+        for name in spec[1]:
+            torch.testing.assert_close(metrics[name], spec[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_policy_term_raises_in_the_spec_and_the_launcher(monkeypatch):
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, "tanh_clip", LossType("tanh_clip", "tanh_clip", "tokens"))
+    logp, mask, adv, old, _, entropy = _batch()
+    with pytest.raises(ValueError, match="loss type 'tanh_clip' has an unknown policy term 'tanh_clip'"):
+        reference.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip")
+    with pytest.raises(ValueError, match="loss type 'tanh_clip' has an unknown policy term 'tanh_clip'"):
+        grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip", backend="torch")
+    with pytest.raises(ValueError, match="policy term the token kernel does not have: 'tanh_clip'"):
+        grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip", backend="triton")
+
+
+def test_an_unknown_normaliser_raises(monkeypatch):
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, "per_group", LossType("per_group", "clipped", "groups"))
+    logp, mask, adv, old, _, _ = _batch()
+    with pytest.raises(ValueError, match="loss type 'per_group' has an unknown normaliser 'groups'"):
+        LossOptions(loss_type="per_group").denominator(B, mask.sum())
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="unknown normaliser 'groups'"):
+            grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="per_group", backend=backend)
+
+
+def test_an_unknown_metric_reduction_raises(monkeypatch):
+    record = LossType("bnpo_median", "clipped", "tokens", metrics=(Metric("clip_ratio/median", "low", "median"),))
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
+    logp, mask, adv, old, _, _ = _batch()
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="metric 'clip_ratio/median' of loss type 'bnpo_median' has an unknown "
+                                             "reduction 'median'"):
+            grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="bnpo_median", backend=backend)
+
+
+def test_an_unknown_loss_type_raises():
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', "):
+        LossOptions(loss_type="ppo")
+
+
+def test_metrics_builder_reductions_by_hand():
+    # two sequences of 2 and 0 tokens, a per-token statistic and a per-sequence one
+    options = LossOptions(loss_type="bnpo", beta=0.1)
+    counts = torch.tensor([2.0, 0.0, 1.0])
+    rows = {"ratio": metrics_module.RowValues(torch.tensor([1.5, 0.7, 1.2]), per_sequence=True),
+            "kl": metrics_module.RowValues(torch.tensor([0.3, 0.0, 0.6])),
+            "low": metrics_module.RowValues(torch.tensor([1.0, 0.0, 0.0])),
+            "high": metrics_module.RowValues(torch.tensor([0.0, 0.0, 1.0])),
+            "region": metrics_module.RowValues(torch.tensor([1.0, 0.0, 1.0]))}
+    got = metrics_module.loss_metrics(options, rows, counts)
+    expected = {"kl": 0.9 / 3, "ratio_mean": 3.4 / 3, "clip_ratio/low_mean": 1 / 3, "clip_ratio/high_mean": 1 / 3,
+                "clip_ratio/region_mean": 2 / 3,
+                "clip_ratio/low_min": 0.0,   # per-sequence fractions 0.5 and 0 (the empty sequence has none)
+                "clip_ratio/high_max": 1.0}
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert math.isclose(got[name].item(), value, rel_tol=1e-6), name

@@ -1,0 +1,155 @@
+"""A NaN is never hidden: a non-finite value that reaches a scored token gives a non-finite loss on both backends
+(torch, and the Triton kernels under the interpreter), every loss type and importance-sampling level, through
+grpo_fast.token_loss (layer 2) and grpo_fast.loss (layer 1 too: the general path, the frozen-head path, no grad);
+a NaN at a masked token changes nothing (those tokens are never read).
+"""
+
+import pytest
+import torch
+
+import grpo_fast
+from grpo_fast.options import LOSS_TYPES
+
+from helpers import make_batch
+
+BACKENDS = ("torch", "triton")
+LEVELS = ("token", "sequence")
+B, T = 4, 9
+NAN = float("nan")
+
+
+def _token_batch():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(B, T, generator=g) * 3
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[0, :3] = True
+    mask[0, 3] = False
+    mask[2] = False          # a sequence without tokens
+    inputs = dict(advantages=torch.randn(B, generator=g), old_logprobs=logp + 0.3 * torch.randn(B, T, generator=g),
+                  ref_logprobs=logp + 0.3 * torch.randn(B, T, generator=g), entropy=torch.rand(B, T, generator=g) * 4,
+                  importance_weights=0.5 + torch.rand(B, T, generator=g))
+    return logp, mask, inputs
+
+
+def _token_loss(logp, mask, inputs, backend, **options):
+    leaf = logp.clone().requires_grad_()
+    kw = dict(inputs)
+    adv = kw.pop("advantages")
+    loss, _ = grpo_fast.token_loss(leaf, adv, mask, backend=backend, **kw, **options)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+def _with(inputs, name, index, value):
+    out = dict(inputs)
+    out[name] = inputs[name].clone()
+    out[name][index] = value
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, backend):
+    logp, mask, inputs = _token_batch()
+    scored = (0, 1)
+    assert mask[scored]
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04)
+    clean, _ = _token_loss(logp, mask, inputs, backend, **options)
+    assert torch.isfinite(clean)
+    bad_logp = logp.clone()
+    bad_logp[scored] = NAN
+    cases = {
+        "logprobs": (bad_logp, inputs, {}),
+        "logprobs, on-policy": (bad_logp, {k: v for k, v in inputs.items() if k != "old_logprobs"}, {}),
+        "old_logprobs": (logp, _with(inputs, "old_logprobs", scored, NAN), {}),
+        "ref_logprobs": (logp, _with(inputs, "ref_logprobs", scored, NAN), {}),
+        "advantages": (logp, _with(inputs, "advantages", 0, NAN), {}),
+        "per-token advantages": (logp, _with(dict(inputs, advantages=inputs["advantages"][:, None].expand(B, T)),
+                                             "advantages", scored, NAN), {}),
+        "importance_weights": (logp, _with(inputs, "importance_weights", scored, NAN), {}),
+        "entropy, with the bonus": (logp, _with(inputs, "entropy", scored, NAN), dict(entropy_coef=0.01)),
+        "logprobs, with the off-policy and top-entropy masks": (bad_logp, inputs,
+                                                                dict(off_policy_mask_threshold=0.1,
+                                                                     top_entropy_quantile=0.5)),
+    }
+    for name, (x, kw, extra) in cases.items():
+        loss, _ = _token_loss(x, mask, kw, backend, **options, **extra)
+        assert not torch.isfinite(loss), f"{name}: a NaN at a scored token gave the finite loss {loss.item()}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_token_loss_a_nan_at_a_masked_token_changes_nothing(loss_type, level, backend):
+    logp, mask, inputs = _token_batch()
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01,
+                   off_policy_mask_threshold=0.2, top_entropy_quantile=0.7)
+    inputs["sampling_logprobs"] = inputs["old_logprobs"] + 0.2
+    inputs["advantages"] = inputs["advantages"][:, None].expand(B, T).clone()
+    if loss_type == "vespo":
+        del inputs["importance_weights"]  # vespo reads the weights at padding too, as TRL: a NaN there reaches it
+    clean, clean_grad = _token_loss(logp, mask, inputs, backend, **options)
+    masked = ~mask
+    bad_logp = logp.masked_fill(masked, NAN)
+    bad = {name: x.masked_fill(masked, NAN) for name, x in inputs.items()}
+    loss, grad = _token_loss(bad_logp, mask, bad, backend, **options)
+    assert torch.isfinite(clean) and torch.isfinite(grad).all()
+    assert torch.equal(loss, clean) and torch.equal(grad, clean_grad)
+    # a sequence without tokens may have a NaN advantage
+    per_sequence = dict(inputs, advantages=inputs["advantages"][:, 0].clone())
+    clean, clean_grad = _token_loss(logp, mask, per_sequence, backend, **options)
+    per_sequence["advantages"][2] = NAN
+    loss, grad = _token_loss(logp, mask, per_sequence, backend, **options)
+    assert torch.isfinite(grad).all()
+    assert torch.equal(loss, clean) and torch.equal(grad, clean_grad)
+
+
+PATHS = ("general", "frozen head", "no grad")
+
+
+def _loss(batch, backend, path, **kw):
+    hidden = batch["hidden"].clone().requires_grad_(path != "no grad")
+    weight = batch["weight"].clone().requires_grad_(path == "general")
+    with torch.set_grad_enabled(path != "no grad"):
+        loss, _ = grpo_fast.loss(hidden, weight, batch["targets"], batch["advantages"], batch["mask"],
+                                 old_logprobs=batch["old"], ref_logprobs=batch["ref"], backend=backend, **kw)
+    if path != "no grad":
+        loss.backward()
+        return loss.detach(), hidden.grad
+    return loss, None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_a_non_finite_input_at_a_scored_token_gives_a_non_finite_loss(loss_type, level, backend):
+    batch = make_batch(B=3, T=5, D=16, V=37)
+    mask = batch["mask"]
+    assert mask[0, 0] and not mask[1].any()
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04)
+    nan_hidden = dict(batch, hidden=batch["hidden"].clone())
+    nan_hidden["hidden"][0, 0, 3] = NAN
+    # an inf in the row of the target of token (0, 0), which its hidden state meets with a positive entry
+    inf_weight = dict(batch, hidden=batch["hidden"].clone(), weight=batch["weight"].clone())
+    inf_weight["hidden"][0, 0, 0] = 1.0
+    inf_weight["weight"][batch["targets"][0, 0], 0] = float("inf")
+    nan_old = dict(batch, old=batch["old"].clone())
+    nan_old["old"][0, 0] = NAN
+    # a NaN in a masked position's hidden state (a sequence without tokens, a padding token of another)
+    masked_nan = dict(batch, hidden=batch["hidden"].clone())
+    masked_nan["hidden"][1] = NAN
+    padding = (~mask & mask.any(1, keepdim=True)).nonzero()
+    assert padding.numel()
+    masked_nan["hidden"][tuple(padding[0])] = NAN
+    for path in PATHS:
+        clean, clean_grad = _loss(batch, backend, path, **options)
+        assert torch.isfinite(clean), path
+        for name, bad in (("hidden", nan_hidden), ("weight", inf_weight), ("old_logprobs", nan_old)):
+            loss, _ = _loss(bad, backend, path, **options)
+            assert not torch.isfinite(loss), f"{path}: a non-finite {name} gave the finite loss {loss.item()}"
+        loss, grad = _loss(masked_nan, backend, path, **options)
+        assert torch.equal(loss, clean), path
+        if grad is not None:
+            assert torch.isfinite(grad).all(), path
+            torch.testing.assert_close(grad, clean_grad, rtol=0, atol=0, equal_nan=False)
