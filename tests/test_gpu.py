@@ -1,7 +1,8 @@
 """The compiled Triton kernels on a CUDA GPU against the fp64 reference (skipped without CUDA).
 
 Run on a GPU machine with the interpreter off:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
-Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = dL/du rounded to bf16, so gradients match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
+Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = dL/du rounded to bf16, so gradients
+match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
 fp32 dots and match tightly.
 """
 
@@ -81,8 +82,8 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
 def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform, monkeypatch):
     # a loss on both outputs: the entropy-gradient and soft-cap variants of both backward kernels, compiled
     if backward_mode == "fused":  # grpo_fast.api's layer-1 call, its last argument (the backward mode) replaced
-        monkeypatch.setattr(api, "LinearLogprobs",
-                            type("Fused", (), {"apply": staticmethod(lambda *a: LinearLogprobs.apply(*a[:-1], "fused"))}))
+        fused = staticmethod(lambda *args: LinearLogprobs.apply(*args[:-1], "fused"))
+        monkeypatch.setattr(api, "LinearLogprobs", type("FusedBackward", (), {"apply": fused}))
     g = torch.Generator(device="cuda").manual_seed(1)
     B, T, D, V = 3, 211, 520, 9973
     hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
