@@ -23,7 +23,8 @@ CHUNK_V = 8192
 
 
 def _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=False):
-    """z = transform(h W^T + b) for one tile, fp32; with ``slope`` also dz/du (a tile, or a number without a soft-cap)."""
+    """z = transform(h W^T + b) for one tile, fp32; with ``slope`` also dz/du (a tile, or a number without a
+    soft-cap)."""
     u = hidden[n0:n1].float() @ weight[v0:v1].float().T
     if bias is not None:
         u += bias[v0:v1].float()

@@ -86,8 +86,8 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
 def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform, monkeypatch):
     # a loss on both outputs: the entropy-gradient and soft-cap variants of both backward kernels, compiled
     if backward_mode == "fused":  # grpo_fast.api's layer-1 call, its last argument (the backward mode) replaced
-        monkeypatch.setattr(api, "LinearLogprobs",
-                            type("Fused", (), {"apply": staticmethod(lambda *a: LinearLogprobs.apply(*a[:-1], "fused"))}))
+        fused = staticmethod(lambda *args: LinearLogprobs.apply(*args[:-1], "fused"))
+        monkeypatch.setattr(api, "LinearLogprobs", type("FusedBackward", (), {"apply": fused}))
     g = torch.Generator(device="cuda").manual_seed(1)
     B, T, D, V = 3, 211, 520, 9973
     hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("sm_compile needs the real compiler: run it with TRITON_INTERPRET=0")
 
+# this checkout's kernels, not an installed grpo_fast's
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402

@@ -22,7 +22,8 @@ its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabu
                 P' = e s' with the target column zeroed, written in the GEMM dtype
     J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
 and at the end J = (s'_y R W[y] - J) / S; logp, entropy and the backward's values by softmax_stats.finish from the
-record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly d logp / dh: no other term exists on this path.
+record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly d logp / dh: no other term exists on
+this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
 on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
@@ -64,7 +65,8 @@ from .tile import transform_and_slope
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
 VOCAB_ALIGN = 128
 # the rows of the running state [7, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
-# S = sum e, R = sum_{v != y} e, Z = sum e (z - m), target logit (softmax_stats.SoftmaxStats' fields first), target slope, the last chunk's rescale exp(m_old - m_new)
+# S = sum e, R = sum_{v != y} e, Z = sum e (z - m), target logit (softmax_stats.SoftmaxStats' fields, in its order),
+# target slope, the last chunk's rescale exp(m_old - m_new)
 _MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE = (tl.constexpr(i) for i in range(7))
 
 
@@ -170,7 +172,7 @@ def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
 
 
 def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
-                   vocab_chunk=None, gemm_dtype=None):
+                        vocab_chunk=None, gemm_dtype=None):
     """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as forward.py's
     ``forward`` (entropy None without ``compute_entropy``) and J = d logp / d hidden [N, D] fp32.
 

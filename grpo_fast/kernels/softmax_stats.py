@@ -14,8 +14,9 @@ and grouping, by ``merge``: m = max_k m_k, a_k = exp(m_k - m),
     S = sum_k a_k S_k,  R = sum_k a_k R_k,  Z = sum_k a_k (Z_k + (m_k - m) S_k),  zy = sum_k zy_k.
 kernels/forward.py's kernel folds its tiles into a running record by these formulas and writes one record per
 vocabulary split; ``merge`` folds the splits in the forward's epilogue. The torch backend folds its vocabulary chunks
-with ``merge``. A vocab-parallel head reuses both unchanged: each rank computes its shard's record, the records are
-all-gathered (5 fp32 per token and rank) and merged.
+with ``merge``. The frozen-head forward (kernels/forward_frozen.py) keeps the same record in the first rows of its
+running state and ends with ``finish``. A vocab-parallel head reuses both unchanged: each rank computes its shard's
+record, the records are all-gathered (5 fp32 per token and rank) and merged.
 
 ``finish`` turns the merged record into the outputs and into what the backward reads (``BackwardStats``), forming
 nothing by cancellation where a token is confident (p_y near 1, z_y = m):
