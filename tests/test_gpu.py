@@ -232,8 +232,8 @@ def _max_rel_by_rows(a, b, rows=8192):
     return err / max(scale, 1e-12)
 
 
-def layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, monkeypatch, token_chunk=1024,
-                                             logp_atol=1e-3, grad_rtol=2e-2):
+def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, monkeypatch, token_chunk=1024,
+                                              logp_atol=1e-3, grad_rtol=2e-2):
     """LinearLogprobs on the Triton backend (random [N, D] hidden, [V, D] weight, bias; soft-cap and temperature)
     against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
     entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
@@ -297,6 +297,6 @@ def test_layer1_with_tensors_past_2_31_elements_on_gpu(large, path, monkeypatch)
     assert (V if large == "weight" else N) * D > 2 ** 31
     # the frozen-head path's u buffer is about W's size in bytes: past 2^31 fp32 elements with an fp32 weight
     dtype = torch.float32 if (large, path) == ("weight", "frozen") else torch.bfloat16
-    layer1_matches_reference_in_token_chunks(N, D, V, dtype, path == "frozen", "cuda", monkeypatch,
-                                             logp_atol=1e-3 if dtype == torch.bfloat16 else 1e-4,
-                                             grad_rtol=GPU_TOL[dtype])
+    _layer1_matches_reference_in_token_chunks(N, D, V, dtype, path == "frozen", "cuda", monkeypatch,
+                                              logp_atol=1e-3 if dtype == torch.bfloat16 else 1e-4,
+                                              grad_rtol=GPU_TOL[dtype])
