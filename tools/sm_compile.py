@@ -190,8 +190,11 @@ FROZEN_VARIANTS = tuple((f"fwd frozen {TRITON_TYPES[d]}", d, dict()) for d in (t
 
 # every constexpr path of the GRPO token kernel, each loss family with the options TRL 1.16 combines with it
 TOKEN_LOSS_VARIANTS = (
-    # name, loss options, per-token advantages, inputs (off-policy mask, top-entropy mask)
+    # name, loss options, per-token advantages, inputs (on-policy: no old log-probs; off-policy mask, top-entropy mask)
     ("clipped, token", dict(loss_type="dapo", delta=2.0), False, dict()),
+    ("clipped, token, on-policy", dict(loss_type="dapo"), False, dict(on_policy=True)),
+    ("sapo, sequence, on-policy", dict(loss_type="sapo", importance_sampling_level="sequence"), False,
+     dict(on_policy=True)),
     ("clipped, sequence (GSPO)", dict(loss_type="grpo", delta=2.0, importance_sampling_level="sequence"), False,
      dict()),
     ("clipped, per-token advantages", dict(loss_type="grpo", delta=2.0), True, dict()),
@@ -222,7 +225,8 @@ def token_loss_launches():
         options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl="bias-corrected" in name,
                               **options)
         with recording(token_loss, "_token_loss_kernel") as launches:
-            token_loss.token_loss(logp, adv, mask, old, ref, sampler if inputs.get("off_policy") else None,
+            token_loss.token_loss(logp, adv, mask, None if inputs.get("on_policy") else old, ref,
+                                  sampler if inputs.get("off_policy") else None,
                                   torch.rand(B, T), entropy, options, scale=0.25,
                                   entropy_threshold=1.5 if inputs.get("entropy_mask") else None)
         out.append((f"token_loss {name}", launches[0]))
