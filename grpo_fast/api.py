@@ -92,6 +92,19 @@ def _resolve_backend(backend, device):
     return backend
 
 
+def _check_kernel_sizes(tokens, V, backend):
+    """Sizes the Triton kernels cannot index (kernels/config.py) are an error here, not a failed launch."""
+    if backend != "triton":
+        return
+    if V > kconfig.MAX_VOCAB:
+        raise ValueError(f"weight has V = {V} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} (the "
+                         f"backward's grid of vocabulary tiles): split the head over ranks (vocab_parallel) or use "
+                         "backend='torch'")
+    if tokens > kconfig.MAX_ROWS:
+        raise ValueError(f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: "
+                         "split the batch")
+
+
 def _layer1_choices(head_path, backward_mode, backend):
     """The caller's choice of layer-1 path and backward (kernels/config.py lists them); returns the path to take."""
     if head_path not in kconfig.HEAD_PATHS:
@@ -177,6 +190,7 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
     transform = _logit_transform(temperature, softcap, logit_scale)
     backend = _resolve_backend(backend, hidden.device)
+    _check_kernel_sizes(B * T, weight.shape[0], backend)
     with torch.no_grad():
         h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
         if h.shape[0] == 0:
@@ -206,6 +220,7 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
     backend = _resolve_backend(backend, hidden.device)
+    _check_kernel_sizes(B * T, weight.shape[0], backend)
     head_path = _layer1_choices(head_path, backward_mode, backend)
     return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
                                  "general" if entropy_grad else head_path, backward_mode)
@@ -258,6 +273,7 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
                        num_items_in_batch, entropy_threshold)
     _check_batch(batch, (B, T), hidden.device, "hidden", options)
     backend = _resolve_backend(backend, hidden.device)
+    _check_kernel_sizes(B * T, weight.shape[0], backend)
     head_path = _layer1_choices(head_path, backward_mode, backend)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,

@@ -185,6 +185,23 @@ def test_mixed_devices_are_rejected():
         grpo_fast.loss(**_good(completion_mask=meta_mask))
 
 
+def test_a_vocabulary_beyond_the_triton_grid_is_a_named_error():
+    """The backward's grid has at most 65535 vocabulary tiles (kernels/config.py): a larger head is refused before
+    any launch on the Triton backend, and the torch backend takes it."""
+    from grpo_fast.kernels import config as kconfig
+
+    V = kconfig.MAX_VOCAB + 1
+    hidden, weight = torch.randn(1, 2, 1), torch.randn(V, 1)
+    targets = torch.tensor([[0, V - 1]])
+    for fn in (grpo_fast.logprobs, grpo_fast.logprobs_and_entropy):
+        with pytest.raises(ValueError, match=f"weight has V = {V} rows; the Triton kernels take at most"):
+            fn(hidden, weight, targets, backend="triton")
+    with pytest.raises(ValueError, match="the Triton kernels take at most"):
+        grpo_fast.loss(hidden, weight, targets, torch.zeros(1), torch.ones(1, 2), backend="triton")
+    expected = torch.log_softmax(hidden[0] @ weight.T, dim=-1).gather(1, targets.T).T
+    torch.testing.assert_close(grpo_fast.logprobs(hidden, weight, targets, backend="torch"), expected)
+
+
 def test_device_errors_name_the_argument_they_compare_with():
     """token_loss has no hidden; sampling_importance_weights checks devices before it reads the mask's values."""
     args = _good()

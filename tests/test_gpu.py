@@ -83,11 +83,8 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
 @pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
 @pytest.mark.parametrize("transform", [dict(), dict(softcap=30.0), dict(softcap=2.0, logit_scale=1.7, temperature=0.7),
                                        dict(logit_scale=0.0625)])
-def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform, monkeypatch):
+def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform):
     # a loss on both outputs: the entropy-gradient and soft-cap variants of both backward kernels, compiled
-    if backward_mode == "fused":  # grpo_fast.api's layer-1 call, its last argument (the backward mode) replaced
-        fused = staticmethod(lambda *args: LinearLogprobs.apply(*args[:-1], "fused"))
-        monkeypatch.setattr(api, "LinearLogprobs", type("FusedBackward", (), {"apply": fused}))
     g = torch.Generator(device="cuda").manual_seed(1)
     B, T, D, V = 3, 211, 520, 9973
     hidden = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
@@ -104,7 +101,8 @@ def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform, 
             logp, ent = fn(leaves[0], leaves[1], targets, leaves[2], compute_dtype=torch.float64, **transform)
             logp, ent = logp * mask, ent * mask
         else:
-            logp, ent = fn(leaves[0], leaves[1], targets, bias=leaves[2], completion_mask=mask, **transform)
+            logp, ent = fn(leaves[0], leaves[1], targets, bias=leaves[2], completion_mask=mask,
+                           backward_mode=backward_mode, **transform)
         ((c_logp * logp).sum() + (c_ent * ent).sum()).backward()
         outs.append((logp.detach(), ent.detach(), [x.grad for x in leaves]))
     (rl, re, rg), (fl, fe, fg) = outs
@@ -232,8 +230,8 @@ def _max_rel_by_rows(a, b, rows=8192):
     return err / max(scale, 1e-12)
 
 
-def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, monkeypatch, token_chunk=1024,
-                                              logp_atol=1e-3, grad_rtol=2e-2):
+def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, monkeypatch, backward_mode="chunked",
+                                              token_chunk=1024, logp_atol=1e-3, grad_rtol=2e-2):
     """LinearLogprobs on the Triton backend (random [N, D] hidden, [V, D] weight, bias; soft-cap and temperature)
     against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
     entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
@@ -254,11 +252,11 @@ def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, mo
         return (c_logp[rows] * logp).sum() + ((c_ent[rows] * ent).sum() if c_ent is not None else 0.0)
 
     frozen_calls = []
-    original = autograd.forward_with_grad_hidden
-    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: frozen_calls.append(1) or original(*a))
+    original = autograd.head_forward_frozen_head
+    monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
     leaves = [hidden.requires_grad_()] + [x.requires_grad_(not frozen) for x in (weight, bias)]
     logp, ent = autograd.LinearLogprobs.apply(hidden, weight, targets, bias, LogitTransform(**transform), "triton",
-                                              frozen)
+                                              "auto" if frozen else "general", backward_mode)
     assert len(frozen_calls) == frozen
     weighted(logp, ent, slice(None)).backward()
     logp, ent = logp.detach(), ent.detach()
@@ -292,11 +290,11 @@ def test_layer1_with_tensors_past_2_31_elements_on_gpu(large, path, monkeypatch)
     # the wrong memory without an error
     if torch.cuda.get_device_properties(0).total_memory < 60 * 2 ** 30:
         pytest.skip("needs 60 GiB of GPU memory (tensors of 2^31 elements in fp32 and bf16, and the reference's)")
-    monkeypatch.setenv("GRPO_FAST_BWD", "fused" if path == "fused" else "chunked")
     N, D, V = PAST_2_31[large]
     assert (V if large == "weight" else N) * D > 2 ** 31
     # the frozen-head path's u buffer is about W's size in bytes: past 2^31 fp32 elements with an fp32 weight
     dtype = torch.float32 if (large, path) == ("weight", "frozen") else torch.bfloat16
     _layer1_matches_reference_in_token_chunks(N, D, V, dtype, path == "frozen", "cuda", monkeypatch,
+                                              backward_mode="fused" if path == "fused" else "chunked",
                                               logp_atol=1e-3 if dtype == torch.bfloat16 else 1e-4,
                                               grad_rtol=GPU_TOL[dtype])

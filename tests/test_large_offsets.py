@@ -30,6 +30,7 @@ from grpo_fast import autograd, reference
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels import softmax_stats
 
 from conftest import assert_grad_close
 
@@ -90,7 +91,6 @@ def test_layer1_with_rows_past_2_31_elements_matches_reference(far, path, monkey
     # forward and backward of the autograd function on the Triton backend: the logit tiles' hidden / weight loads
     # (forward, backward), the fused backward's hidden / weight loads, the chunked backward's hidden slices; the
     # frozen-head path takes the far rows through its GEMMs
-    monkeypatch.setenv("GRPO_FAST_BWD", "fused" if path == "fused" else "chunked")
     hidden, weight, bias, targets, g = _inputs()
     far_hidden = far_rows(hidden, FAR_TOKEN) if far == "hidden" else hidden
     far_weight = far_rows(weight, FAR_VOCAB) if far == "weight" else weight
@@ -100,11 +100,13 @@ def test_layer1_with_rows_past_2_31_elements_matches_reference(far, path, monkey
     transform = kconfig.LogitTransform(**TRANSFORM)
 
     frozen_calls = []
-    original = autograd.forward_with_grad_hidden
-    monkeypatch.setattr(autograd, "forward_with_grad_hidden", lambda *a: frozen_calls.append(1) or original(*a))
+    original = autograd.head_forward_frozen_head
+    monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
     leaves = [far_hidden.detach().requires_grad_()] + [x.detach().requires_grad_(not frozen)
                                                        for x in (far_weight, bias)]
-    logp, ent = autograd.LinearLogprobs.apply(*leaves[:2], targets, leaves[2], transform, "triton", frozen)
+    logp, ent = autograd.LinearLogprobs.apply(*leaves[:2], targets, leaves[2], transform, "triton",
+                                              "auto" if frozen else "general",
+                                              "fused" if path == "fused" else "chunked")
     assert len(frozen_calls) == frozen
     ((c_logp * logp).sum() + ((c_ent * ent).sum() if c_ent is not None else 0.0)).backward()
 
@@ -139,12 +141,16 @@ def test_fused_backward_accumulates_grad_hidden_past_2_31_elements():
     ref_logp, _ = reference.logprobs_and_entropy(ref_leaves[0], ref_leaves[1], targets[scored], ref_leaves[2],
                                                  compute_dtype=F64, **TRANSFORM)
     (coef[scored] * ref_logp).sum().backward()
-    lse = torch.zeros(n_tokens)
+    # the backward's per-token statistics (softmax_stats.BackwardStats), from the fp64 reference
+    lse, nontarget_mass = torch.zeros(n_tokens), torch.zeros(n_tokens)
     lse[scored] = torch.logsumexp(reference.logits(hidden_rows.double(), weight.double(), bias.double(),
                                                    compute_dtype=F64, **TRANSFORM), dim=1).float()
+    nontarget_mass[scored] = (-torch.expm1(ref_logp.detach())).float()
+    stats = softmax_stats.BackwardStats(lse, nontarget_mass, None, None)
 
     # large blocks keep the interpreter's program count and K-loop short; the offsets do not depend on them
-    cfg = dataclasses.replace(kconfig.launch_config(torch.device("cpu"), fwd=False), block_n=128, block_d=2048)
+    cfg = dataclasses.replace(kconfig.backward_config(torch.device("cpu"), torch.bfloat16, "fused"), block_n=128,
+                              block_d=2048)
     computed = torch.arange(scored[0] // cfg.block_n * cfg.block_n, n_tokens)  # the rows of the computed blocks
     hidden = far_contiguous((n_tokens, width), torch.bfloat16)
     hidden[computed] = 0.0
@@ -153,7 +159,7 @@ def test_fused_backward_accumulates_grad_hidden_past_2_31_elements():
     grad_hidden[computed] = 0.0
     grad_weight = torch.zeros(vocab, width)
     grad_bias = torch.zeros(vocab)
-    kbackward.backward_fused(hidden, weight, targets, bias, lse, None, coef, None, transform, grad_hidden,
+    kbackward.backward_fused(hidden, weight, targets, bias, stats, coef, None, transform, grad_hidden,
                              grad_weight, grad_bias, cfg)
     assert grad_hidden[computed[0]:scored[0]].abs().max() == 0.0
     assert_grad_close(grad_hidden[scored], ref_leaves[0].grad.float(), torch.float32, "hidden")
@@ -171,7 +177,7 @@ def test_frozen_head_tile_kernel_reads_logits_past_2_31_elements(gemm_dtype):
     u = torch.randn(rows, cols, generator=g) * 4.0
     bias = (torch.randn(V + v0, generator=g) * 0.5).bfloat16()
     targets = torch.randint(0, V + v0, (rows,), generator=g)
-    cfg = kconfig.frozen_launch_config(torch.device("cpu"))
+    cfg = kconfig.frozen_head_config(torch.device("cpu"))
     inv_temperature, logit_scale, softcap = kconfig.LogitTransform(**TRANSFORM).kernel_scalars()
     results = []
     for u_in in (u.clone(), far_rows(u, FAR_TOKEN)):

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import grpo_fast
-from grpo_fast import api, reference
-from grpo_fast.autograd import LinearLogprobs
+from grpo_fast import reference
 
 from conftest import assert_grad_close
 from helpers import head_inputs
@@ -24,23 +23,13 @@ F64 = torch.float64
 SHAPES = [(2, 9, 37, 203), (1, 1, 24, 50), (3, 5, 70, 131)]
 
 
-class _FusedBackward:
-    """grpo_fast.api's layer-1 entry point with backward_mode "fused" (its last argument) instead of the default."""
-
-    @staticmethod
-    def apply(*args):
-        return LinearLogprobs.apply(*args[:-1], "fused")
-
-
-@pytest.fixture(autouse=True)
-def _backward_mode(request, monkeypatch):
-    backend = request.node.callspec.params.get("backend", "") if hasattr(request.node, "callspec") else ""
-    if backend == "triton-fused":
-        monkeypatch.setattr(api, "LinearLogprobs", _FusedBackward)
-
-
 def _impl(backend):
     return "triton" if backend.startswith("triton") else backend
+
+
+def _mode(backend):
+    """The backward_mode of a BACKENDS entry."""
+    return "fused" if backend == "triton-fused" else "chunked"
 
 
 def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_mask=None, **transform):
@@ -57,6 +46,7 @@ def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_ma
         else:
             logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2],
                                                        completion_mask=completion_mask, backend=_impl(impl),
+                                                       backward_mode=_mode(impl),
                                                        **transform)
         total = sum((c * x).sum() for c, x in ((grad_logp, logp), (grad_entropy, ent)) if c is not None)
         total.backward()
@@ -146,7 +136,7 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     mask = torch.zeros(2, 4, dtype=torch.bool)
     logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2], completion_mask=mask,
-                                               backend=_impl(backend))
+                                               backend=_impl(backend), backward_mode=_mode(backend))
     (logp.sum() + ent.sum()).backward()
     assert torch.count_nonzero(logp) == 0 and torch.count_nonzero(ent) == 0
     assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
@@ -157,7 +147,7 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend):
     h, w, _, y = head_inputs(2, 4, 20, 77, torch.float32, bias=False)
     h.requires_grad_()
-    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, backend=_impl(backend))
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, backend=_impl(backend), backward_mode=_mode(backend))
     (logp.sum() + 0.1 * ent.sum()).backward()
     assert w.grad is None
     h2 = h.detach().clone().requires_grad_()
@@ -177,7 +167,8 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap):
     bias[::7] = 0.0
     y = (y // 7) * 7
     h.requires_grad_()
-    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, softcap=softcap, backend=_impl(backend))
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, softcap=softcap, backend=_impl(backend),
+                                               backward_mode=_mode(backend))
     (logp.sum() + ent.sum()).backward()
     h2 = h.detach().clone().requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(h2, w, y, bias, softcap=softcap, compute_dtype=F64)
@@ -228,15 +219,15 @@ def test_bad_transform_raises_a_value_error_naming_the_argument(kw, message):
 
 
 def test_the_fused_case_runs_the_fused_backward(monkeypatch):
-    # the "triton-fused" cases above reach backward_fused (and not backward_chunked) through the public entry point
+    # backward_mode="fused" (the "triton-fused" cases above) reaches backward_fused, not backward_chunked
     from grpo_fast.kernels import backward as kbackward
 
     calls = []
-    monkeypatch.setattr(api, "LinearLogprobs", _FusedBackward)
     monkeypatch.setattr(kbackward, "backward_chunked", lambda *a: calls.append("chunked"))
     original = kbackward.backward_fused
     monkeypatch.setattr(kbackward, "backward_fused", lambda *a: calls.append("fused") or original(*a))
     h, w, b, y = head_inputs(1, 3, 24, 50, torch.float32)
-    logp, _ = grpo_fast.logprobs_and_entropy(h, w.requires_grad_(), y, bias=b, backend="triton")
+    logp, _ = grpo_fast.logprobs_and_entropy(h, w.requires_grad_(), y, bias=b, backend="triton",
+                                             backward_mode="fused")
     logp.sum().backward()
     assert calls == ["fused"]

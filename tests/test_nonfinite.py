@@ -159,3 +159,25 @@ def test_loss_a_non_finite_input_at_a_scored_token_gives_a_non_finite_loss(loss_
         if grad is not None:
             assert torch.isfinite(grad).all(), path
             torch.testing.assert_close(grad, clean_grad, rtol=0, atol=0, equal_nan=False)
+
+
+@pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_gradient_for_one_token_reaches_dh_and_dw(backend, backward_mode):
+    """Layer 1's backward skips a token block whose coefficients are all zero; a block whose only non-zero
+    coefficient is NaN (the other tokens clipped or masked) is not skipped: that token's dH and dW are NaN."""
+    if backend == "torch" and backward_mode == "fused":
+        pytest.skip("the torch backend has one backward (chunked)")
+    g = torch.Generator().manual_seed(3)
+    N, D, V = 5, 12, 37
+    hidden = torch.randn(1, N, D, generator=g).requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, V, (1, N), generator=g)
+    logp, _ = grpo_fast.logprobs_and_entropy(hidden, weight, targets, backend=backend, backward_mode=backward_mode)
+    grad_logp = torch.tensor([[0.0, 0.0, NAN, 0.0, 0.0]])
+    logp.backward(grad_logp.nan_to_num(nan=0.0), inputs=[hidden], retain_graph=True)  # finite without the NaN
+    assert torch.isfinite(hidden.grad).all()
+    hidden.grad = None
+    logp.backward(grad_logp)
+    assert torch.isnan(hidden.grad[0, 2]).all() and torch.isfinite(hidden.grad[0, [0, 1, 3, 4]]).all()
+    assert torch.isnan(weight.grad).any()

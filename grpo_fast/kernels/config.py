@@ -110,6 +110,14 @@ class FrozenHeadConfig:
     gemm_fp32: bool
 
 
+# What the Triton kernels can index: a CUDA grid's second axis holds at most 65535 blocks, and the backward's grid is
+# (token blocks, vocabulary tiles) with vocabulary tiles at least 64 wide; row indices are 32-bit (their products
+# with strides are 64-bit). grpo_fast.api checks both before a launch.
+MAX_GRID_AXIS_1 = 65535
+MAX_VOCAB = MAX_GRID_AXIS_1 * 64
+MAX_ROWS = 2 ** 31 - 1
+
+
 def _compiled(device) -> bool:
     return not interpreting() and device.type == "cuda"
 

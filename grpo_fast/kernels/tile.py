@@ -79,14 +79,15 @@ def logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask,
 
 @triton.jit
 def row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD: tl.constexpr):
-    """A token block's dL/dlogp and dL/dentropy (the latter only with ENTROPY_GRAD), and their largest magnitude:
-    0 means the block has no gradient (masked rows), which the kernels skip exactly."""
+    """A token block's dL/dlogp and dL/dentropy (the latter only with ENTROPY_GRAD), and the sum of their
+    magnitudes: 0 means the block has no gradient (masked rows), which the kernels skip exactly. A sum, not a max:
+    a NaN coefficient must make the block's gradient NaN, and max (the interpreter's nanmax, PTX max.f32) drops it."""
     grad_logp = tl.load(grad_logp_ptr + offs_n, mask=n_mask, other=0.0)
-    scale = tl.max(tl.abs(grad_logp), axis=0)
+    scale = tl.sum(tl.abs(grad_logp), axis=0)
     grad_entropy = grad_logp
     if ENTROPY_GRAD:
         grad_entropy = tl.load(grad_entropy_ptr + offs_n, mask=n_mask, other=0.0)
-        scale = tl.maximum(scale, tl.max(tl.abs(grad_entropy), axis=0))
+        scale += tl.sum(tl.abs(grad_entropy), axis=0)
     return grad_logp, grad_entropy, scale
 
 
