@@ -199,6 +199,47 @@ register(Impl("trl", "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction 
 register(Impl("trl_frozen", "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
               _build_trl, modes=("fwdbwd",), frozen=True, unavailable=_trl_unavailable))
 
+# ----------------------------------------------------------------------------------------------- verl
+# verl 0.9's torch backend (fused_kernel_options.impl_backend=torch): FusedLinearForPPO, chunks of 512 tokens whose
+# logits are computed in the input dtype (bf16), then fp32 for the log-softmax and the entropy. verl's model forward
+# scores every position it is given; in its remove-padding layout those are the real tokens only, so the benchmark
+# gives it the completion tokens, then the same loss as every peer. verl pins transformers and tensordict against
+# TRL 1.16, so this peer runs in an environment with grpo_fast[verl] (python -m bench there); elsewhere it is marked
+# unavailable.
+
+
+def _verl_unavailable(device):
+    return _import_failure("verl", ("verl.utils.experimental.torch_functional",))
+
+
+def _build_verl_torch(mode, options):
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    head = FusedLinearForPPO(impl_backend="torch")
+
+    def completion_outputs(x, w):
+        logp, entropy = head(x.hidden[x.mask], w, x.targets[x.mask], temperature=x.temperature)
+        return [t.float().new_zeros(x.mask.shape).masked_scatter(x.mask, t.float()) for t in (logp, entropy)]
+
+    if mode == "logprobs":
+        def logprobs(x, w):
+            with torch.no_grad():
+                return completion_outputs(x, w)[0]
+
+        return logprobs
+
+    def loss(x, w):
+        logp, entropy = completion_outputs(x, w)
+        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy,
+                                    old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
+                                    num_items_in_batch=x.num_items_in_batch)
+
+    return loss
+
+
+register(Impl("verl_torch", "verl 0.9's torch backend (FusedLinearForPPO on the completion tokens) + TRL's GRPO loss",
+              _build_verl_torch, unavailable=_verl_unavailable))
+
 # ----------------------------------------------------------------------------------------------- grpo_fast
 
 

@@ -36,10 +36,11 @@ match, as under verl's bf16 mixed precision) and grpo_fast accumulates in fp32 w
 
 Sharded heads: under verl's FSDP2 a tied head belongs to the root unit, which FSDP gathers before the forward; an
 untied lm_head is a ``fully_shard`` unit of its own whose forward is never called (verl reads ``lm_head.weight``),
-so this forward asks FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters its gradient
-(verl's own backends fail there: "mixed torch.Tensor and DTensor"); without grad it reshards at once. Under FSDP1
-the head is part of the root's flat parameter, gathered for the forward. A head that is a DTensor for another
-reason (tensor parallelism) is refused, as are vision-language models (verl gives them forwards of their own).
+so this forward asks FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters its gradient;
+without grad it reshards at once (tested: 2 ranks equal one process). Under FSDP1 (strategy fsdp) verl's wrap policy
+leaves the head in the root unit, gathered for the forward (not tested on several ranks). A head that is a DTensor
+for another reason (tensor parallelism) is refused, as are vision-language models (verl gives them forwards of their
+own).
 
 verl versions: ``VERL_VERSIONS`` (the range the tests run); another version raises ``ImportError``. A failure to
 load is logged as an error before it is raised: verl itself logs a failing plugin at debug level only.
