@@ -172,12 +172,14 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_k
         device_type = hidden.device.type
         compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else hidden.dtype)
+        if mask is not None:
+            mask = mask.to(weight.device)
         with torch.autocast(device_type, enabled=False):
             log_probs, entropy = grpo_fast.logprobs_and_entropy(
                 hidden.to(weight.device, compute_dtype), weight.to(compute_dtype), targets.to(weight.device).long(),
                 bias=None if bias is None else bias.to(compute_dtype), temperature=temperature,
                 softcap=getattr(text_config, "final_logit_softcapping", None),
-                logit_scale=logit_scale_of(text_config), completion_mask=None if mask is None else mask.to(weight.device))
+                logit_scale=logit_scale_of(text_config), completion_mask=mask)
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 

@@ -5,7 +5,6 @@ bf16, on grpo_fast's CPU path (chunked torch) and its Triton kernels (interprete
 the errors for what is not supported, the plugin's registration and its loud failure."""
 
 import copy
-import functools
 import importlib
 import logging
 import sys
@@ -16,8 +15,8 @@ import torch
 from transformers import Qwen2Config, Qwen2VLConfig
 from verl.models.transformers import dense_common, monkey_patch
 from verl.workers.engine.base import EngineRegistry
-from verl_harness import (HIDDEN_GRAD, fused_outputs, head_truth, loss_and_grads, model_truth, packed_batch, padded_batch, patched,
-                          tiny_gemma2, tiny_qwen2)
+from verl_harness import (HIDDEN_GRAD, fused_outputs, head_truth, loss_and_grads, model_truth, packed_batch,
+                          padded_batch, patched, tiny_gemma2, tiny_qwen2)
 
 import grpo_fast
 
@@ -99,7 +98,7 @@ def test_patched_model_equals_fp64(layout, tied, dtype, grpo_fast_path):
         else:
             ours_err = (out[valid].double() - truth_out[valid]).abs().max().item()
             their_err = (their_out[valid].double() - truth_out[valid]).abs().max().item()
-            assert ours_err <= HEAD_ATOL_BF16, f"{name}: {ours_err:.3g} from fp64 (verl's torch backend: {their_err:.3g})"
+            assert ours_err <= HEAD_ATOL_BF16, f"{name}: {ours_err:.3g} from fp64 (verl's torch: {their_err:.3g})"
             assert ours_err < their_err, f"{name}: ours {ours_err:.3g}, verl's torch backend {their_err:.3g}"
     for name in truth_grads:
         if name == HIDDEN_GRAD and dtype == torch.bfloat16:

@@ -9,8 +9,6 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForC
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 VOCAB = 131  # not a power of two, not a multiple of any block
-# verl's fused forwards return the log-prob of every position's next id; these fields are compared
-FIELDS = ("log_probs", "entropy")
 HIDDEN_GRAD = "the last hidden states"
 
 
