@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import verl
 from hydra import compose, initialize_config_dir
 from verl.utils.reward_score import default_compute_score
@@ -26,6 +27,7 @@ def script_overrides(**env):
     return [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in words[:-1]]
 
 
+@pytest.mark.slow
 def test_data_step_writes_what_verl_scores(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "examples" / "verl_gsm8k_data.py"), "--local_save_dir", str(tmp_path)],
                    check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
