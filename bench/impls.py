@@ -198,6 +198,66 @@ register(Impl("trl", "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction 
 register(Impl("trl_frozen", "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
               _build_trl, modes=("fwdbwd",), frozen=True, unavailable=_trl_unavailable))
 
+# ----------------------------------------------------------------------------------------------- verl
+# verl 0.9's fused heads. Its torch backend (fused_kernel_options.impl_backend=torch): FusedLinearForPPO, chunks of
+# 512 tokens whose logits are computed in the input dtype (bf16), then fp32 for the log-softmax and the entropy.
+# verl's model forward scores every position it is given; in its remove-padding layout those are the real tokens
+# only, so the benchmark gives it the completion tokens, then the same loss as every peer. verl pins transformers
+# and tensordict against TRL 1.16, so these peers run in an environment with grpo_fast[verl] (python -m bench
+# there); elsewhere they are marked unavailable.
+
+
+def _verl_unavailable(device):
+    return _import_failure("verl", ("verl.utils.experimental.torch_functional",))
+
+
+def _verl_triton_unavailable(device):
+    if torch.device(device).type != "cuda":
+        return "verl's Triton backend needs CUDA"
+    return _import_failure("verl", ("verl.utils.kernel.linear_cross_entropy",))
+
+
+def _verl_head(backend):
+    """verl's fused head of ``backend`` as f(hidden [N, D], weight, targets [N], temperature) -> (logp, entropy)."""
+    if backend == "triton":
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+        return lambda h, w, y, temperature: linear_cross_entropy(h, w, y, float(temperature), "none")
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    head = FusedLinearForPPO(impl_backend="torch")
+    return lambda h, w, y, temperature: head(h, w, y, temperature=temperature)
+
+
+def _build_verl(mode, options, backend):
+    head = _verl_head(backend)
+
+    def completion_outputs(x, w):
+        logp, entropy = head(x.hidden[x.mask], w, x.targets[x.mask], x.temperature)
+        return [t.float().new_zeros(x.mask.shape).masked_scatter(x.mask, t.float()) for t in (logp, entropy)]
+
+    if mode == "logprobs":
+        def logprobs(x, w):
+            with torch.no_grad():
+                return completion_outputs(x, w)[0]
+
+        return logprobs
+
+    def loss(x, w):
+        logp, entropy = completion_outputs(x, w)
+        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy,
+                                    old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
+                                    num_items_in_batch=x.num_items_in_batch)
+
+    return loss
+
+
+register(Impl("verl_torch", "verl 0.9's torch backend (FusedLinearForPPO on the completion tokens) + TRL's GRPO loss",
+              lambda mode, options: _build_verl(mode, options, "torch"), unavailable=_verl_unavailable))
+# verl's Triton backend (impl_backend=triton: verl.utils.kernel's linear_cross_entropy), CUDA only
+register(Impl("verl_triton", "verl 0.9's Triton backend (linear_cross_entropy on the completion tokens) + TRL's GRPO "
+              "loss", lambda mode, options: _build_verl(mode, options, "triton"), unavailable=_verl_triton_unavailable))
+
 # ----------------------------------------------------------------------------------------------- grpo_fast
 
 

@@ -1,0 +1,263 @@
+"""grpo_fast as verl's fused LM head: ``impl_backend=grpo_fast``, no fork of verl.
+
+    pip install "grpo_fast[verl]"
+    actor_rollout_ref.model.use_fused_kernels=True
+    actor_rollout_ref.model.fused_kernel_options.impl_backend=grpo_fast
+
+verl imports every entry point of the group ``verl.plugins`` at ``import verl`` (grpo_fast's package metadata
+names this module), in the trainer and in every Ray worker. Importing it wraps two of verl's functions:
+
+- ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` (which ``apply_monkey_patch`` calls by name
+  at the end, and which knows only ``triton``, ``torch`` and ``liger``) accepts ``grpo_fast``: the model's class
+  forward becomes ``forward``, below; every other backend goes to verl's own function untouched.
+- ``verl.workers.engine.base.EngineRegistry.new`` refuses, before any model is loaded, an engine that would not
+  run that forward with ``impl_backend=grpo_fast``: only verl's FSDP engine (``strategy`` fsdp / fsdp2) calls
+  ``apply_monkey_patch`` (Megatron, VeOmni, TorchTitan and AutoModel have fused paths of their own, which ignore
+  ``impl_backend``), and Ulysses sequence parallelism is untested here.
+
+Without ``impl_backend=grpo_fast`` both pass every call to verl's own function: the other backends are unchanged.
+
+``forward`` keeps the contract of verl's ``dense_common`` forwards (the keywords ``temperature``, ``return_dict``,
+``shift_labels``; the result a ``CausalLMOutputForPPO`` with per-position ``log_probs`` and ``entropy``): the
+backbone runs as verl runs it (``forward_base_model``); the labels are ``shift_labels`` (remove-padding: ``[1, nnz]``,
+the engine's globally rolled ids) or, as verl does, the ids rolled by one; every position is scored (no loss mask
+reaches the forward: verl masks afterwards), except that in the padded ``[B, T]`` layout positions whose attention
+mask is 0 are padding, which verl drops, so they are not computed (their outputs are zeros). Both outputs are
+fp32 and differentiable (verl's entropy bonus trains through the entropy); with a frozen lm_head (LoRA) grpo_fast
+takes its two-sweep path, exact whether or not the entropy is then differentiated.
+
+What verl's backends leave out and this one applies: the model's logit transform, read from the HF config as
+TRL 1.16 reads it (``final_logit_softcapping``; ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier`` or
+``logits_scaling``); the lm_head's bias when it has one.
+
+Compute dtype: the autocast dtype when autocast is on (verl's FSDP engine runs the forward under bf16 autocast),
+else the hidden states' dtype; hidden states and weight are cast to it with a differentiable ``.to`` (free when they
+match, as under verl's bf16 mixed precision) and grpo_fast accumulates in fp32 with autocast off.
+
+Sharded heads: under verl's FSDP2 a tied head belongs to the root unit, which FSDP gathers before the forward; an
+untied lm_head is a ``fully_shard`` unit of its own whose forward is never called (verl reads ``lm_head.weight``),
+so this forward asks FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters its gradient;
+without grad it reshards at once (tested: 2 ranks equal one process). Under FSDP1 (strategy fsdp) verl's wrap policy
+leaves the head in the root unit, gathered for the forward (not tested on several ranks). A head that is a DTensor
+for another reason (tensor parallelism) is refused, as are vision-language models (verl gives them forwards of their
+own).
+
+verl versions: ``VERL_VERSIONS`` (the range the tests run); another version raises ``ImportError``. A failure to
+load is logged as an error before it is raised: verl itself logs a failing plugin at debug level only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+from packaging.version import Version
+
+VERL_VERSIONS = ">=0.9.1,<0.10"
+_VERL_MIN, _VERL_END = Version("0.9.1"), Version("0.10")
+BACKEND = "grpo_fast"
+# the engines (verl's `strategy`) whose model build calls apply_monkey_patch, the path tested here
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+SUPPORTED_PATH = ("verl's FSDP engine (actor_rollout_ref.actor.strategy=fsdp or fsdp2) with a text-only causal LM "
+                  "(verl's dense_common forward) and ulysses_sequence_parallel_size=1")
+
+_log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _loud(what):
+    """verl swallows a plugin's exception (a debug log line): say it as an error, then raise it."""
+    try:
+        yield
+    except Exception:
+        _log.error("grpo_fast's verl backend failed to %s; impl_backend=%s is unavailable", what, BACKEND,
+                   exc_info=True)
+        raise
+
+
+def _import_verl():
+    hint = f'grpo_fast.verl needs verl{VERL_VERSIONS} (pip install "grpo_fast[verl]")'
+    try:
+        import verl
+    except ImportError as e:
+        raise ImportError(f"{hint}; verl is not installed") from e
+    # during `import verl` (this module is its plugin) __version__ is already set: verl sets it before plugins load
+    if not _VERL_MIN <= Version(verl.__version__) < _VERL_END:
+        raise ImportError(f"{hint}; found verl {verl.__version__}")
+    return verl
+
+
+with _loud("import"):
+    verl = _import_verl()
+
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from verl.models.transformers import monkey_patch as _monkey_patch
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
+    from verl.workers.engine.base import EngineRegistry
+
+    import grpo_fast
+
+__all__ = ["forward", "BACKEND", "VERL_VERSIONS", "SUPPORTED_STRATEGIES", "check_model", "logit_scale_of"]
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def logit_scale_of(text_config) -> float:
+    """The factor the logits are multiplied by, read from the config in TRL 1.16's order (grpo_fast.trl's
+    function of the same name, which cannot be imported here: grpo_fast.trl imports TRL, and verl breaks when
+    TRL 1.16 is importable)."""
+    scale = getattr(text_config, "logit_scale", None)  # Cohere; None on models that do not scale (MPT)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)  # Falcon-H1
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        # Granite and MiniCPM3 divide the logits by `logits_scaling`; HyperCLOVA X multiplies them by it
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else scale
+
+
+def _check_text_only(config) -> None:
+    """Raise for a vision-language config (a text sub-config or a vision one): verl has other forwards for them."""
+    if config.get_text_config() is not config or getattr(config, "vision_config", None) is not None:
+        raise NotImplementedError(
+            f"impl_backend={BACKEND}: model_type {config.model_type!r} is a vision-language model, which verl runs "
+            f"through forwards of its own; grpo_fast supports {SUPPORTED_PATH}. Use impl_backend=torch or triton "
+            "for this model, or use_fused_kernels=False.")
+
+
+def check_model(model) -> None:
+    """Raise unless ``model`` is a text-only causal LM with an output embedding: what ``forward`` serves."""
+    _check_text_only(model.config)
+    if model.get_output_embeddings() is None or not hasattr(model, "model"):
+        raise NotImplementedError(
+            f"impl_backend={BACKEND}: {type(model).__name__} has no lm_head (get_output_embeddings()) over a "
+            f"`model` backbone; grpo_fast supports {SUPPORTED_PATH}.")
+
+
+def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+            labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+            cache_position=None, logits_to_keep=0, temperature=1.0, shift_labels=None, **loss_kwargs):
+    """verl's fused-kernel forward (``dense_common``'s contract) with grpo_fast's head: per-position log-probs and
+    entropies [B, T] (or [1, nnz]), fp32, both differentiable. See the module docstring."""
+    if not return_dict:
+        raise NotImplementedError(f"impl_backend={BACKEND}: the forward returns a CausalLMOutputForPPO; pass "
+                                  "return_dict=True (verl's FSDP engine does)")
+    outputs = forward_base_model(
+        self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+        output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict,
+        cache_position=cache_position)
+    hidden = outputs[0]
+    # verl's labels: the engine's pre-rolled ids (remove-padding; rolled over the whole packed sequence), else the
+    # ids rolled by one, as verl's own backends roll them
+    if shift_labels is not None:
+        targets = shift_labels
+    elif labels is not None:
+        targets = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        targets = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise ValueError(f"impl_backend={BACKEND}: the forward needs shift_labels, labels or input_ids")
+    # padded [B, T] layout: positions outside the attention mask are padding that verl drops
+    mask = None
+    if attention_mask is not None and attention_mask.shape == targets.shape:
+        mask = attention_mask.bool()
+
+    text_config = self.config.get_text_config()
+    with _head_parameters(self.get_output_embeddings()) as (weight, bias):
+        device_type = hidden.device.type
+        compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                         else hidden.dtype)
+        if mask is not None:
+            mask = mask.to(weight.device)
+        with torch.autocast(device_type, enabled=False):
+            log_probs, entropy = grpo_fast.logprobs_and_entropy(
+                hidden.to(weight.device, compute_dtype), weight.to(compute_dtype), targets.to(weight.device).long(),
+                bias=None if bias is None else bias.to(compute_dtype), temperature=temperature,
+                softcap=getattr(text_config, "final_logit_softcapping", None),
+                logit_scale=logit_scale_of(text_config), completion_mask=mask)
+    return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
+                                hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+@contextlib.contextmanager
+def _head_parameters(lm_head):
+    """The head's weight and bias as whole tensors (see the module docstring on sharded heads)."""
+    reshard = False
+    if isinstance(lm_head, FSDPModule) and isinstance(lm_head.weight, DTensor):
+        # An lm_head that is an FSDP2 unit of its own is never called, so FSDP's hooks would neither gather it nor
+        # reduce its gradient: gather it through FSDP, whose post-backward reduce-scatters the gradient and
+        # reshards. Without grad no backward will come: reshard as soon as the head is done.
+        lm_head.unshard()
+        reshard = not torch.is_grad_enabled()
+    try:
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if isinstance(weight, DTensor):
+            raise NotImplementedError(
+                f"impl_backend={BACKEND}: the lm_head's weight is a DTensor outside FSDP2 ({weight.placements}; "
+                f"tensor parallelism?), which is untested; grpo_fast supports {SUPPORTED_PATH}.")
+        yield weight, bias
+    finally:
+        if reshard:
+            lm_head.reshard()
+
+
+# ---------------------------------------------------------------------------------------------- verl's hooks
+def _patch_forward_with_backends(verl_function):
+    """verl's ``patch_forward_with_backends`` that also accepts ``grpo_fast``."""
+
+    @functools.wraps(verl_function)
+    def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None):
+        if not (use_fused_kernels and fused_kernels_backend == BACKEND):
+            return verl_function(model, use_fused_kernels=use_fused_kernels,
+                                 fused_kernels_backend=fused_kernels_backend)
+        check_model(model)
+        # verl patches the class, as for its own backends; the attribute is what verl's forwards read
+        model._verl_fused_kernels_backend = BACKEND
+        model.__class__.forward = forward
+        print(f"Using grpo_fast backend for fused kernels in {model.__class__.__name__}")
+
+    patch_forward_with_backends.grpo_fast_wraps = verl_function
+    return patch_forward_with_backends
+
+
+def _engine_new(verl_new):
+    """verl's ``EngineRegistry.new`` that refuses an engine which would not run grpo_fast's forward."""
+
+    @functools.wraps(verl_new)
+    def new(cls, model_type, backend, *args, **kwargs):
+        model_config, engine_config = kwargs.get("model_config"), kwargs.get("engine_config")
+        options = getattr(model_config, "fused_kernel_options", None) or {}
+        if getattr(model_config, "use_fused_kernels", False) and options.get("impl_backend") == BACKEND:
+            if backend not in SUPPORTED_STRATEGIES:
+                raise NotImplementedError(
+                    f"impl_backend={BACKEND} with the {backend!r} engine: that engine does not call verl's "
+                    f"apply_monkey_patch, so grpo_fast's head would not run; grpo_fast supports {SUPPORTED_PATH}.")
+            sp_size = getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1
+            if sp_size > 1:
+                raise NotImplementedError(
+                    f"impl_backend={BACKEND} with ulysses_sequence_parallel_size={sp_size}: sequence parallelism "
+                    f"is untested with grpo_fast; grpo_fast supports {SUPPORTED_PATH}.")
+            if getattr(model_config, "hf_config", None) is not None:
+                _check_text_only(model_config.hf_config)
+        return verl_new.__func__(cls, model_type, backend, *args, **kwargs)
+
+    new.grpo_fast_wraps = verl_new
+    return classmethod(new)
+
+
+def _install():
+    """Wrap verl's two functions once (importing this module twice, or reloading it, wraps nothing twice)."""
+    current = _monkey_patch.patch_forward_with_backends
+    if not hasattr(current, "grpo_fast_wraps"):
+        _monkey_patch.patch_forward_with_backends = _patch_forward_with_backends(current)
+    if not hasattr(EngineRegistry.new, "grpo_fast_wraps"):
+        EngineRegistry.new = _engine_new(EngineRegistry.new)
+
+
+with _loud("register"):
+    _install()

@@ -1,0 +1,40 @@
+"""grpo_fast.verl's tests (tests/verl_env) in verl's own environment, from this test session.
+
+verl 0.9 pins transformers <5.11 and tensordict <=0.10 and breaks when TRL 1.16 is importable (its
+apply_monkey_patch imports a class TRL 1.16 removed), so the verl tests cannot run beside the trl extra: they run in a
+second environment with ``grpo_fast[verl]``, whose python ``GRPO_FAST_VERL_PYTHON`` names (.ci/run builds it and
+sets it). This test runs pytest there on tests/verl_env with this session's ``-m`` expression, so ``pytest`` runs them
+all and ``pytest -m "not slow"`` their fast tier. Where verl is importable in this environment, tests/verl_env is
+collected by this session directly and this test skips.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VERL_PYTHON = os.environ.get("GRPO_FAST_VERL_PYTHON")
+TIMEOUT_S = 40 * 60
+
+
+@pytest.mark.skipif(importlib.util.find_spec("verl") is not None,
+                    reason="verl is importable here: this session collects tests/verl_env itself")
+@pytest.mark.skipif(not VERL_PYTHON, reason="no verl environment: GRPO_FAST_VERL_PYTHON is not set (the python of an "
+                                            "environment with grpo_fast[verl] installed; .ci/run builds one)")
+def test_verl_environment(request):
+    command = [VERL_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+               "tests/verl_env"]
+    markexpr = request.config.getoption("markexpr")
+    if markexpr:
+        command += ["-m", markexpr]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    print(f"{VERL_PYTHON}: {summary}")
+    sys.stdout.flush()
+    assert run.returncode == 0, f"tests/verl_env failed in {VERL_PYTHON}:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
