@@ -83,7 +83,6 @@ trl = _import_trl()
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled  # noqa: E402
 from trl import GRPOConfig, RLOOConfig  # noqa: E402
@@ -93,6 +92,7 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # n
 
 import grpo_fast  # noqa: E402
 from grpo_fast.kernels.config import LogitTransform  # noqa: E402
+from grpo_fast.model_head import fsdp_unit_gathered, logit_scale_of  # noqa: E402
 
 __all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
            "TRL_VERSIONS"]
@@ -104,21 +104,6 @@ EXTRA_OUTPUTS_CHUNK_LOGITS = 1 << 24
 
 
 # ---------------------------------------------------------------------------------------------- the head
-def logit_scale_of(text_config) -> float:
-    """The factor TRL 1.16's fused head multiplies the logits by, read from the config in TRL's order."""
-    # None on models that do not scale (MPT): unscaled. Muse Glimmer's `output_multiplier` is the same factor.
-    scale = getattr(text_config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)  # Falcon-H1
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        # Granite and MiniCPM3 divide the logits by `logits_scaling`; HyperCLOVA X multiplies them by it
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return 1.0 if scale is None else scale
-
-
 def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
                       outputs: tuple[str, ...] = ("log_probs",), *, entropy_grad: bool = False) -> None:
     """TRL's ``add_fused_lm_head`` computed by grpo_fast: ``model(..., labels=labels, fused_lm_head=True)`` returns a
@@ -201,22 +186,11 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
 @contextlib.contextmanager
 def _head_parameters(lm_head):
     """The head's weight and bias as tensors the kernel can read (see the module docstring on distributed)."""
-    reshard = False
-    if isinstance(lm_head, FSDPModule) and isinstance(lm_head.weight, DTensor):
-        # A head that is an FSDP unit of its own is never called, so FSDP's hooks would neither gather it nor
-        # reduce its gradient: gather it through FSDP, whose post-backward reduce-scatters the gradient and
-        # reshards. Without grad no backward will come: reshard as soon as the head is done.
-        lm_head.unshard()
-        reshard = not torch.is_grad_enabled()
-    try:
-        weight, bias = lm_head.weight, lm_head.bias
+    with fsdp_unit_gathered(lm_head) as (weight, bias):
         if isinstance(weight, DTensor):
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
         yield weight, bias
-    finally:
-        if reshard:
-            lm_head.reshard()
 
 
 @contextlib.contextmanager

@@ -92,34 +92,18 @@ with _loud("import"):
     verl = _import_verl()
 
     import torch
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from verl.models.transformers import monkey_patch as _monkey_patch
     from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
     from verl.workers.engine.base import EngineRegistry
 
     import grpo_fast
+    from grpo_fast.model_head import fsdp_unit_gathered, logit_scale_of
 
 __all__ = ["forward", "BACKEND", "VERL_VERSIONS", "SUPPORTED_STRATEGIES", "check_model", "logit_scale_of"]
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def logit_scale_of(text_config) -> float:
-    """The factor the logits are multiplied by, read from the config in TRL 1.16's order (grpo_fast.trl's
-    function of the same name, which cannot be imported here: grpo_fast.trl imports TRL, and verl breaks when
-    TRL 1.16 is importable)."""
-    scale = getattr(text_config, "logit_scale", None)  # Cohere; None on models that do not scale (MPT)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)  # Falcon-H1
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        # Granite and MiniCPM3 divide the logits by `logits_scaling`; HyperCLOVA X multiplies them by it
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return 1.0 if scale is None else scale
-
-
 def _check_text_only(config) -> None:
     """Raise for a vision-language config (a text sub-config or a vision one): verl has other forwards for them."""
     if config.get_text_config() is not config or getattr(config, "vision_config", None) is not None:
@@ -187,23 +171,12 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_k
 @contextlib.contextmanager
 def _head_parameters(lm_head):
     """The head's weight and bias as whole tensors (see the module docstring on sharded heads)."""
-    reshard = False
-    if isinstance(lm_head, FSDPModule) and isinstance(lm_head.weight, DTensor):
-        # An lm_head that is an FSDP2 unit of its own is never called, so FSDP's hooks would neither gather it nor
-        # reduce its gradient: gather it through FSDP, whose post-backward reduce-scatters the gradient and
-        # reshards. Without grad no backward will come: reshard as soon as the head is done.
-        lm_head.unshard()
-        reshard = not torch.is_grad_enabled()
-    try:
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    with fsdp_unit_gathered(lm_head) as (weight, bias):
         if isinstance(weight, DTensor):
             raise NotImplementedError(
                 f"impl_backend={BACKEND}: the lm_head's weight is a DTensor outside FSDP2 ({weight.placements}; "
                 f"tensor parallelism?), which is untested; grpo_fast supports {SUPPORTED_PATH}.")
         yield weight, bias
-    finally:
-        if reshard:
-            lm_head.reshard()
 
 
 # ---------------------------------------------------------------------------------------------- verl's hooks
