@@ -64,22 +64,12 @@ import types
 
 from packaging.version import Version
 
-TRL_VERSIONS = ">=1.16,<1.17"
-_TRL_MIN, _TRL_END = Version("1.16"), Version("1.17")
+from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, logit_scale_of
 
+_TRL_LOW, _TRL_END = "1.16", "1.17"
+TRL_VERSIONS = f">={_TRL_LOW},<{_TRL_END}"
 
-def _import_trl():
-    hint = f'grpo_fast.trl needs trl{TRL_VERSIONS} (pip install "grpo_fast[trl]")'
-    try:
-        import trl
-    except ImportError as e:
-        raise ImportError(f"{hint}; trl is not installed") from e
-    if not _TRL_MIN <= Version(trl.__version__) < _TRL_END:
-        raise ImportError(f"{hint}; found trl {trl.__version__}")
-    return trl
-
-
-trl = _import_trl()
+trl = import_pinned("trl", _TRL_LOW, _TRL_END)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -92,7 +82,6 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # n
 
 import grpo_fast  # noqa: E402
 from grpo_fast.kernels.config import LogitTransform  # noqa: E402
-from grpo_fast.model_head import fsdp_unit_gathered, logit_scale_of  # noqa: E402
 
 __all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
            "TRL_VERSIONS"]

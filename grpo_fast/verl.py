@@ -52,10 +52,10 @@ import contextlib
 import functools
 import logging
 
-from packaging.version import Version
+from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, logit_scale_of
 
-VERL_VERSIONS = ">=0.9.1,<0.10"
-_VERL_MIN, _VERL_END = Version("0.9.1"), Version("0.10")
+_VERL_LOW, _VERL_END = "0.9.1", "0.10"
+VERL_VERSIONS = f">={_VERL_LOW},<{_VERL_END}"
 BACKEND = "grpo_fast"
 # the engines (verl's `strategy`) whose model build calls apply_monkey_patch, the path tested here
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
@@ -76,20 +76,9 @@ def _loud(what):
         raise
 
 
-def _import_verl():
-    hint = f'grpo_fast.verl needs verl{VERL_VERSIONS} (pip install "grpo_fast[verl]")'
-    try:
-        import verl
-    except ImportError as e:
-        raise ImportError(f"{hint}; verl is not installed") from e
-    # during `import verl` (this module is its plugin) __version__ is already set: verl sets it before plugins load
-    if not _VERL_MIN <= Version(verl.__version__) < _VERL_END:
-        raise ImportError(f"{hint}; found verl {verl.__version__}")
-    return verl
-
-
 with _loud("import"):
-    verl = _import_verl()
+    # during `import verl` (this module is its plugin) __version__ is already set: verl sets it before plugins load
+    verl = import_pinned("verl", _VERL_LOW, _VERL_END)
 
     import torch
     from torch.distributed.tensor import DTensor
@@ -98,7 +87,6 @@ with _loud("import"):
     from verl.workers.engine.base import EngineRegistry
 
     import grpo_fast
-    from grpo_fast.model_head import fsdp_unit_gathered, logit_scale_of
 
 __all__ = ["forward", "BACKEND", "VERL_VERSIONS", "SUPPORTED_STRATEGIES", "check_model", "logit_scale_of"]
 

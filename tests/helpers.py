@@ -1,5 +1,7 @@
 """Shared builders for the loss tests: random GRPO batches with odd shapes."""
 
+import contextlib
+
 import torch
 
 from grpo_fast import reference
@@ -57,3 +59,23 @@ def matmul_flops(fn):
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
+
+
+@contextlib.contextmanager
+def head_calls_recorded():
+    """Within: each call of grpo_fast.logprobs_and_entropy (what the TRL and verl heads call) appends (type name,
+    shape) of the weight it was given to the yielded list: the distributed tests check how a sharded head arrives."""
+    import grpo_fast
+
+    seen = []
+    real = grpo_fast.logprobs_and_entropy
+
+    def spy(hidden, weight, targets, **kwargs):
+        seen.append((type(weight).__name__, tuple(weight.shape)))
+        return real(hidden, weight, targets, **kwargs)
+
+    grpo_fast.logprobs_and_entropy = spy
+    try:
+        yield seen
+    finally:
+        grpo_fast.logprobs_and_entropy = real

@@ -91,7 +91,7 @@ def wrap(model, case):
 
 
 def run_case(rank, case, out_dir):
-    import grpo_fast
+    from helpers import head_calls_recorded
 
     ids, labels, advantages = global_batch()
     num_tokens = (labels[:, 1:] != -100).sum()
@@ -100,23 +100,13 @@ def run_case(rank, case, out_dir):
     single_loss.backward()
 
     model = wrap(build_model(), case)
-    weights_seen = []
-    real_kernel = grpo_fast.logprobs_and_entropy
-
-    def spy(hidden, weight, targets, **kwargs):
-        weights_seen.append((type(weight).__name__, tuple(weight.shape)))
-        return real_kernel(hidden, weight, targets, **kwargs)
-
-    grpo_fast.logprobs_and_entropy = spy
-    try:
+    with head_calls_recorded() as weights_seen:
         rows = slice(rank * 4, rank * 4 + 4)
         with torch.no_grad():  # an old-policy pass: no backward will reshard a head that grpo_fast.trl unsharded
             model(input_ids=ids[rows], labels=labels[rows], fused_lm_head=True)
         head_sharded_after_no_grad = type(unwrapped(model).lm_head.weight).__name__ == "DTensor"
         loss = trl_style_loss(model, ids[rows], labels[rows], advantages[rows], num_tokens, scale=WORLD)
         loss.backward()
-    finally:
-        grpo_fast.logprobs_and_entropy = real_kernel
     loss_sum = loss.detach().clone()
     dist.all_reduce(loss_sum)
     torch.save(dict(loss=loss_sum / WORLD, grads=full_gradients(unwrapped(model)), single_loss=single_loss.detach(),

@@ -66,10 +66,9 @@ def _dot_precision(dtype, dot_fp32):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ForwardConfig:
-    """kernels/forward.py's launch: BLOCK_N x BLOCK_V logit tiles, K steps of BLOCK_D; the vocabulary is split until
-    about ``target_programs`` programs run. ``dot_fp32``: upcast the dot operands (the interpreter's bf16 tl.dot is
-    wrong in triton 3.9)."""
+class _DotTileConfig:
+    """The launch of a kernel that builds BLOCK_N x BLOCK_V logit tiles in K steps of BLOCK_D. ``dot_fp32``: upcast
+    the dot operands (the interpreter's bf16 tl.dot is wrong in triton 3.9)."""
 
     block_n: int
     block_v: int
@@ -77,25 +76,22 @@ class ForwardConfig:
     num_warps: int
     num_stages: int
     dot_fp32: bool
-    target_programs: int
 
     def dot_precision(self, dtype):
         return _dot_precision(dtype, self.dot_fp32)
 
 
 @dataclass(frozen=True, kw_only=True)
-class BackwardConfig:
-    """kernels/backward.py's launch (either mode): BLOCK_N x BLOCK_V gradient tiles, K steps of BLOCK_D."""
+class ForwardConfig(_DotTileConfig):
+    """kernels/forward.py's launch: logit tiles; the vocabulary is split until about ``target_programs`` programs
+    run."""
 
-    block_n: int
-    block_v: int
-    block_d: int
-    num_warps: int
-    num_stages: int
-    dot_fp32: bool
+    target_programs: int
 
-    def dot_precision(self, dtype):
-        return _dot_precision(dtype, self.dot_fp32)
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardConfig(_DotTileConfig):
+    """kernels/backward.py's launch (either mode): gradient tiles."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,9 +44,8 @@ def run(rank, out_dir):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
     from verl.utils.fsdp_utils import apply_fsdp2
+    from helpers import head_calls_recorded
     from verl_harness import patched, tiny_qwen2
-
-    import grpo_fast
 
     single = tiny_qwen2(tied=False)
     model = tiny_qwen2(tied=False)
@@ -61,22 +60,12 @@ def run(rank, out_dir):
         head_is_unit = type(model.lm_head).__name__.startswith("FSDP")
         assert isinstance(model.lm_head.weight, DTensor) and model.lm_head.weight.to_local().shape[0] < 131
 
-        weights_seen = []
-        real = grpo_fast.logprobs_and_entropy
-
-        def spy(hidden, weight, targets, **kwargs):
-            weights_seen.append((type(weight).__name__, tuple(weight.shape)))
-            return real(hidden, weight, targets, **kwargs)
-
-        grpo_fast.logprobs_and_entropy = spy
-        try:
+        with head_calls_recorded() as weights_seen:
             with torch.no_grad():
                 shard_loss(model, rank, 1.0)
             resharded_after_no_grad = isinstance(model.lm_head.weight, DTensor)
             loss = shard_loss(model, rank, float(WORLD))  # FSDP averages gradients over ranks: the sum is wanted
             loss.backward()
-        finally:
-            grpo_fast.logprobs_and_entropy = real
     loss_sum = loss.detach().clone() / WORLD
     dist.all_reduce(loss_sum)
     torch.save(dict(loss=loss_sum, single_loss=single_loss.detach(), grads=full_gradients(model),

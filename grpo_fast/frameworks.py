@@ -1,5 +1,6 @@
-"""A transformers model's lm_head as the integrations (grpo_fast.trl, grpo_fast.verl) hand it to the kernels: the
-logit scale its config declares, and an lm_head that FSDP2 shards as a unit of its own, gathered for the call.
+"""What the framework integrations (grpo_fast.trl, grpo_fast.verl) share: the framework imported at a tested version,
+the logit scale a transformers config declares, and an lm_head that FSDP2 shards as a unit of its own, gathered for
+the call.
 
 Imports neither TRL nor verl: the two cannot share an environment (verl breaks when TRL 1.16 is importable).
 """
@@ -7,10 +8,26 @@ Imports neither TRL nor verl: the two cannot share an environment (verl breaks w
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+
+def import_pinned(name: str, low: str, end: str):
+    """``import name``, or an ImportError that says the extra to install: when it is missing, and when its version is
+    outside [low, end), the range the tests run."""
+    from packaging.version import Version
+
+    hint = f'grpo_fast.{name} needs {name}>={low},<{end} (pip install "grpo_fast[{name}]")'
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"{hint}; {name} is not installed") from e
+    if not Version(low) <= Version(module.__version__) < Version(end):
+        raise ImportError(f"{hint}; found {name} {module.__version__}")
+    return module
 
 
 def logit_scale_of(text_config) -> float:
