@@ -1,7 +1,11 @@
 """Shared builders for the loss tests: random GRPO batches with odd shapes."""
 
 import contextlib
+import os
+import socket
+import time
 
+import pytest
 import torch
 
 from grpo_fast import reference
@@ -79,3 +83,37 @@ def head_calls_recorded():
         yield seen
     finally:
         grpo_fast.logprobs_and_entropy = real
+
+
+# ------------------------------------------------------------------------------- several processes (gloo, CPU)
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, world, out_dir, timeout):
+    """``fn(rank, port, out_dir)`` on ``world`` spawned ranks (TRITON_INTERPRET and sys.path reach the children from
+    this process); a rank's exception is raised here, a run past ``timeout`` seconds is killed and fails the test."""
+    import torch.multiprocessing as mp
+
+    ranks = mp.start_processes(fn, args=(free_port(), out_dir), nprocs=world, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=5):  # re-raises a rank's exception
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the {world}-process run did not finish in {timeout} s")
+
+
+@contextlib.contextmanager
+def gloo_group(rank, world, port):
+    """Within: the default process group of ``world`` ranks on loopback, gloo."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

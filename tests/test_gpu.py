@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import grpo_fast
-from grpo_fast import api, reference
+from grpo_fast import reference
 from grpo_fast.autograd import LinearLogprobs
 from grpo_fast.kernels.config import LogitTransform, interpreting
 
@@ -254,7 +254,8 @@ def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, mo
     frozen_calls = []
     original = autograd.head_forward_frozen_head
     monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
-    leaves = [hidden.requires_grad_()] + [x.requires_grad_(not frozen) for x in (weight, bias)]
+    for leaf, trained in ((hidden, True), (weight, not frozen), (bias, not frozen)):
+        leaf.requires_grad_(trained)
     logp, ent = autograd.LinearLogprobs.apply(hidden, weight, targets, bias, LogitTransform(**transform), "triton",
                                               "auto" if frozen else "general", backward_mode)
     assert len(frozen_calls) == frozen

@@ -17,13 +17,12 @@ parameter the change is read from).
 
 import importlib.util
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers import gloo_group, spawn_ranks
 
 WORLD = 2
 CASES = ("ddp", "fsdp2", "fsdp2_head_unit")
@@ -116,31 +115,13 @@ def run_case(rank, case, out_dir):
 
 
 def worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         for case in CASES:
             run_case(rank, case, out_dir)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn, out_dir, timeout=TIMEOUT_S):
-    """``fn(rank, port, out_dir)`` on WORLD spawned ranks (TRITON_INTERPRET and sys.path reach the children from this
-    process); a rank's exception is raised here, a run past ``timeout`` seconds killed and failed."""
-    ranks = mp.start_processes(fn, args=(free_port(), out_dir), nprocs=WORLD, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    while not ranks.join(timeout=5):  # re-raises a rank's exception
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD}-process run did not finish in {timeout} s")
+    spawn_ranks(fn, WORLD, out_dir, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ log-probs), then log-probs and entropies into a loss and the backward. The summe
 gradient (DTensor shards gathered) equal a single process's over the whole batch."""
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers import gloo_group, spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 300  # a hung collective must not hang CI
@@ -74,30 +73,13 @@ def run(rank, out_dir):
 
 
 def worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         run(rank, out_dir)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_fsdp2_untied_head_two_ranks_equal_one(tmp_path):
-    ranks = mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
-                               join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ranks.join(timeout=5):  # re-raises a rank's exception
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD}-rank run did not finish in {TIMEOUT_S} s")
+    spawn_ranks(worker, WORLD, str(tmp_path), TIMEOUT_S)
     for rank in range(WORLD):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["head_is_unit"], "verl's apply_fsdp2 did not make the untied lm_head a unit of its own"
