@@ -6,6 +6,7 @@
     loss, metrics = grpo_fast.token_loss(logprobs, advantages, completion_mask, ...)  # layer 2 alone
     weights = grpo_fast.sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask)
     options = grpo_fast.LossOptions(loss_type="dapo", beta=0.04)   # TRL's GRPOConfig names; options=options
+    shard = grpo_fast.VocabShard(group, offset, vocab_size)   # this rank's rows of a vocab-parallel head: vocab_parallel=shard
 """
 
 from grpo_fast import reference

@@ -286,7 +286,8 @@ def trl_worker(rank, world, port, out_dir):
 
         model = tiny_qwen2()
         add_fused_lm_head(model, outputs=("log_probs", "entropy"), entropy_grad=True)
-        parallelize_module(model.lm_head, init_device_mesh("cpu", (world,)), ColwiseParallel(output_layouts=Replicate()))
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Replicate()))
         head = model.lm_head.weight
         assert isinstance(head, DTensor) and head.to_local().shape[0] < head.shape[0], "lm_head is not sharded"
         real_full_tensor = DTensor.full_tensor
@@ -324,3 +325,138 @@ def test_trl_head_with_a_vocab_sharded_lm_head(tmp_path):
         assert not bad, f"rank {rank}: {bad}"
         N, D_model = r["scored"], r["hidden_size"]
         assert r["bytes"] == 16 * N + 4 * N * D_model, r
+
+
+# ----------------------------------------------------------------------------------------------- confident tokens
+def confident_batch(N=16, D=32, V=203):
+    """Every token confident: 1 - p_y from about 1e-3 down to 1e-6 (a target logit far above the rest)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(V, D, generator=g) * 0.3
+    y = torch.randint(0, V, (N,), generator=g)
+    direction = w[y] / w[y].norm(dim=1, keepdim=True) ** 2
+    h = 0.3 * torch.randn(N, D, generator=g) + direction * torch.linspace(14, 27, N)[:, None]
+    coef = torch.randn(2, N, generator=g)
+    return h, w, y, coef
+
+
+def confident_errors(h, w, y, coef, backend, shard=None, rows=slice(None)):
+    """Errors against fp64 (relative to the largest entry) of logp, dH and dW rows, with the entropy's gradient."""
+    import grpo_fast
+    from grpo_fast import reference
+
+    h64 = h.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    logp64, ent64 = reference.logprobs_and_entropy(h64[None], w64, y[None], compute_dtype=torch.float64,
+                                                   softcap=50.0, temperature=0.8)
+    ((logp64 * coef[0]).sum() + (ent64 * coef[1]).sum()).backward()
+    hl, wl = h.clone().requires_grad_(), w[rows].clone().requires_grad_()
+    logp, ent = grpo_fast.logprobs_and_entropy(hl[None], wl, y[None], entropy_grad=True, softcap=50.0,
+                                               temperature=0.8, backend=backend, vocab_parallel=shard)
+    ((logp * coef[0]).sum() + (ent * coef[1]).sum()).backward()
+    one_minus_p = -torch.expm1(logp64.detach())
+    return dict(one_minus_p=(float(one_minus_p.min()), float(one_minus_p.max())),
+                logp_abs=float((logp.double() - logp64).abs().max()), dH=max_error(hl.grad, h64.grad),
+                dW=max_error(wl.grad, w64.grad[rows]))
+
+
+def confident_worker(rank, world, port, out_dir, backends):
+    import grpo_fast
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        h, w, y, coef = confident_batch()
+        V = w.shape[0]
+        bounds = [0, 80, V] if world == 2 else [0, 40, 80, 150, V]
+        shard = grpo_fast.VocabShard(None, bounds[rank], V)
+        rows = slice(bounds[rank], bounds[rank + 1])
+        results = {backend: dict(one_process=confident_errors(h, w, y, coef, backend),
+                                 sharded=confident_errors(h, w, y, coef, backend, shard, rows))
+                   for backend in backends}
+        torch.save(results, os.path.join(out_dir, f"confident-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_confident_tokens(tmp_path):
+    """All-confident tokens (1 - p_y from 8e-4 down to 6e-7; soft-cap, temperature, entropy gradient) against fp64,
+    errors relative to the largest entry, 2 ranks. Measured (torch / interpreter), one process -> sharded:
+    log-probs 1.1e-6 -> 1.7e-6 absolute (the shard's target logit comes back as logp_r + lse_r: eps |lse|), dH
+    2.3e-6 / 4.0e-6 -> 6.9e-6, dW 1.6e-5 / 3.0e-5 -> 3.2e-5 / 4.3e-5: the general path's 1 - p_y = 1 - exp(z_y - lse)
+    cancellation, which the split meets with an lse merged from rounded shard sums. The bounds below are today's
+    figures with a margin; a merged record that carries the non-target sum should bring both under 2e-5."""
+    world = 2
+    run_ranks(confident_worker, world, str(tmp_path), ("torch", "triton"))
+    for rank in range(world):
+        for backend, r in torch.load(os.path.join(str(tmp_path), f"confident-rank{rank}.pt")).items():
+            one, sharded = r["one_process"], r["sharded"]
+            assert 1e-7 < one["one_minus_p"][0] < 1e-6 and 1e-4 < one["one_minus_p"][1] < 1e-3, one
+            assert sharded["logp_abs"] <= 3e-6, (backend, rank, r)
+            assert sharded["dH"] <= 2e-5, (backend, rank, r)
+            assert sharded["dW"] <= 6e-5, (backend, rank, r)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group in this process (destroyed after), and its 1-device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_equals_the_plain_head(one_rank_group):
+    import grpo_fast
+
+    data = inputs(37)
+    for backend in ("torch", "triton"):
+        expected = run_call("loss", data, *leaves(data, slice(0, 37), ("hidden", "weight")), backend)
+        got = run_call("loss", data, *leaves(data, slice(0, 37), ("hidden", "weight")), backend,
+                       vocab_parallel=grpo_fast.VocabShard(None, 0, 37))
+        for name in expected[0]:
+            assert max_error(got[0][name], expected[0][name]) <= ATOL, name
+        for name in expected[1]:
+            assert max_error(got[1][name], expected[1][name]) <= ATOL, name
+
+
+def test_wrong_combinations_are_named_errors(one_rank_group, monkeypatch):
+    import grpo_fast
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    data = inputs(37)
+    h, w, b, y = data["hidden"], data["weight"], data["bias"], data["targets"].clamp(min=0)
+    shard = grpo_fast.VocabShard(None, 0, 37)
+    w_dt = distribute_tensor(w, one_rank_group, [Shard(0)])
+    b_dt = distribute_tensor(b, one_rank_group, [Shard(0)])
+    cases = [
+        (TypeError, "VocabShard", dict(weight=w, vocab_parallel=(None, 0, 37))),
+        (ValueError, r"\[0, 37\)", dict(weight=w[:20], vocab_parallel=grpo_fast.VocabShard(None, 20, 37))),
+        (TypeError, "offset must be an int", dict(weight=w, vocab_parallel=grpo_fast.VocabShard(None, 0.0, 37))),
+        (ValueError, "carries its own sharding", dict(weight=w_dt, vocab_parallel=shard)),
+        (ValueError, "bias is a DTensor but weight is not", dict(weight=w, bias=b_dt)),
+        (ValueError, "bias must be None or a DTensor", dict(weight=w_dt, bias=b)),
+        (ValueError, r"Shard\(0\) on one mesh dimension",
+         dict(weight=distribute_tensor(w, one_rank_group, [Shard(1)]))),
+        (ValueError, "Replicate DTensor", dict(weight=w_dt, hidden=distribute_tensor(h, one_rank_group, [Shard(1)]))),
+        (ValueError, r"this rank's rows \[V_local\] = \[20\]",
+         dict(weight=w[:20], bias=b, vocab_parallel=grpo_fast.VocabShard(None, 0, 37))),
+        (ValueError, r"token ids in \[0, V\) = \[0, 37\)",
+         dict(weight=w[:20], bias=b[:20], targets=y + 37, vocab_parallel=grpo_fast.VocabShard(None, 0, 37))),
+    ]
+    for error, message, args in cases:
+        args = dict(dict(hidden=h, targets=y, bias=None), **args)
+        with pytest.raises(error, match=message):
+            grpo_fast.logprobs_and_entropy(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+    # a replicated DTensor hidden is taken as the plain tensor it holds
+    logp, _ = grpo_fast.logprobs_and_entropy(distribute_tensor(h, one_rank_group, [Replicate()]), w_dt, y,
+                                             backend="torch")
+    assert max_error(logp, grpo_fast.logprobs(h, w, y, backend="torch")) == 0.0
+    # without torch.distributed initialised
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match="init_process_group"):
+        grpo_fast.logprobs(h, w, y, vocab_parallel=shard)
