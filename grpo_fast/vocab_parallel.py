@@ -147,7 +147,13 @@ def _from_dtensor(hidden, weight, bias):
 # mean logit) of the rows it is given, and its backward takes lse and the mean logit. From them a shard's partial
 # record is (lse_r, mean_r, target logit = logp_r + lse_r on the owner). The target logit comes back by adding
 # lse_r to logp_r = z_y - lse_r: a rounding of eps |lse_r| (about 1e-6 at |lse| = 12); the softmax terms of the
-# backward are layer 1's own.
+# backward are layer 1's own. Calls: autograd.forward and autograd.backward (and autograd._grad_hidden_buffer, the
+# dH buffer the backward expects), on this rank's rows with targets from ``local_targets``.
+# With a layer 1 whose forward returns its mergeable per-token record (max, sum of exp, the non-target sum, the
+# z-sum, the target logit) before finishing it, and whose backward reads the finished record, this adapter becomes:
+# the shard's record, exchanged over the group and merged with layer 1's own merge, finished with layer 1's own
+# finish (no target logit recovered by cancellation, 1 - p_y carried); the backward call unchanged but for the
+# record. ``merge`` below then goes.
 # ------------------------------------------------------------------------------------------------------------
 def _shard_statistics(hidden, weight, local_targets, bias, transform, compute_entropy, backend):
     """(lse_r, mean_r or None, target logit_r) [N] fp32 of this shard (target logit 0 where the target is not in
