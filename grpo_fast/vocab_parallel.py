@@ -6,26 +6,28 @@ targets [N], replicated) and holds rows [offset, offset + V_local) of the weight
 then returns exactly what the unsharded head returns:
 
 * forward: each rank runs layer 1's forward on its shard, with the targets it does not own replaced by -1 (a
-  column no kernel ever matches), and turns its per-token statistics into a partial record: the shard's
-  log-sum-exp, its mean logit and, on the target's owner, the target's logit. Two all-reduces of O(N) merge them
-  (the max of the shards' log-sum-exps, then one summed [3, N] fp32 tensor: sum of exp(lse_r - max), the same
-  weights times the shards' mean logits, the target logit from its one owner):
-      lse = max + log sum_r exp(lse_r - max),   mean = sum_r exp(lse_r - lse) mean_r,
-      logp = z_y - lse,   entropy = lse - mean.
-* backward: each rank runs layer 1's backward on its shard with the GLOBAL lse and mean logit (its tiles' softmax
-  probabilities are then the global ones), keeps its dW rows and bias rows local, and all-reduces its partial dH
-  (sum over shards of g W_shard) in fp32: N x D x 4 bytes, the only tensor that scales with more than N.
+  column no kernel ever matches), up to its unfinished per-token record (kernels/softmax_stats.py: max m_r,
+  S_r = sum exp(z - m_r), R_r the same without the target, Z_r = sum exp(z - m_r)(z - m_r), the target logit on the
+  owner, 0 elsewhere). The records are merged by softmax_stats' merge over the group: an all-reduce (max) of the
+  N maxima, each rank's record expressed against the global max m (its sums times exp(m_r - m), Z_r shifted by
+  (m_r - m) S_r), then one all-reduce (sum) of [4, N] fp32 (S, R, target, Z; [3, N] without the entropy). The merged
+  record is finished by softmax_stats.finish, as the unsharded head finishes its own: logp = -log1p(R / e_y) and
+  1 - p_y = R / S are carried, never formed by cancellation, so confident tokens are as exact as unsharded.
+* backward: each rank runs layer 1's backward on its shard with the GLOBAL BackwardStats (lse, 1 - p_y, mean logit,
+  mean - z_y: its tiles' softmax probabilities are then the global ones; the target column's carried values are
+  read on the owner only, the other ranks have target -1 and no target column), keeps its dW rows and bias rows
+  local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes, the only tensor
+  that scales with more than N.
 
-What crosses the network per training step: 16 N bytes in the forward (12 N without the entropy: ``logprobs``) and
-4 N D bytes in the backward (none when hidden needs no gradient), whatever V is. No rank holds more than its shard of
-the weight, or any tensor of size V x N.
+What crosses the network per training step: 20 N bytes in the forward (4 N max + 16 N sums; 16 N without the
+entropy: ``logprobs``) and 4 N D bytes in the backward (none when hidden needs no gradient), whatever V is and
+whatever the number of ranks. No rank holds more than its shard of the weight, or any tensor of size V x N.
 
 Path: the vocab-parallel head always takes layer 1's general (recompute) path, also for a frozen head. The
-frozen-head path builds J = d logp / d hidden per shard relative to the shard's own softmax; merging the shards' J
-exactly needs, besides rescaling each by exp(lse_r - lse), the target's share 1 - p_y from the other shards' sums,
-which today's frozen-head forward does not return, and it would all-reduce the same N x D fp32 bytes in the forward
-that the general path all-reduces in the backward. It would save one vocabulary sweep per shard; the general path
-is exact today.
+frozen-head path builds J = d logp / d hidden per shard against the shard's own max; merging the shards' J exactly
+(each rescaled by exp(m_r - m), the target's term weighted by the global R, all over the global S) would all-reduce
+N x D fp32 in the forward, the bytes the general path all-reduces in the backward, to save one vocabulary sweep per
+shard; it is not implemented.
 
 Requirements (not checked: checking would cost a collective per call): the shards of the group tile [0, V) without
 overlap, and every rank passes the same hidden, targets and mask (tensor parallelism's layout) and the same
@@ -42,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 from grpo_fast import autograd
+from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
 
 
 @dataclass(frozen=True)
@@ -143,47 +147,49 @@ def _from_dtensor(hidden, weight, bias):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The adapter: the only code that knows layer 1's internals. Today layer 1 returns per token (logp, entropy, lse,
-# mean logit) of the rows it is given, and its backward takes lse and the mean logit. From them a shard's partial
-# record is (lse_r, mean_r, target logit = logp_r + lse_r on the owner). The target logit comes back by adding
-# lse_r to logp_r = z_y - lse_r: a rounding of eps |lse_r| (about 1e-6 at |lse| = 12); the softmax terms of the
-# backward are layer 1's own. Calls: autograd.forward and autograd.backward (and autograd._grad_hidden_buffer, the
-# dH buffer the backward expects), on this rank's rows with targets from ``local_targets``.
-# With a layer 1 whose forward returns its mergeable per-token record (max, sum of exp, the non-target sum, the
-# z-sum, the target logit) before finishing it, and whose backward reads the finished record, this adapter becomes:
-# the shard's record, exchanged over the group and merged with layer 1's own merge, finished with layer 1's own
-# finish (no target logit recovered by cancellation, 1 - p_y carried); the backward call unchanged but for the
-# record. ``merge`` below then goes.
+# The adapter: the only code that knows layer 1's internals. A shard's forward is layer 1's unfinished per-token
+# record over its rows (autograd.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
+# logit; kernels/softmax_stats.py); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
+# and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them. The
+# shard's backward is layer 1's own (autograd.head_backward) with the finished GLOBAL BackwardStats; its target
+# column reads the carried 1 - p_y and mean - z_y only on the target's owner (the other ranks pass target -1, a
+# column no kernel matches: no target term there).
 # ------------------------------------------------------------------------------------------------------------
-def _shard_statistics(hidden, weight, local_targets, bias, transform, compute_entropy, backend):
-    """(lse_r, mean_r or None, target logit_r) [N] fp32 of this shard (target logit 0 where the target is not in
-    it). An empty shard (torch's chunking can leave the last rank none) contributes nothing: lse_r = -inf."""
-    N = hidden.shape[0]
-    if weight.shape[0] == 0:
-        lse = torch.full((N,), float("-inf"), device=hidden.device)
-        zero = torch.zeros(N, device=hidden.device)
-        return lse, zero if compute_entropy else None, zero
-    logp, _, lse, mean_logit = autograd.forward(hidden, weight, local_targets, bias, transform, compute_entropy,
-                                                backend)
-    owned = local_targets >= 0
-    target_logit = torch.where(owned, logp + lse, torch.zeros_like(lse))
-    return lse, mean_logit, target_logit
+def merge_records(record, compute_entropy, group):
+    """This rank's record (softmax_stats.SoftmaxStats, [N] fp32 fields) -> the record of the whole vocabulary, on
+    every rank: an all-reduce (max) of the N maxima, this rank's record expressed against that global max (``merge``
+    with the empty record at it), then one all-reduce (sum) of [4, N] fp32 (sum of exp, non-target sum, target logit,
+    z-sum; [3, N] without the entropy): records that share their max merge by adding their sums."""
+    row_max = record.max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    nothing = torch.zeros_like(row_max)
+    local = softmax_stats.merge(softmax_stats.stack(record, SoftmaxStats(row_max, nothing, nothing, nothing,
+                                                                         nothing)))
+    sums = [local.sumexp, local.rest, local.target] + ([local.zsum] if compute_entropy else [])
+    packed = torch.stack(sums)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return SoftmaxStats(row_max, packed[0], packed[1], packed[3] if compute_entropy else nothing, packed[2])
 
 
-def _shard_backward(hidden, weight, local_targets, bias, lse, mean_logit, grad_logp, grad_entropy, transform,
-                    need_hidden, need_weight, need_bias, backend, backward_mode):
-    """Layer 1's backward on this shard with the global lse and mean logit: (partial dH fp32 or None, dW rows fp32
-    or None, db rows fp32 or None). ``backward_mode``: today's layer 1 reads the Triton backward's mode from its
-    launch configuration, so it is not passed on yet."""
+def _global_forward(hidden, weight, local_targets, bias, transform, compute_entropy, backend, group):
+    """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank."""
+    record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
+    return softmax_stats.finish(merge_records(record, compute_entropy, group), compute_entropy)
+
+
+def _shard_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform, need_hidden,
+                    need_weight, need_bias, backend, backward_mode):
+    """Layer 1's backward on this shard with the global BackwardStats: (partial dH fp32 or None, dW rows fp32 or None,
+    db rows fp32 or None)."""
     dev = hidden.device
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
     grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
-    if weight.shape[0] == 0:
+    if weight.shape[0] == 0:  # an empty shard (torch's chunking can leave the last rank none): no tiles to launch
         return (torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None), grad_weight, \
             grad_bias
-    grad_hidden = autograd._grad_hidden_buffer(hidden, backend) if need_hidden else None
-    autograd.backward(hidden, weight, local_targets, bias, lse, mean_logit, grad_logp, grad_entropy, transform,
-                      grad_hidden, grad_weight, grad_bias, backend)
+    grad_hidden = autograd._grad_hidden_buffer(hidden, backend, backward_mode) if need_hidden else None
+    autograd.head_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform,
+                           grad_hidden, grad_weight, grad_bias, backend, backward_mode)
     return (grad_hidden.float() if need_hidden else None), grad_weight, grad_bias
 # ------------------------------------------------------------------------------------------------ end of adapter
 
@@ -196,31 +202,10 @@ def local_targets(targets, shard, rows):
     return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
 
 
-def merge(lse_local, mean_local, target_local, group):
-    """The shards' partial records -> (lse, mean logit or None, target logit), [N] fp32, on every rank: an
-    all-reduce (max) of N values, then one (sum) of 3 N (2 N without the mean)."""
-    row_max = lse_local.clone()
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    pivot = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    weight = torch.exp(lse_local - pivot)  # a shard's share of the partition function (0 for an empty shard)
-    parts = [weight, target_local]
-    if mean_local is not None:
-        # an empty shard's mean is 0 / 0: its weight is 0, keep 0 * NaN out of the sum
-        parts.append(torch.where(weight > 0, weight * mean_local, torch.zeros_like(weight)))
-    packed = torch.stack(parts)
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    sumexp = packed[0]
-    lse = pivot + torch.log(sumexp)
-    mean_logit = packed[2] / sumexp if mean_local is not None else None
-    return lse, mean_logit, packed[1]
-
-
 def logprobs(hidden, weight, targets, bias, transform, backend, shard):
-    """No-grad log-probs [N] fp32 of a vocab-parallel head (12 N bytes through collectives)."""
+    """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
     y = local_targets(targets, shard, weight.shape[0])
-    lse_r, _, target_r = _shard_statistics(hidden, weight, y, bias, transform, False, backend)
-    lse, _, target_logit = merge(lse_r, None, target_r, shard.group)
-    return target_logit - lse
+    return _global_forward(hidden, weight, y, bias, transform, False, backend, shard.group)[0]
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, backward_mode):
@@ -239,18 +224,17 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         y = local_targets(targets, shard, weight.shape[0])
         if hidden.shape[0] == 0:
-            lse = mean_logit = logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            stats = ()
         else:
-            lse_r, mean_r, target_r = _shard_statistics(hidden, weight, y, bias, transform, True, backend)
-            lse, mean_logit, target_logit = merge(lse_r, mean_r, target_r, shard.group)
-            logp, entropy = target_logit - lse, lse - mean_logit
-        ctx.save_for_backward(hidden, weight, y, bias, lse, mean_logit)
+            logp, entropy, stats = _global_forward(hidden, weight, y, bias, transform, True, backend, shard.group)
+        ctx.save_for_backward(hidden, weight, y, bias, *stats)
         ctx.transform, ctx.backend, ctx.shard, ctx.backward_mode = transform, backend, shard, backward_mode
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, y, bias, lse, mean_logit = ctx.saved_tensors
+        hidden, weight, y, bias, *stats = ctx.saved_tensors
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         N, dev = hidden.shape[0], hidden.device
         grad_hidden = grad_weight = grad_bias = None
@@ -263,7 +247,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                     else torch.zeros(N, dtype=torch.float32, device=dev))
             entropy_coef = grad_entropy.float().contiguous() if grad_entropy is not None else None
             grad_hidden, grad_weight, grad_bias = _shard_backward(
-                hidden, weight, y, bias, lse, mean_logit, coef, entropy_coef, ctx.transform, need_h, need_w, need_b,
+                hidden, weight, y, bias, BackwardStats(*stats), coef, entropy_coef, ctx.transform, need_h, need_w, need_b,
                 ctx.backend, ctx.backward_mode)
             if need_h:
                 dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
