@@ -18,6 +18,7 @@ import torch
 from grpo_fast import reference
 from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, check_number as _number, option_keywords
 from grpo_fast import autograd
+from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.autograd import LinearLogprobs, ScaledByCoefficient
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import token_loss as token_kernel
@@ -126,8 +127,9 @@ def _logit_transform(temperature, softcap, logit_scale):
     return LogitTransform(float(temperature), None if softcap is None else float(softcap), float(logit_scale))
 
 
-def _check_linear(hidden, weight, targets, bias, completion_mask):
-    """Shared checks of layer 1's inputs; returns (B, T, D, V)."""
+def _check_linear(hidden, weight, targets, bias, completion_mask, shard=None):
+    """Shared checks of layer 1's inputs; returns (B, T, D, V). With a vocab-parallel ``shard``, weight and bias are
+    this rank's rows (possibly none) and V is the whole head's."""
     _float_tensor("hidden", hidden)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, D], got {tuple(hidden.shape)}")
@@ -135,14 +137,15 @@ def _check_linear(hidden, weight, targets, bias, completion_mask):
     if B == 0 or T == 0 or D == 0:
         raise ValueError(f"hidden must be non-empty, got shape {tuple(hidden.shape)}")
     _float_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != D or weight.shape[0] == 0:
+    if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and shard is None):
         raise ValueError(f"weight must have shape [V, D] with D = {D}, got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: cast one of them")
-    V = weight.shape[0]
+    V = weight.shape[0] if shard is None else shard.vocab_size
     if bias is not None:
         _float_tensor("bias", bias)
-        _shape("bias", bias, [(V,)], f"[V] = [{V}]")
+        _shape("bias", bias, [(weight.shape[0],)], f"[V] = [{weight.shape[0]}]" if shard is None
+               else f"this rank's rows [V_local] = [{weight.shape[0]}]")
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
     _same_device([("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
@@ -181,13 +184,17 @@ def _scatter_rows(values, rows, shape):
 
 # ----------------------------------------------------------------------------------------------- layer 1
 def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-             completion_mask=None, backend="auto"):
+             completion_mask=None, vocab_parallel=None, backend="auto"):
     """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` for the reference and old policies.
 
     The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature``. No logits of
     size V are built and no autograd graph is kept; with ``completion_mask`` only its tokens are computed.
+    A vocab-parallel head (a DTensor weight sharded on dim 0, or this rank's rows with
+    ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)``: grpo_fast.vocab_parallel) gives every rank
+    the unsharded result.
     """
-    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
+    hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
+    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
     transform = _logit_transform(temperature, softcap, logit_scale)
     backend = _resolve_backend(backend, hidden.device)
     _check_kernel_sizes(B * T, weight.shape[0], backend)
@@ -195,13 +202,16 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
         h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
         if h.shape[0] == 0:
             return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-        logp = autograd.head_forward(h, w, y, b, transform, False, backend)[0]
+        if shard is not None:
+            logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
+        else:
+            logp = autograd.head_forward(h, w, y, b, transform, False, backend)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
 def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
                          completion_mask=None, entropy_grad=False, head_path="auto", backward_mode="chunked",
-                         backend="auto"):
+                         vocab_parallel=None, backend="auto"):
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -213,9 +223,13 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     vocabulary sweeps instead of three; ``entropy_grad=True`` says the entropy will be differentiated too (an entropy
     bonus), which that path serves at five sweeps: the general path is then taken. Either way the gradients are exact.
     ``head_path="general"`` never takes the frozen-head path; ``backward_mode`` picks the Triton backward
-    ("chunked": g per token chunk and two GEMMs; "fused": one kernel with fp32 atomics).
+    ("chunked": g per token chunk and two GEMMs; "fused": one kernel with fp32 atomics). A vocab-parallel head (a
+    DTensor weight sharded on dim 0, or this rank's rows with ``vocab_parallel=grpo_fast.VocabShard(...)``) gives
+    every rank the unsharded outputs and gradients (dH all-reduced, dW and db rows local; grpo_fast.vocab_parallel),
+    on the general path.
     """
-    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
+    hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
+    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
     transform = _logit_transform(temperature, softcap, logit_scale)
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
@@ -223,17 +237,20 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     _check_kernel_sizes(B * T, weight.shape[0], backend)
     head_path = _layer1_choices(head_path, backward_mode, backend)
     return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
-                                 "general" if entropy_grad else head_path, backward_mode)
+                                 "general" if entropy_grad else head_path, backward_mode, shard)
 
 
 def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, head_path,
-                          backward_mode):
+                          backward_mode, shard=None):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
     forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-    logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode)
+    if shard is not None:  # always the general path (grpo_fast.vocab_parallel says why)
+        logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, backward_mode)
+    else:
+        logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -256,7 +273,7 @@ class _LossBatch:
 def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old_logprobs=None, ref_logprobs=None,
          sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
          temperature=1.0, softcap=None, logit_scale=1.0, options=None, head_path="auto", backward_mode="chunked",
-         backend="auto", **loss_options):
+         vocab_parallel=None, backend="auto", **loss_options):
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
@@ -264,10 +281,12 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
     keywords (``loss_type``, ``beta``, ``epsilon``, ...: ``grpo_fast.LossOptions``), given one by one or as
     ``options=LossOptions(...)``; the other keywords are per-batch inputs (README). Only tokens with mask 1 are
     computed. ``head_path`` and ``backward_mode``: layer 1's path and Triton backward (``logprobs_and_entropy``).
+    A vocab-parallel head (``logprobs_and_entropy``): every rank of its group returns the unsharded loss and metrics.
     Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
     """
     options = LossOptions.resolve(options, loss_options, "loss")
-    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask)
+    hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
+    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
     transform = _logit_transform(temperature, softcap, logit_scale)
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
                        num_items_in_batch, entropy_threshold)
@@ -277,7 +296,8 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
     head_path = _layer1_choices(head_path, backward_mode, backend)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
-                                          head_path if options.entropy_coef == 0.0 else "general", backward_mode)
+                                          head_path if options.entropy_coef == 0.0 else "general", backward_mode,
+                                          shard)
     return _token_loss(logp, entropy, batch, options, backend)
 
 

@@ -12,7 +12,7 @@ from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels.softmax_stats import BackwardStats
+from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
 
 
 def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
@@ -22,6 +22,20 @@ def head_forward(hidden, weight, targets, bias, transform, compute_entropy, back
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg)
     return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy)
+
+
+def head_forward_record(hidden, weight, targets, bias, transform, compute_entropy, backend):
+    """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows, which
+    ``head_forward`` finishes: for a caller that merges it with records of other rows first (a vocab-parallel head's
+    shards). A target of -1 is in no column: the record then has no target (target logit 0, rest = sumexp).
+    No rows (V = 0): the empty record (max -inf, sums 0). No autograd."""
+    if backend == "triton":
+        if weight.shape[0] == 0:
+            empty = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            return SoftmaxStats(torch.full_like(empty, float("-inf")), empty, empty, empty, empty)
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype)
+        return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
+    return torch_backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
 
 
 def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend):

@@ -36,7 +36,14 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy):
 
     entropy (and the backward's entropy values) are None without ``compute_entropy``.
     """
-    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=False)[:3]
+    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy),
+                                compute_entropy)
+
+
+def forward_record(hidden, weight, targets, bias, transform, compute_entropy):
+    """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) of these weight rows, which
+    ``forward`` finishes; zsum is 0 without ``compute_entropy``. No rows (V = 0): the empty record."""
+    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=False)[0]
 
 
 def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy=True):
@@ -47,11 +54,12 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
     fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
     """
-    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True)
+    stats, grad = _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True)
+    return (*softmax_stats.finish(stats, compute_entropy), grad)
 
 
 def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head):
-    """(logp, entropy, BackwardStats[, J]): the online record over vocab chunks, and with ``frozen_head`` the online
+    """(record, J or None): the online record over vocab chunks, and with ``frozen_head`` the online
     J = s'_y W_y - sum_v p_v s'_v W_v (s' = dz/du). The target's own term is kept out of the running sum and weighted
     by the running sum of the other entries' exp, so that 1 - p_y is never formed by cancellation."""
     N, V = hidden.shape[0], weight.shape[0]
@@ -92,8 +100,7 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
             acc.neg_().add_(w_y).div_(run.sumexp[:, None])
     stats = (SoftmaxStats(*(torch.cat(fields) for fields in zip(*records))) if records
              else SoftmaxStats(*(torch.zeros(0, device=dev) for _ in SoftmaxStats._fields)))
-    logp, entropy, backward_stats = softmax_stats.finish(stats, compute_entropy)
-    return logp, entropy, backward_stats, grad
+    return stats, grad
 
 
 def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,

@@ -28,8 +28,11 @@ bf16 model, or fp32 everywhere); otherwise it costs one copy of the weight in th
 (kept for the backward) and a weight-sized gradient in that dtype before autograd casts it back. grpo_fast then
 accumulates in fp32 whatever the compute dtype, and runs with autocast off.
 
-Distributed weights, as TRL: a DTensor weight (tensor parallelism) is gathered with ``full_tensor()``, whose
-backward keeps each rank's shard of the gradient (right when every rank sees the same tokens). Under FSDP2 the
+Distributed weights: a DTensor weight sharded by vocabulary (tensor parallelism: ``Shard(0)``, as torch's
+``ColwiseParallel`` and transformers' ``tp_plan`` leave the lm_head) is never gathered: each rank computes on its
+rows and O(N) statistics and dH cross the network (``grpo_fast.vocab_parallel``; every rank of its group sees the
+same tokens, as in tensor parallelism); any other DTensor layout is gathered with ``full_tensor()`` as TRL does,
+whose backward keeps each rank's shard of the gradient (right when every rank sees the same tokens). Under FSDP2 the
 head usually belongs to the root's parameter group, which FSDP gathers before the forward and whose gradient it
 reduce-scatters; when the head is a ``fully_shard`` unit of its own, its forward is never called, so this head asks
 FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters the gradient (TRL's ``full_tensor()`` would
@@ -81,6 +84,7 @@ from trl.trainer import rloo_trainer as _trl_rloo_trainer  # noqa: E402
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
 
 import grpo_fast  # noqa: E402
+from grpo_fast import vocab_parallel as vocab_parallel_head  # noqa: E402
 from grpo_fast.kernels.config import LogitTransform  # noqa: E402
 
 __all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
@@ -158,6 +162,8 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                 log_probs, entropy = grpo_fast.logprobs_and_entropy(
                     h, w, labels, bias=b, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                     completion_mask=mask, entropy_grad=entropy_grad)
+                if extras and isinstance(w, DTensor):  # the no-grad extras read the whole head
+                    w, b = w.full_tensor(), None if b is None else b.full_tensor()
                 extra = _extra_outputs(h, w, b, labels, mask, temperature, softcap, logit_scale, extras)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
 
@@ -176,7 +182,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
 def _head_parameters(lm_head):
     """The head's weight and bias as tensors the kernel can read (see the module docstring on distributed)."""
     with fsdp_unit_gathered(lm_head) as (weight, bias):
-        if isinstance(weight, DTensor):
+        # a head split by vocabulary (tensor parallelism: every rank of its group sees the same tokens) stays split:
+        # grpo_fast computes on each rank's rows (grpo_fast.vocab_parallel); any other layout is gathered, as TRL does
+        if isinstance(weight, DTensor) and not vocab_parallel_head.is_vocab_sharded(weight):
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
         yield weight, bias

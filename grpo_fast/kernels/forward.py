@@ -11,8 +11,8 @@ with 1 - p_y and mean - z_y formed as sums of same-signed terms (exact where a t
 
 The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU: program
 (i, k) sweeps the vocab range k for the token block i and writes its record for each token; the epilogue folds the
-splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge a
-vocab-parallel head would all-gather across ranks.
+splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge that a
+vocab-parallel head uses across ranks (``forward_record`` returns the merged record unfinished).
 
 Memory: inputs are read in place; the only buffers are 5 x num_splits x N fp32 records and N fp32 outputs.
 No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores in the input dtype
@@ -101,6 +101,13 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config):
     ``transform``: a LogitTransform; ``config``: a config.ForwardConfig. Entropy (and the backward's entropy
     values) are None without ``compute_entropy``.
     """
+    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, config),
+                                compute_entropy)
+
+
+def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config):
+    """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1),
+    its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``."""
     N, D = hidden.shape
     V = weight.shape[0]
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
@@ -117,5 +124,4 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config):
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    merged = softmax_stats.merge(softmax_stats.SoftmaxStats(*records.unbind(0)))
-    return softmax_stats.finish(merged, compute_entropy)
+    return softmax_stats.merge(softmax_stats.SoftmaxStats(*records.unbind(0)))

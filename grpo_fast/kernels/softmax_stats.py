@@ -16,7 +16,7 @@ kernels/forward.py's kernel folds its tiles into a running record by these formu
 vocabulary split; ``merge`` folds the splits in the forward's epilogue. The torch backend folds its vocabulary chunks
 with ``merge``. The frozen-head forward (kernels/forward_frozen.py) keeps the same record in the first rows of its
 running state and ends with ``finish``. A vocab-parallel head reuses both unchanged: each rank computes its shard's
-record, the records are all-gathered (5 fp32 per token and rank) and merged.
+record and the ranks merge them with ``merge`` over two all-reduces (vocab_parallel.py).
 
 ``finish`` turns the merged record into the outputs and into what the backward reads (``BackwardStats``), forming
 nothing by cancellation where a token is confident (p_y near 1, z_y = m):

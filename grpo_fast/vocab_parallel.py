@@ -1,0 +1,258 @@
+"""A vocab-parallel lm_head: the head's vocabulary split over the ranks of a process group, never gathered.
+
+Tensor parallelism splits the head by rows (Megatron's vocab-parallel layout; a DTensor ``Shard(0)`` from torch's
+tensor-parallel plans and transformers' ``tp_plan``). Every rank of the group sees the same tokens (hidden [N, D] and
+targets [N], replicated) and holds rows [offset, offset + V_local) of the weight [V, D] (and of the bias). Each rank
+then returns exactly what the unsharded head returns:
+
+* forward: each rank runs layer 1's forward on its shard, with the targets it does not own replaced by -1 (a
+  column no kernel ever matches), up to its unfinished per-token record (kernels/softmax_stats.py: max m_r,
+  S_r = sum exp(z - m_r), R_r the same without the target, Z_r = sum exp(z - m_r)(z - m_r), the target logit on the
+  owner, 0 elsewhere). The records are merged by softmax_stats' merge over the group: an all-reduce (max) of the
+  N maxima, each rank's record expressed against the global max m (its sums times exp(m_r - m), Z_r shifted by
+  (m_r - m) S_r), then one all-reduce (sum) of [4, N] fp32 (S, R, target, Z; [3, N] without the entropy). The merged
+  record is finished by softmax_stats.finish, as the unsharded head finishes its own: logp = -log1p(R / e_y) and
+  1 - p_y = R / S are carried, never formed by cancellation, so confident tokens are as exact as unsharded.
+* backward: each rank runs layer 1's backward on its shard with the GLOBAL BackwardStats (lse, 1 - p_y, mean logit,
+  mean - z_y: its tiles' softmax probabilities are then the global ones; the target column's carried values are
+  read on the owner only, the other ranks have target -1 and no target column), keeps its dW rows and bias rows
+  local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes, the only tensor
+  that scales with more than N.
+
+What crosses the network per training step: 20 N bytes in the forward (4 N max + 16 N sums; 16 N without the
+entropy: ``logprobs``) and 4 N D bytes in the backward (none when hidden needs no gradient), whatever V is and
+whatever the number of ranks. No rank holds more than its shard of the weight, or any tensor of size V x N.
+
+Path: the vocab-parallel head always takes layer 1's general (recompute) path, also for a frozen head. The
+frozen-head path builds J = d logp / d hidden per shard against the shard's own max; merging the shards' J exactly
+(each rescaled by exp(m_r - m), the target's term weighted by the global R, all over the global S) would all-reduce
+N x D fp32 in the forward, the bytes the general path all-reduces in the backward, to save one vocabulary sweep per
+shard; it is not implemented.
+
+Requirements (not checked: checking would cost a collective per call): the shards of the group tile [0, V) without
+overlap, and every rank passes the same hidden, targets and mask (tensor parallelism's layout) and the same
+upstream gradients (a loss computed identically on every rank, as ``grpo_fast.loss`` does). dH is the full gradient
+of the replicated hidden states: do not all-reduce it again (Megatron's ``copy_to_tensor_model_parallel_region``
+does exactly this reduction; skip it for the head's input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from grpo_fast import autograd
+from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of a vocab-parallel head: rows [offset, offset + weight.shape[0]) of a [vocab_size, D] head,
+    split over the ranks of ``group`` (a ``torch.distributed`` process group; None: the default group). Megatron:
+    ``VocabShard(get_tensor_model_parallel_group(), vocab_start_index, padded_vocab_size)``."""
+
+    group: "dist.ProcessGroup | None"
+    offset: int
+    vocab_size: int
+
+
+def _int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"vocab_parallel.{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _check_shard(shard, rows):
+    _int("offset", shard.offset)
+    _int("vocab_size", shard.vocab_size)
+    if shard.vocab_size <= 0 or shard.offset < 0 or shard.offset + rows > shard.vocab_size:
+        raise ValueError(f"vocab_parallel: this rank's weight rows [offset, offset + {rows}) = [{shard.offset}, "
+                         f"{shard.offset + rows}) must lie in [0, vocab_size) = [0, {shard.vocab_size})")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("vocab_parallel needs torch.distributed initialised (init_process_group) on every rank of "
+                         "its group")
+
+
+def _is_dtensor(x):
+    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+
+
+def resolve(hidden, weight, bias, vocab_parallel):
+    """The public API's entry: (hidden, weight, bias, shard) as layer 1 computes on them.
+
+    A DTensor weight sharded on dim 0 is recognised (its local rows, bias rows and group); a plain weight with
+    ``vocab_parallel=VocabShard(...)`` is Megatron's layout; a plain weight alone gives shard None (not parallel).
+    Local tensors come from ``to_local()``, which is differentiable: the DTensor's gradient is the local one, with the
+    DTensor's placements."""
+    if _is_dtensor(weight):
+        if vocab_parallel is not None:
+            raise ValueError("vocab_parallel is for a plain [V_local, D] weight shard: a DTensor weight carries its "
+                             "own sharding, pass it alone")
+        return _from_dtensor(hidden, weight, bias)
+    if _is_dtensor(bias):
+        raise ValueError("bias is a DTensor but weight is not: pass both as DTensors sharded on dim 0, or both as "
+                         "this rank's rows with vocab_parallel=VocabShard(...)")
+    if _is_dtensor(hidden):
+        hidden = _replicated_local("hidden", hidden)
+    if vocab_parallel is None:
+        return hidden, weight, bias, None
+    if not isinstance(vocab_parallel, VocabShard):
+        raise TypeError(f"vocab_parallel must be a grpo_fast.VocabShard(group, offset, vocab_size), got "
+                        f"{type(vocab_parallel).__name__}")
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        _check_shard(vocab_parallel, weight.shape[0])
+    return hidden, weight, bias, vocab_parallel
+
+
+def is_vocab_sharded(weight):
+    """True for a DTensor weight that this module computes on as it is: Shard(0) on one mesh dimension, Replicate on
+    any other."""
+    if not _is_dtensor(weight):
+        return False
+    sharded = [p for p in weight.placements if not p.is_replicate()]
+    return len(sharded) == 1 and sharded[0].is_shard(0)
+
+
+def _replicated_local(name, x):
+    if not all(p.is_replicate() for p in x.placements):
+        raise ValueError(f"{name} is a DTensor with placements {tuple(x.placements)}: the vocab-parallel head takes "
+                         "replicated hidden states (every rank the same tokens); pass a plain tensor or a Replicate "
+                         "DTensor")
+    return x.to_local()
+
+
+def _from_dtensor(hidden, weight, bias):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(weight.placements)
+    if not is_vocab_sharded(weight):
+        raise ValueError(f"weight is a DTensor with placements {placements}: grpo_fast takes a head sharded by "
+                         "vocabulary (Shard(0) on one mesh dimension, Replicate on any other); gather another "
+                         "layout with weight.full_tensor()")
+    mesh_dim = next(dim for dim, p in enumerate(placements) if not p.is_replicate())
+    if bias is not None and (not _is_dtensor(bias) or tuple(bias.placements) != placements
+                             or bias.device_mesh != weight.device_mesh):
+        raise ValueError(f"weight is a DTensor sharded on dim 0: bias must be None or a DTensor on the same mesh "
+                         f"with the same placements {placements}")
+    if _is_dtensor(hidden):
+        hidden = _replicated_local("hidden", hidden)
+    mesh = weight.device_mesh
+    _, global_offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    shard = VocabShard(mesh.get_group(mesh_dim), int(global_offset[0]), int(weight.shape[0]))
+    local_bias = None if bias is None else bias.to_local()
+    return hidden, weight.to_local(), local_bias, shard
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The adapter: the only code that knows layer 1's internals. A shard's forward is layer 1's unfinished per-token
+# record over its rows (autograd.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
+# logit; kernels/softmax_stats.py); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
+# and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them. The
+# shard's backward is layer 1's own (autograd.head_backward) with the finished GLOBAL BackwardStats; its target
+# column reads the carried 1 - p_y and mean - z_y only on the target's owner (the other ranks pass target -1, a
+# column no kernel matches: no target term there).
+# ------------------------------------------------------------------------------------------------------------
+def merge_records(record, compute_entropy, group):
+    """This rank's record (softmax_stats.SoftmaxStats, [N] fp32 fields) -> the record of the whole vocabulary, on
+    every rank: an all-reduce (max) of the N maxima, this rank's record expressed against that global max (``merge``
+    with the empty record at it), then one all-reduce (sum) of [4, N] fp32 (sum of exp, non-target sum, target logit,
+    z-sum; [3, N] without the entropy): records that share their max merge by adding their sums."""
+    row_max = record.max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    nothing = torch.zeros_like(row_max)
+    local = softmax_stats.merge(softmax_stats.stack(record, SoftmaxStats(row_max, nothing, nothing, nothing,
+                                                                         nothing)))
+    sums = [local.sumexp, local.rest, local.target] + ([local.zsum] if compute_entropy else [])
+    packed = torch.stack(sums)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return SoftmaxStats(row_max, packed[0], packed[1], packed[3] if compute_entropy else nothing, packed[2])
+
+
+def _global_forward(hidden, weight, local_targets, bias, transform, compute_entropy, backend, group):
+    """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank."""
+    record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
+    return softmax_stats.finish(merge_records(record, compute_entropy, group), compute_entropy)
+
+
+def _shard_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform, need_hidden,
+                    need_weight, need_bias, backend, backward_mode):
+    """Layer 1's backward on this shard with the global BackwardStats: (partial dH fp32 or None, dW rows fp32 or None,
+    db rows fp32 or None)."""
+    dev = hidden.device
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
+    if weight.shape[0] == 0:  # an empty shard (torch's chunking can leave the last rank none): no tiles to launch
+        return (torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None), grad_weight, \
+            grad_bias
+    grad_hidden = autograd._grad_hidden_buffer(hidden, backend, backward_mode) if need_hidden else None
+    autograd.head_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform,
+                           grad_hidden, grad_weight, grad_bias, backend, backward_mode)
+    return (grad_hidden.float() if need_hidden else None), grad_weight, grad_bias
+# ------------------------------------------------------------------------------------------------ end of adapter
+
+
+def local_targets(targets, shard, rows):
+    """The targets as this shard's column indices; -1 (never a column: the kernels match targets against column
+    indices >= 0, and a target past the shard's last column could match a masked column of its last tile) where
+    another rank owns the target."""
+    local = targets - shard.offset
+    return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
+
+
+def logprobs(hidden, weight, targets, bias, transform, backend, shard):
+    """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
+    y = local_targets(targets, shard, weight.shape[0])
+    return _global_forward(hidden, weight, y, bias, transform, False, backend, shard.group)[0]
+
+
+def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, backward_mode):
+    """(logp, entropy) [N] fp32 of a vocab-parallel head, both differentiable (hidden, this rank's weight and bias
+    rows)."""
+    return VocabParallelLinearLogprobs.apply(hidden, weight, targets, bias, transform, backend, shard, backward_mode)
+
+
+class VocabParallelLinearLogprobs(torch.autograd.Function):
+    """(hidden [N, D] replicated, weight rows [V_local, D], targets [N] global ids, bias rows | None) -> logp, entropy
+    [N] fp32, equal on every rank to the unsharded head's; gradients: dH (all-reduced over the group), this rank's
+    dW and db rows (local). N = 0 on every rank: empty outputs, no collective."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, transform, backend, shard, backward_mode):
+        ctx.set_materialize_grads(False)
+        y = local_targets(targets, shard, weight.shape[0])
+        if hidden.shape[0] == 0:
+            logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            stats = ()
+        else:
+            logp, entropy, stats = _global_forward(hidden, weight, y, bias, transform, True, backend, shard.group)
+        ctx.save_for_backward(hidden, weight, y, bias, *stats)
+        ctx.transform, ctx.backend, ctx.shard, ctx.backward_mode = transform, backend, shard, backward_mode
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, y, bias, *stats = ctx.saved_tensors
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        N, dev = hidden.shape[0], hidden.device
+        grad_hidden = grad_weight = grad_bias = None
+        if N == 0:
+            grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
+            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
+        elif need_h or need_w or need_b:
+            coef = (grad_logp.float().contiguous() if grad_logp is not None
+                    else torch.zeros(N, dtype=torch.float32, device=dev))
+            entropy_coef = grad_entropy.float().contiguous() if grad_entropy is not None else None
+            grad_hidden, grad_weight, grad_bias = _shard_backward(
+                hidden, weight, y, bias, BackwardStats(*stats), coef, entropy_coef, ctx.transform, need_h, need_w, need_b,
+                ctx.backend, ctx.backward_mode)
+            if need_h:
+                dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
+        return (grad_hidden.to(hidden.dtype) if need_h else None,
+                grad_weight.to(weight.dtype) if need_w else None,
+                None,
+                grad_bias.to(bias.dtype) if need_b else None,
+                None, None, None, None)
