@@ -212,7 +212,7 @@ def print_plan(args, source, device, dtype):
         f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png, samples.jsonl, summary.json; {saves}",
     ]
     if args.preset == "cpu" and not args.changed and not args.random_init:
-        lines.append("  time     about 6 minutes on 2 free CPU cores (up to twice that while other processes load them)")
+        lines.append("  time     about 6 minutes on 2 free CPU cores (up to 20 while other processes load them)")
     lines.append(f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
                  f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
                  "--help for all")
@@ -407,6 +407,8 @@ def main(argv=None, reward_funcs=None):
         splits=("train", "test") if args.eval_samples else ("train",),
         tokenizer=args.tokenizer if args.tokenizer not in (None, "bytes") else None)
     out_dir = Path(args.output_dir)
+    if args.overwrite and args.resume:
+        fail("--overwrite deletes the checkpoints --resume continues from: pass one of them")
     checkpoint = find_checkpoint(args, out_dir) if args.resume else None
     outputs = cli.RunOutputs(PROG, out_dir, results=RESULTS, overwrite=args.overwrite, resume=checkpoint is not None,
                              resumable=True)
@@ -425,9 +427,8 @@ def main(argv=None, reward_funcs=None):
     try:
         return train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train,
                                   test)
-    except BaseException as e:  # an error, Ctrl-C, a kill: nothing that looks like a result stays
-        outputs.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
-                       outputs.steps)
+    except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays
+        outputs.failed(e, outputs.steps)
         raise
 
 

@@ -156,7 +156,7 @@ def main(argv=None):
         f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png"
         + (", model/ (the trained " + ("LoRA adapter" if args.lora_r > 0 else "weights") + ")" if args.save_model
            else "") + f"; {saves}; TRL logs every step to the console",
-        *(["  time     about 3 minutes on 2 free CPU cores (up to twice that while other processes load them)"]
+        *(["  time     about 3 minutes on 2 free CPU cores (up to 9 while other processes load them)"]
           if args.preset == "cpu" and not args.changed else []),
         f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, {data.HUB_ID}), "
         "--max-steps, ...; --preset gpu / cpu; --help for all",
@@ -244,9 +244,8 @@ def main(argv=None):
                          + cli.folder_size(outputs.folder / "model"))
         for checkpoint in sorted(outputs.folder.glob("checkpoint-*")):
             outputs.path(checkpoint.name + "/", cli.folder_size(checkpoint))
-    except BaseException as e:  # an error, Ctrl-C, a kill: nothing that looks like a result stays
-        outputs.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
-                       outputs.steps)
+    except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays
+        outputs.failed(e, outputs.steps)
         raise
     if trainer.is_world_process_zero():
         outputs.finish()

@@ -230,7 +230,11 @@ class RunOutputs:
     def finish(self) -> None:
         print(f"done: this run wrote {self.folder}/: {self.listing()}", flush=True)
 
-    def failed(self, reason: str, steps: int = 0) -> None:
+    def failed(self, reason, steps: int = 0) -> None:
+        """``reason``: a line, or the exception that stopped the run."""
+        if isinstance(reason, BaseException):
+            first = str(reason).splitlines()[0] if str(reason) else ""
+            reason = type(reason).__name__ + (f": {first}" if first else "")
         for name in list(self.written):
             target = self.folder / name
             keep = name in self.existed or (steps > 0 and target.exists() and not name.endswith(".png")
