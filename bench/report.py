@@ -297,6 +297,12 @@ def markdown(doc) -> str:
         lines += [f"> **{CPU_BANNER}**", ""]
     if not doc.get("complete", True):
         lines += ["> **Incomplete**: the run stopped before the end of the sweep.", ""]
+    skipped = [r for r in doc["results"] if r["status"] == "skipped"]
+    if skipped:
+        lines += [f"> **Partial**: {len(skipped)} of {len(doc['results'])} measurements were skipped "
+                  f"({skipped[0].get('reason')}): "
+                  + "; ".join(f"{r['impl']} {r['mode']} at {r['shape']} N={r['N']} {r['scenario']}" for r in skipped)
+                  + ". This file holds the rest.", ""]
     v = m["versions"]
     lines += [
         f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),

@@ -309,3 +309,20 @@ def test_goals_are_evaluated_honestly():
     assert [g["result"] for g in out["oom"]] == ["not measured", "PASS", "not measured", "not measured", "PASS"]
     assert all(g["result"] == "not measured" for g in out["absent"])
     assert all(g["result"] == "not measured" for g in out["cpu"])
+
+
+def test_a_file_with_skipped_measurements_says_so_in_its_header(tmp_path):
+    """A time budget that skipped measurements: the .md's header says how many and which, so the file never
+    reads as a full sweep."""
+    import bench.report as report
+
+    doc = json.loads((ROOT / "bench" / "results" / "cpu-frozen-bf16.json").read_text())
+    for r in doc["results"]:
+        r.update(status="ok")
+    assert "**Partial**" not in report.markdown(doc)
+    doc["results"][0].update(status="skipped", reason="time budget of 60 s spent")
+    first = doc["results"][0]
+    header = [line for line in report.markdown(doc).splitlines() if "**Partial**" in line]
+    assert header == [f"> **Partial**: 1 of {len(doc['results'])} measurements were skipped (time budget of 60 s "
+                      f"spent): {first['impl']} {first['mode']} at {first['shape']} N={first['N']} "
+                      f"{first['scenario']}. This file holds the rest."]
