@@ -221,6 +221,7 @@ def main(argv=None):
         reward_funcs = [with_completion_prefix(f, args.completion_prefix) for f in reward_funcs]
 
     outputs.create()
+    trainer = None
     try:
         trainer = GRPOTrainer(
             model=model,
@@ -232,11 +233,12 @@ def main(argv=None):
             callbacks=[MetricsFile(outputs.path("metrics.jsonl")), StepProgress(model)],
         )
         trainer.train()
-        outputs.steps = trainer.state.global_step
+        main_process = trainer.is_world_process_zero()
         rows = plots.read_rows(outputs.folder / "metrics.jsonl")
         outputs.written["metrics.jsonl"] = f"{len(rows)} steps"
-        plots.plot_metrics(rows, outputs.path("metrics.png"), PLOT_PANELS)
-        if args.save_model and trainer.is_world_process_zero():
+        if main_process:
+            plots.plot_metrics(rows, outputs.path("metrics.png"), PLOT_PANELS)
+        if args.save_model and main_process:
             print("saving the trained " + ("LoRA adapter" if args.lora_r > 0 else "weights") + "...", flush=True)
         if args.save_model:
             trainer.save_model(str(outputs.folder / "model"))  # every process takes part (FSDP, ZeRO-3)
@@ -245,9 +247,9 @@ def main(argv=None):
         for checkpoint in sorted(outputs.folder.glob("checkpoint-*")):
             outputs.path(checkpoint.name + "/", cli.folder_size(checkpoint))
     except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays
-        outputs.failed(e, outputs.steps)
+        outputs.failed(e, trainer.state.global_step if trainer is not None else 0)
         raise
-    if trainer.is_world_process_zero():
+    if main_process:
         outputs.finish()
     return trainer
 

@@ -90,6 +90,40 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "metrics.png", "model"]
 
 
+@pytest.mark.slow
+def test_a_failed_run_keeps_only_its_finished_steps_logs(tmp_path, monkeypatch):
+    """A reward that fails in the second generation: TRL's error goes up; the folder keeps the first generation's
+    steps in metrics.jsonl beside FAILED.txt, and no plot or model."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "train.jsonl", "w") as f:
+        for q, a in [("What is 2 plus 3?", "5"), ("Half of 18?", "9"), ("What is 6 times 7?", "42")]:
+            f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
+    tokenizer = byte_tokenizer()
+    model = tiny_qwen2(max_position_embeddings=1024)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    calls = []
+
+    def fails_in_the_second_generation(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("reward server down")
+        return letters_reward(prompts, completions)
+
+    script = load_script()
+    monkeypatch.setattr(script, "xmlcount_reward", fails_in_the_second_generation)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="reward server down"):
+        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                     "--no-one-shot", "--output-dir", str(out), "--max-steps", "4", "--num-generations", "2",
+                     "--max-completion-length", "8", "--per-device-train-batch-size", "2",
+                     "--generation-batch-size", "4", "--learning-rate", "1e-3"])
+    assert sorted(p.name for p in out.iterdir()) == ["FAILED.txt", "metrics.jsonl"]
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert "stopped after 2 finished step(s): RuntimeError: reward server down" in (out / "FAILED.txt").read_text()
+
+
 def test_cpu_recipe_and_bad_input(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     script = load_script()
@@ -164,7 +198,7 @@ def test_step_progress_names_the_phase_and_ticks():
         model(ids)
     assert progress.phase == "scoring log-probs"
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, use_cache=True)
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert progress.phase == "sampling"
     model(ids).logits.sum().backward()
     assert progress.phase == "forward / backward"

@@ -36,24 +36,32 @@ class MetricsFile(TrainerCallback):
 class StepProgress(TrainerCallback):
     """A bar per optimizer step: the phase the model is in and the seconds so far, redrawn every ``refresh_s``.
 
-    The phase comes from a forward pre-hook on ``model``'s decoder (every path calls it as a module, a peft model's
-    too): with gradients, "forward / backward"; without, "sampling" (a call with a key / value cache: ``generate``)
-    or "scoring log-probs" (the old policy's or the reference's pass).
+    The phase comes from ``model.generate`` ("sampling", while it runs) and a forward pre-hook on ``model``'s decoder
+    (every path calls it as a module, a peft model's too): with gradients, "forward / backward"; without, outside
+    ``generate``, "scoring log-probs" (the old policy's or the reference's pass).
     """
 
     def __init__(self, model, refresh_s=1.0, file=None):
         self.refresh_s, self.file = refresh_s, file
-        self.phase, self.bar, self.stop = "starting", None, None
+        self.phase, self.bar, self.stop, self.generating = "starting", None, None, False
         from grpo_fast.grpo import decoder_of
 
-        self.hook = decoder_of(model).register_forward_pre_hook(self._see_forward, with_kwargs=True)
+        self.hook = decoder_of(model).register_forward_pre_hook(self._see_forward)
+        generate = model.generate  # the class's, or a wrapper already there (rollout.show_generation_progress)
 
-    def _see_forward(self, module, args, kwargs):
+        def generate_and_say_so(*args, **kwargs):
+            self.generating, self.phase = True, "sampling"
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.generating = False
+
+        model.generate = generate_and_say_so
+
+    def _see_forward(self, module, args):
         if torch.is_grad_enabled():
             self.phase = "forward / backward"
-        elif kwargs.get("past_key_values") is not None:
-            self.phase = "sampling"
-        else:
+        elif not self.generating:
             self.phase = "scoring log-probs"
 
     def on_step_begin(self, args, state, control, **kwargs):
