@@ -10,9 +10,20 @@ measure (timers, peak memory, matmul throughput), runner (the sweep), report (JS
 See bench/README.md.
 """
 
-from bench.impls import IMPLS, Impl, register
+import os
+import sys
 
-__all__ = ["IMPLS", "Impl", "register", "main"]
+# Before torch starts OpenMP (the examples set the same): idle OpenMP threads sleep instead of spinning. On a CPU
+# that other processes share, spinning threads wait for each other at every matrix product and the timings measure
+# the spinning (a quick CPU sweep: 40 s with it, 12 s without). The results' metadata records the policy in effect.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP reads the policy when torch loads it: unknown when torch was imported before the benchmark
+THREAD_POLICY = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "torch" not in sys.modules else
+                 "unknown: torch was imported before bench set OMP_WAIT_POLICY")
+
+from bench.impls import IMPLS, Impl, register  # noqa: E402 (after the thread policy)
+
+__all__ = ["IMPLS", "Impl", "register", "main", "THREAD_POLICY"]
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench import completion_lengths, measure, report, runner
+from bench import THREAD_POLICY, completion_lengths, measure, report, runner
 from bench import impls as impl_registry
 from bench.inputs import LOSS_CONFIG, SCENARIOS
 from bench.shapes import (CPU_FULL_SHAPES, CPU_QUICK_SHAPES, CPU_QUICK_TOKENS, CPU_SHAPES, CPU_TOKENS,
@@ -120,6 +120,7 @@ def main(argv=None):
     args = parse_args(argv)
     opts = build_options(args)
     started = report.now()
+    load_before = report.load_average()
     info = report.device_info(opts.device)
     cuda = info["device_type"] == "cuda"
     if not cuda:
@@ -152,7 +153,11 @@ def main(argv=None):
         precision_method="errors against grpo_fast.reference with fp64 logits, on the completion tokens: loss "
                          "|abs|; dH, dW max |error| / max |truth|; log-probs max |error| in nats",
         time_budget_s=None if opts.time_budget == float("inf") else args.time_budget,
-        env={k: os.environ[k] for k in ("TRITON_INTERPRET",) if k in os.environ},
+        env={k: os.environ[k] for k in ("TRITON_INTERPRET", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+             if k in os.environ},
+        thread_policy=THREAD_POLICY,
+        # other processes' load (1, 5 and 15 minute averages of runnable processes) before and at the end
+        load_average_before=load_before,
     )
     if not cuda:
         meta["banner"] = report.CPU_BANNER
@@ -162,6 +167,7 @@ def main(argv=None):
         doc = dict(schema_version=report.SCHEMA_VERSION, complete=complete, meta=meta, results=records)
         doc["goals"] = report.evaluate_goals(meta, records)
         meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        meta["load_average_after"] = report.load_average()
         report.write_json(paths["json"], doc)
         paths["md"].write_text(report.markdown(doc))
         return doc

@@ -82,6 +82,14 @@ def versions() -> dict:
     return out
 
 
+def load_average():
+    """The machine's 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def now():
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -278,6 +286,10 @@ def summary_markdown(doc) -> list[str]:
     return lines
 
 
+def _load(values):
+    return " / ".join(f"{v:.2f}" for v in values) if values else "not recorded"
+
+
 def markdown(doc) -> str:
     m, records = doc["meta"], display_order(doc)
     lines = [f"# grpo_fast benchmark: {m['device_name']}", ""]
@@ -285,6 +297,12 @@ def markdown(doc) -> str:
         lines += [f"> **{CPU_BANNER}**", ""]
     if not doc.get("complete", True):
         lines += ["> **Incomplete**: the run stopped before the end of the sweep.", ""]
+    skipped = [r for r in doc["results"] if r["status"] == "skipped"]
+    if skipped:
+        lines += [f"> **Partial**: {len(skipped)} of {len(doc['results'])} measurements were skipped "
+                  f"({skipped[0].get('reason')}): "
+                  + "; ".join(f"{r['impl']} {r['mode']} at {r['shape']} N={r['N']} {r['scenario']}" for r in skipped)
+                  + ". This file holds the rest.", ""]
     v = m["versions"]
     lines += [
         f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
@@ -298,6 +316,10 @@ def markdown(doc) -> str:
         f"- measured {m['dtype']} matmul throughput: {m['matmul_peak_tflops']:.4g} TFLOP/s "
         f"({m['matmul_size']}^3 products)" if m.get("matmul_peak_tflops") else "- matmul throughput: not measured",
         f"- time: {m['timing_method']}; peak memory: {m['memory_method']}",
+        *([f"- CPU threads {m.get('cpu_threads')}, thread policy {m.get('thread_policy') or 'not recorded'}; load "
+           f"average (1, 5, 15 min) {_load(m.get('load_average_before'))} before the run, "
+           f"{_load(m.get('load_average_after'))} at its end (other processes share this machine's cores)"]
+          if m["device_type"] != "cuda" else []),
         "- TFLOP/s count the work's floor for every implementation, on the completion tokens n: 2nDV (log-probs), "
         "8nDV (fwd+bwd with recompute), 4nDV (frozen lm_head: no dW, d logp / dh built in the forward); "
         "`matmul / 2NDV`: the matmul FLOPs each ran, counted on a CPU; `x eager` is the ratio to eager (which "

@@ -19,6 +19,10 @@ ever built. ``--loss eager`` swaps in ``grpo_fast.reference`` (full logits) for 
 
 Outputs in ``--output-dir``: metrics.jsonl (one line per step), samples.jsonl (one completion per step),
 metrics.png, summary.json (eval before / after), checkpoint-<step>/ (model or LoRA adapter + trainer_state.pt).
+A run never writes over another: the folder must be new or empty, unless ``--overwrite`` (the earlier run's
+outputs are deleted first) or ``--resume`` (the run continues). A run that fails leaves no plot or summary, and
+only the logs of its finished steps, beside FAILED.txt; the last line printed lists what the run wrote. Every
+numeric flag is checked before anything slow (``--help`` says what each accepts): a one-line error, exit status 2.
 ``--memory-report FILE`` appends the peak GPU memory of each phase to FILE (see examples/README.md).
 """
 
@@ -48,11 +52,34 @@ from tqdm.auto import tqdm
 import grpo_fast
 from grpo_fast import NUM_ITEMS_LOSS_TYPES
 from grpo_fast.grpo import SCALE_REWARDS, completion_hidden_states, group_advantages
-from grpo_fast.gsm8k import cli, data, models, rollout
+from grpo_fast.gsm8k import cli, data, models, plots, rollout
 from grpo_fast.gsm8k.rewards import (DEFAULT_REWARDS, correctness_reward, soft_format_reward,
                                      strict_format_reward)
 
 PROG = "train_gsm8k.py"
+RESULTS = ("metrics.jsonl", "samples.jsonl", "metrics.png", "summary.json")
+# what each numeric flag accepts (--help says it; checked before anything slow)
+RANGES = {
+    **cli.COMMON_RANGES,
+    "lora_alpha": cli.Range(1),
+    "prompts_per_step": cli.Range(1),
+    "max_prompt_length": cli.Range(1),
+    "top_p": cli.Range(0.0, 1.0, low_open=True),
+    "beta": cli.Range(0.0),
+    "epsilon": cli.Range(0.0, 1.0),
+    "epsilon_high": cli.Range(0.0),
+    "num_iterations": cli.Range(1),
+    "micro_batch_size": cli.Range(1),
+    "lr": cli.Range(0.0, low_open=True),
+    "weight_decay": cli.Range(0.0),
+    "warmup_ratio": cli.Range(0.0, 1.0),
+    "max_grad_norm": cli.Range(0.0, low_open=True),
+    "save_every": cli.Range(0),
+    "keep_checkpoints": cli.Range(0),
+    "eval_samples": cli.Range(0, also={-1: "all"}),
+    "eval_batch_size": cli.Range(1),
+    "max_memory_gb": cli.Range(0.0, low_open=True),
+}
 # Public configs of the Qwen2.5 instruct models, for --random-init (memory measurements without the hub).
 MODEL_CONFIGS = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -133,18 +160,23 @@ def parse_args(argv=None):
                    help="[on / off] activation checkpointing of the decoder layers")
     o.add_argument("--seed", type=int, default=0)
     l = p.add_argument_group("logging, checkpoints, eval")
-    l.add_argument("--output-dir", default="runs/gsm8k")
+    l.add_argument("--output-dir", default="runs/gsm8k", help="a new or empty folder (default: runs/gsm8k)")
+    l.add_argument("--overwrite", action="store_true",
+                   help="delete an earlier run's outputs in --output-dir first (without it, the run refuses them)")
     l.add_argument("--save-every", type=int, default=None,
                    help="[50 / 0] checkpoint every N steps and at the end (0: never)")
-    l.add_argument("--keep-checkpoints", type=int, default=2)
-    l.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    l.add_argument("--keep-checkpoints", type=int, default=2, help="the newest N checkpoints stay (0: all)")
+    l.add_argument("--resume", default=None,
+                   help="a checkpoint folder, or 'latest': the newest checkpoint in --output-dir (an error if none)")
     l.add_argument("--eval-samples", type=int, default=None,
                    help="[256 / 8] GSM8K test questions per eval (0: none, -1: all)")
     l.add_argument("--eval-batch-size", type=int, default=None, help="[32 / 8]")
     l.add_argument("--max-memory-gb", type=float, default=None, help="cap this process's CUDA memory")
     l.add_argument("--memory-report", default=None, help="append peak memory per phase (JSON line) to this file")
+    cli.add_ranges_to_help(p, RANGES)
     args = p.parse_args(argv)
     cli.apply_preset(args, PRESETS)
+    cli.check_numbers(PROG, args, RANGES)
     if args.lr is None:
         args.lr = 2e-5 if args.lora_r > 0 else 5e-6
     if args.random_init and args.tokenizer is None:
@@ -180,7 +212,7 @@ def print_plan(args, source, device, dtype):
         f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png, samples.jsonl, summary.json; {saves}",
     ]
     if args.preset == "cpu" and not args.changed and not args.random_init:
-        lines.append("  time     about 6 minutes on 2 free CPU cores (up to twice that while other processes load them)")
+        lines.append("  time     about 6 minutes on 2 free CPU cores (up to 20 while other processes load them)")
     lines.append(f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
                  f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
                  "--help for all")
@@ -236,10 +268,15 @@ def reward_functions(spec, functions=None):
     functions = DEFAULT_REWARDS if functions is None else functions
     weights = {name: 1.0 for name in functions}
     for item in filter(None, (spec or "").split(",")):
-        name, value = item.split("=")
+        name, _, value = item.partition("=")
         if name not in weights:
-            fail(f"--reward-weights: unknown reward {name!r}, expected one of {list(weights)}")
-        weights[name] = float(value)
+            fail(f"--reward-weights {spec}: unknown reward {name!r}, expected name=weight,... over {list(weights)}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            weights[name] = float("nan")
+        if not math.isfinite(weights[name]):
+            fail(f"--reward-weights {spec}: the weight of {name} is {value!r}, expected a finite number")
     return {name: (fn, weights[name]) for name, fn in functions.items()}
 
 
@@ -317,15 +354,15 @@ def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep):
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, eval_before=None):
     path = out_dir / f"checkpoint-{step}"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
-               path / "trainer_state.pt")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng,
+                "eval_before": eval_before}, path / "trainer_state.pt")
     old = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     for stale in old[:-keep] if keep > 0 else []:
         shutil.rmtree(stale)
@@ -338,37 +375,20 @@ def find_checkpoint(args, out_dir):
             fail(f"--resume {args.resume}: not a checkpoint folder (no trainer_state.pt); pass one of "
                  f"{args.output_dir}/checkpoint-<step>, or 'latest'")
         return Path(args.resume)
-    found = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    return found[-1] if found else None
+    found = sorted(out_dir.glob("checkpoint-*/trainer_state.pt"), key=lambda p: int(p.parent.name.split("-")[1]))
+    if not found:
+        fail(f"--resume latest: no checkpoint-<step>/ in {out_dir} (checkpoints come from --save-every N); leave "
+             "--resume out to start afresh")
+    return found[-1].parent
 
 
 # ------------------------------------------------------------------------------------------ plot
-def plot_metrics(metrics_path, png_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in open(metrics_path)]
-    if not rows:
-        return
-    reward_keys = [k for k in rows[0] if k.startswith("rewards/")]
-    panels = [("reward", ["reward"] + reward_keys), ("accuracy", ["accuracy"]), ("loss", ["loss"]),
-              ("kl", ["kl"]) if "kl" in rows[0] else ("learning rate", ["lr"]),
-              ("completion length", ["completion_length"]), ("entropy", ["entropy"])]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    steps = [r["step"] for r in rows]
-    for ax, (title, keys) in zip(axes.flat, panels):
-        for key in keys:
-            if key in rows[0]:
-                ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=key.removeprefix("rewards/"))
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=80)
-    plt.close(fig)
+def plot_panels(rows):
+    """The plot's six panels (grpo_fast.gsm8k.plots): the KL where it is logged, else the learning rate."""
+    kl = any("kl" in r for r in rows)
+    return [("reward", ["reward", "rewards/"]), ("accuracy", ["accuracy"]), ("loss", ["loss"]),
+            ("kl", ["kl"]) if kl else ("learning rate", ["lr"]), ("completion length", ["completion_length"]),
+            ("entropy", ["entropy"])]
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -387,18 +407,36 @@ def main(argv=None, reward_funcs=None):
         splits=("train", "test") if args.eval_samples else ("train",),
         tokenizer=args.tokenizer if args.tokenizer not in (None, "bytes") else None)
     out_dir = Path(args.output_dir)
+    if args.overwrite and args.resume:
+        fail("--overwrite deletes the checkpoints --resume continues from: pass one of them")
     checkpoint = find_checkpoint(args, out_dir) if args.resume else None
+    outputs = cli.RunOutputs(PROG, out_dir, results=RESULTS, overwrite=args.overwrite, resume=checkpoint is not None,
+                             resumable=True)
     print_plan(args, source, device, dtype)
+    if checkpoint is not None:
+        print(f"  resume   from {checkpoint}", flush=True)
     if args.max_memory_gb and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_memory_gb / total))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lora = args.lora_r > 0
 
     # data (local files: a second; the hub: datasets' download or cache)
     train = cli.load_split(PROG, "train", args.data, one_shot=args.one_shot)
     test = cli.load_split(PROG, "test", args.data, one_shot=args.one_shot) if args.eval_samples else []
     test = test if args.eval_samples < 0 else test[:args.eval_samples]
+    outputs.create()
+    try:
+        return train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train,
+                                  test)
+    except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays
+        outputs.failed(e, outputs.steps)
+        raise
+
+
+def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train, test):
+    """The run itself, writing into ``outputs`` (a created RunOutputs)."""
+    out_dir = outputs.folder
+    lora = args.lora_r > 0
+    outputs.steps = 0  # finished steps in metrics.jsonl (a resumed run's included)
 
     # policy (full parameters resume from the checkpoint's weights; LoRA loads the adapter below)
     t_load = time.perf_counter()
@@ -435,7 +473,7 @@ def main(argv=None, reward_funcs=None):
     warmup = math.ceil(args.warmup_ratio * total_updates)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, warmup=warmup,
                                                                                total=total_updates))
-    start_step = 0
+    start_step, state = 0, {}
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -455,18 +493,22 @@ def main(argv=None, reward_funcs=None):
     logprobs_fn = grpo_fast.logprobs if args.loss == "fused" else grpo_fast.reference.logprobs
     G, mb = args.num_generations, args.micro_batch_size
 
-    summary_path = out_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() and checkpoint else {}
+    # summary.json is written at the end; the eval before training travels in the checkpoints
+    summary = {}
+    if checkpoint is not None and state.get("eval_before") is not None:
+        summary["eval_before"] = state["eval_before"]
+    elif checkpoint is not None and (out_dir / "summary.json").exists():  # a checkpoint from before they did
+        summary = {k: v for k, v in json.loads((out_dir / "summary.json").read_text()).items() if k == "eval_before"}
     if test and checkpoint is None:
         summary["eval_before"] = evaluate(model, tokenizer, test, args, rewards, "eval before training")
         print("eval before training:", json.dumps(summary["eval_before"]), flush=True)
-        summary_path.write_text(json.dumps(summary, indent=2))
 
     # metrics.jsonl: on resume keep the lines of the steps the checkpoint holds
-    metrics_path, samples_path = out_dir / "metrics.jsonl", out_dir / "samples.jsonl"
+    metrics_path, samples_path = outputs.path("metrics.jsonl"), outputs.path("samples.jsonl")
     for path in (metrics_path, samples_path):
         lines = path.read_text().splitlines() if checkpoint and path.exists() else []
         path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start_step))
+    outputs.steps = start_step
 
     def weight_and_hidden(batch, policy=True):
         """lm_head weight and completion hidden states of the policy, or of the reference model."""
@@ -597,13 +639,21 @@ def main(argv=None, reward_funcs=None):
             with open(samples_path, "a") as f:
                 f.write(json.dumps({"step": step + 1, "question": examples[0]["question"], "answer": answers[0],
                                     "completion": texts[0], "reward": total_reward[0].item()}) + "\n")
+            outputs.steps = step + 1
+            outputs.written["metrics.jsonl"] = outputs.written["samples.jsonl"] = (
+                f"steps 1-{step + 1}" if step else "step 1")
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{total_loss:.4f}")
             bar.write(f"step {step + 1}/{args.max_steps}: reward {row['reward']:.3f} (" + ", ".join(
                 f"{name} {v.mean().item():.2f}" for name, v in per_function.items()) +
                 f"), completion length {row['completion_length']:.0f}, loss {total_loss:.4f}, lr {lr:.2g}, "
                 f"{row['step_time_s']:.0f} s")
             if args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.max_steps):
-                save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, scheduler, args.keep_checkpoints)
+                saved = save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, scheduler,
+                                        args.keep_checkpoints, summary.get("eval_before"))
+                for name in [n for n in outputs.written if n.startswith("checkpoint-")]:
+                    if not (out_dir / name).exists():  # deleted by keep_checkpoints
+                        del outputs.written[name]
+                outputs.path(saved.name + "/", cli.folder_size(saved))
     except torch.cuda.OutOfMemoryError:
         status = f"out of memory in {memory.current}"
         if not args.memory_report:
@@ -613,13 +663,17 @@ def main(argv=None, reward_funcs=None):
         if args.memory_report:
             write_memory_report(args, memory, status, device, locals().get("batch"))
 
-    if status == "ok":
-        plot_metrics(metrics_path, out_dir / "metrics.png")
-        if test:
-            summary["eval_after"] = evaluate(model, tokenizer, test, args, rewards, "eval after training")
-            print("eval after training:", json.dumps(summary["eval_after"]), flush=True)
-            summary_path.write_text(json.dumps(summary, indent=2))
-        print(f"done: {out_dir}/ holds metrics.jsonl, metrics.png, samples.jsonl, summary.json", flush=True)
+    if status != "ok":
+        outputs.failed(status, outputs.steps)
+        return {"status": status, "output_dir": str(out_dir), "summary": summary}
+    rows = plots.read_rows(metrics_path)
+    plots.plot_metrics(rows, outputs.path("metrics.png"), plot_panels(rows))
+    if test:
+        summary["eval_after"] = evaluate(model, tokenizer, test, args, rewards, "eval after training")
+        print("eval after training:", json.dumps(summary["eval_after"]), flush=True)
+    if summary:
+        outputs.path("summary.json", "eval before and after").write_text(json.dumps(summary, indent=2))
+    outputs.finish()
     return {"status": status, "output_dir": str(out_dir), "summary": summary}
 
 

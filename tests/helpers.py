@@ -92,12 +92,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn_ranks(fn, world, out_dir, timeout):
-    """``fn(rank, port, out_dir)`` on ``world`` spawned ranks (TRITON_INTERPRET and sys.path reach the children from
-    this process); a rank's exception is raised here, a run past ``timeout`` seconds is killed and fails the test."""
+def spawn_ranks(fn, world, out_dir, timeout, *args):
+    """``fn(rank, port, out_dir, *args)`` on ``world`` spawned ranks (TRITON_INTERPRET and sys.path reach the children
+    from this process); a rank's exception is raised here, a run past ``timeout`` seconds is killed and fails the
+    test."""
     import torch.multiprocessing as mp
 
-    ranks = mp.start_processes(fn, args=(free_port(), out_dir), nprocs=world, start_method="spawn", join=False)
+    ranks = mp.start_processes(fn, args=(free_port(), out_dir) + args, nprocs=world, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout
     while not ranks.join(timeout=5):  # re-raises a rank's exception
         if time.monotonic() > deadline:

@@ -82,6 +82,17 @@ def test_default_output_folder_is_ignored_by_git(monkeypatch):
 
 
 @pytest.mark.slow
+def test_thread_policy_is_unknown_when_torch_was_imported_first():
+    """OpenMP reads OMP_WAIT_POLICY when torch loads it: too late for bench to set it, and the results say so."""
+    env = _env()
+    env.pop("OMP_WAIT_POLICY", None)
+    proc = subprocess.run([sys.executable, "-c", "import torch, bench, os; print(bench.THREAD_POLICY); "
+                           "print(os.environ['OMP_WAIT_POLICY'])"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["unknown: torch was imported before bench set OMP_WAIT_POLICY", "PASSIVE"]
+
+
 def test_runs_print_nothing_of_the_profiler_or_nanobind(cpu_runs):
     """The CPU's peak-memory runs start torch's profiler, whose libkineto logs `USDT: ... profiler_start/stop`
     markers to stderr; the sweep freezes objects out of the garbage collector's view, which Triton's nanobind
@@ -117,6 +128,13 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
     assert meta["loss_config"]["use_bias_correction_kl"] is True  # TRL 1.16's default, given to every peer
     assert meta["scenarios"] == ["dense", "padded"] and "GSM8K" in meta["padded_lengths"]["source"]
     assert _only(out / "quick", ".json").name.startswith("cpu-")
+    # the thread policy the timings ran under (bench sets OMP_WAIT_POLICY before torch loads OpenMP) and the
+    # machine's load around the run
+    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert meta["thread_policy"] == f"OMP_WAIT_POLICY={policy}" and meta["env"]["OMP_WAIT_POLICY"] == policy
+    for key in ("load_average_before", "load_average_after"):
+        assert len(meta[key]) == 3 and all(v >= 0 for v in meta[key]), key
+    assert f"thread policy OMP_WAIT_POLICY={policy}; load average (1, 5, 15 min) " in md
 
     records = doc["results"]
     statuses = {"ok", "wrong", "oom", "unavailable", "error", "skipped"}
@@ -291,3 +309,20 @@ def test_goals_are_evaluated_honestly():
     assert [g["result"] for g in out["oom"]] == ["not measured", "PASS", "not measured", "not measured", "PASS"]
     assert all(g["result"] == "not measured" for g in out["absent"])
     assert all(g["result"] == "not measured" for g in out["cpu"])
+
+
+def test_a_file_with_skipped_measurements_says_so_in_its_header(tmp_path):
+    """A time budget that skipped measurements: the .md's header says how many and which, so the file never
+    reads as a full sweep."""
+    import bench.report as report
+
+    doc = json.loads((ROOT / "bench" / "results" / "cpu-frozen-bf16.json").read_text())
+    for r in doc["results"]:
+        r.update(status="ok")
+    assert "**Partial**" not in report.markdown(doc)
+    doc["results"][0].update(status="skipped", reason="time budget of 60 s spent")
+    first = doc["results"][0]
+    header = [line for line in report.markdown(doc).splitlines() if "**Partial**" in line]
+    assert header == [f"> **Partial**: 1 of {len(doc['results'])} measurements were skipped (time budget of 60 s "
+                      f"spent): {first['impl']} {first['mode']} at {first['shape']} N={first['N']} "
+                      f"{first['scenario']}. This file holds the rest."]

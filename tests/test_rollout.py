@@ -145,6 +145,27 @@ def test_generation_progress_counts_finished_rows_and_tokens(capsys):
     assert progress.bar.n == 3
 
 
+def test_generation_progress_redraws_the_token_counter_while_no_sequence_finishes():
+    """The token counter moves on screen while every row is still sampling (no finished sequence moves the bar)."""
+    import io
+
+    screen = io.StringIO()
+    progress = rollout.GenerationProgress(2, 50, [9], desc="t", refresh_s=0.0, file=screen)
+    progress.put(torch.tensor([[1, 2], [1, 2]]))
+    for _ in range(3):
+        progress.put(torch.tensor([5, 5]))
+    assert progress.bar.n == 0 and "token 3/50" in screen.getvalue()
+    progress.put(torch.tensor([9, 5]))
+    assert progress.bar.n == 1 and "token 4/50" in screen.getvalue()
+    quiet = io.StringIO()  # redraws are rate-limited: none within refresh_s of the last
+    progress = rollout.GenerationProgress(2, 50, [9], desc="t", refresh_s=3600.0, file=quiet)
+    progress.put(torch.tensor([[1, 2], [1, 2]]))
+    for _ in range(3):
+        progress.put(torch.tensor([5, 5]))
+    assert "token 3/50" not in quiet.getvalue()
+    progress.end()
+
+
 def test_generate_with_progress_and_show_generation_progress():
     model, tok = tiny_model(), byte_tokenizer()
     prompts = [[{"role": "user", "content": "1+1?"}]]

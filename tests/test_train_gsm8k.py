@@ -266,7 +266,8 @@ def test_bad_input_is_one_line_before_anything_slow(setup, monkeypatch, capsys, 
     monkeypatch.setattr(script.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit) as exit_info:
         script.main([a.format(root=root) for a in argv] + ["--output-dir", str(root / "bad")])
-    text = str(exit_info.value.code)
+    text = str(exit_info.value)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == text + "\n"
     assert text.startswith("train_gsm8k.py: error: ") and message in text and "\n" not in text
     assert "pass " in text or "leave " in text  # it says what to pass instead
     assert not (root / "bad").exists()
@@ -297,3 +298,137 @@ def test_embedded_smollm2_resolves_without_network(monkeypatch):
     source = models.resolve(models.SMOLLM2)
     assert source.kind == "embedded" and source.gguf_file == models.SMOLLM2_GGUF
     assert (Path(source.path) / source.gguf_file).stat().st_size > 50e6
+
+
+def out_of_range(accepted, integer):
+    """A value the flag's range refuses, just outside it."""
+    step = 1 if integer else 0.5
+    if accepted.low is not None:
+        value = accepted.low if accepted.low_open else accepted.low - step
+        while value in accepted.also:
+            value -= step
+        return value
+    return accepted.high if accepted.high_open else accepted.high + step
+
+
+def test_every_numeric_flag_is_checked_before_anything_slow(setup, monkeypatch, capsys):
+    """Each numeric flag, just outside its range: one line naming the flag, the value and the range, exit status 2,
+    no model or data loaded, no folder made; --help says what each accepts; both recipes pass the checks."""
+    root, script = setup
+    monkeypatch.setattr(script.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(script.cli, "load_split", lambda *a, **k: pytest.fail("loaded the data"))
+    actions = {a.dest: a for a in _parser_actions(script)}
+    numeric = {dest for dest, a in actions.items() if a.type in (int, float)}
+    assert numeric == set(script.RANGES)  # every numeric flag has a range
+    for dest, accepted in script.RANGES.items():
+        integer, parser_help = actions[dest].type is int, actions[dest].help
+        value = out_of_range(accepted, integer)
+        flag = "--" + dest.replace("_", "-")
+        assert "accepts " + accepted.describe(integer) in parser_help, dest
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--preset", "cpu", "--model", str(root / "model"), "--output-dir", str(root / "bad"),
+                         flag, str(value)])
+        text = str(exit_info.value)
+        assert exit_info.value.code == 2 and capsys.readouterr().err == text + "\n", dest
+        assert text == f"train_gsm8k.py: error: {flag} {value:g}: expected {accepted.describe(integer)}", dest
+    for bad in ("nan", "inf"):
+        with pytest.raises(SystemExit, match="--temperature " + bad):
+            script.parse_args(["--temperature", bad])
+    with pytest.raises(SystemExit, match="the weight of int is 'x', expected a finite number"):
+        script.main(["--preset", "cpu", "--reward-weights", "int=x", "--output-dir", str(root / "bad")])
+    for preset in ("cpu", "gpu"):  # the recipes' own values pass
+        script.parse_args(["--preset", preset])
+    assert not (root / "bad").exists()
+
+
+def _parser_actions(script):
+    import argparse
+
+    captured = {}
+    real = argparse.ArgumentParser.parse_args
+
+    def grab(self, argv=None, namespace=None):
+        captured["actions"] = self._actions
+        return real(self, argv, namespace)
+
+    argparse.ArgumentParser.parse_args = grab
+    try:
+        script.parse_args(["--preset", "cpu"])
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    return captured["actions"]
+
+
+def test_a_bad_number_from_the_command_line_exits_2_with_one_line():
+    """As a user meets it: a fresh process, exit status 2, one line on stderr, no traceback, before any model."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1]), HF_HUB_OFFLINE="1")
+    for argv, message in [(["--num-generations", "-4"], "--num-generations -4: expected an integer >= 2"),
+                          (["--max-steps", "-1"], "--max-steps -1: expected an integer >= 1")]:
+        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env,
+                              timeout=300, cwd=SCRIPT.parents[1])
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == f"train_gsm8k.py: error: {message}\n"
+
+
+def one_step(root, out, *extra):
+    return base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--num-generations", "2",
+                     "--prompts-per-step", "1", "--no-gradient-checkpointing", "--save-every", "0", *extra)
+
+
+@pytest.mark.slow
+def test_a_run_never_destroys_another_and_says_what_it_wrote(setup, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, script = setup
+    out = root / "keep"
+    rewards = {"letters": letters_reward}
+    assert script.main(one_step(root, out), reward_funcs=rewards)["status"] == "ok"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"done: this run wrote {out}/: metrics.jsonl (step 1), samples.jsonl (step 1), metrics.png"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"metrics.jsonl", "samples.jsonl", "metrics.png"}
+
+    # the same folder again: refused in a second, nothing touched
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(one_step(root, out, "--seed", "1"), reward_funcs=rewards)
+    assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, samples.jsonl)" in str(
+        exit_info.value) and "--overwrite" in str(exit_info.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # --resume latest without a checkpoint: an error, not a fresh start
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(one_step(root, out, "--resume", "latest"), reward_funcs=rewards)
+    assert exit_info.value.code == 2 and f"--resume latest: no checkpoint-<step>/ in {out}" in str(exit_info.value)
+
+    # a run that fails before its first step leaves nothing, not even its folder
+    def broken(prompts, completions, answer, **kwargs):
+        raise RuntimeError("reward server down")
+
+    fresh = root / "broken"
+    with pytest.raises(RuntimeError):
+        script.main(one_step(root, fresh), reward_funcs={"broken": broken})
+    assert not fresh.exists()
+    assert "failed: RuntimeError: reward server down; this run left nothing in" in capsys.readouterr().err
+    # --overwrite over the good run, failing: the earlier results are gone (as asked), none of the new run's stay
+    with pytest.raises(RuntimeError):
+        script.main(one_step(root, out, "--overwrite"), reward_funcs={"broken": broken})
+    assert out.is_dir() and not list(out.iterdir())
+
+    # a run that fails after a finished step keeps that step's logs beside FAILED.txt, and no plot or summary
+    calls = []
+
+    def fails_second_time(prompts, completions, answer, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # the eval before training, step 1, then step 2 fails
+            raise RuntimeError("gone")
+        return letters_reward(prompts, completions, answer)
+
+    half = root / "half"
+    with pytest.raises(RuntimeError):
+        script.main(one_step(root, half, "--max-steps", "2", "--eval-samples", "1"),
+                    reward_funcs={"flaky": fails_second_time})
+    assert sorted(p.name for p in half.iterdir()) == ["FAILED.txt", "metrics.jsonl", "samples.jsonl"]
+    assert [r["step"] for r in read_metrics(half)] == [1]
+    assert "stopped after 1 finished step(s): RuntimeError: gone" in (half / "FAILED.txt").read_text()

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 from trl_harness import tiny_qwen2
@@ -30,7 +31,8 @@ def letters_reward(prompts, completions, **kwargs):
     return [sum(ch.isascii() and ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
 
 
-def test_two_steps_offline(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "data").mkdir()
     with open(tmp_path / "data" / "train.jsonl", "w") as f:
@@ -60,6 +62,67 @@ def test_two_steps_offline(tmp_path, monkeypatch):
     assert trainer.model.forward.__func__.__code__.co_filename.endswith("grpo_fast/trl.py")
     assert not list((tmp_path / "out").glob("checkpoint-*"))  # the CPU recipe saves none
 
+    # what TRL users expect in the output folder: the logged metrics, a plot, the trained weights (and their size)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "metrics.png", "model"]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2] and logged[-1]["step"] == 2
+    assert [r["loss"] for r in logged if "loss" in r] == [e["loss"] for e in steps]
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / "metrics.png").stat().st_size > 10_000
+    from safetensors.torch import load_file
+
+    saved = load_file(out / "model" / "model.safetensors")
+    trained = trainer.model.state_dict()
+    assert saved and all(torch.equal(saved[k], trained[k]) for k in saved)
+    assert (out / "model" / "tokenizer_config.json").exists()
+    stdout = capsys.readouterr().out
+    assert "saving the trained weights..." in stdout
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith(f"done: this run wrote {out}/: metrics.jsonl (2 steps), metrics.png, model/ (weights and "
+                           "tokenizer, ") and last.endswith(" kB)")
+
+    # a second run into the same folder is refused before anything slow, and the first run's files stay
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                     "--output-dir", str(out)])
+    assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, model/)" in str(
+        exit_info.value)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "metrics.png", "model"]
+
+
+@pytest.mark.slow
+def test_a_failed_run_keeps_only_its_finished_steps_logs(tmp_path, monkeypatch):
+    """A reward that fails in the second generation: TRL's error goes up; the folder keeps the first generation's
+    steps in metrics.jsonl beside FAILED.txt, and no plot or model."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "train.jsonl", "w") as f:
+        for q, a in [("What is 2 plus 3?", "5"), ("Half of 18?", "9"), ("What is 6 times 7?", "42")]:
+            f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
+    tokenizer = byte_tokenizer()
+    model = tiny_qwen2(max_position_embeddings=1024)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    calls = []
+
+    def fails_in_the_second_generation(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("reward server down")
+        return letters_reward(prompts, completions)
+
+    script = load_script()
+    monkeypatch.setattr(script, "xmlcount_reward", fails_in_the_second_generation)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="reward server down"):
+        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                     "--no-one-shot", "--output-dir", str(out), "--max-steps", "4", "--num-generations", "2",
+                     "--max-completion-length", "8", "--per-device-train-batch-size", "2",
+                     "--generation-batch-size", "4", "--learning-rate", "1e-3"])
+    assert sorted(p.name for p in out.iterdir()) == ["FAILED.txt", "metrics.jsonl"]
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert "stopped after 2 finished step(s): RuntimeError: reward server down" in (out / "FAILED.txt").read_text()
+
 
 def test_cpu_recipe_and_bad_input(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -76,5 +139,71 @@ def test_cpu_recipe_and_bad_input(monkeypatch, tmp_path):
                           (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set")]:
         with pytest.raises(SystemExit) as exit_info:
             script.main(["--preset", "cpu", *argv])
-        text = str(exit_info.value.code)
+        text = str(exit_info.value)
+        assert exit_info.value.code == 2
         assert text.startswith("trl_gsm8k.py: error: ") and message in text and "\n" not in text
+
+
+def test_every_numeric_flag_is_checked_before_anything_slow(monkeypatch, capsys):
+    """Each numeric flag just outside its range, and batch sizes TRL would reject: one line naming the flag, the
+    value and the range, exit status 2, before TRL or a model loads; --help says what each flag accepts."""
+    import argparse
+
+    script = load_script()
+    monkeypatch.setattr(script.models, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("loaded a model"))
+    captured = {}
+    real = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, *a, **k: (captured.setdefault("actions", self._actions), real(self, *a, **k))[1])
+    script.parse_args(["--preset", "cpu"])
+    actions = {a.dest: a for a in captured["actions"]}
+    assert {d for d, a in actions.items() if a.type in (int, float)} == set(script.RANGES)
+    cases = [(["--max-steps", "0"], "--max-steps 0: expected an integer >= 1, or -1 (one epoch)"),
+             (["--max-steps", "-2"], "--max-steps -2: expected an integer >= 1, or -1 (one epoch)"),
+             (["--num-generations", "0"], "--num-generations 0: expected an integer >= 2"),
+             (["--temperature", "0"], "--temperature 0: expected a number > 0"),
+             (["--learning-rate", "nan"], "--learning-rate nan: expected a number > 0"),
+             (["--warmup-ratio", "1"], "--warmup-ratio 1: expected a number in [0, 1)"),
+             (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size 0: expected an integer >= 1"),
+             (["--generation-batch-size", "6"], "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
+             (["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
+              "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)"),
+             (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--preset", "cpu", *argv])
+        assert exit_info.value.code == 2 and str(exit_info.value) == f"trl_gsm8k.py: error: {message}", argv
+        assert capsys.readouterr().err == f"trl_gsm8k.py: error: {message}\n"
+    for dest, accepted in script.RANGES.items():
+        assert "accepts " + accepted.describe(actions[dest].type is int) in actions[dest].help, dest
+    for preset in ("cpu", "gpu"):  # the recipes' own values pass
+        script.parse_args(["--preset", preset])
+
+
+def test_step_progress_names_the_phase_and_ticks():
+    """The per-step bar says what the model runs (from its decoder's calls) and is redrawn while nothing else moves."""
+    import io
+    import time
+    from types import SimpleNamespace
+
+    from grpo_fast.gsm8k.callbacks import StepProgress
+
+    model = tiny_qwen2()
+    screen = io.StringIO()
+    progress = StepProgress(model, refresh_s=0.05, file=screen)
+    state = SimpleNamespace(global_step=2, max_steps=8)
+    progress.on_step_begin(None, state, None)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(ids)
+    assert progress.phase == "scoring log-probs"
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert progress.phase == "sampling"
+    model(ids).logits.sum().backward()
+    assert progress.phase == "forward / backward"
+    time.sleep(0.3)
+    assert "optimizer step 3/8: forward / backward" in screen.getvalue()
+    progress.on_train_end(None, state, None)
+    model(ids)
+    assert progress.bar is None and progress.phase == "forward / backward"  # the hook is gone

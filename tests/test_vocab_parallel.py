@@ -10,13 +10,12 @@ counted: per step 20 N bytes in the forward and 4 N D in the backward (N scored 
 """
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers import spawn_ranks
 
 ATOL = 2e-5
 TIMEOUT_S = 240  # a hung collective must not hang CI
@@ -181,7 +180,7 @@ CASES = ([(kind, ("hidden", "weight"), layout) for kind in ("logprobs", "logprob
             for layout in ("plain", "dtensor")])
 
 
-def worker(rank, world, port, out_dir, backends, vocab_sizes):
+def worker(rank, port, out_dir, world, backends, vocab_sizes):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -196,23 +195,9 @@ def worker(rank, world, port, out_dir, backends, vocab_sizes):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(fn, world, out_dir, *args):
-    """``fn(rank, world, port, out_dir, *args)`` on ``world`` spawned ranks; a rank's exception is raised here, a run
-    past TIMEOUT_S killed and failed."""
-    ranks = mp.start_processes(fn, args=(world, free_port(), out_dir) + args, nprocs=world, start_method="spawn",
-                               join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ranks.join(timeout=2):  # re-raises a rank's exception
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the {world}-process run did not finish in {TIMEOUT_S} s")
+    """``fn(rank, port, out_dir, world, *args)`` on ``world`` spawned ranks, killed after TIMEOUT_S."""
+    spawn_ranks(fn, world, out_dir, TIMEOUT_S, world, *args)
 
 
 def spawn(world, out_dir, backends, vocab_sizes):
@@ -261,7 +246,7 @@ def trl_objective(model, ids, labels):
     return objective, out
 
 
-def trl_worker(rank, world, port, out_dir):
+def trl_worker(rank, port, out_dir, world):
     """grpo_fast.trl's head on a tiny Qwen2 whose lm_head torch's ColwiseParallel shards by vocabulary (259 rows:
     130 and 129): loss, log-probs, entropies and every gradient equal one process; the weight is never gathered."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -360,7 +345,7 @@ def confident_errors(h, w, b, y, coef, backend, shard=None, rows=slice(None)):
                 dW=max_error(wl.grad, w64.grad[rows]), db=max_error(bl.grad, b64.grad[rows]))
 
 
-def confident_worker(rank, world, port, out_dir, backends):
+def confident_worker(rank, port, out_dir, world, backends):
     import grpo_fast
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

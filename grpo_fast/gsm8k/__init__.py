@@ -9,6 +9,9 @@
 | ``rewards`` | the GRPO demo's five reward functions in TRL's calling convention |
 | ``rollout`` | sampling with ``model.generate`` (with a progress bar), the completion mask, decoding |
 | ``tokenizer`` | an offline byte-level ChatML tokenizer (random-init runs, tests) |
+| ``cli`` | what the two example scripts share: presets, numeric ranges, one-line input errors, the run's output folder |
+| ``plots`` | the examples' training plot from a metrics.jsonl |
+| ``callbacks`` | transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase (imports transformers) |
 
 The generic GRPO pieces (group advantages, completion hidden states) are in ``grpo_fast.grpo``.
 """

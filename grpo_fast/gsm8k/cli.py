@@ -1,16 +1,111 @@
 """The command-line pieces the two GSM8K examples share: a recipe per machine (presets), input checks that stop
-in one line before anything slow, loading the data with one-line errors, and the priming's description.
+in one line before anything slow (numbers, paths, the output folder), loading the data with one-line errors, the
+run's output folder (never another run's), and the priming's description.
 
+    add_ranges_to_help(parser, RANGES)   # each numeric flag's --help says what it accepts
     args = parser.parse_args(argv)
     apply_preset(args, PRESETS)          # flags left at None take the machine's recipe (--preset auto: gpu / cpu)
-    source, _ = check_inputs("train_gsm8k.py", args.model, args.gguf_file, args.data)   # SystemExit: one line
+    check_numbers("train_gsm8k.py", args, RANGES)                                        # InputError: one line
+    source, _ = check_inputs("train_gsm8k.py", args.model, args.gguf_file, args.data)   # InputError: one line
+    outputs = RunOutputs("train_gsm8k.py", args.output_dir, overwrite=args.overwrite)   # refuses an earlier run's
+
+An ``InputError`` is a ``SystemExit`` with status 2 (argparse's for a usage error) whose one-line message is on
+stderr already: no traceback, and nothing slow has run.
 """
 
 from __future__ import annotations
 
+import math
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
 from grpo_fast.gsm8k import data, models
 
-__all__ = ["apply_preset", "fail", "check_inputs", "load_split", "priming"]
+__all__ = ["InputError", "Range", "COMMON_RANGES", "add_ranges_to_help", "check_numbers", "apply_preset", "fail",
+           "check_inputs", "load_split", "priming", "RunOutputs", "folder_size"]
+
+
+class InputError(SystemExit):
+    """Exit status 2 for input that cannot work; ``message`` is the one line printed on stderr."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag accepts: ``low`` <= value (<, ``low_open``), value <= ``high`` (<, ``high_open``),
+    finite, or one of the special values ``also`` ({value: meaning})."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: dict = field(default_factory=dict)
+
+    def accepts(self, value) -> bool:
+        if value in self.also:
+            return True
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self, integer: bool) -> str:
+        kind = "an integer" if integer else "a number"
+        if self.low is not None and self.high is not None:
+            text = (f"{kind} in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        elif self.low is not None:
+            text = f"{kind} {'>' if self.low_open else '>='} {_number(self.low)}"
+        elif self.high is not None:
+            text = f"{kind} {'<' if self.high_open else '<='} {_number(self.high)}"
+        else:
+            text = f"a finite {kind.removeprefix('a ').removeprefix('an ')}"
+        return text + "".join(f", or {_number(v)} ({meaning})" for v, meaning in self.also.items())
+
+
+def _number(value) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+# the numeric flags both examples have, and the values they accept
+COMMON_RANGES = {
+    "lora_r": Range(0),
+    "temperature": Range(0.0, low_open=True),
+    "num_generations": Range(2),  # GRPO compares the completions of one question: one alone has no advantage
+    "max_completion_length": Range(1),
+    "max_steps": Range(1),
+    "seed": Range(0, 2**32 - 1),  # numpy's seeds (transformers' set_seed seeds numpy too)
+}
+
+
+def add_ranges_to_help(parser, ranges: dict) -> None:
+    """Append "accepts ..." to the --help text of each flag in ``ranges`` (its type says integer or number)."""
+    for action in parser._actions:
+        if action.dest in ranges:
+            accepts = "accepts " + ranges[action.dest].describe(action.type is int) + (
+                f"; default {_number(action.default)}" if action.default is not None else "")
+            action.help = f"{action.help}; {accepts}" if action.help else accepts
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_numbers(prog, args, ranges: dict) -> None:
+    """A one-line ``InputError`` for the first numeric flag outside its range (flags left at None are not given)."""
+    for dest, accepted in ranges.items():
+        value = getattr(args, dest)
+        if value is not None and not accepted.accepts(value):
+            fail(prog, f"{flag(dest)} {_number(value)}: expected {accepted.describe(isinstance(value, int))}")
 
 
 def apply_preset(args, presets: dict) -> None:
@@ -29,8 +124,10 @@ def apply_preset(args, presets: dict) -> None:
 
 
 def fail(prog: str, message) -> None:
-    """Stop with one line on stderr that says what to pass instead (no traceback)."""
-    raise SystemExit(f"{prog}: error: {message}")
+    """Stop with one line on stderr that says what to pass instead (no traceback), exit status 2."""
+    line = f"{prog}: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    raise InputError(line)
 
 
 def check_inputs(prog, model, gguf_file=None, data_arg=None, splits=("train",), tokenizer=None):
@@ -66,3 +163,93 @@ def priming(one_shot, completion_prefix) -> str:
     parts = [p for p in (one_shot and "a worked example before each question",
                          completion_prefix and f"answers start with {completion_prefix!r}") if p]
     return f"; priming: {', '.join(parts)}" if parts else ""
+
+
+def folder_size(path) -> str:
+    """The bytes under ``path``, in words ("538 MB")."""
+    path = Path(path)
+    total = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if total >= scale:
+            return f"{total / scale:.{1 if total < 10 * scale else 0}f} {unit}"
+    return f"{total} bytes"
+
+
+class RunOutputs:
+    """A run's output folder, which never holds another run's results.
+
+    Created by the run (not before its checks): an existing folder must be empty, unless ``overwrite`` (the
+    earlier run's ``results`` and checkpoints are deleted first) or ``resume`` (this run continues that one).
+    ``path(name)`` is where the run writes ``name`` (it is then listed as written). ``finish()`` prints the final
+    line, what this run wrote; ``failed(reason, steps)`` leaves nothing that looks like a result: what this run
+    wrote is deleted (and the folder, if this run made it and it is now empty), except, when ``steps`` finished,
+    their logs and checkpoints, kept beside FAILED.txt, which says where and why the run stopped. Files that were
+    there before (a resumed run's) are never deleted.
+    """
+
+    FAILED = "FAILED.txt"
+
+    def __init__(self, prog, folder, *, results, overwrite=False, resume=False, resumable=False):
+        self.prog, self.folder, self.results = prog, Path(folder), tuple(results)
+        self.written: dict[str, str] = {}  # name -> what it holds, in writing order
+        self.made, self.existed = False, set()
+        self.steps = 0  # finished steps whose logs the folder holds (the run counts them)
+        earlier = self.earlier_outputs()
+        if earlier and not (overwrite or resume):
+            shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
+            fail(prog, f"--output-dir {folder}: holds an earlier run ({shown}); pass a new --output-dir, or "
+                 "--overwrite to replace it" + (" (--resume latest continues it)" if resumable else ""))
+        self.overwrite, self.resume = overwrite, resume
+
+    def earlier_outputs(self) -> list[str]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(p.name + ("/" if p.is_dir() else "") for p in self.folder.iterdir())
+
+    def create(self) -> Path:
+        """Make the folder (after the checks); ``overwrite`` deletes the earlier run's results there first."""
+        self.made = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.overwrite:
+            for p in self.folder.iterdir():
+                if p.name in self.results or p.name == self.FAILED or p.name.startswith("checkpoint-"):
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        stale = self.folder / self.FAILED  # a resumed run's earlier stop
+        if stale.exists():
+            stale.unlink()
+        self.existed = {p.name for p in self.folder.iterdir()}
+        return self.folder
+
+    def path(self, name: str, holds: str = "") -> Path:
+        self.written[name] = holds
+        return self.folder / name
+
+    def listing(self) -> str:
+        return ", ".join(name + (f" ({holds})" if holds else "") for name, holds in self.written.items())
+
+    def finish(self) -> None:
+        print(f"done: this run wrote {self.folder}/: {self.listing()}", flush=True)
+
+    def failed(self, reason, steps: int = 0) -> None:
+        """``reason``: a line, or the exception that stopped the run."""
+        if isinstance(reason, BaseException):
+            first = str(reason).splitlines()[0] if str(reason) else ""
+            reason = type(reason).__name__ + (f": {first}" if first else "")
+        for name in list(self.written):
+            target = self.folder / name
+            keep = name in self.existed or (steps > 0 and target.exists() and not name.endswith(".png")
+                                             and name != "summary.json")
+            if not keep:
+                del self.written[name]
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        if self.written:
+            self.path(self.FAILED).write_text(f"this run stopped after {steps} finished step(s): {reason}\n")
+            print(f"failed after {steps} finished step(s): {reason}; {self.folder}/ keeps {self.listing()}",
+                  file=sys.stderr, flush=True)
+        else:
+            if self.made and self.folder.is_dir() and not any(self.folder.iterdir()):
+                self.folder.rmdir()
+            print(f"failed: {reason}; this run left nothing in {self.folder}/", file=sys.stderr, flush=True)

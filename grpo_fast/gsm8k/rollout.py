@@ -91,16 +91,19 @@ class GenerationProgress:
 
     ``generate`` calls ``put`` with the prompt ids first, then with each step's new token of every row; a row is
     finished at its first ``eos_ids`` token. Rows go on being padded after that; only unfinished rows count as
-    tokens.
+    tokens. The bar is redrawn at least every ``refresh_s`` seconds while tokens come, also when no sequence
+    finished (tqdm redraws only on a count that moved).
     """
 
-    def __init__(self, num_sequences, max_new_tokens, eos_ids, desc="generation", leave=False):
+    def __init__(self, num_sequences, max_new_tokens, eos_ids, desc="generation", leave=False, refresh_s=0.5,
+                 file=None):
         from tqdm.auto import tqdm
 
         self.max_new_tokens, self.eos_ids = max_new_tokens, torch.as_tensor(list(eos_ids))
-        self.bar = tqdm(total=num_sequences, desc=desc, unit="seq", leave=leave, dynamic_ncols=True)
+        self.bar = tqdm(total=num_sequences, desc=desc, unit="seq", leave=leave, dynamic_ncols=True, file=file)
         self.prompt_seen, self.done, self.steps, self.tokens = False, None, 0, 0
-        self.start = time.perf_counter()
+        self.start = self.drawn = time.perf_counter()
+        self.refresh_s = refresh_s
 
     def put(self, value):
         if not self.prompt_seen:  # the prompt ids
@@ -112,9 +115,15 @@ class GenerationProgress:
         self.tokens += int((~self.done).sum())
         self.done |= torch.isin(value, self.eos_ids)
         self.steps += 1
-        self.bar.update(int(self.done.sum()) - self.bar.n)
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
         self.bar.set_postfix_str(f"token {self.steps}/{self.max_new_tokens}, {rate:.0f} tokens/s", refresh=False)
+        finished = int(self.done.sum()) - self.bar.n
+        if finished:
+            self.bar.update(finished)
+        if now - self.drawn >= self.refresh_s:
+            self.bar.refresh()
+            self.drawn = now
 
     def end(self):
         self.bar.update(self.bar.total - self.bar.n)  # every row is done at the length limit
