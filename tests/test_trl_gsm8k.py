@@ -31,17 +31,22 @@ def letters_reward(prompts, completions, **kwargs):
     return [sum(ch.isascii() and ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
 
 
-@pytest.mark.slow
-def test_two_steps_offline(tmp_path, monkeypatch, capsys):
+def offline_data_and_model(tmp_path, monkeypatch):
+    """No hub: three GSM8K-style questions in tmp_path/data, a tiny random Qwen2 and the byte tokenizer in
+    tmp_path/model."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "data").mkdir()
     with open(tmp_path / "data" / "train.jsonl", "w") as f:
         for q, a in [("What is 2 plus 3?", "5"), ("Half of 18?", "9"), ("What is 6 times 7?", "42")]:
             f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
-    tokenizer = byte_tokenizer()
     model = tiny_qwen2(max_position_embeddings=1024)  # the system prompt is ~100 byte tokens
     model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+
+
+@pytest.mark.slow
+def test_two_steps_offline(tmp_path, monkeypatch, capsys):
+    offline_data_and_model(tmp_path, monkeypatch)
 
     script = load_script()
     monkeypatch.setattr(script, "xmlcount_reward", letters_reward)  # the first of the five: a non-zero signal
@@ -94,15 +99,7 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
 def test_a_failed_run_keeps_only_its_finished_steps_logs(tmp_path, monkeypatch):
     """A reward that fails in the second generation: TRL's error goes up; the folder keeps the first generation's
     steps in metrics.jsonl beside FAILED.txt, and no plot or model."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "train.jsonl", "w") as f:
-        for q, a in [("What is 2 plus 3?", "5"), ("Half of 18?", "9"), ("What is 6 times 7?", "42")]:
-            f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
-    tokenizer = byte_tokenizer()
-    model = tiny_qwen2(max_position_embeddings=1024)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    offline_data_and_model(tmp_path, monkeypatch)
     calls = []
 
     def fails_in_the_second_generation(prompts, completions, **kwargs):
