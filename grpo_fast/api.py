@@ -226,7 +226,7 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     ("chunked": g per token chunk and two GEMMs; "fused": one kernel with fp32 atomics). A vocab-parallel head (a
     DTensor weight sharded on dim 0, or this rank's rows with ``vocab_parallel=grpo_fast.VocabShard(...)``) gives
     every rank the unsharded outputs and gradients (dH all-reduced, dW and db rows local; grpo_fast.vocab_parallel),
-    on the general path.
+    on the same path as one process.
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
@@ -247,8 +247,9 @@ def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transf
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-    if shard is not None:  # always the general path (grpo_fast.vocab_parallel says why)
-        logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, backward_mode)
+    if shard is not None:  # the same choice of path, over the shards (grpo_fast.vocab_parallel)
+        logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, head_path,
+                                                            backward_mode)
     else:
         logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))

@@ -46,6 +46,22 @@ def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend):
     return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True)
 
 
+def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend):
+    """``head_forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope
+    [N] fp32), unfinished (softmax_stats.finish_frozen_grad says what acc is), for a caller that merges them with
+    other rows' first (a vocab-parallel head's shards). A target of -1 is in no column; no rows (V = 0): the empty
+    record, acc 0. No autograd."""
+    if weight.shape[0] == 0:
+        N, dev = hidden.shape[0], hidden.device
+        empty = torch.zeros(N, dtype=torch.float32, device=dev)
+        return (SoftmaxStats(torch.full_like(empty, float("-inf")), empty, empty, empty, empty),
+                torch.zeros(hidden.shape, dtype=torch.float32, device=dev), empty)
+    if backend == "triton":
+        return kfrozen.forward_frozen_record(hidden, weight, targets, bias, transform, True,
+                                             kconfig.frozen_head_config(hidden.device))
+    return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)
+
+
 def frozen_head_available(hidden, backend):
     """The frozen-head forward runs here: any torch device; Triton where cuBLAS can return fp32 from bf16 (see
     kernels/forward_frozen.py's ``available``)."""

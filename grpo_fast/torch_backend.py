@@ -54,18 +54,29 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
     fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
     """
-    stats, grad = _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True)
+    stats, acc, target_slope = forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy)
+    grad = softmax_stats.finish_frozen_grad(acc, stats, target_slope, weight, targets)
     return (*softmax_stats.finish(stats, compute_entropy), grad)
 
 
+def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy=True):
+    """The frozen-head forward up to "finish": (record, acc, target_slope), unfinished, for
+    softmax_stats.finish_frozen_grad (J) and softmax_stats.finish (the outputs), or for a caller that merges them with
+    other rows' first (a vocab-parallel head's shards). acc [N, D] fp32 = sum_{v != y} exp(z_v - m) s'_v W_v against
+    the record's max m; target_slope [N] = s'_y (the transform's constant slope without a soft-cap)."""
+    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True)
+
+
 def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head):
-    """(record, J or None): the online record over vocab chunks, and with ``frozen_head`` the online
-    J = s'_y W_y - sum_v p_v s'_v W_v (s' = dz/du). The target's own term is kept out of the running sum and weighted
-    by the running sum of the other entries' exp, so that 1 - p_y is never formed by cancellation."""
+    """(record, acc or None, target slope or None): the online record over vocab chunks, and with ``frozen_head``
+    the online acc = sum_{v != y} exp(z_v - m) s'_v W_v (s' = dz/du, m the running max) and s'_y: the target's own
+    term is kept out of the running sum, to be weighted by the other entries' sum when J is finished, so that
+    1 - p_y is never formed by cancellation."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     records = []
     grad = torch.empty((N, hidden.shape[1]), dtype=torch.float32, device=dev) if frozen_head else None
+    slopes = torch.zeros(N, device=dev) if frozen_head else None
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
         tgt = targets[n0:n1]
@@ -73,7 +84,7 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
         run = SoftmaxStats(torch.full((n1 - n0,), float("-inf"), device=dev), empty, empty, empty, empty)
         if frozen_head:
             acc = grad[n0:n1].zero_()  # sum_{v != y} exp(z_v - m) s'_v W_v, rescaled with the running max m
-            target_slope = torch.zeros(n1 - n0, device=dev)
+            target_slope = slopes[n0:n1]
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
             z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True)
@@ -90,17 +101,11 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
                 torch.addmm(acc.mul_(torch.exp(run.max - new_pivot)[:, None]), e, weight[v0:v1].float(), out=acc)
             run = softmax_stats.merge(softmax_stats.stack(run, chunk))
         records.append(run)
-        if frozen_head:
-            if transform.softcap is None:
-                target_slope.fill_(transform.logit_scale / transform.temperature)
-            has_target = (tgt >= 0) & (tgt < V)
-            w_y = weight[tgt.clamp(0, V - 1)].float()
-            # J = (s'_y (1 - p_y) W_y - sum_{v != y} p_v s'_v W_v), with 1 - p_y = rest / sumexp
-            w_y.mul_(torch.where(has_target, target_slope * run.rest, 0.0)[:, None])
-            acc.neg_().add_(w_y).div_(run.sumexp[:, None])
+    if frozen_head and transform.softcap is None:
+        slopes.fill_(transform.logit_scale / transform.temperature)
     stats = (SoftmaxStats(*(torch.cat(fields) for fields in zip(*records))) if records
              else SoftmaxStats(*(torch.zeros(0, device=dev) for _ in SoftmaxStats._fields)))
-    return stats, grad
+    return stats, grad, slopes
 
 
 def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,

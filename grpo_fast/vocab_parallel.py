@@ -13,21 +13,28 @@ then returns exactly what the unsharded head returns:
   (m_r - m) S_r), then one all-reduce (sum) of [4, N] fp32 (S, R, target, Z; [3, N] without the entropy). The merged
   record is finished by softmax_stats.finish, as the unsharded head finishes its own: logp = -log1p(R / e_y) and
   1 - p_y = R / S are carried, never formed by cancellation, so confident tokens are as exact as unsharded.
-* backward: each rank runs layer 1's backward on its shard with the GLOBAL BackwardStats (lse, 1 - p_y, mean logit,
-  mean - z_y: its tiles' softmax probabilities are then the global ones; the target column's carried values are
-  read on the owner only, the other ranks have target -1 and no target column), keeps its dW rows and bias rows
-  local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes, the only tensor
-  that scales with more than N.
+* backward (the general path): each rank runs layer 1's backward on its shard with the GLOBAL BackwardStats (lse,
+  1 - p_y, mean logit, mean - z_y: its tiles' softmax probabilities are then the global ones; the target column's
+  carried values are read on the owner only, the other ranks have target -1 and no target column), keeps its dW
+  rows and bias rows local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes,
+  the only tensor that scales with more than N.
+* frozen head (autograd.LinearLogprobs' choice, made alike on every rank: head_path "auto", only hidden needs a
+  gradient, the entropy none): each rank runs layer 1's frozen-head forward on its shard up to "finish"
+  (autograd.head_forward_frozen_record): its unfinished record, acc_r = sum_{v in shard, v != y} e_v s'_v W_v
+  [N, D] fp32 against its own max m_r (s' = dz/du), and the target's slope s'_y where it owns the target. The
+  records merge as above (the same two O(N) all-reduces); acc_r is rescaled to the global max by the record's own
+  factor exp(m_r - m) (softmax_stats.rescale) and finished by softmax_stats.finish_frozen_grad with the GLOBAL R and
+  S: (s'_y R W_y - acc_r) / S, the target's term on its owner only. The ranks' parts sum to
+  J = d logp / d hidden = (s'_y R W_y - sum_r acc_r) / S: one all-reduce (sum) of N x D fp32 gives every rank J,
+  and the backward is dH = grad_logp J with no collective (the weight and bias get no gradient). Two vocabulary
+  GEMM sweeps per shard instead of three, the same bytes. An entropy gradient that arrives anyway gets the general
+  path's entropy-only term, as on one process: a general forward over the shards (20 N bytes) and that term's dH
+  all-reduced (4 N D).
 
 What crosses the network per training step: 20 N bytes in the forward (4 N max + 16 N sums; 16 N without the
-entropy: ``logprobs``) and 4 N D bytes in the backward (none when hidden needs no gradient), whatever V is and
-whatever the number of ranks. No rank holds more than its shard of the weight, or any tensor of size V x N.
-
-Path: the vocab-parallel head always takes layer 1's general (recompute) path, also for a frozen head. The
-frozen-head path builds J = d logp / d hidden per shard against the shard's own max; merging the shards' J exactly
-(each rescaled by exp(m_r - m), the target's term weighted by the global R, all over the global S) would all-reduce
-N x D fp32 in the forward, the bytes the general path all-reduces in the backward, to save one vocabulary sweep per
-shard; it is not implemented.
+entropy: ``logprobs``) and 4 N D bytes, whatever V is and whatever the number of ranks: on the general path in the
+backward (dH; none when hidden needs no gradient), on the frozen-head path in the forward (J; none in the backward).
+No rank holds more than its shard of the weight, or any tensor of size V x N.
 
 Requirements (not checked: checking would cost a collective per call): the shards of the group tile [0, V) without
 overlap, and every rank passes the same hidden, targets and mask (tensor parallelism's layout) and the same
@@ -150,7 +157,8 @@ def _from_dtensor(hidden, weight, bias):
 # The adapter: the only code that knows layer 1's internals. A shard's forward is layer 1's unfinished per-token
 # record over its rows (autograd.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
 # logit; kernels/softmax_stats.py); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
-# and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them. The
+# and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them; the
+# frozen-head path's acc (autograd.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The
 # shard's backward is layer 1's own (autograd.head_backward) with the finished GLOBAL BackwardStats; its target
 # column reads the carried 1 - p_y and mean - z_y only on the target's owner (the other ranks pass target -1, a
 # column no kernel matches: no target term there).
@@ -175,6 +183,22 @@ def _global_forward(hidden, weight, local_targets, bias, transform, compute_entr
     """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank."""
     record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
     return softmax_stats.finish(merge_records(record, compute_entropy, group), compute_entropy)
+
+
+def _global_frozen_forward(hidden, weight, local_targets, bias, transform, backend, group):
+    """The frozen-head path's forward: (logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32), the whole
+    vocabulary's, on every rank. This shard's unfinished record, acc (sum over its non-target rows of e_v s'_v W_v,
+    against its own max m_r) and target slope (layer 1's frozen forward up to "finish"); the records merge as in
+    ``_global_forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m) and finished with
+    the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its owner), so that the
+    ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
+    record, acc, target_slope = autograd.head_forward_frozen_record(hidden, weight, local_targets, bias, transform,
+                                                                    backend)
+    merged = merge_records(record, True, group)
+    acc.mul_(softmax_stats.rescale(record.max, merged.max)[:, None])
+    grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, weight, local_targets)
+    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+    return (*softmax_stats.finish(merged, True), grad)
 
 
 def _shard_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform, need_hidden,
@@ -208,36 +232,63 @@ def logprobs(hidden, weight, targets, bias, transform, backend, shard):
     return _global_forward(hidden, weight, y, bias, transform, False, backend, shard.group)[0]
 
 
-def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, backward_mode):
+def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
     """(logp, entropy) [N] fp32 of a vocab-parallel head, both differentiable (hidden, this rank's weight and bias
     rows)."""
-    return VocabParallelLinearLogprobs.apply(hidden, weight, targets, bias, transform, backend, shard, backward_mode)
+    return VocabParallelLinearLogprobs.apply(hidden, weight, targets, bias, transform, backend, shard, head_path,
+                                             backward_mode)
 
 
 class VocabParallelLinearLogprobs(torch.autograd.Function):
     """(hidden [N, D] replicated, weight rows [V_local, D], targets [N] global ids, bias rows | None) -> logp, entropy
-    [N] fp32, equal on every rank to the unsharded head's; gradients: dH (all-reduced over the group), this rank's
-    dW and db rows (local). N = 0 on every rank: empty outputs, no collective."""
+    [N] fp32, equal on every rank to the unsharded head's; gradients: dH (whole on every rank), this rank's dW and db
+    rows (local). The path is autograd.LinearLogprobs' choice: the frozen head ("auto", only hidden needs a
+    gradient) builds J in the forward (one N x D all-reduce there) and its backward is dH = grad_logp J, with no
+    collective; the general path all-reduces dH in the backward. N = 0 on every rank: empty outputs, no
+    collective."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, transform, backend, shard, backward_mode):
+    def forward(ctx, hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
         ctx.set_materialize_grads(False)
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         y = local_targets(targets, shard, weight.shape[0])
+        # every rank decides alike (the same inputs, devices and flags): the collectives of both paths pair up
+        ctx.frozen_head = (head_path == "auto" and need_h and not need_w and not need_b and hidden.shape[0] > 0
+                           and autograd.frozen_head_available(hidden, backend))
+        frozen_head_grad = None
         if hidden.shape[0] == 0:
             logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = ()
+        elif ctx.frozen_head:
+            logp, entropy, stats, frozen_head_grad = _global_frozen_forward(hidden, weight, y, bias, transform,
+                                                                            backend, shard.group)
         else:
             logp, entropy, stats = _global_forward(hidden, weight, y, bias, transform, True, backend, shard.group)
-        ctx.save_for_backward(hidden, weight, y, bias, *stats)
+        ctx.save_for_backward(hidden, weight, y, bias, frozen_head_grad, *stats)
         ctx.transform, ctx.backend, ctx.shard, ctx.backward_mode = transform, backend, shard, backward_mode
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, y, bias, *stats = ctx.saved_tensors
+        hidden, weight, y, bias, frozen_head_grad, *stats = ctx.saved_tensors
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         N, dev = hidden.shape[0], hidden.device
         grad_hidden = grad_weight = grad_bias = None
+        if ctx.frozen_head:
+            grad_hidden = (grad_logp.float()[:, None] * frozen_head_grad if grad_logp is not None
+                           else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+            if grad_entropy is not None:
+                # an entropy gradient after all: the general path's entropy-only term, as autograd.LinearLogprobs
+                # (that path's own forward statistics, merged over the group; the term's dH all-reduced)
+                general_stats = _global_forward(hidden, weight, y, bias, ctx.transform, True, ctx.backend,
+                                                ctx.shard.group)[2]
+                entropy_term = _shard_backward(hidden, weight, y, bias, general_stats,
+                                               torch.zeros(N, dtype=torch.float32, device=dev),
+                                               grad_entropy.float().contiguous(), ctx.transform, True, False, False,
+                                               ctx.backend, ctx.backward_mode)[0]
+                dist.all_reduce(entropy_term, op=dist.ReduceOp.SUM, group=ctx.shard.group)
+                grad_hidden += entropy_term
+            return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None, None
         if N == 0:
             grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
@@ -255,4 +306,4 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                 grad_weight.to(weight.dtype) if need_w else None,
                 None,
                 grad_bias.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+                None, None, None, None, None)

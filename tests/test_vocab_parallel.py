@@ -5,8 +5,11 @@ then the same call on its rows only: a plain shard with ``vocab_parallel=VocabSh
 shard on 4 ranks) and a DTensor sharded on dim 0 (torch's own uneven chunking). Log-probs, entropies, the loss and
 its metrics, dH and the rank's dW and db rows must match to fp32 accuracy (ATOL, relative to the largest entry), on
 the torch backend and the Triton kernels (under the interpreter), with every logit transform, a bias, the entropy's
-gradient and masked rows; a frozen head (routed to the general path) too. Every torch.distributed collective is
-counted: per step 20 N bytes in the forward and 4 N D in the backward (N scored tokens), the same for any V.
+gradient and masked rows. A frozen head (only hidden needs a gradient, the entropy none) takes the frozen-head path
+over the shards, as one process takes it (the calls of each path's forward are counted), and stays exact when an
+entropy gradient arrives anyway. Every torch.distributed collective is counted: per step 20 N bytes in the forward
+and 4 N D in the backward (N scored tokens), the same for any V; on the frozen-head path all 20 N + 4 N D in the
+forward and none in the backward.
 """
 
 import os
@@ -103,12 +106,14 @@ def run_call(kind, data, h, w, b, backend, **head):
     if kind == "logprobs":
         logp = grpo_fast.logprobs(h, w, data["targets"], **common)
         return dict(logp=logp), {}
-    frozen = kind.startswith("frozen_")  # no entropy gradient: one process takes the frozen-head path
-    if kind.endswith("logprobs_and_entropy"):
+    # frozen: entropy_grad=False, so one process takes the frozen-head path with a frozen weight; "anyway": the
+    # entropy is differentiated all the same
+    frozen = kind.startswith("frozen_")
+    if kind.endswith("logprobs_and_entropy") or kind == "frozen_entropy_anyway":
         logp, entropy = grpo_fast.logprobs_and_entropy(h, w, data["targets"], entropy_grad=not frozen, **common)
         g = torch.Generator().manual_seed(1)
         objective = (logp * torch.randn(B, T, generator=g)).sum()
-        if not frozen:
+        if kind != "frozen_logprobs_and_entropy":
             objective = objective + (entropy * torch.randn(B, T, generator=g)).sum()
         outputs = dict(logp=logp, entropy=entropy)
     else:
@@ -127,21 +132,51 @@ def local_grad(x):
     return x.to_local() if type(x).__name__ == "DTensor" else x
 
 
+class PathCalls:
+    """Counts the calls of layer 1's frozen-head forwards while active: the one-process head's
+    (autograd.head_forward_frozen_head) and the shards' (autograd.head_forward_frozen_record)."""
+
+    NAMES = ("head_forward_frozen_head", "head_forward_frozen_record")
+
+    def __enter__(self):
+        from grpo_fast import autograd
+
+        self.calls, self._saved = dict.fromkeys(self.NAMES, 0), {}
+        for name in self.NAMES:
+            real = self._saved[name] = getattr(autograd, name)
+
+            def counting(*args, _real=real, _name=name):
+                self.calls[_name] += 1
+                return _real(*args)
+
+            setattr(autograd, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        from grpo_fast import autograd
+
+        for name, real in self._saved.items():
+            setattr(autograd, name, real)
+
+
 def compare(rank, world, V, backend, kind, requires, layout):
-    """Max errors of this rank's sharded call against the unsharded one, per output and gradient."""
+    """(max errors of this rank's sharded call against the unsharded one, per output and gradient; the frozen-head
+    forwards each call ran: {"one_process": ..., "sharded": ...})."""
     import grpo_fast
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     data = inputs(V)
     full = slice(0, V)
-    ref_out, ref_grads = run_call(kind, data, *leaves(data, full, requires), backend)
+    with PathCalls() as one_process:
+        ref_out, ref_grads = run_call(kind, data, *leaves(data, full, requires), backend)
     if layout == "plain":
         bounds = splits(V, world)
         rows = slice(bounds[rank], bounds[rank + 1])
         h, w, b = leaves(data, rows, requires)
         head = dict(vocab_parallel=grpo_fast.VocabShard(None, bounds[rank], V))
-        out, grads = run_call(kind, data, h, w, b, backend, **head)
+        with PathCalls() as sharded:
+            out, grads = run_call(kind, data, h, w, b, backend, **head)
     else:
         mesh = init_device_mesh("cpu", (world,))
         h, w, b = leaves(data, full, requires)
@@ -149,13 +184,14 @@ def compare(rank, world, V, backend, kind, requires, layout):
         b = torch.nn.Parameter(distribute_tensor(b.detach(), mesh, [Shard(0)]), requires_grad=b.requires_grad)
         chunk = -(-V // world)
         rows = slice(min(rank * chunk, V), min((rank + 1) * chunk, V))
-        out, grads = run_call(kind, data, h, w, b, backend)
+        with PathCalls() as sharded:
+            out, grads = run_call(kind, data, h, w, b, backend)
     errors = {name: max_error(out[name], ref_out[name]) for name in ref_out}
     errors.update({f"d{name}": max_error(local_grad(grads[name]), ref_grads[name][rows] if name != "hidden"
                                          else ref_grads[name]) for name in ref_grads})
     assert set(out) == set(ref_out) and set(grads) == set(ref_grads), (sorted(out), sorted(grads))
     assert all(g.abs().max() > 0 for name, g in ref_grads.items() if name == "hidden"), "a gradient is all zero"
-    return errors
+    return errors, dict(one_process=one_process.calls, sharded=sharded.calls)
 
 
 def step_bytes(V, rank, world):
@@ -171,13 +207,22 @@ def step_bytes(V, rank, world):
         run_call("logprobs_and_entropy", data, h, w, b, "torch", **head)
     with CollectiveBytes() as no_grad:
         run_call("logprobs", data, h, w, b, "torch", **head)
-    return dict(step=step.bytes, logprobs=no_grad.bytes, scored=int(data["mask"].sum()))
+    # a frozen head's step (only hidden needs a gradient, no entropy gradient), forward and backward apart
+    h, w, b = leaves(data, rows, ("hidden",))
+    with CollectiveBytes() as frozen_forward:
+        logp, _ = grpo_fast.logprobs_and_entropy(h, w, data["targets"], bias=b, completion_mask=data["mask"],
+                                                 backend="torch", **TRANSFORM, **head)
+    with CollectiveBytes() as frozen_backward:
+        logp.sum().backward()
+    return dict(step=step.bytes, logprobs=no_grad.bytes, frozen_forward=frozen_forward.bytes,
+                frozen_backward=frozen_backward.bytes, scored=int(data["mask"].sum()))
 
 
 CASES = ([(kind, ("hidden", "weight"), layout) for kind in ("logprobs", "logprobs_and_entropy", "loss")
           for layout in ("plain", "dtensor")]
          + [(kind, ("hidden",), layout) for kind in ("frozen_logprobs_and_entropy", "frozen_loss")
-            for layout in ("plain", "dtensor")])
+            for layout in ("plain", "dtensor")]
+         + [("frozen_entropy_anyway", ("hidden",), "plain")])
 
 
 def worker(rank, port, out_dir, world, backends, vocab_sizes):
@@ -207,16 +252,21 @@ def spawn(world, out_dir, backends, vocab_sizes):
 
 def check(results, world):
     for rank, per_rank in enumerate(results):
-        for case, errors in per_rank.items():
-            if case == "bytes":
-                continue
+        for case, (errors, calls) in ((case, r) for case, r in per_rank.items() if case != "bytes"):
             bad = {name: err for name, err in errors.items() if not err <= ATOL}
             assert not bad, f"rank {rank}/{world}, {case}: {bad}"
-        # O(N) + O(N D) bytes per step, whatever V: 4 N (max) + 16 N (sum) forward, 4 N D (dH) backward
+            # the frozen cases take the frozen-head path on one process and over the shards; the others never
+            frozen = case[2].startswith("frozen_")
+            assert calls == dict(one_process=dict(head_forward_frozen_head=int(frozen), head_forward_frozen_record=0),
+                                 sharded=dict(head_forward_frozen_head=0, head_forward_frozen_record=int(frozen))), \
+                (rank, case, calls)
+        # O(N) + O(N D) bytes per step, whatever V: 4 N (max) + 16 N (sum) forward, 4 N D (dH) backward; a frozen
+        # head moves the 4 N D (J) into the forward and has no collective in its backward
         for V, counted in per_rank["bytes"].items():
             N = counted["scored"]
             assert counted["step"] == 20 * N + 4 * N * D, (V, counted)
             assert counted["logprobs"] == 16 * N, (V, counted)
+            assert counted["frozen_forward"] == 20 * N + 4 * N * D and counted["frozen_backward"] == 0, (V, counted)
         assert len({tuple(counted.values()) for counted in per_rank["bytes"].values()}) == 1, per_rank["bytes"]
 
 
@@ -325,24 +375,28 @@ def confident_batch(N=16, D=32, V=203):
     return h, w, b, y, coef
 
 
-def confident_errors(h, w, b, y, coef, backend, shard=None, rows=slice(None)):
+def confident_errors(h, w, b, y, coef, backend, shard=None, rows=slice(None), frozen=False):
     """Errors against fp64 (relative to the largest entry) of logp, dH, dW rows and db rows, with the entropy's
-    gradient."""
+    gradient; ``frozen``: the weight and bias frozen and the log-probs alone differentiated (the frozen-head path),
+    logp and dH."""
     import grpo_fast
     from grpo_fast import reference
 
     h64, w64, b64 = (x.double().requires_grad_() for x in (h, w, b))
     logp64, ent64 = reference.logprobs_and_entropy(h64[None], w64, y[None], b64, compute_dtype=torch.float64,
                                                    softcap=50.0, temperature=0.8)
-    ((logp64 * coef[0]).sum() + (ent64 * coef[1]).sum()).backward()
-    hl, wl, bl = h.clone().requires_grad_(), w[rows].clone().requires_grad_(), b[rows].clone().requires_grad_()
-    logp, ent = grpo_fast.logprobs_and_entropy(hl[None], wl, y[None], bias=bl, entropy_grad=True, softcap=50.0,
+    ((logp64 * coef[0]).sum() + (0.0 if frozen else (ent64 * coef[1]).sum())).backward()
+    hl, wl, bl = h.clone().requires_grad_(), w[rows].clone().requires_grad_(not frozen), b[rows].clone()
+    bl.requires_grad_(not frozen)
+    logp, ent = grpo_fast.logprobs_and_entropy(hl[None], wl, y[None], bias=bl, entropy_grad=not frozen, softcap=50.0,
                                                temperature=0.8, backend=backend, vocab_parallel=shard)
-    ((logp * coef[0]).sum() + (ent * coef[1]).sum()).backward()
+    ((logp * coef[0]).sum() + (0.0 if frozen else (ent * coef[1]).sum())).backward()
     one_minus_p = -torch.expm1(logp64.detach())
-    return dict(one_minus_p=(float(one_minus_p.min()), float(one_minus_p.max())),
-                logp_abs=float((logp.double() - logp64).abs().max()), dH=max_error(hl.grad, h64.grad),
-                dW=max_error(wl.grad, w64.grad[rows]), db=max_error(bl.grad, b64.grad[rows]))
+    errors = dict(one_minus_p=(float(one_minus_p.min()), float(one_minus_p.max())),
+                  logp_abs=float((logp.double() - logp64).abs().max()), dH=max_error(hl.grad, h64.grad))
+    if not frozen:
+        errors.update(dW=max_error(wl.grad, w64.grad[rows]), db=max_error(bl.grad, b64.grad[rows]))
+    return errors
 
 
 def confident_worker(rank, port, out_dir, world, backends):
@@ -356,9 +410,9 @@ def confident_worker(rank, port, out_dir, world, backends):
         bounds = [0, 80, V] if world == 2 else [0, 40, 80, 150, V]  # uneven
         shard = grpo_fast.VocabShard(None, bounds[rank], V)
         rows = slice(bounds[rank], bounds[rank + 1])
-        results = {backend: dict(one_process=confident_errors(h, w, b, y, coef, backend),
-                                 sharded=confident_errors(h, w, b, y, coef, backend, shard, rows))
-                   for backend in backends}
+        results = {(backend, frozen): dict(one_process=confident_errors(h, w, b, y, coef, backend, frozen=frozen),
+                                           sharded=confident_errors(h, w, b, y, coef, backend, shard, rows, frozen))
+                   for backend in backends for frozen in (False, True)}
         torch.save(results, os.path.join(out_dir, f"confident-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -373,15 +427,16 @@ def test_confident_tokens(tmp_path, world):
     process / sharded (worst rank): log-probs 1.2e-9 / 1.2e-9 absolute, dH 1.6e-8 / 1.7e-8, dW 7.6e-8 / 1.1e-7,
     db 2.0e-8 / 2.6e-8. The merged log-prob and 1 - p_y formed by cancellation instead (z_y - lse and
     1 - exp(z_y - lse)) measured 9.3e-7, dH 1.6e-6, dW 1.3e-5, db 3.4e-6 on 2 ranks: the bounds below (an order
-    under those, two under the goal of 2e-5) fail it."""
+    under those, two under the goal of 2e-5) fail it. The frozen-head path over the shards (the weight frozen, the
+    log-probs alone differentiated: J's target term is weighted by the merged R) is held to the same bounds."""
     run_ranks(confident_worker, world, str(tmp_path), ("torch", "triton"))
     for rank in range(world):
-        for backend, r in torch.load(os.path.join(str(tmp_path), f"confident-rank{rank}.pt")).items():
+        for case, r in torch.load(os.path.join(str(tmp_path), f"confident-rank{rank}.pt")).items():
             one, sharded = r["one_process"], r["sharded"]
             assert 1e-7 < one["one_minus_p"][0] < 1e-6 and 1e-4 < one["one_minus_p"][1] < 1e-3, one
-            assert sharded["logp_abs"] <= 1e-8, (backend, rank, r)
-            for name in ("dH", "dW", "db"):
-                assert sharded[name] <= 1e-6, (backend, rank, name, r)
+            assert sharded["logp_abs"] <= 1e-8, (case, rank, r)
+            for name in ("dH",) if case[1] else ("dH", "dW", "db"):
+                assert sharded[name] <= 1e-6, (case, rank, name, r)
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -21,9 +21,9 @@ its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabu
                 updated (S = S rescale + sum e, ...: softmax_stats' merge of the running record and the chunk's);
                 P' = e s' with the target column zeroed, written in the GEMM dtype
     J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
-and at the end J = (s'_y R W[y] - J) / S; logp, entropy and the backward's values by softmax_stats.finish from the
-record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly d logp / dh: no other term exists on
-this path.
+and at the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
+by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
+d logp / dh: no other term exists on this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
 on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
@@ -180,6 +180,18 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     gemm.chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and ``gemm_dtype`` (P''s dtype: default the
     input dtype on a GPU, fp32 with gemm_fp32) are for tests and tuning.
     """
+    record, acc, target_slope = forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy,
+                                                      config, token_chunk, vocab_chunk, gemm_dtype)
+    grad = softmax_stats.finish_frozen_grad(acc, record, target_slope, weight, targets)
+    return (*softmax_stats.finish(record, compute_entropy), grad)
+
+
+def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
+                          vocab_chunk=None, gemm_dtype=None):
+    """``forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope [N]
+    fp32), unfinished (acc = sum_{v != y} e_v s'_v W_v against the record's max), for softmax_stats.finish_frozen_grad
+    and softmax_stats.finish, or for a caller that merges them with other rows' first (a vocab-parallel head's
+    shards). V >= 1."""
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -223,12 +235,4 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
             if v0 > 0:
                 acc.mul_(rescale[n0:n1, None])
             mm_fp32(p, weight[v0:v1], acc, accumulate=v0 > 0)
-        # J = (s'_y R W_y - acc) / S for the chunk's rows (a target outside the vocabulary: no W_y term)
-        tgt = targets[n0:n1]
-        target_weight = torch.where((tgt >= 0) & (tgt < V), target_slope[n0:n1] * rest[n0:n1], 0.0)
-        w_y = weight[tgt.clamp(0, V - 1)].float().mul_(target_weight[:, None])
-        acc.neg_().add_(w_y).div_(sumexp[n0:n1, None])
-
-    logp, entropy, stats = softmax_stats.finish(
-        softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), compute_entropy)
-    return logp, entropy, stats, grad
+    return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope

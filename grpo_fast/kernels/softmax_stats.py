@@ -15,8 +15,9 @@ and grouping, by ``merge``: m = max_k m_k, a_k = exp(m_k - m),
 kernels/forward.py's kernel folds its tiles into a running record by these formulas and writes one record per
 vocabulary split; ``merge`` folds the splits in the forward's epilogue. The torch backend folds its vocabulary chunks
 with ``merge``. The frozen-head forward (kernels/forward_frozen.py) keeps the same record in the first rows of its
-running state and ends with ``finish``. A vocab-parallel head reuses both unchanged: each rank computes its shard's
-record and the ranks merge them with ``merge`` over two all-reduces (vocab_parallel.py).
+running state and ends with ``finish``, and its unfinished sum acc = sum_{v != y} e_v s'_v W_v with
+``finish_frozen_grad``. A vocab-parallel head reuses all three unchanged: each rank computes its shard's record (and
+acc) and the ranks merge them with ``merge`` over two all-reduces (vocab_parallel.py).
 
 ``finish`` turns the merged record into the outputs and into what the backward reads (``BackwardStats``), forming
 nothing by cancellation where a token is confident (p_y near 1, z_y = m):
@@ -85,11 +86,17 @@ def merge(stats: SoftmaxStats) -> SoftmaxStats:
     """Fold the records along dimension 0 into one (see the module docstring)."""
     row_max = stats.max.max(dim=0).values
     pivot = _pivot(row_max)
-    scale = torch.exp(stats.max - pivot)  # 0 for an empty record (m_k = -inf)
+    scale = rescale(stats.max, row_max)
     # (m_k - m) S_k: an empty record adds nothing (its S_k is 0, and -inf * 0 must not form a NaN)
     shift = torch.where(scale > 0, (stats.max - pivot) * stats.sumexp, torch.zeros_like(scale))
     return SoftmaxStats(row_max, (stats.sumexp * scale).sum(0), (stats.rest * scale).sum(0),
                         ((stats.zsum + shift) * scale).sum(0), stats.target.sum(0))
+
+
+def rescale(row_max, merged_max):
+    """a_k = exp(m_k - m): what a record's sums (taken against its own max m_k) are multiplied by to be taken against
+    the merged max m (0 for an empty record, m_k = -inf)."""
+    return torch.exp(row_max - _pivot(merged_max))
 
 
 def stack(*records: SoftmaxStats) -> SoftmaxStats:
@@ -117,3 +124,23 @@ def finish(stats: SoftmaxStats, compute_entropy: bool):
         mean_logit = pivot + relative_mean
         mean_minus_target = relative_mean - target_shift
     return logp, entropy, BackwardStats(lse, nontarget_mass, mean_logit, mean_minus_target)
+
+
+def finish_frozen_grad(acc, stats: SoftmaxStats, target_slope, weight, local_target, row_chunk=1024):
+    """The frozen head's J = d logp / d h = (s'_y R W_y - acc) / S, in place of acc [N, D] fp32 (returned).
+
+    acc = sum_{v != y} e_v s'_v W_v over ``weight``'s rows, taken against ``stats.max`` (e_v = exp(z_v - m)); R and S
+    the record's rest and sumexp against the same max; target_slope [N] s'_y = dz/du at the target. The target's own
+    term is R-weighted (1 - p_y = R / S, a sum of positive terms, never 1 - p_y by cancellation), added only where
+    ``local_target`` is a row of ``weight`` (a vocab-parallel head's other ranks pass -1: their acc parts, finished
+    with the merged R and S, sum to J). Rows are finished ``row_chunk`` at a time: W_y's fp32 copy stays small."""
+    V = weight.shape[0]
+    for n0 in range(0, acc.shape[0], row_chunk):
+        n1 = min(n0 + row_chunk, acc.shape[0])
+        part = acc[n0:n1].neg_()
+        if V > 0:  # an empty vocab-parallel shard: no target, no rows to read
+            tgt = local_target[n0:n1]
+            target_weight = torch.where((tgt >= 0) & (tgt < V), target_slope[n0:n1] * stats.rest[n0:n1], 0.0)
+            part.add_(weight[tgt.clamp(0, V - 1)].float().mul_(target_weight[:, None]))
+        part.div_(stats.sumexp[n0:n1, None])
+    return acc
