@@ -30,8 +30,9 @@ accumulates in fp32 whatever the compute dtype, and runs with autocast off.
 
 Distributed weights: a DTensor weight sharded by vocabulary (tensor parallelism: ``Shard(0)``, as torch's
 ``ColwiseParallel`` and transformers' ``tp_plan`` leave the lm_head) is never gathered: each rank computes on its
-rows and O(N) statistics and dH cross the network (``grpo_fast.vocab_parallel``; every rank of its group sees the
-same tokens, as in tensor parallelism); any other DTensor layout is gathered with ``full_tensor()`` as TRL does,
+rows, and O(N) statistics and dH (with a frozen head: J = d logp / dh, in the forward) cross the network
+(``grpo_fast.vocab_parallel``; every rank of its group sees the same tokens, as in tensor parallelism); any other
+DTensor layout is gathered with ``full_tensor()`` as TRL does,
 whose backward keeps each rank's shard of the gradient (right when every rank sees the same tokens). Under FSDP2 the
 head usually belongs to the root's parameter group, which FSDP gathers before the forward and whose gradient it
 reduce-scatters; when the head is a ``fully_shard`` unit of its own, its forward is never called, so this head asks
