@@ -364,7 +364,7 @@ def _check_batch(batch, shape, device, device_of, options):
     if iw is not None:
         _float_tensor("importance_weights", iw)
         _shape("importance_weights", iw, [(B,), (B, 1), (B, T)], f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
-        if options.loss_type == "vespo" and iw.shape != (B, T):
+        if options.loss_type_record.policy_term == "vespo" and iw.shape != (B, T):
             raise ValueError("loss_type='vespo' takes per-token importance_weights [B, T] (TRL's token_truncate or "
                              f"token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO with sequence-level "
                              "importance sampling")

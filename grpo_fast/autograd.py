@@ -12,7 +12,8 @@ from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
+from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.softmax_stats import BackwardStats
 
 
 def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
@@ -29,10 +30,9 @@ def head_forward_record(hidden, weight, targets, bias, transform, compute_entrop
     ``head_forward`` finishes: for a caller that merges it with records of other rows first (a vocab-parallel head's
     shards). A target of -1 is in no column: the record then has no target (target logit 0, rest = sumexp).
     No rows (V = 0): the empty record (max -inf, sums 0). No autograd."""
+    if weight.shape[0] == 0:
+        return softmax_stats.empty(_no_max(hidden))
     if backend == "triton":
-        if weight.shape[0] == 0:
-            empty = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-            return SoftmaxStats(torch.full_like(empty, float("-inf")), empty, empty, empty, empty)
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
         return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
     return torch_backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
@@ -52,14 +52,27 @@ def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend
     other rows' first (a vocab-parallel head's shards). A target of -1 is in no column; no rows (V = 0): the empty
     record, acc 0. No autograd."""
     if weight.shape[0] == 0:
-        N, dev = hidden.shape[0], hidden.device
-        empty = torch.zeros(N, dtype=torch.float32, device=dev)
-        return (SoftmaxStats(torch.full_like(empty, float("-inf")), empty, empty, empty, empty),
-                torch.zeros(hidden.shape, dtype=torch.float32, device=dev), empty)
+        no_max = _no_max(hidden)
+        return (softmax_stats.empty(no_max), torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
+                torch.zeros_like(no_max))
     if backend == "triton":
         return kfrozen.forward_frozen_record(hidden, weight, targets, bias, transform, True,
                                              kconfig.frozen_head_config(hidden.device))
     return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)
+
+
+def _no_max(hidden):
+    """[N] fp32 -inf: the max of no vocabulary entry, for hidden's N tokens."""
+    return torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
+
+
+def takes_frozen_head(needs_input_grad, hidden, backend, head_path):
+    """The frozen-head path is taken: head_path "auto", only hidden (the first input) needs a gradient, rows to
+    compute, and the path runs on this backend. One decision for the single-process head and the vocab-parallel one
+    (whose ranks all decide alike, so their collectives pair up)."""
+    need_h, need_w, _, need_b = needs_input_grad[:4]
+    return (head_path == "auto" and need_h and not need_w and not need_b and hidden.shape[0] > 0
+            and frozen_head_available(hidden, backend))
 
 
 def frozen_head_available(hidden, backend):
@@ -117,9 +130,7 @@ class LinearLogprobs(torch.autograd.Function):
             raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
         # entropy is usually a metric: without this, autograd would hand the backward a zero gradient for it
         ctx.set_materialize_grads(False)
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        ctx.frozen_head = (head_path == "auto" and need_h and not need_w and not need_b and hidden.shape[0] > 0
-                           and frozen_head_available(hidden, backend))
+        ctx.frozen_head = takes_frozen_head(ctx.needs_input_grad, hidden, backend, head_path)
         frozen_head_grad = None
         if hidden.shape[0] == 0:
             logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)

@@ -170,13 +170,12 @@ def merge_records(record, compute_entropy, group):
     z-sum; [3, N] without the entropy): records that share their max merge by adding their sums."""
     row_max = record.max.clone()
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    nothing = torch.zeros_like(row_max)
-    local = softmax_stats.merge(softmax_stats.stack(record, SoftmaxStats(row_max, nothing, nothing, nothing,
-                                                                         nothing)))
+    local = softmax_stats.merge(softmax_stats.stack(record, softmax_stats.empty(row_max)))
     sums = [local.sumexp, local.rest, local.target] + ([local.zsum] if compute_entropy else [])
     packed = torch.stack(sums)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return SoftmaxStats(row_max, packed[0], packed[1], packed[3] if compute_entropy else nothing, packed[2])
+    return SoftmaxStats(row_max, packed[0], packed[1], packed[3] if compute_entropy else torch.zeros_like(row_max),
+                        packed[2])
 
 
 def _global_forward(hidden, weight, local_targets, bias, transform, compute_entropy, backend, group):
@@ -250,11 +249,8 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
         ctx.set_materialize_grads(False)
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         y = local_targets(targets, shard, weight.shape[0])
-        # every rank decides alike (the same inputs, devices and flags): the collectives of both paths pair up
-        ctx.frozen_head = (head_path == "auto" and need_h and not need_w and not need_b and hidden.shape[0] > 0
-                           and autograd.frozen_head_available(hidden, backend))
+        ctx.frozen_head = autograd.takes_frozen_head(ctx.needs_input_grad, hidden, backend, head_path)
         frozen_head_grad = None
         if hidden.shape[0] == 0:
             logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)

@@ -99,6 +99,13 @@ def rescale(row_max, merged_max):
     return torch.exp(row_max - _pivot(merged_max))
 
 
+def empty(row_max):
+    """The record of no vocabulary entry, taken against ``row_max`` [N]: sums 0 (max -inf: the record of an empty
+    vocab-parallel shard; a finite max: what ``merge`` needs to express another record against that max)."""
+    nothing = torch.zeros_like(row_max)
+    return SoftmaxStats(row_max, nothing, nothing, nothing, nothing)
+
+
 def stack(*records: SoftmaxStats) -> SoftmaxStats:
     """Records of one shape, stacked for ``merge``."""
     return SoftmaxStats(*(torch.stack(fields) for fields in zip(*records)))
