@@ -29,6 +29,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+def _kernel_device():
+    """Where the kernel tests put their tensors: a CUDA GPU (kernels compiled) when one is present and the
+    interpreter is off, else the CPU (Triton's interpreter)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
+
+
+KERNEL_DEVICE = _kernel_device()
+
+
+@pytest.fixture
+def device():
+    """The kernel tests' device (``_kernel_device``): build every tensor a kernel test feeds grpo_fast on it."""
+    return KERNEL_DEVICE
+
+
 # ----------------------------------------------------------------------------------------------- the fast tier
 # `pytest -m "not slow"` is the inner loop (1.5 min on 2 quiet cores, 8 min 30 s on 2 busy ones: README's figures);
 # `pytest` runs everything (README, CI).
