@@ -250,3 +250,18 @@ def test_peft_model_logits_path(device):
     truth_graph.backward()
     assert_grad_close(ga, head.lora_A["default"].weight.grad, torch.float32, "lora_A")
     assert_grad_close(gb, head.lora_B["default"].weight.grad, torch.float32, "lora_B")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_and_every_row_masked(backend, device):
+    # one token: one row of l; every row masked: zero outputs and exact zero gradients for a and b
+    inputs = lora_inputs(1, 1, 24, 50, 3, torch.bfloat16, torch.float32, device)
+    _check(backend, inputs, TRAINING["all"])
+    h, w, bias, y, a, b = inputs
+    la, lb = (x.clone().requires_grad_() for x in (a, b))
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, completion_mask=torch.zeros_like(y),
+                                               lora=(la, lb, 2.0), backend=_impl(backend),
+                                               backward_mode=_mode(backend))
+    (logp.sum() + ent.sum()).backward()
+    assert not logp.any() and not ent.any()
+    assert la.grad is not None and not la.grad.any() and lb.grad is not None and not lb.grad.any()
