@@ -2,8 +2,9 @@
 
 Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
 and optionally ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py),
-whose product lora_hidden lora_weight^T is added to the raw logits; the backend ("triton" or "torch") is already resolved, the head path is one of config.HEAD_PATHS and the backward
-mode one of config.BACKWARD_MODES (the caller's choices, passed down as arguments).
+whose product lora_hidden lora_weight^T is added to the raw logits; the backend ("triton" or "torch") is already
+resolved, the head path is one of config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the caller's
+choices, passed down as arguments).
 """
 
 import torch
@@ -123,9 +124,9 @@ class LinearLogprobs(torch.autograd.Function):
     * frozen head ("auto", and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also builds
       J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the backward
       is dH = grad_logp J: two sweeps. With LoRA it also builds J_l = d logp / d lora_hidden [N, r] fp32; it is
-      taken only when lora_weight needs no gradient either (a frozen adapter). Callers pass "auto" when the entropy will usually get no gradient; if one
-      arrives anyway, its term comes from the general path with its own forward statistics: exact, at three sweeps
-      more (five in all, against three).
+      taken only when lora_weight needs no gradient either (a frozen adapter). Callers pass "auto" when the entropy
+      will usually get no gradient; if one arrives anyway, its term comes from the general path with its own forward
+      statistics: exact, at three sweeps more (five in all, against three).
     ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
     N = 0 (every row masked) gives empty outputs and zero gradients.
     """

@@ -6,8 +6,6 @@ accumulation and p_nv = exp(z_nv - lse_n),
     g_nv = dL/du_nv = (-c_n p_nv + e_n p_nv (mean_n - z_nv)) * dz/du_nv                          for v != y_n,
     g_ny = (c_n nontarget_mass_n + e_n p_ny mean_minus_target_n) * dz/du_ny,
     dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V],
-and with LoRA (grpo_fast/lora.py: z recomputed from h W^T + l B^T, tile.py)
-    dl = g B  [N, r],   dB = g^T l  [V, r]   (the same tiles g; fp32 accumulators),
 where lse, nontarget_mass = 1 - p_y, mean and mean_minus_target = mean - z_y are the forward's per-token values
 (softmax_stats.BackwardStats): the target column never forms 1 - p_y or mean - z_y by cancellation, so a confident
 token (1 - p_y down to 1e-6) keeps fp32 precision. One kernel, ``_backward_kernel``, forms g for a
@@ -17,20 +15,23 @@ masked rows, is exactly zero and skips the matmul) and adds the tile's column su
 
 * chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input
   dtype, and cuBLAS does the two gradient products as dense GEMMs: dH[chunk] = g W (written once),
-  dW += g^T H[chunk] (fp32 accumulator, gemm.mm_fp32: never a bf16-rounded chunk product); with LoRA also
-  dl[chunk] = g B and dB += g^T l[chunk] (fp32; B and l in g's dtype: fp32 adapters are rounded as g is, so that
-  no fp32 copy of the chunk's g is made).
+  dW += g^T H[chunk] (fp32 accumulator, gemm.mm_fp32: never a bf16-rounded chunk product).
   Memory: one chunk of g, chunk_n x V with chunk_n <= D, so at most the size of W; the fp32 dW accumulator (only
   when the weight needs a gradient) and, without cuBLAS's out_dtype, one vocabulary slab of g^T H in fp32; dH in
   the input dtype; the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
 * fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
-  and g^T H_i into dW_j with fp32 atomics, then walks r in BLOCK_R steps for LoRA's dl and dB (the adapter
-  operands in g's dtype, as the chunked mode's); no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D, only if the weight needs one), db,
-  and LoRA's dl (N x r) and dB (V x r). About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
+  and g^T H_i into dW_j with fp32 atomics; no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
+  only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
   N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
   order vary run to run (fp32 rounding level).
 
 A frozen lm_head skips every dW product in both modes.
+
+LoRA (grpo_fast/lora.py: z recomputed from h W^T + l B^T, tile.py) adds dl = g B [N, r] and dB = g^T l [V, r] from
+the same tiles g, next to dH and dW: in the chunked mode two more GEMMs per chunk (dl[chunk] written, dB accumulated;
+fp32 outputs, the adapter operands in g's dtype, so that no fp32 copy of the chunk's g is made), in the fused mode a
+walk over r in BLOCK_R steps after the D walk, fp32 atomics (the adapter operands in g's dtype likewise). Memory: the
+fp32 dl (N x r) and dB (V x r).
 """
 
 import torch

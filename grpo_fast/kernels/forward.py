@@ -15,7 +15,8 @@ The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens s
 splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge that a
 vocab-parallel head uses across ranks (``forward_record`` returns the merged record unfinished).
 
-Memory: inputs (LoRA's [N, r] and [V, r] too) are read in place; the only buffers are 5 x num_splits x N fp32 records and N fp32 outputs.
+Memory: inputs (LoRA's [N, r] and [V, r] too) are read in place; the only buffers are 5 x num_splits x N fp32
+records and N fp32 outputs.
 No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores in the input dtype
 (bf16/fp16), fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) so fp32 is exact. Under
 TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``): the interpreter's bf16 ``tl.dot`` is

@@ -22,9 +22,9 @@ its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabu
                 P' = e s' with the target column zeroed, written in the GEMM dtype
     J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
 With LoRA (grpo_fast/lora.py: a frozen adapter, lora_hidden l [N, r] and lora_weight B [V, r]) u gets a second GEMM,
-u += l_chunk B[v0:v1]^T, and J_l = d logp / d l [N, r] its own accumulator, J_l = J_l rescale + P' B[v0:v1], finished
-like J (B is rounded to P''s dtype for that GEMM, as P' itself). At the end J = (s'_y R W[y] - J) / S
-(softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
+u += l_chunk B[v0:v1]^T, and J_l = d logp / d l [N, r] its own accumulator, J_l = J_l rescale + P' B[v0:v1],
+finished like J (B is rounded to P''s dtype for that GEMM, as P' itself; J_l takes N x r fp32 more).
+At the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
 by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
 d logp / dh: no other term exists on this path.
 
@@ -32,7 +32,7 @@ Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype 
 on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
 off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
 
-Memory (besides the inputs): J, N x D fp32 (and J_l, N x r fp32, with LoRA) (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
+Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
 only O(N) between the passes, and its backward writes dH of J's shape in the input dtype), the u buffer of chunk x vocab-chunk fp32, with the vocab
 chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
 chunks of 76032), and 7 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
