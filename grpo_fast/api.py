@@ -6,6 +6,9 @@ the interpreter, torch otherwise.
 
 Only completion tokens are computed: with a ``completion_mask``, the rows with mask 1 are gathered before layer 1
 (forward and backward) and the per-token outputs are scattered back, with exact zeros at masked positions.
+
+``lora=grpo_fast.HeadLora(a, b, scaling, dropout)`` (or a tuple (a, b, scaling)): LoRA on the lm_head, exact
+(grpo_fast/lora.py): its [N, r] operand is built here for the scored rows and layer 1 adds its product with b.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from grpo_fast import reference
 from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, check_number as _number, option_keywords
 from grpo_fast import autograd
+from grpo_fast import lora as head_lora
 from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.autograd import LinearLogprobs, ScaledByCoefficient
 from grpo_fast.kernels import config as kconfig
@@ -175,6 +179,22 @@ def _flat_inputs(hidden, weight, targets, bias, completion_mask):
     return h, w, y.to(torch.int64).contiguous(), b, rows
 
 
+def _checked_lora(lora, hidden, weight, shard):
+    """The ``lora=`` argument as a checked HeadLora (or None) for this head."""
+    lora = head_lora.as_head_lora(lora)
+    if lora is not None:
+        head_lora.check_against_head(lora, hidden, weight, shard is not None)
+    return lora
+
+
+def _lora_operands(lora, hidden, rows):
+    """Layer 1's LoRA operand pair (lora_hidden [N, r] for the scored rows, b [V, r]), or (None, None)."""
+    if lora is None:
+        return None, None
+    b = lora.b if lora.b.stride(-1) == 1 else lora.b.contiguous()
+    return head_lora.lora_hidden(lora, hidden, rows).contiguous(), b
+
+
 def _scatter_rows(values, rows, shape):
     """Per-token values of the scored rows -> [B, T], exact zeros elsewhere (differentiable)."""
     if rows is None:
@@ -184,17 +204,18 @@ def _scatter_rows(values, rows, shape):
 
 # ----------------------------------------------------------------------------------------------- layer 1
 def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-             completion_mask=None, vocab_parallel=None, backend="auto"):
+             completion_mask=None, lora=None, vocab_parallel=None, backend="auto"):
     """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` for the reference and old policies.
 
     The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature``. No logits of
     size V are built and no autograd graph is kept; with ``completion_mask`` only its tokens are computed.
     A vocab-parallel head (a DTensor weight sharded on dim 0, or this rank's rows with
     ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)``: grpo_fast.vocab_parallel) gives every rank
-    the unsharded result.
+    the unsharded result. ``lora``: a grpo_fast.HeadLora on the head (module docstring).
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
+    lora = _checked_lora(lora, hidden, weight, shard)
     transform = _logit_transform(temperature, softcap, logit_scale)
     backend = _resolve_backend(backend, hidden.device)
     _check_kernel_sizes(B * T, weight.shape[0], backend)
@@ -205,13 +226,15 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=Non
         if shard is not None:
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
-            logp = autograd.head_forward(h, w, y, b, transform, False, backend)[0]
+            lora_h, lora_w = _lora_operands(lora, hidden, rows)
+            logp = autograd.head_forward(h, w, y, b, transform, False, backend,
+                                         (lora_h, lora_w) if lora is not None else None)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
 def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
                          completion_mask=None, entropy_grad=False, head_path="auto", backward_mode="chunked",
-                         vocab_parallel=None, backend="auto"):
+                         lora=None, vocab_parallel=None, backend="auto"):
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -226,10 +249,12 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     ("chunked": g per token chunk and two GEMMs; "fused": one kernel with fp32 atomics). A vocab-parallel head (a
     DTensor weight sharded on dim 0, or this rank's rows with ``vocab_parallel=grpo_fast.VocabShard(...)``) gives
     every rank the unsharded outputs and gradients (dH all-reduced, dW and db rows local; grpo_fast.vocab_parallel),
-    on the same path as one process.
+    on the same path as one process. ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)``: LoRA on the head,
+    exact, with gradients to a and b where they require one (a frozen adapter takes the frozen-head path too).
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
+    lora = _checked_lora(lora, hidden, weight, shard)
     transform = _logit_transform(temperature, softcap, logit_scale)
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
@@ -237,11 +262,11 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     _check_kernel_sizes(B * T, weight.shape[0], backend)
     head_path = _layer1_choices(head_path, backward_mode, backend)
     return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
-                                 "general" if entropy_grad else head_path, backward_mode, shard)
+                                 "general" if entropy_grad else head_path, backward_mode, shard, lora)
 
 
 def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, head_path,
-                          backward_mode, shard=None):
+                          backward_mode, shard=None, lora=None):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
     forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
@@ -251,7 +276,8 @@ def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transf
         logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, head_path,
                                                             backward_mode)
     else:
-        logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode)
+        logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode,
+                                             *_lora_operands(lora, hidden, rows))
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -274,20 +300,22 @@ class _LossBatch:
 def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old_logprobs=None, ref_logprobs=None,
          sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
          temperature=1.0, softcap=None, logit_scale=1.0, options=None, head_path="auto", backward_mode="chunked",
-         vocab_parallel=None, backend="auto", **loss_options):
+         lora=None, vocab_parallel=None, backend="auto", **loss_options):
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
     advantages [B] or [B, T], completion_mask [B, T] bool or 0/1. The loss options are TRL's ``GRPOConfig``
     keywords (``loss_type``, ``beta``, ``epsilon``, ...: ``grpo_fast.LossOptions``), given one by one or as
     ``options=LossOptions(...)``; the other keywords are per-batch inputs (README). Only tokens with mask 1 are
-    computed. ``head_path`` and ``backward_mode``: layer 1's path and Triton backward (``logprobs_and_entropy``).
+    computed. ``head_path``, ``backward_mode`` and ``lora``: layer 1's path, Triton backward and LoRA on the head
+    (``logprobs_and_entropy``).
     A vocab-parallel head (``logprobs_and_entropy``): every rank of its group returns the unsharded loss and metrics.
     Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
     """
     options = LossOptions.resolve(options, loss_options, "loss")
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
+    lora = _checked_lora(lora, hidden, weight, shard)
     transform = _logit_transform(temperature, softcap, logit_scale)
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
                        num_items_in_batch, entropy_threshold)
@@ -298,7 +326,7 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
                                           head_path if options.entropy_coef == 0.0 else "general", backward_mode,
-                                          shard)
+                                          shard, lora)
     return _token_loss(logp, entropy, batch, options, backend)
 
 

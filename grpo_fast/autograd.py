@@ -1,7 +1,8 @@
 """torch.autograd.Function wrappers: layer 1 (fused linear log-probs and entropy) and layer 2's loss value.
 
-Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do;
-the backend ("triton" or "torch") is already resolved, the head path is one of config.HEAD_PATHS and the backward
+Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
+and optionally ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py),
+whose product lora_hidden lora_weight^T is added to the raw logits; the backend ("triton" or "torch") is already resolved, the head path is one of config.HEAD_PATHS and the backward
 mode one of config.BACKWARD_MODES (the caller's choices, passed down as arguments).
 """
 
@@ -16,13 +17,13 @@ from grpo_fast.kernels import softmax_stats
 from grpo_fast.kernels.softmax_stats import BackwardStats
 
 
-def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend):
+def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):
     """(logp, entropy, softmax_stats.BackwardStats), fp32 [N], by the chosen backend; entropy (and the stats'
     entropy values) None without ``compute_entropy``; no autograd."""
-    if backend == "triton":
+    if backend == "triton" and lora is None:  # TODO(lora kernels)
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg)
-    return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy)
+    return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
 
 
 def head_forward_record(hidden, weight, targets, bias, transform, compute_entropy, backend):
@@ -38,12 +39,13 @@ def head_forward_record(hidden, weight, targets, bias, transform, compute_entrop
     return torch_backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
 
 
-def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend):
-    """(logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32) by the chosen backend; no autograd."""
-    if backend == "triton":
-        return kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
-                                      kconfig.frozen_head_config(hidden.device))
-    return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True)
+def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora=None):
+    """(logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32, J_l = d logp / d lora_hidden [N, r] fp32 or
+    None without ``lora``) by the chosen backend; no autograd."""
+    if backend == "triton" and lora is None:  # TODO(lora kernels)
+        return (*kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
+                                             kconfig.frozen_head_config(hidden.device)), None)
+    return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
 
 
 def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend):
@@ -57,8 +59,8 @@ def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend
                 torch.zeros_like(no_max))
     if backend == "triton":
         return kfrozen.forward_frozen_record(hidden, weight, targets, bias, transform, True,
-                                             kconfig.frozen_head_config(hidden.device))
-    return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)
+                                             kconfig.frozen_head_config(hidden.device))[:3]
+    return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)[:3]
 
 
 def _no_max(hidden):
@@ -66,13 +68,14 @@ def _no_max(hidden):
     return torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
 
 
-def takes_frozen_head(needs_input_grad, hidden, backend, head_path):
-    """The frozen-head path is taken: head_path "auto", only hidden (the first input) needs a gradient, rows to
-    compute, and the path runs on this backend. One decision for the single-process head and the vocab-parallel one
-    (whose ranks all decide alike, so their collectives pair up)."""
+def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_grad=False):
+    """The frozen-head path is taken: head_path "auto", only hidden (the first input) needs a gradient (and, with
+    LoRA, lora_hidden, whose J the path also builds; not lora_weight: ``lora_weight_grad``), rows to compute, and the
+    path runs on this backend. One decision for the single-process head and the vocab-parallel one (whose ranks all
+    decide alike, so their collectives pair up)."""
     need_h, need_w, _, need_b = needs_input_grad[:4]
-    return (head_path == "auto" and need_h and not need_w and not need_b and hidden.shape[0] > 0
-            and frozen_head_available(hidden, backend))
+    return (head_path == "auto" and need_h and not need_w and not need_b and not lora_weight_grad
+            and hidden.shape[0] > 0 and frozen_head_available(hidden, backend))
 
 
 def frozen_head_available(hidden, backend):
@@ -82,12 +85,19 @@ def frozen_head_available(hidden, backend):
 
 
 def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                  grad_weight, grad_bias, backend, backward_mode):
-    """Layer 1's general-path backward by the chosen backend and mode into the given buffers (head_grad_buffers)."""
+                  grad_weight, grad_bias, backend, backward_mode, lora=None, grad_lora=(None, None)):
+    """Layer 1's general-path backward by the chosen backend and mode into the given buffers (dH: _grad_hidden_buffer,
+    the others fp32 zeros; ``grad_lora``: fp32 zero (d lora_hidden, d lora_weight), each may be None)."""
     args = (hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
             grad_hidden, grad_weight, grad_bias)
-    if backend == "torch":
-        torch_backend.backward(*args)
+    if backend == "torch" or lora is not None:  # TODO(lora kernels)
+        if grad_hidden is not None and backend == "triton":
+            fp32 = torch.zeros(grad_hidden.shape, dtype=torch.float32, device=grad_hidden.device)
+            head_backward(*args[:8], fp32, grad_weight, grad_bias, "torch", backward_mode, lora=lora,
+                          grad_lora=grad_lora)
+            grad_hidden.copy_(fp32)
+            return
+        torch_backend.backward(*args, lora, grad_lora)
         return
     wide_epilogue = transform.softcap is not None or grad_entropy is not None
     cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue)
@@ -106,8 +116,11 @@ def _grad_hidden_buffer(hidden, backend, backward_mode):
 
 
 class LinearLogprobs(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode)
-    -> logp [N] fp32, entropy [N] fp32.
+    """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
+    lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32.
+
+    With LoRA (grpo_fast/lora.py) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
+    lora_hidden and lora_weight too (each in its own dtype).
 
     Both outputs carry their exact gradient. Two paths (``head_path``, config.HEAD_PATHS):
     * general (recompute): saves the inputs and O(N) fp32 values (softmax_stats.BackwardStats: lse, 1 - p_y, the mean
@@ -115,7 +128,8 @@ class LinearLogprobs(torch.autograd.Function):
       gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
     * frozen head ("auto", and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also builds
       J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the backward
-      is dH = grad_logp J: two sweeps. Callers pass "auto" when the entropy will usually get no gradient; if one
+      is dH = grad_logp J: two sweeps. With LoRA it also builds J_l = d logp / d lora_hidden [N, r] fp32; it is
+      taken only when lora_weight needs no gradient either (a frozen adapter). Callers pass "auto" when the entropy will usually get no gradient; if one
       arrives anyway, its term comes from the general path with its own forward statistics: exact, at three sweeps
       more (five in all, against three).
     ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
@@ -123,24 +137,28 @@ class LinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, transform, backend, head_path, backward_mode):
+    def forward(ctx, hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
+                lora_weight=None):
         if head_path not in kconfig.HEAD_PATHS:
             raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
         if backward_mode not in kconfig.BACKWARD_MODES:
             raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
         # entropy is usually a metric: without this, autograd would hand the backward a zero gradient for it
         ctx.set_materialize_grads(False)
-        ctx.frozen_head = takes_frozen_head(ctx.needs_input_grad, hidden, backend, head_path)
-        frozen_head_grad = None
+        lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
+        lora_weight_grad = lora is not None and ctx.needs_input_grad[9]
+        ctx.frozen_head = takes_frozen_head(ctx.needs_input_grad, hidden, backend, head_path, lora_weight_grad)
+        frozen_head_grad = frozen_lora_grad = None
         if hidden.shape[0] == 0:
             logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = None
         elif ctx.frozen_head:
-            logp, entropy, stats, frozen_head_grad = head_forward_frozen_head(hidden, weight, targets, bias,
-                                                                              transform, backend)
+            logp, entropy, stats, frozen_head_grad, frozen_lora_grad = head_forward_frozen_head(
+                hidden, weight, targets, bias, transform, backend, lora)
         else:
-            logp, entropy, stats = head_forward(hidden, weight, targets, bias, transform, True, backend)
-        ctx.save_for_backward(hidden, weight, targets, bias, frozen_head_grad, *(stats or ()))
+            logp, entropy, stats = head_forward(hidden, weight, targets, bias, transform, True, backend, lora)
+        ctx.save_for_backward(hidden, weight, targets, bias, lora_hidden, lora_weight, frozen_head_grad,
+                              frozen_lora_grad, *(stats or ()))
         ctx.transform = transform
         ctx.backend = backend
         ctx.backward_mode = backward_mode
@@ -148,41 +166,60 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, bias, frozen_head_grad, *stats = ctx.saved_tensors
+        hidden, weight, targets, bias, lora_hidden, lora_weight, frozen_head_grad, frozen_lora_grad, *stats = \
+            ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         need_b = ctx.needs_input_grad[3]
+        lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
+        need_lh = lora is not None and ctx.needs_input_grad[8]
+        need_lw = lora is not None and ctx.needs_input_grad[9]
         dev = hidden.device
         no_input_grads = (None,) * 4
         if ctx.frozen_head:
             grad_hidden = (grad_logp.float()[:, None] * frozen_head_grad if grad_logp is not None
                            else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
+            grad_lora_hidden = None
+            if need_lh:
+                grad_lora_hidden = (grad_logp.float()[:, None] * frozen_lora_grad if grad_logp is not None
+                                    else torch.zeros(lora_hidden.shape, dtype=torch.float32, device=dev))
             if grad_entropy is not None:
                 # an entropy gradient after all: the general path's entropy-only term, with that path's own forward
                 # values (the frozen forward's cuBLAS logits may round differently from the recomputed tiles, and
                 # p = exp(z - lse) must see one z: at logits of 1e4 the difference is 1e-3 relative)
-                _, _, general_stats = head_forward(hidden, weight, targets, bias, ctx.transform, True, ctx.backend)
+                _, _, general_stats = head_forward(hidden, weight, targets, bias, ctx.transform, True, ctx.backend,
+                                                   lora)
                 entropy_term = _grad_hidden_buffer(hidden, ctx.backend, ctx.backward_mode)
+                lora_entropy_term = torch.zeros_like(grad_lora_hidden) if need_lh else None
                 head_backward(hidden, weight, targets, bias, general_stats,
                               torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev),
                               grad_entropy.float().contiguous(), ctx.transform, entropy_term, None, None,
-                              ctx.backend, ctx.backward_mode)
+                              ctx.backend, ctx.backward_mode, lora=lora, grad_lora=(lora_entropy_term, None))
                 grad_hidden += entropy_term
-            return (grad_hidden.to(hidden.dtype), None, None, None) + no_input_grads
+                if need_lh:
+                    grad_lora_hidden += lora_entropy_term
+            return ((grad_hidden.to(hidden.dtype), None, None, None) + no_input_grads
+                    + (grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None, None))
         grad_hidden = _grad_hidden_buffer(hidden, ctx.backend, ctx.backward_mode) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
-        if (need_h or need_w or need_b) and hidden.shape[0] > 0:
+        grad_lora = tuple(torch.zeros(x.shape, dtype=torch.float32, device=dev) if need else None
+                          for x, need in ((lora_hidden, need_lh), (lora_weight, need_lw)))
+        if (need_h or need_w or need_b or need_lh or need_lw) and hidden.shape[0] > 0:
             grad_logp = (grad_logp.float().contiguous() if grad_logp is not None
                          else torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev))
             grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
             head_backward(hidden, weight, targets, bias, BackwardStats(*stats), grad_logp, grad_entropy,
-                          ctx.transform, grad_hidden, grad_weight, grad_bias, ctx.backend, ctx.backward_mode)
+                          ctx.transform, grad_hidden, grad_weight, grad_bias, ctx.backend, ctx.backward_mode,
+                          lora=lora, grad_lora=grad_lora)
         return (
             grad_hidden.to(hidden.dtype) if need_h else None,
             grad_weight.to(weight.dtype) if need_w else None,
             None,
             grad_bias.to(bias.dtype) if need_b else None,
-        ) + no_input_grads
+        ) + no_input_grads + (
+            grad_lora[0].to(lora_hidden.dtype) if need_lh else None,
+            grad_lora[1].to(lora_weight.dtype) if need_lw else None,
+        )
 
 
 class ScaledByCoefficient(torch.autograd.Function):

@@ -17,6 +17,9 @@ Two layers, the same as the fused paths:
 
 Layer 1, the logit of vocabulary entry v (TRL 1.16's fused head applies the transforms in this order):
     z_v = softcap * tanh(logit_scale * (h . W_v + b_v) / softcap) / temperature     (no tanh when softcap is None)
+    with LoRA on the head (PEFT's lora_A = A [r, D], lora_B = B [V, r]): h . W_v + l . B_v inside, where
+    l = scaling * dropout(h) A^T [r] is computed in the adapters' dtype (PEFT's lora_A activation, rounded as PEFT
+    rounds it) and l . B_v in the logits' dtype
     logp = z_y - logsumexp(z),   entropy = -sum_v p_v log p_v,   p = softmax(z)
 
 Layer 2 (r: importance ratio, A: advantage, m: completion mask, w: importance weights):
@@ -51,8 +54,11 @@ from grpo_fast.options import LOSS_TYPES, LossOptions, option_keywords  # noqa: 
 
 
 def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale=1.0, fp32_matmul=True,
-           compute_dtype=torch.float32):
-    """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``.
+           compute_dtype=torch.float32, lora=None):
+    """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``,
+    with ``lora`` (a grpo_fast.HeadLora or None) adding PEFT's ``scaling * (dropout(hidden) @ a.T) @ b.T`` to the
+    raw logits: its [.., r] activation in the adapters' dtype (PEFT's), its product with b in ``compute_dtype``
+    with ``fp32_matmul``, else in the adapters' dtype.
 
     With ``fp32_matmul`` (the spec) the matmul itself runs in ``compute_dtype`` (fp32; the tests use fp64 as a
     stricter truth); without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them
@@ -62,18 +68,25 @@ def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale
         z = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
     else:
         z = (hidden @ weight.T).to(compute_dtype)
+    if lora is not None:
+        x = hidden.to(lora.a.dtype)
+        activation = lora.scaling * ((lora.dropout(x) if lora.dropout is not None else x) @ lora.a.T)
+        if fp32_matmul:
+            z = z + activation.to(compute_dtype) @ lora.b.to(compute_dtype).T
+        else:
+            z = z + (activation @ lora.b.T).to(compute_dtype)
     if bias is not None:
         z = z + bias.to(compute_dtype)
     return LogitTransform(temperature, softcap, logit_scale).apply(z)
 
 
 def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True,
-                         compute_dtype=torch.float32, softcap=None, logit_scale=1.0):
+                         compute_dtype=torch.float32, softcap=None, logit_scale=1.0, lora=None):
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
     Both are differentiable (the entropy too: TRL's entropy bonus trains through it). See ``logits``.
     """
-    z = logits(hidden, weight, bias, temperature, softcap, logit_scale, fp32_matmul, compute_dtype)
+    z = logits(hidden, weight, bias, temperature, softcap, logit_scale, fp32_matmul, compute_dtype, lora)
     logsoftmax = F.log_softmax(z, dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = logsoftmax.exp()
@@ -83,11 +96,11 @@ def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp
 
 
 def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True, compute_dtype=torch.float32,
-             softcap=None, logit_scale=1.0):
+             softcap=None, logit_scale=1.0, lora=None):
     """Per-token log-prob of ``targets`` (see ``logits``); no grad."""
     with torch.no_grad():
         return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
-                                    softcap, logit_scale)[0]
+                                    softcap, logit_scale, lora)[0]
 
 
 def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
@@ -257,9 +270,9 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
 
 
 def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, bias=None, temperature=1.0,
-         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, **kwargs):
+         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, lora=None, **kwargs):
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss
     (the loss options as ``options`` or keywords)."""
     logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
-                                         softcap, logit_scale)
+                                         softcap, logit_scale, lora)
     return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)

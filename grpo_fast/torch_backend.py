@@ -9,6 +9,10 @@ reads. The backward recomputes each tile to form g (every non-target column from
 column from the carried 1 - p_y and mean - z_y, never by cancellation) and accumulates dH, dW, db. Peak extra
 memory: one tile and a few same-sized temporaries (fp32), plus fp32 dH / dW accumulators; never N x V.
 
+LoRA on the head (grpo_fast/lora.py): ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) adds lora_hidden
+lora_weight^T to each tile's raw logits (fp32), and the backward adds d lora_hidden = g lora_weight and
+d lora_weight = g^T lora_hidden (fp32 accumulators).
+
 The frozen head (kernels/forward_frozen.py's math): ``forward_frozen_head`` also accumulates J = d logp / dh online
 with the record, so that the backward is dH = grad_logp J: two vocabulary GEMMs in all instead of three.
 """
@@ -22,60 +26,70 @@ CHUNK_N = 1024
 CHUNK_V = 8192
 
 
-def _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=False):
-    """z = transform(h W^T + b) for one tile, fp32; with ``slope`` also dz/du (a tile, or a number without a
-    soft-cap)."""
+def _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=False, lora=None):
+    """z = transform(h W^T + l B^T + b) for one tile, fp32 (l B^T: ``lora``'s pair, if any); with ``slope`` also
+    dz/du (a tile, or a number without a soft-cap)."""
     u = hidden[n0:n1].float() @ weight[v0:v1].float().T
+    if lora is not None:
+        u += lora[0][n0:n1].float() @ lora[1][v0:v1].float().T
     if bias is not None:
         u += bias[v0:v1].float()
     return transform.apply(u, slope=slope)
 
 
-def forward(hidden, weight, targets, bias, transform, compute_entropy):
+def forward(hidden, weight, targets, bias, transform, compute_entropy, lora=None):
     """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
 
-    entropy (and the backward's entropy values) are None without ``compute_entropy``.
+    entropy (and the backward's entropy values) are None without ``compute_entropy``; ``lora``: None or
+    (lora_hidden [N, r], lora_weight [V, r]).
     """
-    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy),
+    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora),
                                 compute_entropy)
 
 
-def forward_record(hidden, weight, targets, bias, transform, compute_entropy):
+def forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora=None):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) of these weight rows, which
     ``forward`` finishes; zsum is 0 without ``compute_entropy``. No rows (V = 0): the empty record."""
-    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=False)[0]
+    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=False, lora=lora)[0]
 
 
-def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy=True):
-    """The frozen-head forward: ``forward``'s (logp, entropy, BackwardStats) and J = d logp / d hidden [N, D] fp32.
+def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy=True, lora=None):
+    """The frozen-head forward: ``forward``'s (logp, entropy, BackwardStats), J = d logp / d hidden [N, D] fp32 and,
+    with ``lora``, J_l = d logp / d lora_hidden [N, r] fp32 (else None).
 
     For a weight and bias that need no gradient and an entropy that needs none: the backward is then
     dH = grad_logp[:, None] * J, with no recompute and no third vocabulary GEMM (kernels/forward_frozen.py has the
     math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
     fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
     """
-    stats, acc, target_slope = forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy)
+    stats, acc, target_slope, lora_acc = forward_frozen_record(hidden, weight, targets, bias, transform,
+                                                               compute_entropy, lora)
     grad = softmax_stats.finish_frozen_grad(acc, stats, target_slope, weight, targets)
-    return (*softmax_stats.finish(stats, compute_entropy), grad)
+    if lora is not None:
+        lora_acc = softmax_stats.finish_frozen_grad(lora_acc, stats, target_slope, lora[1], targets)
+    return (*softmax_stats.finish(stats, compute_entropy), grad, lora_acc)
 
 
-def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy=True):
-    """The frozen-head forward up to "finish": (record, acc, target_slope), unfinished, for
+def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy=True, lora=None):
+    """The frozen-head forward up to "finish": (record, acc, target_slope, lora_acc), unfinished, for
     softmax_stats.finish_frozen_grad (J) and softmax_stats.finish (the outputs), or for a caller that merges them with
     other rows' first (a vocab-parallel head's shards). acc [N, D] fp32 = sum_{v != y} exp(z_v - m) s'_v W_v against
-    the record's max m; target_slope [N] = s'_y (the transform's constant slope without a soft-cap)."""
-    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True)
+    the record's max m; target_slope [N] = s'_y (the transform's constant slope without a soft-cap); lora_acc
+    [N, r] fp32 the same sum over lora_weight's rows (None without ``lora``)."""
+    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True, lora=lora)
 
 
-def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head):
-    """(record, acc or None, target slope or None): the online record over vocab chunks, and with ``frozen_head``
-    the online acc = sum_{v != y} exp(z_v - m) s'_v W_v (s' = dz/du, m the running max) and s'_y: the target's own
-    term is kept out of the running sum, to be weighted by the other entries' sum when J is finished, so that
-    1 - p_y is never formed by cancellation."""
+def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head, lora=None):
+    """(record, acc or None, target slope or None, lora acc or None): the online record over vocab chunks, and with
+    ``frozen_head`` the online acc = sum_{v != y} exp(z_v - m) s'_v W_v (s' = dz/du, m the running max; the same over
+    lora_weight with ``lora``) and s'_y: the target's own term is kept out of the running sum, to be weighted by the
+    other entries' sum when J is finished, so that 1 - p_y is never formed by cancellation."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     records = []
     grad = torch.empty((N, hidden.shape[1]), dtype=torch.float32, device=dev) if frozen_head else None
+    lora_grad = (torch.empty((N, lora[1].shape[1]), dtype=torch.float32, device=dev)
+                 if frozen_head and lora is not None else None)
     slopes = torch.zeros(N, device=dev) if frozen_head else None
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
@@ -84,10 +98,11 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
         run = SoftmaxStats(torch.full((n1 - n0,), float("-inf"), device=dev), empty, empty, empty, empty)
         if frozen_head:
             acc = grad[n0:n1].zero_()  # sum_{v != y} exp(z_v - m) s'_v W_v, rescaled with the running max m
+            lora_acc = lora_grad[n0:n1].zero_() if lora is not None else None
             target_slope = slopes[n0:n1]
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
-            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True)
+            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True, lora=lora)
             chunk, e = softmax_stats.record(z, tgt - v0, compute_entropy)
             if frozen_head:
                 new_pivot = torch.maximum(run.max, chunk.max)
@@ -98,23 +113,29 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
                     target_slope += torch.where(in_tile, dz_du.gather(1, local[:, None]).squeeze(1), 0.0)
                 e.mul_(dz_du).mul_(torch.exp(chunk.max - new_pivot)[:, None])
                 # torch.addmm with out=, not addmm_: the same in-place product, and FlopCounterMode counts it
-                torch.addmm(acc.mul_(torch.exp(run.max - new_pivot)[:, None]), e, weight[v0:v1].float(), out=acc)
+                rescale = torch.exp(run.max - new_pivot)[:, None]
+                torch.addmm(acc.mul_(rescale), e, weight[v0:v1].float(), out=acc)
+                if lora is not None:
+                    torch.addmm(lora_acc.mul_(rescale), e, lora[1][v0:v1].float(), out=lora_acc)
             run = softmax_stats.merge(softmax_stats.stack(run, chunk))
         records.append(run)
     if frozen_head and transform.softcap is None:
         slopes.fill_(transform.logit_scale / transform.temperature)
     stats = (SoftmaxStats(*(torch.cat(fields) for fields in zip(*records))) if records
              else SoftmaxStats(*(torch.zeros(0, device=dev) for _ in SoftmaxStats._fields)))
-    return stats, grad, slopes
+    return stats, grad, slopes, lora_grad
 
 
 def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-             grad_hidden, grad_weight, grad_bias):
-    """Accumulate into fp32 grad_hidden [N, D], grad_weight [V, D], grad_bias [V] (each may be None).
+             grad_hidden, grad_weight, grad_bias, lora=None, grad_lora=(None, None)):
+    """Accumulate into fp32 grad_hidden [N, D], grad_weight [V, D], grad_bias [V] (each may be None), and with
+    ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) into ``grad_lora``'s fp32 (d lora_hidden, d lora_weight)
+    (each may be None).
 
     ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N]; ``grad_entropy`` =
     dL/dentropy [N] or None (then the stats' entropy values are unused).
     """
+    grad_lora_hidden, grad_lora_weight = grad_lora
     N, V = hidden.shape[0], weight.shape[0]
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
@@ -128,7 +149,7 @@ def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, tran
         h = hidden[n0:n1].float()
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
-            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True)
+            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True, lora=lora)
             p = torch.exp(z - lse[:, None])
             g = p * -c[:, None]
             if e is not None:
@@ -147,3 +168,7 @@ def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, tran
                 grad_weight[v0:v1] += g.T @ h
             if grad_bias is not None:
                 grad_bias[v0:v1] += g.sum(0)
+            if grad_lora_hidden is not None:
+                grad_lora_hidden[n0:n1] += g @ lora[1][v0:v1].float()
+            if grad_lora_weight is not None:
+                grad_lora_weight[v0:v1] += g.T @ lora[0][n0:n1].float()

@@ -47,17 +47,18 @@ def _truth(h, w, b, y, c, **transform):
 
 
 def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
-    """(logp, entropy, BackwardStats, J) by the path; small_chunks: 16 tokens and 64 vocabulary entries a chunk."""
+    """(logp, entropy, BackwardStats, J) by the path (without the J_l of LoRA); small_chunks: 16 tokens and 64
+    vocabulary entries a chunk."""
     t = kconfig.LogitTransform(**transform)
     if path == "torch":
         if small_chunks:
             monkeypatch.setattr(torch_backend, "CHUNK_N", 16)
             monkeypatch.setattr(torch_backend, "CHUNK_V", 64)
-        return torch_backend.forward_frozen_head(h, w, y, b, t, True)
+        return torch_backend.forward_frozen_head(h, w, y, b, t, True)[:4]
     chunks = dict(token_chunk=16, vocab_chunk=64) if small_chunks else {}
     gemm_dtype = torch.bfloat16 if path == "triton-bf16-gemm" else None
     return kfrozen.forward_frozen_head(h, w, y, b, t, True, kconfig.frozen_head_config(h.device), gemm_dtype=gemm_dtype,
-                                  **chunks)
+                                  **chunks)[:4]
 
 
 def _todays_forward(path, h, w, b, y, transform):

@@ -475,9 +475,9 @@ def test_backward_mode_reaches_the_shards_backward(one_rank_group, monkeypatch):
     modes = []
     real_backward = autograd.head_backward
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         modes.append(args[-1])
-        real_backward(*args)
+        real_backward(*args, **kwargs)
 
     monkeypatch.setattr(autograd, "head_backward", spy)
     data = inputs(37)
