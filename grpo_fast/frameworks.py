@@ -69,8 +69,12 @@ def fsdp_unit_gathered(lm_head):
             lm_head.reshard()
 
 
+def _already_whole(*tensors):
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
-def lm_head_lora(lm_head, dtype=None, gathered=contextlib.nullcontext):
+def lm_head_lora(lm_head, dtype=None, gathered=_already_whole):
     """Within: the ``grpo_fast.HeadLora`` that makes the head ``lm_head`` (``get_output_embeddings()``) exact, or None
     when its ``weight`` and ``bias`` alone are.
 
