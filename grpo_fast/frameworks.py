@@ -88,7 +88,7 @@ def lm_head_lora(lm_head, dtype=None, gathered=_already_whole):
     ``gathered(a, b)``: a context in which the adapter's weights are whole (DeepSpeed ZeRO-3's gather), entered
     before they are read.
     """
-    adapter = _active_lora_adapter(lm_head)
+    adapter = lm_head_lora_adapter(lm_head)
     if adapter is None:
         yield None
         return
@@ -106,7 +106,7 @@ def lm_head_lora(lm_head, dtype=None, gathered=_already_whole):
 _UNSUPPORTED = "grpo_fast's fused lm_head cannot apply this PEFT lm_head exactly"
 
 
-def _active_lora_adapter(lm_head):
+def lm_head_lora_adapter(lm_head):
     """The name of the LoRA adapter the head must apply, None when the base weight alone is exact, or a
     NotImplementedError for what the head cannot compute (see ``lm_head_lora``)."""
     if "peft" not in sys.modules:  # no PEFT layer can exist

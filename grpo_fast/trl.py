@@ -63,8 +63,10 @@ PEFT base model) and the reference model with TRL's arguments; any other caller 
 another thread, say) gets TRL's head. The dispatcher hands the head the trainer's own decision, read from its
 config: the entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
 ``use_adaptive_entropy``); without one, a frozen lm_head (LoRA elsewhere) takes the frozen-head path. The old policy's
-log-probs come from the policy. The loss, the config and every option are TRL's. TRL's name is restored when the
-last constructor in progress returns.
+log-probs come from the policy. TRL's constructors refuse a PEFT adapter on the lm_head (their head would ignore
+it); in a grpo_fast trainer's constructor that check sees an lm_head that this head applies as no adapter (and one it
+cannot apply raises, naming why). The loss, the config and every option are TRL's. TRL's names are restored when
+the last constructor in progress returns.
 
 TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
 with another TRL raises ``ImportError``.
@@ -81,7 +83,7 @@ import types
 
 from packaging.version import Version
 
-from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, lm_head_lora, logit_scale_of
+from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, lm_head_lora, lm_head_lora_adapter, logit_scale_of
 
 _TRL_LOW, _TRL_END = "1.16", "1.17"
 TRL_VERSIONS = f">={_TRL_LOW},<{_TRL_END}"
@@ -286,7 +288,7 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
 # TRL trainer modules whose `add_fused_lm_head` is the dispatcher, and how many of our constructors are in progress
 # in each (any thread): the name is TRL's again when the count returns to 0.
 _swap_lock = threading.Lock()
-_swapped: dict[types.ModuleType, list] = {}  # module -> [TRL's add_fused_lm_head, constructors in progress]
+_swapped: dict[types.ModuleType, list] = {}  # module -> [{name: TRL's value}, constructors in progress]
 
 
 class _GRPOFastHead:
@@ -298,23 +300,59 @@ class _GRPOFastHead:
         return getattr(self.args, "entropy_coef", 0.0) != 0.0 or bool(getattr(self.args, "use_adaptive_entropy", False))
 
 
+def _grpo_fast_caller():
+    """The grpo_fast trainer whose frame made the call that is asking (its ``self``), or None: the frame above the
+    function that calls this one."""
+    caller = sys._getframe(2).f_locals.get("self")
+    return caller if isinstance(caller, _GRPOFastHead) else None
+
+
+def _head_dispatch(trl_head):
+    """``add_fused_lm_head`` that gives grpo_fast's head, with the trainer's entropy decision, to a grpo_fast trainer's
+    call and TRL's head to any other."""
+
+    @functools.wraps(trl_head)
+    def dispatch(*args, **kwargs):
+        trainer = _grpo_fast_caller()
+        if trainer is not None:
+            return add_fused_lm_head(*args, **kwargs, entropy_grad=trainer._head_entropy_grad())
+        return trl_head(*args, **kwargs)
+
+    return dispatch
+
+
+def _tuner_layer_dispatch(trl_class):
+    """PEFT's ``BaseTunerLayer`` as TRL's trainer module sees it, for isinstance: TRL's class, except in a grpo_fast
+    trainer's constructor frame, where TRL refuses a PEFT adapter on the lm_head (its head would ignore it): there an
+    lm_head that grpo_fast's head applies exactly is no tuner layer, and one it cannot apply raises, naming why
+    (grpo_fast.frameworks.lm_head_lora_adapter). TRL's other check (``cast_lm_head_to_fp32`` refuses a PEFT lm_head)
+    runs in a nested function, and keeps TRL's class."""
+
+    class Dispatch(type):
+        def __instancecheck__(cls, obj):
+            if _grpo_fast_caller() is not None:
+                lm_head_lora_adapter(obj)
+                return False
+            return isinstance(obj, trl_class)
+
+    return Dispatch(trl_class.__name__, (), {})
+
+
+# the names swapped in a TRL trainer module while a grpo_fast trainer's constructor runs
+_DISPATCHERS = {"add_fused_lm_head": _head_dispatch, "BaseTunerLayer": _tuner_layer_dispatch}
+
+
 @contextlib.contextmanager
 def _grpo_fast_head_in(trainer_module):
     """Within: the trainer module's ``add_fused_lm_head`` gives grpo_fast's head to calls made by a grpo_fast trainer
-    (its ``self`` in the calling frame: TRL calls it from the trainer's constructor) and TRL's head to any other."""
+    (its ``self`` in the calling frame: TRL calls it from the trainer's constructor) and TRL's head to any other; its
+    ``BaseTunerLayer`` (PEFT's, where PEFT is installed) lets such a constructor through with LoRA on the lm_head."""
     with _swap_lock:
         if trainer_module not in _swapped:
-            trl_head = trainer_module.add_fused_lm_head
-
-            @functools.wraps(trl_head)
-            def dispatch(*args, **kwargs):
-                caller = sys._getframe(1).f_locals.get("self")
-                if isinstance(caller, _GRPOFastHead):
-                    return add_fused_lm_head(*args, **kwargs, entropy_grad=caller._head_entropy_grad())
-                return trl_head(*args, **kwargs)
-
-            trainer_module.add_fused_lm_head = dispatch
-            _swapped[trainer_module] = [trl_head, 0]
+            originals = {name: getattr(trainer_module, name) for name in _DISPATCHERS if hasattr(trainer_module, name)}
+            for name, trl_value in originals.items():
+                setattr(trainer_module, name, _DISPATCHERS[name](trl_value))
+            _swapped[trainer_module] = [originals, 0]
         _swapped[trainer_module][1] += 1
     try:
         yield
@@ -323,7 +361,8 @@ def _grpo_fast_head_in(trainer_module):
             entry = _swapped[trainer_module]
             entry[1] -= 1
             if entry[1] == 0:
-                trainer_module.add_fused_lm_head = entry[0]
+                for name, trl_value in entry[0].items():
+                    setattr(trainer_module, name, trl_value)
                 del _swapped[trainer_module]
 
 

@@ -393,7 +393,8 @@ def test_lora_on_lm_head_bf16_model_fp32_adapters():
     model.zero_grad(set_to_none=True)
     hidden = model.base_model.model.model(input_ids=ids).last_hidden_state.double()
     a, b = head.lora_A["default"].weight, head.lora_B["default"].weight
-    logits = hidden @ head.base_layer.weight.double().T + head.scaling["default"] * (hidden @ a.double().T) @ b.double().T
+    adapter = head.scaling["default"] * (hidden @ a.double().T) @ b.double().T
+    logits = hidden @ head.base_layer.weight.double().T + adapter
     logp, entropy, loss = logits_path(logits, labels)
     (loss + 0.1 * entropy.sum()).backward()
     truth_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
