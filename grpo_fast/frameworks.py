@@ -53,9 +53,10 @@ def logit_scale_of(text_config) -> float:
 def fsdp_unit_gathered(lm_head):
     """Within: ``(weight, bias)`` of ``lm_head``; an lm_head that is an FSDP2 unit of its own is gathered first.
 
-    A PEFT LoRA layer's ``weight`` and ``bias`` are its base layer's (PEFT forwards them). Such a head is never called, so FSDP's hooks would neither gather it nor reduce its gradient: it is gathered
-    through FSDP (``unshard()``), whose post-backward reduce-scatters the gradient and reshards. Without grad no
-    backward will come: it is resharded as soon as the block exits. Any other weight is yielded as it is (a
+    Such a head is never called, so FSDP's hooks would neither gather it nor reduce its gradient: it is gathered
+    through FSDP (``unshard()``), whose post-backward reduce-scatters the gradient and reshards (a PEFT LoRA layer's
+    adapter weights with it: ``lm_head_lora`` reads them within). Without grad no backward will come: it is resharded
+    as soon as the block exits. A PEFT LoRA layer's ``weight`` and ``bias`` are its base layer's (PEFT forwards them). Any other weight is yielded as it is (a
     DTensor of tensor parallelism included: the caller decides).
     """
     reshard = False

@@ -303,12 +303,12 @@ def test_zero3_backward_without_the_second_gather_fails(monkeypatch):
 HEAD_ADAPTER = ("base_model.model.lm_head.lora_A.default.weight", "base_model.model.lm_head.lora_B.default.weight")
 
 
-def lora_on_head(dtype=torch.float32, target_modules=("q_proj", "lm_head"), **config):
+def lora_on_head(dtype=torch.float32, target_modules=("q_proj", "lm_head"), cast_lm_head_to_fp32=False, **config):
     """A tiny Qwen2 with grpo_fast's head, then PEFT LoRA (random B: the adapter changes the logits)."""
     from peft import LoraConfig, get_peft_model
 
     model = tiny_qwen2(dtype=dtype)
-    add_fused_lm_head(model, temperature=0.7, outputs=OUTPUTS)
+    add_fused_lm_head(model, temperature=0.7, outputs=OUTPUTS, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
     torch.manual_seed(1)
     config = dict(r=4, lora_alpha=8, init_lora_weights=False, **config)
     return get_peft_model(model, LoraConfig(target_modules=list(target_modules), **config))
@@ -340,13 +340,13 @@ def own_logits(model, ids):
     return type(base).forward(base, input_ids=ids).logits
 
 
-def truth_fp64(model, ids, labels):
+def truth_fp64(model, ids, labels, entropy_weight=0.1):
     """The PEFT model in fp64 through its own forward: log-probs, entropies, the extras and every gradient of
-    loss + 0.1 * sum(entropy)."""
+    loss + entropy_weight * sum(entropy) (forward_backward's)."""
     truth = copy.deepcopy(model).double()
     logits = own_logits(truth, ids)
     logp, entropy, loss = logits_path(logits, labels)
-    (loss + 0.1 * entropy.sum()).backward()
+    (loss + entropy_weight * entropy.sum()).backward()
     grads = {n: p.grad for n, p in truth.named_parameters() if p.grad is not None}
     return logp, entropy, extras_path(logits.detach(), labels), grads
 
@@ -405,6 +405,45 @@ def test_lora_on_lm_head_bf16_model_fp32_adapters():
         assert_grads_within({name: grads[name]}, {name: truth_grads[name].double()}, HALF_GRAD_RTOL[torch.bfloat16])
     # the q_proj adapters, through the bf16 backbone's backward (re-rounded at every step)
     assert_grads_within(grads, {n: g.double() for n, g in truth_grads.items()}, 3e-2)
+
+
+@pytest.mark.parametrize("adapter_trains", [True, False])
+def test_head_path_follows_the_adapter(monkeypatch, adapter_trains):
+    """A trainable head adapter needs its weight's gradient: the general path; a frozen one (and a frozen base head)
+    takes the frozen-head path, which also builds the adapter's hidden-side gradient. Both exact."""
+    taken = []
+    real = grpo_fast.autograd.takes_frozen_head
+    monkeypatch.setattr(grpo_fast.autograd, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k))
+                        or taken[-1])
+    model = lora_on_head()
+    if not adapter_trains:
+        for name, p in model.named_parameters():
+            p.requires_grad_("lm_head" not in name)
+    ids, labels = batch()
+    out, grads = forward_backward(model, input_ids=ids, labels=labels, entropy_weight=0.0)
+    logp, _, _, truth_grads = truth_fp64(model, ids, labels, entropy_weight=0.0)
+    assert taken == [not adapter_trains]
+    assert (out.log_probs.double() - logp).abs().max() < 1e-5
+    assert (set(HEAD_ADAPTER) <= grads.keys()) == adapter_trains
+    assert_grads_within(grads, truth_grads, 1e-4)
+
+
+@pytest.mark.parametrize("model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype", [
+    (torch.float32, False, False, torch.float32), (torch.float32, True, False, torch.bfloat16),
+    (torch.float32, True, True, torch.float32), (torch.bfloat16, False, False, torch.float32)])
+def test_adapter_dtype_policy(monkeypatch, model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype):
+    """The adapter's weights in the compute dtype under autocast or cast_lm_head_to_fp32, else in their own (PEFT's
+    fp32 adapters over a bf16 model); their gradients come back in the parameters' dtype."""
+    seen = spy_on_kernel(monkeypatch)
+    model = lora_on_head(model_dtype, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    out.loss.backward()
+    lora = seen[0][3]["lora"]
+    assert lora.a.dtype == lora.b.dtype == adapter_dtype
+    grad = model.get_base_model().lm_head.lora_B["default"].weight.grad
+    assert grad.dtype == torch.float32 and grad.abs().max() > 0
 
 
 def test_merged_and_disabled_adapters_are_the_base_weight():
