@@ -3,9 +3,9 @@
 DDP and FSDP2: two spawned ranks each build the same tiny Qwen2 with grpo_fast.trl's head, wrap it (DDP; FSDP2
 ``fully_shard`` on each decoder layer and the root, as accelerate does; FSDP2 with the lm_head as a unit of its
 own, also with PEFT LoRA on it: its adapter is gathered and reduced with the head), score their half of one global
-batch through ``model(..., labels=..., fused_lm_head=True)``, take a TRL-style loss (DAPO's token sum over the global token count, with an entropy bonus) and run the backward. The loss summed
-over ranks and every parameter's full gradient (DTensor shards gathered) must equal a single-process run of the
-whole batch.
+batch through ``model(..., labels=..., fused_lm_head=True)``, take a TRL-style loss (DAPO's token sum over the
+global token count, with an entropy bonus) and run the backward. The loss summed over ranks and every trainable
+parameter's full gradient (DTensor shards gathered) must equal a single-process run of the whole batch.
 
 DeepSpeed ZeRO-3 (when deepspeed is installed; its CPU accelerator, gloo): grpo_fast.trl's GRPOTrainer trains one
 step on 2 ranks, each with half of the global batch, against one process with all of it. The completions are
