@@ -56,8 +56,8 @@ def fsdp_unit_gathered(lm_head):
     Such a head is never called, so FSDP's hooks would neither gather it nor reduce its gradient: it is gathered
     through FSDP (``unshard()``), whose post-backward reduce-scatters the gradient and reshards (a PEFT LoRA layer's
     adapter weights with it: ``lm_head_lora`` reads them within). Without grad no backward will come: it is resharded
-    as soon as the block exits. A PEFT LoRA layer's ``weight`` and ``bias`` are its base layer's (PEFT forwards them). Any other weight is yielded as it is (a
-    DTensor of tensor parallelism included: the caller decides).
+    as soon as the block exits. Any other weight is yielded as it is (a DTensor of tensor parallelism included: the
+    caller decides). A PEFT LoRA layer's ``weight`` and ``bias`` are its base layer's (PEFT forwards them).
     """
     reshard = False
     if isinstance(lm_head, FSDPModule) and isinstance(lm_head.weight, DTensor):
