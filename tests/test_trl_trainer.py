@@ -115,6 +115,15 @@ def test_trainers_take_lora_on_lm_head_and_refuse_what_the_head_cannot_apply(tmp
     assert module.add_fused_lm_head is trl_add_fused_lm_head and module.BaseTunerLayer is BaseTunerLayer
 
 
+def test_trl_refusal_of_cast_lm_head_to_fp32_with_lora_on_lm_head_stays(tmp_path):
+    """TRL's other check on a PEFT lm_head (cast_lm_head_to_fp32 would replace the head's forward) is not lifted."""
+    lora = LoraConfig(r=4, target_modules=["lm_head"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True` is not supported"):
+        GRPOTrainer(model=tiny_qwen2(), reward_funcs=[token_reward], peft_config=lora,
+                    args=grpo_config(str(tmp_path), cast_lm_head_to_fp32=True),
+                    train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+
+
 @pytest.mark.slow
 def test_softcapped_tied_gemma2():
     """Gemma 2's final-logit soft-cap, made to bind: cap 2.0 and a head scaled so that the raw logits reach 10+; its

@@ -148,13 +148,13 @@ def test_no_grad_pass_and_frozen_head():
     assert "lm_head.weight" not in grads and grads["model.norm.weight"].abs().max() > 0
 
 
-def lora_on_head():
+def lora_on_head(**config):
     """The tiny untied Qwen2 with PEFT LoRA on q_proj and lm_head (random B: the adapter changes the logits), as
     verl's FSDP engine builds it: the HF model inside the PEFT model, whose lm_head is a lora.Linear."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False, **config)
     return get_peft_model(tiny_qwen2(tied=False), lora).get_base_model()
 
 
@@ -181,6 +181,14 @@ def test_lora_on_lm_head_equals_fp64(layout, grpo_fast_path):
     for name in truth_grads:
         assert truth_grads[name].abs().max() > 0, name
         assert_grads_close(grads[name], truth_grads[name], torch.float32, f"d{name}")
+
+
+def test_lora_variant_on_lm_head_refused():
+    """What the head cannot apply exactly (here DoRA) raises, naming it, instead of scoring the base weight alone."""
+    inputs, _ = padded_batch()
+    model = lora_on_head(use_dora=True)
+    with patched(model, "grpo_fast"), pytest.raises(NotImplementedError, match="DoraLinearVariant"):
+        fused_outputs(model, inputs, TEMPERATURE)
 
 
 @pytest.mark.parametrize("backend, verl_forward", [("torch", "forward_with_torch_backend"),
