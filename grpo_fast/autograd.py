@@ -20,9 +20,9 @@ from grpo_fast.kernels.softmax_stats import BackwardStats
 def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):
     """(logp, entropy, softmax_stats.BackwardStats), fp32 [N], by the chosen backend; entropy (and the stats'
     entropy values) None without ``compute_entropy``; no autograd."""
-    if backend == "triton" and lora is None:  # TODO(lora kernels)
+    if backend == "triton":
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
-        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg)
+        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora)
     return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
 
 
@@ -42,9 +42,9 @@ def head_forward_record(hidden, weight, targets, bias, transform, compute_entrop
 def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora=None):
     """(logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32, J_l = d logp / d lora_hidden [N, r] fp32 or
     None without ``lora``) by the chosen backend; no autograd."""
-    if backend == "triton" and lora is None:  # TODO(lora kernels)
-        return (*kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
-                                             kconfig.frozen_head_config(hidden.device)), None)
+    if backend == "triton":
+        return kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
+                                           kconfig.frozen_head_config(hidden.device), lora=lora)
     return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
 
 
@@ -90,21 +90,15 @@ def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy,
     the others fp32 zeros; ``grad_lora``: fp32 zero (d lora_hidden, d lora_weight), each may be None)."""
     args = (hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
             grad_hidden, grad_weight, grad_bias)
-    if backend == "torch" or lora is not None:  # TODO(lora kernels)
-        if grad_hidden is not None and backend == "triton":
-            fp32 = torch.zeros(grad_hidden.shape, dtype=torch.float32, device=grad_hidden.device)
-            head_backward(*args[:8], fp32, grad_weight, grad_bias, "torch", backward_mode, lora=lora,
-                          grad_lora=grad_lora)
-            grad_hidden.copy_(fp32)
-            return
+    if backend == "torch":
         torch_backend.backward(*args, lora, grad_lora)
         return
     wide_epilogue = transform.softcap is not None or grad_entropy is not None
     cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue)
     if backward_mode == "chunked":
-        kbackward.backward_chunked(*args, cfg)
+        kbackward.backward_chunked(*args, cfg, lora, grad_lora)
     else:
-        kbackward.backward_fused(*args, cfg)
+        kbackward.backward_fused(*args, cfg, lora, grad_lora)
 
 
 def _grad_hidden_buffer(hidden, backend, backward_mode):

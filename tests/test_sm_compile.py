@@ -13,9 +13,10 @@ HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (90, 89, 80)
 # per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32, bf16
-# with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, and fp32 with both; the frozen-head
-# forward's variants (sm_compile.FROZEN_VARIANTS); then the GRPO token kernel's (sm_compile.TOKEN_LOSS_VARIANTS)
-VARIANTS_PER_ARCH = 4 * 8 + 6 + 11
+# with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, fp32 with both, bf16 with LoRA (fp32 and
+# bf16 adapters); the frozen-head forward's variants (sm_compile.FROZEN_VARIANTS; LoRA adds only cuBLAS GEMMs there);
+# then the GRPO token kernel's (sm_compile.TOKEN_LOSS_VARIANTS)
+VARIANTS_PER_ARCH = 4 * 10 + 6 + 11
 
 
 @pytest.fixture(scope="module")

@@ -137,13 +137,19 @@ def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
     return hidden, weight, targets, b, per_token, grad_logp
 
 
-def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False):
+def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False, lora_dtype=None,
+                    rank=16):
     """The launches of the forward, the chunked backward and the fused backward (dW on and off) for one dtype.
 
-    ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too."""
+    ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too;
+    ``lora_dtype``: a LoRA operand pair of rank ``rank`` in that dtype (the fused backward computes its dl and dB)."""
     sms = SM_COUNT[arch]
     hidden, weight, targets, b, per_token, grad_logp = _inputs(dtype, bias=bias)
     D, V = hidden.shape[1], weight.shape[0]
+    lora, grad_lora = None, (None, None)
+    if lora_dtype is not None:
+        lora = (torch.randn(hidden.shape[0], rank).to(lora_dtype), torch.randn(V, rank).to(lora_dtype))
+        grad_lora = (torch.zeros(hidden.shape[0], rank), torch.zeros(V, rank))
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     stats = BackwardStats(per_token, per_token.clone(), per_token.clone() if entropy_grad else None,
                           per_token.clone() if entropy_grad else None)
@@ -151,20 +157,20 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
     out = []
     cfg = kconfig.gpu_forward_config(dtype, sms)
     with recording(forward, "_forward_kernel") as launches:
-        forward.forward(hidden, weight, targets, b, transform, entropy, cfg)
+        forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora)
     out += [("fwd", launches[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.autograd chooses
     cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
         backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                  torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg)
+                                  torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg, lora, grad_lora)
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
             backward.backward_fused(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg)
+                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg, lora, grad_lora)
         out += [(name, launches[0])]
     return out
 
@@ -238,7 +244,10 @@ LAYER1_EXTRA = (("bf16 +bias, no entropy", dict(bias=True, entropy=False)),
                 ("bf16 +softcap", dict(softcap=30.0)),
                 ("bf16 +entropy grad", dict(entropy_grad=True)),
                 ("bf16 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
-                ("fp32 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)))
+                ("fp32 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
+                # LoRA on the head: PEFT's default fp32 adapters over a bf16 base, and bf16 adapters
+                ("bf16 +lora-fp32-adapters", dict(lora_dtype=torch.float32)),
+                ("bf16 +lora-bf16-adapters", dict(lora_dtype=torch.bfloat16)))
 
 
 def all_launches(arch):

@@ -6,6 +6,8 @@ accumulation and p_nv = exp(z_nv - lse_n),
     g_nv = dL/du_nv = (-c_n p_nv + e_n p_nv (mean_n - z_nv)) * dz/du_nv                          for v != y_n,
     g_ny = (c_n nontarget_mass_n + e_n p_ny mean_minus_target_n) * dz/du_ny,
     dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V],
+and with LoRA (grpo_fast/lora.py: z recomputed from h W^T + l B^T, tile.py)
+    dl = g B  [N, r],   dB = g^T l  [V, r]   (the same tiles g; fp32 accumulators),
 where lse, nontarget_mass = 1 - p_y, mean and mean_minus_target = mean - z_y are the forward's per-token values
 (softmax_stats.BackwardStats): the target column never forms 1 - p_y or mean - z_y by cancellation, so a confident
 token (1 - p_y down to 1e-6) keeps fp32 precision. One kernel, ``_backward_kernel``, forms g for a
@@ -15,13 +17,16 @@ masked rows, is exactly zero and skips the matmul) and adds the tile's column su
 
 * chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input
   dtype, and cuBLAS does the two gradient products as dense GEMMs: dH[chunk] = g W (written once),
-  dW += g^T H[chunk] (fp32 accumulator, gemm.mm_fp32: never a bf16-rounded chunk product).
+  dW += g^T H[chunk] (fp32 accumulator, gemm.mm_fp32: never a bf16-rounded chunk product); with LoRA also
+  dl[chunk] = g B and dB += g^T l[chunk] (fp32; B and l in g's dtype: fp32 adapters are rounded as g is, so that
+  no fp32 copy of the chunk's g is made).
   Memory: one chunk of g, chunk_n x V with chunk_n <= D, so at most the size of W; the fp32 dW accumulator (only
   when the weight needs a gradient) and, without cuBLAS's out_dtype, one vocabulary slab of g^T H in fp32; dH in
   the input dtype; the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
 * fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
-  and g^T H_i into dW_j with fp32 atomics; no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
-  only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
+  and g^T H_i into dW_j with fp32 atomics, then walks r in BLOCK_R steps for LoRA's dl and dB (the adapter
+  operands in g's dtype, as the chunked mode's); no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D, only if the weight needs one), db,
+  and LoRA's dl (N x r) and dB (V x r). About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
   N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
   order vary run to run (fp32 rounding level).
 
@@ -33,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
-from .tile import row_coefficients, tile_grad
+from .tile import lora_kernel_args, lora_tile, row_coefficients, tile_grad
 
 
 @triton.jit
@@ -43,11 +48,13 @@ def _backward_kernel(
     g_ptr, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
     N, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
-    inv_temperature, logit_scale, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr, FUSED: tl.constexpr,
-    COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
+    grad_lora_hidden_ptr, grad_lora_weight_ptr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+    FUSED: tl.constexpr, COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -65,10 +72,11 @@ def _backward_kernel(
         if not FUSED:
             tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    g = tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
-                  mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v, n_mask, v_mask, D,
-                  stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-                  HAS_BIAS, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    g = tile_grad(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, targets_ptr, lse_ptr,
+                  nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v,
+                  n_mask, v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
+                  softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION,
+                  LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
     if not FUSED:
@@ -97,11 +105,27 @@ def _backward_kernel(
             dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION)
             tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
                           mask=v_mask[:, None] & d_mask[None, :])
+    # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
+    # of fp32 g here spills registers on sm_90)
+    if COMPUTE_DLH or COMPUTE_DLW:
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < R
+            if COMPUTE_DLH:
+                lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
+                dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION)
+                tl.atomic_add(grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], dlh,
+                              mask=n_mask[:, None] & r_mask[None, :])
+            if COMPUTE_DLW:
+                lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
+                dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION)
+                tl.atomic_add(grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :], dlw,
+                              mask=v_mask[:, None] & r_mask[None, :])
 
 
 def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
-            grad_weight, grad_bias, config):
-    """One launch over hidden's rows; g (chunked) or the fp32 dH / dW (fused) receive the result."""
+            grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
+    """One launch over hidden's rows; g (chunked) or the fp32 dH / dW / dl / dB (fused) receive the result."""
     N, D = hidden.shape
     V = weight.shape[0]
     dummy = stats.lse
@@ -117,10 +141,13 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         grad_bias if grad_bias is not None else dummy,
         N, V, D,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0) if g is not None else 0,
-        *transform.kernel_scalars(),
+        *transform.kernel_scalars(), **lora_kernel_args(lora, dummy, config),
+        grad_lora_hidden_ptr=grad_lora[0] if grad_lora[0] is not None else dummy,
+        grad_lora_weight_ptr=grad_lora[1] if grad_lora[1] is not None else dummy,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_grad,
         FUSED=g is None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
-        COMPUTE_DB=grad_bias is not None,
+        COMPUTE_DB=grad_bias is not None, COMPUTE_DLH=grad_lora[0] is not None,
+        COMPUTE_DLW=grad_lora[1] is not None,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -132,8 +159,10 @@ def _rows(stats, n0, n1):
 
 
 def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-                     grad_hidden, grad_weight, grad_bias, config):
+                     grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
     """dH (input dtype, written in place), dW (fp32 accumulator, added to), db (fp32, added to); any may be None.
+    With ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): ``grad_lora`` = (dl written, dB added to), fp32, each
+    may be None.
 
     ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N] fp32; ``grad_entropy`` =
     dL/dentropy [N] fp32 or None (then the stats' entropy values are unused); ``config``: a config.BackwardConfig.
@@ -142,21 +171,28 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
     V = weight.shape[0]
     chunk = chunk_size(N, D)
     g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
+    grad_lora_hidden, grad_lora_weight = grad_lora
+    if lora is not None:
+        lora_hidden_g, lora_weight_g = (x.to(g.dtype) for x in lora)  # the GEMM operands: g's dtype
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         _launch(hidden[n0:n1], weight, targets[n0:n1], bias, _rows(stats, n0, n1), grad_logp[n0:n1],
                 grad_entropy[n0:n1] if grad_entropy is not None else None, transform, g, None, None, grad_bias,
-                config)
+                config, (lora[0][n0:n1], lora[1]) if lora is not None else None)
         g_rows = g[:n1 - n0]
         if grad_hidden is not None:
             torch.mm(g_rows, weight, out=grad_hidden[n0:n1])
         if grad_weight is not None:
             mm_fp32(g_rows.T, hidden[n0:n1], grad_weight, accumulate=True)
+        if grad_lora_hidden is not None:
+            mm_fp32(g_rows, lora_weight_g, grad_lora_hidden[n0:n1], accumulate=False)
+        if grad_lora_weight is not None:
+            mm_fp32(g_rows.T, lora_hidden_g[n0:n1], grad_lora_weight, accumulate=True)
 
 
 def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-                   grad_hidden, grad_weight, grad_bias, config):
-    """Accumulate dH, dW, db into fp32 buffers (zero-initialised, or None when not needed) with atomics; the
-    arguments as ``backward_chunked``'s."""
+                   grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
+    """Accumulate dH, dW, db (and LoRA's dl, dB) into fp32 buffers (zero-initialised, or None when not needed) with
+    atomics; the arguments as ``backward_chunked``'s."""
     _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, None, grad_hidden,
-            grad_weight, grad_bias, config)
+            grad_weight, grad_bias, config, lora, grad_lora)

@@ -80,6 +80,11 @@ class _DotTileConfig:
     def dot_precision(self, dtype):
         return _dot_precision(dtype, self.dot_fp32)
 
+    def lora_block(self, rank):
+        """BLOCK_R, the K step over a LoRA rank: a power of two, at least 16 (tl.dot's least K), at most BLOCK_D
+        (the K-loop's tiles and registers are then no larger than the D loop's)."""
+        return min(self.block_d, max(16, 1 << (rank - 1).bit_length()))
+
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardConfig(_DotTileConfig):

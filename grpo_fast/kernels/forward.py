@@ -2,7 +2,8 @@
 
 Math, for token n with hidden row h_n [D], weight W [V, D], optional bias b [V], temperature tau, optional
 soft-cap c and logit scale k (TRL 1.16's order; tile.py):
-    z_nv = c tanh(k (h_n . W_v + b_v) / c) / tau            (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator)
+    z_nv = c tanh(k (h_n . W_v + l_n . B_v + b_v) / c) / tau   (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator;
+                                                            l . B: LoRA's operand pair, only with ``lora``)
 and the per-token softmax record of softmax_stats.py over the vocabulary: running max m, S = sum exp(z - m),
 R = sum over the non-targets of exp(z - m), Z = sum exp(z - m) (z - m) (only with COMPUTE_ENTROPY) and the target
 logit, each tile folded into the running record by softmax_stats' merge formulas. ``softmax_stats.finish`` turns it
@@ -14,7 +15,7 @@ The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens s
 splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge that a
 vocab-parallel head uses across ranks (``forward_record`` returns the merged record unfinished).
 
-Memory: inputs are read in place; the only buffers are 5 x num_splits x N fp32 records and N fp32 outputs.
+Memory: inputs (LoRA's [N, r] and [V, r] too) are read in place; the only buffers are 5 x num_splits x N fp32 records and N fp32 outputs.
 No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores in the input dtype
 (bf16/fp16), fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) so fp32 is exact. Under
 TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``): the interpreter's bf16 ``tl.dot`` is
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import softmax_stats
-from .tile import logit_tile
+from .tile import logit_tile, lora_kernel_args
 
 
 @triton.jit
@@ -34,10 +35,10 @@ def _forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, targets_ptr, stats_ptr,
     N, V, D, vocab_per_split, stride_stats_field,
     stride_hn, stride_hd, stride_wv, stride_wd,
-    inv_temperature, logit_scale, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -57,9 +58,10 @@ def _forward_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        z, _ = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-                          stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-                          HAS_BIAS, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        z, _ = logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
+                          v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
+                          softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
+                          BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
 
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
@@ -95,17 +97,18 @@ def num_vocab_splits(N, V, config):
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
-def forward(hidden, weight, targets, bias, transform, compute_entropy, config):
+def forward(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None):
     """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
 
     ``transform``: a LogitTransform; ``config``: a config.ForwardConfig. Entropy (and the backward's entropy
-    values) are None without ``compute_entropy``.
+    values) are None without ``compute_entropy``. ``lora``: None or (lora_hidden [N, r], lora_weight [V, r]),
+    contiguous (grpo_fast/lora.py).
     """
-    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, config),
-                                compute_entropy)
+    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, config,
+                                               lora), compute_entropy)
 
 
-def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config):
+def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1),
     its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``."""
     N, D = hidden.shape
@@ -117,7 +120,7 @@ def forward_record(hidden, weight, targets, bias, transform, compute_entropy, co
         hidden, weight, bias if bias is not None else hidden, targets, records,
         N, V, D, vocab_per_split, records.stride(0),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        *transform.kernel_scalars(),
+        *transform.kernel_scalars(), **lora_kernel_args(lora, hidden, config),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, COMPUTE_ENTROPY=compute_entropy,
         DOT_FP32=config.dot_fp32,
         DOT_PRECISION=config.dot_precision(hidden.dtype),

@@ -21,7 +21,10 @@ its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabu
                 updated (S = S rescale + sum e, ...: softmax_stats' merge of the running record and the chunk's);
                 P' = e s' with the target column zeroed, written in the GEMM dtype
     J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
-and at the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
+With LoRA (grpo_fast/lora.py: a frozen adapter, lora_hidden l [N, r] and lora_weight B [V, r]) u gets a second GEMM,
+u += l_chunk B[v0:v1]^T, and J_l = d logp / d l [N, r] its own accumulator, J_l = J_l rescale + P' B[v0:v1], finished
+like J (B is rounded to P''s dtype for that GEMM, as P' itself). At the end J = (s'_y R W[y] - J) / S
+(softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
 by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
 d logp / dh: no other term exists on this path.
 
@@ -29,7 +32,7 @@ Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype 
 on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
 off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
 
-Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
+Memory (besides the inputs): J, N x D fp32 (and J_l, N x r fp32, with LoRA) (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
 only O(N) between the passes, and its backward writes dH of J's shape in the input dtype), the u buffer of chunk x vocab-chunk fp32, with the vocab
 chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
 chunks of 76032), and 7 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
@@ -172,25 +175,30 @@ def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
 
 
 def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
-                        vocab_chunk=None, gemm_dtype=None):
+                        vocab_chunk=None, gemm_dtype=None, lora=None):
     """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as forward.py's
-    ``forward`` (entropy None without ``compute_entropy``) and J = d logp / d hidden [N, D] fp32.
+    ``forward`` (entropy None without ``compute_entropy``), J = d logp / d hidden [N, D] fp32 and J_l = d logp /
+    d lora_hidden [N, r] fp32 with ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) (else None).
 
     ``config``: a config.FrozenHeadConfig (gemm_fp32: every GEMM on fp32 operands). ``token_chunk`` (default
     gemm.chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and ``gemm_dtype`` (P''s dtype: default the
     input dtype on a GPU, fp32 with gemm_fp32) are for tests and tuning.
     """
-    record, acc, target_slope = forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy,
-                                                      config, token_chunk, vocab_chunk, gemm_dtype)
+    record, acc, target_slope, lora_acc = forward_frozen_record(hidden, weight, targets, bias, transform,
+                                                                compute_entropy, config, token_chunk, vocab_chunk,
+                                                                gemm_dtype, lora)
     grad = softmax_stats.finish_frozen_grad(acc, record, target_slope, weight, targets)
-    return (*softmax_stats.finish(record, compute_entropy), grad)
+    if lora is not None:
+        lora_acc = softmax_stats.finish_frozen_grad(lora_acc, record, target_slope, lora[1], targets)
+    return (*softmax_stats.finish(record, compute_entropy), grad, lora_acc)
 
 
 def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
-                          vocab_chunk=None, gemm_dtype=None):
+                          vocab_chunk=None, gemm_dtype=None, lora=None):
     """``forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope [N]
-    fp32), unfinished (acc = sum_{v != y} e_v s'_v W_v against the record's max), for softmax_stats.finish_frozen_grad
-    and softmax_stats.finish, or for a caller that merges them with other rows' first (a vocab-parallel head's
+    fp32, lora_acc [N, r] fp32 or None without ``lora``), unfinished (acc = sum_{v != y} e_v s'_v W_v against the
+    record's max; lora_acc the same over lora_weight), for softmax_stats.finish_frozen_grad and
+    softmax_stats.finish, or for a caller that merges them with other rows' first (a vocab-parallel head's
     shards). V >= 1."""
     N, D = hidden.shape
     V = weight.shape[0]
@@ -206,6 +214,11 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
     row_max, sumexp, rest, zsum, target_logit, target_slope, rescale = state.unbind(0)
     row_max.fill_(float("-inf"))
     grad = torch.empty((N, D), dtype=torch.float32, device=dev)
+    lora_grad = None
+    if lora is not None:
+        lora_hidden, lora_weight = lora
+        lora_grad = torch.empty((N, lora_weight.shape[1]), dtype=torch.float32, device=dev)
+        lora_weight_p = lora_weight.to(gemm_dtype)  # the P' B GEMM's operand: P''s dtype
     u_buffer = torch.empty(chunk * vchunk, dtype=torch.float32, device=dev)
     inv_temperature, logit_scale, softcap = transform.kernel_scalars()
     if transform.softcap is None:
@@ -220,6 +233,8 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
             cols = v1 - v0
             u = u_buffer[:rows * cols].view(rows, cols)
             mm_fp32(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False)
+            if lora is not None:
+                mm_fp32(lora_hidden[n0:n1], lora_weight[v0:v1].T, u, accumulate=True)
             # P' over u: in place (fp32), or the first half of each u row's bytes (bf16 / fp16, row stride 2 cols)
             p = u if gemm_dtype == torch.float32 else u.view(gemm_dtype)[:, :cols]
             _frozen_chunk_kernel[(triton.cdiv(rows, config.block_n),)](
@@ -235,4 +250,8 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
             if v0 > 0:
                 acc.mul_(rescale[n0:n1, None])
             mm_fp32(p, weight[v0:v1], acc, accumulate=v0 > 0)
-    return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope
+            if lora is not None:
+                if v0 > 0:
+                    lora_grad[n0:n1].mul_(rescale[n0:n1, None])
+                mm_fp32(p, lora_weight_p[v0:v1], lora_grad[n0:n1], accumulate=v0 > 0)
+    return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope, lora_grad

@@ -1,7 +1,8 @@
 """Tile helpers: the device functions the layer-1 kernels share: the logit transform (value and slope), one logit
 tile, a token block's gradient coefficients, and one tile of the general path's gradient.
 
-    u[i, j] = h_i . W_j + b_j                          (fp32 accumulation over D in BLOCK_D steps)
+    u[i, j] = h_i . W_j + l_i . B_j + b_j                (fp32 accumulation over D in BLOCK_D steps, then with
+                                                        HAS_LORA over r in BLOCK_R steps into the same accumulator)
     z[i, j] = softcap * tanh(logit_scale * u / softcap) / tau      (no tanh without HAS_SOFTCAP; TRL 1.16's order;
                                                                     columns past the vocab are -inf)
     g[i, j] = dL/du[i, j] = dz[i, j] * dz/du[i, j],  dz/du = logit_scale (1 - tanh^2) / tau  (logit_scale / tau
@@ -16,6 +17,10 @@ they would cancel (1 - p_y and mean - z_y are 1e-6 at a confident token, z_y - l
 tanh is formed from e = exp(-2|x|) as (1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow for any x, and
 the slope keeps its relative precision where tanh saturates (1 - tanh^2 would cancel to 0 there); LogitTransform.apply
 (config.py) is the same transform in torch.
+
+l [N, r] and B [V, r] are LoRA's second operand pair (grpo_fast/lora.py; contiguous, row stride R), in the
+adapters' dtype, which may differ from the base's: their dot takes its own precision (LORA_DOT_PRECISION: IEEE for
+fp32 adapters).
 
 Registers only: a BLOCK_N x BLOCK_V fp32 tile. ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16
 tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the tensor cores.
@@ -39,12 +44,38 @@ def transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP: t
     return a * inv_temperature, slope
 
 
+def lora_kernel_args(lora, dummy, config):
+    """The LoRA keywords of a tile kernel's launch (config: a config._DotTileConfig): the operand pair
+    (lora_hidden [N, r], lora_weight [V, r], contiguous, one dtype) or ``dummy`` pointers without ``lora``, R, and
+    the constexprs HAS_LORA, LORA_DOT_PRECISION (the adapters' dtype's) and BLOCK_R (config.lora_block)."""
+    if lora is None:
+        return dict(lora_hidden_ptr=dummy, lora_weight_ptr=dummy, R=0, HAS_LORA=False,
+                    LORA_DOT_PRECISION=config.dot_precision(dummy.dtype), BLOCK_R=16)
+    lora_hidden, lora_weight = lora
+    R = lora_weight.shape[1]
+    return dict(lora_hidden_ptr=lora_hidden, lora_weight_ptr=lora_weight, R=R, HAS_LORA=True,
+                LORA_DOT_PRECISION=config.dot_precision(lora_weight.dtype), BLOCK_R=config.lora_block(R))
+
+
 @triton.jit
-def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
+def lora_tile(ptr, offs_rows, row_mask, r0, R, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows ``offs_rows`` x columns [r0, r0 + BLOCK_R) of a LoRA operand [rows, R] (contiguous), zero outside."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    x = tl.load(ptr + offs_rows[:, None].to(tl.int64) * R + offs_r[None, :],
+                mask=row_mask[:, None] & (offs_r < R)[None, :], other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
+                    v_mask, D, R,
                     stride_hn, stride_hd, stride_wv, stride_wd,
-                    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    """u = H W^T + b for one tile, fp32."""
+                    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_FP32: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """u = H W^T + L B^T (HAS_LORA) + b for one tile, fp32."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -59,20 +90,27 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_
             h = h.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+    if HAS_LORA:  # the second K-loop: [h | l] . [W | B] in one accumulator
+        for r0 in range(0, R, BLOCK_R):
+            lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R)
+            lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R)
+            acc = tl.dot(lh, tl.trans(lw), acc, input_precision=LORA_DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
     return acc
 
 
 @triton.jit
-def logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-               stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+def logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask,
+               D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
+               HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """The transformed logits z of one tile (-inf past the vocabulary) and dz/du (see transform_and_slope)."""
-    u = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-                        stride_hn, stride_hd, stride_wv, stride_wd,
-                        HAS_BIAS, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    u = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
+                        v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd,
+                        HAS_BIAS, HAS_LORA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
+                        BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
     return tl.where(v_mask[None, :], z, float("-inf")), slope
 
@@ -92,21 +130,24 @@ def row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GR
 
 
 @triton.jit
-def tile_grad(hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
-              mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v, n_mask, v_mask, D,
+def tile_grad(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, targets_ptr, lse_ptr,
+              nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v,
+              n_mask, v_mask, D, R,
               stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-              DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+              HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              ENTROPY_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              LORA_DOT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """g = dL/du for one tile, from the recomputed logits and the forward's per-token values (module docstring).
 
     ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     nontarget_mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
-    z, slope = logit_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D,
-                          stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-                          HAS_BIAS, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    z, slope = logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
+                          v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
+                          softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
+                          BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
     p = tl.exp(z - lse[:, None])
     is_target = offs_v[None, :] == targets[:, None]
     dz = -grad_logp[:, None] * p
