@@ -285,8 +285,8 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
 
 
 # ---------------------------------------------------------------------------------------------- the trainers
-# TRL trainer modules whose `add_fused_lm_head` is the dispatcher, and how many of our constructors are in progress
-# in each (any thread): the name is TRL's again when the count returns to 0.
+# TRL trainer modules whose `add_fused_lm_head` and `BaseTunerLayer` are dispatchers (_DISPATCHERS), and how many of
+# our constructors are in progress in each (any thread): the names are TRL's again when the count returns to 0.
 _swap_lock = threading.Lock()
 _swapped: dict[types.ModuleType, list] = {}  # module -> [{name: TRL's value}, constructors in progress]
 
