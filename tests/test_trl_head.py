@@ -2,7 +2,8 @@
 
 Each case patches two copies of one tiny model, one with TRL's head and one with grpo_fast's, runs
 ``model(..., labels=..., fused_lm_head=True)`` and compares every field of the ``FusedCausalLMOutput`` and every
-parameter's gradient of a loss that uses both the log-probs and the entropy.
+parameter's gradient of a loss that uses both the log-probs and the entropy. PEFT LoRA on the lm_head, which TRL's
+head ignores, is compared with the PEFT model's own logits path in fp64 instead.
 """
 
 import contextlib

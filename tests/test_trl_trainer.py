@@ -4,7 +4,8 @@ Training runs: the completions must be identical (generation does not go through
 logged metric and loss, every parameter's gradient at every optimizer step and the trained parameters agree within
 1e-5. One shared generation batch then sweeps every loss type x importance-sampling level and the loss options
 through ``compute_loss``. TRL's ``ChunkedLogProbFunction`` is made to raise around every grpo_fast trainer, and a
-test shows that the trap does catch TRL's own trainer.
+test shows that the trap does catch TRL's own trainer. LoRA on the lm_head, which TRL's trainers refuse (their head
+would ignore it), is compared with TRL's trainer on an eager head (trl_pairs.eager_lm_head), its refusal lifted.
 """
 
 import contextlib
