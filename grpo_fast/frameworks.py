@@ -1,18 +1,22 @@
 """What the framework integrations (grpo_fast.trl, grpo_fast.verl) share: the framework imported at a tested version,
-the logit scale a transformers config declares, and an lm_head that FSDP2 shards as a unit of its own, gathered for
-the call.
+the logit scale a transformers config declares, an lm_head that FSDP2 shards as a unit of its own, gathered for
+the call, and the PEFT LoRA adapter on an lm_head (``lm_head_lora``), which the head applies exactly.
 
-Imports neither TRL nor verl: the two cannot share an environment (verl breaks when TRL 1.16 is importable).
+Imports neither TRL nor verl: the two cannot share an environment (verl breaks when TRL 1.16 is importable); PEFT is
+imported only when a model already did (it may be absent).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from grpo_fast.lora import HeadLora
 
 
 def import_pinned(name: str, low: str, end: str):
@@ -50,9 +54,10 @@ def fsdp_unit_gathered(lm_head):
     """Within: ``(weight, bias)`` of ``lm_head``; an lm_head that is an FSDP2 unit of its own is gathered first.
 
     Such a head is never called, so FSDP's hooks would neither gather it nor reduce its gradient: it is gathered
-    through FSDP (``unshard()``), whose post-backward reduce-scatters the gradient and reshards. Without grad no
-    backward will come: it is resharded as soon as the block exits. Any other weight is yielded as it is (a
-    DTensor of tensor parallelism included: the caller decides).
+    through FSDP (``unshard()``), whose post-backward reduce-scatters the gradient and reshards (a PEFT LoRA layer's
+    adapter weights with it: ``lm_head_lora`` reads them within). Without grad no backward will come: it is resharded
+    as soon as the block exits. Any other weight is yielded as it is (a DTensor of tensor parallelism included: the
+    caller decides). A PEFT LoRA layer's ``weight`` and ``bias`` are its base layer's (PEFT forwards them).
     """
     reshard = False
     if isinstance(lm_head, FSDPModule) and isinstance(lm_head.weight, DTensor):
@@ -63,3 +68,83 @@ def fsdp_unit_gathered(lm_head):
     finally:
         if reshard:
             lm_head.reshard()
+
+
+def _already_whole(*tensors):
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def lm_head_lora(lm_head, dtype=None, gathered=_already_whole):
+    """Within: the ``grpo_fast.HeadLora`` that makes the head ``lm_head`` (``get_output_embeddings()``) exact, or None
+    when its ``weight`` and ``bias`` alone are.
+
+    A PEFT ``lora.Linear`` with an active, unmerged adapter: PEFT's forward is ``base_layer(x) + lora_B(lora_A(
+    dropout(x))) * scaling`` (peft/tuners/lora/layer.py), so the head gets lora_A / lora_B's weights (in ``dtype``
+    when given, by a differentiable cast; else in their own dtype, as PEFT computes the branch), ``scaling`` and the
+    dropout module, read at each call (``set_adapter``, ``disable_adapter()`` and ``merge_adapter()`` change them).
+    None: not a PEFT layer (``modules_to_save``'s wrapper and ``trainable_token_indices``' forward their trained
+    weight), adapters disabled (TRL's reference pass under ``disable_adapter()``) or merged into the base weight, or
+    no active adapter on this layer. What the head cannot compute exactly raises ``NotImplementedError`` naming it.
+    ``gathered(a, b)``: a context in which the adapter's weights are whole (DeepSpeed ZeRO-3's gather), entered
+    before they are read.
+    """
+    adapter = lm_head_lora_adapter(lm_head)
+    if adapter is None:
+        yield None
+        return
+    a, b = lm_head.lora_A[adapter].weight, lm_head.lora_B[adapter].weight
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        raise NotImplementedError(f"{_UNSUPPORTED}: the adapter {adapter!r}'s weights are DTensors "
+                                  f"({type(a).__name__}, {type(b).__name__}) outside an FSDP2 unit that grpo_fast "
+                                  "gathers; that layout is untested")
+    with gathered(a, b):
+        if dtype is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        yield HeadLora(a, b, lm_head.scaling[adapter], lm_head.lora_dropout[adapter])
+
+
+_UNSUPPORTED = "grpo_fast's fused lm_head cannot apply this PEFT lm_head exactly"
+
+
+def lm_head_lora_adapter(lm_head):
+    """The name of the LoRA adapter the head must apply, None when the base weight alone is exact, or a
+    NotImplementedError for what the head cannot compute (see ``lm_head_lora``)."""
+    if "peft" not in sys.modules:  # no PEFT layer can exist
+        return None
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not isinstance(lm_head, BaseTunerLayer):
+        return None
+    kind = type(lm_head).__name__
+    if not isinstance(lm_head, LoraLinear) or type(lm_head).forward is not LoraLinear.forward:
+        raise NotImplementedError(f"{_UNSUPPORTED}: the lm_head is a {kind} ({type(lm_head).__module__}); only "
+                                  "peft's lora.Linear over an nn.Linear is supported (use modules_to_save=['lm_head'] "
+                                  "to train the whole head, or leave lm_head out of target_modules)")
+    base = lm_head.base_layer
+    if not isinstance(base, torch.nn.Linear) or isinstance(base, BaseTunerLayer):
+        raise NotImplementedError(f"{_UNSUPPORTED}: the LoRA layer wraps a {type(base).__name__}, not an nn.Linear")
+    if lm_head.disable_adapters:
+        if lm_head.merged:  # PEFT's forward would unmerge the weight first
+            raise NotImplementedError(f"{_UNSUPPORTED}: its adapters are disabled but merged into the base weight "
+                                      f"({lm_head.merged_adapters}); call unmerge_adapter() first")
+        return None
+    if lm_head.merged:  # PEFT's forward: the base layer alone, which holds the merged delta
+        return None
+    active = [name for name in lm_head.active_adapters if name in lm_head.lora_A]
+    if not active:
+        return None
+    if len(active) > 1:
+        raise NotImplementedError(f"{_UNSUPPORTED}: {len(active)} active LoRA adapters on the lm_head ({active}); "
+                                  "grpo_fast applies one (set_adapter to one, or merge the others)")
+    adapter = active[0]
+    if lm_head.use_dora.get(adapter, False) or adapter in lm_head.lora_variant:
+        variant = type(lm_head.lora_variant[adapter]).__name__ if adapter in lm_head.lora_variant else "DoRA"
+        raise NotImplementedError(f"{_UNSUPPORTED}: the adapter {adapter!r} is a LoRA variant ({variant}: DoRA, "
+                                  "aLoRA, ...), whose forward is not base + B A x")
+    if lm_head.lora_bias.get(adapter, False):
+        raise NotImplementedError(f"{_UNSUPPORTED}: the adapter {adapter!r} has a LoRA bias (lora_bias=True)")
+    if lm_head.fan_in_fan_out:
+        raise NotImplementedError(f"{_UNSUPPORTED}: fan_in_fan_out=True (a [D, V] base weight)")
+    return adapter

@@ -21,12 +21,23 @@ arguments and output type, on grpo_fast's kernels (``grpo_fast.logprobs_and_entr
   ``mean_logits``, ``is_top1``) are computed exactly in fp32 by a chunked torch pass over at most 2^24 logits at a
   time (they are metrics and WPO weights: never on the GRPO path). An output name TRL does not know is refused.
 
+LoRA on the lm_head (PEFT ``target_modules=[..., "lm_head"]``): TRL 1.16's head reads ``lm_head.weight``, PEFT's
+base weight, so it scores without the adapter and gives the adapter no gradient (TRL #6530, #7017). This head passes
+the active adapter to grpo_fast (``lora=grpo_fast.HeadLora``, built by ``grpo_fast.frameworks.lm_head_lora`` at each
+call): the log-probs are PEFT's logits path's and lora_A / lora_B get their gradients; a disabled adapter (TRL's
+reference pass under ``disable_adapter()``) or a merged one is the base weight alone, and what the head cannot
+compute exactly (DoRA and other variants, several active adapters, a LoRA bias, ...) raises. ``modules_to_save``
+needs nothing: its wrapper's ``weight`` is the trained copy. With a trainable adapter the head's weights need a
+gradient, so the general path is taken (the frozen-head path serves a frozen head and a frozen adapter).
+
 Compute dtype, as TRL's head: the autocast dtype when autocast is on, else the hidden states' dtype; with
 ``cast_lm_head_to_fp32`` the hidden states go to fp32 and autocast is off. grpo_fast needs hidden and weight in
 one dtype, so both are cast to the compute dtype with a differentiable ``.to``: free when they already match (a
 bf16 model, or fp32 everywhere); otherwise it costs one copy of the weight in the compute dtype for the forward
-(kept for the backward) and a weight-sized gradient in that dtype before autograd casts it back. grpo_fast then
-accumulates in fp32 whatever the compute dtype, and runs with autocast off.
+(kept for the backward) and a weight-sized gradient in that dtype before autograd casts it back. A LoRA adapter's
+weights go to the compute dtype under autocast or ``cast_lm_head_to_fp32``, and otherwise keep their own (PEFT
+computes its branch in lora_A's dtype: fp32 adapters over a bf16 model stay fp32). grpo_fast then accumulates in
+fp32 whatever the compute dtype, and runs with autocast off.
 
 Distributed weights: a DTensor weight sharded by vocabulary (tensor parallelism: ``Shard(0)``, as torch's
 ``ColwiseParallel`` and transformers' ``tp_plan`` leave the lm_head) is never gathered: each rank computes on its
@@ -40,7 +51,8 @@ FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters the g
 leave each rank an unreduced gradient there). DeepSpeed ZeRO-3: the weight is gathered with TRL's
 ``maybe_gather_lm_head_ctx`` for the forward; grpo_fast's backward reads the weight saved by the forward, which
 ZeRO-3 has released by then, so a saved-tensor hook gathers it again when the backward unpacks it (TRL's own
-backward re-enters the gather for the same reason). DeepSpeed 0.19 itself gathers a partitioned weight when the
+backward re-enters the gather for the same reason); a LoRA adapter's weights are gathered with it and copied
+((V + D) r values) for the backward. DeepSpeed 0.19 itself gathers a partitioned weight when the
 forward reads it, so there both are no-ops: the end result is tested (ZeRO-3 on 2 CPU processes equals one process,
 tests/test_trl_distributed.py), the re-gather only through a simulation (tests/test_trl_head.py).
 
@@ -50,9 +62,11 @@ a call made by one of this module's trainers gets this module's head, so TRL's o
 PEFT base model) and the reference model with TRL's arguments; any other caller (a TRL trainer built meanwhile in
 another thread, say) gets TRL's head. The dispatcher hands the head the trainer's own decision, read from its
 config: the entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
-``use_adaptive_entropy``); without one, a frozen lm_head (LoRA) takes the frozen-head path. The old policy's
-log-probs come from the policy. The loss, the config and every option are TRL's. TRL's name is restored when the
-last constructor in progress returns.
+``use_adaptive_entropy``); without one, a frozen lm_head (LoRA elsewhere) takes the frozen-head path. The old policy's
+log-probs come from the policy. TRL's constructors refuse a PEFT adapter on the lm_head (their head would ignore
+it); in a grpo_fast trainer's constructor that check sees an lm_head that this head applies as no adapter (and one it
+cannot apply raises, naming why). The loss, the config and every option are TRL's. TRL's names are restored when
+the last constructor in progress returns.
 
 TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
 with another TRL raises ``ImportError``.
@@ -61,6 +75,7 @@ with another TRL raises ``ImportError``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -68,7 +83,7 @@ import types
 
 from packaging.version import Version
 
-from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, logit_scale_of
+from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, lm_head_lora, lm_head_lora_adapter, logit_scale_of
 
 _TRL_LOW, _TRL_END = "1.16", "1.17"
 TRL_VERSIONS = f">={_TRL_LOW},<{_TRL_END}"
@@ -87,6 +102,7 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # n
 import grpo_fast  # noqa: E402
 from grpo_fast import vocab_parallel as vocab_parallel_head  # noqa: E402
 from grpo_fast.kernels.config import LogitTransform  # noqa: E402
+from grpo_fast.lora import lora_hidden  # noqa: E402
 
 __all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
            "TRL_VERSIONS"]
@@ -144,28 +160,36 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             hidden, labels = backbone_outputs.last_hidden_state[:, :-1], labels[:, 1:]
         else:
             hidden, labels = backbone_outputs.last_hidden_state, shift_labels
-        with _head_parameters(self.get_output_embeddings()) as (weight, bias):
+        lm_head = self.get_output_embeddings()
+        with _head_parameters(lm_head) as (weight, bias):
             # with `device_map`, the backbone can end on another device than the head
             hidden, labels = hidden.to(weight.device), labels.to(weight.device)
             mask = labels != -100
             device_type = hidden.device.type
+            autocast = torch.is_autocast_enabled(device_type)
             if cast_lm_head_to_fp32:
                 hidden, compute_dtype = hidden.float(), torch.float32
-            elif torch.is_autocast_enabled(device_type):
+            elif autocast:
                 compute_dtype = torch.get_autocast_dtype(device_type)
             else:
                 compute_dtype = hidden.dtype
+            # a LoRA adapter on the head: in the compute dtype where autocast or the fp32 cast sets one, else in its
+            # own dtype (PEFT computes the branch in lora_A's dtype)
+            adapter_dtype = compute_dtype if cast_lm_head_to_fp32 or autocast else None
             with (torch.autocast(device_type, enabled=False), maybe_gather_lm_head_ctx(weight, bias),
+                  lm_head_lora(lm_head, adapter_dtype, maybe_gather_lm_head_ctx) as lora,
                   _gathered_again_for_backward(weight, bias)):
                 w = weight.to(compute_dtype)
                 b = None if bias is None else bias.to(compute_dtype)
                 h = hidden.to(compute_dtype)
+                if lora is not None and is_deepspeed_zero3_enabled():  # the backward must not read released params
+                    lora = dataclasses.replace(lora, a=lora.a.clone(), b=lora.b.clone())
                 log_probs, entropy = grpo_fast.logprobs_and_entropy(
                     h, w, labels, bias=b, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                    completion_mask=mask, entropy_grad=entropy_grad)
+                    completion_mask=mask, entropy_grad=entropy_grad, lora=lora)
                 if extras and isinstance(w, DTensor):  # the no-grad extras read the whole head
                     w, b = w.full_tensor(), None if b is None else b.full_tensor()
-                extra = _extra_outputs(h, w, b, labels, mask, temperature, softcap, logit_scale, extras)
+                extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, softcap, logit_scale, extras)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
 
         aux_loss = None
@@ -215,9 +239,10 @@ def _gathered_again_for_backward(*params):
 
 
 @torch.no_grad()
-def _extra_outputs(hidden, weight, bias, labels, mask, temperature, softcap, logit_scale, names):
+def _extra_outputs(hidden, weight, bias, lora, labels, mask, temperature, softcap, logit_scale, names):
     """The requested no-grad extras {name: [B, T]} (zero / False where the label is -100), exactly in fp32 from
-    chunks of the scored rows' logits (LogitTransform: the kernels' transform)."""
+    chunks of the scored rows' logits (LogitTransform: the kernels' transform; ``lora``'s term added as PEFT adds
+    it, its dropout drawn as PEFT's forward would draw it)."""
     if not names:
         return {}
     rows, targets = hidden[mask], labels[mask]
@@ -226,8 +251,12 @@ def _extra_outputs(hidden, weight, bias, labels, mask, temperature, softcap, log
     step = max(1, EXTRA_OUTPUTS_CHUNK_LOGITS // V)
     transform = LogitTransform(temperature, softcap, logit_scale)
     weight32, bias32 = weight.float(), bias.float() if bias is not None else None
+    if lora is not None:
+        lora_rows, lora_b32 = lora_hidden(lora, hidden, mask.flatten().nonzero().squeeze(1)).float(), lora.b.float()
     for start in range(0, rows.shape[0], step):
         u = rows[start:start + step].float() @ weight32.T
+        if lora is not None:
+            u = u + lora_rows[start:start + step] @ lora_b32.T
         z = transform.apply(u + bias32 if bias32 is not None else u)
         y = targets[start:start + step]
         if "log_sum_sq_probs" in values:  # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
@@ -256,10 +285,10 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
 
 
 # ---------------------------------------------------------------------------------------------- the trainers
-# TRL trainer modules whose `add_fused_lm_head` is the dispatcher, and how many of our constructors are in progress
-# in each (any thread): the name is TRL's again when the count returns to 0.
+# TRL trainer modules whose `add_fused_lm_head` and `BaseTunerLayer` are dispatchers (_DISPATCHERS), and how many of
+# our constructors are in progress in each (any thread): the names are TRL's again when the count returns to 0.
 _swap_lock = threading.Lock()
-_swapped: dict[types.ModuleType, list] = {}  # module -> [TRL's add_fused_lm_head, constructors in progress]
+_swapped: dict[types.ModuleType, list] = {}  # module -> [{name: TRL's value}, constructors in progress]
 
 
 class _GRPOFastHead:
@@ -271,23 +300,59 @@ class _GRPOFastHead:
         return getattr(self.args, "entropy_coef", 0.0) != 0.0 or bool(getattr(self.args, "use_adaptive_entropy", False))
 
 
+def _grpo_fast_caller():
+    """The grpo_fast trainer whose frame made the call that is asking (its ``self``), or None: the frame above the
+    function that calls this one."""
+    caller = sys._getframe(2).f_locals.get("self")
+    return caller if isinstance(caller, _GRPOFastHead) else None
+
+
+def _head_dispatch(trl_head):
+    """``add_fused_lm_head`` that gives grpo_fast's head, with the trainer's entropy decision, to a grpo_fast trainer's
+    call and TRL's head to any other."""
+
+    @functools.wraps(trl_head)
+    def dispatch(*args, **kwargs):
+        trainer = _grpo_fast_caller()
+        if trainer is not None:
+            return add_fused_lm_head(*args, **kwargs, entropy_grad=trainer._head_entropy_grad())
+        return trl_head(*args, **kwargs)
+
+    return dispatch
+
+
+def _tuner_layer_dispatch(trl_class):
+    """PEFT's ``BaseTunerLayer`` as TRL's trainer module sees it, for isinstance: TRL's class, except in a grpo_fast
+    trainer's constructor frame, where TRL refuses a PEFT adapter on the lm_head (its head would ignore it): there an
+    lm_head that grpo_fast's head applies exactly is no tuner layer, and one it cannot apply raises, naming why
+    (grpo_fast.frameworks.lm_head_lora_adapter). TRL's other check (``cast_lm_head_to_fp32`` refuses a PEFT lm_head)
+    runs in a nested function, and keeps TRL's class."""
+
+    class Dispatch(type):
+        def __instancecheck__(cls, obj):
+            if _grpo_fast_caller() is not None:
+                lm_head_lora_adapter(obj)
+                return False
+            return isinstance(obj, trl_class)
+
+    return Dispatch(trl_class.__name__, (), {})
+
+
+# the names swapped in a TRL trainer module while a grpo_fast trainer's constructor runs
+_DISPATCHERS = {"add_fused_lm_head": _head_dispatch, "BaseTunerLayer": _tuner_layer_dispatch}
+
+
 @contextlib.contextmanager
 def _grpo_fast_head_in(trainer_module):
     """Within: the trainer module's ``add_fused_lm_head`` gives grpo_fast's head to calls made by a grpo_fast trainer
-    (its ``self`` in the calling frame: TRL calls it from the trainer's constructor) and TRL's head to any other."""
+    (its ``self`` in the calling frame: TRL calls it from the trainer's constructor) and TRL's head to any other; its
+    ``BaseTunerLayer`` (PEFT's, where PEFT is installed) lets such a constructor through with LoRA on the lm_head."""
     with _swap_lock:
         if trainer_module not in _swapped:
-            trl_head = trainer_module.add_fused_lm_head
-
-            @functools.wraps(trl_head)
-            def dispatch(*args, **kwargs):
-                caller = sys._getframe(1).f_locals.get("self")
-                if isinstance(caller, _GRPOFastHead):
-                    return add_fused_lm_head(*args, **kwargs, entropy_grad=caller._head_entropy_grad())
-                return trl_head(*args, **kwargs)
-
-            trainer_module.add_fused_lm_head = dispatch
-            _swapped[trainer_module] = [trl_head, 0]
+            originals = {name: getattr(trainer_module, name) for name in _DISPATCHERS if hasattr(trainer_module, name)}
+            for name, trl_value in originals.items():
+                setattr(trainer_module, name, _DISPATCHERS[name](trl_value))
+            _swapped[trainer_module] = [originals, 0]
         _swapped[trainer_module][1] += 1
     try:
         yield
@@ -296,7 +361,8 @@ def _grpo_fast_head_in(trainer_module):
             entry = _swapped[trainer_module]
             entry[1] -= 1
             if entry[1] == 0:
-                trainer_module.add_fused_lm_head = entry[0]
+                for name, trl_value in entry[0].items():
+                    setattr(trainer_module, name, trl_value)
                 del _swapped[trainer_module]
 
 

@@ -23,8 +23,15 @@ backbone runs as verl runs it (``forward_base_model``); the labels are ``shift_l
 the engine's globally rolled ids) or, as verl does, the ids rolled by one; every position is scored (no loss mask
 reaches the forward: verl masks afterwards), except that in the padded ``[B, T]`` layout positions whose attention
 mask is 0 are padding, which verl drops, so they are not computed (their outputs are zeros). Both outputs are
-fp32 and differentiable (verl's entropy bonus trains through the entropy); with a frozen lm_head (LoRA) grpo_fast
-takes its two-sweep path, exact whether or not the entropy is then differentiated.
+fp32 and differentiable (verl's entropy bonus trains through the entropy); with a frozen lm_head (LoRA elsewhere)
+grpo_fast takes its two-sweep path, exact whether or not the entropy is then differentiated.
+
+LoRA on the lm_head (verl's ``lora_rank`` with ``target_modules`` naming ``lm_head``, a PEFT ``lora.Linear``):
+verl's backends read ``lm_head.weight``, PEFT's base weight, and so score without the adapter; this forward passes
+the active adapter to grpo_fast (``grpo_fast.frameworks.lm_head_lora``): the log-probs are PEFT's logits path's and
+lora_A / lora_B get their gradients (the general path: the adapter trains). Disabled or merged adapters (verl's
+reference pass) are the base weight alone; what the head cannot compute exactly (DoRA, several active adapters, a
+LoRA bias, ...) raises.
 
 What verl's backends leave out and this one applies: the model's logit transform, read from the HF config as
 TRL 1.16 reads it (``final_logit_softcapping``; ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier`` or
@@ -32,7 +39,8 @@ TRL 1.16 reads it (``final_logit_softcapping``; ``logit_scale``, ``output_multip
 
 Compute dtype: the autocast dtype when autocast is on (verl's FSDP engine runs the forward under bf16 autocast),
 else the hidden states' dtype; hidden states and weight are cast to it with a differentiable ``.to`` (free when they
-match, as under verl's bf16 mixed precision) and grpo_fast accumulates in fp32 with autocast off.
+match, as under verl's bf16 mixed precision) and grpo_fast accumulates in fp32 with autocast off. A LoRA adapter's
+weights go to the autocast dtype under autocast and otherwise keep their own, as PEFT computes its branch.
 
 Sharded heads: under verl's FSDP2 a tied head belongs to the root unit, which FSDP gathers before the forward; an
 untied lm_head is a ``fully_shard`` unit of its own whose forward is never called (verl reads ``lm_head.weight``),
@@ -52,7 +60,7 @@ import contextlib
 import functools
 import logging
 
-from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, logit_scale_of
+from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, lm_head_lora, logit_scale_of
 
 _VERL_LOW, _VERL_END = "0.9.1", "0.10"
 VERL_VERSIONS = f">={_VERL_LOW},<{_VERL_END}"
@@ -140,18 +148,21 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_k
         mask = attention_mask.bool()
 
     text_config = self.config.get_text_config()
-    with _head_parameters(self.get_output_embeddings()) as (weight, bias):
+    lm_head = self.get_output_embeddings()
+    with _head_parameters(lm_head) as (weight, bias):
         device_type = hidden.device.type
-        compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                         else hidden.dtype)
+        autocast = torch.is_autocast_enabled(device_type)
+        compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
         if mask is not None:
             mask = mask.to(weight.device)
-        with torch.autocast(device_type, enabled=False):
+        # a LoRA adapter on the head: in the autocast dtype under autocast, else its own (PEFT's)
+        with torch.autocast(device_type, enabled=False), \
+                lm_head_lora(lm_head, compute_dtype if autocast else None) as lora:
             log_probs, entropy = grpo_fast.logprobs_and_entropy(
                 hidden.to(weight.device, compute_dtype), weight.to(compute_dtype), targets.to(weight.device).long(),
                 bias=None if bias is None else bias.to(compute_dtype), temperature=temperature,
                 softcap=getattr(text_config, "final_logit_softcapping", None),
-                logit_scale=logit_scale_of(text_config), completion_mask=mask)
+                logit_scale=logit_scale_of(text_config), completion_mask=mask, lora=lora)
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 

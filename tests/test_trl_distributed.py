@@ -2,10 +2,10 @@
 
 DDP and FSDP2: two spawned ranks each build the same tiny Qwen2 with grpo_fast.trl's head, wrap it (DDP; FSDP2
 ``fully_shard`` on each decoder layer and the root, as accelerate does; FSDP2 with the lm_head as a unit of its
-own), score their half of one global batch through ``model(..., labels=..., fused_lm_head=True)``, take a TRL-style
-loss (DAPO's token sum over the global token count, with an entropy bonus) and run the backward. The loss summed
-over ranks and every parameter's full gradient (DTensor shards gathered) must equal a single-process run of the
-whole batch.
+own, also with PEFT LoRA on it: its adapter is gathered and reduced with the head), score their half of one global
+batch through ``model(..., labels=..., fused_lm_head=True)``, take a TRL-style loss (DAPO's token sum over the
+global token count, with an entropy bonus) and run the backward. The loss summed over ranks and every trainable
+parameter's full gradient (DTensor shards gathered) must equal a single-process run of the whole batch.
 
 DeepSpeed ZeRO-3 (when deepspeed is installed; its CPU accelerator, gloo): grpo_fast.trl's GRPOTrainer trains one
 step on 2 ranks, each with half of the global batch, against one process with all of it. The completions are
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from helpers import gloo_group, spawn_ranks
 
 WORLD = 2
-CASES = ("ddp", "fsdp2", "fsdp2_head_unit")
+CASES = ("ddp", "fsdp2", "fsdp2_head_unit", "fsdp2_lora_head_unit")
 ENTROPY_COEF = 0.1
 TIMEOUT_S = 300  # a hung collective must not hang CI
 
@@ -52,12 +52,20 @@ def trl_style_loss(model, ids, labels, advantages, num_tokens, scale):
     return (policy - ENTROPY_COEF * (out.entropy * mask).sum()) / num_tokens * scale
 
 
-def build_model():
+def build_model(case):
+    """The tiny Qwen2 with grpo_fast.trl's head; for a "lora" case, PEFT LoRA on q_proj and the lm_head (random B),
+    its HF model inside (as TRL trains it)."""
     from grpo_fast.trl import add_fused_lm_head
     from trl_harness import tiny_qwen2
 
     model = tiny_qwen2()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    if "lora" in case:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+        model = get_peft_model(model, lora).get_base_model()
     return model
 
 
@@ -65,7 +73,7 @@ def full_gradients(model):
     from torch.distributed.tensor import DTensor
 
     return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for name, p in model.named_parameters()}
+            for name, p in model.named_parameters() if p.requires_grad}
 
 
 def unwrapped(model):
@@ -81,7 +89,7 @@ def wrap(model, case):
         return DistributedDataParallel(model)
     for layer in model.model.layers:
         fully_shard(layer)
-    if case == "fsdp2_head_unit":
+    if case.endswith("head_unit"):
         fully_shard(model.lm_head)
     fully_shard(model)
     weight = model.lm_head.weight
@@ -94,11 +102,11 @@ def run_case(rank, case, out_dir):
 
     ids, labels, advantages = global_batch()
     num_tokens = (labels[:, 1:] != -100).sum()
-    single = build_model()
+    single = build_model(case)
     single_loss = trl_style_loss(single, ids, labels, advantages, num_tokens, scale=1)
     single_loss.backward()
 
-    model = wrap(build_model(), case)
+    model = wrap(build_model(case), case)
     with head_calls_recorded() as weights_seen:
         rows = slice(rank * 4, rank * 4 + 4)
         with torch.no_grad():  # an old-policy pass: no backward will reshard a head that grpo_fast.trl unsharded
@@ -146,8 +154,10 @@ def test_two_processes_equal_one(results, case):
         # the kernel always got the whole [V, D] weight as a plain tensor (FSDP gathered it, not grpo_fast)
         assert r["weights_seen"] and all(seen == ("Tensor", (259, 48)) or seen == ("Parameter", (259, 48))
                                          for seen in r["weights_seen"]), r["weights_seen"]
-        if case == "fsdp2_head_unit":
+        if case.endswith("head_unit"):
             assert r["head_sharded_after_no_grad"]
+        if "lora" in case:
+            assert sum("lm_head.lora_" in name for name in r["grads"]) == 2
 
 
 # ----------------------------------------------------------------------------------------------- DeepSpeed ZeRO-3

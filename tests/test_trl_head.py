@@ -2,7 +2,8 @@
 
 Each case patches two copies of one tiny model, one with TRL's head and one with grpo_fast's, runs
 ``model(..., labels=..., fused_lm_head=True)`` and compares every field of the ``FusedCausalLMOutput`` and every
-parameter's gradient of a loss that uses both the log-probs and the entropy.
+parameter's gradient of a loss that uses both the log-probs and the entropy. PEFT LoRA on the lm_head, which TRL's
+head ignores, is compared with the PEFT model's own logits path in fp64 instead.
 """
 
 import contextlib
@@ -21,6 +22,7 @@ import grpo_fast
 import grpo_fast.trl
 from grpo_fast import reference
 from grpo_fast.trl import OUTPUTS, add_fused_lm_head
+from conftest import HALF_GRAD_RTOL
 from trl_harness import BYTE_VOCAB_SIZE, tiny_gemma2, tiny_qwen2
 from trl_pairs import assert_close, assert_tensors_close, trl_kernel_forbidden
 
@@ -244,17 +246,18 @@ def test_peft_model_patched_on_its_base():
 
 
 # --------------------------------------------------------------------------- DeepSpeed ZeRO-3, simulated
-def zero3_simulation(monkeypatch, param):
-    """DeepSpeed ZeRO-3's contract on one parameter, without DeepSpeed: its data is empty except inside the gather
-    context (TRL's ``maybe_gather_lm_head_ctx``, which grpo_fast.trl calls)."""
-    full = param.data
-    param.data = torch.empty(0)
+def zero3_simulation(monkeypatch, *partitioned):
+    """DeepSpeed ZeRO-3's contract on some parameters, without DeepSpeed: their data is empty except inside the
+    gather context (TRL's ``maybe_gather_lm_head_ctx``, which grpo_fast.trl calls)."""
+    full = {id(p): p.data for p in partitioned}
+    for p in partitioned:
+        p.data = torch.empty(0)
 
     @contextlib.contextmanager
     def gather(*params):
-        gathered = [p for p in params if p is param and p.numel() == 0]
+        gathered = [p for p in params if p is not None and id(p) in full and p.numel() == 0]
         for p in gathered:
-            p.data = full
+            p.data = full[id(p)]
         try:
             yield
         finally:
@@ -293,6 +296,251 @@ def test_zero3_backward_without_the_second_gather_fails(monkeypatch):
     ids, labels = batch()
     with pytest.raises(Exception):
         zero3_grads(model, ids, labels)
+
+
+# --------------------------------------------------------------------------- PEFT LoRA on the lm_head
+# TRL's own head reads lm_head.weight (PEFT's base weight): on this model its log-probs are far off and lora_A / lora_B
+# of the head get no gradient. The truth is the PEFT model's own logits path, in fp64.
+HEAD_ADAPTER = ("base_model.model.lm_head.lora_A.default.weight", "base_model.model.lm_head.lora_B.default.weight")
+
+
+def lora_on_head(dtype=torch.float32, target_modules=("q_proj", "lm_head"), cast_lm_head_to_fp32=False, **config):
+    """A tiny Qwen2 with grpo_fast's head, then PEFT LoRA (random B: the adapter changes the logits)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_qwen2(dtype=dtype)
+    add_fused_lm_head(model, temperature=0.7, outputs=OUTPUTS, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    torch.manual_seed(1)
+    config = dict(r=4, lora_alpha=8, init_lora_weights=False, **config)
+    return get_peft_model(model, LoraConfig(target_modules=list(target_modules), **config))
+
+
+def logits_path(logits, labels, temperature=0.7):
+    """log-probs and entropies [B, T - 1] of the labels from the model's own logits (zero where the label is -100),
+    and the fused head's loss."""
+    logp_all = torch.log_softmax(logits[:, :-1] / temperature, -1)
+    labels = labels[:, 1:]
+    mask = labels != -100
+    logp = logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    return logp, entropy, -logp.sum() / mask.sum()
+
+
+def extras_path(logits, labels, temperature=0.7):
+    """The no-grad extras of OUTPUTS from the model's own logits (zero / False where the label is -100)."""
+    z, labels = logits[:, :-1] / temperature, labels[:, 1:]
+    mask = labels != -100
+    return dict(log_sum_sq_probs=(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)) * mask,
+                mean_logits=z.mean(-1) * mask, is_top1=(z.argmax(-1) == labels) & mask)
+
+
+def own_logits(model, ids):
+    """The PEFT model's own logits: its class's forward (the patched one's plain path would call the original
+    model's forward, a closure over it, from a copy)."""
+    base = model.get_base_model()
+    return type(base).forward(base, input_ids=ids).logits
+
+
+def truth_fp64(model, ids, labels, entropy_weight=0.1):
+    """The PEFT model in fp64 through its own forward: log-probs, entropies, the extras and every gradient of
+    loss + entropy_weight * sum(entropy) (forward_backward's)."""
+    truth = copy.deepcopy(model).double()
+    logits = own_logits(truth, ids)
+    logp, entropy, loss = logits_path(logits, labels)
+    (loss + entropy_weight * entropy.sum()).backward()
+    grads = {n: p.grad for n, p in truth.named_parameters() if p.grad is not None}
+    return logp, entropy, extras_path(logits.detach(), labels), grads
+
+
+def assert_grads_within(grads, truth, rtol):
+    """Each gradient within rtol of its largest entry, and none of them zero."""
+    assert grads.keys() == truth.keys()
+    for name, expected in truth.items():
+        err = (grads[name].double() - expected).abs().max().item()
+        scale = expected.abs().max().item()
+        assert scale > 0 and err <= rtol * scale, f"d{name}: max error {err:.3g} vs max |grad| {scale:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_lora_on_lm_head_equals_peft_logits_path(monkeypatch, backend):
+    monkeypatch.setattr(grpo_fast, "logprobs_and_entropy",
+                        functools.partial(grpo_fast.logprobs_and_entropy, backend=backend))
+    model = lora_on_head()
+    ids, labels = batch()
+    out, grads = forward_backward(model, input_ids=ids, labels=labels)
+    logp, entropy, extras, truth_grads = truth_fp64(model, ids, labels)
+    assert (out.log_probs.double() - logp).abs().max() < 1e-5
+    assert (out.entropy.double() - entropy).abs().max() < 1e-5
+    for name in ("log_sum_sq_probs", "mean_logits"):
+        assert (getattr(out, name).double() - extras[name]).abs().max() < 1e-5, name
+    assert torch.equal(out.is_top1, extras["is_top1"])
+    assert set(HEAD_ADAPTER) <= grads.keys()
+    assert_grads_within(grads, truth_grads, 1e-4)
+    # what the base weight alone gives (TRL's head on this model): far off
+    with model.disable_adapter():
+        base = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+    assert (base.double() - logp).abs().max() > 0.1
+
+
+def test_lora_on_lm_head_bf16_model_fp32_adapters():
+    """A bf16 model with PEFT's fp32 adapters (its default): the head's outputs and the adapter's gradients against
+    the same bf16 backbone with the head in fp64 (PEFT's own path rounds its logits to bf16)."""
+    model = lora_on_head(torch.bfloat16)
+    head = model.base_model.model.lm_head
+    assert head.lora_A["default"].weight.dtype == torch.float32
+    ids, labels = batch()
+    out, grads = forward_backward(model, input_ids=ids, labels=labels)
+
+    model.zero_grad(set_to_none=True)
+    hidden = model.base_model.model.model(input_ids=ids).last_hidden_state.double()
+    a, b = head.lora_A["default"].weight, head.lora_B["default"].weight
+    adapter = head.scaling["default"] * (hidden @ a.double().T) @ b.double().T
+    logits = hidden @ head.base_layer.weight.double().T + adapter
+    logp, entropy, loss = logits_path(logits, labels)
+    (loss + 0.1 * entropy.sum()).backward()
+    truth_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert (out.log_probs.double() - logp).abs().max() < 1e-4
+    assert (out.entropy.double() - entropy).abs().max() < 1e-4
+    for name in HEAD_ADAPTER:  # fp32 adapters from bf16 hidden states: the head's own rounding
+        assert grads[name].dtype == torch.float32
+        assert_grads_within({name: grads[name]}, {name: truth_grads[name].double()}, HALF_GRAD_RTOL[torch.bfloat16])
+    # the q_proj adapters, through the bf16 backbone's backward (re-rounded at every step)
+    assert_grads_within(grads, {n: g.double() for n, g in truth_grads.items()}, 3e-2)
+
+
+@pytest.mark.parametrize("adapter_trains", [True, False])
+def test_head_path_follows_the_adapter(monkeypatch, adapter_trains):
+    """A trainable head adapter needs its weight's gradient: the general path; a frozen one (and a frozen base head)
+    takes the frozen-head path, which also builds the adapter's hidden-side gradient. Both exact."""
+    taken = []
+    real = grpo_fast.autograd.takes_frozen_head
+    monkeypatch.setattr(grpo_fast.autograd, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k))
+                        or taken[-1])
+    model = lora_on_head()
+    if not adapter_trains:
+        for name, p in model.named_parameters():
+            p.requires_grad_("lm_head" not in name)
+    ids, labels = batch()
+    out, grads = forward_backward(model, input_ids=ids, labels=labels, entropy_weight=0.0)
+    logp, _, _, truth_grads = truth_fp64(model, ids, labels, entropy_weight=0.0)
+    assert taken == [not adapter_trains]
+    assert (out.log_probs.double() - logp).abs().max() < 1e-5
+    assert (set(HEAD_ADAPTER) <= grads.keys()) == adapter_trains
+    assert_grads_within(grads, truth_grads, 1e-4)
+
+
+@pytest.mark.parametrize("model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype", [
+    (torch.float32, False, False, torch.float32), (torch.float32, True, False, torch.bfloat16),
+    (torch.float32, True, True, torch.float32), (torch.bfloat16, False, False, torch.float32)])
+def test_adapter_dtype_policy(monkeypatch, model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype):
+    """The adapter's weights in the compute dtype under autocast or cast_lm_head_to_fp32, else in their own (PEFT's
+    fp32 adapters over a bf16 model); their gradients come back in the parameters' dtype."""
+    seen = spy_on_kernel(monkeypatch)
+    model = lora_on_head(model_dtype, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    out.loss.backward()
+    lora = seen[0][3]["lora"]
+    assert lora.a.dtype == lora.b.dtype == adapter_dtype
+    grad = model.get_base_model().lm_head.lora_B["default"].weight.grad
+    assert grad.dtype == torch.float32 and grad.abs().max() > 0
+
+
+def test_merged_and_disabled_adapters_are_the_base_weight():
+    ids, labels = batch()
+    model = lora_on_head()
+    with torch.no_grad():
+        model.merge_adapter()  # the delta is in the base weight now: PEFT's forward reads the base layer alone
+        merged = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+        logp, _, _ = logits_path(own_logits(model, ids), labels)
+        assert (merged - logp).abs().max() < 1e-5
+        model.unmerge_adapter()
+        with model.disable_adapter():
+            disabled = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+            logp, _, _ = logits_path(own_logits(model, ids), labels)
+        assert (disabled - logp).abs().max() < 1e-5
+        model.merge_adapter()
+        with model.disable_adapter(), pytest.raises(NotImplementedError, match="disabled but merged"):
+            model(input_ids=ids, labels=labels, fused_lm_head=True)
+
+
+def test_modules_to_save_lm_head():
+    """modules_to_save=["lm_head"]: the wrapper's weight is the trained copy (changed here, so the test can tell)."""
+    model = lora_on_head(target_modules=("q_proj",), modules_to_save=["lm_head"])
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(3.0)
+    ids, labels = batch()
+    out, grads = forward_backward(model, input_ids=ids, labels=labels)
+    logp, _, _, truth_grads = truth_fp64(model, ids, labels)
+    assert (out.log_probs.double() - logp).abs().max() < 1e-5
+    assert "base_model.model.lm_head.modules_to_save.default.weight" in grads
+    assert_grads_within(grads, truth_grads, 1e-4)
+
+
+def two_active_adapters():
+    from peft import LoraConfig
+
+    model = lora_on_head()
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["lm_head"]))
+    model.base_model.set_adapter(["default", "other"])
+    return model
+
+
+def fan_in_fan_out():
+    model = lora_on_head()
+    model.base_model.model.lm_head.fan_in_fan_out = True  # PEFT resets the option on an nn.Linear: set it directly
+    return model
+
+
+def ia3_on_head():
+    from peft import IA3Config, get_peft_model
+
+    model = tiny_qwen2()
+    add_fused_lm_head(model)
+    return get_peft_model(model, IA3Config(target_modules=["lm_head"], feedforward_modules=[]))
+
+
+UNSUPPORTED_HEADS = {
+    "dora": (lambda: lora_on_head(use_dora=True), "LoRA variant.*DoraLinearVariant"),
+    "two_active_adapters": (two_active_adapters, "2 active LoRA adapters"),
+    "lora_bias": (lambda: lora_on_head(lora_bias=True), "LoRA bias"),
+    "fan_in_fan_out": (fan_in_fan_out, "fan_in_fan_out"),
+    "ia3": (ia3_on_head, "lm_head is a Linear .*ia3"),
+}
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED_HEADS)
+def test_what_the_head_cannot_compute_exactly_is_refused(name):
+    build, message = UNSUPPORTED_HEADS[name]
+    ids, labels = batch()
+    with pytest.raises(NotImplementedError, match=message):
+        build()(input_ids=ids, labels=labels, fused_lm_head=True)
+
+
+def test_lora_layer_weight_and_bias_are_the_base_layers():
+    """The head reads lm_head.weight / .bias: on a PEFT lora.Linear, its base layer's (fsdp_unit_gathered)."""
+    from grpo_fast.frameworks import fsdp_unit_gathered
+
+    from peft import LoraConfig, get_peft_model
+
+    head = get_peft_model(with_bias(tiny_qwen2()), LoraConfig(target_modules=["lm_head"])).base_model.model.lm_head
+    with fsdp_unit_gathered(head) as (weight, bias):
+        assert weight is head.base_layer.weight and bias is head.base_layer.bias
+
+
+def test_zero3_lora_adapter_is_gathered(monkeypatch):
+    """ZeRO-3 partitions the adapter's weights too: gathered for the call, and the backward reads the head's copy."""
+    model = lora_on_head()
+    ids, labels = batch()
+    expected = zero3_grads(model, ids, labels)
+    head = model.base_model.model.lm_head
+    partitioned = (head.base_layer.weight, head.lora_A["default"].weight, head.lora_B["default"].weight)
+    zero3_simulation(monkeypatch, *partitioned)
+    grads = zero3_grads(model, ids, labels)
+    assert all(p.numel() == 0 for p in partitioned)  # partitioned again after the backward
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
 
 
 # --------------------------------------------------------------------------- the version guard

@@ -4,11 +4,13 @@ Training runs: the completions must be identical (generation does not go through
 logged metric and loss, every parameter's gradient at every optimizer step and the trained parameters agree within
 1e-5. One shared generation batch then sweeps every loss type x importance-sampling level and the loss options
 through ``compute_loss``. TRL's ``ChunkedLogProbFunction`` is made to raise around every grpo_fast trainer, and a
-test shows that the trap does catch TRL's own trainer.
+test shows that the trap does catch TRL's own trainer. LoRA on the lm_head, which TRL's trainers refuse (their head
+would ignore it), is compared with TRL's trainer on an eager head (trl_pairs.eager_lm_head), its refusal lifted.
 """
 
 import contextlib
 import copy
+import functools
 import threading
 import types
 
@@ -16,7 +18,9 @@ import pytest
 import torch
 import trl
 from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 from trl.trainer import grpo_trainer as trl_grpo_trainer
+from trl.trainer import rloo_trainer as trl_rloo_trainer
 from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
 
 import grpo_fast.trl
@@ -25,7 +29,8 @@ from trl_harness import (
     _PROMPTS, byte_tokenizer, grpo_config, set_loss_options, tiny_gemma2, tiny_prompt_dataset, tiny_qwen2,
 )
 from trl_pairs import (
-    assert_close, assert_runs_match, assert_tensors_close, save_model, token_reward, train, trl_kernel_forbidden,
+    assert_close, assert_runs_match, assert_tensors_close, eager_lm_head, save_model, token_reward, train,
+    trl_kernel_forbidden,
 )
 
 LOGGED = dict(logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5, max_steps=2)
@@ -65,6 +70,59 @@ def test_tied_embeddings_lora_reference_and_gradient_checkpointing():
     ours, theirs = runs(model, args, peft_config=lora)
     assert_runs_match(ours, theirs)
     assert ours.grads[0] and all("lora_" in name for name in ours.grads[0])
+
+
+@pytest.mark.slow
+def test_lora_on_lm_head_against_trl_trainer_on_the_eager_head(monkeypatch):
+    """PEFT LoRA on q_proj and lm_head (random B: the head's adapter matters from the first step). TRL's own fused head
+    reads the base weight (TRL #6530, #7017), so TRL's trainer refuses the adapter and has no other path: it runs with
+    that refusal lifted and the eager head (trl_pairs.eager_lm_head: the model's own logits); beta != 0: the
+    reference is the policy with its adapters disabled."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False,
+                      task_type="CAUSAL_LM")
+    args = grpo_config(beta=0.04, loss_type="dapo", temperature=0.9, **LOGGED)
+    with pytest.raises(ValueError, match="PEFT adapter to `lm_head` is not supported"):
+        trl.GRPOTrainer(model=tiny_qwen2(), reward_funcs=[token_reward], args=args, peft_config=lora,
+                        train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+    with monkeypatch.context() as patch:
+        patch.setattr(trl_grpo_trainer, "BaseTunerLayer", type("NoTunerLayer", (), {}))
+        patch.setattr(trl_grpo_trainer, "add_fused_lm_head", eager_lm_head)
+        theirs = train(trl.GRPOTrainer, tiny_qwen2(), args, peft_config=lora)
+    ours = train(GRPOTrainer, tiny_qwen2(), args, forbid_trl_kernel=True, peft_config=lora)
+    assert_runs_match(ours, theirs)
+    head_adapter = [name for name in ours.grads[0] if "lm_head.lora_" in name]
+    assert len(head_adapter) == 2 and all(step[name].abs().max() > 0 for step in ours.grads for name in head_adapter)
+    assert any(entry.get("kl", 0) > 0 for entry in theirs.log_history)
+
+
+@pytest.mark.parametrize("trainer_cls, lm_head_dora", [(GRPOTrainer, False), (RLOOTrainer, False),
+                                                       (GRPOTrainer, True)], ids=["grpo", "rloo", "grpo_dora"])
+def test_trainers_take_lora_on_lm_head_and_refuse_what_the_head_cannot_apply(tmp_path, trainer_cls, lm_head_dora):
+    """TRL's constructors refuse an adapter on the lm_head; grpo_fast's take one its head applies and name what it
+    cannot (DoRA); TRL's names are TRL's again afterwards."""
+    lora = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], use_dora=lm_head_dora, task_type="CAUSAL_LM")
+    config_cls = trl.RLOOConfig if trainer_cls is RLOOTrainer else trl.GRPOConfig
+    args = config_cls(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
+                      num_generations=2, max_completion_length=4, save_strategy="no")
+    build = functools.partial(trainer_cls, model=tiny_qwen2(), reward_funcs=[token_reward], args=args,
+                              peft_config=lora, train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+    if lm_head_dora:
+        with pytest.raises(NotImplementedError, match="DoraLinearVariant"):
+            build()
+    else:
+        trainer = build()
+        assert trainer.model.get_output_embeddings().lora_B["default"].weight.requires_grad
+    module = trl_grpo_trainer if trainer_cls is GRPOTrainer else trl_rloo_trainer
+    assert module.add_fused_lm_head is trl_add_fused_lm_head and module.BaseTunerLayer is BaseTunerLayer
+
+
+def test_trl_refusal_of_cast_lm_head_to_fp32_with_lora_on_lm_head_stays(tmp_path):
+    """TRL's other check on a PEFT lm_head (cast_lm_head_to_fp32 would replace the head's forward) is not lifted."""
+    lora = LoraConfig(r=4, target_modules=["lm_head"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True` is not supported"):
+        GRPOTrainer(model=tiny_qwen2(), reward_funcs=[token_reward], peft_config=lora,
+                    args=grpo_config(str(tmp_path), cast_lm_head_to_fp32=True),
+                    train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
 
 
 @pytest.mark.slow

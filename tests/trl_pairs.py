@@ -9,15 +9,21 @@ Builders beyond tests/trl_harness.py (whose tiny models, tokenizer, prompts and 
 * ``train``: one ``trainer.train()`` of a trainer class on a model copy -> ``Run`` (log history, gradients,
   completions, final parameters); ``assert_runs_match``: two runs equal within ``RTOL``.
 * ``save_model``: a tiny model saved to a folder, so that TRL builds its reference model from that path (offline).
+* ``eager_lm_head``: TRL's ``add_fused_lm_head`` protocol on the model's own logits (the lm_head module's forward,
+  so a PEFT adapter on it applies): what TRL's trainer is compared against where TRL's fused head is wrong (LoRA on
+  the lm_head: TRL 1.16 has no non-fused path).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import types
 
 import torch
 from transformers import TrainerCallback
+from trl.trainer.utils import FusedCausalLMOutput
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 from trl_harness import BYTE_VOCAB_SIZE, byte_tokenizer, tiny_prompt_dataset
@@ -126,3 +132,26 @@ def save_model(model, folder):
     model.save_pretrained(folder)
     return str(folder)
 
+
+
+def eager_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
+    """TRL's ``add_fused_lm_head`` (log-probs, entropy, loss, label mask) computed eagerly from the [B, T, V] logits of
+    ``model.get_output_embeddings()`` called as a module, in fp32, for text models without a logit transform."""
+    assert not cast_lm_head_to_fp32 and getattr(model.config.get_text_config(), "final_logit_softcapping", None) is None
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            return original_forward(*args, labels=labels, **kwargs)
+        hidden = self.base_model(*args, **kwargs, use_cache=False).last_hidden_state[:, :-1]
+        labels = labels[:, 1:]
+        mask = labels != -100
+        logp_all = torch.log_softmax(self.get_output_embeddings()(hidden).float() / temperature, -1)
+        log_probs = logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+        entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy if "entropy" in outputs else None,
+                                   label_mask=mask)
+
+    model.forward = types.MethodType(forward, model)

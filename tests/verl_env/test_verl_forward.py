@@ -2,7 +2,8 @@
 tiny random Qwen2: per-position log-probs, entropies and every parameter's gradient against an fp64 truth and beside
 verl's torch backend, in verl's padded [B, T] and remove-padding [1, nnz] layouts, tied and untied heads, fp32 and
 bf16, on grpo_fast's CPU path (chunked torch) and its Triton kernels (interpreter). Also: the soft-cap verl ignores,
-the errors for what is not supported, the plugin's registration and its loud failure."""
+LoRA on the lm_head (PEFT) against the eager PEFT model, the errors for what is not supported, the plugin's
+registration and its loud failure."""
 
 import copy
 import importlib
@@ -145,6 +146,49 @@ def test_no_grad_pass_and_frozen_head():
     assert_fp32_close(entropy_ng, entropy.detach(), "no-grad entropy")
     assert_fp32_close(frozen[0].detach(), logp.detach(), "frozen-head log_probs")
     assert "lm_head.weight" not in grads and grads["model.norm.weight"].abs().max() > 0
+
+
+def lora_on_head(**config):
+    """The tiny untied Qwen2 with PEFT LoRA on q_proj and lm_head (random B: the adapter changes the logits), as
+    verl's FSDP engine builds it: the HF model inside the PEFT model, whose lm_head is a lora.Linear."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False, **config)
+    return get_peft_model(tiny_qwen2(tied=False), lora).get_base_model()
+
+
+@pytest.mark.parametrize("grpo_fast_path", ["torch", "triton"], indirect=True)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_lora_on_lm_head_equals_fp64(layout, grpo_fast_path):
+    """LoRA on the lm_head: the eager PEFT model in fp64 is the truth, gradients to the head's adapter included;
+    verl's torch backend reads the base weight alone (the check that this test can tell them apart)."""
+    inputs, valid = batch(layout)
+    model = lora_on_head()
+    truth_model = copy.deepcopy(model).double()
+    truth = model_truth(truth_model, inputs, TEMPERATURE)
+    truth_grads = loss_and_grads(truth_model, truth, valid)
+    with patched(model, "grpo_fast", use_remove_padding=layout == "packed"):
+        ours = fused_outputs(model, inputs, TEMPERATURE)
+        grads = loss_and_grads(model, ours, valid)
+    with patched(model, "torch", use_remove_padding=layout == "packed"):
+        theirs = fused_outputs(model, inputs, TEMPERATURE)
+    assert isinstance(grpo_fast_path[0]["lora"], grpo_fast.HeadLora)
+    assert {"lm_head.lora_A.default.weight", "lm_head.lora_B.default.weight"} <= grads.keys() == truth_grads.keys()
+    for name, out, truth_out, their_out in zip(("log_probs", "entropy"), ours, truth, theirs):
+        assert_fp32_close(out[valid], truth_out[valid], name)
+        assert (their_out[valid].double() - truth_out[valid]).abs().max() > 0.1, name
+    for name in truth_grads:
+        assert truth_grads[name].abs().max() > 0, name
+        assert_grads_close(grads[name], truth_grads[name], torch.float32, f"d{name}")
+
+
+def test_lora_variant_on_lm_head_refused():
+    """What the head cannot apply exactly (here DoRA) raises, naming it, instead of scoring the base weight alone."""
+    inputs, _ = padded_batch()
+    model = lora_on_head(use_dora=True)
+    with patched(model, "grpo_fast"), pytest.raises(NotImplementedError, match="DoraLinearVariant"):
+        fused_outputs(model, inputs, TEMPERATURE)
 
 
 @pytest.mark.parametrize("backend, verl_forward", [("torch", "forward_with_torch_backend"),
