@@ -36,7 +36,7 @@ chunks' bound is part of the new one), and 2^-k comes out exactly after the row'
 fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
 
 Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
-only O(N) between the passes, and its backward writes dH of J's shape in the input dtype), the u buffer of chunk x vocab-chunk fp32, with the vocab
+only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x vocab-chunk fp32, with the vocab
 chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
 chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
 came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half of u[n]'s bytes, and a tile's stores
