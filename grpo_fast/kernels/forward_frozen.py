@@ -74,7 +74,8 @@ VOCAB_ALIGN = 128
 # S = sum e, R = sum_{v != y} e, Z = sum e (z - m), target logit (softmax_stats.SoftmaxStats' fields, in its order),
 # target slope, the last chunk's rescale of the J accumulator (exp(m_old - m_new) 2^(k_new - k_old)), and 2^-k, the
 # inverse of the power of two the accumulator (and the last chunk's P') is scaled by
-_MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE, _UNSCALE = (tl.constexpr(i) for i in range(8))
+STATE_ROWS = 8
+_MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE, _UNSCALE = (tl.constexpr(i) for i in range(STATE_ROWS))
 
 
 @triton.jit
@@ -220,7 +221,7 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
     bias = bias.contiguous() if bias is not None else None
     targets = targets.contiguous()
 
-    state = torch.zeros((8, N), dtype=torch.float32, device=dev)
+    state = torch.zeros((STATE_ROWS, N), dtype=torch.float32, device=dev)
     row_max, sumexp, rest, zsum, target_logit, target_slope, rescale, unscale = state.unbind(0)
     row_max.fill_(float("-inf"))
     grad = torch.empty((N, D), dtype=torch.float32, device=dev)
