@@ -103,10 +103,10 @@ def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy,
 
 
 def _grad_hidden_buffer(hidden, backend, backward_mode):
-    """dH's buffer for ``head_backward``: written once in the input dtype (the chunked Triton backward), else an fp32
-    zero accumulator."""
+    """dH's fp32 buffer for ``head_backward``: written once by the chunked Triton backward's GEMMs (fp32 output, never
+    a K = V reduction rounded to the input dtype), else a zero accumulator."""
     if backend == "triton" and backward_mode == "chunked":
-        return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
     return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
 

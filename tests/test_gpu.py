@@ -217,7 +217,7 @@ def test_confident_tokens_on_gpu(dtype, backward_mode):
 # under the interpreter with strided views, and says which it cannot):
 #   weight: W (V x D); with N >= D tokens the chunked backward's g (D x V) too; the fused backward's fp32 dW; with
 #           an fp32 weight, the frozen-head forward's u buffer (token chunk x vocabulary, fp32, the size of W)
-#   hidden: the hidden states (N x D); the fused backward's fp32 dH; the frozen-head path's fp32 J
+#   hidden: the hidden states (N x D); the backwards' fp32 dH (both modes); the frozen-head path's fp32 J
 PAST_2_31 = {"weight": (16400, 16384, 131200), "hidden": (131200, 16384, 1000)}
 
 

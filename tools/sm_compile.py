@@ -164,7 +164,7 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
         backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                  torch.empty_like(hidden), torch.zeros(V, D), grad_bias, cfg, lora, grad_lora)
+                                  torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg, lora, grad_lora)
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):

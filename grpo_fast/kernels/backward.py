@@ -10,17 +10,26 @@ where lse, nontarget_mass = 1 - p_y, mean and mean_minus_target = mean - z_y are
 (softmax_stats.BackwardStats): the target column never forms 1 - p_y or mean - z_y by cancellation, so a confident
 token (1 - p_y down to 1e-6) keeps fp32 precision. One kernel, ``_backward_kernel``, forms g for a
 BLOCK_N x BLOCK_V tile (the K-loop over D, as the forward; a token block whose coefficients are all zero, i.e.
-masked rows, is exactly zero and skips the matmul) and adds the tile's column sums of g (fp32) to db. Its two modes
-(config.BACKWARD_MODES, the caller's choice):
+masked rows, is exactly zero and skips the matmul) and adds the tile's column sums of g (fp32, unscaled) to db.
+
+bf16 / fp16 inputs: g is rounded to the input dtype for the gradient GEMMs, after a multiplication by an exact
+power of two 2^k (tile.gemm_scale) that puts the coefficients' bound (|c| + |e| times logit_scale / temperature) at
+about 2^8; the fp32 products are multiplied by 2^-k. So a small dL/dlogp (GRPO's 1/tokens) is not rounded into
+fp16's subnormals: the gradients' relative precision is the same at every scale. fp32 g is not rounded nor scaled.
+Its two modes (config.BACKWARD_MODES, the caller's choice):
 
 * chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input
-  dtype, and cuBLAS does the two gradient products as dense GEMMs: dH[chunk] = g W (written once),
-  dW += g^T H[chunk] (fp32 accumulator, gemm.mm_fp32: never a bf16-rounded chunk product).
+  dtype, scaled by one power of two for the whole call (the GEMMs mix token blocks; its bound max_n |c_n| + |e_n|
+  is a device tensor the kernel loads, which also writes 2^-k for the host), and cuBLAS does the two gradient
+  products as dense GEMMs with fp32 output (gemm.mm_fp32: never a bf16-rounded product or K = V reduction):
+  dH[chunk] = 2^-k (g W) (fp32, written once), dW += g^T H[chunk] (fp32 accumulator, zero on entry, multiplied by
+  2^-k once at the end).
   Memory: one chunk of g, chunk_n x V with chunk_n <= D, so at most the size of W; the fp32 dW accumulator (only
   when the weight needs a gradient) and, without cuBLAS's out_dtype, one vocabulary slab of g^T H in fp32; dH in
-  the input dtype; the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
+  fp32 (N x D); the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
 * fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
-  and g^T H_i into dW_j with fp32 atomics; no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
+  and g^T H_i into dW_j with fp32 atomics; no g buffer. g's power of two is the token block's (from the block's
+  sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
   only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
   N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
   order vary run to run (fp32 rounding level).
@@ -39,21 +48,21 @@ import triton
 import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
-from .tile import lora_kernel_args, lora_tile, row_coefficients, tile_grad
+from .tile import gemm_scale, lora_kernel_args, lora_tile, row_coefficients, tile_grad
 
 
 @triton.jit
 def _backward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
     mean_minus_target_ptr, grad_logp_ptr, grad_entropy_ptr,
-    g_ptr, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
+    g_ptr, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr, coefficient_max_ptr, g_unscale_ptr,
     N, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
     inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
     grad_lora_hidden_ptr, grad_lora_weight_ptr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
     FUSED: tl.constexpr, COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-    COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr,
+    COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr, SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -68,8 +77,19 @@ def _backward_kernel(
     g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_gn + offs_v[None, :]
     g_mask = n_mask[:, None] & v_mask[None, :]
 
-    grad_logp, grad_entropy, scale = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD)
-    if scale == 0.0:  # rows without a gradient (masked): exactly zero, no matmul needed
+    grad_logp, grad_entropy, coefficient_sum = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask,
+                                                                 ENTROPY_GRAD)
+    if SCALE_G:
+        # g's scale (tile.gemm_scale): |c| + |e| bounds the coefficients (the block's sum, fused; the call's max,
+        # chunked: its GEMMs mix token blocks), logit_scale / temperature the slope
+        coefficient_bound = coefficient_sum if FUSED else tl.load(coefficient_max_ptr)
+        g_scale, g_unscale = gemm_scale(coefficient_bound * tl.abs(logit_scale * inv_temperature))
+        if not FUSED:
+            tl.store(g_unscale_ptr, g_unscale, mask=(pid_n == 0) & (pid_v == 0))
+    else:  # fp32 g is not rounded
+        g_scale = 1.0
+        g_unscale = 1.0
+    if coefficient_sum == 0.0:  # rows without a gradient (masked): exactly zero, no matmul needed
         if not FUSED:
             tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
@@ -81,12 +101,13 @@ def _backward_kernel(
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
     if not FUSED:
-        tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=g_mask)
+        tl.store(g_ptrs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
+    # the GEMM operand: g scaled and rounded to the input dtype, as the tensor cores take it (the interpreter
+    # then upcasts it for its fp32 dot: the same rounding); every product is unscaled by g_unscale before its atomic
+    g_dot = (g * g_scale).to(hidden_ptr.dtype.element_ty)
     if DOT_FP32:
-        g_dot = g
-    else:
-        g_dot = g.to(hidden_ptr.dtype.element_ty)
+        g_dot = g_dot.to(tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
@@ -95,7 +116,7 @@ def _backward_kernel(
                            mask=v_mask[:, None] & d_mask[None, :], other=0.0)
             if DOT_FP32:
                 w_vd = w_vd.to(tl.float32)
-            dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION)
+            dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION) * g_unscale
             tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
                           mask=n_mask[:, None] & d_mask[None, :])
         if COMPUTE_DW:
@@ -103,7 +124,7 @@ def _backward_kernel(
                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             if DOT_FP32:
                 h_nd = h_nd.to(tl.float32)
-            dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION)
+            dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION) * g_unscale
             tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
                           mask=v_mask[:, None] & d_mask[None, :])
     # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
@@ -114,19 +135,21 @@ def _backward_kernel(
             r_mask = offs_r < R
             if COMPUTE_DLH:
                 lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
-                dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION)
+                dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION) * g_unscale
                 tl.atomic_add(grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], dlh,
                               mask=n_mask[:, None] & r_mask[None, :])
             if COMPUTE_DLW:
                 lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
-                dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION)
+                dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION) * g_unscale
                 tl.atomic_add(grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :], dlw,
                               mask=v_mask[:, None] & r_mask[None, :])
 
 
 def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
-            grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
-    """One launch over hidden's rows; g (chunked) or the fp32 dH / dW / dl / dB (fused) receive the result."""
+            grad_weight, grad_bias, config, lora=None, grad_lora=(None, None), coefficient_max=None, g_unscale=None):
+    """One launch over hidden's rows; g (chunked: scaled by the power of two its kernel takes from
+    ``coefficient_max`` [1] and writes the inverse of into ``g_unscale`` [1]) or the fp32 dH / dW / dl / dB (fused)
+    receive the result."""
     N, D = hidden.shape
     V = weight.shape[0]
     dummy = stats.lse
@@ -140,6 +163,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         grad_hidden if grad_hidden is not None else dummy,
         grad_weight if grad_weight is not None else dummy,
         grad_bias if grad_bias is not None else dummy,
+        coefficient_max if coefficient_max is not None else dummy, g_unscale if g_unscale is not None else dummy,
         N, V, D,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0) if g is not None else 0,
         *transform.kernel_scalars(), **lora_kernel_args(lora, dummy, config),
@@ -148,7 +172,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_grad,
         FUSED=g is None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
         COMPUTE_DB=grad_bias is not None, COMPUTE_DLH=grad_lora[0] is not None,
-        COMPUTE_DLW=grad_lora[1] is not None,
+        COMPUTE_DLW=grad_lora[1] is not None, SCALE_G=hidden.dtype != torch.float32,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -161,12 +185,14 @@ def _rows(stats, n0, n1):
 
 def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
                      grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
-    """dH (input dtype, written in place), dW (fp32 accumulator, added to), db (fp32, added to); any may be None.
-    With ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): ``grad_lora`` = (dl written, dB added to), fp32, each
-    may be None.
+    """dH (fp32, written), dW (fp32 accumulator, zero on entry), db (fp32, added to); any may be None.
+    With ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): ``grad_lora`` = (dl written, dB zero on entry), fp32,
+    each may be None.
 
     ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N] fp32; ``grad_entropy`` =
     dL/dentropy [N] fp32 or None (then the stats' entropy values are unused); ``config``: a config.BackwardConfig.
+    bf16 / fp16 g is scaled by one power of two for the whole call (tile.gemm_scale, from max |c| + |e|, on the
+    device: no host read); dH is unscaled per chunk, dW once at the end (hence zero on entry).
     """
     N, D = hidden.shape
     V = weight.shape[0]
@@ -175,20 +201,34 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
     grad_lora_hidden, grad_lora_weight = grad_lora
     if lora is not None:
         lora_hidden_g, lora_weight_g = (x.to(g.dtype) for x in lora)  # the GEMM operands: g's dtype
+    scaled = hidden.dtype != torch.float32
+    coefficient_max = g_unscale = None
+    if scaled:
+        coefficients = grad_logp.abs() if grad_entropy is None else grad_logp.abs() + grad_entropy.abs()
+        coefficient_max = coefficients.amax().reshape(1)
+        g_unscale = torch.empty(1, dtype=torch.float32, device=hidden.device)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         _launch(hidden[n0:n1], weight, targets[n0:n1], bias, _rows(stats, n0, n1), grad_logp[n0:n1],
                 grad_entropy[n0:n1] if grad_entropy is not None else None, transform, g, None, None, grad_bias,
-                config, (lora[0][n0:n1], lora[1]) if lora is not None else None)
+                config, (lora[0][n0:n1], lora[1]) if lora is not None else None, grad_lora=(None, None),
+                coefficient_max=coefficient_max, g_unscale=g_unscale)
         g_rows = g[:n1 - n0]
         if grad_hidden is not None:
-            torch.mm(g_rows, weight, out=grad_hidden[n0:n1])
+            mm_fp32(g_rows, weight, grad_hidden[n0:n1], accumulate=False)
+            if scaled:
+                grad_hidden[n0:n1].mul_(g_unscale)
         if grad_weight is not None:
             mm_fp32(g_rows.T, hidden[n0:n1], grad_weight, accumulate=True)
         if grad_lora_hidden is not None:
             mm_fp32(g_rows, lora_weight_g, grad_lora_hidden[n0:n1], accumulate=False)
+            if scaled:
+                grad_lora_hidden[n0:n1].mul_(g_unscale)
         if grad_lora_weight is not None:
             mm_fp32(g_rows.T, lora_hidden_g[n0:n1], grad_lora_weight, accumulate=True)
+    for accumulator in (grad_weight, grad_lora_weight):  # summed over chunks in g's scaled units
+        if scaled and accumulator is not None:
+            accumulator.mul_(g_unscale)
 
 
 def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,

@@ -15,27 +15,35 @@ positive terms, never the cancelling difference 1 - p_ny: J stays exact to fp32 
 its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabulary chunk [v0, v1):
     u  = H_chunk W[v0:v1]^T  (fp32, cuBLAS: out_dtype=float32 for bf16 / fp16 on CUDA; fp32 operands elsewhere)
     ``_frozen_chunk_kernel`` (one program per BLOCK_N rows, BLOCK_V-wide tiles of the chunk, two passes):
-        pass 1: z = transform(u + b), the chunk's row max;  m_new = max(m, chunk max) (a finite pivot while every
-                logit so far is -inf, as forward.py), rescale = exp(m - m_new)
+        pass 1: z = transform(u + b), the chunk's row max and largest non-target z;  m_new = max(m, chunk max) (a
+                finite pivot while every logit so far is -inf, as forward.py), rescale = exp(m - m_new); P''s power
+                of two 2^k_new (tile.gemm_scale) from the row's bound on P' so far (see Rounding)
         pass 2: e = exp(z - m_new); S, R, Z = sum e (z - m_new) (the entropy) and the target's z and s' are
                 updated (S = S rescale + sum e, ...: softmax_stats' merge of the running record and the chunk's);
-                P' = e s' with the target column zeroed, written in the GEMM dtype
-    J_chunk = J_chunk rescale[:, None] + P' W[v0:v1]   (fp32 accumulator; cuBLAS addmm, out_dtype=float32 on CUDA)
+                P' = 2^k_new e s' with the target column zeroed, written in the GEMM dtype
+    J_chunk = J_chunk rescale 2^(k_new - k_old) + P' W[v0:v1]   (fp32 accumulator, in units of 2^k; cuBLAS addmm,
+                                                                out_dtype=float32 on CUDA)
+then J_chunk = 2^-k J_chunk (exact).
 With LoRA (grpo_fast/lora.py: a frozen adapter, lora_hidden l [N, r] and lora_weight B [V, r]) u gets a second GEMM,
-u += l_chunk B[v0:v1]^T, and J_l = d logp / d l [N, r] its own accumulator, J_l = J_l rescale + P' B[v0:v1],
-finished like J (B is rounded to P''s dtype for that GEMM, as P' itself; J_l takes N x r fp32 more).
+u += l_chunk B[v0:v1]^T, and J_l = d logp / d l [N, r] its own accumulator, J_l = J_l rescale 2^(k_new - k_old) +
+P' B[v0:v1], unscaled and finished like J (B is rounded to P''s dtype for that GEMM, as P' itself; J_l takes N x r
+fp32 more).
 At the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
 by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
 d logp / dh: no other term exists on this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
-on CUDA), as backward.py rounds g; fp32 inputs keep fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag,
-off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
+on CUDA), as backward.py rounds g, after a per-row power of two 2^k that puts the bound on the row's P' so far
+(its largest non-target e times logit_scale / temperature, the largest slope) at about 2^8: on a confident token
+every non-target e is ~1e-6, below fp16's smallest normal 6.1e-5, while J itself is that small. The state keeps each
+row's 2^-k; a chunk whose bound moves k folds 2^(k_new - k_old) into the accumulator's rescale (at most 1: the old
+chunks' bound is part of the new one), and 2^-k comes out exactly after the row's last chunk. fp32 inputs keep
+fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
 
 Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
-only O(N) between the passes, and its backward writes dH of J's shape in the input dtype), the u buffer of chunk x vocab-chunk fp32, with the vocab
+only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x vocab-chunk fp32, with the vocab
 chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
-chunks of 76032), and 7 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
+chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
 came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half of u[n]'s bytes, and a tile's stores
 only reach u entries the program has already read in pass 2, so no program reads a value it or another has
 overwritten). No tensor of N x V exists.
@@ -63,14 +71,16 @@ import triton.language as tl
 
 from . import softmax_stats
 from .gemm import OUT_DTYPE_GEMM, chunk_size, mm_fp32
-from .tile import transform_and_slope
+from .tile import GRAD_SCALE_CEILING, gemm_scale, transform_and_slope
 
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
 VOCAB_ALIGN = 128
-# the rows of the running state [7, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
+# the rows of the running state [8, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
 # S = sum e, R = sum_{v != y} e, Z = sum e (z - m), target logit (softmax_stats.SoftmaxStats' fields, in its order),
-# target slope, the last chunk's rescale exp(m_old - m_new)
-_MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE = (tl.constexpr(i) for i in range(7))
+# target slope, the last chunk's rescale of the J accumulator (exp(m_old - m_new) 2^(k_new - k_old)), and 2^-k, the
+# inverse of the power of two the accumulator (and the last chunk's P') is scaled by
+STATE_ROWS = 8
+_MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE, _UNSCALE = (tl.constexpr(i) for i in range(STATE_ROWS))
 
 
 @triton.jit
@@ -100,18 +110,28 @@ def _frozen_chunk_kernel(
     n_mask = offs_n < rows
     local_target = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1) - v0  # outside [0, cols): not this chunk
 
-    # pass 1: the chunk's row max
+    # pass 1: the chunk's row max and largest non-target logit
     chunk_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    rest_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     for c0 in range(0, cols, BLOCK_V):
         offs_v = c0 + tl.arange(0, BLOCK_V)
         z, _ = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, offs_v < cols, stride_un,
                                  inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
         chunk_max = tl.maximum(chunk_max, tl.max(z, axis=1))
+        is_target = offs_v[None, :] == local_target[:, None]
+        rest_max = tl.maximum(rest_max, tl.max(tl.where(is_target, float("-inf"), z), axis=1))
     old_max = tl.load(state_ptr + _MAX * stride_state + offs_n, mask=n_mask, other=float("-inf"))
     new_max = tl.maximum(old_max, chunk_max)
     # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
     pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = tl.exp(old_max - pivot)
+    # P''s power of two 2^k (tile.gemm_scale) from a bound on the row's P' so far against the new pivot: this chunk's
+    # largest non-target e times the largest slope, and the earlier chunks' (below GRAD_SCALE_CEILING 2^-k_old
+    # before the rescale). So the accumulator's rescale exp(m_old - m_new) 2^(k - k_old) is at most 1
+    old_unscale = tl.load(state_ptr + _UNSCALE * stride_state + offs_n, mask=n_mask, other=0.0)
+    p_bound = tl.maximum(tl.exp(rest_max - pivot) * tl.abs(logit_scale * inv_temperature),
+                         rescale * old_unscale * GRAD_SCALE_CEILING)
+    p_scale, p_unscale = gemm_scale(p_bound)
 
     # pass 2: the state's sums, and P' = e s' (the target's column zeroed) written over the u tile just read
     sumexp = tl.zeros((BLOCK_N,), tl.float32)
@@ -136,7 +156,7 @@ def _frozen_chunk_kernel(
         if HAS_SOFTCAP:
             target_slope += tl.sum(tl.where(is_target, slope, 0.0), axis=1)
         tl.store(p_ptr + offs_n[:, None].to(tl.int64) * stride_pn + offs_v[None, :],
-                 (e_rest * slope).to(p_ptr.dtype.element_ty),
+                 (e_rest * slope * p_scale[:, None]).to(p_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & v_mask[None, :])
 
     # the running state (targets fall in one chunk: their sums just add)
@@ -157,7 +177,8 @@ def _frozen_chunk_kernel(
     if HAS_SOFTCAP:
         tl.store(s + _SLOPE * stride_state, tl.load(s + _SLOPE * stride_state, mask=n_mask) + target_slope,
                  mask=n_mask)
-    tl.store(s + _RESCALE * stride_state, rescale, mask=n_mask)
+    tl.store(s + _RESCALE * stride_state, rescale * p_scale * old_unscale, mask=n_mask)
+    tl.store(s + _UNSCALE * stride_state, p_unscale, mask=n_mask)
 
 
 def available(hidden) -> bool:
@@ -210,8 +231,8 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
     bias = bias.contiguous() if bias is not None else None
     targets = targets.contiguous()
 
-    state = torch.zeros((7, N), dtype=torch.float32, device=dev)
-    row_max, sumexp, rest, zsum, target_logit, target_slope, rescale = state.unbind(0)
+    state = torch.zeros((STATE_ROWS, N), dtype=torch.float32, device=dev)
+    row_max, sumexp, rest, zsum, target_logit, target_slope, rescale, unscale = state.unbind(0)
     row_max.fill_(float("-inf"))
     grad = torch.empty((N, D), dtype=torch.float32, device=dev)
     lora_grad = None
@@ -254,4 +275,7 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
                 if v0 > 0:
                     lora_grad[n0:n1].mul_(rescale[n0:n1, None])
                 mm_fp32(p, lora_weight_p[v0:v1], lora_grad[n0:n1], accumulate=v0 > 0)
+        acc.mul_(unscale[n0:n1, None])  # P''s power of two out, exactly
+        if lora is not None:
+            lora_grad[n0:n1].mul_(unscale[n0:n1, None])
     return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope, lora_grad

@@ -22,12 +22,40 @@ l [N, r] and B [V, r] are LoRA's second operand pair (grpo_fast/lora.py; contigu
 adapters' dtype, which may differ from the base's: their dot takes its own precision (LORA_DOT_PRECISION: IEEE for
 fp32 adapters).
 
+Rounding for a GEMM (``gemm_scale``): g (and the frozen head's P') are rounded to fp16 / bf16 for the tensor cores;
+dL/dlogp carries GRPO's 1/tokens normaliser (1e-4 and below) and fp16's smallest normal is 6.1e-5, so unscaled they
+would land in fp16's subnormals (or flush to zero). The kernels multiply them by an exact power of two 2^k before
+the rounding, chosen from a bound on their magnitude, and multiply the fp32 products by 2^-k: exact, so only the
+rounding to the GEMM dtype remains, at its full relative precision whatever the gradient's scale.
+
 Registers only: a BLOCK_N x BLOCK_V fp32 tile. ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16
 tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the tensor cores.
 """
 
 import triton
 import triton.language as tl
+
+
+# gemm_scale puts the bound at 2^GRAD_SCALE_EXP..2^(GRAD_SCALE_EXP + 1): the largest value then stays far below fp16's
+# 65504 (the backward's g is at most its bound times ln V + 1 < 17, its entropy term's largest factor) while the
+# small ones keep 8 more bits above the subnormals than at a bound of 1
+GRAD_SCALE_EXP = tl.constexpr(8)
+GRAD_SCALE_CEILING = tl.constexpr(2.0 ** (GRAD_SCALE_EXP.value + 1))  # the scaled bound is below it
+
+
+@triton.jit
+def pow2(k):
+    """2^k exactly (its fp32 bit pattern), for integer k in [-126, 127]."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def gemm_scale(bound):
+    """(2^k, 2^-k), exact powers of two with bound * 2^k in [2^GRAD_SCALE_EXP, 2^(GRAD_SCALE_EXP + 1)) for a bound
+    >= 0 (a number or a tile), k within [-126, 126]: a zero or subnormal bound takes 2^126, inf or NaN 2^-120."""
+    biased_exponent = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    k = tl.minimum(tl.maximum(GRAD_SCALE_EXP + 127 - biased_exponent, -126), 126)
+    return pow2(k), pow2(-k)
 
 
 @triton.jit

@@ -1,0 +1,160 @@
+"""Half-precision gradients keep their precision at every gradient scale.
+
+The general path's backward rounds g = dL/du to the input dtype for its GEMMs, and the frozen-head forward rounds
+P' = e s' for its second GEMM. dL/dlogp carries GRPO's 1/tokens normaliser (1e-4 and below), and fp16's smallest
+normal is 6.1e-5: unscaled, a small gradient lands in fp16's subnormals (or flushes to zero) and loses its relative
+precision, and P' of a confident token (every non-target e about 1e-6) does too. The kernels scale g and P' by a
+power of two before the rounding and divide it out exactly in fp32 (kernels/tile.py's ``grad_scale``).
+
+Checked under the interpreter, whose rounding is the GPU kernels' (the fused backward rounds g as a GPU does, then
+upcasts for the interpreter's dot), against fp64 from the same rounded inputs: the chunked and fused backward (dH,
+dW, db in their fp32 buffers: the kernels' precision, before the autograd layer's cast to the parameter dtype) at
+dL/dlogp of 10 down to 1e-4 per token and in a batch whose dL/dlogp varies 1e4-fold, with and without an entropy
+gradient and a soft-cap; and the frozen head's J = d logp / dh with fp16 / bf16 P', confident tokens (1 - p_y down to
+1e-6) included. Error: max |error| / max |entry| (J: per row, as dH = c J scales each row by its own c). The interpreter runs
+the kernels with wider vocabulary tiles than its default (a tenth of the time; the block shape is a launch choice).
+"""
+
+import pytest
+import torch
+
+from grpo_fast import autograd, reference
+from grpo_fast.kernels import backward as kbackward
+from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels.config import LogitTransform
+
+from test_confident_tokens import confident_batch
+
+F64 = torch.float64
+# max |error| / max |entry| against fp64, at every gradient scale (the issue's bounds: fp16 rounds g to 2^-11,
+# bf16 to 2^-8 relative)
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+# a real-ish vocabulary (odd, not a block multiple), a small model width, a few token blocks
+N, D, V = 40, 64, 6007
+SCALES = (10.0, 1e-2, 1e-4, "mixed")
+# launch configurations: the interpreter's default tiles (16 x 32) take ~10x as long at this vocabulary
+_TILES = dict(block_n=16, block_v=512, num_warps=4, num_stages=1)
+VARIANTS = {
+    "plain": dict(transform=dict(), entropy=False),
+    "entropy-softcap": dict(transform=dict(softcap=30.0, temperature=0.7), entropy=True),
+}
+
+
+def _inputs(dtype, seed=0):
+    """(hidden, weight, bias, targets): logits of a few nats' spread (p from ~1 down to ~1e-8), one token per row
+    that the model favours (so 1 - p_y spans 1e-2..0.9)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, D, generator=g, dtype=F64) / D ** 0.5
+    y = torch.randint(0, V, (N,), generator=g)
+    h = 2.0 * torch.randn(N, D, generator=g, dtype=F64) + 4.0 * torch.rand(N, 1, generator=g, dtype=F64) * w[y]
+    b = 0.3 * torch.randn(V, generator=g, dtype=F64)
+    return h.to(dtype), w.to(dtype), b.to(dtype), y
+
+
+def _coefficients(scale, entropy, seed=1):
+    """(dL/dlogp, dL/dentropy or None) [N] fp32: magnitude ``scale`` per token with random signs ("mixed": log-uniform
+    over 1e-4..1, a 1e4-fold spread), the entropy's half as large; one masked row (both zero)."""
+    g = torch.Generator().manual_seed(seed)
+    if scale == "mixed":
+        size = torch.exp(torch.empty(N).uniform_(torch.log(torch.tensor(1e-4)).item(), 0.0, generator=g))
+    else:
+        size = torch.full((N,), scale) * torch.empty(N).uniform_(0.5, 1.0, generator=g)
+    sign = torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0)
+    grad_logp = size * sign
+    grad_entropy = 0.5 * size * torch.randn(N, generator=g) if entropy else None
+    grad_logp[3] = 0.0
+    if entropy:
+        grad_entropy[3] = 0.0
+    return grad_logp, grad_entropy
+
+
+def _reference_grads(h, w, b, y, transform, grad_logp, grad_entropy):
+    """(dH, dW, db) of sum(grad_logp logp + grad_entropy entropy) in fp64 from the same rounded inputs."""
+    leaves = [x.detach().to(F64).requires_grad_() for x in (h, w, b)]
+    logp, entropy = reference.logprobs_and_entropy(leaves[0], leaves[1], y, leaves[2], compute_dtype=F64,
+                                                   **transform)
+    loss = (grad_logp.to(F64) * logp).sum()
+    if grad_entropy is not None:
+        loss = loss + (grad_entropy.to(F64) * entropy).sum()
+    loss.backward()
+    return tuple(x.grad for x in leaves)
+
+
+def _config(kind, device, dtype, mode=None):
+    """The kernels' launch configuration: a GPU's own; under the interpreter, wider tiles (_TILES)."""
+    if device.type == "cuda":
+        return (kconfig.forward_config(device, dtype) if kind is kconfig.ForwardConfig
+                else kconfig.backward_config(device, dtype, mode, wide_epilogue=True))
+    extra = dict(target_programs=8) if kind is kconfig.ForwardConfig else {}
+    return kind(**_TILES, block_d=64, dot_fp32=True, **extra)
+
+
+def _kernel_grads(h, w, b, y, transform, stats, grad_logp, grad_entropy, mode):
+    """(dH, dW, db) from the Triton backward in ``mode``, as its buffers hold them (fp32 accumulators)."""
+    device = h.device
+    grad_logp = grad_logp.to(device)
+    grad_entropy = grad_entropy.to(device) if grad_entropy is not None else None
+    grad_hidden = autograd._grad_hidden_buffer(h, "triton", mode)
+    grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=device)
+    grad_bias = torch.zeros(w.shape[0], dtype=torch.float32, device=device)
+    backward = kbackward.backward_chunked if mode == "chunked" else kbackward.backward_fused
+    backward(h, w, y, b, stats, grad_logp, grad_entropy, LogitTransform(**transform), grad_hidden, grad_weight,
+             grad_bias, _config(kconfig.BackwardConfig, device, h.dtype, mode))
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _relative_error(actual, expected):
+    return ((actual.cpu().to(F64) - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mode", kconfig.BACKWARD_MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, mode, variant, device):
+    h, w, b, y = _inputs(dtype)
+    transform, entropy = VARIANTS[variant]["transform"], VARIANTS[variant]["entropy"]
+    inputs = tuple(x.to(device) for x in (h, w, b, y))
+    _, _, stats = kforward.forward(*inputs[:2], inputs[3], inputs[2], LogitTransform(**transform), True,
+                                   _config(kconfig.ForwardConfig, device, dtype))
+    errors = {}
+    for scale in SCALES:
+        grad_logp, grad_entropy = _coefficients(scale, entropy)
+        expected = _reference_grads(h, w, b, y, transform, grad_logp, grad_entropy)
+        actual = _kernel_grads(*inputs, transform, stats, grad_logp, grad_entropy, mode)
+        for name, a, e in zip(("dH", "dW", "db"), actual, expected):
+            errors[f"{name} at {scale}"] = _relative_error(a, e)
+    worst = max(errors.values())
+    assert worst <= TOL[dtype], f"worst {worst:.3g}: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items())
+
+
+def _reference_frozen_grad(h, w, b, y, transform):
+    """J = d logp / dh [N, D] fp64 from the same rounded inputs (logp_n depends on h_n only)."""
+    leaf = h.detach().to(F64).requires_grad_()
+    logp, _ = reference.logprobs_and_entropy(leaf, w.to(F64), y, b.to(F64), compute_dtype=F64, **transform)
+    logp.sum().backward()
+    return leaf.grad
+
+
+@pytest.mark.parametrize("transform", [dict(), dict(softcap=20.0, logit_scale=0.8, temperature=0.35)],
+                         ids=["plain", "softcap-scale-temperature"])
+@pytest.mark.parametrize("gemm_dtype", [torch.float16, torch.bfloat16])
+def test_frozen_head_grad_keeps_its_precision_on_confident_tokens(gemm_dtype, transform, device):
+    """J with P' rounded to fp16 / bf16, per row relative to the row's largest entry: half the rows confident
+    (1 - p_y from 1e-6 to 1e-3, J that small), half the general batch's; fp32 inputs (only P' is rounded), two
+    vocabulary chunks so that the running max and P''s scale move between chunks."""
+    h_sure, w, b, y_sure = confident_batch(N // 2, D, V, torch.float32, transform)
+    g = torch.Generator().manual_seed(2)
+    h_unsure = torch.randn(N - N // 2, D, generator=g) * 2.0
+    h, y = torch.cat([h_sure, h_unsure]), torch.cat([y_sure, torch.randint(0, V, (N - N // 2,), generator=g)])
+    expected = _reference_frozen_grad(h, w, b, y, transform)
+    cfg = (kconfig.frozen_head_config(device) if device.type == "cuda"
+           else kconfig.FrozenHeadConfig(**_TILES, gemm_fp32=True))
+    *_, grad = kfrozen.forward_frozen_head(h.to(device), w.to(device), y.to(device), b.to(device),
+                                           LogitTransform(**transform), False, cfg, vocab_chunk=3072,
+                                           gemm_dtype=gemm_dtype)
+    row_errors = ((grad.cpu().to(F64) - expected).abs().amax(dim=1) / expected.abs().amax(dim=1))
+    worst = row_errors.max().item()
+    assert worst <= TOL[gemm_dtype], f"worst row {row_errors.argmax().item()}: {worst:.3g}; confident rows " \
+                                     f"{row_errors[:N // 2].max().item():.3g}, others {row_errors[N // 2:].max().item():.3g}"
