@@ -3,15 +3,11 @@ CUDA (TRITON_INTERPRET=1 is set here, before triton.jit runs), compiled on a CUD
 
 import os
 
-import torch  # noqa: E402
+import torch
 
-
-def _cuda_present():
-    # torch.cuda.is_available() without initialising CUDA (a fork-safe check; the multi-process tests spawn anyway)
-    return torch.cuda.is_available()
-
-
-if not _cuda_present():
+# before any triton.jit runs (the test modules import grpo_fast after this file); TRITON_INTERPRET=1 set by hand
+# keeps a CUDA machine on the interpreter
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -55,8 +51,7 @@ def _seed():
 
 def _kernel_device():
     """Where the kernel tests put their tensors: a CUDA GPU (kernels compiled) when one is present and the
-    interpreter is off (TRITON_INTERPRET=1 set by hand keeps a CUDA machine on the CPU), else the CPU (Triton's
-    interpreter)."""
+    interpreter is off, else the CPU (Triton's interpreter)."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
 
@@ -68,12 +63,6 @@ KERNEL_DEVICE = _kernel_device()
 def device():
     """The kernel tests' device (``_kernel_device``): build every tensor a kernel test feeds grpo_fast on it."""
     return KERNEL_DEVICE
-
-
-# for the few kernel tests that must feed Triton CPU tensors (FLOP counts of the CPU path, gloo process groups):
-# they run under the interpreter only
-interpreter_only = pytest.mark.skipif(KERNEL_DEVICE.type == "cuda", reason="Triton kernels on CPU tensors: "
-                                      "the interpreter's (TRITON_INTERPRET=1); the kernels are compiled here")
 
 
 def backend_device(backend, device):
@@ -92,6 +81,9 @@ def backend_device(backend, device):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "interpreter_only: feeds the Triton kernels CPU tensors (FLOP counts of the CPU path, gloo process "
+                   "groups, TRL's CPU models): skipped where the kernels are compiled (a CUDA device)")
     config.addinivalue_line(
         "markers", "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
                    "beyond a covering subset; deselect with -m 'not slow' for the fast tier")
@@ -112,6 +104,12 @@ def _parameter_values(item):
 
 
 def pytest_collection_modifyitems(config, items):
+    if KERNEL_DEVICE.type == "cuda":
+        compiled = pytest.mark.skip(reason="Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1); "
+                                           "the kernels are compiled here")
+        for item in items:
+            if item.get_closest_marker("interpreter_only") is not None:
+                item.add_marker(compiled)
     families = {}
     for item in items:
         callspec = getattr(item, "callspec", None)

@@ -22,7 +22,7 @@ from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 import grpo_fast
 
-from conftest import assert_grad_close, backend_device, grad_rtol, interpreter_only
+from conftest import assert_grad_close, backend_device, grad_rtol
 from helpers import matmul_flops
 
 F64 = torch.float64
@@ -242,7 +242,7 @@ def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entro
     assert_grad_close(leaf.grad, ref_leaf.grad.float(), dtype, "hidden")
 
 
-@interpreter_only  # FlopCounterMode counts the CPU path's fp32 GEMMs
+@pytest.mark.interpreter_only  # FlopCounterMode counts the CPU path's fp32 GEMMs
 def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     # the Triton path's cuBLAS / torch GEMMs (its Triton kernel has no dot), on a shape the interpreter runs quickly
     N, D, V = 32, 32, 512

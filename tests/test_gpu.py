@@ -1,10 +1,11 @@
-"""The compiled Triton kernels on a CUDA GPU against the fp64 reference (skipped without CUDA).
+"""What only a CUDA GPU checks: the compiled kernels at larger shapes (bf16 / fp16 on tensor cores, tensors past
+2^31 elements) against the fp64 reference (skipped without CUDA).
 
-On a machine with CUDA the README's `pytest` runs this file in a subprocess with the interpreter off
-(tests/test_gpu_compiled.py); alone:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
+On a machine with CUDA the plain `pytest` runs the kernel tests compiled (tests/conftest.py leaves the interpreter
+off there: the ``device`` fixture is the GPU), this file included; alone:  pytest tests/test_gpu.py
 Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = dL/du rounded to bf16, so gradients
-match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
-fp32 dots and match tightly.
+match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE fp32 dots and match tightly
+(conftest.GRAD_TOL's "cuda" row).
 """
 
 import itertools
@@ -17,13 +18,14 @@ from grpo_fast import reference
 from grpo_fast.autograd import LinearLogprobs
 from grpo_fast.kernels.config import LogitTransform, interpreting
 
+from conftest import grad_rtol
+
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 in this process (tests/conftest.py): on a CUDA "
-                                              "machine tests/test_gpu_compiled.py runs this file with it off"),
+    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 in this process: the kernels are not compiled"),
 ]
 
-GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+GPU_TOL = {dtype: grad_rtol("cuda", dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def _max_rel(a, b):
