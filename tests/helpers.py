@@ -11,31 +11,37 @@ import torch
 from grpo_fast import reference
 
 
-def head_inputs(B, T, D, V, dtype=torch.float32, scale=0.3, bias=True, seed=0, generator=None):
+def head_inputs(B, T, D, V, dtype=torch.float32, scale=0.3, bias=True, seed=0, generator=None, device="cpu"):
     """(hidden [B, T, D], lm_head weight [V, D] times ``scale``, bias [V] or None, targets [B, T]) in ``dtype``
-    (targets int64), drawn from ``generator`` (default: a fresh one seeded with ``seed``)."""
+    (targets int64) on ``device``, drawn on CPU from ``generator`` (default: a fresh one seeded with ``seed``): the
+    same numbers on every device."""
     g = torch.Generator().manual_seed(seed) if generator is None else generator
-    hidden = torch.randn(B, T, D, generator=g).to(dtype)
-    weight = (torch.randn(V, D, generator=g) * scale).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
-    targets = torch.randint(0, V, (B, T), generator=g)
+    hidden = torch.randn(B, T, D, generator=g).to(device, dtype)
+    weight = (torch.randn(V, D, generator=g) * scale).to(device, dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(device, dtype) if bias else None
+    targets = torch.randint(0, V, (B, T), generator=g).to(device)
     return hidden, weight, b, targets
 
 
+def randn(*shape, generator, device="cpu"):
+    """torch.randn drawn on CPU from ``generator`` (the same numbers on every device), on ``device``."""
+    return torch.randn(*shape, generator=generator).to(device)
+
+
 def make_batch(B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_scale=0.3, masked_row=True,
-               seed=0):
+               seed=0, device="cpu"):
     """Hidden states, lm_head, targets (``head_inputs``), then advantages, a mask with a fully masked sequence and
-    old / reference log-probs near the true ones, from the same generator."""
+    old / reference log-probs near the true ones, from the same generator (CPU), on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    hidden, weight, b, targets = head_inputs(B, T, D, V, dtype, logit_scale, bias, generator=g)
-    mask = torch.rand(B, T, generator=g) > 0.3
+    hidden, weight, b, targets = head_inputs(B, T, D, V, dtype, logit_scale, bias, generator=g, device=device)
+    mask = (torch.rand(B, T, generator=g) > 0.3).to(device)
     mask[0, 0] = True
     if masked_row and B > 1:
         mask[1] = False
-    advantages = torch.randn(B, generator=g)
+    advantages = randn(B, generator=g, device=device)
     true_logp = reference.logprobs(hidden, weight, targets, b)
-    old = true_logp + 0.3 * torch.randn(B, T, generator=g)
-    ref = true_logp + 0.3 * torch.randn(B, T, generator=g)
+    old = true_logp + 0.3 * randn(B, T, generator=g, device=device)
+    ref = true_logp + 0.3 * randn(B, T, generator=g, device=device)
     return dict(hidden=hidden, weight=weight, bias=b, targets=targets, mask=mask, advantages=advantages,
                 old=old, ref=ref, generator=g)
 

@@ -1,4 +1,6 @@
-"""grpo_fast.loss end to end (fused layer 1 + token kernel) against grpo_fast.reference.loss, and bad input."""
+"""grpo_fast.loss end to end (fused layer 1 + token kernel) against grpo_fast.reference.loss, and bad input.
+
+The Triton backend runs on the ``device`` fixture (the interpreter on CPU, compiled on a CUDA GPU), torch on CPU."""
 
 import itertools
 
@@ -8,7 +10,7 @@ import torch
 import grpo_fast
 from grpo_fast import reference
 
-from conftest import assert_grad_close
+from conftest import assert_grad_close, backend_device
 from helpers import make_batch, run_loss
 
 
@@ -35,21 +37,22 @@ def _check_against_reference(batch, dtype, backend, requires=("hidden", "weight"
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss_type, level", list(itertools.product(reference.LOSS_TYPES, ("token", "sequence"))))
-def test_loss_matches_reference(backend, dtype, loss_type, level):
-    batch = make_batch(dtype=dtype, bias=True)
+def test_loss_matches_reference(backend, dtype, loss_type, level, device):
+    batch = make_batch(dtype=dtype, bias=True, device=backend_device(backend, device))
     _check_against_reference(batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"],
                              beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
                              importance_sampling_level=level, temperature=0.7, max_completion_length=9)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_loss_with_every_option_at_once(backend):
-    batch = make_batch(B=2, T=13, D=40, V=257, bias=True, seed=3)
+def test_loss_with_every_option_at_once(backend, device):
+    dev = backend_device(backend, device)
+    batch = make_batch(B=2, T=13, D=40, V=257, bias=True, seed=3, device=dev)
     g = batch["generator"]
     _check_against_reference(
-        batch, torch.float32, backend, advantages=torch.randn(2, 13, generator=g), old_logprobs=batch["old"],
+        batch, torch.float32, backend, advantages=torch.randn(2, 13, generator=g).to(dev), old_logprobs=batch["old"],
         ref_logprobs=batch["ref"], beta=0.1, epsilon=0.1, epsilon_high=0.3, delta=1.2,
-        importance_weights=torch.rand(2, 13, generator=g) * 2, temperature=1.3, num_items_in_batch=31)
+        importance_weights=(torch.rand(2, 13, generator=g) * 2).to(dev), temperature=1.3, num_items_in_batch=31)
 
 
 # TRL 1.16's options end to end, each on the fused path (entropy gradients through layer 1 included)
@@ -67,18 +70,19 @@ OPTIONS = {
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_trl_options_end_to_end(backend, dtype, option):
-    batch = make_batch(dtype=dtype, bias=True, seed=7)
+def test_trl_options_end_to_end(backend, dtype, option, device):
+    dev = backend_device(backend, device)
+    batch = make_batch(dtype=dtype, bias=True, seed=7, device=dev)
     kw = dict(OPTIONS[option])
     if kw.get("importance_weights") == "per-sequence":
-        kw["importance_weights"] = torch.rand(3, 1, generator=batch["generator"]) + 0.5
+        kw["importance_weights"] = (torch.rand(3, 1, generator=batch["generator"]) + 0.5).to(dev)
     _check_against_reference(batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04,
                              **kw)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_on_policy_frozen_lm_head_like_lora(backend):
-    batch = make_batch(seed=4)
+def test_on_policy_frozen_lm_head_like_lora(backend, device):
+    batch = make_batch(seed=4, device=backend_device(backend, device))
     _, metrics, grads = _check_against_reference(batch, torch.float32, backend, requires=("hidden",),
                                                  loss_type="grpo")
     assert grads["weight"] is None
@@ -86,8 +90,8 @@ def test_on_policy_frozen_lm_head_like_lora(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend):
-    batch = make_batch(seed=5)
+def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend, device):
+    batch = make_batch(seed=5, device=backend_device(backend, device))
     _, metrics = grpo_fast.loss(batch["hidden"], batch["weight"], batch["targets"], batch["advantages"],
                                 batch["mask"], backend=backend)
     expected_logp, expected_entropy = reference.logprobs_and_entropy(batch["hidden"], batch["weight"],
@@ -101,8 +105,8 @@ def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_empty_mask_gives_zero_loss_and_zero_gradients(backend):
-    batch = make_batch(seed=6)
+def test_empty_mask_gives_zero_loss_and_zero_gradients(backend, device):
+    batch = make_batch(seed=6, device=backend_device(backend, device))
     batch["mask"] = torch.zeros_like(batch["mask"])
     loss, metrics, grads = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch,
                                     old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04)
@@ -185,7 +189,7 @@ def test_mixed_devices_are_rejected():
         grpo_fast.loss(**_good(completion_mask=meta_mask))
 
 
-def test_a_vocabulary_beyond_the_triton_grid_is_a_named_error():
+def test_a_vocabulary_beyond_the_triton_grid_is_a_named_error(device):
     """The backward's grid has at most 65535 vocabulary tiles (kernels/config.py): a larger head is refused before
     any launch on the Triton backend, and the torch backend takes it."""
     from grpo_fast.kernels import config as kconfig
@@ -193,11 +197,12 @@ def test_a_vocabulary_beyond_the_triton_grid_is_a_named_error():
     V = kconfig.MAX_VOCAB + 1
     hidden, weight = torch.randn(1, 2, 1), torch.randn(V, 1)
     targets = torch.tensor([[0, V - 1]])
+    on_device = [x.to(device) for x in (hidden, weight, targets)]
     for fn in (grpo_fast.logprobs, grpo_fast.logprobs_and_entropy):
         with pytest.raises(ValueError, match=f"weight has V = {V} rows; the Triton kernels take at most"):
-            fn(hidden, weight, targets, backend="triton")
+            fn(*on_device, backend="triton")
     with pytest.raises(ValueError, match="the Triton kernels take at most"):
-        grpo_fast.loss(hidden, weight, targets, torch.zeros(1), torch.ones(1, 2), backend="triton")
+        grpo_fast.loss(*on_device, torch.zeros(1, device=device), torch.ones(1, 2, device=device), backend="triton")
     # fp64 truth: an fp32 log-softmax over 4.2M entries is itself off by a few 1e-5 nat
     expected = torch.log_softmax(hidden[0].double() @ weight.double().T, dim=-1).gather(1, targets.T).T.float()
     torch.testing.assert_close(grpo_fast.logprobs(hidden, weight, targets, backend="torch"), expected)

@@ -3,7 +3,8 @@
 There 1 - p_y and mean - z_y are 1e-6-sized, and a backward that forms them by subtraction (1 - exp(z_y - lse),
 mean - z_y) loses them to fp32 rounding (a relative error of 1e-2 in dH and dW). The general path carries them from
 the forward's record (grpo_fast/kernels/softmax_stats.py) instead. Checked against fp64 on the torch backend and on
-the Triton kernels (interpreter: chunked and fused backward), with a soft-cap, temperature and logit scale, a bias,
+the Triton kernels (chunked and fused backward; on the ``device`` fixture: the interpreter on CPU, compiled on a
+CUDA GPU), with a soft-cap, temperature and logit scale, a bias,
 an entropy bonus (dL/dentropy), odd shapes and rows without a gradient (masked); errors relative to the largest
 entry of each gradient.
 """
@@ -15,10 +16,12 @@ from grpo_fast import reference
 from grpo_fast.autograd import LinearLogprobs
 from grpo_fast.kernels.config import LogitTransform
 
+from conftest import backend_device
+
 F64 = torch.float64
 # max |error| / max |entry| against fp64 (from the same rounded inputs). fp32: the goal (measured: 3.4e-6 at most).
 # bf16: the chunked backward rounds g to bf16 for the GEMMs and every gradient is returned in bf16 (2^-9 relative;
-# measured 4.9e-3 at most)
+# measured 4.9e-3 at most); tests/test_gpu.py holds a compiled GPU to the same bounds at larger shapes
 GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 TRANSFORMS = {
     "plain": dict(),
@@ -86,16 +89,17 @@ CASES = [("torch", "chunked"), ("triton", "chunked"), ("triton", "fused")]
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_confident_tokens_match_fp64(backend, backward_mode, transform, shape, dtype):
+def test_confident_tokens_match_fp64(backend, backward_mode, transform, shape, dtype, device):
     N, D, V = shape
     kw = TRANSFORMS[transform]
-    h, w, b, y = confident_batch(N, D, V, dtype, kw)
+    dev = backend_device(backend, device)
+    h, w, b, y = (x.to(dev) for x in confident_batch(N, D, V, dtype, kw))
     mass = _nontarget_mass(h, w, b, y, kw)
     # the batch is what it claims: every token confident, down to 1e-6 (bf16 rounding of h moves the values a bit)
     assert mass.max() < 3e-3 and mass.min() < 3e-6, (mass.min().item(), mass.max().item())
     g = torch.Generator().manual_seed(1)
-    grad_logp = torch.randn(N, generator=g)
-    grad_entropy = 0.1 * torch.randn(N, generator=g)
+    grad_logp = torch.randn(N, generator=g).to(dev)
+    grad_entropy = 0.1 * torch.randn(N, generator=g).to(dev)
     grad_logp[1] = grad_entropy[1] = 0.0  # a row without a gradient (a masked token)
     expected = _gradients(h, w, b, y, kw, grad_logp.to(F64), grad_entropy.to(F64))
     actual = _gradients(h, w, b, y, kw, grad_logp, grad_entropy, backend, backward_mode)
@@ -107,13 +111,14 @@ def test_confident_tokens_match_fp64(backend, backward_mode, transform, shape, d
 
 
 @pytest.mark.parametrize("backend,backward_mode", CASES)
-def test_an_entropy_only_loss_is_exact_too(backend, backward_mode):
+def test_an_entropy_only_loss_is_exact_too(backend, backward_mode, device):
     # the entropy's target column is p_y (mean - z_y): 1e-6-sized, carried from the forward as well
     N, D, V = SHAPES[0]
     kw = TRANSFORMS["softcap-temperature"]
-    h, w, b, y = confident_batch(N, D, V, torch.float32, kw, seed=3)
-    grad_entropy = torch.randn(N, generator=torch.Generator().manual_seed(2))
-    zero = torch.zeros(N)
+    dev = backend_device(backend, device)
+    h, w, b, y = (x.to(dev) for x in confident_batch(N, D, V, torch.float32, kw, seed=3))
+    grad_entropy = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(dev)
+    zero = torch.zeros(N, device=dev)
     errors = relative_errors(_gradients(h, w, b, y, kw, zero, grad_entropy, backend, backward_mode),
                              _gradients(h, w, b, y, kw, zero.to(F64), grad_entropy.to(F64)))
     assert max(errors.values()) <= GRAD_TOL[torch.float32], errors

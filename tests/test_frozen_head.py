@@ -1,11 +1,13 @@
 """The frozen-head forward (a frozen lm_head: only dH needed): J = d logp / d h built in the forward, dH = c J.
 
 Both paths: the chunked torch one (grpo_fast.torch_backend.forward_frozen_head) and the Triton one
-(grpo_fast.kernels.forward_frozen, through Triton's interpreter here: conftest sets TRITON_INTERPRET=1), against the
+(grpo_fast.kernels.forward_frozen, through Triton's interpreter on CPU, compiled on a CUDA GPU: the ``device``
+fixture; the torch path on CPU), against the
 fp64 reference's autograd (J = d(sum logp)/dh, dH = d(sum c logp)/dh); the forward's outputs against today's
 forward. Small token and vocabulary chunks are forced so that the running max moves between chunks, the
 target falls in every chunk position and the token loop runs several times. The "triton-bf16-gemm" case rounds P'
-to bf16 as a GPU does (written over the fp32 u buffer's bytes), and only the GEMMs are computed on fp32 operands.
+to bf16 as a GPU does (written over the fp32 u buffer's bytes); under the interpreter the GEMMs are computed on fp32
+operands.
 Also: the matmul FLOPs of a frozen-head forward + backward (at most 2.2 x 2NDV), the path through
 grpo_fast.autograd.LinearLogprobs (entropy gradient included: the recompute fallback) and grpo_fast.loss, which takes
 it by itself for a frozen weight and equals the recompute path.
@@ -20,20 +22,21 @@ from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 import grpo_fast
 
-from conftest import HALF_GRAD_RTOL, assert_grad_close
+from conftest import assert_grad_close, backend_device, grad_rtol
 from helpers import matmul_flops
 
 F64 = torch.float64
 PATHS = ["torch", "triton", "triton-bf16-gemm"]
 
 
-def _inputs(N, D, V, dtype, scale=0.3, bias=True, seed=0):
+def _inputs(N, D, V, dtype, scale=0.3, bias=True, seed=0, device="cpu"):
+    """(hidden, weight, bias, targets, dL/dlogp), drawn on CPU, on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, D, generator=g).to(dtype)
-    w = (torch.randn(V, D, generator=g) * scale).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
-    y = torch.randint(0, V, (N,), generator=g)
-    c = torch.randn(N, generator=g)
+    h = torch.randn(N, D, generator=g).to(device, dtype)
+    w = (torch.randn(V, D, generator=g) * scale).to(device, dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(device, dtype) if bias else None
+    y = torch.randint(0, V, (N,), generator=g).to(device)
+    c = torch.randn(N, generator=g).to(device)
     return h, w, b, y, c
 
 
@@ -84,9 +87,12 @@ def _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=True, **transfo
         else:  # u from one GEMM instead of the forward kernel's tiles: fp32 rounding of another summation order
             torch.testing.assert_close(a, t, rtol=1e-6, atol=1e-5, msg=lambda m: f"{name}: {m}")
     grad_hidden = (c[:, None] * jac).to(dtype)  # the backward: dH = c J
-    if path == "triton-bf16-gemm":  # P' rounded to bf16 for the GEMM, as backward.py rounds g
+    # P' rounded to bf16 for the GEMM, as backward.py rounds g: asked for, or a GPU's bf16 inputs
+    rounded = path == "triton-bf16-gemm" or (path == "triton" and dtype != torch.float32
+                                             and not kconfig.frozen_head_config(h.device).gemm_fp32)
+    if rounded:
         err = (jac.double() - ref_jac).abs().max().item()
-        assert err <= HALF_GRAD_RTOL[torch.bfloat16] * ref_jac.abs().max().item(), err
+        assert err <= grad_rtol(h.device, torch.bfloat16) * ref_jac.abs().max().item(), err
     else:  # fp32 accumulation everywhere: J is fp32-exact whatever the input dtype
         assert_grad_close(jac, ref_jac.float(), torch.float32, "J")
         assert (jac.double() - ref_jac).abs().max() <= 1e-5 * ref_jac.abs().max()
@@ -113,10 +119,11 @@ PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{str(d).split('.')[-1]}") for p in PA
 
 @pytest.mark.parametrize("path, dtype", PATH_DTYPES)
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_transforms_with_and_without_bias(path, dtype, transform, monkeypatch):
+def test_transforms_with_and_without_bias(path, dtype, transform, monkeypatch, device):
     # N 37, D 29, V 203: no block multiple, V not a power of two; 3 token chunks x 4 vocabulary chunks
     scale, kw = TRANSFORMS[transform]
-    h, w, b, y, c = _inputs(37, 29, 203, dtype, scale=scale, bias=transform != "none")
+    h, w, b, y, c = _inputs(37, 29, 203, dtype, scale=scale, bias=transform != "none",
+                            device=backend_device(path, device))
     _check(path, dtype, h, w, b, y, c, monkeypatch, **kw)
 
 
@@ -128,22 +135,23 @@ def test_softcap_really_saturates_in_the_saturated_case():
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", [(1, 24, 50), (3, 70, 131), (20, 16, 1000)])
-def test_odd_shapes_one_token_and_default_chunks(path, shape, monkeypatch):
+def test_odd_shapes_one_token_and_default_chunks(path, shape, monkeypatch, device):
     # the default chunking (one token chunk; the vocabulary in one chunk for fp32, two for bf16 u-sized chunks)
     N, D, V = shape
     dtype = torch.bfloat16 if path == "triton-bf16-gemm" else torch.float32
-    h, w, b, y, c = _inputs(N, D, V, dtype)
+    h, w, b, y, c = _inputs(N, D, V, dtype, device=backend_device(path, device))
     _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=False, temperature=0.9)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_minus_inf_bias_and_a_whole_chunk_of_minus_inf(path, softcap, monkeypatch):
+def test_minus_inf_bias_and_a_whole_chunk_of_minus_inf(path, softcap, monkeypatch, device):
     # a bias that removes most of the vocabulary, the whole first vocabulary chunk included (its running max is -inf:
     # the pivot stays finite, the next chunk's rescale is 0), logits of size ~1e3; with a soft-cap the removed
     # entries sit at -softcap / temperature and have slope 0
-    h, w, _, y, c = _inputs(9, 16, 300, torch.float32, scale=30.0, bias=False)
-    bias = torch.full((300,), float("-inf"))
+    dev = backend_device(path, device)
+    h, w, _, y, c = _inputs(9, 16, 300, torch.float32, scale=30.0, bias=False, device=dev)
+    bias = torch.full((300,), float("-inf"), device=dev)
     bias[70::7] = 0.0
     y = 70 + ((y % 230) // 7) * 7
     out = _frozen(path, h, w, bias, y, dict(softcap=softcap), True, monkeypatch)
@@ -155,7 +163,7 @@ def test_minus_inf_bias_and_a_whole_chunk_of_minus_inf(path, softcap, monkeypatc
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_confident_tokens_keep_their_gradient(path, monkeypatch):
+def test_confident_tokens_keep_their_gradient(path, monkeypatch, device):
     # a target logit far above the rest: 1 - p_y from 1e-4 down to 4e-10, below fp32's resolution of p_y near 1.
     # J = (s'_y R W_y - sum_{v != y} e_v s'_v W_v) / S never forms 1 - p_y by cancellation, so each row of J keeps
     # fp32's relative precision (the recompute path's c (onehot - p) was seen 0.6 % to 160 % off on these rows).
@@ -165,7 +173,8 @@ def test_confident_tokens_keep_their_gradient(path, monkeypatch):
     y = torch.randint(0, V, (N,), generator=g)
     direction = w[y] / w[y].norm(dim=1, keepdim=True) ** 2
     h = 0.3 * torch.randn(N, D, generator=g) + 4 * direction * torch.linspace(5, 10, N)[:, None]
-    ref_logp, _, ref_jac, _ = _truth(h, w, None, y, torch.ones(N))
+    h, w, y = (x.to(backend_device(path, device)) for x in (h, w, y))
+    ref_logp, _, ref_jac, _ = _truth(h, w, None, y, torch.ones(N, device=h.device))
     assert (ref_logp > -1e-4).all() and (ref_logp < -1e-10).all()
     jac = _frozen(path, h, w, None, y, {}, True, monkeypatch)[3].double()
     row_err = (jac - ref_jac).abs().max(1).values / ref_jac.abs().max(1).values
@@ -217,10 +226,10 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entropy_grad):
+def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entropy_grad, device):
     # the frozen-head path through autograd: a loss on logp (and on the entropy, which takes the fallback) vs fp64
-    h, w, b, y, c = _inputs(11, 29, 203, dtype)
-    e = torch.randn(11, generator=torch.Generator().manual_seed(7))
+    h, w, b, y, c = _inputs(11, 29, 203, dtype, device=backend_device(backend, device))
+    e = torch.randn(11, generator=torch.Generator().manual_seed(7)).to(h.device)
     kw = dict(softcap=3.0, temperature=0.8)
     t = kconfig.LogitTransform(**kw)
     leaf = h.clone().requires_grad_()
@@ -234,6 +243,7 @@ def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entro
     assert_grad_close(leaf.grad, ref_leaf.grad.float(), dtype, "hidden")
 
 
+@pytest.mark.interpreter_only  # FlopCounterMode counts the CPU path's fp32 GEMMs
 def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     # the Triton path's cuBLAS / torch GEMMs (its Triton kernel has no dot), on a shape the interpreter runs quickly
     N, D, V = 32, 32, 512
@@ -244,7 +254,7 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     assert flops == 2 * (2 * N * D * V)
 
 
-def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3):
+def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     hidden = (torch.randn(B, T, D, generator=g) * 0.5).to(dtype)
     weight = (torch.randn(V, D, generator=g) * 0.5).to(dtype)
@@ -255,8 +265,9 @@ def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3):
     mask[2] = False      # a fully masked row
     adv = torch.randn(B, generator=g)
     logp = reference.logprobs(hidden, weight, targets)
-    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv,
-                old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T, generator=g))
+    batch = dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv,
+                 old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T, generator=g))
+    return {name: x.to(device) for name, x in batch.items()}
 
 
 def _frozen_forward_calls(monkeypatch):
@@ -281,10 +292,10 @@ def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
 @pytest.mark.parametrize("loss_kw", [dict(loss_type="dapo"), dict(loss_type="grpo", importance_sampling_level="sequence"),
                                      dict(loss_type="cispo", softcap=4.0, temperature=0.7),
                                      dict(loss_type="dapo", entropy_coef=0.01)])
-def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(backend, dtype, loss_kw):
+def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(backend, dtype, loss_kw, device):
     """grpo_fast.loss with a frozen weight (the frozen-head path; with an entropy bonus, the general path) gives the
     loss, metrics and dH of the same call with a trainable weight (the recompute path) and of the fp64 spec."""
-    x = _loss_batch(dtype=dtype)
+    x = _loss_batch(dtype=dtype, device=backend_device(backend, device))
     frozen_loss, frozen_metrics, frozen_dh = _loss_grad_hidden(x, False, backend, **loss_kw)
     loss, metrics, dh = _loss_grad_hidden(x, True, backend, **loss_kw)
     torch.testing.assert_close(frozen_loss, loss, rtol=1e-6, atol=1e-7)
@@ -331,11 +342,11 @@ def test_loss_with_a_frozen_head_does_two_vocabulary_sweeps():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_general_head_path_turns_the_frozen_path_off(backend, monkeypatch):
+def test_general_head_path_turns_the_frozen_path_off(backend, monkeypatch, device):
     """head_path="general" (the benchmark's comparison row) takes the general path with a frozen weight, "auto" the
     frozen-head path, with the same dH; an unknown head path or backward mode is an error naming the argument."""
     calls = _frozen_forward_calls(monkeypatch)
-    h, w, b, y, c = _inputs(11, 29, 203, torch.float32)
+    h, w, b, y, c = _inputs(11, 29, 203, torch.float32, device=backend_device(backend, device))
     t = kconfig.LogitTransform(temperature=0.8)
 
     def grad_hidden(head_path, backward_mode="chunked"):

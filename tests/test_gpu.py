@@ -1,10 +1,11 @@
-"""The compiled Triton kernels on a CUDA GPU against the fp64 reference (skipped without CUDA).
+"""What only a CUDA GPU checks: the compiled kernels at larger shapes (bf16 / fp16 on tensor cores, tensors past
+2^31 elements) against the fp64 reference (skipped without CUDA).
 
-On a machine with CUDA the README's `pytest` runs this file in a subprocess with the interpreter off
-(tests/test_gpu_compiled.py); alone:  TRITON_INTERPRET=0 pytest tests/test_gpu.py
+On a machine with CUDA the plain `pytest` runs the kernel tests compiled (tests/conftest.py leaves the interpreter
+off there: the ``device`` fixture is the GPU), this file included; alone:  pytest tests/test_gpu.py
 Tolerance on a GPU in bf16: the backward feeds bf16 tensor cores with g = dL/du rounded to bf16, so gradients
-match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE
-fp32 dots and match tightly.
+match the fp64 reference to about 1% of their largest entry; fp32 inputs use IEEE fp32 dots and match tightly
+(conftest.GRAD_TOL's "cuda" row).
 """
 
 import itertools
@@ -17,13 +18,14 @@ from grpo_fast import reference
 from grpo_fast.autograd import LinearLogprobs
 from grpo_fast.kernels.config import LogitTransform, interpreting
 
+from conftest import grad_rtol
+
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 in this process (tests/conftest.py): on a CUDA "
-                                              "machine tests/test_gpu_compiled.py runs this file with it off"),
+    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 in this process: the kernels are not compiled"),
 ]
 
-GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+GPU_TOL = {dtype: grad_rtol("cuda", dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def _max_rel(a, b):
@@ -137,22 +139,6 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
     hidden, weight, bias, targets, mask, adv, old, ref = _cuda_batch(2, 4, 157, 264, 5003, dtype)
     _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
                             beta=0.04, **options)
-
-
-def test_weight_gradient_accumulates_chunk_products_in_fp32():
-    # bf16 g^T H of many chunks is added to the fp32 dW inside the GEMM (torch.addmm out_dtype): no chunk's product
-    # is rounded to bf16 first (2^-9 relative), so the sum stays within fp32 rounding of the exact one
-    from grpo_fast.kernels.gemm import mm_fp32
-    g = torch.Generator(device="cuda").manual_seed(3)
-    V, D, chunk = 4096, 256, 256
-    grad_weight = torch.zeros(V, D, device="cuda")
-    exact = torch.zeros(V, D, device="cuda", dtype=torch.float64)
-    for _ in range(16):
-        g_rows = torch.randn(chunk, V, device="cuda", generator=g).bfloat16()
-        h_rows = torch.randn(chunk, D, device="cuda", generator=g).bfloat16()
-        mm_fp32(g_rows.T, h_rows, grad_weight, accumulate=True)
-        exact += g_rows.double().T @ h_rows.double()
-    assert _max_rel(grad_weight, exact) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -3,7 +3,8 @@
 Every loss type x importance level x on/off-policy x KL on/off (bias-corrected or not) x per-sequence/per-token
 advantages, plus delta, epsilon_high, importance weights of every shape, the off-policy mask (with NaN sampler
 log-probs), the top-entropy mask, the entropy bonus, fully masked rows, ties on the clip boundary and
-num_items_in_batch.
+num_items_in_batch. The kernel runs on the ``device`` fixture (the interpreter on CPU, compiled on a CUDA GPU); the
+inputs are drawn on CPU and moved there.
 """
 
 import itertools
@@ -15,11 +16,15 @@ import torch
 import grpo_fast
 from grpo_fast import reference
 
+from conftest import backend_device
+
 LOSS_TYPES = reference.LOSS_TYPES
 B, T = 4, 11
 
 
-def _batch(seed=0, per_token_adv=False):
+def _batch(seed=0, per_token_adv=False, device="cpu"):
+    """Log-probs, a mask (a fully masked sequence, a one-token completion), advantages, old / reference log-probs and
+    entropies, drawn on CPU, on ``device``."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g) * 3
     mask = torch.rand(B, T, generator=g) > 0.25
@@ -30,11 +35,18 @@ def _batch(seed=0, per_token_adv=False):
     old = logp + 0.4 * torch.randn(B, T, generator=g)
     ref = logp + 0.4 * torch.randn(B, T, generator=g)
     entropy = torch.rand(B, T, generator=g) * 4
-    return logp, mask, adv, old, ref, entropy
+    return tuple(x.to(device) for x in (logp, mask, adv, old, ref, entropy))
 
 
-def _compare(logp, adv, mask, entropy, **kw):
-    """The kernel's loss, metrics and gradients (log-probs and entropy) equal the reference's autograd."""
+def _on(device, x):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _compare(device, logp, adv, mask, entropy, **kw):
+    """The kernel's loss, metrics and gradients (log-probs and entropy) on ``device`` (every tensor argument is moved
+    there) equal the reference's autograd."""
+    logp, adv, mask, entropy = (_on(device, x) for x in (logp, adv, mask, entropy))
+    kw = {name: _on(device, x) for name, x in kw.items()}
     out = {}
     for backend in ("reference", "triton"):
         leaf = logp.clone().requires_grad_()
@@ -62,23 +74,23 @@ def _compare(logp, adv, mask, entropy, **kw):
 
 @pytest.mark.parametrize("loss_type, level, off_policy, kl, per_token_adv", list(itertools.product(
     LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True))))
-def test_token_kernel_matches_reference(loss_type, level, off_policy, kl, per_token_adv):
+def test_token_kernel_matches_reference(loss_type, level, off_policy, kl, per_token_adv, device):
     logp, mask, adv, old, ref, entropy = _batch(per_token_adv=per_token_adv)
-    _compare(logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
+    _compare(device, logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
              beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected",
              loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, epsilon_high=0.28)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
-def test_delta_and_importance_weights(loss_type, level):
+def test_delta_and_importance_weights(loss_type, level, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=1)
     g = torch.Generator().manual_seed(5)
     per_sequence = torch.rand(B, generator=g) * 2
     for iw in (torch.rand(B, T, generator=g) * 2, per_sequence, per_sequence[:, None]):
         if loss_type == "vespo" and iw.shape != (B, T):
             continue  # TRL rejects VESPO with sequence-level weights: test_vespo_rejects_per_sequence_weights
-        _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
+        _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
                  importance_weights=iw, loss_type=loss_type, importance_sampling_level=level,
                  max_completion_length=T + 3, epsilon=0.1, epsilon_high=0.15, num_items_in_batch=57,
                  sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
@@ -86,20 +98,21 @@ def test_delta_and_importance_weights(loss_type, level):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
 @pytest.mark.parametrize("delta", [None, 1.0])
-def test_ties_on_the_clip_boundary_follow_torch_min_and_clamp(loss_type, delta):
+def test_ties_on_the_clip_boundary_follow_torch_min_and_clamp(loss_type, delta, device):
     # on-policy the ratio is exactly 1; with epsilon = 0 it sits on both clamp bounds (and on delta = 1):
     # both min branches tie, clamp passes the gradient on its bounds, torch.min splits a tie in half
     logp = -torch.rand(2, 5)
     adv = torch.tensor([[1.0, -1.0, -2.0, 0.5, 0.0], [3.0, 0.0, -1.0, 1.0, 2.0]])
-    _compare(logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0, delta=delta)
+    _compare(device, logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0,
+             delta=delta)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_all_masked_batch_is_zero_not_nan(loss_type):
-    logp, _, adv, old, ref, entropy = _batch()
-    logp[0, 0] = float("-inf")  # garbage under the mask must not leak
-    mask = torch.zeros(B, T, dtype=torch.bool)
+def test_all_masked_batch_is_zero_not_nan(loss_type, device):
     for backend in ("triton", "torch"):
+        logp, _, adv, old, ref, entropy = _batch(device=backend_device(backend, device))
+        logp[0, 0] = float("-inf")  # garbage under the mask must not leak
+        mask = torch.zeros(B, T, dtype=torch.bool, device=logp.device)
         leaf = logp.clone().requires_grad_()
         loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, old_logprobs=old, ref_logprobs=ref,
                                              beta=0.04, loss_type=loss_type, max_completion_length=T, backend=backend)
@@ -113,10 +126,10 @@ def test_all_masked_batch_is_zero_not_nan(loss_type):
         assert all(math.isnan(metrics[k].item()) for k in undefined & set(metrics))
 
 
-def test_num_items_in_batch_tensor_and_float_agree():
-    logp, mask, adv, old, _, _ = _batch()
-    a, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=torch.tensor(40.0),
-                                backend="triton")
+def test_num_items_in_batch_tensor_and_float_agree(device):
+    logp, mask, adv, old, _, _ = _batch(device=device)
+    a, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old,
+                                num_items_in_batch=torch.tensor(40.0, device=device), backend="triton")
     b, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40, backend="triton")
     c, _ = reference.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40)
     assert a.item() == b.item()
@@ -133,7 +146,7 @@ def test_vespo_rejects_per_sequence_weights():
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
 @pytest.mark.parametrize("per_token_adv", (False, True))
-def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_token_adv):
+def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_token_adv, device):
     # sampler log-probs far off the policy on some sequences, NaN where the sampler could not score a token
     logp, mask, adv, old, ref, entropy = _batch(seed=2, per_token_adv=per_token_adv)
     g = torch.Generator().manual_seed(7)
@@ -142,26 +155,26 @@ def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_to
     sampler[1, :3] = float("nan")
     for sampling in (sampler, None):  # None: the old policy's log-probs are the sampler's
         for threshold in (0.05, 0.5):
-            _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+            _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
                      sampling_logprobs=sampling, off_policy_mask_threshold=threshold, loss_type=loss_type,
                      importance_sampling_level=level, max_completion_length=T)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
-def test_top_entropy_mask_and_entropy_bonus(loss_type, level):
+def test_top_entropy_mask_and_entropy_bonus(loss_type, level, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=3)
     for kw in (dict(top_entropy_quantile=0.2), dict(entropy_coef=0.01),
                dict(top_entropy_quantile=0.5, entropy_coef=0.03), dict(top_entropy_quantile=0.0),
                dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02)):
-        _, metrics, _ = _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+        _, metrics, _ = _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
                                  loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
                                  **kw)
         assert ("policy_loss" in metrics) == ("entropy_coef" in kw)
 
 
-def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens():
-    logp, mask, adv, _, _, entropy = _batch(seed=4)
+def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens(device):
+    logp, mask, adv, _, _, entropy = _batch(seed=4, device=device)
     ent = entropy.clone().requires_grad_()
     loss, metrics = grpo_fast.token_loss(logp, adv, mask, entropy=ent, entropy_coef=0.5, backend="triton")
     loss.backward()
@@ -171,21 +184,21 @@ def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens():
     assert math.isclose(loss.item(), metrics["policy_loss"].item() - bonus.item(), rel_tol=1e-6)
 
 
-def test_top_entropy_quantile_zero_keeps_only_the_highest_entropy_token():
+def test_top_entropy_quantile_zero_keeps_only_the_highest_entropy_token(device):
     # TRL's doc: 0.0 masks all but the highest-entropy token; on-policy dapo, so each kept token gives -A / tokens
-    logp, mask, adv, _, _, entropy = _batch(seed=5)
+    logp, mask, adv, _, _, entropy = _batch(seed=5, device=device)
     leaf = logp.clone().requires_grad_()
     loss, _ = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, top_entropy_quantile=0.0, backend="triton")
     loss.backward()
-    top = torch.where(mask, entropy, torch.tensor(-1.0)).flatten().argmax()
-    expected = torch.zeros(B * T)
+    top = torch.where(mask, entropy, -1.0).flatten().argmax()
+    expected = torch.zeros(B * T, device=device)
     expected[top] = -adv.repeat_interleave(T)[top] / mask.sum()
     torch.testing.assert_close(leaf.grad.flatten(), expected)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_sampler_importance_weights_of_every_mode(mode, loss_type):
+def test_sampler_importance_weights_of_every_mode(mode, loss_type, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=6)
     g = torch.Generator().manual_seed(8)
     sampler = old + 0.3 * torch.randn(B, T, generator=g)
@@ -194,5 +207,5 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type):
     assert iw.shape == ((B, T) if mode.startswith("token") else (B, 1))
     if loss_type == "vespo" and mode.startswith("sequence"):
         return
-    _compare(logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04, importance_weights=iw,
+    _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04, importance_weights=iw,
              loss_type=loss_type, max_completion_length=T)

@@ -3,7 +3,8 @@
 Both backends (the Triton backend with both backward kernels), fp32 / bf16 / fp16, odd shapes, the logit
 transforms (temperature, soft-cap, logit scale, bias), losses on the log-probs, on the entropies and on both,
 masked rows and one-token completions. The Triton backend runs through Triton's interpreter here (conftest sets
-TRITON_INTERPRET=1). The reference runs in fp64: a stricter truth, and immune to the rare imprecise fp32 GEMM
+TRITON_INTERPRET=1) on a machine without CUDA, compiled on a CUDA GPU (the ``device`` fixture); the torch backend
+runs on CPU. The reference runs in fp64: a stricter truth, and immune to the rare imprecise fp32 GEMM
 that torch's CPU BLAS was seen to return for one thread's rows under load (off by 1e-4 in a log-prob).
 """
 
@@ -13,8 +14,8 @@ import torch
 import grpo_fast
 from grpo_fast import reference
 
-from conftest import assert_grad_close
-from helpers import head_inputs
+from conftest import assert_grad_close, backend_device
+from helpers import head_inputs, randn
 
 # the Triton backend has two backward kernels (config.BACKWARD_MODES): chunked g + GEMMs (default), fully fused
 BACKENDS = ["triton", "triton-fused", "torch"]
@@ -64,21 +65,23 @@ def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_ma
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_forward_and_gradients_match_reference(backend, dtype, shape):
+def test_forward_and_gradients_match_reference(backend, dtype, shape, device):
     # a loss on both outputs with random coefficients: dL/dlogp and dL/dentropy both reach hidden, weight, bias
     B, T, D, V = shape
-    h, w, b, y = head_inputs(B, T, D, V, dtype)
+    dev = backend_device(backend, device)
+    h, w, b, y = head_inputs(B, T, D, V, dtype, device=dev)
     g = torch.Generator().manual_seed(1)
-    _check(backend, dtype, h, w, b, y, grad_logp=torch.randn(B, T, generator=g),
-           grad_entropy=torch.randn(B, T, generator=g), temperature=0.8)
+    _check(backend, dtype, h, w, b, y, grad_logp=randn(B, T, generator=g, device=dev),
+           grad_entropy=randn(B, T, generator=g, device=dev), temperature=0.8)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss_on", ["logprobs", "entropy"])
-def test_a_loss_on_one_output_only(backend, dtype, loss_on):
-    h, w, b, y = head_inputs(2, 7, 40, 157, dtype)
-    coef = torch.randn(2, 7, generator=torch.Generator().manual_seed(2))
+def test_a_loss_on_one_output_only(backend, dtype, loss_on, device):
+    dev = backend_device(backend, device)
+    h, w, b, y = head_inputs(2, 7, 40, 157, dtype, device=dev)
+    coef = randn(2, 7, generator=torch.Generator().manual_seed(2), device=dev)
     _check(backend, dtype, h, w, b, y, grad_logp=coef if loss_on == "logprobs" else None,
            grad_entropy=coef if loss_on == "entropy" else None, temperature=1.3)
 
@@ -96,12 +99,13 @@ TRANSFORMS = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_logit_transforms(backend, dtype, transform):
+def test_logit_transforms(backend, dtype, transform, device):
     weight_scale, kw = TRANSFORMS[transform]
-    h, w, b, y = head_inputs(2, 6, 37, 203, dtype, scale=weight_scale)
+    dev = backend_device(backend, device)
+    h, w, b, y = head_inputs(2, 6, 37, 203, dtype, scale=weight_scale, device=dev)
     g = torch.Generator().manual_seed(3)
-    _check(backend, dtype, h, w, b, y, grad_logp=torch.randn(2, 6, generator=g),
-           grad_entropy=torch.randn(2, 6, generator=g), **kw)
+    _check(backend, dtype, h, w, b, y, grad_logp=randn(2, 6, generator=g, device=dev),
+           grad_entropy=randn(2, 6, generator=g, device=dev), **kw)
 
 
 def test_softcap_really_saturates_in_the_saturated_case():
@@ -114,27 +118,30 @@ def test_softcap_really_saturates_in_the_saturated_case():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_rows_and_one_token_completions(backend, dtype):
+def test_masked_rows_and_one_token_completions(backend, dtype, device):
     # only rows with mask 1 are computed; masked targets are never read (-100 as TRL's labels), masked outputs
     # and their gradients are exact zeros
-    h, w, b, y = head_inputs(3, 8, 37, 131, dtype)
-    mask = torch.ones(3, 8, dtype=torch.bool)
+    dev = backend_device(backend, device)
+    h, w, b, y = head_inputs(3, 8, 37, 131, dtype, device=dev)
+    mask = torch.ones(3, 8, dtype=torch.bool, device=dev)
     mask[0, 5:] = False
     mask[1] = False
     mask[2, 1:] = False  # a one-token completion
     y = y.masked_fill(~mask, -100)
     g = torch.Generator().manual_seed(4)
-    logp, ent, grads = _check(backend, dtype, h, w, b, y, grad_logp=torch.randn(3, 8, generator=g),
-                              grad_entropy=torch.randn(3, 8, generator=g), completion_mask=mask, temperature=0.9)
+    logp, ent, grads = _check(backend, dtype, h, w, b, y, grad_logp=randn(3, 8, generator=g, device=dev),
+                              grad_entropy=randn(3, 8, generator=g, device=dev), completion_mask=mask,
+                              temperature=0.9)
     assert torch.count_nonzero(logp[~mask]) == 0 and torch.count_nonzero(ent[~mask]) == 0
     assert torch.count_nonzero(grads[0][~mask]) == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
-    h, w, b, y = head_inputs(2, 4, 20, 77, torch.float32)
+def test_all_rows_masked_gives_zeros_and_zero_gradients(backend, device):
+    dev = backend_device(backend, device)
+    h, w, b, y = head_inputs(2, 4, 20, 77, torch.float32, device=dev)
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask = torch.zeros(2, 4, dtype=torch.bool, device=dev)
     logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2], completion_mask=mask,
                                                backend=_impl(backend), backward_mode=_mode(backend))
     (logp.sum() + ent.sum()).backward()
@@ -144,8 +151,8 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend):
-    h, w, _, y = head_inputs(2, 4, 20, 77, torch.float32, bias=False)
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend, device):
+    h, w, _, y = head_inputs(2, 4, 20, 77, torch.float32, bias=False, device=backend_device(backend, device))
     h.requires_grad_()
     logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, backend=_impl(backend), backward_mode=_mode(backend))
     (logp.sum() + 0.1 * ent.sum()).backward()
@@ -153,17 +160,18 @@ def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend):
     h2 = h.detach().clone().requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(h2, w, y, compute_dtype=F64)
     (ref_logp.sum() + 0.1 * ref_ent.sum()).backward()
-    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-5)
+    assert_grad_close(h.grad, h2.grad, torch.float32, "hidden")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap):
+def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap, device):
     # logits of size ~1e4 and a bias that removes most of the vocabulary: log-softmax stays finite and exact, and so
     # does the entropy's gradient, whose p (mean - z) would be 0 * inf at a -inf logit. With a soft-cap the removed
     # entries sit at -softcap / temperature (tanh(-inf) = -1), as in the reference and TRL.
-    h, w, _, y = head_inputs(2, 3, 16, 300, torch.float32, scale=300.0, bias=False)
-    bias = torch.full((300,), float("-inf"))
+    dev = backend_device(backend, device)
+    h, w, _, y = head_inputs(2, 3, 16, 300, torch.float32, scale=300.0, bias=False, device=dev)
+    bias = torch.full((300,), float("-inf"), device=dev)
     bias[::7] = 0.0
     y = (y // 7) * 7
     h.requires_grad_()
@@ -180,8 +188,8 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_logprobs_function_is_fp32_without_grad(backend):
-    h, w, b, y = head_inputs(2, 5, 33, 150, torch.bfloat16)
+def test_logprobs_function_is_fp32_without_grad(backend, device):
+    h, w, b, y = head_inputs(2, 5, 33, 150, torch.bfloat16, device=backend_device(backend, device))
     h.requires_grad_()
     logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, softcap=3.0, logit_scale=0.8,
                               backend=_impl(backend))
@@ -190,9 +198,9 @@ def test_logprobs_function_is_fp32_without_grad(backend):
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=2e-5)
 
 
-def test_many_vocab_splits_merge_exactly():
+def test_many_vocab_splits_merge_exactly(device):
     # one token block and a vocab of many tiles: the forward splits the vocab and merges the partials
-    h, w, b, y = head_inputs(1, 3, 16, 1000, torch.float32)
+    h, w, b, y = head_inputs(1, 3, 16, 1000, torch.float32, device=device)
     logp = grpo_fast.logprobs(h, w, y, bias=b, backend="triton")
     torch.testing.assert_close(logp, reference.logprobs(h, w, y, b, compute_dtype=F64), rtol=1e-5, atol=1e-5)
 
@@ -209,16 +217,16 @@ BAD_TRANSFORMS = [
 
 
 @pytest.mark.parametrize("kw, message", BAD_TRANSFORMS)
-def test_bad_transform_raises_a_value_error_naming_the_argument(kw, message):
-    h, w, b, y = head_inputs(1, 2, 8, 11, torch.float32)
+def test_bad_transform_raises_a_value_error_naming_the_argument(kw, message, device):
+    h, w, b, y = head_inputs(1, 2, 8, 11, torch.float32, device=device)
     for fn in (grpo_fast.logprobs_and_entropy, grpo_fast.logprobs):
         with pytest.raises(ValueError, match=message):
             fn(h, w, y, **kw)
     with pytest.raises(ValueError, match=message):
-        grpo_fast.loss(h, w, y, torch.zeros(1), torch.ones(1, 2), **kw)
+        grpo_fast.loss(h, w, y, torch.zeros(1, device=device), torch.ones(1, 2, device=device), **kw)
 
 
-def test_the_fused_case_runs_the_fused_backward(monkeypatch):
+def test_the_fused_case_runs_the_fused_backward(monkeypatch, device):
     # backward_mode="fused" (the "triton-fused" cases above) reaches backward_fused, not backward_chunked
     from grpo_fast.kernels import backward as kbackward
 
@@ -226,7 +234,7 @@ def test_the_fused_case_runs_the_fused_backward(monkeypatch):
     monkeypatch.setattr(kbackward, "backward_chunked", lambda *a: calls.append("chunked"))
     original = kbackward.backward_fused
     monkeypatch.setattr(kbackward, "backward_fused", lambda *a: calls.append("fused") or original(*a))
-    h, w, b, y = head_inputs(1, 3, 24, 50, torch.float32)
+    h, w, b, y = head_inputs(1, 3, 24, 50, torch.float32, device=device)
     logp, _ = grpo_fast.logprobs_and_entropy(h, w.requires_grad_(), y, bias=b, backend="triton",
                                              backward_mode="fused")
     logp.sum().backward()

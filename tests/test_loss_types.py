@@ -2,7 +2,8 @@
 normaliser and the metrics builder all read it, and each raises on what it does not know.
 
 A hypothetical loss type registered here as a record, and nothing else, runs on both backends with the normaliser
-and metrics the record names; a record whose formula exists nowhere raises in the spec and in the launcher.
+and metrics the record names; a record whose formula exists nowhere raises in the spec and in the launcher. The
+Triton backend runs on the ``device`` fixture (the interpreter on CPU, compiled on a CUDA GPU), torch on CPU.
 """
 
 import math
@@ -16,10 +17,14 @@ from grpo_fast import reference
 from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.options import LOSS_TYPE_RECORDS, LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions, LossType, Metric
 
+from conftest import backend_device
+
 B, T = 4, 9
 
 
-def _batch(seed=0):
+def _batch(seed=0, device="cpu"):
+    """Log-probs, a mask (a sequence without tokens), advantages, old / reference log-probs and entropies, drawn on
+    CPU, on ``device``."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g) * 3
     mask = torch.rand(B, T, generator=g) > 0.3
@@ -29,7 +34,7 @@ def _batch(seed=0):
     old = logp + 0.4 * torch.randn(B, T, generator=g)
     ref = logp + 0.4 * torch.randn(B, T, generator=g)
     entropy = torch.rand(B, T, generator=g) * 4
-    return logp, mask, adv, old, ref, entropy
+    return tuple(x.to(device) for x in (logp, mask, adv, old, ref, entropy))
 
 
 def _run(fn, logp, adv, mask, entropy, **kw):
@@ -57,7 +62,7 @@ CISPO_PER_SEQUENCE = LossType("cispo_per_sequence", "cispo", "sequences", row_me
 
 
 @pytest.mark.parametrize("level", ("token", "sequence"))
-def test_a_new_loss_type_is_one_record(monkeypatch, level):
+def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
     monkeypatch.setitem(LOSS_TYPE_RECORDS, CISPO_PER_SEQUENCE.name, CISPO_PER_SEQUENCE)
     logp, mask, adv, old, ref, entropy = _batch(seed=1)
     kw = dict(loss_type="cispo_per_sequence", importance_sampling_level=level, old_logprobs=old, ref_logprobs=ref,
@@ -88,40 +93,45 @@ def test_a_new_loss_type_is_one_record(monkeypatch, level):
 
     # both backends of the product: the same loss, metrics and gradient
     for backend in ("torch", "triton"):
-        loss, metrics, grad = _run(grpo_fast.token_loss, logp, adv, mask, entropy, backend=backend, **kw)
-        torch.testing.assert_close(loss, spec[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(grad, spec[2], rtol=1e-5, atol=1e-7)
+        dev = backend_device(backend, device)
+        on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
+        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
+                                   backend=backend, **dict(kw, **on_dev))
+        torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
         assert set(metrics) == set(spec[1])
         for name in spec[1]:
-            torch.testing.assert_close(metrics[name], spec[1][name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(metrics[name].cpu(), spec[1][name], rtol=1e-5, atol=1e-6)
 
 
-def test_an_unknown_policy_term_raises_in_the_spec_and_the_launcher(monkeypatch):
+def test_an_unknown_policy_term_raises_in_the_spec_and_the_launcher(monkeypatch, device):
     monkeypatch.setitem(LOSS_TYPE_RECORDS, "tanh_clip", LossType("tanh_clip", "tanh_clip", "tokens"))
     logp, mask, adv, old, _, entropy = _batch()
     with pytest.raises(ValueError, match="loss type 'tanh_clip' has an unknown policy term 'tanh_clip'"):
         reference.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip")
     with pytest.raises(ValueError, match="loss type 'tanh_clip' has an unknown policy term 'tanh_clip'"):
         grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip", backend="torch")
+    logp, mask, adv, old, _, entropy = _batch(device=device)
     with pytest.raises(ValueError, match="policy term the token kernel does not have: 'tanh_clip'"):
         grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip", backend="triton")
 
 
-def test_an_unknown_normaliser_raises(monkeypatch):
+def test_an_unknown_normaliser_raises(monkeypatch, device):
     monkeypatch.setitem(LOSS_TYPE_RECORDS, "per_group", LossType("per_group", "clipped", "groups"))
     logp, mask, adv, old, _, _ = _batch()
     with pytest.raises(ValueError, match="loss type 'per_group' has an unknown normaliser 'groups'"):
         LossOptions(loss_type="per_group").denominator(B, mask.sum())
     for backend in ("torch", "triton"):
+        logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))
         with pytest.raises(ValueError, match="unknown normaliser 'groups'"):
             grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="per_group", backend=backend)
 
 
-def test_an_unknown_metric_reduction_raises(monkeypatch):
+def test_an_unknown_metric_reduction_raises(monkeypatch, device):
     record = LossType("bnpo_median", "clipped", "tokens", metrics=(Metric("clip_ratio/median", "low", "median"),))
     monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
-    logp, mask, adv, old, _, _ = _batch()
     for backend in ("torch", "triton"):
+        logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))
         with pytest.raises(ValueError, match="metric 'clip_ratio/median' of loss type 'bnpo_median' has an unknown "
                                              "reduction 'median'"):
             grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="bnpo_median", backend=backend)

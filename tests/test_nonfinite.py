@@ -1,5 +1,6 @@
 """A NaN is never hidden: a non-finite value that reaches a scored token gives a non-finite loss on both backends
-(torch, and the Triton kernels under the interpreter), every loss type and importance-sampling level, through
+(torch on CPU, and the Triton kernels on the ``device`` fixture: the interpreter, or compiled on a CUDA GPU), every
+loss type and importance-sampling level, through
 grpo_fast.token_loss (layer 2) and grpo_fast.loss (layer 1 too: the general path, the frozen-head path, no grad);
 a NaN at a masked token changes nothing (those tokens are never read).
 """
@@ -10,6 +11,7 @@ import torch
 import grpo_fast
 from grpo_fast.options import LOSS_TYPES
 
+from conftest import backend_device
 from helpers import make_batch
 
 BACKENDS = ("torch", "triton")
@@ -18,7 +20,8 @@ B, T = 4, 9
 NAN = float("nan")
 
 
-def _token_batch():
+def _token_batch(device):
+    """Log-probs, a mask (a sequence without tokens) and layer 2's other inputs, drawn on CPU, on ``device``."""
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(B, T, generator=g) * 3
     mask = torch.rand(B, T, generator=g) > 0.3
@@ -28,7 +31,7 @@ def _token_batch():
     inputs = dict(advantages=torch.randn(B, generator=g), old_logprobs=logp + 0.3 * torch.randn(B, T, generator=g),
                   ref_logprobs=logp + 0.3 * torch.randn(B, T, generator=g), entropy=torch.rand(B, T, generator=g) * 4,
                   importance_weights=0.5 + torch.rand(B, T, generator=g))
-    return logp, mask, inputs
+    return logp.to(device), mask.to(device), {name: x.to(device) for name, x in inputs.items()}
 
 
 def _token_loss(logp, mask, inputs, backend, **options):
@@ -50,8 +53,8 @@ def _with(inputs, name, index, value):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, backend):
-    logp, mask, inputs = _token_batch()
+def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, backend, device):
+    logp, mask, inputs = _token_batch(backend_device(backend, device))
     scored = (0, 1)
     assert mask[scored]
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04)
@@ -81,8 +84,8 @@ def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, b
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_token_loss_a_nan_at_a_masked_token_changes_nothing(loss_type, level, backend):
-    logp, mask, inputs = _token_batch()
+def test_token_loss_a_nan_at_a_masked_token_changes_nothing(loss_type, level, backend, device):
+    logp, mask, inputs = _token_batch(backend_device(backend, device))
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01,
                    off_policy_mask_threshold=0.2, top_entropy_quantile=0.7)
     inputs["sampling_logprobs"] = inputs["old_logprobs"] + 0.2
@@ -129,8 +132,8 @@ FAST_LAYER1_CASES = (("dapo", "token"), ("vespo", "sequence"))
 @pytest.mark.parametrize("loss_type, level", [
     pytest.param(loss_type, level, marks=() if (loss_type, level) in FAST_LAYER1_CASES else pytest.mark.slow)
     for loss_type in LOSS_TYPES for level in LEVELS])
-def test_loss_a_non_finite_input_at_a_scored_token_gives_a_non_finite_loss(loss_type, level, backend):
-    batch = make_batch(B=3, T=5, D=16, V=37)
+def test_loss_a_non_finite_input_at_a_scored_token_gives_a_non_finite_loss(loss_type, level, backend, device):
+    batch = make_batch(B=3, T=5, D=16, V=37, device=backend_device(backend, device))
     mask = batch["mask"]
     assert mask[0, 0] and not mask[1].any()
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04)
@@ -163,18 +166,19 @@ def test_loss_a_non_finite_input_at_a_scored_token_gives_a_non_finite_loss(loss_
 
 @pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_nan_gradient_for_one_token_reaches_dh_and_dw(backend, backward_mode):
+def test_a_nan_gradient_for_one_token_reaches_dh_and_dw(backend, backward_mode, device):
     """Layer 1's backward skips a token block whose coefficients are all zero; a block whose only non-zero
     coefficient is NaN (the other tokens clipped or masked) is not skipped: that token's dH and dW are NaN."""
     if backend == "torch" and backward_mode == "fused":
         pytest.skip("the torch backend has one backward (chunked)")
     g = torch.Generator().manual_seed(3)
     N, D, V = 5, 12, 37
-    hidden = torch.randn(1, N, D, generator=g).requires_grad_()
-    weight = (torch.randn(V, D, generator=g) * 0.3).requires_grad_()
-    targets = torch.randint(0, V, (1, N), generator=g)
+    dev = backend_device(backend, device)
+    hidden = torch.randn(1, N, D, generator=g).to(dev).requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.3).to(dev).requires_grad_()
+    targets = torch.randint(0, V, (1, N), generator=g).to(dev)
     logp, _ = grpo_fast.logprobs_and_entropy(hidden, weight, targets, backend=backend, backward_mode=backward_mode)
-    grad_logp = torch.tensor([[0.0, 0.0, NAN, 0.0, 0.0]])
+    grad_logp = torch.tensor([[0.0, 0.0, NAN, 0.0, 0.0]], device=dev)
     logp.backward(grad_logp.nan_to_num(nan=0.0), inputs=[hidden], retain_graph=True)  # finite without the NaN
     assert torch.isfinite(hidden.grad).all()
     hidden.grad = None

@@ -65,6 +65,15 @@ def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])
 
 
+def _verdicts_hold(code):
+    """Runs ``code`` (main() on made-up rows, printing 'verdicts ok' at the end) with the real compiler's settings."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(HERE, ".."), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "verdicts ok" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow():
     # main()'s verdict on rows as compile_all returns them: a clean row passes, a spill or an overflow fails
     code = (
@@ -76,8 +85,19 @@ def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow():
         "    s.compile_all = lambda archs: [dict(row, **change)]\n"
         "    assert s.main([]) == want, (change, want)\n"
         "print('verdicts ok')\n")
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(HERE, ".."), env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "verdicts ok" in proc.stdout, proc.stdout + proc.stderr
+    _verdicts_hold(code)
+
+
+def test_allow_spill_passes_small_spills_only():
+    # --allow-spill (.ci/run's older Triton): a spill of at most the allowance is reported and passes, a larger one
+    # and a shared-memory overflow still fail
+    code = (
+        "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
+        "row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, LOCAL=0, "
+        "STACK=0, SHARED=10, tensor_cores='none')\n"
+        "for change, want in ((dict(LOCAL=16), 0), (dict(LOCAL=8, STACK=8), 0), (dict(LOCAL=24), 1), "
+        "(dict(SHARED=2000), 1)):\n"
+        "    s.compile_all = lambda archs: [dict(row, **change)]\n"
+        "    assert s.main(['--allow-spill', '16']) == want, (change, want)\n"
+        "print('verdicts ok')\n")
+    _verdicts_hold(code)

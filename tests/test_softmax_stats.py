@@ -1,6 +1,7 @@
 """The per-token softmax record and its merge (grpo_fast/kernels/softmax_stats.py): records of any partition of the
 vocabulary, merged in any grouping, finish to the full softmax's log-prob, entropy and backward values; as a
-vocab-parallel head would merge its ranks' shards. fp64 logits against the direct formulas."""
+vocab-parallel head would merge its ranks' shards. fp64 logits against the direct formulas, on the ``device``
+fixture (the records are torch ops: a CUDA GPU where one is present)."""
 
 import torch
 
@@ -28,12 +29,12 @@ def _shard_records(z, y, bounds):
     return [softmax_stats.record(z[:, v0:v1], y - v0)[0] for v0, v1 in zip(bounds[:-1], bounds[1:])]
 
 
-def test_any_partition_and_grouping_merges_to_the_full_softmax():
+def test_any_partition_and_grouping_merges_to_the_full_softmax(device):
     g = torch.Generator().manual_seed(0)
     N, V = 7, 203
-    z = 3.0 * torch.randn(N, V, generator=g, dtype=F64)
+    z = 3.0 * torch.randn(N, V, generator=g, dtype=F64).to(device)
     z[:, 150:180] = float("-inf")  # a shard with no finite logit: an empty record
-    y = torch.randint(0, 150, (N,), generator=g)
+    y = torch.randint(0, 150, (N,), generator=g).to(device)
     expected = _direct(z, y)
     bounds = [0, 13, 64, 150, 180, V]
     shards = _shard_records(z, y, bounds)
@@ -46,14 +47,14 @@ def test_any_partition_and_grouping_merges_to_the_full_softmax():
             torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
-def test_confident_rows_keep_relative_precision_in_fp32():
+def test_confident_rows_keep_relative_precision_in_fp32(device):
     # 1 - p_y = 1e-7..1e-5, target in the second of three shards: logp, 1 - p_y and mean - z_y keep fp32's relative
     # precision (formed from R and Z, never as differences of numbers near 1 or near z_y)
     g = torch.Generator().manual_seed(1)
     N, V = 6, 300
-    z = torch.randn(N, V, generator=g, dtype=F64)
-    y = torch.randint(100, 200, (N,), generator=g)
-    z[torch.arange(N), y] = 20.0 + torch.linspace(0, 5, N, dtype=F64)
+    z = torch.randn(N, V, generator=g, dtype=F64).to(device)
+    y = torch.randint(100, 200, (N,), generator=g).to(device)
+    z[torch.arange(N, device=device), y] = 20.0 + torch.linspace(0, 5, N, dtype=F64, device=device)
     expected = _direct(z, y)
     assert expected["nontarget_mass"].max() < 1e-5
     got = _finished(softmax_stats.merge(softmax_stats.stack(*_shard_records(z.float(), y, [0, 100, 200, V]))))

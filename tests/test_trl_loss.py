@@ -33,7 +33,8 @@ from trl_harness import (ASCII_EOS_ID, ASCII_VOCAB_SIZE, ascii_tokenizer, build_
                          loss_option_defaults, reset_loss_options, score_scripted_rollout, set_loss_options,
                          tiny_gemma2, tiny_qwen2)
 
-BACKENDS = ("torch", "triton")
+# TRL's models here are CPU models: the Triton backend runs on them under the interpreter
+BACKENDS = ("torch", pytest.param("triton", marks=pytest.mark.interpreter_only))
 # dr_grpo divides by B * max_completion_length: 11, not the padded completion length 8, so using T would fail
 MAX_COMPLETION_LENGTH = 11
 # GRPOConfig options that exist for TRL's vLLM importance sampling, not grpo_fast.loss keywords (grpo_fast takes the

@@ -20,6 +20,9 @@ import torch.distributed as dist
 
 from helpers import spawn_ranks
 
+# gloo process groups of CPU ranks: the Triton backend runs there under the interpreter
+pytestmark = pytest.mark.interpreter_only
+
 ATOL = 2e-5
 TIMEOUT_S = 240  # a hung collective must not hang CI
 B, T, D = 2, 5, 12

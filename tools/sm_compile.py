@@ -15,6 +15,9 @@ the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is c
 compiled code (V only enters as a loop bound and a mask).
 
     TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
+
+It runs with every declared Triton (pyproject.toml: 3.6 to 3.9; .ci/run compiles with both ends). Triton 3.6's
+compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --allow-spill for it, and says which).
 """
 
 import argparse
@@ -288,6 +291,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80], choices=sorted(SMEM_LIMIT))
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
+    parser.add_argument("--allow-spill", type=int, default=0, metavar="BYTES",
+                        help="a variant spilling at most BYTES (local + stack) is reported, not failed: for an older "
+                             "Triton's compiler (.ci/run's lowest declared Triton); default 0")
     args = parser.parse_args(argv)
     rows = compile_all(args.arch)
     if args.json:
@@ -302,8 +308,9 @@ def main(argv=None):
             print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6}  {status}")
             continue
         over = r["SHARED"] > r["smem_limit"]
-        spills = bool(r["LOCAL"] or r["STACK"])
-        status = "OVER SHARED MEMORY" if over else ("spills" if spills else "ok")
+        spill = r["LOCAL"] + r["STACK"]
+        spills = spill > args.allow_spill
+        status = "OVER SHARED MEMORY" if over else ("spills" if spills else "spills (allowed)" if spill else "ok")
         bad += over or spills
         print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
               f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} {r['tensor_cores']:>5}  {status}")

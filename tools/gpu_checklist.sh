@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU checklist in one command, on a lent CUDA machine: the test suite compiled (tests/conftest.py leaves the
+# interpreter off where CUDA is present: every kernel test runs on the GPU), then the GPU benchmark
+# (bench/gpu_run.sh), with torch / triton / CUDA / driver versions and the device name recorded beside the results.
+#
+# From the repository root on the GPU machine:
+#   bash tools/gpu_checklist.sh                     # the whole suite, then the benchmark's quick mode
+#   BENCH_MODE=full bash tools/gpu_checklist.sh     # the benchmark's full sweep (bench/gpu_run.sh full, ~8 min)
+#   BENCH_MODE=none bash tools/gpu_checklist.sh tests/test_linear_logprobs.py   # chosen tests, no benchmark
+# Arguments go to pytest (default: the whole suite, slow tier included). Carried wheels in .whl/ (trl, its
+# dependencies, liger-kernel: bench/README.md) are installed into /tmp/site first, as bench/gpu_run.sh does; a
+# test file whose imports are missing there is reported as a collection error and the others still run.
+# Writes into $OUT (default bench/results/gpu-checklist-<date>): checklist.md (versions, the pytest summary, the
+# benchmark's exit), environment.json, pytest.log, pytest.xml (JUnit), and the benchmark's files.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+OUT="${OUT:-$REPO/bench/results/gpu-checklist-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$OUT"
+BENCH_MODE="${BENCH_MODE:-quick}"
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+# the versions and the device, before anything can fail
+python3 - "$OUT/environment.json" <<'EOF'
+import json, platform, subprocess, sys
+import numpy, torch, triton
+env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+       "numpy": numpy.__version__, "cuda (torch build)": torch.version.cuda,
+       "cuda available": torch.cuda.is_available()}
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    env.update({"device": props.name, "compute capability": f"{props.major}.{props.minor}",
+                "memory GiB": round(props.total_memory / 2 ** 30, 1), "devices": torch.cuda.device_count()})
+try:
+    env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()
+except (OSError, subprocess.CalledProcessError) as e:
+    env["driver"] = f"unknown ({type(e).__name__})"
+try:
+    env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                   check=True).stdout.strip()
+except (OSError, subprocess.CalledProcessError):
+    env["commit"] = "unknown (no git here)"
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print("\n".join(f"{k}: {v}" for k, v in env.items()))
+if not torch.cuda.is_available():
+    sys.exit("no CUDA device: this checklist compiles the kernels on a GPU (CI runs the interpreter's suite)")
+EOF
+[ $? -eq 0 ] || exit 1
+
+echo "== $(date -u +%FT%TZ) pytest (compiled) $*"
+python3 -m pytest -p no:cacheprovider -q -rs --continue-on-collection-errors --junitxml="$OUT/pytest.xml" "$@" \
+  2>&1 | tee "$OUT/pytest.log"
+tests_rc=${PIPESTATUS[0]}
+
+bench_rc="not run"
+if [ "$BENCH_MODE" != none ]; then
+  echo "== $(date -u +%FT%TZ) bench/gpu_run.sh $BENCH_MODE"
+  OUT="$OUT" BENCH_COMMIT="${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" \
+    bash bench/gpu_run.sh "$BENCH_MODE"
+  bench_rc=$?
+fi
+
+{
+  echo "# GPU checklist, $(date -u +%F)"
+  echo
+  echo "| | |"
+  echo "|---|---|"
+  python3 -c "import json, sys; [print(f'| {k} | {v} |') for k, v in json.load(open(sys.argv[1])).items()]" \
+    "$OUT/environment.json"
+  echo
+  echo "pytest (compiled, \`${*:-the whole suite}\`): exit $tests_rc"
+  echo
+  echo '```'
+  grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -n 40
+  echo '```'
+  echo
+  echo "bench/gpu_run.sh $BENCH_MODE: exit $bench_rc"
+} > "$OUT/checklist.md"
+cat "$OUT/checklist.md"
+[ "$tests_rc" -eq 0 ] && { [ "$bench_rc" = "not run" ] || [ "$bench_rc" -eq 0 ]; }
