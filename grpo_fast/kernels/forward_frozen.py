@@ -23,8 +23,8 @@ its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabu
                 P' = 2^k_new e s' with the target column zeroed, written in the GEMM dtype
     J_chunk = J_chunk rescale 2^(k_new - k_old) + P' W[v0:v1]   (fp32 accumulator, in units of 2^k; cuBLAS addmm,
                                                                 out_dtype=float32 on CUDA)
-then J_chunk = 2^-k J_chunk (exact), and at the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
-by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
+then J_chunk = 2^-k J_chunk (exact), and at the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad);
+logp, entropy and the backward's values by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
 d logp / dh: no other term exists on this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
@@ -33,7 +33,8 @@ on CUDA), as backward.py rounds g, after a per-row power of two 2^k that puts th
 every non-target e is ~1e-6, below fp16's smallest normal 6.1e-5, while J itself is that small. The state keeps each
 row's 2^-k; a chunk whose bound moves k folds 2^(k_new - k_old) into the accumulator's rescale (at most 1: the old
 chunks' bound is part of the new one), and 2^-k comes out exactly after the row's last chunk. fp32 inputs keep
-fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
+fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU
+device every GEMM runs on fp32 operands.
 
 Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
 only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x vocab-chunk fp32, with the vocab
