@@ -24,8 +24,8 @@ its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabu
     J_chunk = J_chunk rescale 2^(k_new - k_old) + P' W[v0:v1]   (fp32 accumulator, in units of 2^k; cuBLAS addmm,
                                                                 out_dtype=float32 on CUDA)
 then J_chunk = 2^-k J_chunk (exact), and at the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad);
-logp, entropy and the backward's values by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
-d logp / dh: no other term exists on this path.
+logp, entropy and the backward's values by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py
+computes them. The gradient is exactly d logp / dh: no other term exists on this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
 on CUDA), as backward.py rounds g, after a per-row power of two 2^k that puts the bound on the row's P' so far
@@ -37,9 +37,9 @@ fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Und
 device every GEMM runs on fp32 operands.
 
 Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
-only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x vocab-chunk fp32, with the vocab
-chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
-chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
+only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x
+vocab-chunk fp32, with the vocab chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the
+Qwen2.5-1.5B head: V 151936 in two chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
 came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half of u[n]'s bytes, and a tile's stores
 only reach u entries the program has already read in pass 2, so no program reads a value it or another has
 overwritten). No tensor of N x V exists.
