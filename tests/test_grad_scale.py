@@ -4,15 +4,16 @@ The general path's backward rounds g = dL/du to the input dtype for its GEMMs, a
 P' = e s' for its second GEMM. dL/dlogp carries GRPO's 1/tokens normaliser (1e-4 and below), and fp16's smallest
 normal is 6.1e-5: unscaled, a small gradient lands in fp16's subnormals (or flushes to zero) and loses its relative
 precision, and P' of a confident token (every non-target e about 1e-6) does too. The kernels scale g and P' by a
-power of two before the rounding and divide it out exactly in fp32 (kernels/tile.py's ``grad_scale``).
+power of two before the rounding and divide it out exactly in fp32 (kernels/tile.py's ``gemm_scale``).
 
 Checked under the interpreter, whose rounding is the GPU kernels' (the fused backward rounds g as a GPU does, then
 upcasts for the interpreter's dot), against fp64 from the same rounded inputs: the chunked and fused backward (dH,
 dW, db in their fp32 buffers: the kernels' precision, before the autograd layer's cast to the parameter dtype) at
 dL/dlogp of 10 down to 1e-4 per token and in a batch whose dL/dlogp varies 1e4-fold, with and without an entropy
 gradient and a soft-cap; and the frozen head's J = d logp / dh with fp16 / bf16 P', confident tokens (1 - p_y down to
-1e-6) included. Error: max |error| / max |entry| (J: per row, as dH = c J scales each row by its own c). The interpreter runs
-the kernels with wider vocabulary tiles than its default (a tenth of the time; the block shape is a launch choice).
+1e-6) included. Error: max |error| / max |entry| (J: per row, as dH = c J scales each row by its own c). The
+interpreter runs the kernels with wider vocabulary tiles than its default (a fifth to a tenth of the time; the block
+shape is a launch choice).
 """
 
 import pytest
@@ -43,12 +44,12 @@ VARIANTS = {
 
 
 def _inputs(dtype, seed=0):
-    """(hidden, weight, bias, targets): logits of a few nats' spread (p from ~1 down to ~1e-8), one token per row
-    that the model favours (so 1 - p_y spans 1e-2..0.9)."""
+    """(hidden, weight, bias, targets): logits of a few nats' spread (p from 0.98 down to 1e-12, median 1e-5: most
+    below fp16's smallest normal times 1e4), the target favoured by 0..14 nats (1 - p_y from 0.02 to ~1)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(V, D, generator=g, dtype=F64) / D ** 0.5
     y = torch.randint(0, V, (N,), generator=g)
-    h = 2.0 * torch.randn(N, D, generator=g, dtype=F64) + 4.0 * torch.rand(N, 1, generator=g, dtype=F64) * w[y]
+    h = 2.0 * torch.randn(N, D, generator=g, dtype=F64) + 14.0 * torch.rand(N, 1, generator=g, dtype=F64) * w[y]
     b = 0.3 * torch.randn(V, generator=g, dtype=F64)
     return h.to(dtype), w.to(dtype), b.to(dtype), y
 
@@ -110,9 +111,9 @@ def _relative_error(actual, expected):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("mode", kconfig.BACKWARD_MODES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, mode, variant, device):
+def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, variant, device):
+    """Both backward modes (one case each: the reference and the forward are shared)."""
     h, w, b, y = _inputs(dtype)
     transform, entropy = VARIANTS[variant]["transform"], VARIANTS[variant]["entropy"]
     inputs = tuple(x.to(device) for x in (h, w, b, y))
@@ -122,9 +123,10 @@ def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, mode, var
     for scale in SCALES:
         grad_logp, grad_entropy = _coefficients(scale, entropy)
         expected = _reference_grads(h, w, b, y, transform, grad_logp, grad_entropy)
-        actual = _kernel_grads(*inputs, transform, stats, grad_logp, grad_entropy, mode)
-        for name, a, e in zip(("dH", "dW", "db"), actual, expected):
-            errors[f"{name} at {scale}"] = _relative_error(a, e)
+        for mode in kconfig.BACKWARD_MODES:
+            actual = _kernel_grads(*inputs, transform, stats, grad_logp, grad_entropy, mode)
+            for name, a, e in zip(("dH", "dW", "db"), actual, expected):
+                errors[f"{mode} {name} at {scale}"] = _relative_error(a, e)
     worst = max(errors.values())
     assert worst <= TOL[dtype], f"worst {worst:.3g}: " + ", ".join(f"{k} {v:.2g}" for k, v in errors.items())
 
@@ -155,6 +157,5 @@ def test_frozen_head_grad_keeps_its_precision_on_confident_tokens(gemm_dtype, tr
                                        LogitTransform(**transform), False, cfg, vocab_chunk=3072,
                                        gemm_dtype=gemm_dtype)[3]  # J; [4] is LoRA's J_l (None here)
     row_errors = ((grad.cpu().to(F64) - expected).abs().amax(dim=1) / expected.abs().amax(dim=1))
-    worst = row_errors.max().item()
-    assert worst <= TOL[gemm_dtype], f"worst row {row_errors.argmax().item()}: {worst:.3g}; confident rows " \
-                                     f"{row_errors[:N // 2].max().item():.3g}, others {row_errors[N // 2:].max().item():.3g}"
+    confident, others = row_errors[:N // 2].max().item(), row_errors[N // 2:].max().item()
+    assert max(confident, others) <= TOL[gemm_dtype], f"confident rows {confident:.3g}, others {others:.3g}"

@@ -29,10 +29,10 @@ Its two modes (config.BACKWARD_MODES, the caller's choice):
   fp32 (N x D); the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
 * fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
   and g^T H_i into dW_j with fp32 atomics; no g buffer. g's power of two is the token block's (from the block's
-  sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
-  only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
-  N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
-  order vary run to run (fp32 rounding level).
+  sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. Memory: fp32 accumulators for dH
+  (N x D) and dW (V x D, only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds
+  (~240 GB of traffic at N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also
+  make the summation order vary run to run (fp32 rounding level).
 
 A frozen lm_head skips every dW product in both modes.
 

@@ -38,15 +38,16 @@ on CUDA), as backward.py rounds g, after a per-row power of two 2^k that puts th
 every non-target e is ~1e-6, below fp16's smallest normal 6.1e-5, while J itself is that small. The state keeps each
 row's 2^-k; a chunk whose bound moves k folds 2^(k_new - k_old) into the accumulator's rescale (at most 1: the old
 chunks' bound is part of the new one), and 2^-k comes out exactly after the row's last chunk. fp32 inputs keep
-fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
+fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU
+device every GEMM runs on fp32 operands.
 
 Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
-only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x vocab-chunk fp32, with the vocab
-chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the Qwen2.5-1.5B head: V 151936 in two
-chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its own: it is written over the u tile it
-came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half of u[n]'s bytes, and a tile's stores
-only reach u entries the program has already read in pass 2, so no program reads a value it or another has
-overwritten). No tensor of N x V exists.
+only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x
+vocab-chunk fp32, with the vocab chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the
+Qwen2.5-1.5B head: V 151936 in two chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its
+own: it is written over the u tile it came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half
+of u[n]'s bytes, and a tile's stores only reach u entries the program has already read in pass 2, so no program
+reads a value it or another has overwritten). No tensor of N x V exists.
 
 Taken where ``available``: CUDA with torch >= 2.8 (cuBLAS's out_dtype) or fp32 inputs, a CPU device, the
 interpreter. Launch configuration: config.frozen_head_config (2 rows x 512 columns a tile, 4 warps on a GPU).
