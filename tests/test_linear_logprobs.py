@@ -190,6 +190,17 @@ def test_logprobs_function_is_fp32_without_grad(backend):
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton-fused"])
+def test_grouped_program_order_computes_every_tile_once(backend, device):
+    # the backward's programs run in groups of token blocks (config.BackwardConfig.group_n; 2 under the
+    # interpreter): 75 tokens are 5 blocks of 16, the last group partial; V = 103 is 4 vocabulary tiles, the last
+    # partial. A tile skipped or computed twice would miss or double its dH rows, dW rows and db entries.
+    h, w, b, y = (x.to(device) for x in head_inputs(3, 25, 24, 103, torch.float32))
+    g = torch.Generator().manual_seed(5)
+    _check(backend, torch.float32, h, w, b, y, grad_logp=torch.randn(3, 25, generator=g).to(device),
+           grad_entropy=torch.randn(3, 25, generator=g).to(device), temperature=0.9)
+
+
 def test_many_vocab_splits_merge_exactly():
     # one token block and a vocab of many tiles: the forward splits the vocab and merges the partials
     h, w, b, y = head_inputs(1, 3, 16, 1000, torch.float32)

@@ -20,12 +20,16 @@ masked rows, is exactly zero and skips the matmul) and adds the tile's column su
   when the weight needs a gradient) and, without cuBLAS's out_dtype, one vocabulary slab of g^T H in fp32; dH in
   the input dtype; the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
 * fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
-  and g^T H_i into dW_j with fp32 atomics; no g buffer. Memory: fp32 accumulators for dH (N x D) and dW (V x D,
-  only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
+  and g^T H_i into dW_j with fp32 atomics; no g buffer. The atomics (db's too, in both modes) are relaxed: nothing
+  in the kernel reads an accumulator and the launch's end orders them, so each compiles to a plain reduction (RED)
+  without a memory fence. Memory: fp32 accumulators for dH (N x D) and dW (V x D, only if the weight needs one)
+  and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at
   N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
   order vary run to run (fp32 rounding level).
 
-A frozen lm_head skips every dW product in both modes.
+A frozen lm_head skips every dW product in both modes. Programs run in groups of GROUP_N token blocks, each group
+walking every vocabulary tile (config.BackwardConfig.group_n): the programs resident at once spread their atomic
+adds (fused: dH and dW; both modes: db) over many row blocks instead of all hitting one vocabulary tile's.
 """
 
 import torch
@@ -33,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
+from .launch import on_first_argument_device
 from .tile import row_coefficients, tile_grad
 
 
@@ -47,10 +52,18 @@ def _backward_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr, FUSED: tl.constexpr,
     COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # grouped program order: the launch order (axis 0 fastest) walks GROUP_N token blocks, then the next vocabulary
+    # tile, so the programs resident at once add into ~GROUP_N dW row blocks and many dH row blocks, not all into
+    # one dW row block (and H / W tiles are reused from L2); int64: N x V tiles may pass 2^31
+    pid = tl.program_id(0) + tl.program_id(1).to(tl.int64) * tl.num_programs(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_programs = GROUP_N * tl.cdiv(V, BLOCK_V)
+    first_n = (pid // group_programs) * GROUP_N
+    group_n = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = (first_n + (pid % group_programs) % group_n).to(tl.int32)
+    pid_v = ((pid % group_programs) // group_n).to(tl.int32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_mask = offs_n < N
@@ -70,7 +83,7 @@ def _backward_kernel(
                   stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
                   HAS_BIAS, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     if COMPUTE_DB:
-        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
+        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     if not FUSED:
         tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=g_mask)
         return
@@ -88,7 +101,7 @@ def _backward_kernel(
                 w_vd = w_vd.to(tl.float32)
             dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION)
             tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
-                          mask=n_mask[:, None] & d_mask[None, :])
+                          mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
         if COMPUTE_DW:
             h_nd = tl.load(hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
@@ -96,7 +109,7 @@ def _backward_kernel(
                 h_nd = h_nd.to(tl.float32)
             dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION)
             tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
-                          mask=v_mask[:, None] & d_mask[None, :])
+                          mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
 
 
 def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
@@ -122,7 +135,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         FUSED=g is None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
         COMPUTE_DB=grad_bias is not None,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
+        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, GROUP_N=config.group_n,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -131,6 +144,7 @@ def _rows(stats, n0, n1):
     return type(stats)(*(x[n0:n1] if x is not None else None for x in stats))
 
 
+@on_first_argument_device
 def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
                      grad_hidden, grad_weight, grad_bias, config):
     """dH (input dtype, written in place), dW (fp32 accumulator, added to), db (fp32, added to); any may be None.
@@ -154,6 +168,7 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
             mm_fp32(g_rows.T, hidden[n0:n1], grad_weight, accumulate=True)
 
 
+@on_first_argument_device
 def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
                    grad_hidden, grad_weight, grad_bias, config):
     """Accumulate dH, dW, db into fp32 buffers (zero-initialised, or None when not needed) with atomics; the

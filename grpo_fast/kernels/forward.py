@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from . import softmax_stats
+from .launch import on_first_argument_device
 from .tile import logit_tile
+
+# the most waves the forward's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill
+# the last wave better, and each adds a record of 5 x N fp32 to write and merge
+EXTRA_WAVES = 8
 
 
 @triton.jit
@@ -87,11 +92,25 @@ def _forward_kernel(
 
 
 def num_vocab_splits(N, V, config):
-    """(num_splits, vocab_per_split): split the vocabulary until about config.target_programs programs run."""
-    n_blocks = triton.cdiv(N, config.block_n)
+    """(num_splits, vocab_per_split): the vocabulary split so that the programs fill whole waves of
+    config.target_programs (the programs the GPU holds at once: CTAs per SM x SMs).
+
+    A launch of s splits takes about waves(s) x tiles(s) tile steps, waves(s) = cdiv(token blocks x s, wave) and
+    tiles(s) = cdiv(vocabulary tiles, s), the longest program's share. The candidates are, for k waves up to
+    EXTRA_WAVES more than the unsplit launch's, the most splits whose programs fit in k waves; the one of fewest
+    steps is taken (the fewest splits on a tie).
+    E.g. 100 token blocks on a wave of 132 leave 24 % of the GPU idle unsplit; 9 splits fill 7 waves to 97 %."""
+    n_blocks = max(1, triton.cdiv(N, config.block_n))
     v_tiles = triton.cdiv(V, config.block_v)
-    num_splits = max(1, min(v_tiles, triton.cdiv(config.target_programs, n_blocks)))
-    vocab_per_split = triton.cdiv(v_tiles, num_splits) * config.block_v
+    wave = config.target_programs
+
+    def steps(splits):
+        tiles = triton.cdiv(v_tiles, splits)
+        return triton.cdiv(n_blocks * triton.cdiv(v_tiles, tiles), wave) * tiles
+
+    max_waves = triton.cdiv(n_blocks, wave) + EXTRA_WAVES
+    candidates = sorted({max(1, min(v_tiles, k * wave // n_blocks)) for k in range(1, max_waves + 1)})
+    vocab_per_split = triton.cdiv(v_tiles, min(candidates, key=steps)) * config.block_v
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
@@ -105,6 +124,7 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config):
                                 compute_entropy)
 
 
+@on_first_argument_device
 def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1),
     its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``."""
