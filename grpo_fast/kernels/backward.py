@@ -27,9 +27,9 @@ masked rows, is exactly zero and skips the matmul) and adds the tile's column su
   N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation
   order vary run to run (fp32 rounding level).
 
-A frozen lm_head skips every dW product in both modes. Programs run in groups of GROUP_N token blocks, each group
-walking every vocabulary tile (config.BackwardConfig.group_n): the programs resident at once spread their atomic
-adds (fused: dH and dW; both modes: db) over many row blocks instead of all hitting one vocabulary tile's.
+A frozen lm_head skips every dW product in both modes. The fused backward with dW runs its programs in groups of
+GROUP_V vocabulary tiles, each group walking every token block (config.BackwardConfig.group_v): the programs
+resident at once spread their dW adds over ~GROUP_V row blocks instead of all hitting one vocabulary tile's.
 """
 
 import torch
@@ -52,18 +52,16 @@ def _backward_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr, FUSED: tl.constexpr,
     COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_V: tl.constexpr,
 ):
-    # grouped program order: the launch order (axis 0 fastest) walks GROUP_N token blocks, then the next vocabulary
-    # tile, so the programs resident at once add into ~GROUP_N dW row blocks and many dH row blocks, not all into
-    # one dW row block (and H / W tiles are reused from L2); int64: N x V tiles may pass 2^31
-    pid = tl.program_id(0) + tl.program_id(1).to(tl.int64) * tl.num_programs(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_programs = GROUP_N * tl.cdiv(V, BLOCK_V)
-    first_n = (pid // group_programs) * GROUP_N
-    group_n = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = (first_n + (pid % group_programs) % group_n).to(tl.int32)
-    pid_v = ((pid % group_programs) // group_n).to(tl.int32)
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    if FUSED and COMPUTE_DW:
+        # grouped program order: the launch order (axis 0 fastest) walks GROUP_V vocabulary tiles of a token block,
+        # then the next token block, so the programs resident at once add into ~GROUP_V dW row blocks, not all into
+        # one; 32-bit, as _launch keeps the grid under 2^31 programs. Only here: without dW the token-block order
+        # already spreads the atomics, and the remap spills registers in two fused frozen-W variants (sm_compile)
+        pid_v, pid_n = tl.swizzle2d(pid_v, pid_n, tl.num_programs(1), tl.num_programs(0), GROUP_V)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_mask = offs_n < N
@@ -120,6 +118,9 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
     dummy = stats.lse
     entropy_grad = grad_entropy is not None
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(V, config.block_v))
+    if grid[0] * grid[1] >= 2 ** 31:
+        raise ValueError(f"{N} tokens x {V} vocabulary entries make {grid[0] * grid[1]} backward programs; the "
+                         "kernel numbers them in 32 bits (at most 2^31 - 1): split the batch")
     _backward_kernel[grid](
         hidden, weight, bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
         stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
@@ -135,7 +136,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         FUSED=g is None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
         COMPUTE_DB=grad_bias is not None,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, GROUP_N=config.group_n,
+        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, GROUP_V=config.group_v,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

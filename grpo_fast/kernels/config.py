@@ -3,7 +3,8 @@ and one launch-configuration type per kernel family (forward, backward, frozen-h
 
 The GPU configurations are chosen without a GPU by compiling every kernel variant for sm_90 / sm_89 / sm_80 with
 tools/sm_compile.py (run in CI through tests/test_sm_compile.py): each fits the card's shared memory and spills no
-registers. Speed is not tuned yet: bench/ does that.
+registers; the CTAs per SM they allow size the forward's waves (FORWARD_CTAS_PER_SM). Speed is not tuned yet:
+bench/ does that.
 """
 
 import os
@@ -91,10 +92,10 @@ class ForwardConfig(_DotTileConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class BackwardConfig(_DotTileConfig):
-    """kernels/backward.py's launch (either mode): gradient tiles, launched in groups of ``group_n`` token blocks
-    (each group walks every vocabulary tile before the next group starts)."""
+    """kernels/backward.py's launch (either mode): gradient tiles; the fused mode with dW runs in groups of
+    ``group_v`` vocabulary tiles (each group walks every token block before the next group starts)."""
 
-    group_n: int
+    group_v: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,9 +161,9 @@ def gpu_backward_config(dtype: torch.dtype, mode: str, smem_per_block: int,
     else:
         # the fused backward also stages W and H tiles for its two gradient products
         tiles = dict(block_n=64, block_v=128, block_d=32, num_warps=8, num_stages=3 if big_smem else 2)
-    # 8 token blocks a group: ~132 resident programs spread over ~8 token blocks x ~16 vocabulary tiles, each dW
-    # (and dH) row block taking few concurrent atomic adds
-    return BackwardConfig(**tiles, dot_fp32=False, group_n=8)
+    # 8 vocabulary tiles a group: ~132 resident programs spread over ~8 vocabulary tiles x ~16 token blocks, each
+    # dW (and dH) row block taking few concurrent atomic adds
+    return BackwardConfig(**tiles, dot_fp32=False, group_v=8)
 
 
 def gpu_frozen_head_config() -> FrozenHeadConfig:
@@ -188,8 +189,8 @@ def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:
 
 def backward_config(device: torch.device, dtype: torch.dtype, mode: str, wide_epilogue: bool = False) -> BackwardConfig:
     if not _compiled(device):
-        # groups of 2 token blocks: the tests' shapes have partial groups
-        return BackwardConfig(**_INTERPRETER_TILES, group_n=2)
+        # groups of 2 vocabulary tiles: the tests' shapes have partial groups
+        return BackwardConfig(**_INTERPRETER_TILES, group_v=2)
     return gpu_backward_config(dtype, mode, _device_props(device)[1], wide_epilogue)
 
 

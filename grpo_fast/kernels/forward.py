@@ -9,7 +9,8 @@ logit, each tile folded into the running record by softmax_stats' merge formulas
 into logp, H and what the backward reads (lse, 1 - p_y, mean logit, mean - z_y): O(N) values, saved by the caller,
 with 1 - p_y and mean - z_y formed as sums of same-signed terms (exact where a token is confident).
 
-The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU: program
+The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU, in whole waves of
+the programs it holds at once (``num_vocab_splits``; config.FORWARD_CTAS_PER_SM, the compiled occupancy): program
 (i, k) sweeps the vocab range k for the token block i and writes its record for each token; the epilogue folds the
 splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge that a
 vocab-parallel head uses across ranks (``forward_record`` returns the merged record unfinished).
