@@ -161,8 +161,8 @@ def gpu_backward_config(dtype: torch.dtype, mode: str, smem_per_block: int,
     else:
         # the fused backward also stages W and H tiles for its two gradient products
         tiles = dict(block_n=64, block_v=128, block_d=32, num_warps=8, num_stages=3 if big_smem else 2)
-    # 8 vocabulary tiles a group: ~132 resident programs spread over ~8 vocabulary tiles x ~16 token blocks, each
-    # dW (and dH) row block taking few concurrent atomic adds
+    # 8 vocabulary tiles a group: the resident programs (1 or 2 per SM: sm_compile) spread over 8 vocabulary tiles
+    # x 17 to 33 token blocks, so each dW row block takes ~1/8 of the concurrent atomic adds, each dH one a few
     return BackwardConfig(**tiles, dot_fp32=False, group_v=8)
 
 

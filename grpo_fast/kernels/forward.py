@@ -109,8 +109,9 @@ def num_vocab_splits(N, V, config):
         tiles = triton.cdiv(v_tiles, splits)
         return triton.cdiv(n_blocks * triton.cdiv(v_tiles, tiles), wave) * tiles
 
-    max_waves = triton.cdiv(n_blocks, wave) + EXTRA_WAVES
-    candidates = sorted({max(1, min(v_tiles, k * wave // n_blocks)) for k in range(1, max_waves + 1)})
+    unsplit_waves = triton.cdiv(n_blocks, wave)  # fewer waves than these hold no split at all
+    candidates = sorted({max(1, min(v_tiles, k * wave // n_blocks))
+                         for k in range(unsplit_waves, unsplit_waves + EXTRA_WAVES + 1)})
     vocab_per_split = triton.cdiv(v_tiles, min(candidates, key=steps)) * config.block_v
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
