@@ -198,6 +198,16 @@ def test_logprobs_function_is_fp32_without_grad(backend, device):
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=2e-5)
 
 
+def test_grouped_program_order_computes_every_tile_once(device):
+    # the fused backward with dW runs its programs in groups of vocabulary tiles (config.BackwardConfig.group_v; 2
+    # under the interpreter): V = 131 is 5 tiles of 32, the last group and tile partial; 75 tokens are 5 token
+    # blocks of 16. A tile skipped or computed twice would miss or double its dH rows, dW rows and db entries.
+    h, w, b, y = head_inputs(3, 25, 24, 131, torch.float32, device=device)
+    g = torch.Generator().manual_seed(5)
+    _check("triton-fused", torch.float32, h, w, b, y, grad_logp=torch.randn(3, 25, generator=g).to(device),
+           grad_entropy=torch.randn(3, 25, generator=g).to(device), temperature=0.9)
+
+
 def test_many_vocab_splits_merge_exactly(device):
     # one token block and a vocab of many tiles: the forward splits the vocab and merges the partials
     h, w, b, y = head_inputs(1, 3, 16, 1000, torch.float32, device=device)

@@ -1,6 +1,8 @@
 """Every kernel compiles for sm_90 (H100/H200), sm_89 (RTX 4090) and sm_80 (A100) with the GPU launch configuration,
-fits the card's shared memory and spills no registers. No GPU needed: see tools/sm_compile.py."""
+fits the card's shared memory and spills no registers; no atomic costs a memory fence; config's table of the
+forward's CTAs per SM is what compiles. No GPU needed: see tools/sm_compile.py."""
 
+import ast
 import json
 import os
 import subprocess
@@ -8,6 +10,8 @@ import sys
 
 import pytest
 import triton
+
+from grpo_fast.kernels import config as kconfig
 
 HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -26,7 +30,7 @@ def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm") / "rows.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "..", "tools", "sm_compile.py"), "--arch", *map(str, ARCHS),
-                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
+                           "--json", str(out), "--table"], env=env, capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout + proc.stderr
     return json.loads(out.read_text()), proc
 
@@ -65,6 +69,12 @@ def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])
 
 
+# one compiled row as sm_compile.compile_all returns it, for main()'s verdicts
+_MADE_UP_ROW = ("row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, "
+                "LOCAL=0, STACK=0, SHARED=10, tensor_cores='none', ctas_per_sm=8, MEMBAR_GPU=0, MEMBAR_CTA=0, "
+                "ATOM=0, RED=0)\n")
+
+
 def _verdicts_hold(code):
     """Runs ``code`` (main() on made-up rows, printing 'verdicts ok' at the end) with the real compiler's settings."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore",
@@ -74,17 +84,47 @@ def _verdicts_hold(code):
     assert proc.returncode == 0 and "verdicts ok" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow():
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_atomic_costs_a_memory_fence(compiled, arch):
+    # an acq_rel atomic (tl.atomic_add's default) compiles to a GPU-scope MEMBAR, a value-returning ATOM and an L1
+    # invalidation each (24 per D step in the fused backward on sm_89); a relaxed one whose value is unused to a
+    # plain reduction RED. Hopper's CTA-scope MEMBARs sit beside the async-proxy fence that hands a shared memory
+    # tile to wgmma, not beside the atomics: none may appear on the other archs.
+    rows, _ = compiled
+    for r in (r for r in rows if r["arch"] == arch):
+        assert r["MEMBAR_GPU"] == 0 and r["ATOM"] == 0, (r["kernel"], r["MEMBAR_GPU"], r["ATOM"])
+        if arch < 90:
+            assert r["MEMBAR_CTA"] == 0, (r["kernel"], r["MEMBAR_CTA"])
+        if r["family"].startswith("bwd fused"):
+            assert r["RED"] > 0, r["kernel"]  # dH (and dW) are reductions: the SASS was read
+
+
+@pytest.mark.slow
+def test_the_forward_ctas_table_is_what_compiles(compiled):
+    # config.FORWARD_CTAS_PER_SM sizes the forward's waves: it must be what sm_compile --table prints now
+    _, proc = compiled
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("FORWARD_CTAS_PER_SM = "))
+    assert ast.literal_eval(line.split(" = ", 1)[1]) == kconfig.FORWARD_CTAS_PER_SM
+
+
+def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_counts_ctas_per_sm():
     # main()'s verdict on rows as compile_all returns them: a clean row passes, a spill or an overflow fails
     code = (
         "import sys; sys.argv = ['sm_compile']; sys.path.insert(0, 'tools'); import sm_compile as s\n"
-        "row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, LOCAL=0, "
-        "STACK=0, SHARED=10, tensor_cores='none')\n"
+        + _MADE_UP_ROW +
         "for change, want in ((dict(), 0), (dict(LOCAL=8), 1), (dict(STACK=16), 1), (dict(SHARED=2000), 1), "
         "(dict(error='E'), 1)):\n"
         "    s.compile_all = lambda archs: [dict(row, **change)]\n"
         "    assert s.main([]) == want, (change, want)\n"
-        "print('verdicts ok')\n")
+        "print('verdicts ok')\n"
+        # CTAs per SM: 156 registers -> 160 a thread, 3 warps of 8 in each of 4 sub-partitions: one 8-warp CTA on
+        # sm_89; 110 -> 112: 4 warps a sub-partition, two; shared memory (100 KiB on sm_89, 1 KiB reserved a CTA),
+        # warps (48 on sm_89) and CTAs (32 on sm_90) bound it too
+        "for args, want in (((89, 156, 0, 8), 1), ((90, 110, 1024, 8), 2), ((89, 64, 60 * 1024, 4), 1), "
+        "((89, 32, 0, 8), 6), ((90, 32, 0, 1), 32), ((80, 64, 40 * 1024, 4), 4)):\n"
+        "    assert s.ctas_per_sm(*args) == want, (args, s.ctas_per_sm(*args), want)\n"
+        "print('occupancy ok')\n")
     _verdicts_hold(code)
 
 
@@ -93,8 +133,7 @@ def test_allow_spill_passes_small_spills_only():
     # and a shared-memory overflow still fail
     code = (
         "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
-        "row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, LOCAL=0, "
-        "STACK=0, SHARED=10, tensor_cores='none')\n"
+        + _MADE_UP_ROW +
         "for change, want in ((dict(LOCAL=16), 0), (dict(LOCAL=8, STACK=8), 0), (dict(LOCAL=24), 1), "
         "(dict(SHARED=2000), 1)):\n"
         "    s.compile_all = lambda archs: [dict(row, **change)]\n"

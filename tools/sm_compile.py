@@ -5,7 +5,9 @@ test and still fail to compile for a GPU, ask for more shared memory than the ca
 "out of resource"), or spill registers. This script runs the kernel wrappers with the GPU launch configuration
 on small CPU stand-in tensors, records each launch instead of running it, compiles the recorded launch with
 Triton's own compiler and the ptxas shipped in the triton wheel, and reads the cubin's resource use with the
-cuobjdump shipped beside it. Nothing runs on a device and no numbers are checked here (tests/test_gpu.py does that).
+cuobjdump shipped beside it: registers, shared memory, the CTAs per SM those allow (``ctas_per_sm``) and, from the
+SASS, the memory fences (MEMBAR, GPU and CTA scope) and the global atomics (value-returning ATOM, reductions RED).
+Nothing runs on a device and no numbers are checked here (tests/test_gpu.py does that).
 It exits non-zero when any variant fails to compile, asks for more shared memory than the card has, or spills
 registers (tests/test_sm_compile.py runs it in CI).
 
@@ -15,6 +17,7 @@ the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is c
 compiled code (V only enters as a loop bound and a mask).
 
     TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
+    TRITON_INTERPRET=0 python tools/sm_compile.py --table    # also print config.FORWARD_CTAS_PER_SM as compiled
 
 It runs with every declared Triton (pyproject.toml: 3.6 to 3.9; .ci/run compiles with both ends). Triton 3.6's
 compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --allow-spill for it, and says which).
@@ -49,6 +52,13 @@ from grpo_fast.options import LossOptions  # noqa: E402
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
 SMEM_LIMIT = {90: 232448, 89: 101376, 86: 101376, 80: 166912}
 SM_COUNT = {90: 132, 89: 128, 86: 82, 80: 108}
+# Per SM (CUDA programming guide, compute capabilities; occupancy calculator): shared memory, resident warps and CTAs,
+# registers (allocated per warp in units of 256, i.e. per thread rounded up to 8, in 4 sub-partitions of 16384), and
+# the 1 KiB of shared memory the system reserves per CTA (sm_80 on).
+SMEM_PER_SM = {90: 228 * 1024, 89: 100 * 1024, 86: 100 * 1024, 80: 164 * 1024}
+MAX_WARPS_PER_SM = {90: 64, 89: 48, 86: 48, 80: 64}
+MAX_CTAS_PER_SM = {90: 32, 89: 24, 86: 16, 80: 32}
+REGS_PER_SUBPARTITION, SUBPARTITIONS, REG_UNIT_PER_WARP, SMEM_RESERVED_PER_CTA = 16384, 4, 256, 1024
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                 torch.int64: "i64", torch.int32: "i32"}
 
@@ -122,6 +132,33 @@ def resource_usage(cubin):
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
+def ctas_per_sm(arch, regs, shared, num_warps):
+    """The CTAs of this kernel one SM holds at once: the least that its registers, shared memory, warps allow."""
+    regs_per_warp = -(-regs * 32 // REG_UNIT_PER_WARP) * REG_UNIT_PER_WARP
+    by_regs = (REGS_PER_SUBPARTITION // regs_per_warp) * SUBPARTITIONS // num_warps
+    by_smem = SMEM_PER_SM[arch] // (shared + SMEM_RESERVED_PER_CTA)
+    by_warps = MAX_WARPS_PER_SM[arch] // num_warps
+    return min(by_regs, by_smem, by_warps, MAX_CTAS_PER_SM[arch])
+
+
+def sass_memory_ops(cubin):
+    """{'MEMBAR_GPU': .., 'MEMBAR_CTA': .., 'ATOM': .., 'RED': ..} in the cubin's SASS: the memory fences of GPU or
+    system scope (an acq_rel / seq_cst atomic compiles to one, with an L1 invalidation), those of CTA scope (Hopper
+    emits them beside the async-proxy fence that hands shared memory to wgmma), the value-returning global atomics
+    (ATOM / ATOMG; not shared memory's ATOMS) and the global reductions (RED / REDG)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    # an instruction line: /*0a30*/  [@P0 | @!UP1]  OPCODE.MODIFIERS ...
+    ops = [op.split(".") for op in re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)",
+                                               sass, re.M)]
+    fences = [op for op in ops if op[0] == "MEMBAR"]
+    return {"MEMBAR_GPU": sum(op[-1] != "CTA" for op in fences), "MEMBAR_CTA": sum(op[-1] == "CTA" for op in fences),
+            "ATOM": sum(op[0] in ("ATOM", "ATOMG") for op in ops), "RED": sum(op[0] in ("RED", "REDG") for op in ops)}
+
+
 def tensor_core_instruction(ptx):
     """'wgmma' (Hopper warpgroup MMA), 'mma' (Ampere/Ada mma.sync) or 'none': how the kernel's tl.dot runs."""
     if re.search(r"\bwgmma\.mma_async", ptx):
@@ -158,7 +195,7 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
                           per_token.clone() if entropy_grad else None)
     grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
-    cfg = kconfig.gpu_forward_config(dtype, sms)
+    cfg = kconfig.gpu_forward_config(dtype, sms, arch)
     with recording(forward, "_forward_kernel") as launches:
         forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora)
     out += [("fwd", launches[0])]
@@ -254,23 +291,29 @@ LAYER1_EXTRA = (("bf16 +bias, no entropy", dict(bias=True, entropy=False)),
 
 
 def all_launches(arch):
+    """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
+    ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
     out = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        out += [(f"{name} {TRITON_TYPES[dtype]}", launch) for name, launch in layer1_launches(arch, dtype)]
+        out += [(f"{name} {TRITON_TYPES[dtype]}", name, TRITON_TYPES[dtype], launch)
+                for name, launch in layer1_launches(arch, dtype)]
     for label, kw in LAYER1_EXTRA:
         dtype = torch.float32 if label.startswith("fp32") else torch.bfloat16
-        out += [(f"{name} {label}", launch) for name, launch in layer1_launches(arch, dtype, **kw)]
-    out += [(name, frozen_launch(dtype, **kw)) for name, dtype, kw in FROZEN_VARIANTS]
-    return out + token_loss_launches()
+        out += [(f"{name} {label}", name, TRITON_TYPES[dtype], launch)
+                for name, launch in layer1_launches(arch, dtype, **kw)]
+    out += [(name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(dtype, **kw))
+            for name, dtype, kw in FROZEN_VARIANTS]
+    return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 
 def compile_all(archs):
-    """[{arch, kernel, REG, SHARED (static + dynamic, bytes), LOCAL, STACK, smem_limit, tensor_cores, error}]."""
+    """[{arch, kernel, family, dtype, REG, SHARED (static + dynamic, bytes), LOCAL, STACK, smem_limit, ctas_per_sm,
+    MEMBAR_GPU, MEMBAR_CTA, ATOM, RED (sass_memory_ops), tensor_cores, error}]."""
     rows = []
     for arch in archs:
-        for name, launch in all_launches(arch):
+        for name, family, dtype, launch in all_launches(arch):
             signature, constexprs, attrs, options = specialise(launch)
-            row = {"arch": arch, "kernel": name, "num_warps": options["num_warps"],
+            row = {"arch": arch, "kernel": name, "family": family, "dtype": dtype, "num_warps": options["num_warps"],
                    "num_stages": options["num_stages"], "smem_limit": SMEM_LIMIT[arch], "error": None}
             try:
                 compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
@@ -283,8 +326,21 @@ def compile_all(archs):
             row["tensor_cores"] = tensor_core_instruction(compiled.asm["ptx"])
             row.update(REG=usage["REG"], LOCAL=usage["LOCAL"], STACK=usage["STACK"],
                        SHARED=usage["SHARED"] + compiled.metadata.shared)
+            row["ctas_per_sm"] = ctas_per_sm(arch, row["REG"], row["SHARED"], row["num_warps"])
+            row.update(sass_memory_ops(compiled.asm["cubin"]))
             rows.append(row)
     return rows
+
+
+def forward_ctas_table(rows):
+    """config.FORWARD_CTAS_PER_SM as these rows give it: per (arch, dtype), the fewest CTAs per SM of any forward
+    variant of that dtype (its launch configuration is one per dtype, whichever constexpr path runs)."""
+    table = {}
+    for r in rows:
+        if r["family"] == "fwd" and not r["error"]:
+            key = (r["arch"], r["dtype"])
+            table[key] = min(table.get(key, r["ctas_per_sm"]), r["ctas_per_sm"])
+    return table
 
 
 def main(argv=None):
@@ -294,6 +350,7 @@ def main(argv=None):
     parser.add_argument("--allow-spill", type=int, default=0, metavar="BYTES",
                         help="a variant spilling at most BYTES (local + stack) is reported, not failed: for an older "
                              "Triton's compiler (.ci/run's lowest declared Triton); default 0")
+    parser.add_argument("--table", action="store_true", help="also print config.FORWARD_CTAS_PER_SM as compiled")
     args = parser.parse_args(argv)
     rows = compile_all(args.arch)
     if args.json:
@@ -301,7 +358,7 @@ def main(argv=None):
             json.dump(rows, f, indent=1)
     bad = 0
     print(f"{'arch':>4}  {'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>4} {'smem KiB':>8} {'limit':>6} "
-          f"{'spill B':>7} {'MMA':>5}  status")
+          f"{'spill B':>7} {'MMA':>5} {'CTA/SM':>6} {'fence':>5} {'cta':>3} {'ATOM':>4} {'RED':>4}  status")
     for r in rows:
         if r["error"]:
             status, bad = r["error"], bad + 1
@@ -313,7 +370,12 @@ def main(argv=None):
         status = "OVER SHARED MEMORY" if over else ("spills" if spills else "spills (allowed)" if spill else "ok")
         bad += over or spills
         print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
-              f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} {r['tensor_cores']:>5}  {status}")
+              f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} "
+              f"{r['tensor_cores']:>5} "
+              f"{r['ctas_per_sm']:>6} {r['MEMBAR_GPU']:>5} {r['MEMBAR_CTA']:>3} {r['ATOM']:>4} {r['RED']:>4}  {status}")
+    if args.table:
+        print("FORWARD_CTAS_PER_SM = {" + ", ".join(f"({a}, {d!r}): {n}" for (a, d), n
+                                                   in sorted(forward_ctas_table(rows).items())) + "}")
     if bad:
         print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers",
               file=sys.stderr)

@@ -29,18 +29,22 @@ Its two modes (config.BACKWARD_MODES, the caller's choice):
   fp32 (N x D); the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
 * fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
   and g^T H_i into dW_j with fp32 atomics; no g buffer. g's power of two is the token block's (from the block's
-  sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. Memory: fp32 accumulators for dH
-  (N x D) and dW (V x D, only if the weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds
-  (~240 GB of traffic at N = 16k, V = 152k, D = 1536, by count), which is why chunked is the default; atomics also
-  make the summation order vary run to run (fp32 rounding level).
+  sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. The atomics (db's too, in both modes)
+  are relaxed: nothing in the kernel reads an accumulator and the launch's end orders them, so each compiles to a
+  plain reduction (RED) without a memory fence. Memory: fp32 accumulators for dH (N x D) and dW (V x D, only if the
+  weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at N = 16k,
+  V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation order vary run
+  to run (fp32 rounding level).
 
-A frozen lm_head skips every dW product in both modes.
+A frozen lm_head skips every dW product in both modes. The fused backward with dW runs its programs in groups of
+GROUP_V vocabulary tiles, each group walking every token block (config.BackwardConfig.group_v): the programs
+resident at once spread their dW adds over ~GROUP_V row blocks instead of all hitting one vocabulary tile's.
 
 LoRA (grpo_fast/lora.py: z recomputed from h W^T + l B^T, tile.py) adds dl = g B [N, r] and dB = g^T l [V, r] from
 the same tiles g, next to dH and dW: in the chunked mode two more GEMMs per chunk (dl[chunk] written, dB accumulated;
 fp32 outputs, the adapter operands in g's dtype, so that no fp32 copy of the chunk's g is made), in the fused mode a
-walk over r in BLOCK_R steps after the D walk, fp32 atomics (the adapter operands in g's dtype likewise). Memory: the
-fp32 dl (N x r) and dB (V x r).
+walk over r in BLOCK_R steps after the D walk, relaxed fp32 atomics (the adapter operands in g's dtype likewise).
+Memory: the fp32 dl (N x r) and dB (V x r).
 """
 
 import torch
@@ -48,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
+from .launch import on_first_argument_device
 from .tile import gemm_scale, lora_kernel_args, lora_tile, row_coefficients, tile_grad
 
 
@@ -65,9 +70,16 @@ def _backward_kernel(
     COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr, SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_V: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
+    if FUSED and COMPUTE_DW:
+        # grouped program order: the launch order (axis 0 fastest) walks GROUP_V vocabulary tiles of a token block,
+        # then the next token block, so the programs resident at once add into ~GROUP_V dW row blocks, not all into
+        # one; 32-bit, as _launch keeps the grid under 2^31 programs. Only here: without dW the token-block order
+        # already spreads the atomics, and the remap spills registers in two fused frozen-W variants (sm_compile)
+        pid_v, pid_n = tl.swizzle2d(pid_v, pid_n, tl.num_programs(1), tl.num_programs(0), GROUP_V)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_mask = offs_n < N
@@ -99,7 +111,7 @@ def _backward_kernel(
                   softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION,
                   LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
     if COMPUTE_DB:
-        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask)
+        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     if not FUSED:
         tl.store(g_ptrs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
@@ -118,7 +130,7 @@ def _backward_kernel(
                 w_vd = w_vd.to(tl.float32)
             dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION) * g_unscale
             tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
-                          mask=n_mask[:, None] & d_mask[None, :])
+                          mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
         if COMPUTE_DW:
             h_nd = tl.load(hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
@@ -126,7 +138,7 @@ def _backward_kernel(
                 h_nd = h_nd.to(tl.float32)
             dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION) * g_unscale
             tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
-                          mask=v_mask[:, None] & d_mask[None, :])
+                          mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
     # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
     # of fp32 g here spills registers on sm_90)
     if COMPUTE_DLH or COMPUTE_DLW:
@@ -137,12 +149,12 @@ def _backward_kernel(
                 lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
                 dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION) * g_unscale
                 tl.atomic_add(grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], dlh,
-                              mask=n_mask[:, None] & r_mask[None, :])
+                              mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
             if COMPUTE_DLW:
                 lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
                 dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION) * g_unscale
                 tl.atomic_add(grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :], dlw,
-                              mask=v_mask[:, None] & r_mask[None, :])
+                              mask=v_mask[:, None] & r_mask[None, :], sem="relaxed")
 
 
 def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
@@ -155,6 +167,9 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
     dummy = stats.lse
     entropy_grad = grad_entropy is not None
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(V, config.block_v))
+    if grid[0] * grid[1] >= 2 ** 31:
+        raise ValueError(f"{N} tokens x {V} vocabulary entries make {grid[0] * grid[1]} backward programs; the "
+                         "kernel numbers them in 32 bits (at most 2^31 - 1): split the batch")
     _backward_kernel[grid](
         hidden, weight, bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
         stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
@@ -174,7 +189,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         COMPUTE_DB=grad_bias is not None, COMPUTE_DLH=grad_lora[0] is not None,
         COMPUTE_DLW=grad_lora[1] is not None, SCALE_G=hidden.dtype != torch.float32,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
+        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, GROUP_V=config.group_v,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -183,6 +198,7 @@ def _rows(stats, n0, n1):
     return type(stats)(*(x[n0:n1] if x is not None else None for x in stats))
 
 
+@on_first_argument_device
 def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
                      grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
     """dH (fp32, written), dW (fp32 accumulator, zero on entry), db (fp32, added to); any may be None.
@@ -231,6 +247,7 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
             accumulator.mul_(g_unscale)
 
 
+@on_first_argument_device
 def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
                    grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
     """Accumulate dH, dW, db (and LoRA's dl, dB) into fp32 buffers (zero-initialised, or None when not needed) with

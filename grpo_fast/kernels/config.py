@@ -3,7 +3,8 @@ and one launch-configuration type per kernel family (forward, backward, frozen-h
 
 The GPU configurations are chosen without a GPU by compiling every kernel variant for sm_90 / sm_89 / sm_80 with
 tools/sm_compile.py (run in CI through tests/test_sm_compile.py): each fits the card's shared memory and spills no
-registers. Speed is not tuned yet: bench/ does that.
+registers; the CTAs per SM they allow size the forward's waves (FORWARD_CTAS_PER_SM). Speed is not tuned yet:
+bench/ does that.
 """
 
 import os
@@ -88,15 +89,18 @@ class _DotTileConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardConfig(_DotTileConfig):
-    """kernels/forward.py's launch: logit tiles; the vocabulary is split until about ``target_programs`` programs
-    run."""
+    """kernels/forward.py's launch: logit tiles; the vocabulary is split so that the programs fill whole waves of
+    ``target_programs``, the programs the GPU holds at once (forward.num_vocab_splits)."""
 
     target_programs: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class BackwardConfig(_DotTileConfig):
-    """kernels/backward.py's launch (either mode): gradient tiles."""
+    """kernels/backward.py's launch (either mode): gradient tiles; the fused mode with dW runs in groups of
+    ``group_v`` vocabulary tiles (each group walks every token block before the next group starts)."""
+
+    group_v: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,14 +131,24 @@ def _compiled(device) -> bool:
 _INTERPRETER_TILES = dict(block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, dot_fp32=True)
 
 
-def gpu_forward_config(dtype: torch.dtype, sm_count: int) -> ForwardConfig:
-    """The compiled forward's configuration on a device with ``sm_count`` SMs."""
+# The CTAs per SM the compiled forward kernel's registers, shared memory and warps allow, per (arch, dtype): the
+# fewest over its constexpr variants. Data produced by ``TRITON_INTERPRET=0 python tools/sm_compile.py --table``;
+# tests/test_sm_compile.py checks that it matches what compiles. Another arch counts one CTA per SM.
+FORWARD_CTAS_PER_SM = {(80, "bf16"): 1, (80, "fp16"): 1, (80, "fp32"): 2, (89, "bf16"): 1, (89, "fp16"): 1,
+                       (89, "fp32"): 2, (90, "bf16"): 1, (90, "fp16"): 1, (90, "fp32"): 2}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def gpu_forward_config(dtype: torch.dtype, sm_count: int, arch: int) -> ForwardConfig:
+    """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90) with
+    ``sm_count`` SMs: one wave is FORWARD_CTAS_PER_SM programs per SM."""
     if dtype == torch.float32:
         # IEEE fp32 products run on the FMA units, not the tensor cores: short K steps keep registers in bounds
         tiles = dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
     else:
         tiles = dict(block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3)
-    return ForwardConfig(**tiles, dot_fp32=False, target_programs=2 * sm_count)
+    wave = FORWARD_CTAS_PER_SM.get((arch, DTYPE_NAMES[dtype]), 1) * sm_count
+    return ForwardConfig(**tiles, dot_fp32=False, target_programs=wave)
 
 
 def gpu_backward_config(dtype: torch.dtype, mode: str, smem_per_block: int,
@@ -152,7 +166,9 @@ def gpu_backward_config(dtype: torch.dtype, mode: str, smem_per_block: int,
     else:
         # the fused backward also stages W and H tiles for its two gradient products
         tiles = dict(block_n=64, block_v=128, block_d=32, num_warps=8, num_stages=3 if big_smem else 2)
-    return BackwardConfig(**tiles, dot_fp32=False)
+    # 8 vocabulary tiles a group: the resident programs (1 or 2 per SM: sm_compile) spread over 8 vocabulary tiles
+    # x 17 to 33 token blocks, so each dW row block takes ~1/8 of the concurrent atomic adds, each dH one a few
+    return BackwardConfig(**tiles, dot_fp32=False, group_v=8)
 
 
 def gpu_frozen_head_config() -> FrozenHeadConfig:
@@ -162,20 +178,24 @@ def gpu_frozen_head_config() -> FrozenHeadConfig:
 
 
 def _device_props(device):
+    """(SM count, shared memory per block, arch as 10 major + minor) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
     # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
-    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    return (props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 0) or 101376,
+            10 * props.major + props.minor)
 
 
 def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:
     if not _compiled(device):
         return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
-    return gpu_forward_config(dtype, _device_props(device)[0])
+    sm_count, _, arch = _device_props(device)
+    return gpu_forward_config(dtype, sm_count, arch)
 
 
 def backward_config(device: torch.device, dtype: torch.dtype, mode: str, wide_epilogue: bool = False) -> BackwardConfig:
     if not _compiled(device):
-        return BackwardConfig(**_INTERPRETER_TILES)
+        # groups of 2 vocabulary tiles: the tests' shapes have partial groups
+        return BackwardConfig(**_INTERPRETER_TILES, group_v=2)
     return gpu_backward_config(dtype, mode, _device_props(device)[1], wide_epilogue)
 
 

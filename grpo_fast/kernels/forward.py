@@ -10,7 +10,8 @@ logit, each tile folded into the running record by softmax_stats' merge formulas
 into logp, H and what the backward reads (lse, 1 - p_y, mean logit, mean - z_y): O(N) values, saved by the caller,
 with 1 - p_y and mean - z_y formed as sums of same-signed terms (exact where a token is confident).
 
-The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU: program
+The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU, in whole waves of
+the programs it holds at once (``num_vocab_splits``; config.FORWARD_CTAS_PER_SM, the compiled occupancy): program
 (i, k) sweeps the vocab range k for the token block i and writes its record for each token; the epilogue folds the
 splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge that a
 vocab-parallel head uses across ranks (``forward_record`` returns the merged record unfinished).
@@ -28,7 +29,12 @@ import triton
 import triton.language as tl
 
 from . import softmax_stats
+from .launch import on_first_argument_device
 from .tile import logit_tile, lora_kernel_args
+
+# the most waves the forward's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill
+# the last wave better, and each adds a record of 5 x N fp32 to write and merge
+EXTRA_WAVES = 8
 
 
 @triton.jit
@@ -90,11 +96,26 @@ def _forward_kernel(
 
 
 def num_vocab_splits(N, V, config):
-    """(num_splits, vocab_per_split): split the vocabulary until about config.target_programs programs run."""
-    n_blocks = triton.cdiv(N, config.block_n)
+    """(num_splits, vocab_per_split): the vocabulary split so that the programs fill whole waves of
+    config.target_programs (the programs the GPU holds at once: CTAs per SM x SMs).
+
+    A launch of s splits takes about waves(s) x tiles(s) tile steps, waves(s) = cdiv(token blocks x s, wave) and
+    tiles(s) = cdiv(vocabulary tiles, s), the longest program's share. The candidates are, for k waves up to
+    EXTRA_WAVES more than the unsplit launch's, the most splits whose programs fit in k waves; the one of fewest
+    steps is taken (the fewest splits on a tie).
+    E.g. 100 token blocks on a wave of 132 leave 24 % of the GPU idle unsplit; 9 splits fill 7 waves to 97 %."""
+    n_blocks = max(1, triton.cdiv(N, config.block_n))
     v_tiles = triton.cdiv(V, config.block_v)
-    num_splits = max(1, min(v_tiles, triton.cdiv(config.target_programs, n_blocks)))
-    vocab_per_split = triton.cdiv(v_tiles, num_splits) * config.block_v
+    wave = config.target_programs
+
+    def steps(splits):
+        tiles = triton.cdiv(v_tiles, splits)
+        return triton.cdiv(n_blocks * triton.cdiv(v_tiles, tiles), wave) * tiles
+
+    unsplit_waves = triton.cdiv(n_blocks, wave)  # fewer waves than these hold no split at all
+    candidates = sorted({max(1, min(v_tiles, k * wave // n_blocks))
+                         for k in range(unsplit_waves, unsplit_waves + EXTRA_WAVES + 1)})
+    vocab_per_split = triton.cdiv(v_tiles, min(candidates, key=steps)) * config.block_v
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
@@ -109,6 +130,7 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config, l
                                                lora), compute_entropy)
 
 
+@on_first_argument_device
 def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1),
     its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``."""

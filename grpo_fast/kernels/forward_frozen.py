@@ -72,6 +72,7 @@ import triton.language as tl
 
 from . import softmax_stats
 from .gemm import OUT_DTYPE_GEMM, chunk_size, mm_fp32
+from .launch import on_first_argument_device
 from .tile import GRAD_SCALE_CEILING, gemm_scale, transform_and_slope
 
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
@@ -215,6 +216,7 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     return (*softmax_stats.finish(record, compute_entropy), grad, lora_acc)
 
 
+@on_first_argument_device
 def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
                           vocab_chunk=None, gemm_dtype=None, lora=None):
     """``forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope [N]

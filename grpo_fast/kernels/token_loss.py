@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.launch import on_first_argument_device
 from grpo_fast.metrics import RowValues
 
 # Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term``
@@ -402,6 +403,7 @@ def _token_loss_kernel(
     tl.store(stats + STAT_BONUS_ENTROPY, bonus_entropy)
 
 
+@on_first_argument_device
 def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale,
                entropy_threshold):
     """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: RowValues [B]}).

@@ -1,0 +1,153 @@
+"""Launches on any GPU of the machine, and the forward's vocabulary split sized to whole waves.
+
+No GPU here: the Triton kernels and the cuBLAS GEMM helper are replaced by recorders that note the device made
+current (by torch.cuda.device, or by launch.on_device, each replaced by a recorder) at each call. Fake CUDA tensors
+(torch's FakeTensorMode gives tensors on cuda:1 on a CPU-only torch: shapes and devices, no data) run the forward's
+host code; the other wrappers index tensors, which a CPU-only torch refuses for fake CUDA tensors, so they run on
+CPU tensors with the device guard recorded.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import grpo_fast
+from grpo_fast.kernels import backward, config as kconfig, forward, forward_frozen, launch, token_loss
+from grpo_fast.kernels.softmax_stats import BackwardStats
+from grpo_fast.options import LossOptions
+
+# every Triton kernel and the cuBLAS helper, by the module that calls it
+CALLS = ((forward, "_forward_kernel"), (backward, "_backward_kernel"), (backward, "mm_fp32"),
+         (forward_frozen, "_frozen_chunk_kernel"), (forward_frozen, "mm_fp32"), (token_loss, "_token_loss_kernel"))
+
+
+class _Launches:
+    """The current device (as the recorded guard sets it) at each recorded call, by name."""
+
+    def __init__(self):
+        self.current, self.seen = [], []
+
+    @contextlib.contextmanager
+    def guard(self, device):
+        self.current.append(torch.device(device))
+        try:
+            yield
+        finally:
+            self.current.pop()
+
+    def recorder(self, name):
+        def record(*args, **kwargs):
+            self.seen.append((name, self.current[-1] if self.current else None))
+
+        class Kernel:  # kernel[grid](...) records too
+            def __getitem__(self, grid):
+                return record
+
+            def __call__(self, *args, **kwargs):
+                record()
+
+        return Kernel()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = _Launches()
+    for module, name in CALLS:
+        monkeypatch.setattr(module, name, calls.recorder(f"{module.__name__.rsplit('.', 1)[1]}.{name}"))
+    return calls
+
+
+def _inputs(device, N=6, D=32, V=96):
+    hidden, weight = torch.zeros(N, D, device=device), torch.zeros(V, D, device=device)
+    return hidden, weight, torch.zeros(N, dtype=torch.long, device=device), kconfig.LogitTransform()
+
+
+def _forward(device):
+    hidden, weight, targets, transform = _inputs(device)
+    forward.forward_record(hidden, weight, targets, None, transform, True,
+                           kconfig.gpu_forward_config(torch.float32, 4, 90))
+
+
+def _every_other_wrapper(device):
+    hidden, weight, targets, transform = _inputs(device)
+    per_token = torch.zeros(hidden.shape[0], device=device)
+    stats = BackwardStats(per_token, per_token, per_token, per_token)
+    for mode, run in (("chunked", backward.backward_chunked), ("fused", backward.backward_fused)):
+        run(hidden, weight, targets, None, stats, per_token, per_token, transform, torch.zeros_like(hidden),
+            torch.zeros_like(weight), None, kconfig.gpu_backward_config(torch.float32, mode, 232448))
+    forward_frozen.forward_frozen_record(hidden, weight, targets, None, transform, True,
+                                         kconfig.gpu_frozen_head_config())
+    logp = torch.zeros(2, 3, device=device)
+    token_loss.token_loss(logp, torch.zeros(2, device=device), logp, logp, logp, None, None, logp,
+                          LossOptions(loss_type="grpo", beta=0.04), scale=1.0, entropy_threshold=None)
+
+
+def test_a_cuda_tensor_makes_its_device_current_and_a_cpu_tensor_none(monkeypatch):
+    calls = _Launches()
+    monkeypatch.setattr(torch.cuda, "device", calls.guard)
+    with FakeTensorMode():
+        with launch.on_device(torch.zeros(1, device="cuda:1")):
+            assert calls.current == [torch.device("cuda:1")]
+    assert isinstance(launch.on_device(torch.zeros(1)), contextlib.nullcontext)
+
+
+def test_the_forward_launches_on_its_tensors_cuda_device(launches, monkeypatch):
+    # tensors on cuda:1 (fake): the forward's Triton launch runs with cuda:1 current
+    monkeypatch.setattr(torch.cuda, "device", launches.guard)
+    with FakeTensorMode():
+        _forward(torch.device("cuda:1"))
+    assert launches.seen == [("forward._forward_kernel", torch.device("cuda:1"))]
+
+
+def test_every_launch_and_gemm_runs_under_its_wrappers_device_guard(launches, monkeypatch):
+    # launch.on_device recorded: each wrapper's Triton launches and cuBLAS GEMMs run inside the guard of its
+    # first tensor's device (here the CPU: on_device is then a null context, but the guard is entered)
+    monkeypatch.setattr(launch, "on_device", lambda tensor: launches.guard(tensor.device))
+    _forward(torch.device("cpu"))
+    _every_other_wrapper(torch.device("cpu"))
+    assert {name for name, _ in launches.seen} == {f"{m.__name__.rsplit('.', 1)[1]}.{n}" for m, n in CALLS}
+    assert [(name, device) for name, device in launches.seen if device != torch.device("cpu")] == []
+
+
+def test_tensors_on_two_cuda_devices_are_a_named_error():
+    with FakeTensorMode():
+        hidden, weight = torch.zeros(1, 2, 8, device="cuda:0"), torch.zeros(16, 8, device="cuda:1")
+        targets = torch.zeros(1, 2, dtype=torch.long, device="cuda:0")
+        for fn in (grpo_fast.logprobs, grpo_fast.logprobs_and_entropy):
+            with pytest.raises(ValueError, match="weight is on cuda:1 but hidden is on cuda:0"):
+                fn(hidden, weight, targets)
+        logp = torch.zeros(1, 2, device="cuda:1")
+        with pytest.raises(ValueError, match="advantages is on cuda:0 but logprobs is on cuda:1"):
+            grpo_fast.token_loss(logp, torch.zeros(1, device="cuda:0"), torch.ones(1, 2, device="cuda:1"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_wave_is_the_compiled_ctas_per_sm_times_the_sms(dtype):
+    for arch, sms in ((90, 132), (89, 128), (80, 108)):
+        ctas = kconfig.FORWARD_CTAS_PER_SM[(arch, kconfig.DTYPE_NAMES[dtype])]
+        assert kconfig.gpu_forward_config(dtype, sms, arch).target_programs == ctas * sms
+    assert kconfig.gpu_forward_config(dtype, 170, 120).target_programs == 170  # an arch not compiled: 1 per SM
+
+
+def _fill(N, V, cfg):
+    """(splits, the share of the GPU's program slots the launch's waves fill)."""
+    splits, _ = forward.num_vocab_splits(N, V, cfg)
+    programs = -(-N // cfg.block_n) * splits
+    return splits, programs / (-(-programs // cfg.target_programs) * cfg.target_programs)
+
+
+def test_the_forward_split_fills_whole_waves():
+    cfg = kconfig.gpu_forward_config(torch.bfloat16, 132, 90)
+    cfg = kconfig.ForwardConfig(**{**cfg.__dict__, "target_programs": 132})  # one CTA per SM, as an H100's bf16
+    V = 151936  # Qwen2.5's head: 1187 tiles of 128
+    # 100 token blocks: unsplit, 24 % of the wave idles; 9 splits are 7 waves 97 % full
+    assert _fill(6400, V, cfg) == (9, 900 / 924)
+    # one token block: one split per program slot; a whole wave of token blocks is not split
+    assert _fill(1, V, cfg) == (132, 1.0)
+    assert _fill(64 * 132, V, cfg) == (1, 1.0)
+    # every token count up to 10 waves of token blocks: the waves are at least 90 % full (with 2 x SMs programs as
+    # the split's target, as before, 53 token blocks took 2 x 53 programs: 132 slots 67 % full)
+    fills = [_fill(64 * n_blocks, V, cfg)[1] for n_blocks in range(1, 10 * 132)]
+    assert min(fills) >= 0.9, min(fills)
