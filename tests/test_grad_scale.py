@@ -88,7 +88,7 @@ def _config(kind, device, dtype, mode=None):
     if device.type == "cuda":
         return (kconfig.forward_config(device, dtype) if kind is kconfig.ForwardConfig
                 else kconfig.backward_config(device, dtype, mode, wide_epilogue=True))
-    extra = dict(target_programs=8) if kind is kconfig.ForwardConfig else {}
+    extra = dict(target_programs=8) if kind is kconfig.ForwardConfig else dict(group_v=2)
     return kind(**_TILES, block_d=64, dot_fp32=True, **extra)
 
 
