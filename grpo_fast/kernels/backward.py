@@ -214,9 +214,11 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
     V = weight.shape[0]
     chunk = chunk_size(N, D)
     g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
-    grad_lora_hidden, grad_lora_weight = grad_lora
+    # (gradient of the rows operand, of the columns operand, rows operand, columns operand): the base head's, and
+    # LoRA's with its adapters in g's dtype (the GEMM operands)
+    operand_pairs = [(grad_hidden, grad_weight, hidden, weight)]
     if lora is not None:
-        lora_hidden_g, lora_weight_g = (x.to(g.dtype) for x in lora)  # the GEMM operands: g's dtype
+        operand_pairs.append((*grad_lora, *(x.to(g.dtype) for x in lora)))
     scaled = hidden.dtype != torch.float32
     coefficient_max = g_unscale = None
     if scaled:
@@ -230,21 +232,16 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
                 config, (lora[0][n0:n1], lora[1]) if lora is not None else None, grad_lora=(None, None),
                 coefficient_max=coefficient_max, g_unscale=g_unscale)
         g_rows = g[:n1 - n0]
-        if grad_hidden is not None:
-            mm_fp32(g_rows, weight, grad_hidden[n0:n1], accumulate=False)
-            if scaled:
-                grad_hidden[n0:n1].mul_(g_unscale)
-        if grad_weight is not None:
-            mm_fp32(g_rows.T, hidden[n0:n1], grad_weight, accumulate=True)
-        if grad_lora_hidden is not None:
-            mm_fp32(g_rows, lora_weight_g, grad_lora_hidden[n0:n1], accumulate=False)
-            if scaled:
-                grad_lora_hidden[n0:n1].mul_(g_unscale)
-        if grad_lora_weight is not None:
-            mm_fp32(g_rows.T, lora_hidden_g[n0:n1], grad_lora_weight, accumulate=True)
-    for accumulator in (grad_weight, grad_lora_weight):  # summed over chunks in g's scaled units
-        if scaled and accumulator is not None:
-            accumulator.mul_(g_unscale)
+        for grad_rows, grad_columns, rows_operand, columns_operand in operand_pairs:
+            if grad_rows is not None:  # dH = g W (LoRA: dl = g B), written per chunk
+                mm_fp32(g_rows, columns_operand, grad_rows[n0:n1], accumulate=False)
+                if scaled:
+                    grad_rows[n0:n1].mul_(g_unscale)
+            if grad_columns is not None:  # dW += g^T H (LoRA: dB += g^T l), in g's scaled units until the end
+                mm_fp32(g_rows.T, rows_operand[n0:n1], grad_columns, accumulate=True)
+    for _, grad_columns, _, _ in operand_pairs:
+        if scaled and grad_columns is not None:
+            grad_columns.mul_(g_unscale)
 
 
 @on_first_argument_device
