@@ -443,11 +443,11 @@ def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, ro
 
 # ----------------------------------------------------------------------------------------------- defaults, errors
 # grpo_fast.loss keywords that are not GRPOConfig options: per-batch tensors, the logit transform a model's config
-# carries (TRL reads softcap / logit scale from it), the precomputed top-entropy threshold, the backend and layer 1's
-# path and backward
+# carries (TRL reads softcap / logit scale from it), the head's LoRA adapter (TRL reads it from the PEFT model), the
+# precomputed top-entropy threshold, the backend and layer 1's path and backward
 GRPO_FAST_ONLY_KEYWORDS = {"bias", "old_logprobs", "ref_logprobs", "sampling_logprobs", "importance_weights",
                            "softcap", "logit_scale", "num_items_in_batch", "entropy_threshold", "backend", "entropy",
-                           "options", "head_path", "backward_mode", "vocab_parallel"}
+                           "options", "head_path", "backward_mode", "vocab_parallel", "lora"}
 
 
 @pytest.mark.parametrize("fn", [grpo_fast.loss, grpo_fast.token_loss], ids=lambda f: f.__name__)
