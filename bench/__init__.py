@@ -18,8 +18,11 @@ import sys
 # the spinning (a quick CPU sweep: 40 s with it, 12 s without). The results' metadata records the policy in effect.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # OpenMP reads the policy when torch loads it: unknown when torch was imported before the benchmark
-THREAD_POLICY = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "torch" not in sys.modules else
-                 "unknown: torch was imported before bench set OMP_WAIT_POLICY")
+THREAD_POLICY = (
+    f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+    if "torch" not in sys.modules
+    else "unknown: torch was imported before bench set OMP_WAIT_POLICY"
+)
 
 from bench.impls import IMPLS, Impl, register  # noqa: E402 (after the thread policy)
 

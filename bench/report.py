@@ -17,8 +17,10 @@ from bench.shapes import GOAL_SHAPE, GOAL_TOKENS
 
 SCHEMA_VERSION = 2  # 2: scenarios (dense, padded), the fp64 truth, flops on the completion tokens
 STATUSES = ("ok", "wrong", "oom", "unavailable", "error", "skipped")
-CPU_BANNER = ("CPU numbers: not GPU figures. This run had no CUDA device: it times the CPU fallback "
-              "(grpo_fast's chunked torch path) against eager PyTorch and the peers' CPU paths.")
+CPU_BANNER = (
+    "CPU numbers: not GPU figures. This run had no CUDA device: it times the CPU fallback "
+    "(grpo_fast's chunked torch path) against eager PyTorch and the peers' CPU paths."
+)
 
 
 # ----------------------------------------------------------------------------------------------- environment
@@ -41,12 +43,21 @@ def device_info(device) -> dict:
     device = torch.device(device)
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        return dict(device_type="cuda", device_name=torch.cuda.get_device_name(device),
-                    device_slug=slug(torch.cuda.get_device_name(device)), device_memory_bytes=p.total_memory,
-                    multiprocessors=p.multi_processor_count, cuda_version=torch.version.cuda)
+        return dict(
+            device_type="cuda",
+            device_name=torch.cuda.get_device_name(device),
+            device_slug=slug(torch.cuda.get_device_name(device)),
+            device_memory_bytes=p.total_memory,
+            multiprocessors=p.multi_processor_count,
+            cuda_version=torch.version.cuda,
+        )
     name = cpu_name()
-    return dict(device_type="cpu", device_name=f"CPU: {name}", device_slug="cpu-" + slug(name)[:40],
-                cpu_threads=torch.get_num_threads())
+    return dict(
+        device_type="cpu",
+        device_name=f"CPU: {name}",
+        device_slug="cpu-" + slug(name)[:40],
+        cpu_threads=torch.get_num_threads(),
+    )
 
 
 def git_commit() -> dict:
@@ -55,10 +66,19 @@ def git_commit() -> dict:
         return dict(commit=os.environ["BENCH_COMMIT"], commit_dirty=None)
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            != ""
+        )
         return dict(commit=commit or "unknown", commit_dirty=dirty)
     except Exception:  # noqa: BLE001
         return dict(commit="unknown", commit_dirty=None)
@@ -126,8 +146,11 @@ def _ratios(r, other):
     """(time ratio, peak memory ratio) of record r to the record other (None where either lacks the number)."""
     if other is None:
         return None, None
-    mem = (r["peak_mem_bytes"] / other["peak_mem_bytes"]
-           if r["peak_mem_bytes"] is not None and other["peak_mem_bytes"] else None)
+    mem = (
+        r["peak_mem_bytes"] / other["peak_mem_bytes"]
+        if r["peak_mem_bytes"] is not None and other["peak_mem_bytes"]
+        else None
+    )
     return r["median_ms"] / other["median_ms"], mem
 
 
@@ -147,22 +170,24 @@ def evaluate_goals(meta, records):
     def add(name, target, measured, result, note=""):
         goals.append(dict(goal=name, target=target, measured=measured, result=result, note=note))
 
-    names = [("memory_vs_eager", "peak memory of grpo_fast fwd+bwd <= 10% of eager's"),
-             ("memory_vs_liger", "peak memory of grpo_fast fwd+bwd below Liger's"),
-             ("time_vs_eager", "time of grpo_fast fwd+bwd <= 0.5x eager's"),
-             ("time_vs_liger", "time of grpo_fast fwd+bwd below Liger's"),
-             ("matmul_fraction", "grpo_fast fwd+bwd >= 60% of the measured matmul throughput (8NDV floor)")]
+    names = [
+        ("memory_vs_eager", "peak memory of grpo_fast fwd+bwd <= 10% of eager's"),
+        ("memory_vs_liger", "peak memory of grpo_fast fwd+bwd below Liger's"),
+        ("time_vs_eager", "time of grpo_fast fwd+bwd <= 0.5x eager's"),
+        ("time_vs_liger", "time of grpo_fast fwd+bwd below Liger's"),
+        ("matmul_fraction", "grpo_fast fwd+bwd >= 60% of the measured matmul throughput (8NDV floor)"),
+    ]
     if meta.get("device_type") != "cuda":
-        for key, name in names:
+        for _key, name in names:
             add(name, "", None, "not measured", "CPU run: the goals are for an H100/H200 GPU")
         return goals
-    g, e, l = _find(records, "grpo_fast"), _find(records, "eager"), _find(records, "liger")
+    g, e, lg = _find(records, "grpo_fast"), _find(records, "eager"), _find(records, "liger")
     if g is None or g["status"] in ("skipped", "unavailable"):
-        for key, name in names:
+        for _key, name in names:
             add(name, "", None, "not measured", f"grpo_fast was not run at {GOAL_SHAPE}, N={GOAL_TOKENS}")
         return goals
     if g["status"] != "ok":
-        for key, name in names:
+        for _key, name in names:
             add(name, "", None, "FAIL", f"grpo_fast: {g['status']} ({g.get('reason') or ''})")
         return goals
 
@@ -184,22 +209,32 @@ def evaluate_goals(meta, records):
         ratio = g[field] / other[field]
         passed = ratio <= limit if limit is not None else ratio < 1.0
         target = f"<= {fmt(limit)}" if limit is not None else f"< {fmt(1.0)}"
-        unit = (lambda v: f"{v / 2 ** 20:.0f} MiB") if field == "peak_mem_bytes" else (lambda v: f"{v:.2f} ms")
-        add(name, target, fmt(ratio), "PASS" if passed else "FAIL",
-            f"grpo_fast {unit(g[field])} vs {other_name} {unit(other[field])}")
+        unit = (lambda v: f"{v / 2**20:.0f} MiB") if field == "peak_mem_bytes" else (lambda v: f"{v:.2f} ms")
+        add(
+            name,
+            target,
+            fmt(ratio),
+            "PASS" if passed else "FAIL",
+            f"grpo_fast {unit(g[field])} vs {other_name} {unit(other[field])}",
+        )
 
     pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
     times = lambda v: f"{v:.3f}x"  # noqa: E731
     versus(names[0][1], "peak_mem_bytes", 0.10, e, "eager", pct)
-    versus(names[1][1], "peak_mem_bytes", None, l, "Liger", times, oom_passes=True)
+    versus(names[1][1], "peak_mem_bytes", None, lg, "Liger", times, oom_passes=True)
     versus(names[2][1], "median_ms", 0.5, e, "eager", times)
-    versus(names[3][1], "median_ms", None, l, "Liger", times)
+    versus(names[3][1], "median_ms", None, lg, "Liger", times)
     frac = g.get("pct_of_matmul_peak")
     if frac is None:
         add(names[4][1], ">= 60%", None, "not measured", "no matmul throughput measured")
     else:
-        add(names[4][1], ">= 60%", f"{frac:.1f}%", "PASS" if frac >= 60.0 else "FAIL",
-            f"{g['tflops']:.1f} TFLOP/s of {meta.get('matmul_peak_tflops', 0):.1f}")
+        add(
+            names[4][1],
+            ">= 60%",
+            f"{frac:.1f}%",
+            "PASS" if frac >= 60.0 else "FAIL",
+            f"{g['tflops']:.1f} TFLOP/s of {meta.get('matmul_peak_tflops', 0):.1f}",
+        )
     return goals
 
 
@@ -224,7 +259,7 @@ def write_json(path, doc):
 
 
 def _mib(b):
-    return None if b is None else b / 2 ** 20
+    return None if b is None else b / 2**20
 
 
 def _fmt(v, spec):
@@ -233,8 +268,11 @@ def _fmt(v, spec):
 
 # the precision columns of each mode: (key in a record's errors, column title)
 ERROR_COLUMNS = {
-    "fwdbwd": (("loss_abs_err", "loss err"), ("grad_hidden_rel_err", "dH rel err"),
-               ("grad_weight_rel_err", "dW rel err")),
+    "fwdbwd": (
+        ("loss_abs_err", "loss err"),
+        ("grad_hidden_rel_err", "dH rel err"),
+        ("grad_weight_rel_err", "dW rel err"),
+    ),
     "logprobs": (("logprobs_max_abs_err", "logp err"),),
 }
 
@@ -252,8 +290,9 @@ def display_order(doc):
     m, records = doc["meta"], doc["results"]
     shapes = list(m.get("shapes") or {}) + [r["shape"] for r in records]
     impls = list(m.get("impl_labels") or {}) + [r["impl"] for r in records]
-    return sorted(records, key=lambda r: (shapes.index(r["shape"]), r["N"], r["scenario"] != "dense",
-                                          impls.index(r["impl"])))
+    return sorted(
+        records, key=lambda r: (shapes.index(r["shape"]), r["N"], r["scenario"] != "dense", impls.index(r["impl"]))
+    )
 
 
 def _time_and_memory_cells(r):
@@ -270,19 +309,39 @@ def summary_markdown(doc) -> list[str]:
     the table the top-level README shows."""
     records = display_order(doc)
     by_mode = {(r["shape"], r["N"], r["scenario"], r["impl"], r["mode"]): r for r in records}
-    lines = ["| shape | N | batch | implementation | fwd+bwd ms | fwd+bwd MiB | log-probs ms | log-probs MiB "
-             "| logp err | dH rel err | dW rel err |",
-             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| shape | N | batch | implementation | fwd+bwd ms | fwd+bwd MiB | log-probs ms | log-probs MiB "
+        "| logp err | dH rel err | dW rel err |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for key in dict.fromkeys((r["shape"], r["N"], r["scenario"], r["impl"]) for r in records):
         fwdbwd, logprobs = by_mode.get((*key, "fwdbwd")), by_mode.get((*key, "logprobs"))
         first = fwdbwd or logprobs
         if all(r is None or r["status"] in ("unavailable", "skipped") for r in (fwdbwd, logprobs)):
             continue  # the "Why not timed" list says why
-        errors = [_fmt((r or {}).get("errors", {}).get(k), ".1e") for r, k in (
-            (logprobs, "logprobs_max_abs_err"), (fwdbwd, "grad_hidden_rel_err"), (fwdbwd, "grad_weight_rel_err"))]
-        lines.append("| " + " | ".join([first["shape"], str(first["N"]), _batch(first), first["impl"],
-                                        *_time_and_memory_cells(fwdbwd), *_time_and_memory_cells(logprobs),
-                                        *errors]) + " |")
+        errors = [
+            _fmt((r or {}).get("errors", {}).get(k), ".1e")
+            for r, k in (
+                (logprobs, "logprobs_max_abs_err"),
+                (fwdbwd, "grad_hidden_rel_err"),
+                (fwdbwd, "grad_weight_rel_err"),
+            )
+        ]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    first["shape"],
+                    str(first["N"]),
+                    _batch(first),
+                    first["impl"],
+                    *_time_and_memory_cells(fwdbwd),
+                    *_time_and_memory_cells(logprobs),
+                    *errors,
+                ]
+            )
+            + " |"
+        )
     return lines
 
 
@@ -299,10 +358,13 @@ def markdown(doc) -> str:
         lines += ["> **Incomplete**: the run stopped before the end of the sweep.", ""]
     skipped = [r for r in doc["results"] if r["status"] == "skipped"]
     if skipped:
-        lines += [f"> **Partial**: {len(skipped)} of {len(doc['results'])} measurements were skipped "
-                  f"({skipped[0].get('reason')}): "
-                  + "; ".join(f"{r['impl']} {r['mode']} at {r['shape']} N={r['N']} {r['scenario']}" for r in skipped)
-                  + ". This file holds the rest.", ""]
+        lines += [
+            f"> **Partial**: {len(skipped)} of {len(doc['results'])} measurements were skipped "
+            f"({skipped[0].get('reason')}): "
+            + "; ".join(f"{r['impl']} {r['mode']} at {r['shape']} N={r['N']} {r['scenario']}" for r in skipped)
+            + ". This file holds the rest.",
+            "",
+        ]
     v = m["versions"]
     lines += [
         f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
@@ -314,12 +376,19 @@ def markdown(doc) -> str:
         "solutions (SmolLM2 tokens, bench/completion_lengths.py) scaled so that the longest fills T, NN% = the "
         "completion tokens' fraction of the B T positions; the implementations that can skip padding get the mask",
         f"- measured {m['dtype']} matmul throughput: {m['matmul_peak_tflops']:.4g} TFLOP/s "
-        f"({m['matmul_size']}^3 products)" if m.get("matmul_peak_tflops") else "- matmul throughput: not measured",
+        f"({m['matmul_size']}^3 products)"
+        if m.get("matmul_peak_tflops")
+        else "- matmul throughput: not measured",
         f"- time: {m['timing_method']}; peak memory: {m['memory_method']}",
-        *([f"- CPU threads {m.get('cpu_threads')}, thread policy {m.get('thread_policy') or 'not recorded'}; load "
-           f"average (1, 5, 15 min) {_load(m.get('load_average_before'))} before the run, "
-           f"{_load(m.get('load_average_after'))} at its end (other processes share this machine's cores)"]
-          if m["device_type"] != "cuda" else []),
+        *(
+            [
+                f"- CPU threads {m.get('cpu_threads')}, thread policy {m.get('thread_policy') or 'not recorded'}; load "
+                f"average (1, 5, 15 min) {_load(m.get('load_average_before'))} before the run, "
+                f"{_load(m.get('load_average_after'))} at its end (other processes share this machine's cores)"
+            ]
+            if m["device_type"] != "cuda"
+            else []
+        ),
         "- TFLOP/s count the work's floor for every implementation, on the completion tokens n: 2nDV (log-probs), "
         "8nDV (fwd+bwd with recompute), 4nDV (frozen lm_head: no dW, d logp / dh built in the forward); "
         "`matmul / 2NDV`: the matmul FLOPs each ran, counted on a CPU; `x eager` is the ratio to eager (which "
@@ -341,11 +410,14 @@ def markdown(doc) -> str:
         if not rows:
             continue
         columns = ERROR_COLUMNS[mode]
-        lines += [f"## {MODE_TITLES[mode]}", "",
-                  "| shape | N | batch | implementation | status | median ms | x eager | peak MiB | mem x eager "
-                  "| TFLOP/s | % matmul | matmul / 2NDV | " + " | ".join(title for _, title in columns) + " |",
-                  "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-                  + " ---: |" * len(columns)]
+        lines += [
+            f"## {MODE_TITLES[mode]}",
+            "",
+            "| shape | N | batch | implementation | status | median ms | x eager | peak MiB | mem x eager "
+            "| TFLOP/s | % matmul | matmul / 2NDV | " + " | ".join(title for _, title in columns) + " |",
+            "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+            + " ---: |" * len(columns),
+        ]
         for r in rows:
             status = r["status"] if r["status"] == "ok" else f"**{r['status'].upper()}**"
             errors = " | ".join(_fmt(r["errors"].get(key), ".1e") for key, _ in columns)
@@ -353,31 +425,38 @@ def markdown(doc) -> str:
                 f"| {r['shape']} | {r['N']} | {_batch(r)} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
                 f"| {_fmt(r['ratio_time_vs_eager'], '.3f')} | {_fmt(_mib(r['peak_mem_bytes']), '.1f')} "
                 f"| {_fmt(r['ratio_mem_vs_eager'], '.3f')} | {_fmt(r['tflops'], '.3g')} "
-                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_fmt(_sweeps(r), '.2f')} | {errors} |")
+                f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_fmt(_sweeps(r), '.2f')} | {errors} |"
+            )
         lines.append("")
     padded = [r for r in records if r["scenario"] != "dense" and r["status"] not in ("unavailable", "skipped")]
     if padded:
         dense = {(r["shape"], r["N"], r["mode"], r["impl"]): r for r in records if r["scenario"] == "dense"}
-        lines += ["## Padded batch against the dense batch (same B x T positions)", "",
-                  "| shape | N | mode | batch | completion tokens | implementation | ms dense | ms padded "
-                  "| time x dense | MiB dense | MiB padded | mem x dense |",
-                  "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "## Padded batch against the dense batch (same B x T positions)",
+            "",
+            "| shape | N | mode | batch | completion tokens | implementation | ms dense | ms padded "
+            "| time x dense | MiB dense | MiB padded | mem x dense |",
+            "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in sorted(padded, key=lambda r: MODES_ORDER.index(r["mode"])):  # stable: display order within
             d = dense.get((r["shape"], r["N"], r["mode"], r["impl"]), {})
             lines.append(
                 f"| {r['shape']} | {r['N']} | {r['mode']} | {_batch(r)} | {r['active_tokens']} | {r['impl']} "
                 f"| {_fmt(d.get('median_ms'), '.3f')} | {_fmt(r['median_ms'], '.3f')} "
                 f"| {_fmt(r['ratio_time_vs_dense'], '.3f')} | {_fmt(_mib(d.get('peak_mem_bytes')), '.1f')} "
-                f"| {_fmt(_mib(r['peak_mem_bytes']), '.1f')} | {_fmt(r['ratio_mem_vs_dense'], '.3f')} |")
+                f"| {_fmt(_mib(r['peak_mem_bytes']), '.1f')} | {_fmt(r['ratio_mem_vs_dense'], '.3f')} |"
+            )
         lines.append("")
-    notes = [(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"], r["status"], r["reason"]) for r in records
-             if r["status"] != "ok" and r.get("reason")]
+    notes = [
+        (r["shape"], r["N"], r["scenario"], r["mode"], r["impl"], r["status"], r["reason"])
+        for r in records
+        if r["status"] != "ok" and r.get("reason")
+    ]
     if notes:
         lines += ["## Why not timed", ""]
         seen = set()
         for shape, N, scenario, mode, impl, status, reason in notes:
-            key = ((impl, status, reason) if status in ("unavailable", "skipped")
-                   else (shape, N, scenario, mode, impl))
+            key = (impl, status, reason) if status in ("unavailable", "skipped") else (shape, N, scenario, mode, impl)
             if key in seen:
                 continue
             seen.add(key)
@@ -402,8 +481,12 @@ def _plot_value(r, kind):
     return err if err else None  # an exact 0 has no place on a log scale
 
 
-PANEL_LABELS = {"time": "median ms", "mem": "peak MiB above inputs",
-                "logprobs_max_abs_err": "max |logp - fp64| (nats)", "grad_hidden_rel_err": "dH: max |err| / max |dH|"}
+PANEL_LABELS = {
+    "time": "median ms",
+    "mem": "peak MiB above inputs",
+    "logprobs_max_abs_err": "max |logp - fp64| (nats)",
+    "grad_hidden_rel_err": "dH: max |err| / max |dH|",
+}
 
 
 def plot(doc, path):
@@ -436,20 +519,38 @@ def plot(doc, path):
             trans = blended_transform_factory(ax.transData, ax.transAxes)
             for impl in impls:
                 for scenario in scenarios if kind in ("time", "mem") else ["dense"]:
-                    rs = sorted((r for r in records if (r["mode"], r["shape"], r["impl"], r["scenario"])
-                                 == (mode, shape, impl, scenario)), key=lambda r: r["N"])
+                    rs = sorted(
+                        (
+                            r
+                            for r in records
+                            if (r["mode"], r["shape"], r["impl"], r["scenario"]) == (mode, shape, impl, scenario)
+                        ),
+                        key=lambda r: r["N"],
+                    )
                     pts = [(r["N"], _plot_value(r, kind)) for r in rs]
                     pts = [(n, y) for n, y in pts if y is not None]
                     dense = scenario == "dense"
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", ms=3.5, color=colors[impl],
-                                linestyle=("--" if impl.endswith("frozen") else "-") if dense else ":",
-                                markerfacecolor=colors[impl] if dense else "none")
+                        ax.plot(
+                            *zip(*pts, strict=True),
+                            marker="o",
+                            ms=3.5,
+                            color=colors[impl],
+                            linestyle=("--" if impl.endswith("frozen") else "-") if dense else ":",
+                            markerfacecolor=colors[impl] if dense else "none",
+                        )
                     for r in rs:
                         if r["status"] in ("oom", "wrong"):
                             ax.plot([r["N"]], [0.97], marker="x", color=colors[impl], transform=trans, clip_on=False)
-                            ax.annotate(r["status"].upper(), (r["N"], 0.97), xycoords=trans, fontsize=6,
-                                        color=colors[impl], xytext=(-8, -10), textcoords="offset points")
+                            ax.annotate(
+                                r["status"].upper(),
+                                (r["N"], 0.97),
+                                xycoords=trans,
+                                fontsize=6,
+                                color=colors[impl],
+                                xytext=(-8, -10),
+                                textcoords="offset points",
+                            )
             ax.set_xscale("log", base=2)
             ns = sorted({r["N"] for r in records if r["shape"] == shape})
             ax.set_xticks(ns)
@@ -466,13 +567,25 @@ def plot(doc, path):
             if row == 0:
                 ax.set_title(shape)
     plotted = [i for i in impls if any(r["impl"] == i and r["status"] in ("ok", "wrong", "oom") for r in records)]
-    handles = [Line2D([], [], color=colors[i], marker="o", ms=3.5, linestyle="--" if i.endswith("frozen") else "-",
-                      label=i) for i in plotted]
+    handles = [
+        Line2D([], [], color=colors[i], marker="o", ms=3.5, linestyle="--" if i.endswith("frozen") else "-", label=i)
+        for i in plotted
+    ]
     fills = sorted({f"{100 * r['fill']:.0f}%" for r in records if r["scenario"] == "padded"})
     if fills:
-        handles += [Line2D([], [], color="gray", marker="o", ms=3.5, label="dense batch"),
-                    Line2D([], [], color="gray", marker="o", ms=3.5, linestyle=":", markerfacecolor="none",
-                           label=f"padded batch ({', '.join(fills)} completion tokens)")]
+        handles += [
+            Line2D([], [], color="gray", marker="o", ms=3.5, label="dense batch"),
+            Line2D(
+                [],
+                [],
+                color="gray",
+                marker="o",
+                ms=3.5,
+                linestyle=":",
+                markerfacecolor="none",
+                label=f"padded batch ({', '.join(fills)} completion tokens)",
+            ),
+        ]
     ncol = min(len(handles), 4 if len(shapes) <= 2 else 8)
     legend_rows = -(-len(handles) // ncol)
     height = fig.get_size_inches()[1]
@@ -481,8 +594,14 @@ def plot(doc, path):
     if m["device_type"] != "cuda":
         title = "CPU numbers, not GPU figures: " + title
     fig.suptitle(title, y=1 - 0.05 / height, fontsize=10, va="top")
-    fig.legend(handles=handles, loc="upper center", ncol=ncol, frameon=False, fontsize=8,
-               bbox_to_anchor=(0.5, 1 - 0.25 / height))
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=ncol,
+        frameon=False,
+        fontsize=8,
+        bbox_to_anchor=(0.5, 1 - 0.25 / height),
+    )
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.25 + 0.18 * legend_rows) / height))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -14,23 +14,22 @@ import torch
 
 from bench import measure
 from bench.impls import Impl, flops
-from bench.inputs import (SCENARIOS, check_fwdbwd, check_logprobs, completion_lengths_of, make_inputs,
-                          reference_fwdbwd)
+from bench.inputs import SCENARIOS, check_fwdbwd, check_logprobs, completion_lengths_of, make_inputs, reference_fwdbwd
 from bench.shapes import GOAL_SHAPE, GOAL_TOKENS, batch_of
 
 
 @dataclass
 class Options:
-    shapes: list            # [(name, D, V)]
-    tokens: list            # [N]
-    impls: list             # [Impl]
-    modes: list             # ["fwdbwd", "logprobs"]
+    shapes: list  # [(name, D, V)]
+    tokens: list  # [N]
+    impls: list  # [Impl]
+    modes: list  # ["fwdbwd", "logprobs"]
     device: str
     dtype: torch.dtype
     reps: int = 10
     warmup: int = 2
     min_reps: int = 3
-    max_seconds: float = 3.0   # per implementation and point: stop timing once this much has passed (>= min_reps)
+    max_seconds: float = 3.0  # per implementation and point: stop timing once this much has passed (>= min_reps)
     time_budget: float = float("inf")  # seconds for the whole sweep; what is left after it is recorded as skipped
     backend: str = "auto"
     seed: int = 0
@@ -43,6 +42,7 @@ def ordered_points(shapes, tokens, scenarios=("dense",)):
     """(shape, N, scenario) triples, most wanted first, so that a time budget cuts the least useful: the goals'
     point (Qwen2.5-1.5B, 16k tokens), dense then padded, then the dense points (the goal shape at the other N, the
     other shapes at 16k, the rest), then the padded ones in the same order."""
+
     def priority(p):
         (name, _, _), N, scenario = p
         return (name != GOAL_SHAPE or N != GOAL_TOKENS, scenario != "dense", name != GOAL_SHAPE, N != GOAL_TOKENS)
@@ -82,8 +82,14 @@ def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
         if counted:
             rec["matmul_flops"] = counted[0]
         if mode == "fwdbwd":
-            ok, errors = check_fwdbwd(float(loss.detach()), x.hidden.grad, None if impl.frozen else x.weight.grad,
-                                      ref, x.hidden.dtype, impl.frozen)
+            ok, errors = check_fwdbwd(
+                float(loss.detach()),
+                x.hidden.grad,
+                None if impl.frozen else x.weight.grad,
+                ref,
+                x.hidden.dtype,
+                impl.frozen,
+            )
             del loss
         else:
             ok, errors = check_logprobs(logp, x, x.hidden.dtype)
@@ -98,13 +104,17 @@ def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
             if torch.device(device).type != "cuda":  # the CPU's peak: one warm-up run under the profiler
                 cpu_peak = measure.cpu_peak_bytes(call, x.reset_grads)
                 warmup = max(0, warmup - 1)
-            times, peak = measure.time_runs(call, x.reset_grads, device, warmup, opts.reps, opts.min_reps,
-                                            opts.max_seconds)
+            times, peak = measure.time_runs(
+                call, x.reset_grads, device, warmup, opts.reps, opts.min_reps, opts.max_seconds
+            )
             peak = cpu_peak if cpu_peak is not None else peak
             rec.update(status="ok", times_ms=times, median_ms=measure.median(times), peak_mem_bytes=peak)
     except Exception as e:  # noqa: BLE001 (every failure is a record, the sweep goes on)
-        failure = ("oom" if measure.is_oom(e) else "error", _first_line(e),
-                   None if measure.is_oom(e) else traceback.format_exc(limit=-8))
+        failure = (
+            "oom" if measure.is_oom(e) else "error",
+            _first_line(e),
+            None if measure.is_oom(e) else traceback.format_exc(limit=-8),
+        )
     if failure is not None:  # outside the except block, so the traceback's frames (and tensors) are gone
         rec["status"], rec["reason"] = failure[0], failure[1]
         if failure[2]:
@@ -145,9 +155,7 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
         B, T = batch_of(N)
         active = int(completion_lengths_of(scenario, B, T, opts.seed).sum())
         jobs = [(m, i) for m in opts.modes for i in opts.impls if m in i.modes]
-        base = lambda m, i: dict(shape=name, D=D, V=V, N=N, B=B, T=T, scenario=scenario,  # noqa: E731
-                                 active_tokens=active, fill=active / N, mode=m, impl=i.name, label=i.label,
-                                 frozen=i.frozen, flops=flops(m, i.frozen, active, D, V))
+        point = dict(shape=name, D=D, V=V, N=N, B=B, T=T, scenario=scenario, active_tokens=active, fill=active / N)
         point_records = []
         x, ref, setup_failure = None, None, None
         over = time.perf_counter() - t_start > opts.time_budget
@@ -157,13 +165,22 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
                 if "fwdbwd" in opts.modes:
                     ref = reference_fwdbwd(x)
             except Exception as e:  # noqa: BLE001
-                setup_failure = ("oom" if measure.is_oom(e) else "error",
-                                 f"batch or guard reference failed: {_first_line(e)}")
+                setup_failure = (
+                    "oom" if measure.is_oom(e) else "error",
+                    f"batch or guard reference failed: {_first_line(e)}",
+                )
             if setup_failure:
                 x = ref = None
                 measure.cleanup(opts.device)
         for mode, impl in jobs:
-            rec = base(mode, impl)
+            rec = dict(
+                point,
+                mode=mode,
+                impl=impl.name,
+                label=impl.label,
+                frozen=impl.frozen,
+                flops=flops(mode, impl.frozen, active, D, V),
+            )
             where = f"{name} N={N} {scenario} {mode} {impl.name}"
             if bar:
                 bar.set_description(where)
@@ -182,10 +199,12 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
                 bar.update(1)
             if not opts.progress:  # a log line per run instead of the bar (logs of a remote machine)
                 ms = f" {rec['median_ms']:.3f} ms" if rec.get("median_ms") else ""
-                mem = f" {rec['peak_mem_bytes'] / 2 ** 20:.0f} MiB" if rec.get("peak_mem_bytes") is not None else ""
-                print(f"[bench] {where}: {rec['status']}{ms}{mem}"
-                      + (f" ({rec['reason']})" if rec.get("reason") and rec["status"] != "unavailable" else ""),
-                      flush=True)
+                mem = f" {rec['peak_mem_bytes'] / 2**20:.0f} MiB" if rec.get("peak_mem_bytes") is not None else ""
+                print(
+                    f"[bench] {where}: {rec['status']}{ms}{mem}"
+                    + (f" ({rec['reason']})" if rec.get("reason") and rec["status"] != "unavailable" else ""),
+                    flush=True,
+                )
         del x, ref
         measure.cleanup(opts.device)
         records.extend(point_records)

@@ -15,7 +15,7 @@ MODEL_SHAPES = {
 
 # small shapes for a CPU (the fallback path); not model shapes
 CPU_SHAPES = {
-    "cpu-d64-v2k": (64, 2048),      # within one tile of grpo_fast's torch path (1024 tokens x 8192 vocab)
+    "cpu-d64-v2k": (64, 2048),  # within one tile of grpo_fast's torch path (1024 tokens x 8192 vocab)
     "cpu-d128-v4k": (128, 4096),
     "cpu-d128-v16k": (128, 16384),  # several vocab tiles: the memory gap shows from N = 2048 on
 }

@@ -71,9 +71,10 @@ def _rank(rank, world, port, out_dir, method, V, D, N):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import grpo_fast
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
+
+        import grpo_fast
 
         mesh = init_device_mesh("cpu", (world,))
         g = torch.Generator().manual_seed(0)
@@ -89,8 +90,9 @@ def _rank(rank, world, port, out_dir, method, V, D, N):
         _reset_peak()
         baseline = _status_bytes("VmRSS")
         shard = (torch.randn(rows, D, generator=torch.Generator().manual_seed(rank)) * 0.02).to(torch.bfloat16)
-        weight = torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=(V, D),
-                                                       stride=(D, 1)))
+        weight = torch.nn.Parameter(
+            DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=(V, D), stride=(D, 1))
+        )
         counter = {"bytes": 0}
         real_all_reduce = _count_all_reduce(counter)
         try:
@@ -110,8 +112,15 @@ def _rank(rank, world, port, out_dir, method, V, D, N):
             dist.all_reduce = real_all_reduce
         peak = _status_bytes("VmHWM") - baseline
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(dict(peak_bytes=peak, comm_bytes=counter["bytes"], computes=computes,
-                           shard_bytes=shard.numel() * shard.element_size()), f)
+            json.dump(
+                dict(
+                    peak_bytes=peak,
+                    comm_bytes=counter["bytes"],
+                    computes=computes,
+                    shard_bytes=shard.numel() * shard.element_size(),
+                ),
+                f,
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -126,29 +135,42 @@ def _free_port():
 def measure(method, V, D, N, world):
     """One step on ``world`` fresh ranks; {peak_bytes (max over the computing ranks), comm_bytes (per rank), ...}."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world, _free_port(), out_dir, method, V, D, N), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _rank, args=(world, _free_port(), out_dir, method, V, D, N), nprocs=world, start_method="spawn", join=True
+        )
         ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     computing = [r for r in ranks if r["computes"]]
-    return dict(method=method, V=V, D=D, N=N, world=world, peak_bytes=max(r["peak_bytes"] for r in computing),
-                comm_bytes=max(r["comm_bytes"] for r in ranks), shard_bytes=max(r["shard_bytes"] for r in ranks),
-                weight_bytes=V * D * 2)
+    return dict(
+        method=method,
+        V=V,
+        D=D,
+        N=N,
+        world=world,
+        peak_bytes=max(r["peak_bytes"] for r in computing),
+        comm_bytes=max(r["comm_bytes"] for r in ranks),
+        shard_bytes=max(r["shard_bytes"] for r in ranks),
+        weight_bytes=V * D * 2,
+    )
 
 
 def _gib(x):
-    return f"{x / 2 ** 30:.2f} GiB"
+    return f"{x / 2**30:.2f} GiB"
 
 
 def _mib(x):
-    return f"{x / 2 ** 20:.2f} MiB"
+    return f"{x / 2**20:.2f} MiB"
 
 
 def table(rows):
-    lines = ["| head (V x D) | ranks | method | per-rank peak memory | bytes through collectives per rank per step |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| head (V x D) | ranks | method | per-rank peak memory | bytes through collectives per rank per step |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['head']} ({r['V']} x {r['D']}) | {r['world']} | {r['method']} | {_gib(r['peak_bytes'])} "
-                     f"| {_mib(r['comm_bytes'])} |")
+        lines.append(
+            f"| {r['head']} ({r['V']} x {r['D']}) | {r['world']} | {r['method']} | {_gib(r['peak_bytes'])} "
+            f"| {_mib(r['comm_bytes'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -166,13 +188,22 @@ def main(argv=None):
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
-                tokens=args.tokens, torch=torch.__version__, dtype="bfloat16", backend="torch", device="cpu (gloo)")
-    text = (f"# Vocab-parallel lm_head on CPU ranks: memory and communication against gathering\n\n"
-            f"{meta['date']}, commit {commit}, torch {torch.__version__}, N = {args.tokens} tokens per rank, bf16 "
-            f"weight, one forward + backward of logprobs_and_entropy (weight and hidden trained, entropy gradient), "
-            f"torch backend, gloo. `python -m bench.vocab_parallel --out bench/results` (bench/vocab_parallel.py "
-            f"says what is measured).\n\n{table(rows)}\n")
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        commit=commit,
+        tokens=args.tokens,
+        torch=torch.__version__,
+        dtype="bfloat16",
+        backend="torch",
+        device="cpu (gloo)",
+    )
+    text = (
+        f"# Vocab-parallel lm_head on CPU ranks: memory and communication against gathering\n\n"
+        f"{meta['date']}, commit {commit}, torch {torch.__version__}, N = {args.tokens} tokens per rank, bf16 "
+        f"weight, one forward + backward of logprobs_and_entropy (weight and hidden trained, entropy gradient), "
+        f"torch backend, gloo. `python -m bench.vocab_parallel --out bench/results` (bench/vocab_parallel.py "
+        f"says what is measured).\n\n{table(rows)}\n"
+    )
     print("\n" + text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

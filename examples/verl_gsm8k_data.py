@@ -16,19 +16,26 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 
 def verl_rows(split, data=None):
     """GSM8K ``split`` in verl's RL dataset layout (``data``: as grpo_fast.gsm8k.data.load_gsm8k takes it)."""
-    return [{"data_source": HUB_ID,
-             "prompt": [{"role": "user", "content": f"{example['question']} {INSTRUCTION}"}],
-             "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": example["answer"]},
-             "extra_info": {"split": split, "index": index, "question": example["question"]}}
-            for index, example in enumerate(load_gsm8k(split, data))]
+    return [
+        {
+            "data_source": HUB_ID,
+            "prompt": [{"role": "user", "content": f"{example['question']} {INSTRUCTION}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": example["answer"]},
+            "extra_info": {"split": split, "index": index, "question": example["question"]},
+        }
+        for index, example in enumerate(load_gsm8k(split, data))
+    ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_save_dir", default="~/data/gsm8k", help="where train.parquet and test.parquet go")
-    parser.add_argument("--data", default=None, help="GSM8K's source: the bundled copy (default), a folder of its "
-                                                     f"jsonl files, or {HUB_ID} (the hub)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help=f"GSM8K's source: the bundled copy (default), a folder of its jsonl files, or {HUB_ID} (the hub)",
+    )
     args = parser.parse_args()
     import pandas as pd  # a dependency of verl
 

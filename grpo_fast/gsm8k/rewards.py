@@ -26,9 +26,17 @@ import functools
 import re
 
 __all__ = [
-    "extract_xml_answer", "completion_text", "same_answer", "count_xml",
-    "correctness_reward", "int_reward", "strict_format_reward", "soft_format_reward", "xmlcount_reward",
-    "DEFAULT_REWARDS", "with_completion_prefix",
+    "extract_xml_answer",
+    "completion_text",
+    "same_answer",
+    "count_xml",
+    "correctness_reward",
+    "int_reward",
+    "strict_format_reward",
+    "soft_format_reward",
+    "xmlcount_reward",
+    "DEFAULT_REWARDS",
+    "with_completion_prefix",
 ]
 
 STRICT_FORMAT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n$")
@@ -86,7 +94,7 @@ def count_xml(text: str) -> float:
 def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """2.0 when the extracted answer equals the gold answer (numerically where both parse), else 0.0."""
     extracted = [extract_xml_answer(completion_text(c)) for c in completions]
-    return [2.0 if same_answer(r, a) else 0.0 for r, a in zip(extracted, answer)]
+    return [2.0 if same_answer(r, a) else 0.0 for r, a in zip(extracted, answer, strict=True)]
 
 
 def int_reward(prompts, completions, answer=None, **kwargs) -> list[float]:

@@ -22,8 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Rollout", "eos_token_ids", "tokenize_prompts", "generate", "completion_mask", "decode_completions",
-           "GenerationProgress", "show_generation_progress", "prompt_cache", "prime_chat_template"]
+__all__ = [
+    "Rollout",
+    "eos_token_ids",
+    "tokenize_prompts",
+    "generate",
+    "completion_mask",
+    "decode_completions",
+    "GenerationProgress",
+    "show_generation_progress",
+    "prompt_cache",
+    "prime_chat_template",
+]
 
 
 @dataclass
@@ -35,7 +45,7 @@ class Rollout:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
 
-    def select(self, rows) -> "Rollout":
+    def select(self, rows) -> Rollout:
         """The rows ``rows`` (a slice or index tensor), with completion columns cut after the longest one."""
         mask = self.completion_mask[rows]
         T = max(int(mask.sum(1).max()), 1)
@@ -58,12 +68,20 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length=None, device=None, co
     ``completion_prefix``: text appended after the template's generation prompt, the start of the assistant's
     answer that the model then continues ("priming", e.g. ``"<reasoning>\n"``).
     """
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + completion_prefix
-             for p in prompts]
+    texts = [
+        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) + completion_prefix
+        for p in prompts
+    ]
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False,
-                    truncation=max_prompt_length is not None, max_length=max_prompt_length)
+    enc = tokenizer(
+        texts,
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+        truncation=max_prompt_length is not None,
+        max_length=max_prompt_length,
+    )
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
@@ -72,8 +90,12 @@ def prime_chat_template(tokenizer, completion_prefix: str):
     assistant's answer, which the model then continues): ``tokenize_prompts(..., completion_prefix=...)`` for code
     that applies the template itself, such as TRL's trainers."""
     if completion_prefix:
-        tokenizer.chat_template = (tokenizer.chat_template + "{% if add_generation_prompt %}{{ "
-                                   + json.dumps(completion_prefix) + " }}{% endif %}")
+        tokenizer.chat_template = (
+            tokenizer.chat_template
+            + "{% if add_generation_prompt %}{{ "
+            + json.dumps(completion_prefix)
+            + " }}{% endif %}"
+        )
     return tokenizer
 
 
@@ -95,8 +117,9 @@ class GenerationProgress:
     finished (tqdm redraws only on a count that moved).
     """
 
-    def __init__(self, num_sequences, max_new_tokens, eos_ids, desc="generation", leave=False, refresh_s=0.5,
-                 file=None):
+    def __init__(
+        self, num_sequences, max_new_tokens, eos_ids, desc="generation", leave=False, refresh_s=0.5, file=None
+    ):
         from tqdm.auto import tqdm
 
         self.max_new_tokens, self.eos_ids = max_new_tokens, torch.as_tensor(list(eos_ids))
@@ -139,8 +162,9 @@ def show_generation_progress(model, tokenizer, desc="generation"):
             ids = kwargs.get("input_ids", args[0] if args else None)
             config = kwargs.get("generation_config") or model.generation_config
             num_rows = 0 if ids is None else ids.shape[0] * (getattr(config, "num_return_sequences", 1) or 1)
-            kwargs["streamer"] = GenerationProgress(num_rows, kwargs.get("max_new_tokens", config.max_new_tokens),
-                                                    eos_token_ids(model, tokenizer), desc)
+            kwargs["streamer"] = GenerationProgress(
+                num_rows, kwargs.get("max_new_tokens", config.max_new_tokens), eos_token_ids(model, tokenizer), desc
+            )
         return generate_of_class(model, *args, **kwargs)
 
     model.generate = generate_with_progress
@@ -148,9 +172,22 @@ def show_generation_progress(model, tokenizer, desc="generation"):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, *, num_generations=1, max_completion_length=256, temperature=1.0,
-             top_p=1.0, do_sample=True, max_prompt_length=None, force_full_length=False,
-             completion_prefix="", progress=None, share_prompts=True) -> Rollout:
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    *,
+    num_generations=1,
+    max_completion_length=256,
+    temperature=1.0,
+    top_p=1.0,
+    do_sample=True,
+    max_prompt_length=None,
+    force_full_length=False,
+    completion_prefix="",
+    progress=None,
+    share_prompts=True,
+) -> Rollout:
     """``num_generations`` completions of each prompt with ``model.generate``.
 
     Sampling with ``temperature`` and ``top_p`` (no top-k), or greedy with ``do_sample=False``.
@@ -167,8 +204,9 @@ def generate(model, tokenizer, prompts, *, num_generations=1, max_completion_len
     prompt_mask = prompt_mask.repeat_interleave(num_generations, 0)
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    kwargs = dict(max_new_tokens=max_completion_length, do_sample=do_sample, pad_token_id=pad, eos_token_id=eos,
-                  use_cache=True)
+    kwargs = dict(
+        max_new_tokens=max_completion_length, do_sample=do_sample, pad_token_id=pad, eos_token_id=eos, use_cache=True
+    )
     if do_sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
     else:
@@ -181,12 +219,13 @@ def generate(model, tokenizer, prompts, *, num_generations=1, max_completion_len
     model.eval()
     try:
         if share_prompts and num_generations > 1 and prompt_ids.shape[1] > 1:
-            kwargs["past_key_values"] = prompt_cache(model, prompt_ids[::num_generations, :-1],
-                                                     prompt_mask[::num_generations, :-1], num_generations)
+            kwargs["past_key_values"] = prompt_cache(
+                model, prompt_ids[::num_generations, :-1], prompt_mask[::num_generations, :-1], num_generations
+            )
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     finally:
         model.train(was_training)
-    completion_ids = out[:, prompt_ids.shape[1]:]
+    completion_ids = out[:, prompt_ids.shape[1] :]
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, eos))
 
 
@@ -195,8 +234,12 @@ def prompt_cache(model, prompt_ids, prompt_mask, repeats):
     ``model.generate(past_key_values=...)``: generate then runs only the tokens after it."""
     from grpo_fast.grpo import decoder_of
 
-    out = decoder_of(model)(input_ids=prompt_ids, attention_mask=prompt_mask,
-                            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    out = decoder_of(model)(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+    )
     cache = out.past_key_values
     cache.batch_repeat_interleave(repeats)
     return cache
@@ -209,7 +252,7 @@ def decode_completions(tokenizer, completion_ids, mask) -> list[str]:
     """
     vocab = len(tokenizer)
     texts = []
-    for ids, m in zip(completion_ids.tolist(), mask.tolist()):
-        ids = [i for i, keep in zip(ids, m) if keep and i < vocab]
+    for ids, m in zip(completion_ids.tolist(), mask.tolist(), strict=True):
+        ids = [i for i, keep in zip(ids, m, strict=True) if keep and i < vocab]
         texts.append(tokenizer.decode(ids, skip_special_tokens=True))
     return texts

@@ -1,8 +1,8 @@
 """An offline byte-level tokenizer with a ChatML chat template, for random-init models and tests.
 
 Every UTF-8 byte is one token (ids 0-255), then ``<|im_end|>`` (EOS, 256), ``<|endoftext|>`` (pad, 257) and
-``<|im_start|>`` (258): 259 tokens, no merges, nothing to download. Prompts are about four times longer in tokens than with a
-real BPE tokenizer, which only makes a memory measurement more conservative.
+``<|im_start|>`` (258): 259 tokens, no merges, nothing to download. Prompts are about four times longer in tokens
+than with a real BPE tokenizer, which only makes a memory measurement more conservative.
 
 ``byte_tokenizer(ascii_only=True)`` is the same over the 128 ASCII bytes (131 tokens: EOS 128, pad 129, im_start
 130; other characters are dropped when encoding), for a smaller vocabulary. Both put the special tokens last: EOS,
@@ -11,15 +11,22 @@ pad, im_start are the vocabulary's last three ids.
 
 from __future__ import annotations
 
-__all__ = ["byte_tokenizer", "CHATML_TEMPLATE", "BYTE_VOCAB_SIZE", "ASCII_VOCAB_SIZE", "EOS_TOKEN", "PAD_TOKEN",
-           "BOS_TOKEN"]
+__all__ = [
+    "byte_tokenizer",
+    "CHATML_TEMPLATE",
+    "BYTE_VOCAB_SIZE",
+    "ASCII_VOCAB_SIZE",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "BOS_TOKEN",
+]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN = "<|im_end|>", "<|endoftext|>", "<|im_start|>"
-BYTE_VOCAB_SIZE = 259   # 256 bytes, EOS 256, pad 257, im_start 258
+BYTE_VOCAB_SIZE = 259  # 256 bytes, EOS 256, pad 257, im_start 258
 ASCII_VOCAB_SIZE = 131  # 128 ASCII bytes, EOS 128, pad 129, im_start 130
 
 
@@ -53,7 +60,8 @@ def _byte_level_tokenizer(alphabet):
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
-                                   additional_special_tokens=[BOS_TOKEN])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, additional_special_tokens=[BOS_TOKEN]
+    )
     fast.chat_template = CHATML_TEMPLATE
     return fast
