@@ -71,7 +71,7 @@ def backend_device(backend, device):
 
 
 # ----------------------------------------------------------------------------------------------- the fast tier
-# `pytest -m "not slow"` is the inner loop (its time: README, Set-up);
+# `pytest -m "not slow"` is the inner loop (its limit: 3 minutes on 2 cores, docs/development.md);
 # `pytest` runs everything (README, CI).
 # Slow are: the tests marked @pytest.mark.slow (whole training runs, TRL trainer comparisons, several processes,
 # the benchmark end to end, the offline GPU compiles), and, of each parametrized test, the cases beyond a covering

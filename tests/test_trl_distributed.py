@@ -229,7 +229,8 @@ def zero3_worker(rank, port, out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not DEEPSPEED, reason="deepspeed is not installed")
+# under CI=true (.ci/run) deepspeed is a declared test dependency: without it the test runs and fails, never skips
+@pytest.mark.skipif(not DEEPSPEED and os.environ.get("CI") != "true", reason="deepspeed is not installed")
 def test_deepspeed_zero3_grpo_trainer_equals_one_process(tmp_path):
     from trl_pairs import RTOL, assert_close
 
