@@ -306,7 +306,7 @@ def _time_and_memory_cells(r):
 
 def summary_markdown(doc) -> list[str]:
     """One row per (shape, N, batch, implementation): both modes' time and peak memory and the precision columns,
-    the table the top-level README shows."""
+    the results file's summary table."""
     records = display_order(doc)
     by_mode = {(r["shape"], r["N"], r["scenario"], r["impl"], r["mode"]): r for r in records}
     lines = [
