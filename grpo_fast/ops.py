@@ -1,0 +1,384 @@
+"""grpo_fast's torch.library custom ops: layer 1's forward (general or frozen-head), its backward, and layer 2's token
+loss, each with a fake implementation (what the real one returns: shapes, dtypes, fp32 where fp32) and the two
+forwards with a registered autograd formula.
+
+torch.compile traces each op as one node (no graph break, no guard on a value: a step calling grpo_fast.logprobs
+and grpo_fast.loss is one graph, forward and backward); FakeTensorMode and meta tensors run the fake
+implementations, which read no value. Schemas take tensors and numbers only: the logit transform travels as its
+three floats (grpo_fast.transform.LogitTransform.as_floats), the loss options as their JSON (``options_json``),
+the backend, head path and backward mode as strings and flags; optional tensors are ``Tensor?``, and an output that
+a path does not produce is an empty tensor (shape [0]).
+
+``custom_op``, not ``triton_op``: the real implementations are Python around Triton launches *and* cuBLAS GEMMs
+(the chunked backward, the frozen head), whose launch configurations are chosen from sizes at call time, plus a
+chunked-torch twin on any device; ``triton_op`` lets Inductor see into functions made of Triton kernels and
+traceable torch code, which these are not. An opaque ``custom_op`` is one node that serves both backends, the CPU
+interpreter and fake tensors alike.
+
+Workspace: what a real implementation allocates besides its outputs, for a memory estimate over fake tensors:
+``workspace_bytes`` (one function per op, in bytes, by the same formulas as the kernels' launchers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from grpo_fast import autograd
+from grpo_fast import reference
+from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels import gemm
+from grpo_fast.kernels import token_loss as token_kernel
+from grpo_fast.kernels.softmax_stats import BackwardStats
+from grpo_fast.metrics import RowValues, loss_metrics
+from grpo_fast.options import LossOptions
+from grpo_fast.transform import LogitTransform
+
+FP32 = torch.float32
+
+
+def _nothing(like):
+    """The empty tensor that stands for an output a path does not produce."""
+    return torch.empty(0, dtype=FP32, device=like.device)
+
+
+def _or_nothing(x, like):
+    return x if x is not None else _nothing(like)
+
+
+def _given(x):
+    """None for an output that stands for nothing (an empty tensor where a [N, ...] one would be)."""
+    return x if x is not None and x.numel() > 0 else None
+
+
+# ----------------------------------------------------------------------------------------------- layer 1: forward
+@torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
+                    lora_hidden: torch.Tensor | None, lora_weight: torch.Tensor | None, temperature: float,
+                    softcap: float | None, logit_scale: float, compute_entropy: bool, frozen_head: bool,
+                    backend: str, backward_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor, torch.Tensor]:
+    """Layer 1's forward on [N] rows: (logp, entropy, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora).
+
+    [N] fp32 each (entropy, mean_logit and mean_minus_target empty without ``compute_entropy``); with
+    ``frozen_head`` also J = d logp / d hidden [N, D] fp32 and, with LoRA, J_lora = d logp / d lora_hidden [N, r]
+    fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments."""
+    transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
+    lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
+    N = hidden.shape[0]
+    if N == 0:
+        empty = torch.zeros(0, dtype=FP32, device=hidden.device)
+        return (empty, empty.clone(), empty.clone(), empty.clone(), empty.clone(), empty.clone(),
+                _nothing(hidden), _nothing(hidden))
+    J = J_lora = None
+    if frozen_head:
+        logp, entropy, stats, J, J_lora = autograd.head_forward_frozen_head(hidden, weight, targets, bias, transform,
+                                                                            backend, lora)
+    else:
+        logp, entropy, stats = autograd.head_forward(hidden, weight, targets, bias, transform, compute_entropy,
+                                                     backend, lora)
+    if not compute_entropy:
+        entropy = None
+        stats = BackwardStats(stats.lse, stats.nontarget_mass, None, None)
+    return (logp, _or_nothing(entropy, hidden), stats.lse, stats.nontarget_mass,
+            _or_nothing(stats.mean_logit, hidden), _or_nothing(stats.mean_minus_target, hidden),
+            _or_nothing(J, hidden), _or_nothing(J_lora, hidden))
+
+
+@linear_logprobs.register_fake
+def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
+      frozen_head, backend, backward_mode):
+    N = hidden.shape[0]
+
+    def per_token(computed=True):
+        return hidden.new_empty((N,) if computed else (0,), dtype=FP32)
+
+    J = hidden.new_empty((N, hidden.shape[1]) if frozen_head and N > 0 else (0,), dtype=FP32)
+    J_lora = hidden.new_empty((N, lora_hidden.shape[1]) if frozen_head and N > 0 and lora_hidden is not None
+                              else (0,), dtype=FP32)
+    entropy = compute_entropy or frozen_head or N == 0
+    return (per_token(), per_token(entropy), per_token(), per_token(), per_token(entropy), per_token(entropy), J,
+            J_lora)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    (hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
+     frozen_head, backend, backward_mode) = inputs
+    _, _, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora = output
+    # the entropy is usually a metric: its gradient is then None, not zeros (no entropy term, no fallback)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
+                          mean_minus_target, J, J_lora)
+    ctx.transform_floats = (temperature, softcap, logit_scale)
+    ctx.frozen_head, ctx.backend, ctx.backward_mode = frozen_head, backend, backward_mode
+
+
+def _linear_backward(ctx, grad_logp, grad_entropy, *_):
+    """The head's one backward: the frozen head's dH = grad_logp J (an entropy gradient after all: plus the general
+    path's entropy-only term, from that path's own forward statistics: exact, at three sweeps more), or the general
+    path's recompute (linear_logprobs_backward)."""
+    (hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target, J,
+     J_lora) = ctx.saved_tensors
+    need_h, need_w, _, need_b, need_lh, need_lw = ctx.needs_input_grad[:6]
+    lora = lora_hidden is not None
+    need_lh, need_lw = need_lh and lora, need_lw and lora
+    N = hidden.shape[0]
+    no_grad_rest = (None,) * 7
+    if N == 0:
+        return (torch.zeros_like(hidden) if need_h else None, torch.zeros_like(weight) if need_w else None, None,
+                torch.zeros_like(bias) if need_b else None,
+                torch.zeros_like(lora_hidden) if need_lh else None,
+                torch.zeros_like(lora_weight) if need_lw else None) + no_grad_rest
+    temperature, softcap, logit_scale = ctx.transform_floats
+    if grad_logp is None:
+        grad_logp = hidden.new_zeros(N, dtype=FP32)
+    grad_logp = grad_logp.float().contiguous()
+    if ctx.frozen_head:
+        grad_hidden = grad_logp[:, None] * J
+        grad_lora_hidden = grad_logp[:, None] * J_lora if need_lh else None
+        if grad_entropy is not None:
+            # the general path's values: the frozen forward's cuBLAS logits may round differently from the recomputed
+            # tiles, and p = exp(z - lse) must see one z (at logits of 1e4 the difference is 1e-3 relative)
+            _, _, lse, nontarget_mass, mean_logit, mean_minus_target, _, _ = linear_logprobs(
+                hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, True,
+                False, ctx.backend, ctx.backward_mode)
+            term, _, _, lora_term, _ = linear_logprobs_backward(
+                hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
+                mean_minus_target, torch.zeros_like(grad_logp), grad_entropy.float().contiguous(), temperature,
+                softcap, logit_scale, [True, False, False, need_lh, False], ctx.backend, ctx.backward_mode)
+            grad_hidden = grad_hidden + term
+            if need_lh:
+                grad_lora_hidden = grad_lora_hidden + lora_term
+        return ((grad_hidden.to(hidden.dtype), None, None, None,
+                 grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None, None) + no_grad_rest)
+    grads = linear_logprobs_backward(
+        hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
+        grad_logp, grad_entropy.float().contiguous() if grad_entropy is not None else None, temperature, softcap,
+        logit_scale, [need_h, need_w, need_b, need_lh, need_lw], ctx.backend, ctx.backward_mode)
+    inputs = (hidden, weight, bias, lora_hidden, lora_weight)
+    dH, dW, db, dlh, dlw = (g.to(x.dtype) if need else None
+                            for g, x, need in zip(grads, inputs, (need_h, need_w, need_b, need_lh, need_lw)))
+    return (dH, dW, None, db, dlh, dlw) + no_grad_rest
+
+
+linear_logprobs.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------- layer 1: backward
+@torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())
+def linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             bias: torch.Tensor | None, lora_hidden: torch.Tensor | None,
+                             lora_weight: torch.Tensor | None, lse: torch.Tensor, nontarget_mass: torch.Tensor,
+                             mean_logit: torch.Tensor, mean_minus_target: torch.Tensor, grad_logp: torch.Tensor,
+                             grad_entropy: torch.Tensor | None, temperature: float, softcap: float | None,
+                             logit_scale: float, needs: list[bool], backend: str,
+                             backward_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+    """The general path's backward: fp32 (dH, dW, db, d lora_hidden, d lora_weight), each of its input's shape
+    where ``needs`` (five flags, in that order) asks for it, else empty. ``grad_entropy`` None: no entropy term
+    (then mean_logit and mean_minus_target are not read)."""
+    transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
+    need_h, need_w, need_b, need_lh, need_lw = needs
+    dev = hidden.device
+    lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
+
+    def zeros(x, need):
+        return torch.zeros(x.shape, dtype=FP32, device=dev) if need and x is not None else None
+
+    grad_hidden = autograd._grad_hidden_buffer(hidden, backend, backward_mode) if need_h else None
+    grad_weight, grad_bias = zeros(weight, need_w), zeros(bias, need_b)
+    grad_lora = (zeros(lora_hidden, need_lh), zeros(lora_weight, need_lw))
+    if grad_hidden is not None and hidden.shape[0] == 0:
+        grad_hidden.zero_()
+    elif hidden.shape[0] > 0 and any(needs):
+        stats = BackwardStats(lse, nontarget_mass, _given(mean_logit), _given(mean_minus_target))
+        autograd.head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+                               grad_weight, grad_bias, backend, backward_mode, lora=lora, grad_lora=grad_lora)
+    return tuple(_or_nothing(g, hidden) for g in (grad_hidden, grad_weight, grad_bias, *grad_lora))
+
+
+@linear_logprobs_backward.register_fake
+def _(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
+      grad_logp, grad_entropy, temperature, softcap, logit_scale, needs, backend, backward_mode):
+    inputs = (hidden, weight, bias, lora_hidden, lora_weight)
+    return tuple(hidden.new_empty(x.shape if need and x is not None else (0,), dtype=FP32)
+                 for x, need in zip(inputs, needs))
+
+
+# ----------------------------------------------------------------------------------------------- layer 2
+def metric_names(options: LossOptions, has_entropy: bool):
+    """The metrics' names in the order of token_loss's ``metrics`` vector (grpo_fast.metrics.loss_metrics')."""
+    names = (["kl"] if options.beta != 0.0 else []) + (["entropy"] if has_entropy else [])
+    names += [metric.name for metric in options.loss_type_record.metrics]
+    return names + (["policy_loss"] if options.entropy_coef != 0.0 else []) + ["ratio_mean"]
+
+
+def options_json(options: LossOptions) -> str:
+    """The loss options as token_loss's ``options_json`` argument (a string: a schema constant)."""
+    return json.dumps(dataclasses.asdict(options), sort_keys=True, default=float)
+
+
+@torch.library.custom_op("grpo_fast::token_loss", mutates_args=())
+def token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
+               old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+               sampling_logprobs: torch.Tensor | None, importance_weights: torch.Tensor | None,
+               num_items_in_batch: torch.Tensor | None, entropy_threshold: torch.Tensor | None, options_json: str,
+               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer 2 on prepared inputs (fp32 contiguous [B, T]; mask fp32 0/1; advantages [B] or [B, T]; importance
+    weights [B] or [B, T]; the two counts fp32 scalar tensors or None): (loss [], metrics [M] in ``metric_names``'
+    order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus), fp32. No value is read on the
+    host on the Triton backend (the normaliser, the bonus tokens' count and the entropy quantile stay on the
+    device); the torch backend is the spec (grpo_fast.reference.token_loss) and its gradients by torch.func.vjp."""
+    options = LossOptions(**json.loads(options_json))
+    if backend == "torch":
+        return _token_loss_torch(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs,
+                                 importance_weights, num_items_in_batch, entropy_threshold, options)
+    return _token_loss_triton(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs,
+                              importance_weights, num_items_in_batch, entropy_threshold, options)
+
+
+@token_loss.register_fake
+def _(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
+      num_items_in_batch, entropy_threshold, options_json, backend):
+    options = LossOptions(**json.loads(options_json))
+    bonus = options.entropy_coef != 0.0
+    return (logp.new_empty((), dtype=FP32), logp.new_empty(len(metric_names(options, entropy is not None)),
+                                                           dtype=FP32),
+            torch.empty_like(logp, dtype=FP32), logp.new_empty(logp.shape if bonus else (0,), dtype=FP32))
+
+
+def _token_loss_setup_context(ctx, inputs, output):
+    _, _, grad_logp, grad_entropy = output
+    ctx.save_for_backward(grad_logp, grad_entropy)
+
+
+def _token_loss_backward(ctx, grad_loss, *_):
+    grad_logp, grad_entropy = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 12
+    grad_entropy = grad_entropy * grad_loss if ctx.needs_input_grad[1] and grad_entropy.numel() else None
+    return (grad_logp * grad_loss, grad_entropy) + (None,) * 10
+
+
+token_loss.register_autograd(_token_loss_backward, setup_context=_token_loss_setup_context)
+
+
+def device_entropy_quantile(entropy, mask, top_entropy_quantile):
+    """torch.quantile(entropy[mask], 1 - top_entropy_quantile) (linear interpolation, as grpo_fast.reference's
+    entropy_quantile_threshold) without a boolean selection or a host read: the masked entropies sorted first, the
+    count a device value; +inf (no token is high-entropy) where no token is masked in."""
+    active = mask.reshape(-1) > 0
+    values = torch.where(active, entropy.detach().float().reshape(-1), torch.inf).sort().values
+    count = active.sum()
+    q = torch.tensor(1.0 - top_entropy_quantile, dtype=FP32, device=entropy.device)
+    rank = q * (count - 1).clamp(min=0).to(FP32)
+    below = rank.to(torch.int64)
+    above = (below + 1).clamp(max=(count - 1).clamp(min=0))
+    threshold = values[below].lerp(values[above], rank - below.to(FP32))
+    return torch.where(count > 0, threshold, torch.inf)
+
+
+def _token_loss_triton(logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
+    B = logp.shape[0]
+    scale = 1.0 / torch.as_tensor(options.denominator(B, mask.sum(), num_items), dtype=torch.float64,
+                                  device=logp.device)
+    threshold = None
+    if options.entropy_mask:
+        threshold = (entropy_threshold if entropy_threshold is not None
+                     else device_entropy_quantile(entropy, mask, options.top_entropy_quantile))
+    sampler = None
+    if options.off_policy_mask_threshold is not None:
+        sampler = next(x for x in (sampling, old, logp) if x is not None).contiguous()
+    grad_logp, bonus_mask, stats = token_kernel.token_loss(
+        logp, adv, mask, old, ref if options.beta != 0.0 else None, sampler, iw, entropy, options,
+        scale=scale.float(), entropy_threshold=threshold)
+    rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
+    policy_loss = rows["loss"].values.sum()
+    total, grad_entropy = policy_loss, None
+    if options.entropy_coef != 0.0:
+        # loss -= entropy_coef * (mean entropy over the bonus tokens): dL/dentropy = -entropy_coef * e_t / count
+        bonus_scale = -options.entropy_coef / rows["bonus_count"].values.sum().clamp(min=1.0)
+        total = policy_loss + bonus_scale * rows["bonus_entropy"].values.sum()
+        grad_entropy = bonus_mask * bonus_scale
+    metrics = loss_metrics(options, rows, rows["count"].values, policy_loss)
+    return (total.reshape(()).clone(), _metric_vector(metrics, options, entropy is not None), grad_logp,
+            _or_nothing(grad_entropy, logp))
+
+
+def _token_loss_torch(logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
+    # masked values still enter the spec's metrics and gradients, times 0: a -inf or NaN there (a padding id's
+    # log-prob) would leak a NaN
+    masked = mask == 0
+    logp = logp.masked_fill(masked, 0.0)
+    entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
+    old, ref = (x.masked_fill(masked, 0.0) if x is not None else None for x in (old, ref))
+    # per-token advantages and importance weights too: the loss selects masked tokens out, but a NaN there would
+    # reach a sequence-level ratio's gradient (vespo's weights stay: it reads them at padding too, as TRL)
+    if adv.dim() == 2:
+        adv = adv.masked_fill(masked, 0.0)
+    if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
+        iw = iw.masked_fill(masked, 0.0)
+    bonus = options.entropy_coef != 0.0
+    metrics = {}
+
+    def spec(lp, ent):
+        total, values = reference.token_loss(
+            lp, adv, mask, options, entropy=ent, old_logprobs=old, ref_logprobs=ref, sampling_logprobs=sampling,
+            importance_weights=iw, num_items_in_batch=num_items, entropy_threshold=entropy_threshold)
+        metrics.update(values)
+        return total
+
+    if bonus:
+        total, vjp = torch.func.vjp(spec, logp, entropy)
+        grad_logp, grad_entropy = vjp(torch.ones_like(total))
+    else:
+        total, vjp = torch.func.vjp(lambda lp: spec(lp, entropy), logp)
+        (grad_logp,), grad_entropy = vjp(torch.ones_like(total)), None
+    metrics = {name: value.detach() for name, value in metrics.items()}
+    return (total.detach().reshape(()).float().clone(), _metric_vector(metrics, options, entropy is not None),
+            grad_logp.float().contiguous(), _or_nothing(grad_entropy, logp))
+
+
+def _metric_vector(metrics, options, has_entropy):
+    names = metric_names(options, has_entropy)
+    if sorted(names) != sorted(metrics):
+        raise RuntimeError(f"token_loss: the metrics {sorted(metrics)} differ from metric_names' {sorted(names)}")
+    return torch.stack([metrics[name].float().reshape(()) for name in names])
+
+
+# ----------------------------------------------------------------------------------------------- workspace
+def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False, lora_rank=0,
+                    backward_mode="chunked", batch_shape=None, device_type="cuda"):
+    """The bytes a real implementation allocates besides its outputs (its peak extra memory, for a memory estimate
+    over fake tensors, whose fake implementations allocate the outputs only), by the launchers' own formulas.
+
+    ``op``: "linear_logprobs" (hidden_shape [N, D]; the forward's 5 x splits x N fp32 records, or the frozen head's
+    8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows),
+    "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype, and the dW
+    accumulator's fp32 copy is an output; the fused one allocates nothing more) or "token_loss" (batch_shape
+    [B, T]: the kernel's B x 12 fp32 statistics and its bonus mask). The torch backend's chunks:
+    CHUNK_N x CHUNK_V fp32 tiles, about four alive at once."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if op == "token_loss":
+        B, T = batch_shape
+        return B * token_kernel.NUM_STATS.value * 4 + B * T * 4
+    N, D = hidden_shape
+    V = vocab_size
+    if backend == "torch":
+        from grpo_fast import torch_backend
+        return 4 * min(N, torch_backend.CHUNK_N) * min(V, torch_backend.CHUNK_V) * 4
+    if op == "linear_logprobs":
+        if frozen_head:
+            chunk = gemm.chunk_size(N, D)
+            vchunk = kfrozen.vocab_chunk_size(V, D, chunk, itemsize)
+            return kfrozen.STATE_ROWS * N * 4 + chunk * vchunk * 4 + min(N, 1024) * D * 4
+        splits, _ = kforward.num_vocab_splits(N, V, kconfig.forward_config(torch.device(device_type), dtype))
+        return 5 * splits * N * 4
+    if op == "linear_logprobs_backward":
+        return gemm.chunk_size(N, D) * V * itemsize if backward_mode == "chunked" else 0
+    raise ValueError(f"op must be 'linear_logprobs', 'linear_logprobs_backward' or 'token_loss', got {op!r}")
