@@ -549,10 +549,14 @@ def _token_loss(logprobs, entropy, batch, options, backend):
             adv = adv.masked_fill(masked, 0.0)
         if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
             iw = iw.masked_fill(masked, 0.0)
+        threshold = batch.entropy_threshold
+        if options.entropy_mask and threshold is None:
+            # the spec's quantile, without its boolean selection (a host read, a data-dependent shape)
+            threshold = ops.device_entropy_quantile(entropy, batch.completion_mask, options.top_entropy_quantile)
         total, metrics = reference.token_loss(
             logp, adv, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
             ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=iw,
-            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=batch.entropy_threshold)
+            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=threshold)
         metrics = Metrics(metrics)
     else:
         total, metric_values, _, _ = ops.token_loss(
