@@ -223,8 +223,23 @@ def metric_names(options: LossOptions, has_entropy: bool):
 
 
 def options_json(options: LossOptions) -> str:
-    """The loss options as token_loss's ``options_json`` argument (a string: a schema constant)."""
-    return json.dumps(dataclasses.asdict(options), sort_keys=True, default=float)
+    """The loss options as token_loss's ``options_json`` argument (a string: a schema constant). Built field by
+    field, not by json.dumps, which torch.compile cannot trace (a float option is then fixed by a guard)."""
+    parts = []
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if value is None:
+            text = "null"
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = f"\"{value}\""  # the option strings are plain names (loss types, levels)
+        elif isinstance(value, int):
+            text = str(int(value))
+        else:
+            text = repr(float(value))
+        parts.append(f'"{field.name}": {text}')
+    return "{" + ", ".join(parts) + "}"
 
 
 def _token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
