@@ -7,6 +7,17 @@ the interpreter, torch otherwise.
 Only completion tokens are computed: with a ``completion_mask``, the rows with mask 1 are gathered before layer 1
 (forward and backward) and the per-token outputs are scattered back, with exact zeros at masked positions.
 
+Host synchronisations: the value checks (``check_values=True``, the default: targets in [0, V) where the mask is 1,
+the mask 0/1, num_items_in_batch >= 0) are computed on the device as one small tensor of flags, read once (one
+host synchronisation per call), and each failed check raises its named error. That read also brings the number of
+scored tokens, so the scored rows are gathered exactly (argsort of the mask, cut at that count). With
+``check_values=False``, under torch.compile, and for tensors without data (FakeTensorMode, meta), nothing is read:
+the rows are a stable partition of all B x T rows by the mask (scored rows first, the others zeroed), the Triton
+forward kernel skips the blocks past the scored count (a device value) and the backward kernel skips blocks without
+a gradient; the cuBLAS GEMMs of the chunked backward and of the frozen-head forward then run over all B x T rows
+(their padding rows are zeros: the results are the same, the cost that of the whole batch). Layer 2 reads nothing on
+the host (grpo_fast.ops.token_loss). The layers run as torch.library custom ops (grpo_fast.ops).
+
 ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)`` (or a tuple (a, b, scaling)): LoRA on the lm_head, exact
 (grpo_fast/lora.py): its [N, r] operand is built here for the scored rows and layer 1 adds its product with b.
 """
@@ -17,17 +28,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from grpo_fast import reference
 from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, check_number as _number, option_keywords
 from grpo_fast import autograd
 from grpo_fast import lora as head_lora
+from grpo_fast import ops
 from grpo_fast import vocab_parallel as vocab_parallel_head
-from grpo_fast.autograd import LinearLogprobs, ScaledByCoefficient
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import token_loss as token_kernel
-from grpo_fast.kernels.config import LogitTransform
-from grpo_fast.metrics import loss_metrics
+from grpo_fast.transform import LogitTransform
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "torch")
@@ -55,8 +65,11 @@ def _float_tensor(name, x):
 
 
 def _shape(name, x, expected_shapes, descr):
-    if tuple(x.shape) not in [tuple(s) for s in expected_shapes]:
-        raise ValueError(f"{name} must have shape {descr}, got {tuple(x.shape)}")
+    """x's shape is one of ``expected_shapes``, else a ValueError with ``descr()`` (a function: formatting sizes
+    would fix them under torch.compile's dynamic shapes, so only an error formats them)."""
+    # size by size (not tuple membership): symbolic sizes under torch.compile compare as guards
+    if not any(x.dim() == len(s) and all(a == b for a, b in zip(x.shape, s)) for s in expected_shapes):
+        raise ValueError(f"{name} must have shape {descr()}, got {tuple(x.shape)}")
 
 
 def _same_device(named, device, reference_name):
@@ -68,23 +81,70 @@ def _same_device(named, device, reference_name):
                              "a device")
 
 
-def _check_targets(targets, shape, V, mask):
+def _has_data(*tensors):
+    """The tensors' values can be read: not under torch.compile, not fake (FakeTensorMode) nor meta tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(x is not None and (x.device.type == "meta" or is_fake(x)) for x in tensors)
+
+
+class _ValueChecks:
+    """The checks that read values, computed on the device and read in ONE host synchronisation (``read``): each
+    check adds int64 device values (a flag, and what its message shows); ``count`` adds the scored tokens' count.
+    Skipped entirely (``run`` False) without ``check_values``, under torch.compile and for tensors without data."""
+
+    def __init__(self, check_values, *tensors):
+        if not isinstance(check_values, bool):
+            raise TypeError(f"check_values must be a bool, got {check_values!r}")
+        self.run = check_values and _has_data(*tensors)
+        self._values, self._errors = [], []
+
+    def add(self, values, error):
+        """``values``: int64 device scalars, the first a flag (non-zero: failed); ``error(*values)`` the exception."""
+        if self.run:
+            self._values.append(torch.stack([v.reshape(()).to(torch.int64) for v in values]))
+            self._errors.append(error)
+
+    def read(self, extra=None):
+        """Read every check (and ``extra``, int64 device scalars returned as ints) at once; raise the first error."""
+        if not self.run:
+            return None
+        parts = self._values + ([torch.stack([v.reshape(()).to(torch.int64) for v in extra])] if extra else [])
+        if not parts:
+            return []
+        values = torch.cat(parts).tolist()
+        at = 0
+        for part, error in zip(self._values, self._errors):
+            mine = values[at:at + part.numel()]
+            at += part.numel()
+            if mine[0]:
+                raise error(*mine)
+        return values[at:]
+
+
+def _check_targets(targets, shape, V, mask, checks):
     _tensor("targets", targets)
     if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
         raise TypeError(f"targets must be an integer tensor of token ids, got {targets.dtype}")
-    _shape("targets", targets, [shape], f"[B, T] = {list(shape)}")
-    scored = targets if mask is None else targets[mask.bool()]  # masked positions are never read (-100 is fine)
-    if scored.numel() and (int(scored.min()) < 0 or int(scored.max()) >= V):
-        where = "" if mask is None else " where completion_mask is 1"
-        raise ValueError(f"targets must be token ids in [0, V) = [0, {V}){where}, got values in "
-                         f"[{int(scored.min())}, {int(scored.max())}]")
+    _shape("targets", targets, [shape], lambda: f"[B, T] = {list(shape)}")
+    if not checks.run:
+        return
+    # masked positions are never read (-100 is fine): the extremes of the scored targets only
+    scored = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()
+    low = torch.where(scored, targets, torch.iinfo(targets.dtype).max).min()
+    high = torch.where(scored, targets, torch.iinfo(targets.dtype).min).max()
+    where = "" if mask is None else " where completion_mask is 1"
+    checks.add([scored.any() & ((low < 0) | (high >= V)), low, high],
+               lambda _, lo, hi: ValueError(f"targets must be token ids in [0, V) = [0, {V}){where}, got values in "
+                                            f"[{lo}, {hi}]"))
 
 
-def _check_mask(mask, shape):
+def _check_mask(mask, shape, checks):
     _tensor("completion_mask", mask)
-    _shape("completion_mask", mask, [shape], f"[B, T] = {list(shape)}")
-    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("completion_mask must be bool or hold only 0 and 1")
+    _shape("completion_mask", mask, [shape], lambda: f"[B, T] = {list(shape)}")
+    if mask.dtype != torch.bool and mask.numel() and checks.run:
+        checks.add([~((mask == 0) | (mask == 1)).all()],
+                   lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"))
 
 
 def _resolve_backend(backend, device):
@@ -123,17 +183,9 @@ def _layer1_choices(head_path, backward_mode, backend):
     return head_path
 
 
-def _logit_transform(temperature, softcap, logit_scale):
-    _number("temperature", temperature, lambda v: v > 0, "a positive number")
-    if softcap is not None:
-        _number("softcap", softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
-    _number("logit_scale", logit_scale, lambda v: v != 0, "a finite non-zero number")
-    return LogitTransform(float(temperature), None if softcap is None else float(softcap), float(logit_scale))
-
-
-def _check_linear(hidden, weight, targets, bias, completion_mask, shard=None):
+def _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard=None):
     """Shared checks of layer 1's inputs; returns (B, T, D, V). With a vocab-parallel ``shard``, weight and bias are
-    this rank's rows (possibly none) and V is the whole head's."""
+    this rank's rows (possibly none) and V is the whole head's. The value checks go to ``checks`` (_ValueChecks)."""
     _float_tensor("hidden", hidden)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, D], got {tuple(hidden.shape)}")
@@ -148,35 +200,63 @@ def _check_linear(hidden, weight, targets, bias, completion_mask, shard=None):
     V = weight.shape[0] if shard is None else shard.vocab_size
     if bias is not None:
         _float_tensor("bias", bias)
-        _shape("bias", bias, [(weight.shape[0],)], f"[V] = [{weight.shape[0]}]" if shard is None
+        _shape("bias", bias, [(weight.shape[0],)], lambda: f"[V] = [{weight.shape[0]}]" if shard is None
                else f"this rank's rows [V_local] = [{weight.shape[0]}]")
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
     _same_device([("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
                  hidden.device, "hidden")
     if completion_mask is not None:
-        _check_mask(completion_mask, (B, T))
-    _check_targets(targets, (B, T), V, completion_mask)
+        _check_mask(completion_mask, (B, T), checks)
+    _check_targets(targets, (B, T), V, completion_mask, checks)
     return B, T, D, V
 
 
-def _flat_inputs(hidden, weight, targets, bias, completion_mask):
-    """[N, D] hidden rows and [N] targets of the scored tokens (all, or those with mask 1), and their row indices
-    (None when every row is scored)."""
+@dataclass(frozen=True)
+class _Rows:
+    """The rows layer 1 computes, of the B x T flat ones: ``order`` their flat indices (None: all, in order); with
+    ``keep`` (a [n] bool device tensor) the rows are a partition of all B x T rows, scored ones first, and only
+    those with keep are scored (``count`` = their number, a [1] int32 device tensor the forward kernel reads)."""
+
+    order: "torch.Tensor | None" = None
+    keep: "torch.Tensor | None" = None
+    count: "torch.Tensor | None" = None
+
+
+def _scored_rows(completion_mask, checks):
+    """The scored rows (_Rows) and the checks read (their one host synchronisation, ``checks.read``): exactly the
+    rows with mask 1 when the checks read the count with their flags, else the device partition (module docstring)."""
+    if completion_mask is None:
+        checks.read()
+        return _Rows()
+    active = completion_mask.reshape(-1).bool()
+    count = active.sum()
+    read = checks.read([count])
+    # stable: the scored rows keep their order (the same rows, in the same order, as a selection)
+    order = torch.argsort(active.logical_not().to(torch.int8), stable=True)
+    if read is not None:
+        n = read[0]
+        return _Rows() if n == active.numel() else _Rows(order[:n])
+    return _Rows(order, torch.arange(active.numel(), device=active.device) < count,
+                 count.to(torch.int32).reshape(1))
+
+
+def _flat_inputs(hidden, weight, targets, bias, rows):
+    """[N, D] hidden rows and [N] targets of ``rows`` (_Rows: padding rows zeroed, their targets 0), the weight
+    and bias as the kernels read them."""
     D = hidden.shape[-1]
     h = hidden.reshape(-1, D)
     y = targets.reshape(-1)
-    rows = None
-    if completion_mask is not None:
-        active = completion_mask.reshape(-1).bool()
-        if not bool(active.all()):
-            rows = active.nonzero().squeeze(1)
-            h, y = h.index_select(0, rows), y.index_select(0, rows)
+    if rows.order is not None:
+        h, y = h.index_select(0, rows.order), y.index_select(0, rows.order)
+    if rows.keep is not None:
+        h = torch.where(rows.keep[:, None], h, 0.0)
+        y = torch.where(rows.keep, y, 0)
     if h.stride(-1) != 1:
         h = h.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     b = bias.contiguous() if bias is not None else None
-    return h, w, y.to(torch.int64).contiguous(), b, rows
+    return h, w, y.to(torch.int64).contiguous(), b
 
 
 def _checked_lora(lora, hidden, weight, shard):
@@ -188,53 +268,61 @@ def _checked_lora(lora, hidden, weight, shard):
 
 
 def _lora_operands(lora, hidden, rows):
-    """Layer 1's LoRA operand pair (lora_hidden [N, r] for the scored rows, b [V, r]), or (None, None)."""
+    """Layer 1's LoRA operand pair (lora_hidden [N, r] for ``rows``, padding rows zeroed; b [V, r]), or
+    (None, None)."""
     if lora is None:
         return None, None
     b = lora.b if lora.b.stride(-1) == 1 else lora.b.contiguous()
-    return head_lora.lora_hidden(lora, hidden, rows).contiguous(), b
+    lora_h = head_lora.lora_hidden(lora, hidden, rows.order)
+    if rows.keep is not None:
+        lora_h = torch.where(rows.keep[:, None], lora_h, 0.0)
+    return lora_h.contiguous(), b
 
 
 def _scatter_rows(values, rows, shape):
-    """Per-token values of the scored rows -> [B, T], exact zeros elsewhere (differentiable)."""
-    if rows is None:
+    """Per-token values of ``rows`` -> [B, T], exact zeros elsewhere (differentiable)."""
+    if rows.order is None:
         return values.view(shape)
-    return values.new_zeros(shape[0] * shape[1]).index_copy(0, rows, values).view(shape)
+    if rows.keep is not None:
+        values = torch.where(rows.keep, values, 0.0)
+    return values.new_zeros(shape[0] * shape[1]).index_copy(0, rows.order, values).view(shape)
 
 
 # ----------------------------------------------------------------------------------------------- layer 1
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-             completion_mask=None, lora=None, vocab_parallel=None, backend="auto"):
+def logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
+             completion_mask=None, lora=None, vocab_parallel=None, backend="auto", check_values=True):
     """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` for the reference and old policies.
 
     The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature``. No logits of
     size V are built and no autograd graph is kept; with ``completion_mask`` only its tokens are computed.
     A vocab-parallel head (a DTensor weight sharded on dim 0, or this rank's rows with
     ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)``: grpo_fast.vocab_parallel) gives every rank
-    the unsharded result. ``lora``: a grpo_fast.HeadLora on the head (module docstring).
+    the unsharded result. ``lora``: a grpo_fast.HeadLora on the head (module docstring). ``check_values``: read
+    the targets' range and the mask's values on the host, once (module docstring).
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
-    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
+    checks = _ValueChecks(check_values, hidden, targets, completion_mask)
+    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
     lora = _checked_lora(lora, hidden, weight, shard)
-    transform = _logit_transform(temperature, softcap, logit_scale)
+    transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
     backend = _resolve_backend(backend, hidden.device)
     _check_kernel_sizes(B * T, weight.shape[0], backend)
     with torch.no_grad():
-        h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
-        if h.shape[0] == 0:
-            return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
+        rows = _scored_rows(completion_mask, checks)
+        h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
         if shard is not None:
+            if h.shape[0] == 0:
+                return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
-            lora_h, lora_w = _lora_operands(lora, hidden, rows)
-            logp = autograd.head_forward(h, w, y, b, transform, False, backend,
-                                         (lora_h, lora_w) if lora is not None else None)[0]
+            logp = ops.linear_logprobs(h, w, y, b, *_lora_operands(lora, hidden, rows), *transform.as_floats(),
+                                       False, False, backend, "chunked")[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
 def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
                          completion_mask=None, entropy_grad=False, head_path="auto", backward_mode="chunked",
-                         lora=None, vocab_parallel=None, backend="auto"):
+                         lora=None, vocab_parallel=None, backend="auto", check_values=True):
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -251,33 +339,35 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     every rank the unsharded outputs and gradients (dH all-reduced, dW and db rows local; grpo_fast.vocab_parallel),
     on the same path as one process. ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)``: LoRA on the head,
     exact, with gradients to a and b where they require one (a frozen adapter takes the frozen-head path too).
+    ``check_values``: read the targets' range and the mask's values on the host, once (module docstring).
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
-    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
+    checks = _ValueChecks(check_values, hidden, targets, completion_mask)
+    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
     lora = _checked_lora(lora, hidden, weight, shard)
-    transform = _logit_transform(temperature, softcap, logit_scale)
+    transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
     backend = _resolve_backend(backend, hidden.device)
     _check_kernel_sizes(B * T, weight.shape[0], backend)
     head_path = _layer1_choices(head_path, backward_mode, backend)
-    return _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
-                                 "general" if entropy_grad else head_path, backward_mode, shard, lora)
+    return _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks), transform,
+                                 backend, "general" if entropy_grad else head_path, backward_mode, shard, lora)
 
 
-def _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend, head_path,
-                          backward_mode, shard=None, lora=None):
+def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode,
+                          shard=None, lora=None):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
     forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
-    h, w, y, b, rows = _flat_inputs(hidden, weight, targets, bias, completion_mask)
+    h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
     if shard is not None:  # the same choice of path, over the shards (grpo_fast.vocab_parallel)
         logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, head_path,
                                                             backward_mode)
     else:
-        logp, entropy = LinearLogprobs.apply(h, w, y, b, transform, backend, head_path, backward_mode,
-                                             *_lora_operands(lora, hidden, rows))
+        logp, entropy = autograd.linear_logprobs(h, w, y, b, transform, backend, head_path, backward_mode,
+                                                 *_lora_operands(lora, hidden, rows))
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -300,7 +390,7 @@ class _LossBatch:
 def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old_logprobs=None, ref_logprobs=None,
          sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
          temperature=1.0, softcap=None, logit_scale=1.0, options=None, head_path="auto", backward_mode="chunked",
-         lora=None, vocab_parallel=None, backend="auto", **loss_options):
+         lora=None, vocab_parallel=None, backend="auto", check_values=True, **loss_options):
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
@@ -310,35 +400,38 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
     computed. ``head_path``, ``backward_mode`` and ``lora``: layer 1's path, Triton backward and LoRA on the head
     (``logprobs_and_entropy``).
     A vocab-parallel head (``logprobs_and_entropy``): every rank of its group returns the unsharded loss and metrics.
-    Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict.
+    ``check_values``: the checks that read values (targets in [0, V) where the mask is 1, the mask 0/1,
+    num_items_in_batch >= 0) run on the device and are read once; False reads nothing (module docstring).
+    Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict of fp32 device scalars.
     """
     options = LossOptions.resolve(options, loss_options, "loss")
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
-    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, shard)
+    checks = _ValueChecks(check_values, hidden, targets, completion_mask)
+    B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
     lora = _checked_lora(lora, hidden, weight, shard)
-    transform = _logit_transform(temperature, softcap, logit_scale)
+    transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
                        num_items_in_batch, entropy_threshold)
-    _check_batch(batch, (B, T), hidden.device, "hidden", options)
+    _check_batch(batch, (B, T), hidden.device, "hidden", options, checks)
     backend = _resolve_backend(backend, hidden.device)
     _check_kernel_sizes(B * T, weight.shape[0], backend)
     head_path = _layer1_choices(head_path, backward_mode, backend)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
-    logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, completion_mask, transform, backend,
-                                          head_path if options.entropy_coef == 0.0 else "general", backward_mode,
-                                          shard, lora)
+    logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks),
+                                          transform, backend, head_path if options.entropy_coef == 0.0 else "general",
+                                          backward_mode, shard, lora)
     return _token_loss(logp, entropy, batch, options, backend)
 
 
 @option_keywords
 def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logprobs=None, ref_logprobs=None,
                sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
-               options=None, backend="auto", **loss_options):
+               options=None, backend="auto", check_values=True, **loss_options):
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs [B, T] that carry the gradient.
 
     For callers that already have the policy's log-probs; same keywords as ``loss``. ``entropy`` [B, T] feeds the
     entropy metric, the top-entropy mask and the entropy bonus (which trains through it when it carries a
-    gradient); the last two need it.
+    gradient); the last two need it. ``check_values``: the mask's 0/1 check and num_items_in_batch >= 0, read once.
     """
     options = LossOptions.resolve(options, loss_options, "token_loss")
     _float_tensor("logprobs", logprobs)
@@ -347,11 +440,13 @@ def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logpr
     B, T = logprobs.shape
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
                        num_items_in_batch, entropy_threshold)
-    _check_batch(batch, (B, T), logprobs.device, "logprobs", options)
-    _check_mask(completion_mask, (B, T))
+    checks = _ValueChecks(check_values, logprobs, completion_mask)
+    _check_batch(batch, (B, T), logprobs.device, "logprobs", options, checks)
+    _check_mask(completion_mask, (B, T), checks)
+    checks.read()
     if entropy is not None:
         _float_tensor("entropy", entropy)
-        _shape("entropy", entropy, [(B, T)], f"[B, T] = [{B}, {T}]")
+        _shape("entropy", entropy, [(B, T)], lambda: f"[B, T] = [{B}, {T}]")
         _same_device([("entropy", entropy)], logprobs.device, "logprobs")
     elif options.entropy_mask or options.entropy_coef != 0.0:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
@@ -359,10 +454,10 @@ def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logpr
     return _token_loss(logprobs, entropy, batch, options, _resolve_backend(backend, logprobs.device))
 
 
-def _check_batch(batch, shape, device, device_of, options):
+def _check_batch(batch, shape, device, device_of, options, checks):
     """Checks of layer 2's per-batch inputs against each other and the options, named after the argument at fault
-    (``device`` is the argument ``device_of``'s); the mask itself is checked by the caller (once: it costs a pass
-    over it)."""
+    (``device`` is the argument ``device_of``'s; value checks to ``checks``); the mask itself is checked by the caller
+    (once: it costs a pass over it)."""
     B, T = shape
     _tensor("advantages", batch.advantages)
     _tensor("completion_mask", batch.completion_mask)
@@ -378,12 +473,12 @@ def _check_batch(batch, shape, device, device_of, options):
             raise ValueError("entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
                              "value over every process's masked entropies)")
     _float_tensor("advantages", batch.advantages)
-    _shape("advantages", batch.advantages, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
+    _shape("advantages", batch.advantages, [(B,), (B, T)], lambda: f"[B] = [{B}] or [B, T] = [{B}, {T}]")
     for name in _LOGPROB_INPUTS:
         x = getattr(batch, name)
         if x is not None:
             _float_tensor(name, x)
-            _shape(name, x, [shape], f"[B, T] = [{B}, {T}]")
+            _shape(name, x, [shape], lambda: f"[B, T] = [{B}, {T}]")
     if batch.sampling_logprobs is not None and options.off_policy_mask_threshold is None:
         raise ValueError("sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
                          "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
@@ -391,38 +486,56 @@ def _check_batch(batch, shape, device, device_of, options):
     iw = batch.importance_weights
     if iw is not None:
         _float_tensor("importance_weights", iw)
-        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)], f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
+        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)],
+               lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
         if options.loss_type_record.policy_term == "vespo" and iw.shape != (B, T):
             raise ValueError("loss_type='vespo' takes per-token importance_weights [B, T] (TRL's token_truncate or "
                              f"token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO with sequence-level "
                              "importance sampling")
     n_items = batch.num_items_in_batch
-    if n_items is not None and float(n_items) < 0:
-        raise ValueError(f"num_items_in_batch must be >= 0, got {float(n_items)}")
+    if n_items is None:
+        return
+    if not isinstance(n_items, torch.Tensor):
+        _number("num_items_in_batch", n_items, lambda v: v >= 0, "a number >= 0")
+    elif n_items.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
+                         f"{tuple(n_items.shape)}")
+    elif checks.run:
+        # the count as the check's second value, in micro-units: the message shows it to 1e-6
+        checks.add([n_items.reshape(()) < 0, (n_items.reshape(()).double() * 1e6).round()],
+                   lambda _, micro: ValueError(f"num_items_in_batch must be >= 0, got {micro / 1e6}"))
 
 
 _LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
 
 
-def _prepared(batch, options):
+def _prepared(batch, options, device):
     """The batch as layer 2 computes on it: detached fp32 contiguous tensors, [B, 1] weights as [B], no reference
-    log-probs without a KL term, num_items_in_batch a float."""
+    log-probs without a KL term, num_items_in_batch and entropy_threshold fp32 scalar tensors on ``device`` (a
+    number is written there, not read back)."""
     def fp32(x):
         return x.detach().float().contiguous() if x is not None else None
 
     iw = fp32(batch.importance_weights)
     if iw is not None and iw.dim() == 2 and iw.shape[1] == 1 and batch.completion_mask.shape[1] != 1:
         iw = iw.squeeze(1)  # [B, 1]: one weight per sequence
-    n_items = batch.num_items_in_batch
+    def scalar(x):
+        if x is None:
+            return None
+        if isinstance(x, torch.Tensor):
+            return x.detach().reshape(()).to(device=device, dtype=torch.float32)
+        return torch.full((), float(x), dtype=torch.float32, device=device)
+
     return _LossBatch(fp32(batch.advantages), batch.completion_mask.to(torch.float32).contiguous(),
                       fp32(batch.old_logprobs), fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
-                      fp32(batch.sampling_logprobs), iw, float(n_items) if n_items is not None else None,
-                      batch.entropy_threshold)
+                      fp32(batch.sampling_logprobs), iw, scalar(batch.num_items_in_batch),
+                      scalar(batch.entropy_threshold))
 
 
 def _token_loss(logprobs, entropy, batch, options, backend):
-    """Layer 2 on checked inputs: the torch twin (grpo_fast.reference.token_loss, with autograd) or the token kernel."""
-    batch = _prepared(batch, options)
+    """Layer 2 on checked inputs: the torch twin (grpo_fast.reference.token_loss, with autograd) or the token-loss op
+    (grpo_fast.ops.token_loss); the metrics a Metrics dict of fp32 device scalars."""
+    batch = _prepared(batch, options, logprobs.device)
     logp = logprobs.float()
     entropy = entropy.float() if entropy is not None else None
     if backend == "torch":
@@ -440,49 +553,24 @@ def _token_loss(logprobs, entropy, batch, options, backend):
             adv = adv.masked_fill(masked, 0.0)
         if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
             iw = iw.masked_fill(masked, 0.0)
+        threshold = batch.entropy_threshold
+        if options.entropy_mask and threshold is None:
+            # the spec's quantile, without its boolean selection (a host read, a data-dependent shape)
+            threshold = ops.device_entropy_quantile(entropy, batch.completion_mask, options.top_entropy_quantile)
         total, metrics = reference.token_loss(
             logp, adv, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
             ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=iw,
-            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=batch.entropy_threshold)
+            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=threshold)
         metrics = Metrics(metrics)
     else:
-        total, metrics = _token_loss_triton(logp, entropy, batch, options)
+        total, metric_values, _, _ = ops.token_loss(
+            logp, entropy, batch.advantages, batch.completion_mask, batch.old_logprobs, batch.ref_logprobs,
+            batch.sampling_logprobs, batch.importance_weights, batch.num_items_in_batch, batch.entropy_threshold,
+            ops.options_json(options))
+        metrics = Metrics(zip(ops.metric_names(options, entropy is not None), metric_values.detach().unbind(0)))
     metrics.logprobs = logp.detach()
     metrics.entropies = entropy.detach() if entropy is not None else None
     return total, metrics
-
-
-def _token_loss_triton(logp, entropy, batch, options):
-    """Layer 2 by the token kernel: the loss (its gradients: the kernel's grad_logp, and grad_entropy from the bonus
-    tokens) and the metrics, built by grpo_fast.metrics from the kernel's per-sequence statistics."""
-    adv, mask = batch.advantages, batch.completion_mask
-    B = logp.shape[0]
-    scale = 1.0 / options.denominator(B, mask.sum(), batch.num_items_in_batch)
-    entropy_threshold = None
-    if options.entropy_mask:
-        entropy_threshold = batch.entropy_threshold
-        if entropy_threshold is None:
-            threshold = reference.entropy_quantile_threshold(entropy, mask, options.top_entropy_quantile)
-            # no completion token anywhere: no token is high-entropy (TRL's all-False mask)
-            entropy_threshold = math.inf if threshold is None else float(threshold)
-    sampler = None
-    if options.off_policy_mask_threshold is not None:
-        sampler = next(x for x in (batch.sampling_logprobs, batch.old_logprobs, logp.detach()) if x is not None)
-        sampler = sampler.contiguous()
-    grad_logp, bonus_mask, rows = token_kernel.token_loss(
-        logp.detach().contiguous(), adv, mask, batch.old_logprobs, batch.ref_logprobs, sampler,
-        batch.importance_weights, entropy.detach().contiguous() if entropy is not None else None, options,
-        scale=scale, entropy_threshold=entropy_threshold)
-
-    policy_loss = rows["loss"].values.sum()
-    total_value, grad_entropy = policy_loss, None
-    if options.entropy_coef != 0.0:
-        # loss -= entropy_coef * (mean entropy over the bonus tokens): dL/dentropy = -entropy_coef * e_t / count
-        bonus_scale = -options.entropy_coef / float(rows["bonus_count"].values.sum().clamp(min=1.0))
-        total_value = policy_loss + bonus_scale * rows["bonus_entropy"].values.sum()
-        grad_entropy = bonus_mask * bonus_scale
-    total = ScaledByCoefficient.apply(logp, entropy, total_value, grad_logp, grad_entropy)
-    return total, Metrics(loss_metrics(options, rows, rows["count"].values, policy_loss))
 
 
 def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
@@ -501,11 +589,14 @@ def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask
         _float_tensor(name, x)
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape [B, T], got {tuple(x.shape)}")
-    _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape], f"old_logprobs' {list(old_logprobs.shape)}")
+    _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape],
+           lambda: f"old_logprobs' {list(old_logprobs.shape)}")
     _tensor("completion_mask", completion_mask)
     _same_device([("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
                  old_logprobs.device, "old_logprobs")
-    _check_mask(completion_mask, tuple(old_logprobs.shape))
+    checks = _ValueChecks(True, old_logprobs, completion_mask)
+    _check_mask(completion_mask, tuple(old_logprobs.shape), checks)
+    checks.read()
     for name, x in (("clip_max", clip_max), ("clip_min", clip_min)):
         if x is not None:
             _number(name, x)

@@ -110,14 +110,17 @@ def _grad_hidden_buffer(hidden, backend, backward_mode):
     return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
 
-class LinearLogprobs(torch.autograd.Function):
+def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
+                    lora_weight=None):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
-    lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32.
+    lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
+    grpo_fast.ops.linear_logprobs, whose registered autograd formula is the head's one backward.
 
     With LoRA (grpo_fast/lora.py) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
     lora_hidden and lora_weight too (each in its own dtype).
 
-    Both outputs carry their exact gradient. Two paths (``head_path``, config.HEAD_PATHS):
+    Both outputs carry their exact gradient. Two paths (``head_path``, config.HEAD_PATHS), chosen here from which
+    inputs require a gradient (``takes_frozen_head``):
     * general (recompute): saves the inputs and O(N) fp32 values (softmax_stats.BackwardStats: lse, 1 - p_y, the mean
       logit and mean - z_y), nothing of size V; the backward recomputes the logits (an entropy that receives no
       gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
@@ -130,105 +133,22 @@ class LinearLogprobs(torch.autograd.Function):
     ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
     N = 0 (every row masked) gives empty outputs and zero gradients.
     """
+    from grpo_fast import ops  # ops' implementations call this module's backend functions
 
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
-                lora_weight=None):
-        if head_path not in kconfig.HEAD_PATHS:
-            raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
-        if backward_mode not in kconfig.BACKWARD_MODES:
-            raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
-        # entropy is usually a metric: without this, autograd would hand the backward a zero gradient for it
-        ctx.set_materialize_grads(False)
-        lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
-        lora_weight_grad = lora is not None and ctx.needs_input_grad[9]
-        ctx.frozen_head = takes_frozen_head(ctx.needs_input_grad, hidden, backend, head_path, lora_weight_grad)
-        frozen_head_grad = frozen_lora_grad = None
-        if hidden.shape[0] == 0:
-            logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
-            stats = None
-        elif ctx.frozen_head:
-            logp, entropy, stats, frozen_head_grad, frozen_lora_grad = head_forward_frozen_head(
-                hidden, weight, targets, bias, transform, backend, lora)
-        else:
-            logp, entropy, stats = head_forward(hidden, weight, targets, bias, transform, True, backend, lora)
-        ctx.save_for_backward(hidden, weight, targets, bias, lora_hidden, lora_weight, frozen_head_grad,
-                              frozen_lora_grad, *(stats or ()))
-        ctx.transform = transform
-        ctx.backend = backend
-        ctx.backward_mode = backward_mode
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, bias, lora_hidden, lora_weight, frozen_head_grad, frozen_lora_grad, *stats = \
-            ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[:2]
-        need_b = ctx.needs_input_grad[3]
-        lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
-        need_lh = lora is not None and ctx.needs_input_grad[8]
-        need_lw = lora is not None and ctx.needs_input_grad[9]
-        dev = hidden.device
-        no_input_grads = (None,) * 4
-        if ctx.frozen_head:
-            grad_hidden = (grad_logp.float()[:, None] * frozen_head_grad if grad_logp is not None
-                           else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
-            grad_lora_hidden = None
-            if need_lh:
-                grad_lora_hidden = (grad_logp.float()[:, None] * frozen_lora_grad if grad_logp is not None
-                                    else torch.zeros(lora_hidden.shape, dtype=torch.float32, device=dev))
-            if grad_entropy is not None:
-                # an entropy gradient after all: the general path's entropy-only term, with that path's own forward
-                # values (the frozen forward's cuBLAS logits may round differently from the recomputed tiles, and
-                # p = exp(z - lse) must see one z: at logits of 1e4 the difference is 1e-3 relative)
-                _, _, general_stats = head_forward(hidden, weight, targets, bias, ctx.transform, True, ctx.backend,
-                                                   lora)
-                entropy_term = _grad_hidden_buffer(hidden, ctx.backend, ctx.backward_mode)
-                lora_entropy_term = torch.zeros_like(grad_lora_hidden) if need_lh else None
-                head_backward(hidden, weight, targets, bias, general_stats,
-                              torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev),
-                              grad_entropy.float().contiguous(), ctx.transform, entropy_term, None, None,
-                              ctx.backend, ctx.backward_mode, lora=lora, grad_lora=(lora_entropy_term, None))
-                grad_hidden += entropy_term
-                if need_lh:
-                    grad_lora_hidden += lora_entropy_term
-            return ((grad_hidden.to(hidden.dtype), None, None, None) + no_input_grads
-                    + (grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None, None))
-        grad_hidden = _grad_hidden_buffer(hidden, ctx.backend, ctx.backward_mode) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
-        grad_lora = tuple(torch.zeros(x.shape, dtype=torch.float32, device=dev) if need else None
-                          for x, need in ((lora_hidden, need_lh), (lora_weight, need_lw)))
-        if (need_h or need_w or need_b or need_lh or need_lw) and hidden.shape[0] > 0:
-            grad_logp = (grad_logp.float().contiguous() if grad_logp is not None
-                         else torch.zeros(hidden.shape[0], dtype=torch.float32, device=dev))
-            grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-            head_backward(hidden, weight, targets, bias, BackwardStats(*stats), grad_logp, grad_entropy,
-                          ctx.transform, grad_hidden, grad_weight, grad_bias, ctx.backend, ctx.backward_mode,
-                          lora=lora, grad_lora=grad_lora)
-        return (
-            grad_hidden.to(hidden.dtype) if need_h else None,
-            grad_weight.to(weight.dtype) if need_w else None,
-            None,
-            grad_bias.to(bias.dtype) if need_b else None,
-        ) + no_input_grads + (
-            grad_lora[0].to(lora_hidden.dtype) if need_lh else None,
-            grad_lora[1].to(lora_weight.dtype) if need_lw else None,
-        )
+    if head_path not in kconfig.HEAD_PATHS:
+        raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
+    if backward_mode not in kconfig.BACKWARD_MODES:
+        raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
+    grad = torch.is_grad_enabled()
+    needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
+    lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
+    frozen_head = takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
+    outputs = ops.linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
+                                  True, frozen_head, backend, backward_mode)
+    return outputs[0], outputs[1]
 
 
-class ScaledByCoefficient(torch.autograd.Function):
-    """Returns a loss computed outside autograd; its gradients with respect to logp and entropy are the given
-    per-token gradients (grad_logp = dL/dlogp, grad_entropy = dL/dentropy; the latter may be None: the entropy then
-    gets no gradient)."""
+class LinearLogprobs:
+    """``linear_logprobs`` under its former autograd.Function name: ``LinearLogprobs.apply(...)``."""
 
-    @staticmethod
-    def forward(ctx, logp, entropy, loss_value, grad_logp, grad_entropy):
-        ctx.save_for_backward(grad_logp, grad_entropy)
-        return loss_value.clone()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_logp, grad_entropy = ctx.saved_tensors
-        grad_entropy = grad_entropy * grad_loss if grad_entropy is not None and ctx.needs_input_grad[1] else None
-        return grad_logp * grad_loss, grad_entropy, None, None, None
+    apply = staticmethod(linear_logprobs)

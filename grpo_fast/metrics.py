@@ -51,13 +51,15 @@ def loss_metrics(options, rows, counts, policy_loss=None):
         row = rows[statistic]
         return row.values.sum() / (counts.numel() if row.per_sequence else tokens)
 
-    def per_sequence_means(statistic):  # sequences without tokens have no mean (TRL's NaN, skipped by nanmin)
+    def over_sequences(statistic, reduce, neutral):
+        # sequences without tokens have no mean (TRL's NaN, skipped by nanmin): they take the reduction's neutral
+        # value, and with no sequence left the metric is NaN; no boolean selection (no host read, static shapes)
         row = rows[statistic]
-        return row.values if row.per_sequence else (row.values / counts)[counts > 0]
-
-    def over_sequences(statistic, reduce):
-        values = per_sequence_means(statistic)
-        return reduce(values) if values.numel() else torch.tensor(math.nan, device=counts.device)
+        if row.per_sequence:
+            return reduce(row.values) if row.values.numel() else torch.tensor(math.nan, device=counts.device)
+        has_tokens = counts > 0
+        means = torch.where(has_tokens, row.values / counts.clamp(min=1.0), neutral)
+        return torch.where(has_tokens.any(), reduce(means), math.nan)
 
     metrics = {}
     if options.beta != 0.0:
@@ -68,9 +70,9 @@ def loss_metrics(options, rows, counts, policy_loss=None):
         if metric.reduce == "mean":
             metrics[metric.name] = mean(metric.statistic)
         elif metric.reduce == "min_over_sequences":
-            metrics[metric.name] = over_sequences(metric.statistic, torch.min)
+            metrics[metric.name] = over_sequences(metric.statistic, torch.min, math.inf)
         elif metric.reduce == "max_over_sequences":
-            metrics[metric.name] = over_sequences(metric.statistic, torch.max)
+            metrics[metric.name] = over_sequences(metric.statistic, torch.max, -math.inf)
         else:
             raise ValueError(f"metric {metric.name!r} of loss type {options.loss_type!r} has an unknown reduction "
                              f"{metric.reduce!r}")

@@ -22,6 +22,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from grpo_fast.transform import check_number
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -82,10 +84,9 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def check_number(name, x, condition=lambda v: True, expected="a finite number"):
-    """x must be a real number (a Python or numpy scalar, not a bool) for which condition holds."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not condition(x):
-        raise ValueError(f"{name} must be {expected}, got {x!r}")
+def _at_least_one(count):
+    """max(count, 1): a float for a number, a tensor (never read on the host) for a tensor."""
+    return count.clamp(min=1.0) if hasattr(count, "clamp") else max(float(count), 1.0)
 
 
 @dataclass(frozen=True)
@@ -158,17 +159,17 @@ class LossOptions:
         TRL's reductions at one process without gradient accumulation, by the loss type's normaliser: "sequences":
         B (a mean over sequences); "tokens": the mask's sum; "max_completion_length": B * max_completion_length;
         "num_items_in_batch": ``num_items_in_batch`` (default: the mask's sum). Sums are clamped at 1 (an all-masked
-        batch gives 0).
+        batch gives 0). A tensor count gives a tensor (on its device: no host read), a number a float.
         """
         normaliser = self.loss_type_record.normaliser
         if normaliser == "sequences":
             return float(batch_size)
         if normaliser == "tokens":
-            return max(float(mask_total), 1.0)
+            return _at_least_one(mask_total)
         if normaliser == "max_completion_length":
             return float(batch_size * self.max_completion_length)
         if normaliser == "num_items_in_batch":
-            return max(float(mask_total if num_items_in_batch is None else num_items_in_batch), 1.0)
+            return _at_least_one(mask_total if num_items_in_batch is None else num_items_in_batch)
         raise ValueError(f"loss type {self.loss_type!r} has an unknown normaliser {normaliser!r}")
 
     # ------------------------------------------------------------------------------------------ construction

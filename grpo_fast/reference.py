@@ -48,13 +48,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grpo_fast.kernels.config import LogitTransform
+from grpo_fast.transform import LogitTransform
 from grpo_fast.metrics import loss_metrics, row_values
 from grpo_fast.options import LOSS_TYPES, LossOptions, option_keywords  # noqa: F401 (LOSS_TYPES: for readers)
 
 
-def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale=1.0, fp32_matmul=True,
-           compute_dtype=torch.float32, lora=None):
+def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0, fp32_matmul=True,
+           compute_dtype=torch.float32, lora=None, transform=None):
     """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``,
     with ``lora`` (a grpo_fast.HeadLora or None) adding PEFT's ``scaling * (dropout(hidden) @ a.T) @ b.T`` to the
     raw logits: its [.., r] activation in the adapters' dtype (PEFT's), its product with b in ``compute_dtype``
@@ -63,7 +63,9 @@ def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale
     With ``fp32_matmul`` (the spec) the matmul itself runs in ``compute_dtype`` (fp32; the tests use fp64 as a
     stricter truth); without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them
     in a TRL training step) and is upcast after: the benchmark's eager baseline, on tensor cores.
+    ``transform`` (a grpo_fast.transform.LogitTransform) replaces the three keywords when given.
     """
+    transform = transform or LogitTransform(temperature, softcap, logit_scale)
     if fp32_matmul:
         z = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
     else:
@@ -77,16 +79,18 @@ def logits(hidden, weight, bias=None, temperature=1.0, softcap=None, logit_scale
             z = z + (activation @ lora.b.T).to(compute_dtype)
     if bias is not None:
         z = z + bias.to(compute_dtype)
-    return LogitTransform(temperature, softcap, logit_scale).apply(z)
+    return transform.apply(z)
 
 
-def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True,
-                         compute_dtype=torch.float32, softcap=None, logit_scale=1.0, lora=None):
+def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
+                         fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
     Both are differentiable (the entropy too: TRL's entropy bonus trains through it). See ``logits``.
     """
-    z = logits(hidden, weight, bias, temperature, softcap, logit_scale, fp32_matmul, compute_dtype, lora)
+    transform = transform or LogitTransform(temperature, softcap, logit_scale)
+    z = logits(hidden, weight, bias, fp32_matmul=fp32_matmul, compute_dtype=compute_dtype, lora=lora,
+               transform=transform)
     logsoftmax = F.log_softmax(z, dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = logsoftmax.exp()
@@ -95,12 +99,13 @@ def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, fp
     return logp.float(), entropy.float()
 
 
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0, fp32_matmul=True, compute_dtype=torch.float32,
-             softcap=None, logit_scale=1.0, lora=None):
+def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
+             fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):
     """Per-token log-prob of ``targets`` (see ``logits``); no grad."""
     with torch.no_grad():
-        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
-                                    softcap, logit_scale, lora)[0]
+        return logprobs_and_entropy(hidden, weight, targets, bias, fp32_matmul=fp32_matmul,
+                                    compute_dtype=compute_dtype, lora=lora,
+                                    transform=transform or LogitTransform(temperature, softcap, logit_scale))[0]
 
 
 def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
@@ -190,7 +195,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     entropy_mask = None
     if o.top_entropy_quantile < 1.0:
         threshold = (entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile) if entropy_threshold is None
-                     else torch.as_tensor(float(entropy_threshold)))
+                     else torch.as_tensor(entropy_threshold, dtype=torch.float32))
         if threshold is None:
             entropy_mask = torch.zeros_like(mask, dtype=torch.bool)
         else:
@@ -273,6 +278,7 @@ def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, 
          softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, lora=None, **kwargs):
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss
     (the loss options as ``options`` or keywords)."""
-    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
-                                         softcap, logit_scale, lora)
+    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, softcap=softcap,
+                                         logit_scale=logit_scale, fp32_matmul=fp32_matmul,
+                                         compute_dtype=compute_dtype, lora=lora)
     return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)

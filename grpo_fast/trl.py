@@ -101,7 +101,7 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # n
 
 import grpo_fast  # noqa: E402
 from grpo_fast import vocab_parallel as vocab_parallel_head  # noqa: E402
-from grpo_fast.kernels.config import LogitTransform  # noqa: E402
+from grpo_fast.transform import LogitTransform  # noqa: E402
 from grpo_fast.lora import lora_hidden  # noqa: E402
 
 __all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",

@@ -1,4 +1,4 @@
-"""What the linear log-probs kernels share: the logit transform, the caller's choices (head path, backward mode),
+"""What the linear log-probs kernels share: the caller's choices (head path, backward mode),
 and one launch-configuration type per kernel family (forward, backward, frozen-head tile kernel).
 
 The GPU configurations are chosen without a GPU by compiling every kernel variant for sm_90 / sm_89 / sm_80 with
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_fast.transform import LogitTransform  # noqa: F401 (the kernels' transform, read by them)
+
 # the layer-1 path: "auto" takes the frozen-head path (J = d logp / d hidden built in the forward, two vocabulary
 # sweeps) when only ``hidden`` needs a gradient; "general" always takes the recompute path (three sweeps with a
 # frozen weight: the benchmark's comparison row, and callers whose entropy will be differentiated)
@@ -24,41 +26,6 @@ BACKWARD_MODES = ("chunked", "fused")
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1), as the CI tests do."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """z = softcap * tanh(logit_scale * (h . W + b) / softcap) / temperature, TRL 1.16's order (no tanh: softcap None).
-
-    Gemma 2 / 3 soft-cap their logits (config.final_logit_softcapping); Cohere, Granite, Falcon-H1 and others scale
-    them (logit_scale, 1 / logits_scaling, lm_head_multiplier, ...). ``apply`` is the one torch form (the spec, the
-    torch backend, TRL's head); kernels/tile.py's ``transform_and_slope`` is the one Triton form.
-    """
-
-    temperature: float = 1.0
-    softcap: "float | None" = None
-    logit_scale: float = 1.0
-
-    def apply(self, u, slope=False):
-        """z from raw logits u = h . W + b (any float dtype, differentiable); with ``slope`` also dz/du, a tensor
-        (a soft-cap) or a number.
-
-        dz/du = logit_scale (1 - tanh^2) / temperature, with 1 - tanh^2 x formed as 4e / (1 + e)^2, e = exp(-2|x|):
-        it keeps its relative precision where tanh saturates (1 - tanh^2 would cancel to 0 there)."""
-        z = u * self.logit_scale
-        dz_du = self.logit_scale / self.temperature
-        if self.softcap is not None:
-            x = z / self.softcap
-            if slope:
-                e = torch.exp(-2.0 * x.abs())
-                dz_du = (4.0 * dz_du) * e / (1.0 + e).square()
-            z = self.softcap * torch.tanh(x)
-        z = z / self.temperature
-        return (z, dz_du) if slope else z
-
-    def kernel_scalars(self):
-        """(inv_temperature, logit_scale, softcap) as the kernels take them (softcap 1.0 when unused)."""
-        return 1.0 / self.temperature, float(self.logit_scale), float(self.softcap or 1.0)
 
 
 def _dot_precision(dtype, dot_fp32):

@@ -23,7 +23,7 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
 
 Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
 the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
-dL/dentropy, ``grad_entropy``) and the per-row statistics (``STATS``, returned by name as
+dL/dentropy, ``grad_entropy``) and the per-row statistics (``STATS``, returned by name as the fields of
 grpo_fast.metrics.RowValues): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
 the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and vespo's per-sequence
 phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and entropy sum. Masked
@@ -48,7 +48,6 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import on_first_argument_device
-from grpo_fast.metrics import RowValues
 
 # Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term``
 # (grpo_fast.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
@@ -260,8 +259,8 @@ def _clip_indicators(r, adv, eps_low, eps_high, delta, HAS_DELTA: tl.constexpr):
 def _token_loss_kernel(
     logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, iw_ptr, entropy_ptr,
     grad_logp_ptr, bonus_mask_ptr, stats_ptr,
-    T, beta, eps_low, eps_high, delta, sapo_pos, sapo_neg, scale,
-    vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg, off_policy_threshold, entropy_threshold,
+    T, beta, eps_low, eps_high, delta, sapo_pos, sapo_neg, scale_ptr,
+    vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg, off_policy_threshold, entropy_threshold_ptr,
     LOSS_KIND: tl.constexpr, SEQUENCE: tl.constexpr, ROW_MEAN: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
     HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr, HAS_ENTROPY: tl.constexpr,
@@ -278,6 +277,11 @@ def _token_loss_kernel(
         logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
         SEQUENCE, HAS_OLD, IS_VESPO, HAS_IW, IW_PER_TOKEN, OFF_POLICY_MASK, BLOCK_T)
     length = tl.maximum(count, 1.0)
+    # the normaliser and the entropy quantile are device values: the caller never reads them on the host
+    scale = tl.load(scale_ptr)
+    entropy_threshold = 0.0
+    if ENTROPY_MASK:
+        entropy_threshold = tl.load(entropy_threshold_ptr)
     row_scale = scale
     if ROW_MEAN:
         row_scale = scale / length
@@ -403,14 +407,23 @@ def _token_loss_kernel(
     tl.store(stats + STAT_BONUS_ENTROPY, bonus_entropy)
 
 
+def _device_scalar(x, like):
+    """A kernel's scalar operand as a [1] fp32 tensor on ``like``'s device (a device tensor as it is: no host read)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=like.device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), float(x), dtype=torch.float32, device=like.device)  # a fill: no copy from host memory
+
+
 @on_first_argument_device
 def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale,
                entropy_threshold):
-    """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: RowValues [B]}).
+    """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: (values [B],
+    per_sequence)}: grpo_fast.metrics.RowValues' fields).
 
     All tensors fp32 contiguous [B, T] on one device (advantages [B] or [B, T], importance_weights [B] or [B, T]);
-    ``options`` a ``grpo_fast.LossOptions``; ``scale`` = 1 / the loss's denominator; ``sampler`` (the off-policy
-    mask's log-probs) is None without that mask, ``entropy_threshold`` None without the top-entropy mask;
+    ``options`` a ``grpo_fast.LossOptions``; ``scale`` = 1 / the loss's denominator (a number, or a [1] / [] fp32
+    device tensor: never read on the host); ``sampler`` (the off-policy mask's log-probs) is None without that mask,
+    ``entropy_threshold`` (a number or an fp32 device tensor likewise) None without the top-entropy mask;
     ``ref`` None without a KL term. The statistics are those of ``STATS`` the kernel computed (no "kl" without a KL
     term, no "entropy" without the entropy, no "phi" but for vespo's term).
     """
@@ -435,11 +448,11 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
         grad_logp, bonus_mask if bonus_mask is not None else grad_logp, stats,
         T, float(options.beta), float(options.epsilon), float(options.clip_high),
         float(options.delta if options.delta is not None else 0.0),
-        float(options.sapo_temperature_pos), float(options.sapo_temperature_neg), float(scale),
+        float(options.sapo_temperature_pos), float(options.sapo_temperature_neg), _device_scalar(scale, logp),
         float(options.vespo_k_pos), float(options.vespo_lambda_pos), float(options.vespo_k_neg),
         float(options.vespo_lambda_neg),
         float(options.off_policy_mask_threshold if sampler is not None else 0.0),
-        float(entropy_threshold if entropy_threshold is not None else 0.0),
+        _device_scalar(entropy_threshold, logp) if entropy_threshold is not None else logp,
         LOSS_KIND=loss_kind, SEQUENCE=options.sequence_level,
         ROW_MEAN=record.row_mean, HAS_DELTA=options.delta is not None,
         HAS_OLD=old is not None, HAS_KL=has_kl,
@@ -455,5 +468,5 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     per_sequence = {"ratio": options.sequence_level, "low": seq_clip_metrics, "high": seq_clip_metrics,
                     "region": seq_clip_metrics, "cispo": seq_clip_metrics, "phi": not adv_per_token}
     computed = {"kl": has_kl, "entropy": entropy is not None, "phi": loss_kind == LOSS_VESPO}
-    return grad_logp, bonus_mask, {name: RowValues(stats[:, slot.value], per_sequence.get(name, False))
+    return grad_logp, bonus_mask, {name: (stats[:, slot.value], per_sequence.get(name, False))
                                    for name, slot in STATS.items() if computed.get(name, True)}
