@@ -105,10 +105,6 @@ def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias
 # the Triton family (grpo_fast/kernels/divergence.py) lands in a later commit; until then "auto" takes the torch twin
 _KERNELS_BUILT = False
 
-_SCALARS = ("beta", "temperature", "student_softcap", "teacher_softcap", "student_logit_scale",
-            "teacher_logit_scale", "backend")
-
-
 def _setup_context(ctx, inputs, output):
     (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars) = inputs
     _, entropy, saved, argmax = output

@@ -24,8 +24,12 @@ log p_X = (z_X - m_X) - log S_X, and at a shared argmax log m = log1p(-((1 - bet
 The backward recomputes both tiles and forms the gradient of the divergence with respect to the student's logits,
 times dL/d divergence c and the transform's slope dz/du (logit_scale (1 - tanh^2) / temperature):
     beta = 0:  p_s - p_t              (at a shared argmax: q_t - q_s, from the carried rests)
-    beta = 1:  p_s (log p_s - log p_t - KL)
-    else:      (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+    beta = 1:  p_s (l_v - KL),  l = log p_s - log p_t
+    else:      (1 - beta) p_s (r_v - KL(p_s || m)),  r = log p_s - log m
+Where the student is confident and the teacher is not, l_a and KL are both O(1) and agree to O(q): their difference
+is carried instead, l_v - KL = (l_v - l_a) - (KL - l_a) with KL - l_a = C_s / S_s (l_v - l_a = g_v - g_a: 0 at the
+argmax, exactly), and likewise r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v - r_a), the sum taken in the JSD's
+second sweep with r_a from the first sweep's records.
     dH = g W_s,  dW_s = g^T H_s,  db_s = sum_n g.
 
 Sweeps (a sweep projects both models over the vocabulary once: 2 N V (D_s + D_t) FLOPs), the same as TRL 1.16's
@@ -41,10 +45,11 @@ import torch
 
 from grpo_fast.torch_backend import CHUNK_N, CHUNK_V
 
-# the per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order), and the two
-# argmax indices (one [2, N] int64 tensor: the student's, the teacher's)
+# the per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order; the last two:
+# beta = 1: g_a and C_s / S_s; JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: unused), and the two argmax indices
+# (one [2, N] int64 tensor: the student's, the teacher's)
 SAVED_FIELDS = ("student_max", "student_log_sumexp", "student_rest_mass", "teacher_max", "teacher_log_sumexp",
-                "teacher_rest_mass", "aux")
+                "teacher_rest_mass", "reference", "excess")
 
 
 class Record(NamedTuple):
@@ -133,9 +138,11 @@ def _finished(record):
 
 def _log_probs(z, model, v0):
     """log p = (z - m) - log S of a tile, and whether each entry is the model's argmax."""
-    log_p = (z - model.max[:, None]) - model.log_sumexp[:, None]
     columns = torch.arange(v0, v0 + z.shape[1], device=z.device)
-    return log_p, columns[None, :] == model.argmax[:, None]
+    top = columns[None, :] == model.argmax[:, None]
+    # at the argmax z - m is 0: exactly, whatever the rounding of a recomputed tile
+    log_p = torch.where(top, 0.0, z - model.max[:, None]) - model.log_sumexp[:, None]
+    return log_p, top
 
 
 def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
@@ -170,26 +177,39 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         if beta == 0.0:
             div = (run_t.cross / sumexp_t - teacher.log_sumexp) + (run_s.max - run_t.other) + student.log_sumexp
             div = torch.where(run_t.unsupported, float("inf"), div)
-            aux = div
+            reference = excess = torch.zeros_like(div)  # the backward reads only the records
         elif beta == 1.0:
             div = (run_s.cross / sumexp_s - student.log_sumexp) + (run_t.max - run_s.other) + teacher.log_sumexp
             div = torch.where(run_s.unsupported, float("inf"), div)
-            aux = div
+            reference, excess = run_s.max - run_s.other, run_s.cross / sumexp_s
         else:
-            div, aux = _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
-                                  student_transform, teacher_transform, student, teacher)
+            reference = _top_log_ratio(student, teacher, run_s.other, beta)
+            div, excess = _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
+                                     student_transform, teacher_transform, student, teacher, reference)
         divergence[n0:n1] = div
-        saved[:, n0:n1] = torch.stack([*student[:3], *teacher[:3], aux])
+        saved[:, n0:n1] = torch.stack([*student[:3], *teacher[:3], reference, excess])
         argmax[0, n0:n1], argmax[1, n0:n1] = student.argmax, teacher.argmax
     return divergence, entropy, saved, argmax
 
 
+def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
+    """r_a = log p_s - log m at the student's argmax a, from the first sweep's records (z_t,a = the student's
+    record's ``other``)."""
+    log_ps = -student.log_sumexp
+    log_pt = (teacher_at_student_top - teacher.max) - teacher.log_sumexp
+    log_m = torch.logaddexp(log_ps + math.log1p(-beta), log_pt + math.log(beta))
+    shared = student.argmax == teacher.argmax
+    log_m = torch.where(shared, torch.log1p(-((1.0 - beta) * student.rest_mass + beta * teacher.rest_mass)), log_m)
+    return log_ps - log_m
+
+
 def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta, student_transform,
-               teacher_transform, student, teacher):
-    """The generalized JSD's second sweep: (JSD, KL(p_s || m)) [n] from both models' finished records."""
+               teacher_transform, student, teacher, top_log_ratio):
+    """The generalized JSD's second sweep: (JSD, sum_v p_s (r_v - r_a)) [n] from both models' finished records and
+    r_a (``_top_log_ratio``)."""
     V = student_weight.shape[0]
     jsd = torch.zeros(hs.shape[0], dtype=torch.float32, device=hs.device)
-    kl_student = torch.zeros_like(jsd)
+    excess = torch.zeros_like(jsd)
     for v0 in range(0, V, CHUNK_V):
         v1 = min(v0 + CHUNK_V, V)
         log_ps, top_s = _log_probs(logit_tile(hs, student_weight, student_bias, student_transform, v0, v1),
@@ -198,22 +218,23 @@ def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bia
                                    teacher, v0)
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)
         ps, pt = log_ps.exp(), log_pt.exp()
-        kl_s = _zero_where(ps == 0, ps * (log_ps - log_m))
+        log_ratio = log_ps - log_m
+        kl_s = _zero_where(ps == 0, ps * log_ratio)
         kl_t = _zero_where(pt == 0, pt * (log_pt - log_m))
         jsd += (beta * kl_t + (1.0 - beta) * kl_s).sum(1)
-        kl_student += kl_s.sum(1)
-    return jsd, kl_student
+        excess += _zero_where((ps == 0) | top_s, ps * (log_ratio - top_log_ratio[:, None])).sum(1)
+    return jsd, excess
 
 
 def unpack(saved, argmax):
-    """The backward's (student, teacher) Finished values and aux from the forward's saved tensors."""
+    """The backward's (student, teacher) Finished values, reference and excess from the forward's saved tensors."""
     student = Finished(saved[0], saved[1], saved[2], argmax[0])
     teacher = Finished(saved[3], saved[4], saved[5], argmax[1])
-    return student, teacher, saved[6]
+    return student, teacher, saved[6], saved[7]
 
 
-def logit_grad(zs, zt, student, teacher, aux, beta, v0):
-    """d divergence / d z_s for one tile [n, c] (module docstring), from the forward's finished values."""
+def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
+    """d divergence / d z_s for one tile [n, c] (module docstring), from the forward's saved values."""
     log_ps, top_s = _log_probs(zs, student, v0)
     log_pt, top_t = _log_probs(zt, teacher, v0)
     ps = log_ps.exp()
@@ -222,12 +243,14 @@ def logit_grad(zs, zt, student, teacher, aux, beta, v0):
         # p_s - p_t at a shared argmax: q_t - q_s, both carried (1 - p there would cancel)
         return torch.where(top_s & top_t, (teacher.rest_mass - student.rest_mass)[:, None], grad)
     if beta == 1.0:
-        log_ratio = log_ps - log_pt
+        # l_v - l_a = g_v - g_a, g = z_s - z_t
+        relative = (zs - zt) - reference[:, None]
         scale = 1.0
     else:
-        log_ratio = log_ps - _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)
+        relative = (log_ps - _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)) - reference[:, None]
         scale = 1.0 - beta
-    return _zero_where(ps == 0, scale * ps * (log_ratio - aux[:, None]))
+    relative = torch.where(top_s, 0.0, relative)
+    return _zero_where(ps == 0, scale * ps * (relative - excess[:, None]))
 
 
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
@@ -242,12 +265,12 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
         if not bool((c != 0).any()):
             continue  # rows without a gradient: exactly zero
         hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
-        student, teacher, aux = unpack(saved[:, n0:n1], argmax[:, n0:n1])
+        student, teacher, reference, excess = unpack(saved[:, n0:n1], argmax[:, n0:n1])
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
             zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
             zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
-            g = logit_grad(zs, zt, student, teacher, aux, beta, v0).mul_(c[:, None]).mul_(slope)
+            g = logit_grad(zs, zt, student, teacher, reference, excess, beta, v0).mul_(c[:, None]).mul_(slope)
             if grad_hidden is not None:
                 torch.addmm(grad_hidden[n0:n1], g, student_weight[v0:v1].float(), out=grad_hidden[n0:n1])
             if grad_weight is not None:
