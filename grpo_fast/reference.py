@@ -276,3 +276,61 @@ def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, 
     logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, fp32_matmul, compute_dtype,
                                          softcap, logit_scale, lora)
     return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- divergence
+# The student-teacher divergence of on-policy distillation (TRL 1.16's DistillationTrainer and its head,
+# trl/kernels/chunked_divergence.py), from both models' hidden states and heads, with the full logits. Each model's
+# logit is  z = softcap * tanh(logit_scale * (h . W_v + b_v) / softcap) / temperature  (its own soft-cap and scale,
+# one temperature for both: TRL's order), p = softmax(z), and per token, with m = (1 - beta) p_s + beta p_t:
+#     beta = 0       forward KL   KL(p_t || p_s) = sum_v p_t (log p_t - log p_s)
+#     beta = 1       reverse KL   KL(p_s || p_t) = sum_v p_s (log p_s - log p_t)        (TRL's default)
+#     0 < beta < 1   generalized JSD   beta KL(p_t || m) + (1 - beta) KL(p_s || m)
+# An entry of probability 0 (a -inf logit) adds 0 (0 log 0 = 0), and so does its gradient; the student's entropy
+# is -sum_v p_s log p_s. Masked tokens are exact zeros.
+
+
+def _transformed_logits(hidden, weight, bias, transform, compute_dtype):
+    u = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
+    if bias is not None:
+        u = u + bias.to(compute_dtype)
+    return transform.apply(u)
+
+
+def _expected_log_ratio(p, log_p, log_q):
+    """sum_v p_v (log p_v - log q_v), with 0 where p_v is 0 (value and gradient)."""
+    return (p * (log_p - log_q).masked_fill(p == 0, 0.0)).sum(-1)
+
+
+def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
+                           beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
+                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
+                           compute_dtype=torch.float32):
+    """Per-token divergence and student entropy [B, T] in ``compute_dtype`` from the full logits of both models
+    (the section's comment gives the math); both differentiable (the teacher's tensors too, if they require it:
+    the fused op stops there). Hidden sizes may differ; the vocabularies must match."""
+    student = LogitTransform(temperature, student_softcap, student_logit_scale)
+    teacher = LogitTransform(temperature, teacher_softcap, teacher_logit_scale)
+    log_ps = F.log_softmax(_transformed_logits(student_hidden, student_weight, student_bias, student, compute_dtype),
+                           dim=-1)
+    log_pt = F.log_softmax(_transformed_logits(teacher_hidden, teacher_weight, teacher_bias, teacher, compute_dtype),
+                           dim=-1)
+    ps, pt = log_ps.exp(), log_pt.exp()
+    if beta == 0.0:
+        div = _expected_log_ratio(pt, log_pt, log_ps)
+    elif beta == 1.0:
+        div = _expected_log_ratio(ps, log_ps, log_pt)
+    else:
+        log_m = torch.logaddexp(log_ps + math.log(1.0 - beta), log_pt + math.log(beta))
+        div = beta * _expected_log_ratio(pt, log_pt, log_m) + (1.0 - beta) * _expected_log_ratio(ps, log_ps, log_m)
+    entropy = -_expected_log_ratio(ps, log_ps, torch.zeros_like(log_ps))
+    if completion_mask is not None:
+        keep = completion_mask.bool()
+        div, entropy = div.masked_fill(~keep, 0.0), entropy.masked_fill(~keep, 0.0)
+    return div, entropy
+
+
+def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
+    """The per-token divergence alone (``divergence_and_entropy``)."""
+    return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
+                                  **kwargs)[0]
