@@ -8,15 +8,19 @@
     options = grpo_fast.LossOptions(loss_type="dapo", beta=0.04)   # TRL's GRPOConfig names; options=options
     shard = grpo_fast.VocabShard(group, offset, vocab_size)   # this rank's rows of a vocab-parallel head: vocab_parallel=shard
     lora = grpo_fast.HeadLora(a, b, scaling, dropout)         # LoRA on the lm_head (PEFT's lora_A/B weights): lora=lora
+    div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
+                               beta=0.5)                      # on-policy distillation (TRL's DistillationTrainer)
 """
 
 from grpo_fast import reference
 from grpo_fast.lora import HeadLora
 from grpo_fast.api import (Metrics, logprobs, logprobs_and_entropy, loss, sampling_importance_weights,
                            token_loss)
+from grpo_fast.divergence_head import divergence, divergence_and_entropy
 from grpo_fast.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions
 from grpo_fast.vocab_parallel import VocabShard
 
 __all__ = ["loss", "logprobs", "logprobs_and_entropy", "token_loss", "sampling_importance_weights", "Metrics",
-           "LossOptions", "LOSS_TYPES", "NUM_ITEMS_LOSS_TYPES", "VocabShard", "HeadLora", "reference"]
+           "LossOptions", "LOSS_TYPES", "NUM_ITEMS_LOSS_TYPES", "VocabShard", "HeadLora", "reference", "divergence",
+           "divergence_and_entropy"]
 __version__ = "0.1.0"

@@ -116,3 +116,72 @@ def test_spec_equals_trl_head_fp32(beta):
                           (div, ent) + tuple(x.grad for x in leaves[:3]), expected):
         err = (a.double() - e).abs().max().item()
         assert err <= 2e-5 * e.abs().max().item() + 1e-7, f"{name}: {err:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------- hard batches
+def _rest_mass(h, w, b, y, transform):
+    """1 - p_y per row, fp64, from the full logits."""
+    z = transform.apply(h @ w.T + b)
+    return -torch.expm1(torch.log_softmax(z, dim=-1).gather(1, y[:, None]).squeeze(1))
+
+
+def confident_pair(N, Ds, Dt, V, kw, confident=("student", "teacher"), dtype=torch.float32, seed=0):
+    """pair_inputs' six tensors where each model named in ``confident`` puts 1 - p_y log-uniformly in [1e-6, 1e-3]
+    on one token y per row (the same y for both): h = alpha (W_y + noise), alpha by bisection in fp64. The other
+    model, if any, stays ordinary (alpha 1)."""
+    from grpo_fast.kernels.config import LogitTransform
+
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, (N,), generator=g)
+    out = []
+    for model, D in (("student", Ds), ("teacher", Dt)):
+        w = torch.randn(V, D, generator=g, dtype=F64)
+        w = w / w.norm(dim=1, keepdim=True)
+        b = 0.3 * torch.randn(V, generator=g, dtype=F64)
+        direction = w[y] + 0.1 * torch.randn(N, D, generator=g, dtype=F64) / D ** 0.5
+        transform = LogitTransform(kw.get("temperature", 1.0), kw.get(f"{model}_softcap"),
+                                   kw.get(f"{model}_logit_scale", 1.0))
+        if model in confident:
+            goal = torch.exp(torch.empty(N, dtype=F64).uniform_(math.log(1e-6), math.log(1e-3), generator=g))
+            softcap = kw.get(f"{model}_softcap")
+            top = softcap / kw.get(f"{model}_logit_scale", 1.0) if softcap is not None else 400.0
+            lo, hi = torch.zeros(N, dtype=F64), torch.full((N,), top, dtype=F64)
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                unsure = _rest_mass(mid[:, None] * direction, w, b, y, transform) > goal
+                lo, hi = torch.where(unsure, mid, lo), torch.where(unsure, hi, mid)
+            h = hi[:, None] * direction
+        else:
+            h = direction * D ** 0.5 * 0.3
+        out += [h, w, b]
+    return tuple(x.to(dtype) for x in out)
+
+
+def relative_errors(actual, expected):
+    """max |actual - expected| / max |expected| of each pair."""
+    return [((a.double() - e.double()).abs().max() / e.double().abs().max()).item() for a, e in zip(actual, expected)]
+
+
+def ours(inputs, beta, kw, backend, requires=(0, 1, 2), mask=None, grad_div=None):
+    """(divergence [N], entropy [N], d student hidden, weight, bias) of sum(grad_div * divergence) by
+    grpo_fast.divergence_and_entropy on ``backend``, rows as one sequence [1, N]."""
+    import grpo_fast
+
+    leaves = [x.detach().clone().requires_grad_(i in requires) if x is not None else None
+              for i, x in enumerate(inputs)]
+    div, ent = grpo_fast.divergence_and_entropy(leaves[0][None], leaves[1], leaves[3][None], leaves[4],
+                                                mask, beta=beta, student_bias=leaves[2],
+                                                teacher_bias=leaves[5], backend=backend, **kw)
+    if any(leaves[i].requires_grad for i in (0, 1, 2)):
+        (div[0] * (grad_div if grad_div is not None else 1.0)).sum().backward()
+    return (div[0].detach(), ent[0]) + tuple(leaves[i].grad for i in (0, 1, 2)), leaves
+
+
+def trl_head(inputs, beta, kw):
+    """TRL 1.16's ChunkedDivergenceFunction (its CPU path) on the same inputs: the same five values as ``ours``."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    leaves = [x.detach().clone().requires_grad_(i < 3) for i, x in enumerate(inputs)]
+    div, ent = ChunkedDivergenceFunction.apply(*leaves[:3], *leaves[3:], beta, *_trl_kwargs(kw).values())
+    div.sum().backward()
+    return (div.detach(), ent) + tuple(x.grad for x in leaves[:3])

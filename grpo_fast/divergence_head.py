@@ -1,0 +1,242 @@
+"""The student-teacher divergence head of on-policy distillation: ``grpo_fast.divergence`` and
+``grpo_fast.divergence_and_entropy``, TRL 1.16's DistillationTrainer semantics without either model's logits.
+
+    div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
+                               beta=0.5, temperature=0.9)          # [B, T] fp32, differentiable (student only)
+
+The math (grpo_fast.reference's divergence section is the spec; grpo_fast/divergence_torch.py has the exact
+mergeable records, the formulas and the sweep counts): beta 0 is the forward KL(teacher || student), 1 the reverse
+KL(student || teacher) (TRL's default), in between the generalized JSD beta KL(p_t || m) + (1 - beta) KL(p_s || m),
+m = (1 - beta) p_s + beta p_t. Each model's logits are transformed as TRL does (its own soft-cap and logit scale,
+one temperature for both): config.LogitTransform, one object per model.
+
+The boundary with torch is two custom ops (``grpo_fast::divergence_forward``, ``grpo_fast::divergence_backward``)
+with fake implementations and registered autograd: the backward op recomputes both models' tiles and returns the
+student's dH, dW, db; the teacher never gets a gradient. The entropy is the student's, detached (TRL's head marks
+it non-differentiable: the trainer only logs it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_fast import divergence_torch
+from grpo_fast.api import (_check_kernel_sizes, _check_mask, _float_tensor, _resolve_backend, _same_device,
+                           _scatter_rows, _tensor)
+from grpo_fast.kernels.config import LogitTransform  # the one import of the transform class here
+from grpo_fast.options import check_number
+
+
+def _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
+    """(student's, teacher's) LogitTransform."""
+    return (LogitTransform(temperature, student_softcap, student_logit_scale),
+            LogitTransform(temperature, teacher_softcap, teacher_logit_scale))
+
+
+# ----------------------------------------------------------------------------------------------- the ops
+@torch.library.custom_op("grpo_fast::divergence_forward", mutates_args=())
+def _forward_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
+                teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
+                beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
+                student_logit_scale: float, teacher_logit_scale: float,
+                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, Ds], [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None -> (divergence [N] fp32, student entropy [N] fp32,
+    saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64): the last two for the backward."""
+    transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
+    args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            *transforms)
+    if backend == "triton":
+        from grpo_fast.kernels import divergence as kdivergence
+        return kdivergence.forward(*args)
+    return divergence_torch.forward(*args)
+
+
+@_forward_op.register_fake
+def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+                  temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend):
+    N = student_hidden.shape[0]
+    per_token = student_hidden.new_empty(N, dtype=torch.float32)
+    return (per_token, torch.empty_like(per_token),
+            student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
+            student_hidden.new_empty((2, N), dtype=torch.int64))
+
+
+@torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())
+def _backward_op(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                 student_bias: torch.Tensor | None, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                 teacher_bias: torch.Tensor | None, saved: torch.Tensor, argmax: torch.Tensor, beta: float,
+                 temperature: float, student_softcap: float | None, teacher_softcap: float | None,
+                 student_logit_scale: float, teacher_logit_scale: float, backend: str, need_hidden: bool,
+                 need_weight: bool, need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d student_hidden, d student_weight, d student_bias) in the inputs' dtypes, each empty (0 elements) where
+    not needed, from dL/d divergence [N]."""
+    transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
+    dev = student_hidden.device
+    grad_hidden = torch.zeros(student_hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
+    grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+    grad_bias = (torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
+                 if need_bias and student_bias is not None else None)
+    args = (grad_divergence.float().contiguous(), student_hidden, student_weight, student_bias, teacher_hidden,
+            teacher_weight, teacher_bias, saved, argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)
+    if student_hidden.shape[0] > 0:
+        if backend == "triton":
+            from grpo_fast.kernels import divergence as kdivergence
+            kdivergence.backward(*args)
+        else:
+            divergence_torch.backward(*args)
+
+    def out(grad, like):
+        return grad.to(like.dtype) if grad is not None else like.new_empty(0)
+
+    return (out(grad_hidden, student_hidden), out(grad_weight, student_weight),
+            out(grad_bias, student_bias if student_bias is not None else student_weight))
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                   teacher_bias, saved, argmax, beta, temperature, student_softcap, teacher_softcap,
+                   student_logit_scale, teacher_logit_scale, backend, need_hidden, need_weight, need_bias):
+    def out(need, like):
+        return torch.empty_like(like) if need and like is not None else student_hidden.new_empty(0)
+
+    return out(need_hidden, student_hidden), out(need_weight, student_weight), out(need_bias, student_bias)
+
+
+# the Triton family (grpo_fast/kernels/divergence.py) lands in a later commit; until then "auto" takes the torch twin
+_KERNELS_BUILT = False
+
+def _setup_context(ctx, inputs, output):
+    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars) = inputs
+    _, entropy, saved, argmax = output
+    ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                          teacher_bias, saved, argmax)
+    ctx.scalars = scalars
+    ctx.mark_non_differentiable(entropy, saved, argmax)
+
+
+def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax):
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, saved, argmax = \
+        ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    if grad_divergence is None or not (need_hidden or need_weight or need_bias):
+        return (None,) * 13
+    grads = _backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden,
+                         teacher_weight, teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight,
+                         need_bias)
+    return (grads[0] if need_hidden else None, grads[1] if need_weight else None,
+            grads[2] if need_bias else None) + (None,) * 10
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_model(prefix, hidden, weight, bias):
+    """One model's hidden [B, T, D], weight [V, D] (hidden's dtype), bias [V] | None; returns (B, T, D, V)."""
+    _float_tensor(f"{prefix}_hidden", hidden)
+    if hidden.dim() != 3 or 0 in hidden.shape:
+        raise ValueError(f"{prefix}_hidden must have shape [B, T, D] with B, T, D > 0, got {tuple(hidden.shape)}")
+    D = hidden.shape[2]
+    _float_tensor(f"{prefix}_weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != D or weight.shape[0] == 0:
+        raise ValueError(f"{prefix}_weight must have shape [V, D] with D = {D} ({prefix}_hidden's) and V > 0, got "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{prefix}_weight dtype {weight.dtype} differs from {prefix}_hidden dtype {hidden.dtype}: "
+                        "cast one of them")
+    if bias is not None:
+        _float_tensor(f"{prefix}_bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{prefix}_bias must have shape [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    return (*hidden.shape, weight.shape[0])
+
+
+def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
+             student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
+             backend):
+    """Every check of the public functions, with named errors; returns the resolved backend."""
+    B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias)
+    Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias)
+    if (Bt, Tt) != (B, T):
+        raise ValueError(f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score "
+                         "the same tokens")
+    if Vt != V:
+        raise ValueError(f"student_weight has V = {V} rows but teacher_weight has V = {Vt}: the vocabularies must "
+                         "match")
+    if completion_mask is not None:
+        _tensor("completion_mask", completion_mask)
+    _same_device([(name, x) for name, x in (("student_weight", student_weight), ("student_bias", student_bias),
+                                             ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
+                                             ("teacher_bias", teacher_bias), ("completion_mask", completion_mask))],
+                 student_hidden.device, "student_hidden")
+    if completion_mask is not None:
+        _check_mask(completion_mask, (B, T))
+    check_number("beta", beta, lambda v: 0.0 <= v <= 1.0,
+                 "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))")
+    check_number("temperature", temperature, lambda v: v > 0, "a positive number")
+    for name, softcap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if softcap is not None:
+            check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
+    for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
+        check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
+    requested, backend = backend, _resolve_backend(backend, student_hidden.device)
+    if backend == "triton" and not _KERNELS_BUILT:
+        if requested == "triton":
+            raise ValueError("backend='triton': the divergence head's Triton kernels are not built yet on this "
+                             "branch; use backend='torch' or 'auto'")
+        backend = "torch"
+    _check_kernel_sizes(B * T, V, backend)
+    return backend
+
+
+def _rows(hidden, rows):
+    """The scored rows [N, D] of hidden [B, T, D] (all where ``rows`` is None), row-contiguous."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if rows is not None:
+        h = h.index_select(0, rows)
+    return h if h.stride(-1) == 1 else h.contiguous()
+
+
+def _contiguous(x):
+    return x.contiguous() if x is not None else None
+
+
+# ----------------------------------------------------------------------------------------------- public
+def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
+                           beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
+                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto"):
+    """Per-token divergence [B, T] fp32 (differentiable w.r.t. the student's hidden, weight and bias) and the
+    student's entropy [B, T] fp32 (detached, as TRL's head gives it), without either model's logits.
+
+    student_hidden [B, T, Ds] / teacher_hidden [B, T, Dt] (position t predicts the next token), student_weight
+    [V, Ds] / teacher_weight [V, Dt] (each in its hidden's dtype), biases [V] or None. ``beta``: 0 forward
+    KL(teacher || student), 1 reverse KL(student || teacher), between: the generalized JSD (TRL 1.16's
+    DistillationConfig.beta). Each model's logit is ``softcap * tanh(logit_scale * (h . W + b) / softcap) /
+    temperature`` with its own soft-cap and scale (TRL's order). Only tokens with ``completion_mask`` 1 are computed;
+    masked positions are exact zeros, their hidden states never read. The teacher never gets a gradient.
+    ``backend``: "auto", "triton" or "torch" (as grpo_fast.loss).
+    """
+    backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
+                       temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
+                       teacher_logit_scale, backend)
+    B, T = student_hidden.shape[:2]
+    rows = None
+    if completion_mask is not None:
+        active = completion_mask.reshape(-1).bool()
+        if not bool(active.all()):
+            rows = active.nonzero().squeeze(1)
+    teacher = [teacher_hidden, teacher_weight, teacher_bias]
+    teacher = [x.detach() if x is not None else None for x in teacher]
+    div, entropy, _, _ = _forward_op(
+        _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
+        _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),
+        float(beta), float(temperature), None if student_softcap is None else float(student_softcap),
+        None if teacher_softcap is None else float(teacher_softcap), float(student_logit_scale),
+        float(teacher_logit_scale), backend)
+    return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
+
+
+def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
+    """The per-token divergence [B, T] fp32 alone (``divergence_and_entropy`` has the arguments)."""
+    return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
+                                  **kwargs)[0]

@@ -1,0 +1,279 @@
+"""The torch twin of the divergence head: the kernels' algorithm in chunked PyTorch (any device), fp32 accumulation.
+
+Per token, each model X (s: student, t: teacher; Y the other model) keeps a mergeable record over the vocabulary
+entries seen so far, z_X its transformed logits, g_X = z_X - z_Y:
+    max     m     = max_v z_X,v            at the entry a (its argmax: the first one, within a chunk and across them)
+    rest    R     = sum_{v != a} exp(z_X,v - m)     (the argmax's own term, exactly 1, kept out: S = 1 + R)
+    cross   C     = sum_{v != a} exp(z_X,v - m) (g_X,v - g_X,a)
+    other   o     = z_Y,a                  (the other model's logit at X's argmax)
+    zsum    Z     = sum_v exp(z_X,v - m) (z_X,v - m)     (the student's, for its entropy)
+    inf     the support fails: some entry with p_X > 0 has z_Y = -inf (the KL is then +inf)
+(an empty record: m = -inf, sums 0). Two records merge in any order: the one of larger max (on a tie the first)
+wins, a = exp(m_loser - m_winner), and the loser's argmax term moves into the rest:
+    R = R_w + a (1 + R_l),   C = C_w + a (C_l + (g_l - g_w) (1 + R_l)),   Z = Z_w + a (Z_l + (m_l - m_w) (1 + R_l)).
+Finished, with log S = log1p(R) and q = R / S = 1 - p_X,a:
+    KL(t || s) = C_t / S_t - log S_t + (m_s - o_t) + log S_s     (forward KL, beta = 0)
+    KL(s || t) = C_s / S_s - log S_s + (m_t - o_s) + log S_t     (reverse KL, beta = 1)
+    H_s        = log S_s - Z_s / S_s
+Every term is a sum of same-signed parts or an exact zero where a token is confident (o = m exactly when both models
+share their argmax): no 1 - p and no difference of two logits of size |z| is formed where the result is 1e-6.
+The generalized JSD (0 < beta < 1) needs both final normalisers for m = (1 - beta) p_s + beta p_t: a second sweep
+sums beta p_t (log p_t - log m) + (1 - beta) p_s (log p_s - log m) and KL(p_s || m) (the backward's), with
+log p_X = (z_X - m_X) - log S_X, and at a shared argmax log m = log1p(-((1 - beta) q_s + beta q_t)).
+
+The backward recomputes both tiles and forms the gradient of the divergence with respect to the student's logits,
+times dL/d divergence c and the transform's slope dz/du (logit_scale (1 - tanh^2) / temperature):
+    beta = 0:  p_s - p_t              (at a shared argmax: q_t - q_s, from the carried rests)
+    beta = 1:  p_s (l_v - KL),  l = log p_s - log p_t
+    else:      (1 - beta) p_s (r_v - KL(p_s || m)),  r = log p_s - log m
+Where the student is confident and the teacher is not, l_a and KL are both O(1) and agree to O(q): their difference
+is carried instead, l_v - KL = (l_v - l_a) - (KL - l_a) with KL - l_a = C_s / S_s (l_v - l_a = g_v - g_a: 0 at the
+argmax, exactly), and likewise r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v - r_a), the sum taken in the JSD's
+second sweep with r_a from the first sweep's records.
+    dH = g W_s,  dW_s = g^T H_s,  db_s = sum_n g.
+
+Sweeps (a sweep projects both models over the vocabulary once: 2 N V (D_s + D_t) FLOPs), the same as TRL 1.16's
+ChunkedDivergenceFunction in every beta: forward 1 (KL, either direction) or 2 (JSD); backward 1, plus the
+student's gradient GEMMs (dH: 2 N V D_s, dW: 2 N V D_s, each only when needed). Memory: a few
+[CHUNK_N, CHUNK_V] fp32 tiles, fp32 dH / dW accumulators, O(N) per-token values; never N x V.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from grpo_fast.torch_backend import CHUNK_N, CHUNK_V
+
+# the per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order; the last two:
+# beta = 1: g_a and C_s / S_s; JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: unused), and the two argmax indices
+# (one [2, N] int64 tensor: the student's, the teacher's)
+SAVED_FIELDS = ("student_max", "student_log_sumexp", "student_rest_mass", "teacher_max", "teacher_log_sumexp",
+                "teacher_rest_mass", "reference", "excess")
+
+
+class Record(NamedTuple):
+    """One model's record (module docstring), [n] each."""
+
+    max: torch.Tensor
+    argmax: torch.Tensor  # int64, global vocabulary index
+    rest: torch.Tensor
+    cross: torch.Tensor
+    other: torch.Tensor
+    zsum: torch.Tensor
+    unsupported: torch.Tensor  # bool
+
+
+def _pivot(row_max):
+    return torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+
+
+def _zero_where(condition, x):
+    """x with exact zeros where ``condition`` holds (a NaN elsewhere stays: a scored NaN is never hidden)."""
+    return torch.where(condition, torch.zeros_like(x), x)
+
+
+def tile_record(z, z_other, v0):
+    """The record of one tile of model X's logits z [n, c] (fp32, -inf allowed) against the other model's z_other."""
+    row_max, local = z.max(dim=1)
+    e = torch.exp(z - _pivot(row_max)[:, None])
+    unsupported = ((e > 0) & (z_other == float("-inf"))).any(1)
+    rows = torch.arange(z.shape[0], device=z.device)
+    e[rows, local] = 0.0  # the argmax's own term (1, or 0 in an empty tile) stays out of the sums
+    other = z_other[rows, local]
+    gap = z - z_other
+    gap_at_max = row_max - other
+    empty = e == 0  # 0 * (-inf or NaN) must not form a NaN where the entry has no mass
+    cross = _zero_where(empty, e * (gap - gap_at_max[:, None])).sum(1)
+    zsum = _zero_where(empty, e * (z - _pivot(row_max)[:, None])).sum(1)
+    return Record(row_max, local + v0, e.sum(1), cross, other, zsum, unsupported)
+
+
+def merge(first, second):
+    """Fold two records of disjoint entries (module docstring); ``first`` holds the lower indices (it wins ties)."""
+    second_wins = second.max > first.max
+    win = Record(*(torch.where(second_wins, b, a) for a, b in zip(first, second)))
+    lose = Record(*(torch.where(second_wins, a, b) for a, b in zip(first, second)))
+    scale = torch.exp(lose.max - _pivot(win.max))
+    lose_sumexp = (lose.max > float("-inf")).float() + lose.rest
+    gap_shift = (lose.max - lose.other) - (win.max - win.other)
+    max_shift = lose.max - _pivot(win.max)
+    nothing = scale == 0  # an empty loser (or one too far below to count) adds nothing, and no inf * 0
+    return Record(
+        win.max, win.argmax,
+        win.rest + scale * lose_sumexp,
+        win.cross + _zero_where(nothing, scale * (lose.cross + gap_shift * lose_sumexp)),
+        win.other,
+        win.zsum + _zero_where(nothing, scale * (lose.zsum + max_shift * lose_sumexp)),
+        first.unsupported | second.unsupported)
+
+
+def _empty_record(n, device):
+    nothing = torch.zeros(n, dtype=torch.float32, device=device)
+    return Record(torch.full((n,), float("-inf"), device=device), torch.zeros(n, dtype=torch.int64, device=device),
+                  nothing, nothing, nothing, nothing, torch.zeros(n, dtype=torch.bool, device=device))
+
+
+def logit_tile(hidden, weight, bias, transform, v0, v1, slope=False):
+    """transform(h W[v0:v1]^T + b[v0:v1]) for the rows of ``hidden``, fp32 (with ``slope`` also dz/du)."""
+    u = hidden.float() @ weight[v0:v1].float().T
+    if bias is not None:
+        u += bias[v0:v1].float()
+    return transform.apply(u, slope=slope)
+
+
+class Finished(NamedTuple):
+    """What the outputs and the backward read per token, [n] fp32 each (argmax int64)."""
+
+    max: torch.Tensor
+    log_sumexp: torch.Tensor  # log S = log1p(R): lse = max + log S
+    rest_mass: torch.Tensor   # q = R / S = 1 - p at the argmax
+    argmax: torch.Tensor
+
+
+def _finished(record):
+    sumexp = (record.max > float("-inf")).float() + record.rest
+    return Finished(record.max, torch.log1p(record.rest), record.rest / sumexp, record.argmax), sumexp
+
+
+def _log_probs(z, model, v0):
+    """log p = (z - m) - log S of a tile, and whether each entry is the model's argmax."""
+    columns = torch.arange(v0, v0 + z.shape[1], device=z.device)
+    top = columns[None, :] == model.argmax[:, None]
+    # at the argmax z - m is 0: exactly, whatever the rounding of a recomputed tile
+    log_p = torch.where(top, 0.0, z - model.max[:, None]) - model.log_sumexp[:, None]
+    return log_p, top
+
+
+def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
+    """log m, m = (1 - beta) p_s + beta p_t; at a shared argmax from the carried rests (m is 1 - 1e-6 there)."""
+    log_m = torch.logaddexp(log_ps + math.log1p(-beta), log_pt + math.log(beta))
+    at_top = torch.log1p(-((1.0 - beta) * student.rest_mass + beta * teacher.rest_mass))
+    return torch.where(shared_top, at_top[:, None], log_m)
+
+
+def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform):
+    """(divergence [N], student entropy [N], saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64)."""
+    N, V = student_hidden.shape[0], student_weight.shape[0]
+    dev = student_hidden.device
+    divergence = torch.empty(N, dtype=torch.float32, device=dev)
+    entropy = torch.empty_like(divergence)
+    saved = torch.empty((len(SAVED_FIELDS), N), dtype=torch.float32, device=dev)
+    argmax = torch.empty((2, N), dtype=torch.int64, device=dev)
+    for n0 in range(0, N, CHUNK_N):
+        n1 = min(n0 + CHUNK_N, N)
+        hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
+        run_s = run_t = _empty_record(n1 - n0, dev)
+        for v0 in range(0, V, CHUNK_V):
+            v1 = min(v0 + CHUNK_V, V)
+            zs = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1)
+            zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
+            run_s = merge(run_s, tile_record(zs, zt, v0))
+            run_t = merge(run_t, tile_record(zt, zs, v0))
+        student, sumexp_s = _finished(run_s)
+        teacher, sumexp_t = _finished(run_t)
+        entropy[n0:n1] = student.log_sumexp - run_s.zsum / sumexp_s
+        if beta == 0.0:
+            div = (run_t.cross / sumexp_t - teacher.log_sumexp) + (run_s.max - run_t.other) + student.log_sumexp
+            div = torch.where(run_t.unsupported, float("inf"), div)
+            reference = excess = torch.zeros_like(div)  # the backward reads only the records
+        elif beta == 1.0:
+            div = (run_s.cross / sumexp_s - student.log_sumexp) + (run_t.max - run_s.other) + teacher.log_sumexp
+            div = torch.where(run_s.unsupported, float("inf"), div)
+            reference, excess = run_s.max - run_s.other, run_s.cross / sumexp_s
+        else:
+            reference = _top_log_ratio(student, teacher, run_s.other, beta)
+            div, excess = _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
+                                     student_transform, teacher_transform, student, teacher, reference)
+        divergence[n0:n1] = div
+        saved[:, n0:n1] = torch.stack([*student[:3], *teacher[:3], reference, excess])
+        argmax[0, n0:n1], argmax[1, n0:n1] = student.argmax, teacher.argmax
+    return divergence, entropy, saved, argmax
+
+
+def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
+    """r_a = log p_s - log m at the student's argmax a, from the first sweep's records (z_t,a = the student's
+    record's ``other``)."""
+    log_ps = -student.log_sumexp
+    log_pt = (teacher_at_student_top - teacher.max) - teacher.log_sumexp
+    log_m = torch.logaddexp(log_ps + math.log1p(-beta), log_pt + math.log(beta))
+    shared = student.argmax == teacher.argmax
+    log_m = torch.where(shared, torch.log1p(-((1.0 - beta) * student.rest_mass + beta * teacher.rest_mass)), log_m)
+    return log_ps - log_m
+
+
+def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta, student_transform,
+               teacher_transform, student, teacher, top_log_ratio):
+    """The generalized JSD's second sweep: (JSD, sum_v p_s (r_v - r_a)) [n] from both models' finished records and
+    r_a (``_top_log_ratio``)."""
+    V = student_weight.shape[0]
+    jsd = torch.zeros(hs.shape[0], dtype=torch.float32, device=hs.device)
+    excess = torch.zeros_like(jsd)
+    for v0 in range(0, V, CHUNK_V):
+        v1 = min(v0 + CHUNK_V, V)
+        log_ps, top_s = _log_probs(logit_tile(hs, student_weight, student_bias, student_transform, v0, v1),
+                                   student, v0)
+        log_pt, top_t = _log_probs(logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1),
+                                   teacher, v0)
+        log_m = _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)
+        ps, pt = log_ps.exp(), log_pt.exp()
+        log_ratio = log_ps - log_m
+        kl_s = _zero_where(ps == 0, ps * log_ratio)
+        kl_t = _zero_where(pt == 0, pt * (log_pt - log_m))
+        jsd += (beta * kl_t + (1.0 - beta) * kl_s).sum(1)
+        excess += _zero_where((ps == 0) | top_s, ps * (log_ratio - top_log_ratio[:, None])).sum(1)
+    return jsd, excess
+
+
+def unpack(saved, argmax):
+    """The backward's (student, teacher) Finished values, reference and excess from the forward's saved tensors."""
+    student = Finished(saved[0], saved[1], saved[2], argmax[0])
+    teacher = Finished(saved[3], saved[4], saved[5], argmax[1])
+    return student, teacher, saved[6], saved[7]
+
+
+def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
+    """d divergence / d z_s for one tile [n, c] (module docstring), from the forward's saved values."""
+    log_ps, top_s = _log_probs(zs, student, v0)
+    log_pt, top_t = _log_probs(zt, teacher, v0)
+    ps = log_ps.exp()
+    if beta == 0.0:
+        grad = ps - log_pt.exp()
+        # p_s - p_t at a shared argmax: q_t - q_s, both carried (1 - p there would cancel)
+        return torch.where(top_s & top_t, (teacher.rest_mass - student.rest_mass)[:, None], grad)
+    if beta == 1.0:
+        # l_v - l_a = g_v - g_a, g = z_s - z_t
+        relative = (zs - zt) - reference[:, None]
+        scale = 1.0
+    else:
+        relative = (log_ps - _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)) - reference[:, None]
+        scale = 1.0 - beta
+    relative = torch.where(top_s, 0.0, relative)
+    return _zero_where(ps == 0, scale * ps * (relative - excess[:, None]))
+
+
+def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+             teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
+             grad_bias):
+    """Accumulate the student's gradients into the fp32 buffers grad_hidden [N, Ds], grad_weight [V, Ds],
+    grad_bias [V] (zero on entry; each may be None), recomputing both models' tiles."""
+    N, V = student_hidden.shape[0], student_weight.shape[0]
+    for n0 in range(0, N, CHUNK_N):
+        n1 = min(n0 + CHUNK_N, N)
+        c = grad_divergence[n0:n1].float()
+        if not bool((c != 0).any()):
+            continue  # rows without a gradient: exactly zero
+        hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
+        student, teacher, reference, excess = unpack(saved[:, n0:n1], argmax[:, n0:n1])
+        for v0 in range(0, V, CHUNK_V):
+            v1 = min(v0 + CHUNK_V, V)
+            zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
+            zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
+            g = logit_grad(zs, zt, student, teacher, reference, excess, beta, v0).mul_(c[:, None]).mul_(slope)
+            if grad_hidden is not None:
+                torch.addmm(grad_hidden[n0:n1], g, student_weight[v0:v1].float(), out=grad_hidden[n0:n1])
+            if grad_weight is not None:
+                torch.addmm(grad_weight[v0:v1], g.T, hs.float(), out=grad_weight[v0:v1])
+            if grad_bias is not None:
+                grad_bias[v0:v1] += g.sum(0)
