@@ -227,3 +227,81 @@ def test_training_run_matches_trl(tmp_path):
         assert_tensors_close(a, b, f"gradient at optimizer step {step}")
     assert_tensors_close({k: v.detach() for k, v in params.items()},
                          {k: v.detach() for k, v in ref_params.items()}, "trained parameter")
+
+
+# ----------------------------------------------------------------------------------------------- 2 processes
+WORLD, GLOBAL_BATCH = 2, 4
+DISTRIBUTED_CASES = ("ddp", "fsdp2")
+TIMEOUT_S = 300  # a hung collective must not hang CI
+
+
+def scripted_generation(trainer):
+    """``_generate_single_turn`` with completions fixed by the prompt (no sampling, so one process and two see the
+    same batch): its ids reversed, of lengths 3 to 6, half of them ending in EOS (masked tails)."""
+    eos = trainer.processing_class.eos_token_id
+
+    def generate(prompt_ids, images, multimodal_fields):
+        completions = []
+        for ids in prompt_ids:
+            k = len(ids) % 4
+            completions.append(list(reversed(ids))[:3 + k] + ([eos] if k % 2 == 0 else []))
+        return completions
+
+    return generate
+
+
+def distributed_config(case):
+    if case == "fsdp2":
+        return dict(fsdp="full_shard", fsdp_config=dict(version=2, reshard_after_forward=True,
+                                                        transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"]))
+    return {}
+
+
+def one_step(out_dir, world, case):
+    """One optimizer step of grpo_fast's DistillationTrainer on this process's share of GLOBAL_BATCH prompts (SGD at
+    learning rate 1, no clipping: a parameter's change is minus its gradient) -> (logged loss, logged entropy,
+    {parameter: change})."""
+    student, teacher = tiny_pair()
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    args = distill_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=1,
+                          optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_steps=1, logging_strategy="steps",
+                          logging_steps=1, beta=0.5, shuffle_dataset=False,
+                          **(distributed_config(case) if world > 1 else {}))
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                  train_dataset=tiny_prompt_dataset(n=GLOBAL_BATCH), processing_class=byte_tokenizer())
+    trainer._generate_single_turn = scripted_generation(trainer)
+    with trl_divergence_forbidden():
+        trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    from torch.distributed.tensor import DTensor
+
+    after = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+             for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters()}
+    after = {name.removeprefix("module."): value for name, value in after.items()}
+    return logged["loss"], logged["entropy"], {name: after[name] - before[name] for name in before}
+
+
+def distributed_worker(rank, port, out_dir, case):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    loss, entropy, deltas = one_step(os.path.join(out_dir, f"rank{rank}"), WORLD, case)
+    if rank == 0:
+        torch.save(dict(loss=loss, entropy=entropy, deltas=deltas), os.path.join(out_dir, f"{case}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DISTRIBUTED_CASES)
+def test_two_processes_equal_one(tmp_path, case):
+    """DDP and FSDP2 (accelerate's, from the config) on 2 gloo processes, each with half of the prompts: the logged
+    loss and entropy and every parameter's change equal one process with all of them."""
+    from helpers import spawn_ranks
+
+    spawn_ranks(distributed_worker, WORLD, str(tmp_path), TIMEOUT_S, case)
+    two = torch.load(tmp_path / f"{case}.pt")
+    loss, entropy, deltas = one_step(str(tmp_path / "single"), 1, case)
+    assert_close(two["loss"], loss, "loss")
+    assert_close(two["entropy"], entropy, "entropy")
+    assert_tensors_close(two["deltas"], deltas, "parameter change")
+    assert deltas["lm_head.weight"].abs().max() > 0
