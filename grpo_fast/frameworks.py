@@ -54,7 +54,8 @@ def logit_scale_of(text_config) -> float:
 def logit_transform_of(text_config) -> dict:
     """grpo_fast's transform keywords (``softcap``, ``logit_scale``) for a model, read from its text config as TRL 1.16
     reads them: ``final_logit_softcapping`` and ``logit_scale_of``."""
-    return {"softcap": getattr(text_config, "final_logit_softcapping", None), "logit_scale": logit_scale_of(text_config)}
+    return {"softcap": getattr(text_config, "final_logit_softcapping", None),
+            "logit_scale": logit_scale_of(text_config)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -343,7 +343,8 @@ class _GRPOFastHead:
             BaseTunerLayer=_lm_head_adapter_check(bool(getattr(config, "cast_lm_head_to_fp32", False))))
         trl_init(self, *args, **kwargs)
         if not patched:
-            raise RuntimeError(f"grpo_fast.trl: {trl_class.__name__}'s constructor patched no model with the fused head")
+            raise RuntimeError(f"grpo_fast.trl: {trl_class.__name__}'s constructor patched no model with the fused "
+                               "head")
 
 
 class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):

@@ -9,7 +9,7 @@ a temperature, and the logit transforms TRL reads from the configs (soft-cap, lo
 (trl_pairs.RTOL). TRL's ``ChunkedDivergenceFunction`` raises around every grpo_fast computation (and the trap does
 catch TRL's own trainer). A PEFT student (LoRA on the attention, frozen head) matches too and takes grpo_fast's
 frozen-head path. Slow: a training run with gradient accumulation (generation, logging, optimizer steps) equals
-TRL's run.
+TRL's run; DDP on 2 gloo processes equals one process.
 """
 
 import contextlib
@@ -216,14 +216,14 @@ def test_training_run_matches_trl(tmp_path):
         runs[name] = trainer.state.log_history, recorder.grads, dict(trainer.model.named_parameters())
     (log, grads, params), (ref_log, ref_grads, ref_params) = runs["grpo_fast"], runs["trl"]
     assert len(log) == len(ref_log) == 3
-    for step, (a, b) in enumerate(zip(log, ref_log)):
+    for step, (a, b) in enumerate(zip(log, ref_log, strict=True)):
         assert a.keys() == b.keys(), f"log entry {step}"
         for key in b:
             if key not in TIMING_KEYS:
                 assert_close(a[key], b[key], f"log entry {step} {key}")
     assert "entropy" in ref_log[0] and ref_log[0]["loss"] > 1e-2
     assert len(grads) == len(ref_grads) == 2
-    for step, (a, b) in enumerate(zip(grads, ref_grads)):
+    for step, (a, b) in enumerate(zip(grads, ref_grads, strict=True)):
         assert_tensors_close(a, b, f"gradient at optimizer step {step}")
     assert_tensors_close({k: v.detach() for k, v in params.items()},
                          {k: v.detach() for k, v in ref_params.items()}, "trained parameter")
@@ -231,7 +231,9 @@ def test_training_run_matches_trl(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- 2 processes
 WORLD, GLOBAL_BATCH = 2, 4
-DISTRIBUTED_CASES = ("ddp", "fsdp2")
+# accelerate (1.x) enables FSDP only on accelerators: on CPU processes its FSDP plugin is not applied (the student
+# gets DDP), so the trainer's FSDP2 path cannot run here
+DISTRIBUTED_CASES = ("ddp",)
 TIMEOUT_S = 300  # a hung collective must not hang CI
 
 
@@ -250,23 +252,15 @@ def scripted_generation(trainer):
     return generate
 
 
-def distributed_config(case):
-    if case == "fsdp2":
-        return dict(fsdp="full_shard", fsdp_config=dict(version=2, reshard_after_forward=True,
-                                                        transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"]))
-    return {}
-
-
 def one_step(out_dir, world, case):
     """One optimizer step of grpo_fast's DistillationTrainer on this process's share of GLOBAL_BATCH prompts (SGD at
     learning rate 1, no clipping: a parameter's change is minus its gradient) -> (logged loss, logged entropy,
-    {parameter: change})."""
+    {parameter: change}, "processes x the wrapped model's class")."""
     student, teacher = tiny_pair()
     before = {name: p.detach().clone() for name, p in student.named_parameters()}
     args = distill_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=1,
                           optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_steps=1, logging_strategy="steps",
-                          logging_steps=1, beta=0.5, shuffle_dataset=False,
-                          **(distributed_config(case) if world > 1 else {}))
+                          logging_steps=1, beta=0.5, shuffle_dataset=False)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
                                   train_dataset=tiny_prompt_dataset(n=GLOBAL_BATCH), processing_class=byte_tokenizer())
     trainer._generate_single_turn = scripted_generation(trainer)
@@ -278,7 +272,8 @@ def one_step(out_dir, world, case):
     after = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
              for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters()}
     after = {name.removeprefix("module."): value for name, value in after.items()}
-    return logged["loss"], logged["entropy"], {name: after[name] - before[name] for name in before}
+    wrapper = f"{trainer.accelerator.num_processes} x {type(trainer.model_wrapped).__name__}"
+    return logged["loss"], logged["entropy"], {name: after[name] - before[name] for name in before}, wrapper
 
 
 def distributed_worker(rank, port, out_dir, case):
@@ -286,21 +281,23 @@ def distributed_worker(rank, port, out_dir, case):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    loss, entropy, deltas = one_step(os.path.join(out_dir, f"rank{rank}"), WORLD, case)
+    loss, entropy, deltas, wrapper = one_step(os.path.join(out_dir, f"rank{rank}"), WORLD, case)
     if rank == 0:
-        torch.save(dict(loss=loss, entropy=entropy, deltas=deltas), os.path.join(out_dir, f"{case}.pt"))
+        torch.save(dict(loss=loss, entropy=entropy, deltas=deltas, wrapper=wrapper),
+                   os.path.join(out_dir, f"{case}.pt"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", DISTRIBUTED_CASES)
 def test_two_processes_equal_one(tmp_path, case):
-    """DDP and FSDP2 (accelerate's, from the config) on 2 gloo processes, each with half of the prompts: the logged
-    loss and entropy and every parameter's change equal one process with all of them."""
+    """DDP (accelerate's) on 2 gloo processes, each with half of the prompts: the logged loss and entropy and every
+    parameter's change equal one process with all of them."""
     from helpers import spawn_ranks
 
     spawn_ranks(distributed_worker, WORLD, str(tmp_path), TIMEOUT_S, case)
     two = torch.load(tmp_path / f"{case}.pt")
-    loss, entropy, deltas = one_step(str(tmp_path / "single"), 1, case)
+    loss, entropy, deltas, _ = one_step(str(tmp_path / "single"), 1, case)
+    assert two["wrapper"] == {"ddp": "2 x DistributedDataParallel"}[case]
     assert_close(two["loss"], loss, "loss")
     assert_close(two["entropy"], entropy, "entropy")
     assert_tensors_close(two["deltas"], deltas, "parameter change")

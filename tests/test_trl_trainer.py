@@ -202,7 +202,8 @@ def test_a_constructor_that_patched_no_model_fails_loudly():
 
 
 @pytest.mark.parametrize("config, entropy_grad", [(dict(entropy_coef=0.0), False), (dict(entropy_coef=0.01), True),
-                                                  (dict(entropy_coef=0.0, use_adaptive_entropy=True), True), ({}, False)])
+                                                  (dict(entropy_coef=0.0, use_adaptive_entropy=True), True),
+                                                  ({}, False)])
 def test_the_head_gets_the_trainers_entropy_decision_from_its_config(monkeypatch, config, entropy_grad):
     """The entropy is differentiated only with an entropy bonus in the trainer's config (RLOO's has none: {})."""
     calls = []
