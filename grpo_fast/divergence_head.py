@@ -23,6 +23,7 @@ import torch
 from grpo_fast import divergence_torch
 from grpo_fast.api import (_check_kernel_sizes, _check_mask, _float_tensor, _resolve_backend, _same_device,
                            _scatter_rows, _tensor)
+from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.config import LogitTransform  # the one import of the transform class here
 from grpo_fast.options import check_number
 
@@ -46,7 +47,6 @@ def _forward_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, stud
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
             *transforms)
     if backend == "triton":
-        from grpo_fast.kernels import divergence as kdivergence
         return kdivergence.forward(*args)
     return divergence_torch.forward(*args)
 
@@ -80,7 +80,6 @@ def _backward_op(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, st
             teacher_weight, teacher_bias, saved, argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)
     if student_hidden.shape[0] > 0:
         if backend == "triton":
-            from grpo_fast.kernels import divergence as kdivergence
             kdivergence.backward(*args)
         else:
             divergence_torch.backward(*args)
@@ -101,9 +100,6 @@ def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias
 
     return out(need_hidden, student_hidden), out(need_weight, student_weight), out(need_bias, student_bias)
 
-
-# the Triton family (grpo_fast/kernels/divergence.py) lands in a later commit; until then "auto" takes the torch twin
-_KERNELS_BUILT = False
 
 def _setup_context(ctx, inputs, output):
     (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars) = inputs
@@ -179,12 +175,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
             check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
     for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
-    requested, backend = backend, _resolve_backend(backend, student_hidden.device)
-    if backend == "triton" and not _KERNELS_BUILT:
-        if requested == "triton":
-            raise ValueError("backend='triton': the divergence head's Triton kernels are not built yet on this "
-                             "branch; use backend='torch' or 'auto'")
-        backend = "torch"
+    backend = _resolve_backend(backend, student_hidden.device)
     _check_kernel_sizes(B * T, V, backend)
     return backend
 

@@ -157,10 +157,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     """(divergence [N], student entropy [N], saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64)."""
     N, V = student_hidden.shape[0], student_weight.shape[0]
     dev = student_hidden.device
-    divergence = torch.empty(N, dtype=torch.float32, device=dev)
-    entropy = torch.empty_like(divergence)
-    saved = torch.empty((len(SAVED_FIELDS), N), dtype=torch.float32, device=dev)
-    argmax = torch.empty((2, N), dtype=torch.int64, device=dev)
+    outputs = []
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
         hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
@@ -171,25 +168,38 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
             zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
             run_s = merge(run_s, tile_record(zs, zt, v0))
             run_t = merge(run_t, tile_record(zt, zs, v0))
-        student, sumexp_s = _finished(run_s)
-        teacher, sumexp_t = _finished(run_t)
-        entropy[n0:n1] = student.log_sumexp - run_s.zsum / sumexp_s
-        if beta == 0.0:
-            div = (run_t.cross / sumexp_t - teacher.log_sumexp) + (run_s.max - run_t.other) + student.log_sumexp
-            div = torch.where(run_t.unsupported, float("inf"), div)
-            reference = excess = torch.zeros_like(div)  # the backward reads only the records
-        elif beta == 1.0:
-            div = (run_s.cross / sumexp_s - student.log_sumexp) + (run_t.max - run_s.other) + teacher.log_sumexp
-            div = torch.where(run_s.unsupported, float("inf"), div)
-            reference, excess = run_s.max - run_s.other, run_s.cross / sumexp_s
-        else:
-            reference = _top_log_ratio(student, teacher, run_s.other, beta)
-            div, excess = _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
-                                     student_transform, teacher_transform, student, teacher, reference)
-        divergence[n0:n1] = div
-        saved[:, n0:n1] = torch.stack([*student[:3], *teacher[:3], reference, excess])
-        argmax[0, n0:n1], argmax[1, n0:n1] = student.argmax, teacher.argmax
-    return divergence, entropy, saved, argmax
+
+        def jsd_sweep(student, teacher, reference):
+            return _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
+                              student_transform, teacher_transform, student, teacher, reference)
+
+        outputs.append(finish(run_s, run_t, beta, jsd_sweep))
+    if not outputs:
+        return (torch.zeros(0, device=dev), torch.zeros(0, device=dev),
+                torch.zeros((len(SAVED_FIELDS), 0), device=dev), torch.zeros((2, 0), dtype=torch.int64, device=dev))
+    return tuple(torch.cat(parts, dim=-1) for parts in zip(*outputs))
+
+
+def finish(run_s, run_t, beta, jsd_sweep):
+    """The outputs from both models' merged records (module docstring): (divergence [n], entropy [n], saved
+    [len(SAVED_FIELDS), n], argmax [2, n]). ``jsd_sweep(student, teacher, r_a)``: the JSD's second sweep, giving
+    (JSD, sum_v p_s (r_v - r_a)) [n] (called for 0 < beta < 1 only)."""
+    student, sumexp_s = _finished(run_s)
+    teacher, sumexp_t = _finished(run_t)
+    entropy = student.log_sumexp - run_s.zsum / sumexp_s
+    if beta == 0.0:
+        div = (run_t.cross / sumexp_t - teacher.log_sumexp) + (run_s.max - run_t.other) + student.log_sumexp
+        div = torch.where(run_t.unsupported, float("inf"), div)
+        reference = excess = torch.zeros_like(div)  # the backward reads only the records
+    elif beta == 1.0:
+        div = (run_s.cross / sumexp_s - student.log_sumexp) + (run_t.max - run_s.other) + teacher.log_sumexp
+        div = torch.where(run_s.unsupported, float("inf"), div)
+        reference, excess = run_s.max - run_s.other, run_s.cross / sumexp_s
+    else:
+        reference = _top_log_ratio(student, teacher, run_s.other, beta)
+        div, excess = jsd_sweep(student, teacher, reference)
+    return (div, entropy, torch.stack([*student[:3], *teacher[:3], reference, excess]),
+            torch.stack([student.argmax, teacher.argmax]))
 
 
 def _top_log_ratio(student, teacher, teacher_at_student_top, beta):

@@ -1,6 +1,7 @@
 """The student-teacher divergence head (grpo_fast.divergence): the spec against TRL 1.16's own divergence code,
 and the fused op (torch twin, Triton kernels) against the fp64 spec, confident tokens and hard cases included."""
 
+import functools
 import math
 
 import pytest
@@ -129,8 +130,14 @@ def confident_pair(N, Ds, Dt, V, kw, confident=("student", "teacher"), dtype=tor
     """pair_inputs' six tensors where each model named in ``confident`` puts 1 - p_y log-uniformly in [1e-6, 1e-3]
     on one token y per row (the same y for both): h = alpha (W_y + noise), alpha by bisection in fp64. The other
     model, if any, stays ordinary (alpha 1)."""
+    return _confident_pair(N, Ds, Dt, V, tuple(sorted(kw.items())), tuple(confident), dtype, seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _confident_pair(N, Ds, Dt, V, kw, confident, dtype, seed):
     from grpo_fast.kernels.config import LogitTransform
 
+    kw = dict(kw)
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, V, (N,), generator=g)
     out = []
@@ -185,3 +192,239 @@ def trl_head(inputs, beta, kw):
     div, ent = ChunkedDivergenceFunction.apply(*leaves[:3], *leaves[3:], beta, *_trl_kwargs(kw).values())
     div.sum().backward()
     return (div.detach(), ent) + tuple(x.grad for x in leaves[:3])
+
+
+# ----------------------------------------------------------------------------------------------- the op vs the spec
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# max |error| / max |fp64 value| of the divergence and of each student gradient, by input dtype. fp32: as exact as
+# fp32 logits allow. bf16 / fp16: the spec runs on the same rounded inputs, so the divergence keeps fp32
+# accumulation's precision; the gradients come back in the input dtype (and the Triton backward rounds g to it for
+# the GEMMs): 2^-8 / 2^-11 relative per entry
+DIV_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _small_torch_chunks(monkeypatch):
+    """The torch twin's chunks smaller than the test shapes, so that its records merge over tokens and vocabulary."""
+    from grpo_fast import divergence_torch
+
+    monkeypatch.setattr(divergence_torch, "CHUNK_N", 8)
+    monkeypatch.setattr(divergence_torch, "CHUNK_V", 24)
+
+
+def on(backend, device, inputs):
+    from conftest import backend_device
+
+    dev = backend_device(backend, device)
+    return tuple(x.to(dev) if x is not None else None for x in inputs)
+
+
+def check_against_spec(inputs, beta, kw, backend, device, dtype, mask=None, grad_div=None, div_tol=None,
+                       grad_tol=None):
+    """ours (on ``backend``, inputs rounded to ``dtype``) against the fp64 spec on the same rounded inputs:
+    divergence, entropy and every student gradient; the teacher gets no gradient."""
+    rounded = tuple(x.to(dtype) if x is not None else None for x in inputs)
+    spec_grad_div = torch.ones(rounded[0].shape[0], dtype=F64) if grad_div is None else grad_div.to(F64)
+    if mask is not None:  # masked tokens: no value, no gradient
+        spec_grad_div = spec_grad_div * mask.reshape(-1)
+    expected = spec_grads(tuple(x.to(F64) if x is not None else None for x in rounded), beta, kw,
+                          grad_div=spec_grad_div)
+    if mask is not None:
+        keep = mask.reshape(-1).to(F64)
+        expected = (expected[0] * keep, expected[1] * keep) + expected[2:]
+    actual, leaves = ours(on(backend, device, rounded), beta, kw, backend, requires=(0, 1, 2, 3, 4, 5),
+                          mask=None if mask is None else mask.to(rounded[0].device if backend == "torch"
+                                                                 else on(backend, device, (mask,))[0].device)[None],
+                          grad_div=None if grad_div is None else on(backend, device, (grad_div,))[0])
+    assert all(leaves[i].grad is None for i in (3, 4, 5)), "the teacher got a gradient"
+    names = ("divergence", "entropy", "d student_hidden", "d student_weight", "d student_bias")
+    tols = (div_tol or DIV_TOL[dtype],) * 2 + (grad_tol or GRAD_TOL[dtype],) * 3
+    for name, a, e, tol in zip(names, actual, expected, tols):
+        assert a.dtype == (torch.float32 if name in names[:2] else dtype), name
+        err = ((a.cpu().double() - e).abs().max() / e.abs().max()).item()
+        assert err <= tol, f"{name}: {err:.3g} of max > {tol}"
+    return actual
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=list(TRANSFORMS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_spec(backend, beta, dtype, transform, device):
+    """Odd shapes (N, V, Ds, Dt not block multiples, V not a power of two, Ds != Dt), biases, a mask."""
+    inputs = pair_inputs(3 * 7, 19, 37, 101)
+    mask = (torch.rand(21, generator=torch.Generator().manual_seed(1)) > 0.3).float()
+    check_against_spec(inputs, beta, TRANSFORMS[transform], backend, device, dtype, mask=mask)
+
+
+@pytest.mark.parametrize("confident", ["both", "student", "teacher"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_confident_tokens(backend, beta, confident, device):
+    """1 - p from 1e-6 to 1e-3 for either model or both: fp32 divergence and student gradients within 2e-5 of
+    their max against fp64 (no 1 - p formed by subtraction)."""
+    kw = TRANSFORMS["softcap-scale"] if confident == "both" else TRANSFORMS["temperature"]
+    models = ("student", "teacher") if confident == "both" else (confident,)
+    inputs = confident_pair(24, 32, 48, 211, dict(kw, student_softcap=None, teacher_softcap=None)
+                            if confident != "both" else dict(kw, student_softcap=30.0, teacher_softcap=30.0), models)
+    kw = kw if confident != "both" else dict(kw, student_softcap=30.0, teacher_softcap=30.0)
+    check_against_spec(inputs, beta, kw, backend, device, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_confident_tokens_vs_trl_head(backend, device):
+    """Every token confident in both models (1 - p = 1e-6 +- a factor 2): ours within 2e-5 of the max against fp64;
+    TRL's head (its CPU path, on the same fp32 inputs) is recorded beside it (README, issue 30)."""
+    kw = TRANSFORMS["temperature"]
+    inputs = confident_pair(32, 32, 48, 211, kw, seed=3)
+    for beta in (0.0, 1.0, 0.5):
+        actual = check_against_spec(inputs, beta, kw, backend, device, torch.float32)
+        expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw)
+        trl_errors = relative_errors(trl_head(inputs, beta, kw), expected)
+        ours_errors = relative_errors(actual, expected)
+        print(f"beta {beta}: ours {['%.1e' % e for e in ours_errors]}, TRL {['%.1e' % e for e in trl_errors]}")
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_realistic_gradient_scale(backend, beta, device):
+    """dL/d divergence of 1 / tokens (1e-5: TRL's mean over a large batch) from fp16 inputs: the student gradients
+    in the backward's fp32 buffers (before the cast to fp16, whose subnormals would hold them) keep fp16's relative
+    precision (the Triton backward scales g by an exact power of two before rounding it for the GEMMs)."""
+    from grpo_fast import divergence_torch
+    from grpo_fast.divergence_head import _transforms
+    from grpo_fast.kernels import divergence as kdivergence
+
+    kw = TRANSFORMS["softcap-scale"]
+    inputs = tuple(x.to(torch.float16) for x in pair_inputs(21, 19, 37, 101))
+    grad_div = torch.full((21,), 1e-5)
+    expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw, grad_div=grad_div.to(F64))
+    hs, ws, bs, ht, wt, bt = on(backend, device, inputs)
+    module = kdivergence if backend == "triton" else divergence_torch
+    transforms = _transforms(kw["temperature"], kw["student_softcap"], kw["teacher_softcap"],
+                             kw["student_logit_scale"], kw["teacher_logit_scale"])
+    _, _, saved, argmax = module.forward(hs, ws, bs, ht, wt, bt, beta, *transforms)
+    grads = [torch.zeros(x.shape, device=hs.device) for x in (hs, ws, bs)]
+    module.backward(grad_div.to(hs.device), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms, *grads)
+    for name, a, e in zip(("d hidden", "d weight", "d bias"), grads, expected[2:]):
+        err = ((a.cpu().double() - e).abs().max() / e.abs().max()).item()
+        assert err <= GRAD_TOL[torch.float16], f"{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saturated_softcap_and_infinite_bias(backend, beta, device):
+    """Soft-caps that saturate (|logit| 40 x the cap) and -inf bias entries shared by both models (a padded
+    vocabulary: those entries add nothing)."""
+    hs, ws, bs, ht, wt, bt = pair_inputs(21, 19, 37, 101, scale=8.0)
+    padded = torch.zeros(101, dtype=torch.bool)
+    padded[[0, 17, 50, 100]] = True
+    bs, bt = bs.masked_fill(padded, -math.inf), bt.masked_fill(padded, -math.inf)
+    kw = dict(temperature=0.8, student_softcap=2.0, teacher_softcap=1.5, teacher_logit_scale=2.0)
+    div = check_against_spec((hs, ws, bs, ht, wt, bt), beta, kw, backend, device, torch.float32)[0]
+    assert bool(torch.isfinite(div).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unsupported_entries_give_infinite_kl(backend, device):
+    """A teacher entry of -inf where the student has mass makes KL(s || t) +inf (and a student -inf where the
+    teacher has mass KL(t || s)), as the spec; the JSD stays finite."""
+    hs, ws, bs, ht, wt, bt = on(backend, device, pair_inputs(5, 8, 8, 37, dtype=torch.float32))
+    import grpo_fast
+
+    kill = torch.zeros(37, dtype=torch.bool, device=bs.device)
+    kill[3] = True
+    for beta, student_bias, teacher_bias in ((1.0, bs, bt.masked_fill(kill, -math.inf)),
+                                             (0.0, bs.masked_fill(kill, -math.inf), bt)):
+        div = grpo_fast.divergence(hs[None], ws, ht[None], wt, beta=beta, student_bias=student_bias,
+                                   teacher_bias=teacher_bias, backend=backend)
+        assert bool((div == math.inf).all())
+    div = grpo_fast.divergence(hs[None], ws, ht[None], wt, beta=0.5, student_bias=bs,
+                               teacher_bias=bt.masked_fill(kill, -math.inf), backend=backend)
+    assert bool(torch.isfinite(div).all())
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_masked_rows_changes_nothing(backend, beta, device):
+    """NaN hidden states at masked positions (both models): outputs and gradients bit-identical to zeros there,
+    masked outputs and gradient rows exactly 0; a NaN at a scored token reaches its divergence and the gradients."""
+    import grpo_fast
+
+    hs, ws, bs, ht, wt, bt = on(backend, device, pair_inputs(12, 19, 37, 101, dtype=torch.float32))
+    mask = torch.ones(2, 6, device=hs.device)
+    mask[0, 2:4] = 0
+    mask[1, 5] = 0
+    masked = mask.reshape(-1) == 0
+
+    def run(hs, ht, mask):
+        leaves = [x.detach().clone().requires_grad_() for x in (hs, ws, bs)]
+        div, ent = grpo_fast.divergence_and_entropy(leaves[0].view(2, 6, -1), leaves[1], ht.view(2, 6, -1), wt,
+                                                    mask, beta=beta, student_bias=leaves[2], teacher_bias=bt,
+                                                    backend=backend)
+        div.sum().backward()
+        return (div, ent) + tuple(x.grad for x in leaves)
+
+    clean = run(hs.masked_fill(masked[:, None], 0.0), ht.masked_fill(masked[:, None], 0.0), mask)
+    dirty = run(hs.masked_fill(masked[:, None], math.nan), ht.masked_fill(masked[:, None], math.nan), mask)
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)
+    assert bool((clean[0].reshape(-1)[masked] == 0).all()) and bool((clean[2][masked] == 0).all())
+    poisoned = run(hs.index_fill(0, torch.tensor([7], device=hs.device), math.nan), ht, mask)
+    assert bool(poisoned[0].reshape(-1)[7].isnan()) and bool(poisoned[3].isnan().any())
+    assert bool(torch.isfinite(poisoned[0].reshape(-1)[:7]).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_rows_and_all_masked(backend, device):
+    """[B, 1] sequences; every position masked: zeros, zero gradients (nothing computed)."""
+    import grpo_fast
+
+    inputs = pair_inputs(4, 19, 37, 101)
+    check_against_spec(inputs, 1.0, {}, backend, device, torch.float32)
+    hs, ws, bs, ht, wt, bt = on(backend, device, tuple(x.float() for x in inputs))
+    hs, ws = hs.requires_grad_(), ws.requires_grad_()
+    div, ent = grpo_fast.divergence_and_entropy(hs.view(4, 1, -1), ws, ht.view(4, 1, -1), wt,
+                                                torch.zeros(4, 1, device=hs.device), beta=0.5, backend=backend)
+    div.sum().backward()
+    assert div.shape == ent.shape == (4, 1) and not bool(div.any()) and not bool(ent.any())
+    assert not bool(hs.grad.any()) and not bool(ws.grad.any())
+
+
+def test_named_errors():
+    import grpo_fast
+
+    hs, ws, _, ht, wt, _ = (x.float() if x is not None else None for x in pair_inputs(6, 8, 12, 31, bias=False))
+    hs, ht = hs.view(2, 3, 8), ht.view(2, 3, 12)
+    with pytest.raises(ValueError, match="student_weight has V = 31 rows but teacher_weight has V = 30"):
+        grpo_fast.divergence(hs, ws, ht, wt[:30])
+    with pytest.raises(TypeError, match="teacher_weight dtype"):
+        grpo_fast.divergence(hs, ws, ht, wt.half())
+    with pytest.raises(ValueError, match="student_weight must have shape"):
+        grpo_fast.divergence(hs, ws[:, :7], ht, wt)
+    with pytest.raises(ValueError, match="teacher_hidden's"):
+        grpo_fast.divergence(hs, ws, ht[:, :2], wt)
+    with pytest.raises(ValueError, match="beta must be a number in"):
+        grpo_fast.divergence(hs, ws, ht, wt, beta=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        grpo_fast.divergence(hs, ws, ht, wt, temperature=0.0)
+    with pytest.raises(ValueError, match="teacher_softcap"):
+        grpo_fast.divergence(hs, ws, ht, wt, teacher_softcap=-1.0)
+    with pytest.raises(ValueError, match="completion_mask must have shape"):
+        grpo_fast.divergence(hs, ws, ht, wt, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="on meta"):
+        grpo_fast.divergence(hs, ws, ht.to("meta"), wt)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        grpo_fast.divergence(hs, ws, ht, wt, backend="cuda")
+
+
+def test_op_registration():
+    """The custom ops pass torch.library.opcheck (schema, fake implementation, autograd registration)."""
+    from grpo_fast.divergence_head import _forward_op
+
+    hs, ws, bs, ht, wt, bt = (x.float() for x in pair_inputs(5, 8, 12, 31))
+    torch.library.opcheck(_forward_op, (hs.requires_grad_(), ws.requires_grad_(), bs, ht, wt, bt, 0.5, 0.9, None,
+                                        2.0, 1.0, 1.0, "torch"))

@@ -1,0 +1,417 @@
+"""The divergence head's Triton kernels: both models' logit tiles in registers, the records of
+grpo_fast/divergence_torch.py (which has the math, the exactness and the sweep counts), no [N, V] buffer.
+
+* ``_forward_kernel``: program (i, k) builds the student's and the teacher's BLOCK_N x BLOCK_V logit tiles (two
+  K-loops, fp32 accumulators: tile.logit_tile) over the vocabulary range k and folds them into one record per model
+  (max, argmax, rest, cross, other, zsum, unsupported), written per vocabulary split; the epilogue merges the splits
+  with divergence_torch.merge (the same merge as the torch twin's chunks) and finishes with divergence_torch.finish.
+* ``_jsd_kernel``: the generalized JSD's second sweep (0 < beta < 1), per split, summed in the epilogue.
+* ``_backward_kernel``: recomputes both tiles for a chunk of at most ``gemm.chunk_size`` tokens and writes
+  g = c d div / d z_s * dz_s/du (fp32 for fp32 inputs; else scaled by an exact power of two and rounded to the
+  input dtype, tile.gemm_scale, as kernels/backward.py's chunked mode) and adds its column sums to db; cuBLAS does
+  dH = g W_s and dW_s += g^T H_s with fp32 outputs (gemm.mm_fp32).
+The argmax indices travel as fp32 in the split records (exact: V <= config.MAX_VOCAB < 2^24).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from grpo_fast import divergence_torch
+
+from .config import ForwardConfig, BackwardConfig, _compiled, _device_props, _INTERPRETER_TILES
+from .forward import num_vocab_splits
+from .gemm import chunk_size, mm_fp32
+from .launch import on_first_argument_device
+from .tile import gemm_scale, logit_tile
+
+# the record fields of one model in the split buffer, in divergence_torch.Record's order
+RECORD_FIELDS = len(divergence_torch.Record._fields)
+
+
+def gpu_forward_config(dtype, sm_count):
+    """The compiled forward's and JSD sweep's launch: two logit tiles live at once, so half the log-prob forward's
+    vocabulary width (tools/sm_compile.py: no spills on sm_90 / 89 / 80)."""
+    if dtype == torch.float32:
+        tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=4, num_stages=2)
+    else:
+        tiles = dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2)
+    return ForwardConfig(**tiles, dot_fp32=False, target_programs=sm_count)
+
+
+def gpu_backward_config(dtype):
+    """The compiled backward's launch (both tiles and the gradient's epilogue live at once)."""
+    if dtype == torch.float32:
+        tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=4, num_stages=2)
+    else:
+        tiles = dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2)
+    return BackwardConfig(**tiles, dot_fp32=False, group_v=1)
+
+
+def forward_config(device, dtype):
+    if not _compiled(device):
+        return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
+    return gpu_forward_config(dtype, _device_props(device)[0])
+
+
+def backward_config(device, dtype):
+    if not _compiled(device):
+        return BackwardConfig(**_INTERPRETER_TILES, group_v=1)
+    return gpu_backward_config(dtype)
+
+
+@triton.jit
+def _model_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D, stride_hn, stride_wv,
+                inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One model's transformed logits (-inf past the vocabulary) and dz/du: tile.logit_tile without LoRA."""
+    return logit_tile(hidden_ptr, weight_ptr, bias_ptr, hidden_ptr, weight_ptr, offs_n, offs_v, n_mask, v_mask, D, 0,
+                      stride_hn, 1, stride_wv, 1, inv_temperature, logit_scale, softcap, HAS_BIAS, False, HAS_SOFTCAP,
+                      DOT_FP32, DOT_PRECISION, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, 16)
+
+
+@triton.jit
+def _tile_record(z, z_other, offs_v, BIG: tl.constexpr):
+    """divergence_torch.tile_record in registers: (max, argmax, rest, cross, other, zsum, unsupported)."""
+    row_max = tl.max(z, axis=1)
+    top_index = tl.min(tl.where(z == row_max[:, None], offs_v[None, :], BIG), axis=1)
+    pivot = tl.where(row_max == float("-inf"), 0.0, row_max)
+    e = tl.exp(z - pivot[:, None])
+    unsupported = tl.max(tl.where((e > 0.0) & (z_other == float("-inf")), 1.0, 0.0), axis=1)
+    top = offs_v[None, :] == top_index[:, None]
+    e = tl.where(top, 0.0, e)
+    other = tl.sum(tl.where(top, z_other, 0.0), axis=1)
+    gap_at_max = row_max - other
+    cross = tl.sum(tl.where(e == 0.0, 0.0, e * ((z - z_other) - gap_at_max[:, None])), axis=1)
+    zsum = tl.sum(tl.where(e == 0.0, 0.0, e * (z - pivot[:, None])), axis=1)
+    return row_max, top_index.to(tl.float32), tl.sum(e, axis=1), cross, other, zsum, unsupported
+
+
+@triton.jit
+def _merge(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
+    """divergence_torch.merge in registers: the first record holds the lower indices (it wins ties)."""
+    second = m2 > m1
+    wm = tl.where(second, m2, m1)
+    lm = tl.where(second, m1, m2)
+    wo = tl.where(second, o2, o1)
+    lo = tl.where(second, o1, o2)
+    lr = tl.where(second, r1, r2)
+    lc = tl.where(second, c1, c2)
+    lz = tl.where(second, z1, z2)
+    pivot = tl.where(wm == float("-inf"), 0.0, wm)
+    scale = tl.exp(lm - pivot)
+    lose_sumexp = tl.where(lm > float("-inf"), 1.0, 0.0) + lr
+    gap_shift = (lm - lo) - (wm - wo)
+    cross = tl.where(scale == 0.0, 0.0, scale * (lc + gap_shift * lose_sumexp))
+    zsum = tl.where(scale == 0.0, 0.0, scale * (lz + (lm - pivot) * lose_sumexp))
+    return (wm, tl.where(second, a2, a1), tl.where(second, r2, r1) + scale * lose_sumexp,
+            tl.where(second, c2, c1) + cross, wo, tl.where(second, z2, z1) + zsum, tl.maximum(u1, u2))
+
+
+@triton.jit
+def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
+    tl.store(ptr, m, mask=mask)
+    tl.store(ptr + stride_field, a, mask=mask)
+    tl.store(ptr + 2 * stride_field, r, mask=mask)
+    tl.store(ptr + 3 * stride_field, c, mask=mask)
+    tl.store(ptr + 4 * stride_field, o, mask=mask)
+    tl.store(ptr + 5 * stride_field, z, mask=mask)
+    tl.store(ptr + 6 * stride_field, u, mask=mask)
+
+
+@triton.jit
+def _forward_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, records_ptr,
+    N, V, Ds, Dt, vocab_per_split, stride_field,
+    stride_hs, stride_ws, stride_ht, stride_wt,
+    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
+    S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    BIG: tl.constexpr = 2 ** 30
+    empty = tl.zeros((BLOCK_N,), tl.float32)
+    no_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    sm, sa, sr, sc, so, sz, su = no_max, empty, empty, empty, empty, empty, empty
+    tm, ta, tr, tc, to, tz, tu = no_max, empty, empty, empty, empty, empty, empty
+    v_begin = split * vocab_per_split
+    v_end = tl.minimum(v_begin + vocab_per_split, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < v_end
+        zs, _ = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
+                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
+                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
+                            inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
+                            T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        m, a, r, c, o, z, u = _tile_record(zs, zt, offs_v, BIG)
+        sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
+        m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
+        tm, ta, tr, tc, to, tz, tu = _merge(tm, ta, tr, tc, to, tz, tu, m, a, r, c, o, z, u)
+    out = records_ptr + split * N + offs_n
+    _store_record(out, stride_field, n_mask, sm, sa, sr, sc, so, sz, su)
+    _store_record(out + 7 * stride_field, stride_field, n_mask, tm, ta, tr, tc, to, tz, tu)
+
+
+@triton.jit
+def _log_probs(z, offs_v, row_max, log_sumexp, top_index):
+    """log p = (z - m) - log S of a tile (exactly -log S at the argmax), and the argmax mask."""
+    top = offs_v[None, :] == top_index[:, None]
+    return tl.where(top, 0.0, z - row_max[:, None]) - log_sumexp[:, None], top
+
+
+@triton.jit
+def _log_mixture(log_ps, log_pt, shared_top, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta):
+    """log m, m = (1 - beta) p_s + beta p_t (log1p of the carried rests at a shared argmax)."""
+    a = log_ps + log_1m_beta
+    b = log_pt + log_beta
+    top = tl.maximum(a, b)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    log_m = top + tl.log(tl.exp(a - top) + tl.exp(b - top))
+    # log1p(-x) for the carried x = 1 - m at a shared argmax (1e-6 where both models are sure): log(1 - x) would
+    # lose x's digits; log(u) x / (1 - u), u = 1 - x rounded, is exact to fp32 (Goldberg's log1p)
+    x = (1.0 - beta) * s_rest_mass + beta * t_rest_mass
+    u = 1.0 - x
+    at_top = tl.where(u == 1.0, -x, tl.log(u) * x / (1.0 - u))
+    return tl.where(shared_top, at_top[:, None], log_m)
+
+
+@triton.jit
+def _jsd_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, saved_ptr, argmax_ptr, out_ptr,
+    N, V, Ds, Dt, vocab_per_split, stride_saved, stride_out,
+    stride_hs, stride_ws, stride_ht, stride_wt,
+    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap, beta, log_1m_beta, log_beta,
+    S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    s_max = tl.load(saved_ptr + offs_n, mask=n_mask, other=0.0)
+    s_log_sumexp = tl.load(saved_ptr + stride_saved + offs_n, mask=n_mask, other=0.0)
+    s_rest_mass = tl.load(saved_ptr + 2 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    t_max = tl.load(saved_ptr + 3 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    t_log_sumexp = tl.load(saved_ptr + 4 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    t_rest_mass = tl.load(saved_ptr + 5 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    top_log_ratio = tl.load(saved_ptr + 6 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    s_top = tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1)
+    t_top = tl.load(argmax_ptr + N + offs_n, mask=n_mask, other=-1)
+    jsd = tl.zeros((BLOCK_N,), tl.float32)
+    excess = tl.zeros((BLOCK_N,), tl.float32)
+    v_begin = split * vocab_per_split
+    v_end = tl.minimum(v_begin + vocab_per_split, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < v_end
+        zs, _ = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
+                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
+                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
+                            inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
+                            T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
+        log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
+        log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
+        ps = tl.exp(log_ps)
+        pt = tl.exp(log_pt)
+        log_ratio = log_ps - log_m
+        kl_s = tl.where(ps == 0.0, 0.0, ps * log_ratio)
+        kl_t = tl.where(pt == 0.0, 0.0, pt * (log_pt - log_m))
+        jsd += tl.sum(beta * kl_t + (1.0 - beta) * kl_s, axis=1)
+        excess += tl.sum(tl.where((ps == 0.0) | top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
+    out = out_ptr + split * N + offs_n
+    tl.store(out, jsd, mask=n_mask)
+    tl.store(out + stride_out, excess, mask=n_mask)
+
+
+@triton.jit
+def _backward_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, saved_ptr, argmax_ptr, grad_ptr, g_ptr, grad_bias_ptr,
+    coefficient_max_ptr, g_unscale_ptr,
+    N, V, Ds, Dt, N_ALL, stride_saved, stride_g,
+    stride_hs, stride_ws, stride_ht, stride_wt,
+    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap, beta, log_1m_beta, log_beta,
+    MODE: tl.constexpr, S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
+    T_HAS_SOFTCAP: tl.constexpr, COMPUTE_DB: tl.constexpr, SCALE_G: tl.constexpr,
+    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """MODE 0: forward KL, 1: reverse KL, 2: JSD. The saved values' rows are N_ALL apart (this launch's rows are a
+    slice of them)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+    g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :]
+    g_mask = n_mask[:, None] & v_mask[None, :]
+    c = tl.load(grad_ptr + offs_n, mask=n_mask, other=0.0)
+    if SCALE_G:
+        g_scale, g_unscale = gemm_scale(tl.load(coefficient_max_ptr) * tl.abs(s_logit_scale * inv_temperature))
+        tl.store(g_unscale_ptr, g_unscale, mask=(pid_n == 0) & (pid_v == 0))
+    else:
+        g_scale = 1.0
+    # a sum, not a max: a NaN coefficient must reach the gradient (tile.row_coefficients)
+    if tl.sum(tl.abs(c), axis=0) == 0.0:  # rows without a gradient (masked): exactly zero
+        tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
+        return
+    s_max = tl.load(saved_ptr + offs_n, mask=n_mask, other=0.0)
+    s_log_sumexp = tl.load(saved_ptr + stride_saved + offs_n, mask=n_mask, other=0.0)
+    s_rest_mass = tl.load(saved_ptr + 2 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    t_max = tl.load(saved_ptr + 3 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    t_log_sumexp = tl.load(saved_ptr + 4 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    t_rest_mass = tl.load(saved_ptr + 5 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    reference = tl.load(saved_ptr + 6 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    excess = tl.load(saved_ptr + 7 * stride_saved + offs_n, mask=n_mask, other=0.0)
+    s_top = tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1)
+    t_top = tl.load(argmax_ptr + N_ALL + offs_n, mask=n_mask, other=-1)
+    zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
+                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
+                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
+                        inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
+                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
+    log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
+    ps = tl.exp(log_ps)
+    if MODE == 0:
+        # p_s - p_t; at a shared argmax q_t - q_s from the carried rests
+        dz = tl.where(top_s & top_t, (t_rest_mass - s_rest_mass)[:, None], ps - tl.exp(log_pt))
+    else:
+        if MODE == 1:
+            relative = (zs - zt) - reference[:, None]
+            weight = 1.0
+        else:
+            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta,
+                                 log_beta)
+            relative = (log_ps - log_m) - reference[:, None]
+            weight = 1.0 - beta
+        relative = tl.where(top_s, 0.0, relative)
+        dz = tl.where(ps == 0.0, 0.0, weight * ps * (relative - excess[:, None]))
+    g = tl.where(g_mask, dz * c[:, None] * slope, 0.0)
+    if COMPUTE_DB:
+        tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
+    tl.store(g_ptrs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=g_mask)
+
+
+def _scalars(student_transform, teacher_transform):
+    inv_t, s_scale, s_softcap = student_transform.kernel_scalars()
+    _, t_scale, t_softcap = teacher_transform.kernel_scalars()
+    return dict(inv_temperature=inv_t, s_logit_scale=s_scale, s_softcap=s_softcap, t_logit_scale=t_scale,
+                t_softcap=t_softcap)
+
+
+def _model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                      teacher_transform, config):
+    return dict(S_HAS_BIAS=student_bias is not None, T_HAS_BIAS=teacher_bias is not None,
+                S_HAS_SOFTCAP=student_transform.softcap is not None,
+                T_HAS_SOFTCAP=teacher_transform.softcap is not None, DOT_FP32=config.dot_fp32,
+                S_DOT_PRECISION=config.dot_precision(student_hidden.dtype),
+                T_DOT_PRECISION=config.dot_precision(teacher_hidden.dtype),
+                BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _beta_scalars(beta):
+    import math
+    inner = 0.0 < beta < 1.0
+    return dict(beta=float(beta), log_1m_beta=math.log1p(-beta) if inner else 0.0,
+                log_beta=math.log(beta) if inner else 0.0)
+
+
+@on_first_argument_device
+def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform, config=None):
+    """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
+    N, Ds = student_hidden.shape
+    Dt = teacher_hidden.shape[1]
+    V = student_weight.shape[0]
+    dev = student_hidden.device
+    if N == 0:
+        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
+                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)
+    config = config or forward_config(dev, student_hidden.dtype)
+    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
+    grid = (triton.cdiv(N, config.block_n), num_splits)
+    records = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=dev)
+    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
+                  **_scalars(student_transform, teacher_transform),
+                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                                      teacher_transform, config))
+    _forward_kernel[grid](*models, records, N, V, Ds, Dt, vocab_per_split, records.stride(0), **common)
+    runs = []
+    for fields in (records[:RECORD_FIELDS], records[RECORD_FIELDS:]):
+        split_records = [divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
+                         for f in fields.unbind(1)]
+        run = split_records[0]
+        for split in split_records[1:]:
+            run = divergence_torch.merge(run, split)
+        runs.append(run)
+
+    def jsd_sweep(student, teacher, top_log_ratio):
+        saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio])
+        argmax = torch.stack([student.argmax, teacher.argmax])
+        out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
+        _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
+                          out.stride(0), **_beta_scalars(beta), **common)
+        jsd, excess = out.sum(1).unbind(0)
+        return jsd, excess
+
+    return divergence_torch.finish(*runs, beta, jsd_sweep)
+
+
+@on_first_argument_device
+def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+             teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
+             grad_bias, config=None):
+    """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
+    written, grad_weight and grad_bias accumulated (zero on entry); each may be None."""
+    N, Ds = student_hidden.shape
+    Dt = teacher_hidden.shape[1]
+    V = student_weight.shape[0]
+    dev = student_hidden.device
+    config = config or backward_config(dev, student_hidden.dtype)
+    chunk = chunk_size(N, Ds)
+    g = torch.empty((chunk, V), dtype=student_hidden.dtype, device=dev)
+    scaled = student_hidden.dtype != torch.float32
+    coefficient_max = grad_divergence.abs().amax().reshape(1) if scaled else saved
+    g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
+    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
+                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
+                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                                      teacher_transform, config))
+    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    for n0 in range(0, N, chunk):
+        n1 = min(n0 + chunk, N)
+        grid = (triton.cdiv(n1 - n0, config.block_n), triton.cdiv(V, config.block_v))
+        _backward_kernel[grid](
+            student_hidden[n0:n1], student_weight, models[2], teacher_hidden[n0:n1], *models[4:],
+            saved[:, n0:], argmax[:, n0:], grad_divergence[n0:n1], g,
+            grad_bias if grad_bias is not None else saved, coefficient_max, g_unscale,
+            n1 - n0, V, Ds, Dt, N, saved.stride(0), g.stride(0),
+            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **common)
+        g_rows = g[:n1 - n0]
+        if grad_hidden is not None:
+            mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
+            if scaled:
+                grad_hidden[n0:n1].mul_(g_unscale)
+        if grad_weight is not None:
+            mm_fp32(g_rows.T, student_hidden[n0:n1], grad_weight, accumulate=True)
+    if scaled and grad_weight is not None:
+        grad_weight.mul_(g_unscale)
