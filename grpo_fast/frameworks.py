@@ -1,6 +1,7 @@
 """What the framework integrations (grpo_fast.trl, grpo_fast.verl) share: the framework imported at a tested version,
-the logit scale a transformers config declares, an lm_head that FSDP2 shards as a unit of its own, gathered for
-the call, and the PEFT LoRA adapter on an lm_head (``lm_head_lora``), which the head applies exactly.
+the Hugging Face glue (the logit transform a transformers config declares, the head's compute dtype under autocast
+and the casts to it), an lm_head that FSDP2 shards as a unit of its own, gathered for the call, and the PEFT LoRA
+adapter on an lm_head (``lm_head_lora``), which the head applies exactly.
 
 Imports neither TRL nor verl: the two cannot share an environment (verl breaks when TRL 1.16 is importable); PEFT is
 imported only when a model already did (it may be absent).
@@ -9,6 +10,7 @@ imported only when a model already did (it may be absent).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 
@@ -47,6 +49,47 @@ def logit_scale_of(text_config) -> float:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0 if scale is None else scale
+
+
+def logit_transform_of(text_config) -> dict:
+    """grpo_fast's transform keywords (``softcap``, ``logit_scale``) for a model, read from its text config as TRL 1.16
+    reads them: ``final_logit_softcapping`` and ``logit_scale_of``."""
+    return {"softcap": getattr(text_config, "final_logit_softcapping", None),
+            "logit_scale": logit_scale_of(text_config)}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPrecision:
+    """Where a Hugging Face model's head computes. ``dtype``: hidden states, weight and bias are cast to it (grpo_fast
+    needs them in one dtype; a differentiable ``.to``, free when they already match) and grpo_fast accumulates in fp32
+    with autocast off. ``adapter_dtype``: a LoRA adapter's weights' (None: their own, as PEFT computes its branch in
+    lora_A's dtype)."""
+
+    dtype: torch.dtype
+    adapter_dtype: torch.dtype | None
+
+    def cast(self, tensor):
+        return None if tensor is None else tensor.to(self.dtype)
+
+
+def head_precision(hidden, cast_lm_head_to_fp32: bool = False) -> HeadPrecision:
+    """The head's precision as TRL 1.16's heads and verl's backends choose it: fp32 with ``cast_lm_head_to_fp32``
+    (autocast ignored), else the autocast dtype while autocast is on for ``hidden``'s device, else ``hidden``'s dtype.
+    The adapter follows the compute dtype where the fp32 cast or autocast sets one."""
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if cast_lm_head_to_fp32:
+        dtype = torch.float32
+    elif autocast:
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = hidden.dtype
+    return HeadPrecision(dtype, dtype if cast_lm_head_to_fp32 or autocast else None)
+
+
+def autocast_off(tensor):
+    """A context with autocast off on ``tensor``'s device: grpo_fast computes in its own precision."""
+    return torch.autocast(tensor.device.type, enabled=False)
 
 
 @contextlib.contextmanager

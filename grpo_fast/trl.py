@@ -56,17 +56,19 @@ backward re-enters the gather for the same reason); a LoRA adapter's weights are
 forward reads it, so there both are no-ops: the end result is tested (ZeRO-3 on 2 CPU processes equals one process,
 tests/test_trl_distributed.py), the re-gather only through a simulation (tests/test_trl_head.py).
 
-``GRPOTrainer`` and ``RLOOTrainer`` are TRL's classes, unchanged but for the head: while their constructor runs,
-the name ``add_fused_lm_head`` that TRL's trainer module calls resolves to a dispatcher that looks at its caller:
-a call made by one of this module's trainers gets this module's head, so TRL's own call sites patch the policy (its
-PEFT base model) and the reference model with TRL's arguments; any other caller (a TRL trainer built meanwhile in
-another thread, say) gets TRL's head. The dispatcher hands the head the trainer's own decision, read from its
-config: the entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
-``use_adaptive_entropy``); without one, a frozen lm_head (LoRA elsewhere) takes the frozen-head path. The old policy's
-log-probs come from the policy. TRL's constructors refuse a PEFT adapter on the lm_head (their head would ignore
-it); in a grpo_fast trainer's constructor that check sees an lm_head that this head applies as no adapter (and one it
-cannot apply raises, naming why). The loss, the config and every option are TRL's. TRL's names are restored when
-the last constructor in progress returns.
+``GRPOTrainer`` and ``RLOOTrainer`` are TRL's classes, unchanged but for the head: their constructor runs TRL's
+constructor code with two of its module's names bound to this trainer's (``_with_module_names``: a new function
+over a copy of the module's namespace; TRL's module, its other trainers and other threads keep TRL's names):
+``add_fused_lm_head`` is this module's head, so TRL's own call sites patch the policy (its PEFT base model) and the
+reference model with TRL's arguments, plus the trainer's own decision, read from its config: the entropy is
+differentiated only with an entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``); without one, a frozen
+lm_head (LoRA elsewhere) takes the frozen-head path. A constructor that patched no model raises, and so does a TRL
+whose constructor no longer reads the name. ``BaseTunerLayer``: TRL's constructors refuse a PEFT adapter on the
+lm_head (their head would ignore it); here an lm_head that this head applies is no tuner layer, one it cannot apply
+raises, naming why, and with ``cast_lm_head_to_fp32`` any adapter on the lm_head is refused, as TRL refuses it. The
+old policy's log-probs come from the policy. The loss, the config and every option are TRL's.
+
+``DistillationTrainer`` is TRL's, its loss computed by ``grpo_fast.divergence_and_entropy`` (see the class).
 
 TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
 with another TRL raises ``ImportError``.
@@ -77,13 +79,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import sys
-import threading
 import types
 
 from packaging.version import Version
 
-from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, lm_head_lora, lm_head_lora_adapter, logit_scale_of
+from grpo_fast.frameworks import (
+    autocast_off, fsdp_unit_gathered, head_precision, import_pinned, lm_head_lora, lm_head_lora_adapter,
+    logit_transform_of,
+)
 
 _TRL_LOW, _TRL_END = "1.16", "1.17"
 TRL_VERSIONS = f">={_TRL_LOW},<{_TRL_END}"
@@ -94,9 +99,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled  # noqa: E402
-from trl import GRPOConfig, RLOOConfig  # noqa: E402
-from trl.trainer import grpo_trainer as _trl_grpo_trainer  # noqa: E402
-from trl.trainer import rloo_trainer as _trl_rloo_trainer  # noqa: E402
+from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
 
 import grpo_fast  # noqa: E402
@@ -104,8 +107,8 @@ from grpo_fast import vocab_parallel as vocab_parallel_head  # noqa: E402
 from grpo_fast.transform import LogitTransform  # noqa: E402
 from grpo_fast.lora import lora_hidden  # noqa: E402
 
-__all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "GRPOConfig", "RLOOConfig", "FusedCausalLMOutput",
-           "TRL_VERSIONS"]
+__all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "DistillationTrainer", "GRPOConfig", "RLOOConfig",
+           "DistillationConfig", "FusedCausalLMOutput", "TRL_VERSIONS"]
 
 # the per-token fields of FusedCausalLMOutput that a caller can request
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -132,8 +135,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         raise ValueError(f"add_fused_lm_head: unknown outputs {unknown}; the fused head computes {list(OUTPUTS)}")
     original_forward = model.forward
     text_config = model.config.get_text_config()
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    logit_scale = logit_scale_of(text_config)
+    transform = logit_transform_of(text_config)
     # Before transformers 5, vision-language models expose their language backbone as `model`
     backbone_attr = "base_model"
     if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
@@ -165,31 +167,19 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             # with `device_map`, the backbone can end on another device than the head
             hidden, labels = hidden.to(weight.device), labels.to(weight.device)
             mask = labels != -100
-            device_type = hidden.device.type
-            autocast = torch.is_autocast_enabled(device_type)
-            if cast_lm_head_to_fp32:
-                hidden, compute_dtype = hidden.float(), torch.float32
-            elif autocast:
-                compute_dtype = torch.get_autocast_dtype(device_type)
-            else:
-                compute_dtype = hidden.dtype
-            # a LoRA adapter on the head: in the compute dtype where autocast or the fp32 cast sets one, else in its
-            # own dtype (PEFT computes the branch in lora_A's dtype)
-            adapter_dtype = compute_dtype if cast_lm_head_to_fp32 or autocast else None
-            with (torch.autocast(device_type, enabled=False), maybe_gather_lm_head_ctx(weight, bias),
-                  lm_head_lora(lm_head, adapter_dtype, maybe_gather_lm_head_ctx) as lora,
+            precision = head_precision(hidden, cast_lm_head_to_fp32)
+            with (autocast_off(hidden), maybe_gather_lm_head_ctx(weight, bias),
+                  lm_head_lora(lm_head, precision.adapter_dtype, maybe_gather_lm_head_ctx) as lora,
                   _gathered_again_for_backward(weight, bias)):
-                w = weight.to(compute_dtype)
-                b = None if bias is None else bias.to(compute_dtype)
-                h = hidden.to(compute_dtype)
+                h, w, b = precision.cast(hidden), precision.cast(weight), precision.cast(bias)
                 if lora is not None and is_deepspeed_zero3_enabled():  # the backward must not read released params
                     lora = dataclasses.replace(lora, a=lora.a.clone(), b=lora.b.clone())
                 log_probs, entropy = grpo_fast.logprobs_and_entropy(
-                    h, w, labels, bias=b, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                    completion_mask=mask, entropy_grad=entropy_grad, lora=lora)
+                    h, w, labels, bias=b, temperature=temperature, **transform, completion_mask=mask,
+                    entropy_grad=entropy_grad, lora=lora)
                 if extras and isinstance(w, DTensor):  # the no-grad extras read the whole head
                     w, b = w.full_tensor(), None if b is None else b.full_tensor()
-                extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, softcap, logit_scale, extras)
+                extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, **transform, names=extras)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
 
         aux_loss = None
@@ -239,7 +229,7 @@ def _gathered_again_for_backward(*params):
 
 
 @torch.no_grad()
-def _extra_outputs(hidden, weight, bias, lora, labels, mask, temperature, softcap, logit_scale, names):
+def _extra_outputs(hidden, weight, bias, lora, labels, mask, temperature, *, softcap, logit_scale, names):
     """The requested no-grad extras {name: [B, T]} (zero / False where the label is -100), exactly in fp32 from
     chunks of the scored rows' logits (LogitTransform: the kernels' transform; ``lora``'s term added as PEFT adds
     it, its dropout drawn as PEFT's forward would draw it)."""
@@ -285,85 +275,76 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
 
 
 # ---------------------------------------------------------------------------------------------- the trainers
-# TRL trainer modules whose `add_fused_lm_head` and `BaseTunerLayer` are dispatchers (_DISPATCHERS), and how many of
-# our constructors are in progress in each (any thread): the names are TRL's again when the count returns to 0.
-_swap_lock = threading.Lock()
-_swapped: dict[types.ModuleType, list] = {}  # module -> [{name: TRL's value}, constructors in progress]
+def _with_module_names(function, **names):
+    """``function`` (a TRL trainer's method) as a new function with the same code, defaults and closure, whose global
+    ``names`` resolve to the values given and every other global name to its module's value at this call. TRL's
+    module is left as it is: other callers (TRL's own trainers, other threads) see TRL's names. Each name must be one
+    that the code (or a function nested in it) reads, so a TRL release that moves the call fails here, loudly."""
+    read = set(function.__code__.co_names)
+    for const in function.__code__.co_consts:
+        if isinstance(const, types.CodeType):
+            read |= set(const.co_names)
+    unread = sorted(set(names) - read)
+    if unread:
+        raise RuntimeError(f"grpo_fast.trl: {function.__qualname__} ({function.__module__}) no longer reads {unread}; "
+                           f"this TRL release is outside {TRL_VERSIONS}")
+    rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                                 function.__defaults__, function.__closure__)
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(rebound, function)
+
+
+def _lm_head_adapter_check(cast_lm_head_to_fp32: bool):
+    """What a grpo_fast trainer's constructor reads as PEFT's ``BaseTunerLayer``, for its isinstance checks on the
+    lm_head: TRL refuses a PEFT adapter there (its head would ignore it); an lm_head that grpo_fast's head applies
+    exactly is no tuner layer, one it cannot apply raises, naming why (grpo_fast.frameworks.lm_head_lora_adapter), and
+    any adapter on the lm_head is refused with ``cast_lm_head_to_fp32`` (TRL's cast replaces the head's forward, which
+    generation then runs without the adapter)."""
+
+    class AdapterCheck(type):
+        def __instancecheck__(cls, lm_head):
+            lm_head_lora_adapter(lm_head)
+            if cast_lm_head_to_fp32 and "peft" in sys.modules:
+                from peft.tuners.tuners_utils import BaseTunerLayer
+
+                if isinstance(lm_head, BaseTunerLayer):
+                    raise ValueError("`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT "
+                                     "adapter (`target_modules` includes `lm_head`): TRL's cast replaces the head's "
+                                     "forward. Remove `lm_head` from the adapter's target modules, or set "
+                                     "`cast_lm_head_to_fp32=False`.")
+            return False
+
+    return AdapterCheck("BaseTunerLayer", (), {})
 
 
 class _GRPOFastHead:
-    """What grpo_fast's trainers add to TRL's: the head's settings, from the trainer's config."""
+    """What grpo_fast's trainers add to TRL's: TRL's constructor run with grpo_fast's head, and the head's settings,
+    from the trainer's config."""
 
     def _head_entropy_grad(self) -> bool:
         """The entropy is differentiated only through an entropy bonus (GRPOConfig's ``entropy_coef`` or the
         adaptive controller; RLOO has neither)."""
         return getattr(self.args, "entropy_coef", 0.0) != 0.0 or bool(getattr(self.args, "use_adaptive_entropy", False))
 
+    def _trl_init_with_grpo_fast_head(self, trl_class, args, kwargs):
+        """``trl_class.__init__`` on this trainer, its calls to ``add_fused_lm_head`` given grpo_fast's head (with this
+        trainer's entropy decision) and its ``BaseTunerLayer`` checks ``_lm_head_adapter_check``; a constructor that
+        patched no model raises."""
+        bound = inspect.signature(trl_class.__init__).bind(self, *args, **kwargs)
+        config = bound.arguments.get("args")  # None: TRL's default config, which does not cast the head
+        patched = []
 
-def _grpo_fast_caller():
-    """The grpo_fast trainer whose frame made the call that is asking (its ``self``), or None: the frame above the
-    function that calls this one."""
-    caller = sys._getframe(2).f_locals.get("self")
-    return caller if isinstance(caller, _GRPOFastHead) else None
+        def head(model, *head_args, **head_kwargs):
+            add_fused_lm_head(model, *head_args, **head_kwargs, entropy_grad=self._head_entropy_grad())
+            patched.append(model)
 
-
-def _head_dispatch(trl_head):
-    """``add_fused_lm_head`` that gives grpo_fast's head, with the trainer's entropy decision, to a grpo_fast trainer's
-    call and TRL's head to any other."""
-
-    @functools.wraps(trl_head)
-    def dispatch(*args, **kwargs):
-        trainer = _grpo_fast_caller()
-        if trainer is not None:
-            return add_fused_lm_head(*args, **kwargs, entropy_grad=trainer._head_entropy_grad())
-        return trl_head(*args, **kwargs)
-
-    return dispatch
-
-
-def _tuner_layer_dispatch(trl_class):
-    """PEFT's ``BaseTunerLayer`` as TRL's trainer module sees it, for isinstance: TRL's class, except in a grpo_fast
-    trainer's constructor frame, where TRL refuses a PEFT adapter on the lm_head (its head would ignore it): there an
-    lm_head that grpo_fast's head applies exactly is no tuner layer, and one it cannot apply raises, naming why
-    (grpo_fast.frameworks.lm_head_lora_adapter). TRL's other check (``cast_lm_head_to_fp32`` refuses a PEFT lm_head)
-    runs in a nested function, and keeps TRL's class."""
-
-    class Dispatch(type):
-        def __instancecheck__(cls, obj):
-            if _grpo_fast_caller() is not None:
-                lm_head_lora_adapter(obj)
-                return False
-            return isinstance(obj, trl_class)
-
-    return Dispatch(trl_class.__name__, (), {})
-
-
-# the names swapped in a TRL trainer module while a grpo_fast trainer's constructor runs
-_DISPATCHERS = {"add_fused_lm_head": _head_dispatch, "BaseTunerLayer": _tuner_layer_dispatch}
-
-
-@contextlib.contextmanager
-def _grpo_fast_head_in(trainer_module):
-    """Within: the trainer module's ``add_fused_lm_head`` gives grpo_fast's head to calls made by a grpo_fast trainer
-    (its ``self`` in the calling frame: TRL calls it from the trainer's constructor) and TRL's head to any other; its
-    ``BaseTunerLayer`` (PEFT's, where PEFT is installed) lets such a constructor through with LoRA on the lm_head."""
-    with _swap_lock:
-        if trainer_module not in _swapped:
-            originals = {name: getattr(trainer_module, name) for name in _DISPATCHERS if hasattr(trainer_module, name)}
-            for name, trl_value in originals.items():
-                setattr(trainer_module, name, _DISPATCHERS[name](trl_value))
-            _swapped[trainer_module] = [originals, 0]
-        _swapped[trainer_module][1] += 1
-    try:
-        yield
-    finally:
-        with _swap_lock:
-            entry = _swapped[trainer_module]
-            entry[1] -= 1
-            if entry[1] == 0:
-                for name, trl_value in entry[0].items():
-                    setattr(trainer_module, name, trl_value)
-                del _swapped[trainer_module]
+        trl_init = _with_module_names(
+            trl_class.__init__, add_fused_lm_head=head,
+            BaseTunerLayer=_lm_head_adapter_check(bool(getattr(config, "cast_lm_head_to_fp32", False))))
+        trl_init(self, *args, **kwargs)
+        if not patched:
+            raise RuntimeError(f"grpo_fast.trl: {trl_class.__name__}'s constructor patched no model with the fused "
+                               "head")
 
 
 class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
@@ -372,8 +353,7 @@ class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
 
     @functools.wraps(trl.GRPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
-        with _grpo_fast_head_in(_trl_grpo_trainer):
-            super().__init__(*args, **kwargs)
+        self._trl_init_with_grpo_fast_head(trl.GRPOTrainer, args, kwargs)
 
 
 class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
@@ -381,5 +361,56 @@ class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
 
     @functools.wraps(trl.RLOOTrainer.__init__)
     def __init__(self, *args, **kwargs):
-        with _grpo_fast_head_in(_trl_rloo_trainer):
-            super().__init__(*args, **kwargs)
+        self._trl_init_with_grpo_fast_head(trl.RLOOTrainer, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+def _whole(weight, bias, dtype):
+    """A head's weight and bias as TRL 1.16's distillation loss takes them: a DTensor gathered (``full_tensor()``, its
+    weight in ``dtype``, the hidden states'), anything else as it is."""
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor().to(dtype)
+        bias = None if bias is None else bias.full_tensor()
+    return weight, bias
+
+
+def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+                    completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
+                    teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
+                    student_final_logit_softcapping=None, teacher_final_logit_softcapping=None, temperature=1.0):
+    """TRL 1.16's ``_chunked_divergence_loss`` (its arguments; its result: the loss, the student's entropy summed over
+    the valid tokens, their count) computed by ``grpo_fast.divergence_and_entropy``.
+
+    Each model computes in its own precision (``head_precision``: the autocast dtype, else its hidden states'); only
+    the tokens where ``completion_mask`` is nonzero are computed. The loss is the divergence summed over them, divided
+    by ``num_items_in_batch`` when given (TRL's gradient-accumulation-correct count), else by their number (at least 1).
+    """
+    student_weight, student_bias = _whole(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
+    teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
+    student, teacher = head_precision(student_hidden_states), head_precision(teacher_hidden_states)
+    valid = completion_mask != 0
+    with autocast_off(student_hidden_states):
+        divergence, entropy = grpo_fast.divergence_and_entropy(
+            student.cast(student_hidden_states), student.cast(student_weight),
+            teacher.cast(teacher_hidden_states), teacher.cast(teacher_weight), valid, beta=beta,
+            temperature=temperature, student_bias=student.cast(student_bias), teacher_bias=teacher.cast(teacher_bias),
+            student_softcap=student_final_logit_softcapping, teacher_softcap=teacher_final_logit_softcapping,
+            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale)
+    num_valid = valid.sum()
+    loss = divergence.sum()
+    if num_items_in_batch is None:
+        loss = loss / num_valid.clamp(min=1)
+    else:
+        loss = loss / (num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, torch.Tensor)
+                       else num_items_in_batch)
+    return loss, entropy.detach().sum(), num_valid
+
+
+class DistillationTrainer(trl.DistillationTrainer):
+    """TRL's ``DistillationTrainer`` with grpo_fast's divergence head: same constructor, same ``DistillationConfig``,
+    same loss, metrics and reductions (TRL's ``compute_loss`` and ``_compute_loss``); only the per-token divergence
+    and the student's entropy are computed by grpo_fast (``divergence_loss``: TRL's ``_compute_loss`` runs with its
+    module's ``_chunked_divergence_loss`` bound to it, ``_with_module_names``). A frozen student head (PEFT with LoRA
+    elsewhere) takes grpo_fast's frozen-head path; TRL's constructor refuses a PEFT adapter on the lm_head, as here."""
+
+    _compute_loss = _with_module_names(trl.DistillationTrainer._compute_loss, _chunked_divergence_loss=divergence_loss)

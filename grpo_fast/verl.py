@@ -60,7 +60,9 @@ import contextlib
 import functools
 import logging
 
-from grpo_fast.frameworks import fsdp_unit_gathered, import_pinned, lm_head_lora, logit_scale_of
+from grpo_fast.frameworks import (
+    autocast_off, fsdp_unit_gathered, head_precision, import_pinned, lm_head_lora, logit_scale_of, logit_transform_of,
+)
 
 _VERL_LOW, _VERL_END = "0.9.1", "0.10"
 VERL_VERSIONS = f">={_VERL_LOW},<{_VERL_END}"
@@ -147,22 +149,16 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_k
     if attention_mask is not None and attention_mask.shape == targets.shape:
         mask = attention_mask.bool()
 
-    text_config = self.config.get_text_config()
     lm_head = self.get_output_embeddings()
     with _head_parameters(lm_head) as (weight, bias):
-        device_type = hidden.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+        precision = head_precision(hidden)
         if mask is not None:
             mask = mask.to(weight.device)
-        # a LoRA adapter on the head: in the autocast dtype under autocast, else its own (PEFT's)
-        with torch.autocast(device_type, enabled=False), \
-                lm_head_lora(lm_head, compute_dtype if autocast else None) as lora:
+        with autocast_off(hidden), lm_head_lora(lm_head, precision.adapter_dtype) as lora:
             log_probs, entropy = grpo_fast.logprobs_and_entropy(
-                hidden.to(weight.device, compute_dtype), weight.to(compute_dtype), targets.to(weight.device).long(),
-                bias=None if bias is None else bias.to(compute_dtype), temperature=temperature,
-                softcap=getattr(text_config, "final_logit_softcapping", None),
-                logit_scale=logit_scale_of(text_config), completion_mask=mask, lora=lora)
+                precision.cast(hidden.to(weight.device)), precision.cast(weight), targets.to(weight.device).long(),
+                bias=precision.cast(bias), temperature=temperature,
+                **logit_transform_of(self.config.get_text_config()), completion_mask=mask, lora=lora)
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 

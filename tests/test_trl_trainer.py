@@ -11,7 +11,6 @@ would ignore it), is compared with TRL's trainer on an eager head (trl_pairs.eag
 import contextlib
 import copy
 import functools
-import threading
 import types
 
 import pytest
@@ -158,60 +157,67 @@ def test_the_kernel_trap_catches_trl_own_trainer():
         train(trl.GRPOTrainer, tiny_qwen2(), grpo_config(max_steps=1), forbid_trl_kernel=True)
 
 
-def test_every_patched_model_gets_grpo_fast_head_and_trl_name_is_restored(tmp_path):
+def test_every_patched_model_gets_grpo_fast_head_and_trl_module_is_untouched(tmp_path, monkeypatch):
+    """Both models TRL patches get grpo_fast's head; TRL's module keeps its names throughout: a TRL trainer built while
+    ours is being built (here: from inside our head's call) gets TRL's head."""
     path = save_model(tiny_qwen2(), tmp_path / "qwen2")
+    seen_during = []
+    ours_head = grpo_fast.trl.add_fused_lm_head
+
+    def head_that_looks(model, **kwargs):
+        seen_during.append((trl_grpo_trainer.add_fused_lm_head, trl_grpo_trainer.BaseTunerLayer))
+        other = tiny_qwen2()
+        trl_grpo_trainer.add_fused_lm_head(other)  # TRL's name, called as TRL's other trainers call it
+        assert other.forward.__func__.__code__.co_filename != grpo_fast.trl.__file__
+        return ours_head(model, **kwargs)
+
+    monkeypatch.setattr(grpo_fast.trl, "add_fused_lm_head", head_that_looks)
     trainer = GRPOTrainer(model=path, reward_funcs=[token_reward], args=grpo_config(beta=0.04),
                           train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
     for model in (trainer.model, trainer.ref_model):
         assert model.forward.__func__.__code__.co_filename == grpo_fast.trl.__file__
+    assert seen_during == [(trl_add_fused_lm_head, BaseTunerLayer)] * 2
     assert trl_grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
 
 
-class _TrainerLike(grpo_fast.trl._GRPOFastHead):
-    """Calls the trainer module's ``add_fused_lm_head`` from a method, as TRL's constructor does."""
+def test_a_constructor_that_no_longer_reads_the_name_fails_loudly():
+    """The head reaches TRL's constructor only through the names it reads: a release that moved the call is an
+    error, not TRL's head in silence."""
+    def constructor_without_the_call(self):
+        return None
 
-    def __init__(self, **config):
-        self.args = types.SimpleNamespace(**config)
-
-    def patch(self, model):
-        trl_grpo_trainer.add_fused_lm_head(model)
+    with pytest.raises(RuntimeError, match=r"no longer reads \['add_fused_lm_head'\]"):
+        grpo_fast.trl._with_module_names(constructor_without_the_call, add_fused_lm_head=None)
 
 
-def test_the_swapped_name_dispatches_by_caller_not_by_thread():
-    """While one of our trainers is built, a grpo_fast trainer's call gets grpo_fast's head; any other call, from this
-    thread or another, gets TRL's."""
-    seen = {}
+def test_a_constructor_that_patched_no_model_fails_loudly():
+    class Quiet(trl.GRPOTrainer):
+        def __init__(self, model):  # reads both names, never calls the head
+            if isinstance(model.lm_head, BaseTunerLayer):
+                add_fused_lm_head(model)  # noqa: F821
 
-    def patch_in_other_thread():
-        model = tiny_qwen2()
-        trl_grpo_trainer.add_fused_lm_head(model)
-        seen["other thread"] = model.forward.__func__.__code__.co_filename
-
-    with grpo_fast.trl._grpo_fast_head_in(trl_grpo_trainer):
-        model = tiny_qwen2()
-        _TrainerLike(entropy_coef=0.0).patch(model)
-        seen["trainer"] = model.forward.__func__.__code__.co_filename
-        model = tiny_qwen2()
-        trl_grpo_trainer.add_fused_lm_head(model)
-        seen["this thread, no trainer"] = model.forward.__func__.__code__.co_filename
-        thread = threading.Thread(target=patch_in_other_thread)
-        thread.start()
-        thread.join()
-    assert seen["trainer"] == grpo_fast.trl.__file__
-    assert seen["this thread, no trainer"] != grpo_fast.trl.__file__
-    assert seen["other thread"] != grpo_fast.trl.__file__
-    assert trl_grpo_trainer.add_fused_lm_head is trl_add_fused_lm_head
+    trainer = object.__new__(GRPOTrainer)
+    with pytest.raises(RuntimeError, match="patched no model"):
+        trainer._trl_init_with_grpo_fast_head(Quiet, (tiny_qwen2(),), {})
 
 
 @pytest.mark.parametrize("config, entropy_grad", [(dict(entropy_coef=0.0), False), (dict(entropy_coef=0.01), True),
-                                                  (dict(entropy_coef=0.0, use_adaptive_entropy=True), True), ({}, False)])
+                                                  (dict(entropy_coef=0.0, use_adaptive_entropy=True), True),
+                                                  ({}, False)])
 def test_the_head_gets_the_trainers_entropy_decision_from_its_config(monkeypatch, config, entropy_grad):
     """The entropy is differentiated only with an entropy bonus in the trainer's config (RLOO's has none: {})."""
     calls = []
     monkeypatch.setattr(grpo_fast.trl, "add_fused_lm_head", lambda model, **kwargs: calls.append(kwargs))
-    with grpo_fast.trl._grpo_fast_head_in(trl_grpo_trainer):
-        _TrainerLike(**config).patch(tiny_qwen2())
-    assert calls == [dict(entropy_grad=entropy_grad)]
+
+    class TrainerLike(trl.GRPOTrainer):
+        def __init__(self, model):  # as TRL's constructor: its config set, then the model patched
+            self.args = types.SimpleNamespace(**config)
+            assert not isinstance(model.lm_head, BaseTunerLayer)
+            add_fused_lm_head(model, temperature=0.5)  # noqa: F821
+
+    trainer = object.__new__(GRPOTrainer)
+    trainer._trl_init_with_grpo_fast_head(TrainerLike, (tiny_qwen2(),), {})
+    assert calls == [dict(temperature=0.5, entropy_grad=entropy_grad)]
 
 
 def test_add_fused_lm_head_checks_entropy_grad():

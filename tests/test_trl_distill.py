@@ -1,0 +1,304 @@
+"""grpo_fast.trl's DistillationTrainer against TRL 1.16's own on the same student / teacher pair (fp32, CPU).
+
+The pair: a tiny Qwen2 student (hidden 48) and a wider tiny Qwen2 teacher (hidden 64), one vocabulary, their heads
+scaled up so that the two distributions are far apart and peaked. One generation batch, made by TRL's trainer with
+gradient accumulation 2 (so ``num_items_in_batch`` counts the tokens of both micro-batches, as TRL sets it), some
+completions cut short (masked tokens), goes through both trainers' ``compute_loss`` for every ``beta`` convention,
+a temperature, and the logit transforms TRL reads from the configs (soft-cap, logit scale, Granite's
+``logits_scaling``): the loss, every student parameter's gradient and the logged entropy agree within 1e-5
+(trl_pairs.RTOL). TRL's ``ChunkedDivergenceFunction`` raises around every grpo_fast computation (and the trap does
+catch TRL's own trainer). A PEFT student (LoRA on the attention, frozen head) matches too and takes grpo_fast's
+frozen-head path. Slow: a training run with gradient accumulation (generation, logging, optimizer steps) equals
+TRL's run; DDP on 2 gloo processes equals one process.
+"""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import trl
+from peft import LoraConfig
+from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+import grpo_fast
+from grpo_fast.trl import DistillationConfig, DistillationTrainer
+from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen2
+from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close
+
+TEACHER = dict(seed=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+BATCH, ACCUMULATION = 2, 2
+# the logit transforms TRL reads from a config: set on the models' configs for one case (Qwen2 itself ignores them,
+# which changes neither trainer's loss: both read them, as they would on Gemma 2, Cohere or Granite)
+TRANSFORMS = dict(student=dict(final_logit_softcapping=4.0, logit_scale=1.5), teacher=dict(logits_scaling=0.8))
+
+
+def tiny_pair():
+    """A student and a wider teacher over one vocabulary, their heads scaled so that their distributions are peaked
+    and differ (randomly initialised heads give nearly uniform ones)."""
+    student, teacher = tiny_qwen2(), tiny_qwen2(**TEACHER)
+    with torch.no_grad():
+        student.lm_head.weight.mul_(20.0)
+        teacher.lm_head.weight.mul_(30.0)
+    return student, teacher
+
+
+def distill_config(output_dir, **overrides):
+    """One CPU process, fp32, no checkpointing, no saving, no reporting; any field can be overridden."""
+    kw = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, gradient_checkpointing=False,
+              per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION, max_completion_length=8,
+              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    kw.update(overrides)
+    return DistillationConfig(**kw)
+
+
+@contextlib.contextmanager
+def trl_divergence_forbidden():
+    """TRL's ChunkedDivergenceFunction raises if anything calls it."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("TRL's ChunkedDivergenceFunction ran")
+
+    own = {name: ChunkedDivergenceFunction.__dict__.get(name) for name in ("apply", "forward")}  # apply is inherited
+    ChunkedDivergenceFunction.apply = classmethod(forbidden)
+    ChunkedDivergenceFunction.forward = staticmethod(forbidden)
+    try:
+        yield
+    finally:
+        for name, attribute in own.items():
+            if attribute is None:
+                delattr(ChunkedDivergenceFunction, name)
+            else:
+                setattr(ChunkedDivergenceFunction, name, attribute)
+
+
+def build(trainer_cls, student, teacher, args, **kwargs):
+    return trainer_cls(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=args,
+                       train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer(), **kwargs)
+
+
+def generation_batch(trainer):
+    """One micro-batch of TRL's own generation batch (BATCH x ACCUMULATION prompts; ``num_items_in_batch`` counts
+    them all), with some completions cut short so that masked tokens exist."""
+    trainer.model.train()
+    torch.manual_seed(1)
+    inputs = dict(trainer._prepare_inputs([{"prompt": p} for p in _PROMPTS[:BATCH * ACCUMULATION]]))
+    mask = inputs["completion_mask"].clone()
+    mask[0, 3:] = 0
+    inputs["completion_mask"] = mask
+    assert mask.sum() < inputs["num_items_in_batch"]
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """TRL's trainer and grpo_fast's on copies of one pair, and one generation batch made by TRL's."""
+    student, teacher = tiny_pair()
+    args = distill_config(tmp_path_factory.mktemp("distill"))
+    theirs = build(trl.DistillationTrainer, student, teacher, args)
+    with trl_divergence_forbidden():
+        ours = build(DistillationTrainer, student, teacher, args)
+    return dict(trl=theirs, grpo_fast=ours), generation_batch(theirs)
+
+
+def loss_gradients_entropy(trainer, inputs, forbid_trl_head, **compute_loss_kwargs):
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad(set_to_none=True)
+    with trl_divergence_forbidden() if forbid_trl_head else contextlib.nullcontext():
+        loss = trainer.compute_loss(trainer.model, inputs, **compute_loss_kwargs)
+        loss.backward()
+    grads = {name: p.grad for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, trainer._metrics["train"]["entropy"][-1]
+
+
+@contextlib.contextmanager
+def configured(trainer, beta, temperature, transforms):
+    """The trainer's ``beta`` and ``temperature`` (what ``_compute_loss`` reads) and config attributes on its
+    student and teacher, restored afterwards."""
+    saved = trainer.beta, trainer.temperature
+    models = dict(student=trainer.model, teacher=trainer.teacher_model)
+    trainer.beta, trainer.temperature = beta, temperature
+    for role, attributes in transforms.items():
+        for name, value in attributes.items():
+            setattr(models[role].config, name, value)
+    try:
+        yield
+    finally:
+        trainer.beta, trainer.temperature = saved
+        for role, attributes in transforms.items():
+            for name in attributes:
+                delattr(models[role].config, name)
+
+
+CASES = [dict(beta=0.0), dict(beta=1.0), dict(beta=0.5), dict(beta=0.1, temperature=0.7),
+         dict(beta=1.0, transforms=TRANSFORMS), dict(beta=0.5, temperature=1.3, transforms=TRANSFORMS)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k != "transforms")
+                         + ("-transforms" if "transforms" in c else ""))
+@pytest.mark.parametrize("num_items", ["from_generation", "none"])
+def test_compute_loss_matches_trl(pair, case, num_items):
+    """Loss, every student gradient and the logged entropy: TRL's num_items_in_batch (the generation batch's token
+    count over the process count), or none (the mean over this micro-batch's tokens)."""
+    trainers, inputs = pair
+    if num_items == "none":
+        inputs = {k: v for k, v in inputs.items() if k != "num_items_in_batch"}
+    results = {}
+    for name, trainer in trainers.items():
+        with configured(trainer, case["beta"], case.get("temperature", 1.0), case.get("transforms", {})):
+            results[name] = loss_gradients_entropy(trainer, inputs, forbid_trl_head=name == "grpo_fast")
+    (loss, grads, entropy), (ref_loss, ref_grads, ref_entropy) = results["grpo_fast"], results["trl"]
+    assert_close(loss, ref_loss, "loss")
+    assert_tensors_close(grads, ref_grads, "gradient")
+    assert_close(entropy, ref_entropy, "entropy")
+    assert ref_loss > 1e-2 and "lm_head.weight" in ref_grads and ref_grads["lm_head.weight"].abs().max() > 0
+
+
+def test_the_trap_catches_trl_own_trainer(pair):
+    trainers, inputs = pair
+    with pytest.raises(AssertionError, match="ChunkedDivergenceFunction ran"):
+        loss_gradients_entropy(trainers["trl"], inputs, forbid_trl_head=True)
+
+
+def test_trl_module_is_untouched():
+    """grpo_fast's loss is bound in its own copy of TRL's method: TRL's module and class keep theirs."""
+    from trl.trainer import distillation_trainer
+
+    assert distillation_trainer._chunked_divergence_loss.__module__ == "trl.trainer.distillation_trainer"
+    assert trl.DistillationTrainer._compute_loss.__globals__ is distillation_trainer.__dict__
+    assert DistillationTrainer._compute_loss.__globals__["_chunked_divergence_loss"] is grpo_fast.trl.divergence_loss
+    assert DistillationTrainer._compute_loss.__code__ is trl.DistillationTrainer._compute_loss.__code__
+
+
+def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
+    """LoRA on the attention (random B, so the adapter matters): the student's head is frozen, grpo_fast gets a weight
+    without grad (its frozen-head path) and the adapters' gradients equal TRL's."""
+    student, teacher = tiny_pair()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                      task_type="CAUSAL_LM")
+    args = distill_config(tmp_path)
+    theirs = build(trl.DistillationTrainer, student, teacher, args, peft_config=lora)
+    with trl_divergence_forbidden():
+        ours = build(DistillationTrainer, student, teacher, args, peft_config=lora)
+    inputs = generation_batch(theirs)
+    seen = []
+    op = grpo_fast.divergence_and_entropy
+
+    def spy(student_hidden, student_weight, *args, **kwargs):
+        seen.append(student_weight.requires_grad)
+        return op(student_hidden, student_weight, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_fast, "divergence_and_entropy", spy)
+    loss, grads, entropy = loss_gradients_entropy(ours, inputs, forbid_trl_head=True)
+    ref_loss, ref_grads, ref_entropy = loss_gradients_entropy(theirs, inputs, forbid_trl_head=False)
+    assert seen == [False]
+    assert_close(loss, ref_loss, "loss")
+    assert_tensors_close(grads, ref_grads, "gradient")
+    assert_close(entropy, ref_entropy, "entropy")
+    assert grads and all("lora_" in name for name in grads)
+
+
+@pytest.mark.slow
+def test_training_run_matches_trl(tmp_path):
+    """Two optimizer steps of gradient accumulation 2 (one on-policy generation batch each, sampled by the student as
+    it trains): every logged value, every gradient at each optimizer step and the trained student."""
+    from trl_pairs import GradRecorder
+
+    student, teacher = tiny_pair()
+    args = distill_config(tmp_path, logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5,
+                          max_steps=2, beta=0.5, temperature=0.9)
+    runs = {}
+    for name, cls in (("trl", trl.DistillationTrainer), ("grpo_fast", DistillationTrainer)):
+        recorder = GradRecorder()
+        with trl_divergence_forbidden() if name == "grpo_fast" else contextlib.nullcontext():
+            torch.manual_seed(0)
+            trainer = build(cls, student, teacher, args, callbacks=[recorder])
+            trainer.train()
+        runs[name] = trainer.state.log_history, recorder.grads, dict(trainer.model.named_parameters())
+    (log, grads, params), (ref_log, ref_grads, ref_params) = runs["grpo_fast"], runs["trl"]
+    assert len(log) == len(ref_log) == 3
+    for step, (a, b) in enumerate(zip(log, ref_log, strict=True)):
+        assert a.keys() == b.keys(), f"log entry {step}"
+        for key in b:
+            if key not in TIMING_KEYS:
+                assert_close(a[key], b[key], f"log entry {step} {key}")
+    assert "entropy" in ref_log[0] and ref_log[0]["loss"] > 1e-2
+    assert len(grads) == len(ref_grads) == 2
+    for step, (a, b) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_tensors_close(a, b, f"gradient at optimizer step {step}")
+    assert_tensors_close({k: v.detach() for k, v in params.items()},
+                         {k: v.detach() for k, v in ref_params.items()}, "trained parameter")
+
+
+# ----------------------------------------------------------------------------------------------- 2 processes
+WORLD, GLOBAL_BATCH = 2, 4
+# accelerate (1.x) enables FSDP only on accelerators: on CPU processes its FSDP plugin is not applied (the student
+# gets DDP), so the trainer's FSDP2 path cannot run here
+DISTRIBUTED_CASES = ("ddp",)
+TIMEOUT_S = 300  # a hung collective must not hang CI
+
+
+def scripted_generation(trainer):
+    """``_generate_single_turn`` with completions fixed by the prompt (no sampling, so one process and two see the
+    same batch): its ids reversed, of lengths 3 to 6, half of them ending in EOS (masked tails)."""
+    eos = trainer.processing_class.eos_token_id
+
+    def generate(prompt_ids, images, multimodal_fields):
+        completions = []
+        for ids in prompt_ids:
+            k = len(ids) % 4
+            completions.append(list(reversed(ids))[:3 + k] + ([eos] if k % 2 == 0 else []))
+        return completions
+
+    return generate
+
+
+def one_step(out_dir, world, case):
+    """One optimizer step of grpo_fast's DistillationTrainer on this process's share of GLOBAL_BATCH prompts (SGD at
+    learning rate 1, no clipping: a parameter's change is minus its gradient) -> (logged loss, logged entropy,
+    {parameter: change}, "processes x the wrapped model's class")."""
+    student, teacher = tiny_pair()
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    args = distill_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=1,
+                          optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_steps=1, logging_strategy="steps",
+                          logging_steps=1, beta=0.5, shuffle_dataset=False)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                  train_dataset=tiny_prompt_dataset(n=GLOBAL_BATCH), processing_class=byte_tokenizer())
+    trainer._generate_single_turn = scripted_generation(trainer)
+    with trl_divergence_forbidden():
+        trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    from torch.distributed.tensor import DTensor
+
+    after = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+             for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters()}
+    after = {name.removeprefix("module."): value for name, value in after.items()}
+    wrapper = f"{trainer.accelerator.num_processes} x {type(trainer.model_wrapped).__name__}"
+    return logged["loss"], logged["entropy"], {name: after[name] - before[name] for name in before}, wrapper
+
+
+def distributed_worker(rank, port, out_dir, case):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    loss, entropy, deltas, wrapper = one_step(os.path.join(out_dir, f"rank{rank}"), WORLD, case)
+    if rank == 0:
+        torch.save(dict(loss=loss, entropy=entropy, deltas=deltas, wrapper=wrapper),
+                   os.path.join(out_dir, f"{case}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DISTRIBUTED_CASES)
+def test_two_processes_equal_one(tmp_path, case):
+    """DDP (accelerate's) on 2 gloo processes, each with half of the prompts: the logged loss and entropy and every
+    parameter's change equal one process with all of them."""
+    from helpers import spawn_ranks
+
+    spawn_ranks(distributed_worker, WORLD, str(tmp_path), TIMEOUT_S, case)
+    two = torch.load(tmp_path / f"{case}.pt")
+    loss, entropy, deltas, _ = one_step(str(tmp_path / "single"), 1, case)
+    assert two["wrapper"] == {"ddp": "2 x DistributedDataParallel"}[case]
+    assert_close(two["loss"], loss, "loss")
+    assert_close(two["entropy"], entropy, "entropy")
+    assert_tensors_close(two["deltas"], deltas, "parameter change")
+    assert deltas["lm_head.weight"].abs().max() > 0
