@@ -268,7 +268,7 @@ def _build_grpo_fast(mode, options, head_path="auto"):
                                            ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch,
                                            temperature=x.temperature, options=x.options, head_path=head_path,
                                            backend=backend)
-    return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, None, x.temperature,
+    return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, temperature=x.temperature,
                                            completion_mask=x.mask, backend=backend)
 
 

@@ -27,7 +27,6 @@ import json
 import torch
 
 from grpo_fast import autograd
-from grpo_fast import reference
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
@@ -56,8 +55,7 @@ def _given(x):
 
 
 # ----------------------------------------------------------------------------------------------- layer 1: forward
-@torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
+def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
                     lora_hidden: torch.Tensor | None, lora_weight: torch.Tensor | None, temperature: float,
                     softcap: float | None, logit_scale: float, compute_entropy: bool, frozen_head: bool,
                     backend: str, backward_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -90,7 +88,10 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             _or_nothing(J, hidden), _or_nothing(J_lora, hidden))
 
 
-@linear_logprobs.register_fake
+_linear_logprobs_op = torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())(_linear_logprobs)
+
+
+@_linear_logprobs_op.register_fake
 def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
       frozen_head, backend, backward_mode):
     N = hidden.shape[0]
@@ -166,12 +167,11 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     return (dH, dW, None, db, dlh, dlw) + no_grad_rest
 
 
-linear_logprobs.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+_linear_logprobs_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------- layer 1: backward
-@torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())
-def linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                              bias: torch.Tensor | None, lora_hidden: torch.Tensor | None,
                              lora_weight: torch.Tensor | None, lse: torch.Tensor, nontarget_mass: torch.Tensor,
                              mean_logit: torch.Tensor, mean_minus_target: torch.Tensor, grad_logp: torch.Tensor,
@@ -202,7 +202,11 @@ def linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets
     return tuple(_or_nothing(g, hidden) for g in (grad_hidden, grad_weight, grad_bias, *grad_lora))
 
 
-@linear_logprobs_backward.register_fake
+_linear_logprobs_backward_op = torch.library.custom_op("grpo_fast::linear_logprobs_backward",
+                                                       mutates_args=())(_linear_logprobs_backward)
+
+
+@_linear_logprobs_backward_op.register_fake
 def _(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
       grad_logp, grad_entropy, temperature, softcap, logit_scale, needs, backend, backward_mode):
     inputs = (hidden, weight, bias, lora_hidden, lora_weight)
@@ -223,28 +227,28 @@ def options_json(options: LossOptions) -> str:
     return json.dumps(dataclasses.asdict(options), sort_keys=True, default=float)
 
 
-@torch.library.custom_op("grpo_fast::token_loss", mutates_args=())
-def token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
+def _token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
                old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
                sampling_logprobs: torch.Tensor | None, importance_weights: torch.Tensor | None,
-               num_items_in_batch: torch.Tensor | None, entropy_threshold: torch.Tensor | None, options_json: str,
-               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               num_items_in_batch: torch.Tensor | None, entropy_threshold: torch.Tensor | None,
+               options_json: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer 2 on prepared inputs (fp32 contiguous [B, T]; mask fp32 0/1; advantages [B] or [B, T]; importance
     weights [B] or [B, T]; the two counts fp32 scalar tensors or None): (loss [], metrics [M] in ``metric_names``'
-    order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus), fp32. No value is read on the
-    host on the Triton backend (the normaliser, the bonus tokens' count and the entropy quantile stay on the
-    device); the torch backend is the spec (grpo_fast.reference.token_loss) and its gradients by torch.func.vjp."""
+    order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus), fp32, by the token kernel. No
+    value is read on the host (the normaliser, the bonus tokens' count and the entropy quantile stay on the device).
+    The torch backend's layer 2 is no op: the spec (grpo_fast.reference.token_loss) in plain torch, which
+    torch.compile traces and autograd differentiates."""
     options = LossOptions(**json.loads(options_json))
-    if backend == "torch":
-        return _token_loss_torch(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs,
-                                 importance_weights, num_items_in_batch, entropy_threshold, options)
     return _token_loss_triton(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs,
                               importance_weights, num_items_in_batch, entropy_threshold, options)
 
 
-@token_loss.register_fake
+_token_loss_op = torch.library.custom_op("grpo_fast::token_loss", mutates_args=())(_token_loss)
+
+
+@_token_loss_op.register_fake
 def _(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-      num_items_in_batch, entropy_threshold, options_json, backend):
+      num_items_in_batch, entropy_threshold, options_json):
     options = LossOptions(**json.loads(options_json))
     bonus = options.entropy_coef != 0.0
     return (logp.new_empty((), dtype=FP32), logp.new_empty(len(metric_names(options, entropy is not None)),
@@ -260,12 +264,12 @@ def _token_loss_setup_context(ctx, inputs, output):
 def _token_loss_backward(ctx, grad_loss, *_):
     grad_logp, grad_entropy = ctx.saved_tensors
     if grad_loss is None:
-        return (None,) * 12
+        return (None,) * 11
     grad_entropy = grad_entropy * grad_loss if ctx.needs_input_grad[1] and grad_entropy.numel() else None
-    return (grad_logp * grad_loss, grad_entropy) + (None,) * 10
+    return (grad_logp * grad_loss, grad_entropy) + (None,) * 9
 
 
-token_loss.register_autograd(_token_loss_backward, setup_context=_token_loss_setup_context)
+_token_loss_op.register_autograd(_token_loss_backward, setup_context=_token_loss_setup_context)
 
 
 def device_entropy_quantile(entropy, mask, top_entropy_quantile):
@@ -310,45 +314,60 @@ def _token_loss_triton(logp, entropy, adv, mask, old, ref, sampling, iw, num_ite
             _or_nothing(grad_entropy, logp))
 
 
-def _token_loss_torch(logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
-    # masked values still enter the spec's metrics and gradients, times 0: a -inf or NaN there (a padding id's
-    # log-prob) would leak a NaN
-    masked = mask == 0
-    logp = logp.masked_fill(masked, 0.0)
-    entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
-    old, ref = (x.masked_fill(masked, 0.0) if x is not None else None for x in (old, ref))
-    # per-token advantages and importance weights too: the loss selects masked tokens out, but a NaN there would
-    # reach a sequence-level ratio's gradient (vespo's weights stay: it reads them at padding too, as TRL)
-    if adv.dim() == 2:
-        adv = adv.masked_fill(masked, 0.0)
-    if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
-        iw = iw.masked_fill(masked, 0.0)
-    bonus = options.entropy_coef != 0.0
-    metrics = {}
-
-    def spec(lp, ent):
-        total, values = reference.token_loss(
-            lp, adv, mask, options, entropy=ent, old_logprobs=old, ref_logprobs=ref, sampling_logprobs=sampling,
-            importance_weights=iw, num_items_in_batch=num_items, entropy_threshold=entropy_threshold)
-        metrics.update(values)
-        return total
-
-    if bonus:
-        total, vjp = torch.func.vjp(spec, logp, entropy)
-        grad_logp, grad_entropy = vjp(torch.ones_like(total))
-    else:
-        total, vjp = torch.func.vjp(lambda lp: spec(lp, entropy), logp)
-        (grad_logp,), grad_entropy = vjp(torch.ones_like(total)), None
-    metrics = {name: value.detach() for name, value in metrics.items()}
-    return (total.detach().reshape(()).float().clone(), _metric_vector(metrics, options, entropy is not None),
-            grad_logp.float().contiguous(), _or_nothing(grad_entropy, logp))
-
-
 def _metric_vector(metrics, options, has_entropy):
     names = metric_names(options, has_entropy)
     if sorted(names) != sorted(metrics):
         raise RuntimeError(f"token_loss: the metrics {sorted(metrics)} differ from metric_names' {sorted(names)}")
     return torch.stack([metrics[name].float().reshape(()) for name in names])
+
+
+# ----------------------------------------------------------------------------------------------- calls
+def _inline_function(impl, setup_context, backward):
+    """The op's implementation and autograd formula as a torch.autograd.Function (see ``_call``)."""
+
+    def forward(ctx, *args):
+        output = impl(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(f"Inline_{impl.__name__.strip('_')}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_LINEAR_INLINE = _inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
+_TOKEN_LOSS_INLINE = _inline_function(_token_loss, _token_loss_setup_context, _token_loss_backward)
+
+
+def _inline(args):
+    """Run the implementation in Python rather than as the op: a TorchDispatchMode over real tensors (a FLOP or
+    allocation counter, a host-sync counter) then sees the kernels' own torch ops, which an op's caller never
+    sees (a mode is not active inside the op it intercepts). torch.compile, FakeTensorMode and meta tensors
+    always get the op (one node; the fake implementation)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if torch.compiler.is_compiling():
+        return False
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    if any(x.device.type == "meta" or is_fake(x) for x in tensors):
+        return False
+    modes = _get_current_dispatch_mode_stack()
+    return bool(modes) and not any(isinstance(mode, FakeTensorMode) for mode in modes)
+
+
+def linear_logprobs(*args):
+    """grpo_fast::linear_logprobs (``_linear_logprobs``'s arguments and outputs), differentiable."""
+    return _LINEAR_INLINE.apply(*args) if _inline(args) else _linear_logprobs_op(*args)
+
+
+def linear_logprobs_backward(*args):
+    """grpo_fast::linear_logprobs_backward (``_linear_logprobs_backward``'s arguments and outputs)."""
+    return _linear_logprobs_backward(*args) if _inline(args) else _linear_logprobs_backward_op(*args)
+
+
+def token_loss(*args):
+    """grpo_fast::token_loss (``_token_loss``'s arguments and outputs), differentiable in logp and entropy."""
+    return _TOKEN_LOSS_INLINE.apply(*args) if _inline(args) else _token_loss_op(*args)
 
 
 # ----------------------------------------------------------------------------------------------- workspace

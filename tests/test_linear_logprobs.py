@@ -147,7 +147,7 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend, device):
     (logp.sum() + ent.sum()).backward()
     assert torch.count_nonzero(logp) == 0 and torch.count_nonzero(ent) == 0
     assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
-    assert torch.count_nonzero(grpo_fast.logprobs(h, w, y, b, completion_mask=mask, backend=_impl(backend))) == 0
+    assert torch.count_nonzero(grpo_fast.logprobs(h, w, y, bias=b, completion_mask=mask, backend=_impl(backend))) == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,7 +9,6 @@ import torch
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.autograd import LinearLogprobs
 
 from conftest import assert_grad_close, grad_rtol
 from helpers import free_port, gloo_group, head_inputs
@@ -111,14 +110,13 @@ def test_frozen_adapter_takes_the_frozen_head_path_and_an_entropy_gradient_still
     # only hidden trains: the forward builds J and J_l; an entropy gradient after all goes through the general
     # path's entropy term (lora term included)
     taken = []
-    real = LinearLogprobs.forward
+    real = grpo_fast.autograd.takes_frozen_head
 
-    def spy(ctx, *args):
-        out = real(ctx, *args)
-        taken.append(ctx.frozen_head)
-        return out
+    def spy(*args):
+        taken.append(real(*args))
+        return taken[-1]
 
-    monkeypatch.setattr(LinearLogprobs, "forward", staticmethod(spy))
+    monkeypatch.setattr(grpo_fast.autograd, "takes_frozen_head", spy)
     inputs = lora_inputs(1, 7, 40, 157, 4, torch.float32, torch.float32, device)
     _check(backend, inputs, ("hidden",), entropy_grad=True, softcap=3.0)
     _check(backend, inputs, ("hidden", "b"), entropy_grad=False)
@@ -128,12 +126,12 @@ def test_frozen_adapter_takes_the_frozen_head_path_and_an_entropy_gradient_still
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lora_moves_the_logprobs_and_a_zero_adapter_does_not(backend, device):
     h, w, bias, y, a, b = lora_inputs(2, 5, 24, 50, 4, torch.float32, torch.float32, device)
-    base = grpo_fast.logprobs(h, w, y, bias, backend=_impl(backend))
-    with_lora = grpo_fast.logprobs(h, w, y, bias, lora=(a, b, 2.0), backend=_impl(backend))
+    base = grpo_fast.logprobs(h, w, y, bias=bias, backend=_impl(backend))
+    with_lora = grpo_fast.logprobs(h, w, y, bias=bias, lora=(a, b, 2.0), backend=_impl(backend))
     truth = reference.logprobs(h, w, y, bias, compute_dtype=F64, lora=grpo_fast.HeadLora(a, b, 2.0))
     torch.testing.assert_close(with_lora, truth, rtol=1e-5, atol=2e-5)
     assert (with_lora - base).abs().max() > 0.1
-    zero = grpo_fast.logprobs(h, w, y, bias, lora=(a, torch.zeros_like(b), 2.0), backend=_impl(backend))
+    zero = grpo_fast.logprobs(h, w, y, bias=bias, lora=(a, torch.zeros_like(b), 2.0), backend=_impl(backend))
     torch.testing.assert_close(zero, base, rtol=0, atol=1e-6)
 
 
@@ -146,12 +144,12 @@ def test_dropout_in_train_mode_equals_the_eager_model_and_eval_mode_is_identity(
     torch.manual_seed(11)
     eager = reference.logprobs(h, w, y, bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout))
     torch.manual_seed(11)
-    fused = grpo_fast.logprobs(h, w, y, bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout), backend=_impl(backend))
+    fused = grpo_fast.logprobs(h, w, y, bias=bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout), backend=_impl(backend))
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=2e-5)
-    no_dropout = grpo_fast.logprobs(h, w, y, bias, lora=(a, b, 2.0), backend=_impl(backend))
+    no_dropout = grpo_fast.logprobs(h, w, y, bias=bias, lora=(a, b, 2.0), backend=_impl(backend))
     assert (fused - no_dropout).abs().max() > 1e-3  # the mask did act
     dropout.eval()
-    torch.testing.assert_close(grpo_fast.logprobs(h, w, y, bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout),
+    torch.testing.assert_close(grpo_fast.logprobs(h, w, y, bias=bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout),
                                                   backend=_impl(backend)), no_dropout, rtol=0, atol=0)
     # the mask passed explicitly, with gradients, against fp64
     keep = (torch.rand(h.shape, generator=torch.Generator().manual_seed(4)) > 0.3).to(device)

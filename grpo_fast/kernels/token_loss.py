@@ -23,8 +23,8 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
 
 Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
 the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
-dL/dentropy, ``grad_entropy``) and the per-row statistics (``STATS``, returned by name as
-grpo_fast.metrics.RowValues' fields): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
+dL/dentropy, ``grad_entropy``) and the per-row statistics (``STATS``, returned by name as the fields of
+grpo_fast.metrics.RowValues): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
 the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and vespo's per-sequence
 phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and entropy sum. Masked
 tokens contribute exactly zero, whatever their values (no 0 * inf = NaN).
