@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from grpo_fast.gsm8k import cli
 
@@ -181,13 +182,15 @@ def _fake_parameters(model: nn.Module, fake_mode) -> None:
                         table[name] = replaced[id(tensor)]
 
 
-def build_model(recipe: Recipe, fake_mode, *, lora: bool = True, checkpointing: bool = True) -> nn.Module:
-    """The recipe's model on fake CPU tensors, in train mode: built on the meta device from its config, with
-    gradient checkpointing (non-reentrant, as the example enables it) and PEFT's LoRA on the example's target
-    modules (``lora`` and a rank > 0; the adapters in fp32, PEFT's default autocast of bf16 adapters)."""
+def build_model(recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = True,
+                checkpointing: bool = True) -> nn.Module:
+    """The recipe's model in train mode, with gradient checkpointing (non-reentrant, as the example enables it) and
+    PEFT's LoRA on the example's target modules (``lora`` and a rank > 0; the adapters in fp32, PEFT's default
+    autocast of bf16 adapters). With ``fake_mode``: built on the meta device, then every tensor a fake CPU one;
+    else randomly initialised on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta" if fake_mode is not None else device):
         model = AutoModelForCausalLM.from_config(recipe.shape.config(), dtype=recipe.dtype)
     if checkpointing and recipe.gradient_checkpointing:
         kwargs = {"use_reentrant": False}
@@ -202,7 +205,8 @@ def build_model(recipe: Recipe, fake_mode, *, lora: bool = True, checkpointing: 
 
         model = get_peft_model(model, LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
                                                  target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
-    _fake_parameters(model, fake_mode)
+    if fake_mode is not None:
+        _fake_parameters(model, fake_mode)
     return model.train()
 
 
@@ -240,16 +244,24 @@ def grpo_token_loss(logp: torch.Tensor, batch: Batch, recipe: Recipe) -> torch.T
     return (per_token * batch.mask).sum() / batch.num_items
 
 
-class EagerHead(nn.Module):
+class LossHead(nn.Module):
+    """A loss head: ``forward(hidden, weight)`` -> the micro-batch's loss; ``on_fake_tensors()``: the context its
+    forward and backward run in over fake tensors, so that they allocate what they would on a GPU."""
+
+    def __init__(self, recipe: Recipe, batch: Batch):
+        super().__init__()
+        self.recipe, self.batch = recipe, batch
+
+    def on_fake_tensors(self):
+        return contextlib.nullcontext()
+
+
+class EagerHead(LossHead):
     """Full logits: ``hidden @ weight.T`` in the model's dtype (its lm_head's product), upcast to fp32 and divided
     by the temperature, log_softmax, gather: TRL's path without the fused head (logits of the completion positions
     only, its ``logits_to_keep``)."""
 
     label = "eager PyTorch (full logits)"
-
-    def __init__(self, recipe: Recipe, batch: Batch):
-        super().__init__()
-        self.recipe, self.batch = recipe, batch
 
     def forward(self, hidden, weight):
         logits = (hidden @ weight.T).float() / self.recipe.temperature
@@ -292,7 +304,7 @@ def trl_gpu_path():
             setattr(chunked_logprob, name, value)
 
 
-class TrlHead(nn.Module):
+class TrlHead(LossHead):
     """TRL 1.16's fused head as GRPOTrainer calls it (trl.trainer.utils.add_fused_lm_head's forward with
     ``fused_lm_head=True``): the scored positions' hidden states gathered ([N, D], every completion token valid),
     ``ChunkedLogProbFunction`` with log-probs and entropy in tiles of 32768 vocabulary rows, scattered back to
@@ -300,9 +312,8 @@ class TrlHead(nn.Module):
 
     label = "TRL 1.16 fused head"
 
-    def __init__(self, recipe: Recipe, batch: Batch):
-        super().__init__()
-        self.recipe, self.batch = recipe, batch
+    def on_fake_tensors(self):
+        return trl_gpu_path()
 
     def forward(self, hidden, weight):
         from trl.kernels import ChunkedLogProbFunction
@@ -312,10 +323,9 @@ class TrlHead(nn.Module):
         mask = self.batch.mask.bool()
         # hidden_states[mask] with every position valid: a gathered [N, D] copy (boolean indexing's size is a value)
         rows = torch.arange(B * T, device=hidden.device)
-        with trl_gpu_path():
-            logp, entropy, *_ = ChunkedLogProbFunction.apply(
-                hidden.reshape(B * T, D)[rows], weight, None, self.batch.targets.reshape(-1)[rows],
-                self.recipe.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy"))
+        logp, entropy, *_ = ChunkedLogProbFunction.apply(
+            hidden.reshape(B * T, D)[rows], weight, None, self.batch.targets.reshape(-1)[rows],
+            self.recipe.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy"))
         logp = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         return grpo_token_loss(logp, self.batch, self.recipe)
 
@@ -339,26 +349,24 @@ def _triton_backend_on_fake_tensors():
     return _environment(TRITON_INTERPRET="1")
 
 
-class GrpoFastHead(nn.Module):
+class GrpoFastHead(LossHead):
     """grpo_fast.loss on its Triton path, as examples/train_gsm8k.py calls it (a frozen lm_head takes the
     frozen-head path, as "auto" chooses)."""
 
     label = "grpo_fast (Triton path)"
 
-    def __init__(self, recipe: Recipe, batch: Batch):
-        super().__init__()
-        self.recipe, self.batch = recipe, batch
+    def on_fake_tensors(self):
+        return _triton_backend_on_fake_tensors()
 
     def forward(self, hidden, weight):
         import grpo_fast
 
         options = grpo_fast.LossOptions(loss_type="dapo", beta=self.recipe.beta, epsilon=self.recipe.epsilon,
                                         max_completion_length=self.recipe.completion_length)
-        with _triton_backend_on_fake_tensors():
-            loss, _ = grpo_fast.loss(hidden, weight, self.batch.targets, self.batch.advantages, self.batch.mask,
-                                     ref_logprobs=self.batch.ref_logprobs, options=options,
-                                     temperature=self.recipe.temperature, num_items_in_batch=self.batch.num_items,
-                                     backend="triton")
+        loss, _ = grpo_fast.loss(hidden, weight, self.batch.targets, self.batch.advantages, self.batch.mask,
+                                 ref_logprobs=self.batch.ref_logprobs, options=options,
+                                 temperature=self.recipe.temperature, num_items_in_batch=self.batch.num_items,
+                                 backend="triton")
         return loss
 
 
@@ -396,8 +404,7 @@ def grpo_fast_workspace(func, args, kwargs) -> int:
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
     if op == "token_loss":
-        return ops.workspace_bytes(op, None, None, torch.float32, backend=bound["backend"],
-                                   batch_shape=tuple(bound["logp"].shape))
+        return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape))
     hidden, lora_hidden = bound["hidden"], bound.get("lora_hidden")
     with launchers_sized_for(RTX_4090_PROPS):
         return ops.workspace_bytes(op, tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype,
@@ -501,62 +508,92 @@ CATEGORIES = ("weights", "reference weights", "gradients", "optimizer state", "o
               "activations", "loss head")
 
 
-def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
-    """The step's peak over fake tensors with loss head ``head`` (a HEADS key): bytes by category at the peak,
-    where it is, and the loss head's own peak.
+@dataclass
+class Step:
+    """One training step's objects: the model (and the KL term's frozen copy), the optimizer, the inputs, the head."""
 
-    The step is the steady state of examples/train_gsm8k.py's loop: the optimizer state exists (an earlier
-    update), the gradients exist (an earlier micro-batch of the same update accumulates into them); one
-    micro-batch's forward (completion_hidden_states, every row its own prompt, as checkpointing requires) and
-    backward, then the update (gradient clipping, AdamW, zero_grad)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    recipe: Recipe
+    model: nn.Module
+    reference: nn.Module | None
+    trainable: list
+    optimizer: torch.optim.Optimizer
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    batch: Batch
+    head: LossHead
 
-    from grpo_fast.grpo import completion_hidden_states
+    def inputs(self) -> list:
+        return [self.prompt_ids, self.prompt_mask, self.batch.targets, self.batch.advantages, self.batch.mask,
+                self.batch.num_items] + ([self.batch.ref_logprobs] if self.batch.ref_logprobs is not None else [])
 
-    log = log or (lambda message: None)
-    fake = FakeTensorMode()
-    start = time.perf_counter()
-    model = build_model(recipe, fake)
-    reference = build_model(recipe, fake, lora=False, checkpointing=False).requires_grad_(False) \
-        if recipe.reference_copy else None
+    def forward_backward(self) -> None:
+        """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
+        loss head, backward."""
+        from grpo_fast.grpo import completion_hidden_states
+
+        with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
+            hidden = completion_hidden_states(self.model, self.prompt_ids, self.prompt_mask, self.batch.targets,
+                                              self.batch.mask, share_prompts=False)
+            self.head(hidden, self.model.get_output_embeddings().weight).backward()
+
+    def update(self) -> None:
+        """The example's update: gradient clipping, AdamW, gradients freed."""
+        torch.nn.utils.clip_grad_norm_(self.trainable, self.recipe.max_grad_norm, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def prepare_step(recipe: Recipe, head: str, fake_mode=None, device="cpu") -> Step:
+    """The steady state of examples/train_gsm8k.py's loop before a micro-batch: the optimizer state of an earlier
+    update, the gradients of an earlier micro-batch of this one (it accumulates into them); the micro-batch's
+    inputs at full length. Over fake tensors (``fake_mode``) or real ones on ``device``."""
+    model = build_model(recipe, fake_mode, device=device)
+    reference = build_model(recipe, fake_mode, device=device, lora=False, checkpointing=False).requires_grad_(
+        False) if recipe.reference_copy else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     B, P, T = recipe.micro_batch_size, recipe.prompt_length, recipe.completion_length
     V = recipe.shape.vocab_size
-    with fake:
+    with fake_mode if fake_mode is not None else torch.device(device):
+        # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, with other temporaries)
         optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay,
                                       foreach=True)
         for p in trainable:
             p.grad = torch.zeros_like(p)
-        optimizer.step()  # the state an earlier update left; the gradients stand for an earlier micro-batch's
-        prompt_ids = torch.randint(0, V, (B, P))
-        completion_ids = torch.randint(0, V, (B, T))
-        prompt_mask = torch.ones(B, P, dtype=torch.long)
-        batch = Batch(targets=completion_ids, advantages=torch.randn(B), mask=torch.ones(B, T, dtype=torch.long),
-                      ref_logprobs=torch.randn(B, T) if recipe.beta != 0.0 else None,
+        optimizer.step()
+        batch = Batch(targets=torch.randint(0, V, (B, T)), advantages=torch.randn(B),
+                      mask=torch.ones(B, T, dtype=torch.long),
+                      ref_logprobs=-torch.rand(B, T) if recipe.beta != 0.0 else None,
                       num_items=torch.tensor(recipe.prompts_per_step * recipe.num_generations * T))
-    head_module = HEADS[head](recipe, batch)
+        prompt_ids, prompt_mask = torch.randint(0, V, (B, P)), torch.ones(B, P, dtype=torch.long)
+    return Step(recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch,
+                HEADS[head](recipe, batch))
+
+
+def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
+    """The step's peak over fake tensors with loss head ``head`` (a HEADS key): bytes by category at the peak,
+    where it is, and the loss head's own peak; one micro-batch's forward and backward, then the update."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    log = log or (lambda message: None)
+    fake = FakeTensorMode()
+    start = time.perf_counter()
+    step = prepare_step(recipe, head, fake)
     log(f"built on fake tensors in {time.perf_counter() - start:.0f} s; running the step")
     StepTracker, RefType = _mem_tracker_class()
-    tracker = StepTracker(head_module, grpo_fast_workspace if head == "grpo_fast" else None)
-    inputs = [prompt_ids, completion_ids, prompt_mask, batch.advantages, batch.mask, batch.num_items]
-    inputs += [batch.ref_logprobs] if batch.ref_logprobs is not None else []
-    tracker.track_external(model, optimizer, *inputs, *([reference] if reference is not None else []))
+    tracker = StepTracker(step.head, grpo_fast_workspace if head == "grpo_fast" else None)
+    tracker.track_external(step.model, step.optimizer, *step.inputs(),
+                           *([step.reference] if step.reference is not None else []))
     optimizer_state = tracker.get_tracker_snapshot()[torch.device("cpu")][RefType.OPT]
     start = time.perf_counter()
     with fake, tracker:
-        hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, batch.mask,
-                                          share_prompts=False)
-        loss = head_module(hidden, model.get_output_embeddings().weight)
-        loss.backward()
-        del loss, hidden
+        step.forward_backward()
         tracker.phase = "optimizer step"
-        torch.nn.utils.clip_grad_norm_(trainable, recipe.max_grad_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step.update()
     log(f"step accounted in {time.perf_counter() - start:.0f} s")
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    reference_bytes = tensor_bytes(reference.parameters()) if reference is not None else 0
-    reference_bytes += tensor_bytes(reference.buffers()) if reference is not None else 0
+    reference_bytes = 0
+    if step.reference is not None:
+        reference_bytes = tensor_bytes(step.reference.parameters()) + tensor_bytes(step.reference.buffers())
     categories = {
         "weights": peak[RefType.PARAM] + peak[RefType.BUFFER] - reference_bytes,
         "reference weights": reference_bytes,
@@ -573,11 +610,37 @@ def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
         "categories_bytes": categories,
         "peak_in": tracker.peak_phase,
         "loss_head_peak_bytes": tracker.head_peak,
-        "trainable_parameters": sum(p.numel() for p in trainable),
-        "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "trainable_parameters": sum(p.numel() for p in step.trainable),
+        "parameters": sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values()),
         "optimizer_state_bytes": optimizer_state,
         "tracker_raw_peak_bytes": {ref.value: peak[ref] for ref in RefType},
     }
+
+
+def measure_step(recipe: Recipe, head: str, log=None) -> dict:
+    """The same step on the CUDA GPU, random weights: torch.cuda.max_memory_allocated / max_memory_reserved over
+    the micro-batch and the update (the set-up's peak reset first), and the device's used memory (context
+    included) at the end."""
+    log = log or (lambda message: None)
+    if not torch.cuda.is_available():
+        raise RuntimeError("measuring the step needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    step = prepare_step(recipe, head, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step.forward_backward()
+    step.update()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    measured = {"max_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "max_reserved_bytes": torch.cuda.max_memory_reserved(), "device_used_bytes": total - free,
+                "device": torch.cuda.get_device_name(device)}
+    log(f"measured: allocated {gib(measured['max_allocated_bytes']):.2f} GiB, reserved "
+        f"{gib(measured['max_reserved_bytes']):.2f} GiB")
+    del step
+    torch.cuda.empty_cache()
+    return measured
 
 
 def generation_phase(recipe: Recipe, step: dict) -> dict:
@@ -594,8 +657,8 @@ def generation_phase(recipe: Recipe, step: dict) -> dict:
             "total_bytes": sum(parts.values())}
 
 
-def estimate(recipe: Recipe, heads, progress=True) -> dict:
-    """Every head's step on the recipe, the generation phase, and the verdict against an RTX 4090."""
+def estimate(recipe: Recipe, heads, progress=True, measure=False) -> dict:
+    """Every head's step on the recipe, the generation phase; with ``measure`` each step measured on the GPU too."""
     results = {}
     for i, head in enumerate(heads):
         def log(message, i=i, head=head):
@@ -604,6 +667,8 @@ def estimate(recipe: Recipe, heads, progress=True) -> dict:
 
         log(f"building {recipe.model} ({recipe.shape.num_layers} layers) on the meta device")
         results[head] = estimate_step(recipe, head, log)
+        if measure:
+            results[head]["measured"] = measure_step(recipe, head, log)
     generation = generation_phase(recipe, next(iter(results.values())))
     return {"recipe": recipe, "heads": results, "generation": generation}
 
@@ -665,6 +730,12 @@ def markdown(report: dict) -> str:
             ("+ allowance (not tracked)", lambda h: f"{h['allowance_gib']:.2f}"),
             ("= expected on the card", lambda h: f"{h['with_allowance_gib']:.2f}"),
             (f"fits {card:.2f} GiB?", lambda h: ("yes" if h["fits"] else "**no**") + f", margin {h['margin_gib']:+.2f}")]
+    if all("measured" in h for h in heads):
+        device = heads[0]["measured"]["device"]
+        rows += [(f"measured on {device}: max allocated", lambda h: f"{gib(h['measured']['max_allocated_bytes']):.2f}"),
+                 ("measured: max reserved", lambda h: f"{gib(h['measured']['max_reserved_bytes']):.2f}"),
+                 ("measured: device used (context included)",
+                  lambda h: f"{gib(h['measured']['device_used_bytes']):.2f}")]
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(h) for h in heads) + " |")
     g = report["generation"]
@@ -784,6 +855,9 @@ def parse_args(argv=None):
     p.add_argument("--heads", default=",".join(HEADS), help=f"comma-separated, of {', '.join(HEADS)}")
     p.add_argument("--card-gib", type=float, default=RTX_4090_GIB, help="the card's memory (RTX 4090: 23.99)")
     p.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png (default: print the table)")
+    p.add_argument("--measure", action="store_true",
+                   help="also run each step on the CUDA GPU (random weights) and record its real peak beside the "
+                   "estimate (torch.cuda.max_memory_allocated / max_memory_reserved)")
     p.add_argument("--quiet", action="store_true", help="no per-phase messages on stderr")
     cli.add_ranges_to_help(p, RANGES)
     args = p.parse_args(argv)
@@ -792,6 +866,8 @@ def parse_args(argv=None):
     unknown = [h for h in args.heads if h not in HEADS]
     if unknown or not args.heads or len(set(args.heads)) != len(args.heads):
         cli.fail(PROG, f"--heads {','.join(args.heads)}: expected distinct names among {', '.join(HEADS)}")
+    if args.measure and not torch.cuda.is_available():
+        cli.fail(PROG, "--measure runs the step on a CUDA GPU, and torch sees none here; leave it out to estimate")
     return args
 
 
@@ -822,7 +898,8 @@ def main(argv=None) -> dict:
                                                                                  else argv))
     if not args.quiet:
         print(f"memory: {recipe.describe()}; heads {', '.join(args.heads)}", file=sys.stderr, flush=True)
-    report = to_json(estimate(recipe, args.heads, progress=not args.quiet), command.strip(), args.card_gib)
+    report = to_json(estimate(recipe, args.heads, progress=not args.quiet, measure=args.measure),
+                     command.strip(), args.card_gib)
     text = markdown(report)
     if args.out:
         out = Path(args.out)

@@ -72,8 +72,9 @@ def test_eager_head_holds_the_logits_and_grpo_fast_never_does(lora_report):
     assert eager["categories_bytes"]["loss head"] == eager["loss_head_peak_bytes"]
     # grpo_fast: not even one bf16 [N, V] tensor at its own peak (its frozen-head workspace included)
     assert 0 < fused["loss_head_peak_bytes"] < N * V * 2
-    # TRL: its [min(N, 4096), 32768] bf16 tile, allocated whatever the vocabulary
-    assert trl["loss_head_peak_bytes"] >= N * 32768 * 2
+    # TRL as on a GPU: its [min(N, 4096), 32768] bf16 tile, allocated whatever the vocabulary, and no fp32 copy of
+    # it (the CPU's torch twins would add several)
+    assert N * 32768 * 2 <= trl["loss_head_peak_bytes"] < N * 32768 * 4
     assert fused["peak_bytes"] < eager["peak_bytes"]
 
 
@@ -82,7 +83,7 @@ def test_report_files(lora_report):
     written = json.loads(Path(f"{out}.json").read_text())
     assert written["heads"]["eager"]["peak_bytes"] == report["heads"]["eager"]["peak_bytes"]
     text = Path(f"{out}.md").read_text()
-    assert "python -m grpo_fast.memory --hidden-size 64" in text.splitlines()[4]
+    assert text.splitlines()[5].startswith("python -m grpo_fast.memory --hidden-size 64")
     assert "What is estimated, what is not" in text
     assert Path(f"{out}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for head in report["heads"].values():
@@ -91,6 +92,7 @@ def test_report_files(lora_report):
             abs=2e-3)
 
 
+@pytest.mark.slow
 def test_full_parameter_categories_and_reference_copy():
     report = memory.main(TINY + ["--lora-r", "0", "--heads", "grpo_fast", "--beta", "0.04"])
     step = report["heads"]["grpo_fast"]
@@ -146,9 +148,9 @@ def test_recipes_are_the_examples():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--micro-batch-size", "0"], "--micro-batch-size 0: expected an integer >= 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: expected an integer in [1, 1024]"),
     (["--num-generations", "1"], "--num-generations 1: expected an integer >= 2"),
-    (["--lora-r", "-1"], "--lora-r -1: expected an integer >= 0"),
+    (["--lora-r", "-1"], "--lora-r -1: expected an integer in [0, 4096]"),
     (["--card-gib", "0"], "--card-gib 0: expected a number > 0"),
     (["--beta", "nan"], "--beta nan: expected a number >= 0"),
     (["--heads", "eager,logits"], "--heads eager,logits: expected distinct names among eager, trl, grpo_fast"),
