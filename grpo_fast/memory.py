@@ -9,7 +9,7 @@ shapes, dtypes and devices, no data, no arithmetic) while torch's memory tracker
 (torch.distributed._tools.mem_tracker.MemTracker) accounts every tensor the step allocates and frees, by category:
 weights, gradients, optimizer state, activations, and the loss head's own tensors. The loss heads compared in the
 same step: "eager" (full [tokens, V] logits in the model's dtype, upcast to fp32, log_softmax, gather: TRL's
-non-fused path and grpo_fast.reference's), "trl" (TRL 1.16's fused head, trl.kernels.ChunkedLogProbFunction, as
+path without its fused head), "trl" (TRL 1.16's fused head, trl.kernels.ChunkedLogProbFunction, as
 its GRPOTrainer calls it on a GPU) and "grpo_fast" (grpo_fast.loss on its Triton path: the custom ops' fake
 implementations allocate their outputs, and the tracker adds each op's workspace from grpo_fast.ops.workspace_bytes).
 The generation phase's key / value cache comes from the config (layers x 2 x kv_heads x head_dim x tokens x bytes).
@@ -319,12 +319,14 @@ class TrlHead(LossHead):
         from trl.kernels import ChunkedLogProbFunction
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
-        B, T, D = hidden.shape
+        B, T, _ = hidden.shape
         mask = self.batch.mask.bool()
-        # hidden_states[mask] with every position valid: a gathered [N, D] copy (boolean indexing's size is a value)
-        rows = torch.arange(B * T, device=hidden.device)
-        logp, entropy, *_ = ChunkedLogProbFunction.apply(
-            hidden.reshape(B * T, D)[rows], weight, None, self.batch.targets.reshape(-1)[rows],
+        # hidden_states[mask] with every position valid: one gathered [N, D] copy (a boolean selection's size is a
+        # value, which fake tensors do not have; the same positions by index)
+        rows = torch.arange(B, device=hidden.device).repeat_interleave(T)
+        columns = torch.arange(T, device=hidden.device).repeat(B)
+        logp, _entropy_metric, *_ = ChunkedLogProbFunction.apply(
+            hidden[rows, columns], weight, None, self.batch.targets[rows, columns],
             self.recipe.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy"))
         logp = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         return grpo_token_loss(logp, self.batch, self.recipe)
@@ -714,9 +716,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Peak GPU memory of one GRPO step: {r['description']}", "",
              "Regenerate (CPU, no GPU, no hub; about a minute a head):", "", "```",
              report["command"], "```", "",
-             f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
-             f"(transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}); GiB "
-             f"(2^30 bytes). The card: RTX 4090, {card:.2f} GiB (24564 MiB).", "",
+             (f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
+              f"(transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}); GiB "
+              f"(2^30 bytes). The card: RTX 4090, {card:.2f} GiB (24564 MiB)."), "",
              "| | " + " | ".join(h["label"] for h in report["heads"].values()) + " |",
              "|---|" + "---:|" * len(report["heads"])]
     heads = list(report["heads"].values())
@@ -729,10 +731,12 @@ def markdown(report: dict) -> str:
             ("loss head's own peak", lambda h: f"{gib(h['loss_head_peak_bytes']):.2f}"),
             ("+ allowance (not tracked)", lambda h: f"{h['allowance_gib']:.2f}"),
             ("= expected on the card", lambda h: f"{h['with_allowance_gib']:.2f}"),
-            (f"fits {card:.2f} GiB?", lambda h: ("yes" if h["fits"] else "**no**") + f", margin {h['margin_gib']:+.2f}")]
+            (f"fits {card:.2f} GiB?",
+             lambda h: ("yes" if h["fits"] else "**no**") + f", margin {h['margin_gib']:+.2f}")]
     if all("measured" in h for h in heads):
         device = heads[0]["measured"]["device"]
-        rows += [(f"measured on {device}: max allocated", lambda h: f"{gib(h['measured']['max_allocated_bytes']):.2f}"),
+        rows += [(f"measured on {device}: max allocated",
+                  lambda h: f"{gib(h['measured']['max_allocated_bytes']):.2f}"),
                  ("measured: max reserved", lambda h: f"{gib(h['measured']['max_reserved_bytes']):.2f}"),
                  ("measured: device used (context included)",
                   lambda h: f"{gib(h['measured']['device_used_bytes']):.2f}")]
@@ -740,15 +744,15 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cell(h) for h in heads) + " |")
     g = report["generation"]
     parts = g["parts_bytes"]
-    lines += ["", f"Generation phase (HF generate, {g['sequences']} sequences x {g['tokens']} tokens, key / value "
-              f"cache {gib(parts['kv cache']):.2f} GiB = {r['shape']['num_layers']} layers x 2 x "
-              f"{r['shape']['num_kv_heads']} kv heads x {r['shape']['hidden_size'] // r['shape']['num_heads']} x "
-              f"{g['sequences']} x {g['tokens']} tokens x {2 if r['dtype'] in ('bfloat16', 'float16') else 4} bytes): "
-              f"weights {gib(parts['weights'] + parts['reference weights']):.2f} + optimizer state "
-              f"{gib(parts['optimizer state']):.2f} + cache = **{g['peak_gib']:.2f} GiB**, with the allowance "
-              f"{g['with_allowance_gib']:.2f}: {'fits' if g['fits'] else 'does not fit'} (margin "
-              f"{g['margin_gib']:+.2f}). The step and the generation do not overlap; the run's peak is the larger.",
-              ""]
+    lines += ["", (f"Generation phase (HF generate, {g['sequences']} sequences x {g['tokens']} tokens, key / value "
+               f"cache {gib(parts['kv cache']):.2f} GiB = {r['shape']['num_layers']} layers x 2 x "
+               f"{r['shape']['num_kv_heads']} kv heads x {r['shape']['hidden_size'] // r['shape']['num_heads']} x "
+               f"{g['sequences']} x {g['tokens']} tokens x {2 if r['dtype'] in ('bfloat16', 'float16') else 4} bytes): "
+               f"weights {gib(parts['weights'] + parts['reference weights']):.2f} + optimizer state "
+               f"{gib(parts['optimizer state']):.2f} + cache = **{g['peak_gib']:.2f} GiB**, with the allowance "
+               f"{g['with_allowance_gib']:.2f}: {'fits' if g['fits'] else 'does not fit'} (margin "
+               f"{g['margin_gib']:+.2f}). The step and the generation do not overlap; the run's peak is the larger."),
+               ""]
     lines += [HOW_TO_READ.format(ctx=ALLOWANCE["cuda_context_gib"],
                                  frag=round(100 * ALLOWANCE["fragmentation_fraction"]))]
     return "\n".join(lines) + "\n"
@@ -765,9 +769,13 @@ term's frozen copy, full-parameter runs only), gradients, optimizer state (AdamW
 optimizer step temporaries (the foreach update's), activations (the checkpoints, one layer's recomputation, the
 backward's temporaries, the inputs) and the loss head (what the head holds above the memory at its entry, when the
 peak falls inside it). "Loss head's own peak": the same quantity at the head's own peak. The heads: eager PyTorch's
-full logits (in bf16, upcast to fp32, log_softmax, gather: TRL without its fused head), TRL 1.16's fused head as on a
-GPU (its Triton kernels write in place), grpo_fast.loss's Triton path (the custom ops' fake implementations allocate
-the outputs; grpo_fast.ops.workspace_bytes adds each op's workspace while it runs).
+full logits of the completion positions (in bf16, upcast to fp32, log_softmax, gather: TRL without its fused head; a
+loop taking model(...).logits of whole sequences pays (prompt + completion) / completion times more), TRL 1.16's
+fused head as on a GPU (its Triton kernels write in place), grpo_fast.loss's Triton path (the custom ops' fake
+implementations allocate the outputs; grpo_fast.ops.workspace_bytes adds each op's workspace, sized for an RTX 4090's
+128 SMs, while it runs). The model: random weights are never made; transformers builds it from its config on the
+meta device, PEFT's get_peft_model applies LoRA there (it cannot move fake tensors), then every parameter and buffer
+becomes a fake CPU tensor of its shape and dtype (tied weights stay one tensor).
 
 Not tracked, and the allowance added for it: the CUDA context (driver, kernel images, cuBLAS / cuDNN handles, the
 Triton kernels' modules): {ctx} GiB, the high end of the 0.5-1 GiB torch 2.x takes on a card; the caching
