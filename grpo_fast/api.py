@@ -65,8 +65,11 @@ def _float_tensor(name, x):
 
 
 def _shape(name, x, expected_shapes, descr):
-    if tuple(x.shape) not in [tuple(s) for s in expected_shapes]:
-        raise ValueError(f"{name} must have shape {descr}, got {tuple(x.shape)}")
+    """x's shape is one of ``expected_shapes``, else a ValueError with ``descr()`` (a function: formatting sizes
+    would fix them under torch.compile's dynamic shapes, so only an error formats them)."""
+    # size by size (not tuple membership): symbolic sizes under torch.compile compare as guards
+    if not any(x.dim() == len(s) and all(a == b for a, b in zip(x.shape, s)) for s in expected_shapes):
+        raise ValueError(f"{name} must have shape {descr()}, got {tuple(x.shape)}")
 
 
 def _same_device(named, device, reference_name):
@@ -123,7 +126,7 @@ def _check_targets(targets, shape, V, mask, checks):
     _tensor("targets", targets)
     if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
         raise TypeError(f"targets must be an integer tensor of token ids, got {targets.dtype}")
-    _shape("targets", targets, [shape], f"[B, T] = {list(shape)}")
+    _shape("targets", targets, [shape], lambda: f"[B, T] = {list(shape)}")
     if not checks.run:
         return
     # masked positions are never read (-100 is fine): the extremes of the scored targets only
@@ -138,7 +141,7 @@ def _check_targets(targets, shape, V, mask, checks):
 
 def _check_mask(mask, shape, checks):
     _tensor("completion_mask", mask)
-    _shape("completion_mask", mask, [shape], f"[B, T] = {list(shape)}")
+    _shape("completion_mask", mask, [shape], lambda: f"[B, T] = {list(shape)}")
     if mask.dtype != torch.bool and mask.numel() and checks.run:
         checks.add([~((mask == 0) | (mask == 1)).all()],
                    lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"))
@@ -197,7 +200,7 @@ def _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard=
     V = weight.shape[0] if shard is None else shard.vocab_size
     if bias is not None:
         _float_tensor("bias", bias)
-        _shape("bias", bias, [(weight.shape[0],)], f"[V] = [{weight.shape[0]}]" if shard is None
+        _shape("bias", bias, [(weight.shape[0],)], lambda: f"[V] = [{weight.shape[0]}]" if shard is None
                else f"this rank's rows [V_local] = [{weight.shape[0]}]")
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
@@ -443,7 +446,7 @@ def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logpr
     checks.read()
     if entropy is not None:
         _float_tensor("entropy", entropy)
-        _shape("entropy", entropy, [(B, T)], f"[B, T] = [{B}, {T}]")
+        _shape("entropy", entropy, [(B, T)], lambda: f"[B, T] = [{B}, {T}]")
         _same_device([("entropy", entropy)], logprobs.device, "logprobs")
     elif options.entropy_mask or options.entropy_coef != 0.0:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
@@ -470,12 +473,12 @@ def _check_batch(batch, shape, device, device_of, options, checks):
             raise ValueError("entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
                              "value over every process's masked entropies)")
     _float_tensor("advantages", batch.advantages)
-    _shape("advantages", batch.advantages, [(B,), (B, T)], f"[B] = [{B}] or [B, T] = [{B}, {T}]")
+    _shape("advantages", batch.advantages, [(B,), (B, T)], lambda: f"[B] = [{B}] or [B, T] = [{B}, {T}]")
     for name in _LOGPROB_INPUTS:
         x = getattr(batch, name)
         if x is not None:
             _float_tensor(name, x)
-            _shape(name, x, [shape], f"[B, T] = [{B}, {T}]")
+            _shape(name, x, [shape], lambda: f"[B, T] = [{B}, {T}]")
     if batch.sampling_logprobs is not None and options.off_policy_mask_threshold is None:
         raise ValueError("sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
                          "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
@@ -483,7 +486,8 @@ def _check_batch(batch, shape, device, device_of, options, checks):
     iw = batch.importance_weights
     if iw is not None:
         _float_tensor("importance_weights", iw)
-        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)], f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
+        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)],
+               lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
         if options.loss_type_record.policy_term == "vespo" and iw.shape != (B, T):
             raise ValueError("loss_type='vespo' takes per-token importance_weights [B, T] (TRL's token_truncate or "
                              f"token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO with sequence-level "
@@ -549,10 +553,14 @@ def _token_loss(logprobs, entropy, batch, options, backend):
             adv = adv.masked_fill(masked, 0.0)
         if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
             iw = iw.masked_fill(masked, 0.0)
+        threshold = batch.entropy_threshold
+        if options.entropy_mask and threshold is None:
+            # the spec's quantile, without its boolean selection (a host read, a data-dependent shape)
+            threshold = ops.device_entropy_quantile(entropy, batch.completion_mask, options.top_entropy_quantile)
         total, metrics = reference.token_loss(
             logp, adv, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
             ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=iw,
-            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=batch.entropy_threshold)
+            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=threshold)
         metrics = Metrics(metrics)
     else:
         total, metric_values, _, _ = ops.token_loss(
@@ -581,7 +589,8 @@ def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask
         _float_tensor(name, x)
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape [B, T], got {tuple(x.shape)}")
-    _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape], f"old_logprobs' {list(old_logprobs.shape)}")
+    _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape],
+           lambda: f"old_logprobs' {list(old_logprobs.shape)}")
     _tensor("completion_mask", completion_mask)
     _same_device([("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
                  old_logprobs.device, "old_logprobs")

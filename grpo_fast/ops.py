@@ -223,8 +223,23 @@ def metric_names(options: LossOptions, has_entropy: bool):
 
 
 def options_json(options: LossOptions) -> str:
-    """The loss options as token_loss's ``options_json`` argument (a string: a schema constant)."""
-    return json.dumps(dataclasses.asdict(options), sort_keys=True, default=float)
+    """The loss options as token_loss's ``options_json`` argument (a string: a schema constant). Built field by
+    field, not by json.dumps, which torch.compile cannot trace (a float option is then fixed by a guard)."""
+    parts = []
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if value is None:
+            text = "null"
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = f"\"{value}\""  # the option strings are plain names (loss types, levels)
+        elif isinstance(value, int):
+            text = str(int(value))
+        else:
+            text = repr(float(value))
+        parts.append(f'"{field.name}": {text}')
+    return "{" + ", ".join(parts) + "}"
 
 
 def _token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
@@ -279,18 +294,24 @@ def device_entropy_quantile(entropy, mask, top_entropy_quantile):
     active = mask.reshape(-1) > 0
     values = torch.where(active, entropy.detach().float().reshape(-1), torch.inf).sort().values
     count = active.sum()
-    q = torch.tensor(1.0 - top_entropy_quantile, dtype=FP32, device=entropy.device)
+    q = torch.full((), 1.0 - top_entropy_quantile, dtype=FP32, device=entropy.device)
     rank = q * (count - 1).clamp(min=0).to(FP32)
     below = rank.to(torch.int64)
-    above = (below + 1).clamp(max=(count - 1).clamp(min=0))
-    threshold = values[below].lerp(values[above], rank - below.to(FP32))
+    above = rank.ceil().to(torch.int64)  # torch.quantile's rule: the same two ranks when rank is integral
+    # index_select, not values[below]: a 0-d index tensor would be read on the host
+    threshold = values.index_select(0, below.reshape(1)).lerp(values.index_select(0, above.reshape(1)),
+                                                              rank - below.to(FP32)).reshape(())
+    # a NaN entropy among the masked ones makes torch.quantile NaN
+    threshold = torch.where((active & entropy.reshape(-1).isnan()).any(), torch.nan, threshold)
     return torch.where(count > 0, threshold, torch.inf)
 
 
 def _token_loss_triton(logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
     B = logp.shape[0]
-    scale = 1.0 / torch.as_tensor(options.denominator(B, mask.sum(), num_items), dtype=torch.float64,
-                                  device=logp.device)
+    denominator = options.denominator(B, mask.sum(), num_items)
+    # a number is written to the device (torch.full: a fill, not a copy from host memory), never read back
+    scale = 1.0 / (denominator.double() if isinstance(denominator, torch.Tensor)
+                   else torch.full((), denominator, dtype=torch.float64, device=logp.device))
     threshold = None
     if options.entropy_mask:
         threshold = (entropy_threshold if entropy_threshold is not None

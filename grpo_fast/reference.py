@@ -195,7 +195,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     entropy_mask = None
     if o.top_entropy_quantile < 1.0:
         threshold = (entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile) if entropy_threshold is None
-                     else torch.as_tensor(float(entropy_threshold)))
+                     else torch.as_tensor(entropy_threshold, dtype=torch.float32))
         if threshold is None:
             entropy_mask = torch.zeros_like(mask, dtype=torch.bool)
         else:

@@ -16,7 +16,8 @@ import torch
 
 def check_number(name, x, condition=lambda v: True, expected="a finite number"):
     """x must be a real number (a Python or numpy scalar, not a bool) for which condition holds."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not condition(x):
+    # finite as comparisons, not math.isfinite: torch.compile folds these on a constant
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or x != x or abs(x) == math.inf or not condition(x):
         raise ValueError(f"{name} must be {expected}, got {x!r}")
 
 

@@ -409,7 +409,9 @@ def _token_loss_kernel(
 
 def _device_scalar(x, like):
     """A kernel's scalar operand as a [1] fp32 tensor on ``like``'s device (a device tensor as it is: no host read)."""
-    return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(1)
+    if isinstance(x, torch.Tensor):
+        return x.to(device=like.device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), float(x), dtype=torch.float32, device=like.device)  # a fill: no copy from host memory
 
 
 @on_first_argument_device

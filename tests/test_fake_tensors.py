@@ -1,0 +1,70 @@
+"""grpo_fast's functions under FakeTensorMode (fake CPU tensors) and on meta tensors: no value is read (the value
+checks skip tensors without data), outputs and gradients have the real ones' shapes and dtypes (the ops' fake
+implementations). Fake CUDA tensors are not tested here: on a CPU-only torch their forward runs, but the autograd
+engine asks for a CUDA device guard in the backward and the process aborts."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import grpo_fast
+
+B, T, D, V = 2, 5, 16, 40
+
+
+def _inputs(dtype, device="cpu", weight_grad=False):
+    hidden = torch.randn(B, T, D, dtype=dtype, device=device).requires_grad_()
+    weight = torch.randn(V, D, dtype=dtype, device=device).requires_grad_(weight_grad)
+    targets = torch.randint(0, V, (B, T), device=device)
+    mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    adv = torch.randn(B, device=device)
+    old = torch.randn(B, T, device=device)
+    return hidden, weight, targets, mask, adv, old
+
+
+def _check_all(inputs, backend, weight_grad):
+    hidden, weight, targets, mask, adv, old = inputs
+    logp = grpo_fast.logprobs(hidden, weight, targets, completion_mask=mask, backend=backend)
+    assert logp.shape == (B, T) and logp.dtype == torch.float32
+    lp, ent = grpo_fast.logprobs_and_entropy(hidden, weight, targets, completion_mask=mask, backend=backend)
+    assert lp.shape == ent.shape == (B, T) and lp.dtype == ent.dtype == torch.float32
+    for options in (dict(beta=0.04, ref_logprobs=old), dict(loss_type="grpo", top_entropy_quantile=0.5,
+                                                             entropy_coef=0.01)):
+        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, old_logprobs=old, backend=backend,
+                                       **options)
+        assert loss.shape == () and loss.dtype == torch.float32
+        assert all(m.shape == () for m in metrics.values())
+        grads = torch.autograd.grad(loss, [hidden, weight] if weight_grad else [hidden])
+        assert grads[0].shape == hidden.shape and grads[0].dtype == hidden.dtype
+        if weight_grad:
+            assert grads[1].shape == weight.shape and grads[1].dtype == weight.dtype
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_head", "general"])
+def test_fake_cpu_tensors(backend, weight_grad):
+    with FakeTensorMode():
+        loss = _check_all(_inputs(torch.bfloat16, weight_grad=weight_grad), backend, weight_grad)
+        assert type(loss).__name__ == "FakeTensor"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_head", "general"])
+def test_meta_tensors(backend, weight_grad):
+    loss = _check_all(_inputs(torch.float32, "meta", weight_grad), backend, weight_grad)
+    assert loss.device.type == "meta"
+
+
+def test_fake_outputs_have_the_real_sizes():
+    """The fake implementations allocate what the real ones return (a memory tracker sees the right sizes)."""
+    from grpo_fast import ops
+
+    hidden, weight, targets, *_ = _inputs(torch.float32)
+    for frozen in (False, True):
+        args = (hidden.detach().reshape(-1, D), weight.detach(), targets.reshape(-1), None, None, None, 1.0, None,
+                1.0, True, frozen, "triton", "chunked")
+        real = ops._linear_logprobs(*args)
+        with FakeTensorMode() as mode:
+            fake = ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]

@@ -1,0 +1,127 @@
+"""Host synchronisations of one grpo_fast.loss call (forward and backward) on the Triton path (the interpreter here):
+at most one with the value checks (their flags and the scored-token count, read together), none without them, and
+every named error still raised when the checks run.
+
+Counted: the dispatcher's scalar reads and data-dependent shapes (``aten._local_scalar_dense``, ``aten.nonzero``,
+``aten.is_nonzero``, ``masked_select``, indexing with a bool tensor: each makes the host wait for the device) by a
+TorchDispatchMode, which sees inside grpo_fast's ops (they run inline under a dispatch mode over real tensors,
+grpo_fast.ops), plus ``Tensor.tolist`` / ``Tensor.item`` calls, which on a CPU tensor reach no dispatcher op
+(on a GPU each is a copy to the host and a wait)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import grpo_fast
+
+SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+            torch.ops.aten.is_nonzero.default, torch.ops.aten.masked_select.default}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the host synchronisations of the operators run within (by name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if func in SYNC_OPS or bool_index:
+            self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+def count_syncs(fn, monkeypatch):
+    """(result of fn(), the list of its host synchronisations)."""
+    mode = HostSyncs()
+    for name in ("tolist", "item"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            mode.syncs.append(f"Tensor.{_name}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    with mode:
+        out = fn()
+    monkeypatch.undo()
+    return out, mode.syncs
+
+
+def _batch(weight_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, T, D, V = 3, 9, 32, 77
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[2] = False  # a sequence without tokens
+    return dict(hidden=torch.randn(B, T, D, generator=g).requires_grad_(),
+                weight=(torch.randn(V, D, generator=g) * 0.2).requires_grad_(weight_grad),
+                targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
+                advantages=torch.randn(B, generator=g), completion_mask=mask,
+                old_logprobs=-torch.rand(B, T, generator=g) * 4, ref_logprobs=-torch.rand(B, T, generator=g) * 4)
+
+
+LOSS_OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
+                dict(loss_type="dr_grpo", importance_sampling_level="sequence", max_completion_length=9)]
+
+
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_head", "general"])
+@pytest.mark.parametrize("options", LOSS_OPTIONS, ids=["dapo_kl", "grpo_entropy", "dr_grpo_seq"])
+def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeypatch):
+    x = _batch(weight_grad)
+
+    def step(check_values):
+        x["hidden"].grad = None
+        loss, metrics = grpo_fast.loss(**x, backend="triton", check_values=check_values, **options)
+        loss.backward()
+        return loss.detach(), x["hidden"].grad.clone(), metrics
+
+    (loss, grad, metrics), syncs = count_syncs(lambda: step(True), monkeypatch)
+    assert syncs == ["Tensor.tolist"]
+    (loss_off, grad_off, metrics_off), syncs_off = count_syncs(lambda: step(False), monkeypatch)
+    assert syncs_off == []
+    # the two row selections (exact, and the device partition with padding rows) give the same numbers
+    torch.testing.assert_close(loss_off, loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_off, grad, rtol=1e-5, atol=1e-7)
+    assert metrics.keys() == metrics_off.keys()
+    for name in metrics:
+        assert metrics[name].device == loss.device and metrics[name].dim() == 0  # device tensors: TRL reads them
+        torch.testing.assert_close(metrics_off[name], metrics[name], rtol=1e-5, atol=1e-7, equal_nan=True)
+    # the spec's numbers (the torch twin)
+    x["hidden"].grad = None
+    expected, _ = grpo_fast.loss(**x, backend="torch", **options)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, x["hidden"].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_value_checks_still_name_each_bad_input():
+    x = _batch()
+    bad_targets = dict(x, targets=torch.where(x["completion_mask"], 80, 0))
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask is 1, "
+                                         r"got values in \[80, 80\]"):
+        grpo_fast.loss(**bad_targets, backend="triton")
+    bad_mask = dict(x, completion_mask=x["completion_mask"].float() * 2)
+    with pytest.raises(ValueError, match="completion_mask must be bool or hold only 0 and 1"):
+        grpo_fast.loss(**bad_mask, backend="triton")
+    with pytest.raises(ValueError, match=r"num_items_in_batch must be >= 0, got -3.5"):
+        grpo_fast.loss(**x, backend="triton", num_items_in_batch=torch.tensor(-3.5))
+    # without the checks nothing is read: a bad target is then the caller's promise broken, not an error
+    loss, _ = grpo_fast.loss(**x, backend="triton", check_values=False, num_items_in_batch=torch.tensor(4.0))
+    assert torch.isfinite(loss)
+
+
+def test_device_entropy_quantile_is_torch_quantile_of_the_masked_values():
+    from grpo_fast import ops, reference
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        entropy = torch.rand(4, 11, generator=g) * 3
+        mask = (torch.rand(4, 11, generator=g) > 0.5).float()
+        for q in (0.2, 0.5, 0.8, 1.0 / 3.0):
+            expected = reference.entropy_quantile_threshold(entropy, mask, q)
+            got = ops.device_entropy_quantile(entropy, mask, q)
+            assert torch.equal(got, expected if expected is not None else torch.tensor(torch.inf))
+    assert ops.device_entropy_quantile(torch.rand(2, 3), torch.zeros(2, 3), 0.5) == torch.inf
