@@ -7,11 +7,15 @@
 #   bash tools/gpu_checklist.sh                     # the whole suite, then the benchmark's quick mode
 #   BENCH_MODE=full bash tools/gpu_checklist.sh     # the benchmark's full sweep (bench/gpu_run.sh full, ~8 min)
 #   BENCH_MODE=none bash tools/gpu_checklist.sh tests/test_linear_logprobs.py   # chosen tests, no benchmark
+#   MEMORY=0 bash tools/gpu_checklist.sh            # without the memory step (default MEMORY=1)
 # Arguments go to pytest (default: the whole suite, slow tier included). Carried wheels in .whl/ (trl, its
 # dependencies, liger-kernel: bench/README.md) are installed into /tmp/site first, as bench/gpu_run.sh does; a
 # test file whose imports are missing there is reported as a collection error and the others still run.
 # Writes into $OUT (default bench/results/gpu-checklist-<date>): checklist.md (versions, the pytest summary, the
 # benchmark's exit), environment.json, pytest.log, pytest.xml (JUnit), and the benchmark's files.
+# The memory step (MEMORY=1): both committed recipes' steps (bench/results/memory-4090-*) estimated over fake tensors
+# and measured on this GPU (python -m grpo_fast.memory --measure: torch.cuda.max_memory_allocated / reserved of the
+# same step, random weights), memory-<recipe>.{json,md,png}; the TRL head only where trl imports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -68,6 +72,20 @@ if [ "$BENCH_MODE" != none ]; then
   bench_rc=$?
 fi
 
+memory_rc="not run"
+if [ "${MEMORY:-1}" != 0 ] && ! python3 -c "import transformers, peft" 2>/dev/null; then
+  memory_rc="not run (transformers or peft missing)"
+elif [ "${MEMORY:-1}" != 0 ]; then
+  heads=eager,grpo_fast
+  python3 -c "import trl.kernels" 2>/dev/null && heads=eager,trl,grpo_fast
+  memory_rc=0
+  for recipe in qwen2.5-1.5b-lora qwen2.5-0.5b-full; do
+    echo "== $(date -u +%FT%TZ) memory: $recipe ($heads), estimated and measured"
+    python3 -m grpo_fast.memory --recipe "$recipe" --heads "$heads" --measure --out "$OUT/memory-$recipe" \
+      || memory_rc=$?
+  done
+fi
+
 {
   echo "# GPU checklist, $(date -u +%F)"
   echo
@@ -83,6 +101,10 @@ fi
   echo '```'
   echo
   echo "bench/gpu_run.sh $BENCH_MODE: exit $bench_rc"
+  echo
+  echo "memory (estimate beside the measured peak: memory-<recipe>.md): exit $memory_rc"
+  for f in "$OUT"/memory-*.md; do [ -f "$f" ] && { echo; sed -n '/^| |/,/^$/p' "$f"; }; done
 } > "$OUT/checklist.md"
 cat "$OUT/checklist.md"
-[ "$tests_rc" -eq 0 ] && { [ "$bench_rc" = "not run" ] || [ "$bench_rc" -eq 0 ]; }
+[ "$tests_rc" -eq 0 ] && { [ "$bench_rc" = "not run" ] || [ "$bench_rc" -eq 0 ]; } \
+  && { [[ "$memory_rc" == "not run"* ]] || [ "$memory_rc" -eq 0 ]; }

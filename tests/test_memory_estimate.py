@@ -1,0 +1,190 @@
+"""python -m grpo_fast.memory: the step's categories against hand arithmetic on tiny configs, the loss heads' [N, V]
+logits (the eager head holds them, grpo_fast's never does), the key / value cache's arithmetic, the recipes against
+examples/train_gsm8k.py's preset, and the command line's errors. The real-size estimates (bench/results/memory-4090-*)
+are slow: one 0.5B run is in the slow tier."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_fast import memory
+
+ROOT = Path(__file__).resolve().parents[1]
+# tiny: 2 layers, 4 heads of 16, 2 kv heads; a vocabulary much wider than the hidden size, so that [N, V] dominates
+TINY = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
+        "--num-kv-heads", "2", "--vocab-size", "32768", "--micro-batch-size", "2", "--prompt-length", "16",
+        "--completion-length", "64", "--prompts-per-step", "2", "--num-generations", "4", "--quiet"]
+D, I, L, KV_DIM, V, B, P, T = 64, 128, 2, 2 * 16, 32768, 2, 16, 64
+
+
+def base_parameters():
+    """Qwen2 by hand: embeddings (tied with the head), per layer q / k / v with biases, o, gate, up, down, two
+    RMS norms; the final norm."""
+    layer = (D * D + D) + 2 * (D * KV_DIM + KV_DIM) + D * D + 3 * D * I + 2 * D
+    return V * D + L * layer + D
+
+
+def lora_parameters(r):
+    """PEFT's A [r, in] and B [out, r] on q, k, v, o, gate, up, down of every layer."""
+    return L * r * ((D + D) + 2 * (D + KV_DIM) + (D + D) + 2 * (D + I) + (I + D))
+
+
+def rope_buffer_bytes():
+    return 2 * (16 // 2) * 4  # inv_freq and original_inv_freq, head_dim / 2 fp32 each
+
+
+@pytest.fixture(scope="module")
+def lora_report(tmp_path_factory):
+    """The three heads on a tiny LoRA r 4 recipe, through the command line (--out writes the three files)."""
+    out = tmp_path_factory.mktemp("memory") / "tiny-lora"
+    report = memory.main(TINY + ["--lora-r", "4", "--out", str(out)])
+    return report, out
+
+
+def test_lora_categories_match_hand_arithmetic(lora_report):
+    report, _ = lora_report
+    trainable = lora_parameters(4)
+    for head, step in report["heads"].items():
+        c = step["categories_bytes"]
+        assert step["trainable_parameters"] == trainable, head
+        assert step["parameters"] == base_parameters() + trainable, head
+        # bf16 base weights, fp32 adapters (PEFT's autocast); RoPE's two fp32 buffers
+        assert c["weights"] == base_parameters() * 2 + trainable * 4 + rope_buffer_bytes(), head
+        assert c["reference weights"] == 0, head  # LoRA's reference is the base model: no copy
+        assert c["gradients"] == trainable * 4, head
+        # AdamW: two fp32 moments per trainable parameter and one fp32 step count per trainable tensor (14 a layer)
+        assert step["optimizer_state_bytes"] == 2 * trainable * 4 + L * 7 * 2 * 4, head
+        assert c["optimizer state"] == step["optimizer_state_bytes"], head
+        assert sum(c.values()) == step["peak_bytes"], head
+
+
+def test_eager_head_holds_the_logits_and_grpo_fast_never_does(lora_report):
+    report, _ = lora_report
+    N = B * T
+    logits_fp32 = N * V * 4
+    eager, trl, fused = (report["heads"][h] for h in ("eager", "trl", "grpo_fast"))
+    # eager: the fp32 log-softmax it saves and its gradient are alive together in its backward, at the step's peak
+    assert eager["loss_head_peak_bytes"] >= 2 * logits_fp32
+    assert eager["peak_in"] == "loss head backward"
+    assert eager["categories_bytes"]["loss head"] == eager["loss_head_peak_bytes"]
+    # grpo_fast: not even one bf16 [N, V] tensor at its own peak (its frozen-head workspace included)
+    assert 0 < fused["loss_head_peak_bytes"] < N * V * 2
+    # TRL as on a GPU: its [min(N, 4096), 32768] bf16 tile, allocated whatever the vocabulary, and no fp32 copy of
+    # it (the CPU's torch twins would add several)
+    assert N * 32768 * 2 <= trl["loss_head_peak_bytes"] < N * 32768 * 4
+    assert fused["peak_bytes"] < eager["peak_bytes"]
+
+
+def test_report_files(lora_report):
+    report, out = lora_report
+    written = json.loads(Path(f"{out}.json").read_text())
+    assert written["heads"]["eager"]["peak_bytes"] == report["heads"]["eager"]["peak_bytes"]
+    text = Path(f"{out}.md").read_text()
+    assert text.splitlines()[5].startswith("python -m grpo_fast.memory --hidden-size 64")
+    assert "What is estimated, what is not" in text
+    assert Path(f"{out}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for head in report["heads"].values():
+        assert head["fits"] and head["allowance_gib"] == pytest.approx(
+            memory.ALLOWANCE["cuda_context_gib"] + memory.ALLOWANCE["fragmentation_fraction"] * head["peak_gib"],
+            abs=2e-3)
+
+
+@pytest.mark.slow
+def test_full_parameter_categories_and_reference_copy():
+    report = memory.main(TINY + ["--lora-r", "0", "--heads", "grpo_fast", "--beta", "0.04"])
+    step = report["heads"]["grpo_fast"]
+    c = step["categories_bytes"]
+    params = base_parameters()
+    assert step["trainable_parameters"] == params
+    assert c["weights"] == params * 2 + rope_buffer_bytes()
+    assert c["reference weights"] == params * 2 + rope_buffer_bytes()  # the KL term's frozen copy
+    # bf16 parameters: bf16 gradients and bf16 moments (torch's AdamW keeps the state in the parameter's dtype)
+    n_tensors = 1 + L * 12 + 1  # embeddings, per layer q/k/v weights and biases, o, gate, up, down, 2 norms; norm
+    assert step["optimizer_state_bytes"] == 2 * params * 2 + n_tensors * 4
+    assert c["gradients"] in (0, params * 2)  # all of them at a forward / backward peak, none after zero_grad
+    assert sum(c.values()) == step["peak_bytes"]
+
+
+def test_kv_cache_arithmetic():
+    qwen = memory.MODELS["qwen2.5-1.5b"]
+    assert memory.kv_cache_bytes(qwen, 64, 1298, 2) == 28 * 2 * 2 * 128 * 64 * 1298 * 2 == 2_381_840_384
+    recipe = memory.RECIPES["qwen2.5-1.5b-lora"]
+    step = {"categories_bytes": {"weights": 10, "reference weights": 0}, "optimizer_state_bytes": 7}
+    generation = memory.generation_phase(recipe, step)
+    assert (generation["sequences"], generation["tokens"]) == (64, 1298)
+    assert generation["parts_bytes"]["kv cache"] == 2_381_840_384
+    assert generation["total_bytes"] == 2_381_840_384 + 17
+    assert memory.kv_cache_bytes(memory.MODELS["qwen2.5-0.5b"], 3, 5, 4) == 24 * 2 * 2 * 64 * 3 * 5 * 4
+
+
+def test_recipes_are_the_examples():
+    """The two recipes are examples/train_gsm8k.py's GPU preset (and --lora-r 0) on its public model configs."""
+    spec = importlib.util.spec_from_file_location("train_gsm8k", ROOT / "examples" / "train_gsm8k.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    preset = example.PRESETS["gpu"]
+    defaults = example.parse_args(["--preset", "gpu"])
+    for name, recipe in memory.RECIPES.items():
+        shape = example.MODEL_CONFIGS[recipe.model]
+        assert (recipe.shape.hidden_size, recipe.shape.intermediate_size, recipe.shape.num_layers,
+                recipe.shape.num_heads, recipe.shape.num_kv_heads, recipe.shape.vocab_size,
+                recipe.shape.tie_word_embeddings) == (
+            shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"],
+            shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"],
+            shape["tie_word_embeddings"]), name
+        assert (recipe.micro_batch_size, recipe.completion_length, recipe.prompts_per_step, recipe.num_generations,
+                recipe.gradient_checkpointing, recipe.beta, recipe.temperature) == (
+            preset["micro_batch_size"], preset["max_completion_length"], preset["prompts_per_step"],
+            preset["num_generations"], preset["gradient_checkpointing"], preset["beta"], preset["temperature"])
+        assert recipe.prompt_length == defaults.max_prompt_length
+        assert (recipe.lora_alpha, recipe.weight_decay, recipe.max_grad_norm, recipe.epsilon) == (
+            defaults.lora_alpha, defaults.weight_decay, defaults.max_grad_norm, defaults.epsilon)
+        assert recipe.lr == example.parse_args(["--preset", "gpu", "--lora-r", str(recipe.lora_r)]).lr
+    assert memory.RECIPES["qwen2.5-1.5b-lora"].lora_r == preset["lora_r"]
+    assert memory.RECIPES["qwen2.5-1.5b-lora"].model == "qwen2.5-1.5b"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: expected an integer in [1, 1024]"),
+    (["--num-generations", "1"], "--num-generations 1: expected an integer >= 2"),
+    (["--lora-r", "-1"], "--lora-r -1: expected an integer in [0, 4096]"),
+    (["--card-gib", "0"], "--card-gib 0: expected a number > 0"),
+    (["--beta", "nan"], "--beta nan: expected a number >= 0"),
+    (["--heads", "eager,logits"], "--heads eager,logits: expected distinct names among eager, trl, grpo_fast"),
+    (["--heads", "eager,eager"], "--heads eager,eager: expected distinct names"),
+    (["--hidden-size", "100", "--num-heads", "3", "--num-kv-heads", "1"],
+     "hidden size 100 is not a multiple of the 3 attention heads"),
+    (["--num-heads", "12", "--num-kv-heads", "5"], "12 attention heads are not a multiple of the 5 kv heads"),
+    (["--hidden-size", "36", "--num-heads", "4", "--num-kv-heads", "2"], "head dim 9 (hidden size / heads) is odd"),
+])
+def test_command_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        memory.recipe_from_args(memory.parse_args(argv + ["--quiet"]))
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m grpo_fast.memory: error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_unknown_recipe_is_argparse_error(capsys):
+    with pytest.raises(SystemExit) as raised:
+        memory.parse_args(["--recipe", "qwen3-8b"])
+    assert raised.value.code == 2 and "invalid choice: 'qwen3-8b'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_qwen05b_full_parameter_step():
+    """The committed 0.5B estimate's categories at full size: weights, reference copy, gradients and AdamW's state
+    by the parameter count (494M, tied), and the eager head's logits far above grpo_fast's head."""
+    report = memory.main(["--recipe", "qwen2.5-0.5b-full", "--heads", "eager,grpo_fast", "--quiet"])
+    params = 494_032_768
+    for head in ("eager", "grpo_fast"):
+        step = report["heads"][head]
+        assert step["parameters"] == step["trainable_parameters"] == params
+        assert step["categories_bytes"]["reference weights"] == params * 2 + 2 * 32 * 4
+        assert step["optimizer_state_bytes"] == 2 * params * 2 + (2 + 24 * 12) * 4
+    N, V = 4 * 786, 151936
+    assert report["heads"]["eager"]["loss_head_peak_bytes"] >= 2 * N * V * 4
+    assert report["heads"]["grpo_fast"]["loss_head_peak_bytes"] < N * V * 2
