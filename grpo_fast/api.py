@@ -24,7 +24,6 @@ the host (grpo_fast.ops.token_loss). The layers run as torch.library custom ops 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -1,10 +1,14 @@
-"""torch.autograd.Function wrappers: layer 1 (fused linear log-probs and entropy) and layer 2's loss value.
+"""Layer 1's backend dispatch and path choice: the Triton kernels or the torch twin (grpo_fast/torch_backend.py) for
+the forward, the forward record (a vocab-parallel shard's), the frozen-head forward and the backward, and
+``linear_logprobs``, which chooses the path and calls the custom op (grpo_fast/ops.py, whose autograd formula is
+the head's backward).
 
 Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
-and optionally ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py),
-whose product lora_hidden lora_weight^T is added to the raw logits; the backend ("triton" or "torch") is already
-resolved, the head path is one of config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the caller's
-choices, passed down as arguments).
+with ``transform`` a grpo_fast.transform.LogitTransform, and optionally ``lora`` = (lora_hidden [N, r],
+lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py), whose product lora_hidden lora_weight^T is
+added to the raw logits; the backend ("triton" or "torch") is already resolved, the head path is one of
+config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the caller's choices, passed down as
+arguments).
 """
 
 import torch
@@ -15,7 +19,6 @@ from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import softmax_stats
-from grpo_fast.kernels.softmax_stats import BackwardStats
 
 
 def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import numbers
 from dataclasses import dataclass
 

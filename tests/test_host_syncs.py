@@ -100,8 +100,8 @@ def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeyp
 def test_the_value_checks_still_name_each_bad_input():
     x = _batch()
     bad_targets = dict(x, targets=torch.where(x["completion_mask"], 80, 0))
-    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask is 1, "
-                                         r"got values in \[80, 80\]"):
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask "
+                                         r"is 1, got values in \[80, 80\]"):
         grpo_fast.loss(**bad_targets, backend="triton")
     bad_mask = dict(x, completion_mask=x["completion_mask"].float() * 2)
     with pytest.raises(ValueError, match="completion_mask must be bool or hold only 0 and 1"):
