@@ -710,6 +710,19 @@ def to_json(result: dict, command: str, card_gib: float) -> dict:
     return out
 
 
+def answer(report: dict) -> str:
+    """The verdict in one line: each head's step and the generation phase, with the allowance, against the card."""
+    heads = list(report["heads"].values())
+    g = report["generation"]
+    everything = heads + [g]
+    verdict_words = ("fits with every head" if all(x["fits"] for x in everything) else
+                     "does not fit with every head" if any(x["fits"] for x in everything) else "does not fit")
+    steps = "; ".join(f"{h['label']} {h['with_allowance_gib']:.2f} (margin {h['margin_gib']:+.2f})" for h in heads)
+    return (f"**RTX 4090 ({report['card']['gib']:.2f} GiB): {verdict_words}.** Expected on the card (estimate + "
+            f"allowance), GiB: the training step with {steps}; the generation phase {g['with_allowance_gib']:.2f} "
+            f"(margin {g['margin_gib']:+.2f}).")
+
+
 def markdown(report: dict) -> str:
     r = report["recipe"]
     card = report["card"]["gib"]
@@ -719,6 +732,7 @@ def markdown(report: dict) -> str:
              (f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
               f"(transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}); GiB "
               f"(2^30 bytes). The card: RTX 4090, {card:.2f} GiB (24564 MiB)."), "",
+             answer(report), "",
              "| | " + " | ".join(h["label"] for h in report["heads"].values()) + " |",
              "|---|" + "---:|" * len(report["heads"])]
     heads = list(report["heads"].values())

@@ -84,6 +84,7 @@ def test_report_files(lora_report):
     text = Path(f"{out}.md").read_text()
     assert text.splitlines()[5].startswith("python -m grpo_fast.memory --hidden-size 64")
     assert "What is estimated, what is not" in text
+    assert "**RTX 4090 (23.99 GiB): fits with every head.**" in text
     assert Path(f"{out}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for head in report["heads"].values():
         assert head["fits"] and head["allowance_gib"] == pytest.approx(
