@@ -237,7 +237,7 @@ def options_json(options: LossOptions) -> str:
         elif isinstance(value, int):
             text = str(int(value))
         else:
-            text = repr(float(value))
+            text = f"{float(value)}"  # (str of a float round-trips exactly)
         parts.append(f'"{field.name}": {text}')
     return "{" + ", ".join(parts) + "}"
 
