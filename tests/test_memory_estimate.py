@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_fast import memory
 
@@ -189,3 +190,10 @@ def test_qwen05b_full_parameter_step():
     N, V = 4 * 786, 151936
     assert report["heads"]["eager"]["loss_head_peak_bytes"] >= 2 * N * V * 4
     assert report["heads"]["grpo_fast"]["loss_head_peak_bytes"] < N * V * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_measure_needs_cuda(capsys):
+    with pytest.raises(SystemExit) as raised:
+        memory.parse_args(["--measure"])
+    assert raised.value.code == 2 and "--measure runs the step on a CUDA GPU" in capsys.readouterr().err
