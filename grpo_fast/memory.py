@@ -8,8 +8,8 @@ One micro-batch's forward and backward and the optimizer step run over fake tens
 shapes, dtypes and devices, no data, no arithmetic) while torch's memory tracker
 (torch.distributed._tools.mem_tracker.MemTracker) accounts every tensor the step allocates and frees, by category:
 weights, gradients, optimizer state, activations, and the loss head's own tensors. The loss heads compared in the
-same step: "eager" (full [tokens, V] logits in the model's dtype, upcast to fp32, log_softmax, gather: TRL's
-path without its fused head), "trl" (TRL 1.16's fused head, trl.kernels.ChunkedLogProbFunction, as
+same step: "eager" (full [tokens, V] logits in the model's dtype, upcast to fp32, log_softmax, gather: a plain
+training loop's path), "trl" (TRL 1.16's fused head, trl.kernels.ChunkedLogProbFunction, as
 its GRPOTrainer calls it on a GPU) and "grpo_fast" (grpo_fast.loss on its Triton path: the custom ops' fake
 implementations allocate their outputs, and the tracker adds each op's workspace from grpo_fast.ops.workspace_bytes).
 The generation phase's key / value cache comes from the config (layers x 2 x kv_heads x head_dim x tokens x bytes).
@@ -258,8 +258,8 @@ class LossHead(nn.Module):
 
 class EagerHead(LossHead):
     """Full logits: ``hidden @ weight.T`` in the model's dtype (its lm_head's product), upcast to fp32 and divided
-    by the temperature, log_softmax, gather: TRL's path without the fused head (logits of the completion positions
-    only, its ``logits_to_keep``)."""
+    by the temperature, log_softmax, gather, as a plain training loop writes it, for the completion positions only
+    (a ``logits_to_keep`` of the completion length)."""
 
     label = "eager PyTorch (full logits)"
 
@@ -783,12 +783,12 @@ term's frozen copy, full-parameter runs only), gradients, optimizer state (AdamW
 optimizer step temporaries (the foreach update's), activations (the checkpoints, one layer's recomputation, the
 backward's temporaries, the inputs) and the loss head (what the head holds above the memory at its entry, when the
 peak falls inside it). "Loss head's own peak": the same quantity at the head's own peak. The heads: eager PyTorch's
-full logits of the completion positions (in bf16, upcast to fp32, log_softmax, gather: TRL without its fused head; a
-loop taking model(...).logits of whole sequences pays (prompt + completion) / completion times more), TRL 1.16's
-fused head as on a GPU (its Triton kernels write in place), grpo_fast.loss's Triton path (the custom ops' fake
-implementations allocate the outputs; grpo_fast.ops.workspace_bytes adds each op's workspace, sized for an RTX 4090's
-128 SMs, while it runs). The model: random weights are never made; transformers builds it from its config on the
-meta device, PEFT's get_peft_model applies LoRA there (it cannot move fake tensors), then every parameter and buffer
+full logits of the completion positions as a plain training loop writes them (in bf16, upcast to fp32, log_softmax,
+gather; a loop taking model(...).logits of whole sequences pays (prompt + completion) / completion times more),
+TRL 1.16's fused head as on a GPU (its Triton kernels write in place), grpo_fast.loss's Triton path (the custom ops'
+fake implementations allocate the outputs; grpo_fast.ops.workspace_bytes adds each op's workspace, sized for an RTX
+4090's 128 SMs, while it runs). The model: no weight is made or downloaded; transformers builds it from its config on
+the meta device, PEFT's get_peft_model applies LoRA there (it cannot move fake tensors), then every parameter and buffer
 becomes a fake CPU tensor of its shape and dtype (tied weights stay one tensor).
 
 Not tracked, and the allowance added for it: the CUDA context (driver, kernel images, cuBLAS / cuDNN handles, the
