@@ -8,8 +8,8 @@ One micro-batch's forward and backward and the optimizer step run over fake tens
 shapes, dtypes and devices, no data, no arithmetic) while torch's memory tracker
 (torch.distributed._tools.mem_tracker.MemTracker) accounts every tensor the step allocates and frees, by category:
 weights, gradients, optimizer state, activations, and the loss head's own tensors. The loss heads compared in the
-same step: "eager" (full [tokens, V] logits in the model's dtype, upcast to fp32, log_softmax, gather: TRL's
-path without its fused head), "trl" (TRL 1.16's fused head, trl.kernels.ChunkedLogProbFunction, as
+same step: "eager" (full [tokens, V] logits in the model's dtype, upcast to fp32, log_softmax, gather: a plain
+training loop's path), "trl" (TRL 1.16's fused head, trl.kernels.ChunkedLogProbFunction, as
 its GRPOTrainer calls it on a GPU) and "grpo_fast" (grpo_fast.loss on its Triton path: the custom ops' fake
 implementations allocate their outputs, and the tracker adds each op's workspace from grpo_fast.ops.workspace_bytes).
 The generation phase's key / value cache comes from the config (layers x 2 x kv_heads x head_dim x tokens x bytes).
@@ -258,8 +258,8 @@ class LossHead(nn.Module):
 
 class EagerHead(LossHead):
     """Full logits: ``hidden @ weight.T`` in the model's dtype (its lm_head's product), upcast to fp32 and divided
-    by the temperature, log_softmax, gather: TRL's path without the fused head (logits of the completion positions
-    only, its ``logits_to_keep``)."""
+    by the temperature, log_softmax, gather, as a plain training loop writes it, for the completion positions only
+    (a ``logits_to_keep`` of the completion length)."""
 
     label = "eager PyTorch (full logits)"
 
@@ -710,6 +710,19 @@ def to_json(result: dict, command: str, card_gib: float) -> dict:
     return out
 
 
+def answer(report: dict) -> str:
+    """The verdict in one line: each head's step and the generation phase, with the allowance, against the card."""
+    heads = list(report["heads"].values())
+    g = report["generation"]
+    everything = heads + [g]
+    verdict_words = ("fits with every head" if all(x["fits"] for x in everything) else
+                     "does not fit with every head" if any(x["fits"] for x in everything) else "does not fit")
+    steps = "; ".join(f"{h['label']} {h['with_allowance_gib']:.2f} (margin {h['margin_gib']:+.2f})" for h in heads)
+    return (f"**RTX 4090 ({report['card']['gib']:.2f} GiB): {verdict_words}.** Expected on the card (estimate + "
+            f"allowance), GiB: the training step with {steps}; the generation phase {g['with_allowance_gib']:.2f} "
+            f"(margin {g['margin_gib']:+.2f}).")
+
+
 def markdown(report: dict) -> str:
     r = report["recipe"]
     card = report["card"]["gib"]
@@ -719,6 +732,7 @@ def markdown(report: dict) -> str:
              (f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
               f"(transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}); GiB "
               f"(2^30 bytes). The card: RTX 4090, {card:.2f} GiB (24564 MiB)."), "",
+             answer(report), "",
              "| | " + " | ".join(h["label"] for h in report["heads"].values()) + " |",
              "|---|" + "---:|" * len(report["heads"])]
     heads = list(report["heads"].values())
@@ -769,12 +783,12 @@ term's frozen copy, full-parameter runs only), gradients, optimizer state (AdamW
 optimizer step temporaries (the foreach update's), activations (the checkpoints, one layer's recomputation, the
 backward's temporaries, the inputs) and the loss head (what the head holds above the memory at its entry, when the
 peak falls inside it). "Loss head's own peak": the same quantity at the head's own peak. The heads: eager PyTorch's
-full logits of the completion positions (in bf16, upcast to fp32, log_softmax, gather: TRL without its fused head; a
-loop taking model(...).logits of whole sequences pays (prompt + completion) / completion times more), TRL 1.16's
-fused head as on a GPU (its Triton kernels write in place), grpo_fast.loss's Triton path (the custom ops' fake
-implementations allocate the outputs; grpo_fast.ops.workspace_bytes adds each op's workspace, sized for an RTX 4090's
-128 SMs, while it runs). The model: random weights are never made; transformers builds it from its config on the
-meta device, PEFT's get_peft_model applies LoRA there (it cannot move fake tensors), then every parameter and buffer
+full logits of the completion positions as a plain training loop writes them (in bf16, upcast to fp32, log_softmax,
+gather; a loop taking model(...).logits of whole sequences pays (prompt + completion) / completion times more),
+TRL 1.16's fused head as on a GPU (its Triton kernels write in place), grpo_fast.loss's Triton path (the custom ops'
+fake implementations allocate the outputs; grpo_fast.ops.workspace_bytes adds each op's workspace, sized for an RTX
+4090's 128 SMs, while it runs). The model: no weight is made or downloaded; transformers builds it from its config on
+the meta device, PEFT's get_peft_model applies LoRA there (it cannot move fake tensors), then every parameter and buffer
 becomes a fake CPU tensor of its shape and dtype (tied weights stay one tensor).
 
 Not tracked, and the allowance added for it: the CUDA context (driver, kernel images, cuBLAS / cuDNN handles, the

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_fast import memory
 
@@ -84,6 +85,7 @@ def test_report_files(lora_report):
     text = Path(f"{out}.md").read_text()
     assert text.splitlines()[5].startswith("python -m grpo_fast.memory --hidden-size 64")
     assert "What is estimated, what is not" in text
+    assert "**RTX 4090 (23.99 GiB): fits with every head.**" in text
     assert Path(f"{out}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for head in report["heads"].values():
         assert head["fits"] and head["allowance_gib"] == pytest.approx(
@@ -188,3 +190,10 @@ def test_qwen05b_full_parameter_step():
     N, V = 4 * 786, 151936
     assert report["heads"]["eager"]["loss_head_peak_bytes"] >= 2 * N * V * 4
     assert report["heads"]["grpo_fast"]["loss_head_peak_bytes"] < N * V * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_measure_needs_cuda(capsys):
+    with pytest.raises(SystemExit) as raised:
+        memory.parse_args(["--measure"])
+    assert raised.value.code == 2 and "--measure runs the step on a CUDA GPU" in capsys.readouterr().err
