@@ -340,7 +340,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     dev = student_hidden.device
     if N == 0:
         return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)
+                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
     config = config or forward_config(dev, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
