@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and loss temperature")
     p.add_argument("--max-completion-length", type=int, default=48)
     p.add_argument("--per-device-train-batch-size", type=int, default=4, help="questions per step")
-    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--learning-rate", type=float, default=1e-5)
     p.add_argument("--max-steps", type=int, default=16, help="optimizer steps")
     p.add_argument("--seed", type=int, default=42)
     cli.add_ranges_to_help(p, RANGES)

@@ -381,9 +381,11 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
     """TRL 1.16's ``_chunked_divergence_loss`` (its arguments; its result: the loss, the student's entropy summed over
     the valid tokens, their count) computed by ``grpo_fast.divergence_and_entropy``.
 
-    Each model computes in its own precision (``head_precision``: the autocast dtype, else its hidden states'); only
-    the tokens where ``completion_mask`` is nonzero are computed. The loss is the divergence summed over them, divided
-    by ``num_items_in_batch`` when given (TRL's gradient-accumulation-correct count), else by their number (at least 1).
+    Each model computes in its own precision (``head_precision``: the autocast dtype, else its hidden states'; the
+    biases as they are: TRL adds them in fp32); only the tokens where ``completion_mask`` is nonzero are computed.
+    The loss is the divergence summed over them, divided by ``num_items_in_batch`` when given (TRL's
+    gradient-accumulation-correct count), else by their number (at least 1). A DTensor head is gathered whole, as
+    TRL gathers it (an lm_head that is an FSDP2 unit of its own then gets each rank's unreduced gradient, as in TRL).
     """
     student_weight, student_bias = _whole(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
@@ -393,7 +395,7 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
         divergence, entropy = grpo_fast.divergence_and_entropy(
             student.cast(student_hidden_states), student.cast(student_weight),
             teacher.cast(teacher_hidden_states), teacher.cast(teacher_weight), valid, beta=beta,
-            temperature=temperature, student_bias=student.cast(student_bias), teacher_bias=teacher.cast(teacher_bias),
+            temperature=temperature, student_bias=student_bias, teacher_bias=teacher_bias,
             student_softcap=student_final_logit_softcapping, teacher_softcap=teacher_final_logit_softcapping,
             student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale)
     num_valid = valid.sum()

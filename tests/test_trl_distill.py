@@ -22,6 +22,7 @@ from peft import LoraConfig
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
 import grpo_fast
+from grpo_fast import divergence_torch
 from grpo_fast.trl import DistillationConfig, DistillationTrainer
 from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen2
 from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close
@@ -153,6 +154,78 @@ def test_compute_loss_matches_trl(pair, case, num_items):
     assert ref_loss > 1e-2 and "lm_head.weight" in ref_grads and ref_grads["lm_head.weight"].abs().max() > 0
 
 
+PRECISIONS = {
+    "fp32": dict(student=torch.float32, teacher=torch.float32, autocast=None),
+    "bf16": dict(student=torch.bfloat16, teacher=torch.bfloat16, autocast=None),
+    "fp32 under bf16 autocast": dict(student=torch.float32, teacher=torch.float32, autocast=torch.bfloat16),
+    "fp32 student, bf16 teacher": dict(student=torch.float32, teacher=torch.bfloat16, autocast=None),
+}
+
+
+# measured on the divergence branch's op: its bf16 student gradients are 0.4-0.5% of their largest entry off the fp64
+# truth where TRL's are 0.2-0.3% (from fp32 operands of the same values grpo_fast's are 3e-7 off). Under autocast the
+# glue casts the fp32 hidden states to bf16 for the op (as the log-prob head does), so their gradient comes back
+# rounded to bf16 too, where TRL's stays fp32.
+BF16_GRADIENT_GAP = pytest.mark.xfail(strict=True, reason="the divergence op's bf16 student gradients are less exact "
+                                      "than TRL's (reported to the op's owner)")
+
+
+@pytest.mark.parametrize("precision", [pytest.param(name, marks=BF16_GRADIENT_GAP) if "bf16 autocast" in name
+                                       or name == "bf16" else name for name in PRECISIONS])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_divergence_loss_matches_trl_function(precision, beta):
+    """grpo_fast.trl.divergence_loss against TRL's _chunked_divergence_loss on the same tensors (heads with biases,
+    widths 16 and 24, V 37, masked tokens): each model's compute dtype (its hidden states', or autocast's), the casts,
+    the fp32 biases, the reduction over num_items_in_batch; the result and the student's gradients."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    dtypes = PRECISIONS[precision]
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 2, 5, 37
+
+    def model(width, dtype, scale):
+        hidden = torch.randn(B, T, width, generator=g).to(dtype)
+        weight = (scale * torch.randn(V, width, generator=g) / width ** 0.5).to(dtype)
+        return hidden, weight, torch.randn(V, generator=g)
+
+    student, teacher = model(16, dtypes["student"], 3.0), model(24, dtypes["teacher"], 4.0)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 3:] = 0
+    results = []
+    for fn in (_chunked_divergence_loss, grpo_fast.trl.divergence_loss):
+        leaves = [x.clone().requires_grad_() for x in student]
+        autocast = (torch.autocast("cpu", dtype=dtypes["autocast"]) if dtypes["autocast"]
+                    else contextlib.nullcontext())
+        with autocast, trl_divergence_forbidden() if fn is grpo_fast.trl.divergence_loss else contextlib.nullcontext():
+            loss, entropy_sum, valid = fn(leaves[0], teacher[0], leaves[1], teacher[1], mask, beta,
+                                          num_items_in_batch=torch.tensor(11.0), student_lm_head_bias=leaves[2],
+                                          teacher_lm_head_bias=teacher[2], temperature=0.8)
+        loss.backward()
+        results.append((loss.detach(), entropy_sum, valid, {i: x.grad for i, x in enumerate(leaves)}))
+    (ref_loss, ref_entropy, ref_valid, ref_grads), (loss, entropy, valid, grads) = results
+    assert valid == ref_valid == 8
+    assert_close(loss, ref_loss, "loss")
+    assert_close(entropy, ref_entropy, "entropy sum")
+    assert loss.dtype == ref_loss.dtype == torch.float32 and all(grads[i].dtype == student[i].dtype for i in grads)
+    if dtypes["autocast"] is None and dtypes["student"] == torch.float32:
+        assert_tensors_close(grads, ref_grads, "gradient")
+        return
+    # a bf16 student (TRL rounds each gradient tile d loss / d logits to bf16 before its GEMMs; both return the
+    # gradient in bf16): against the fp64 truth from the same bf16-rounded inputs, grpo_fast's gradients at least as
+    # exact as TRL's, relative to their largest entry
+    leaves = [x.to(dtypes["autocast"] or x.dtype).double().requires_grad_() if i < 2 else x.double().requires_grad_()
+              for i, x in enumerate(student)]
+    teacher64 = [x.to(dtypes["autocast"] or x.dtype).double() if i < 2 else x.double() for i, x in enumerate(teacher)]
+    divergence, _ = grpo_fast.reference.divergence_and_entropy(
+        leaves[0], leaves[1], teacher64[0], teacher64[1], mask, beta=beta, temperature=0.8, student_bias=leaves[2],
+        teacher_bias=teacher64[2], compute_dtype=torch.float64)
+    (divergence.sum() / 11.0).backward()
+    for i, x in enumerate(leaves):
+        scale = x.grad.abs().max().item()
+        ours, theirs = ((g[i].double() - x.grad).abs().max().item() / scale for g in (grads, ref_grads))
+        assert ours <= max(theirs, 2e-5), f"gradient {i}: grpo_fast {ours:.3g} of its max off fp64, TRL {theirs:.3g}"
+
+
 def test_the_trap_catches_trl_own_trainer(pair):
     trainers, inputs = pair
     with pytest.raises(AssertionError, match="ChunkedDivergenceFunction ran"):
@@ -170,8 +243,8 @@ def test_trl_module_is_untouched():
 
 
 def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
-    """LoRA on the attention (random B, so the adapter matters): the student's head is frozen, grpo_fast gets a weight
-    without grad (its frozen-head path) and the adapters' gradients equal TRL's."""
+    """LoRA on the attention (random B, so the adapter matters): the student's head is frozen, grpo_fast takes its
+    frozen-head path (d divergence / dh built in the forward) and the adapters' gradients equal TRL's."""
     student, teacher = tiny_pair()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                       task_type="CAUSAL_LM")
@@ -181,16 +254,16 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
         ours = build(DistillationTrainer, student, teacher, args, peft_config=lora)
     inputs = generation_batch(theirs)
     seen = []
-    op = grpo_fast.divergence_and_entropy
+    forward = divergence_torch.forward
 
-    def spy(student_hidden, student_weight, *args, **kwargs):
-        seen.append(student_weight.requires_grad)
-        return op(student_hidden, student_weight, *args, **kwargs)
+    def spy(*args, frozen_head=False, **kwargs):  # the frozen-head forward runs the torch twin's on every backend
+        seen.append(frozen_head)
+        return forward(*args, frozen_head=frozen_head, **kwargs)
 
-    monkeypatch.setattr(grpo_fast, "divergence_and_entropy", spy)
+    monkeypatch.setattr(divergence_torch, "forward", spy)
     loss, grads, entropy = loss_gradients_entropy(ours, inputs, forbid_trl_head=True)
     ref_loss, ref_grads, ref_entropy = loss_gradients_entropy(theirs, inputs, forbid_trl_head=False)
-    assert seen == [False]
+    assert seen == [True]
     assert_close(loss, ref_loss, "loss")
     assert_tensors_close(grads, ref_grads, "gradient")
     assert_close(entropy, ref_entropy, "entropy")
