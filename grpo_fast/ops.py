@@ -392,7 +392,7 @@ def token_loss(*args):
 
 
 # ----------------------------------------------------------------------------------------------- workspace
-def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False, lora_rank=0,
+def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False,
                     backward_mode="chunked", batch_shape=None, device_type="cuda"):
     """The bytes a real implementation allocates besides its outputs (its peak extra memory, for a memory estimate
     over fake tensors, whose fake implementations allocate the outputs only), by the launchers' own formulas.
@@ -401,8 +401,9 @@ def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", fr
     8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows),
     "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype, and the dW
     accumulator's fp32 copy is an output; the fused one allocates nothing more) or "token_loss" (batch_shape
-    [B, T]: the kernel's B x 12 fp32 statistics and its bonus mask). The torch backend's chunks:
-    CHUNK_N x CHUNK_V fp32 tiles, about four alive at once."""
+    [B, T]: the kernel's B x 12 fp32 statistics and its B x T fp32 bonus mask, which exists only with an entropy
+    bonus: an upper bound). The torch backend (an estimate, not a launcher's formula): CHUNK_N x CHUNK_V fp32 tiles,
+    about four alive at once."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if op == "token_loss":
         B, T = batch_shape

@@ -3,9 +3,9 @@ grpo_fast.loss, forward and backward: one graph (grpo_fast's layers are custom o
 (1e-5), on the Triton backend (the interpreter here) and the torch backend, with dynamic batch and length (three
 shapes, one compilation); and torch.export of the forward (grpo_fast.logprobs) with dynamic batch and length.
 
-The backward runs inside the compiled step (``loss.backward()``: torch._dynamo.config.trace_autograd_ops). The fast
-tier compiles with the "aot_eager" backend (AOTAutograd's joint graph, no code generation); the slow tier with
-Inductor, the default."""
+The backward runs inside the compiled step (``loss.backward()``: torch._dynamo.config.trace_autograd_ops). The compiled
+step's tests are slow (about 40 s a case on two cores): with the "aot_eager" backend (AOTAutograd's joint graph,
+no code generation) and with Inductor, the default; the export test is in the fast tier."""
 
 import pytest
 import torch
@@ -67,6 +67,7 @@ def _check_one_graph_equals_eager(backend, compiler, options):
 OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("options", OPTIONS, ids=["dapo_kl", "grpo_entropy"])
 def test_compiled_step_is_one_graph_and_equals_eager(backend, options):

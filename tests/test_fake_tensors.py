@@ -68,3 +68,40 @@ def test_fake_outputs_have_the_real_sizes():
         with FakeTensorMode() as mode:
             fake = ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
         assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
+
+
+def test_workspace_bytes_is_what_the_kernels_allocate():
+    """ops.workspace_bytes against the allocations a dispatch mode sees in the real Triton implementations (the
+    ops run inline under a mode over real tensors): the chunked backward's g buffer and the forward's records."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_fast import ops
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default):
+                self.sizes.append(out.numel() * out.element_size())
+            return out
+
+    N, D, V = 40, 32, 300
+    hidden = torch.randn(N, D, dtype=torch.bfloat16)
+    weight = torch.randn(V, D, dtype=torch.bfloat16) * 0.2
+    targets = torch.randint(0, V, (N,))
+    args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked")
+    mode = Allocations()
+    with mode:
+        _, _, lse, mass, mean, mmt, _, _ = ops.linear_logprobs(*args)
+    records = ops.workspace_bytes("linear_logprobs", (N, D), V, torch.bfloat16, device_type="cpu")
+    assert records in mode.sizes
+    mode = Allocations()
+    with mode:
+        ops.linear_logprobs_backward(hidden, weight, targets, None, None, None, lse, mass, mean, mmt,
+                                     torch.randn(N), None, 1.0, None, 1.0, [True, False, False, False, False],
+                                     "triton", "chunked")
+    g_bytes = ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
+    assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes

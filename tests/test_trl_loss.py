@@ -447,7 +447,7 @@ def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, ro
 # precomputed top-entropy threshold, the backend and layer 1's path and backward
 GRPO_FAST_ONLY_KEYWORDS = {"bias", "old_logprobs", "ref_logprobs", "sampling_logprobs", "importance_weights",
                            "softcap", "logit_scale", "num_items_in_batch", "entropy_threshold", "backend", "entropy",
-                           "options", "head_path", "backward_mode", "vocab_parallel", "lora"}
+                           "options", "head_path", "backward_mode", "vocab_parallel", "lora", "check_values"}
 
 
 @pytest.mark.parametrize("fn", [grpo_fast.loss, grpo_fast.token_loss], ids=lambda f: f.__name__)
