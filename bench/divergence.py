@@ -16,6 +16,7 @@ environment records bench.report's; see bench/README.md ("The divergence head").
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import shlex
@@ -23,11 +24,11 @@ import signal
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import THREAD_POLICY, measure, report
@@ -156,15 +157,21 @@ def fp64_truth(pair: Pair, beta: float, need_grads: bool, rest_mass: bool) -> Tr
 # Each returns the per-token divergence [N] fp32 (Liger: its mean, a scalar); the loss is the mean over tokens.
 def _eager(pair, beta, backend):
     """A plain training step: both models' full logits in the input dtype (a model's lm_head), fp32 from there,
-    TRL's generalized JSD formula (GKDTrainer.generalized_jsd_loss, reduction="none") summed over the vocabulary."""
-    with warnings.catch_warnings():  # TRLExperimentalWarning: the formula is what the bench wants from there
-        warnings.simplefilter("ignore")
-        from trl.experimental.gkd.gkd_trainer import GKDTrainer
-
-    student = (pair.student_hidden[0] @ pair.student_weight.T).float()
+    TRL's generalized JSD (trl.experimental.gkd's GKDTrainer.generalized_jsd_loss with reduction="none", its lines
+    here: importing it brings TRL's trainer configs, a minute of imports on a loaded CPU) summed over the vocabulary."""
+    student = F.log_softmax((pair.student_hidden[0] @ pair.student_weight.T).float(), dim=-1)
     with torch.no_grad():
-        teacher = (pair.teacher_hidden[0] @ pair.teacher_weight.T).float()
-    return GKDTrainer.generalized_jsd_loss(student, teacher, beta=beta, reduction="none").sum(-1)
+        teacher = F.log_softmax((pair.teacher_hidden[0] @ pair.teacher_weight.T).float(), dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(student, teacher, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(teacher, student, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=student.dtype)
+        mixture = torch.logsumexp(torch.stack([student + torch.log1p(-b), teacher + torch.log(b)]), dim=0)
+        jsd = (b * F.kl_div(mixture, teacher, reduction="none", log_target=True)
+               + (1 - b) * F.kl_div(mixture, student, reduction="none", log_target=True))
+    return jsd.sum(-1)
 
 
 def _trl(pair, beta, backend):
@@ -211,8 +218,7 @@ class Impl:
 
 IMPLS = {i.name: i for i in (
     Impl("eager", "eager PyTorch: both models' full [N, V] logits in the input dtype, fp32 log-softmax, TRL's "
-         "generalized JSD formula (GKDTrainer.generalized_jsd_loss)", _eager,
-         unavailable=lambda device: _import_failure("trl", ("trl.experimental.gkd.gkd_trainer",))),
+         "generalized JSD formula (GKDTrainer.generalized_jsd_loss's lines)", _eager),
     Impl("trl", "TRL 1.16's trl.kernels.chunked_divergence.ChunkedDivergenceFunction, called as DistillationTrainer "
          "does", _trl, unavailable=lambda device: _import_failure("trl", ("trl.kernels.chunked_divergence",))),
     Impl("liger", "Liger-Kernel's LigerFusedLinearJSD (a scalar mean: no per-token divergence)", _liger,
@@ -390,9 +396,20 @@ def ordered_points(opts: Options):
 
 
 def run(opts: Options, on_point_done=None):
-    _, Ds, V = opts.student
-    _, Dt, Vt = opts.teacher
     unavailable = {i.name: i.unavailable(opts.device) for i in opts.impls}
+    # the peers' imports (TRL: transformers) leave millions of Python objects: out of the collector's view, the
+    # gc.collect() between runs takes milliseconds instead of seconds (as bench.runner does)
+    gc.collect()
+    gc.freeze()
+    try:
+        return _sweep(opts, unavailable, on_point_done)
+    finally:
+        gc.unfreeze()
+
+
+def _sweep(opts, unavailable, on_point_done):
+    _, Ds, V = opts.student
+    _, Dt, _ = opts.teacher
     records, t0 = [], time.perf_counter()
     pairs = {}
     points = ordered_points(opts)
