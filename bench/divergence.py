@@ -4,7 +4,7 @@ matmul FLOPs in vocabulary sweeps per model, and precision against an fp64 truth
 
     python -m bench.divergence                                    # Qwen2.5-0.5B from 1.5B, N 1024 and 2048
     python -m bench.divergence --tokens 1024 --betas 1 --mode fwdbwd --time-budget 600
-    python -m bench.divergence --student 48x3000 --teacher 80x3000 --tokens 64 --confident-tokens 64   # any DxV pair
+    python -m bench.divergence --student 48x3000 --teacher 80x3000 --tokens 64 --precision-tokens 64   # any DxV pair
     python -m bench.divergence --dtype bfloat16 --time-budget 2100 --out bench/results --name cpu-divergence-bf16
 
 Writes <out>/<name>.json (every number), .md (the command, the machine and its load, the tables) and .png (time and
@@ -200,11 +200,11 @@ def _grpo_fast(pair, beta, backend):
 
 
 def _liger_unavailable(device):
-    why = _import_failure("liger-kernel", ("liger_kernel.transformers.fused_linear_jsd",))
-    if why is None and torch.device(device).type != "cuda":
-        why = ("LigerFusedLinearJSD's JSD is a Triton kernel (no torch fallback): on a CPU Triton has no driver "
-               "(RuntimeError: 0 active drivers), and its interpreter (TRITON_INTERPRET=1) is far too slow at V=151936")
-    return why
+    if torch.device(device).type != "cuda":  # decided before importing it (liger_kernel.transformers: transformers)
+        return ("LigerFusedLinearJSD's JSD is a Triton kernel (no torch fallback): on a CPU Triton has no driver "
+                "(RuntimeError: 0 active drivers), and its interpreter (TRITON_INTERPRET=1) is far too slow at "
+                "V=151936")
+    return _import_failure("liger-kernel", ("liger_kernel.transformers.fused_linear_jsd",))
 
 
 @dataclass
@@ -298,8 +298,9 @@ def _mem_available():
 
 
 def measure_one(impl: Impl, mode, pair: Pair, beta, truth: Truth, opts, timed: bool) -> dict:
-    """The first run (untimed) under the FLOP counter and, on a CPU, the memory profiler: its outputs give the
-    precision; then, if ``timed``, the timed runs (bench.measure)."""
+    """The first run under the FLOP counter and, on a CPU, the memory profiler: its outputs give the precision
+    (``truth``: a precision point); then, if ``timed``, the timed runs (bench.measure), or with --reps 0 the first
+    run's own time."""
     N, V = pair.student_hidden.shape[1], pair.student_weight.shape[0]
     Ds, Dt = pair.student_hidden.shape[2], pair.teacher_hidden.shape[2]
     if impl.name == "eager" and opts.device == "cpu":
@@ -325,9 +326,14 @@ def measure_one(impl: Impl, mode, pair: Pair, beta, truth: Truth, opts, timed: b
         counter = MatmulCounter(Ds, Dt)
         cuda = torch.device(opts.device).type == "cuda"
 
+        first_ms = []
+
         def first():
+            start = time.perf_counter()
             with counter:
                 call()
+            measure.synchronize(opts.device)
+            first_ms.append((time.perf_counter() - start) * 1e3)
         if cuda:
             pair.reset_grads()
             first()
@@ -338,9 +344,11 @@ def measure_one(impl: Impl, mode, pair: Pair, beta, truth: Truth, opts, timed: b
                    flops_other=counter.flops["other"],
                    sweeps_student=counter.flops["student"] / (2 * N * V * Ds),
                    sweeps_teacher=counter.flops["teacher"] / (2 * N * V * Dt))
-        rec["errors"] = _errors(out["div"], out["grads"], truth, impl.per_token)
+        rec["errors"] = _errors(out["div"], out["grads"], truth, impl.per_token) if truth is not None else {}
         out.clear()
-        if timed:
+        if timed and opts.reps == 0:  # the first run is the timed one (a machine too slow for more)
+            rec.update(times_ms=first_ms, median_ms=first_ms[0])
+        elif timed:
             times, cuda_peak = measure.time_runs(call, pair.reset_grads, opts.device, opts.warmup, opts.reps,
                                                  opts.min_reps, opts.max_seconds)
             out.clear()
@@ -365,8 +373,8 @@ class Options:
     teacher: tuple
     tokens: list
     betas: list
-    other_betas_tokens: list   # the N at which betas other than the first run
-    confident_tokens: int
+    other_betas_tokens: list   # the N at which betas other than the first are timed
+    precision_tokens: int      # N of the precision points (both batches, every beta; 0: none)
     impls: list
     modes: list
     device: str
@@ -382,16 +390,15 @@ class Options:
 
 
 def ordered_points(opts: Options):
-    """(scenario, N, beta, timed): the first beta (TRL's default) at the smallest N, the confident batch (precision
-    only, cheap: every beta), the first beta at the other N, then the other betas at their N: a time budget drops
-    the last."""
-    first, rest = opts.betas[0], opts.betas[1:]
-    tokens = sorted(opts.tokens)
-    points = [("ordinary", tokens[0], first, True)]
-    if opts.confident_tokens:
-        points += [("confident", opts.confident_tokens, b, False) for b in opts.betas]
-    points += [("ordinary", N, first, True) for N in tokens[1:]]
-    points += [("ordinary", N, b, True) for N in tokens if N in opts.other_betas_tokens for b in rest]
+    """(scenario, N, beta, timed): precision points (untimed, at the precision N: the fp64 truth costs more than every
+    implementation together) and timed points (no truth). The first beta (TRL's default): precision on both batches,
+    then timed at each N; then the other betas the same way (timed at their N): a time budget drops the last."""
+    points = []
+    for i, beta in enumerate(opts.betas):
+        if opts.precision_tokens:
+            points += [(scenario, opts.precision_tokens, beta, False) for scenario in SCENARIOS]
+        points += [("ordinary", N, beta, True) for N in sorted(opts.tokens)
+                   if i == 0 or N in opts.other_betas_tokens]
     return points
 
 
@@ -427,10 +434,12 @@ def _sweep(opts, unavailable, on_point_done):
                 measure.cleanup(opts.device)
                 pairs[key] = make_pair(scenario, N, Ds, Dt, V, opts.dtype, opts.seed)
             pair = pairs[key]
+        if not over and not timed:  # a precision point
             _log(opts, f"{scenario} N={N} beta={beta}: fp64 truth")
             truth = fp64_truth(pair, beta, need_grads="fwdbwd" in modes, rest_mass=scenario == "confident")
             base["truth"] = dict(divergence_max=float(truth.divergence.abs().max()), loss=truth.loss,
                                  rest_mass_median=truth.rest_mass)
+        if not over and opts.device != "cpu":
             pair = pair.__class__(*(x.to(opts.device) if isinstance(x, torch.Tensor) else x
                                     for x in (pair.student_hidden.detach(), pair.student_weight.detach(),
                                               pair.teacher_hidden, pair.teacher_weight, pair.scenario)))
@@ -532,7 +541,10 @@ def markdown(doc) -> str:
         "token a completion token)",
         "- batches: `ordinary`: random heads, student logits of std 2, the teacher's the student's plus independent "
         f"logits of std 1; `confident`: both models put 1 - p = {CONFIDENT_REST_MASS:g} (within a factor 2) on the "
-        "same token of each row (an on-policy student that has learned): precision only, not timed",
+        "same token of each row (an on-policy student that has learned)",
+        f"- precision points (N = {m['precision_tokens']}, both batches, every beta) run each implementation once "
+        "against the fp64 truth, untimed; timed points (the other N) have no truth: the truth's fp64 passes cost more "
+        "than every implementation together, and the errors are per token",
         f"- time: {m['timing_method']}; {m['reps']} timed runs at most (at least {m['min_reps']}, stopping after "
         f"{m['max_seconds']} s), {m['warmup']} untimed warm-up after the first run (itself untimed: it counts the "
         f"FLOPs, measures the memory and gives the precision); peak memory: {m['memory_method']}",
@@ -645,16 +657,17 @@ def parse_args(argv=None):
     p.add_argument("--teacher", default="qwen2.5-1.5b", help="the teacher's head (qwen2.5-1.5b: 1536 x 151936)")
     p.add_argument("--tokens", default="1024,2048", help="token counts N (1024,2048)")
     p.add_argument("--betas", default="1,0,0.5", help="betas, the first at every N (1,0,0.5)")
-    p.add_argument("--other-betas-tokens", help="the N at which the betas after the first run (the smallest N)")
-    p.add_argument("--confident-tokens", type=int, default=128,
-                   help="N of the confident batch, precision only (128; 0: none)")
+    p.add_argument("--other-betas-tokens", help="the N at which the betas after the first are timed (the smallest N)")
+    p.add_argument("--precision-tokens", type=int, default=128,
+                   help="N of the precision points: both batches, every beta, against the fp64 truth (128; 0: none)")
     p.add_argument("--impls", default="eager,trl,liger,grpo_fast", help=f"of {', '.join(IMPLS)} (all)")
     p.add_argument("--mode", default="both", choices=("fwdbwd", "forward", "both"))
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="input dtype (bfloat16)")
     p.add_argument("--backend", help="grpo_fast's backend (torch on a CPU: the Triton interpreter is far too slow "
                                      "at V=151936; auto on CUDA)")
-    p.add_argument("--reps", type=int, default=2, help="timed runs at most (2)")
+    p.add_argument("--reps", type=int, default=2, help="timed runs at most (2; 0: the first run's own time, under the "
+                                                          "memory profiler and the FLOP counter)")
     p.add_argument("--min-reps", type=int, default=1)
     p.add_argument("--max-seconds", type=float, default=20.0, help="stop timing after this, once --min-reps ran")
     p.add_argument("--warmup", type=int, default=0, help="untimed runs after the first (0: the first warms up)")
@@ -689,10 +702,10 @@ def build_options(args) -> Options:
         raise SystemExit("--betas: numbers in [0, 1]")
     return Options(student=student, teacher=teacher, tokens=tokens, betas=betas,
                    other_betas_tokens=[int(x) for x in _csv(args.other_betas_tokens)] or [min(tokens)],
-                   confident_tokens=args.confident_tokens, impls=impls,
+                   precision_tokens=args.precision_tokens, impls=impls,
                    modes=list(MODES) if args.mode == "both" else [args.mode], device=device,
                    dtype=DTYPES[args.dtype], backend=args.backend or ("auto" if device == "cuda" else "torch"),
-                   reps=args.reps, warmup=args.warmup, min_reps=min(args.min_reps, args.reps),
+                   reps=args.reps, warmup=args.warmup, min_reps=max(1, min(args.min_reps, args.reps)),
                    max_seconds=args.max_seconds, time_budget=args.time_budget, seed=args.seed,
                    progress=not args.no_progress)
 
@@ -728,7 +741,7 @@ def main(argv=None):
         info, date=started.isoformat(timespec="seconds"), **report.git_commit(), versions=report.versions(),
         argv=argv_used, command=" ".join(["python -m bench.divergence", *map(shlex.quote, argv_used)]),
         dtype=str(opts.dtype).replace("torch.", ""), backend=opts.backend, student=list(opts.student),
-        teacher=list(opts.teacher), tokens=opts.tokens, betas=opts.betas, confident_tokens=opts.confident_tokens,
+        teacher=list(opts.teacher), tokens=opts.tokens, betas=opts.betas, precision_tokens=opts.precision_tokens,
         modes=opts.modes,
         timing_method=("CUDA events around each run, median of the timed runs" if cuda
                        else "time.perf_counter around each run, median of the timed runs"),

@@ -9,8 +9,8 @@ import pytest
 
 from bench import divergence as bench_divergence
 
-ARGS = ["--student", "24x1000", "--teacher", "40x1000", "--tokens", "32", "--betas", "1,0.5",
-        "--confident-tokens", "32", "--reps", "1", "--no-progress", "--name", "tiny"]
+ARGS = ["--student", "24x1000", "--teacher", "40x1000", "--tokens", "48", "--betas", "1,0.5",
+        "--precision-tokens", "32", "--reps", "1", "--no-progress", "--name", "tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +20,9 @@ def run(tmp_path_factory):
     return out, doc
 
 
-def _record(doc, scenario, beta, mode, impl):
-    (r,) = [r for r in doc["results"] if (r["scenario"], r["beta"], r["mode"], r["impl"]) == (scenario, beta, mode,
-                                                                                                impl)]
+def _record(doc, scenario, beta, mode, impl, timed=False):
+    (r,) = [r for r in doc["results"] if (r["scenario"], r["beta"], r["mode"], r["impl"], r["timed"])
+            == (scenario, beta, mode, impl, timed)]
     return r
 
 
@@ -41,9 +41,10 @@ def test_files_and_report(run):
     for column in ("fwd+bwd ms", "fwd+bwd MiB", "fwd ms", "fwd MiB", "sweeps fwd+bwd (student / teacher)",
                    "sweeps fwd", "max abs div err", "div err / max div", "dH rel err", "dW rel err"):
         assert f"| {column} |" in header
-    # every (batch, beta) point has a row per implementation that ran
+    # a row per implementation that ran (eager, trl, grpo_fast) and point: precision (N 32: ordinary and confident,
+    # betas 1 and 0.5), timed (N 48, ordinary, betas 1 and 0.5)
     rows = [line for line in md.splitlines() if line.startswith("| ordinary |") or line.startswith("| confident |")]
-    assert len(rows) == 3 * (2 + 2)  # eager, trl, grpo_fast x (ordinary, confident) x betas 1, 0.5
+    assert len(rows) == 3 * (4 + 2)
 
 
 def test_statuses_and_measurements(run):
@@ -54,25 +55,26 @@ def test_statuses_and_measurements(run):
             continue
         assert r["status"] == "ok", r
         assert r["peak_mem_bytes"] > 0
-        if r["scenario"] == "ordinary":
-            assert r["median_ms"] > 0 and len(r["times_ms"]) == 1
-        else:  # precision only
-            assert not r["timed"] and "median_ms" not in r
-    assert {(r["scenario"], r["mode"]) for r in doc["results"]} == {
-        ("ordinary", "fwdbwd"), ("ordinary", "forward"), ("confident", "fwdbwd")}
+        if r["timed"]:
+            assert r["N"] == 48 and r["median_ms"] > 0 and len(r["times_ms"]) == 1 and r["errors"] == {}
+        else:  # a precision point: untimed, against the fp64 truth
+            assert r["N"] == 32 and "median_ms" not in r and r["errors"]["div_rel_err"] is not None
+    assert {(r["scenario"], r["mode"], r["timed"]) for r in doc["results"]} == {
+        ("ordinary", "fwdbwd", True), ("ordinary", "forward", True), ("ordinary", "fwdbwd", False),
+        ("confident", "fwdbwd", False)}
 
 
 def test_sweeps_counted_per_model(run):
     _, doc = run
-    ours = _record(doc, "ordinary", 1.0, "fwdbwd", "grpo_fast")
+    ours = _record(doc, "ordinary", 1.0, "fwdbwd", "grpo_fast", timed=True)
     # reverse KL: the student's forward, recompute, dH, dW; the teacher's forward and recompute
     assert (ours["sweeps_student"], ours["sweeps_teacher"]) == (4.0, 2.0)
     assert (ours["flops_other"]) == 0
-    forward = _record(doc, "ordinary", 1.0, "forward", "grpo_fast")
+    forward = _record(doc, "ordinary", 1.0, "forward", "grpo_fast", timed=True)
     assert (forward["sweeps_student"], forward["sweeps_teacher"]) == (1.0, 1.0)
     for beta in (1.0, 0.5):
         for mode in ("fwdbwd", "forward"):
-            trl, ours = (_record(doc, "ordinary", beta, mode, impl) for impl in ("trl", "grpo_fast"))
+            trl, ours = (_record(doc, "ordinary", beta, mode, impl, timed=True) for impl in ("trl", "grpo_fast"))
             assert ours["sweeps_student"] <= trl["sweeps_student"] and ours["sweeps_teacher"] <= trl["sweeps_teacher"]
 
 
