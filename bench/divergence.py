@@ -375,6 +375,7 @@ class Options:
     betas: list
     other_betas_tokens: list   # the N at which betas other than the first are timed
     precision_tokens: int      # N of the precision points (both batches, every beta; 0: none)
+    untimed_impls: list        # implementations run at the precision points only
     impls: list
     modes: list
     device: str
@@ -391,15 +392,16 @@ class Options:
 
 def ordered_points(opts: Options):
     """(scenario, N, beta, timed): precision points (untimed, at the precision N: the fp64 truth costs more than every
-    implementation together) and timed points (no truth). The first beta (TRL's default): precision on both batches,
-    then timed at each N; then the other betas the same way (timed at their N): a time budget drops the last."""
-    points = []
-    for i, beta in enumerate(opts.betas):
-        if opts.precision_tokens:
-            points += [(scenario, opts.precision_tokens, beta, False) for scenario in SCENARIOS]
-        points += [("ordinary", N, beta, True) for N in sorted(opts.tokens)
-                   if i == 0 or N in opts.other_betas_tokens]
-    return points
+    implementation together) and timed points (no truth), most wanted first so that a time budget drops the last:
+    the first beta (TRL's default) on both batches and timed at the smallest N, the other betas' precision, the
+    first beta timed at the other N, the other betas timed at theirs."""
+    first, rest = opts.betas[0], opts.betas[1:]
+    tokens = sorted(opts.tokens)
+    precision = [(scenario, opts.precision_tokens, b, False) for b in opts.betas for scenario in SCENARIOS
+                 ] if opts.precision_tokens else []
+    return (precision[:len(SCENARIOS)] + [("ordinary", tokens[0], first, True)] + precision[len(SCENARIOS):]
+            + [("ordinary", N, first, True) for N in tokens[1:]]
+            + [("ordinary", N, b, True) for b in rest for N in tokens if N in opts.other_betas_tokens])
 
 
 def run(opts: Options, on_point_done=None):
@@ -454,6 +456,8 @@ def _sweep(opts, unavailable, on_point_done):
                     rec.update(status="skipped", reason=f"time budget of {opts.time_budget:.0f} s spent")
                 elif unavailable[impl.name]:
                     rec.update(status="unavailable", reason=unavailable[impl.name])
+                elif timed and impl.name in opts.untimed_impls:
+                    rec.update(status="skipped", reason="not timed (--untimed-impls): precision points only")
                 else:
                     _log(opts, f"[{done}/{todo}] {where} ...")
                     rec.update(measure_one(impl, mode, pair, beta, truth, opts, timed))
@@ -661,6 +665,7 @@ def parse_args(argv=None):
     p.add_argument("--precision-tokens", type=int, default=128,
                    help="N of the precision points: both batches, every beta, against the fp64 truth (128; 0: none)")
     p.add_argument("--impls", default="eager,trl,liger,grpo_fast", help=f"of {', '.join(IMPLS)} (all)")
+    p.add_argument("--untimed-impls", default="", help="implementations run at the precision points only (none)")
     p.add_argument("--mode", default="both", choices=("fwdbwd", "forward", "both"))
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="input dtype (bfloat16)")
@@ -702,7 +707,7 @@ def build_options(args) -> Options:
         raise SystemExit("--betas: numbers in [0, 1]")
     return Options(student=student, teacher=teacher, tokens=tokens, betas=betas,
                    other_betas_tokens=[int(x) for x in _csv(args.other_betas_tokens)] or [min(tokens)],
-                   precision_tokens=args.precision_tokens, impls=impls,
+                   precision_tokens=args.precision_tokens, impls=impls, untimed_impls=_csv(args.untimed_impls),
                    modes=list(MODES) if args.mode == "both" else [args.mode], device=device,
                    dtype=DTYPES[args.dtype], backend=args.backend or ("auto" if device == "cuda" else "torch"),
                    reps=args.reps, warmup=args.warmup, min_reps=max(1, min(args.min_reps, args.reps)),
@@ -719,6 +724,11 @@ NOTES = [
     "grpo_fast runs its torch twin on a CPU; its Triton kernels run on a CPU only under Triton's interpreter, far "
     "too slow at V = 151936 (the tests check them against the same fp64 spec at small shapes).",
     "Liger's LigerFusedLinearJSD returns only the mean (no per-token divergence): its precision would be the loss's.",
+    "On this CPU torch's bf16 matmuls are slow, and pathologically so where they contract over the vocabulary: eager's "
+    "backward dH = dlogits [64, 151936] @ W [151936, 896] in bf16 took over 5 minutes alone (the same product in fp32: "
+    "seconds), an eager fwd+bwd at N = 64 about 9 minutes; at N = 1024 eager would take hours. Where the committed "
+    "run says so (--untimed-impls eager), eager ran at the precision points only. TRL's CPU path and grpo_fast's "
+    "torch twin compute in fp32 from the bf16 inputs.",
 ]
 
 
