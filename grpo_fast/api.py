@@ -240,17 +240,20 @@ def _scored_rows(completion_mask, checks):
                  count.to(torch.int32).reshape(1))
 
 
+def _row_values(flat, rows):
+    """The rows ``rows`` (_Rows) of ``flat`` [B x T, ...], in their order, padding rows (a device partition's) 0."""
+    if rows.order is not None:
+        flat = flat.index_select(0, rows.order)
+    if rows.keep is not None:
+        flat = torch.where(rows.keep.view(-1, *([1] * (flat.dim() - 1))), flat, 0)
+    return flat
+
+
 def _flat_inputs(hidden, weight, targets, bias, rows):
     """[N, D] hidden rows and [N] targets of ``rows`` (_Rows: padding rows zeroed, their targets 0), the weight
     and bias as the kernels read them."""
-    D = hidden.shape[-1]
-    h = hidden.reshape(-1, D)
-    y = targets.reshape(-1)
-    if rows.order is not None:
-        h, y = h.index_select(0, rows.order), y.index_select(0, rows.order)
-    if rows.keep is not None:
-        h = torch.where(rows.keep[:, None], h, 0.0)
-        y = torch.where(rows.keep, y, 0)
+    h = _row_values(hidden.reshape(-1, hidden.shape[-1]), rows)
+    y = _row_values(targets.reshape(-1), rows)
     if h.stride(-1) != 1:
         h = h.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast import divergence_torch
-from grpo_fast.api import (_check_kernel_sizes, _check_mask, _float_tensor, _resolve_backend, _same_device,
-                           _scatter_rows, _tensor)
+from grpo_fast import divergence_torch, ops
+from grpo_fast.api import (_check_kernel_sizes, _check_mask, _float_tensor, _resolve_backend, _row_values,
+                           _same_device, _scatter_rows, _scored_rows, _tensor, _ValueChecks)
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.config import HEAD_PATHS
-from grpo_fast.kernels.config import LogitTransform  # the one import of the transform class here
-from grpo_fast.options import check_number
+from grpo_fast.transform import LogitTransform, check_number
 
 
 def _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
@@ -36,8 +35,7 @@ def _transforms(temperature, student_softcap, teacher_softcap, student_logit_sca
 
 
 # ----------------------------------------------------------------------------------------------- the ops
-@torch.library.custom_op("grpo_fast::divergence_forward", mutates_args=())
-def _forward_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
+def _forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
                 teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
                 beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
                 student_logit_scale: float, teacher_logit_scale: float, backend: str,
@@ -56,6 +54,9 @@ def _forward_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, stud
     return (*out, student_hidden.new_empty(0, dtype=torch.float32))
 
 
+_forward_op = torch.library.custom_op("grpo_fast::divergence_forward", mutates_args=())(_forward)
+
+
 @_forward_op.register_fake
 def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
                   temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend,
@@ -68,8 +69,7 @@ def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, 
             student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32))
 
 
-@torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())
-def _backward_op(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
+def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
                  student_bias: torch.Tensor | None, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
                  teacher_bias: torch.Tensor | None, saved: torch.Tensor, argmax: torch.Tensor, beta: float,
                  temperature: float, student_softcap: float | None, teacher_softcap: float | None,
@@ -96,6 +96,9 @@ def _backward_op(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, st
 
     return (out(grad_hidden, student_hidden), out(grad_weight, student_weight),
             out(grad_bias, student_bias if student_bias is not None else student_weight))
+
+
+_backward_op = torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())(_backward_impl)
 
 
 @_backward_op.register_fake
@@ -130,14 +133,21 @@ def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax, _g
             raise RuntimeError("the divergence's frozen-head forward ran (student_weight and student_bias needed no "
                                "gradient then), but the backward asks for one: call it again with head_path='general'")
         return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 13
-    grads = _backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden,
-                         teacher_weight, teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight,
-                         need_bias)
+    backward_op = _backward_impl if ops.runs_inline(ctx.saved_tensors) else _backward_op
+    grads = backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                        teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight, need_bias)
     return (grads[0] if need_hidden else None, grads[1] if need_weight else None,
             grads[2] if need_bias else None) + (None,) * 11
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+_FORWARD_INLINE = ops.inline_function(_forward, _setup_context, _backward)
+
+
+def _divergence_forward(*args):
+    """grpo_fast::divergence_forward, differentiable; inline under a dispatch mode over real tensors, as grpo_fast.ops'
+    ops (a FLOP, allocation or host-sync counter then sees the kernels' own torch ops)."""
+    return _FORWARD_INLINE.apply(*args) if ops.runs_inline(args) else _forward_op(*args)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -163,8 +173,9 @@ def _check_model(prefix, hidden, weight, bias):
 
 def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
              student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
-             backend):
-    """Every check of the public functions, with named errors; returns the resolved backend."""
+             backend, checks):
+    """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
+    with the scored-row count: api._scored_rows); returns the resolved backend."""
     B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias)
     Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias)
     if (Bt, Tt) != (B, T):
@@ -180,7 +191,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
                                              ("teacher_bias", teacher_bias), ("completion_mask", completion_mask))],
                  student_hidden.device, "student_hidden")
     if completion_mask is not None:
-        _check_mask(completion_mask, (B, T))
+        _check_mask(completion_mask, (B, T), checks)
     check_number("beta", beta, lambda v: 0.0 <= v <= 1.0,
                  "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))")
     check_number("temperature", temperature, lambda v: v > 0, "a positive number")
@@ -195,10 +206,8 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
 
 
 def _rows(hidden, rows):
-    """The scored rows [N, D] of hidden [B, T, D] (all where ``rows`` is None), row-contiguous."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    if rows is not None:
-        h = h.index_select(0, rows)
+    """The scored rows [N, D] of hidden [B, T, D] (api._Rows), row-contiguous."""
+    h = _row_values(hidden.reshape(-1, hidden.shape[-1]), rows)
     return h if h.stride(-1) == 1 else h.contiguous()
 
 
@@ -210,7 +219,7 @@ def _contiguous(x):
 def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
                            teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
-                           head_path="auto"):
+                           head_path="auto", check_values=True):
     """Per-token divergence [B, T] fp32 (differentiable w.r.t. the student's hidden, weight and bias) and the
     student's entropy [B, T] fp32 (detached, as TRL's head gives it), without either model's logits.
 
@@ -223,25 +232,24 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     ``backend``: "auto", "triton" or "torch" (as grpo_fast.loss). With a frozen student head (only
     student_hidden requires a gradient: LoRA, a frozen lm_head) and ``head_path="auto"``, the forward also builds
     d divergence / d student_hidden, so that the backward needs no vocabulary sweep (divergence_torch.FrozenHead);
-    ``head_path="general"`` always recomputes in the backward.
+    ``head_path="general"`` always recomputes in the backward. ``check_values``: the mask's values read on the host
+    with the scored-row count, once, as grpo_fast.loss does (False: no host synchronisation; the rows are then a
+    device partition, padding zeroed).
     """
+    checks = _ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
     backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
                        temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
-                       teacher_logit_scale, backend)
+                       teacher_logit_scale, backend, checks)
     if head_path not in HEAD_PATHS:
         raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
     frozen_head = (head_path == "auto" and torch.is_grad_enabled() and student_hidden.requires_grad
                    and not student_weight.requires_grad and not (student_bias is not None and
                                                                  student_bias.requires_grad))
     B, T = student_hidden.shape[:2]
-    rows = None
-    if completion_mask is not None:
-        active = completion_mask.reshape(-1).bool()
-        if not bool(active.all()):
-            rows = active.nonzero().squeeze(1)
+    rows = _scored_rows(completion_mask, checks)
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
     teacher = [x.detach() if x is not None else None for x in teacher]
-    div, entropy, _, _, _ = _forward_op(
+    div, entropy, _, _, _ = _divergence_forward(
         _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
         _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),
         float(beta), float(temperature), None if student_softcap is None else float(student_softcap),

@@ -343,8 +343,8 @@ def _metric_vector(metrics, options, has_entropy):
 
 
 # ----------------------------------------------------------------------------------------------- calls
-def _inline_function(impl, setup_context, backward):
-    """The op's implementation and autograd formula as a torch.autograd.Function (see ``_call``)."""
+def inline_function(impl, setup_context, backward):
+    """The op's implementation and autograd formula as a torch.autograd.Function, for ``runs_inline``."""
 
     def forward(ctx, *args):
         output = impl(*args)
@@ -355,11 +355,11 @@ def _inline_function(impl, setup_context, backward):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-_LINEAR_INLINE = _inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
-_TOKEN_LOSS_INLINE = _inline_function(_token_loss, _token_loss_setup_context, _token_loss_backward)
+_LINEAR_INLINE = inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
+_TOKEN_LOSS_INLINE = inline_function(_token_loss, _token_loss_setup_context, _token_loss_backward)
 
 
-def _inline(args):
+def runs_inline(args):
     """Run the implementation in Python rather than as the op: a TorchDispatchMode over real tensors (a FLOP or
     allocation counter, a host-sync counter) then sees the kernels' own torch ops, which an op's caller never
     sees (a mode is not active inside the op it intercepts). torch.compile, FakeTensorMode and meta tensors
@@ -378,17 +378,17 @@ def _inline(args):
 
 def linear_logprobs(*args):
     """grpo_fast::linear_logprobs (``_linear_logprobs``'s arguments and outputs), differentiable."""
-    return _LINEAR_INLINE.apply(*args) if _inline(args) else _linear_logprobs_op(*args)
+    return _LINEAR_INLINE.apply(*args) if runs_inline(args) else _linear_logprobs_op(*args)
 
 
 def linear_logprobs_backward(*args):
     """grpo_fast::linear_logprobs_backward (``_linear_logprobs_backward``'s arguments and outputs)."""
-    return _linear_logprobs_backward(*args) if _inline(args) else _linear_logprobs_backward_op(*args)
+    return _linear_logprobs_backward(*args) if runs_inline(args) else _linear_logprobs_backward_op(*args)
 
 
 def token_loss(*args):
     """grpo_fast::token_loss (``_token_loss``'s arguments and outputs), differentiable in logp and entropy."""
-    return _TOKEN_LOSS_INLINE.apply(*args) if _inline(args) else _token_loss_op(*args)
+    return _TOKEN_LOSS_INLINE.apply(*args) if runs_inline(args) else _token_loss_op(*args)
 
 
 # ----------------------------------------------------------------------------------------------- workspace
