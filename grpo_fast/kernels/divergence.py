@@ -227,7 +227,7 @@ def _jsd_kernel(
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _, s_top, t_top = \
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
         _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
     jsd = tl.zeros((BLOCK_N,), tl.float32)
     excess = tl.zeros((BLOCK_N,), tl.float32)
