@@ -130,18 +130,27 @@ def configured(trainer, beta, temperature, transforms):
                 delattr(models[role].config, name)
 
 
-CASES = [dict(beta=0.0), dict(beta=1.0), dict(beta=0.5), dict(beta=0.1, temperature=0.7),
-         dict(beta=1.0, transforms=TRANSFORMS), dict(beta=0.5, temperature=1.3, transforms=TRANSFORMS)]
+# every divergence mode (beta 0, 1, between), a temperature, the configs' transforms, with TRL's num_items_in_batch
+# or none; grpo_fast's Triton kernels run here (the interpreter, on a CPU): two cases in the fast tier
+CASES = [dict(beta=b, num_items=n, **extra) for n in ("from_generation", "none")
+         for b, extra in ((0.0, {}), (1.0, {}), (0.5, {}), (0.1, dict(temperature=0.7)),
+                          (1.0, dict(transforms=TRANSFORMS)), (0.5, dict(temperature=1.3, transforms=TRANSFORMS)))]
+FAST_CASES = (dict(beta=0.5, num_items="from_generation", temperature=1.3, transforms=TRANSFORMS),
+              dict(beta=1.0, num_items="none"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k != "transforms")
-                         + ("-transforms" if "transforms" in c else ""))
-@pytest.mark.parametrize("num_items", ["from_generation", "none"])
-def test_compute_loss_matches_trl(pair, case, num_items):
+def case_id(case):
+    return "-".join(f"{k}={v}" for k, v in case.items() if k != "transforms") + ("-transforms" if "transforms" in case
+                                                                                  else "")
+
+
+@pytest.mark.parametrize("case", [case if case in FAST_CASES else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in CASES], ids=case_id)
+def test_compute_loss_matches_trl(pair, case):
     """Loss, every student gradient and the logged entropy: TRL's num_items_in_batch (the generation batch's token
     count over the process count), or none (the mean over this micro-batch's tokens)."""
     trainers, inputs = pair
-    if num_items == "none":
+    if case["num_items"] == "none":
         inputs = {k: v for k, v in inputs.items() if k != "num_items_in_batch"}
     results = {}
     for name, trainer in trainers.items():
