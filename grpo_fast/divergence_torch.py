@@ -18,7 +18,7 @@ Finished, with log S = log1p(R) and q = R / S = 1 - p_X,a:
 Every term is a sum of same-signed parts or an exact zero where a token is confident (o = m exactly when both models
 share their argmax): no 1 - p and no difference of two logits of size |z| is formed where the result is 1e-6.
 The generalized JSD (0 < beta < 1) needs both final normalisers for m = (1 - beta) p_s + beta p_t: a second sweep
-sums beta p_t (log p_t - log m) + (1 - beta) p_s (log p_s - log m) and KL(p_s || m) (the backward's), with
+sums beta p_t (log p_t - log m) + (1 - beta) p_s (log p_s - log m) (and the backward's sum below), with
 log p_X = (z_X - m_X) - log S_X, and at a shared argmax log m = log1p(-((1 - beta) q_s + beta q_t)).
 
 The backward recomputes both tiles and forms the gradient of the divergence with respect to the student's logits,
@@ -32,10 +32,21 @@ argmax, exactly), and likewise r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v
 second sweep with r_a from the first sweep's records.
     dH = g W_s,  dW_s = g^T H_s,  db_s = sum_n g.
 
-Sweeps (a sweep projects both models over the vocabulary once: 2 N V (D_s + D_t) FLOPs), the same as TRL 1.16's
-ChunkedDivergenceFunction in every beta: forward 1 (KL, either direction) or 2 (JSD); backward 1, plus the
-student's gradient GEMMs (dH: 2 N V D_s, dW: 2 N V D_s, each only when needed). Memory: a few
-[CHUNK_N, CHUNK_V] fp32 tiles, fp32 dH / dW accumulators, O(N) per-token values; never N x V.
+Vocabulary sweeps and FLOPs, against TRL 1.16's ChunkedDivergenceFunction (read from trl/kernels/
+chunked_divergence.py: its forward projects both models once, twice for the JSD; its backward re-projects both
+models once and does dH, and dW where the head trains). A sweep projects both models over the vocabulary, 2 N V
+(Ds + Dt) FLOPs; a student GEMM (dH, dW, or one of the frozen head's two sums) is 2 N V Ds:
+    beta      student head                    ours                               TRL 1.16
+    0 or 1    trainable                       1 + 1 sweeps + dH + dW             the same: 2 N V (4 Ds + 2 Dt)
+    JSD       trainable                       2 + 1 sweeps + dH + dW             the same: 2 N V (5 Ds + 3 Dt)
+    0 or 1    frozen (only h needs a grad)    1 sweep + 2 GEMMs: 2 N V (3 Ds + Dt)      2 N V (3 Ds + 2 Dt)
+    JSD       frozen                          2 sweeps + 2 GEMMs: 2 N V (4 Ds + 2 Dt)   2 N V (4 Ds + 3 Dt)
+(the frozen head's backward is dH = c J: no sweep; tests/test_divergence.py counts these with FlopCounterMode).
+Where TRL is not beaten: a trainable head takes exactly TRL's count (the backward needs both models' tiles again:
+keeping either model's [N, V] logits is what this head avoids), and the JSD's second sweep stays: its mixture
+log m_v needs both models' final normalisers at every entry, which no one-sweep fold of mergeable sums gives.
+Memory: a few [CHUNK_N, CHUNK_V] fp32 tiles, fp32 dH / dW accumulators (J, N x Ds fp32, on the frozen path),
+O(N) per-token values; never N x V.
 """
 
 import math
@@ -167,8 +178,10 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         frozen = FrozenHead(beta, n1 - n0, student_weight) if frozen_head else None
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
-            zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True) \
-                if frozen is not None else (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0)
+            # the student's slope dz/du only where the frozen head's sums need it
+            zs, slope = (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
+                         if frozen is not None else
+                         (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0))
             zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
             tile_s, tile_t = tile_record(zs, zt, v0), tile_record(zt, zs, v0)
             if frozen is not None:
