@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_fast import reference
+from conftest import backend_device
 
 F64 = torch.float64
 BETAS = [0.0, 1.0, 0.5, 0.1]
@@ -217,8 +218,6 @@ def _small_torch_chunks(monkeypatch):
 
 
 def on(backend, device, inputs):
-    from conftest import backend_device
-
     dev = backend_device(backend, device)
     return tuple(x.to(dev) if x is not None else None for x in inputs)
 
