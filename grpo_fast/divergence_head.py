@@ -24,6 +24,7 @@ from grpo_fast import divergence_torch
 from grpo_fast.api import (_check_kernel_sizes, _check_mask, _float_tensor, _resolve_backend, _same_device,
                            _scatter_rows, _tensor)
 from grpo_fast.kernels import divergence as kdivergence
+from grpo_fast.kernels.config import HEAD_PATHS
 from grpo_fast.kernels.config import LogitTransform  # the one import of the transform class here
 from grpo_fast.options import check_number
 
@@ -39,26 +40,32 @@ def _transforms(temperature, student_softcap, teacher_softcap, student_logit_sca
 def _forward_op(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
                 teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
                 beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
-                student_logit_scale: float, teacher_logit_scale: float,
-                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                student_logit_scale: float, teacher_logit_scale: float, backend: str,
+                frozen_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, Ds], [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None -> (divergence [N] fp32, student entropy [N] fp32,
-    saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64): the last two for the backward."""
+    saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64, J [N, Ds] fp32): the last three for
+    the backward; J = d divergence / d student_hidden with ``frozen_head`` (then the backward is dH = c J, no
+    sweep), else empty. The frozen-head forward is the torch twin's algorithm on every backend (cuBLAS GEMMs on a
+    GPU): divergence_torch.FrozenHead."""
     transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
             *transforms)
-    if backend == "triton":
-        return kdivergence.forward(*args)
-    return divergence_torch.forward(*args)
+    if frozen_head:
+        return divergence_torch.forward(*args, frozen_head=True)
+    out = kdivergence.forward(*args) if backend == "triton" else divergence_torch.forward(*args)[:4]
+    return (*out, student_hidden.new_empty(0, dtype=torch.float32))
 
 
 @_forward_op.register_fake
 def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-                  temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend):
+                  temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend,
+                  frozen_head):
     N = student_hidden.shape[0]
     per_token = student_hidden.new_empty(N, dtype=torch.float32)
     return (per_token, torch.empty_like(per_token),
             student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
-            student_hidden.new_empty((2, N), dtype=torch.int64))
+            student_hidden.new_empty((2, N), dtype=torch.int64),
+            student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32))
 
 
 @torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())
@@ -102,25 +109,32 @@ def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias
 
 
 def _setup_context(ctx, inputs, output):
-    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars) = inputs
-    _, entropy, saved, argmax = output
+    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars,
+     frozen_head) = inputs
+    _, entropy, saved, argmax, frozen_grad = output
     ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                          teacher_bias, saved, argmax)
+                          teacher_bias, saved, argmax, frozen_grad)
     ctx.scalars = scalars
-    ctx.mark_non_differentiable(entropy, saved, argmax)
+    ctx.frozen_head = frozen_head
+    ctx.mark_non_differentiable(entropy, saved, argmax, frozen_grad)
 
 
-def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax):
-    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, saved, argmax = \
-        ctx.saved_tensors
+def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax, _grad_frozen):
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, saved, argmax, \
+        frozen_grad = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_divergence is None or not (need_hidden or need_weight or need_bias):
-        return (None,) * 13
+        return (None,) * 14
+    if ctx.frozen_head:
+        if need_weight or need_bias:
+            raise RuntimeError("the divergence's frozen-head forward ran (student_weight and student_bias needed no "
+                               "gradient then), but the backward asks for one: call it again with head_path='general'")
+        return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 13
     grads = _backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden,
                          teacher_weight, teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight,
                          need_bias)
     return (grads[0] if need_hidden else None, grads[1] if need_weight else None,
-            grads[2] if need_bias else None) + (None,) * 10
+            grads[2] if need_bias else None) + (None,) * 11
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -195,7 +209,8 @@ def _contiguous(x):
 # ----------------------------------------------------------------------------------------------- public
 def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
-                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto"):
+                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
+                           head_path="auto"):
     """Per-token divergence [B, T] fp32 (differentiable w.r.t. the student's hidden, weight and bias) and the
     student's entropy [B, T] fp32 (detached, as TRL's head gives it), without either model's logits.
 
@@ -205,11 +220,19 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     DistillationConfig.beta). Each model's logit is ``softcap * tanh(logit_scale * (h . W + b) / softcap) /
     temperature`` with its own soft-cap and scale (TRL's order). Only tokens with ``completion_mask`` 1 are computed;
     masked positions are exact zeros, their hidden states never read. The teacher never gets a gradient.
-    ``backend``: "auto", "triton" or "torch" (as grpo_fast.loss).
+    ``backend``: "auto", "triton" or "torch" (as grpo_fast.loss). With a frozen student head (only
+    student_hidden requires a gradient: LoRA, a frozen lm_head) and ``head_path="auto"``, the forward also builds
+    d divergence / d student_hidden, so that the backward needs no vocabulary sweep (divergence_torch.FrozenHead);
+    ``head_path="general"`` always recomputes in the backward.
     """
     backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
                        temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
                        teacher_logit_scale, backend)
+    if head_path not in HEAD_PATHS:
+        raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
+    frozen_head = (head_path == "auto" and torch.is_grad_enabled() and student_hidden.requires_grad
+                   and not student_weight.requires_grad and not (student_bias is not None and
+                                                                 student_bias.requires_grad))
     B, T = student_hidden.shape[:2]
     rows = None
     if completion_mask is not None:
@@ -218,12 +241,12 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
             rows = active.nonzero().squeeze(1)
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
     teacher = [x.detach() if x is not None else None for x in teacher]
-    div, entropy, _, _ = _forward_op(
+    div, entropy, _, _, _ = _forward_op(
         _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
         _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),
         float(beta), float(temperature), None if student_softcap is None else float(student_softcap),
         None if teacher_softcap is None else float(teacher_softcap), float(student_logit_scale),
-        float(teacher_logit_scale), backend)
+        float(teacher_logit_scale), backend, frozen_head)
     return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
 
 

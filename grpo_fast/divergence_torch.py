@@ -18,7 +18,7 @@ Finished, with log S = log1p(R) and q = R / S = 1 - p_X,a:
 Every term is a sum of same-signed parts or an exact zero where a token is confident (o = m exactly when both models
 share their argmax): no 1 - p and no difference of two logits of size |z| is formed where the result is 1e-6.
 The generalized JSD (0 < beta < 1) needs both final normalisers for m = (1 - beta) p_s + beta p_t: a second sweep
-sums beta p_t (log p_t - log m) + (1 - beta) p_s (log p_s - log m) and KL(p_s || m) (the backward's), with
+sums beta p_t (log p_t - log m) + (1 - beta) p_s (log p_s - log m) (and the backward's sum below), with
 log p_X = (z_X - m_X) - log S_X, and at a shared argmax log m = log1p(-((1 - beta) q_s + beta q_t)).
 
 The backward recomputes both tiles and forms the gradient of the divergence with respect to the student's logits,
@@ -32,10 +32,21 @@ argmax, exactly), and likewise r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v
 second sweep with r_a from the first sweep's records.
     dH = g W_s,  dW_s = g^T H_s,  db_s = sum_n g.
 
-Sweeps (a sweep projects both models over the vocabulary once: 2 N V (D_s + D_t) FLOPs), the same as TRL 1.16's
-ChunkedDivergenceFunction in every beta: forward 1 (KL, either direction) or 2 (JSD); backward 1, plus the
-student's gradient GEMMs (dH: 2 N V D_s, dW: 2 N V D_s, each only when needed). Memory: a few
-[CHUNK_N, CHUNK_V] fp32 tiles, fp32 dH / dW accumulators, O(N) per-token values; never N x V.
+Vocabulary sweeps and FLOPs, against TRL 1.16's ChunkedDivergenceFunction (read from trl/kernels/
+chunked_divergence.py: its forward projects both models once, twice for the JSD; its backward re-projects both
+models once and does dH, and dW where the head trains). A sweep projects both models over the vocabulary, 2 N V
+(Ds + Dt) FLOPs; a student GEMM (dH, dW, or one of the frozen head's two sums) is 2 N V Ds:
+    beta      student head                    ours                               TRL 1.16
+    0 or 1    trainable                       1 + 1 sweeps + dH + dW             the same: 2 N V (4 Ds + 2 Dt)
+    JSD       trainable                       2 + 1 sweeps + dH + dW             the same: 2 N V (5 Ds + 3 Dt)
+    0 or 1    frozen (only h needs a grad)    1 sweep + 2 GEMMs: 2 N V (3 Ds + Dt)      2 N V (3 Ds + 2 Dt)
+    JSD       frozen                          2 sweeps + 2 GEMMs: 2 N V (4 Ds + 2 Dt)   2 N V (4 Ds + 3 Dt)
+(the frozen head's backward is dH = c J: no sweep; tests/test_divergence.py counts these with FlopCounterMode).
+Where TRL is not beaten: a trainable head takes exactly TRL's count (the backward needs both models' tiles again:
+keeping either model's [N, V] logits is what this head avoids), and the JSD's second sweep stays: its mixture
+log m_v needs both models' final normalisers at every entry, which no one-sweep fold of mergeable sums gives.
+Memory: a few [CHUNK_N, CHUNK_V] fp32 tiles, fp32 dH / dW accumulators (J, N x Ds fp32, on the frozen path),
+O(N) per-token values; never N x V.
 """
 
 import math
@@ -153,8 +164,10 @@ def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
 
 
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform):
-    """(divergence [N], student entropy [N], saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64)."""
+            student_transform, teacher_transform, frozen_head=False):
+    """(divergence [N], student entropy [N], saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64, J): with
+    ``frozen_head`` J = d divergence / d student_hidden [N, Ds] fp32 built in the last sweep (FrozenHead), else
+    None."""
     N, V = student_hidden.shape[0], student_weight.shape[0]
     dev = student_hidden.device
     outputs = []
@@ -162,22 +175,114 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         n1 = min(n0 + CHUNK_N, N)
         hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
         run_s = run_t = _empty_record(n1 - n0, dev)
+        frozen = FrozenHead(beta, n1 - n0, student_weight) if frozen_head else None
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
-            zs = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1)
+            # the student's slope dz/du only where the frozen head's sums need it
+            zs, slope = (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
+                         if frozen is not None else
+                         (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0))
             zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
-            run_s = merge(run_s, tile_record(zs, zt, v0))
-            run_t = merge(run_t, tile_record(zt, zs, v0))
+            tile_s, tile_t = tile_record(zs, zt, v0), tile_record(zt, zs, v0)
+            if frozen is not None:
+                frozen.fold(run_s, run_t, tile_s, tile_t, zs, zt, slope, v0, v1)
+            run_s, run_t = merge(run_s, tile_s), merge(run_t, tile_t)
 
         def jsd_sweep(student, teacher, reference):
             return _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
-                              student_transform, teacher_transform, student, teacher, reference)
+                              student_transform, teacher_transform, student, teacher, reference, frozen)
 
-        outputs.append(finish(run_s, run_t, beta, jsd_sweep))
+        out = finish(run_s, run_t, beta, jsd_sweep)
+        outputs.append(out + ((frozen.finish(run_s, run_t, out[2]),) if frozen is not None else ()))
     if not outputs:
         return (torch.zeros(0, device=dev), torch.zeros(0, device=dev),
-                torch.zeros((len(SAVED_FIELDS), 0), device=dev), torch.zeros((2, 0), dtype=torch.int64, device=dev))
-    return tuple(torch.cat(parts, dim=-1) for parts in zip(*outputs))
+                torch.zeros((len(SAVED_FIELDS), 0), device=dev), torch.zeros((2, 0), dtype=torch.int64, device=dev),
+                torch.zeros((0, student_hidden.shape[1]), device=dev) if frozen_head else None)
+    merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs)))
+    return merged + (torch.cat([out[4] for out in outputs]) if frozen_head else None,)
+
+
+class FrozenHead:
+    """J = d divergence / d h_s = sum_v g_v s'_v W_v (g = d divergence / d z_s, s' the student's slope dz/du),
+    accumulated with the records so that the backward is dH = c J: no recompute sweep (a frozen student head:
+    LoRA, a frozen lm_head). Per beta (the sums below against each record's running max, rescaled as it moves):
+    * 0: A_X = sum_{v != a_X} e_X,v s'_v W_v for X = s and t (the argmax kept out, moved in, W row and slope
+      gathered, when a later chunk's max wins), J = A_s / S_s - A_t / S_t plus the argmax columns:
+      (q_t - q_s) s'_a W_a at a shared argmax (carried, never 1 - p), else s'_as W_as / S_s - s'_at W_at / S_t.
+    * 1: B0 = sum_v e_s,v s'_v W_v, B1 = sum_v e_s,v (g_v - g_a) s'_v W_v (shifted by (g_a,old - g_a,new) B0 when
+      the argmax moves), J = (B1 - (C_s / S_s) B0) / S_s.
+    * JSD: in the second sweep, where every normaliser is known: J0 = sum_v p_s s'_v W_v, J1 = sum_v p_s (r_v - r_a)
+      s'_v W_v, J = (1 - beta) (J1 - excess J0).
+    Two student GEMMs (2 N V D_s each) per sweep that folds them, and J: N x D_s fp32."""
+
+    def __init__(self, beta, n, weight):
+        self.beta, self.weight = beta, weight
+        zeros = torch.zeros((n, weight.shape[1]), dtype=torch.float32, device=weight.device)
+        self.first, self.second = zeros, zeros.clone()  # beta 0: A_s, A_t; beta 1: B0, B1; JSD: J0, J1
+        self.slope_top = [torch.zeros(n, device=weight.device), torch.zeros(n, device=weight.device)]
+
+    def _rows(self, index):
+        return self.weight[index].float()
+
+    def fold(self, run_s, run_t, tile_s, tile_t, zs, zt, slope, v0, v1):
+        """Fold one vocabulary chunk [v0, v1) (the student's tile and slope, the teacher's tile) before the records
+        merge it (beta 0 and 1; the JSD accumulates in its second sweep)."""
+        w = self.weight[v0:v1].float()
+        if self.beta == 0.0:
+            for k, (run, tile) in enumerate(((run_s, tile_s), (run_t, tile_t))):
+                z = zs if k == 0 else zt
+                wins = tile.max > run.max
+                pivot = _pivot(torch.maximum(run.max, tile.max))
+                rescale = torch.exp(run.max - pivot)
+                e = torch.exp(z - pivot[:, None])
+                rows = torch.nonzero(wins).squeeze(1)
+                local = tile.argmax[rows] - v0
+                e[rows, local] = 0.0  # the merged argmax stays out of the sum
+                slope_at = slope[torch.arange(z.shape[0], device=z.device), tile.argmax - v0] \
+                    if torch.is_tensor(slope) else torch.full_like(tile.max, slope)
+                # the running argmax's own term (1 x its slope) joins the rest where this chunk's max wins
+                moved = torch.where(wins & (run.max > float("-inf")), rescale * self.slope_top[k], 0.0)
+                acc = self.first if k == 0 else self.second
+                acc.mul_(rescale[:, None]).add_(moved[:, None] * self._rows(run.argmax))
+                torch.addmm(acc, e * slope, w, out=acc)
+                self.slope_top[k] = torch.where(wins, slope_at, self.slope_top[k])
+        elif self.beta == 1.0:
+            wins = tile_s.max > run_s.max
+            pivot = _pivot(torch.maximum(run_s.max, tile_s.max))
+            rescale = torch.exp(run_s.max - pivot)
+            reference = torch.where(wins, tile_s.max - tile_s.other, run_s.max - run_s.other)
+            shift = (run_s.max - run_s.other) - reference
+            self.second = _zero_where((rescale == 0)[:, None],
+                                      rescale[:, None] * (self.second + shift[:, None] * self.first))
+            self.first.mul_(rescale[:, None])
+            e = torch.exp(zs - pivot[:, None])
+            relative = _zero_where(e == 0, e * ((zs - zt) - reference[:, None]))
+            torch.addmm(self.first, e * slope, w, out=self.first)
+            torch.addmm(self.second, relative * slope, w, out=self.second)
+
+    def fold_jsd(self, ps, relative, slope, v0, v1):
+        """The JSD's second sweep: p_s and p_s (r_v - r_a) of one chunk (0 where p_s is 0 or at the argmax)."""
+        w = self.weight[v0:v1].float()
+        torch.addmm(self.first, ps * slope, w, out=self.first)
+        torch.addmm(self.second, relative * slope, w, out=self.second)
+
+    def finish(self, run_s, run_t, saved):
+        """J [n, Ds] fp32 from the accumulators and the merged records (FrozenHead's docstring)."""
+        if self.beta == 0.0:
+            sumexp_s = (run_s.max > float("-inf")).float() + run_s.rest
+            sumexp_t = (run_t.max > float("-inf")).float() + run_t.rest
+            grad = self.first / sumexp_s[:, None] - self.second / sumexp_t[:, None]
+            shared = run_s.argmax == run_t.argmax
+            rest_s, rest_t = saved[2], saved[5]
+            top_s = torch.where(shared, (rest_t - rest_s) * self.slope_top[0], self.slope_top[0] / sumexp_s)
+            top_t = torch.where(shared, 0.0, self.slope_top[1] / sumexp_t)
+            return grad + top_s[:, None] * self._rows(run_s.argmax) - top_t[:, None] * self._rows(run_t.argmax)
+        excess = saved[7]
+        grad = self.second - excess[:, None] * self.first
+        if self.beta == 1.0:
+            sumexp_s = (run_s.max > float("-inf")).float() + run_s.rest
+            return grad / sumexp_s[:, None]
+        return (1.0 - self.beta) * grad
 
 
 def finish(run_s, run_t, beta, jsd_sweep):
@@ -214,16 +319,16 @@ def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
 
 
 def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta, student_transform,
-               teacher_transform, student, teacher, top_log_ratio):
+               teacher_transform, student, teacher, top_log_ratio, frozen=None):
     """The generalized JSD's second sweep: (JSD, sum_v p_s (r_v - r_a)) [n] from both models' finished records and
-    r_a (``_top_log_ratio``)."""
+    r_a (``_top_log_ratio``); with ``frozen`` (a FrozenHead) it also folds J's two sums."""
     V = student_weight.shape[0]
     jsd = torch.zeros(hs.shape[0], dtype=torch.float32, device=hs.device)
     excess = torch.zeros_like(jsd)
     for v0 in range(0, V, CHUNK_V):
         v1 = min(v0 + CHUNK_V, V)
-        log_ps, top_s = _log_probs(logit_tile(hs, student_weight, student_bias, student_transform, v0, v1),
-                                   student, v0)
+        zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
+        log_ps, top_s = _log_probs(zs, student, v0)
         log_pt, top_t = _log_probs(logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1),
                                    teacher, v0)
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)
@@ -232,7 +337,10 @@ def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bia
         kl_s = _zero_where(ps == 0, ps * log_ratio)
         kl_t = _zero_where(pt == 0, pt * (log_pt - log_m))
         jsd += (beta * kl_t + (1.0 - beta) * kl_s).sum(1)
-        excess += _zero_where((ps == 0) | top_s, ps * (log_ratio - top_log_ratio[:, None])).sum(1)
+        relative = _zero_where((ps == 0) | top_s, ps * (log_ratio - top_log_ratio[:, None]))
+        excess += relative.sum(1)
+        if frozen is not None:
+            frozen.fold_jsd(ps, relative, slope, v0, v1)
     return jsd, excess
 
 

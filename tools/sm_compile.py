@@ -46,6 +46,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
+from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 from grpo_fast.options import LossOptions  # noqa: E402
 
@@ -290,6 +291,39 @@ LAYER1_EXTRA = (("bf16 +bias, no entropy", dict(bias=True, entropy=False)),
                 ("bf16 +lora-bf16-adapters", dict(lora_dtype=torch.bfloat16)))
 
 
+# the divergence head (kernels/divergence.py): per dtype, the forward KL (one sweep + the backward), the JSD (its
+# second sweep, its backward's mixture) and the reverse KL with biases and soft-caps on both models
+DIVERGENCE_VARIANTS = tuple((f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
+                            for d in (torch.bfloat16, torch.float16, torch.float32) for b in (0.0, 0.5)) + (
+    ("div bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
+    ("div fp32 beta=1 +bias +softcap", torch.float32, dict(beta=1.0, bias=True, softcap=30.0)),
+)
+
+
+def divergence_launches(arch, dtype, beta, bias=False, softcap=None):
+    """The divergence head's launches for one variant: forward, JSD sweep (0 < beta < 1), backward. The teacher
+    is wider than the student (Qwen2.5-1.5B's D 1536 over the stand-in's 896, Qwen2.5-0.5B's)."""
+    gen = torch.Generator().manual_seed(0)
+    N, Ds, Dt, V = 48, 896, 1536, 4096
+    hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
+    ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
+    bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
+    transforms = (kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
+                  kconfig.LogitTransform(0.7, softcap, 1.0))
+    out = []
+    with recording(kdivergence, "_forward_kernel") as fwd, recording(kdivergence, "_jsd_kernel") as jsd:
+        kdivergence.forward(hs, ws, bs, ht, wt, bt, beta, *transforms,
+                            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))
+    out += [("div fwd", fwd[0])] + [("div jsd", launch) for launch in jsd]
+    saved = torch.zeros(len(kdivergence.divergence_torch.SAVED_FIELDS), N)
+    argmax = torch.zeros(2, N, dtype=torch.int64)
+    with recording(kdivergence, "_backward_kernel") as bwd:
+        kdivergence.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
+                             torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None,
+                             config=kdivergence.gpu_backward_config(dtype))
+    return out + [("div bwd", bwd[0])]
+
+
 def all_launches(arch):
     """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
@@ -303,6 +337,8 @@ def all_launches(arch):
                 for name, launch in layer1_launches(arch, dtype, **kw)]
     out += [(name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(dtype, **kw))
             for name, dtype, kw in FROZEN_VARIANTS]
+    out += [(f"{family} {name[4:]}", family, TRITON_TYPES[dtype], launch) for name, dtype, kw in DIVERGENCE_VARIANTS
+            for family, launch in divergence_launches(arch, dtype, **kw)]
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 

@@ -33,7 +33,8 @@ def gpu_forward_config(dtype, sm_count):
     """The compiled forward's and JSD sweep's launch: two logit tiles live at once, so half the log-prob forward's
     vocabulary width (tools/sm_compile.py: no spills on sm_90 / 89 / 80)."""
     if dtype == torch.float32:
-        tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=4, num_stages=2)
+        # IEEE fp32 products on the FMA units: 8 warps keep both tiles' registers in bounds
+        tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=8, num_stages=2)
     else:
         tiles = dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2)
     return ForwardConfig(**tiles, dot_fp32=False, target_programs=sm_count)
@@ -42,7 +43,7 @@ def gpu_forward_config(dtype, sm_count):
 def gpu_backward_config(dtype):
     """The compiled backward's launch (both tiles and the gradient's epilogue live at once)."""
     if dtype == torch.float32:
-        tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=4, num_stages=2)
+        tiles = dict(block_n=32, block_v=32, block_d=32, num_warps=4, num_stages=2)
     else:
         tiles = dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2)
     return BackwardConfig(**tiles, dot_fp32=False, group_v=1)
@@ -69,6 +70,38 @@ def _model_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask
     return logit_tile(hidden_ptr, weight_ptr, bias_ptr, hidden_ptr, weight_ptr, offs_n, offs_v, n_mask, v_mask, D, 0,
                       stride_hn, 1, stride_wv, 1, inv_temperature, logit_scale, softcap, HAS_BIAS, False, HAS_SOFTCAP,
                       DOT_FP32, DOT_PRECISION, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, 16)
+
+
+@triton.jit
+def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds, Dt,
+                stride_hs, stride_ws, stride_ht, stride_wt,
+                inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
+                S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
+                T_HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr,
+                T_DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Both models' transformed logit tiles (two K-loops) and the student's slope dz/du."""
+    zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
+                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
+                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
+                        inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
+                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    return zs, slope, zt
+
+
+@triton.jit
+def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
+    """A token block's divergence_torch.SAVED_FIELDS (8 rows) and both argmax indices."""
+    fields = saved_ptr + offs_n
+    return (tl.load(fields, mask=n_mask, other=0.0), tl.load(fields + stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 2 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 3 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 4 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 5 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 6 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 7 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1),
+            tl.load(argmax_ptr + stride_argmax + offs_n, mask=n_mask, other=-1))
 
 
 @triton.jit
@@ -144,12 +177,10 @@ def _forward_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        zs, _ = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
-                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
-                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
-        zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
-                            inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
-                            T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
+                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
         m, a, r, c, o, z, u = _tile_record(zs, zt, offs_v, BIG)
         sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
         m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
@@ -196,15 +227,8 @@ def _jsd_kernel(
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s_max = tl.load(saved_ptr + offs_n, mask=n_mask, other=0.0)
-    s_log_sumexp = tl.load(saved_ptr + stride_saved + offs_n, mask=n_mask, other=0.0)
-    s_rest_mass = tl.load(saved_ptr + 2 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    t_max = tl.load(saved_ptr + 3 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    t_log_sumexp = tl.load(saved_ptr + 4 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    t_rest_mass = tl.load(saved_ptr + 5 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    top_log_ratio = tl.load(saved_ptr + 6 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    s_top = tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1)
-    t_top = tl.load(argmax_ptr + N + offs_n, mask=n_mask, other=-1)
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
+        _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
     jsd = tl.zeros((BLOCK_N,), tl.float32)
     excess = tl.zeros((BLOCK_N,), tl.float32)
     v_begin = split * vocab_per_split
@@ -212,12 +236,10 @@ def _jsd_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        zs, _ = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
-                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
-                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
-        zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
-                            inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
-                            T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
+                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
         log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
         log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
@@ -265,22 +287,12 @@ def _backward_kernel(
     if tl.sum(tl.abs(c), axis=0) == 0.0:  # rows without a gradient (masked): exactly zero
         tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    s_max = tl.load(saved_ptr + offs_n, mask=n_mask, other=0.0)
-    s_log_sumexp = tl.load(saved_ptr + stride_saved + offs_n, mask=n_mask, other=0.0)
-    s_rest_mass = tl.load(saved_ptr + 2 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    t_max = tl.load(saved_ptr + 3 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    t_log_sumexp = tl.load(saved_ptr + 4 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    t_rest_mass = tl.load(saved_ptr + 5 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    reference = tl.load(saved_ptr + 6 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    excess = tl.load(saved_ptr + 7 * stride_saved + offs_n, mask=n_mask, other=0.0)
-    s_top = tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1)
-    t_top = tl.load(argmax_ptr + N_ALL + offs_n, mask=n_mask, other=-1)
-    zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
-                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
-                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
-    zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
-                        inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
-                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = \
+        _load_saved(saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask)
+    zs, slope, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
+                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
     log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
     ps = tl.exp(log_ps)
@@ -339,7 +351,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     dev = student_hidden.device
     if N == 0:
         return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)
+                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
     config = config or forward_config(dev, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
@@ -362,7 +374,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         runs.append(run)
 
     def jsd_sweep(student, teacher, top_log_ratio):
-        saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio])
+        saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
         argmax = torch.stack([student.argmax, teacher.argmax])
         out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
         _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
