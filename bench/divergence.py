@@ -604,8 +604,9 @@ def plot(doc, path):
               ("fwdbwd", "div_rel_err", "max |div err| / max div (fp64 truth)", None)]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     for ax, (mode, key, title, scenario) in zip(axes.flat, panels):
-        rs = [r for r in results if r["mode"] == mode and (scenario is None or r["scenario"] == scenario)]
-        groups = list(dict.fromkeys((r["scenario"], r["N"], r["beta"]) for r in rs))
+        rs = [r for r in results if r["mode"] == mode and (scenario is None or r["scenario"] == scenario)
+              and r["status"] == "ok" and (r.get("errors", {}).get(key) if key == "div_rel_err" else r["timed"])]
+        groups = list(dict.fromkeys((r["scenario"], r["N"], r["beta"]) for r in rs))  # measured points only
         width = 0.8 / max(len(impls), 1)
         for i, impl in enumerate(impls):
             xs, ys = [], []
@@ -622,9 +623,10 @@ def plot(doc, path):
             if xs:
                 ax.bar(xs, ys, width, color=colors[impl], label=impl)
         ax.set_xticks(range(len(groups)))
+        ax.set_xlim(-0.5, len(groups) - 0.5)
         ax.set_xticklabels([(f"{s}\n" if scenario is None else "") + f"N={n}\nβ={b:g}" for s, n, b in groups],
                            fontsize=7)
-        if ax.has_data():
+        if ax.has_data() and key == "div_rel_err":  # errors span decades; times and memory compare linearly
             ax.set_yscale("log")
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.set_title(title, fontsize=9)
