@@ -43,7 +43,7 @@ MODE_TITLES = {"fwdbwd": "forward + backward (loss = mean divergence; student dH
 SCENARIOS = ("ordinary", "confident")
 BETAS = (1.0, 0.0, 0.5)              # TRL's default (reverse KL) first: the budget keeps what comes first
 LOGIT_STD = 2.0                      # the student's logits on the ordinary batch; the teacher's add noise of std 1
-CONFIDENT_REST_MASS = 1e-6           # 1 - p of the chosen token in both models, within a factor 2, on the confident batch
+CONFIDENT_REST_MASS = 1e-6           # 1 - p of the chosen token in both models (within a factor 2): confident batch
 TRUTH_CHUNK_ELEMENTS = 1 << 23       # rows x V per chunk of the fp64 truth (64 MiB per fp64 [rows, V] temporary)
 # eager's peak in [N, V] fp32 tensors (measured: bench/results/cpu-divergence-bf16.json), to skip a point that would
 # exhaust the machine's memory (no swap: the kernel would kill a process) rather than run it
@@ -566,8 +566,9 @@ def markdown(doc) -> str:
     conf = [r for r in doc["results"] if r["scenario"] == "confident" and r.get("truth")]
     if conf:
         t = conf[0]["truth"]
-        lines += [f"Confident batch: median 1 - max p of the fp64 truth: student {t['rest_mass_median']['student']:.1e}, "
-                  f"teacher {t['rest_mass_median']['teacher']:.1e}; max divergence per beta: "
+        rest = t["rest_mass_median"]
+        lines += [f"Confident batch: median 1 - max p of the fp64 truth: student {rest['student']:.1e}, "
+                  f"teacher {rest['teacher']:.1e}; max divergence per beta: "
                   + ", ".join(f"beta {r['beta']:g}: {r['truth']['divergence_max']:.2e} nats"
                               for r in conf if r["impl"] == conf[0]["impl"]) + ".", ""]
     notes = [r for r in doc["results"] if r["status"] != "ok" and r.get("reason")]
@@ -604,8 +605,9 @@ def plot(doc, path):
               ("fwdbwd", "div_rel_err", "max |div err| / max div (fp64 truth)", None)]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     for ax, (mode, key, title, scenario) in zip(axes.flat, panels):
-        rs = [r for r in results if r["mode"] == mode and (scenario is None or r["scenario"] == scenario)]
-        groups = list(dict.fromkeys((r["scenario"], r["N"], r["beta"]) for r in rs))
+        rs = [r for r in results if r["mode"] == mode and (scenario is None or r["scenario"] == scenario)
+              and r["status"] == "ok" and (r.get("errors", {}).get(key) if key == "div_rel_err" else r["timed"])]
+        groups = list(dict.fromkeys((r["scenario"], r["N"], r["beta"]) for r in rs))  # measured points only
         width = 0.8 / max(len(impls), 1)
         for i, impl in enumerate(impls):
             xs, ys = [], []
@@ -622,9 +624,10 @@ def plot(doc, path):
             if xs:
                 ax.bar(xs, ys, width, color=colors[impl], label=impl)
         ax.set_xticks(range(len(groups)))
+        ax.set_xlim(-0.5, len(groups) - 0.5)
         ax.set_xticklabels([(f"{s}\n" if scenario is None else "") + f"N={n}\nβ={b:g}" for s, n, b in groups],
                            fontsize=7)
-        if ax.has_data():
+        if ax.has_data() and key == "div_rel_err":  # errors span decades; times and memory compare linearly
             ax.set_yscale("log")
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.set_title(title, fontsize=9)
