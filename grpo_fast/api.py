@@ -357,7 +357,7 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
 def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode,
                           shard=None, lora=None):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
-    forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
+    forward (two vocabulary sweeps instead of three; autograd.linear_logprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)

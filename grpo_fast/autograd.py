@@ -72,6 +72,28 @@ def _no_max(hidden):
     return torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
 
 
+class OneProcess:
+    """The head's reduce step on one process: identity. Layer 1's forward merges its own vocabulary splits (inside the
+    kernels) and its dH is whole. grpo_fast.vocab_parallel.GroupReduce is the same step over a vocab-parallel group
+    (the ranks' records merged, J and dH summed); grpo_fast.ops' head autograd takes either, so the frozen-head
+    backward, the entropy fallback and the empty case exist once."""
+
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):
+        """(logp, entropy or None, BackwardStats) [N] fp32 of the whole vocabulary (``head_forward``)."""
+        return head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora)
+
+    def frozen_forward(self, hidden, weight, targets, bias, transform, backend, lora=None):
+        """(logp, entropy, BackwardStats, J, J_lora or None) of the whole vocabulary (``head_forward_frozen_head``)."""
+        return head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora)
+
+    def sum_grad_hidden(self, grad_hidden):
+        """dH [N, D] fp32 of the whole vocabulary from this process's part: already whole."""
+        return grad_hidden
+
+
+ONE_PROCESS = OneProcess()
+
+
 def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_grad=False):
     """The frozen-head path is taken: head_path "auto", only hidden (the first input) needs a gradient (and, with
     LoRA, lora_hidden, whose J the path also builds; not lora_weight: ``lora_weight_grad``), rows to compute, and the
@@ -114,7 +136,7 @@ def _grad_hidden_buffer(hidden, backend, backward_mode):
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
-                    lora_weight=None):
+                    lora_weight=None, reduce=ONE_PROCESS):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
     lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
     grpo_fast.ops.linear_logprobs, whose registered autograd formula is the head's one backward.
@@ -134,7 +156,8 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
       will usually get no gradient; if one arrives anyway, its term comes from the general path with its own forward
       statistics: exact, at three sweeps more (five in all, against three).
     ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
-    N = 0 (every row masked) gives empty outputs and zero gradients.
+    N = 0 (every row masked) gives empty outputs and zero gradients. ``reduce``: the reduce step (``OneProcess``,
+    or a vocab-parallel group's grpo_fast.vocab_parallel.GroupReduce, whose ranks all take the same path).
     """
     from grpo_fast import ops  # ops' implementations call this module's backend functions
 
@@ -147,7 +170,7 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
     lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
     frozen_head = takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
     outputs = ops.linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
-                                  True, frozen_head, backend, backward_mode)
+                                  True, frozen_head, backend, backward_mode, reduce=reduce)
     return outputs[0], outputs[1]
 
 
