@@ -74,6 +74,7 @@ def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weigh
                   compute_entropy, frozen_head, backend, backward_mode):
     """``_linear_logprobs`` with a reduce step (autograd.OneProcess or vocab_parallel.GroupReduce)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
+    backend = autograd.BACKENDS[backend]
     lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
     N = hidden.shape[0]
     if N == 0:
@@ -191,6 +192,7 @@ def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, target
     where ``needs`` (five flags, in that order) asks for it, else empty. ``grad_entropy`` None: no entropy term
     (then mean_logit and mean_minus_target are not read)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
+    backend = autograd.BACKENDS[backend]
     need_h, need_w, need_b, need_lh, need_lw = needs
     dev = hidden.device
     lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
@@ -198,7 +200,7 @@ def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, target
     def zeros(x, need):
         return torch.zeros(x.shape, dtype=FP32, device=dev) if need and x is not None else None
 
-    grad_hidden = autograd._grad_hidden_buffer(hidden, backend, backward_mode) if need_h else None
+    grad_hidden = backend.grad_hidden_buffer(hidden, backward_mode) if need_h else None
     grad_weight, grad_bias = zeros(weight, need_w), zeros(bias, need_b)
     grad_lora = (zeros(lora_hidden, need_lh), zeros(lora_weight, need_lw))
     if grad_hidden is not None and (hidden.shape[0] == 0 or weight.shape[0] == 0):

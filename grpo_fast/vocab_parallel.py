@@ -160,8 +160,8 @@ def _from_dtensor(hidden, weight, bias):
 # and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them; the
 # frozen-head path's acc (autograd.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The
 # shard's backward is layer 1's own (the head's one backward, grpo_fast.ops) with the finished GLOBAL BackwardStats,
-# its dH summed by ``GroupReduce.sum_grad_hidden``; its target column reads the carried 1 - p_y and mean - z_y only on the target's owner (the other ranks pass target -1, a
-# column no kernel matches: no target term there).
+# its dH summed by ``GroupReduce.sum_grad_hidden``; its target column reads the carried 1 - p_y and mean - z_y only
+# on the target's owner (the other ranks pass target -1, a column no kernel matches: no target term there).
 # ------------------------------------------------------------------------------------------------------------
 def merge_records(record, compute_entropy, group):
     """This rank's record (softmax_stats.SoftmaxStats, [N] fp32 fields) -> the record of the whole vocabulary, on
@@ -228,8 +228,8 @@ def local_targets(targets, shard, rows):
 def logprobs(hidden, weight, targets, bias, transform, backend, shard):
     """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
     y = local_targets(targets, shard, weight.shape[0])
-    return ops.linear_logprobs(hidden, weight, y, bias, None, None, *transform.as_floats(), False, False, backend,
-                               "chunked", reduce=GroupReduce(shard.group))[0]
+    return ops.linear_logprobs(hidden, weight, y, bias, None, None, *transform.as_floats(), False, False,
+                               backend.name, "chunked", reduce=GroupReduce(shard.group))[0]
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
