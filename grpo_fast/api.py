@@ -13,9 +13,9 @@ host synchronisation per call), and each failed check raises its named error. Th
 scored tokens, so the scored rows are gathered exactly (argsort of the mask, cut at that count). With
 ``check_values=False``, under torch.compile, and for tensors without data (FakeTensorMode, meta), nothing is read:
 the rows are a stable partition of all B x T rows by the mask (scored rows first, the others zeroed), the Triton
-forward kernel skips the blocks past the scored count (a device value) and the backward kernel skips blocks without
-a gradient; the cuBLAS GEMMs of the chunked backward and of the frozen-head forward then run over all B x T rows
-(their padding rows are zeros: the results are the same, the cost that of the whole batch). Layer 2 reads nothing on
+backward kernel skips blocks without a gradient; the forward kernels and the cuBLAS GEMMs of the chunked backward and
+of the frozen-head forward run over all B x T rows (their padding rows are zeros: the results are the same, the cost
+that of the whole batch; ``_Rows.count``, the scored count on the device, is not read by a kernel yet). Layer 2 reads nothing on
 the host (grpo_fast.ops.token_loss). The layers run as torch.library custom ops (grpo_fast.ops).
 
 ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)`` (or a tuple (a, b, scaling)): LoRA on the lm_head, exact
