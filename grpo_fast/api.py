@@ -13,9 +13,10 @@ host synchronisation per call), and each failed check raises its named error. Th
 scored tokens, so the scored rows are gathered exactly (argsort of the mask, cut at that count). With
 ``check_values=False``, under torch.compile, and for tensors without data (FakeTensorMode, meta), nothing is read:
 the rows are a stable partition of all B x T rows by the mask (scored rows first, the others zeroed), the Triton
-backward kernel skips blocks without a gradient; the forward kernels and the cuBLAS GEMMs of the chunked backward and
-of the frozen-head forward run over all B x T rows (their padding rows are zeros: the results are the same, the cost
-that of the whole batch; ``_Rows.count``, the scored count on the device, is not read by a kernel yet). Layer 2 reads nothing on
+forward kernel skips the blocks past the scored count (``_Rows.count``, a device value) and the backward kernel the
+blocks without a gradient; the cuBLAS GEMMs of the chunked backward and of the frozen-head forward (and the torch
+twin) run over all B x T rows (their padding rows are zeros: the results are the same, the cost that of the whole
+batch). Layer 2 reads nothing on
 the host (grpo_fast.ops.token_loss). The layers run as torch.library custom ops (grpo_fast.ops).
 
 ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)`` (or a tuple (a, b, scaling)): LoRA on the lm_head, exact
@@ -304,7 +305,7 @@ def logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=Non
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
             logp = ops.linear_logprobs(h, w, y, b, *_lora_operands(lora, hidden, rows), *transform.as_floats(),
-                                       False, False, backend.name, "chunked")[0]
+                                       False, False, backend.name, "chunked", rows.count)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
@@ -355,7 +356,7 @@ def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backen
                                                             backward_mode)
     else:
         logp, entropy = autograd.linear_logprobs(h, w, y, b, transform, backend, head_path, backward_mode,
-                                                 *_lora_operands(lora, hidden, rows))
+                                                 *_lora_operands(lora, hidden, rows), row_count=rows.count)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 

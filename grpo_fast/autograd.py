@@ -43,9 +43,10 @@ class TritonBackend:
             raise ValueError(f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: "
                              "split the batch")
 
-    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None):
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
+        """``row_count``: the kernel computes no block wholly past it (kernels/forward.py's forward_record)."""
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
-        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora)
+        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
 
     def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
@@ -92,7 +93,8 @@ class TorchBackend:
     def check_sizes(self, tokens, vocab_size):
         """No index limit: torch indexes in int64."""
 
-    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None):
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
+        """``row_count`` is not read: the twin's chunks compute the padding rows too (zeros)."""
         return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
 
     def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
@@ -126,10 +128,11 @@ def as_backend(backend):
     return BACKENDS[backend] if isinstance(backend, str) else backend
 
 
-def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):
+def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
     """(logp, entropy, softmax_stats.BackwardStats), fp32 [N], by the chosen backend; entropy (and the stats'
-    entropy values) None without ``compute_entropy``; no autograd."""
-    return backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
+    entropy values) None without ``compute_entropy``; ``row_count``: None, or the [1] int32 device count of the
+    scored rows, which come first (the others are padding: their values are placeholders); no autograd."""
+    return backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora, row_count)
 
 
 def head_forward_record(hidden, weight, targets, bias, transform, compute_entropy, backend):
@@ -190,9 +193,9 @@ class OneProcess:
     (the ranks' records merged, J and dH summed); grpo_fast.ops' head autograd takes either, so the frozen-head
     backward, the entropy fallback and the empty case exist once."""
 
-    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
         """(logp, entropy or None, BackwardStats) [N] fp32 of the whole vocabulary (``head_forward``)."""
-        return head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora)
+        return head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora, row_count)
 
     def frozen_forward(self, hidden, weight, targets, bias, transform, backend, lora=None):
         """(logp, entropy, BackwardStats, J, J_lora or None) of the whole vocabulary (``head_forward_frozen_head``)."""
@@ -207,7 +210,7 @@ ONE_PROCESS = OneProcess()
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
-                    lora_weight=None, reduce=ONE_PROCESS):
+                    lora_weight=None, reduce=ONE_PROCESS, row_count=None):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
     lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
     grpo_fast.ops.linear_logprobs, whose registered autograd formula is the head's one backward.
@@ -229,6 +232,8 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
     ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
     N = 0 (every row masked) gives empty outputs and zero gradients. ``reduce``: the reduce step (``OneProcess``,
     or a vocab-parallel group's grpo_fast.vocab_parallel.GroupReduce, whose ranks all take the same path).
+    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first; the rows after it are
+    padding (zeros, no gradient; their outputs are placeholders), whose blocks the Triton forward skips.
     """
     from grpo_fast import ops  # ops' implementations call this module's backend functions
 
@@ -242,7 +247,7 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
     lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
     frozen_head = takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
     outputs = ops.linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
-                                  True, frozen_head, backend.name, backward_mode, reduce=reduce)
+                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)
     return outputs[0], outputs[1]
 
 

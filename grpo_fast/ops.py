@@ -58,20 +58,23 @@ def _given(x):
 def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
                     lora_hidden: torch.Tensor | None, lora_weight: torch.Tensor | None, temperature: float,
                     softcap: float | None, logit_scale: float, compute_entropy: bool, frozen_head: bool,
-                    backend: str, backward_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                    backend: str, backward_mode: str,
+                    row_count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor, torch.Tensor]:
     """Layer 1's forward on [N] rows: (logp, entropy, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora).
 
     [N] fp32 each (entropy, mean_logit and mean_minus_target empty without ``compute_entropy``); with
     ``frozen_head`` also J = d logp / d hidden [N, D] fp32 and, with LoRA, J_lora = d logp / d lora_hidden [N, r]
-    fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments."""
+    fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments.
+    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first (autograd.linear_logprobs).
+    """
     return _head_forward(autograd.ONE_PROCESS, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature,
-                         softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode)
+                         softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode, row_count)
 
 
 def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale,
-                  compute_entropy, frozen_head, backend, backward_mode):
+                  compute_entropy, frozen_head, backend, backward_mode, row_count):
     """``_linear_logprobs`` with a reduce step (autograd.OneProcess or vocab_parallel.GroupReduce)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
     backend = autograd.BACKENDS[backend]
@@ -85,7 +88,8 @@ def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weigh
     if frozen_head:
         logp, entropy, stats, J, J_lora = reduce.frozen_forward(hidden, weight, targets, bias, transform, backend, lora)
     else:
-        logp, entropy, stats = reduce.forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora)
+        logp, entropy, stats = reduce.forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora,
+                                              row_count)
     if not compute_entropy:
         entropy = None
         stats = BackwardStats(stats.lse, stats.nontarget_mass, None, None)
@@ -99,7 +103,7 @@ _linear_logprobs_op = torch.library.custom_op("grpo_fast::linear_logprobs", muta
 
 @_linear_logprobs_op.register_fake
 def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-      frozen_head, backend, backward_mode):
+      frozen_head, backend, backward_mode, row_count):
     N = hidden.shape[0]
 
     def per_token(computed=True):
@@ -115,7 +119,7 @@ def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, soft
 
 def _linear_setup_context(ctx, inputs, output):
     (hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-     frozen_head, backend, backward_mode) = inputs
+     frozen_head, backend, backward_mode, _) = inputs
     _, _, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora = output
     # the entropy is usually a metric: its gradient is then None, not zeros (no entropy term, no fallback)
     ctx.set_materialize_grads(False)
@@ -136,7 +140,7 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     lora = lora_hidden is not None
     need_lh, need_lw = need_lh and lora, need_lw and lora
     N = hidden.shape[0]
-    no_grad_rest = (None,) * 7
+    no_grad_rest = (None,) * 8
     if N == 0:
         return (torch.zeros_like(hidden) if need_h else None, torch.zeros_like(weight) if need_w else None, None,
                 torch.zeros_like(bias) if need_b else None,
@@ -154,7 +158,7 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
             # tiles, and p = exp(z - lse) must see one z (at logits of 1e4 the difference is 1e-3 relative)
             _, _, lse, nontarget_mass, mean_logit, mean_minus_target, _, _ = linear_logprobs(
                 hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, True,
-                False, ctx.backend, ctx.backward_mode, reduce=ctx.reduce)
+                False, ctx.backend, ctx.backward_mode, None, reduce=ctx.reduce)
             term, _, _, lora_term, _ = linear_logprobs_backward(
                 hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
                 mean_minus_target, torch.zeros_like(grad_logp), grad_entropy.float().contiguous(), temperature,

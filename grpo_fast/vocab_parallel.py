@@ -187,8 +187,10 @@ class GroupReduce:
     def __init__(self, group):
         self.group = group
 
-    def forward(self, hidden, weight, local_targets, bias, transform, compute_entropy, backend, lora=None):
-        """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank."""
+    def forward(self, hidden, weight, local_targets, bias, transform, compute_entropy, backend, lora=None,
+                row_count=None):
+        """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank. ``row_count`` is
+        not read: a padding row's placeholder record would not merge over the ranks as a real one does."""
         record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy,
                                               backend)
         return softmax_stats.finish(merge_records(record, compute_entropy, self.group), compute_entropy)
@@ -229,7 +231,7 @@ def logprobs(hidden, weight, targets, bias, transform, backend, shard):
     """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
     y = local_targets(targets, shard, weight.shape[0])
     return ops.linear_logprobs(hidden, weight, y, bias, None, None, *transform.as_floats(), False, False,
-                               backend.name, "chunked", reduce=GroupReduce(shard.group))[0]
+                               backend.name, "chunked", None, reduce=GroupReduce(shard.group))[0]
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
