@@ -13,9 +13,10 @@ host synchronisation per call), and each failed check raises its named error. Th
 scored tokens, so the scored rows are gathered exactly (argsort of the mask, cut at that count). With
 ``check_values=False``, under torch.compile, and for tensors without data (FakeTensorMode, meta), nothing is read:
 the rows are a stable partition of all B x T rows by the mask (scored rows first, the others zeroed), the Triton
-forward kernel skips the blocks past the scored count (a device value) and the backward kernel skips blocks without
-a gradient; the cuBLAS GEMMs of the chunked backward and of the frozen-head forward then run over all B x T rows
-(their padding rows are zeros: the results are the same, the cost that of the whole batch). Layer 2 reads nothing on
+forward kernel skips the blocks past the scored count (``_Rows.count``, a device value) and the backward kernel the
+blocks without a gradient; the cuBLAS GEMMs of the chunked backward and of the frozen-head forward (and the torch
+twin) run over all B x T rows (their padding rows are zeros: the results are the same, the cost that of the whole
+batch). Layer 2 reads nothing on
 the host (grpo_fast.ops.token_loss). The layers run as torch.library custom ops (grpo_fast.ops).
 
 ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)`` (or a tuple (a, b, scaling)): LoRA on the lm_head, exact
@@ -147,26 +148,15 @@ def _check_mask(mask, shape, checks):
 
 
 def _resolve_backend(backend, device):
+    """The public ``backend=`` string as the backend object (autograd.TRITON or autograd.TORCH), chosen once here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if (device.type == "cuda" or kconfig.interpreting()) else "torch"
-    if backend == "triton" and device.type != "cuda" and not kconfig.interpreting():
+        return autograd.TRITON if autograd.TRITON.runs_on(device) else autograd.TORCH
+    chosen = autograd.BACKENDS[backend]
+    if not chosen.runs_on(device):
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing grpo_fast")
-    return backend
-
-
-def _check_kernel_sizes(tokens, V, backend):
-    """Sizes the Triton kernels cannot index (kernels/config.py) are an error here, not a failed launch."""
-    if backend != "triton":
-        return
-    if V > kconfig.MAX_VOCAB:
-        raise ValueError(f"weight has V = {V} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} (the "
-                         f"backward's grid of vocabulary tiles): split the head over ranks (vocab_parallel) or use "
-                         "backend='torch'")
-    if tokens > kconfig.MAX_ROWS:
-        raise ValueError(f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: "
-                         "split the batch")
+    return chosen
 
 
 def _layer1_choices(head_path, backward_mode, backend):
@@ -176,7 +166,7 @@ def _layer1_choices(head_path, backward_mode, backend):
                          f"hidden needs a gradient; 'general': always the recompute path), got {head_path!r}")
     if backward_mode not in kconfig.BACKWARD_MODES:
         raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
-    if backward_mode != "chunked" and backend == "torch":
+    if backward_mode not in backend.backward_modes:
         raise ValueError(f"backward_mode={backward_mode!r} is a Triton backward; the torch backend (CPU tensors "
                          "without TRITON_INTERPRET=1, or backend='torch') has only 'chunked'")
     return head_path
@@ -308,7 +298,7 @@ def logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=Non
     lora = _checked_lora(lora, hidden, weight, shard)
     transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
     backend = _resolve_backend(backend, hidden.device)
-    _check_kernel_sizes(B * T, weight.shape[0], backend)
+    backend.check_sizes(B * T, weight.shape[0])
     with torch.no_grad():
         rows = _scored_rows(completion_mask, checks)
         h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
@@ -318,7 +308,7 @@ def logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=Non
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
             logp = ops.linear_logprobs(h, w, y, b, *_lora_operands(lora, hidden, rows), *transform.as_floats(),
-                                       False, False, backend, "chunked")[0]
+                                       False, False, backend.name, "chunked", rows.count)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
@@ -351,7 +341,7 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
     backend = _resolve_backend(backend, hidden.device)
-    _check_kernel_sizes(B * T, weight.shape[0], backend)
+    backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
     return _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks), transform,
                                  backend, "general" if entropy_grad else head_path, backward_mode, shard, lora)
@@ -360,7 +350,7 @@ def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0,
 def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode,
                           shard=None, lora=None):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
-    forward (two vocabulary sweeps instead of three; autograd.LinearLogprobs), for callers whose entropy will
+    forward (two vocabulary sweeps instead of three; autograd.linear_logprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
@@ -369,7 +359,7 @@ def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backen
                                                             backward_mode)
     else:
         logp, entropy = autograd.linear_logprobs(h, w, y, b, transform, backend, head_path, backward_mode,
-                                                 *_lora_operands(lora, hidden, rows))
+                                                 *_lora_operands(lora, hidden, rows), row_count=rows.count)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -416,7 +406,7 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
                        num_items_in_batch, entropy_threshold)
     _check_batch(batch, (B, T), hidden.device, "hidden", options, checks)
     backend = _resolve_backend(backend, hidden.device)
-    _check_kernel_sizes(B * T, weight.shape[0], backend)
+    backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks),
@@ -540,7 +530,7 @@ def _token_loss(logprobs, entropy, batch, options, backend):
     batch = _prepared(batch, options, logprobs.device)
     logp = logprobs.float()
     entropy = entropy.float() if entropy is not None else None
-    if backend == "torch":
+    if backend.layer2_is_spec:
         # masked values still enter the spec's metrics and gradients, times 0: a -inf or NaN there (a padding id's
         # log-prob) would leak a NaN
         masked = batch.completion_mask == 0

@@ -1,16 +1,16 @@
-"""Layer 1's backend dispatch and path choice: the Triton kernels or the torch twin (grpo_fast/torch_backend.py) for
-the forward, the forward record (a vocab-parallel shard's), the frozen-head forward and the backward, and
-``linear_logprobs``, which chooses the path and calls the custom op (grpo_fast/ops.py, whose autograd formula is
-the head's backward).
+"""Layer 1's backends and path choice: ``TRITON`` (the kernels) and ``TORCH`` (the torch twin,
+grpo_fast/torch_backend.py), two objects with one signature for the forward, the forward record (a vocab-parallel
+shard's), the frozen-head forward and record, and the backward, chosen once (the public API resolves its
+``backend=`` string to one; the custom ops' schemas carry its ``name``); the reduce step of one process
+(``ONE_PROCESS``); and ``linear_logprobs``, which chooses the path and calls the custom op (grpo_fast/ops.py, whose
+autograd formula is the head's backward).
 
 Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
 with ``transform`` a grpo_fast.transform.LogitTransform, and optionally ``lora`` = (lora_hidden [N, r],
 lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py), whose product lora_hidden lora_weight^T is
-added to the raw logits; the backend ("triton" or "torch") is already resolved, the head path is one of
-config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the caller's choices, passed down as
-arguments).
+added to the raw logits; the head path is one of config.HEAD_PATHS and the backward mode one of
+config.BACKWARD_MODES (the caller's choices, passed down as arguments).
 """
-
 import torch
 
 from grpo_fast import torch_backend
@@ -21,13 +21,118 @@ from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import softmax_stats
 
 
-def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None):
-    """(logp, entropy, softmax_stats.BackwardStats), fp32 [N], by the chosen backend; entropy (and the stats'
-    entropy values) None without ``compute_entropy``; no autograd."""
-    if backend == "triton":
+class TritonBackend:
+    """Layer 1 by the Triton kernels (grpo_fast/kernels/; cuBLAS GEMMs in the chunked backward and the frozen head),
+    each launch configured here from the device and dtype. ``TorchBackend`` has the same methods and signatures."""
+
+    name = "triton"
+    backward_modes = kconfig.BACKWARD_MODES
+    layer2_is_spec = False  # layer 2 is the token-loss kernel's op (grpo_fast.ops.token_loss)
+
+    def runs_on(self, device):
+        """CUDA tensors, or any device under Triton's interpreter (TRITON_INTERPRET=1 before importing grpo_fast)."""
+        return device.type == "cuda" or kconfig.interpreting()
+
+    def check_sizes(self, tokens, vocab_size):
+        """Sizes the kernels cannot index (kernels/config.py) are an error here, not a failed launch."""
+        if vocab_size > kconfig.MAX_VOCAB:
+            raise ValueError(f"weight has V = {vocab_size} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} "
+                             "(the backward's grid of vocabulary tiles): split the head over ranks (vocab_parallel) "
+                             "or use backend='torch'")
+        if tokens > kconfig.MAX_ROWS:
+            raise ValueError(f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: "
+                             "split the batch")
+
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
+        """``row_count``: the kernel computes no block wholly past it (kernels/forward.py's forward_record)."""
         cfg = kconfig.forward_config(hidden.device, hidden.dtype)
-        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora)
-    return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
+        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
+
+    def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype)
+        return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
+
+    def frozen_head_available(self, hidden):
+        """Where cuBLAS can return fp32 from bf16 (kernels/forward_frozen.py's ``available``)."""
+        return kfrozen.available(hidden)
+
+    def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
+        return kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
+                                           kconfig.frozen_head_config(hidden.device), lora=lora)
+
+    def forward_frozen_record(self, hidden, weight, targets, bias, transform):
+        return kfrozen.forward_frozen_record(hidden, weight, targets, bias, transform, True,
+                                             kconfig.frozen_head_config(hidden.device))[:3]
+
+    def grad_hidden_buffer(self, hidden, backward_mode):
+        """dH's fp32 buffer for ``backward``: the chunked backward's GEMMs write it once (fp32 output, never a K = V
+        reduction rounded to the input dtype); the fused one accumulates into zeros."""
+        if backward_mode == "chunked":
+            return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+
+    def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):
+        wide_epilogue = transform.softcap is not None or grad_entropy is not None
+        cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue)
+        run = kbackward.backward_chunked if backward_mode == "chunked" else kbackward.backward_fused
+        run(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden, grad_weight,
+            grad_bias, cfg, lora, grad_lora)
+
+
+class TorchBackend:
+    """Layer 1 by the chunked-torch twin (grpo_fast/torch_backend.py), on any device; one backward ("chunked")."""
+
+    name = "torch"
+    backward_modes = ("chunked",)
+    layer2_is_spec = True  # layer 2 is the spec (grpo_fast.reference.token_loss) in plain torch, autograd's to derive
+
+    def runs_on(self, device):
+        return True
+
+    def check_sizes(self, tokens, vocab_size):
+        """No index limit: torch indexes in int64."""
+
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
+        """``row_count`` is not read: the twin's chunks compute the padding rows too (zeros)."""
+        return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
+
+    def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
+        return torch_backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
+
+    def frozen_head_available(self, hidden):
+        return True
+
+    def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
+        return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
+
+    def forward_frozen_record(self, hidden, weight, targets, bias, transform):
+        return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)[:3]
+
+    def grad_hidden_buffer(self, hidden, backward_mode):
+        """dH's fp32 zero accumulator for ``backward``."""
+        return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+
+    def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):
+        torch_backend.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+                               grad_weight, grad_bias, lora, grad_lora)
+
+
+TRITON, TORCH = TritonBackend(), TorchBackend()
+BACKENDS = {backend.name: backend for backend in (TRITON, TORCH)}
+
+
+def as_backend(backend):
+    """A backend object from itself or its name (the custom ops' schemas carry the name)."""
+    return BACKENDS[backend] if isinstance(backend, str) else backend
+
+
+def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
+    """(logp, entropy, softmax_stats.BackwardStats), fp32 [N], by the chosen backend; entropy (and the stats'
+    entropy values) None without ``compute_entropy``; ``row_count``: None, or the [1] int32 device count of the
+    scored rows, which come first (the others are padding: their values are placeholders); no autograd."""
+    return backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora, row_count)
 
 
 def head_forward_record(hidden, weight, targets, bias, transform, compute_entropy, backend):
@@ -37,19 +142,13 @@ def head_forward_record(hidden, weight, targets, bias, transform, compute_entrop
     No rows (V = 0): the empty record (max -inf, sums 0). No autograd."""
     if weight.shape[0] == 0:
         return softmax_stats.empty(_no_max(hidden))
-    if backend == "triton":
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype)
-        return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
-    return torch_backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
+    return backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
 
 
 def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora=None):
     """(logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32, J_l = d logp / d lora_hidden [N, r] fp32 or
     None without ``lora``) by the chosen backend; no autograd."""
-    if backend == "triton":
-        return kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
-                                           kconfig.frozen_head_config(hidden.device), lora=lora)
-    return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
+    return backend.forward_frozen_head(hidden, weight, targets, bias, transform, lora)
 
 
 def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend):
@@ -61,10 +160,7 @@ def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend
         no_max = _no_max(hidden)
         return (softmax_stats.empty(no_max), torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
                 torch.zeros_like(no_max))
-    if backend == "triton":
-        return kfrozen.forward_frozen_record(hidden, weight, targets, bias, transform, True,
-                                             kconfig.frozen_head_config(hidden.device))[:3]
-    return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)[:3]
+    return backend.forward_frozen_record(hidden, weight, targets, bias, transform)
 
 
 def _no_max(hidden):
@@ -79,42 +175,42 @@ def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_
     decide alike, so their collectives pair up)."""
     need_h, need_w, _, need_b = needs_input_grad[:4]
     return (head_path == "auto" and need_h and not need_w and not need_b and not lora_weight_grad
-            and hidden.shape[0] > 0 and frozen_head_available(hidden, backend))
-
-
-def frozen_head_available(hidden, backend):
-    """The frozen-head forward runs here: any torch device; Triton where cuBLAS can return fp32 from bf16 (see
-    kernels/forward_frozen.py's ``available``)."""
-    return backend != "triton" or kfrozen.available(hidden)
+            and hidden.shape[0] > 0 and backend.frozen_head_available(hidden))
 
 
 def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
                   grad_weight, grad_bias, backend, backward_mode, lora=None, grad_lora=(None, None)):
-    """Layer 1's general-path backward by the chosen backend and mode into the given buffers (dH: _grad_hidden_buffer,
-    the others fp32 zeros; ``grad_lora``: fp32 zero (d lora_hidden, d lora_weight), each may be None)."""
-    args = (hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-            grad_hidden, grad_weight, grad_bias)
-    if backend == "torch":
-        torch_backend.backward(*args, lora, grad_lora)
-        return
-    wide_epilogue = transform.softcap is not None or grad_entropy is not None
-    cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue)
-    if backward_mode == "chunked":
-        kbackward.backward_chunked(*args, cfg, lora, grad_lora)
-    else:
-        kbackward.backward_fused(*args, cfg, lora, grad_lora)
+    """Layer 1's general-path backward by the chosen backend and mode into the given buffers (dH:
+    backend.grad_hidden_buffer, the others fp32 zeros; ``grad_lora``: fp32 zero (d lora_hidden, d lora_weight),
+    each may be None)."""
+    backend.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+                     grad_weight, grad_bias, backward_mode, lora, grad_lora)
 
 
-def _grad_hidden_buffer(hidden, backend, backward_mode):
-    """dH's fp32 buffer for ``head_backward``: written once by the chunked Triton backward's GEMMs (fp32 output, never
-    a K = V reduction rounded to the input dtype), else a zero accumulator."""
-    if backend == "triton" and backward_mode == "chunked":
-        return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-    return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+class OneProcess:
+    """The head's reduce step on one process: identity. Layer 1's forward merges its own vocabulary splits (inside the
+    kernels) and its dH is whole. grpo_fast.vocab_parallel.GroupReduce is the same step over a vocab-parallel group
+    (the ranks' records merged, J and dH summed); grpo_fast.ops' head autograd takes either, so the frozen-head
+    backward, the entropy fallback and the empty case exist once."""
+
+    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
+        """(logp, entropy or None, BackwardStats) [N] fp32 of the whole vocabulary (``head_forward``)."""
+        return head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora, row_count)
+
+    def frozen_forward(self, hidden, weight, targets, bias, transform, backend, lora=None):
+        """(logp, entropy, BackwardStats, J, J_lora or None) of the whole vocabulary (``head_forward_frozen_head``)."""
+        return head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora)
+
+    def sum_grad_hidden(self, grad_hidden):
+        """dH [N, D] fp32 of the whole vocabulary from this process's part: already whole."""
+        return grad_hidden
+
+
+ONE_PROCESS = OneProcess()
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
-                    lora_weight=None):
+                    lora_weight=None, reduce=ONE_PROCESS, row_count=None):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
     lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
     grpo_fast.ops.linear_logprobs, whose registered autograd formula is the head's one backward.
@@ -134,7 +230,10 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
       will usually get no gradient; if one arrives anyway, its term comes from the general path with its own forward
       statistics: exact, at three sweeps more (five in all, against three).
     ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
-    N = 0 (every row masked) gives empty outputs and zero gradients.
+    N = 0 (every row masked) gives empty outputs and zero gradients. ``reduce``: the reduce step (``OneProcess``,
+    or a vocab-parallel group's grpo_fast.vocab_parallel.GroupReduce, whose ranks all take the same path).
+    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first; the rows after it are
+    padding (zeros, no gradient; their outputs are placeholders), whose blocks the Triton forward skips.
     """
     from grpo_fast import ops  # ops' implementations call this module's backend functions
 
@@ -142,12 +241,13 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
         raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
     if backward_mode not in kconfig.BACKWARD_MODES:
         raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
+    backend = as_backend(backend)
     grad = torch.is_grad_enabled()
     needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
     lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
     frozen_head = takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
     outputs = ops.linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
-                                  True, frozen_head, backend, backward_mode)
+                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)
     return outputs[0], outputs[1]
 
 

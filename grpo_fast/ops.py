@@ -58,15 +58,26 @@ def _given(x):
 def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
                     lora_hidden: torch.Tensor | None, lora_weight: torch.Tensor | None, temperature: float,
                     softcap: float | None, logit_scale: float, compute_entropy: bool, frozen_head: bool,
-                    backend: str, backward_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                    backend: str, backward_mode: str,
+                    row_count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor, torch.Tensor]:
     """Layer 1's forward on [N] rows: (logp, entropy, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora).
 
     [N] fp32 each (entropy, mean_logit and mean_minus_target empty without ``compute_entropy``); with
     ``frozen_head`` also J = d logp / d hidden [N, D] fp32 and, with LoRA, J_lora = d logp / d lora_hidden [N, r]
-    fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments."""
+    fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments.
+    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first (autograd.linear_logprobs).
+    """
+    return _head_forward(autograd.ONE_PROCESS, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature,
+                         softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode, row_count)
+
+
+def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale,
+                  compute_entropy, frozen_head, backend, backward_mode, row_count):
+    """``_linear_logprobs`` with a reduce step (autograd.OneProcess or vocab_parallel.GroupReduce)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
+    backend = autograd.BACKENDS[backend]
     lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
     N = hidden.shape[0]
     if N == 0:
@@ -75,11 +86,10 @@ def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                 _nothing(hidden), _nothing(hidden))
     J = J_lora = None
     if frozen_head:
-        logp, entropy, stats, J, J_lora = autograd.head_forward_frozen_head(hidden, weight, targets, bias, transform,
-                                                                            backend, lora)
+        logp, entropy, stats, J, J_lora = reduce.frozen_forward(hidden, weight, targets, bias, transform, backend, lora)
     else:
-        logp, entropy, stats = autograd.head_forward(hidden, weight, targets, bias, transform, compute_entropy,
-                                                     backend, lora)
+        logp, entropy, stats = reduce.forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora,
+                                              row_count)
     if not compute_entropy:
         entropy = None
         stats = BackwardStats(stats.lse, stats.nontarget_mass, None, None)
@@ -93,7 +103,7 @@ _linear_logprobs_op = torch.library.custom_op("grpo_fast::linear_logprobs", muta
 
 @_linear_logprobs_op.register_fake
 def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-      frozen_head, backend, backward_mode):
+      frozen_head, backend, backward_mode, row_count):
     N = hidden.shape[0]
 
     def per_token(computed=True):
@@ -109,7 +119,7 @@ def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, soft
 
 def _linear_setup_context(ctx, inputs, output):
     (hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-     frozen_head, backend, backward_mode) = inputs
+     frozen_head, backend, backward_mode, _) = inputs
     _, _, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora = output
     # the entropy is usually a metric: its gradient is then None, not zeros (no entropy term, no fallback)
     ctx.set_materialize_grads(False)
@@ -117,19 +127,20 @@ def _linear_setup_context(ctx, inputs, output):
                           mean_minus_target, J, J_lora)
     ctx.transform_floats = (temperature, softcap, logit_scale)
     ctx.frozen_head, ctx.backend, ctx.backward_mode = frozen_head, backend, backward_mode
+    ctx.reduce = autograd.ONE_PROCESS  # a vocab-parallel call sets its group's (_LinearLogprobsWithReduce)
 
 
 def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     """The head's one backward: the frozen head's dH = grad_logp J (an entropy gradient after all: plus the general
     path's entropy-only term, from that path's own forward statistics: exact, at three sweeps more), or the general
-    path's recompute (linear_logprobs_backward)."""
+    path's recompute (linear_logprobs_backward); dH summed by the reduce step (ctx.reduce) where it is partial."""
     (hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target, J,
      J_lora) = ctx.saved_tensors
     need_h, need_w, _, need_b, need_lh, need_lw = ctx.needs_input_grad[:6]
     lora = lora_hidden is not None
     need_lh, need_lw = need_lh and lora, need_lw and lora
     N = hidden.shape[0]
-    no_grad_rest = (None,) * 7
+    no_grad_rest = (None,) * 8
     if N == 0:
         return (torch.zeros_like(hidden) if need_h else None, torch.zeros_like(weight) if need_w else None, None,
                 torch.zeros_like(bias) if need_b else None,
@@ -147,12 +158,12 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
             # tiles, and p = exp(z - lse) must see one z (at logits of 1e4 the difference is 1e-3 relative)
             _, _, lse, nontarget_mass, mean_logit, mean_minus_target, _, _ = linear_logprobs(
                 hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, True,
-                False, ctx.backend, ctx.backward_mode)
+                False, ctx.backend, ctx.backward_mode, None, reduce=ctx.reduce)
             term, _, _, lora_term, _ = linear_logprobs_backward(
                 hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
                 mean_minus_target, torch.zeros_like(grad_logp), grad_entropy.float().contiguous(), temperature,
                 softcap, logit_scale, [True, False, False, need_lh, False], ctx.backend, ctx.backward_mode)
-            grad_hidden = grad_hidden + term
+            grad_hidden = grad_hidden + ctx.reduce.sum_grad_hidden(term)
             if need_lh:
                 grad_lora_hidden = grad_lora_hidden + lora_term
         return ((grad_hidden.to(hidden.dtype), None, None, None,
@@ -161,6 +172,8 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
         hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
         grad_logp, grad_entropy.float().contiguous() if grad_entropy is not None else None, temperature, softcap,
         logit_scale, [need_h, need_w, need_b, need_lh, need_lw], ctx.backend, ctx.backward_mode)
+    if need_h:
+        grads = (ctx.reduce.sum_grad_hidden(grads[0]),) + grads[1:]
     inputs = (hidden, weight, bias, lora_hidden, lora_weight)
     dH, dW, db, dlh, dlw = (g.to(x.dtype) if need else None
                             for g, x, need in zip(grads, inputs, (need_h, need_w, need_b, need_lh, need_lw)))
@@ -183,6 +196,7 @@ def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, target
     where ``needs`` (five flags, in that order) asks for it, else empty. ``grad_entropy`` None: no entropy term
     (then mean_logit and mean_minus_target are not read)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
+    backend = autograd.BACKENDS[backend]
     need_h, need_w, need_b, need_lh, need_lw = needs
     dev = hidden.device
     lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
@@ -190,12 +204,12 @@ def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, target
     def zeros(x, need):
         return torch.zeros(x.shape, dtype=FP32, device=dev) if need and x is not None else None
 
-    grad_hidden = autograd._grad_hidden_buffer(hidden, backend, backward_mode) if need_h else None
+    grad_hidden = backend.grad_hidden_buffer(hidden, backward_mode) if need_h else None
     grad_weight, grad_bias = zeros(weight, need_w), zeros(bias, need_b)
     grad_lora = (zeros(lora_hidden, need_lh), zeros(lora_weight, need_lw))
-    if grad_hidden is not None and hidden.shape[0] == 0:
-        grad_hidden.zero_()
-    elif hidden.shape[0] > 0 and any(needs):
+    if grad_hidden is not None and (hidden.shape[0] == 0 or weight.shape[0] == 0):
+        grad_hidden.zero_()  # no tiles to launch (an empty vocab-parallel shard: torch's chunking can leave one)
+    elif hidden.shape[0] > 0 and weight.shape[0] > 0 and any(needs):
         stats = BackwardStats(lse, nontarget_mass, _given(mean_logit), _given(mean_minus_target))
         autograd.head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
                                grad_weight, grad_bias, backend, backward_mode, lora=lora, grad_lora=grad_lora)
@@ -376,8 +390,31 @@ def runs_inline(args):
     return bool(modes) and not any(isinstance(mode, FakeTensorMode) for mode in modes)
 
 
-def linear_logprobs(*args):
-    """grpo_fast::linear_logprobs (``_linear_logprobs``'s arguments and outputs), differentiable."""
+class _LinearLogprobsWithReduce(torch.autograd.Function):
+    """The op's implementation and autograd formula with a vocab-parallel group's reduce step (the last argument).
+
+    Not the op: a process group is no schema type, and the collectives belong between layer 1's per-shard kernels
+    (records merged before they are finished, dH summed after the shard's backward op), in the Python of the one
+    implementation (``_head_forward``, ``_linear_backward``) rather than hidden inside an opaque node."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        *args, reduce = args
+        output = _head_forward(reduce, *args)
+        _linear_setup_context(ctx, args, output)
+        ctx.reduce = reduce
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _linear_backward(ctx, *grads) + (None,)
+
+
+def linear_logprobs(*args, reduce=None):
+    """grpo_fast::linear_logprobs (``_linear_logprobs``'s arguments and outputs), differentiable. ``reduce``: a
+    vocab-parallel group's reduce step (vocab_parallel.GroupReduce); None or autograd.ONE_PROCESS: the op."""
+    if reduce is not None and reduce is not autograd.ONE_PROCESS:
+        return _LinearLogprobsWithReduce.apply(*args, reduce)
     return _LINEAR_INLINE.apply(*args) if runs_inline(args) else _linear_logprobs_op(*args)
 
 

@@ -18,7 +18,7 @@ then returns exactly what the unsharded head returns:
   carried values are read on the owner only, the other ranks have target -1 and no target column), keeps its dW
   rows and bias rows local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes,
   the only tensor that scales with more than N.
-* frozen head (autograd.LinearLogprobs' choice, made alike on every rank: head_path "auto", only hidden needs a
+* frozen head (autograd.linear_logprobs' choice, made alike on every rank: head_path "auto", only hidden needs a
   gradient, the entropy none): each rank runs layer 1's frozen-head forward on its shard up to "finish"
   (autograd.head_forward_frozen_record): its unfinished record, acc_r = sum_{v in shard, v != y} e_v s'_v W_v
   [N, D] fp32 against its own max m_r (s' = dz/du), and the target's slope s'_y where it owns the target. The
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from grpo_fast import autograd
+from grpo_fast import autograd, ops
 from grpo_fast.kernels import softmax_stats
-from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
+from grpo_fast.kernels.softmax_stats import SoftmaxStats
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,9 @@ def _from_dtensor(hidden, weight, bias):
 # logit; kernels/softmax_stats.py); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
 # and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them; the
 # frozen-head path's acc (autograd.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The
-# shard's backward is layer 1's own (autograd.head_backward) with the finished GLOBAL BackwardStats; its target
-# column reads the carried 1 - p_y and mean - z_y only on the target's owner (the other ranks pass target -1, a
-# column no kernel matches: no target term there).
+# shard's backward is layer 1's own (the head's one backward, grpo_fast.ops) with the finished GLOBAL BackwardStats,
+# its dH summed by ``GroupReduce.sum_grad_hidden``; its target column reads the carried 1 - p_y and mean - z_y only
+# on the target's owner (the other ranks pass target -1, a column no kernel matches: no target term there).
 # ------------------------------------------------------------------------------------------------------------
 def merge_records(record, compute_entropy, group):
     """This rank's record (softmax_stats.SoftmaxStats, [N] fp32 fields) -> the record of the whole vocabulary, on
@@ -178,42 +178,44 @@ def merge_records(record, compute_entropy, group):
                         packed[2])
 
 
-def _global_forward(hidden, weight, local_targets, bias, transform, compute_entropy, backend, group):
-    """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank."""
-    record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
-    return softmax_stats.finish(merge_records(record, compute_entropy, group), compute_entropy)
+class GroupReduce:
+    """The head's reduce step over a vocab-parallel group (grpo_fast.autograd.OneProcess's counterpart, which the
+    head's one autograd path in grpo_fast.ops takes): each rank's forward stops at its unfinished record, the records
+    merge over the group (``merge_records``) and are finished as one process finishes its own; J and dH are summed
+    over the group. No LoRA (the public API rejects it with a vocab-parallel head)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def forward(self, hidden, weight, local_targets, bias, transform, compute_entropy, backend, lora=None,
+                row_count=None):
+        """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank. ``row_count`` is
+        not read: a padding row's placeholder record would not merge over the ranks as a real one does."""
+        record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy,
+                                              backend)
+        return softmax_stats.finish(merge_records(record, compute_entropy, self.group), compute_entropy)
+
+    def frozen_forward(self, hidden, weight, local_targets, bias, transform, backend, lora=None):
+        """The frozen-head path's forward: (logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32, None),
+        the whole vocabulary's, on every rank. This shard's unfinished record, acc (sum over its non-target rows of
+        e_v s'_v W_v, against its own max m_r) and target slope (layer 1's frozen forward up to "finish"); the
+        records merge as in ``forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m)
+        and finished with the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its
+        owner), so that the ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
+        record, acc, target_slope = autograd.head_forward_frozen_record(hidden, weight, local_targets, bias,
+                                                                        transform, backend)
+        merged = merge_records(record, True, self.group)
+        acc.mul_(softmax_stats.rescale(record.max, merged.max)[:, None])
+        grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, weight, local_targets)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+        return (*softmax_stats.finish(merged, True), grad, None)
+
+    def sum_grad_hidden(self, grad_hidden):
+        """dH [N, D] fp32: this shard's part (sum over its rows of g W_shard) summed over the group, in place."""
+        dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=self.group)
+        return grad_hidden
 
 
-def _global_frozen_forward(hidden, weight, local_targets, bias, transform, backend, group):
-    """The frozen-head path's forward: (logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32), the whole
-    vocabulary's, on every rank. This shard's unfinished record, acc (sum over its non-target rows of e_v s'_v W_v,
-    against its own max m_r) and target slope (layer 1's frozen forward up to "finish"); the records merge as in
-    ``_global_forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m) and finished with
-    the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its owner), so that the
-    ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
-    record, acc, target_slope = autograd.head_forward_frozen_record(hidden, weight, local_targets, bias, transform,
-                                                                    backend)
-    merged = merge_records(record, True, group)
-    acc.mul_(softmax_stats.rescale(record.max, merged.max)[:, None])
-    grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, weight, local_targets)
-    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
-    return (*softmax_stats.finish(merged, True), grad)
-
-
-def _shard_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform, need_hidden,
-                    need_weight, need_bias, backend, backward_mode):
-    """Layer 1's backward on this shard with the global BackwardStats: (partial dH fp32 or None, dW rows fp32 or None,
-    db rows fp32 or None)."""
-    dev = hidden.device
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
-    if weight.shape[0] == 0:  # an empty shard (torch's chunking can leave the last rank none): no tiles to launch
-        return (torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None), grad_weight, \
-            grad_bias
-    grad_hidden = autograd._grad_hidden_buffer(hidden, backend, backward_mode) if need_hidden else None
-    autograd.head_backward(hidden, weight, local_targets, bias, stats, grad_logp, grad_entropy, transform,
-                           grad_hidden, grad_weight, grad_bias, backend, backward_mode)
-    return (grad_hidden.float() if need_hidden else None), grad_weight, grad_bias
 # ------------------------------------------------------------------------------------------------ end of adapter
 
 
@@ -228,78 +230,17 @@ def local_targets(targets, shard, rows):
 def logprobs(hidden, weight, targets, bias, transform, backend, shard):
     """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
     y = local_targets(targets, shard, weight.shape[0])
-    return _global_forward(hidden, weight, y, bias, transform, False, backend, shard.group)[0]
+    return ops.linear_logprobs(hidden, weight, y, bias, None, None, *transform.as_floats(), False, False,
+                               backend.name, "chunked", None, reduce=GroupReduce(shard.group))[0]
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
-    """(logp, entropy) [N] fp32 of a vocab-parallel head, both differentiable (hidden, this rank's weight and bias
-    rows)."""
-    return VocabParallelLinearLogprobs.apply(hidden, weight, targets, bias, transform, backend, shard, head_path,
-                                             backward_mode)
-
-
-class VocabParallelLinearLogprobs(torch.autograd.Function):
-    """(hidden [N, D] replicated, weight rows [V_local, D], targets [N] global ids, bias rows | None) -> logp, entropy
-    [N] fp32, equal on every rank to the unsharded head's; gradients: dH (whole on every rank), this rank's dW and db
-    rows (local). The path is autograd.LinearLogprobs' choice: the frozen head ("auto", only hidden needs a
-    gradient) builds J in the forward (one N x D all-reduce there) and its backward is dH = grad_logp J, with no
-    collective; the general path all-reduces dH in the backward. N = 0 on every rank: empty outputs, no
-    collective."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
-        ctx.set_materialize_grads(False)
-        y = local_targets(targets, shard, weight.shape[0])
-        ctx.frozen_head = autograd.takes_frozen_head(ctx.needs_input_grad, hidden, backend, head_path)
-        frozen_head_grad = None
-        if hidden.shape[0] == 0:
-            logp = entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
-            stats = ()
-        elif ctx.frozen_head:
-            logp, entropy, stats, frozen_head_grad = _global_frozen_forward(hidden, weight, y, bias, transform,
-                                                                            backend, shard.group)
-        else:
-            logp, entropy, stats = _global_forward(hidden, weight, y, bias, transform, True, backend, shard.group)
-        ctx.save_for_backward(hidden, weight, y, bias, frozen_head_grad, *stats)
-        ctx.transform, ctx.backend, ctx.shard, ctx.backward_mode = transform, backend, shard, backward_mode
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, y, bias, frozen_head_grad, *stats = ctx.saved_tensors
-        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
-        N, dev = hidden.shape[0], hidden.device
-        grad_hidden = grad_weight = grad_bias = None
-        if ctx.frozen_head:
-            grad_hidden = (grad_logp.float()[:, None] * frozen_head_grad if grad_logp is not None
-                           else torch.zeros(hidden.shape, dtype=torch.float32, device=dev))
-            if grad_entropy is not None:
-                # an entropy gradient after all: the general path's entropy-only term, as autograd.LinearLogprobs
-                # (that path's own forward statistics, merged over the group; the term's dH all-reduced)
-                general_stats = _global_forward(hidden, weight, y, bias, ctx.transform, True, ctx.backend,
-                                                ctx.shard.group)[2]
-                entropy_term = _shard_backward(hidden, weight, y, bias, general_stats,
-                                               torch.zeros(N, dtype=torch.float32, device=dev),
-                                               grad_entropy.float().contiguous(), ctx.transform, True, False, False,
-                                               ctx.backend, ctx.backward_mode)[0]
-                dist.all_reduce(entropy_term, op=dist.ReduceOp.SUM, group=ctx.shard.group)
-                grad_hidden += entropy_term
-            return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None, None
-        if N == 0:
-            grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
-            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
-        elif need_h or need_w or need_b:
-            coef = (grad_logp.float().contiguous() if grad_logp is not None
-                    else torch.zeros(N, dtype=torch.float32, device=dev))
-            entropy_coef = grad_entropy.float().contiguous() if grad_entropy is not None else None
-            grad_hidden, grad_weight, grad_bias = _shard_backward(
-                hidden, weight, y, bias, BackwardStats(*stats), coef, entropy_coef, ctx.transform, need_h, need_w, need_b,
-                ctx.backend, ctx.backward_mode)
-            if need_h:
-                dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
-        return (grad_hidden.to(hidden.dtype) if need_h else None,
-                grad_weight.to(weight.dtype) if need_w else None,
-                None,
-                grad_bias.to(bias.dtype) if need_b else None,
-                None, None, None, None, None)
+    """(logp, entropy) [N] fp32 of a vocab-parallel head, equal on every rank to the unsharded head's, both
+    differentiable: dH (whole on every rank), this rank's dW and db rows (local). The single-process head's autograd
+    path (autograd.linear_logprobs: the same choice of path, the same backward, entropy fallback and empty case)
+    with this group's reduce step: the frozen head ("auto", only hidden needs a gradient) builds J in the forward
+    (one N x D all-reduce there) and its backward is dH = grad_logp J, with no collective; the general path
+    all-reduces dH in the backward. N = 0 on every rank: empty outputs, no collective."""
+    y = local_targets(targets, shard, weight.shape[0])
+    return autograd.linear_logprobs(hidden, weight, y, bias, transform, backend, head_path, backward_mode,
+                                    reduce=GroupReduce(shard.group))

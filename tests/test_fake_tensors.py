@@ -63,7 +63,7 @@ def test_fake_outputs_have_the_real_sizes():
     hidden, weight, targets, *_ = _inputs(torch.float32)
     for frozen in (False, True):
         args = (hidden.detach().reshape(-1, D), weight.detach(), targets.reshape(-1), None, None, None, 1.0, None,
-                1.0, True, frozen, "triton", "chunked")
+                1.0, True, frozen, "triton", "chunked", None)
         real = ops._linear_logprobs(*args)
         with FakeTensorMode() as mode:
             fake = ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
@@ -92,7 +92,7 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
     hidden = torch.randn(N, D, dtype=torch.bfloat16)
     weight = torch.randn(V, D, dtype=torch.bfloat16) * 0.2
     targets = torch.randint(0, V, (N,))
-    args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked")
+    args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked", None)
     mode = Allocations()
     with mode:
         _, _, lse, mass, mean, mmt, _, _ = ops.linear_logprobs(*args)

@@ -171,6 +171,62 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_loss_step_in_a_cuda_graph_equals_eager(dtype, frozen_weight):
+    """A loss step (forward and backward; check_values=False, static shapes) captured in a CUDA graph, replayed on
+    new input values copied into its static tensors, equals the eager step: loss, metrics and gradients. Capture
+    fails on any host synchronisation inside the step; a frozen weight takes the frozen-head path (cuBLAS and
+    Triton), a trained one the general path. Both runs launch the same kernels on the same values; the tolerance
+    allows only another reduction order (cuBLAS may pick another algorithm under capture)."""
+    B, T, D, V = 4, 67, 264, 5003
+    options = dict(beta=0.04, epsilon_high=0.28, temperature=0.9, backend="triton", check_values=False)
+    batches = [_cuda_batch(seed, B, T, D, V, dtype, temperature=0.9) for seed in (5, 6, 7)]
+    trained = (0,) if frozen_weight else (0, 1, 2)  # hidden; weight and bias
+
+    def step(hidden, weight, bias, targets, mask, adv, old, ref):
+        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, bias=bias, old_logprobs=old,
+                                       ref_logprobs=ref, **options)
+        loss.backward()
+        return loss, metrics
+
+    static = [x.clone() for x in batches[0]]
+    leaves = [static[i].requires_grad_() for i in trained]
+    side = torch.cuda.Stream()  # warm-up (Triton's compilation, cuBLAS handles) off the capturing stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for leaf in leaves:
+                leaf.grad = None
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for leaf in leaves:
+            leaf.grad = None
+        static_loss, static_metrics = step(*static)
+    static_grads = [leaf.grad for leaf in leaves]
+
+    grad_tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for batch in batches[1:]:
+        with torch.no_grad():
+            for dst, src in zip(static, batch):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = [x.clone() for x in batch]
+        eager_leaves = [eager[i].requires_grad_() for i in trained]
+        loss, metrics = step(*eager)
+        torch.testing.assert_close(static_loss.detach(), loss.detach(), rtol=1e-5, atol=1e-6)
+        assert sorted(static_metrics) == sorted(metrics)
+        for name in metrics:
+            torch.testing.assert_close(static_metrics[name].detach(), metrics[name].detach(), rtol=1e-5, atol=1e-6,
+                                       msg=name)
+        for name, got, leaf in zip(("hidden", "weight", "bias"), static_grads, eager_leaves):
+            assert got.dtype == dtype, name
+            assert _max_rel(got, leaf.grad) <= grad_tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
 def test_confident_tokens_on_gpu(dtype, backward_mode):
     # every token confident (1 - p_y from 1e-3 down to 1e-6), soft-cap, temperature, bias, entropy bonus: the

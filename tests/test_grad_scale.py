@@ -97,7 +97,7 @@ def _kernel_grads(h, w, b, y, transform, stats, grad_logp, grad_entropy, mode):
     device = h.device
     grad_logp = grad_logp.to(device)
     grad_entropy = grad_entropy.to(device) if grad_entropy is not None else None
-    grad_hidden = autograd._grad_hidden_buffer(h, "triton", mode)
+    grad_hidden = autograd.TRITON.grad_hidden_buffer(h, mode)
     grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=device)
     grad_bias = torch.zeros(w.shape[0], dtype=torch.float32, device=device)
     backward = kbackward.backward_chunked if mode == "chunked" else kbackward.backward_fused

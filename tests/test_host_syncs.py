@@ -125,3 +125,42 @@ def test_device_entropy_quantile_is_torch_quantile_of_the_masked_values():
             got = ops.device_entropy_quantile(entropy, mask, q)
             assert torch.equal(got, expected if expected is not None else torch.tensor(torch.inf))
     assert ops.device_entropy_quantile(torch.rand(2, 3), torch.zeros(2, 3), 0.5) == torch.inf
+
+
+def test_forward_kernel_skips_the_blocks_past_the_scored_count():
+    """With the checks off the rows are a device partition (scored first, the count a device value): the Triton
+    forward computes no block wholly past the count (placeholder records: logp 0, entropy 0, lse the padding
+    logit), the others exactly as without a count, and loss, metrics and gradients equal those with the checks on."""
+    from grpo_fast import ops
+    from grpo_fast.kernels import config as kconfig
+    from grpo_fast.kernels import forward as kforward
+
+    g = torch.Generator().manual_seed(5)
+    N, D, V, scored = 150, 24, 53, 21
+    hidden = torch.randn(N, D, generator=g)
+    hidden[scored:] = 0.0  # padding rows are zeros, as the API builds them
+    weight, targets = torch.randn(V, D, generator=g) * 0.3, torch.randint(0, V, (N,), generator=g)
+    block = kconfig.forward_config(hidden.device, hidden.dtype).block_n
+    computed = -(-scored // block) * block
+    assert computed < N  # some blocks are skipped
+    args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked")
+    full = ops.linear_logprobs(*args, None)
+    part = ops.linear_logprobs(*args, torch.tensor([scored], dtype=torch.int32))
+    for name, a, b in zip(("logp", "entropy", "lse", "nontarget_mass"), full, part):
+        assert torch.equal(a[:computed], b[:computed]), name
+    logp, entropy, lse = part[:3]
+    assert (logp[computed:] == 0).all() and (entropy[computed:] == 0).all()
+    assert (lse[computed:] == kforward.PADDING_LOGIT.value).all()
+
+    x = _batch(weight_grad=True, seed=3)
+    x["completion_mask"][:, 1:] = False  # few scored tokens: most blocks are padding
+    outs = []
+    for check_values in (True, False):
+        leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight")}
+        loss, metrics = grpo_fast.loss(**dict(x, **leaves), backend="triton", check_values=check_values)
+        loss.backward()
+        outs.append((loss, metrics, [leaf.grad for leaf in leaves.values()]))
+    (loss_on, metrics_on, grads_on), (loss_off, metrics_off, grads_off) = outs
+    assert torch.equal(loss_on, loss_off)
+    assert all(torch.equal(metrics_on[k], metrics_off[k]) for k in metrics_on)
+    assert all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))

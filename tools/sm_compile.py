@@ -188,11 +188,14 @@ def _inputs(dtype, N=48, D=1536, V=4096, bias=False):
     return hidden, weight, targets, b, per_token, grad_logp
 
 
-def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False, lora_dtype=None, rank=16):
+def layer1_launches(
+    arch, dtype, bias=False, entropy=True, softcap=None, entropy_grad=False, lora_dtype=None, rank=16, row_count=False
+):
     """The launches of the forward, the chunked backward and the fused backward (dW on and off) for one dtype.
 
     ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too;
-    ``lora_dtype``: a LoRA operand pair of rank ``rank`` in that dtype (the fused backward computes its dl and dB)."""
+    ``lora_dtype``: a LoRA operand pair of rank ``rank`` in that dtype (the fused backward computes its dl and dB);
+    ``row_count``: the forward reads the scored rows' device count (the API's rows with check_values=False)."""
     sms = SM_COUNT[arch]
     hidden, weight, targets, b, per_token, grad_logp = _inputs(dtype, bias=bias)
     D, V = hidden.shape[1], weight.shape[0]
@@ -211,7 +214,8 @@ def layer1_launches(arch, dtype, bias=False, entropy=True, softcap=None, entropy
     out = []
     cfg = kconfig.gpu_forward_config(dtype, sms, arch)
     with recording(forward, "_forward_kernel") as launches:
-        forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora)
+        row_counts = torch.tensor([hidden.shape[0] // 2], dtype=torch.int32) if row_count else None
+        forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora, row_counts)
     out += [("fwd", launches[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.autograd chooses
     cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
@@ -365,6 +369,7 @@ LAYER1_EXTRA = (
     # LoRA on the head: PEFT's default fp32 adapters over a bf16 base, and bf16 adapters
     ("bf16 +lora-fp32-adapters", dict(lora_dtype=torch.float32)),
     ("bf16 +lora-bf16-adapters", dict(lora_dtype=torch.bfloat16)),
+    ("bf16 +row count", dict(row_count=True)),
 )
 
 

@@ -35,15 +35,18 @@ from .tile import logit_tile, lora_kernel_args
 # the most waves the forward's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill
 # the last wave better, and each adds a record of 5 x N fp32 to write and merge
 EXTRA_WAVES = 8
+# a padding row's logit (see _forward_kernel): far above any real logit, far below fp32's overflow
+PADDING_LOGIT = tl.constexpr(1e30)
 
 
 @triton.jit
 def _forward_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, stats_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, stats_ptr, row_count_ptr,
     N, V, D, vocab_per_split, stride_stats_field,
     stride_hn, stride_hd, stride_wv, stride_wd,
     inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    HAS_ROW_COUNT: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -62,6 +65,16 @@ def _forward_kernel(
 
     v_begin = split * vocab_per_split
     v_end = tl.minimum(v_begin + vocab_per_split, V)
+    if HAS_ROW_COUNT:
+        # a block of padding rows only (past the scored count, a device value) computes no tile: its record (split
+        # 0's; the others' are empty) is a certain token at a far logit, m = z_y = PADDING_LOGIT and S = 1: lse
+        # finite, logp 0, entropy 0, and a backward's recompute sees p = exp(z - lse) = 0 on every column
+        padding = pid_n * BLOCK_N >= tl.load(row_count_ptr)
+        v_end = tl.where(padding, v_begin, v_end)
+        first = padding & (split == 0)
+        run_max = tl.where(first, PADDING_LOGIT, run_max)
+        run_sumexp = tl.where(first, 1.0, run_sumexp)
+        target_logit = tl.where(first, PADDING_LOGIT, target_logit)
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
@@ -119,7 +132,7 @@ def num_vocab_splits(N, V, config):
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
-def forward(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None):
+def forward(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
     """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
 
     ``transform``: a LogitTransform; ``config``: a config.ForwardConfig. Entropy (and the backward's entropy
@@ -127,13 +140,15 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config, l
     contiguous (grpo_fast/lora.py).
     """
     return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, config,
-                                               lora), compute_entropy)
+                                               lora, row_count), compute_entropy)
 
 
 @on_first_argument_device
-def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None):
+def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1),
-    its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``."""
+    its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``. ``row_count``: None,
+    or a [1] int32 device tensor: rows from it on are padding (zeros, no gradient), and the blocks wholly past it
+    compute no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0)."""
     N, D = hidden.shape
     V = weight.shape[0]
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
@@ -141,11 +156,12 @@ def forward_record(hidden, weight, targets, bias, transform, compute_entropy, co
     records = torch.empty((5, num_splits, N), dtype=torch.float32, device=hidden.device)
     _forward_kernel[(triton.cdiv(N, config.block_n), num_splits)](
         hidden, weight, bias if bias is not None else hidden, targets, records,
+        row_count if row_count is not None else targets,
         N, V, D, vocab_per_split, records.stride(0),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         *transform.kernel_scalars(), **lora_kernel_args(lora, hidden, config),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, COMPUTE_ENTROPY=compute_entropy,
-        DOT_FP32=config.dot_fp32,
+        HAS_ROW_COUNT=row_count is not None, DOT_FP32=config.dot_fp32,
         DOT_PRECISION=config.dot_precision(hidden.dtype),
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
