@@ -513,7 +513,7 @@ def _check_batch(batch, shape, device, device_of, options, checks):
         _float_tensor("importance_weights", iw)
         _shape("importance_weights", iw, [(B,), (B, 1), (B, T)],
                lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
-        if options.loss_type_record.importance_weights_in_term and iw.shape != (B, T):
+        if options.loss_type_record.policy_term.importance_weights_in_term and iw.shape != (B, T):
             raise ValueError(f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
                              f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
                              "with sequence-level importance sampling")
@@ -576,7 +576,7 @@ def _token_loss(logprobs, entropy, batch, options, backend):
         adv, iw = batch.advantages, batch.importance_weights
         if adv.dim() == 2:
             adv = adv.masked_fill(masked, 0.0)
-        if iw is not None and iw.dim() == 2 and not options.loss_type_record.importance_weights_in_term:
+        if iw is not None and iw.dim() == 2 and not options.loss_type_record.policy_term.importance_weights_in_term:
             iw = iw.masked_fill(masked, 0.0)
         threshold = batch.entropy_threshold
         if options.entropy_mask and threshold is None:

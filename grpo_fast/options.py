@@ -37,42 +37,63 @@ class Metric:
 
 
 @dataclass(frozen=True)
-class LossType:
-    """Everything about a loss type outside its formula; the spec, the token kernel's launcher and the metrics
-    builder read it, and each raises on a value it does not know.
+class PolicyTerm:
+    """A family of per-token term: its ``formula`` (written once in the spec and once in the token kernel, which
+    dispatch on this name: "clipped", PPO's -min(r A, clamp(r, 1 - eps, 1 + eps_high) A), "cispo", "sapo",
+    "vespo") and the facts about it that the readers need besides the formula.
 
-    ``policy_term``: the family of per-token term (the formula, written once in the spec and once in the token
-    kernel): "clipped" (PPO's -min(r A, clamp(r, 1 - eps, 1 + eps_high) A)), "cispo", "sapo", "vespo".
-    ``normaliser``: the loss's divisor (``LossOptions.denominator``): "sequences" (B), "tokens" (the mask's sum),
-    "max_completion_length" (B x max_completion_length), "num_items_in_batch" (default: the mask's sum).
-    ``row_mean``: each sequence's token sum is first divided by its own token count.
-    ``metrics``: the loss type's own metrics, beyond the ones every type logs (kl, entropy, ratio_mean, policy_loss).
-    ``gradient_wrt``: what the per-token term's derivative is taken with respect to: "ratio" (a function of r:
-    dpg/dr, chained through r, the sequence ratio at sequence level) or "logprob" (-stopgrad(c) A logp: dpg/dlogp
-    directly, as cispo's and vespo's terms).
+    ``gradient_wrt``: what the term's derivative is taken with respect to: "ratio" (a function of r: dpg/dr, chained
+    through r, the sequence ratio at sequence level) or "logprob" (-stopgrad(c) A logp: dpg/dlogp directly).
     ``importance_weights_in_term``: the importance weights enter the term itself (vespo's log W: per-token [B, T]
-    weights only, read at padding too, as TRL) instead of multiplying it (every other family's use).
+    weights only, read at padding too, as TRL) instead of multiplying it.
     """
 
-    name: str
-    policy_term: str
-    normaliser: str
-    row_mean: bool = False
-    metrics: tuple[Metric, ...] = ()
+    formula: str
     gradient_wrt: str = "ratio"
     importance_weights_in_term: bool = False
 
     def __post_init__(self):
         if self.gradient_wrt not in GRADIENT_WRT:
-            raise ValueError(f"loss type {self.name!r}: gradient_wrt must be one of {GRADIENT_WRT}, got "
+            raise ValueError(f"policy term {self.formula!r}: gradient_wrt must be one of {GRADIENT_WRT}, got "
                              f"{self.gradient_wrt!r}")
         if not isinstance(self.importance_weights_in_term, bool):
-            raise ValueError(f"loss type {self.name!r}: importance_weights_in_term must be a bool, got "
+            raise ValueError(f"policy term {self.formula!r}: importance_weights_in_term must be a bool, got "
                              f"{self.importance_weights_in_term!r}")
 
 
-# what a per-token term's derivative is taken with respect to (LossType.gradient_wrt)
+# what a per-token term's derivative is taken with respect to (PolicyTerm.gradient_wrt)
 GRADIENT_WRT = ("ratio", "logprob")
+# TRL 1.16's families of per-token term
+POLICY_TERMS = {term.formula: term for term in (
+    PolicyTerm("clipped"),
+    PolicyTerm("cispo", gradient_wrt="logprob"),
+    PolicyTerm("sapo"),
+    PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=True),
+)}
+
+
+@dataclass(frozen=True)
+class LossType:
+    """Everything about a loss type outside its formula; the spec, the token kernel's launcher and the metrics
+    builder read it, and each raises on a value it does not know.
+
+    ``policy_term``: the family of per-token term (a ``PolicyTerm``: its formula and how it uses importance weights
+    and what its gradient is taken against).
+    ``normaliser``: the loss's divisor (``LossOptions.denominator``): "sequences" (B), "tokens" (the mask's sum),
+    "max_completion_length" (B x max_completion_length), "num_items_in_batch" (default: the mask's sum).
+    ``row_mean``: each sequence's token sum is first divided by its own token count.
+    ``metrics``: the loss type's own metrics, beyond the ones every type logs (kl, entropy, ratio_mean, policy_loss).
+    """
+
+    name: str
+    policy_term: PolicyTerm
+    normaliser: str
+    row_mean: bool = False
+    metrics: tuple[Metric, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.policy_term, PolicyTerm):
+            raise TypeError(f"loss type {self.name!r}: policy_term must be a PolicyTerm, got {self.policy_term!r}")
 
 
 # TRL 1.16 logs these for its clipped loss types: the clip fractions (masked means), and the min / max over sequences
@@ -83,17 +104,16 @@ CLIP_METRICS = (Metric("clip_ratio/low_mean", "low"), Metric("clip_ratio/high_me
                 Metric("clip_ratio/high_max", "high", "max_over_sequences"))
 
 # TRL 1.16's loss types (GRPOTrainer._compute_loss), one record each
+_CLIPPED, _CISPO, _SAPO, _VESPO = POLICY_TERMS.values()
 LOSS_TYPE_RECORDS = {record.name: record for record in (
-    LossType("grpo", "clipped", "sequences", row_mean=True, metrics=CLIP_METRICS),
-    LossType("bnpo", "clipped", "tokens", metrics=CLIP_METRICS),
-    LossType("dr_grpo", "clipped", "max_completion_length", metrics=CLIP_METRICS),
-    LossType("dapo", "clipped", "num_items_in_batch", metrics=CLIP_METRICS),
-    LossType("cispo", "cispo", "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),),
-             gradient_wrt="logprob"),
-    LossType("sapo", "sapo", "sequences", row_mean=True),
-    LossType("luspo", "clipped", "sequences", metrics=CLIP_METRICS),
-    LossType("vespo", "vespo", "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),),
-             gradient_wrt="logprob", importance_weights_in_term=True),
+    LossType("grpo", _CLIPPED, "sequences", row_mean=True, metrics=CLIP_METRICS),
+    LossType("bnpo", _CLIPPED, "tokens", metrics=CLIP_METRICS),
+    LossType("dr_grpo", _CLIPPED, "max_completion_length", metrics=CLIP_METRICS),
+    LossType("dapo", _CLIPPED, "num_items_in_batch", metrics=CLIP_METRICS),
+    LossType("cispo", _CISPO, "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),)),
+    LossType("sapo", _SAPO, "sequences", row_mean=True),
+    LossType("luspo", _CLIPPED, "sequences", metrics=CLIP_METRICS),
+    LossType("vespo", _VESPO, "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
 )}
 LOSS_TYPES = tuple(LOSS_TYPE_RECORDS)
 # normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window): a training loop sums

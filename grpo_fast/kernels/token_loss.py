@@ -19,9 +19,10 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
     kl              k_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) * (r if BIAS_CORRECTION_KL else 1)
                     dk/dlogp_t = (1 - exp(ref_t - logp_t)) * r  +  (k_t / r) dr/dlogp  (the ratio's gradient flows)
     loss            L = sum_b sum_t s_bt (keep_t e_t w_t pg_t + beta k_t),  s_bt = m_t * scale / (L_b if ROW_MEAN else 1)
-                    (w_t is 1 when the record's importance_weights_in_term: vespo's weights enter phi instead)
-    The record (grpo_fast.options.LossType, read from ``options`` by the launcher: kernels/ imports nothing above it)
-    gives the family (LOSS_KIND), what dpg is taken against (GRAD_WRT_LOGP) and the weights' use (IW_IN_TERM).
+                    (w_t is 1 when the family's importance_weights_in_term: vespo's weights enter phi instead)
+    The loss type's record (grpo_fast.options.LossType), read by the launcher from the ``options`` its caller passes
+    (kernels/ imports nothing above it), gives the family's formula (LOSS_KIND), what dpg is taken against
+    (GRAD_WRT_LOGP) and how it uses the importance weights (IW_IN_TERM).
 
 Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
 the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
@@ -51,7 +52,7 @@ import triton.language as tl
 
 from grpo_fast.kernels.launch import on_first_argument_device
 
-# Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term``
+# Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term.formula``
 # (grpo_fast.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
 LOSS_CLIPPED = tl.constexpr(0)
 LOSS_CISPO = tl.constexpr(1)
@@ -430,13 +431,14 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     term, no "entropy" without the entropy, no "phi" but for vespo's term).
     """
     record = options.loss_type_record
-    if record.policy_term not in LOSS_KINDS:
+    term = record.policy_term
+    if term.formula not in LOSS_KINDS:
         raise ValueError(f"loss type {options.loss_type!r} has a policy term the token kernel does not have: "
-                         f"{record.policy_term!r} (it has {tuple(LOSS_KINDS)})")
-    loss_kind = LOSS_KINDS[record.policy_term]
-    if record.importance_weights_in_term and loss_kind != LOSS_VESPO:
+                         f"{term.formula!r} (it has {tuple(LOSS_KINDS)})")
+    loss_kind = LOSS_KINDS[term.formula]
+    if term.importance_weights_in_term and loss_kind != LOSS_VESPO:
         raise ValueError(f"loss type {options.loss_type!r} puts the importance weights in its term, but the token "
-                         f"kernel's {record.policy_term!r} term does not read them (only 'vespo' does)")
+                         f"kernel's {term.formula!r} term does not read them (only 'vespo' does)")
     B, T = logp.shape
     entropy_bonus = options.entropy_coef != 0.0
     has_kl = ref is not None and options.beta != 0.0
@@ -458,8 +460,8 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
         float(options.vespo_lambda_neg),
         float(options.off_policy_mask_threshold if sampler is not None else 0.0),
         _device_scalar(entropy_threshold, logp) if entropy_threshold is not None else logp,
-        LOSS_KIND=loss_kind, GRAD_WRT_LOGP=record.gradient_wrt == "logprob",
-        IW_IN_TERM=record.importance_weights_in_term, SEQUENCE=options.sequence_level,
+        LOSS_KIND=loss_kind, GRAD_WRT_LOGP=term.gradient_wrt == "logprob",
+        IW_IN_TERM=term.importance_weights_in_term, SEQUENCE=options.sequence_level,
         ROW_MEAN=record.row_mean, HAS_DELTA=options.delta is not None,
         HAS_OLD=old is not None, HAS_KL=has_kl,
         BIAS_CORRECTION_KL=options.use_bias_correction_kl, ADV_PER_TOKEN=adv_per_token,
