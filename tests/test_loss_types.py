@@ -58,6 +58,13 @@ def test_the_records_are_trls_loss_types():
     assert {name for name, term in POLICY_TERMS.items() if term.importance_weights_in_term} == {"vespo"}
 
 
+def test_the_statistics_are_the_kernels_slots_by_name():
+    """The statistic names (the token kernel's STAT_ slots, the spec's and the metrics builder's keys) are one set:
+    each slot once, and every statistic a record's metric reads is one of them."""
+    assert sorted(slot.value for slot in token_kernel.STATS.values()) == list(range(token_kernel.NUM_STATS.value))
+    assert {m.statistic for r in LOSS_TYPE_RECORDS.values() for m in r.metrics} <= set(token_kernel.STATS)
+
+
 # A loss type TRL does not have: cispo's per-token term, normalised per sequence (grpo's reduction), logging the
 # cispo clip fraction and its largest per-sequence value.
 CISPO_PER_SEQUENCE = LossType("cispo_per_sequence", POLICY_TERMS["cispo"], "sequences", row_mean=True,

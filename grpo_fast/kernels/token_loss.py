@@ -73,10 +73,9 @@ STAT_CISPO = tl.constexpr(8)
 STAT_PHI = tl.constexpr(9)             # vespo's phi: masked sum (per-token advantages) or the row's own value
 STAT_BONUS_COUNT = tl.constexpr(10)    # the entropy bonus's tokens and their entropy sum
 STAT_BONUS_ENTROPY = tl.constexpr(11)
-NUM_STATS = tl.constexpr(12)
-STATS = {"loss": STAT_LOSS, "count": STAT_COUNT, "kl": STAT_KL, "entropy": STAT_ENTROPY, "ratio": STAT_RATIO,
-         "low": STAT_LOW, "high": STAT_HIGH, "region": STAT_REGION, "cispo": STAT_CISPO, "phi": STAT_PHI,
-         "bonus_count": STAT_BONUS_COUNT, "bonus_entropy": STAT_BONUS_ENTROPY}
+# by name (STAT_KL: "kl"), the names grpo_fast.metrics and the spec's statistics use: spelled once, above
+STATS = {name.removeprefix("STAT_").lower(): slot for name, slot in globals().items() if name.startswith("STAT_")}
+NUM_STATS = tl.constexpr(len(STATS))
 
 # Two warps per sequence: the work is a few [T] vectors, and with 4 warps ptxas gives the vespo variant with every
 # option a stack slot on sm_90 (tools/sm_compile.py); with 2 every variant compiles clean on sm_90 / 89 / 80.
