@@ -45,6 +45,20 @@ def _run(fn, logp, adv, mask, entropy, **kw):
     return loss.detach(), dict(metrics), leaf.grad
 
 
+def _check_both_backends(spec, device, logp, adv, mask, entropy, **kw):
+    """Both backends of the product give the spec's loss, metrics and gradient (``spec``: _run's result)."""
+    for backend in ("torch", "triton"):
+        dev = backend_device(backend, device)
+        on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
+        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
+                                   backend=backend, **dict(kw, **on_dev))
+        torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
+        assert set(metrics) == set(spec[1])
+        for name in spec[1]:
+            torch.testing.assert_close(metrics[name].cpu(), spec[1][name], rtol=1e-5, atol=1e-6)
+
+
 def test_the_records_are_trls_loss_types():
     assert LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
     assert NUM_ITEMS_LOSS_TYPES == ("dapo", "cispo", "vespo")
@@ -102,17 +116,7 @@ def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
     assert per_sequence.max().item() > 0  # not vacuous: some sequence clips
     assert set(spec[1]) == {"kl", "entropy", "cispo_clip_ratio", "cispo_clip_ratio/max", "ratio_mean"}
 
-    # both backends of the product: the same loss, metrics and gradient
-    for backend in ("torch", "triton"):
-        dev = backend_device(backend, device)
-        on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
-        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
-                                   backend=backend, **dict(kw, **on_dev))
-        torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
-        assert set(metrics) == set(spec[1])
-        for name in spec[1]:
-            torch.testing.assert_close(metrics[name].cpu(), spec[1][name], rtol=1e-5, atol=1e-6)
+    _check_both_backends(spec, device, logp, adv, mask, entropy, **kw)
 
 
 # A family TRL does not have: vespo's formula with the importance weights used as every other family uses them
@@ -143,17 +147,7 @@ def test_a_loss_types_importance_weight_use_is_its_records(monkeypatch, weights,
     torch.testing.assert_close(spec[2], -phi * adv[:, None] * w * m / m.sum(), rtol=1e-6, atol=1e-7)
     assert math.isclose(spec[1]["vespo/phi_seq_mean"].item(), phi.mean().item(), rel_tol=1e-6)
 
-    # both backends of the product: the same loss, metrics and gradient
-    for backend in ("torch", "triton"):
-        dev = backend_device(backend, device)
-        on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
-        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
-                                   backend=backend, **dict(kw, **on_dev))
-        torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
-        assert set(metrics) == set(spec[1])
-        for name in spec[1]:
-            torch.testing.assert_close(metrics[name].cpu(), spec[1][name], rtol=1e-5, atol=1e-6)
+    _check_both_backends(spec, device, logp, adv, mask, entropy, **kw)
 
 
 def test_weights_in_a_term_that_does_not_read_them_raise(monkeypatch, device):
