@@ -31,13 +31,15 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from grpo_fast import reference
-from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, check_number as _number, option_keywords
+from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, check_number as _number
 from grpo_fast import autograd
 from grpo_fast import lora as head_lora
 from grpo_fast import ops
 from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.kernels import config as kconfig
+from grpo_fast.lora import HeadLora
 from grpo_fast.transform import LogitTransform
+from grpo_fast.vocab_parallel import VocabShard
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "torch")
@@ -281,8 +283,11 @@ def _scatter_rows(values, rows, shape):
 
 
 # ----------------------------------------------------------------------------------------------- layer 1
-def logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
-             completion_mask=None, lora=None, vocab_parallel=None, backend="auto", check_values=True):
+def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None = None,
+             temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
+             completion_mask: torch.Tensor | None = None, lora: HeadLora | tuple | None = None,
+             vocab_parallel: VocabShard | None = None, backend: str = "auto",
+             check_values: bool = True) -> torch.Tensor:
     """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` for the reference and old policies.
 
     The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature``. No logits of
@@ -312,9 +317,12 @@ def logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=Non
         return _scatter_rows(logp, rows, (B, T))
 
 
-def logprobs_and_entropy(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
-                         completion_mask=None, entropy_grad=False, head_path="auto", backward_mode="chunked",
-                         lora=None, vocab_parallel=None, backend="auto", check_values=True):
+def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                         logit_scale: float = 1.0, completion_mask: torch.Tensor | None = None,
+                         entropy_grad: bool = False, head_path: str = "auto", backward_mode: str = "chunked",
+                         lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None,
+                         backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -378,11 +386,21 @@ class _LossBatch:
     entropy_threshold: "float | None" = None
 
 
-@option_keywords
-def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old_logprobs=None, ref_logprobs=None,
-         sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
-         temperature=1.0, softcap=None, logit_scale=1.0, options=None, head_path="auto", backward_mode="chunked",
-         lora=None, vocab_parallel=None, backend="auto", check_values=True, **loss_options):
+def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
+         completion_mask: torch.Tensor, *, bias: torch.Tensor | None = None,
+         old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+         sampling_logprobs: torch.Tensor | None = None, importance_weights: torch.Tensor | None = None,
+         num_items_in_batch: float | torch.Tensor | None = None, entropy_threshold: float | torch.Tensor | None = None,
+         temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
+         options: LossOptions | None = None, head_path: str = "auto", backward_mode: str = "chunked",
+         lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None, backend: str = "auto",
+         check_values: bool = True,
+         loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+         delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
+         sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
+         vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+         use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
+         top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
@@ -396,7 +414,7 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
     num_items_in_batch >= 0) run on the device and are read once; False reads nothing (module docstring).
     Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict of fp32 device scalars.
     """
-    options = LossOptions.resolve(options, loss_options, "loss")
+    options = LossOptions.from_written_keywords(options, locals())
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
@@ -415,17 +433,25 @@ def loss(hidden, weight, targets, advantages, completion_mask, *, bias=None, old
     return _token_loss(logp, entropy, batch, options, backend)
 
 
-@option_keywords
-def token_loss(logprobs, advantages, completion_mask, *, entropy=None, old_logprobs=None, ref_logprobs=None,
-               sampling_logprobs=None, importance_weights=None, num_items_in_batch=None, entropy_threshold=None,
-               options=None, backend="auto", check_values=True, **loss_options):
+def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
+               entropy: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
+               ref_logprobs: torch.Tensor | None = None, sampling_logprobs: torch.Tensor | None = None,
+               importance_weights: torch.Tensor | None = None, num_items_in_batch: float | torch.Tensor | None = None,
+               entropy_threshold: float | torch.Tensor | None = None, options: LossOptions | None = None,
+               backend: str = "auto", check_values: bool = True,
+         loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+               delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
+               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
+               vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+               use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
+               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs [B, T] that carry the gradient.
 
     For callers that already have the policy's log-probs; same keywords as ``loss``. ``entropy`` [B, T] feeds the
     entropy metric, the top-entropy mask and the entropy bonus (which trains through it when it carries a
     gradient); the last two need it. ``check_values``: the mask's 0/1 check and num_items_in_batch >= 0, read once.
     """
-    options = LossOptions.resolve(options, loss_options, "token_loss")
+    options = LossOptions.from_written_keywords(options, locals())
     _float_tensor("logprobs", logprobs)
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
@@ -480,10 +506,10 @@ def _check_batch(batch, shape, device, device_of, options, checks):
         _float_tensor("importance_weights", iw)
         _shape("importance_weights", iw, [(B,), (B, 1), (B, T)],
                lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
-        if options.loss_type_record.policy_term == "vespo" and iw.shape != (B, T):
-            raise ValueError("loss_type='vespo' takes per-token importance_weights [B, T] (TRL's token_truncate or "
-                             f"token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO with sequence-level "
-                             "importance sampling")
+        if options.loss_type_record.policy_term.importance_weights_in_term and iw.shape != (B, T):
+            raise ValueError(f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
+                             f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
+                             "with sequence-level importance sampling")
     n_items = batch.num_items_in_batch
     if n_items is None:
         return
@@ -539,11 +565,11 @@ def _token_loss(logprobs, entropy, batch, options, backend):
         old, ref = (x.masked_fill(masked, 0.0) if x is not None else None
                     for x in (batch.old_logprobs, batch.ref_logprobs))
         # per-token advantages and importance weights too: the loss selects masked tokens out, but a NaN there would
-        # reach a sequence-level ratio's gradient (vespo's weights stay: it reads them at padding too, as TRL)
+        # reach a sequence-level ratio's gradient (weights in the term stay: vespo reads them at padding too, as TRL)
         adv, iw = batch.advantages, batch.importance_weights
         if adv.dim() == 2:
             adv = adv.masked_fill(masked, 0.0)
-        if iw is not None and iw.dim() == 2 and options.loss_type_record.policy_term != "vespo":
+        if iw is not None and iw.dim() == 2 and not options.loss_type_record.policy_term.importance_weights_in_term:
             iw = iw.masked_fill(masked, 0.0)
         threshold = batch.entropy_threshold
         if options.entropy_mask and threshold is None:
@@ -565,8 +591,9 @@ def _token_loss(logprobs, entropy, batch, options, backend):
     return total, metrics
 
 
-def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
-                                clip_max=3.0, clip_min=None):
+def sampling_importance_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                                completion_mask: torch.Tensor, mode: str = "sequence_mask",
+                                clip_max: float | None = 3.0, clip_min: float | None = None) -> torch.Tensor:
     """TRL 1.16's importance weights for a sampler (vLLM) that is not the trained policy, for ``importance_weights``.
 
     old_logprobs: the training policy's log-probs before the update, sampling_logprobs: the sampler's, both [B, T]

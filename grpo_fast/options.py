@@ -2,8 +2,9 @@
 
 ``LossOptions`` is what every layer-2 implementation takes (the Triton token kernel's launcher, the torch layer 2 in
 ``grpo_fast.reference``, the benchmark, the examples). ``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take
-the same names as keyword arguments, TRL style, and turn them into a ``LossOptions`` here (``resolve``); an unknown
-name is a ``TypeError`` that says which names exist.
+the same names as keyword arguments, TRL style, written out in their signatures with these defaults (a test keeps
+them in step), and turn them into a ``LossOptions`` here (``from_written_keywords``); the spec's ``**loss_options``
+go through ``resolve``, where an unknown name is a ``TypeError`` that says which names exist.
 
 Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
 its metrics. The spec (grpo_fast.reference), the token kernel's launcher, ``LossOptions.denominator`` and the
@@ -36,12 +37,48 @@ class Metric:
 
 
 @dataclass(frozen=True)
+class PolicyTerm:
+    """A family of per-token term: its ``formula`` (written once in the spec and once in the token kernel, which
+    dispatch on this name: "clipped", PPO's -min(r A, clamp(r, 1 - eps, 1 + eps_high) A), "cispo", "sapo",
+    "vespo") and the facts about it that the readers need besides the formula.
+
+    ``gradient_wrt``: what the term's derivative is taken with respect to: "ratio" (a function of r: dpg/dr, chained
+    through r, the sequence ratio at sequence level) or "logprob" (-stopgrad(c) A logp: dpg/dlogp directly).
+    ``importance_weights_in_term``: the importance weights enter the term itself (vespo's log W: per-token [B, T]
+    weights only, read at padding too, as TRL) instead of multiplying it.
+    """
+
+    formula: str
+    gradient_wrt: str = "ratio"
+    importance_weights_in_term: bool = False
+
+    def __post_init__(self):
+        if self.gradient_wrt not in GRADIENT_WRT:
+            raise ValueError(f"policy term {self.formula!r}: gradient_wrt must be one of {GRADIENT_WRT}, got "
+                             f"{self.gradient_wrt!r}")
+        if not isinstance(self.importance_weights_in_term, bool):
+            raise ValueError(f"policy term {self.formula!r}: importance_weights_in_term must be a bool, got "
+                             f"{self.importance_weights_in_term!r}")
+
+
+# what a per-token term's derivative is taken with respect to (PolicyTerm.gradient_wrt)
+GRADIENT_WRT = ("ratio", "logprob")
+# TRL 1.16's families of per-token term
+POLICY_TERMS = {term.formula: term for term in (
+    PolicyTerm("clipped"),
+    PolicyTerm("cispo", gradient_wrt="logprob"),
+    PolicyTerm("sapo"),
+    PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=True),
+)}
+
+
+@dataclass(frozen=True)
 class LossType:
     """Everything about a loss type outside its formula; the spec, the token kernel's launcher and the metrics
     builder read it, and each raises on a value it does not know.
 
-    ``policy_term``: the family of per-token term (the formula, written once in the spec and once in the token
-    kernel): "clipped" (PPO's -min(r A, clamp(r, 1 - eps, 1 + eps_high) A)), "cispo", "sapo", "vespo".
+    ``policy_term``: the family of per-token term (a ``PolicyTerm``: its formula and how it uses importance weights
+    and what its gradient is taken against).
     ``normaliser``: the loss's divisor (``LossOptions.denominator``): "sequences" (B), "tokens" (the mask's sum),
     "max_completion_length" (B x max_completion_length), "num_items_in_batch" (default: the mask's sum).
     ``row_mean``: each sequence's token sum is first divided by its own token count.
@@ -49,10 +86,14 @@ class LossType:
     """
 
     name: str
-    policy_term: str
+    policy_term: PolicyTerm
     normaliser: str
     row_mean: bool = False
     metrics: tuple[Metric, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.policy_term, PolicyTerm):
+            raise TypeError(f"loss type {self.name!r}: policy_term must be a PolicyTerm, got {self.policy_term!r}")
 
 
 # TRL 1.16 logs these for its clipped loss types: the clip fractions (masked means), and the min / max over sequences
@@ -63,15 +104,16 @@ CLIP_METRICS = (Metric("clip_ratio/low_mean", "low"), Metric("clip_ratio/high_me
                 Metric("clip_ratio/high_max", "high", "max_over_sequences"))
 
 # TRL 1.16's loss types (GRPOTrainer._compute_loss), one record each
+_CLIPPED, _CISPO, _SAPO, _VESPO = POLICY_TERMS.values()
 LOSS_TYPE_RECORDS = {record.name: record for record in (
-    LossType("grpo", "clipped", "sequences", row_mean=True, metrics=CLIP_METRICS),
-    LossType("bnpo", "clipped", "tokens", metrics=CLIP_METRICS),
-    LossType("dr_grpo", "clipped", "max_completion_length", metrics=CLIP_METRICS),
-    LossType("dapo", "clipped", "num_items_in_batch", metrics=CLIP_METRICS),
-    LossType("cispo", "cispo", "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),)),
-    LossType("sapo", "sapo", "sequences", row_mean=True),
-    LossType("luspo", "clipped", "sequences", metrics=CLIP_METRICS),
-    LossType("vespo", "vespo", "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
+    LossType("grpo", _CLIPPED, "sequences", row_mean=True, metrics=CLIP_METRICS),
+    LossType("bnpo", _CLIPPED, "tokens", metrics=CLIP_METRICS),
+    LossType("dr_grpo", _CLIPPED, "max_completion_length", metrics=CLIP_METRICS),
+    LossType("dapo", _CLIPPED, "num_items_in_batch", metrics=CLIP_METRICS),
+    LossType("cispo", _CISPO, "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),)),
+    LossType("sapo", _SAPO, "sequences", row_mean=True),
+    LossType("luspo", _CLIPPED, "sequences", metrics=CLIP_METRICS),
+    LossType("vespo", _VESPO, "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
 )}
 LOSS_TYPES = tuple(LOSS_TYPE_RECORDS)
 # normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window): a training loop sums
@@ -189,22 +231,27 @@ class LossOptions:
         return dataclasses.replace(base, **keywords) if keywords else base
 
     @classmethod
+    def from_written_keywords(cls, options: "LossOptions | None", arguments: dict) -> "LossOptions":
+        """The options of a call that writes every option out as a keyword (grpo_fast.loss, token_loss), from its
+        ``arguments`` (its ``locals()``): without ``options`` they are the options; with it, those that differ from
+        their default apply on top (a keyword left at its default keeps ``options``' value)."""
+        keywords = {name: arguments[name] for name in FIELD_NAMES}
+        if options is None:
+            return cls(**keywords)
+        return cls.resolve(options, {name: value for name, value in keywords.items()
+                                     if not _is_default(value, FIELD_DEFAULTS[name])})
+
+    @classmethod
     def from_trl(cls, config) -> "LossOptions":
         """The options of a TRL ``GRPOConfig`` (or any object with those attribute names)."""
         return cls(**{name: getattr(config, name) for name in FIELD_NAMES if hasattr(config, name)})
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossOptions)}
 
 
-def option_keywords(function):
-    """Show the loss options in ``function``'s signature (``help()``, ``inspect.signature``) in place of its
-    ``**loss_options``: the names and defaults are LossOptions' own, listed here and nowhere else."""
-    import inspect
+def _is_default(value, default) -> bool:
+    """``value`` is ``default`` itself or an equal value of its type (no tensor comparison: a tensor is never one)."""
+    return value is default or (type(value) is type(default) and value == default)
 
-    signature = inspect.signature(function)
-    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in dataclasses.fields(LossOptions)]
-    function.__signature__ = signature.replace(parameters=params)
-    return function

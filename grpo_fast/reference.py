@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from grpo_fast.transform import LogitTransform
 from grpo_fast.metrics import loss_metrics, row_values
-from grpo_fast.options import LOSS_TYPES, LossOptions, option_keywords  # noqa: F401 (LOSS_TYPES: for readers)
+from grpo_fast.options import LOSS_TYPES, LossOptions  # noqa: F401 (LOSS_TYPES: for readers)
 
 
 def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0, fp32_matmul=True,
@@ -169,7 +169,6 @@ def _normalise(per_token_loss, mask, options, num_items_in_batch):
     return per_row.sum() / options.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
 
 
-@option_keywords
 def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None, old_logprobs=None,
                ref_logprobs=None, sampling_logprobs=None, importance_weights=None, num_items_in_batch=None,
                entropy_threshold=None, **loss_options):
@@ -181,7 +180,8 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     o = LossOptions.resolve(options, loss_options, "token_loss")
     mask = completion_mask.to(torch.float32)
     epsilon_low, epsilon_high, beta = o.epsilon, o.clip_high, o.beta
-    policy_term = o.loss_type_record.policy_term  # TRL dispatches on loss_type; its record names the formula
+    term = o.loss_type_record.policy_term
+    policy_term = term.formula  # TRL dispatches on loss_type; its record names the formula
     logp = logp.float()
     old = logp.detach() if old_logprobs is None else old_logprobs.float()
     advantages = advantages.float()
@@ -235,17 +235,20 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
         temperatures = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
     elif policy_term == "vespo":
-        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights, o.vespo_k_pos, o.vespo_lambda_pos,
-                                o.vespo_k_neg, o.vespo_lambda_neg)
+        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights if term.importance_weights_in_term
+                                else None, o.vespo_k_pos, o.vespo_lambda_pos, o.vespo_k_neg, o.vespo_lambda_neg)
         per_token_loss = -phi_seq * advantages * logp
     else:
         raise ValueError(f"loss type {o.loss_type!r} has an unknown policy term {policy_term!r}")
+    if term.importance_weights_in_term and phi_seq is None:
+        raise ValueError(f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
+                         f"{policy_term!r} term does not read them (only 'vespo' does)")
 
     if o.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
-    if importance_weights is not None and policy_term != "vespo":
+    if importance_weights is not None and not term.importance_weights_in_term:
         per_token_loss = per_token_loss * importance_weights
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl

@@ -15,7 +15,8 @@ import grpo_fast
 from grpo_fast import metrics as metrics_module
 from grpo_fast import reference
 from grpo_fast.kernels import token_loss as token_kernel
-from grpo_fast.options import LOSS_TYPE_RECORDS, LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions, LossType, Metric
+from grpo_fast.options import (LOSS_TYPE_RECORDS, LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, POLICY_TERMS, LossOptions, LossType,
+                               Metric, PolicyTerm)
 
 from conftest import backend_device
 
@@ -44,19 +45,43 @@ def _run(fn, logp, adv, mask, entropy, **kw):
     return loss.detach(), dict(metrics), leaf.grad
 
 
+def _check_both_backends(spec, device, logp, adv, mask, entropy, **kw):
+    """Both backends of the product give the spec's loss, metrics and gradient (``spec``: _run's result)."""
+    for backend in ("torch", "triton"):
+        dev = backend_device(backend, device)
+        on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
+        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
+                                   backend=backend, **dict(kw, **on_dev))
+        torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
+        assert set(metrics) == set(spec[1])
+        for name in spec[1]:
+            torch.testing.assert_close(metrics[name].cpu(), spec[1][name], rtol=1e-5, atol=1e-6)
+
+
 def test_the_records_are_trls_loss_types():
     assert LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
     assert NUM_ITEMS_LOSS_TYPES == ("dapo", "cispo", "vespo")
-    assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.policy_term == "clipped"} == {
+    assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.policy_term.formula == "clipped"} == {
         "grpo", "bnpo", "dr_grpo", "dapo", "luspo"}
     assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.row_mean} == {"grpo", "sapo"}
     # every record's formula exists in the token kernel
-    assert {r.policy_term for r in LOSS_TYPE_RECORDS.values()} == set(token_kernel.LOSS_KINDS)
+    assert {r.policy_term.formula for r in LOSS_TYPE_RECORDS.values()} == set(token_kernel.LOSS_KINDS)
+    # the families' facts: cispo's and vespo's terms are -stopgrad(c) A logp, vespo's weights enter its phi
+    assert {name for name, term in POLICY_TERMS.items() if term.gradient_wrt == "logprob"} == {"cispo", "vespo"}
+    assert {name for name, term in POLICY_TERMS.items() if term.importance_weights_in_term} == {"vespo"}
+
+
+def test_the_statistics_are_the_kernels_slots_by_name():
+    """The statistic names (the token kernel's STAT_ slots, the spec's and the metrics builder's keys) are one set:
+    each slot once, and every statistic a record's metric reads is one of them."""
+    assert sorted(slot.value for slot in token_kernel.STATS.values()) == list(range(token_kernel.NUM_STATS.value))
+    assert {m.statistic for r in LOSS_TYPE_RECORDS.values() for m in r.metrics} <= set(token_kernel.STATS)
 
 
 # A loss type TRL does not have: cispo's per-token term, normalised per sequence (grpo's reduction), logging the
 # cispo clip fraction and its largest per-sequence value.
-CISPO_PER_SEQUENCE = LossType("cispo_per_sequence", "cispo", "sequences", row_mean=True,
+CISPO_PER_SEQUENCE = LossType("cispo_per_sequence", POLICY_TERMS["cispo"], "sequences", row_mean=True,
                               metrics=(Metric("cispo_clip_ratio", "cispo"),
                                        Metric("cispo_clip_ratio/max", "cispo", "max_over_sequences")))
 
@@ -91,21 +116,57 @@ def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
     assert per_sequence.max().item() > 0  # not vacuous: some sequence clips
     assert set(spec[1]) == {"kl", "entropy", "cispo_clip_ratio", "cispo_clip_ratio/max", "ratio_mean"}
 
-    # both backends of the product: the same loss, metrics and gradient
+    _check_both_backends(spec, device, logp, adv, mask, entropy, **kw)
+
+
+# A family TRL does not have: vespo's formula with the importance weights used as every other family uses them
+# (multiplying the term, any shape) instead of inside phi's log W; a loss type of it, one record.
+VESPO_WEIGHTED = LossType("vespo_weighted",
+                          PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=False),
+                          "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),))
+
+
+@pytest.mark.parametrize("weights", ("sequence", "token"))
+def test_a_loss_types_importance_weight_use_is_its_records(monkeypatch, weights, device):
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, VESPO_WEIGHTED.name, VESPO_WEIGHTED)
+    logp, mask, adv, old, _, entropy = _batch(seed=2)
+    g = torch.Generator().manual_seed(3)
+    iw = 0.5 + torch.rand((B,) if weights == "sequence" else (B, T), generator=g)
+    kw = dict(loss_type="vespo_weighted", old_logprobs=old, importance_weights=iw)
+    spec = _run(reference.token_loss, logp, adv, mask, entropy, **kw)
+
+    # the spec by hand: -phi(W) A logp w, phi of the log-ratios alone (no weights in log W), over the mask's sum
+    m = mask.float()
+    w = iw[:, None].expand(B, T) if weights == "sequence" else iw
+    phi = reference.gamma_weights(adv[:, None], logp - old, m, None, 2.0, 3.0, 3.0, 2.0)
+    in_phi = reference.gamma_weights(adv[:, None], logp - old, m, w, 2.0, 3.0, 3.0, 2.0)
+    assert not torch.allclose(phi, in_phi)  # not vacuous: weights in log W would give another phi
+    per_token = -phi * adv[:, None] * logp * w
+    expected = (per_token * m).sum() / m.sum()
+    assert math.isclose(spec[0].item(), expected.item(), rel_tol=1e-6)
+    torch.testing.assert_close(spec[2], -phi * adv[:, None] * w * m / m.sum(), rtol=1e-6, atol=1e-7)
+    assert math.isclose(spec[1]["vespo/phi_seq_mean"].item(), phi.mean().item(), rel_tol=1e-6)
+
+    _check_both_backends(spec, device, logp, adv, mask, entropy, **kw)
+
+
+def test_weights_in_a_term_that_does_not_read_them_raise(monkeypatch, device):
+    record = LossType("sapo_weights_in_term", PolicyTerm("sapo", importance_weights_in_term=True), "sequences",
+                      row_mean=True)
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
     for backend in ("torch", "triton"):
-        dev = backend_device(backend, device)
-        on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
-        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
-                                   backend=backend, **dict(kw, **on_dev))
-        torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
-        assert set(metrics) == set(spec[1])
-        for name in spec[1]:
-            torch.testing.assert_close(metrics[name].cpu(), spec[1][name], rtol=1e-5, atol=1e-6)
+        logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))
+        iw = torch.ones_like(logp)
+        with pytest.raises(ValueError, match="loss type 'sapo_weights_in_term' puts the importance weights in its "
+                                             "term, but the .*'sapo' term does not read them"):
+            grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, importance_weights=iw,
+                                 loss_type=record.name, backend=backend)
+    with pytest.raises(ValueError, match="gradient_wrt must be one of \\('ratio', 'logprob'\\), got 'advantage'"):
+        PolicyTerm("clipped", gradient_wrt="advantage")
 
 
 def test_an_unknown_policy_term_raises_in_the_spec_and_the_launcher(monkeypatch, device):
-    monkeypatch.setitem(LOSS_TYPE_RECORDS, "tanh_clip", LossType("tanh_clip", "tanh_clip", "tokens"))
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, "tanh_clip", LossType("tanh_clip", PolicyTerm("tanh_clip"), "tokens"))
     logp, mask, adv, old, _, entropy = _batch()
     with pytest.raises(ValueError, match="loss type 'tanh_clip' has an unknown policy term 'tanh_clip'"):
         reference.token_loss(logp, adv, mask, old_logprobs=old, loss_type="tanh_clip")
@@ -117,7 +178,7 @@ def test_an_unknown_policy_term_raises_in_the_spec_and_the_launcher(monkeypatch,
 
 
 def test_an_unknown_normaliser_raises(monkeypatch, device):
-    monkeypatch.setitem(LOSS_TYPE_RECORDS, "per_group", LossType("per_group", "clipped", "groups"))
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, "per_group", LossType("per_group", POLICY_TERMS["clipped"], "groups"))
     logp, mask, adv, old, _, _ = _batch()
     with pytest.raises(ValueError, match="loss type 'per_group' has an unknown normaliser 'groups'"):
         LossOptions(loss_type="per_group").denominator(B, mask.sum())
@@ -128,7 +189,8 @@ def test_an_unknown_normaliser_raises(monkeypatch, device):
 
 
 def test_an_unknown_metric_reduction_raises(monkeypatch, device):
-    record = LossType("bnpo_median", "clipped", "tokens", metrics=(Metric("clip_ratio/median", "low", "median"),))
+    record = LossType("bnpo_median", POLICY_TERMS["clipped"], "tokens",
+                      metrics=(Metric("clip_ratio/median", "low", "median"),))
     monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
     for backend in ("torch", "triton"):
         logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))

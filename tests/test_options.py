@@ -26,12 +26,31 @@ def test_from_trl_reads_a_grpo_config():
     assert (options.loss_type, options.beta, options.epsilon_high, options.clip_high) == ("cispo", 0.04, 5.0, 5.0)
 
 
-def test_signatures_list_the_options_with_their_defaults():
-    for fn in (grpo_fast.loss, grpo_fast.token_loss, reference.token_loss):
+def test_signatures_write_out_the_options_with_their_defaults_and_types():
+    """grpo_fast.loss and token_loss write every option out (an IDE and a type checker see them): keyword-only, in
+    LossOptions' order, with its defaults (the one source) and its annotations; nothing else is taken by name."""
+    fields = dataclasses.fields(LossOptions)
+    for fn in (grpo_fast.loss, grpo_fast.token_loss):
         params = inspect.signature(fn).parameters
-        for field in dataclasses.fields(LossOptions):
-            assert params[field.name].default == field.default, (fn.__name__, field.name)
-            assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn.__name__
+        assert [name for name in params if name in FIELD_NAMES] == list(FIELD_NAMES), fn.__name__
+        for field in fields:
+            param = params[field.name]
+            assert param.kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, field.name)
+            assert param.default == field.default and type(param.default) is type(field.default), (fn.__name__,
+                                                                                                   field.name)
+            assert param.annotation == field.type, (fn.__name__, field.name)
+
+
+def test_a_keyword_at_its_default_keeps_the_options_value():
+    g = torch.Generator().manual_seed(0)
+    logp, adv, mask = -torch.rand(3, 5, generator=g), torch.randn(3, generator=g), torch.ones(3, 5)
+    old = logp + 0.3 * torch.randn(3, 5, generator=g)
+    by_object, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01))
+    with_default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01),
+                                           epsilon=0.2)
+    default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old)
+    assert with_default.item() == by_object.item() != default.item()
 
 
 @pytest.mark.parametrize("override, error, message", [
@@ -52,9 +71,11 @@ def test_bad_options_raise_named_errors(override, error, message):
 
 def test_unknown_keyword_suggests_the_close_name():
     logp = torch.zeros(1, 2)
+    with pytest.raises(TypeError, match=r"token_loss\(\) got an unexpected keyword argument 'epsilon_hi'"):
+        grpo_fast.token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
     with pytest.raises(TypeError, match=r"token_loss\(\) got unexpected keyword argument\(s\) 'epsilon_hi' "
                                         r"\(did you mean 'epsilon_high'\?\)"):
-        grpo_fast.token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
+        reference.token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
     with pytest.raises(TypeError, match="options must be a grpo_fast.LossOptions"):
         grpo_fast.token_loss(logp, torch.ones(1), torch.ones(1, 2), options={"beta": 0.1})
 

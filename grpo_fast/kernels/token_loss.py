@@ -19,7 +19,10 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
     kl              k_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) * (r if BIAS_CORRECTION_KL else 1)
                     dk/dlogp_t = (1 - exp(ref_t - logp_t)) * r  +  (k_t / r) dr/dlogp  (the ratio's gradient flows)
     loss            L = sum_b sum_t s_bt (keep_t e_t w_t pg_t + beta k_t),  s_bt = m_t * scale / (L_b if ROW_MEAN else 1)
-                    (w_t is 1 for vespo: its weights enter phi instead)
+                    (w_t is 1 when the family's importance_weights_in_term: vespo's weights enter phi instead)
+    The loss type's record (grpo_fast.options.LossType), read by the launcher from the ``options`` its caller passes
+    (kernels/ imports nothing above it), gives the family's formula (LOSS_KIND), what dpg is taken against
+    (GRAD_WRT_LOGP) and how it uses the importance weights (IW_IN_TERM).
 
 Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
 the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
@@ -49,7 +52,7 @@ import triton.language as tl
 
 from grpo_fast.kernels.launch import on_first_argument_device
 
-# Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term``
+# Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term.formula``
 # (grpo_fast.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
 LOSS_CLIPPED = tl.constexpr(0)
 LOSS_CISPO = tl.constexpr(1)
@@ -70,10 +73,9 @@ STAT_CISPO = tl.constexpr(8)
 STAT_PHI = tl.constexpr(9)             # vespo's phi: masked sum (per-token advantages) or the row's own value
 STAT_BONUS_COUNT = tl.constexpr(10)    # the entropy bonus's tokens and their entropy sum
 STAT_BONUS_ENTROPY = tl.constexpr(11)
-NUM_STATS = tl.constexpr(12)
-STATS = {"loss": STAT_LOSS, "count": STAT_COUNT, "kl": STAT_KL, "entropy": STAT_ENTROPY, "ratio": STAT_RATIO,
-         "low": STAT_LOW, "high": STAT_HIGH, "region": STAT_REGION, "cispo": STAT_CISPO, "phi": STAT_PHI,
-         "bonus_count": STAT_BONUS_COUNT, "bonus_entropy": STAT_BONUS_ENTROPY}
+# by name (STAT_KL: "kl"), the names grpo_fast.metrics and the spec's statistics use: spelled once, above
+STATS = {name.removeprefix("STAT_").lower(): slot for name, slot in globals().items() if name.startswith("STAT_")}
+NUM_STATS = tl.constexpr(len(STATS))
 
 # Two warps per sequence: the work is a few [T] vectors, and with 4 warps ptxas gives the vespo variant with every
 # option a stack slot on sm_90 (tools/sm_compile.py); with 2 every variant compiles clean on sm_90 / 89 / 80.
@@ -96,10 +98,10 @@ def _maximum(x, y):
 
 @triton.jit
 def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
-              SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, IS_VESPO: tl.constexpr, HAS_IW: tl.constexpr,
+              SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, IS_VESPO: tl.constexpr, TERM_IW: tl.constexpr,
               IW_PER_TOKEN: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
     """Pass 1 over a row: its token count, the sum of log-ratios (GSPO), VESPO's log W (unclamped) and the summed
-    KL(sampler || policy) for the off-policy mask."""
+    KL(sampler || policy) for the off-policy mask. TERM_IW: importance weights that enter the term (log W)."""
     count = 0.0
     log_ratio_sum = 0.0
     vespo_log_w = 0.0
@@ -123,7 +125,7 @@ def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
             if IS_VESPO:
                 vespo_log_w += tl.sum(_minimum(_maximum(lp - old, -LOG_RATIO_CAP), LOG_RATIO_CAP), axis=0)
         if IS_VESPO:
-            if HAS_IW:
+            if TERM_IW:
                 if IW_PER_TOKEN:
                     iw = tl.load(iw_ptr + row + offs, mask=in_row, other=1.0)
                     log_iw = _minimum(_maximum(tl.log(iw), LOG_RATIO_FLOOR), LOG_RATIO_CAP)  # clamp(log w, ..)
@@ -155,14 +157,14 @@ def _importance_ratio(lp, old_ptr, row, offs, in_row, active, seq_ratio,
 @triton.jit
 def _policy_weight(iw_ptr, entropy_ptr, row, offs, in_row, m, active, adv, iw_row, sampler_kl,
                    off_policy_threshold, entropy_threshold,
-                   IS_VESPO: tl.constexpr, HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr,
+                   IW_IN_TERM: tl.constexpr, HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr,
                    HAS_ENTROPY: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, ENTROPY_MASK: tl.constexpr,
                    BLOCK_T: tl.constexpr):
-    """(weight, bonus, entropy): the policy term's multiplier (importance weights but vespo's, the off-policy and
+    """(weight, bonus, entropy): the policy term's multiplier (importance weights unless IW_IN_TERM, the off-policy and
     top-entropy masks; 0 at padding), the entropy bonus's token mask, and the token entropies (0 at padding)."""
     weight = tl.full((BLOCK_T,), 1.0, tl.float32)
     if HAS_IW:
-        if not IS_VESPO:
+        if not IW_IN_TERM:
             if IW_PER_TOKEN:
                 weight = tl.load(iw_ptr + row + offs, mask=in_row, other=0.0)
             else:
@@ -207,7 +209,7 @@ def _policy_term(r, lp, adv, phi, eps_low, eps_high, delta, sapo_pos, sapo_neg,
         sig = tl.sigmoid(tau * (r - 1.0))
         pg = -sig * 4.0 / tau * adv
         dpg = -4.0 * sig * (1.0 - sig) * adv
-    else:
+    elif LOSS_KIND == LOSS_VESPO:
         pg = -phi * adv * lp
         dpg = -phi * adv
     return pg, dpg
@@ -261,7 +263,8 @@ def _token_loss_kernel(
     grad_logp_ptr, bonus_mask_ptr, stats_ptr,
     T, beta, eps_low, eps_high, delta, sapo_pos, sapo_neg, scale_ptr,
     vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg, off_policy_threshold, entropy_threshold_ptr,
-    LOSS_KIND: tl.constexpr, SEQUENCE: tl.constexpr, ROW_MEAN: tl.constexpr, HAS_DELTA: tl.constexpr,
+    LOSS_KIND: tl.constexpr, GRAD_WRT_LOGP: tl.constexpr, IW_IN_TERM: tl.constexpr,
+    SEQUENCE: tl.constexpr, ROW_MEAN: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
     HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     OFF_POLICY_MASK: tl.constexpr, ENTROPY_MASK: tl.constexpr, ENTROPY_BONUS: tl.constexpr,
@@ -270,12 +273,11 @@ def _token_loss_kernel(
     b = tl.program_id(0)
     row = b.to(tl.int64) * T  # int64: B x T may pass 2^31 tokens (kernels/tile.py says why)
     IS_VESPO: tl.constexpr = LOSS_KIND == LOSS_VESPO
-    # the per-token term's derivative is with respect to logp (cispo, vespo) or to the ratio (the others)
-    DPG_IS_DLOGP: tl.constexpr = LOSS_KIND == LOSS_CISPO or LOSS_KIND == LOSS_VESPO
+    TERM_IW: tl.constexpr = HAS_IW and IW_IN_TERM
 
     count, log_ratio_sum, vespo_log_w, sampler_kl_sum = _row_sums(
         logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
-        SEQUENCE, HAS_OLD, IS_VESPO, HAS_IW, IW_PER_TOKEN, OFF_POLICY_MASK, BLOCK_T)
+        SEQUENCE, HAS_OLD, IS_VESPO, TERM_IW, IW_PER_TOKEN, OFF_POLICY_MASK, BLOCK_T)
     length = tl.maximum(count, 1.0)
     # the normaliser and the entropy quantile are device values: the caller never reads them on the host
     scale = tl.load(scale_ptr)
@@ -324,7 +326,7 @@ def _token_loss_kernel(
         weight, bonus, ent = _policy_weight(
             iw_ptr, entropy_ptr, row, offs, in_row, m, active, adv, iw_row, sampler_kl,
             off_policy_threshold, entropy_threshold,
-            IS_VESPO, HAS_IW, IW_PER_TOKEN, HAS_ENTROPY, OFF_POLICY_MASK, ENTROPY_MASK, BLOCK_T)
+            IW_IN_TERM, HAS_IW, IW_PER_TOKEN, HAS_ENTROPY, OFF_POLICY_MASK, ENTROPY_MASK, BLOCK_T)
         entropy_sum += tl.sum(ent, axis=0)
         if ENTROPY_BONUS:
             tl.store(bonus_mask_ptr + row + offs, bonus, mask=in_row)
@@ -339,7 +341,7 @@ def _token_loss_kernel(
         s = tl.where(active, row_scale, 0.0)
         per_token = weight * pg
         grad_logp = tl.zeros((BLOCK_T,), tl.float32)
-        if DPG_IS_DLOGP:
+        if GRAD_WRT_LOGP:
             grad_logp += s * weight * dpg
         elif SEQUENCE:
             dl_dratio += tl.sum(tl.where(active, s * weight * dpg, 0.0), axis=0)  # padding: 0, even a NaN
@@ -365,7 +367,7 @@ def _token_loss_kernel(
 
     # pass 3 (sequence level): chain dL/dr_b to every token, dr_b/dlogp_t = r_b m_t / L_b
     if SEQUENCE:
-        if (not DPG_IS_DLOGP) or (HAS_KL and BIAS_CORRECTION_KL):
+        if (not GRAD_WRT_LOGP) or (HAS_KL and BIAS_CORRECTION_KL):
             for t0 in range(0, T, BLOCK_T):
                 offs = t0 + tl.arange(0, BLOCK_T)
                 in_row = offs < T
@@ -428,10 +430,14 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     term, no "entropy" without the entropy, no "phi" but for vespo's term).
     """
     record = options.loss_type_record
-    if record.policy_term not in LOSS_KINDS:
+    term = record.policy_term
+    if term.formula not in LOSS_KINDS:
         raise ValueError(f"loss type {options.loss_type!r} has a policy term the token kernel does not have: "
-                         f"{record.policy_term!r} (it has {tuple(LOSS_KINDS)})")
-    loss_kind = LOSS_KINDS[record.policy_term]
+                         f"{term.formula!r} (it has {tuple(LOSS_KINDS)})")
+    loss_kind = LOSS_KINDS[term.formula]
+    if term.importance_weights_in_term and loss_kind != LOSS_VESPO:
+        raise ValueError(f"loss type {options.loss_type!r} puts the importance weights in its term, but the token "
+                         f"kernel's {term.formula!r} term does not read them (only 'vespo' does)")
     B, T = logp.shape
     entropy_bonus = options.entropy_coef != 0.0
     has_kl = ref is not None and options.beta != 0.0
@@ -453,7 +459,8 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
         float(options.vespo_lambda_neg),
         float(options.off_policy_mask_threshold if sampler is not None else 0.0),
         _device_scalar(entropy_threshold, logp) if entropy_threshold is not None else logp,
-        LOSS_KIND=loss_kind, SEQUENCE=options.sequence_level,
+        LOSS_KIND=loss_kind, GRAD_WRT_LOGP=term.gradient_wrt == "logprob",
+        IW_IN_TERM=term.importance_weights_in_term, SEQUENCE=options.sequence_level,
         ROW_MEAN=record.row_mean, HAS_DELTA=options.delta is not None,
         HAS_OLD=old is not None, HAS_KL=has_kl,
         BIAS_CORRECTION_KL=options.use_bias_correction_kl, ADV_PER_TOKEN=adv_per_token,
