@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from grpo_fast import divergence_torch, ops
-from grpo_fast.api import (_check_kernel_sizes, _check_mask, _float_tensor, _resolve_backend, _row_values,
+from grpo_fast.api import (_check_mask, _float_tensor, _resolve_backend, _row_values,
                            _same_device, _scatter_rows, _scored_rows, _tensor, _ValueChecks)
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.config import HEAD_PATHS
@@ -175,7 +175,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
              student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
              backend, checks):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
-    with the scored-row count: api._scored_rows); returns the resolved backend."""
+    with the scored-row count: api._scored_rows); returns the resolved backend's name."""
     B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias)
     Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias)
     if (Bt, Tt) != (B, T):
@@ -201,8 +201,8 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
     for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
     backend = _resolve_backend(backend, student_hidden.device)
-    _check_kernel_sizes(B * T, V, backend)
-    return backend
+    backend.check_sizes(B * T, V)
+    return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
 
 
 def _rows(hidden, rows):

@@ -407,11 +407,10 @@ def grpo_fast_workspace(func, args, kwargs) -> int:
     op = schema.name.split("::", 1)[1]
     if op == "token_loss":
         return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape))
-    hidden, lora_hidden = bound["hidden"], bound.get("lora_hidden")
+    hidden = bound["hidden"]
     with launchers_sized_for(RTX_4090_PROPS):
         return ops.workspace_bytes(op, tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype,
                                    backend=bound["backend"], frozen_head=bool(bound.get("frozen_head", False)),
-                                   lora_rank=0 if lora_hidden is None else lora_hidden.shape[1],
                                    backward_mode=bound["backward_mode"], device_type="cuda")
 
 
