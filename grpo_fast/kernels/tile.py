@@ -170,7 +170,8 @@ def tile_grad(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr
 
     ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
-    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    # rows past the batch: lse +inf makes their p exactly 0 (with 0 their exp(z) overflows, and 0 x inf is a NaN in db)
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
     nontarget_mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
     z, slope = logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
                           v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
