@@ -1,0 +1,151 @@
+"""The divergence head over vocab-parallel heads (grpo_fast.divergence_parallel) on 2 and 4 CPU processes (gloo)
+equals one process.
+
+Each spawned rank builds the same inputs (ordinary tokens and tokens confident in both models, 1 - p ~ 1e-6..1e-3,
+a masked row), computes the unsharded call on the whole heads (the one-process truth, torch backend, fp32), then the
+same call on its rows of both heads: plain shards with ``vocab_parallel=VocabShard(...)`` (uneven splits, an empty
+shard on 4 ranks) and DTensors sharded on dim 0 (torch's own chunking; DTensor.full_tensor raises meanwhile). The
+divergence, the student's entropy, dH and the rank's dW and db rows must match to fp32 accuracy for beta 0, 0.5, 1,
+and the frozen student head (only the hidden state needs a gradient). Every torch.distributed collective is
+counted: 64 N bytes in the forward (72 N for the JSD) and 4 N Ds in the backward (N scored tokens), the same for
+two vocabulary sizes.
+"""
+
+import pytest
+import torch
+
+from helpers import gloo_group, spawn_ranks
+from test_divergence import confident_pair, pair_inputs
+from test_vocab_parallel import CollectiveBytes, max_error
+
+pytestmark = pytest.mark.interpreter_only
+
+RTOL = 2e-6  # sharded vs unsharded, both fp32: only the merge order of the vocabulary chunks differs
+CONFIDENT_RTOL = 2e-5  # confident tokens against their own size: as exact as fp32 logits allow (carried 1 - p)
+TIMEOUT_S = 240
+B, T, Ds, Dt = 2, 6, 12, 16
+TRANSFORM = dict(temperature=0.8, student_softcap=30.0, teacher_softcap=30.0, student_logit_scale=1.1,
+                 teacher_logit_scale=0.9)
+BETAS = (0.0, 0.5, 1.0)
+
+
+def splits(V, world):
+    """Uneven row boundaries of a V-row head (on 4 ranks, rank 1 holds no row)."""
+    return [0, V // 3, V] if world == 2 else [0, 3, 3, V // 2 + 1, V]
+
+
+def inputs(V):
+    """Both heads (fp32) and a mask: half the tokens ordinary, half confident in both models (the same top)."""
+    half = B * T // 2
+    ordinary = pair_inputs(half, Ds, Dt, V, dtype=torch.float32, seed=1)
+    confident = confident_pair(half, Ds, Dt, V, TRANSFORM, seed=2)
+    # the confident tokens' heads are the ones used; the ordinary tokens' hidden states meet them as they are
+    hs = torch.cat([ordinary[0] * 0.3, confident[0]]).reshape(B, T, Ds)
+    ht = torch.cat([ordinary[3] * 0.3, confident[3]]).reshape(B, T, Dt)
+    ws, bs, wt, bt = confident[1], confident[2], confident[4], confident[5]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 1] = mask[1, 4] = False
+    return hs, ws, bs, ht, wt, bt, mask
+
+
+def call(data, rows, beta, frozen=False, **head):
+    """divergence_and_entropy on fresh leaves of hidden and weight rows ``rows`` (and a backward of a fixed random
+    objective): (div, entropy, dH, dW, db)."""
+    import grpo_fast
+
+    hs, ws, bs, ht, wt, bt, mask = data
+    h = hs.clone().requires_grad_()
+    w, b = (ws[rows].clone().requires_grad_(not frozen), bs[rows].clone().requires_grad_(not frozen))
+    if "dtensor_mesh" in head:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = head.pop("dtensor_mesh")
+        w, b = (torch.nn.Parameter(distribute_tensor(x.detach(), mesh, [Shard(0)]), requires_grad=not frozen)
+                for x in (ws, bs))
+        wt, bt = (distribute_tensor(x, mesh, [Shard(0)]) for x in (wt, bt))
+    else:
+        wt, bt = wt[rows], bt[rows]
+    div, entropy = grpo_fast.divergence_and_entropy(h, w, ht, wt, mask, beta=beta, student_bias=b, teacher_bias=bt,
+                                                    backend="torch", **TRANSFORM, **head)
+    coef = torch.randn(B, T, generator=torch.Generator().manual_seed(5))
+    (div * coef).sum().backward()
+
+    def local(x):
+        return None if x is None else (x.to_local() if type(x).__name__ == "DTensor" else x)
+
+    return div.detach(), entropy, h.grad, local(w.grad), local(b.grad)
+
+
+def compare(rank, world, V, beta, frozen, layout):
+    """{name: error} of the sharded call against the unsharded one, and the collective bytes of the sharded call."""
+    import grpo_fast
+
+    data = inputs(V)
+    truth = call(data, slice(None), beta, frozen)
+    if layout == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        chunk = -(-V // world)
+        rows = slice(min(rank * chunk, V), min((rank + 1) * chunk, V))
+        real_full_tensor = DTensor.full_tensor
+
+        def gathered(self, *args, **kwargs):
+            raise AssertionError("the vocab-parallel divergence head gathered a DTensor")
+
+        DTensor.full_tensor = gathered
+        try:
+            with CollectiveBytes() as counted:
+                ours = call(data, rows, beta, frozen, dtensor_mesh=init_device_mesh("cpu", (world,)))
+        finally:
+            DTensor.full_tensor = real_full_tensor
+    else:
+        bounds = splits(V, world)
+        rows = slice(bounds[rank], bounds[rank + 1])
+        with CollectiveBytes() as counted:
+            ours = call(data, rows, beta, frozen, vocab_parallel=grpo_fast.VocabShard(None, rows.start, V))
+    expected = (truth[0], truth[1], truth[2], None if frozen else truth[3][rows], None if frozen else truth[4][rows])
+    errors = {name: max_error(a, e) for name, a, e in zip(("div", "entropy", "dH", "dW", "db"), ours, expected)}
+    # the confident tokens against their own size (their divergence and dH are ~1e-6 of the ordinary tokens')
+    confident = slice(B * T // 2, None)
+    for name, k in (("div_confident", 0), ("dH_confident", 2)):
+        a, e = (x.reshape(B * T, -1)[confident].double() for x in (ours[k], truth[k]))
+        errors[name] = float((a - e).abs().max() / e.abs().max())
+    return errors, counted.bytes
+
+
+def worker(rank, port, out_dir, world, cases, vocab_sizes):
+    with gloo_group(rank, world, port):
+        results = {}
+        for V in vocab_sizes:
+            for beta, frozen, layout in cases:
+                results[(V, beta, frozen, layout)] = compare(rank, world, V, beta, frozen, layout)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+def check(tmp_path, world, cases, vocab_sizes):
+    spawn_ranks(worker, world, str(tmp_path), TIMEOUT_S, world, cases, vocab_sizes)
+    N = B * T - 2  # scored tokens
+    for rank in range(world):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for (V, beta, frozen, layout), (errors, sent) in results.items():
+            where = f"rank {rank}/{world}, V {V}, beta {beta}, frozen {frozen}, {layout}"
+            assert max(v for k, v in errors.items() if "confident" not in k) < RTOL, f"{where}: {errors}"
+            assert max(v for k, v in errors.items() if "confident" in k) < CONFIDENT_RTOL, f"{where}: {errors}"
+            forward_bytes = 64 * N + (8 * N if 0.0 < beta < 1.0 else 0)
+            assert sent == forward_bytes + 4 * N * Ds, f"{where}: {sent} bytes through collectives"
+
+
+def test_two_ranks(tmp_path):
+    """The fast case: 2 ranks, plain shards, the three betas and the frozen head."""
+    cases = [(beta, False, "shard") for beta in BETAS] + [(0.5, True, "shard")]
+    check(tmp_path, 2, cases, (37,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_case(tmp_path, world):
+    """Plain shards (an empty one on 4 ranks) and DTensors, every beta, trainable and frozen heads, two vocabulary
+    sizes (the bytes are the same)."""
+    cases = [(beta, frozen, layout) for beta in BETAS for frozen in (False, True) for layout in ("shard", "dtensor")]
+    check(tmp_path, world, cases, (37, 301))
