@@ -14,7 +14,7 @@ two vocabulary sizes.
 import pytest
 import torch
 
-from helpers import gloo_group, spawn_ranks
+from helpers import dtensors_never_gathered, gloo_group, spawn_ranks
 from test_divergence import confident_pair, pair_inputs
 from test_vocab_parallel import CollectiveBytes, max_error
 
@@ -103,21 +103,11 @@ def compare(rank, world, V, beta, frozen, layout):
     truth64 = spec(data, beta)
     if layout == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
 
-        chunk = -(-V // world)
+        chunk = -(-V // world)  # torch's Shard(0) chunking
         rows = slice(min(rank * chunk, V), min((rank + 1) * chunk, V))
-        real_full_tensor = DTensor.full_tensor
-
-        def gathered(self, *args, **kwargs):
-            raise AssertionError("the vocab-parallel divergence head gathered a DTensor")
-
-        DTensor.full_tensor = gathered
-        try:
-            with CollectiveBytes() as counted:
-                ours = call(data, rows, beta, frozen, dtensor_mesh=init_device_mesh("cpu", (world,)))
-        finally:
-            DTensor.full_tensor = real_full_tensor
+        with dtensors_never_gathered("the vocab-parallel divergence head"), CollectiveBytes() as counted:
+            ours = call(data, rows, beta, frozen, dtensor_mesh=init_device_mesh("cpu", (world,)))
     else:
         bounds = splits(V, world)
         rows = slice(bounds[rank], bounds[rank + 1])
