@@ -270,7 +270,8 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
                                  float(student_logit_scale), float(teacher_logit_scale))
         div, entropy = divergence_parallel.VocabParallelDivergence.apply(
             _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
-            _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard)
+            _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
+            frozen_head)
         return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
         _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),

@@ -226,14 +226,18 @@ class FrozenHead:
       s'_v W_v, J = (1 - beta) (J1 - excess J0).
     Two student GEMMs (2 N V D_s each) per sweep that folds them, and J: N x D_s fp32."""
 
-    def __init__(self, beta, n, weight):
-        self.beta, self.weight = beta, weight
+    def __init__(self, beta, n, weight, offset=0):
+        self.beta, self.weight, self.offset = beta, weight, offset  # the weight's row v: vocabulary entry offset + v
         zeros = torch.zeros((n, weight.shape[1]), dtype=torch.float32, device=weight.device)
         self.first, self.second = zeros, zeros.clone()  # beta 0: A_s, A_t; beta 1: B0, B1; JSD: J0, J1
         self.slope_top = [torch.zeros(n, device=weight.device), torch.zeros(n, device=weight.device)]
 
-    def _rows(self, index):
-        return self.weight[index].float()
+    def rows(self, index):
+        """W[index] [n, D] fp32 for global vocabulary indices (clamped into the weight: a caller masks the rows of
+        indices it does not hold, e.g. an empty record's argmax 0)."""
+        if self.weight.shape[0] == 0:
+            return torch.zeros((index.shape[0], self.weight.shape[1]), dtype=torch.float32, device=index.device)
+        return self.weight[(index - self.offset).clamp(0, self.weight.shape[0] - 1)].float()
 
     def fold(self, run_s, run_t, tile_s, tile_t, zs, zt, slope, v0, v1):
         """Fold one vocabulary chunk [v0, v1) (the student's tile and slope, the teacher's tile) before the records
@@ -247,14 +251,14 @@ class FrozenHead:
                 rescale = torch.exp(run.max - pivot)
                 e = torch.exp(z - pivot[:, None])
                 rows = torch.nonzero(wins).squeeze(1)
-                local = tile.argmax[rows] - v0
+                local = tile.argmax[rows] - self.offset - v0
                 e[rows, local] = 0.0  # the merged argmax stays out of the sum
-                slope_at = slope[torch.arange(z.shape[0], device=z.device), tile.argmax - v0] \
+                slope_at = slope[torch.arange(z.shape[0], device=z.device), tile.argmax - self.offset - v0] \
                     if torch.is_tensor(slope) else torch.full_like(tile.max, slope)
                 # the running argmax's own term (1 x its slope) joins the rest where this chunk's max wins
                 moved = torch.where(wins & (run.max > float("-inf")), rescale * self.slope_top[k], 0.0)
                 acc = self.first if k == 0 else self.second
-                acc.mul_(rescale[:, None]).add_(moved[:, None] * self._rows(run.argmax))
+                acc.mul_(rescale[:, None]).add_(moved[:, None] * self.rows(run.argmax))
                 torch.addmm(acc, e * slope, w, out=acc)
                 self.slope_top[k] = torch.where(wins, slope_at, self.slope_top[k])
         elif self.beta == 1.0:
@@ -287,7 +291,7 @@ class FrozenHead:
             rest_s, rest_t = saved[2], saved[5]
             top_s = torch.where(shared, (rest_t - rest_s) * self.slope_top[0], self.slope_top[0] / sumexp_s)
             top_t = torch.where(shared, 0.0, self.slope_top[1] / sumexp_t)
-            return grad + top_s[:, None] * self._rows(run_s.argmax) - top_t[:, None] * self._rows(run_t.argmax)
+            return grad + top_s[:, None] * self.rows(run_s.argmax) - top_t[:, None] * self.rows(run_t.argmax)
         excess = saved[7]
         grad = self.second - excess[:, None] * self.first
         if self.beta == 1.0:
