@@ -17,7 +17,7 @@ import torch
 
 from helpers import dtensors_never_gathered, gloo_group, spawn_ranks
 from test_divergence import confident_pair, pair_inputs
-from test_vocab_parallel import CollectiveBytes, max_error
+from test_vocab_parallel import CollectiveBytes, max_error, one_rank_group  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.interpreter_only
 
@@ -167,3 +167,28 @@ def test_every_case(tmp_path, world):
     sizes (the bytes are the same)."""
     cases = [(beta, frozen, layout) for beta in BETAS for frozen in (False, True) for layout in ("shard", "dtensor")]
     check(tmp_path, world, cases, (37, 301))
+
+
+def test_wrong_combinations_are_named_errors(one_rank_group):
+    """One shard description for both heads, split by the same ranges; DTensors both or neither; the torch backend."""
+    import grpo_fast
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    hs, ws, bs, ht, wt, bt, mask = inputs(37)
+    shard = grpo_fast.VocabShard(None, 0, 37)
+    cases = [
+        ("one of student_weight and teacher_weight is a DTensor",
+         dict(student_weight=distribute_tensor(ws, one_rank_group, [Shard(0)]))),
+        ("both heads must be split by the same vocabulary ranges",
+         dict(teacher_weight=wt[:20], teacher_bias=bt[:20], vocab_parallel=shard)),
+        ("vocab-parallel divergence heads run on the torch backend", dict(backend="triton", vocab_parallel=shard)),
+    ]
+    for message, override in cases:
+        kwargs = {**dict(student_hidden=hs, student_weight=ws, teacher_hidden=ht, teacher_weight=wt,
+                         student_bias=bs, teacher_bias=bt, completion_mask=mask), **override}
+        with pytest.raises(ValueError, match=message):
+            grpo_fast.divergence(**kwargs)
+    # one rank holding every row: the unsharded result
+    alone = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend="torch")
+    sharded = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, vocab_parallel=shard)
+    assert max_error(sharded, alone) < RTOL
