@@ -32,8 +32,8 @@ of both weights (and biases). Each rank returns exactly what the unsharded head 
   no collective and no sweep.
 
 Bytes through collectives per call (N scored tokens): 64 N in the forward (72 N for 0 < beta < 1) and 4 N Ds for dH
-(in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. The torch twin computes each shard (any device); a
-"triton" backend is a named error here.
+(in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. The
+torch twin computes each shard (any device); a "triton" backend is a named error here.
 
 Requirements (not checked: checking would cost a collective per call): the shards tile [0, V) without overlap, the
 student's and teacher's shards are the same ranges, and every rank passes the same hidden states, mask and upstream
@@ -83,22 +83,22 @@ def merge_over_group(student, teacher, group):
     records = (student, teacher)
     maxima = torch.stack([r.max for r in records])
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    at_max = [r.max == m for r, m in zip(records, maxima)]
-    argmax = torch.stack([torch.where(top, r.argmax, _NO_ARGMAX) for r, top in zip(records, at_max)])
+    at_max = [r.max == m for r, m in zip(records, maxima, strict=True)]
+    argmax = torch.stack([torch.where(top, r.argmax, _NO_ARGMAX) for r, top in zip(records, at_max, strict=True)])
     dist.all_reduce(argmax, op=dist.ReduceOp.MIN, group=group)
-    owner = [top & (r.argmax == a) for r, top, a in zip(records, at_max, argmax)]
-    other = torch.stack([torch.where(own, r.other, 0.0) for r, own in zip(records, owner)])
+    owner = [top & (r.argmax == a) for r, top, a in zip(records, at_max, argmax, strict=True)]
+    other = torch.stack([torch.where(own, r.other, 0.0) for r, own in zip(records, owner, strict=True)])
     dist.all_reduce(other, op=dist.ReduceOp.SUM, group=group)
     local = []
-    for r, m, a, o, own in zip(records, maxima, argmax, other, owner):
+    for r, m, a, o, own in zip(records, maxima, argmax, other, owner, strict=True):
         nothing = torch.zeros_like(m)
         pivot = divergence_torch.Record(m, a, nothing, nothing, o, nothing, torch.zeros_like(r.unsupported))
         moved = divergence_torch.merge(pivot, r)  # the pivot wins (its max is the global one; on a tie, first)
-        local.append(divergence_torch.Record(*(torch.where(own, x, y) for x, y in zip(r, moved))))
+        local.append(divergence_torch.Record(*(torch.where(own, x, y) for x, y in zip(r, moved, strict=True))))
     sums = torch.stack([x for r in local for x in (r.rest, r.cross, r.zsum, r.unsupported.float())])
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     return tuple(divergence_torch.Record(m, a, s[0], s[1], o, s[2], s[3] > 0)
-                 for m, a, o, s in zip(maxima, argmax, other, sums.view(2, 4, -1)))
+                 for m, a, o, s in zip(maxima, argmax, other, sums.view(2, 4, -1), strict=True))
 
 
 def _rescale(local_max, merged_max):
@@ -109,7 +109,7 @@ def _rescale(local_max, merged_max):
 def _cat_records(parts, n, device):
     if not parts:
         return divergence_torch._empty_record(n, device)
-    return divergence_torch.Record(*(torch.cat(fields) for fields in zip(*parts)))
+    return divergence_torch.Record(*(torch.cat(fields) for fields in zip(*parts, strict=True)))
 
 
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
@@ -124,7 +124,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     chunks = [divergence_torch.records(student_hidden[n0:n0 + CHUNK_N], student_weight, student_bias,
                                        teacher_hidden[n0:n0 + CHUNK_N], teacher_weight, teacher_bias,
                                        student_transform, teacher_transform, offset=shard.offset, frozen=acc)
-              for n0, acc in zip(starts, frozen)]
+              for n0, acc in zip(starts, frozen, strict=True)]
     local = tuple(_cat_records([c[k] for c in chunks], N, dev) for k in (0, 1))
     student, teacher = merge_over_group(*local, shard.group)
 
@@ -134,7 +134,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
             teacher_weight, teacher_bias, beta, student_transform, teacher_transform,
             divergence_torch.Finished(*(x[n0:n0 + CHUNK_N] for x in finished_s)),
             divergence_torch.Finished(*(x[n0:n0 + CHUNK_N] for x in finished_t)),
-            reference[n0:n0 + CHUNK_N], acc, offset=shard.offset) for n0, acc in zip(starts, frozen)]
+            reference[n0:n0 + CHUNK_N], acc, offset=shard.offset) for n0, acc in zip(starts, frozen, strict=True)]
         sums = torch.stack([torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
         return sums[0], sums[1]
@@ -144,7 +144,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         return (*out, None)
     grad = torch.cat([frozen_grad(acc, tuple(divergence_torch.Record(*(x[n0:n0 + CHUNK_N] for x in r))
                                              for r in (*local, student, teacher)), out[2][:, n0:n0 + CHUNK_N])
-                      for n0, acc in zip(starts, frozen)])
+                      for n0, acc in zip(starts, frozen, strict=True)])
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
     return (*out, grad)
 

@@ -103,8 +103,8 @@ def tile_record(z, z_other, v0):
 def merge(first, second):
     """Fold two records of disjoint entries (module docstring); ``first`` holds the lower indices (it wins ties)."""
     second_wins = second.max > first.max
-    win = Record(*(torch.where(second_wins, b, a) for a, b in zip(first, second)))
-    lose = Record(*(torch.where(second_wins, a, b) for a, b in zip(first, second)))
+    win = Record(*(torch.where(second_wins, b, a) for a, b in zip(first, second, strict=True)))
+    lose = Record(*(torch.where(second_wins, a, b) for a, b in zip(first, second, strict=True)))
     scale = torch.exp(lose.max - _pivot(win.max))
     lose_sumexp = (lose.max > float("-inf")).float() + lose.rest
     gap_shift = (lose.max - lose.other) - (win.max - win.other)
@@ -179,7 +179,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         run_s, run_t = records(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias,
                                student_transform, teacher_transform, frozen=frozen)
 
-        def jsd_sweep(student, teacher, reference):
+        def jsd_sweep(student, teacher, reference, hs=hs, ht=ht, frozen=frozen):
             return _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
                               student_transform, teacher_transform, student, teacher, reference, frozen)
 
@@ -189,7 +189,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         return (torch.zeros(0, device=dev), torch.zeros(0, device=dev),
                 torch.zeros((len(SAVED_FIELDS), 0), device=dev), torch.zeros((2, 0), dtype=torch.int64, device=dev),
                 torch.zeros((0, student_hidden.shape[1]), device=dev) if frozen_head else None)
-    merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs)))
+    merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs), strict=True))
     return merged + (torch.cat([out[4] for out in outputs]) if frozen_head else None,)
 
 

@@ -14,10 +14,10 @@ in the backward), the same for two vocabulary sizes.
 
 import pytest
 import torch
-
 from helpers import dtensors_never_gathered, gloo_group, spawn_ranks
 from test_divergence import confident_pair, pair_inputs
-from test_vocab_parallel import CollectiveBytes, max_error, one_rank_group  # noqa: F401 (a fixture)
+from test_vocab_parallel import CollectiveBytes, max_error
+from test_vocab_parallel import one_rank_group as _one_rank_group  # noqa: F401 (the pytest fixture one_rank_group)
 
 pytestmark = pytest.mark.interpreter_only
 
@@ -116,10 +116,11 @@ def compare(rank, world, V, beta, frozen, layout):
         rows = slice(bounds[rank], bounds[rank + 1])
         ours, sent = call(data, rows, beta, frozen, vocab_parallel=grpo_fast.VocabShard(None, rows.start, V))
     expected = (truth[0], truth[1], truth[2], None if frozen else truth[3][rows], None if frozen else truth[4][rows])
-    errors = {name: max_error(a, e) for name, a, e in zip(("div", "entropy", "dH", "dW", "db"), ours, expected)}
+    names = ("div", "entropy", "dH", "dW", "db")
+    errors = {name: max_error(a, e) for name, a, e in zip(names, ours, expected, strict=True)}
     errors.update({f"spec/{name}": max_error(a, e if a is not None else None)
                    for name, a, e in zip(("div", "entropy", "dH", "dW", "db"), ours,
-                                         (*truth64[:3], truth64[3][rows], truth64[4][rows]))})
+                                         (*truth64[:3], truth64[3][rows], truth64[4][rows]), strict=True)})
     # the confident tokens against their own size (their divergence and dH are ~1e-6 of the ordinary tokens')
     confident = slice(B * T // 2, None)
     for name, k in (("div_confident", 0), ("dH_confident", 2)):
@@ -171,8 +172,9 @@ def test_every_case(tmp_path, world):
 
 def test_wrong_combinations_are_named_errors(one_rank_group):
     """One shard description for both heads, split by the same ranges; DTensors both or neither; the torch backend."""
-    import grpo_fast
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import grpo_fast
 
     hs, ws, bs, ht, wt, bt, mask = inputs(37)
     shard = grpo_fast.VocabShard(None, 0, 37)
