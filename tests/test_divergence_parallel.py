@@ -17,7 +17,7 @@ import torch
 from helpers import dtensors_never_gathered, gloo_group, spawn_ranks
 from test_divergence import confident_pair, pair_inputs
 from test_vocab_parallel import CollectiveBytes, max_error
-from test_vocab_parallel import one_rank_group as _one_rank_group  # noqa: F401 (the pytest fixture one_rank_group)
+from test_vocab_parallel import one_rank_group as one_rank_mesh  # noqa: F401 (a fixture: a 1-process gloo group's mesh)
 
 pytestmark = pytest.mark.interpreter_only
 
@@ -170,7 +170,7 @@ def test_every_case(tmp_path, world):
     check(tmp_path, world, cases, (37, 301))
 
 
-def test_wrong_combinations_are_named_errors(one_rank_group):
+def test_wrong_combinations_are_named_errors(one_rank_mesh):  # noqa: F811 (the imported fixture)
     """One shard description for both heads, split by the same ranges; DTensors both or neither; the torch backend."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -180,7 +180,7 @@ def test_wrong_combinations_are_named_errors(one_rank_group):
     shard = grpo_fast.VocabShard(None, 0, 37)
     cases = [
         ("one of student_weight and teacher_weight is a DTensor",
-         dict(student_weight=distribute_tensor(ws, one_rank_group, [Shard(0)]))),
+         dict(student_weight=distribute_tensor(ws, one_rank_mesh, [Shard(0)]))),
         ("both heads must be split by the same vocabulary ranges",
          dict(teacher_weight=wt[:20], teacher_bias=bt[:20], vocab_parallel=shard)),
         ("vocab-parallel divergence heads run on the torch backend", dict(backend="triton", vocab_parallel=shard)),
