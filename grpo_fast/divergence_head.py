@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast import divergence_torch, ops
+from grpo_fast import divergence_parallel, divergence_torch, ops
 from grpo_fast.api import (_check_mask, _float_tensor, _resolve_backend, _row_values,
                            _same_device, _scatter_rows, _scored_rows, _tensor, _ValueChecks)
 from grpo_fast.kernels import divergence as kdivergence
@@ -151,14 +151,15 @@ def _divergence_forward(*args):
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _check_model(prefix, hidden, weight, bias):
-    """One model's hidden [B, T, D], weight [V, D] (hidden's dtype), bias [V] | None; returns (B, T, D, V)."""
+def _check_model(prefix, hidden, weight, bias, sharded):
+    """One model's hidden [B, T, D], weight [V, D] (hidden's dtype; a vocab-parallel shard may hold no row), bias
+    [V] | None; returns (B, T, D, V)."""
     _float_tensor(f"{prefix}_hidden", hidden)
     if hidden.dim() != 3 or 0 in hidden.shape:
         raise ValueError(f"{prefix}_hidden must have shape [B, T, D] with B, T, D > 0, got {tuple(hidden.shape)}")
     D = hidden.shape[2]
     _float_tensor(f"{prefix}_weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != D or weight.shape[0] == 0:
+    if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and not sharded):
         raise ValueError(f"{prefix}_weight must have shape [V, D] with D = {D} ({prefix}_hidden's) and V > 0, got "
                          f"{tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
@@ -173,11 +174,12 @@ def _check_model(prefix, hidden, weight, bias):
 
 def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
              student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
-             backend, checks):
+             backend, checks, sharded=False):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
-    with the scored-row count: api._scored_rows); returns the resolved backend's name."""
-    B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias)
-    Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias)
+    with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
+    this rank's rows of vocab-parallel heads, computed by the torch twin: divergence_parallel)."""
+    B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias, sharded)
+    Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias, sharded)
     if (Bt, Tt) != (B, T):
         raise ValueError(f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score "
                          "the same tokens")
@@ -200,6 +202,11 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
             check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
     for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
+    if sharded:
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"vocab-parallel divergence heads run on the torch backend (any device): backend must be "
+                             f"'auto' or 'torch', got {backend!r}")
+        return "torch"
     backend = _resolve_backend(backend, student_hidden.device)
     backend.check_sizes(B * T, V)
     return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
@@ -219,7 +226,7 @@ def _contiguous(x):
 def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
                            teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
-                           head_path="auto", check_values=True):
+                           head_path="auto", check_values=True, vocab_parallel=None):
     """Per-token divergence [B, T] fp32 (differentiable w.r.t. the student's hidden, weight and bias) and the
     student's entropy [B, T] fp32 (detached, as TRL's head gives it), without either model's logits.
 
@@ -235,11 +242,19 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     ``head_path="general"`` always recomputes in the backward. ``check_values``: the mask's values read on the host
     with the scored-row count, once, as grpo_fast.loss does (False: no host synchronisation; the rows are then a
     device partition, padding zeroed).
+
+    Vocab-parallel heads (divergence_parallel): both weights DTensors sharded on dim 0 by the same ranges (biases
+    alike), or this rank's rows of both with ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)`` (one
+    description: both heads are split by the same ranges); the hidden states replicated. Every rank returns the
+    unsharded result; dW and db are this rank's rows; neither weight is gathered.
     """
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = \
+        divergence_parallel.resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden,
+                                         teacher_weight, teacher_bias, vocab_parallel)
     checks = _ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
     backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
                        temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
-                       teacher_logit_scale, backend, checks)
+                       teacher_logit_scale, backend, checks, sharded=shard is not None)
     if head_path not in HEAD_PATHS:
         raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
     frozen_head = (head_path == "auto" and torch.is_grad_enabled() and student_hidden.requires_grad
@@ -249,6 +264,15 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     rows = _scored_rows(completion_mask, checks)
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
     teacher = [x.detach() if x is not None else None for x in teacher]
+    if shard is not None:
+        transforms = _transforms(float(temperature), None if student_softcap is None else float(student_softcap),
+                                 None if teacher_softcap is None else float(teacher_softcap),
+                                 float(student_logit_scale), float(teacher_logit_scale))
+        div, entropy = divergence_parallel.VocabParallelDivergence.apply(
+            _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
+            _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
+            frozen_head)
+        return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
         _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
         _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),

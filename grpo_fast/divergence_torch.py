@@ -103,8 +103,8 @@ def tile_record(z, z_other, v0):
 def merge(first, second):
     """Fold two records of disjoint entries (module docstring); ``first`` holds the lower indices (it wins ties)."""
     second_wins = second.max > first.max
-    win = Record(*(torch.where(second_wins, b, a) for a, b in zip(first, second)))
-    lose = Record(*(torch.where(second_wins, a, b) for a, b in zip(first, second)))
+    win = Record(*(torch.where(second_wins, b, a) for a, b in zip(first, second, strict=True)))
+    lose = Record(*(torch.where(second_wins, a, b) for a, b in zip(first, second, strict=True)))
     scale = torch.exp(lose.max - _pivot(win.max))
     lose_sumexp = (lose.max > float("-inf")).float() + lose.rest
     gap_shift = (lose.max - lose.other) - (win.max - win.other)
@@ -148,7 +148,8 @@ def _finished(record):
 
 
 def _log_probs(z, model, v0):
-    """log p = (z - m) - log S of a tile, and whether each entry is the model's argmax."""
+    """log p = (z - m) - log S of a tile, and whether each entry is the model's argmax (``v0``: the tile's first
+    global vocabulary index)."""
     columns = torch.arange(v0, v0 + z.shape[1], device=z.device)
     top = columns[None, :] == model.argmax[:, None]
     # at the argmax z - m is 0: exactly, whatever the rounding of a recomputed tile
@@ -168,27 +169,17 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     """(divergence [N], student entropy [N], saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64, J): with
     ``frozen_head`` J = d divergence / d student_hidden [N, Ds] fp32 built in the last sweep (FrozenHead), else
     None."""
-    N, V = student_hidden.shape[0], student_weight.shape[0]
+    N = student_hidden.shape[0]
     dev = student_hidden.device
     outputs = []
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
         hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
-        run_s = run_t = _empty_record(n1 - n0, dev)
         frozen = FrozenHead(beta, n1 - n0, student_weight) if frozen_head else None
-        for v0 in range(0, V, CHUNK_V):
-            v1 = min(v0 + CHUNK_V, V)
-            # the student's slope dz/du only where the frozen head's sums need it
-            zs, slope = (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
-                         if frozen is not None else
-                         (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0))
-            zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
-            tile_s, tile_t = tile_record(zs, zt, v0), tile_record(zt, zs, v0)
-            if frozen is not None:
-                frozen.fold(run_s, run_t, tile_s, tile_t, zs, zt, slope, v0, v1)
-            run_s, run_t = merge(run_s, tile_s), merge(run_t, tile_t)
+        run_s, run_t = records(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias,
+                               student_transform, teacher_transform, frozen=frozen)
 
-        def jsd_sweep(student, teacher, reference):
+        def jsd_sweep(student, teacher, reference, hs=hs, ht=ht, frozen=frozen):
             return _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
                               student_transform, teacher_transform, student, teacher, reference, frozen)
 
@@ -198,8 +189,28 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         return (torch.zeros(0, device=dev), torch.zeros(0, device=dev),
                 torch.zeros((len(SAVED_FIELDS), 0), device=dev), torch.zeros((2, 0), dtype=torch.int64, device=dev),
                 torch.zeros((0, student_hidden.shape[1]), device=dev) if frozen_head else None)
-    merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs)))
+    merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs), strict=True))
     return merged + (torch.cat([out[4] for out in outputs]) if frozen_head else None,)
+
+
+def records(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, student_transform,
+            teacher_transform, offset=0, frozen=None):
+    """Both models' records (student's, teacher's) over the rows of the weights, for the tokens of hs / ht [n, D];
+    the weights' row v is vocabulary entry offset + v (a vocab-parallel shard: divergence_parallel). With ``frozen``
+    (a FrozenHead) its sums are folded chunk by chunk."""
+    run_s = run_t = _empty_record(hs.shape[0], hs.device)
+    for v0 in range(0, student_weight.shape[0], CHUNK_V):
+        v1 = min(v0 + CHUNK_V, student_weight.shape[0])
+        # the student's slope dz/du only where the frozen head's sums need it
+        zs, slope = (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
+                     if frozen is not None else
+                     (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0))
+        zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
+        tile_s, tile_t = tile_record(zs, zt, offset + v0), tile_record(zt, zs, offset + v0)
+        if frozen is not None:
+            frozen.fold(run_s, run_t, tile_s, tile_t, zs, zt, slope, v0, v1)
+        run_s, run_t = merge(run_s, tile_s), merge(run_t, tile_t)
+    return run_s, run_t
 
 
 class FrozenHead:
@@ -215,14 +226,18 @@ class FrozenHead:
       s'_v W_v, J = (1 - beta) (J1 - excess J0).
     Two student GEMMs (2 N V D_s each) per sweep that folds them, and J: N x D_s fp32."""
 
-    def __init__(self, beta, n, weight):
-        self.beta, self.weight = beta, weight
+    def __init__(self, beta, n, weight, offset=0):
+        self.beta, self.weight, self.offset = beta, weight, offset  # the weight's row v: vocabulary entry offset + v
         zeros = torch.zeros((n, weight.shape[1]), dtype=torch.float32, device=weight.device)
         self.first, self.second = zeros, zeros.clone()  # beta 0: A_s, A_t; beta 1: B0, B1; JSD: J0, J1
         self.slope_top = [torch.zeros(n, device=weight.device), torch.zeros(n, device=weight.device)]
 
-    def _rows(self, index):
-        return self.weight[index].float()
+    def rows(self, index):
+        """W[index] [n, D] fp32 for global vocabulary indices (clamped into the weight: a caller masks the rows of
+        indices it does not hold, e.g. an empty record's argmax 0)."""
+        if self.weight.shape[0] == 0:
+            return torch.zeros((index.shape[0], self.weight.shape[1]), dtype=torch.float32, device=index.device)
+        return self.weight[(index - self.offset).clamp(0, self.weight.shape[0] - 1)].float()
 
     def fold(self, run_s, run_t, tile_s, tile_t, zs, zt, slope, v0, v1):
         """Fold one vocabulary chunk [v0, v1) (the student's tile and slope, the teacher's tile) before the records
@@ -236,14 +251,14 @@ class FrozenHead:
                 rescale = torch.exp(run.max - pivot)
                 e = torch.exp(z - pivot[:, None])
                 rows = torch.nonzero(wins).squeeze(1)
-                local = tile.argmax[rows] - v0
+                local = tile.argmax[rows] - self.offset - v0
                 e[rows, local] = 0.0  # the merged argmax stays out of the sum
-                slope_at = slope[torch.arange(z.shape[0], device=z.device), tile.argmax - v0] \
+                slope_at = slope[torch.arange(z.shape[0], device=z.device), tile.argmax - self.offset - v0] \
                     if torch.is_tensor(slope) else torch.full_like(tile.max, slope)
                 # the running argmax's own term (1 x its slope) joins the rest where this chunk's max wins
                 moved = torch.where(wins & (run.max > float("-inf")), rescale * self.slope_top[k], 0.0)
                 acc = self.first if k == 0 else self.second
-                acc.mul_(rescale[:, None]).add_(moved[:, None] * self._rows(run.argmax))
+                acc.mul_(rescale[:, None]).add_(moved[:, None] * self.rows(run.argmax))
                 torch.addmm(acc, e * slope, w, out=acc)
                 self.slope_top[k] = torch.where(wins, slope_at, self.slope_top[k])
         elif self.beta == 1.0:
@@ -276,7 +291,7 @@ class FrozenHead:
             rest_s, rest_t = saved[2], saved[5]
             top_s = torch.where(shared, (rest_t - rest_s) * self.slope_top[0], self.slope_top[0] / sumexp_s)
             top_t = torch.where(shared, 0.0, self.slope_top[1] / sumexp_t)
-            return grad + top_s[:, None] * self._rows(run_s.argmax) - top_t[:, None] * self._rows(run_t.argmax)
+            return grad + top_s[:, None] * self.rows(run_s.argmax) - top_t[:, None] * self.rows(run_t.argmax)
         excess = saved[7]
         grad = self.second - excess[:, None] * self.first
         if self.beta == 1.0:
@@ -319,18 +334,19 @@ def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
 
 
 def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta, student_transform,
-               teacher_transform, student, teacher, top_log_ratio, frozen=None):
+               teacher_transform, student, teacher, top_log_ratio, frozen=None, offset=0):
     """The generalized JSD's second sweep: (JSD, sum_v p_s (r_v - r_a)) [n] from both models' finished records and
-    r_a (``_top_log_ratio``); with ``frozen`` (a FrozenHead) it also folds J's two sums."""
+    r_a (``_top_log_ratio``), summed over the weights' rows (entries offset + v); with ``frozen`` (a FrozenHead) it
+    also folds J's two sums."""
     V = student_weight.shape[0]
     jsd = torch.zeros(hs.shape[0], dtype=torch.float32, device=hs.device)
     excess = torch.zeros_like(jsd)
     for v0 in range(0, V, CHUNK_V):
         v1 = min(v0 + CHUNK_V, V)
         zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
-        log_ps, top_s = _log_probs(zs, student, v0)
+        log_ps, top_s = _log_probs(zs, student, offset + v0)
         log_pt, top_t = _log_probs(logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1),
-                                   teacher, v0)
+                                   teacher, offset + v0)
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)
         ps, pt = log_ps.exp(), log_pt.exp()
         log_ratio = log_ps - log_m
@@ -352,7 +368,8 @@ def unpack(saved, argmax):
 
 
 def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
-    """d divergence / d z_s for one tile [n, c] (module docstring), from the forward's saved values."""
+    """d divergence / d z_s for one tile [n, c] whose first entry is vocabulary index ``v0`` (module docstring), from
+    the forward's saved values."""
     log_ps, top_s = _log_probs(zs, student, v0)
     log_pt, top_t = _log_probs(zt, teacher, v0)
     ps = log_ps.exp()
@@ -373,9 +390,10 @@ def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
 
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
              teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias):
+             grad_bias, offset=0):
     """Accumulate the student's gradients into the fp32 buffers grad_hidden [N, Ds], grad_weight [V, Ds],
-    grad_bias [V] (zero on entry; each may be None), recomputing both models' tiles."""
+    grad_bias [V] (zero on entry; each may be None), recomputing both models' tiles (the weights' row v is
+    vocabulary entry offset + v: a vocab-parallel shard, with the whole vocabulary's saved values)."""
     N, V = student_hidden.shape[0], student_weight.shape[0]
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
@@ -388,7 +406,8 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
             v1 = min(v0 + CHUNK_V, V)
             zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
             zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
-            g = logit_grad(zs, zt, student, teacher, reference, excess, beta, v0).mul_(c[:, None]).mul_(slope)
+            g = logit_grad(zs, zt, student, teacher, reference, excess, beta, offset + v0)
+            g.mul_(c[:, None]).mul_(slope)
             if grad_hidden is not None:
                 torch.addmm(grad_hidden[n0:n1], g, student_weight[v0:v1].float(), out=grad_hidden[n0:n1])
             if grad_weight is not None:

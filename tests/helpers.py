@@ -124,3 +124,20 @@ def gloo_group(rank, world, port):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def dtensors_never_gathered(what):
+    """Within: DTensor.full_tensor raises (``what`` names the head that must not gather its DTensor weight)."""
+    from torch.distributed.tensor import DTensor
+
+    real = DTensor.full_tensor
+
+    def gathered(self, *args, **kwargs):
+        raise AssertionError(f"{what} gathered a DTensor")
+
+    DTensor.full_tensor = gathered
+    try:
+        yield
+    finally:
+        DTensor.full_tensor = real
