@@ -31,7 +31,7 @@ class LogitTransform:
     """
 
     temperature: float = 1.0
-    softcap: "float | None" = None
+    softcap: float | None = None
     logit_scale: float = 1.0
 
     def apply(self, u, slope=False):
