@@ -78,9 +78,8 @@ def _same_device(named, device, reference_name):
     value is read (a tensor on another device, or a meta tensor, gets this error, not torch's)."""
     for name, x in named:
         if x is not None and x.device != device:
-            raise ValueError(
-                f"{name} is on {x.device} but {reference_name} is on {device}: all tensors must share a device"
-            )
+            raise ValueError(f"{name} is on {x.device} but {reference_name} is on {device}: all tensors must share "
+                             "a device")
 
 
 def _has_data(*tensors):
@@ -117,7 +116,7 @@ class _ValueChecks:
         values = torch.cat(parts).tolist()
         at = 0
         for part, error in zip(self._values, self._errors):
-            mine = values[at : at + part.numel()]
+            mine = values[at:at + part.numel()]
             at += part.numel()
             if mine[0]:
                 raise error(*mine)
@@ -136,22 +135,17 @@ def _check_targets(targets, shape, V, mask, checks):
     low = torch.where(scored, targets, torch.iinfo(targets.dtype).max).min()
     high = torch.where(scored, targets, torch.iinfo(targets.dtype).min).max()
     where = "" if mask is None else " where completion_mask is 1"
-    checks.add(
-        [scored.any() & ((low < 0) | (high >= V)), low, high],
-        lambda _, lo, hi: ValueError(
-            f"targets must be token ids in [0, V) = [0, {V}){where}, got values in [{lo}, {hi}]"
-        ),
-    )
+    checks.add([scored.any() & ((low < 0) | (high >= V)), low, high],
+               lambda _, lo, hi: ValueError(f"targets must be token ids in [0, V) = [0, {V}){where}, got values in "
+                                            f"[{lo}, {hi}]"))
 
 
 def _check_mask(mask, shape, checks):
     _tensor("completion_mask", mask)
     _shape("completion_mask", mask, [shape], lambda: f"[B, T] = {list(shape)}")
     if mask.dtype != torch.bool and mask.numel() and checks.run:
-        checks.add(
-            [~((mask == 0) | (mask == 1)).all()],
-            lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"),
-        )
+        checks.add([~((mask == 0) | (mask == 1)).all()],
+                   lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"))
 
 
 def _resolve_backend(backend, device):
@@ -169,17 +163,13 @@ def _resolve_backend(backend, device):
 def _layer1_choices(head_path, backward_mode, backend):
     """The caller's choice of layer-1 path and backward (kernels/config.py lists them); returns the path to take."""
     if head_path not in kconfig.HEAD_PATHS:
-        raise ValueError(
-            f"head_path must be one of {kconfig.HEAD_PATHS} ('auto': the frozen-head path when only "
-            f"hidden needs a gradient; 'general': always the recompute path), got {head_path!r}"
-        )
+        raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS} ('auto': the frozen-head path when only "
+                         f"hidden needs a gradient; 'general': always the recompute path), got {head_path!r}")
     if backward_mode not in kconfig.BACKWARD_MODES:
         raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
     if backward_mode not in backend.backward_modes:
-        raise ValueError(
-            f"backward_mode={backward_mode!r} is a Triton backward; the torch backend (CPU tensors "
-            "without TRITON_INTERPRET=1, or backend='torch') has only 'chunked'"
-        )
+        raise ValueError(f"backward_mode={backward_mode!r} is a Triton backward; the torch backend (CPU tensors "
+                         "without TRITON_INTERPRET=1, or backend='torch') has only 'chunked'")
     return head_path
 
 
@@ -200,21 +190,12 @@ def _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard=
     V = weight.shape[0] if shard is None else shard.vocab_size
     if bias is not None:
         _float_tensor("bias", bias)
-        _shape(
-            "bias",
-            bias,
-            [(weight.shape[0],)],
-            lambda: (
-                f"[V] = [{weight.shape[0]}]" if shard is None else f"this rank's rows [V_local] = [{weight.shape[0]}]"
-            ),
-        )
+        _shape("bias", bias, [(weight.shape[0],)], lambda: f"[V] = [{weight.shape[0]}]" if shard is None
+               else f"this rank's rows [V_local] = [{weight.shape[0]}]")
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
-    _same_device(
-        [("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
-        hidden.device,
-        "hidden",
-    )
+    _same_device([("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
+                 hidden.device, "hidden")
     if completion_mask is not None:
         _check_mask(completion_mask, (B, T), checks)
     _check_targets(targets, (B, T), V, completion_mask, checks)
@@ -246,7 +227,8 @@ def _scored_rows(completion_mask, checks):
     if read is not None:
         n = read[0]
         return _Rows() if n == active.numel() else _Rows(order[:n])
-    return _Rows(order, torch.arange(active.numel(), device=active.device) < count, count.to(torch.int32).reshape(1))
+    return _Rows(order, torch.arange(active.numel(), device=active.device) < count,
+                 count.to(torch.int32).reshape(1))
 
 
 def _row_values(flat, rows):
@@ -300,21 +282,11 @@ def _scatter_rows(values, rows, shape):
 
 
 # ----------------------------------------------------------------------------------------------- layer 1
-def logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    softcap: float | None = None,
-    logit_scale: float = 1.0,
-    completion_mask: torch.Tensor | None = None,
-    lora: HeadLora | tuple | None = None,
-    vocab_parallel: VocabShard | None = None,
-    backend: str = "auto",
-    check_values: bool = True,
-) -> torch.Tensor:
+def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None = None,
+             temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
+             completion_mask: torch.Tensor | None = None, lora: HeadLora | tuple | None = None,
+             vocab_parallel: VocabShard | None = None, backend: str = "auto",
+             check_values: bool = True) -> torch.Tensor:
     """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` for the reference and old policies.
 
     The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature``. No logits of
@@ -339,40 +311,17 @@ def logprobs(
                 return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
-            logp = ops.linear_logprobs(
-                h,
-                w,
-                y,
-                b,
-                *_lora_operands(lora, hidden, rows),
-                *transform.as_floats(),
-                False,
-                False,
-                backend.name,
-                "chunked",
-                rows.count,
-            )[0]
+            logp = ops.linear_logprobs(h, w, y, b, *_lora_operands(lora, hidden, rows), *transform.as_floats(),
+                                       False, False, backend.name, "chunked", rows.count)[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
-def logprobs_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    softcap: float | None = None,
-    logit_scale: float = 1.0,
-    completion_mask: torch.Tensor | None = None,
-    entropy_grad: bool = False,
-    head_path: str = "auto",
-    backward_mode: str = "chunked",
-    lora: HeadLora | tuple | None = None,
-    vocab_parallel: VocabShard | None = None,
-    backend: str = "auto",
-    check_values: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                         logit_scale: float = 1.0, completion_mask: torch.Tensor | None = None,
+                         entropy_grad: bool = False, head_path: str = "auto", backward_mode: str = "chunked",
+                         lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None,
+                         backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
@@ -401,46 +350,23 @@ def logprobs_and_entropy(
     backend = _resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
-    return _logprobs_and_entropy(
-        hidden,
-        weight,
-        targets,
-        bias,
-        _scored_rows(completion_mask, checks),
-        transform,
-        backend,
-        "general" if entropy_grad else head_path,
-        backward_mode,
-        shard,
-        lora,
-    )
+    return _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks), transform,
+                                 backend, "general" if entropy_grad else head_path, backward_mode, shard, lora)
 
 
-def _logprobs_and_entropy(
-    hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode, shard=None, lora=None
-):
+def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode,
+                          shard=None, lora=None):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
     forward (two vocabulary sweeps instead of three; autograd.linear_logprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
     if shard is not None:  # the same choice of path, over the shards (grpo_fast.vocab_parallel)
-        logp, entropy = vocab_parallel_head.linear_logprobs(
-            h, w, y, b, transform, backend, shard, head_path, backward_mode
-        )
+        logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, head_path,
+                                                            backward_mode)
     else:
-        logp, entropy = autograd.linear_logprobs(
-            h,
-            w,
-            y,
-            b,
-            transform,
-            backend,
-            head_path,
-            backward_mode,
-            *_lora_operands(lora, hidden, rows),
-            row_count=rows.count,
-        )
+        logp, entropy = autograd.linear_logprobs(h, w, y, b, transform, backend, head_path, backward_mode,
+                                                 *_lora_operands(lora, hidden, rows), row_count=rows.count)
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -459,48 +385,21 @@ class _LossBatch:
     entropy_threshold: float | None = None
 
 
-def loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    sampling_logprobs: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    num_items_in_batch: float | torch.Tensor | None = None,
-    entropy_threshold: float | torch.Tensor | None = None,
-    temperature: float = 1.0,
-    softcap: float | None = None,
-    logit_scale: float = 1.0,
-    options: LossOptions | None = None,
-    head_path: str = "auto",
-    backward_mode: str = "chunked",
-    lora: HeadLora | tuple | None = None,
-    vocab_parallel: VocabShard | None = None,
-    backend: str = "auto",
-    check_values: bool = True,
-    loss_type: str = "dapo",
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    max_completion_length: int = 512,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    use_bias_correction_kl: bool = True,
-    off_policy_mask_threshold: float | None = None,
-    top_entropy_quantile: float = 1.0,
-    entropy_coef: float = 0.0,
-) -> tuple[torch.Tensor, Metrics]:
+def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
+         completion_mask: torch.Tensor, *, bias: torch.Tensor | None = None,
+         old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+         sampling_logprobs: torch.Tensor | None = None, importance_weights: torch.Tensor | None = None,
+         num_items_in_batch: float | torch.Tensor | None = None, entropy_threshold: float | torch.Tensor | None = None,
+         temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
+         options: LossOptions | None = None, head_path: str = "auto", backward_mode: str = "chunked",
+         lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None, backend: str = "auto",
+         check_values: bool = True,
+         loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+         delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
+         sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
+         vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+         use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
+         top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
@@ -520,70 +419,31 @@ def loss(
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
     lora = _checked_lora(lora, hidden, weight, shard)
     transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
-    batch = _LossBatch(
-        advantages,
-        completion_mask,
-        old_logprobs,
-        ref_logprobs,
-        sampling_logprobs,
-        importance_weights,
-        num_items_in_batch,
-        entropy_threshold,
-    )
+    batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
+                       num_items_in_batch, entropy_threshold)
     _check_batch(batch, (B, T), hidden.device, "hidden", options, checks)
     backend = _resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
-    logp, entropy = _logprobs_and_entropy(
-        hidden,
-        weight,
-        targets,
-        bias,
-        _scored_rows(completion_mask, checks),
-        transform,
-        backend,
-        head_path if options.entropy_coef == 0.0 else "general",
-        backward_mode,
-        shard,
-        lora,
-    )
+    logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks),
+                                          transform, backend, head_path if options.entropy_coef == 0.0 else "general",
+                                          backward_mode, shard, lora)
     return _token_loss(logp, entropy, batch, options, backend)
 
 
-def token_loss(
-    logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    entropy: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    sampling_logprobs: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    num_items_in_batch: float | torch.Tensor | None = None,
-    entropy_threshold: float | torch.Tensor | None = None,
-    options: LossOptions | None = None,
-    backend: str = "auto",
-    check_values: bool = True,
-    loss_type: str = "dapo",
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    max_completion_length: int = 512,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    use_bias_correction_kl: bool = True,
-    off_policy_mask_threshold: float | None = None,
-    top_entropy_quantile: float = 1.0,
-    entropy_coef: float = 0.0,
-) -> tuple[torch.Tensor, Metrics]:
+def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
+               entropy: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
+               ref_logprobs: torch.Tensor | None = None, sampling_logprobs: torch.Tensor | None = None,
+               importance_weights: torch.Tensor | None = None, num_items_in_batch: float | torch.Tensor | None = None,
+               entropy_threshold: float | torch.Tensor | None = None, options: LossOptions | None = None,
+               backend: str = "auto", check_values: bool = True,
+         loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+               delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
+               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
+               vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+               use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
+               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs [B, T] that carry the gradient.
 
     For callers that already have the policy's log-probs; same keywords as ``loss``. ``entropy`` [B, T] feeds the
@@ -595,16 +455,8 @@ def token_loss(
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
     B, T = logprobs.shape
-    batch = _LossBatch(
-        advantages,
-        completion_mask,
-        old_logprobs,
-        ref_logprobs,
-        sampling_logprobs,
-        importance_weights,
-        num_items_in_batch,
-        entropy_threshold,
-    )
+    batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
+                       num_items_in_batch, entropy_threshold)
     checks = _ValueChecks(check_values, logprobs, completion_mask)
     _check_batch(batch, (B, T), logprobs.device, "logprobs", options, checks)
     _check_mask(completion_mask, (B, T), checks)
@@ -614,10 +466,8 @@ def token_loss(
         _shape("entropy", entropy, [(B, T)], lambda: f"[B, T] = [{B}, {T}]")
         _same_device([("entropy", entropy)], logprobs.device, "logprobs")
     elif options.entropy_mask or options.entropy_coef != 0.0:
-        raise ValueError(
-            "top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
-            "(grpo_fast.logprobs_and_entropy gives it with its gradient)"
-        )
+        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
+                         "(grpo_fast.logprobs_and_entropy gives it with its gradient)")
     return _token_loss(logprobs, entropy, batch, options, _resolve_backend(backend, logprobs.device))
 
 
@@ -628,23 +478,17 @@ def _check_batch(batch, shape, device, device_of, options, checks):
     B, T = shape
     _tensor("advantages", batch.advantages)
     _tensor("completion_mask", batch.completion_mask)
-    _same_device(
-        [("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
-        + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)],
-        device,
-        device_of,
-    )
+    _same_device([("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
+                 + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)], device,
+                 device_of)
     if options.beta != 0.0 and batch.ref_logprobs is None:
-        raise ValueError(
-            "beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from grpo_fast.logprobs)"
-        )
+        raise ValueError("beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from "
+                         "grpo_fast.logprobs)")
     if batch.entropy_threshold is not None:
         _number("entropy_threshold", batch.entropy_threshold)
         if not options.entropy_mask:
-            raise ValueError(
-                "entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
-                "value over every process's masked entropies)"
-            )
+            raise ValueError("entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
+                             "value over every process's masked entropies)")
     _float_tensor("advantages", batch.advantages)
     _shape("advantages", batch.advantages, [(B,), (B, T)], lambda: f"[B] = [{B}] or [B, T] = [{B}, {T}]")
     for name in _LOGPROB_INPUTS:
@@ -653,36 +497,30 @@ def _check_batch(batch, shape, device, device_of, options, checks):
             _float_tensor(name, x)
             _shape(name, x, [shape], lambda: f"[B, T] = [{B}, {T}]")
     if batch.sampling_logprobs is not None and options.off_policy_mask_threshold is None:
-        raise ValueError(
-            "sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
-            "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
-            "as importance_weights)"
-        )
+        raise ValueError("sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
+                         "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
+                         "as importance_weights)")
     iw = batch.importance_weights
     if iw is not None:
         _float_tensor("importance_weights", iw)
-        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)], lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
+        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)],
+               lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
         if options.loss_type_record.policy_term.importance_weights_in_term and iw.shape != (B, T):
-            raise ValueError(
-                f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
-                f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
-                "with sequence-level importance sampling"
-            )
+            raise ValueError(f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
+                             f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
+                             "with sequence-level importance sampling")
     n_items = batch.num_items_in_batch
     if n_items is None:
         return
     if not isinstance(n_items, torch.Tensor):
         _number("num_items_in_batch", n_items, lambda v: v >= 0, "a number >= 0")
     elif n_items.numel() != 1:
-        raise ValueError(
-            f"num_items_in_batch must be a number or a one-element tensor, got shape {tuple(n_items.shape)}"
-        )
+        raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
+                         f"{tuple(n_items.shape)}")
     elif checks.run:
         # the count as the check's second value, in micro-units: the message shows it to 1e-6
-        checks.add(
-            [n_items.reshape(()) < 0, (n_items.reshape(()).double() * 1e6).round()],
-            lambda _, micro: ValueError(f"num_items_in_batch must be >= 0, got {micro / 1e6}"),
-        )
+        checks.add([n_items.reshape(()) < 0, (n_items.reshape(()).double() * 1e6).round()],
+                   lambda _, micro: ValueError(f"num_items_in_batch must be >= 0, got {micro / 1e6}"))
 
 
 _LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
@@ -692,14 +530,12 @@ def _prepared(batch, options, device):
     """The batch as layer 2 computes on it: detached fp32 contiguous tensors, [B, 1] weights as [B], no reference
     log-probs without a KL term, num_items_in_batch and entropy_threshold fp32 scalar tensors on ``device`` (a
     number is written there, not read back)."""
-
     def fp32(x):
         return x.detach().float().contiguous() if x is not None else None
 
     iw = fp32(batch.importance_weights)
     if iw is not None and iw.dim() == 2 and iw.shape[1] == 1 and batch.completion_mask.shape[1] != 1:
         iw = iw.squeeze(1)  # [B, 1]: one weight per sequence
-
     def scalar(x):
         if x is None:
             return None
@@ -707,16 +543,10 @@ def _prepared(batch, options, device):
             return x.detach().reshape(()).to(device=device, dtype=torch.float32)
         return torch.full((), float(x), dtype=torch.float32, device=device)
 
-    return _LossBatch(
-        fp32(batch.advantages),
-        batch.completion_mask.to(torch.float32).contiguous(),
-        fp32(batch.old_logprobs),
-        fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
-        fp32(batch.sampling_logprobs),
-        iw,
-        scalar(batch.num_items_in_batch),
-        scalar(batch.entropy_threshold),
-    )
+    return _LossBatch(fp32(batch.advantages), batch.completion_mask.to(torch.float32).contiguous(),
+                      fp32(batch.old_logprobs), fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
+                      fp32(batch.sampling_logprobs), iw, scalar(batch.num_items_in_batch),
+                      scalar(batch.entropy_threshold))
 
 
 def _token_loss(logprobs, entropy, batch, options, backend):
@@ -731,9 +561,8 @@ def _token_loss(logprobs, entropy, batch, options, backend):
         masked = batch.completion_mask == 0
         logp = logp.masked_fill(masked, 0.0)
         entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
-        old, ref = (
-            x.masked_fill(masked, 0.0) if x is not None else None for x in (batch.old_logprobs, batch.ref_logprobs)
-        )
+        old, ref = (x.masked_fill(masked, 0.0) if x is not None else None
+                    for x in (batch.old_logprobs, batch.ref_logprobs))
         # per-token advantages and importance weights too: the loss selects masked tokens out, but a NaN there would
         # reach a sequence-level ratio's gradient (weights in the term stay: vespo reads them at padding too, as TRL)
         adv, iw = batch.advantages, batch.importance_weights
@@ -746,47 +575,24 @@ def _token_loss(logprobs, entropy, batch, options, backend):
             # the spec's quantile, without its boolean selection (a host read, a data-dependent shape)
             threshold = ops.device_entropy_quantile(entropy, batch.completion_mask, options.top_entropy_quantile)
         total, metrics = reference.token_loss(
-            logp,
-            adv,
-            batch.completion_mask,
-            options,
-            entropy=entropy,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            sampling_logprobs=batch.sampling_logprobs,
-            importance_weights=iw,
-            num_items_in_batch=batch.num_items_in_batch,
-            entropy_threshold=threshold,
-        )
+            logp, adv, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
+            ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=iw,
+            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=threshold)
         metrics = Metrics(metrics)
     else:
         total, metric_values, _, _ = ops.token_loss(
-            logp,
-            entropy,
-            batch.advantages,
-            batch.completion_mask,
-            batch.old_logprobs,
-            batch.ref_logprobs,
-            batch.sampling_logprobs,
-            batch.importance_weights,
-            batch.num_items_in_batch,
-            batch.entropy_threshold,
-            ops.options_json(options),
-        )
+            logp, entropy, batch.advantages, batch.completion_mask, batch.old_logprobs, batch.ref_logprobs,
+            batch.sampling_logprobs, batch.importance_weights, batch.num_items_in_batch, batch.entropy_threshold,
+            ops.options_json(options))
         metrics = Metrics(zip(ops.metric_names(options, entropy is not None), metric_values.detach().unbind(0)))
     metrics.logprobs = logp.detach()
     metrics.entropies = entropy.detach() if entropy is not None else None
     return total, metrics
 
 
-def sampling_importance_weights(
-    old_logprobs: torch.Tensor,
-    sampling_logprobs: torch.Tensor,
-    completion_mask: torch.Tensor,
-    mode: str = "sequence_mask",
-    clip_max: float | None = 3.0,
-    clip_min: float | None = None,
-) -> torch.Tensor:
+def sampling_importance_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                                completion_mask: torch.Tensor, mode: str = "sequence_mask",
+                                clip_max: float | None = 3.0, clip_min: float | None = None) -> torch.Tensor:
     """TRL 1.16's importance weights for a sampler (vLLM) that is not the trained policy, for ``importance_weights``.
 
     old_logprobs: the training policy's log-probs before the update, sampling_logprobs: the sampler's, both [B, T]
@@ -801,18 +607,11 @@ def sampling_importance_weights(
         _float_tensor(name, x)
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape [B, T], got {tuple(x.shape)}")
-    _shape(
-        "sampling_logprobs",
-        sampling_logprobs,
-        [old_logprobs.shape],
-        lambda: f"old_logprobs' {list(old_logprobs.shape)}",
-    )
+    _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape],
+           lambda: f"old_logprobs' {list(old_logprobs.shape)}")
     _tensor("completion_mask", completion_mask)
-    _same_device(
-        [("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
-        old_logprobs.device,
-        "old_logprobs",
-    )
+    _same_device([("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
+                 old_logprobs.device, "old_logprobs")
     checks = _ValueChecks(True, old_logprobs, completion_mask)
     _check_mask(completion_mask, tuple(old_logprobs.shape), checks)
     checks.read()
@@ -823,6 +622,5 @@ def sampling_importance_weights(
         raise ValueError(f"clip_min ({clip_min}) must be less than clip_max ({clip_max})")
     if mode.endswith("truncate") and clip_min is None and clip_max is None:
         raise ValueError(f"mode={mode!r} needs clip_min or clip_max")
-    return reference.sampling_importance_weights(
-        old_logprobs.detach(), sampling_logprobs.detach(), completion_mask, mode, clip_max, clip_min
-    )
+    return reference.sampling_importance_weights(old_logprobs.detach(), sampling_logprobs.detach(), completion_mask,
+                                                 mode, clip_max, clip_min)

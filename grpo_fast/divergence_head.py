@@ -39,45 +39,24 @@ from grpo_fast.transform import LogitTransform, check_number
 
 def _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
     """(student's, teacher's) LogitTransform."""
-    return (
-        LogitTransform(temperature, student_softcap, student_logit_scale),
-        LogitTransform(temperature, teacher_softcap, teacher_logit_scale),
-    )
+    return (LogitTransform(temperature, student_softcap, student_logit_scale),
+            LogitTransform(temperature, teacher_softcap, teacher_logit_scale))
 
 
 # ----------------------------------------------------------------------------------------------- the ops
-def _forward(
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    student_bias: torch.Tensor | None,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    teacher_bias: torch.Tensor | None,
-    beta: float,
-    temperature: float,
-    student_softcap: float | None,
-    teacher_softcap: float | None,
-    student_logit_scale: float,
-    teacher_logit_scale: float,
-    backend: str,
-    frozen_head: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
+                teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
+                beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
+                student_logit_scale: float, teacher_logit_scale: float, backend: str,
+                frozen_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, Ds], [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None -> (divergence [N] fp32, student entropy [N] fp32,
     saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64, J [N, Ds] fp32): the last three for
     the backward; J = d divergence / d student_hidden with ``frozen_head`` (then the backward is dH = c J, no
     sweep), else empty. The frozen-head forward is the torch twin's algorithm on every backend (cuBLAS GEMMs on a
     GPU): divergence_torch.FrozenHead."""
     transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
-    args = (
-        student_hidden,
-        student_weight,
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        beta,
-        *transforms,
-    )
+    args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            *transforms)
     if frozen_head:
         return divergence_torch.forward(*args, frozen_head=True)
     out = kdivergence.forward(*args) if backend == "triton" else divergence_torch.forward(*args)[:4]
@@ -88,81 +67,33 @@ _forward_op = torch.library.custom_op("grpo_fast::divergence_forward", mutates_a
 
 
 @_forward_op.register_fake
-def _forward_fake(
-    student_hidden,
-    student_weight,
-    student_bias,
-    teacher_hidden,
-    teacher_weight,
-    teacher_bias,
-    beta,
-    temperature,
-    student_softcap,
-    teacher_softcap,
-    student_logit_scale,
-    teacher_logit_scale,
-    backend,
-    frozen_head,
-):
+def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+                  temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend,
+                  frozen_head):
     N = student_hidden.shape[0]
     per_token = student_hidden.new_empty(N, dtype=torch.float32)
-    return (
-        per_token,
-        torch.empty_like(per_token),
-        student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
-        student_hidden.new_empty((2, N), dtype=torch.int64),
-        student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32),
-    )
+    return (per_token, torch.empty_like(per_token),
+            student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
+            student_hidden.new_empty((2, N), dtype=torch.int64),
+            student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32))
 
 
-def _backward_impl(
-    grad_divergence: torch.Tensor,
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    student_bias: torch.Tensor | None,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    teacher_bias: torch.Tensor | None,
-    saved: torch.Tensor,
-    argmax: torch.Tensor,
-    beta: float,
-    temperature: float,
-    student_softcap: float | None,
-    teacher_softcap: float | None,
-    student_logit_scale: float,
-    teacher_logit_scale: float,
-    backend: str,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                 student_bias: torch.Tensor | None, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                 teacher_bias: torch.Tensor | None, saved: torch.Tensor, argmax: torch.Tensor, beta: float,
+                 temperature: float, student_softcap: float | None, teacher_softcap: float | None,
+                 student_logit_scale: float, teacher_logit_scale: float, backend: str, need_hidden: bool,
+                 need_weight: bool, need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d student_hidden, d student_weight, d student_bias) in the inputs' dtypes, each empty (0 elements) where
     not needed, from dL/d divergence [N]."""
     transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
     dev = student_hidden.device
     grad_hidden = torch.zeros(student_hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
     grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=dev) if need_weight else None
-    grad_bias = (
-        torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
-        if need_bias and student_bias is not None
-        else None
-    )
-    args = (
-        grad_divergence.float().contiguous(),
-        student_hidden,
-        student_weight,
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        saved,
-        argmax,
-        beta,
-        *transforms,
-        grad_hidden,
-        grad_weight,
-        grad_bias,
-    )
+    grad_bias = (torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
+                 if need_bias and student_bias is not None else None)
+    args = (grad_divergence.float().contiguous(), student_hidden, student_weight, student_bias, teacher_hidden,
+            teacher_weight, teacher_bias, saved, argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)
     if student_hidden.shape[0] > 0:
         if backend == "triton":
             kdivergence.backward(*args)
@@ -172,38 +103,17 @@ def _backward_impl(
     def out(grad, like):
         return grad.to(like.dtype) if grad is not None else like.new_empty(0)
 
-    return (
-        out(grad_hidden, student_hidden),
-        out(grad_weight, student_weight),
-        out(grad_bias, student_bias if student_bias is not None else student_weight),
-    )
+    return (out(grad_hidden, student_hidden), out(grad_weight, student_weight),
+            out(grad_bias, student_bias if student_bias is not None else student_weight))
 
 
 _backward_op = torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())(_backward_impl)
 
 
 @_backward_op.register_fake
-def _backward_fake(
-    grad_divergence,
-    student_hidden,
-    student_weight,
-    student_bias,
-    teacher_hidden,
-    teacher_weight,
-    teacher_bias,
-    saved,
-    argmax,
-    beta,
-    temperature,
-    student_softcap,
-    teacher_softcap,
-    student_logit_scale,
-    teacher_logit_scale,
-    backend,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
+def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                   teacher_bias, saved, argmax, beta, temperature, student_softcap, teacher_softcap,
+                   student_logit_scale, teacher_logit_scale, backend, need_hidden, need_weight, need_bias):
     def out(need, like):
         return torch.empty_like(like) if need and like is not None else student_hidden.new_empty(0)
 
@@ -211,74 +121,32 @@ def _backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    (
-        student_hidden,
-        student_weight,
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        *scalars,
-        frozen_head,
-    ) = inputs
+    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars,
+     frozen_head) = inputs
     _, entropy, saved, argmax, frozen_grad = output
-    ctx.save_for_backward(
-        student_hidden,
-        student_weight,
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        saved,
-        argmax,
-        frozen_grad,
-    )
+    ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                          teacher_bias, saved, argmax, frozen_grad)
     ctx.scalars = scalars
     ctx.frozen_head = frozen_head
     ctx.mark_non_differentiable(entropy, saved, argmax, frozen_grad)
 
 
 def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax, _grad_frozen):
-    (
-        student_hidden,
-        student_weight,
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        saved,
-        argmax,
-        frozen_grad,
-    ) = ctx.saved_tensors
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, saved, argmax, \
+        frozen_grad = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_divergence is None or not (need_hidden or need_weight or need_bias):
         return (None,) * 14
     if ctx.frozen_head:
         if need_weight or need_bias:
-            raise RuntimeError(
-                "the divergence's frozen-head forward ran (student_weight and student_bias needed no "
-                "gradient then), but the backward asks for one: call it again with head_path='general'"
-            )
+            raise RuntimeError("the divergence's frozen-head forward ran (student_weight and student_bias needed no "
+                               "gradient then), but the backward asks for one: call it again with head_path='general'")
         return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 13
     backward_op = _backward_impl if ops.runs_inline(ctx.saved_tensors) else _backward_op
-    grads = backward_op(
-        grad_divergence,
-        student_hidden,
-        student_weight,
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        saved,
-        argmax,
-        *ctx.scalars,
-        need_hidden,
-        need_weight,
-        need_bias,
-    )
-    return (grads[0] if need_hidden else None, grads[1] if need_weight else None, grads[2] if need_bias else None) + (
-        None,
-    ) * 11
+    grads = backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                        teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight, need_bias)
+    return (grads[0] if need_hidden else None, grads[1] if need_weight else None,
+            grads[2] if need_bias else None) + (None,) * 11
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -301,14 +169,11 @@ def _check_model(prefix, hidden, weight, bias, sharded):
     D = hidden.shape[2]
     _float_tensor(f"{prefix}_weight", weight)
     if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and not sharded):
-        raise ValueError(
-            f"{prefix}_weight must have shape [V, D] with D = {D} ({prefix}_hidden's) and V > 0, got "
-            f"{tuple(weight.shape)}"
-        )
+        raise ValueError(f"{prefix}_weight must have shape [V, D] with D = {D} ({prefix}_hidden's) and V > 0, got "
+                         f"{tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"{prefix}_weight dtype {weight.dtype} differs from {prefix}_hidden dtype {hidden.dtype}: cast one of them"
-        )
+        raise TypeError(f"{prefix}_weight dtype {weight.dtype} differs from {prefix}_hidden dtype {hidden.dtype}: "
+                        "cast one of them")
     if bias is not None:
         _float_tensor(f"{prefix}_bias", bias)
         if tuple(bias.shape) != (weight.shape[0],):
@@ -316,62 +181,30 @@ def _check_model(prefix, hidden, weight, bias, sharded):
     return (*hidden.shape, weight.shape[0])
 
 
-def _checked(
-    student_hidden,
-    student_weight,
-    teacher_hidden,
-    teacher_weight,
-    completion_mask,
-    beta,
-    temperature,
-    student_bias,
-    teacher_bias,
-    student_softcap,
-    teacher_softcap,
-    student_logit_scale,
-    teacher_logit_scale,
-    backend,
-    checks,
-    sharded=False,
-):
+def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
+             student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
+             backend, checks, sharded=False):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
     with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
     this rank's rows of vocab-parallel heads, computed by the torch twin: divergence_parallel)."""
     B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias, sharded)
     Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias, sharded)
     if (Bt, Tt) != (B, T):
-        raise ValueError(
-            f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score the same tokens"
-        )
+        raise ValueError(f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score "
+                         "the same tokens")
     if Vt != V:
-        raise ValueError(
-            f"student_weight has V = {V} rows but teacher_weight has V = {Vt}: the vocabularies must match"
-        )
+        raise ValueError(f"student_weight has V = {V} rows but teacher_weight has V = {Vt}: the vocabularies must "
+                         "match")
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
-    _same_device(
-        [
-            (name, x)
-            for name, x in (
-                ("student_weight", student_weight),
-                ("student_bias", student_bias),
-                ("teacher_hidden", teacher_hidden),
-                ("teacher_weight", teacher_weight),
-                ("teacher_bias", teacher_bias),
-                ("completion_mask", completion_mask),
-            )
-        ],
-        student_hidden.device,
-        "student_hidden",
-    )
+    _same_device([(name, x) for name, x in (("student_weight", student_weight), ("student_bias", student_bias),
+                                             ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
+                                             ("teacher_bias", teacher_bias), ("completion_mask", completion_mask))],
+                 student_hidden.device, "student_hidden")
     if completion_mask is not None:
         _check_mask(completion_mask, (B, T), checks)
-    check_number(
-        "beta",
-        beta,
-        lambda v: 0.0 <= v <= 1.0,
-        "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
-    )
+    check_number("beta", beta, lambda v: 0.0 <= v <= 1.0,
+                 "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))")
     check_number("temperature", temperature, lambda v: v > 0, "a positive number")
     for name, softcap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         if softcap is not None:
@@ -380,10 +213,8 @@ def _checked(
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
     if sharded:
         if backend not in ("auto", "torch"):
-            raise ValueError(
-                f"vocab-parallel divergence heads run on the torch backend (any device): backend must be "
-                f"'auto' or 'torch', got {backend!r}"
-            )
+            raise ValueError(f"vocab-parallel divergence heads run on the torch backend (any device): backend must be "
+                             f"'auto' or 'torch', got {backend!r}")
         return "torch"
     backend = _resolve_backend(backend, student_hidden.device)
     backend.check_sizes(B * T, V)
@@ -401,26 +232,10 @@ def _contiguous(x):
 
 
 # ----------------------------------------------------------------------------------------------- public
-def divergence_and_entropy(
-    student_hidden,
-    student_weight,
-    teacher_hidden,
-    teacher_weight,
-    completion_mask=None,
-    *,
-    beta=1.0,
-    temperature=1.0,
-    student_bias=None,
-    teacher_bias=None,
-    student_softcap=None,
-    teacher_softcap=None,
-    student_logit_scale=1.0,
-    teacher_logit_scale=1.0,
-    backend="auto",
-    head_path="auto",
-    check_values=True,
-    vocab_parallel=None,
-):
+def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
+                           beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
+                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
+                           head_path="auto", check_values=True, vocab_parallel=None):
     """Per-token divergence [B, T] fp32 (differentiable w.r.t. the student's hidden, weight and bias) and the
     student's entropy [B, T] fp32 (detached, as TRL's head gives it), without either model's logits.
 
@@ -442,85 +257,41 @@ def divergence_and_entropy(
     description: both heads are split by the same ranges); the hidden states replicated. Every rank returns the
     unsharded result; dW and db are this rank's rows; neither weight is gathered.
     """
-    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = (
-        divergence_parallel.resolve_pair(
-            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, vocab_parallel
-        )
-    )
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = \
+        divergence_parallel.resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden,
+                                         teacher_weight, teacher_bias, vocab_parallel)
     checks = _ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
-    backend = _checked(
-        student_hidden,
-        student_weight,
-        teacher_hidden,
-        teacher_weight,
-        completion_mask,
-        beta,
-        temperature,
-        student_bias,
-        teacher_bias,
-        student_softcap,
-        teacher_softcap,
-        student_logit_scale,
-        teacher_logit_scale,
-        backend,
-        checks,
-        sharded=shard is not None,
-    )
+    backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
+                       temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
+                       teacher_logit_scale, backend, checks, sharded=shard is not None)
     if head_path not in HEAD_PATHS:
         raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
-    frozen_head = (
-        head_path == "auto"
-        and torch.is_grad_enabled()
-        and student_hidden.requires_grad
-        and not student_weight.requires_grad
-        and not (student_bias is not None and student_bias.requires_grad)
-    )
+    frozen_head = (head_path == "auto" and torch.is_grad_enabled() and student_hidden.requires_grad
+                   and not student_weight.requires_grad and not (student_bias is not None and
+                                                                 student_bias.requires_grad))
     B, T = student_hidden.shape[:2]
     rows = _scored_rows(completion_mask, checks)
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
     teacher = [x.detach() if x is not None else None for x in teacher]
     if shard is not None:
-        transforms = _transforms(
-            float(temperature),
-            None if student_softcap is None else float(student_softcap),
-            None if teacher_softcap is None else float(teacher_softcap),
-            float(student_logit_scale),
-            float(teacher_logit_scale),
-        )
+        transforms = _transforms(float(temperature), None if student_softcap is None else float(student_softcap),
+                                 None if teacher_softcap is None else float(teacher_softcap),
+                                 float(student_logit_scale), float(teacher_logit_scale))
         div, entropy = divergence_parallel.VocabParallelDivergence.apply(
-            _rows(student_hidden, rows),
-            _contiguous(student_weight),
-            _contiguous(student_bias),
-            _rows(teacher[0], rows),
-            _contiguous(teacher[1]),
-            _contiguous(teacher[2]),
-            float(beta),
-            *transforms,
-            shard,
-            frozen_head,
-        )
+            _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
+            _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
+            frozen_head)
         return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
-        _rows(student_hidden, rows),
-        _contiguous(student_weight),
-        _contiguous(student_bias),
-        _rows(teacher[0], rows),
-        _contiguous(teacher[1]),
-        _contiguous(teacher[2]),
-        float(beta),
-        float(temperature),
-        None if student_softcap is None else float(student_softcap),
-        None if teacher_softcap is None else float(teacher_softcap),
-        float(student_logit_scale),
-        float(teacher_logit_scale),
-        backend,
-        frozen_head,
-    )
+        _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
+        _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),
+        float(beta), float(temperature), None if student_softcap is None else float(student_softcap),
+        None if teacher_softcap is None else float(teacher_softcap), float(student_logit_scale),
+        float(teacher_logit_scale), backend, frozen_head)
     return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
 
 
 def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
     """The per-token divergence [B, T] fp32 alone (``divergence_and_entropy`` has the arguments)."""
-    return divergence_and_entropy(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **kwargs
-    )[0]
+    return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
+                                  **kwargs)[0]

@@ -74,9 +74,8 @@ def loss_metrics(options, rows, counts, policy_loss=None):
         elif metric.reduce == "max_over_sequences":
             metrics[metric.name] = over_sequences(metric.statistic, torch.max, -math.inf)
         else:
-            raise ValueError(
-                f"metric {metric.name!r} of loss type {options.loss_type!r} has an unknown reduction {metric.reduce!r}"
-            )
+            raise ValueError(f"metric {metric.name!r} of loss type {options.loss_type!r} has an unknown reduction "
+                             f"{metric.reduce!r}")
     if options.entropy_coef != 0.0:
         metrics["policy_loss"] = policy_loss
     metrics["ratio_mean"] = mean("ratio")

@@ -53,19 +53,8 @@ from grpo_fast.options import LOSS_TYPES, LossOptions  # noqa: F401 (LOSS_TYPES:
 from grpo_fast.transform import LogitTransform
 
 
-def logits(
-    hidden,
-    weight,
-    bias=None,
-    temperature=1.0,
-    *,
-    softcap=None,
-    logit_scale=1.0,
-    fp32_matmul=True,
-    compute_dtype=torch.float32,
-    lora=None,
-    transform=None,
-):
+def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0, fp32_matmul=True,
+           compute_dtype=torch.float32, lora=None, transform=None):
     """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``,
     with ``lora`` (a grpo_fast.HeadLora or None) adding PEFT's ``scaling * (dropout(hidden) @ a.T) @ b.T`` to the
     raw logits: its [.., r] activation in the adapters' dtype (PEFT's), its product with b in ``compute_dtype``
@@ -93,28 +82,15 @@ def logits(
     return transform.apply(z)
 
 
-def logprobs_and_entropy(
-    hidden,
-    weight,
-    targets,
-    bias=None,
-    temperature=1.0,
-    *,
-    softcap=None,
-    logit_scale=1.0,
-    fp32_matmul=True,
-    compute_dtype=torch.float32,
-    lora=None,
-    transform=None,
-):
+def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
+                         fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
     Both are differentiable (the entropy too: TRL's entropy bonus trains through it). See ``logits``.
     """
     transform = transform or LogitTransform(temperature, softcap, logit_scale)
-    z = logits(
-        hidden, weight, bias, fp32_matmul=fp32_matmul, compute_dtype=compute_dtype, lora=lora, transform=transform
-    )
+    z = logits(hidden, weight, bias, fp32_matmul=fp32_matmul, compute_dtype=compute_dtype, lora=lora,
+               transform=transform)
     logsoftmax = F.log_softmax(z, dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = logsoftmax.exp()
@@ -123,37 +99,17 @@ def logprobs_and_entropy(
     return logp.float(), entropy.float()
 
 
-def logprobs(
-    hidden,
-    weight,
-    targets,
-    bias=None,
-    temperature=1.0,
-    *,
-    softcap=None,
-    logit_scale=1.0,
-    fp32_matmul=True,
-    compute_dtype=torch.float32,
-    lora=None,
-    transform=None,
-):
+def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
+             fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):
     """Per-token log-prob of ``targets`` (see ``logits``); no grad."""
     with torch.no_grad():
-        return logprobs_and_entropy(
-            hidden,
-            weight,
-            targets,
-            bias,
-            fp32_matmul=fp32_matmul,
-            compute_dtype=compute_dtype,
-            lora=lora,
-            transform=transform or LogitTransform(temperature, softcap, logit_scale),
-        )[0]
+        return logprobs_and_entropy(hidden, weight, targets, bias, fp32_matmul=fp32_matmul,
+                                    compute_dtype=compute_dtype, lora=lora,
+                                    transform=transform or LogitTransform(temperature, softcap, logit_scale))[0]
 
 
-def sampling_importance_weights(
-    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_max=3.0, clip_min=None
-):
+def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
+                                clip_max=3.0, clip_min=None):
     """TRL's importance-sampling correction for a sampler (vLLM) that is not the trained policy.
 
     ``rho = exp(old - sampling)`` per token (``token_*``: [B, T]) or ``exp(sum_t m_t (old_t - sampling_t))`` per
@@ -213,21 +169,9 @@ def _normalise(per_token_loss, mask, options, num_items_in_batch):
     return per_row.sum() / options.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
 
 
-def token_loss(
-    logp,
-    advantages,
-    completion_mask,
-    options=None,
-    *,
-    entropy=None,
-    old_logprobs=None,
-    ref_logprobs=None,
-    sampling_logprobs=None,
-    importance_weights=None,
-    num_items_in_batch=None,
-    entropy_threshold=None,
-    **loss_options,
-):
+def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None, old_logprobs=None,
+               ref_logprobs=None, sampling_logprobs=None, importance_weights=None, num_items_in_batch=None,
+               entropy_threshold=None, **loss_options):
     """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
 
     ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
@@ -250,11 +194,8 @@ def token_loss(
 
     entropy_mask = None
     if o.top_entropy_quantile < 1.0:
-        threshold = (
-            entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile)
-            if entropy_threshold is None
-            else torch.as_tensor(entropy_threshold, dtype=torch.float32)
-        )
+        threshold = (entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile) if entropy_threshold is None
+                     else torch.as_tensor(entropy_threshold, dtype=torch.float32))
         if threshold is None:
             entropy_mask = torch.zeros_like(mask, dtype=torch.bool)
         else:
@@ -294,24 +235,14 @@ def token_loss(
         temperatures = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
     elif policy_term == "vespo":
-        phi_seq = gamma_weights(
-            advantages,
-            log_ratio,
-            mask,
-            importance_weights if term.importance_weights_in_term else None,
-            o.vespo_k_pos,
-            o.vespo_lambda_pos,
-            o.vespo_k_neg,
-            o.vespo_lambda_neg,
-        )
+        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights if term.importance_weights_in_term
+                                else None, o.vespo_k_pos, o.vespo_lambda_pos, o.vespo_k_neg, o.vespo_lambda_neg)
         per_token_loss = -phi_seq * advantages * logp
     else:
         raise ValueError(f"loss type {o.loss_type!r} has an unknown policy term {policy_term!r}")
     if term.importance_weights_in_term and phi_seq is None:
-        raise ValueError(
-            f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
-            f"{policy_term!r} term does not read them (only 'vespo' does)"
-        )
+        raise ValueError(f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
+                         f"{policy_term!r} term does not read them (only 'vespo' does)")
 
     if o.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
@@ -333,13 +264,8 @@ def token_loss(
     with torch.no_grad():
         is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
         is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
-        quantities = {
-            "ratio": ratio,
-            "low": is_low_clipped,
-            "high": is_high_clipped,
-            "region": is_low_clipped | is_high_clipped,
-            "cispo": (coef_1 > epsilon_high) & (advantages > 0),
-        }
+        quantities = {"ratio": ratio, "low": is_low_clipped, "high": is_high_clipped,
+                      "region": is_low_clipped | is_high_clipped, "cispo": (coef_1 > epsilon_high) & (advantages > 0)}
         if beta != 0.0:
             quantities["kl"] = per_token_kl
         if entropy is not None:
@@ -351,37 +277,13 @@ def token_loss(
     return loss, metrics
 
 
-def loss(
-    hidden,
-    weight,
-    targets,
-    advantages,
-    completion_mask,
-    options=None,
-    *,
-    bias=None,
-    temperature=1.0,
-    softcap=None,
-    logit_scale=1.0,
-    fp32_matmul=True,
-    compute_dtype=torch.float32,
-    lora=None,
-    **kwargs,
-):
+def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, bias=None, temperature=1.0,
+         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, lora=None, **kwargs):
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss
     (the loss options as ``options`` or keywords)."""
-    logp, entropy = logprobs_and_entropy(
-        hidden,
-        weight,
-        targets,
-        bias,
-        temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        fp32_matmul=fp32_matmul,
-        compute_dtype=compute_dtype,
-        lora=lora,
-    )
+    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, softcap=softcap,
+                                         logit_scale=logit_scale, fp32_matmul=fp32_matmul,
+                                         compute_dtype=compute_dtype, lora=lora)
     return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)
 
 
@@ -409,34 +311,19 @@ def _expected_log_ratio(p, log_p, log_q):
     return (p * (log_p - log_q).masked_fill(p == 0, 0.0)).sum(-1)
 
 
-def divergence_and_entropy(
-    student_hidden,
-    student_weight,
-    teacher_hidden,
-    teacher_weight,
-    completion_mask=None,
-    *,
-    beta=1.0,
-    temperature=1.0,
-    student_bias=None,
-    teacher_bias=None,
-    student_softcap=None,
-    teacher_softcap=None,
-    student_logit_scale=1.0,
-    teacher_logit_scale=1.0,
-    compute_dtype=torch.float32,
-):
+def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
+                           beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
+                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
+                           compute_dtype=torch.float32):
     """Per-token divergence and student entropy [B, T] in ``compute_dtype`` from the full logits of both models
     (the section's comment gives the math); both differentiable (the teacher's tensors too, if they require it:
     the fused op stops there). Hidden sizes may differ; the vocabularies must match."""
     student = LogitTransform(temperature, student_softcap, student_logit_scale)
     teacher = LogitTransform(temperature, teacher_softcap, teacher_logit_scale)
-    log_ps = F.log_softmax(
-        _transformed_logits(student_hidden, student_weight, student_bias, student, compute_dtype), dim=-1
-    )
-    log_pt = F.log_softmax(
-        _transformed_logits(teacher_hidden, teacher_weight, teacher_bias, teacher, compute_dtype), dim=-1
-    )
+    log_ps = F.log_softmax(_transformed_logits(student_hidden, student_weight, student_bias, student, compute_dtype),
+                           dim=-1)
+    log_pt = F.log_softmax(_transformed_logits(teacher_hidden, teacher_weight, teacher_bias, teacher, compute_dtype),
+                           dim=-1)
     ps, pt = log_ps.exp(), log_pt.exp()
     if beta == 0.0:
         div = _expected_log_ratio(pt, log_pt, log_ps)
@@ -454,6 +341,5 @@ def divergence_and_entropy(
 
 def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
     """The per-token divergence alone (``divergence_and_entropy``)."""
-    return divergence_and_entropy(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **kwargs
-    )[0]
+    return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
+                                  **kwargs)[0]

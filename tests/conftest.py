@@ -82,15 +82,11 @@ def backend_device(backend, device):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers",
-        "interpreter_only: feeds the Triton kernels CPU tensors (FLOP counts of the CPU path, gloo process "
-        "groups, TRL's CPU models): skipped where the kernels are compiled (a CUDA device)",
-    )
+        "markers", "interpreter_only: feeds the Triton kernels CPU tensors (FLOP counts of the CPU path, gloo process "
+                   "groups, TRL's CPU models): skipped where the kernels are compiled (a CUDA device)")
     config.addinivalue_line(
-        "markers",
-        "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
-        "beyond a covering subset; deselect with -m 'not slow' for the fast tier",
-    )
+        "markers", "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
+                   "beyond a covering subset; deselect with -m 'not slow' for the fast tier")
 
 
 def _parameter_values(item):
@@ -109,10 +105,8 @@ def _parameter_values(item):
 
 def pytest_collection_modifyitems(config, items):
     if KERNEL_DEVICE.type == "cuda":
-        compiled = pytest.mark.skip(
-            reason="Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1); "
-            "the kernels are compiled here"
-        )
+        compiled = pytest.mark.skip(reason="Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1); "
+                                           "the kernels are compiled here")
         for item in items:
             if item.get_closest_marker("interpreter_only") is not None:
                 item.add_marker(compiled)
@@ -126,7 +120,8 @@ def pytest_collection_modifyitems(config, items):
         facts = [_parameter_values(item) for item in cases]
         covered, kept = set(), set()
         while True:
-            gain, best = max(((len(f - covered), -i) for i, f in enumerate(facts) if i not in kept), default=(0, 0))
+            gain, best = max(((len(f - covered), -i) for i, f in enumerate(facts) if i not in kept),
+                             default=(0, 0))
             if gain == 0:
                 break
             kept.add(-best)

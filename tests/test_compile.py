@@ -25,31 +25,17 @@ def _step_and_inputs(backend, options):
 
     def step(hidden, targets, mask, advantages):
         ref = grpo_fast.logprobs(hidden, ref_weight, targets, completion_mask=mask, backend=backend)
-        loss, metrics = grpo_fast.loss(
-            hidden,
-            weight,
-            targets,
-            advantages,
-            mask,
-            old_logprobs=ref.detach() - 0.1,
-            ref_logprobs=ref,
-            backend=backend,
-            **options,
-        )
+        loss, metrics = grpo_fast.loss(hidden, weight, targets, advantages, mask, old_logprobs=ref.detach() - 0.1,
+                                       ref_logprobs=ref, backend=backend, **options)
         loss.backward()
         return loss.detach(), metrics
 
     batches = []
     for B, T in SHAPES:
         mask = torch.rand(B, T, generator=g) > 0.3
-        batches.append(
-            (
-                torch.randn(B, T, D, generator=g).requires_grad_(),
-                torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
-                mask,
-                torch.randn(B, generator=g),
-            )
-        )
+        batches.append((torch.randn(B, T, D, generator=g).requires_grad_(),
+                        torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100), mask,
+                        torch.randn(B, generator=g)))
     return step, batches
 
 

@@ -28,11 +28,10 @@ def _check_all(inputs, backend, weight_grad):
     assert logp.shape == (B, T) and logp.dtype == torch.float32
     lp, ent = grpo_fast.logprobs_and_entropy(hidden, weight, targets, completion_mask=mask, backend=backend)
     assert lp.shape == ent.shape == (B, T) and lp.dtype == ent.dtype == torch.float32
-    for options in (
-        dict(beta=0.04, ref_logprobs=old),
-        dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
-    ):
-        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, old_logprobs=old, backend=backend, **options)
+    for options in (dict(beta=0.04, ref_logprobs=old), dict(loss_type="grpo", top_entropy_quantile=0.5,
+                                                             entropy_coef=0.01)):
+        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, old_logprobs=old, backend=backend,
+                                       **options)
         assert loss.shape == () and loss.dtype == torch.float32
         assert all(m.shape == () for m in metrics.values())
         grads = torch.autograd.grad(loss, [hidden, weight] if weight_grad else [hidden])
@@ -63,22 +62,8 @@ def test_fake_outputs_have_the_real_sizes():
 
     hidden, weight, targets, *_ = _inputs(torch.float32)
     for frozen in (False, True):
-        args = (
-            hidden.detach().reshape(-1, D),
-            weight.detach(),
-            targets.reshape(-1),
-            None,
-            None,
-            None,
-            1.0,
-            None,
-            1.0,
-            True,
-            frozen,
-            "triton",
-            "chunked",
-            None,
-        )
+        args = (hidden.detach().reshape(-1, D), weight.detach(), targets.reshape(-1), None, None, None, 1.0, None,
+                1.0, True, frozen, "triton", "chunked", None)
         real = ops._linear_logprobs(*args)
         with FakeTensorMode() as mode:
             fake = ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
@@ -115,25 +100,8 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
     assert records in mode.sizes
     mode = Allocations()
     with mode:
-        ops.linear_logprobs_backward(
-            hidden,
-            weight,
-            targets,
-            None,
-            None,
-            None,
-            lse,
-            mass,
-            mean,
-            mmt,
-            torch.randn(N),
-            None,
-            1.0,
-            None,
-            1.0,
-            [True, False, False, False, False],
-            "triton",
-            "chunked",
-        )
+        ops.linear_logprobs_backward(hidden, weight, targets, None, None, None, lse, mass, mean, mmt,
+                                     torch.randn(N), None, 1.0, None, 1.0, [True, False, False, False, False],
+                                     "triton", "chunked")
     g_bytes = ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
     assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes

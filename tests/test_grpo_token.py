@@ -27,8 +27,8 @@ def _batch(seed=0, per_token_adv=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g) * 3
     mask = torch.rand(B, T, generator=g) > 0.25
-    mask[2] = False  # a fully masked sequence
-    mask[3, 1:] = False  # a one-token completion
+    mask[2] = False          # a fully masked sequence
+    mask[3, 1:] = False      # a one-token completion
     mask[3, 0] = True
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g)
     old = logp + 0.4 * torch.randn(B, T, generator=g)
@@ -71,31 +71,13 @@ def _compare(device, logp, adv, mask, entropy, **kw):
     return rl, rm, rg
 
 
-@pytest.mark.parametrize(
-    "loss_type, level, off_policy, kl, per_token_adv",
-    list(
-        itertools.product(
-            LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True)
-        )
-    ),
-)
+@pytest.mark.parametrize("loss_type, level, off_policy, kl, per_token_adv", list(itertools.product(
+    LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True))))
 def test_token_kernel_matches_reference(loss_type, level, off_policy, kl, per_token_adv, device):
     logp, mask, adv, old, ref, entropy = _batch(per_token_adv=per_token_adv)
-    _compare(
-        device,
-        logp,
-        adv,
-        mask,
-        entropy,
-        old_logprobs=old if off_policy else None,
-        ref_logprobs=ref,
-        beta=0.0 if kl == "none" else 0.04,
-        use_bias_correction_kl=kl == "bias-corrected",
-        loss_type=loss_type,
-        importance_sampling_level=level,
-        max_completion_length=T,
-        epsilon_high=0.28,
-    )
+    _compare(device, logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
+             beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected",
+             loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, epsilon_high=0.28)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -107,26 +89,10 @@ def test_delta_and_importance_weights(loss_type, level, device):
     for iw in (torch.rand(B, T, generator=g) * 2, per_sequence, per_sequence[:, None]):
         if loss_type == "vespo" and iw.shape != (B, T):
             continue  # TRL rejects VESPO with sequence-level weights: test_vespo_rejects_per_sequence_weights
-        _compare(
-            device,
-            logp,
-            adv,
-            mask,
-            entropy,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            beta=0.1,
-            delta=1.1,
-            importance_weights=iw,
-            loss_type=loss_type,
-            importance_sampling_level=level,
-            max_completion_length=T + 3,
-            epsilon=0.1,
-            epsilon_high=0.15,
-            num_items_in_batch=57,
-            sapo_temperature_pos=0.9,
-            sapo_temperature_neg=1.3,
-        )
+        _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
+                 importance_weights=iw, loss_type=loss_type, importance_sampling_level=level,
+                 max_completion_length=T + 3, epsilon=0.1, epsilon_high=0.15, num_items_in_batch=57,
+                 sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
@@ -136,7 +102,8 @@ def test_ties_on_the_clip_boundary_follow_torch_min_and_clamp(loss_type, delta, 
     # both min branches tie, clamp passes the gradient on its bounds, torch.min splits a tie in half
     logp = -torch.rand(2, 5)
     adv = torch.tensor([[1.0, -1.0, -2.0, 0.5, 0.0], [3.0, 0.0, -1.0, 1.0, 2.0]])
-    _compare(device, logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0, delta=delta)
+    _compare(device, logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0,
+             delta=delta)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -146,18 +113,8 @@ def test_all_masked_batch_is_zero_not_nan(loss_type, device):
         logp[0, 0] = float("-inf")  # garbage under the mask must not leak
         mask = torch.zeros(B, T, dtype=torch.bool, device=logp.device)
         leaf = logp.clone().requires_grad_()
-        loss, metrics = grpo_fast.token_loss(
-            leaf,
-            adv,
-            mask,
-            entropy=entropy,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            beta=0.04,
-            loss_type=loss_type,
-            max_completion_length=T,
-            backend=backend,
-        )
+        loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, old_logprobs=old, ref_logprobs=ref,
+                                             beta=0.04, loss_type=loss_type, max_completion_length=T, backend=backend)
         loss.backward()
         # the spec alone would multiply -inf by 0 here; neither backend may
         assert loss.item() == 0.0
@@ -170,9 +127,8 @@ def test_all_masked_batch_is_zero_not_nan(loss_type, device):
 
 def test_num_items_in_batch_tensor_and_float_agree(device):
     logp, mask, adv, old, _, _ = _batch(device=device)
-    a, _ = grpo_fast.token_loss(
-        logp, adv, mask, old_logprobs=old, num_items_in_batch=torch.tensor(40.0, device=device), backend="triton"
-    )
+    a, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old,
+                                num_items_in_batch=torch.tensor(40.0, device=device), backend="triton")
     b, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40, backend="triton")
     c, _ = reference.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40)
     assert a.item() == b.item()
@@ -198,48 +154,21 @@ def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_to
     sampler[1, :3] = float("nan")
     for sampling in (sampler, None):  # None: the old policy's log-probs are the sampler's
         for threshold in (0.05, 0.5):
-            _compare(
-                device,
-                logp,
-                adv,
-                mask,
-                entropy,
-                old_logprobs=old,
-                ref_logprobs=ref,
-                beta=0.04,
-                sampling_logprobs=sampling,
-                off_policy_mask_threshold=threshold,
-                loss_type=loss_type,
-                importance_sampling_level=level,
-                max_completion_length=T,
-            )
+            _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+                     sampling_logprobs=sampling, off_policy_mask_threshold=threshold, loss_type=loss_type,
+                     importance_sampling_level=level, max_completion_length=T)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
 def test_top_entropy_mask_and_entropy_bonus(loss_type, level, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=3)
-    for kw in (
-        dict(top_entropy_quantile=0.2),
-        dict(entropy_coef=0.01),
-        dict(top_entropy_quantile=0.5, entropy_coef=0.03),
-        dict(top_entropy_quantile=0.0),
-        dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02),
-    ):
-        _, metrics, _ = _compare(
-            device,
-            logp,
-            adv,
-            mask,
-            entropy,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            beta=0.04,
-            loss_type=loss_type,
-            importance_sampling_level=level,
-            max_completion_length=T,
-            **kw,
-        )
+    for kw in (dict(top_entropy_quantile=0.2), dict(entropy_coef=0.01),
+               dict(top_entropy_quantile=0.5, entropy_coef=0.03), dict(top_entropy_quantile=0.0),
+               dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02)):
+        _, metrics, _ = _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+                                 loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
+                                 **kw)
         assert ("policy_loss" in metrics) == ("entropy_coef" in kw)
 
 
@@ -277,16 +206,5 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type, device):
     assert iw.shape == ((B, T) if mode.startswith("token") else (B, 1))
     if loss_type == "vespo" and mode.startswith("sequence"):
         return
-    _compare(
-        device,
-        logp,
-        adv,
-        mask,
-        entropy,
-        old_logprobs=old,
-        ref_logprobs=ref,
-        beta=0.04,
-        importance_weights=iw,
-        loss_type=loss_type,
-        max_completion_length=T,
-    )
+    _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04, importance_weights=iw,
+             loss_type=loss_type, max_completion_length=T)

@@ -14,12 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_fast
 
-SYNC_OPS = {
-    torch.ops.aten._local_scalar_dense.default,
-    torch.ops.aten.nonzero.default,
-    torch.ops.aten.is_nonzero.default,
-    torch.ops.aten.masked_select.default,
-}
+SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+            torch.ops.aten.is_nonzero.default, torch.ops.aten.masked_select.default}
 
 
 class HostSyncs(TorchDispatchMode):
@@ -32,8 +28,7 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         bool_index = func is torch.ops.aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
-        )
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
         if func in SYNC_OPS or bool_index:
             self.syncs.append(str(func))
         return func(*args, **kwargs)
@@ -61,22 +56,15 @@ def _batch(weight_grad=False, seed=0):
     B, T, D, V = 3, 9, 32, 77
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[2] = False  # a sequence without tokens
-    return dict(
-        hidden=torch.randn(B, T, D, generator=g).requires_grad_(),
-        weight=(torch.randn(V, D, generator=g) * 0.2).requires_grad_(weight_grad),
-        targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
-        advantages=torch.randn(B, generator=g),
-        completion_mask=mask,
-        old_logprobs=-torch.rand(B, T, generator=g) * 4,
-        ref_logprobs=-torch.rand(B, T, generator=g) * 4,
-    )
+    return dict(hidden=torch.randn(B, T, D, generator=g).requires_grad_(),
+                weight=(torch.randn(V, D, generator=g) * 0.2).requires_grad_(weight_grad),
+                targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
+                advantages=torch.randn(B, generator=g), completion_mask=mask,
+                old_logprobs=-torch.rand(B, T, generator=g) * 4, ref_logprobs=-torch.rand(B, T, generator=g) * 4)
 
 
-LOSS_OPTIONS = [
-    dict(beta=0.04),
-    dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
-    dict(loss_type="dr_grpo", importance_sampling_level="sequence", max_completion_length=9),
-]
+LOSS_OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
+                dict(loss_type="dr_grpo", importance_sampling_level="sequence", max_completion_length=9)]
 
 
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_head", "general"])
@@ -112,11 +100,8 @@ def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeyp
 def test_the_value_checks_still_name_each_bad_input():
     x = _batch()
     bad_targets = dict(x, targets=torch.where(x["completion_mask"], 80, 0))
-    with pytest.raises(
-        ValueError,
-        match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask "
-        r"is 1, got values in \[80, 80\]",
-    ):
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask "
+                                         r"is 1, got values in \[80, 80\]"):
         grpo_fast.loss(**bad_targets, backend="triton")
     bad_mask = dict(x, completion_mask=x["completion_mask"].float() * 2)
     with pytest.raises(ValueError, match="completion_mask must be bool or hold only 0 and 1"):

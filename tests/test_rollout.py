@@ -15,19 +15,9 @@ def tiny_model(vocab=259, seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        eos_token_id=256,
-        pad_token_id=257,
-        bos_token_id=None,
-    )
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=512, eos_token_id=256, pad_token_id=257, bos_token_id=None)
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -125,9 +115,8 @@ def test_completion_hidden_states_match_model_logits_and_ignore_left_padding():
         alone = model(torch.cat([short, completion], 1)).logits[:, 3:8]
         torch.testing.assert_close(hidden[1:] @ model.lm_head.weight.T, alone, rtol=1e-5, atol=1e-5)
         logp = grpo_fast.logprobs(hidden, model.lm_head.weight, completion_ids)
-        torch.testing.assert_close(
-            logp, reference.logprobs(hidden, model.lm_head.weight, completion_ids), rtol=1e-5, atol=1e-5
-        )
+        torch.testing.assert_close(logp, reference.logprobs(hidden, model.lm_head.weight, completion_ids),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_generate_shapes_mask_and_force_full_length():
@@ -136,9 +125,8 @@ def test_generate_shapes_mask_and_force_full_length():
     torch.manual_seed(0)
     batch = rollout.generate(model, tok, prompts, num_generations=3, max_completion_length=6)
     assert batch.prompt_ids.shape[0] == batch.completion_ids.shape[0] == 6
-    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2]) and not torch.equal(
-        batch.prompt_ids[0], batch.prompt_ids[3]
-    )
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[2])
+    assert not torch.equal(batch.prompt_ids[0], batch.prompt_ids[3])
     assert torch.equal(batch.completion_mask, rollout.completion_mask(batch.completion_ids, [tok.eos_token_id]))
     full = rollout.generate(model, tok, prompts, num_generations=2, max_completion_length=6, force_full_length=True)
     assert full.completion_ids.shape == (4, 6) and full.completion_mask.all()

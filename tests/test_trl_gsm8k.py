@@ -52,33 +52,11 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(script, "xmlcount_reward", letters_reward)  # the first of the five: a non-zero signal
     with trl_kernel_forbidden():
         # the CPU recipe (no warm-up, no checkpoints) at toy sizes
-        trainer = script.main(
-            [
-                "--preset",
-                "cpu",
-                "--model",
-                str(tmp_path / "model"),
-                "--data",
-                str(tmp_path / "data"),
-                "--no-one-shot",
-                "--output-dir",
-                str(tmp_path / "out"),
-                "--max-steps",
-                "2",
-                "--num-generations",
-                "2",
-                "--max-completion-length",
-                "8",
-                "--per-device-train-batch-size",
-                "2",
-                "--gradient-accumulation-steps",
-                "1",
-                "--generation-batch-size",
-                "4",
-                "--learning-rate",
-                "1e-3",
-            ]
-        )
+        trainer = script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                               "--no-one-shot", "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
+                               "--num-generations", "2", "--max-completion-length", "8",
+                               "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1",
+                               "--generation-batch-size", "4", "--learning-rate", "1e-3"])
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
     assert all(f"rewards/{name}/mean" in steps[0] for name in REWARDS[1:])  # one generation batch feeds both steps
@@ -95,9 +73,8 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == [1, 2] and logged[-1]["step"] == 2
     assert [r["loss"] for r in logged if "loss" in r] == [e["loss"] for e in steps]
-    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (
-        out / "metrics.png"
-    ).stat().st_size > 10_000
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "metrics.png").stat().st_size > 10_000
     from safetensors.torch import load_file
 
     saved = load_file(out / "model" / "model.safetensors")
@@ -107,27 +84,15 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     stdout = capsys.readouterr().out
     assert "saving the trained weights..." in stdout
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith(
-        f"done: this run wrote {out}/: metrics.jsonl (2 steps), metrics.png, model/ (weights and tokenizer, "
-    ) and last.endswith(" kB)")
+    assert last.startswith(f"done: this run wrote {out}/: metrics.jsonl (2 steps), metrics.png, model/ (weights and "
+                           "tokenizer, ") and last.endswith(" kB)")
 
     # a second run into the same folder is refused before anything slow, and the first run's files stay
     with pytest.raises(SystemExit) as exit_info:
-        script.main(
-            [
-                "--preset",
-                "cpu",
-                "--model",
-                str(tmp_path / "model"),
-                "--data",
-                str(tmp_path / "data"),
-                "--output-dir",
-                str(out),
-            ]
-        )
+        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                     "--output-dir", str(out)])
     assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, model/)" in str(
-        exit_info.value
-    )
+        exit_info.value)
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "metrics.png", "model"]
 
 
@@ -148,31 +113,10 @@ def test_a_failed_run_keeps_only_its_finished_steps_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(script, "xmlcount_reward", fails_in_the_second_generation)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="reward server down"):
-        script.main(
-            [
-                "--preset",
-                "cpu",
-                "--model",
-                str(tmp_path / "model"),
-                "--data",
-                str(tmp_path / "data"),
-                "--no-one-shot",
-                "--output-dir",
-                str(out),
-                "--max-steps",
-                "4",
-                "--num-generations",
-                "2",
-                "--max-completion-length",
-                "8",
-                "--per-device-train-batch-size",
-                "2",
-                "--generation-batch-size",
-                "4",
-                "--learning-rate",
-                "1e-3",
-            ]
-        )
+        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                     "--no-one-shot", "--output-dir", str(out), "--max-steps", "4", "--num-generations", "2",
+                     "--max-completion-length", "8", "--per-device-train-batch-size", "2",
+                     "--generation-batch-size", "4", "--learning-rate", "1e-3"])
     assert sorted(p.name for p in out.iterdir()) == ["FAILED.txt", "metrics.jsonl"]
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     assert "stopped after 2 finished step(s): RuntimeError: reward server down" in (out / "FAILED.txt").read_text()
@@ -186,12 +130,11 @@ def test_cpu_recipe_and_bad_input(monkeypatch, tmp_path):
     assert args.max_completion_length >= 128  # room for the tags to close (at 64 every reward was 0)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    for argv, message in [
-        (["--model", "nope"], "--model nope: not a local folder and not a hub id"),
-        (["--model", str(tmp_path)], "the folder has no config.json"),
-        (["--model", str(tmp_path / "model"), "--data", str(tmp_path)], "no train.jsonl (or train.jsonl.gz) there"),
-        (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set"),
-    ]:
+    for argv, message in [(["--model", "nope"], "--model nope: not a local folder and not a hub id"),
+                          (["--model", str(tmp_path)], "the folder has no config.json"),
+                          (["--model", str(tmp_path / "model"), "--data", str(tmp_path)],
+                           "no train.jsonl (or train.jsonl.gz) there"),
+                          (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set")]:
         with pytest.raises(SystemExit) as exit_info:
             script.main(["--preset", "cpu", *argv])
         text = str(exit_info.value)
@@ -208,29 +151,23 @@ def test_every_numeric_flag_is_checked_before_anything_slow(monkeypatch, capsys)
     monkeypatch.setattr(script.models, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("loaded a model"))
     captured = {}
     real = argparse.ArgumentParser.parse_args
-    monkeypatch.setattr(
-        argparse.ArgumentParser,
-        "parse_args",
-        lambda self, *a, **k: (captured.setdefault("actions", self._actions), real(self, *a, **k))[1],
-    )
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, *a, **k: (captured.setdefault("actions", self._actions), real(self, *a, **k))[1])
     script.parse_args(["--preset", "cpu"])
     actions = {a.dest: a for a in captured["actions"]}
     assert {d for d, a in actions.items() if a.type in (int, float)} == set(script.RANGES)
-    cases = [
-        (["--max-steps", "0"], "--max-steps 0: expected an integer >= 1, or -1 (one epoch)"),
-        (["--max-steps", "-2"], "--max-steps -2: expected an integer >= 1, or -1 (one epoch)"),
-        (["--num-generations", "0"], "--num-generations 0: expected an integer >= 2"),
-        (["--temperature", "0"], "--temperature 0: expected a number > 0"),
-        (["--learning-rate", "nan"], "--learning-rate nan: expected a number > 0"),
-        (["--warmup-ratio", "1"], "--warmup-ratio 1: expected a number in [0, 1)"),
-        (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size 0: expected an integer >= 1"),
-        (["--generation-batch-size", "6"], "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
-        (
-            ["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
-            "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)",
-        ),
-        (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]"),
-    ]
+    cases = [(["--max-steps", "0"], "--max-steps 0: expected an integer >= 1, or -1 (one epoch)"),
+             (["--max-steps", "-2"], "--max-steps -2: expected an integer >= 1, or -1 (one epoch)"),
+             (["--num-generations", "0"], "--num-generations 0: expected an integer >= 2"),
+             (["--temperature", "0"], "--temperature 0: expected a number > 0"),
+             (["--learning-rate", "nan"], "--learning-rate nan: expected a number > 0"),
+             (["--warmup-ratio", "1"], "--warmup-ratio 1: expected a number in [0, 1)"),
+             (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size 0: expected an integer >= 1"),
+             (["--generation-batch-size", "6"],
+              "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
+             (["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
+              "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)"),
+             (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             script.main(["--preset", "cpu", *argv])

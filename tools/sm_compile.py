@@ -375,11 +375,8 @@ LAYER1_EXTRA = (
 
 # the divergence head (kernels/divergence.py): per dtype, the forward KL (one sweep + the backward), the JSD (its
 # second sweep, its backward's mixture) and the reverse KL with biases and soft-caps on both models
-DIVERGENCE_VARIANTS = tuple(
-    (f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
-    for d in (torch.bfloat16, torch.float16, torch.float32)
-    for b in (0.0, 0.5)
-) + (
+DIVERGENCE_VARIANTS = tuple((f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
+                            for d in (torch.bfloat16, torch.float16, torch.float32) for b in (0.0, 0.5)) + (
     ("div bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
     ("div fp32 beta=1 +bias +softcap", torch.float32, dict(beta=1.0, bias=True, softcap=30.0)),
 )
@@ -393,36 +390,19 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None):
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
     ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
     bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
-    transforms = (
-        kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
-        kconfig.LogitTransform(0.7, softcap, 1.0),
-    )
+    transforms = (kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
+                  kconfig.LogitTransform(0.7, softcap, 1.0))
     out = []
     with recording(kdivergence, "_forward_kernel") as fwd, recording(kdivergence, "_jsd_kernel") as jsd:
-        kdivergence.forward(
-            hs, ws, bs, ht, wt, bt, beta, *transforms, config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch])
-        )
+        kdivergence.forward(hs, ws, bs, ht, wt, bt, beta, *transforms,
+                            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))
     out += [("div fwd", fwd[0])] + [("div jsd", launch) for launch in jsd]
     saved = torch.zeros(len(kdivergence.divergence_torch.SAVED_FIELDS), N)
     argmax = torch.zeros(2, N, dtype=torch.int64)
     with recording(kdivergence, "_backward_kernel") as bwd:
-        kdivergence.backward(
-            torch.ones(N),
-            hs,
-            ws,
-            bs,
-            ht,
-            wt,
-            bt,
-            saved,
-            argmax,
-            beta,
-            *transforms,
-            torch.empty(N, Ds),
-            torch.zeros(V, Ds),
-            torch.zeros(V) if bias else None,
-            config=kdivergence.gpu_backward_config(dtype),
-        )
+        kdivergence.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
+                             torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None,
+                             config=kdivergence.gpu_backward_config(dtype))
     return out + [("div bwd", bwd[0])]
 
 

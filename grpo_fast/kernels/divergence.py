@@ -62,140 +62,30 @@ def backward_config(device, dtype):
 
 
 @triton.jit
-def _model_tile(
-    hidden_ptr,
-    weight_ptr,
-    bias_ptr,
-    offs_n,
-    offs_v,
-    n_mask,
-    v_mask,
-    D,
-    stride_hn,
-    stride_wv,
-    inv_temperature,
-    logit_scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _model_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D, stride_hn, stride_wv,
+                inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     """One model's transformed logits (-inf past the vocabulary) and dz/du: tile.logit_tile without LoRA."""
-    return logit_tile(
-        hidden_ptr,
-        weight_ptr,
-        bias_ptr,
-        hidden_ptr,
-        weight_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
-        D,
-        0,
-        stride_hn,
-        1,
-        stride_wv,
-        1,
-        inv_temperature,
-        logit_scale,
-        softcap,
-        HAS_BIAS,
-        False,
-        HAS_SOFTCAP,
-        DOT_FP32,
-        DOT_PRECISION,
-        DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-        16,
-    )
+    return logit_tile(hidden_ptr, weight_ptr, bias_ptr, hidden_ptr, weight_ptr, offs_n, offs_v, n_mask, v_mask, D, 0,
+                      stride_hn, 1, stride_wv, 1, inv_temperature, logit_scale, softcap, HAS_BIAS, False, HAS_SOFTCAP,
+                      DOT_FP32, DOT_PRECISION, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, 16)
 
 
 @triton.jit
-def _pair_tiles(
-    hs_ptr,
-    ws_ptr,
-    bs_ptr,
-    ht_ptr,
-    wt_ptr,
-    bt_ptr,
-    offs_n,
-    offs_v,
-    n_mask,
-    v_mask,
-    Ds,
-    Dt,
-    stride_hs,
-    stride_ws,
-    stride_ht,
-    stride_wt,
-    inv_temperature,
-    s_logit_scale,
-    s_softcap,
-    t_logit_scale,
-    t_softcap,
-    S_HAS_BIAS: tl.constexpr,
-    T_HAS_BIAS: tl.constexpr,
-    S_HAS_SOFTCAP: tl.constexpr,
-    T_HAS_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    S_DOT_PRECISION: tl.constexpr,
-    T_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds, Dt,
+                stride_hs, stride_ws, stride_ht, stride_wt,
+                inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
+                S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
+                T_HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr,
+                T_DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     """Both models' transformed logit tiles (two K-loops) and the student's slope dz/du."""
-    zs, slope = _model_tile(
-        hs_ptr,
-        ws_ptr,
-        bs_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
-        Ds,
-        stride_hs,
-        stride_ws,
-        inv_temperature,
-        s_logit_scale,
-        s_softcap,
-        S_HAS_BIAS,
-        S_HAS_SOFTCAP,
-        DOT_FP32,
-        S_DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
-    zt, _ = _model_tile(
-        ht_ptr,
-        wt_ptr,
-        bt_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
-        Dt,
-        stride_ht,
-        stride_wt,
-        inv_temperature,
-        t_logit_scale,
-        t_softcap,
-        T_HAS_BIAS,
-        T_HAS_SOFTCAP,
-        DOT_FP32,
-        T_DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
+                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
+                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
+                        inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
+                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     return zs, slope, zt
 
 
@@ -203,18 +93,15 @@ def _pair_tiles(
 def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
     """A token block's divergence_torch.SAVED_FIELDS (8 rows) and both argmax indices."""
     fields = saved_ptr + offs_n
-    return (
-        tl.load(fields, mask=n_mask, other=0.0),
-        tl.load(fields + stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 2 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 3 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 4 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 5 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 6 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 7 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1),
-        tl.load(argmax_ptr + stride_argmax + offs_n, mask=n_mask, other=-1),
-    )
+    return (tl.load(fields, mask=n_mask, other=0.0), tl.load(fields + stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 2 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 3 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 4 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 5 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 6 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(fields + 7 * stride_saved, mask=n_mask, other=0.0),
+            tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1),
+            tl.load(argmax_ptr + stride_argmax + offs_n, mask=n_mask, other=-1))
 
 
 @triton.jit
@@ -251,15 +138,8 @@ def _merge(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
     gap_shift = (lm - lo) - (wm - wo)
     cross = tl.where(scale == 0.0, 0.0, scale * (lc + gap_shift * lose_sumexp))
     zsum = tl.where(scale == 0.0, 0.0, scale * (lz + (lm - pivot) * lose_sumexp))
-    return (
-        wm,
-        tl.where(second, a2, a1),
-        tl.where(second, r2, r1) + scale * lose_sumexp,
-        tl.where(second, c2, c1) + cross,
-        wo,
-        tl.where(second, z2, z1) + zsum,
-        tl.maximum(u1, u2),
-    )
+    return (wm, tl.where(second, a2, a1), tl.where(second, r2, r1) + scale * lose_sumexp,
+            tl.where(second, c2, c1) + cross, wo, tl.where(second, z2, z1) + zsum, tl.maximum(u1, u2))
 
 
 @triton.jit
@@ -275,44 +155,19 @@ def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
 
 @triton.jit
 def _forward_kernel(
-    hs_ptr,
-    ws_ptr,
-    bs_ptr,
-    ht_ptr,
-    wt_ptr,
-    bt_ptr,
-    records_ptr,
-    N,
-    V,
-    Ds,
-    Dt,
-    vocab_per_split,
-    stride_field,
-    stride_hs,
-    stride_ws,
-    stride_ht,
-    stride_wt,
-    inv_temperature,
-    s_logit_scale,
-    s_softcap,
-    t_logit_scale,
-    t_softcap,
-    S_HAS_BIAS: tl.constexpr,
-    T_HAS_BIAS: tl.constexpr,
-    S_HAS_SOFTCAP: tl.constexpr,
-    T_HAS_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    S_DOT_PRECISION: tl.constexpr,
-    T_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, records_ptr,
+    N, V, Ds, Dt, vocab_per_split, stride_field,
+    stride_hs, stride_ws, stride_ht, stride_wt,
+    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
+    S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    BIG: tl.constexpr = 2**30
+    BIG: tl.constexpr = 2 ** 30
     empty = tl.zeros((BLOCK_N,), tl.float32)
     no_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     sm, sa, sr, sc, so, sz, su = no_max, empty, empty, empty, empty, empty, empty
@@ -322,39 +177,10 @@ def _forward_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        zs, _, zt = _pair_tiles(
-            hs_ptr,
-            ws_ptr,
-            bs_ptr,
-            ht_ptr,
-            wt_ptr,
-            bt_ptr,
-            offs_n,
-            offs_v,
-            n_mask,
-            v_mask,
-            Ds,
-            Dt,
-            stride_hs,
-            stride_ws,
-            stride_ht,
-            stride_wt,
-            inv_temperature,
-            s_logit_scale,
-            s_softcap,
-            t_logit_scale,
-            t_softcap,
-            S_HAS_BIAS,
-            T_HAS_BIAS,
-            S_HAS_SOFTCAP,
-            T_HAS_SOFTCAP,
-            DOT_FP32,
-            S_DOT_PRECISION,
-            T_DOT_PRECISION,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
+                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
         m, a, r, c, o, z, u = _tile_record(zs, zt, offs_v, BIG)
         sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
         m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
@@ -389,52 +215,20 @@ def _log_mixture(log_ps, log_pt, shared_top, s_rest_mass, t_rest_mass, beta, log
 
 @triton.jit
 def _jsd_kernel(
-    hs_ptr,
-    ws_ptr,
-    bs_ptr,
-    ht_ptr,
-    wt_ptr,
-    bt_ptr,
-    saved_ptr,
-    argmax_ptr,
-    out_ptr,
-    N,
-    V,
-    Ds,
-    Dt,
-    vocab_per_split,
-    stride_saved,
-    stride_out,
-    stride_hs,
-    stride_ws,
-    stride_ht,
-    stride_wt,
-    inv_temperature,
-    s_logit_scale,
-    s_softcap,
-    t_logit_scale,
-    t_softcap,
-    beta,
-    log_1m_beta,
-    log_beta,
-    S_HAS_BIAS: tl.constexpr,
-    T_HAS_BIAS: tl.constexpr,
-    S_HAS_SOFTCAP: tl.constexpr,
-    T_HAS_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    S_DOT_PRECISION: tl.constexpr,
-    T_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, saved_ptr, argmax_ptr, out_ptr,
+    N, V, Ds, Dt, vocab_per_split, stride_saved, stride_out,
+    stride_hs, stride_ws, stride_ht, stride_wt,
+    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap, beta, log_1m_beta, log_beta,
+    S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = (
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
         _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
-    )
     jsd = tl.zeros((BLOCK_N,), tl.float32)
     excess = tl.zeros((BLOCK_N,), tl.float32)
     v_begin = split * vocab_per_split
@@ -442,39 +236,10 @@ def _jsd_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        zs, _, zt = _pair_tiles(
-            hs_ptr,
-            ws_ptr,
-            bs_ptr,
-            ht_ptr,
-            wt_ptr,
-            bt_ptr,
-            offs_n,
-            offs_v,
-            n_mask,
-            v_mask,
-            Ds,
-            Dt,
-            stride_hs,
-            stride_ws,
-            stride_ht,
-            stride_wt,
-            inv_temperature,
-            s_logit_scale,
-            s_softcap,
-            t_logit_scale,
-            t_softcap,
-            S_HAS_BIAS,
-            T_HAS_BIAS,
-            S_HAS_SOFTCAP,
-            T_HAS_SOFTCAP,
-            DOT_FP32,
-            S_DOT_PRECISION,
-            T_DOT_PRECISION,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+        zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
+                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
         log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
         log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
@@ -492,51 +257,15 @@ def _jsd_kernel(
 
 @triton.jit
 def _backward_kernel(
-    hs_ptr,
-    ws_ptr,
-    bs_ptr,
-    ht_ptr,
-    wt_ptr,
-    bt_ptr,
-    saved_ptr,
-    argmax_ptr,
-    grad_ptr,
-    g_ptr,
-    grad_bias_ptr,
-    coefficient_max_ptr,
-    g_unscale_ptr,
-    N,
-    V,
-    Ds,
-    Dt,
-    N_ALL,
-    stride_saved,
-    stride_g,
-    stride_hs,
-    stride_ws,
-    stride_ht,
-    stride_wt,
-    inv_temperature,
-    s_logit_scale,
-    s_softcap,
-    t_logit_scale,
-    t_softcap,
-    beta,
-    log_1m_beta,
-    log_beta,
-    MODE: tl.constexpr,
-    S_HAS_BIAS: tl.constexpr,
-    T_HAS_BIAS: tl.constexpr,
-    S_HAS_SOFTCAP: tl.constexpr,
-    T_HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_DB: tl.constexpr,
-    SCALE_G: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    S_DOT_PRECISION: tl.constexpr,
-    T_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, saved_ptr, argmax_ptr, grad_ptr, g_ptr, grad_bias_ptr,
+    coefficient_max_ptr, g_unscale_ptr,
+    N, V, Ds, Dt, N_ALL, stride_saved, stride_g,
+    stride_hs, stride_ws, stride_ht, stride_wt,
+    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap, beta, log_1m_beta, log_beta,
+    MODE: tl.constexpr, S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
+    T_HAS_SOFTCAP: tl.constexpr, COMPUTE_DB: tl.constexpr, SCALE_G: tl.constexpr,
+    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """MODE 0: forward KL, 1: reverse KL, 2: JSD. The saved values' rows are N_ALL apart (this launch's rows are a
     slice of them)."""
@@ -558,42 +287,12 @@ def _backward_kernel(
     if tl.sum(tl.abs(c), axis=0) == 0.0:  # rows without a gradient (masked): exactly zero
         tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = _load_saved(
-        saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask
-    )
-    zs, slope, zt = _pair_tiles(
-        hs_ptr,
-        ws_ptr,
-        bs_ptr,
-        ht_ptr,
-        wt_ptr,
-        bt_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
-        Ds,
-        Dt,
-        stride_hs,
-        stride_ws,
-        stride_ht,
-        stride_wt,
-        inv_temperature,
-        s_logit_scale,
-        s_softcap,
-        t_logit_scale,
-        t_softcap,
-        S_HAS_BIAS,
-        T_HAS_BIAS,
-        S_HAS_SOFTCAP,
-        T_HAS_SOFTCAP,
-        DOT_FP32,
-        S_DOT_PRECISION,
-        T_DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-    )
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = \
+        _load_saved(saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask)
+    zs, slope, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
+                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
     log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
     ps = tl.exp(log_ps)
@@ -605,7 +304,8 @@ def _backward_kernel(
             relative = (zs - zt) - reference[:, None]
             weight = 1.0
         else:
-            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
+            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta,
+                                 log_beta)
             relative = (log_ps - log_m) - reference[:, None]
             weight = 1.0 - beta
         relative = tl.where(top_s, 0.0, relative)
@@ -619,98 +319,55 @@ def _backward_kernel(
 def _scalars(student_transform, teacher_transform):
     inv_t, s_scale, s_softcap = student_transform.kernel_scalars()
     _, t_scale, t_softcap = teacher_transform.kernel_scalars()
-    return dict(
-        inv_temperature=inv_t, s_logit_scale=s_scale, s_softcap=s_softcap, t_logit_scale=t_scale, t_softcap=t_softcap
-    )
+    return dict(inv_temperature=inv_t, s_logit_scale=s_scale, s_softcap=s_softcap, t_logit_scale=t_scale,
+                t_softcap=t_softcap)
 
 
-def _model_constexprs(
-    student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
-):
-    return dict(
-        S_HAS_BIAS=student_bias is not None,
-        T_HAS_BIAS=teacher_bias is not None,
-        S_HAS_SOFTCAP=student_transform.softcap is not None,
-        T_HAS_SOFTCAP=teacher_transform.softcap is not None,
-        DOT_FP32=config.dot_fp32,
-        S_DOT_PRECISION=config.dot_precision(student_hidden.dtype),
-        T_DOT_PRECISION=config.dot_precision(teacher_hidden.dtype),
-        BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v,
-        BLOCK_D=config.block_d,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+def _model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                      teacher_transform, config):
+    return dict(S_HAS_BIAS=student_bias is not None, T_HAS_BIAS=teacher_bias is not None,
+                S_HAS_SOFTCAP=student_transform.softcap is not None,
+                T_HAS_SOFTCAP=teacher_transform.softcap is not None, DOT_FP32=config.dot_fp32,
+                S_DOT_PRECISION=config.dot_precision(student_hidden.dtype),
+                T_DOT_PRECISION=config.dot_precision(teacher_hidden.dtype),
+                BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
+                num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _beta_scalars(beta):
     import math
-
     inner = 0.0 < beta < 1.0
-    return dict(
-        beta=float(beta), log_1m_beta=math.log1p(-beta) if inner else 0.0, log_beta=math.log(beta) if inner else 0.0
-    )
+    return dict(beta=float(beta), log_1m_beta=math.log1p(-beta) if inner else 0.0,
+                log_beta=math.log(beta) if inner else 0.0)
 
 
 @on_first_argument_device
-def forward(
-    student_hidden,
-    student_weight,
-    student_bias,
-    teacher_hidden,
-    teacher_weight,
-    teacher_bias,
-    beta,
-    student_transform,
-    teacher_transform,
-    config=None,
-):
+def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform, config=None):
     """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
     dev = student_hidden.device
     if N == 0:
-        return divergence_torch.forward(
-            student_hidden,
-            student_weight,
-            student_bias,
-            teacher_hidden,
-            teacher_weight,
-            teacher_bias,
-            beta,
-            student_transform,
-            teacher_transform,
-        )[:4]
+        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
+                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
     config = config or forward_config(dev, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
     records = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=dev)
-    models = (
-        student_hidden,
-        student_weight,
-        student_bias if student_bias is not None else student_hidden,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias if teacher_bias is not None else teacher_hidden,
-    )
-    common = dict(
-        stride_hs=student_hidden.stride(0),
-        stride_ws=student_weight.stride(0),
-        stride_ht=teacher_hidden.stride(0),
-        stride_wt=teacher_weight.stride(0),
-        **_scalars(student_transform, teacher_transform),
-        **_model_constexprs(
-            student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
-        ),
-    )
+    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
+                  **_scalars(student_transform, teacher_transform),
+                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                                      teacher_transform, config))
     _forward_kernel[grid](*models, records, N, V, Ds, Dt, vocab_per_split, records.stride(0), **common)
     runs = []
     for fields in (records[:RECORD_FIELDS], records[RECORD_FIELDS:]):
-        split_records = [
-            divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
-            for f in fields.unbind(1)
-        ]
+        split_records = [divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
+                         for f in fields.unbind(1)]
         run = split_records[0]
         for split in split_records[1:]:
             run = divergence_torch.merge(run, split)
@@ -720,21 +377,8 @@ def forward(
         saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
         argmax = torch.stack([student.argmax, teacher.argmax])
         out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
-        _jsd_kernel[grid](
-            *models,
-            saved,
-            argmax,
-            out,
-            N,
-            V,
-            Ds,
-            Dt,
-            vocab_per_split,
-            saved.stride(0),
-            out.stride(0),
-            **_beta_scalars(beta),
-            **common,
-        )
+        _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
+                          out.stride(0), **_beta_scalars(beta), **common)
         jsd, excess = out.sum(1).unbind(0)
         return jsd, excess
 
@@ -742,24 +386,9 @@ def forward(
 
 
 @on_first_argument_device
-def backward(
-    grad_divergence,
-    student_hidden,
-    student_weight,
-    student_bias,
-    teacher_hidden,
-    teacher_weight,
-    teacher_bias,
-    saved,
-    argmax,
-    beta,
-    student_transform,
-    teacher_transform,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    config=None,
-):
+def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+             teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
+             grad_bias, config=None):
     """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
     written, grad_weight and grad_bias accumulated (zero on entry); each may be None."""
     N, Ds = student_hidden.shape
@@ -772,55 +401,24 @@ def backward(
     scaled = student_hidden.dtype != torch.float32
     coefficient_max = grad_divergence.abs().amax().reshape(1) if scaled else saved
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
-    models = (
-        student_hidden,
-        student_weight,
-        student_bias if student_bias is not None else student_hidden,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias if teacher_bias is not None else teacher_hidden,
-    )
-    common = dict(
-        stride_hs=student_hidden.stride(0),
-        stride_ws=student_weight.stride(0),
-        stride_ht=teacher_hidden.stride(0),
-        stride_wt=teacher_weight.stride(0),
-        **_scalars(student_transform, teacher_transform),
-        **_beta_scalars(beta),
-        **_model_constexprs(
-            student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
-        ),
-    )
+    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
+                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
+                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                                      teacher_transform, config))
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         grid = (triton.cdiv(n1 - n0, config.block_n), triton.cdiv(V, config.block_v))
         _backward_kernel[grid](
-            student_hidden[n0:n1],
-            student_weight,
-            models[2],
-            teacher_hidden[n0:n1],
-            *models[4:],
-            saved[:, n0:],
-            argmax[:, n0:],
-            grad_divergence[n0:n1],
-            g,
-            grad_bias if grad_bias is not None else saved,
-            coefficient_max,
-            g_unscale,
-            n1 - n0,
-            V,
-            Ds,
-            Dt,
-            N,
-            saved.stride(0),
-            g.stride(0),
-            MODE=mode,
-            COMPUTE_DB=grad_bias is not None,
-            SCALE_G=scaled,
-            **common,
-        )
-        g_rows = g[: n1 - n0]
+            student_hidden[n0:n1], student_weight, models[2], teacher_hidden[n0:n1], *models[4:],
+            saved[:, n0:], argmax[:, n0:], grad_divergence[n0:n1], g,
+            grad_bias if grad_bias is not None else saved, coefficient_max, g_unscale,
+            n1 - n0, V, Ds, Dt, N, saved.stride(0), g.stride(0),
+            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **common)
+        g_rows = g[:n1 - n0]
         if grad_hidden is not None:
             mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
             if scaled:
