@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from conftest import backend_device
 
 from grpo_fast import reference
 
@@ -218,7 +217,9 @@ def _small_torch_chunks(monkeypatch):
 
 
 def on(backend, device, inputs):
-    dev = backend_device(backend, device)
+    # conftest.backend_device, not imported: spawned workers (test_divergence_parallel.py) import this module where
+    # 'conftest' can name tests/verl_env's
+    dev = device if backend == "triton" else torch.device("cpu")
     return tuple(x.to(dev) if x is not None else None for x in inputs)
 
 
