@@ -10,6 +10,8 @@
     lora = grpo_fast.HeadLora(a, b, scaling, dropout)         # LoRA on the lm_head (PEFT's lora_A/B weights): lora=lora
     div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
                                beta=0.5)                      # on-policy distillation (TRL's DistillationTrainer)
+    loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, teacher_weight),
+                                   distillation_coef=0.1)     # RL and distillation in one call
 """
 
 from grpo_fast import reference
@@ -17,9 +19,10 @@ from grpo_fast.api import Metrics, logprobs, logprobs_and_entropy, loss, samplin
 from grpo_fast.divergence_head import divergence, divergence_and_entropy
 from grpo_fast.lora import HeadLora
 from grpo_fast.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions
+from grpo_fast.teacher_head import Teacher
 from grpo_fast.vocab_parallel import VocabShard
 
 __all__ = ["loss", "logprobs", "logprobs_and_entropy", "token_loss", "sampling_importance_weights", "Metrics",
            "LossOptions", "LOSS_TYPES", "NUM_ITEMS_LOSS_TYPES", "VocabShard", "HeadLora", "reference", "divergence",
-           "divergence_and_entropy"]
+           "divergence_and_entropy", "Teacher"]
 __version__ = "0.1.0"

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from grpo_fast import autograd, ops, reference
+from grpo_fast import autograd, ops, reference, teacher_head
 from grpo_fast import lora as head_lora
 from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.lora import HeadLora
 from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions
 from grpo_fast.options import check_number as _number
+from grpo_fast.teacher_head import Teacher
 from grpo_fast.transform import LogitTransform
 from grpo_fast.vocab_parallel import VocabShard
 
@@ -393,7 +394,8 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
          temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
          options: LossOptions | None = None, head_path: str = "auto", backward_mode: str = "chunked",
          lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None, backend: str = "auto",
-         check_values: bool = True,
+         check_values: bool = True, teacher: Teacher | None = None, distillation_coef: float | None = None,
+         distillation_beta: float | None = None,
          loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
          delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
          sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
@@ -411,9 +413,15 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     A vocab-parallel head (``logprobs_and_entropy``): every rank of its group returns the unsharded loss and metrics.
     ``check_values``: the checks that read values (targets in [0, V) where the mask is 1, the mask 0/1,
     num_items_in_batch >= 0) run on the device and are read once; False reads nothing (module docstring).
+    ``teacher=grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale)`` with ``distillation_coef``: RL and
+    distillation in one call; the per-token loss gains ``distillation_coef`` times the divergence from the teacher
+    (``distillation_beta``: grpo_fast.divergence's beta, default 1.0, TRL's), computed in the same vocabulary sweeps
+    as the student's log-probs (grpo_fast.teacher_head); ``metrics["distillation_loss"]`` is its mean over the scored
+    tokens. Torch backend only, without ``lora`` or ``vocab_parallel``.
     Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict of fp32 device scalars.
     """
     options = LossOptions.from_written_keywords(options, locals())
+    distillation = _checked_distillation(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
     B, T, _, _ = _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
@@ -425,11 +433,110 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     backend = _resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
+    if distillation is not None:
+        _check_teacher(teacher, hidden, weight, backend, shard)
+        rows = _scored_rows(completion_mask, checks)
+        logp, entropy, div = _with_teacher(hidden, weight, targets, bias, teacher, rows, transform,
+                                           distillation[1], backend)
+        total, metrics = _token_loss(logp, entropy, batch, options, backend)
+        return _add_distillation(total, metrics, div, distillation[0], batch, options)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks),
                                           transform, backend, head_path if options.entropy_coef == 0.0 else "general",
                                           backward_mode, shard, lora)
     return _token_loss(logp, entropy, batch, options, backend)
+
+
+def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel):
+    """(coef, beta) of a call with a teacher, checked, or None without one (then neither may be given)."""
+    if teacher is None:
+        for name, value in (("distillation_coef", coef), ("distillation_beta", distillation_beta)):
+            if value is not None:
+                raise ValueError(f"{name} is given but teacher is None: pass teacher=grpo_fast.Teacher(hidden, "
+                                 "weight, ...) for the divergence it weighs")
+        return None
+    if not isinstance(teacher, Teacher):
+        raise TypeError(f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale), got "
+                        f"{type(teacher).__name__}")
+    if coef is None:
+        raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
+    _number("distillation_coef", coef)
+    distillation_beta = 1.0 if distillation_beta is None else distillation_beta
+    _number("distillation_beta", distillation_beta, lambda v: 0.0 <= v <= 1.0,
+            "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))")
+    if lora is not None:
+        raise ValueError("lora with a teacher is not supported: the combined head has no LoRA operand (call "
+                         "grpo_fast.loss and grpo_fast.divergence separately)")
+    if vocab_parallel is not None:
+        raise ValueError("vocab_parallel with a teacher is not supported: the combined head runs on one process "
+                         "(call grpo_fast.loss and grpo_fast.divergence separately)")
+    return float(coef), float(distillation_beta)
+
+
+def _check_teacher(teacher, hidden, weight, backend, shard):
+    """The teacher's tensors and numbers against the student's ``hidden`` [B, T, Ds] and ``weight`` [V, Ds], on a
+    backend and head (``shard``: vocab-parallel) the combined head supports."""
+    if shard is not None:
+        raise ValueError("a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
+                         "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)")
+    if backend.name != "torch":
+        raise ValueError("a teacher runs on the torch backend only (the Triton kernels have no combined head yet): "
+                         "pass backend='torch' (any device)")
+    _float_tensor("teacher.hidden", teacher.hidden)
+    B, T, _ = hidden.shape
+    if teacher.hidden.dim() != 3 or tuple(teacher.hidden.shape[:2]) != (B, T) or teacher.hidden.shape[2] == 0:
+        raise ValueError(f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's) and Dt > 0, "
+                         f"got {tuple(teacher.hidden.shape)}")
+    _float_tensor("teacher.weight", teacher.weight)
+    Dt = teacher.hidden.shape[2]
+    if teacher.weight.dim() != 2 or teacher.weight.shape[1] != Dt:
+        raise ValueError(f"teacher.weight must have shape [V, Dt] with Dt = {Dt} (teacher.hidden's), got "
+                         f"{tuple(teacher.weight.shape)}")
+    if teacher.weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"weight has V = {weight.shape[0]} rows but teacher.weight has V = {teacher.weight.shape[0]}: "
+                         "the vocabularies must match")
+    if teacher.weight.dtype != teacher.hidden.dtype:
+        raise TypeError(f"teacher.weight dtype {teacher.weight.dtype} differs from teacher.hidden dtype "
+                        f"{teacher.hidden.dtype}: cast one of them")
+    if teacher.bias is not None:
+        _float_tensor("teacher.bias", teacher.bias)
+        _shape("teacher.bias", teacher.bias, [(weight.shape[0],)], lambda: f"[V] = [{weight.shape[0]}]")
+    _same_device([("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight),
+                  ("teacher.bias", teacher.bias)], hidden.device, "hidden")
+    if teacher.softcap is not None:
+        _number("teacher.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
+    _number("teacher.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
+
+
+def _with_teacher(hidden, weight, targets, bias, teacher, rows, transform, distillation_beta, backend):
+    """Layer 1 with the teacher's divergence (grpo_fast.teacher_head): (logp, entropy, divergence) [B, T] fp32."""
+    B, T = targets.shape
+    h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
+    ht = _row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows)
+    wt, bt = teacher.weight, teacher.bias
+    teacher_transform = LogitTransform.from_floats(transform.temperature, teacher.softcap, teacher.logit_scale)
+    out = teacher_head.logprobs_entropy_divergence(
+        h, w, y, b, ht.contiguous(), wt.contiguous(), bt.contiguous() if bt is not None else None, distillation_beta,
+        transform, teacher_transform, backend.name)
+    return tuple(_scatter_rows(x, rows, (B, T)) for x in out)
+
+
+def aggregate(per_token, completion_mask, options, num_items_in_batch=None):
+    """A per-token quantity [B, T] reduced as the loss type reduces its per-token loss (linear in it), with
+    ``num_items_in_batch`` an fp32 device scalar or None: the one place the divergence term is aggregated."""
+    return reference._normalise(per_token, completion_mask, options, num_items_in_batch)
+
+
+def _add_distillation(total, metrics, div, coef, batch, options):
+    """GRPO's loss and metrics plus the distillation term: loss + coef * aggregate(divergence) (the per-token loss
+    gains coef * divergence before the loss type's reduction), metrics["distillation_loss"] the mean divergence over
+    the scored tokens (TRL's SDPO trainer logs that mean under this name)."""
+    prepared = _prepared(batch, options, div.device)
+    mask = prepared.completion_mask.bool()
+    total = total + coef * aggregate(div, prepared.completion_mask, options, prepared.num_items_in_batch)
+    with torch.no_grad():
+        metrics["distillation_loss"] = torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1).float()
+    return total, metrics
 
 
 def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *,

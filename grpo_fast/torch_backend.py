@@ -150,17 +150,8 @@ def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, tran
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
             z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True, lora=lora)
-            p = torch.exp(z - lse[:, None])
-            g = p * -c[:, None]
-            if e is not None:
-                # p is 0 where z is -inf: keep 0 * inf from forming a NaN
-                g += p * (stats.mean_logit[n0:n1, None] - z).masked_fill_(p == 0, 0.0) * e[:, None]
-            rows = torch.nonzero((tgt >= v0) & (tgt < v1)).squeeze(1)
-            local = tgt[rows] - v0
-            column = target_dz[rows]
-            if e is not None:
-                column = column + e[rows] * p[rows, local] * stats.mean_minus_target[n0:n1][rows]
-            g[rows, local] = column
+            g = logit_grad(z, tgt - v0, c, e, lse, target_dz, stats.mean_logit[n0:n1] if e is not None else None,
+                           stats.mean_minus_target[n0:n1] if e is not None else None)
             g.mul_(dz_du)
             if grad_hidden is not None:
                 grad_hidden[n0:n1] += g @ weight[v0:v1].float()
@@ -172,3 +163,22 @@ def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, tran
                 grad_lora_hidden[n0:n1] += g @ lora[1][v0:v1].float()
             if grad_lora_weight is not None:
                 grad_lora_weight[v0:v1] += g.T @ lora[0][n0:n1].float()
+
+
+def logit_grad(z, local_target, grad_logp, grad_entropy, lse, target_dz, mean_logit, mean_minus_target):
+    """dL/dz of one tile z [n, c] (before the transform's slope) from dL/dlogp ``grad_logp`` and dL/dentropy
+    ``grad_entropy`` [n] (or None): every non-target column from p = exp(z - lse), the target column (``local_target``
+    [n], outside [0, c): not in this tile) from the carried target_dz = grad_logp (1 - p_y) and, with the entropy,
+    mean_minus_target (BackwardStats' values for these rows)."""
+    p = torch.exp(z - lse[:, None])
+    g = p * -grad_logp[:, None]
+    if grad_entropy is not None:
+        # p is 0 where z is -inf: keep 0 * inf from forming a NaN
+        g += p * (mean_logit[:, None] - z).masked_fill_(p == 0, 0.0) * grad_entropy[:, None]
+    rows = torch.nonzero((local_target >= 0) & (local_target < z.shape[1])).squeeze(1)
+    local = local_target[rows]
+    column = target_dz[rows]
+    if grad_entropy is not None:
+        column = column + grad_entropy[rows] * p[rows, local] * mean_minus_target[rows]
+    g[rows, local] = column
+    return g
