@@ -343,3 +343,43 @@ def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, c
     """The per-token divergence alone (``divergence_and_entropy``)."""
     return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
                                   **kwargs)[0]
+
+
+def loss_with_teacher(hidden, weight, targets, advantages, completion_mask, teacher_hidden, teacher_weight,
+                      options=None, *, distillation_coef, distillation_beta=1.0, teacher_bias=None,
+                      teacher_softcap=None, teacher_logit_scale=1.0, bias=None, temperature=1.0, softcap=None,
+                      logit_scale=1.0, compute_dtype=torch.float32, **kwargs):
+    """RL and distillation in one loss (grpo_fast.loss with ``teacher=``): the per-token GRPO loss plus
+    ``distillation_coef`` times the divergence (``distillation_beta``), reduced by the loss type's reduction, which
+    is linear: ``loss`` + coef * the reduced divergence. Metrics: ``loss``'s plus ``distillation_loss``, the mean
+    divergence over the mask's tokens.
+
+    Args:
+        hidden, weight, targets, advantages, completion_mask: as ``loss``.
+        teacher_hidden, teacher_weight: the teacher's [B, T, Dt] and [V, Dt].
+        options: the loss options (or as keywords in ``kwargs``, with ``loss``'s batch inputs).
+        distillation_coef: the divergence's weight in the per-token loss.
+        distillation_beta: ``divergence_and_entropy``'s beta.
+        teacher_bias, teacher_softcap, teacher_logit_scale: the teacher's head (one temperature for both).
+        bias, temperature, softcap, logit_scale: the student's head.
+        compute_dtype: the logits' dtype (float64: the truth the kernels are tested against).
+
+    Returns:
+        (loss, metrics): a scalar and a dict of detached fp32 scalars.
+    """
+    from grpo_fast.options import FIELD_NAMES  # here: the module's imports belong to its token-loss part
+
+    options = LossOptions.resolve(options, {k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES},
+                                  "loss_with_teacher")
+    total, metrics = loss(hidden, weight, targets, advantages, completion_mask, options, bias=bias,
+                          temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                          compute_dtype=compute_dtype, **kwargs)
+    div = divergence(hidden, weight, teacher_hidden, teacher_weight, completion_mask, beta=distillation_beta,
+                     temperature=temperature, student_bias=bias, teacher_bias=teacher_bias, student_softcap=softcap,
+                     teacher_softcap=teacher_softcap, student_logit_scale=logit_scale,
+                     teacher_logit_scale=teacher_logit_scale, compute_dtype=compute_dtype)
+    mask = completion_mask.bool()
+    total = total + distillation_coef * _normalise(div, completion_mask.to(div.dtype), options,
+                                                   kwargs.get("num_items_in_batch"))
+    metrics["distillation_loss"] = (torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1)).detach().float()
+    return total, metrics

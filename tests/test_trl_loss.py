@@ -453,10 +453,12 @@ def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, ro
 # ----------------------------------------------------------------------------------------------- defaults, errors
 # grpo_fast.loss keywords that are not GRPOConfig options: per-batch tensors, the logit transform a model's config
 # carries (TRL reads softcap / logit scale from it), the head's LoRA adapter (TRL reads it from the PEFT model), the
-# precomputed top-entropy threshold, the backend and layer 1's path and backward
+# precomputed top-entropy threshold, the backend and layer 1's path and backward, the distillation teacher and its
+# coefficient and beta (DistillationConfig's names, not GRPOConfig's)
 GRPO_FAST_ONLY_KEYWORDS = {"bias", "old_logprobs", "ref_logprobs", "sampling_logprobs", "importance_weights",
                            "softcap", "logit_scale", "num_items_in_batch", "entropy_threshold", "backend", "entropy",
-                           "options", "head_path", "backward_mode", "vocab_parallel", "lora", "check_values"}
+                           "options", "head_path", "backward_mode", "vocab_parallel", "lora", "check_values",
+                           "teacher", "distillation_coef", "distillation_beta"}
 
 
 @pytest.mark.parametrize("fn", [grpo_fast.loss, grpo_fast.token_loss], ids=lambda f: f.__name__)
