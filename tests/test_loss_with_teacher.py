@@ -236,3 +236,25 @@ def test_fake_tensors_give_the_shapes():
                                         bias=fake["bias"], teacher=teacher, distillation_coef=COEF, backend="torch")
         total.backward()
     assert total.shape == () and metrics["distillation_loss"].shape == () and h.grad.shape == h.shape
+
+
+@pytest.mark.slow
+def test_compiles_to_one_graph():
+    """torch.compile(fullgraph=True) of a step with a teacher (the op's fake implementation and autograd; aot_eager)
+    gives the eager loss, metric and gradients."""
+    batch = _batch(B=2, T=5, V=31)
+    t = batch["teacher"]
+
+    def step(h, w, b):
+        total, metrics = grpo_fast.loss(h, w, batch["targets"], batch["advantages"], batch["mask"], bias=b,
+                                        teacher=t, distillation_coef=COEF, distillation_beta=0.5, backend="torch",
+                                        check_values=False)
+        return total, metrics["distillation_loss"]
+
+    leaves = _leaves(batch)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves)
+    eager = step(*leaves)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-7)
+    for a, e in zip(_grads(compiled[0], leaves), _grads(eager[0], leaves)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
