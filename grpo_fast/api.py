@@ -417,7 +417,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     distillation in one call; the per-token loss gains ``distillation_coef`` times the divergence from the teacher
     (``distillation_beta``: grpo_fast.divergence's beta, default 1.0, TRL's), computed in the same vocabulary sweeps
     as the student's log-probs (grpo_fast.teacher_head); ``metrics["distillation_loss"]`` is its mean over the scored
-    tokens. Torch backend only, without ``lora`` or ``vocab_parallel``.
+    tokens. Not with ``lora`` or ``vocab_parallel``.
     Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict of fp32 device scalars.
     """
     options = LossOptions.from_written_keywords(options, locals())
@@ -434,7 +434,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
     if distillation is not None:
-        _check_teacher(teacher, hidden, weight, backend, shard)
+        _check_teacher(teacher, hidden, weight, shard)
         rows = _scored_rows(completion_mask, checks)
         logp, entropy, div = _with_teacher(hidden, weight, targets, bias, teacher, rows, transform,
                                            distillation[1], backend)
@@ -473,15 +473,12 @@ def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel
     return float(coef), float(distillation_beta)
 
 
-def _check_teacher(teacher, hidden, weight, backend, shard):
+def _check_teacher(teacher, hidden, weight, shard):
     """The teacher's tensors and numbers against the student's ``hidden`` [B, T, Ds] and ``weight`` [V, Ds], on a
-    backend and head (``shard``: vocab-parallel) the combined head supports."""
+    head (``shard``: vocab-parallel) the combined head supports."""
     if shard is not None:
         raise ValueError("a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
                          "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)")
-    if backend.name != "torch":
-        raise ValueError("a teacher runs on the torch backend only (the Triton kernels have no combined head yet): "
-                         "pass backend='torch' (any device)")
     _float_tensor("teacher.hidden", teacher.hidden)
     B, T, _ = hidden.shape
     if teacher.hidden.dim() != 3 or tuple(teacher.hidden.shape[:2]) != (B, T) or teacher.hidden.shape[2] == 0:

@@ -15,9 +15,11 @@ a recompute sweep, dH and dW) the student's projections fall from 4 to 2 and its
 (tests/test_loss_with_teacher.py counts them).
 
 The boundary with torch is two custom ops (``grpo_fast::loss_head_forward``, ``grpo_fast::loss_head_backward``) with
-fake implementations and registered autograd, as the other heads'. The teacher never gets a gradient. The torch twin
-is the implementation on every device; the Triton kernels have no combined variant yet (the public call names the
-error).
+fake implementations and registered autograd, as the other heads'. The teacher never gets a gradient. Backends:
+the torch twin (``forward``, ``backward``: layer 1's record folded beside the divergence's) and the divergence head's
+Triton kernels (kernels/divergence.py), whose forward also gathers the student's logit at each target in its sweep
+(layer 1's record then follows from the divergence's student record: ``layer1_record``) and whose backward adds
+layer 1's term to g before the same cuBLAS dH and dW.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from grpo_fast import divergence_torch as dt
 from grpo_fast import ops, torch_backend
+from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels import softmax_stats
 from grpo_fast.torch_backend import CHUNK_N, CHUNK_V
 from grpo_fast.transform import LogitTransform
@@ -93,6 +96,34 @@ def forward(hidden, weight, targets, bias, teacher_hidden, teacher_weight, teach
     return tuple(torch.cat(parts, dim=-1) for parts in zip(*outputs, strict=True))
 
 
+def layer1_record(student, targets, target_logit):
+    """Layer 1's merged record (softmax_stats.SoftmaxStats) from the divergence's student record
+    (divergence_torch.Record) and the student's logit at each target: the max, zsum and rest (argmax kept out) are
+    the same sums; the rest without the target is the record's rest where the target is the argmax (its logit is then
+    the max, exactly), else (1 - e_y) + rest, e_y = exp(z_y - m) <= 1, p_y <= 1/2: no cancellation either way."""
+    has_max = (student.max > float("-inf")).float()
+    pivot = torch.where(torch.isinf(student.max), 0.0, student.max)
+    top = targets == student.argmax
+    target_logit = torch.where(top, student.max, target_logit)
+    rest = torch.where(top, student.rest, (has_max - torch.exp(target_logit - pivot)) + student.rest)
+    return softmax_stats.SoftmaxStats(student.max, has_max + student.rest, rest, student.zsum, target_logit)
+
+
+def triton_forward(hidden, weight, targets, bias, teacher_hidden, teacher_weight, teacher_bias, beta, transform,
+                   teacher_transform):
+    """``forward``'s outputs by the divergence head's Triton forward kernel, which also gathers the student's logit
+    at each target in its sweep (kernels/divergence.py, WITH_TARGET); layer 1's record is then ``layer1_record``."""
+    if hidden.shape[0] == 0:
+        return forward(hidden, weight, targets, bias, teacher_hidden, teacher_weight, teacher_bias, beta, transform,
+                       teacher_transform)
+    run_s, run_t, jsd_sweep, target_logit = kdivergence.records(
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, transform, teacher_transform,
+        targets=targets)
+    logp, entropy, layer1 = softmax_stats.finish(layer1_record(run_s, targets, target_logit), True)
+    div, _, saved, argmax = dt.finish(run_s, run_t, beta, jsd_sweep)
+    return logp, entropy, div, torch.stack(tuple(layer1)), saved, argmax
+
+
 def backward(grad_logp, grad_entropy, grad_divergence, hidden, weight, targets, bias, teacher_hidden, teacher_weight,
              teacher_bias, layer1, saved, argmax, beta, transform, teacher_transform, grad_hidden, grad_weight,
              grad_bias):
@@ -140,11 +171,11 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
              beta: float, temperature: float, softcap: float | None, logit_scale: float,
              teacher_softcap: float | None, teacher_logit_scale: float, backend: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The combined head's forward (``forward``'s outputs); ``backend`` is "torch" (the twin, any device)."""
-    if backend != "torch":
-        raise ValueError(f"the combined GRPO + distillation head runs on the torch backend only, got {backend!r}")
-    return forward(hidden, weight, targets, bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-                   *_transforms(temperature, softcap, logit_scale, teacher_softcap, teacher_logit_scale))
+    """The combined head's forward (``forward``'s outputs) by ``backend``: "torch" (the twin, any device) or
+    "triton"."""
+    run = triton_forward if backend == "triton" else forward
+    return run(hidden, weight, targets, bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+               *_transforms(temperature, softcap, logit_scale, teacher_softcap, teacher_logit_scale))
 
 
 _forward_op = torch.library.custom_op("grpo_fast::loss_head_forward", mutates_args=())(_forward)
@@ -161,25 +192,32 @@ def _forward_fake(hidden, weight, targets, bias, teacher_hidden, teacher_weight,
             hidden.new_empty((2, N), dtype=torch.int64))
 
 
-def _backward_impl(grad_logp: torch.Tensor, grad_entropy: torch.Tensor, grad_divergence: torch.Tensor,
+def _backward_impl(grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, grad_divergence: torch.Tensor,
                    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
                    teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
                    layer1: torch.Tensor, saved: torch.Tensor, argmax: torch.Tensor, beta: float, temperature: float,
                    softcap: float | None, logit_scale: float, teacher_softcap: float | None,
                    teacher_logit_scale: float, backend: str, need_hidden: bool, need_weight: bool,
                    need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d hidden, d weight, d bias) in the inputs' dtypes, each empty (0 elements) where not needed."""
+    """(d hidden, d weight, d bias) in the inputs' dtypes, each empty (0 elements) where not needed;
+    ``grad_entropy`` None: the entropy has no gradient (its term is compiled out of the Triton backward)."""
     dev = hidden.device
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
     grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=dev)
                  if need_bias and bias is not None else None)
-    if hidden.shape[0] > 0:
-        backward(grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
-                 grad_divergence.float().contiguous(), hidden, weight, targets, bias, teacher_hidden, teacher_weight,
-                 teacher_bias, layer1, saved, argmax, beta,
-                 *_transforms(temperature, softcap, logit_scale, teacher_softcap, teacher_logit_scale), grad_hidden,
-                 grad_weight, grad_bias)
+    transforms = _transforms(temperature, softcap, logit_scale, teacher_softcap, teacher_logit_scale)
+    grad_logp, grad_divergence = grad_logp.float().contiguous(), grad_divergence.float().contiguous()
+    if hidden.shape[0] > 0 and backend == "triton":
+        kdivergence.backward(grad_divergence, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
+                             saved, argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias,
+                             layer1=(targets, layer1.contiguous(), grad_logp,
+                                     grad_entropy.float().contiguous() if grad_entropy is not None else None))
+    elif hidden.shape[0] > 0:
+        grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else torch.zeros_like(grad_logp)
+        backward(grad_logp, grad_entropy, grad_divergence, hidden, weight, targets, bias, teacher_hidden,
+                 teacher_weight, teacher_bias, layer1, saved, argmax, beta, *transforms, grad_hidden, grad_weight,
+                 grad_bias)
 
     def out(grad, like):
         return grad.to(like.dtype) if grad is not None else like.new_empty(0)
@@ -213,14 +251,16 @@ def _backward(ctx, grad_logp, grad_entropy, grad_divergence, _grad_layer1, _grad
     hidden, weight, targets, bias, teacher_hidden, teacher_weight, teacher_bias, layer1, saved, argmax = \
         ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
-    grads = [grad_logp, grad_entropy, grad_divergence]
-    if all(g is None for g in grads) or not (need_hidden or need_weight or need_bias):
+    if all(g is None for g in (grad_logp, grad_entropy, grad_divergence)) or not (need_hidden or need_weight
+                                                                                    or need_bias):
         return (None,) * 14
-    # an output without a gradient contributes nothing: zeros, so the op's schema takes three tensors
-    grads = [g if g is not None else torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-             for g in grads]
+
+    def zeros_for(grad):  # an output without a gradient contributes nothing
+        return grad if grad is not None else torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+
     backward_op = _backward_impl if ops.runs_inline(ctx.saved_tensors) else _backward_op
-    d_hidden, d_weight, d_bias = backward_op(*grads, hidden, weight, targets, bias, teacher_hidden, teacher_weight,
+    d_hidden, d_weight, d_bias = backward_op(zeros_for(grad_logp), grad_entropy, zeros_for(grad_divergence),
+                                             hidden, weight, targets, bias, teacher_hidden, teacher_weight,
                                              teacher_bias, layer1, saved, argmax, *ctx.scalars, need_hidden,
                                              need_weight, need_bias)
     return (d_hidden if need_hidden else None, d_weight if need_weight else None, None,
@@ -241,7 +281,7 @@ def logprobs_entropy_divergence(hidden, weight, targets, bias, teacher_hidden, t
         teacher_hidden, teacher_weight, teacher_bias: the teacher's rows [N, Dt], head [V, Dt], bias (no gradient).
         beta: the divergence's beta (0 forward KL, 1 reverse KL, between: the generalized JSD).
         transform, teacher_transform: each model's LogitTransform (one temperature).
-        backend: the backend's name ("torch").
+        backend: the backend's name ("torch" or "triton").
 
     Returns:
         (logp, entropy, divergence), [N] fp32 each.

@@ -23,7 +23,7 @@ from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled
 from .forward import num_vocab_splits
 from .gemm import chunk_size, mm_fp32
 from .launch import on_first_argument_device
-from .tile import gemm_scale, logit_tile
+from .tile import gemm_scale, logit_tile, row_coefficients
 
 # the record fields of one model in the split buffer, in divergence_torch.Record's order
 RECORD_FIELDS = len(divergence_torch.Record._fields)
@@ -155,14 +155,16 @@ def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
 
 @triton.jit
 def _forward_kernel(
-    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, records_ptr,
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, records_ptr, targets_ptr,
     N, V, Ds, Dt, vocab_per_split, stride_field,
     stride_hs, stride_ws, stride_ht, stride_wt,
     inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
     S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """WITH_TARGET: also the student's logit at each token's target (0 where this split does not hold it), in the
+    record field after both models' (the combined head, grpo_fast/teacher_head.py)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,6 +174,9 @@ def _forward_kernel(
     no_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     sm, sa, sr, sc, so, sz, su = no_max, empty, empty, empty, empty, empty, empty
     tm, ta, tr, tc, to, tz, tu = no_max, empty, empty, empty, empty, empty, empty
+    target_logit = empty
+    if WITH_TARGET:
+        targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     v_begin = split * vocab_per_split
     v_end = tl.minimum(v_begin + vocab_per_split, V)
     for v0 in range(v_begin, v_end, BLOCK_V):
@@ -185,9 +190,14 @@ def _forward_kernel(
         sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
         m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
         tm, ta, tr, tc, to, tz, tu = _merge(tm, ta, tr, tc, to, tz, tu, m, a, r, c, o, z, u)
+        if WITH_TARGET:
+            # the tile's own value: at the argmax it is the record's max exactly
+            target_logit += tl.sum(tl.where(offs_v[None, :] == targets[:, None], zs, 0.0), axis=1)
     out = records_ptr + split * N + offs_n
     _store_record(out, stride_field, n_mask, sm, sa, sr, sc, so, sz, su)
     _store_record(out + 7 * stride_field, stride_field, n_mask, tm, ta, tr, tc, to, tz, tu)
+    if WITH_TARGET:
+        tl.store(out + 14 * stride_field, target_logit, mask=n_mask)
 
 
 @triton.jit
@@ -258,17 +268,20 @@ def _jsd_kernel(
 @triton.jit
 def _backward_kernel(
     hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, saved_ptr, argmax_ptr, grad_ptr, g_ptr, grad_bias_ptr,
-    coefficient_max_ptr, g_unscale_ptr,
+    coefficient_max_ptr, g_unscale_ptr, targets_ptr, layer1_ptr, grad_logp_ptr, grad_entropy_ptr,
     N, V, Ds, Dt, N_ALL, stride_saved, stride_g,
     stride_hs, stride_ws, stride_ht, stride_wt,
     inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap, beta, log_1m_beta, log_beta,
     MODE: tl.constexpr, S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr, COMPUTE_DB: tl.constexpr, SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
+    LAYER1: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """MODE 0: forward KL, 1: reverse KL, 2: JSD. The saved values' rows are N_ALL apart (this launch's rows are a
-    slice of them)."""
+    slice of them). LAYER1 (the combined head, grpo_fast/teacher_head.py): g also gets layer 1's term from dL/dlogp
+    (and dL/dentropy with ENTROPY_GRAD) and softmax_stats.BackwardStats' rows at layer1_ptr (N_ALL apart), as
+    tile.tile_grad forms it."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -278,13 +291,18 @@ def _backward_kernel(
     g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :]
     g_mask = n_mask[:, None] & v_mask[None, :]
     c = tl.load(grad_ptr + offs_n, mask=n_mask, other=0.0)
+    # a sum, not a max: a NaN coefficient must reach the gradient (tile.row_coefficients)
+    coefficient_sum = tl.sum(tl.abs(c), axis=0)
+    if LAYER1:
+        grad_logp, grad_entropy, layer1_sum = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask,
+                                                               ENTROPY_GRAD)
+        coefficient_sum += layer1_sum
     if SCALE_G:
         g_scale, g_unscale = gemm_scale(tl.load(coefficient_max_ptr) * tl.abs(s_logit_scale * inv_temperature))
         tl.store(g_unscale_ptr, g_unscale, mask=(pid_n == 0) & (pid_v == 0))
     else:
         g_scale = 1.0
-    # a sum, not a max: a NaN coefficient must reach the gradient (tile.row_coefficients)
-    if tl.sum(tl.abs(c), axis=0) == 0.0:  # rows without a gradient (masked): exactly zero
+    if coefficient_sum == 0.0:  # rows without a gradient (masked): exactly zero
         tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
     s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = \
@@ -310,7 +328,22 @@ def _backward_kernel(
             weight = 1.0 - beta
         relative = tl.where(top_s, 0.0, relative)
         dz = tl.where(ps == 0.0, 0.0, weight * ps * (relative - excess[:, None]))
-    g = tl.where(g_mask, dz * c[:, None] * slope, 0.0)
+    g = dz * c[:, None]
+    if LAYER1:
+        targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
+        stats = layer1_ptr + offs_n
+        # rows past the batch: lse +inf makes their p exactly 0
+        p = tl.exp(zs - tl.load(stats, mask=n_mask, other=float("inf"))[:, None])
+        layer1_dz = -grad_logp[:, None] * p
+        target_dz = grad_logp[:, None] * tl.load(stats + N_ALL, mask=n_mask, other=0.0)[:, None]
+        if ENTROPY_GRAD:
+            mean_logit = tl.load(stats + 2 * N_ALL, mask=n_mask, other=0.0)
+            mean_minus_target = tl.load(stats + 3 * N_ALL, mask=n_mask, other=0.0)
+            # p is 0 where z is -inf: keep 0 * inf from forming a NaN
+            layer1_dz += grad_entropy[:, None] * p * tl.where(p > 0.0, mean_logit[:, None] - zs, 0.0)
+            target_dz += grad_entropy[:, None] * p * mean_minus_target[:, None]
+        g += tl.where(offs_v[None, :] == targets[:, None], target_dz, layer1_dz)
+    g = tl.where(g_mask, g * slope, 0.0)
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     tl.store(g_ptrs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=g_mask)
@@ -345,17 +378,30 @@ def _beta_scalars(beta):
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
             student_transform, teacher_transform, config=None):
     """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
+    if student_hidden.shape[0] == 0:
+        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
+                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
+    run_s, run_t, jsd_sweep, _ = records(student_hidden, student_weight, student_bias, teacher_hidden,
+                                         teacher_weight, teacher_bias, beta, student_transform, teacher_transform,
+                                         config=config)
+    return divergence_torch.finish(run_s, run_t, beta, jsd_sweep)
+
+
+@on_first_argument_device
+def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform, targets=None, config=None):
+    """Both models' merged records (divergence_torch.Record, [N] each) by the forward kernel (N > 0), the JSD's
+    second sweep for divergence_torch.finish, and with ``targets`` [N] the student's logit at each target [N] fp32
+    (else None)."""
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
     dev = student_hidden.device
-    if N == 0:
-        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
     config = config or forward_config(dev, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
-    records = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=dev)
+    split_records = torch.empty((2 * RECORD_FIELDS + (targets is not None), num_splits, N), dtype=torch.float32,
+                                device=dev)
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
               teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
     common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
@@ -363,13 +409,14 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
                   **_scalars(student_transform, teacher_transform),
                   **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
                                       teacher_transform, config))
-    _forward_kernel[grid](*models, records, N, V, Ds, Dt, vocab_per_split, records.stride(0), **common)
+    _forward_kernel[grid](*models, split_records, targets if targets is not None else split_records, N, V, Ds, Dt,
+                          vocab_per_split, split_records.stride(0), WITH_TARGET=targets is not None, **common)
     runs = []
-    for fields in (records[:RECORD_FIELDS], records[RECORD_FIELDS:]):
-        split_records = [divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
-                         for f in fields.unbind(1)]
-        run = split_records[0]
-        for split in split_records[1:]:
+    for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS:2 * RECORD_FIELDS]):
+        per_split = [divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
+                     for f in fields.unbind(1)]
+        run = per_split[0]
+        for split in per_split[1:]:
             run = divergence_torch.merge(run, split)
         runs.append(run)
 
@@ -382,15 +429,18 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         jsd, excess = out.sum(1).unbind(0)
         return jsd, excess
 
-    return divergence_torch.finish(*runs, beta, jsd_sweep)
+    # one split holds the target: the others' zeros add exactly
+    return (*runs, jsd_sweep, split_records[2 * RECORD_FIELDS].sum(0) if targets is not None else None)
 
 
 @on_first_argument_device
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
              teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias, config=None):
+             grad_bias, config=None, layer1=None):
     """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
-    written, grad_weight and grad_bias accumulated (zero on entry); each may be None."""
+    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. ``layer1``: None, or the
+    combined head's (targets [N], BackwardStats rows [4, N] fp32, dL/dlogp [N] fp32, dL/dentropy [N] fp32 or None),
+    whose term joins g (grpo_fast/teacher_head.py)."""
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
@@ -399,7 +449,16 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
     chunk = chunk_size(N, Ds)
     g = torch.empty((chunk, V), dtype=student_hidden.dtype, device=dev)
     scaled = student_hidden.dtype != torch.float32
-    coefficient_max = grad_divergence.abs().amax().reshape(1) if scaled else saved
+    targets, layer1_stats, grad_logp, grad_entropy = layer1 if layer1 is not None else (saved,) * 4
+    if scaled:
+        # the bound of the coefficients of g (tile.gemm_scale): |c| + |dL/dlogp| + |dL/dentropy|
+        bound = grad_divergence.abs()
+        for extra in (grad_logp, grad_entropy) if layer1 is not None else ():
+            if extra is not None:
+                bound = bound + extra.abs()
+        coefficient_max = bound.amax().reshape(1)
+    else:
+        coefficient_max = saved
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
               teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
@@ -416,8 +475,12 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
             student_hidden[n0:n1], student_weight, models[2], teacher_hidden[n0:n1], *models[4:],
             saved[:, n0:], argmax[:, n0:], grad_divergence[n0:n1], g,
             grad_bias if grad_bias is not None else saved, coefficient_max, g_unscale,
+            *((targets[n0:n1], layer1_stats[:, n0:], grad_logp[n0:n1],
+               (grad_entropy if grad_entropy is not None else grad_logp)[n0:n1]) if layer1 is not None
+              else (saved,) * 4),
             n1 - n0, V, Ds, Dt, N, saved.stride(0), g.stride(0),
-            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **common)
+            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, LAYER1=layer1 is not None,
+            ENTROPY_GRAD=layer1 is not None and grad_entropy is not None, **common)
         g_rows = g[:n1 - n0]
         if grad_hidden is not None:
             mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
