@@ -379,12 +379,20 @@ DIVERGENCE_VARIANTS = tuple((f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
                             for d in (torch.bfloat16, torch.float16, torch.float32) for b in (0.0, 0.5)) + (
     ("div bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
     ("div fp32 beta=1 +bias +softcap", torch.float32, dict(beta=1.0, bias=True, softcap=30.0)),
+    # the combined GRPO + distillation head (grpo_fast/teacher_head.py): the forward's target gather, layer 1's
+    # term in the backward (with and without the entropy's gradient)
+    ("div bf16 beta=1 +loss", torch.bfloat16, dict(beta=1.0, layer1="logp")),
+    ("div bf16 beta=0.5 +loss +entropy", torch.bfloat16, dict(beta=0.5, layer1="entropy")),
+    ("div fp16 beta=0 +loss +entropy", torch.float16, dict(beta=0.0, layer1="entropy")),
+    ("div fp32 beta=1 +bias +softcap +loss +entropy", torch.float32,
+     dict(beta=1.0, bias=True, softcap=30.0, layer1="entropy")),
 )
 
 
-def divergence_launches(arch, dtype, beta, bias=False, softcap=None):
+def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None):
     """The divergence head's launches for one variant: forward, JSD sweep (0 < beta < 1), backward. The teacher
-    is wider than the student (Qwen2.5-1.5B's D 1536 over the stand-in's 896, Qwen2.5-0.5B's)."""
+    is wider than the student (Qwen2.5-1.5B's D 1536 over the stand-in's 896, Qwen2.5-0.5B's). ``layer1``: the
+    combined head's variant ("logp": layer 1's log-prob term, "entropy": and the entropy's)."""
     gen = torch.Generator().manual_seed(0)
     N, Ds, Dt, V = 48, 896, 1536, 4096
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
@@ -394,15 +402,21 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None):
                   kconfig.LogitTransform(0.7, softcap, 1.0))
     out = []
     with recording(kdivergence, "_forward_kernel") as fwd, recording(kdivergence, "_jsd_kernel") as jsd:
-        kdivergence.forward(hs, ws, bs, ht, wt, bt, beta, *transforms,
-                            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))
+        run_s, run_t, jsd_sweep, _ = kdivergence.records(
+            hs, ws, bs, ht, wt, bt, beta, *transforms, targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
+            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))
+        kdivergence.divergence_torch.finish(run_s, run_t, beta, jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
     out += [("div fwd", fwd[0])] + [("div jsd", launch) for launch in jsd]
     saved = torch.zeros(len(kdivergence.divergence_torch.SAVED_FIELDS), N)
     argmax = torch.zeros(2, N, dtype=torch.int64)
+    layer1_args = None
+    if layer1:
+        layer1_args = (torch.zeros(N, dtype=torch.int64), torch.zeros(len(BackwardStats._fields), N), torch.ones(N),
+                       torch.ones(N) if layer1 == "entropy" else None)
     with recording(kdivergence, "_backward_kernel") as bwd:
         kdivergence.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
                              torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None,
-                             config=kdivergence.gpu_backward_config(dtype))
+                             config=kdivergence.gpu_backward_config(dtype), layer1=layer1_args)
     return out + [("div bwd", bwd[0])]
 
 
