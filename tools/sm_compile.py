@@ -416,7 +416,7 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     with recording(kdivergence, "_backward_kernel") as bwd:
         kdivergence.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
                              torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None,
-                             config=kdivergence.gpu_backward_config(dtype), layer1=layer1_args)
+                             config=kdivergence.gpu_backward_config(dtype, layer1 is not None), layer1=layer1_args)
     return out + [("div bwd", bwd[0])]
 
 
