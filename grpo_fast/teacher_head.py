@@ -19,7 +19,7 @@ fake implementations and registered autograd, as the other heads'. The teacher n
 the torch twin (``forward``, ``backward``: layer 1's record folded beside the divergence's) and the divergence head's
 Triton kernels (kernels/divergence.py), whose forward also gathers the student's logit at each target in its sweep
 (layer 1's record then follows from the divergence's student record: ``layer1_record``) and whose backward adds
-layer 1's term to g before the same cuBLAS dH and dW.
+layer 1's term to g (its p is the divergence's p_s: one normaliser) before the same cuBLAS dH and dW.
 """
 
 from __future__ import annotations

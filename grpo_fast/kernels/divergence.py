@@ -11,6 +11,8 @@ grpo_fast/divergence_torch.py (which has the math, the exactness and the sweep c
   input dtype, tile.gemm_scale, as kernels/backward.py's chunked mode) and adds its column sums to db; cuBLAS does
   dH = g W_s and dW_s += g^T H_s with fp32 outputs (gemm.mm_fp32).
 The argmax indices travel as fp32 in the split records (exact: V <= config.MAX_VOCAB < 2^24).
+The combined GRPO + distillation head (grpo_fast/teacher_head.py) runs the same kernels: the forward also gathers
+the student's logit at each target (WITH_TARGET), the backward adds layer 1's logit gradient to g (LAYER1).
 """
 
 import torch
