@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -182,34 +181,8 @@ def main(argv=None):
         paths["md"].write_text(report.markdown(doc))
         return doc
 
-    done = {"records": []}
-
-    def point_done(records):
-        done["records"] = records
-        write(records, complete=False)
-
-    def terminate(signum, frame):  # `timeout` and a machine's time limit send SIGTERM: keep what was measured
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        records, complete = runner.run(opts, on_point_done=point_done), True
-    except KeyboardInterrupt:
-        records, complete = done["records"], False
-        print("[bench] interrupted: writing the points measured so far", file=sys.stderr, flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    doc = write(records, complete=complete)
-    if not args.no_plot:
-        try:
-            report.plot(doc, paths["png"])
-        except Exception as e:  # noqa: BLE001 (the numbers are written; a plot failure is reported, not fatal)
-            print(f"[bench] plot failed: {type(e).__name__}: {e}", file=sys.stderr)
-    print(report.markdown(doc))
-    print(f"[bench] wrote {', '.join(str(p) for p in paths.values() if p.exists())}", flush=True)
-    if not complete:
-        raise SystemExit(130)
-    return doc
+    return report.run_and_report(lambda point_done: runner.run(opts, on_point_done=point_done), write, report.plot,
+                                 report.markdown, paths, no_plot=args.no_plot, tag="bench")
 
 
 if __name__ == "__main__":
