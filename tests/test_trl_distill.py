@@ -21,7 +21,7 @@ import trl
 from peft import LoraConfig
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen2
-from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close
+from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_function_forbidden
 
 import grpo_fast
 from grpo_fast import divergence_torch
@@ -53,23 +53,9 @@ def distill_config(output_dir, **overrides):
     return DistillationConfig(**kw)
 
 
-@contextlib.contextmanager
 def trl_divergence_forbidden():
     """TRL's ChunkedDivergenceFunction raises if anything calls it."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("TRL's ChunkedDivergenceFunction ran")
-
-    own = {name: ChunkedDivergenceFunction.__dict__.get(name) for name in ("apply", "forward")}  # apply is inherited
-    ChunkedDivergenceFunction.apply = classmethod(forbidden)
-    ChunkedDivergenceFunction.forward = staticmethod(forbidden)
-    try:
-        yield
-    finally:
-        for name, attribute in own.items():
-            if attribute is None:
-                delattr(ChunkedDivergenceFunction, name)
-            else:
-                setattr(ChunkedDivergenceFunction, name, attribute)
+    return autograd_function_forbidden(ChunkedDivergenceFunction)
 
 
 def build(trainer_cls, student, teacher, args, **kwargs):
