@@ -128,10 +128,7 @@ def build_options(args):
 def main(argv=None):
     args = parse_args(argv)
     opts = build_options(args)
-    started = report.now()
-    load_before = report.load_average()
-    info = report.device_info(opts.device)
-    cuda = info["device_type"] == "cuda"
+    started, load_before, info, cuda = report.at_start(opts.device)
     if not cuda:
         print(f"[bench] {report.CPU_BANNER}", flush=True)
     print(f"[bench] {info['device_name']}; {len(opts.shapes)} shape(s) x {len(opts.tokens)} token count(s) x "

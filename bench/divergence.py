@@ -737,10 +737,7 @@ NOTES = [
 def main(argv=None):
     args = parse_args(argv)
     opts = build_options(args)
-    started = report.now()
-    load_before = report.load_average()
-    info = report.device_info(opts.device)
-    cuda = info["device_type"] == "cuda"
+    started, load_before, info, cuda = report.at_start(opts.device)
     print(f"[bench.divergence] {info['device_name']}; student {opts.student}, teacher {opts.teacher}; N "
           f"{opts.tokens}; betas {opts.betas}", flush=True)
     t0 = time.perf_counter()

@@ -124,6 +124,12 @@ def _sweeps(r):
     return counted / (2 * r["active_tokens"] * r["D"] * r["V"]) if counted is not None else None
 
 
+def at_start(device):
+    """(the start's time stamp, the load average before the run, device_info(device), whether it is CUDA)."""
+    info = device_info(device)
+    return now(), load_average(), info, info["device_type"] == "cuda"
+
+
 def derive(records, matmul_tflops):
     """Adds TFLOP/s, % of the measured matmul throughput, the ratios to eager (same shape, N, scenario and mode) and,
     for a padded batch, the ratios to the same implementation on the dense batch of the same shape, N and mode."""
