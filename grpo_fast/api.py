@@ -294,41 +294,29 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
              check_values: bool = True) -> torch.Tensor:
     """Per-token log-probs of ``targets`` for the reference and old policies, without gradients.
 
-    The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` (TRL 1.16's
-    order); no [tokens, V] logits are built and no autograd graph is kept. A vocab-parallel head gives every rank
-    the unsharded result ([vocab-parallel lm_head](../vocab-parallel.md)).
+    ``logprobs_and_entropy`` without the entropy and without autograd: no [tokens, V] logits are built and no graph
+    is kept.
 
     Args:
-        hidden: [B, T, D] float32, bfloat16 or float16: the last hidden states; hidden[b, t] predicts
-            targets[b, t].
-        weight: [V, D] lm_head weight, hidden's dtype. Vocab-parallel: this rank's rows [V_local, D] (with
-            ``vocab_parallel``) or a DTensor sharded on dim 0.
-        targets: [B, T] integer token ids in [0, V); positions where completion_mask is 0 are not read.
-        bias: [V] lm_head bias in hidden's dtype (this rank's rows when vocab-parallel), or None.
-        temperature: divides the logits (> 0).
-        softcap: the soft-cap c of ``c * tanh(x / c)`` (Gemma 2: 30.0); None: no tanh.
-        logit_scale: multiplies the raw logits (non-zero; Cohere's logit_scale, Granite's 1 / logits_scaling).
-        completion_mask: [B, T] bool or 0/1; only tokens with 1 are computed, the others are exact zeros.
-            None: every token.
-        lora: LoRA on the lm_head: a [HeadLora][grpo_fast.HeadLora] or a tuple (a, b, scaling[, dropout]);
-            None: none.
-        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when ``weight`` holds this rank's rows of a
-            vocab-parallel head; None: a whole head, or a DTensor weight that carries its own sharding.
-        backend: "auto" (Triton for CUDA tensors and under TRITON_INTERPRET=1, else torch), "triton" or "torch".
-        check_values: read the value checks (targets in range where the mask is 1, the mask 0/1) in one host
-            synchronisation; False reads nothing on the host.
+        hidden: [B, T, D] float32, bfloat16 or float16; hidden[b, t] predicts targets[b, t].
+        weight: [V, D] in hidden's dtype (vocab-parallel: this rank's rows, or a DTensor).
+        targets: [B, T] integer token ids.
+        bias: [V] or None.
+        temperature: divides the logits.
+        softcap: soft-cap of the logits, or None.
+        logit_scale: multiplies the raw logits.
+        completion_mask: [B, T] bool or 0/1: the tokens computed; None: all.
+        lora: a HeadLora (or tuple) on the head, or None.
+        vocab_parallel: this rank's VocabShard, or None.
+        backend: "auto", "triton" or "torch".
+        check_values: read the value checks on the host, once.
 
     Returns:
         [B, T] float32 log-probs, detached; exact zeros where completion_mask is 0.
 
     Raises:
-        TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16,
-            weight's dtype not hidden's, targets not an integer tensor, or ``lora``, ``vocab_parallel`` or
-            ``check_values`` of the wrong type.
-        ValueError: a shape that does not match, tensors on different devices, a targets value outside [0, V) or
-            a mask value other than 0/1 (with ``check_values``), a bad temperature/softcap/logit_scale, an
-            unknown ``backend`` or one that cannot run here, sizes the Triton kernels cannot index, or LoRA on a
-            vocab-parallel head.
+        TypeError: as ``logprobs_and_entropy``, for the arguments both take.
+        ValueError: as ``logprobs_and_entropy``, for the arguments both take.
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
@@ -358,9 +346,11 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropies, both differentiable, without full-vocab logits.
 
-    Gradients reach hidden, weight, bias and the LoRA adapters through both outputs; no tensor of size
+    The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` (TRL 1.16's
+    order). Gradients reach hidden, weight, bias and the LoRA adapters through both outputs; no tensor of size
     V x tokens exists in the forward or the backward, and every gradient is exact whichever path is taken. A
-    vocab-parallel head gives every rank the unsharded outputs and gradients (dW and db rows local).
+    vocab-parallel head gives every rank the unsharded outputs and gradients, dW and db rows local
+    ([vocab-parallel lm_head](../vocab-parallel.md)).
 
     Args:
         hidden: [B, T, D] float32, bfloat16 or float16: the last hidden states; hidden[b, t] predicts
@@ -394,12 +384,12 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     Raises:
         TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16,
-            weight's dtype not hidden's, targets not an integer tensor, or ``lora``, ``vocab_parallel`` or
-            ``check_values`` of the wrong type.
+            weight's dtype not hidden's, targets not an integer tensor, or ``lora``, ``vocab_parallel``,
+            ``entropy_grad`` or ``check_values`` of the wrong type.
         ValueError: a shape that does not match, tensors on different devices, a targets value outside [0, V) or
-            a mask value other than 0/1 (with ``check_values``), a bad temperature/softcap/logit_scale, an
-            unknown ``backend`` or one that cannot run here, sizes the Triton kernels cannot index, or LoRA on a
-            vocab-parallel head.
+            a mask value other than 0/1 (with ``check_values``), a bad temperature, softcap or logit_scale, an
+            unknown ``backend``, ``head_path`` or ``backward_mode`` or one that cannot run here, sizes the Triton
+            kernels cannot index, or LoRA on a vocab-parallel head.
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
@@ -463,19 +453,19 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
          top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
-    Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1. The
-    loss options are TRL's ``GRPOConfig`` keywords, given one by one or as ``options``
-    ([loss options](../options.md)); a vocab-parallel head gives every rank the unsharded loss and metrics.
+    Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1; a
+    vocab-parallel head gives every rank the unsharded loss and metrics. The loss options, ``loss_type`` to
+    ``entropy_coef`` at the signature's end, are TRL's ``GRPOConfig`` keywords with its defaults:
+    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)); ``options`` gives them
+    as one object.
 
     Args:
-        hidden: [B, T, D] float32, bfloat16 or float16: the policy's last hidden states; hidden[b, t] predicts
-            targets[b, t].
-        weight: [V, D] lm_head weight, hidden's dtype. Vocab-parallel: this rank's rows [V_local, D] (with
-            ``vocab_parallel``) or a DTensor sharded on dim 0.
-        targets: [B, T] integer token ids in [0, V); positions where completion_mask is 0 are not read.
+        hidden: the policy's last hidden states [B, T, D] (float32, bfloat16 or float16).
+        weight: the lm_head's [V, D] weight.
+        targets: the sampled token ids [B, T].
         advantages: [B] or [B, T] float: per-sequence or per-token advantages.
         completion_mask: [B, T] bool or 0/1: the completion tokens, the only ones computed.
-        bias: [V] lm_head bias in hidden's dtype (this rank's rows when vocab-parallel), or None.
+        bias: the lm_head's [V] bias, or None.
         old_logprobs: [B, T] float, the sampling policy's log-probs; None: on-policy (ratio exactly 1).
         ref_logprobs: [B, T] float, the reference model's log-probs; required when ``beta != 0``.
         sampling_logprobs: [B, T] float, the sampler's log-probs for the off-policy mask (NaN: no evidence);
@@ -486,39 +476,17 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
             token count of the whole gradient-accumulation window); None: the mask's sum.
         entropy_threshold: the entropy at ``top_entropy_quantile``, precomputed over every process; only with
             ``top_entropy_quantile < 1``. None: this batch's own quantile.
-        temperature: divides the logits (> 0).
-        softcap: the soft-cap c of ``c * tanh(x / c)`` (Gemma 2: 30.0); None: no tanh.
-        logit_scale: multiplies the raw logits (non-zero).
-        options: the loss options as one [LossOptions][grpo_fast.LossOptions]; the option keywords below that
-            differ from their defaults apply on top. None: the keywords alone.
-        head_path: "auto": with a frozen weight and bias the forward also builds d logp / d hidden (two
-            vocabulary sweeps in all instead of three); "general": always the recompute path.
-        backward_mode: the Triton backward: "chunked" (g per token chunk and two GEMMs) or "fused" (one kernel,
-            fp32 atomics); the torch backend has "chunked" only.
-        lora: LoRA on the lm_head: a [HeadLora][grpo_fast.HeadLora] or a tuple (a, b, scaling[, dropout]);
-            None: none.
-        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when ``weight`` holds this rank's rows of a
-            vocab-parallel head; None: a whole head, or a DTensor weight that carries its own sharding.
-        backend: "auto" (Triton for CUDA tensors and under TRITON_INTERPRET=1, else torch), "triton" or "torch".
-        check_values: read the value checks (targets in range where the mask is 1, the mask 0/1) in one host
-            synchronisation; False reads nothing on the host.
-        loss_type: [LossOptions][grpo_fast.LossOptions] field (TRL's GRPOConfig name and default).
-        beta: LossOptions field: the KL coefficient.
-        epsilon: LossOptions field: the lower clip offset.
-        epsilon_high: LossOptions field: the upper clip offset (None: epsilon).
-        delta: LossOptions field: two-sided clipping's cap on the ratio.
-        importance_sampling_level: LossOptions field: "token" or "sequence".
-        max_completion_length: LossOptions field: dr_grpo's normaliser.
-        sapo_temperature_pos: LossOptions field.
-        sapo_temperature_neg: LossOptions field.
-        vespo_k_pos: LossOptions field.
-        vespo_lambda_pos: LossOptions field.
-        vespo_k_neg: LossOptions field.
-        vespo_lambda_neg: LossOptions field.
-        use_bias_correction_kl: LossOptions field.
-        off_policy_mask_threshold: LossOptions field.
-        top_entropy_quantile: LossOptions field.
-        entropy_coef: LossOptions field: the entropy bonus's coefficient.
+        temperature: the sampling temperature (> 0).
+        softcap: the model's logit soft-cap, or None.
+        logit_scale: the model's logit scale.
+        options: the loss options as one LossOptions; the option keywords that differ from their defaults apply
+            on top. None: the keywords alone.
+        head_path: layer 1's path, as in ``logprobs_and_entropy`` (the entropy bonus takes the general path).
+        backward_mode: layer 1's Triton backward, as in ``logprobs_and_entropy``.
+        lora: LoRA on the lm_head (HeadLora), or None.
+        vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
+        backend: "auto", "triton" or "torch", for both layers.
+        check_values: one host read of the value checks (also num_items_in_batch >= 0); False: none.
 
     Returns:
         loss: the differentiable float32 scalar loss.
@@ -526,16 +494,11 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
             [B, T] as attributes ([metrics](../options.md#metrics)).
 
     Raises:
-        TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16,
-            weight's dtype not hidden's, targets not an integer tensor, or ``options``, ``lora``,
-            ``vocab_parallel`` or ``check_values`` of the wrong type.
-        ValueError: a shape that does not match, tensors on different devices, a targets value outside [0, V) or
-            a mask value other than 0/1 (with ``check_values``), a bad option, temperature, softcap or
-            logit_scale, an unknown ``backend`` or one that cannot run here, sizes the Triton kernels cannot
-            index, LoRA on a vocab-parallel head, or inputs the options do not take: beta != 0 without
-            ref_logprobs, ``sampling_logprobs`` without ``off_policy_mask_threshold``, ``entropy_threshold``
-            without ``top_entropy_quantile < 1``, vespo with importance weights that are not [B, T],
-            ``num_items_in_batch`` < 0.
+        TypeError: as ``logprobs_and_entropy`` for the arguments both take, or ``options`` not a LossOptions.
+        ValueError: as ``logprobs_and_entropy`` for the arguments both take; a bad option; or inputs the options
+            do not take: beta != 0 without ref_logprobs, ``sampling_logprobs`` without
+            ``off_policy_mask_threshold``, ``entropy_threshold`` without ``top_entropy_quantile < 1``, vespo
+            with importance weights that are not [B, T], ``num_items_in_batch`` < 0.
     """
     options = LossOptions.from_written_keywords(options, locals())
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
@@ -570,60 +533,37 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
                top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs that carry the gradient.
 
-    For callers that already have the policy's log-probs; the same options and per-batch inputs as ``loss``.
+    For callers that already have the policy's log-probs; the per-batch inputs are ``loss``'s. The loss options,
+    ``loss_type`` to ``entropy_coef`` at the signature's end, are TRL's ``GRPOConfig`` keywords with its defaults:
+    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)).
 
     Args:
         logprobs: [B, T] float: the policy's log-probs of the sampled tokens; the loss's gradient flows to them.
-        advantages: [B] or [B, T] float: per-sequence or per-token advantages.
-        completion_mask: [B, T] bool or 0/1: the completion tokens.
+        advantages: the advantages, per sequence [B] or per token [B, T].
+        completion_mask: the completion tokens [B, T], bool or 0/1.
         entropy: [B, T] float per-token entropies for the entropy metric, the top-entropy mask and the entropy
             bonus (which trains through it when it carries a gradient); required by the last two.
-        old_logprobs: [B, T] float, the sampling policy's log-probs; None: on-policy (ratio exactly 1).
-        ref_logprobs: [B, T] float, the reference model's log-probs; required when ``beta != 0``.
-        sampling_logprobs: [B, T] float, the sampler's log-probs for the off-policy mask (NaN: no evidence);
-            only with ``off_policy_mask_threshold``.
-        importance_weights: [B, T], [B, 1] or [B] float, the sampler correction (e.g.
-            ``sampling_importance_weights``); vespo takes [B, T] only.
-        num_items_in_batch: a number >= 0 or a one-element tensor: the normaliser of dapo, cispo and vespo (the
-            token count of the whole gradient-accumulation window); None: the mask's sum.
-        entropy_threshold: the entropy at ``top_entropy_quantile``, precomputed over every process; only with
-            ``top_entropy_quantile < 1``. None: this batch's own quantile.
-        options: the loss options as one [LossOptions][grpo_fast.LossOptions]; the option keywords below that
-            differ from their defaults apply on top. None: the keywords alone.
+        old_logprobs: the old policy's [B, T] log-probs, or None (on-policy).
+        ref_logprobs: the reference model's [B, T] log-probs (for beta != 0), or None.
+        sampling_logprobs: the sampler's [B, T] log-probs (the off-policy mask's), or None.
+        importance_weights: the sampler correction, [B, T], [B, 1] or [B]; or None.
+        num_items_in_batch: dapo / cispo / vespo's normaliser; None: the mask's sum.
+        entropy_threshold: the top-entropy quantile's value, precomputed; or None.
+        options: a LossOptions; or None.
         backend: "auto", "triton" (the token kernel) or "torch" (the spec's layer 2 with autograd).
         check_values: read the mask's 0/1 check and num_items_in_batch >= 0 in one host synchronisation; False
             reads nothing on the host.
-        loss_type: [LossOptions][grpo_fast.LossOptions] field (TRL's GRPOConfig name and default).
-        beta: LossOptions field: the KL coefficient.
-        epsilon: LossOptions field: the lower clip offset.
-        epsilon_high: LossOptions field: the upper clip offset (None: epsilon).
-        delta: LossOptions field: two-sided clipping's cap on the ratio.
-        importance_sampling_level: LossOptions field: "token" or "sequence".
-        max_completion_length: LossOptions field: dr_grpo's normaliser.
-        sapo_temperature_pos: LossOptions field.
-        sapo_temperature_neg: LossOptions field.
-        vespo_k_pos: LossOptions field.
-        vespo_lambda_pos: LossOptions field.
-        vespo_k_neg: LossOptions field.
-        vespo_lambda_neg: LossOptions field.
-        use_bias_correction_kl: LossOptions field.
-        off_policy_mask_threshold: LossOptions field.
-        top_entropy_quantile: LossOptions field.
-        entropy_coef: LossOptions field: the entropy bonus's coefficient.
 
     Returns:
         loss: the differentiable float32 scalar loss.
-        metrics: detached float32 scalars under TRL's names, with the per-token ``logprobs`` and ``entropies``
-            [B, T] as attributes ([metrics](../options.md#metrics)).
+        metrics: as ``loss``'s.
 
     Raises:
         TypeError: a tensor argument that is not a tensor (float where a float is expected), ``options`` not a
             LossOptions, or ``check_values`` not a bool.
         ValueError: a shape that does not match, tensors on different devices, a bad option, an unknown
             ``backend``, a mask value other than 0/1 (with ``check_values``), ``top_entropy_quantile < 1`` or
-            ``entropy_coef != 0`` without ``entropy``, beta != 0 without ref_logprobs, ``sampling_logprobs`` without
-            ``off_policy_mask_threshold``, ``entropy_threshold`` without ``top_entropy_quantile < 1``, vespo with
-            importance weights that are not [B, T], ``num_items_in_batch`` < 0.
+            ``entropy_coef != 0`` without ``entropy``, or inputs the options do not take (as ``loss``).
     """
     options = LossOptions.from_written_keywords(options, locals())
     _float_tensor("logprobs", logprobs)
