@@ -341,21 +341,9 @@ def _beta_scalars(beta):
                 log_beta=math.log(beta) if inner else 0.0)
 
 
-@on_first_argument_device
-def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, config=None):
-    """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
-    N, Ds = student_hidden.shape
-    Dt = teacher_hidden.shape[1]
-    V = student_weight.shape[0]
-    dev = student_hidden.device
-    if N == 0:
-        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
-    config = config or forward_config(dev, student_hidden.dtype)
-    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
-    grid = (triton.cdiv(N, config.block_n), num_splits)
-    records = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=dev)
+def _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+                   student_transform, teacher_transform, config):
+    """The kernels' model pointers (a missing bias: any tensor, never read) and shared keyword arguments."""
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
               teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
     common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
@@ -363,24 +351,75 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
                   **_scalars(student_transform, teacher_transform),
                   **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
                                       teacher_transform, config))
-    _forward_kernel[grid](*models, records, N, V, Ds, Dt, vocab_per_split, records.stride(0), **common)
+    return models, common
+
+
+def local_argmax(argmax, offset, rows):
+    """Global argmax indices as the weights' row indices; -1 (a column no kernel matches: a row past the last
+    one could match a masked column of the last tile) where the argmax is not among these rows (a vocab-parallel
+    shard's rows [offset, offset + rows))."""
+    local = argmax - offset
+    return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
+
+
+@on_first_argument_device
+def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+            student_transform, teacher_transform, offset=0, config=None):
+    """divergence_torch.records' (student, teacher) Records [N] over the weights' rows (rows contiguous, N > 0,
+    V > 0), row v being vocabulary entry offset + v: the forward kernel's per-split records merged with
+    divergence_torch.merge."""
+    N, V = student_hidden.shape[0], student_weight.shape[0]
+    config = config or forward_config(student_hidden.device, student_hidden.dtype)
+    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
+    models, common = _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                    teacher_bias, student_transform, teacher_transform, config)
+    out = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=student_hidden.device)
+    _forward_kernel[(triton.cdiv(N, config.block_n), num_splits)](
+        *models, out, N, V, student_hidden.shape[1], teacher_hidden.shape[1], vocab_per_split, out.stride(0),
+        **common)
     runs = []
-    for fields in (records[:RECORD_FIELDS], records[RECORD_FIELDS:]):
-        split_records = [divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
-                         for f in fields.unbind(1)]
+    for fields in (out[:RECORD_FIELDS], out[RECORD_FIELDS:]):
+        split_records = [divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5],
+                                                 f[6] > 0) for f in fields.unbind(1)]
         run = split_records[0]
         for split in split_records[1:]:
             run = divergence_torch.merge(run, split)
         runs.append(run)
+    return tuple(runs)
+
+
+@on_first_argument_device
+def jsd_sums(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+             student_transform, teacher_transform, student, teacher, top_log_ratio, offset=0, config=None):
+    """divergence_torch._jsd_sweep's (JSD, sum_v p_s (r_v - r_a)) [N] over the weights' rows (entries offset + v)
+    from both models' finished records (the whole vocabulary's) and r_a."""
+    N, V = student_hidden.shape[0], student_weight.shape[0]
+    config = config or forward_config(student_hidden.device, student_hidden.dtype)
+    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
+    models, common = _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                    teacher_bias, student_transform, teacher_transform, config)
+    saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
+    argmax = local_argmax(torch.stack([student.argmax, teacher.argmax]), offset, V)
+    out = torch.empty((2, num_splits, N), dtype=torch.float32, device=student_hidden.device)
+    _jsd_kernel[(triton.cdiv(N, config.block_n), num_splits)](
+        *models, saved, argmax, out, N, V, student_hidden.shape[1], teacher_hidden.shape[1], vocab_per_split,
+        saved.stride(0), out.stride(0), **_beta_scalars(beta), **common)
+    jsd, excess = out.sum(1).unbind(0)
+    return jsd, excess
+
+
+@on_first_argument_device
+def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform, config=None):
+    """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
+    args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
+    if student_hidden.shape[0] == 0:
+        return divergence_torch.forward(*args, beta, student_transform, teacher_transform)[:4]
+    runs = records(*args, student_transform, teacher_transform, config=config)
 
     def jsd_sweep(student, teacher, top_log_ratio):
-        saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
-        argmax = torch.stack([student.argmax, teacher.argmax])
-        out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
-        _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
-                          out.stride(0), **_beta_scalars(beta), **common)
-        jsd, excess = out.sum(1).unbind(0)
-        return jsd, excess
+        return jsd_sums(*args, beta, student_transform, teacher_transform, student, teacher, top_log_ratio,
+                        config=config)
 
     return divergence_torch.finish(*runs, beta, jsd_sweep)
 
@@ -388,9 +427,10 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
 @on_first_argument_device
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
              teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias, config=None):
+             grad_bias, offset=0, config=None):
     """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
-    written, grad_weight and grad_bias accumulated (zero on entry); each may be None."""
+    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. The weights' row v is
+    vocabulary entry offset + v (a vocab-parallel shard, with the whole vocabulary's saved values and argmax)."""
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
@@ -401,14 +441,10 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
     scaled = student_hidden.dtype != torch.float32
     coefficient_max = grad_divergence.abs().amax().reshape(1) if scaled else saved
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
-    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
-              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
-    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
-                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
-                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
-                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
-                                      teacher_transform, config))
+    models, common = _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                    teacher_bias, student_transform, teacher_transform, config)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    argmax = local_argmax(argmax, offset, V)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         grid = (triton.cdiv(n1 - n0, config.block_n), triton.cdiv(V, config.block_v))
@@ -417,7 +453,7 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
             saved[:, n0:], argmax[:, n0:], grad_divergence[n0:n1], g,
             grad_bias if grad_bias is not None else saved, coefficient_max, g_unscale,
             n1 - n0, V, Ds, Dt, N, saved.stride(0), g.stride(0),
-            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **common)
+            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **_beta_scalars(beta), **common)
         g_rows = g[:n1 - n0]
         if grad_hidden is not None:
             mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
