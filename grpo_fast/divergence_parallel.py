@@ -32,8 +32,10 @@ of both weights (and biases). Each rank returns exactly what the unsharded head 
   no collective and no sweep.
 
 Bytes through collectives per call (N scored tokens): 64 N in the forward (72 N for 0 < beta < 1) and 4 N Ds for dH
-(in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. The
-torch twin computes each shard (any device); a "triton" backend is a named error here.
+(in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. Each
+shard is computed by the chosen backend: the Triton kernels (kernels/divergence.py: ``records``, ``jsd_sums`` and
+``backward`` take the shard's vocabulary offset; the merge stays here) or the torch twin (any device); the
+frozen-head path is the torch twin's algorithm on every backend, as unsharded.
 
 Requirements (not checked: checking would cost a collective per call): the shards tile [0, V) without overlap, the
 student's and teacher's shards are the same ranges, and every rank passes the same hidden states, mask and upstream
