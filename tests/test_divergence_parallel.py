@@ -174,12 +174,14 @@ def test_every_case(tmp_path, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_triton_kernels(tmp_path, world):
     """Each rank's records, JSD sums and backward by the Triton kernels (the interpreter; argmax indices global):
-    plain shards and DTensors (V = 37 divides over neither 2 nor 3 ranks), every beta; the frozen head (the torch
-    twin's algorithm on every backend, as unsharded) once."""
-    cases = [(beta, False, layout, "triton") for beta in BETAS for layout in ("shard", "dtensor")]
+    plain shards and DTensors (V = 37 divides over neither 2 nor 3 ranks), every beta; on 4 ranks plain shards only
+    (rank 1 holds no row: no kernel runs there, its records are empty); the frozen head (the torch twin's algorithm
+    on every backend, as unsharded) once."""
+    layouts = ("shard",) if world == 4 else ("shard", "dtensor")
+    cases = [(beta, False, layout, "triton") for beta in BETAS for layout in layouts]
     check(tmp_path, world, cases + [(1.0, True, "shard", "triton")], (37,))
 
 
