@@ -117,11 +117,22 @@ def _cat_records(parts, n, device):
 
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
             student_transform, teacher_transform, shard, frozen_head=False, backend="torch"):
-    """divergence_torch.forward's (divergence [N], entropy [N], saved, argmax, J or None) of the whole vocabulary,
-    on every rank, from this rank's rows of both heads (N > 0); with ``frozen_head`` J = d divergence / d
-    student_hidden [N, Ds] fp32 (``frozen_grad``; one more all-reduce, N x Ds fp32). ``backend`` "triton": this
-    rank's records and JSD sums by the Triton kernels (kernels/divergence.py), except on the frozen-head path (the
-    torch twin's algorithm on every backend, as unsharded) and on a shard of no rows (nothing to compute)."""
+    """The whole vocabulary's forward, on every rank, from this rank's rows of both heads.
+
+    Args:
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: the replicated
+            hidden states [N, Ds], [N, Dt] (N > 0) and this rank's rows of both heads (and biases).
+        beta, student_transform, teacher_transform: as divergence_torch.forward.
+        shard: this rank's VocabShard (offset and group).
+        frozen_head: also build J = d divergence / d student_hidden (``frozen_grad``; one more all-reduce, N x Ds
+            fp32).
+        backend: "triton": this rank's records and JSD sums by the Triton kernels (kernels/divergence.py), except
+            on the frozen-head path (the torch twin's algorithm on every backend, as unsharded) and on a shard of no
+            rows (nothing to compute); "torch": the torch twin.
+
+    Returns:
+        divergence_torch.forward's (divergence [N], entropy [N], saved, argmax) and J [N, Ds] fp32 or None.
+    """
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
     if backend == "triton" and not frozen_head and student_weight.shape[0] > 0:
         local = kdivergence.records(*args, student_transform, teacher_transform, offset=shard.offset)
@@ -153,9 +164,13 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
 
 def _torch_records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
                    student_transform, teacher_transform, shard, frozen_head):
-    """The torch twin's part of ``forward`` on this rank's rows, by token chunks: ((student, teacher) Records [N],
-    the JSD's local sweep (finished records, r_a) -> (JSD, excess) [N], the chunks' FrozenHead accumulators or
-    Nones)."""
+    """The torch twin's part of ``forward`` on this rank's rows, by token chunks.
+
+    Returns:
+        (local, local_jsd, frozen): this rank's (student, teacher) Records [N]; its JSD sweep, (finished student,
+        finished teacher, r_a) -> (JSD, sum_v p_s (r_v - r_a)) [N] over its rows; the chunks' FrozenHead
+        accumulators (Nones without ``frozen_head``).
+    """
     N, dev = student_hidden.shape[0], student_hidden.device
     starts = range(0, N, CHUNK_N)
     frozen = [divergence_torch.FrozenHead(beta, min(CHUNK_N, N - n0), student_weight, shard.offset)

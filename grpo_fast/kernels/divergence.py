@@ -343,7 +343,12 @@ def _beta_scalars(beta):
 
 def _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                    student_transform, teacher_transform, config):
-    """The kernels' model pointers (a missing bias: any tensor, never read) and shared keyword arguments."""
+    """The kernels' model arguments and their shared keyword arguments.
+
+    Returns:
+        (models, common): the six model tensors in the kernels' order (a missing bias: any tensor, never read) and
+        the strides, transform scalars and constexprs every divergence kernel takes.
+    """
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
               teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
     common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
@@ -355,9 +360,17 @@ def _launch_common(student_hidden, student_weight, student_bias, teacher_hidden,
 
 
 def local_argmax(argmax, offset, rows):
-    """Global argmax indices as the weights' row indices; -1 (a column no kernel matches: a row past the last
-    one could match a masked column of the last tile) where the argmax is not among these rows (a vocab-parallel
-    shard's rows [offset, offset + rows))."""
+    """Global argmax indices as row indices of a vocab-parallel shard's weights.
+
+    Args:
+        argmax: int64 vocabulary indices, any shape.
+        offset: the vocabulary entry of the weights' first row.
+        rows: the weights' row count.
+
+    Returns:
+        argmax - offset where it lies in [0, rows), else -1: a column no kernel matches (a row past the last one
+        could match a masked column of the last tile).
+    """
     local = argmax - offset
     return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
 
@@ -365,9 +378,19 @@ def local_argmax(argmax, offset, rows):
 @on_first_argument_device
 def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
             student_transform, teacher_transform, offset=0, config=None):
-    """divergence_torch.records' (student, teacher) Records [N] over the weights' rows (rows contiguous, N > 0,
-    V > 0), row v being vocabulary entry offset + v: the forward kernel's per-split records merged with
-    divergence_torch.merge."""
+    """Both models' records over the weights' rows, by the forward kernel.
+
+    Args:
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: [N, Ds],
+            [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None; rows contiguous, N > 0, V > 0.
+        student_transform, teacher_transform: each model's LogitTransform.
+        offset: the vocabulary entry of the weights' first row (a vocab-parallel shard's; 0 for a whole head).
+        config: the launch (None: forward_config's).
+
+    Returns:
+        (student, teacher) divergence_torch.Records [N], argmax indices global: the kernel's per-split records
+        merged with divergence_torch.merge (divergence_torch.records' result by the Triton kernel).
+    """
     N, V = student_hidden.shape[0], student_weight.shape[0]
     config = config or forward_config(student_hidden.device, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
@@ -391,8 +414,20 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
 @on_first_argument_device
 def jsd_sums(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
              student_transform, teacher_transform, student, teacher, top_log_ratio, offset=0, config=None):
-    """divergence_torch._jsd_sweep's (JSD, sum_v p_s (r_v - r_a)) [N] over the weights' rows (entries offset + v)
-    from both models' finished records (the whole vocabulary's) and r_a."""
+    """The generalized JSD's second sweep over the weights' rows, by the JSD kernel.
+
+    Args:
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: as ``records``.
+        beta: in (0, 1).
+        student_transform, teacher_transform: each model's LogitTransform.
+        student, teacher: both models' divergence_torch.Finished values [N] of the whole vocabulary.
+        top_log_ratio: r_a [N] (divergence_torch._top_log_ratio).
+        offset: the vocabulary entry of the weights' first row.
+        config: the launch (None: forward_config's).
+
+    Returns:
+        (JSD, sum_v p_s (r_v - r_a)) [N] fp32 summed over these rows (divergence_torch._jsd_sweep's).
+    """
     N, V = student_hidden.shape[0], student_weight.shape[0]
     config = config or forward_config(student_hidden.device, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
