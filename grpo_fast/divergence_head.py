@@ -250,8 +250,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     Vocab-parallel heads (divergence_parallel): both weights DTensors sharded on dim 0 by the same ranges (biases
     alike), or this rank's rows of both with ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)`` (one
     description: both heads are split by the same ranges); the hidden states replicated. Every rank returns the
-    unsharded result; dW and db are this rank's rows; neither weight is gathered; each rank runs ``backend``'s
-    kernels on its rows.
+    unsharded result; dW and db are this rank's rows; neither weight is gathered.
     """
     student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = \
         divergence_parallel.resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden,

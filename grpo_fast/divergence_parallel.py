@@ -33,8 +33,8 @@ of both weights (and biases). Each rank returns exactly what the unsharded head 
 
 Bytes through collectives per call (N scored tokens): 64 N in the forward (72 N for 0 < beta < 1) and 4 N Ds for dH
 (in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. Each
-shard is computed by the chosen backend: the Triton kernels (kernels/divergence.py: ``records``, ``jsd_sums`` and
-``backward`` take the shard's vocabulary offset; the merge stays here) or the torch twin (any device); the
+shard is computed by the chosen backend: the Triton kernels (kernels/divergence.py: ``records``, with its JSD
+sweep, and ``backward`` take the shard's vocabulary offset; the merge stays here) or the torch twin (any device); the
 frozen-head path is the torch twin's algorithm on every backend, as unsharded.
 
 Requirements (not checked: checking would cost a collective per call): the shards tile [0, V) without overlap, the
@@ -135,11 +135,8 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     """
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
     if backend == "triton" and not frozen_head and student_weight.shape[0] > 0:
-        local = kdivergence.records(*args, student_transform, teacher_transform, offset=shard.offset)
-
-        def local_jsd(finished_s, finished_t, reference):
-            return kdivergence.jsd_sums(*args, beta, student_transform, teacher_transform, finished_s, finished_t,
-                                        reference, offset=shard.offset)
+        *local, local_jsd = kdivergence.records(*args, beta, student_transform, teacher_transform,
+                                                offset=shard.offset)
         frozen = None
     else:
         local, local_jsd, frozen = _torch_records(*args, beta, student_transform, teacher_transform, shard,

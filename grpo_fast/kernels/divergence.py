@@ -341,24 +341,6 @@ def _beta_scalars(beta):
                 log_beta=math.log(beta) if inner else 0.0)
 
 
-def _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
-                   student_transform, teacher_transform, config):
-    """The kernels' model arguments and their shared keyword arguments.
-
-    Returns:
-        (models, common): the six model tensors in the kernels' order (a missing bias: any tensor, never read) and
-        the strides, transform scalars and constexprs every divergence kernel takes.
-    """
-    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
-              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
-    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
-                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
-                  **_scalars(student_transform, teacher_transform),
-                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
-                                      teacher_transform, config))
-    return models, common
-
-
 def local_argmax(argmax, offset, rows):
     """Global argmax indices as row indices of a vocab-parallel shard's weights.
 
@@ -376,96 +358,78 @@ def local_argmax(argmax, offset, rows):
 
 
 @on_first_argument_device
-def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
-            student_transform, teacher_transform, offset=0, config=None):
-    """Both models' records over the weights' rows, by the forward kernel.
+def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform, config=None):
+    """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
+    if student_hidden.shape[0] == 0:
+        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
+                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
+    run_s, run_t, jsd_sweep = records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                      teacher_bias, beta, student_transform, teacher_transform, config=config)
+    return divergence_torch.finish(run_s, run_t, beta, jsd_sweep)
+
+
+@on_first_argument_device
+def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+            student_transform, teacher_transform, config=None, offset=0):
+    """Both models' records over the weights' rows by the forward kernel, and the JSD's second sweep over them.
 
     Args:
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: [N, Ds],
             [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None; rows contiguous, N > 0, V > 0.
-        student_transform, teacher_transform: each model's LogitTransform.
-        offset: the vocabulary entry of the weights' first row (a vocab-parallel shard's; 0 for a whole head).
+        beta, student_transform, teacher_transform: as divergence_torch.forward.
         config: the launch (None: forward_config's).
+        offset: the vocabulary entry of the weights' first row (a vocab-parallel shard's; 0 for a whole head).
 
     Returns:
-        (student, teacher) divergence_torch.Records [N], argmax indices global: the kernel's per-split records
-        merged with divergence_torch.merge (divergence_torch.records' result by the Triton kernel).
+        (student, teacher, jsd_sweep): both models' divergence_torch.Records [N] (the kernel's per-split records
+        merged with divergence_torch.merge; argmax indices global) and divergence_torch.finish's ``jsd_sweep`` over
+        these rows (given the whole vocabulary's finished records).
     """
-    N, V = student_hidden.shape[0], student_weight.shape[0]
-    config = config or forward_config(student_hidden.device, student_hidden.dtype)
+    N, Ds = student_hidden.shape
+    Dt = teacher_hidden.shape[1]
+    V = student_weight.shape[0]
+    dev = student_hidden.device
+    config = config or forward_config(dev, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
-    models, common = _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                    teacher_bias, student_transform, teacher_transform, config)
-    out = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=student_hidden.device)
-    _forward_kernel[(triton.cdiv(N, config.block_n), num_splits)](
-        *models, out, N, V, student_hidden.shape[1], teacher_hidden.shape[1], vocab_per_split, out.stride(0),
-        **common)
+    grid = (triton.cdiv(N, config.block_n), num_splits)
+    split_records = torch.empty((2 * RECORD_FIELDS, num_splits, N), dtype=torch.float32, device=dev)
+    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
+                  **_scalars(student_transform, teacher_transform),
+                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                                      teacher_transform, config))
+    _forward_kernel[grid](*models, split_records, N, V, Ds, Dt, vocab_per_split, split_records.stride(0), **common)
     runs = []
-    for fields in (out[:RECORD_FIELDS], out[RECORD_FIELDS:]):
-        split_records = [divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5],
-                                                 f[6] > 0) for f in fields.unbind(1)]
-        run = split_records[0]
-        for split in split_records[1:]:
+    for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS:]):
+        per_split = [divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
+                     for f in fields.unbind(1)]
+        run = per_split[0]
+        for split in per_split[1:]:
             run = divergence_torch.merge(run, split)
         runs.append(run)
-    return tuple(runs)
-
-
-@on_first_argument_device
-def jsd_sums(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-             student_transform, teacher_transform, student, teacher, top_log_ratio, offset=0, config=None):
-    """The generalized JSD's second sweep over the weights' rows, by the JSD kernel.
-
-    Args:
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: as ``records``.
-        beta: in (0, 1).
-        student_transform, teacher_transform: each model's LogitTransform.
-        student, teacher: both models' divergence_torch.Finished values [N] of the whole vocabulary.
-        top_log_ratio: r_a [N] (divergence_torch._top_log_ratio).
-        offset: the vocabulary entry of the weights' first row.
-        config: the launch (None: forward_config's).
-
-    Returns:
-        (JSD, sum_v p_s (r_v - r_a)) [N] fp32 summed over these rows (divergence_torch._jsd_sweep's).
-    """
-    N, V = student_hidden.shape[0], student_weight.shape[0]
-    config = config or forward_config(student_hidden.device, student_hidden.dtype)
-    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
-    models, common = _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                    teacher_bias, student_transform, teacher_transform, config)
-    saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
-    argmax = local_argmax(torch.stack([student.argmax, teacher.argmax]), offset, V)
-    out = torch.empty((2, num_splits, N), dtype=torch.float32, device=student_hidden.device)
-    _jsd_kernel[(triton.cdiv(N, config.block_n), num_splits)](
-        *models, saved, argmax, out, N, V, student_hidden.shape[1], teacher_hidden.shape[1], vocab_per_split,
-        saved.stride(0), out.stride(0), **_beta_scalars(beta), **common)
-    jsd, excess = out.sum(1).unbind(0)
-    return jsd, excess
-
-
-@on_first_argument_device
-def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, config=None):
-    """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
-    args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
-    if student_hidden.shape[0] == 0:
-        return divergence_torch.forward(*args, beta, student_transform, teacher_transform)[:4]
-    runs = records(*args, student_transform, teacher_transform, config=config)
 
     def jsd_sweep(student, teacher, top_log_ratio):
-        return jsd_sums(*args, beta, student_transform, teacher_transform, student, teacher, top_log_ratio,
-                        config=config)
+        saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
+        argmax = local_argmax(torch.stack([student.argmax, teacher.argmax]), offset, V)
+        out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
+        _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
+                          out.stride(0), **_beta_scalars(beta), **common)
+        jsd, excess = out.sum(1).unbind(0)
+        return jsd, excess
 
-    return divergence_torch.finish(*runs, beta, jsd_sweep)
+    return (*runs, jsd_sweep)
 
 
 @on_first_argument_device
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
              teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias, offset=0, config=None):
+             grad_bias, config=None, offset=0):
     """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
-    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. The weights' row v is
-    vocabulary entry offset + v (a vocab-parallel shard, with the whole vocabulary's saved values and argmax)."""
+    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. ``offset``: the weights' row v
+    is vocabulary entry offset + v (a vocab-parallel shard, with the whole vocabulary's saved values and argmax)."""
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
@@ -476,8 +440,13 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
     scaled = student_hidden.dtype != torch.float32
     coefficient_max = grad_divergence.abs().amax().reshape(1) if scaled else saved
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
-    models, common = _launch_common(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                    teacher_bias, student_transform, teacher_transform, config)
+    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
+                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
+                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
+                                      teacher_transform, config))
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
     argmax = local_argmax(argmax, offset, V)
     for n0 in range(0, N, chunk):
@@ -488,7 +457,7 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
             saved[:, n0:], argmax[:, n0:], grad_divergence[n0:n1], g,
             grad_bias if grad_bias is not None else saved, coefficient_max, g_unscale,
             n1 - n0, V, Ds, Dt, N, saved.stride(0), g.stride(0),
-            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **_beta_scalars(beta), **common)
+            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, **common)
         g_rows = g[:n1 - n0]
         if grad_hidden is not None:
             mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
