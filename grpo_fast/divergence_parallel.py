@@ -136,7 +136,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
     if backend == "triton" and not frozen_head and student_weight.shape[0] > 0:
         *local, local_jsd = kdivergence.records(*args, beta, student_transform, teacher_transform,
-                                                offset=shard.offset)
+                                                offset=shard.offset)[:3]
         frozen = None
     else:
         local, local_jsd, frozen = _torch_records(*args, beta, student_transform, teacher_transform, shard,
