@@ -186,7 +186,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
              backend, checks, sharded=False):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
     with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
-    this rank's rows of vocab-parallel heads, computed by the torch twin: divergence_parallel)."""
+    this rank's rows of vocab-parallel heads, which may hold none: divergence_parallel)."""
     B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias, sharded)
     Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias, sharded)
     if (Bt, Tt) != (B, T):
@@ -211,13 +211,8 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
             check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
     for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
-    if sharded:
-        if backend not in ("auto", "torch"):
-            raise ValueError(f"vocab-parallel divergence heads run on the torch backend (any device): backend must be "
-                             f"'auto' or 'torch', got {backend!r}")
-        return "torch"
     backend = _resolve_backend(backend, student_hidden.device)
-    backend.check_sizes(B * T, V)
+    backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
     return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
 
 
@@ -305,7 +300,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         div, entropy = divergence_parallel.VocabParallelDivergence.apply(
             _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
             _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
-            frozen_head)
+            frozen_head, backend)
         return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
         _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
