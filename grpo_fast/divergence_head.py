@@ -255,8 +255,8 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         teacher_softcap: the teacher's soft-cap (> 0), or None: no tanh.
         student_logit_scale: multiplies the student's raw logits (non-zero).
         teacher_logit_scale: multiplies the teacher's raw logits (non-zero).
-        backend: "auto", "triton" or "torch", as in ``loss``; vocab-parallel heads run on "torch" ("auto" picks
-            it).
+        backend: "auto", "triton" or "torch", as in ``loss``; with vocab-parallel heads each rank runs its
+            kernels on its rows.
         head_path: "auto": with a frozen student head (only student_hidden requires a gradient: LoRA, a frozen
             lm_head) the forward also builds d divergence / d student_hidden, so the backward needs no vocabulary
             sweep; "general": always recompute in the backward.
