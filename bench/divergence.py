@@ -20,7 +20,6 @@ import gc
 import math
 import os
 import shlex
-import signal
 import sys
 import time
 import traceback
@@ -738,10 +737,7 @@ NOTES = [
 def main(argv=None):
     args = parse_args(argv)
     opts = build_options(args)
-    started = report.now()
-    load_before = report.load_average()
-    info = report.device_info(opts.device)
-    cuda = info["device_type"] == "cuda"
+    started, load_before, info, cuda = report.at_start(opts.device)
     print(f"[bench.divergence] {info['device_name']}; student {opts.student}, teacher {opts.teacher}; N "
           f"{opts.tokens}; betas {opts.betas}", flush=True)
     t0 = time.perf_counter()
@@ -773,34 +769,8 @@ def main(argv=None):
         paths["md"].write_text(markdown(doc))
         return doc
 
-    done = {"records": []}
-
-    def point_done(records):
-        done["records"] = records
-        write(records, complete=False)
-
-    def terminate(signum, frame):  # `timeout` sends SIGTERM: keep what was measured
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        records, complete = run(opts, on_point_done=point_done), True
-    except KeyboardInterrupt:
-        records, complete = done["records"], False
-        print("[bench.divergence] interrupted: writing the points measured so far", file=sys.stderr, flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    doc = write(records, complete)
-    if not args.no_plot:
-        try:
-            plot(doc, paths["png"])
-        except Exception as e:  # noqa: BLE001 (the numbers are written; a plot failure is reported, not fatal)
-            print(f"[bench.divergence] plot failed: {type(e).__name__}: {e}", file=sys.stderr)
-    print(markdown(doc))
-    print(f"[bench.divergence] wrote {', '.join(str(p) for p in paths.values() if p.exists())}", flush=True)
-    if not complete:
-        raise SystemExit(130)
-    return doc
+    return report.run_and_report(lambda point_done: run(opts, on_point_done=point_done), write, plot, markdown,
+                                 paths, no_plot=args.no_plot, tag="bench.divergence")
 
 
 if __name__ == "__main__":

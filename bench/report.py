@@ -8,7 +8,9 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -120,6 +122,12 @@ def _sweeps(r):
     units of 2 N D V. None where not counted."""
     counted = r.get("matmul_flops")
     return counted / (2 * r["active_tokens"] * r["D"] * r["V"]) if counted is not None else None
+
+
+def at_start(device):
+    """(the start's time stamp, the load average before the run, device_info(device), whether it is CUDA)."""
+    info = device_info(device)
+    return now(), load_average(), info, info["device_type"] == "cuda"
 
 
 def derive(records, matmul_tflops):
@@ -256,6 +264,42 @@ def write_json(path, doc):
         json.dump(_clean(doc), f, indent=1, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def run_and_report(run_points, write, plot, markdown, paths, *, no_plot, tag):
+    """Run a benchmark's points and report them: ``run_points(on_point_done)`` returns the records and calls
+    ``on_point_done(records)`` after each point, which ``write(records, complete)`` saves (json + md) and returns as
+    a document; SIGTERM (``timeout``, a machine's time limit) or Ctrl-C keeps what was measured, written as
+    incomplete, and exits 130 after the report. Then the plot (a failure is reported, not fatal: the numbers are
+    written), the markdown on stdout and the files written. Returns the document."""
+    done = {"records": []}
+
+    def point_done(records):
+        done["records"] = records
+        write(records, False)
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        records, complete = run_points(point_done), True
+    except KeyboardInterrupt:
+        records, complete = done["records"], False
+        print(f"[{tag}] interrupted: writing the points measured so far", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    doc = write(records, complete)
+    if not no_plot:
+        try:
+            plot(doc, paths["png"])
+        except Exception as e:  # noqa: BLE001
+            print(f"[{tag}] plot failed: {type(e).__name__}: {e}", file=sys.stderr)
+    print(markdown(doc))
+    print(f"[{tag}] wrote {', '.join(str(p) for p in paths.values() if p.exists())}", flush=True)
+    if not complete:
+        raise SystemExit(130)
+    return doc
 
 
 def _mib(b):

@@ -46,7 +46,12 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 class Metrics(dict):
-    """Detached fp32 scalar metrics (TRL's names), plus the per-token ``logprobs`` and ``entropies`` [B, T]."""
+    """The metrics of ``loss`` and ``token_loss``: detached float32 scalars under TRL's names.
+
+    Attributes:
+        logprobs: [B, T] float32, detached: the policy's per-token log-probs (zeros where the mask is 0).
+        entropies: [B, T] float32, detached, or None when no entropy was computed.
+    """
 
     logprobs: torch.Tensor
     entropies: torch.Tensor
@@ -288,14 +293,31 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
              completion_mask: torch.Tensor | None = None, lora: HeadLora | tuple | None = None,
              vocab_parallel: VocabShard | None = None, backend: str = "auto",
              check_values: bool = True) -> torch.Tensor:
-    """Per-token log-probs [B, T] (fp32, no grad) of ``targets`` for the reference and old policies.
+    """Per-token log-probs of ``targets`` for the reference and old policies, without gradients.
 
-    The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature``. No logits of
-    size V are built and no autograd graph is kept; with ``completion_mask`` only its tokens are computed.
-    A vocab-parallel head (a DTensor weight sharded on dim 0, or this rank's rows with
-    ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)``: grpo_fast.vocab_parallel) gives every rank
-    the unsharded result. ``lora``: a grpo_fast.HeadLora on the head (module docstring). ``check_values``: read
-    the targets' range and the mask's values on the host, once (module docstring).
+    ``logprobs_and_entropy`` without the entropy and without autograd: no [tokens, V] logits are built and no graph
+    is kept.
+
+    Args:
+        hidden: [B, T, D] float32, bfloat16 or float16; hidden[b, t] predicts targets[b, t].
+        weight: [V, D] in hidden's dtype (vocab-parallel: this rank's rows, or a DTensor).
+        targets: [B, T] integer token ids.
+        bias: [V] or None.
+        temperature: divides the logits.
+        softcap: soft-cap of the logits, or None.
+        logit_scale: multiplies the raw logits.
+        completion_mask: [B, T] bool or 0/1: the tokens computed; None: all.
+        lora: a HeadLora (or tuple) on the head, or None.
+        vocab_parallel: this rank's VocabShard, or None.
+        backend: "auto", "triton" or "torch".
+        check_values: read the value checks on the host, once.
+
+    Returns:
+        [B, T] float32 log-probs, detached; exact zeros where completion_mask is 0.
+
+    Raises:
+        TypeError: as ``logprobs_and_entropy``, for the arguments both take.
+        ValueError: as ``logprobs_and_entropy``, for the arguments both take.
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
@@ -323,23 +345,52 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          entropy_grad: bool = False, head_path: str = "auto", backward_mode: str = "chunked",
                          lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None,
                          backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of ``targets`` and entropies, [B, T] fp32 each, both differentiable.
+    """Per-token log-probs of ``targets`` and entropies, both differentiable, without full-vocab logits.
 
-    hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D] of hidden's dtype, bias [V] or None. The
-    logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` (no tanh when
-    ``softcap`` is None), TRL 1.16's order. Gradients reach hidden, weight and bias through both outputs (an
-    entropy bonus trains through the entropy); no tensor of size V x tokens exists in the forward or the backward.
-    With ``completion_mask`` only its tokens are computed; masked positions are exact zeros and their targets are
-    not read. With a frozen weight (and bias) the forward also builds d logp / d hidden, so the backward does two
-    vocabulary sweeps instead of three; ``entropy_grad=True`` says the entropy will be differentiated too (an entropy
-    bonus), which that path serves at five sweeps: the general path is then taken. Either way the gradients are exact.
-    ``head_path="general"`` never takes the frozen-head path; ``backward_mode`` picks the Triton backward
-    ("chunked": g per token chunk and two GEMMs; "fused": one kernel with fp32 atomics). A vocab-parallel head (a
-    DTensor weight sharded on dim 0, or this rank's rows with ``vocab_parallel=grpo_fast.VocabShard(...)``) gives
-    every rank the unsharded outputs and gradients (dH all-reduced, dW and db rows local; grpo_fast.vocab_parallel),
-    on the same path as one process. ``lora=grpo_fast.HeadLora(a, b, scaling, dropout)``: LoRA on the head,
-    exact, with gradients to a and b where they require one (a frozen adapter takes the frozen-head path too).
-    ``check_values``: read the targets' range and the mask's values on the host, once (module docstring).
+    The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` (TRL 1.16's
+    order). Gradients reach hidden, weight, bias and the LoRA adapters through both outputs; no tensor of size
+    V x tokens exists in the forward or the backward, and every gradient is exact whichever path is taken. A
+    vocab-parallel head gives every rank the unsharded outputs and gradients, dW and db rows local
+    ([vocab-parallel lm_head](../vocab-parallel.md)).
+
+    Args:
+        hidden: [B, T, D] float32, bfloat16 or float16: the last hidden states; hidden[b, t] predicts
+            targets[b, t].
+        weight: [V, D] lm_head weight, hidden's dtype. Vocab-parallel: this rank's rows [V_local, D] (with
+            ``vocab_parallel``) or a DTensor sharded on dim 0.
+        targets: [B, T] integer token ids in [0, V); positions where completion_mask is 0 are not read.
+        bias: [V] lm_head bias in hidden's dtype (this rank's rows when vocab-parallel), or None.
+        temperature: divides the logits (> 0).
+        softcap: the soft-cap c of ``c * tanh(x / c)`` (Gemma 2: 30.0); None: no tanh.
+        logit_scale: multiplies the raw logits (non-zero; Cohere's logit_scale, Granite's 1 / logits_scaling).
+        completion_mask: [B, T] bool or 0/1; only tokens with 1 are computed, the others are exact zeros.
+            None: every token.
+        entropy_grad: the entropy will be differentiated (an entropy bonus): take the general path, which serves
+            it in fewer vocabulary sweeps than the frozen-head path.
+        head_path: "auto": with a frozen weight and bias the forward also builds d logp / d hidden (two
+            vocabulary sweeps in all instead of three); "general": always the recompute path.
+        backward_mode: the Triton backward: "chunked" (g per token chunk and two GEMMs) or "fused" (one kernel,
+            fp32 atomics); the torch backend has "chunked" only.
+        lora: LoRA on the lm_head: a [HeadLora][grpo_fast.HeadLora] or a tuple (a, b, scaling[, dropout]);
+            None: none.
+        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when ``weight`` holds this rank's rows of a
+            vocab-parallel head; None: a whole head, or a DTensor weight that carries its own sharding.
+        backend: "auto" (Triton for CUDA tensors and under TRITON_INTERPRET=1, else torch), "triton" or "torch".
+        check_values: read the value checks (targets in range where the mask is 1, the mask 0/1) in one host
+            synchronisation; False reads nothing on the host.
+
+    Returns:
+        logprobs: [B, T] float32, exact zeros where completion_mask is 0.
+        entropy: [B, T] float32, exact zeros where completion_mask is 0.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16,
+            weight's dtype not hidden's, targets not an integer tensor, or ``lora``, ``vocab_parallel``,
+            ``entropy_grad`` or ``check_values`` of the wrong type.
+        ValueError: a shape that does not match, tensors on different devices, a targets value outside [0, V) or
+            a mask value other than 0/1 (with ``check_values``), a bad temperature, softcap or logit_scale, an
+            unknown ``backend``, ``head_path`` or ``backward_mode`` or one that cannot run here, sizes the Triton
+            kernels cannot index, or LoRA on a vocab-parallel head.
     """
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
@@ -404,21 +455,62 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
          top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
-    hidden [B, T, D] (hidden[b, t] predicts targets[b, t]), weight [V, D], targets [B, T] token ids,
-    advantages [B] or [B, T], completion_mask [B, T] bool or 0/1. The loss options are TRL's ``GRPOConfig``
-    keywords (``loss_type``, ``beta``, ``epsilon``, ...: ``grpo_fast.LossOptions``), given one by one or as
-    ``options=LossOptions(...)``; the other keywords are per-batch inputs (README). Only tokens with mask 1 are
-    computed. ``head_path``, ``backward_mode`` and ``lora``: layer 1's path, Triton backward and LoRA on the head
-    (``logprobs_and_entropy``).
-    A vocab-parallel head (``logprobs_and_entropy``): every rank of its group returns the unsharded loss and metrics.
-    ``check_values``: the checks that read values (targets in [0, V) where the mask is 1, the mask 0/1,
-    num_items_in_batch >= 0) run on the device and are read once; False reads nothing (module docstring).
-    ``teacher=grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale)`` with ``distillation_coef``: RL and
-    distillation in one call; the per-token loss gains ``distillation_coef`` times the divergence from the teacher
-    (``distillation_beta``: grpo_fast.divergence's beta, default 1.0, TRL's), computed in the same vocabulary sweeps
-    as the student's log-probs (grpo_fast.teacher_head); ``metrics["distillation_loss"]`` is its mean over the scored
-    tokens. Not with ``lora`` or ``vocab_parallel``.
-    Returns ``(loss, metrics)``: a differentiable fp32 scalar and a ``Metrics`` dict of fp32 device scalars.
+    Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1; a
+    vocab-parallel head gives every rank the unsharded loss and metrics. The loss options, ``loss_type`` to
+    ``entropy_coef`` at the signature's end, are TRL's ``GRPOConfig`` keywords with its defaults:
+    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)); ``options`` gives them
+    as one object. With a ``teacher``: RL and distillation in one call; the per-token loss gains
+    ``distillation_coef`` times the divergence from the teacher (``grpo_fast.divergence``) before the loss type's
+    reduction, computed from the same student tiles as the log-probs (grpo_fast/teacher_head.py), and
+    ``metrics["distillation_loss"]`` is its mean over the scored tokens.
+
+    Args:
+        hidden: the policy's last hidden states [B, T, D] (float32, bfloat16 or float16).
+        weight: the lm_head's [V, D] weight.
+        targets: the sampled token ids [B, T].
+        advantages: [B] or [B, T] float: per-sequence or per-token advantages.
+        completion_mask: [B, T] bool or 0/1: the completion tokens, the only ones computed.
+        bias: the lm_head's [V] bias, or None.
+        old_logprobs: [B, T] float, the sampling policy's log-probs; None: on-policy (ratio exactly 1).
+        ref_logprobs: [B, T] float, the reference model's log-probs; required when ``beta != 0``.
+        sampling_logprobs: [B, T] float, the sampler's log-probs for the off-policy mask (NaN: no evidence);
+            only with ``off_policy_mask_threshold``.
+        importance_weights: [B, T], [B, 1] or [B] float, the sampler correction (e.g.
+            ``sampling_importance_weights``); vespo takes [B, T] only.
+        num_items_in_batch: a number >= 0 or a one-element tensor: the normaliser of dapo, cispo and vespo (the
+            token count of the whole gradient-accumulation window); None: the mask's sum.
+        entropy_threshold: the entropy at ``top_entropy_quantile``, precomputed over every process; only with
+            ``top_entropy_quantile < 1``. None: this batch's own quantile.
+        temperature: the sampling temperature (> 0).
+        softcap: the model's logit soft-cap, or None.
+        logit_scale: the model's logit scale.
+        options: the loss options as one LossOptions; the option keywords that differ from their defaults apply
+            on top. None: the keywords alone.
+        head_path: layer 1's path, as in ``logprobs_and_entropy`` (the entropy bonus takes the general path).
+        backward_mode: layer 1's Triton backward, as in ``logprobs_and_entropy``.
+        lora: LoRA on the lm_head (HeadLora), or None.
+        vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
+        backend: "auto", "triton" or "torch", for both layers.
+        check_values: one host read of the value checks (also num_items_in_batch >= 0); False: none.
+        teacher: a Teacher (its hidden states [B, T, Dt] and head, the student's vocabulary), or None.
+        distillation_coef: the divergence's weight in the per-token loss; required with ``teacher``, only with it.
+        distillation_beta: the divergence's beta (0: forward KL, 1: reverse KL, between: the generalized JSD;
+            TRL's DistillationConfig.beta); None: 1.0. Only with ``teacher``.
+
+    Returns:
+        loss: the differentiable float32 scalar loss.
+        metrics: detached float32 scalars under TRL's names, with the per-token ``logprobs`` and ``entropies``
+            [B, T] as attributes ([metrics](../options.md#metrics)).
+
+    Raises:
+        TypeError: as ``logprobs_and_entropy`` for the arguments both take, ``options`` not a LossOptions,
+            ``teacher`` not a Teacher, or a teacher's tensors of mismatched dtypes.
+        ValueError: as ``logprobs_and_entropy`` for the arguments both take; a bad option; or inputs the options
+            do not take: beta != 0 without ref_logprobs, ``sampling_logprobs`` without
+            ``off_policy_mask_threshold``, ``entropy_threshold`` without ``top_entropy_quantile < 1``, vespo
+            with importance weights that are not [B, T], ``num_items_in_batch`` < 0; ``distillation_coef`` or
+            ``distillation_beta`` without a teacher, a teacher without ``distillation_coef``, a teacher whose
+            shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``.
     """
     options = LossOptions.from_written_keywords(options, locals())
     distillation = _checked_distillation(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
@@ -548,11 +640,39 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
                vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
                use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
                top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
-    """Layer 2 alone: the GRPO loss and metrics from per-token log-probs [B, T] that carry the gradient.
+    """Layer 2 alone: the GRPO loss and metrics from per-token log-probs that carry the gradient.
 
-    For callers that already have the policy's log-probs; same keywords as ``loss``. ``entropy`` [B, T] feeds the
-    entropy metric, the top-entropy mask and the entropy bonus (which trains through it when it carries a
-    gradient); the last two need it. ``check_values``: the mask's 0/1 check and num_items_in_batch >= 0, read once.
+    For callers that already have the policy's log-probs; the per-batch inputs are ``loss``'s. The loss options,
+    ``loss_type`` to ``entropy_coef`` at the signature's end, are TRL's ``GRPOConfig`` keywords with its defaults:
+    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)).
+
+    Args:
+        logprobs: [B, T] float: the policy's log-probs of the sampled tokens; the loss's gradient flows to them.
+        advantages: the advantages, per sequence [B] or per token [B, T].
+        completion_mask: the completion tokens [B, T], bool or 0/1.
+        entropy: [B, T] float per-token entropies for the entropy metric, the top-entropy mask and the entropy
+            bonus (which trains through it when it carries a gradient); required by the last two.
+        old_logprobs: the old policy's [B, T] log-probs, or None (on-policy).
+        ref_logprobs: the reference model's [B, T] log-probs (for beta != 0), or None.
+        sampling_logprobs: the sampler's [B, T] log-probs (the off-policy mask's), or None.
+        importance_weights: the sampler correction, [B, T], [B, 1] or [B]; or None.
+        num_items_in_batch: dapo / cispo / vespo's normaliser; None: the mask's sum.
+        entropy_threshold: the top-entropy quantile's value, precomputed; or None.
+        options: a LossOptions; or None.
+        backend: "auto", "triton" (the token kernel) or "torch" (the spec's layer 2 with autograd).
+        check_values: read the mask's 0/1 check and num_items_in_batch >= 0 in one host synchronisation; False
+            reads nothing on the host.
+
+    Returns:
+        loss: the differentiable float32 scalar loss.
+        metrics: as ``loss``'s.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor (float where a float is expected), ``options`` not a
+            LossOptions, or ``check_values`` not a bool.
+        ValueError: a shape that does not match, tensors on different devices, a bad option, an unknown
+            ``backend``, a mask value other than 0/1 (with ``check_values``), ``top_entropy_quantile < 1`` or
+            ``entropy_coef != 0`` without ``entropy``, or inputs the options do not take (as ``loss``).
     """
     options = LossOptions.from_written_keywords(options, locals())
     _float_tensor("logprobs", logprobs)
@@ -697,13 +817,29 @@ def _token_loss(logprobs, entropy, batch, options, backend):
 def sampling_importance_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
                                 completion_mask: torch.Tensor, mode: str = "sequence_mask",
                                 clip_max: float | None = 3.0, clip_min: float | None = None) -> torch.Tensor:
-    """TRL 1.16's importance weights for a sampler (vLLM) that is not the trained policy, for ``importance_weights``.
+    """TRL 1.16's importance weights for a sampler (vLLM) that is not the trained policy.
 
-    old_logprobs: the training policy's log-probs before the update, sampling_logprobs: the sampler's, both [B, T]
-    (NaN where the sampler could not score a token: no correction there). ``mode`` is TRL's
-    ``vllm_importance_sampling_mode``: ``token_*`` give [B, T] per-token ratios, ``sequence_*`` [B, 1] ratios of the
-    summed log-ratio; ``*_truncate`` clamps them to [clip_min, clip_max], ``*_mask`` zeroes those outside it.
-    Defaults are TRL's (``vllm_importance_sampling_clip_max=3.0``, ``_clip_min=None``).
+    The result is ``importance_weights`` for ``loss`` and ``token_loss``. Defaults are TRL's
+    (``vllm_importance_sampling_clip_max=3.0``, ``vllm_importance_sampling_clip_min=None``).
+
+    Args:
+        old_logprobs: [B, T] float: the training policy's log-probs before the update.
+        sampling_logprobs: [B, T] float: the sampler's log-probs; NaN where it could not score a token (no
+            correction there).
+        completion_mask: [B, T] bool or 0/1.
+        mode: TRL's ``vllm_importance_sampling_mode``: "token_truncate", "token_mask", "sequence_truncate" or
+            "sequence_mask". ``token_*`` give per-token ratios, ``sequence_*`` ratios of the summed log-ratio;
+            ``*_truncate`` clamps them to [clip_min, clip_max], ``*_mask`` zeroes those outside it.
+        clip_max: the upper bound, or None.
+        clip_min: the lower bound, or None.
+
+    Returns:
+        float32 weights, detached: [B, T] for the ``token_*`` modes, [B, 1] for the ``sequence_*`` modes.
+
+    Raises:
+        TypeError: a non-tensor, or log-probs that are not float.
+        ValueError: an unknown ``mode``, a shape that does not match, tensors on different devices, a mask value
+            other than 0/1, a non-finite bound, ``clip_min >= clip_max``, or a ``*_truncate`` mode without a bound.
     """
     if mode not in IMPORTANCE_SAMPLING_MODES:
         raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")

@@ -186,7 +186,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
              backend, checks, sharded=False):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
     with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
-    this rank's rows of vocab-parallel heads, computed by the torch twin: divergence_parallel)."""
+    this rank's rows of vocab-parallel heads, which may hold none: divergence_parallel)."""
     B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias, sharded)
     Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias, sharded)
     if (Bt, Tt) != (B, T):
@@ -211,13 +211,8 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
             check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
     for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
-    if sharded:
-        if backend not in ("auto", "torch"):
-            raise ValueError(f"vocab-parallel divergence heads run on the torch backend (any device): backend must be "
-                             f"'auto' or 'torch', got {backend!r}")
-        return "torch"
     backend = _resolve_backend(backend, student_hidden.device)
-    backend.check_sizes(B * T, V)
+    backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
     return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
 
 
@@ -236,26 +231,51 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
                            teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
                            head_path="auto", check_values=True, vocab_parallel=None):
-    """Per-token divergence [B, T] fp32 (differentiable w.r.t. the student's hidden, weight and bias) and the
-    student's entropy [B, T] fp32 (detached, as TRL's head gives it), without either model's logits.
+    """Per-token divergence between a student and a teacher head, and the student's entropy, without logits.
 
-    student_hidden [B, T, Ds] / teacher_hidden [B, T, Dt] (position t predicts the next token), student_weight
-    [V, Ds] / teacher_weight [V, Dt] (each in its hidden's dtype), biases [V] or None. ``beta``: 0 forward
-    KL(teacher || student), 1 reverse KL(student || teacher), between: the generalized JSD (TRL 1.16's
-    DistillationConfig.beta). Each model's logit is ``softcap * tanh(logit_scale * (h . W + b) / softcap) /
-    temperature`` with its own soft-cap and scale (TRL's order). Only tokens with ``completion_mask`` 1 are computed;
-    masked positions are exact zeros, their hidden states never read. The teacher never gets a gradient.
-    ``backend``: "auto", "triton" or "torch" (as grpo_fast.loss). With a frozen student head (only
-    student_hidden requires a gradient: LoRA, a frozen lm_head) and ``head_path="auto"``, the forward also builds
-    d divergence / d student_hidden, so that the backward needs no vocabulary sweep (divergence_torch.FrozenHead);
-    ``head_path="general"`` always recomputes in the backward. ``check_values``: the mask's values read on the host
-    with the scored-row count, once, as grpo_fast.loss does (False: no host synchronisation; the rows are then a
-    device partition, padding zeroed).
-
-    Vocab-parallel heads (divergence_parallel): both weights DTensors sharded on dim 0 by the same ranges (biases
-    alike), or this rank's rows of both with ``vocab_parallel=grpo_fast.VocabShard(group, offset, vocab_size)`` (one
-    description: both heads are split by the same ranges); the hidden states replicated. Every rank returns the
+    TRL 1.16's ``DistillationTrainer`` divergence: each model's logit is ``softcap * tanh(logit_scale * (h . W + b)
+    / softcap) / temperature`` with its own soft-cap and scale (TRL's order). Only tokens with completion_mask 1
+    are computed; masked positions are exact zeros and their hidden states are never read. The teacher never gets
+    a gradient. Vocab-parallel heads: both weights DTensors sharded on dim 0 by the same ranges (biases alike), or
+    this rank's rows of both with ``vocab_parallel``; the hidden states replicated. Every rank returns the
     unsharded result; dW and db are this rank's rows; neither weight is gathered.
+
+    Args:
+        student_hidden: [B, T, Ds] float32, bfloat16 or float16; position t predicts the next token.
+        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype.
+        teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
+        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
+        completion_mask: [B, T] bool or 0/1: the tokens computed; None: every token.
+        beta: in [0, 1]: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the
+            generalized JSD (TRL's ``DistillationConfig.beta``).
+        temperature: divides both models' logits (> 0).
+        student_bias: [V] in student_hidden's dtype, or None.
+        teacher_bias: [V] in teacher_hidden's dtype, or None.
+        student_softcap: the student's soft-cap (> 0), or None: no tanh.
+        teacher_softcap: the teacher's soft-cap (> 0), or None: no tanh.
+        student_logit_scale: multiplies the student's raw logits (non-zero).
+        teacher_logit_scale: multiplies the teacher's raw logits (non-zero).
+        backend: "auto", "triton" or "torch", as in ``loss``; with vocab-parallel heads each rank runs its
+            kernels on its rows.
+        head_path: "auto": with a frozen student head (only student_hidden requires a gradient: LoRA, a frozen
+            lm_head) the forward also builds d divergence / d student_hidden, so the backward needs no vocabulary
+            sweep; "general": always recompute in the backward.
+        check_values: read the mask's 0/1 check with the scored-row count in one host synchronisation; False
+            reads nothing on the host (the rows are then a device partition, padding zeroed).
+        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when both weights hold this rank's rows (the same
+            ranges); None: whole heads, or DTensor weights.
+
+    Returns:
+        divergence: [B, T] float32, differentiable with respect to the student's hidden states, weight and bias.
+        entropy: [B, T] float32, the student's entropy, detached (as TRL's head gives it).
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16, or a
+            weight whose dtype is not its hidden states'.
+        ValueError: a shape that does not match (B, T or V differing between the models), tensors on different
+            devices, a mask value other than 0/1 (with ``check_values``), a beta outside [0, 1], a bad
+            temperature, soft-cap or logit scale, an unknown ``backend`` or ``head_path``, sizes the Triton
+            kernels cannot index, or vocab-parallel heads that are not sharded alike.
     """
     student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = \
         divergence_parallel.resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden,
@@ -280,7 +300,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         div, entropy = divergence_parallel.VocabParallelDivergence.apply(
             _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
             _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
-            frozen_head)
+            frozen_head, backend)
         return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
         _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
@@ -292,6 +312,22 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
 
 
 def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
-    """The per-token divergence [B, T] fp32 alone (``divergence_and_entropy`` has the arguments)."""
+    """The per-token divergence alone: ``divergence_and_entropy``'s first output.
+
+    Args:
+        student_hidden: [B, T, Ds] float32, bfloat16 or float16.
+        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype.
+        teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
+        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
+        completion_mask: [B, T] bool or 0/1; None: every token.
+        **kwargs: ``divergence_and_entropy``'s keywords.
+
+    Returns:
+        [B, T] float32, differentiable with respect to the student's hidden states, weight and bias.
+
+    Raises:
+        TypeError: as ``divergence_and_entropy``.
+        ValueError: as ``divergence_and_entropy``.
+    """
     return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
                                   **kwargs)[0]

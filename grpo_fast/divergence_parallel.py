@@ -32,8 +32,10 @@ of both weights (and biases). Each rank returns exactly what the unsharded head 
   no collective and no sweep.
 
 Bytes through collectives per call (N scored tokens): 64 N in the forward (72 N for 0 < beta < 1) and 4 N Ds for dH
-(in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. The
-torch twin computes each shard (any device); a "triton" backend is a named error here.
+(in the backward; in the forward on the frozen-head path), whatever V is and whatever the number of ranks. Each
+shard is computed by the chosen backend: the Triton kernels (kernels/divergence.py: ``records``, with its JSD
+sweep, and ``backward`` take the shard's vocabulary offset; the merge stays here) or the torch twin (any device); the
+frozen-head path is the torch twin's algorithm on every backend, as unsharded.
 
 Requirements (not checked: checking would cost a collective per call): the shards tile [0, V) without overlap, the
 student's and teacher's shards are the same ranges, and every rank passes the same hidden states, mask and upstream
@@ -46,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_fast import divergence_torch
+from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.torch_backend import CHUNK_N
 from grpo_fast.vocab_parallel import VocabShard, resolve
 
@@ -113,10 +116,58 @@ def _cat_records(parts, n, device):
 
 
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, shard, frozen_head=False):
-    """divergence_torch.forward's (divergence [N], entropy [N], saved, argmax, J or None) of the whole vocabulary,
-    on every rank, from this rank's rows of both heads (N > 0); with ``frozen_head`` J = d divergence / d
-    student_hidden [N, Ds] fp32 (``frozen_grad``; one more all-reduce, N x Ds fp32)."""
+            student_transform, teacher_transform, shard, frozen_head=False, backend="torch"):
+    """The whole vocabulary's forward, on every rank, from this rank's rows of both heads.
+
+    Args:
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: the replicated
+            hidden states [N, Ds], [N, Dt] (N > 0) and this rank's rows of both heads (and biases).
+        beta, student_transform, teacher_transform: as divergence_torch.forward.
+        shard: this rank's VocabShard (offset and group).
+        frozen_head: also build J = d divergence / d student_hidden (``frozen_grad``; one more all-reduce, N x Ds
+            fp32).
+        backend: "triton": this rank's records and JSD sums by the Triton kernels (kernels/divergence.py), except
+            on the frozen-head path (the torch twin's algorithm on every backend, as unsharded) and on a shard of no
+            rows (nothing to compute); "torch": the torch twin.
+
+    Returns:
+        divergence_torch.forward's (divergence [N], entropy [N], saved, argmax) and J [N, Ds] fp32 or None.
+    """
+    args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
+    if backend == "triton" and not frozen_head and student_weight.shape[0] > 0:
+        *local, local_jsd = kdivergence.records(*args, beta, student_transform, teacher_transform,
+                                                offset=shard.offset)[:3]
+        frozen = None
+    else:
+        local, local_jsd, frozen = _torch_records(*args, beta, student_transform, teacher_transform, shard,
+                                                  frozen_head)
+    student, teacher = merge_over_group(*local, shard.group)
+
+    def jsd_sweep(finished_s, finished_t, reference):
+        sums = torch.stack(local_jsd(finished_s, finished_t, reference))
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
+        return sums[0], sums[1]
+
+    out = divergence_torch.finish(student, teacher, beta, jsd_sweep)
+    if not frozen_head:
+        return (*out, None)
+    N = student_hidden.shape[0]
+    grad = torch.cat([frozen_grad(acc, tuple(divergence_torch.Record(*(x[n0:n0 + CHUNK_N] for x in r))
+                                             for r in (*local, student, teacher)), out[2][:, n0:n0 + CHUNK_N])
+                      for n0, acc in zip(range(0, N, CHUNK_N), frozen, strict=True)])
+    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
+    return (*out, grad)
+
+
+def _torch_records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+                   student_transform, teacher_transform, shard, frozen_head):
+    """The torch twin's part of ``forward`` on this rank's rows, by token chunks.
+
+    Returns:
+        (local, local_jsd, frozen): this rank's (student, teacher) Records [N]; its JSD sweep, (finished student,
+        finished teacher, r_a) -> (JSD, sum_v p_s (r_v - r_a)) [N] over its rows; the chunks' FrozenHead
+        accumulators (Nones without ``frozen_head``).
+    """
     N, dev = student_hidden.shape[0], student_hidden.device
     starts = range(0, N, CHUNK_N)
     frozen = [divergence_torch.FrozenHead(beta, min(CHUNK_N, N - n0), student_weight, shard.offset)
@@ -126,27 +177,17 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
                                        student_transform, teacher_transform, offset=shard.offset, frozen=acc)
               for n0, acc in zip(starts, frozen, strict=True)]
     local = tuple(_cat_records([c[k] for c in chunks], N, dev) for k in (0, 1))
-    student, teacher = merge_over_group(*local, shard.group)
 
-    def jsd_sweep(finished_s, finished_t, reference):
+    def local_jsd(finished_s, finished_t, reference):
         parts = [divergence_torch._jsd_sweep(
             student_hidden[n0:n0 + CHUNK_N], teacher_hidden[n0:n0 + CHUNK_N], student_weight, student_bias,
             teacher_weight, teacher_bias, beta, student_transform, teacher_transform,
             divergence_torch.Finished(*(x[n0:n0 + CHUNK_N] for x in finished_s)),
             divergence_torch.Finished(*(x[n0:n0 + CHUNK_N] for x in finished_t)),
             reference[n0:n0 + CHUNK_N], acc, offset=shard.offset) for n0, acc in zip(starts, frozen, strict=True)]
-        sums = torch.stack([torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])])
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
-        return sums[0], sums[1]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-    out = divergence_torch.finish(student, teacher, beta, jsd_sweep)
-    if not frozen_head:
-        return (*out, None)
-    grad = torch.cat([frozen_grad(acc, tuple(divergence_torch.Record(*(x[n0:n0 + CHUNK_N] for x in r))
-                                             for r in (*local, student, teacher)), out[2][:, n0:n0 + CHUNK_N])
-                      for n0, acc in zip(starts, frozen, strict=True)])
-    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
-    return (*out, grad)
+    return local, local_jsd, frozen
 
 
 def frozen_grad(acc, records, saved):
@@ -188,7 +229,7 @@ class VocabParallelDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-                student_transform, teacher_transform, shard, frozen_head):
+                student_transform, teacher_transform, shard, frozen_head, backend):
         if student_hidden.shape[0] == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=student_hidden.device)
             saved, argmax = empty.new_zeros((len(divergence_torch.SAVED_FIELDS), 0)), empty.new_zeros((2, 0)).long()
@@ -196,11 +237,11 @@ class VocabParallelDivergence(torch.autograd.Function):
         else:
             div, entropy, saved, argmax, grad = forward(student_hidden, student_weight, student_bias, teacher_hidden,
                                                         teacher_weight, teacher_bias, beta, student_transform,
-                                                        teacher_transform, shard, frozen_head)
+                                                        teacher_transform, shard, frozen_head, backend)
         ctx.frozen_head = frozen_head
         ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                               teacher_bias, saved, argmax, grad if frozen_head else None)
-        ctx.beta, ctx.transforms, ctx.shard = beta, (student_transform, teacher_transform), shard
+        ctx.beta, ctx.transforms, ctx.shard, ctx.backend = beta, (student_transform, teacher_transform), shard, backend
         ctx.mark_non_differentiable(entropy)
         return div, entropy
 
@@ -215,19 +256,20 @@ class VocabParallelDivergence(torch.autograd.Function):
                                    "head_path='general'")
             grad = (torch.zeros_like(hidden_grad) if grad_divergence is None
                     else grad_divergence.float()[:, None] * hidden_grad)
-            return (grad.to(hs.dtype),) + (None,) * 10
+            return (grad.to(hs.dtype),) + (None,) * 11
         dev = hs.device
         grad_hidden = torch.zeros(hs.shape, dtype=torch.float32, device=dev) if need_h else None
         grad_weight = torch.zeros(ws.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(ws.shape[0], dtype=torch.float32, device=dev) if need_b else None
         if hs.shape[0] > 0 and grad_divergence is not None:
-            divergence_torch.backward(grad_divergence.float().contiguous(), hs, ws, bs, ht, wt, bt, saved, argmax,
-                                      ctx.beta, *ctx.transforms, grad_hidden, grad_weight, grad_bias,
-                                      offset=ctx.shard.offset)
+            sweep = (kdivergence.backward if ctx.backend == "triton" and ws.shape[0] > 0
+                     else divergence_torch.backward)  # a shard of no rows: nothing to recompute, dH's part is 0
+            sweep(grad_divergence.float().contiguous(), hs, ws, bs, ht, wt, bt, saved, argmax, ctx.beta,
+                  *ctx.transforms, grad_hidden, grad_weight, grad_bias, offset=ctx.shard.offset)
             if need_h:
                 dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
         return (grad_hidden.to(hs.dtype) if need_h else None, grad_weight.to(ws.dtype) if need_w else None,
-                grad_bias.to(bs.dtype) if need_b else None) + (None,) * 8
+                grad_bias.to(bs.dtype) if need_b else None) + (None,) * 9
 
 
 __all__ = ["VocabShard", "VocabParallelDivergence", "merge_over_group", "resolve_pair"]

@@ -37,7 +37,15 @@ def import_pinned(name: str, low: str, end: str):
 
 
 def logit_scale_of(text_config) -> float:
-    """The factor TRL 1.16's fused head multiplies the logits by, read from the config in TRL's order."""
+    """The factor TRL 1.16's fused head multiplies the logits by, read from the config in TRL's order.
+
+    Args:
+        text_config: a transformers text config: ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``,
+            then ``logits_scaling`` (Granite and MiniCPM3 divide by it, HyperCLOVA X multiplies) are read.
+
+    Returns:
+        The factor; 1.0 when the config has none.
+    """
     # None on models that do not scale (MPT): unscaled. Muse Glimmer's `output_multiplier` is the same factor.
     scale = getattr(text_config, "logit_scale", None)
     if scale is None:

@@ -24,12 +24,23 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class HeadLora:
-    """LoRA on the lm_head: ``a`` = lora_A.weight [r, D], ``b`` = lora_B.weight [V, r], ``scaling`` PEFT's
-    ``scaling[adapter]`` (lora_alpha / r, or / sqrt(r) with rsLoRA), ``dropout`` None or the callable PEFT applies to
-    the hidden states before A (its ``lora_dropout[adapter]`` module: nn.Dropout or nn.Identity, as it is).
+    """LoRA on the lm_head, PEFT's adapter as grpo_fast's ``lora=`` takes it.
 
-    a and b share a float dtype, which may differ from the base head's (PEFT keeps adapters in fp32 over a bf16 base):
-    the LoRA branch is computed in it, as PEFT does. Gradients reach a and b where they require one."""
+    a and b share a float dtype, which may differ from the base head's (PEFT keeps adapters in fp32 over a bf16
+    base): the LoRA branch is computed in it, as PEFT does. Gradients reach a and b where they require one.
+
+    Attributes:
+        a: [r, D] float: PEFT's ``lora_A.weight``.
+        b: [V, r] float, a's dtype and device: PEFT's ``lora_B.weight``.
+        scaling: PEFT's ``scaling[adapter]`` (lora_alpha / r, or / sqrt(r) with rsLoRA); a finite number.
+        dropout: the callable PEFT applies to the hidden states before A (its ``lora_dropout[adapter]``:
+            nn.Dropout or nn.Identity, as it is), or None.
+
+    Raises:
+        TypeError: a or b not a float tensor, a and b of different dtypes, or a dropout that is not callable.
+        ValueError: a or b not 2-D, their ranks differing or 0, a and b on different devices, or a scaling that
+            is not a finite number.
+    """
 
     a: torch.Tensor
     b: torch.Tensor
@@ -62,6 +73,7 @@ class HeadLora:
 
     @property
     def rank(self):
+        """r, the adapter's rank."""
         return self.a.shape[0]
 
 

@@ -56,7 +56,17 @@ RTX_4090_GIB = 24564 / 1024
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2-style decoder's published shape (the config numbers that size its tensors)."""
+    """A Qwen2-style decoder's published shape (the config numbers that size its tensors).
+
+    Attributes:
+        hidden_size: D, the hidden states' width.
+        intermediate_size: the MLP's inner width.
+        num_layers: decoder layers.
+        num_heads: attention heads.
+        num_kv_heads: key / value heads (grouped-query attention).
+        vocab_size: V, the lm_head's rows.
+        tie_word_embeddings: the lm_head shares the input embedding's weight.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -68,10 +78,15 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
+        """hidden_size / num_heads."""
         return self.hidden_size // self.num_heads
 
     def config(self):
-        """transformers' Qwen2Config with these numbers (Qwen2.5's rope base, RMS epsilon and context)."""
+        """transformers' Qwen2Config with these numbers (Qwen2.5's rope base, RMS epsilon and context).
+
+        Returns:
+            A ``transformers.Qwen2Config`` with SDPA attention and no cache.
+        """
         from transformers import Qwen2Config
 
         config = Qwen2Config(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -98,7 +113,28 @@ class Recipe:
 
     The rollout generates ``prompts_per_step`` x ``num_generations`` completions; the training step's forward /
     backward takes ``micro_batch_size`` of them, every one at ``prompt_length`` + ``completion_length`` tokens (the
-    worst case: the longest prompt the recipe keeps, no completion ending early)."""
+    worst case: the longest prompt the recipe keeps, no completion ending early).
+
+    Attributes:
+        model: the shape's name (a ``MODELS`` key, or one marked as overridden).
+        shape: the model's [ModelShape][grpo_fast.memory.ModelShape].
+        lora_r: the LoRA rank; 0: every parameter trains.
+        lora_alpha: LoRA's alpha.
+        micro_batch_size: completions per forward / backward.
+        prompt_length: prompt tokens per row.
+        completion_length: completion tokens per row.
+        prompts_per_step: prompts per rollout.
+        num_generations: completions per prompt.
+        gradient_checkpointing: the model recomputes its layers' activations in the backward.
+        beta: the KL coefficient (0: no reference log-probs).
+        lr: AdamW's learning rate.
+        dtype: the model's dtype.
+        temperature: the sampling temperature the logits are divided by.
+        epsilon: the clip range.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
+        max_grad_norm: the gradient clipping norm.
+    """
 
     model: str
     shape: ModelShape
@@ -130,6 +166,11 @@ class Recipe:
         return self.beta != 0.0 and self.lora_r == 0
 
     def describe(self) -> str:
+        """The recipe in one line of prose.
+
+        Returns:
+            The description the report's title and the command's stderr show.
+        """
         trains = f"LoRA r {self.lora_r} (alpha {self.lora_alpha})" if self.lora_r else "all parameters"
         return (f"{self.model}, {trains}, {str(self.dtype).removeprefix('torch.')}, AdamW, micro-batch "
                 f"{self.micro_batch_size} x ({self.prompt_length} prompt + {self.completion_length} completion "
@@ -157,11 +198,29 @@ ALLOWANCE = {
 
 
 def allowance_gib(peak_gib: float) -> float:
+    """What the tracker cannot see (``ALLOWANCE``), for an estimated peak.
+
+    Args:
+        peak_gib: the estimated peak, GiB.
+
+    Returns:
+        The CUDA context plus the fragmentation fraction of the peak, GiB.
+    """
     return ALLOWANCE["cuda_context_gib"] + ALLOWANCE["fragmentation_fraction"] * peak_gib
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, element_bytes: int) -> int:
-    """The generation phase's key / value cache: every layer keeps a key and a value vector per kv head and token."""
+    """The generation phase's key / value cache: every layer keeps a key and a value vector per kv head and token.
+
+    Args:
+        shape: the model's shape.
+        sequences: the sequences generated at once.
+        tokens: tokens per sequence.
+        element_bytes: bytes per cached value (the model's dtype's).
+
+    Returns:
+        The cache's bytes.
+    """
     return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * sequences * tokens * element_bytes
 
 
@@ -186,8 +245,19 @@ def build_model(recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = Tr
                 checkpointing: bool = True) -> nn.Module:
     """The recipe's model in train mode, with gradient checkpointing (non-reentrant, as the example enables it) and
     PEFT's LoRA on the example's target modules (``lora`` and a rank > 0; the adapters in fp32, PEFT's default
-    autocast of bf16 adapters). With ``fake_mode``: built on the meta device, then every tensor a fake CPU one;
-    else randomly initialised on ``device``."""
+    autocast of bf16 adapters).
+
+    Args:
+        recipe: the step's sizes.
+        fake_mode: a ``FakeTensorMode``: the model is built on the meta device, then every tensor a fake CPU one;
+            None: randomly initialised on ``device``.
+        device: where a real model is built.
+        lora: apply LoRA when the recipe's rank is > 0 (False: the base model, the KL term's copy).
+        checkpointing: enable the recipe's gradient checkpointing.
+
+    Returns:
+        The model, in train mode.
+    """
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta" if fake_mode is not None else device):
@@ -211,7 +281,14 @@ def build_model(recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = Tr
 
 
 def tensor_bytes(tensors) -> int:
-    """The bytes of distinct storages among ``tensors`` (a tied weight counts once)."""
+    """The bytes of distinct tensors among ``tensors`` (a tied weight counts once).
+
+    Args:
+        tensors: an iterable of tensors.
+
+    Returns:
+        Their bytes, each tensor once.
+    """
     seen = {}
     for t in tensors:
         seen[id(t)] = t.numel() * t.element_size()
@@ -221,19 +298,36 @@ def tensor_bytes(tensors) -> int:
 # ------------------------------------------------------------------------------------------ the loss heads
 @dataclass
 class Batch:
-    """One micro-batch's per-token inputs of the loss, besides hidden states and weight."""
+    """One micro-batch's per-token inputs of the loss, besides hidden states and weight.
 
-    targets: torch.Tensor  # [B, T] token ids
-    advantages: torch.Tensor  # [B]
-    mask: torch.Tensor  # [B, T]
-    ref_logprobs: torch.Tensor | None  # [B, T] fp32 with a KL term
-    num_items: torch.Tensor  # the rollout's completion tokens (DAPO's normaliser), a 0-dim tensor as the example's
+    Attributes:
+        targets: [B, T] token ids.
+        advantages: [B].
+        mask: [B, T] completion mask.
+        ref_logprobs: [B, T] float32 with a KL term, else None.
+        num_items: the rollout's completion tokens (DAPO's normaliser), a 0-dim tensor as the example's.
+    """
+
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    num_items: torch.Tensor
 
 
 def grpo_token_loss(logp: torch.Tensor, batch: Batch, recipe: Recipe) -> torch.Tensor:
     """TRL's GRPO per-token loss on [B, T] log-probs for the heads without a layer 2 of their own: one iteration
     (the ratio against logp's detached copy), the clipped surrogate, the KL term, DAPO's sum over num_items. Its
-    tensors are [B, T]; what matters here is that they are that size (their values are never computed)."""
+    tensors are [B, T]; what matters here is that they are that size (their values are never computed).
+
+    Args:
+        logp: [B, T] float32 log-probs.
+        batch: the micro-batch's inputs.
+        recipe: the step's epsilon and beta.
+
+    Returns:
+        The scalar loss.
+    """
     advantages = batch.advantages.float().unsqueeze(1)
     ratio = torch.exp(logp - logp.detach())
     clipped = torch.clamp(ratio, 1 - recipe.epsilon, 1 + recipe.epsilon)
@@ -245,14 +339,23 @@ def grpo_token_loss(logp: torch.Tensor, batch: Batch, recipe: Recipe) -> torch.T
 
 
 class LossHead(nn.Module):
-    """A loss head: ``forward(hidden, weight)`` -> the micro-batch's loss; ``on_fake_tensors()``: the context its
-    forward and backward run in over fake tensors, so that they allocate what they would on a GPU."""
+    """A loss head: ``forward(hidden, weight)`` gives the micro-batch's loss.
+
+    Args:
+        recipe: the step's sizes.
+        batch: the micro-batch's inputs.
+    """
 
     def __init__(self, recipe: Recipe, batch: Batch):
         super().__init__()
         self.recipe, self.batch = recipe, batch
 
     def on_fake_tensors(self):
+        """The context the head's forward and backward run in over fake tensors.
+
+        Returns:
+            A context manager under which they allocate what they would on a GPU (here: nothing to change).
+        """
         return contextlib.nullcontext()
 
 
@@ -264,6 +367,15 @@ class EagerHead(LossHead):
     label = "eager PyTorch (full logits)"
 
     def forward(self, hidden, weight):
+        """The micro-batch's loss.
+
+        Args:
+            hidden: [B, T, D] completion hidden states, the model's dtype.
+            weight: [V, D] the lm_head's weight.
+
+        Returns:
+            The scalar loss.
+        """
         logits = (hidden @ weight.T).float() / self.recipe.temperature
         logp = logits.log_softmax(-1).gather(-1, self.batch.targets.unsqueeze(-1)).squeeze(-1)
         return grpo_token_loss(logp, self.batch, self.recipe)
@@ -313,9 +425,23 @@ class TrlHead(LossHead):
     label = "TRL 1.16 fused head"
 
     def on_fake_tensors(self):
+        """TRL's GPU path (``trl_gpu_path``).
+
+        Returns:
+            The context manager.
+        """
         return trl_gpu_path()
 
     def forward(self, hidden, weight):
+        """The micro-batch's loss.
+
+        Args:
+            hidden: [B, T, D] completion hidden states, the model's dtype.
+            weight: [V, D] the lm_head's weight.
+
+        Returns:
+            The scalar loss.
+        """
         from trl.kernels import ChunkedLogProbFunction
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -358,9 +484,23 @@ class GrpoFastHead(LossHead):
     label = "grpo_fast (Triton path)"
 
     def on_fake_tensors(self):
+        """grpo_fast's Triton backend over fake CPU tensors (the interpreter's flag set; no kernel runs).
+
+        Returns:
+            The context manager.
+        """
         return _triton_backend_on_fake_tensors()
 
     def forward(self, hidden, weight):
+        """The micro-batch's loss.
+
+        Args:
+            hidden: [B, T, D] completion hidden states, the model's dtype.
+            weight: [V, D] the lm_head's weight.
+
+        Returns:
+            The scalar loss.
+        """
         import grpo_fast
 
         options = grpo_fast.LossOptions(loss_type="dapo", beta=self.recipe.beta, epsilon=self.recipe.epsilon,
@@ -382,8 +522,14 @@ RTX_4090_PROPS = (128, 101376, 89)
 
 @contextlib.contextmanager
 def launchers_sized_for(props):
-    """grpo_fast's launchers sizing their kernels for a CUDA card of ``props`` on a machine without one: the
-    interpreter's flag off (its tiles are the CPU's) and the device properties the card's."""
+    """grpo_fast's launchers sizing their kernels for a CUDA card on a machine without one, for the block.
+
+    The interpreter's flag is off (its tiles are the CPU's) and the device properties are the card's.
+
+    Args:
+        props: the card as the launchers read it: (SM count, shared memory per block in bytes, compute capability
+            as 10 x major + minor), e.g. ``RTX_4090_PROPS``.
+    """
     from grpo_fast.kernels import config
 
     saved = config._device_props
@@ -397,7 +543,16 @@ def launchers_sized_for(props):
 
 def grpo_fast_workspace(func, args, kwargs) -> int:
     """The bytes a grpo_fast custom op's real implementation allocates besides its outputs on the card (its fake
-    one allocates the outputs only), from grpo_fast.ops.workspace_bytes; 0 for any other op."""
+    one allocates the outputs only), from grpo_fast.ops.workspace_bytes.
+
+    Args:
+        func: the op the tracker sees dispatched.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        The workspace bytes on an RTX 4090; 0 for any other op.
+    """
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.name.startswith("grpo_fast::"):
         return 0
@@ -511,7 +666,19 @@ CATEGORIES = ("weights", "reference weights", "gradients", "optimizer state", "o
 
 @dataclass
 class Step:
-    """One training step's objects: the model (and the KL term's frozen copy), the optimizer, the inputs, the head."""
+    """One training step's objects: the model (and the KL term's frozen copy), the optimizer, the inputs, the head.
+
+    Attributes:
+        recipe: the step's sizes.
+        model: the policy, in train mode.
+        reference: the KL term's frozen copy, or None (``Recipe.reference_copy``).
+        trainable: the parameters that train.
+        optimizer: AdamW over them, with the state of an earlier update.
+        prompt_ids: [B, P] prompt token ids.
+        prompt_mask: [B, P] the prompts' attention mask.
+        batch: the loss's per-token inputs.
+        head: the loss head.
+    """
 
     recipe: Recipe
     model: nn.Module
@@ -524,6 +691,11 @@ class Step:
     head: LossHead
 
     def inputs(self) -> list:
+        """The micro-batch's input tensors.
+
+        Returns:
+            The prompt ids and mask, and the batch's tensors.
+        """
         return [self.prompt_ids, self.prompt_mask, self.batch.targets, self.batch.advantages, self.batch.mask,
                 self.batch.num_items] + ([self.batch.ref_logprobs] if self.batch.ref_logprobs is not None else [])
 
@@ -547,7 +719,17 @@ class Step:
 def prepare_step(recipe: Recipe, head: str, fake_mode=None, device="cpu") -> Step:
     """The steady state of examples/train_gsm8k.py's loop before a micro-batch: the optimizer state of an earlier
     update, the gradients of an earlier micro-batch of this one (it accumulates into them); the micro-batch's
-    inputs at full length. Over fake tensors (``fake_mode``) or real ones on ``device``."""
+    inputs at full length.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's ``HEADS`` key: "eager", "trl" or "grpo_fast".
+        fake_mode: a ``FakeTensorMode`` to build over; None: real tensors on ``device``.
+        device: where real tensors are built.
+
+    Returns:
+        The step, ready for ``forward_backward``.
+    """
     model = build_model(recipe, fake_mode, device=device)
     reference = build_model(recipe, fake_mode, device=device, lora=False, checkpointing=False).requires_grad_(
         False) if recipe.reference_copy else None
@@ -572,7 +754,20 @@ def prepare_step(recipe: Recipe, head: str, fake_mode=None, device="cpu") -> Ste
 
 def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
     """The step's peak over fake tensors with loss head ``head`` (a HEADS key): bytes by category at the peak,
-    where it is, and the loss head's own peak; one micro-batch's forward and backward, then the update."""
+    where it is, and the loss head's own peak; one micro-batch's forward and backward, then the update.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's ``HEADS`` key.
+        log: called with a progress message; None: silent.
+
+    Returns:
+        The peak's bytes, by category (``CATEGORIES``) and in all, the phase it is in, the loss head's own peak,
+            the parameter counts, the optimizer state's bytes and the tracker's raw peak.
+
+    Raises:
+        RuntimeError: the categories do not sum to the tracker's peak.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     log = log or (lambda message: None)
@@ -621,7 +816,19 @@ def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
 def measure_step(recipe: Recipe, head: str, log=None) -> dict:
     """The same step on the CUDA GPU, random weights: torch.cuda.max_memory_allocated / max_memory_reserved over
     the micro-batch and the update (the set-up's peak reset first), and the device's used memory (context
-    included) at the end."""
+    included) at the end.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's ``HEADS`` key.
+        log: called with a progress message; None: silent.
+
+    Returns:
+        The measured bytes (max allocated, max reserved, device used) and the device's name.
+
+    Raises:
+        RuntimeError: torch sees no CUDA GPU.
+    """
     log = log or (lambda message: None)
     if not torch.cuda.is_available():
         raise RuntimeError("measuring the step needs a CUDA GPU")
@@ -647,7 +854,15 @@ def measure_step(recipe: Recipe, head: str, log=None) -> dict:
 def generation_phase(recipe: Recipe, step: dict) -> dict:
     """The rollout's memory beside the step: the weights (policy and reference), the optimizer state (it lives
     between updates; the gradients do not: zero_grad frees them) and the key / value cache of every completion at
-    full length, in the model's dtype."""
+    full length, in the model's dtype.
+
+    Args:
+        recipe: the step's sizes.
+        step: one head's ``estimate_step`` result (the weights and optimizer state are the same for every head).
+
+    Returns:
+        The sequences, their tokens, the bytes of each part and their total.
+    """
     element = torch.empty(0, dtype=recipe.dtype).element_size()
     sequences = recipe.prompts_per_step * recipe.num_generations
     cache = kv_cache_bytes(recipe.shape, sequences, recipe.prompt_length + recipe.completion_length, element)
@@ -659,7 +874,17 @@ def generation_phase(recipe: Recipe, step: dict) -> dict:
 
 
 def estimate(recipe: Recipe, heads, progress=True, measure=False) -> dict:
-    """Every head's step on the recipe, the generation phase; with ``measure`` each step measured on the GPU too."""
+    """Every head's step on the recipe, and the generation phase.
+
+    Args:
+        recipe: the step's sizes.
+        heads: the loss heads' ``HEADS`` keys.
+        progress: print each phase's message on stderr.
+        measure: also measure each step on the CUDA GPU (``measure_step``).
+
+    Returns:
+        The recipe, each head's result (``estimate_step``, with ``measured``) and the generation phase.
+    """
     results = {}
     for i, head in enumerate(heads):
         def log(message, i=i, head=head):
@@ -676,10 +901,27 @@ def estimate(recipe: Recipe, heads, progress=True, measure=False) -> dict:
 
 # ------------------------------------------------------------------------------------------ the report
 def gib(n_bytes: int) -> float:
+    """Bytes in GiB.
+
+    Args:
+        n_bytes: a byte count.
+
+    Returns:
+        ``n_bytes`` / 2**30.
+    """
     return n_bytes / GIB
 
 
 def verdict(peak_bytes: int, card_gib: float) -> dict:
+    """Whether an estimated peak fits the card once the allowance is added.
+
+    Args:
+        peak_bytes: the estimated peak.
+        card_gib: the card's memory, GiB.
+
+    Returns:
+        The peak, the allowance, their sum and the margin left (GiB, to 3 decimals), and ``fits``.
+    """
     peak = gib(peak_bytes)
     allowance = allowance_gib(peak)
     return {"peak_gib": round(peak, 3), "allowance_gib": round(allowance, 3),
@@ -688,6 +930,17 @@ def verdict(peak_bytes: int, card_gib: float) -> dict:
 
 
 def to_json(result: dict, command: str, card_gib: float) -> dict:
+    """The report as the .json file writes it.
+
+    Args:
+        result: ``estimate``'s result.
+        command: the command line that regenerates it.
+        card_gib: the card's memory, GiB.
+
+    Returns:
+        The command, the recipe, the versions, the card, the allowance, and each head's and the generation
+            phase's numbers with their verdicts.
+    """
     import transformers
     import trl
 
@@ -710,7 +963,14 @@ def to_json(result: dict, command: str, card_gib: float) -> dict:
 
 
 def answer(report: dict) -> str:
-    """The verdict in one line: each head's step and the generation phase, with the allowance, against the card."""
+    """The verdict in one line: each head's step and the generation phase, with the allowance, against the card.
+
+    Args:
+        report: ``to_json``'s report.
+
+    Returns:
+        One line of Markdown.
+    """
     heads = list(report["heads"].values())
     g = report["generation"]
     everything = heads + [g]
@@ -723,6 +983,14 @@ def answer(report: dict) -> str:
 
 
 def markdown(report: dict) -> str:
+    """The report as the .md file writes it: the verdict, the table by category and what the estimate leaves out.
+
+    Args:
+        report: ``to_json``'s report.
+
+    Returns:
+        The Markdown text.
+    """
     r = report["recipe"]
     card = report["card"]["gib"]
     lines = [f"# Peak GPU memory of one GRPO step: {r['description']}", "",
@@ -805,7 +1073,12 @@ tools/gpu_checklist.sh does it (MEMORY=1).
 
 
 def plot(report: dict, path) -> None:
-    """Stacked bars by category per head, the generation phase beside them, and the card's line."""
+    """Stacked bars by category per head, the generation phase beside them, and the card's line, as a PNG.
+
+    Args:
+        report: ``to_json``'s report.
+        path: the image file to write.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -858,6 +1131,18 @@ RECIPE_FLAGS = ("micro_batch_size", "prompt_length", "completion_length", "promp
 
 
 def parse_args(argv=None):
+    """The command line's arguments, checked.
+
+    Args:
+        argv: the arguments; None: ``sys.argv[1:]``.
+
+    Returns:
+        The parsed arguments (``heads`` as a list of ``HEADS`` keys).
+
+    Raises:
+        grpo_fast.gsm8k.cli.InputError: an argument out of range, unknown or repeated heads, or ``--measure``
+            without a CUDA GPU (argparse itself exits on a malformed flag).
+    """
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", choices=sorted(RECIPES), default="qwen2.5-1.5b-lora",
                    help="the step to estimate (the flags below override its values)")
@@ -893,6 +1178,18 @@ def parse_args(argv=None):
 
 
 def recipe_from_args(args) -> Recipe:
+    """The recipe the command line asks for: ``--recipe`` with every flag given applied on top.
+
+    Args:
+        args: ``parse_args``' result.
+
+    Returns:
+        The recipe.
+
+    Raises:
+        grpo_fast.gsm8k.cli.InputError: a shape whose heads do not divide the hidden size or each other, or an
+            odd head dim.
+    """
     recipe = RECIPES[args.recipe]
     shape = MODELS[args.model] if args.model else recipe.shape
     shape = dataclasses.replace(shape, **{field: getattr(args, dest) for dest, field in SHAPE_FLAGS.items()
@@ -913,6 +1210,14 @@ def recipe_from_args(args) -> Recipe:
 
 
 def main(argv=None) -> dict:
+    """``python -m grpo_fast.memory``: estimate, print the table, write ``--out``'s files.
+
+    Args:
+        argv: the arguments; None: ``sys.argv[1:]``.
+
+    Returns:
+        The report (``to_json``).
+    """
     args = parse_args(argv)
     recipe = recipe_from_args(args)
     command = "python -m grpo_fast.memory " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None

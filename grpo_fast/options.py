@@ -132,7 +132,37 @@ def _at_least_one(count):
 
 @dataclass(frozen=True)
 class LossOptions:
-    """GRPOConfig's loss options (TRL 1.16.0 names and defaults; README's keyword table says what each means)."""
+    """TRL 1.16.0 ``GRPOConfig``'s loss options, with its names and defaults, checked once.
+
+    [Loss options](../options.md) says what each computes; ``loss`` and ``token_loss`` take the same names as
+    keywords.
+
+    Attributes:
+        loss_type: one of ``LOSS_TYPES``: "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo".
+        beta: the KL coefficient (k3 estimator); non-zero needs ``ref_logprobs``.
+        epsilon: the lower clip offset: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (>= 0).
+        epsilon_high: the upper clip offset (>= 0; cispo's cap on the ratio); None: ``epsilon``.
+        delta: two-sided clipping: the ratio is also capped at delta; None: no cap.
+        importance_sampling_level: "token" (per-token ratios) or "sequence" (GSPO).
+        max_completion_length: dr_grpo's normaliser (a positive int).
+        sapo_temperature_pos: sapo's gate temperature for positive advantages.
+        sapo_temperature_neg: sapo's gate temperature for the others.
+        vespo_k_pos: vespo's gamma weight k for non-negative advantages.
+        vespo_lambda_pos: vespo's gamma weight lambda for non-negative advantages.
+        vespo_k_neg: vespo's k for negative advantages.
+        vespo_lambda_neg: vespo's lambda for negative advantages.
+        use_bias_correction_kl: multiply the per-token KL by the importance ratio.
+        off_policy_mask_threshold: drop sequences with a negative advantage whose mean KL(sampler, policy)
+            exceeds it; None: no mask.
+        top_entropy_quantile: in [0, 1]: only tokens at or above this quantile of the entropies carry the policy
+            loss; 1: every token.
+        entropy_coef: the entropy bonus: the loss minus entropy_coef x the mean entropy.
+
+    Raises:
+        ValueError: an unknown loss_type or importance_sampling_level, a number that is not finite, a negative
+            epsilon, a max_completion_length that is not a positive int, a non-bool use_bias_correction_kl, or a
+            top_entropy_quantile outside [0, 1].
+    """
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -182,6 +212,7 @@ class LossOptions:
 
     @property
     def sequence_level(self) -> bool:
+        """The importance ratio is one per sequence (``importance_sampling_level="sequence"``)."""
         return self.importance_sampling_level == "sequence"
 
     @property
@@ -200,7 +231,19 @@ class LossOptions:
         TRL's reductions at one process without gradient accumulation, by the loss type's normaliser: "sequences":
         B (a mean over sequences); "tokens": the mask's sum; "max_completion_length": B * max_completion_length;
         "num_items_in_batch": ``num_items_in_batch`` (default: the mask's sum). Sums are clamped at 1 (an all-masked
-        batch gives 0). A tensor count gives a tensor (on its device: no host read), a number a float.
+        batch gives 0).
+
+        Args:
+            batch_size: B, the number of sequences.
+            mask_total: the completion mask's sum: a number, or a scalar tensor.
+            num_items_in_batch: the gradient-accumulation window's token count (a number or a scalar tensor);
+                None: ``mask_total``.
+
+        Returns:
+            The divisor: a float, or a scalar tensor on its device (never read on the host) for a tensor count.
+
+        Raises:
+            ValueError: the loss type's record has a normaliser this method does not know.
         """
         normaliser = self.loss_type_record.normaliser
         if normaliser == "sequences":
@@ -217,7 +260,20 @@ class LossOptions:
     @classmethod
     def resolve(cls, options: LossOptions | None = None, keywords: dict | None = None,
                 caller: str = "loss") -> LossOptions:
-        """``options`` (default: TRL's defaults) with the TRL-style ``keywords`` applied on top; unknown names raise."""
+        """``options`` with TRL-style ``keywords`` applied on top.
+
+        Args:
+            options: the base options; None: TRL's defaults.
+            keywords: option names and values to replace; None: none.
+            caller: the function named in the unknown-name error.
+
+        Returns:
+            The options, a new LossOptions when keywords change them.
+
+        Raises:
+            TypeError: ``options`` not a LossOptions, or a keyword that is not an option (the error lists them).
+            ValueError: a keyword's value is not a valid option.
+        """
         if options is not None and not isinstance(options, LossOptions):
             raise TypeError(f"options must be a grpo_fast.LossOptions, got {type(options).__name__}")
         keywords = keywords or {}
@@ -232,9 +288,21 @@ class LossOptions:
 
     @classmethod
     def from_written_keywords(cls, options: LossOptions | None, arguments: dict) -> LossOptions:
-        """The options of a call that writes every option out as a keyword (grpo_fast.loss, token_loss), from its
-        ``arguments`` (its ``locals()``): without ``options`` they are the options; with it, those that differ from
-        their default apply on top (a keyword left at its default keeps ``options``' value)."""
+        """The options of a call that writes every option out as a keyword (grpo_fast.loss, token_loss).
+
+        Args:
+            options: the call's ``options`` argument, or None.
+            arguments: the call's ``locals()``, holding every option name. Without ``options`` they are the
+                options; with it, those that differ from their default apply on top (a keyword left at its default
+                keeps ``options``' value).
+
+        Returns:
+            The options.
+
+        Raises:
+            TypeError: ``options`` not a LossOptions.
+            ValueError: an argument's value is not a valid option.
+        """
         keywords = {name: arguments[name] for name in FIELD_NAMES}
         if options is None:
             return cls(**keywords)
@@ -243,7 +311,17 @@ class LossOptions:
 
     @classmethod
     def from_trl(cls, config) -> LossOptions:
-        """The options of a TRL ``GRPOConfig`` (or any object with those attribute names)."""
+        """The options of a TRL ``GRPOConfig``.
+
+        Args:
+            config: a ``GRPOConfig``, or any object with its attribute names (missing ones keep their defaults).
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: an attribute's value is not a valid option.
+        """
         return cls(**{name: getattr(config, name) for name in FIELD_NAMES if hasattr(config, name)})
 
 

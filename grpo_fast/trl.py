@@ -1,74 +1,10 @@
-"""grpo_fast inside TRL: TRL's fused LM head computed by grpo_fast, and TRL's GRPO / RLOO trainers using it.
+"""grpo_fast inside TRL: TRL's fused LM head computed by grpo_fast, and TRL's trainers using it.
 
     from grpo_fast.trl import GRPOConfig, GRPOTrainer     # instead of `from trl import GRPOConfig, GRPOTrainer`
 
-Since TRL 1.15 every TRL trainer scores tokens through ``trl.trainer.utils.add_fused_lm_head``: the model's forward
-with ``labels=..., fused_lm_head=True`` returns a ``FusedCausalLMOutput`` (per-token ``log_probs``, ``entropy``, ...)
-instead of ``[tokens, vocab]`` logits. ``add_fused_lm_head`` here implements the same protocol, with the same
-arguments and output type, on grpo_fast's kernels (``grpo_fast.logprobs_and_entropy``):
-
-- the forward without ``fused_lm_head=True`` is the model's own (generation is unchanged; the signature is kept
-  for ``generate``); with it, the backbone runs with ``use_cache=False`` and only the positions whose next-token
-  label is not ``-100`` are scored (``labels`` shifted by one, or pre-shifted ``shift_labels`` as given);
-- the logit transforms are read from the config exactly as TRL reads them: ``final_logit_softcapping`` and the
-  logit scale (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, or ``logits_scaling``: divided by it,
-  multiplied on HyperCLOVA X); the logit is ``softcap * tanh(scale * (h . W + b) / softcap) / temperature``;
-- ``loss`` is TRL's (minus summed log-probs over ``num_items_in_batch`` or the label count, plus the MoE
-  load-balancing loss times ``router_aux_loss_coef`` when router logits are requested); ``label_mask`` and
-  ``aux_loss`` are filled as TRL fills them; PEFT models are patched on their base model, as TRL does;
-- ``log_probs`` and ``entropy`` come from grpo_fast's kernels, both differentiable (the entropy bonus trains
-  through the entropy). The no-grad extras that TRL's SFT / DPO / KTO trainers ask for (``log_sum_sq_probs``,
-  ``mean_logits``, ``is_top1``) are computed exactly in fp32 by a chunked torch pass over at most 2^24 logits at a
-  time (they are metrics and WPO weights: never on the GRPO path). An output name TRL does not know is refused.
-
-LoRA on the lm_head (PEFT ``target_modules=[..., "lm_head"]``): TRL 1.16's head reads ``lm_head.weight``, PEFT's
-base weight, so it scores without the adapter and gives the adapter no gradient (TRL #6530, #7017). This head passes
-the active adapter to grpo_fast (``lora=grpo_fast.HeadLora``, built by ``grpo_fast.frameworks.lm_head_lora`` at each
-call): the log-probs are PEFT's logits path's and lora_A / lora_B get their gradients; a disabled adapter (TRL's
-reference pass under ``disable_adapter()``) or a merged one is the base weight alone, and what the head cannot
-compute exactly (DoRA and other variants, several active adapters, a LoRA bias, ...) raises. ``modules_to_save``
-needs nothing: its wrapper's ``weight`` is the trained copy. With a trainable adapter the head's weights need a
-gradient, so the general path is taken (the frozen-head path serves a frozen head and a frozen adapter).
-
-Compute dtype, as TRL's head: the autocast dtype when autocast is on, else the hidden states' dtype; with
-``cast_lm_head_to_fp32`` the hidden states go to fp32 and autocast is off. grpo_fast needs hidden and weight in
-one dtype, so both are cast to the compute dtype with a differentiable ``.to``: free when they already match (a
-bf16 model, or fp32 everywhere); otherwise it costs one copy of the weight in the compute dtype for the forward
-(kept for the backward) and a weight-sized gradient in that dtype before autograd casts it back. A LoRA adapter's
-weights go to the compute dtype under autocast or ``cast_lm_head_to_fp32``, and otherwise keep their own (PEFT
-computes its branch in lora_A's dtype: fp32 adapters over a bf16 model stay fp32). grpo_fast then accumulates in
-fp32 whatever the compute dtype, and runs with autocast off.
-
-Distributed weights: a DTensor weight sharded by vocabulary (tensor parallelism: ``Shard(0)``, as torch's
-``ColwiseParallel`` and transformers' ``tp_plan`` leave the lm_head) is never gathered: each rank computes on its
-rows, and O(N) statistics and dH (with a frozen head: J = d logp / dh, in the forward) cross the network
-(``grpo_fast.vocab_parallel``; every rank of its group sees the same tokens, as in tensor parallelism); any other
-DTensor layout is gathered with ``full_tensor()`` as TRL does,
-whose backward keeps each rank's shard of the gradient (right when every rank sees the same tokens). Under FSDP2 the
-head usually belongs to the root's parameter group, which FSDP gathers before the forward and whose gradient it
-reduce-scatters; when the head is a ``fully_shard`` unit of its own, its forward is never called, so this head asks
-FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters the gradient (TRL's ``full_tensor()`` would
-leave each rank an unreduced gradient there). DeepSpeed ZeRO-3: the weight is gathered with TRL's
-``maybe_gather_lm_head_ctx`` for the forward; grpo_fast's backward reads the weight saved by the forward, which
-ZeRO-3 has released by then, so a saved-tensor hook gathers it again when the backward unpacks it (TRL's own
-backward re-enters the gather for the same reason); a LoRA adapter's weights are gathered with it and copied
-((V + D) r values) for the backward. DeepSpeed 0.19 itself gathers a partitioned weight when the
-forward reads it, so there both are no-ops: the end result is tested (ZeRO-3 on 2 CPU processes equals one process,
-tests/test_trl_distributed.py), the re-gather only through a simulation (tests/test_trl_head.py).
-
-``GRPOTrainer`` and ``RLOOTrainer`` are TRL's classes, unchanged but for the head: their constructor runs TRL's
-constructor code with two of its module's names bound to this trainer's (``_with_module_names``: a new function
-over a copy of the module's namespace; TRL's module, its other trainers and other threads keep TRL's names):
-``add_fused_lm_head`` is this module's head, so TRL's own call sites patch the policy (its PEFT base model) and the
-reference model with TRL's arguments, plus the trainer's own decision, read from its config: the entropy is
-differentiated only with an entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``); without one, a frozen
-lm_head (LoRA elsewhere) takes the frozen-head path. A constructor that patched no model raises, and so does a TRL
-whose constructor no longer reads the name. ``BaseTunerLayer``: TRL's constructors refuse a PEFT adapter on the
-lm_head (their head would ignore it); here an lm_head that this head applies is no tuner layer, one it cannot apply
-raises, naming why, and with ``cast_lm_head_to_fp32`` any adapter on the lm_head is refused, as TRL refuses it. The
-old policy's log-probs come from the policy. The loss, the config and every option are TRL's.
-
-``DistillationTrainer`` is TRL's, its loss computed by ``grpo_fast.divergence_and_entropy`` (see the class).
+``add_fused_lm_head`` is TRL 1.16's fused-head protocol on grpo_fast's kernels; ``GRPOTrainer``, ``RLOOTrainer``
+and ``DistillationTrainer`` are TRL's classes with grpo_fast's heads. How the head computes (dtypes, LoRA on the
+lm_head, sharded heads) and how the trainers get it: [with TRL](../trl.md#the-head).
 
 TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
 with another TRL raises ``ImportError``.
@@ -124,14 +60,25 @@ EXTRA_OUTPUTS_CHUNK_LOGITS = 1 << 24
 # ---------------------------------------------------------------------------------------------- the head
 def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
                       outputs: tuple[str, ...] = ("log_probs",), *, entropy_grad: bool = False) -> None:
-    """TRL's ``add_fused_lm_head`` computed by grpo_fast: ``model(..., labels=labels, fused_lm_head=True)`` returns a
-    ``FusedCausalLMOutput`` without building the ``[tokens, vocab]`` logits (see the module docstring).
+    """TRL's ``add_fused_lm_head``, computed by grpo_fast: patches ``model``'s forward in place.
 
-    ``temperature`` divides the logits; ``cast_lm_head_to_fp32`` scores in fp32 outside autocast; ``outputs``
-    names the per-token fields to fill among ``OUTPUTS`` (``log_probs``, and so ``loss``, always). Add the head
-    before wrapping the model with PEFT. ``entropy_grad`` (grpo_fast's, not TRL's): the entropy will be
-    differentiated (an entropy bonus); without it a frozen lm_head takes the frozen-head path (two vocabulary
-    sweeps instead of three). Either way every gradient is exact.
+    ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` without building the
+    [tokens, vocab] logits; without ``fused_lm_head=True`` the forward is the model's own. Add the head before
+    wrapping the model with PEFT. How it computes (dtypes, LoRA, sharded heads): [with TRL](../trl.md#the-head).
+
+    Args:
+        model: a transformers causal LM (a text config with an output embedding over its backbone).
+        temperature: divides the logits.
+        cast_lm_head_to_fp32: score in fp32 with autocast off (TRL's option).
+        outputs: the per-token fields to fill, among ``OUTPUTS`` ("log_probs", "entropy", "log_sum_sq_probs",
+            "mean_logits", "is_top1"); ``log_probs``, and so ``loss``, always.
+        entropy_grad: grpo_fast's, not TRL's: the entropy will be differentiated (an entropy bonus); without it a
+            frozen lm_head takes the frozen-head path (two vocabulary sweeps instead of three). Either way every
+            gradient is exact.
+
+    Raises:
+        TypeError: ``entropy_grad`` not a bool.
+        ValueError: an output name TRL's head does not know.
     """
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"add_fused_lm_head: entropy_grad must be a bool, got {entropy_grad!r}")
@@ -353,8 +300,20 @@ class _GRPOFastHead:
 
 
 class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
-    """TRL's ``GRPOTrainer`` with grpo_fast's fused head on the policy and the reference model: same constructor,
-    same ``GRPOConfig``, same loss; only the per-token log-probs and entropies are computed by grpo_fast."""
+    """TRL's ``GRPOTrainer`` with grpo_fast's fused head on the policy and the reference model.
+
+    Same constructor, same ``GRPOConfig``, same loss; only the per-token log-probs and entropies are computed by
+    grpo_fast. The entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
+    ``use_adaptive_entropy``); without one a frozen lm_head takes the frozen-head path.
+
+    Args:
+        *args: TRL's ``GRPOTrainer`` arguments.
+        **kwargs: TRL's ``GRPOTrainer`` keywords.
+
+    Raises:
+        RuntimeError: the constructor patched no model with the fused head (a TRL whose constructor no longer
+            calls ``add_fused_lm_head``).
+    """
 
     @functools.wraps(trl.GRPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
@@ -362,7 +321,15 @@ class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
 
 
 class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
-    """TRL's ``RLOOTrainer`` with grpo_fast's fused head on the policy and the reference model (see ``GRPOTrainer``)."""
+    """TRL's ``RLOOTrainer`` with grpo_fast's fused head on the policy and the reference model.
+
+    Args:
+        *args: TRL's ``RLOOTrainer`` arguments.
+        **kwargs: TRL's ``RLOOTrainer`` keywords.
+
+    Raises:
+        RuntimeError: the constructor patched no model with the fused head.
+    """
 
     @functools.wraps(trl.RLOOTrainer.__init__)
     def __init__(self, *args, **kwargs):
@@ -383,14 +350,39 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
                     completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
                     teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
                     student_final_logit_softcapping=None, teacher_final_logit_softcapping=None, temperature=1.0):
-    """TRL 1.16's ``_chunked_divergence_loss`` (its arguments; its result: the loss, the student's entropy summed over
-    the valid tokens, their count) computed by ``grpo_fast.divergence_and_entropy``.
+    """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.divergence_and_entropy``.
 
-    Each model computes in its own precision (``head_precision``: the autocast dtype, else its hidden states'; the
-    biases as they are: TRL adds them in fp32); only the tokens where ``completion_mask`` is nonzero are computed.
-    The loss is the divergence summed over them, divided by ``num_items_in_batch`` when given (TRL's
-    gradient-accumulation-correct count), else by their number (at least 1). A DTensor head is gathered whole, as
-    TRL gathers it (an lm_head that is an FSDP2 unit of its own then gets each rank's unreduced gradient, as in TRL).
+    Each model computes in its own precision (the autocast dtype, else its hidden states'; the biases as they are:
+    TRL adds them in fp32); only the tokens where ``completion_mask`` is nonzero are computed. A DTensor head is
+    gathered whole, as TRL gathers it (an lm_head that is an FSDP2 unit of its own then gets each rank's unreduced
+    gradient, as in TRL).
+
+    Args:
+        student_hidden_states: [B, T, Ds] float: the student's last hidden states.
+        teacher_hidden_states: [B, T, Dt] float: the teacher's.
+        student_lm_head_weight: [V, Ds] (or a DTensor).
+        teacher_lm_head_weight: [V, Dt] (or a DTensor).
+        completion_mask: [B, T]: nonzero at the tokens scored.
+        beta: in [0, 1]: 0 forward KL, 1 reverse KL, between the generalized JSD.
+        num_items_in_batch: the gradient-accumulation window's token count (a number or a scalar tensor); None:
+            the scored tokens' count (at least 1).
+        student_lm_head_bias: [V] or None.
+        teacher_lm_head_bias: [V] or None.
+        student_logit_scale: multiplies the student's raw logits.
+        teacher_logit_scale: multiplies the teacher's raw logits.
+        student_final_logit_softcapping: the student's soft-cap, or None.
+        teacher_final_logit_softcapping: the teacher's soft-cap, or None.
+        temperature: divides both models' logits.
+
+    Returns:
+        loss: the divergence summed over the scored tokens, divided by ``num_items_in_batch`` or their count; a
+            differentiable float32 scalar.
+        entropy_sum: the student's entropy summed over the scored tokens, detached.
+        num_valid: the scored tokens' count, an int64 scalar tensor.
+
+    Raises:
+        TypeError: as ``grpo_fast.divergence_and_entropy``.
+        ValueError: as ``grpo_fast.divergence_and_entropy``.
     """
     student_weight, student_bias = _whole(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
@@ -414,10 +406,12 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
 
 
 class DistillationTrainer(trl.DistillationTrainer):
-    """TRL's ``DistillationTrainer`` with grpo_fast's divergence head: same constructor, same ``DistillationConfig``,
-    same loss, metrics and reductions (TRL's ``compute_loss`` and ``_compute_loss``); only the per-token divergence
-    and the student's entropy are computed by grpo_fast (``divergence_loss``: TRL's ``_compute_loss`` runs with its
-    module's ``_chunked_divergence_loss`` bound to it, ``_with_module_names``). A frozen student head (PEFT with LoRA
-    elsewhere) takes grpo_fast's frozen-head path; TRL's constructor refuses a PEFT adapter on the lm_head, as here."""
+    """TRL's ``DistillationTrainer`` with grpo_fast's divergence head.
+
+    Same constructor, same ``DistillationConfig``, same loss, metrics and reductions; only the per-token divergence
+    and the student's entropy are computed by grpo_fast (``divergence_loss``, bound as TRL's
+    ``_chunked_divergence_loss`` in TRL's ``_compute_loss``). A frozen student head (PEFT with LoRA elsewhere)
+    takes grpo_fast's frozen-head path; TRL's constructor refuses a PEFT adapter on the lm_head, as here.
+    """
 
     _compute_loss = _with_module_names(trl.DistillationTrainer._compute_loss, _chunked_divergence_loss=divergence_loss)

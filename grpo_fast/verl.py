@@ -4,51 +4,9 @@
     actor_rollout_ref.model.use_fused_kernels=True
     actor_rollout_ref.model.fused_kernel_options.impl_backend=grpo_fast
 
-verl imports every entry point of the group ``verl.plugins`` at ``import verl`` (grpo_fast's package metadata
-names this module), in the trainer and in every Ray worker. Importing it wraps two of verl's functions:
-
-- ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` (which ``apply_monkey_patch`` calls by name
-  at the end, and which knows only ``triton``, ``torch`` and ``liger``) accepts ``grpo_fast``: the model's class
-  forward becomes ``forward``, below; every other backend goes to verl's own function untouched.
-- ``verl.workers.engine.base.EngineRegistry.new`` refuses, before any model is loaded, an engine that would not
-  run that forward with ``impl_backend=grpo_fast``: only verl's FSDP engine (``strategy`` fsdp / fsdp2) calls
-  ``apply_monkey_patch`` (Megatron, VeOmni, TorchTitan and AutoModel have fused paths of their own, which ignore
-  ``impl_backend``), and Ulysses sequence parallelism is untested here.
-
-Without ``impl_backend=grpo_fast`` both pass every call to verl's own function: the other backends are unchanged.
-
-``forward`` keeps the contract of verl's ``dense_common`` forwards (the keywords ``temperature``, ``return_dict``,
-``shift_labels``; the result a ``CausalLMOutputForPPO`` with per-position ``log_probs`` and ``entropy``): the
-backbone runs as verl runs it (``forward_base_model``); the labels are ``shift_labels`` (remove-padding: ``[1, nnz]``,
-the engine's globally rolled ids) or, as verl does, the ids rolled by one; every position is scored (no loss mask
-reaches the forward: verl masks afterwards), except that in the padded ``[B, T]`` layout positions whose attention
-mask is 0 are padding, which verl drops, so they are not computed (their outputs are zeros). Both outputs are
-fp32 and differentiable (verl's entropy bonus trains through the entropy); with a frozen lm_head (LoRA elsewhere)
-grpo_fast takes its two-sweep path, exact whether or not the entropy is then differentiated.
-
-LoRA on the lm_head (verl's ``lora_rank`` with ``target_modules`` naming ``lm_head``, a PEFT ``lora.Linear``):
-verl's backends read ``lm_head.weight``, PEFT's base weight, and so score without the adapter; this forward passes
-the active adapter to grpo_fast (``grpo_fast.frameworks.lm_head_lora``): the log-probs are PEFT's logits path's and
-lora_A / lora_B get their gradients (the general path: the adapter trains). Disabled or merged adapters (verl's
-reference pass) are the base weight alone; what the head cannot compute exactly (DoRA, several active adapters, a
-LoRA bias, ...) raises.
-
-What verl's backends leave out and this one applies: the model's logit transform, read from the HF config as
-TRL 1.16 reads it (``final_logit_softcapping``; ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier`` or
-``logits_scaling``); the lm_head's bias when it has one.
-
-Compute dtype: the autocast dtype when autocast is on (verl's FSDP engine runs the forward under bf16 autocast),
-else the hidden states' dtype; hidden states and weight are cast to it with a differentiable ``.to`` (free when they
-match, as under verl's bf16 mixed precision) and grpo_fast accumulates in fp32 with autocast off. A LoRA adapter's
-weights go to the autocast dtype under autocast and otherwise keep their own, as PEFT computes its branch.
-
-Sharded heads: under verl's FSDP2 a tied head belongs to the root unit, which FSDP gathers before the forward; an
-untied lm_head is a ``fully_shard`` unit of its own whose forward is never called (verl reads ``lm_head.weight``),
-so this forward asks FSDP to gather it (``unshard()``) and FSDP's post-backward reduce-scatters its gradient;
-without grad it reshards at once (tested: 2 ranks equal one process). Under FSDP1 (strategy fsdp) verl's wrap policy
-leaves the head in the root unit, gathered for the forward (not tested on several ranks). A head that is a DTensor
-for another reason (tensor parallelism) is refused, as are vision-language models (verl gives them forwards of their
-own).
+verl imports this module at ``import verl`` (an entry point of the group ``verl.plugins``); importing it wraps
+verl's ``patch_forward_with_backends`` and ``EngineRegistry.new`` so that ``impl_backend=grpo_fast`` runs
+``forward``, below, and an engine that would not is refused. What it does and how: [with verl](../verl.md#how-it-works).
 
 verl versions: ``VERL_VERSIONS`` (the range the tests run); another version raises ``ImportError``. A failure to
 load is logged as an error before it is raised: verl itself logs a failing plugin at debug level only.
@@ -118,7 +76,15 @@ def _check_text_only(config) -> None:
 
 
 def check_model(model) -> None:
-    """Raise unless ``model`` is a text-only causal LM with an output embedding: what ``forward`` serves."""
+    """Check that ``model`` is what ``forward`` serves: a text-only causal LM with an output embedding.
+
+    Args:
+        model: a transformers model.
+
+    Raises:
+        NotImplementedError: a vision-language model, or a model without an lm_head
+            (``get_output_embeddings()``) over a ``model`` backbone.
+    """
     _check_text_only(model.config)
     if model.get_output_embeddings() is None or not hasattr(model, "model"):
         raise NotImplementedError(
@@ -129,8 +95,37 @@ def check_model(model) -> None:
 def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
             labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
             cache_position=None, logits_to_keep=0, temperature=1.0, shift_labels=None, **loss_kwargs):
-    """verl's fused-kernel forward (``dense_common``'s contract) with grpo_fast's head: per-position log-probs and
-    entropies [B, T] (or [1, nnz]), fp32, both differentiable. See the module docstring."""
+    """verl's fused-kernel forward (``dense_common``'s contract) with grpo_fast's head, set as the model's forward.
+
+    The backbone runs as verl runs it; every position is scored except, in the padded [B, T] layout, those whose
+    attention mask is 0 (their outputs are zeros). [With verl](../verl.md#how-it-works) says how.
+
+    Args:
+        input_ids: [B, T] or [1, nnz] token ids; rolled by one as the targets when neither ``shift_labels`` nor
+            ``labels`` is given.
+        attention_mask: [B, T] (padded layout: positions at 0 are padding, not computed), or None.
+        position_ids: passed to the backbone.
+        past_key_values: passed to the backbone.
+        inputs_embeds: passed to the backbone.
+        labels: token ids rolled by one as the targets when ``shift_labels`` is None.
+        use_cache: passed to the backbone.
+        output_attentions: passed to the backbone.
+        output_hidden_states: passed to the backbone.
+        return_dict: must be true (verl's FSDP engine passes True).
+        cache_position: passed to the backbone.
+        logits_to_keep: verl's keyword, not read: no logits are built.
+        temperature: divides the logits.
+        shift_labels: the targets, already rolled (remove-padding: [1, nnz], the engine's globally rolled ids).
+        **loss_kwargs: verl's further keywords, not read.
+
+    Returns:
+        verl's ``CausalLMOutputForPPO``: ``log_probs`` and ``entropy`` [B, T] (or [1, nnz]) float32, both
+            differentiable, and the backbone's ``past_key_values``, ``hidden_states`` and ``attentions``.
+
+    Raises:
+        NotImplementedError: ``return_dict`` false, or an lm_head weight that is a DTensor outside FSDP2.
+        ValueError: none of ``shift_labels``, ``labels`` and ``input_ids``.
+    """
     if not return_dict:
         raise NotImplementedError(f"impl_backend={BACKEND}: the forward returns a CausalLMOutputForPPO; pass "
                                   "return_dict=True (verl's FSDP engine does)")

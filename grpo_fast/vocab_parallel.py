@@ -57,9 +57,17 @@ from grpo_fast.kernels.softmax_stats import SoftmaxStats
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's part of a vocab-parallel head: rows [offset, offset + weight.shape[0]) of a [vocab_size, D] head,
-    split over the ranks of ``group`` (a ``torch.distributed`` process group; None: the default group). Megatron:
-    ``VocabShard(get_tensor_model_parallel_group(), vocab_start_index, padded_vocab_size)``."""
+    """This rank's part of a vocab-parallel head: rows [offset, offset + weight.shape[0]) of a [vocab_size, D] head.
+
+    Megatron: ``VocabShard(get_tensor_model_parallel_group(), vocab_start_index, padded_vocab_size)``. Checked
+    when a function takes it (``vocab_parallel=``): offset and vocab_size ints (else TypeError), the rows inside
+    [0, vocab_size) and torch.distributed initialised (else ValueError).
+
+    Attributes:
+        group: the ``torch.distributed`` process group the vocabulary is split over; None: the default group.
+        offset: the first vocabulary row this rank holds.
+        vocab_size: V, the whole head's rows over every rank.
+    """
 
     group: dist.ProcessGroup | None
     offset: int

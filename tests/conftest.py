@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# `pytest -n N` (pytest-xdist: the README's test command): N worker processes share the cores, so each takes its share
+# of torch's intra-op threads instead of all of them (oversubscribed threads only wait on each other)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # Gradient tolerances against the fp64 reference, by the device the gradient was computed on (the interpreter's and
 # the torch backend's CPU; a compiled CUDA GPU) and its dtype: (criterion, bound).
 # "elementwise": rtol 1e-4, atol 1e-5 per element (fp32 on CPU: the rounding of another summation order).
@@ -87,6 +92,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
                    "beyond a covering subset; deselect with -m 'not slow' for the fast tier")
+    # with -n, the tests of one file go to one worker (xdist's --dist loadfile), so a module's fixtures (a benchmark
+    # run, the offline compiles, a trainer pair) are built once; an explicit --dist is kept. Set here rather than in
+    # pyproject's addopts: an environment without pytest-xdist (verl's) would refuse the option.
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
 
 
 def _parameter_values(item):

@@ -326,3 +326,33 @@ def test_a_file_with_skipped_measurements_says_so_in_its_header(tmp_path):
     assert header == [f"> **Partial**: 1 of {len(doc['results'])} measurements were skipped (time budget of 60 s "
                       f"spent): {first['impl']} {first['mode']} at {first['shape']} N={first['N']} "
                       f"{first['scenario']}. This file holds the rest."]
+
+
+def test_an_interrupted_run_writes_what_was_measured_and_exits_130(tmp_path, capsys, monkeypatch):
+    # both benchmarks (bench/__main__.py, bench/divergence.py) run their points through report.run_and_report
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import report
+
+    writes, plots = [], []
+
+    def run_points(point_done):
+        point_done(["first point"])
+        raise KeyboardInterrupt  # what SIGTERM becomes inside run_and_report
+
+    def write(records, complete):
+        writes.append((list(records), complete))
+        (tmp_path / "r.md").write_text("table")
+        return dict(records=records, complete=complete)
+
+    paths = {"md": tmp_path / "r.md", "png": tmp_path / "r.png"}
+    with pytest.raises(SystemExit) as exit_info:
+        report.run_and_report(run_points, write, lambda doc, path: plots.append(doc), lambda doc: "the markdown",
+                              paths, no_plot=False, tag="t")
+    assert exit_info.value.code == 130
+    assert writes == [(["first point"], False), (["first point"], False)]
+    assert plots == [dict(records=["first point"], complete=False)]
+    out, err = capsys.readouterr()
+    assert "the markdown" in out and f"[t] wrote {tmp_path / 'r.md'}" in out and "[t] interrupted" in err
+    assert report.run_and_report(lambda point_done: ["a", "b"], write, lambda doc, path: 1 / 0, lambda doc: "md",
+                                 paths, no_plot=False, tag="t") == dict(records=["a", "b"], complete=True)
+    assert "[t] plot failed: ZeroDivisionError" in capsys.readouterr().err

@@ -1,9 +1,9 @@
-"""The divergence head over vocab-parallel heads (grpo_fast.divergence_parallel) on 2 and 4 CPU processes (gloo)
-equals one process.
+"""The divergence head over vocab-parallel heads (grpo_fast.divergence_parallel) on 2, 3 and 4 CPU processes (gloo)
+equals one process, on the torch backend and on the Triton kernels (the interpreter).
 
 Each spawned rank builds the same inputs (ordinary tokens and tokens confident in both models, 1 - p ~ 1e-6..1e-3,
-a masked row), computes the unsharded call on the whole heads (the one-process truth, torch backend, fp32), then the
-same call on its rows of both heads: plain shards with ``vocab_parallel=VocabShard(...)`` (uneven splits, an empty
+a masked row), computes the unsharded call on the whole heads (the one-process truth, fp32, the same backend), then
+the same call on its rows of both heads: plain shards with ``vocab_parallel=VocabShard(...)`` (uneven splits, an empty
 shard on 4 ranks) and DTensors sharded on dim 0 (torch's own chunking; DTensor.full_tensor raises meanwhile). The
 divergence, the student's entropy, dH and the rank's dW and db rows must match the unsharded call to fp32 accuracy
 (and the fp64 spec as the unsharded head does) for beta 0, 0.5, 1, and the frozen student head (only the hidden
@@ -35,7 +35,7 @@ BETAS = (0.0, 0.5, 1.0)
 
 def splits(V, world):
     """Uneven row boundaries of a V-row head (on 4 ranks, rank 1 holds no row)."""
-    return [0, V // 3, V] if world == 2 else [0, 3, 3, V // 2 + 1, V]
+    return {2: [0, V // 3, V], 3: [0, V // 3 + 1, 2 * V // 3, V], 4: [0, 3, 3, V // 2 + 1, V]}[world]
 
 
 def inputs(V):
@@ -52,7 +52,7 @@ def inputs(V):
     return hs, ws, bs, ht, wt, bt, mask
 
 
-def call(data, rows, beta, frozen=False, **head):
+def call(data, rows, beta, frozen=False, backend="torch", **head):
     """divergence_and_entropy on fresh leaves of hidden and weight rows ``rows`` (and a backward of a fixed random
     objective): ((div, entropy, dH, dW, db), (bytes through collectives in the forward, in the backward))."""
     import grpo_fast
@@ -71,7 +71,7 @@ def call(data, rows, beta, frozen=False, **head):
         wt, bt = wt[rows], bt[rows]
     with CollectiveBytes() as forward_bytes:
         div, entropy = grpo_fast.divergence_and_entropy(h, w, ht, wt, mask, beta=beta, student_bias=b,
-                                                        teacher_bias=bt, backend="torch", **TRANSFORM, **head)
+                                                        teacher_bias=bt, backend=backend, **TRANSFORM, **head)
     coef = torch.randn(B, T, generator=torch.Generator().manual_seed(5))
     with CollectiveBytes() as backward_bytes:
         (div * coef).sum().backward()
@@ -96,13 +96,13 @@ def spec(data, beta):
     return div.detach(), entropy.detach(), h.grad, w.grad, b.grad
 
 
-def compare(rank, world, V, beta, frozen, layout):
-    """{name: error} of the sharded call against the unsharded one (and "spec/name" against the fp64 spec), and the
-    collective bytes of the sharded call."""
+def compare(rank, world, V, beta, frozen, layout, backend):
+    """{name: error} of the sharded call against the unsharded one on ``backend`` (and "spec/name" against the fp64
+    spec), and the collective bytes of the sharded call."""
     import grpo_fast
 
     data = inputs(V)
-    truth = call(data, slice(None), beta, frozen)[0]
+    truth = call(data, slice(None), beta, frozen, backend)[0]
     truth64 = spec(data, beta)
     if layout == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
@@ -110,11 +110,11 @@ def compare(rank, world, V, beta, frozen, layout):
         chunk = -(-V // world)  # torch's Shard(0) chunking
         rows = slice(min(rank * chunk, V), min((rank + 1) * chunk, V))
         with dtensors_never_gathered("the vocab-parallel divergence head"):
-            ours, sent = call(data, rows, beta, frozen, dtensor_mesh=init_device_mesh("cpu", (world,)))
+            ours, sent = call(data, rows, beta, frozen, backend, dtensor_mesh=init_device_mesh("cpu", (world,)))
     else:
         bounds = splits(V, world)
         rows = slice(bounds[rank], bounds[rank + 1])
-        ours, sent = call(data, rows, beta, frozen, vocab_parallel=grpo_fast.VocabShard(None, rows.start, V))
+        ours, sent = call(data, rows, beta, frozen, backend, vocab_parallel=grpo_fast.VocabShard(None, rows.start, V))
     expected = (truth[0], truth[1], truth[2], None if frozen else truth[3][rows], None if frozen else truth[4][rows])
     names = ("div", "entropy", "dH", "dW", "db")
     errors = {name: max_error(a, e) for name, a, e in zip(names, ours, expected, strict=True)}
@@ -133,8 +133,8 @@ def worker(rank, port, out_dir, world, cases, vocab_sizes):
     with gloo_group(rank, world, port):
         results = {}
         for V in vocab_sizes:
-            for beta, frozen, layout in cases:
-                results[(V, beta, frozen, layout)] = compare(rank, world, V, beta, frozen, layout)
+            for case in cases:
+                results[(V, *case)] = compare(rank, world, V, *case)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -143,8 +143,8 @@ def check(tmp_path, world, cases, vocab_sizes):
     N = B * T - 2  # scored tokens
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        for (V, beta, frozen, layout), (errors, sent) in results.items():
-            where = f"rank {rank}/{world}, V {V}, beta {beta}, frozen {frozen}, {layout}"
+        for (V, beta, frozen, layout, backend), (errors, sent) in results.items():
+            where = f"rank {rank}/{world}, V {V}, beta {beta}, frozen {frozen}, {layout}, {backend}"
             assert max(v for k, v in errors.items() if "/" not in k and "confident" not in k) < RTOL, \
                 f"{where}: {errors}"
             assert max(v for k, v in errors.items() if k.startswith("spec/")) < SPEC_ATOL, f"{where}: {errors}"
@@ -156,8 +156,10 @@ def check(tmp_path, world, cases, vocab_sizes):
 
 
 def test_two_ranks(tmp_path):
-    """The fast case: 2 ranks, plain shards, the three betas and the frozen head."""
-    cases = [(beta, False, "shard") for beta in BETAS] + [(0.0, True, "shard")]
+    """The fast case: 2 ranks, plain shards, the three betas and the frozen head on the torch backend, the JSD on the
+    Triton kernels."""
+    cases = [(beta, False, "shard", "torch") for beta in BETAS] + [(0.0, True, "shard", "torch"),
+                                                                   (0.5, False, "shard", "triton")]
     check(tmp_path, 2, cases, (37,))
 
 
@@ -165,13 +167,27 @@ def test_two_ranks(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_case(tmp_path, world):
     """Plain shards (an empty one on 4 ranks) and DTensors, every beta, trainable and frozen heads, two vocabulary
-    sizes (the bytes are the same)."""
-    cases = [(beta, frozen, layout) for beta in BETAS for frozen in (False, True) for layout in ("shard", "dtensor")]
+    sizes (the bytes are the same), the torch backend."""
+    cases = [(beta, frozen, layout, "torch") for beta in BETAS for frozen in (False, True)
+             for layout in ("shard", "dtensor")]
     check(tmp_path, world, cases, (37, 301))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_triton_kernels(tmp_path, world):
+    """Each rank's records, JSD sums and backward by the Triton kernels (the interpreter; argmax indices global):
+    plain shards and DTensors (V = 37 divides over neither 2 nor 3 ranks), every beta; on 4 ranks plain shards only
+    (rank 1 holds no row: no kernel runs there, its records are empty); the frozen head (the torch twin's algorithm
+    on every backend, as unsharded) once."""
+    layouts = ("shard",) if world == 4 else ("shard", "dtensor")
+    cases = [(beta, False, layout, "triton") for beta in BETAS for layout in layouts]
+    check(tmp_path, world, cases + [(1.0, True, "shard", "triton")], (37,))
+
+
 def test_wrong_combinations_are_named_errors(one_rank_mesh):  # noqa: F811 (the imported fixture)
-    """One shard description for both heads, split by the same ranges; DTensors both or neither; the torch backend."""
+    """One shard description for both heads, split by the same ranges; DTensors both or neither. One rank holding
+    every row gives the unsharded result on either backend."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import grpo_fast
@@ -183,14 +199,14 @@ def test_wrong_combinations_are_named_errors(one_rank_mesh):  # noqa: F811 (the 
          dict(student_weight=distribute_tensor(ws, one_rank_mesh, [Shard(0)]))),
         ("both heads must be split by the same vocabulary ranges",
          dict(teacher_weight=wt[:20], teacher_bias=bt[:20], vocab_parallel=shard)),
-        ("vocab-parallel divergence heads run on the torch backend", dict(backend="triton", vocab_parallel=shard)),
     ]
     for message, override in cases:
         kwargs = {**dict(student_hidden=hs, student_weight=ws, teacher_hidden=ht, teacher_weight=wt,
                          student_bias=bs, teacher_bias=bt, completion_mask=mask), **override}
         with pytest.raises(ValueError, match=message):
             grpo_fast.divergence(**kwargs)
-    # one rank holding every row: the unsharded result
-    alone = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend="torch")
-    sharded = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, vocab_parallel=shard)
-    assert max_error(sharded, alone) < RTOL
+    for backend in ("torch", "triton"):
+        alone = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend=backend)
+        sharded = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend=backend,
+                                       vocab_parallel=shard)
+        assert max_error(sharded, alone) < RTOL, backend

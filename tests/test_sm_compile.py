@@ -16,11 +16,16 @@ from grpo_fast.kernels import config as kconfig
 HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (90, 89, 80)
-# per arch: forward, chunked backward, fused backward, fused backward with a frozen W, for bf16, fp16, fp32, bf16
-# with a bias, bf16 with a soft-cap, with the entropy's gradient, with both, fp32 with both, bf16 with LoRA (fp32 and
-# bf16 adapters); the frozen-head forward's variants (sm_compile.FROZEN_VARIANTS; LoRA adds only cuBLAS GEMMs there);
-# then the GRPO token kernel's (sm_compile.TOKEN_LOSS_VARIANTS)
-VARIANTS_PER_ARCH = 4 * 10 + 6 + 11
+
+
+# sm_compile's launches per arch, counted from its variant lists: layer 1's four kernels (forward, chunked backward,
+# fused backward, fused backward with a frozen W) for bf16, fp16, fp32 and each LAYER1_EXTRA; the frozen-head
+# forward's and the GRPO token kernel's variants; the divergence head's forward and backward per variant, plus the
+# JSD sweep where 0 < beta < 1 (run in a process of its own: sm_compile refuses the interpreter conftest turns on)
+_COUNT_VARIANTS = (
+    "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
+    "div = sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
+    "print(4 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div)\n")
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +44,14 @@ def compiled(tmp_path_factory):
 @pytest.mark.slow
 def test_every_variant_was_compiled(compiled):
     rows, _ = compiled
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _COUNT_VARIANTS], cwd=os.path.join(HERE, ".."), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    expected = int(proc.stdout.split()[-1])
+    assert expected >= 80  # what the lists held when this test was last read: none may vanish unnoticed
     for arch in ARCHS:
-        assert sum(r["arch"] == arch for r in rows) == VARIANTS_PER_ARCH
+        assert sum(r["arch"] == arch for r in rows) == expected
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ a temperature, and the logit transforms TRL reads from the configs (soft-cap, lo
 (trl_pairs.RTOL). TRL's ``ChunkedDivergenceFunction`` raises around every grpo_fast computation (and the trap does
 catch TRL's own trainer). A PEFT student (LoRA on the attention, frozen head) matches too and takes grpo_fast's
 frozen-head path. Slow: a training run with gradient accumulation (generation, logging, optimizer steps) equals
-TRL's run; DDP on 2 gloo processes equals one process.
+TRL's run; DDP and FSDP2 (``fully_shard`` by hand, as accelerate applies it) on 2 gloo processes equal one process.
 """
 
 import contextlib
@@ -19,9 +19,10 @@ import pytest
 import torch
 import trl
 from peft import LoraConfig
+from torch.distributed.tensor import DTensor
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen2
-from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close
+from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_function_forbidden
 
 import grpo_fast
 from grpo_fast import divergence_torch
@@ -53,23 +54,9 @@ def distill_config(output_dir, **overrides):
     return DistillationConfig(**kw)
 
 
-@contextlib.contextmanager
 def trl_divergence_forbidden():
     """TRL's ChunkedDivergenceFunction raises if anything calls it."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("TRL's ChunkedDivergenceFunction ran")
-
-    own = {name: ChunkedDivergenceFunction.__dict__.get(name) for name in ("apply", "forward")}  # apply is inherited
-    ChunkedDivergenceFunction.apply = classmethod(forbidden)
-    ChunkedDivergenceFunction.forward = staticmethod(forbidden)
-    try:
-        yield
-    finally:
-        for name, attribute in own.items():
-            if attribute is None:
-                delattr(ChunkedDivergenceFunction, name)
-            else:
-                setattr(ChunkedDivergenceFunction, name, attribute)
+    return autograd_function_forbidden(ChunkedDivergenceFunction)
 
 
 def build(trainer_cls, student, teacher, args, **kwargs):
@@ -313,9 +300,11 @@ def test_training_run_matches_trl(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- 2 processes
 WORLD, GLOBAL_BATCH = 2, 4
-# accelerate (1.x) enables FSDP only on accelerators: on CPU processes its FSDP plugin is not applied (the student
-# gets DDP), so the trainer's FSDP2 path cannot run here
-DISTRIBUTED_CASES = ("ddp",)
+# "ddp": accelerate's; "fsdp2": accelerate (1.x) enables FSDP only on accelerators (on CPU processes its FSDP plugin
+# is not applied), so ``fully_shard`` is applied by hand as accelerate applies it (each decoder layer, then the
+# root; the student's and the teacher's) and accelerate is told the student is prepared (no DDP around it)
+DISTRIBUTED_CASES = ("ddp", "fsdp2")
+WRAPPERS = {"ddp": "2 x DistributedDataParallel", "fsdp2": "2 x FSDPQwen2ForCausalLM"}
 TIMEOUT_S = 300  # a hung collective must not hang CI
 
 
@@ -348,12 +337,32 @@ def one_step(out_dir, world, case):
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, callbacks=[recorder],
                                   train_dataset=tiny_prompt_dataset(n=GLOBAL_BATCH), processing_class=byte_tokenizer())
     trainer._generate_single_turn = scripted_generation(trainer)
+    if case == "fsdp2" and world > 1:
+        fully_shard_by_hand(trainer)
     with trl_divergence_forbidden():
         trainer.train()
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
     wrapper = f"{trainer.accelerator.num_processes} x {type(trainer.model_wrapped).__name__}"
-    grads = {name.removeprefix("module."): g for name, g in recorder.grads[0].items()}
+    # an FSDP2 gradient is this rank's shard (a DTensor): gathered here, on every rank in the same order
+    grads = {name.removeprefix("module."): g.full_tensor() if isinstance(g, DTensor) else g
+             for name, g in recorder.grads[0].items()}
     return logged["loss"], logged["entropy"], grads, wrapper
+
+
+def fully_shard_by_hand(trainer):
+    """FSDP2 on the trainer's student and teacher as accelerate applies it on accelerators: ``fully_shard`` on each
+    decoder layer, then on the root (the lm_head in the root's group, gathered by the root's forward, through which
+    TRL's ``_forward_redirection`` routes the loss); the student marked prepared, so that accelerate does not wrap
+    it in DDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    for model in (trainer.model, trainer.teacher_model):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        weight = model.lm_head.weight
+        assert isinstance(weight, DTensor) and weight.to_local().shape[0] < weight.shape[0], "lm_head is not sharded"
+    trainer.model._is_accelerate_prepared = True
 
 
 def distributed_worker(rank, port, out_dir, case):
@@ -370,14 +379,15 @@ def distributed_worker(rank, port, out_dir, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", DISTRIBUTED_CASES)
 def test_two_processes_equal_one(tmp_path, case):
-    """DDP (accelerate's) on 2 gloo processes, each with half of the prompts: the logged loss and entropy and every
-    parameter's gradient at the optimizer step (DDP's average) equal one process with all of them."""
+    """DDP (accelerate's) and FSDP2 on 2 gloo processes, each with half of the prompts: the logged loss and entropy
+    and every parameter's gradient at the optimizer step (DDP's average; FSDP2's reduce-scattered shards, gathered)
+    equal one process with all of them."""
     from helpers import spawn_ranks
 
     spawn_ranks(distributed_worker, WORLD, str(tmp_path), TIMEOUT_S, case)
     two = torch.load(tmp_path / f"{case}.pt")
     loss, entropy, grads, _ = one_step(str(tmp_path / "single"), 1, case)
-    assert two["wrapper"] == {"ddp": "2 x DistributedDataParallel"}[case]
+    assert two["wrapper"] == WRAPPERS[case]
     assert_close(two["loss"], loss, "loss")
     assert_close(two["entropy"], entropy, "entropy")
     assert_tensors_close(two["grads"], grads, "gradient")

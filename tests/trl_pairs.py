@@ -55,22 +55,27 @@ class GradRecorder(TrainerCallback):
 
 
 @contextlib.contextmanager
-def trl_kernel_forbidden():
-    """TRL's fused-head kernel raises if called (``trl.trainer.utils._ChunkedLogProbFunction`` is the same class)."""
+def autograd_function_forbidden(function_cls):
+    """``function_cls`` (a torch.autograd.Function of TRL's) raises if anything applies it."""
     def forbidden(*args, **kwargs):
-        raise AssertionError("TRL's ChunkedLogProbFunction ran")
+        raise AssertionError(f"TRL's {function_cls.__name__} ran")
 
-    own = {name: ChunkedLogProbFunction.__dict__.get(name) for name in ("apply", "forward")}  # apply is inherited
-    ChunkedLogProbFunction.apply = classmethod(forbidden)
-    ChunkedLogProbFunction.forward = staticmethod(forbidden)
+    own = {name: function_cls.__dict__.get(name) for name in ("apply", "forward")}  # apply is inherited
+    function_cls.apply = classmethod(forbidden)
+    function_cls.forward = staticmethod(forbidden)
     try:
         yield
     finally:
         for name, attribute in own.items():
             if attribute is None:
-                delattr(ChunkedLogProbFunction, name)
+                delattr(function_cls, name)
             else:
-                setattr(ChunkedLogProbFunction, name, attribute)
+                setattr(function_cls, name, attribute)
+
+
+def trl_kernel_forbidden():
+    """TRL's fused-head kernel raises if called (``trl.trainer.utils._ChunkedLogProbFunction`` is the same class)."""
+    return autograd_function_forbidden(ChunkedLogProbFunction)
 
 
 @dataclasses.dataclass

@@ -204,12 +204,8 @@ def layer1_launches(
         lora = (torch.randn(hidden.shape[0], rank).to(lora_dtype), torch.randn(V, rank).to(lora_dtype))
         grad_lora = (torch.zeros(hidden.shape[0], rank), torch.zeros(V, rank))
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
-    stats = BackwardStats(
-        per_token,
-        per_token.clone(),
-        per_token.clone() if entropy_grad else None,
-        per_token.clone() if entropy_grad else None,
-    )
+    stats = BackwardStats(per_token, per_token.clone(), per_token.clone() if entropy_grad else None,
+                          per_token.clone() if entropy_grad else None)
     grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
     cfg = kconfig.gpu_forward_config(dtype, sms, arch)
@@ -221,42 +217,14 @@ def layer1_launches(
     cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
-        backward.backward_chunked(
-            hidden,
-            weight,
-            targets,
-            b,
-            stats,
-            grad_logp,
-            grad_entropy,
-            transform,
-            torch.empty(hidden.shape),
-            torch.zeros(V, D),
-            grad_bias,
-            cfg,
-            lora,
-            grad_lora,
-        )
+        backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
+                                  torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg, lora, grad_lora)
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
-            backward.backward_fused(
-                hidden,
-                weight,
-                targets,
-                b,
-                stats,
-                grad_logp,
-                grad_entropy,
-                transform,
-                torch.zeros(hidden.shape),
-                grad_weight,
-                grad_bias,
-                cfg,
-                lora,
-                grad_lora,
-            )
+            backward.backward_fused(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
+                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg, lora, grad_lora)
         out += [(name, launches[0])]
     return out
 

@@ -1,21 +1,16 @@
 """The backward pass of layer 1: dH, dW, db from dL/dlogp and dL/dentropy, recomputing the logits tile by tile.
 
-Math (tile.py): for token n with c_n = grad_logp_n = dL/dlogp_n and e_n = grad_entropy_n = dL/dentropy_n (the
-entropy term is a compile-time option: without an entropy gradient it is not formed), z recomputed with fp32
-accumulation and p_nv = exp(z_nv - lse_n),
-    g_nv = dL/du_nv = (-c_n p_nv + e_n p_nv (mean_n - z_nv)) * dz/du_nv                          for v != y_n,
-    g_ny = (c_n nontarget_mass_n + e_n p_ny mean_minus_target_n) * dz/du_ny,
-    dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V],
-where lse, nontarget_mass = 1 - p_y, mean and mean_minus_target = mean - z_y are the forward's per-token values
-(softmax_stats.BackwardStats): the target column never forms 1 - p_y or mean - z_y by cancellation, so a confident
-token (1 - p_y down to 1e-6) keeps fp32 precision. One kernel, ``_backward_kernel``, forms g for a
-BLOCK_N x BLOCK_V tile (the K-loop over D, as the forward; a token block whose coefficients are all zero, i.e.
-masked rows, is exactly zero and skips the matmul) and adds the tile's column sums of g (fp32, unscaled) to db.
+Math: g = dL/du, one BLOCK_N x BLOCK_V tile at a time, is tile.py's (from c = dL/dlogp, e = dL/dentropy, the
+logits recomputed with fp32 accumulation and the forward's per-token softmax_stats.BackwardStats; the entropy term
+is a compile-time option: without an entropy gradient it is not formed); then
+    dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V].
+One kernel, ``_backward_kernel``, forms g for a BLOCK_N x BLOCK_V tile (the K-loop over D, as the forward; a token
+block whose coefficients are all zero, i.e. masked rows, is exactly zero and skips the matmul) and adds the tile's
+column sums of g (fp32, unscaled) to db.
 
-bf16 / fp16 inputs: g is rounded to the input dtype for the gradient GEMMs, after a multiplication by an exact
-power of two 2^k (tile.gemm_scale) that puts the coefficients' bound (|c| + |e| times logit_scale / temperature) at
-about 2^8; the fp32 products are multiplied by 2^-k. So a small dL/dlogp (GRPO's 1/tokens) is not rounded into
-fp16's subnormals: the gradients' relative precision is the same at every scale. fp32 g is not rounded nor scaled.
+bf16 / fp16 inputs: g is rounded to the input dtype for the gradient GEMMs after a multiplication by an exact
+power of two 2^k from the coefficients' bound (|c| + |e| times logit_scale / temperature; tile.gemm_scale says why),
+and the fp32 products are multiplied by 2^-k. fp32 g is not rounded nor scaled.
 Its two modes (config.BACKWARD_MODES, the caller's choice):
 
 * chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input
@@ -32,9 +27,8 @@ Its two modes (config.BACKWARD_MODES, the caller's choice):
   sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. The atomics (db's too, in both modes)
   are relaxed: nothing in the kernel reads an accumulator and the launch's end orders them, so each compiles to a
   plain reduction (RED) without a memory fence. Memory: fp32 accumulators for dH (N x D) and dW (V x D, only if the
-  weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds (~240 GB of traffic at N = 16k,
-  V = 152k, D = 1536, by count), which is why chunked is the default; atomics also make the summation order vary run
-  to run (fp32 rounding level).
+  weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds, which is why chunked is the
+  default; atomics also make the summation order vary run to run (fp32 rounding level).
 
 A frozen lm_head skips every dW product in both modes. The fused backward with dW runs its programs in groups of
 GROUP_V vocabulary tiles, each group walking every token block (config.BackwardConfig.group_v): the programs

@@ -376,6 +376,22 @@ def _beta_scalars(beta):
                 log_beta=math.log(beta) if inner else 0.0)
 
 
+def local_argmax(argmax, offset, rows):
+    """Global argmax indices as row indices of a vocab-parallel shard's weights.
+
+    Args:
+        argmax: int64 vocabulary indices, any shape.
+        offset: the vocabulary entry of the weights' first row.
+        rows: the weights' row count.
+
+    Returns:
+        argmax - offset where it lies in [0, rows), else -1: a column no kernel matches (a row past the last one
+        could match a masked column of the last tile).
+    """
+    local = argmax - offset
+    return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
+
+
 @on_first_argument_device
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
             student_transform, teacher_transform, config=None):
@@ -383,18 +399,31 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     if student_hidden.shape[0] == 0:
         return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
                                         teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
-    run_s, run_t, jsd_sweep, _ = records(student_hidden, student_weight, student_bias, teacher_hidden,
-                                         teacher_weight, teacher_bias, beta, student_transform, teacher_transform,
-                                         config=config)
+    run_s, run_t, jsd_sweep = records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                      teacher_bias, beta, student_transform, teacher_transform, config=config)[:3]
     return divergence_torch.finish(run_s, run_t, beta, jsd_sweep)
 
 
 @on_first_argument_device
 def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, targets=None, config=None):
-    """Both models' merged records (divergence_torch.Record, [N] each) by the forward kernel (N > 0), the JSD's
-    second sweep for divergence_torch.finish, and with ``targets`` [N] the student's logit at each target [N] fp32
-    (else None)."""
+            student_transform, teacher_transform, config=None, offset=0, targets=None):
+    """Both models' records over the weights' rows by the forward kernel, and the JSD's second sweep over them.
+
+    Args:
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: [N, Ds],
+            [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None; rows contiguous, N > 0, V > 0.
+        beta, student_transform, teacher_transform: as divergence_torch.forward.
+        config: the launch (None: forward_config's).
+        offset: the vocabulary entry of the weights' first row (a vocab-parallel shard's; 0 for a whole head).
+        targets: None, or [N] int64 target ids, rows of these weights (the combined head,
+            grpo_fast/teacher_head.py, on a whole head): the kernel also gathers the student's logit there.
+
+    Returns:
+        (student, teacher, jsd_sweep, target_logit): both models' divergence_torch.Records [N] (the kernel's
+        per-split records merged with divergence_torch.merge; argmax indices global), divergence_torch.finish's
+        ``jsd_sweep`` over these rows (given the whole vocabulary's finished records), and the student's logit at
+        each target [N] fp32 (None without ``targets``).
+    """
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
@@ -415,7 +444,7 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
                           vocab_per_split, split_records.stride(0), WITH_TARGET=targets is not None, **common)
     runs = []
     for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS:2 * RECORD_FIELDS]):
-        per_split = [divergence_torch.Record(f[0], f[1].to(torch.int64), f[2], f[3], f[4], f[5], f[6] > 0)
+        per_split = [divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
                      for f in fields.unbind(1)]
         run = per_split[0]
         for split in per_split[1:]:
@@ -424,7 +453,7 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
 
     def jsd_sweep(student, teacher, top_log_ratio):
         saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
-        argmax = torch.stack([student.argmax, teacher.argmax])
+        argmax = local_argmax(torch.stack([student.argmax, teacher.argmax]), offset, V)
         out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
         _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
                           out.stride(0), **_beta_scalars(beta), **common)
@@ -438,11 +467,12 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
 @on_first_argument_device
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
              teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias, config=None, layer1=None):
+             grad_bias, config=None, offset=0, layer1=None):
     """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
-    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. ``layer1``: None, or the
-    combined head's (targets [N], BackwardStats rows [4, N] fp32, dL/dlogp [N] fp32, dL/dentropy [N] fp32 or None),
-    whose term joins g (grpo_fast/teacher_head.py)."""
+    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. ``offset``: the weights' row v
+    is vocabulary entry offset + v (a vocab-parallel shard, with the whole vocabulary's saved values and argmax).
+    ``layer1``: None, or the combined head's (targets [N], BackwardStats rows [4, N] fp32, dL/dlogp [N] fp32,
+    dL/dentropy [N] fp32 or None), whose term joins g (grpo_fast/teacher_head.py; a whole head, offset 0)."""
     N, Ds = student_hidden.shape
     Dt = teacher_hidden.shape[1]
     V = student_weight.shape[0]
@@ -470,6 +500,7 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
                   **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
                                       teacher_transform, config))
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    argmax = local_argmax(argmax, offset, V)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         grid = (triton.cdiv(n1 - n0, config.block_n), triton.cdiv(V, config.block_v))

@@ -1,12 +1,8 @@
 """The forward pass of layer 1 (linear log-probs): log-prob of each target and entropy, without [N, V] logits.
 
-Math, for token n with hidden row h_n [D], weight W [V, D], optional bias b [V], temperature tau, optional
-soft-cap c and logit scale k (TRL 1.16's order; tile.py):
-    z_nv = c tanh(k (h_n . W_v + l_n . B_v + b_v) / c) / tau   (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator;
-                                                            l . B: LoRA's operand pair, only with ``lora``)
-and the per-token softmax record of softmax_stats.py over the vocabulary: running max m, S = sum exp(z - m),
-R = sum over the non-targets of exp(z - m), Z = sum exp(z - m) (z - m) (only with COMPUTE_ENTROPY) and the target
-logit, each tile folded into the running record by softmax_stats' merge formulas. ``softmax_stats.finish`` turns it
+Math: the transformed logits z of tile.py (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator; LoRA's operand
+pair only with ``lora``), folded tile by tile into the per-token softmax record of softmax_stats.py (m, S, R, Z only
+with COMPUTE_ENTROPY, the target logit) by its merge formulas. ``softmax_stats.finish`` turns it
 into logp, H and what the backward reads (lse, 1 - p_y, mean logit, mean - z_y): O(N) values, saved by the caller,
 with 1 - p_y and mean - z_y formed as sums of same-signed terms (exact where a token is confident).
 
@@ -20,8 +16,7 @@ Memory: inputs (LoRA's [N, r] and [V, r] too) are read in place; the only buffer
 records and N fp32 outputs.
 No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores in the input dtype
 (bf16/fp16), fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) so fp32 is exact. Under
-TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``): the interpreter's bf16 ``tl.dot`` is
-wrong in triton 3.9.
+TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``, tile.py).
 """
 
 import torch

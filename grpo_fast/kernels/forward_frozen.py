@@ -33,9 +33,9 @@ by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py compute
 d logp / dh: no other term exists on this path.
 
 Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
-on CUDA), as backward.py rounds g, after a per-row power of two 2^k that puts the bound on the row's P' so far
-(its largest non-target e times logit_scale / temperature, the largest slope) at about 2^8: on a confident token
-every non-target e is ~1e-6, below fp16's smallest normal 6.1e-5, while J itself is that small. The state keeps each
+on CUDA), as backward.py rounds g, after a per-row power of two 2^k (tile.gemm_scale, which says why) from the bound
+on the row's P' so far (its largest non-target e times logit_scale / temperature, the largest slope): on a confident
+token every non-target e is ~1e-6, below fp16's smallest normal, while J itself is that small. The state keeps each
 row's 2^-k; a chunk whose bound moves k folds 2^(k_new - k_old) into the accumulator's rescale (at most 1: the old
 chunks' bound is part of the new one), and 2^-k comes out exactly after the row's last chunk. fp32 inputs keep
 fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU
@@ -51,19 +51,6 @@ reads a value it or another has overwritten). No tensor of N x V exists.
 
 Taken where ``available``: CUDA with torch >= 2.8 (cuBLAS's out_dtype) or fp32 inputs, a CPU device, the
 interpreter. Launch configuration: config.frozen_head_config (2 rows x 512 columns a tile, 4 warps on a GPU).
-
-GPU estimate, on paper (arithmetic, not a measurement): Qwen2.5-1.5B head, D 1536, V 151936, N 16384 tokens, bf16.
-    one vocabulary GEMM 2NDV = 7.65 TFLOP; this path 2 x 2NDV = 15.3 TFLOP, the recompute path 3 x 2NDV = 22.9.
-    buffer traffic, this path: u fp32 written by GEMM 1 (9.96 GB), read twice by the kernel (19.9 GB; pass 2's read
-        may partly hit L2), P' bf16 written (4.98 GB) and read by GEMM 2 (4.98 GB): 39.8 GB (29.9 GB with one u read);
-        the recompute path: g bf16 written and read once, 9.96 GB. Both read W (467 MB) twice per token chunk
-        (11 chunks: 10.3 GB) and J / dH (100 MB) a few times.
-    H100 SXM (~990 TFLOP/s dense bf16, 3.35 TB/s): GEMMs 15.4 ms vs 23.2 ms; buffers 11.9 ms (8.9) vs 3.0 ms;
-        total ~27.3 ms (24.3) vs ~26.1 ms: no gain on paper at this vocab chunk, the saved GEMM is spent on u traffic.
-    RTX 4090 (~165 TFLOP/s bf16 with fp32 accumulate, ~1 TB/s): GEMMs 92.7 ms vs 139.0 ms; buffers 39.5 ms (29.6)
-        vs 9.9 ms; total ~132 ms (122) vs ~149 ms: 11-18 % less time.
-    A vocab chunk whose u buffer fits in L2 (50 MB H100, 72 MB RTX 4090: ~8k columns at 1536 rows) would keep most
-    of the u / P' traffic out of HBM, at the price of ~4 launches per 8k columns and more J rescales: measure.
 """
 
 import torch

@@ -8,10 +8,10 @@ slab of ``a``'s rows at a time, so that the only extra buffer is one fp32 slab a
 
 Accumulating (out += a @ b) from bf16 / fp16 operands: ``torch.addmm(out, a, b, out_dtype=torch.float32, out=out)``
 with an fp32 ``out`` fails with "self and mat2 must have the same dtype" (pytorch #154086) on the torch releases
-before the fix (pytorch #167931, November 2025: by its date torch 2.10, which no release note confirms). So whether
-this torch takes it is probed once per device and dtype (``addmm_out_dtype_accumulates``), not read off a version;
-where it does not, the product goes into an fp32 temporary of one slab of ``a``'s rows (``slab`` x b's columns) and is
-added to ``out``: the same fp32 result, one fp32 slab more memory.
+before the fix (pytorch #167931). So whether this torch takes it is probed once per device and dtype
+(``addmm_out_dtype_accumulates``), not read off a version; where it does not, the product goes into an fp32
+temporary of one slab of ``a``'s rows (``slab`` x b's columns) and is added to ``out``: the same fp32 result, one
+fp32 slab more memory.
 """
 
 import functools

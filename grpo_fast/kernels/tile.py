@@ -16,7 +16,7 @@ they would cancel (1 - p_y and mean - z_y are 1e-6 at a confident token, z_y - l
 
 tanh is formed from e = exp(-2|x|) as (1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow for any x, and
 the slope keeps its relative precision where tanh saturates (1 - tanh^2 would cancel to 0 there); LogitTransform.apply
-(config.py) is the same transform in torch.
+(grpo_fast/transform.py) is the same transform in torch.
 
 l [N, r] and B [V, r] are LoRA's second operand pair (grpo_fast/lora.py; contiguous, row stride R), in the
 adapters' dtype, which may differ from the base's: their dot takes its own precision (LORA_DOT_PRECISION: IEEE for

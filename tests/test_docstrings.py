@@ -1,0 +1,150 @@
+"""The API reference's docstrings keep their format: Google style, as mkdocstrings renders it (mkdocs.yml).
+
+Every public function, class and method that the API reference pages render (docs/reference/: ``grpo_fast``'s
+``__all__``, the public names of grpo_fast.trl, grpo_fast.verl and grpo_fast.memory) has a docstring that griffe,
+the docs' own parser, reads without a warning; its ``Args:`` name exactly the signature's parameters (none missing,
+none stale; the loss-option keywords of ``loss`` and ``token_loss`` are documented once, in LossOptions, which their
+docstrings link); a function that returns a value has ``Returns:``; a class documents its own constructor's parameters
+(Args, or Attributes for a dataclass). griffe reads the source without importing it, so grpo_fast.trl and grpo_fast.verl
+are checked without TRL or verl; it comes with the docs extra and is listed in the test extra for this test.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import textwrap
+from pathlib import Path
+
+import griffe
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# the framework modules with a reference page of their own (docs/reference/*.md)
+PAGE_MODULES = ("trl", "verl", "memory")
+# a parameter the docstring does not name: the bound instance
+IMPLICIT = {"self", "cls"}
+
+
+def _load():
+    return griffe.load("grpo_fast", search_paths=[str(ROOT)], allow_inspection=False, docstring_parser="google",
+                       resolve_aliases=True, resolve_external=False)
+
+
+def _resolved(obj):
+    """The object an exported name stands for; None for another package's (TRL's GRPOConfig: not rendered here)."""
+    try:
+        return obj.final_target if obj.is_alias else obj
+    except griffe.AliasResolutionError:
+        return None
+
+
+def _rendered(package):
+    """(path, object) of every function and class the reference pages render, and of their public methods."""
+    roots = [_resolved(package[name]) for name in package.exports]
+    for name in PAGE_MODULES:
+        module = package[name]
+        names = module.exports if module.exports is not None else [n for n in module.members if not n.startswith("_")]
+        roots += [_resolved(module[n]) for n in names]
+    seen = {}
+    for obj in roots:
+        if obj is None or not (obj.is_function or obj.is_class):
+            continue
+        seen.setdefault(obj.path, obj)
+        if obj.is_class:
+            for name, member in obj.members.items():
+                if not name.startswith("_") and not member.is_alias and member.is_function:
+                    seen.setdefault(member.path, member)
+    return sorted(seen.items())
+
+
+def _parameters(obj):
+    return [p.name for p in obj.parameters if p.name not in IMPLICIT]
+
+
+PACKAGE = _load()
+RENDERED = _rendered(PACKAGE)
+LOSS_OPTION_FIELDS = _parameters(PACKAGE["options"]["LossOptions"])
+
+
+def _sections(obj, caplog):
+    """The docstring's sections and griffe's warnings while it parsed them (missing types are fine: the signature's
+    annotations give them where written)."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="griffe"):
+        sections = griffe.parse_google(obj.docstring, warn_missing_types=False)
+    return sections, [record.getMessage() for record in caplog.records]
+
+
+def _named(sections, kind):
+    """The names a section documents (``*args`` and ``**kwargs`` as the parameters' names)."""
+    return [item.name.lstrip("*") for section in sections if section.kind is kind for item in section.value]
+
+
+def _returns_value(obj):
+    """The function's own body (not a nested def) returns or yields a value (a context manager's bare ``yield``
+    gives none)."""
+    tree = ast.parse(textwrap.dedent(obj.source))
+    function = tree.body[0]
+
+    def walk(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.YieldFrom) or (isinstance(child, ast.Yield) and child.value is not None):
+                return True
+            if isinstance(child, ast.Return) and child.value is not None and not (
+                    isinstance(child.value, ast.Constant) and child.value.value is None):
+                return True
+            if walk(child):
+                return True
+        return False
+
+    return walk(function)
+
+
+def test_the_reference_renders_the_public_api():
+    paths = {path for path, _ in RENDERED}
+    for path in ("grpo_fast.api.loss", "grpo_fast.api.token_loss", "grpo_fast.options.LossOptions",
+                 "grpo_fast.divergence_head.divergence_and_entropy", "grpo_fast.trl.add_fused_lm_head",
+                 "grpo_fast.verl.forward", "grpo_fast.memory.estimate"):
+        assert path in paths
+
+
+@pytest.mark.parametrize("path", [path for path, _ in RENDERED])
+def test_docstring_documents_the_signature(path, caplog):
+    obj = dict(RENDERED)[path]
+    assert obj.docstring is not None and obj.docstring.value.strip(), f"{path} has no docstring"
+    summary = obj.docstring.value.strip().splitlines()[0]
+    assert summary.strip(), f"{path}: the docstring's first line is its summary"
+    sections, warnings = _sections(obj, caplog)
+    assert not warnings, f"{path}: griffe's Google-style parser warns: {warnings}"
+    args = _named(sections, griffe.DocstringSectionKind.parameters)
+    assert len(args) == len(set(args)), f"{path}: a parameter documented twice: {args}"
+    if obj.is_class:
+        if "__init__" not in obj.members and "dataclass" not in obj.labels:
+            return  # an inherited constructor: its class documents it
+        documented = args + _named(sections, griffe.DocstringSectionKind.attributes)
+        expected = _parameters(obj)
+        assert sorted(set(documented) & set(expected)) == sorted(expected), (
+            f"{path}: constructor parameters not documented (Args or Attributes): "
+            f"{sorted(set(expected) - set(documented))}")
+        return
+    expected = _parameters(obj)
+    if set(LOSS_OPTION_FIELDS) <= set(expected):
+        # grpo_fast.loss and token_loss write the loss options out as keywords (for IDEs and type checkers); each is
+        # documented once, in LossOptions' Attributes, which the docstring names instead of repeating them
+        assert "[LossOptions][grpo_fast.LossOptions]" in obj.docstring.value, (
+            f"{path}: the loss-option keywords are documented by linking LossOptions")
+        expected = [name for name in expected if name not in LOSS_OPTION_FIELDS]
+    assert sorted(args) == sorted(expected), (
+        f"{path}: Args must name exactly the signature's parameters; missing {sorted(set(expected) - set(args))}, "
+        f"stale {sorted(set(args) - set(expected))}")
+    if "property" in obj.labels:
+        return
+    has_returns = any(s.kind in (griffe.DocstringSectionKind.returns, griffe.DocstringSectionKind.yields)
+                      for s in sections)
+    if _returns_value(obj):
+        assert has_returns, f"{path} returns a value: its docstring needs a Returns section"
+    else:
+        assert not has_returns, f"{path} returns nothing but documents Returns"
