@@ -406,7 +406,8 @@ def grpo_fast_workspace(func, args, kwargs) -> int:
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
     if op == "token_loss":
-        return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape))
+        return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape),
+                                   backend=bound["backend"])
     hidden = bound["hidden"]
     with launchers_sized_for(RTX_4090_PROPS):
         return ops.workspace_bytes(op, tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype,

@@ -22,18 +22,25 @@ import difflib
 import numbers
 from dataclasses import dataclass
 
+from grpo_fast.loss_statistics import STATISTICS
 from grpo_fast.transform import check_number
 
 
 @dataclass(frozen=True)
 class Metric:
-    """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (grpo_fast.metrics),
-    reduced by ``reduce``: "mean" (TRL's global masked mean: over tokens, or over sequences for a value with one per
-    sequence), "min_over_sequences" / "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
+    """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (one of
+    grpo_fast.loss_statistics.STATISTICS), reduced by grpo_fast.metrics by ``reduce``: "mean" (TRL's global
+    masked mean: over tokens, or over sequences for a value with one per sequence), "min_over_sequences" /
+    "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
 
     name: str
     statistic: str
     reduce: str = "mean"
+
+    def __post_init__(self):
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"metric {self.name!r}: statistic must be one of {tuple(STATISTICS)} "
+                             f"(grpo_fast.loss_statistics), got {self.statistic!r}")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Layer 2 (the per-token GRPO kernel): loss, metrics, dL/dlogp and dL/dentropy against the reference's autograd.
+"""Layer 2 (the per-token GRPO kernel and its torch twin): loss, metrics, dL/dlogp and dL/dentropy against the
+reference's autograd.
 
 Every loss type x importance level x on/off-policy x KL on/off (bias-corrected or not) x per-sequence/per-token
 advantages, plus delta, epsilon_high, importance weights of every shape, the off-policy mask (with NaN sampler
 log-probs), the top-entropy mask, the entropy bonus, fully masked rows, ties on the clip boundary and
-num_items_in_batch. The kernel runs on the ``device`` fixture (the interpreter on CPU, compiled on a CUDA GPU); the
-inputs are drawn on CPU and moved there.
+num_items_in_batch, on both backends. The kernel runs on the ``device`` fixture (the interpreter on CPU, compiled on a
+CUDA GPU), the torch twin (grpo_fast/token_loss_torch.py) on CPU; the inputs are drawn on CPU and moved there.
 """
 
 import itertools
@@ -18,6 +19,7 @@ import grpo_fast
 from grpo_fast import reference
 
 LOSS_TYPES = reference.LOSS_TYPES
+BACKENDS = ("triton", "torch")
 B, T = 4, 11
 
 
@@ -41,25 +43,26 @@ def _on(device, x):
     return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
-def _compare(device, logp, adv, mask, entropy, **kw):
-    """The kernel's loss, metrics and gradients (log-probs and entropy) on ``device`` (every tensor argument is moved
-    there) equal the reference's autograd."""
+def _compare(backend, device, logp, adv, mask, entropy, **kw):
+    """``backend``'s loss, metrics and gradients (log-probs and entropy) on its device (``device`` for the kernel;
+    every tensor argument is moved there) equal the reference's autograd."""
+    device = backend_device(backend, device)
     logp, adv, mask, entropy = (_on(device, x) for x in (logp, adv, mask, entropy))
     kw = {name: _on(device, x) for name, x in kw.items()}
     out = {}
-    for backend in ("reference", "triton"):
+    for name in ("reference", backend):
         leaf = logp.clone().requires_grad_()
         ent_leaf = entropy.clone().requires_grad_() if entropy is not None else None
-        if backend == "reference":
+        if name == "reference":
             loss, metrics = reference.token_loss(leaf, adv, mask, entropy=ent_leaf, **kw)
         else:
-            loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=ent_leaf, backend="triton", **kw)
+            loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=ent_leaf, backend=backend, **kw)
         loss.backward()
         ent_grad = ent_leaf.grad if ent_leaf is not None else None
         if ent_grad is None and ent_leaf is not None:
             ent_grad = torch.zeros_like(ent_leaf)  # no entropy bonus: no gradient reaches the entropy
-        out[backend] = (loss.detach(), dict(metrics), leaf.grad, ent_grad)
-    (rl, rm, rg, reg), (fl, fm, fg, feg) = out["reference"], out["triton"]
+        out[name] = (loss.detach(), dict(metrics), leaf.grad, ent_grad)
+    (rl, rm, rg, reg), (fl, fm, fg, feg) = out["reference"], out[backend]
     assert torch.isfinite(fl) and torch.isfinite(fg).all()
     torch.testing.assert_close(fl, rl, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fg, rg, rtol=1e-5, atol=1e-7)
@@ -73,23 +76,25 @@ def _compare(device, logp, adv, mask, entropy, **kw):
 
 @pytest.mark.parametrize("loss_type, level, off_policy, kl, per_token_adv", list(itertools.product(
     LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True))))
-def test_token_kernel_matches_reference(loss_type, level, off_policy, kl, per_token_adv, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer2_matches_reference(loss_type, level, off_policy, kl, per_token_adv, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(per_token_adv=per_token_adv)
-    _compare(device, logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
+    _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
              beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected",
              loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, epsilon_high=0.28)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
-def test_delta_and_importance_weights(loss_type, level, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_delta_and_importance_weights(loss_type, level, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=1)
     g = torch.Generator().manual_seed(5)
     per_sequence = torch.rand(B, generator=g) * 2
     for iw in (torch.rand(B, T, generator=g) * 2, per_sequence, per_sequence[:, None]):
         if loss_type == "vespo" and iw.shape != (B, T):
             continue  # TRL rejects VESPO with sequence-level weights: test_vespo_rejects_per_sequence_weights
-        _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
+        _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
                  importance_weights=iw, loss_type=loss_type, importance_sampling_level=level,
                  max_completion_length=T + 3, epsilon=0.1, epsilon_high=0.15, num_items_in_batch=57,
                  sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
@@ -97,12 +102,13 @@ def test_delta_and_importance_weights(loss_type, level, device):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
 @pytest.mark.parametrize("delta", [None, 1.0])
-def test_ties_on_the_clip_boundary_follow_torch_min_and_clamp(loss_type, delta, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_on_the_clip_boundary_follow_torch_min_and_clamp(loss_type, delta, backend, device):
     # on-policy the ratio is exactly 1; with epsilon = 0 it sits on both clamp bounds (and on delta = 1):
     # both min branches tie, clamp passes the gradient on its bounds, torch.min splits a tie in half
     logp = -torch.rand(2, 5)
     adv = torch.tensor([[1.0, -1.0, -2.0, 0.5, 0.0], [3.0, 0.0, -1.0, 1.0, 2.0]])
-    _compare(device, logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0,
+    _compare(backend, device, logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0,
              delta=delta)
 
 
@@ -125,11 +131,13 @@ def test_all_masked_batch_is_zero_not_nan(loss_type, device):
         assert all(math.isnan(metrics[k].item()) for k in undefined & set(metrics))
 
 
-def test_num_items_in_batch_tensor_and_float_agree(device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_items_in_batch_tensor_and_float_agree(backend, device):
+    device = backend_device(backend, device)
     logp, mask, adv, old, _, _ = _batch(device=device)
     a, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old,
-                                num_items_in_batch=torch.tensor(40.0, device=device), backend="triton")
-    b, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40, backend="triton")
+                                num_items_in_batch=torch.tensor(40.0, device=device), backend=backend)
+    b, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40, backend=backend)
     c, _ = reference.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40)
     assert a.item() == b.item()
     assert math.isclose(a.item(), c.item(), rel_tol=1e-6)
@@ -145,7 +153,8 @@ def test_vespo_rejects_per_sequence_weights():
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
 @pytest.mark.parametrize("per_token_adv", (False, True))
-def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_token_adv, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_token_adv, backend, device):
     # sampler log-probs far off the policy on some sequences, NaN where the sampler could not score a token
     logp, mask, adv, old, ref, entropy = _batch(seed=2, per_token_adv=per_token_adv)
     g = torch.Generator().manual_seed(7)
@@ -154,28 +163,31 @@ def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_to
     sampler[1, :3] = float("nan")
     for sampling in (sampler, None):  # None: the old policy's log-probs are the sampler's
         for threshold in (0.05, 0.5):
-            _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+            _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
                      sampling_logprobs=sampling, off_policy_mask_threshold=threshold, loss_type=loss_type,
                      importance_sampling_level=level, max_completion_length=T)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ("token", "sequence"))
-def test_top_entropy_mask_and_entropy_bonus(loss_type, level, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_entropy_mask_and_entropy_bonus(loss_type, level, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=3)
     for kw in (dict(top_entropy_quantile=0.2), dict(entropy_coef=0.01),
                dict(top_entropy_quantile=0.5, entropy_coef=0.03), dict(top_entropy_quantile=0.0),
                dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02)):
-        _, metrics, _ = _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
-                                 loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
-                                 **kw)
+        _, metrics, _ = _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref,
+                                 beta=0.04, loss_type=loss_type, importance_sampling_level=level,
+                                 max_completion_length=T, **kw)
         assert ("policy_loss" in metrics) == ("entropy_coef" in kw)
 
 
-def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens(device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens(backend, device):
+    device = backend_device(backend, device)
     logp, mask, adv, _, _, entropy = _batch(seed=4, device=device)
     ent = entropy.clone().requires_grad_()
-    loss, metrics = grpo_fast.token_loss(logp, adv, mask, entropy=ent, entropy_coef=0.5, backend="triton")
+    loss, metrics = grpo_fast.token_loss(logp, adv, mask, entropy=ent, entropy_coef=0.5, backend=backend)
     loss.backward()
     expected = -0.5 * mask.float() / mask.sum()
     torch.testing.assert_close(ent.grad, expected)
@@ -183,11 +195,13 @@ def test_entropy_bonus_gradient_is_minus_coef_over_the_bonus_tokens(device):
     assert math.isclose(loss.item(), metrics["policy_loss"].item() - bonus.item(), rel_tol=1e-6)
 
 
-def test_top_entropy_quantile_zero_keeps_only_the_highest_entropy_token(device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_entropy_quantile_zero_keeps_only_the_highest_entropy_token(backend, device):
+    device = backend_device(backend, device)
     # TRL's doc: 0.0 masks all but the highest-entropy token; on-policy dapo, so each kept token gives -A / tokens
     logp, mask, adv, _, _, entropy = _batch(seed=5, device=device)
     leaf = logp.clone().requires_grad_()
-    loss, _ = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, top_entropy_quantile=0.0, backend="triton")
+    loss, _ = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, top_entropy_quantile=0.0, backend=backend)
     loss.backward()
     top = torch.where(mask, entropy, -1.0).flatten().argmax()
     expected = torch.zeros(B * T, device=device)
@@ -197,7 +211,8 @@ def test_top_entropy_quantile_zero_keeps_only_the_highest_entropy_token(device):
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_sampler_importance_weights_of_every_mode(mode, loss_type, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampler_importance_weights_of_every_mode(mode, loss_type, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=6)
     g = torch.Generator().manual_seed(8)
     sampler = old + 0.3 * torch.randn(B, T, generator=g)
@@ -206,5 +221,5 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type, device):
     assert iw.shape == ((B, T) if mode.startswith("token") else (B, 1))
     if loss_type == "vespo" and mode.startswith("sequence"):
         return
-    _compare(device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04, importance_weights=iw,
-             loss_type=loss_type, max_completion_length=T)
+    _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
+             importance_weights=iw, loss_type=loss_type, max_completion_length=T)
