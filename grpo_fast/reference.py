@@ -1,15 +1,15 @@
-"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits, and the torch twin of layer 2.
+"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits.
 
 Every fused path in grpo_fast is tested against this module, the benchmark uses it as the eager baseline, and
 it is itself tested against TRL 1.16.0's own ``GRPOTrainer._compute_loss`` (tests/test_trl_loss.py). It follows
 TRL line by line, at one process and no gradient accumulation, so a TRL user gets the same numbers.
 
-``token_loss`` is also what ``grpo_fast.loss`` runs as layer 2 on the torch backend (CPU tensors without Triton),
-as TRL keeps one torch twin beside its kernel: one torch implementation of the formulas, held to TRL's trainer by
-tests/test_trl_loss.py and to the token kernel by tests/test_grpo_token.py. Layer 1 is not shared: the spec builds
-the full logits, the product (grpo_fast/torch_backend.py) never does. What a loss type is outside its formula (its
-normaliser, its family of per-token term, its metrics) is its record in grpo_fast/options.py; the metrics are reduced
-from per-sequence sums by grpo_fast/metrics.py, for the token kernel too.
+It is only the spec: no backend of ``grpo_fast.loss`` runs it (``grpo_fast.sampling_importance_weights``, TRL's
+per-batch sampler correction, is this module's function behind the API's checks). The product's layer 1 is the Triton kernels or the
+chunked-torch twin (grpo_fast/torch_backend.py), its layer 2 the token kernel or its torch twin
+(grpo_fast/token_loss_torch.py), which never build the full logits nor differentiate layer 2 by autograd. What a loss
+type is outside its formula (its normaliser, its family of per-token term, its metrics) is its record in
+grpo_fast/options.py; the metrics are reduced from per-sequence sums by grpo_fast/metrics.py, as for the product.
 
 Two layers, the same as the fused paths:
   1. ``logprobs_and_entropy``: hidden states and lm_head -> per-token log-prob of the target and entropy.
@@ -158,17 +158,6 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     return phi.masked_fill(torch.isinf(phi), 0.0).detach()
 
 
-def _normalise(per_token_loss, mask, options, num_items_in_batch):
-    """Each loss type's own reduction of the masked per-token loss (TRL's, with no gradient accumulation): the
-    rows' sums (each divided by its token count with the record's row_mean), summed, over LossOptions.denominator.
-    Masked tokens are selected out, not multiplied by 0 as TRL does: a NaN there (in a sequence without tokens, whose
-    advantage may be anything) changes nothing, as in the token kernel."""
-    per_row = torch.where(mask.bool(), per_token_loss, 0.0).sum(-1)
-    if options.loss_type_record.row_mean:
-        per_row = per_row / mask.sum(-1).clamp(min=1.0)
-    return per_row.sum() / options.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
-
-
 def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None, old_logprobs=None,
                ref_logprobs=None, sampling_logprobs=None, importance_weights=None, num_items_in_batch=None,
                entropy_threshold=None, **loss_options):
@@ -253,7 +242,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
 
-    loss = _normalise(per_token_loss, mask, o, num_items_in_batch)
+    loss = o.aggregate(per_token_loss, mask, num_items_in_batch)
     policy_loss = loss.detach()
     if o.entropy_coef != 0.0:
         effective_mask = mask if entropy_mask is None else mask * entropy_mask

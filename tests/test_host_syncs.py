@@ -89,7 +89,7 @@ def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeyp
     for name in metrics:
         assert metrics[name].device == loss.device and metrics[name].dim() == 0  # device tensors: TRL reads them
         torch.testing.assert_close(metrics_off[name], metrics[name], rtol=1e-5, atol=1e-7, equal_nan=True)
-    # the spec's numbers (the torch twin)
+    # the torch backend's numbers (both layers' torch twins)
     x["hidden"].grad = None
     expected, _ = grpo_fast.loss(**x, backend="torch", **options)
     expected.backward()

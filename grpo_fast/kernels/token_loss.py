@@ -61,19 +61,10 @@ LOSS_SAPO = tl.constexpr(2)
 LOSS_VESPO = tl.constexpr(3)
 LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "vespo": LOSS_VESPO}
 
-# Statistics slots: row_stats[b, slot], by name from grpo_fast.loss_statistics (which says what each one holds)
-STAT_LOSS = tl.constexpr(SLOTS["loss"])
-STAT_COUNT = tl.constexpr(SLOTS["count"])
-STAT_KL = tl.constexpr(SLOTS["kl"])
-STAT_ENTROPY = tl.constexpr(SLOTS["entropy"])
-STAT_RATIO = tl.constexpr(SLOTS["ratio"])
-STAT_LOW = tl.constexpr(SLOTS["low"])
-STAT_HIGH = tl.constexpr(SLOTS["high"])
-STAT_REGION = tl.constexpr(SLOTS["region"])
-STAT_CISPO = tl.constexpr(SLOTS["cispo"])
-STAT_PHI = tl.constexpr(SLOTS["phi"])
-STAT_BONUS_COUNT = tl.constexpr(SLOTS["bonus_count"])
-STAT_BONUS_ENTROPY = tl.constexpr(SLOTS["bonus_entropy"])
+# Statistics slots: row_stats[b, slot], as grpo_fast.loss_statistics names them, in its order (tests/test_loss_types.py
+# checks each name against its slot)
+(STAT_LOSS, STAT_COUNT, STAT_KL, STAT_ENTROPY, STAT_RATIO, STAT_LOW, STAT_HIGH, STAT_REGION, STAT_CISPO, STAT_PHI,
+ STAT_BONUS_COUNT, STAT_BONUS_ENTROPY) = (tl.constexpr(slot) for slot in SLOTS.values())
 NUM_STATS = tl.constexpr(len(SLOTS))
 
 # Two warps per sequence: the work is a few [T] vectors, and with 4 warps ptxas gives the vespo variant with every
