@@ -16,7 +16,7 @@ import torch
 from conftest import backend_device
 
 import grpo_fast
-from grpo_fast import reference
+from grpo_fast import autograd, reference
 
 LOSS_TYPES = reference.LOSS_TYPES
 BACKENDS = ("triton", "torch")
@@ -223,3 +223,32 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type, backend, devi
         return
     _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
              importance_weights=iw, loss_type=loss_type, max_completion_length=T)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ("token", "sequence"))
+@pytest.mark.parametrize("per_token_adv", (False, True))
+def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_adv, device):
+    """The two production layer-2 implementations (the token kernel's launcher and grpo_fast/token_loss_torch.py),
+    called on the same prepared inputs, return the same dL/dlogp, bonus mask and per-sequence statistics (names,
+    whether each is one value per sequence, and values), with every option that changes them."""
+    logp, mask, adv, old, ref, entropy = _batch(seed=9, per_token_adv=per_token_adv)
+    g = torch.Generator().manual_seed(10)
+    iw = 0.5 + torch.rand(B, T, generator=g)
+    sampler = old + 0.3 * torch.randn(B, T, generator=g)
+    options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.3,
+                                    epsilon_high=0.28, max_completion_length=T, off_policy_mask_threshold=0.1,
+                                    top_entropy_quantile=0.6, entropy_coef=0.01)
+    out = {}
+    for backend in (autograd.TRITON, autograd.TORCH):
+        dev = backend_device(backend.name, device)
+        inputs = [x.to(dev).float().contiguous() for x in (logp, adv, mask, old, ref, sampler, iw, entropy)]
+        out[backend.name] = backend.token_loss(*inputs, options, scale=torch.full((), 1 / 17, device=dev),
+                                               entropy_threshold=torch.full((), 1.5, device=dev))
+    (kernel_grad, kernel_bonus, kernel_stats), (torch_grad, torch_bonus, torch_stats) = out["triton"], out["torch"]
+    torch.testing.assert_close(torch_grad, kernel_grad.cpu(), rtol=1e-5, atol=1e-7)
+    assert torch.equal(torch_bonus, kernel_bonus.cpu())
+    assert list(torch_stats) == list(kernel_stats)
+    for name, (values, per_sequence) in torch_stats.items():
+        assert per_sequence == kernel_stats[name][1], name
+        torch.testing.assert_close(values, kernel_stats[name][0].cpu(), rtol=1e-5, atol=1e-6, msg=name)
