@@ -531,7 +531,7 @@ class Step:
     def forward_backward(self) -> None:
         """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
         loss head, backward."""
-        from grpo_fast.grpo import completion_hidden_states
+        from grpo_fast.hidden_states import completion_hidden_states
 
         with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
             hidden = completion_hidden_states(self.model, self.prompt_ids, self.prompt_mask, self.batch.targets,

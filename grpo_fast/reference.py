@@ -4,11 +4,11 @@ Every fused path in grpo_fast is tested against this module, the benchmark uses 
 it is itself tested against TRL 1.16.0's own ``GRPOTrainer._compute_loss`` (tests/test_trl_loss.py). It follows
 TRL line by line, at one process and no gradient accumulation, so a TRL user gets the same numbers.
 
-It is only the spec: no backend of ``grpo_fast.loss`` runs it (``grpo_fast.sampling_importance_weights``, TRL's
-per-batch sampler correction, is this module's function behind the API's checks). The product's layer 1 is the Triton kernels or the
-chunked-torch twin (grpo_fast/torch_backend.py), its layer 2 the token kernel or its torch twin
-(grpo_fast/token_loss_torch.py), which never build the full logits nor differentiate layer 2 by autograd. What a loss
-type is outside its formula (its normaliser, its family of per-token term, its metrics) is its record in
+It is only the spec: no backend of ``grpo_fast.loss`` runs it (``grpo_fast.sampling_importance_weights``, TRL's per-
+batch sampler correction, is this module's function behind the API's checks). The product's layer 1 is the Triton
+kernels or the chunked-torch twin (grpo_fast/torch_backend.py), its layer 2 the token kernel or its torch twin
+(grpo_fast/token_loss_torch.py), which never build the full logits nor differentiate layer 2 by autograd. What a
+loss type is outside its formula (its normaliser, its family of per-token term, its metrics) is its record in
 grpo_fast/options.py; the metrics are reduced from per-sequence sums by grpo_fast/metrics.py, as for the product.
 
 Two layers, the same as the fused paths:
