@@ -23,9 +23,13 @@ import dataclasses
 import difflib
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grpo_fast.loss_statistics import STATISTICS
 from grpo_fast.transform import check_number
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,8 @@ class LossOptions:
             return _at_least_one(mask_total if num_items_in_batch is None else num_items_in_batch)
         raise ValueError(f"loss type {self.loss_type!r} has an unknown normaliser {normaliser!r}")
 
-    def aggregate(self, per_token_loss, mask, num_items_in_batch=None):
+    def aggregate(self, per_token_loss: torch.Tensor, mask: torch.Tensor,
+                  num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
         """The loss type's reduction of a per-token loss to the loss (TRL's, at one process without gradient
         accumulation): each row's masked sum (divided by its token count with the record's ``row_mean``), summed,
         over ``denominator``.
