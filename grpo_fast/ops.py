@@ -329,7 +329,7 @@ def _layer2(backend, logp, entropy, adv, mask, old, ref, sampling, iw, num_items
         sampler = next(x for x in (sampling, old, logp) if x is not None).contiguous()
     grad_logp, bonus_mask, stats = backend.token_loss(
         logp, adv, mask, old, ref if options.beta != 0.0 else None, sampler, iw, entropy, options,
-        scale=scale.float(), entropy_threshold=threshold)
+        scale=scale.to(logp.dtype), entropy_threshold=threshold)
     rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
     policy_loss = rows["loss"].values.sum()
     total, grad_entropy = policy_loss, None

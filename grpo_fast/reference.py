@@ -164,20 +164,22 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
 
     ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
-    mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars.
+    mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars. It
+    computes in fp32, or in fp64 for fp64 log-probs (a stricter truth for the tests).
     """
     o = LossOptions.resolve(options, loss_options, "token_loss")
-    mask = completion_mask.to(torch.float32)
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    mask = completion_mask.to(dtype)
     epsilon_low, epsilon_high, beta = o.epsilon, o.clip_high, o.beta
     term = o.loss_type_record.policy_term
     policy_term = term.formula  # TRL dispatches on loss_type; its record names the formula
-    logp = logp.float()
-    old = logp.detach() if old_logprobs is None else old_logprobs.float()
-    advantages = advantages.float()
+    logp = logp.to(dtype)
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
+    advantages = advantages.to(dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     if importance_weights is not None:
-        importance_weights = importance_weights.float()
+        importance_weights = importance_weights.to(dtype)
         if importance_weights.dim() == 1:
             importance_weights = importance_weights.unsqueeze(1)
 
@@ -191,10 +193,10 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
             entropy_mask = ((entropy.detach().float() * mask) >= threshold) & mask.bool()
 
     if o.off_policy_mask_threshold is not None:
-        sampler = old if sampling_logprobs is None else sampling_logprobs.float()
+        sampler = old if sampling_logprobs is None else sampling_logprobs.to(dtype)
         kl_div = torch.nan_to_num(sampler - logp.detach(), nan=0.0)
         avg_seq_kl = (kl_div * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= o.off_policy_mask_threshold)).float()
+        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= o.off_policy_mask_threshold)).to(dtype)
 
     log_ratio = logp - old
     if o.sequence_level:
@@ -206,7 +208,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     ratio = coef_1  # before delta: the ratio_mean metric reports the importance ratio itself
 
     if beta != 0.0:
-        ref = ref_logprobs.float()
+        ref = ref_logprobs.to(dtype)
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
         if o.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
@@ -246,7 +248,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     policy_loss = loss.detach()
     if o.entropy_coef != 0.0:
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        loss = loss - o.entropy_coef * (entropy.float() * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+        loss = loss - o.entropy_coef * (entropy.to(dtype) * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
     # Log the metrics: TRL's quantities, reduced by grpo_fast.metrics from per-sequence sums as for the token kernel
     # (each loss type's own metrics are named by its record)

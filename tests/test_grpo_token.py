@@ -16,7 +16,8 @@ import torch
 from conftest import backend_device
 
 import grpo_fast
-from grpo_fast import autograd, reference
+from grpo_fast import autograd, ops, reference
+from grpo_fast.metrics import metric_names
 
 LOSS_TYPES = reference.LOSS_TYPES
 BACKENDS = ("triton", "torch")
@@ -252,3 +253,62 @@ def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_a
     for name, (values, per_sequence) in torch_stats.items():
         assert per_sequence == kernel_stats[name][1], name
         torch.testing.assert_close(values, kernel_stats[name][0].cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+# option sets for the fp64 comparison: every option that changes layer 2's algebra appears in one
+FP64_OPTIONS = {
+    "kl-iw-token": dict(beta=0.04, epsilon_high=0.28, importance_weights="token"),
+    "k3-delta-iw-sequence-offpolicy": dict(beta=0.04, use_bias_correction_kl=False, delta=1.1, epsilon=0.1,
+                                           epsilon_high=0.15, importance_weights="sequence", num_items_in_batch=57,
+                                           sapo_temperature_pos=0.9, sapo_temperature_neg=1.3,
+                                           off_policy_mask_threshold=0.1),
+    "onpolicy-entropy-mask-bonus": dict(on_policy=True, top_entropy_quantile=0.5, entropy_coef=0.03,
+                                        max_completion_length=T + 3),
+}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ("token", "sequence"))
+@pytest.mark.parametrize("per_token_adv", (False, True))
+@pytest.mark.parametrize("case", list(FP64_OPTIONS))
+def test_torch_layer2_equals_the_spec_in_fp64(loss_type, level, per_token_adv, case):
+    """The torch layer 2 (grpo_fast/token_loss_torch.py and the op's finishing, grpo_fast.ops._layer2) in fp64 is the
+    spec's fp64 autograd to rounding: loss, dL/dlogp and dL/dentropy to 1e-10, the metrics (fp32) to 1e-6. The
+    inputs are fp32 values (the top-entropy mask compares entropies with an fp32 quantile in both)."""
+    kw = dict(FP64_OPTIONS[case])
+    on_policy = kw.pop("on_policy", False)
+    weights = kw.pop("importance_weights", None)
+    num_items = kw.pop("num_items_in_batch", None)
+    options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level,
+                                    **dict(dict(max_completion_length=T), **kw))
+    logp, mask, adv, old, ref, entropy = (x.double() for x in _batch(seed=11, per_token_adv=per_token_adv))
+    g = torch.Generator().manual_seed(12)
+    sampler = old + 0.3 * torch.randn(B, T, generator=g).double()
+    if weights == "sequence" and loss_type == "vespo":
+        weights = "token"  # TRL's VESPO takes per-token weights only
+    iw = {None: None, "token": 0.5 + torch.rand(B, T, generator=g).double(),
+          "sequence": 0.5 + torch.rand(B, generator=g).double()}[weights]
+    old = None if on_policy else old
+    sampling = sampler if options.off_policy_mask_threshold is not None else None
+
+    leaf, ent_leaf = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+    spec_loss, spec_metrics = reference.token_loss(
+        leaf, adv, mask, options, entropy=ent_leaf, old_logprobs=old, ref_logprobs=ref, sampling_logprobs=sampling,
+        importance_weights=iw, num_items_in_batch=num_items)
+    spec_loss.backward()
+    assert spec_loss.dtype == torch.float64
+
+    loss, metric_values, grad_logp, grad_entropy = ops._layer2(
+        autograd.TORCH, logp, entropy, adv, mask.double(), old, ref if options.beta != 0.0 else None, sampling, iw,
+        torch.tensor(float(num_items), dtype=torch.float64) if num_items is not None else None, None, options)
+    assert loss.dtype == grad_logp.dtype == torch.float64
+    torch.testing.assert_close(loss, spec_loss.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad_logp, leaf.grad, rtol=1e-10, atol=1e-13)
+    if options.entropy_coef != 0.0:
+        torch.testing.assert_close(grad_entropy, ent_leaf.grad, rtol=1e-10, atol=1e-13)
+    else:
+        assert grad_entropy.numel() == 0 and ent_leaf.grad is None
+    metrics = dict(zip(metric_names(options, True), metric_values))
+    assert set(metrics) == set(spec_metrics)
+    for name, value in spec_metrics.items():
+        torch.testing.assert_close(metrics[name], value, rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)
