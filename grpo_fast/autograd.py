@@ -84,7 +84,8 @@ class TritonBackend:
 
 
 class TorchBackend:
-    """Layer 1 by the chunked-torch twin (grpo_fast/torch_backend.py), on any device; one backward ("chunked")."""
+    """Layer 1 by the chunked-torch twin (grpo_fast/torch_backend.py), on any device, with one backward ("chunked");
+    layer 2 by the token kernel's torch twin (grpo_fast/token_loss_torch.py)."""
 
     name = "torch"
     backward_modes = ("chunked",)

@@ -25,8 +25,9 @@ from grpo_fast.loss_statistics import returned_statistics
 
 LOG_W_FLOOR = math.log(1e-8)  # TRL's clamps of VESPO's log W and of each log-ratio in it
 LOG_RATIO_CAP = 20.0
-# the [B, T] fp32 temporaries alive at once at the most (an estimate, for grpo_fast.ops.workspace_bytes)
-TEMPORARIES = 16
+# an upper bound of the [B, T] fp32 temporaries alive at once, every option on (grpo_fast.ops.workspace_bytes;
+# tests/test_fake_tensors.py measures the peak under it)
+TEMPORARIES = 24
 
 
 def _clipped(r, lp, adv, phi, o):
