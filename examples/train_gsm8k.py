@@ -51,9 +51,10 @@ from tqdm.auto import tqdm
 
 import grpo_fast
 from grpo_fast import NUM_ITEMS_LOSS_TYPES
-from grpo_fast.grpo import SCALE_REWARDS, completion_hidden_states, group_advantages
+from grpo_fast.advantages import SCALE_REWARDS, group_advantages
 from grpo_fast.gsm8k import cli, data, models, plots, rollout
 from grpo_fast.gsm8k.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward, strict_format_reward
+from grpo_fast.hidden_states import completion_hidden_states
 
 PROG = "train_gsm8k.py"
 RESULTS = ("metrics.jsonl", "samples.jsonl", "metrics.png", "summary.json")

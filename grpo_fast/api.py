@@ -35,6 +35,7 @@ from grpo_fast import lora as head_lora
 from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.lora import HeadLora
+from grpo_fast.metrics import metric_names
 from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions
 from grpo_fast.options import check_number as _number
 from grpo_fast.teacher_head import Teacher
@@ -774,41 +775,17 @@ def _prepared(batch, options, device):
 
 
 def _token_loss(logprobs, entropy, batch, options, backend):
-    """Layer 2 on checked inputs: the torch twin (grpo_fast.reference.token_loss, with autograd) or the token-loss op
-    (grpo_fast.ops.token_loss); the metrics a Metrics dict of fp32 device scalars."""
+    """Layer 2 on checked inputs: the token-loss op (grpo_fast.ops.token_loss) by ``backend``'s token loss (the
+    token kernel, or its torch twin grpo_fast/token_loss_torch.py); the metrics a Metrics dict of fp32 device
+    scalars."""
     batch = _prepared(batch, options, logprobs.device)
     logp = logprobs.float()
     entropy = entropy.float() if entropy is not None else None
-    if backend.layer2_is_spec:
-        # masked values still enter the spec's metrics and gradients, times 0: a -inf or NaN there (a padding id's
-        # log-prob) would leak a NaN
-        masked = batch.completion_mask == 0
-        logp = logp.masked_fill(masked, 0.0)
-        entropy = entropy.masked_fill(masked, 0.0) if entropy is not None else None
-        old, ref = (x.masked_fill(masked, 0.0) if x is not None else None
-                    for x in (batch.old_logprobs, batch.ref_logprobs))
-        # per-token advantages and importance weights too: the loss selects masked tokens out, but a NaN there would
-        # reach a sequence-level ratio's gradient (weights in the term stay: vespo reads them at padding too, as TRL)
-        adv, iw = batch.advantages, batch.importance_weights
-        if adv.dim() == 2:
-            adv = adv.masked_fill(masked, 0.0)
-        if iw is not None and iw.dim() == 2 and not options.loss_type_record.policy_term.importance_weights_in_term:
-            iw = iw.masked_fill(masked, 0.0)
-        threshold = batch.entropy_threshold
-        if options.entropy_mask and threshold is None:
-            # the spec's quantile, without its boolean selection (a host read, a data-dependent shape)
-            threshold = ops.device_entropy_quantile(entropy, batch.completion_mask, options.top_entropy_quantile)
-        total, metrics = reference.token_loss(
-            logp, adv, batch.completion_mask, options, entropy=entropy, old_logprobs=old,
-            ref_logprobs=ref, sampling_logprobs=batch.sampling_logprobs, importance_weights=iw,
-            num_items_in_batch=batch.num_items_in_batch, entropy_threshold=threshold)
-        metrics = Metrics(metrics)
-    else:
-        total, metric_values, _, _ = ops.token_loss(
-            logp, entropy, batch.advantages, batch.completion_mask, batch.old_logprobs, batch.ref_logprobs,
-            batch.sampling_logprobs, batch.importance_weights, batch.num_items_in_batch, batch.entropy_threshold,
-            ops.options_json(options))
-        metrics = Metrics(zip(ops.metric_names(options, entropy is not None), metric_values.detach().unbind(0)))
+    total, metric_values, _, _ = ops.token_loss(
+        logp, entropy, batch.advantages, batch.completion_mask, batch.old_logprobs, batch.ref_logprobs,
+        batch.sampling_logprobs, batch.importance_weights, batch.num_items_in_batch, batch.entropy_threshold,
+        ops.options_json(options), backend.name)
+    metrics = Metrics(zip(metric_names(options, entropy is not None), metric_values.detach().unbind(0)))
     metrics.logprobs = logp.detach()
     metrics.entropies = entropy.detach() if entropy is not None else None
     return total, metrics

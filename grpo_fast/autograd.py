@@ -1,6 +1,7 @@
-"""Layer 1's backends and path choice: ``TRITON`` (the kernels) and ``TORCH`` (the torch twin,
-grpo_fast/torch_backend.py), two objects with one signature for the forward, the forward record (a vocab-parallel
-shard's), the frozen-head forward and record, and the backward, chosen once (the public API resolves its
+"""The backends and layer 1's path choice: ``TRITON`` (the kernels) and ``TORCH`` (the torch twins,
+grpo_fast/torch_backend.py for layer 1 and grpo_fast/token_loss_torch.py for layer 2), two objects with one
+signature for the forward, the forward record (a vocab-parallel shard's), the frozen-head forward and record, the
+backward and layer 2's token loss, chosen once (the public API resolves its
 ``backend=`` string to one; the custom ops' schemas carry its ``name``); the reduce step of one process
 (``ONE_PROCESS``); and ``linear_logprobs``, which chooses the path and calls the custom op (grpo_fast/ops.py, whose
 autograd formula is the head's backward).
@@ -13,12 +14,13 @@ config.BACKWARD_MODES (the caller's choices, passed down as arguments).
 """
 import torch
 
-from grpo_fast import torch_backend
+from grpo_fast import token_loss_torch, torch_backend
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels import token_loss as ktoken_loss
 
 
 class TritonBackend:
@@ -27,7 +29,8 @@ class TritonBackend:
 
     name = "triton"
     backward_modes = kconfig.BACKWARD_MODES
-    layer2_is_spec = False  # layer 2 is the token-loss kernel's op (grpo_fast.ops.token_loss)
+    # layer 2: the token kernel's launcher (run inside the op grpo_fast.ops.token_loss)
+    token_loss = staticmethod(ktoken_loss.token_loss)
 
     def runs_on(self, device):
         """CUDA tensors, or any device under Triton's interpreter (TRITON_INTERPRET=1 before importing grpo_fast)."""
@@ -81,11 +84,13 @@ class TritonBackend:
 
 
 class TorchBackend:
-    """Layer 1 by the chunked-torch twin (grpo_fast/torch_backend.py), on any device; one backward ("chunked")."""
+    """Layer 1 by the chunked-torch twin (grpo_fast/torch_backend.py), on any device, with one backward ("chunked");
+    layer 2 by the token kernel's torch twin (grpo_fast/token_loss_torch.py)."""
 
     name = "torch"
     backward_modes = ("chunked",)
-    layer2_is_spec = True  # layer 2 is the spec (grpo_fast.reference.token_loss) in plain torch, autograd's to derive
+    # layer 2: the token kernel's torch twin, the launcher's arguments and returns (inside grpo_fast.ops.token_loss)
+    token_loss = staticmethod(token_loss_torch.token_loss)
 
     def runs_on(self, device):
         return True

@@ -561,7 +561,8 @@ def grpo_fast_workspace(func, args, kwargs) -> int:
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
     if op == "token_loss":
-        return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape))
+        return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape),
+                                   backend=bound["backend"])
     hidden = bound["hidden"]
     with launchers_sized_for(RTX_4090_PROPS):
         return ops.workspace_bytes(op, tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype,
@@ -702,7 +703,7 @@ class Step:
     def forward_backward(self) -> None:
         """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
         loss head, backward."""
-        from grpo_fast.grpo import completion_hidden_states
+        from grpo_fast.hidden_states import completion_hidden_states
 
         with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
             hidden = completion_hidden_states(self.model, self.prompt_ids, self.prompt_mask, self.batch.targets,

@@ -1,5 +1,6 @@
-"""The loss's metrics, built once for both layer-2 implementations (the token kernel and the torch twin in
-grpo_fast.reference) from one number per sequence and statistic, under TRL 1.16's names and reductions.
+"""The loss's metrics, built once for the spec (grpo_fast.reference) and both layer-2 implementations (the token
+kernel and its torch twin, grpo_fast/token_loss_torch.py) from one number per sequence and statistic
+(grpo_fast.loss_statistics names them), under TRL 1.16's names and reductions.
 
 A statistic's per-sequence value (``RowValues``) is either the masked sum of a per-token quantity over the sequence
 (a [B, T] quantity) or the sequence's own value (a [B, 1] quantity: the sequence-level ratio, its clip indicators,
@@ -9,9 +10,8 @@ VESPO's phi with per-sequence advantages). TRL's reductions of them:
     min / max_over_sequences   TRL's nanmin / nanmax over sequences of each sequence's masked mean (the value itself
                           for [B, 1] quantities); a sequence without tokens has none (NaN in TRL), and with none at
                           all the metric is NaN
-Every loss type logs ``kl`` (beta != 0), ``entropy`` (when the entropy is given), ``policy_loss`` (the loss before
-the entropy bonus, when entropy_coef != 0) and grpo_fast's ``ratio_mean``; its own metrics are its record's
-(grpo_fast.options.LOSS_TYPE_RECORDS).
+Which metrics a call logs, and in what order, is ``logged_metrics``: every loss type's ``kl``, ``entropy``,
+``policy_loss`` and ``ratio_mean``, and its record's own (grpo_fast.options.LOSS_TYPE_RECORDS).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from grpo_fast.options import Metric
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,36 @@ class RowValues:
     per_sequence: bool = False
 
 
+# the metrics every loss type logs (its record's own come between entropy and policy_loss, in logged_metrics)
+KL = Metric("kl", "kl")
+ENTROPY = Metric("entropy", "entropy")
+POLICY_LOSS = Metric("policy_loss", "loss")  # the loss before the entropy bonus: loss_metrics' policy_loss
+RATIO_MEAN = Metric("ratio_mean", "ratio")
+
+
+def logged_metrics(options, has_entropy: bool) -> tuple[Metric, ...]:
+    """Every metric a loss call logs, in the order of the token-loss op's metrics vector.
+
+    Args:
+        options: a ``grpo_fast.LossOptions``.
+        has_entropy: the token entropies are given.
+
+    Returns:
+        ``kl`` (beta != 0), ``entropy`` (with the entropies), the loss type's own (its record's ``metrics``),
+        ``policy_loss`` (entropy_coef != 0) and ``ratio_mean``, as ``Metric`` records.
+    """
+    return (((KL,) if options.beta != 0.0 else ()) + ((ENTROPY,) if has_entropy else ())
+            + options.loss_type_record.metrics + ((POLICY_LOSS,) if options.entropy_coef != 0.0 else ())
+            + (RATIO_MEAN,))
+
+
+def metric_names(options, has_entropy: bool) -> list[str]:
+    """The names of ``logged_metrics``, in its order."""
+    return [metric.name for metric in logged_metrics(options, has_entropy)]
+
+
 def row_values(x, mask):
-    """The torch twin's statistic: x [B, T] (masked sum per sequence) or [B, 1] (the sequence's own value; TRL's
+    """The spec's statistic: x [B, T] (masked sum per sequence) or [B, 1] (the sequence's own value; TRL's
     test is the shape, so with T = 1 every quantity counts as one per sequence)."""
     x = x.detach().float()
     if x.shape[1] == 1:
@@ -62,12 +92,10 @@ def loss_metrics(options, rows, counts, policy_loss=None):
         return torch.where(has_tokens.any(), reduce(means), math.nan)
 
     metrics = {}
-    if options.beta != 0.0:
-        metrics["kl"] = mean("kl")
-    if "entropy" in rows:
-        metrics["entropy"] = mean("entropy")
-    for metric in options.loss_type_record.metrics:
-        if metric.reduce == "mean":
+    for metric in logged_metrics(options, "entropy" in rows):
+        if metric is POLICY_LOSS:
+            metrics[metric.name] = policy_loss
+        elif metric.reduce == "mean":
             metrics[metric.name] = mean(metric.statistic)
         elif metric.reduce == "min_over_sequences":
             metrics[metric.name] = over_sequences(metric.statistic, torch.min, math.inf)
@@ -76,7 +104,4 @@ def loss_metrics(options, rows, counts, policy_loss=None):
         else:
             raise ValueError(f"metric {metric.name!r} of loss type {options.loss_type!r} has an unknown reduction "
                              f"{metric.reduce!r}")
-    if options.entropy_coef != 0.0:
-        metrics["policy_loss"] = policy_loss
-    metrics["ratio_mean"] = mean("ratio")
     return {name: value.detach().float().reshape(()) for name, value in metrics.items()}

@@ -26,14 +26,14 @@ import json
 
 import torch
 
-from grpo_fast import autograd
+from grpo_fast import autograd, token_loss_torch
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import gemm
-from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.kernels.softmax_stats import BackwardStats
-from grpo_fast.metrics import RowValues, loss_metrics
+from grpo_fast.loss_statistics import SLOTS
+from grpo_fast.metrics import RowValues, loss_metrics, metric_names
 from grpo_fast.options import LossOptions
 from grpo_fast.transform import LogitTransform
 
@@ -229,13 +229,6 @@ def _(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_ma
 
 
 # ----------------------------------------------------------------------------------------------- layer 2
-def metric_names(options: LossOptions, has_entropy: bool):
-    """The metrics' names in the order of token_loss's ``metrics`` vector (grpo_fast.metrics.loss_metrics')."""
-    names = (["kl"] if options.beta != 0.0 else []) + (["entropy"] if has_entropy else [])
-    names += [metric.name for metric in options.loss_type_record.metrics]
-    return names + (["policy_loss"] if options.entropy_coef != 0.0 else []) + ["ratio_mean"]
-
-
 def options_json(options: LossOptions) -> str:
     """The loss options as token_loss's ``options_json`` argument (a string: a schema constant). Built field by
     field, not by json.dumps, which torch.compile cannot trace (a float option is then fixed by a guard)."""
@@ -260,16 +253,15 @@ def _token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: to
                old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
                sampling_logprobs: torch.Tensor | None, importance_weights: torch.Tensor | None,
                num_items_in_batch: torch.Tensor | None, entropy_threshold: torch.Tensor | None,
-               options_json: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               options_json: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer 2 on prepared inputs (fp32 contiguous [B, T]; mask fp32 0/1; advantages [B] or [B, T]; importance
-    weights [B] or [B, T]; the two counts fp32 scalar tensors or None): (loss [], metrics [M] in ``metric_names``'
-    order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus), fp32, by the token kernel. No
-    value is read on the host (the normaliser, the bonus tokens' count and the entropy quantile stay on the device).
-    The torch backend's layer 2 is no op: the spec (grpo_fast.reference.token_loss) in plain torch, which
-    torch.compile traces and autograd differentiates."""
+    weights [B] or [B, T]; the two counts fp32 scalar tensors or None): (loss [], metrics [M] in
+    grpo_fast.metrics.metric_names' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus),
+    fp32, by the backend's token loss (the token kernel, or its torch twin grpo_fast/token_loss_torch.py). No
+    value is read on the host (the normaliser, the bonus tokens' count and the entropy quantile stay on the device)."""
     options = LossOptions(**json.loads(options_json))
-    return _token_loss_triton(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs,
-                              importance_weights, num_items_in_batch, entropy_threshold, options)
+    return _layer2(autograd.BACKENDS[backend], logp, entropy, advantages, mask, old_logprobs, ref_logprobs,
+                   sampling_logprobs, importance_weights, num_items_in_batch, entropy_threshold, options)
 
 
 _token_loss_op = torch.library.custom_op("grpo_fast::token_loss", mutates_args=())(_token_loss)
@@ -277,7 +269,7 @@ _token_loss_op = torch.library.custom_op("grpo_fast::token_loss", mutates_args=(
 
 @_token_loss_op.register_fake
 def _(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-      num_items_in_batch, entropy_threshold, options_json):
+      num_items_in_batch, entropy_threshold, options_json, backend):
     options = LossOptions(**json.loads(options_json))
     bonus = options.entropy_coef != 0.0
     return (logp.new_empty((), dtype=FP32), logp.new_empty(len(metric_names(options, entropy is not None)),
@@ -293,9 +285,9 @@ def _token_loss_setup_context(ctx, inputs, output):
 def _token_loss_backward(ctx, grad_loss, *_):
     grad_logp, grad_entropy = ctx.saved_tensors
     if grad_loss is None:
-        return (None,) * 11
+        return (None,) * 12
     grad_entropy = grad_entropy * grad_loss if ctx.needs_input_grad[1] and grad_entropy.numel() else None
-    return (grad_logp * grad_loss, grad_entropy) + (None,) * 9
+    return (grad_logp * grad_loss, grad_entropy) + (None,) * 10
 
 
 _token_loss_op.register_autograd(_token_loss_backward, setup_context=_token_loss_setup_context)
@@ -320,7 +312,9 @@ def device_entropy_quantile(entropy, mask, top_entropy_quantile):
     return torch.where(count > 0, threshold, torch.inf)
 
 
-def _token_loss_triton(logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
+def _layer2(backend, logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
+    """``_token_loss`` by ``backend``'s token loss (autograd.TRITON or autograd.TORCH): the normaliser and the
+    entropy quantile on the device, then the loss, the entropy bonus and the metrics from its statistics."""
     B = logp.shape[0]
     denominator = options.denominator(B, mask.sum(), num_items)
     # a number is written to the device (torch.full: a fill, not a copy from host memory), never read back
@@ -333,9 +327,9 @@ def _token_loss_triton(logp, entropy, adv, mask, old, ref, sampling, iw, num_ite
     sampler = None
     if options.off_policy_mask_threshold is not None:
         sampler = next(x for x in (sampling, old, logp) if x is not None).contiguous()
-    grad_logp, bonus_mask, stats = token_kernel.token_loss(
+    grad_logp, bonus_mask, stats = backend.token_loss(
         logp, adv, mask, old, ref if options.beta != 0.0 else None, sampler, iw, entropy, options,
-        scale=scale.float(), entropy_threshold=threshold)
+        scale=scale.to(logp.dtype), entropy_threshold=threshold)
     rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
     policy_loss = rows["loss"].values.sum()
     total, grad_entropy = policy_loss, None
@@ -345,15 +339,9 @@ def _token_loss_triton(logp, entropy, adv, mask, old, ref, sampling, iw, num_ite
         total = policy_loss + bonus_scale * rows["bonus_entropy"].values.sum()
         grad_entropy = bonus_mask * bonus_scale
     metrics = loss_metrics(options, rows, rows["count"].values, policy_loss)
-    return (total.reshape(()).clone(), _metric_vector(metrics, options, entropy is not None), grad_logp,
+    # in metric_names' order: loss_metrics builds them in it
+    return (total.reshape(()).clone(), torch.stack(list(metrics.values())), grad_logp,
             _or_nothing(grad_entropy, logp))
-
-
-def _metric_vector(metrics, options, has_entropy):
-    names = metric_names(options, has_entropy)
-    if sorted(names) != sorted(metrics):
-        raise RuntimeError(f"token_loss: the metrics {sorted(metrics)} differ from metric_names' {sorted(names)}")
-    return torch.stack([metrics[name].float().reshape(()) for name in names])
 
 
 # ----------------------------------------------------------------------------------------------- calls
@@ -438,13 +426,16 @@ def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", fr
     8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows),
     "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype, and the dW
     accumulator's fp32 copy is an output; the fused one allocates nothing more) or "token_loss" (batch_shape
-    [B, T]: the kernel's B x 12 fp32 statistics and its B x T fp32 bonus mask, which exists only with an entropy
-    bonus: an upper bound). The torch backend (an estimate, not a launcher's formula): CHUNK_N x CHUNK_V fp32 tiles,
-    about four alive at once."""
+    [B, T]: the kernel's B x len(loss_statistics.SLOTS) fp32 statistics and its B x T fp32 bonus mask, which
+    exists only with an entropy bonus: an upper bound). The torch backend (an estimate, not a launcher's formula):
+    CHUNK_N x CHUNK_V fp32 tiles, about four alive at once; for "token_loss", token_loss_torch.TEMPORARIES fp32
+    [B, T] tensors."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if op == "token_loss":
         B, T = batch_shape
-        return B * token_kernel.NUM_STATS.value * 4 + B * T * 4
+        if backend == "torch":
+            return token_loss_torch.TEMPORARIES * B * T * 4
+        return B * len(SLOTS) * 4 + B * T * 4
     N, D = hidden_shape
     V = vocab_size
     if backend == "torch":

@@ -1,15 +1,17 @@
 """The loss's options, once: TRL 1.16.0 ``GRPOConfig``'s names and defaults, validated in one place.
 
-``LossOptions`` is what every layer-2 implementation takes (the Triton token kernel's launcher, the torch layer 2 in
-``grpo_fast.reference``, the benchmark, the examples). ``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take
-the same names as keyword arguments, TRL style, written out in their signatures with these defaults (a test keeps
-them in step), and turn them into a ``LossOptions`` here (``from_written_keywords``); the spec's ``**loss_options``
-go through ``resolve``, where an unknown name is a ``TypeError`` that says which names exist.
+``LossOptions`` is what every layer-2 implementation takes (the spec ``grpo_fast.reference``, the Triton token
+kernel's launcher and its torch twin ``grpo_fast.token_loss_torch``, the benchmark, the examples).
+``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take the same names as keyword arguments, TRL style, written
+out in their signatures with these defaults (a test keeps them in step), and turn them into a ``LossOptions`` here
+(``from_written_keywords``); the spec's ``**loss_options`` go through ``resolve``, where an unknown name is a
+``TypeError`` that says which names exist.
 
 Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
-its metrics. The spec (grpo_fast.reference), the token kernel's launcher, ``LossOptions.denominator`` and the
-metrics builder (grpo_fast.metrics) read it and raise on a value they do not know, so a new loss type is its record
-plus, if it brings a new family of term, that term's formula in the spec and in the kernel.
+its metrics. The spec (grpo_fast.reference), the token kernel's launcher, the torch layer 2
+(grpo_fast.token_loss_torch), ``LossOptions.denominator`` and ``aggregate`` and the metrics builder
+(grpo_fast.metrics) read it and raise on a value they do not know, so a new loss type is its record plus, if it
+brings a new family of term, that term's formula in the spec, in the kernel and in the torch layer 2.
 
 The per-batch inputs (old / reference / sampler log-probs, importance weights, ``num_items_in_batch``,
 ``entropy_threshold``) are not options: they are arguments of the functions.
@@ -21,19 +23,30 @@ import dataclasses
 import difflib
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from grpo_fast.loss_statistics import STATISTICS
 from grpo_fast.transform import check_number
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class Metric:
-    """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (grpo_fast.metrics),
-    reduced by ``reduce``: "mean" (TRL's global masked mean: over tokens, or over sequences for a value with one per
-    sequence), "min_over_sequences" / "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
+    """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (one of
+    grpo_fast.loss_statistics.STATISTICS), reduced by grpo_fast.metrics by ``reduce``: "mean" (TRL's global
+    masked mean: over tokens, or over sequences for a value with one per sequence), "min_over_sequences" /
+    "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
 
     name: str
     statistic: str
     reduce: str = "mean"
+
+    def __post_init__(self):
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"metric {self.name!r}: statistic must be one of {tuple(STATISTICS)} "
+                             f"(grpo_fast.loss_statistics), got {self.statistic!r}")
 
 
 @dataclass(frozen=True)
@@ -255,6 +268,32 @@ class LossOptions:
         if normaliser == "num_items_in_batch":
             return _at_least_one(mask_total if num_items_in_batch is None else num_items_in_batch)
         raise ValueError(f"loss type {self.loss_type!r} has an unknown normaliser {normaliser!r}")
+
+    def aggregate(self, per_token_loss: torch.Tensor, mask: torch.Tensor,
+                  num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+        """The loss type's reduction of a per-token loss to the loss (TRL's, at one process without gradient
+        accumulation): each row's masked sum (divided by its token count with the record's ``row_mean``), summed,
+        over ``denominator``.
+
+        Masked tokens are selected out, not multiplied by 0 as TRL does: a NaN there (in a sequence without tokens,
+        whose advantage may be anything) changes nothing, as in the token kernel.
+
+        Args:
+            per_token_loss: [B, T] tensor.
+            mask: the completion mask [B, T] (bool or 0 / 1).
+            num_items_in_batch: the "num_items_in_batch" normaliser's count (a number or a device tensor), or None.
+
+        Returns:
+            The loss, a scalar tensor.
+
+        Raises:
+            ValueError: the record's normaliser is unknown (``denominator``).
+        """
+        mask = mask.to(per_token_loss.dtype)
+        per_row = per_token_loss.where(mask.bool(), 0.0).sum(-1)
+        if self.loss_type_record.row_mean:
+            per_row = per_row / mask.sum(-1).clamp(min=1.0)
+        return per_row.sum() / self.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod

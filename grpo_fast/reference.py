@@ -1,15 +1,15 @@
-"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits, and the torch twin of layer 2.
+"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits.
 
 Every fused path in grpo_fast is tested against this module, the benchmark uses it as the eager baseline, and
 it is itself tested against TRL 1.16.0's own ``GRPOTrainer._compute_loss`` (tests/test_trl_loss.py). It follows
 TRL line by line, at one process and no gradient accumulation, so a TRL user gets the same numbers.
 
-``token_loss`` is also what ``grpo_fast.loss`` runs as layer 2 on the torch backend (CPU tensors without Triton),
-as TRL keeps one torch twin beside its kernel: one torch implementation of the formulas, held to TRL's trainer by
-tests/test_trl_loss.py and to the token kernel by tests/test_grpo_token.py. Layer 1 is not shared: the spec builds
-the full logits, the product (grpo_fast/torch_backend.py) never does. What a loss type is outside its formula (its
-normaliser, its family of per-token term, its metrics) is its record in grpo_fast/options.py; the metrics are reduced
-from per-sequence sums by grpo_fast/metrics.py, for the token kernel too.
+It is only the spec: no backend of ``grpo_fast.loss`` runs it (``grpo_fast.sampling_importance_weights``, TRL's per-
+batch sampler correction, is this module's function behind the API's checks). The product's layer 1 is the Triton
+kernels or the chunked-torch twin (grpo_fast/torch_backend.py), its layer 2 the token kernel or its torch twin
+(grpo_fast/token_loss_torch.py), which never build the full logits nor differentiate layer 2 by autograd. What a
+loss type is outside its formula (its normaliser, its family of per-token term, its metrics) is its record in
+grpo_fast/options.py; the metrics are reduced from per-sequence sums by grpo_fast/metrics.py, as for the product.
 
 Two layers, the same as the fused paths:
   1. ``logprobs_and_entropy``: hidden states and lm_head -> per-token log-prob of the target and entropy.
@@ -158,37 +158,28 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     return phi.masked_fill(torch.isinf(phi), 0.0).detach()
 
 
-def _normalise(per_token_loss, mask, options, num_items_in_batch):
-    """Each loss type's own reduction of the masked per-token loss (TRL's, with no gradient accumulation): the
-    rows' sums (each divided by its token count with the record's row_mean), summed, over LossOptions.denominator.
-    Masked tokens are selected out, not multiplied by 0 as TRL does: a NaN there (in a sequence without tokens, whose
-    advantage may be anything) changes nothing, as in the token kernel."""
-    per_row = torch.where(mask.bool(), per_token_loss, 0.0).sum(-1)
-    if options.loss_type_record.row_mean:
-        per_row = per_row / mask.sum(-1).clamp(min=1.0)
-    return per_row.sum() / options.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
-
-
 def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None, old_logprobs=None,
                ref_logprobs=None, sampling_logprobs=None, importance_weights=None, num_items_in_batch=None,
                entropy_threshold=None, **loss_options):
     """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
 
     ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
-    mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars.
+    mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars. It
+    computes in fp32, or in fp64 for fp64 log-probs (a stricter truth for the tests).
     """
     o = LossOptions.resolve(options, loss_options, "token_loss")
-    mask = completion_mask.to(torch.float32)
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    mask = completion_mask.to(dtype)
     epsilon_low, epsilon_high, beta = o.epsilon, o.clip_high, o.beta
     term = o.loss_type_record.policy_term
     policy_term = term.formula  # TRL dispatches on loss_type; its record names the formula
-    logp = logp.float()
-    old = logp.detach() if old_logprobs is None else old_logprobs.float()
-    advantages = advantages.float()
+    logp = logp.to(dtype)
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
+    advantages = advantages.to(dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     if importance_weights is not None:
-        importance_weights = importance_weights.float()
+        importance_weights = importance_weights.to(dtype)
         if importance_weights.dim() == 1:
             importance_weights = importance_weights.unsqueeze(1)
 
@@ -202,10 +193,10 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
             entropy_mask = ((entropy.detach().float() * mask) >= threshold) & mask.bool()
 
     if o.off_policy_mask_threshold is not None:
-        sampler = old if sampling_logprobs is None else sampling_logprobs.float()
+        sampler = old if sampling_logprobs is None else sampling_logprobs.to(dtype)
         kl_div = torch.nan_to_num(sampler - logp.detach(), nan=0.0)
         avg_seq_kl = (kl_div * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= o.off_policy_mask_threshold)).float()
+        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= o.off_policy_mask_threshold)).to(dtype)
 
     log_ratio = logp - old
     if o.sequence_level:
@@ -217,7 +208,7 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     ratio = coef_1  # before delta: the ratio_mean metric reports the importance ratio itself
 
     if beta != 0.0:
-        ref = ref_logprobs.float()
+        ref = ref_logprobs.to(dtype)
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
         if o.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
@@ -253,11 +244,11 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
 
-    loss = _normalise(per_token_loss, mask, o, num_items_in_batch)
+    loss = o.aggregate(per_token_loss, mask, num_items_in_batch)
     policy_loss = loss.detach()
     if o.entropy_coef != 0.0:
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        loss = loss - o.entropy_coef * (entropy.float() * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+        loss = loss - o.entropy_coef * (entropy.to(dtype) * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
     # Log the metrics: TRL's quantities, reduced by grpo_fast.metrics from per-sequence sums as for the token kernel
     # (each loss type's own metrics are named by its record)

@@ -105,3 +105,54 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
                                      "triton", "chunked")
     g_bytes = ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
     assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes
+
+
+@pytest.mark.parametrize("loss_type", grpo_fast.LOSS_TYPES)
+def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
+    """ops.workspace_bytes("token_loss", backend="torch") is at least the peak of the torch layer 2's live
+    temporaries (every tensor an op returns, counted until it is freed; the returned dL/dlogp excluded), with every
+    option on, at each importance level and advantage shape."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_fast import autograd, ops
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.storages = set()
+
+        def _freed(self, key, nbytes):
+            self.storages.discard(key)
+            self.live -= nbytes
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in self.storages:
+                    key, nbytes = x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()
+                    self.storages.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(x, self._freed, key, nbytes)
+            return out
+
+    B, T = 8, 33
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(B, T, generator=g) * 3
+    mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    old, ref, sampler = (logp + 0.1 * torch.randn(B, T, generator=g) for _ in range(3))
+    iw, entropy = 0.5 + torch.rand(B, T, generator=g), 4 * torch.rand(B, T, generator=g)
+    bound = ops.workspace_bytes("token_loss", None, None, torch.float32, backend="torch", batch_shape=(B, T))
+    for level, advantages in ((lv, a) for lv in ("token", "sequence")
+                              for a in (torch.randn(B, generator=g), torch.randn(B, T, generator=g))):
+        options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.2,
+                                        off_policy_mask_threshold=0.1, top_entropy_quantile=0.5, entropy_coef=0.01)
+        mode = LiveBytes()
+        with mode:
+            grad_logp, _, _ = autograd.TORCH.token_loss(logp, advantages, mask, old, ref, sampler, iw, entropy,
+                                                        options, scale=torch.tensor(0.01),
+                                                        entropy_threshold=torch.tensor(2.0))
+        assert 0 < mode.peak - grad_logp.numel() * 4 <= bound, (level, advantages.shape)

@@ -1,6 +1,6 @@
 """Host synchronisations of one grpo_fast.loss call (forward and backward) on the Triton path (the interpreter here):
 at most one with the value checks (their flags and the scored-token count, read together), none without them, and
-every named error still raised when the checks run.
+every named error still raised when the checks run; none in the torch backend's layer 2.
 
 Counted: the dispatcher's scalar reads and data-dependent shapes (``aten._local_scalar_dense``, ``aten.nonzero``,
 ``aten.is_nonzero``, ``masked_select``, indexing with a bool tensor: each makes the host wait for the device) by a
@@ -89,12 +89,39 @@ def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeyp
     for name in metrics:
         assert metrics[name].device == loss.device and metrics[name].dim() == 0  # device tensors: TRL reads them
         torch.testing.assert_close(metrics_off[name], metrics[name], rtol=1e-5, atol=1e-7, equal_nan=True)
-    # the spec's numbers (the torch twin)
+    # the torch backend's numbers (both layers' torch twins)
     x["hidden"].grad = None
     expected, _ = grpo_fast.loss(**x, backend="torch", **options)
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, x["hidden"].grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", grpo_fast.LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_torch_layer2_never_reads_the_host(loss_type, level, monkeypatch):
+    """grpo_fast.token_loss on the torch backend without the value checks, forward and backward, with every option
+    that adds work (KL, delta, importance weights, the off-policy and top-entropy masks, the entropy bonus): no read."""
+    x = _batch(seed=1)
+    g = torch.Generator().manual_seed(2)
+    B, T = x["completion_mask"].shape
+    logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
+    entropy = (torch.rand(B, T, generator=g) * 4).requires_grad_()
+
+    def step():
+        loss, metrics = grpo_fast.token_loss(
+            logp, x["advantages"], x["completion_mask"], entropy=entropy, old_logprobs=x["old_logprobs"],
+            ref_logprobs=x["ref_logprobs"], sampling_logprobs=x["old_logprobs"] + 0.1,
+            importance_weights=0.5 + torch.rand(B, T, generator=g), num_items_in_batch=torch.tensor(20.0),
+            backend="torch", check_values=False, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+            delta=1.5, off_policy_mask_threshold=0.2, top_entropy_quantile=0.5, entropy_coef=0.01)
+        loss.backward()
+        return loss, metrics
+
+    (loss, metrics), syncs = count_syncs(step, monkeypatch)
+    assert syncs == []
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and torch.isfinite(entropy.grad).all()
+    assert all(m.dim() == 0 for m in metrics.values())
 
 
 def test_the_value_checks_still_name_each_bad_input():

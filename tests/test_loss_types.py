@@ -13,8 +13,8 @@ import torch
 from conftest import backend_device
 
 import grpo_fast
+from grpo_fast import loss_statistics, reference
 from grpo_fast import metrics as metrics_module
-from grpo_fast import reference
 from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.options import (
     LOSS_TYPE_RECORDS,
@@ -79,11 +79,17 @@ def test_the_records_are_trls_loss_types():
     assert {name for name, term in POLICY_TERMS.items() if term.importance_weights_in_term} == {"vespo"}
 
 
-def test_the_statistics_are_the_kernels_slots_by_name():
-    """The statistic names (the token kernel's STAT_ slots, the spec's and the metrics builder's keys) are one set:
-    each slot once, and every statistic a record's metric reads is one of them."""
-    assert sorted(slot.value for slot in token_kernel.STATS.values()) == list(range(token_kernel.NUM_STATS.value))
-    assert {m.statistic for r in LOSS_TYPE_RECORDS.values() for m in r.metrics} <= set(token_kernel.STATS)
+def test_the_statistics_are_named_once():
+    """grpo_fast.loss_statistics names the statistics: the token kernel's STAT_ slots are its SLOTS (each slot once),
+    a metric that reads another statistic is an error, and both layer-2 backends return the same statistics."""
+    kernel_slots = {name.removeprefix("STAT_").lower(): slot.value for name, slot in vars(token_kernel).items()
+                    if name.startswith("STAT_")}
+    assert kernel_slots == loss_statistics.SLOTS
+    assert sorted(loss_statistics.SLOTS.values()) == list(range(token_kernel.NUM_STATS.value))
+    assert list(loss_statistics.SLOTS) == list(loss_statistics.STATISTICS)
+    assert {m.statistic for r in LOSS_TYPE_RECORDS.values() for m in r.metrics} <= set(loss_statistics.STATISTICS)
+    with pytest.raises(ValueError, match="metric 'clip_ratio/median': statistic must be one of .* got 'median'"):
+        Metric("clip_ratio/median", "median")
 
 
 # A loss type TRL does not have: cispo's per-token term, normalised per sequence (grpo's reduction), logging the

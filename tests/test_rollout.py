@@ -1,14 +1,16 @@
 """Rollout pieces (grpo_fast.gsm8k.rollout: the completion mask, decoding, prompts, generation and its progress bar)
-and the generic GRPO pieces (grpo_fast.grpo: group advantages, completion hidden states)."""
+and the generic GRPO pieces (grpo_fast.advantages: group advantages; grpo_fast.hidden_states: completion hidden
+states)."""
 
 import pytest
 import torch
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.grpo import completion_hidden_states, group_advantages
+from grpo_fast.advantages import group_advantages
 from grpo_fast.gsm8k import rollout
 from grpo_fast.gsm8k.tokenizer import byte_tokenizer
+from grpo_fast.hidden_states import completion_hidden_states
 
 
 def tiny_model(vocab=259, seed=0):

@@ -14,5 +14,6 @@
 - ``callbacks``: transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase
   (imports transformers)
 
-The generic GRPO pieces (group advantages, completion hidden states) are in ``grpo_fast.grpo``.
+The generic GRPO pieces are in ``grpo_fast.advantages`` (group advantages) and ``grpo_fast.hidden_states``
+(completion hidden states).
 """

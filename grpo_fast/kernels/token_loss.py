@@ -26,8 +26,8 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
 
 Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
 the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
-dL/dentropy, ``grad_entropy``) and the per-row statistics (``STATS``, returned by name as the fields of
-grpo_fast.metrics.RowValues): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
+dL/dentropy, ``grad_entropy``) and the per-row statistics (grpo_fast.loss_statistics names them and their slots,
+returned by name): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
 the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and vespo's per-sequence
 phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and entropy sum. Masked
 tokens contribute exactly zero, whatever their values (no 0 * inf = NaN).
@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import on_first_argument_device
+from grpo_fast.loss_statistics import SLOTS, returned_statistics
 
 # Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term.formula``
 # (grpo_fast.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
@@ -60,22 +61,11 @@ LOSS_SAPO = tl.constexpr(2)
 LOSS_VESPO = tl.constexpr(3)
 LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "vespo": LOSS_VESPO}
 
-# Statistics slots: row_stats[b, slot] (the launcher returns them by name, STATS; nothing else sees a number).
-STAT_LOSS = tl.constexpr(0)            # the row's share of the policy loss (already normalised)
-STAT_COUNT = tl.constexpr(1)           # the row's completion tokens
-STAT_KL = tl.constexpr(2)              # masked sums of the per-token KL, entropy and ratio (ratio: the row's own
-STAT_ENTROPY = tl.constexpr(3)         # sequence ratio at sequence level)
-STAT_RATIO = tl.constexpr(4)
-STAT_LOW = tl.constexpr(5)             # clip indicators: masked sums, or the row's own 0/1 for sequence-level clip
-STAT_HIGH = tl.constexpr(6)            # metrics with per-sequence advantages
-STAT_REGION = tl.constexpr(7)
-STAT_CISPO = tl.constexpr(8)
-STAT_PHI = tl.constexpr(9)             # vespo's phi: masked sum (per-token advantages) or the row's own value
-STAT_BONUS_COUNT = tl.constexpr(10)    # the entropy bonus's tokens and their entropy sum
-STAT_BONUS_ENTROPY = tl.constexpr(11)
-# by name (STAT_KL: "kl"), the names grpo_fast.metrics and the spec's statistics use: spelled once, above
-STATS = {name.removeprefix("STAT_").lower(): slot for name, slot in globals().items() if name.startswith("STAT_")}
-NUM_STATS = tl.constexpr(len(STATS))
+# Statistics slots: row_stats[b, slot], as grpo_fast.loss_statistics names them, in its order (tests/test_loss_types.py
+# checks each name against its slot)
+(STAT_LOSS, STAT_COUNT, STAT_KL, STAT_ENTROPY, STAT_RATIO, STAT_LOW, STAT_HIGH, STAT_REGION, STAT_CISPO, STAT_PHI,
+ STAT_BONUS_COUNT, STAT_BONUS_ENTROPY) = (tl.constexpr(slot) for slot in SLOTS.values())
+NUM_STATS = tl.constexpr(len(SLOTS))
 
 # Two warps per sequence: the work is a few [T] vectors, and with 4 warps ptxas gives the vespo variant with every
 # option a stack slot on sm_90 (tools/sm_compile.py); with 2 every variant compiles clean on sm_90 / 89 / 80.
@@ -420,14 +410,15 @@ def _device_scalar(x, like):
 def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale,
                entropy_threshold):
     """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: (values [B],
-    per_sequence)}: grpo_fast.metrics.RowValues' fields).
+    per_sequence)}: grpo_fast.loss_statistics.returned_statistics').
+    grpo_fast/token_loss_torch.py is its torch twin, with the same arguments and returns.
 
     All tensors fp32 contiguous [B, T] on one device (advantages [B] or [B, T], importance_weights [B] or [B, T]);
     ``options`` a ``grpo_fast.LossOptions``; ``scale`` = 1 / the loss's denominator (a number, or a [1] / [] fp32
     device tensor: never read on the host); ``sampler`` (the off-policy mask's log-probs) is None without that mask,
     ``entropy_threshold`` (a number or an fp32 device tensor likewise) None without the top-entropy mask;
-    ``ref`` None without a KL term. The statistics are those of ``STATS`` the kernel computed (no "kl" without a KL
-    term, no "entropy" without the entropy, no "phi" but for vespo's term).
+    ``ref`` None without a KL term. The statistics: ``returned_statistics``' (no "kl" without a KL term, no "entropy"
+    without the entropy, no "phi" but for vespo's term).
     """
     record = options.loss_type_record
     term = record.policy_term
@@ -471,9 +462,7 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
         SEQ_CLIP_METRICS=seq_clip_metrics, BLOCK_T=block_t,
         num_warps=NUM_WARPS,
     )
-    # the statistics with one value per sequence (the row's own), not a masked sum over its tokens
-    per_sequence = {"ratio": options.sequence_level, "low": seq_clip_metrics, "high": seq_clip_metrics,
-                    "region": seq_clip_metrics, "cispo": seq_clip_metrics, "phi": not adv_per_token}
-    computed = {"kl": has_kl, "entropy": entropy is not None, "phi": loss_kind == LOSS_VESPO}
-    return grad_logp, bonus_mask, {name: (stats[:, slot.value], per_sequence.get(name, False))
-                                   for name, slot in STATS.items() if computed.get(name, True)}
+    returned = returned_statistics(sequence_level=options.sequence_level, advantages_per_token=adv_per_token,
+                                   has_kl=has_kl, has_entropy=entropy is not None, has_phi=loss_kind == LOSS_VESPO)
+    return grad_logp, bonus_mask, {name: (stats[:, SLOTS[name]], per_sequence)
+                                   for name, per_sequence in returned.items()}

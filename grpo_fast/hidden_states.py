@@ -1,44 +1,19 @@
-"""Generic GRPO pieces that any training loop on ``grpo_fast.loss`` needs (the GSM8K example's loop, the tests).
+"""The hidden states a GRPO loop feeds ``grpo_fast.loss``: those of the positions that predict the completion tokens,
+from a causal LM's decoder (no lm_head, no logits), with each group's shared prompt run once.
 
-    advantages, std = group_advantages(rewards, num_generations=16, scale_rewards="group")   # TRL's advantages
     hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [B, T, D]
     loss, metrics = grpo_fast.loss(hidden, model.get_output_embeddings().weight, completion_ids, advantages,
                                    completion_mask)
 
-Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G completions of prompt ``i``.
+Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G completions of prompt ``i``
+(grpo_fast.advantages has the group advantages).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["SCALE_REWARDS", "group_advantages", "decoder_of", "completion_hidden_states", "prompt_groups",
-           "shared_prompt_hidden_states"]
-
-SCALE_REWARDS = ("group", "batch", "none")
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4):
-    """TRL's advantages: reward minus its group's mean, divided by a std (+ eps); returns (advantages, std).
-
-    ``scale_rewards``: "group" divides by each group's std, "batch" by the std of all rewards, "none" does not
-    divide (Dr. GRPO). ``std`` [B] is the group std ("group", "none") or the batch std ("batch"); a group
-    whose rewards are all equal gets zero advantages, never a NaN.
-    """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
-    if num_generations < 2 or rewards.numel() % num_generations:
-        raise ValueError(f"need num_generations >= 2 dividing the {rewards.numel()} rewards, got {num_generations}")
-    grouped = rewards.float().view(-1, num_generations)
-    mean = grouped.mean(1).repeat_interleave(num_generations)
-    if scale_rewards == "batch":
-        std = rewards.float().std().expand(rewards.numel())
-    else:
-        std = grouped.std(1).repeat_interleave(num_generations)
-    advantages = rewards.float() - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + eps)
-    return advantages, std
+__all__ = ["decoder_of", "completion_hidden_states", "prompt_groups", "shared_prompt_hidden_states"]
 
 
 def decoder_of(model):
