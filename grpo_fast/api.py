@@ -611,19 +611,13 @@ def _with_teacher(hidden, weight, targets, bias, teacher, rows, transform, disti
     return tuple(_scatter_rows(x, rows, (B, T)) for x in out)
 
 
-def aggregate(per_token, completion_mask, options, num_items_in_batch=None):
-    """A per-token quantity [B, T] reduced as the loss type reduces its per-token loss (linear in it), with
-    ``num_items_in_batch`` an fp32 device scalar or None: the one place the divergence term is aggregated."""
-    return reference._normalise(per_token, completion_mask, options, num_items_in_batch)
-
-
 def _add_distillation(total, metrics, div, coef, batch, options):
     """GRPO's loss and metrics plus the distillation term: loss + coef * aggregate(divergence) (the per-token loss
     gains coef * divergence before the loss type's reduction), metrics["distillation_loss"] the mean divergence over
     the scored tokens (TRL's SDPO trainer logs that mean under this name)."""
     prepared = _prepared(batch, options, div.device)
     mask = prepared.completion_mask.bool()
-    total = total + coef * aggregate(div, prepared.completion_mask, options, prepared.num_items_in_batch)
+    total = total + coef * options.aggregate(div, prepared.completion_mask, prepared.num_items_in_batch)
     with torch.no_grad():
         metrics["distillation_loss"] = torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1).float()
     return total, metrics

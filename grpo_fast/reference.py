@@ -370,7 +370,6 @@ def loss_with_teacher(hidden, weight, targets, advantages, completion_mask, teac
                      teacher_softcap=teacher_softcap, student_logit_scale=logit_scale,
                      teacher_logit_scale=teacher_logit_scale, compute_dtype=compute_dtype)
     mask = completion_mask.bool()
-    total = total + distillation_coef * _normalise(div, completion_mask.to(div.dtype), options,
-                                                   kwargs.get("num_items_in_batch"))
+    total = total + distillation_coef * options.aggregate(div, completion_mask, kwargs.get("num_items_in_batch"))
     metrics["distillation_loss"] = (torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1)).detach().float()
     return total, metrics

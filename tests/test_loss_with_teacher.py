@@ -8,7 +8,7 @@ from conftest import assert_grad_close
 from helpers import make_batch, matmul_flops
 
 import grpo_fast
-from grpo_fast import api, reference
+from grpo_fast import reference
 from grpo_fast.options import LossOptions
 
 F64 = torch.float64
@@ -60,7 +60,7 @@ def _separate(batch, distillation_beta, kw, backend="torch"):
     options = LossOptions.resolve(None, {k: v for k, v in kw.items() if k in LossOptions.__dataclass_fields__})
     n_items = kw.get("num_items_in_batch")
     n_items = torch.tensor(float(n_items)) if n_items is not None else None
-    total = total + COEF * api.aggregate(div, batch["mask"].float(), options, n_items)
+    total = total + COEF * options.aggregate(div, batch["mask"], n_items)
     mask = batch["mask"]
     metrics = dict(metrics, distillation_loss=div.detach()[mask].sum() / mask.sum())
     return total.detach(), metrics, _grads(total, (h, w, b))
