@@ -358,14 +358,6 @@ class LossHead(nn.Module):
         """
         return contextlib.nullcontext()
 
-
-class EagerHead(LossHead):
-    """Full logits: ``hidden @ weight.T`` in the model's dtype (its lm_head's product), upcast to fp32 and divided
-    by the temperature, log_softmax, gather, as a plain training loop writes it, for the completion positions only
-    (a ``logits_to_keep`` of the completion length)."""
-
-    label = "eager PyTorch (full logits)"
-
     def forward(self, hidden, weight):
         """The micro-batch's loss.
 
@@ -376,6 +368,18 @@ class EagerHead(LossHead):
         Returns:
             The scalar loss.
         """
+        raise NotImplementedError
+
+
+class EagerHead(LossHead):
+    """Full logits: ``hidden @ weight.T`` in the model's dtype (its lm_head's product), upcast to fp32 and divided
+    by the temperature, log_softmax, gather, as a plain training loop writes it, for the completion positions only
+    (a ``logits_to_keep`` of the completion length)."""
+
+    label = "eager PyTorch (full logits)"
+
+    def forward(self, hidden, weight):
+        """The micro-batch's loss (LossHead.forward)."""
         logits = (hidden @ weight.T).float() / self.recipe.temperature
         logp = logits.log_softmax(-1).gather(-1, self.batch.targets.unsqueeze(-1)).squeeze(-1)
         return grpo_token_loss(logp, self.batch, self.recipe)
@@ -433,15 +437,7 @@ class TrlHead(LossHead):
         return trl_gpu_path()
 
     def forward(self, hidden, weight):
-        """The micro-batch's loss.
-
-        Args:
-            hidden: [B, T, D] completion hidden states, the model's dtype.
-            weight: [V, D] the lm_head's weight.
-
-        Returns:
-            The scalar loss.
-        """
+        """The micro-batch's loss (LossHead.forward)."""
         from trl.kernels import ChunkedLogProbFunction
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -492,15 +488,7 @@ class GrpoFastHead(LossHead):
         return _triton_backend_on_fake_tensors()
 
     def forward(self, hidden, weight):
-        """The micro-batch's loss.
-
-        Args:
-            hidden: [B, T, D] completion hidden states, the model's dtype.
-            weight: [V, D] the lm_head's weight.
-
-        Returns:
-            The scalar loss.
-        """
+        """The micro-batch's loss (LossHead.forward)."""
         import grpo_fast
 
         options = grpo_fast.LossOptions(loss_type="dapo", beta=self.recipe.beta, epsilon=self.recipe.epsilon,
