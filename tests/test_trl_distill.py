@@ -158,16 +158,14 @@ PRECISIONS = {
 }
 
 
-# measured on the divergence branch's op: its bf16 student gradients are 0.4-0.5% of their largest entry off the fp64
-# truth where TRL's are 0.2-0.3% (from fp32 operands of the same values grpo_fast's are 3e-7 off). Under autocast the
-# glue casts the fp32 hidden states to bf16 for the op (as the log-prob head does), so their gradient comes back
-# rounded to bf16 too, where TRL's stays fp32.
-BF16_GRADIENT_GAP = pytest.mark.xfail(strict=True, reason="the divergence op's bf16 student gradients are less exact "
-                                      "than TRL's (reported to the op's owner)")
+# the glue casts fp32 hidden states to bf16 for the op under autocast (as the log-prob head does), so their gradient
+# comes back rounded to bf16, where TRL's stays fp32
+BF16_GRADIENT_GAP = pytest.mark.xfail(strict=True, reason="under autocast the divergence op returns the fp32 "
+                                      "student's gradients rounded to bf16")
 
 
 @pytest.mark.parametrize("precision", [pytest.param(name, marks=BF16_GRADIENT_GAP) if "bf16 autocast" in name
-                                       or name == "bf16" else name for name in PRECISIONS])
+                                       else name for name in PRECISIONS])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_divergence_loss_matches_trl_function(precision, beta):
     """grpo_fast.trl.divergence_loss against TRL's _chunked_divergence_loss on the same tensors (heads with biases,
