@@ -22,6 +22,7 @@ import torch
 
 from grpo_fast import divergence_parallel, divergence_torch, ops
 from grpo_fast.api import (
+    FLOAT_DTYPES,
     _check_mask,
     _float_tensor,
     _resolve_backend,
@@ -47,16 +48,17 @@ def _transforms(temperature, student_softcap, teacher_softcap, student_logit_sca
 def _forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
                 teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
                 beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
-                student_logit_scale: float, teacher_logit_scale: float, backend: str,
+                student_logit_scale: float, teacher_logit_scale: float, backend: str, student_gemm_dtype: torch.dtype,
                 frozen_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, Ds], [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None -> (divergence [N] fp32, student entropy [N] fp32,
     saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64, J [N, Ds] fp32): the last three for
     the backward; J = d divergence / d student_hidden with ``frozen_head`` (then the backward is dH = c J, no
     sweep), else empty. The frozen-head forward is the torch twin's algorithm on every backend (cuBLAS GEMMs on a
-    GPU): divergence_torch.FrozenHead."""
+    GPU): divergence_torch.FrozenHead. The student's hidden states and weight enter the GEMMs rounded to
+    ``student_gemm_dtype`` (divergence_and_entropy's)."""
     transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
-    args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            *transforms)
+    args = (student_hidden.to(student_gemm_dtype), student_weight.to(student_gemm_dtype), student_bias,
+            teacher_hidden, teacher_weight, teacher_bias, beta, *transforms)
     if frozen_head:
         return divergence_torch.forward(*args, frozen_head=True)
     out = kdivergence.forward(*args) if backend == "triton" else divergence_torch.forward(*args)[:4]
@@ -69,7 +71,7 @@ _forward_op = torch.library.custom_op("grpo_fast::divergence_forward", mutates_a
 @_forward_op.register_fake
 def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
                   temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend,
-                  frozen_head):
+                  student_gemm_dtype, frozen_head):
     N = student_hidden.shape[0]
     per_token = student_hidden.new_empty(N, dtype=torch.float32)
     return (per_token, torch.empty_like(per_token),
@@ -82,18 +84,21 @@ def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, 
                  student_bias: torch.Tensor | None, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
                  teacher_bias: torch.Tensor | None, saved: torch.Tensor, argmax: torch.Tensor, beta: float,
                  temperature: float, student_softcap: float | None, teacher_softcap: float | None,
-                 student_logit_scale: float, teacher_logit_scale: float, backend: str, need_hidden: bool,
-                 need_weight: bool, need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d student_hidden, d student_weight, d student_bias) in the inputs' dtypes, each empty (0 elements) where
-    not needed, from dL/d divergence [N]."""
+                 student_logit_scale: float, teacher_logit_scale: float, backend: str, student_gemm_dtype: torch.dtype,
+                 need_hidden: bool, need_weight: bool,
+                 need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d student_hidden, d student_weight, d student_bias) in the inputs' dtypes (cast once from the fp32
+    accumulators, whatever ``student_gemm_dtype`` the GEMMs took), each empty (0 elements) where not needed, from
+    dL/d divergence [N]."""
     transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
     dev = student_hidden.device
     grad_hidden = torch.zeros(student_hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
     grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=dev) if need_weight else None
     grad_bias = (torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
                  if need_bias and student_bias is not None else None)
-    args = (grad_divergence.float().contiguous(), student_hidden, student_weight, student_bias, teacher_hidden,
-            teacher_weight, teacher_bias, saved, argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)
+    args = (grad_divergence.float().contiguous(), student_hidden.to(student_gemm_dtype),
+            student_weight.to(student_gemm_dtype), student_bias, teacher_hidden, teacher_weight, teacher_bias, saved,
+            argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)
     if student_hidden.shape[0] > 0:
         if backend == "triton":
             kdivergence.backward(*args)
@@ -113,7 +118,8 @@ _backward_op = torch.library.custom_op("grpo_fast::divergence_backward", mutates
 @_backward_op.register_fake
 def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                    teacher_bias, saved, argmax, beta, temperature, student_softcap, teacher_softcap,
-                   student_logit_scale, teacher_logit_scale, backend, need_hidden, need_weight, need_bias):
+                   student_logit_scale, teacher_logit_scale, backend, student_gemm_dtype, need_hidden, need_weight,
+                   need_bias):
     def out(need, like):
         return torch.empty_like(like) if need and like is not None else student_hidden.new_empty(0)
 
@@ -136,17 +142,17 @@ def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax, _g
         frozen_grad = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_divergence is None or not (need_hidden or need_weight or need_bias):
-        return (None,) * 14
+        return (None,) * 15
     if ctx.frozen_head:
         if need_weight or need_bias:
             raise RuntimeError("the divergence's frozen-head forward ran (student_weight and student_bias needed no "
                                "gradient then), but the backward asks for one: call it again with head_path='general'")
-        return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 13
+        return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 14
     backward_op = _backward_impl if ops.runs_inline(ctx.saved_tensors) else _backward_op
     grads = backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                         teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight, need_bias)
     return (grads[0] if need_hidden else None, grads[1] if need_weight else None,
-            grads[2] if need_bias else None) + (None,) * 11
+            grads[2] if need_bias else None) + (None,) * 12
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -230,7 +236,7 @@ def _contiguous(x):
 def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
                            teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
-                           head_path="auto", check_values=True, vocab_parallel=None):
+                           head_path="auto", check_values=True, vocab_parallel=None, student_gemm_dtype=None):
     """Per-token divergence between a student and a teacher head, and the student's entropy, without logits.
 
     TRL 1.16's ``DistillationTrainer`` divergence: each model's logit is ``softcap * tanh(logit_scale * (h . W + b)
@@ -264,6 +270,10 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
             reads nothing on the host (the rows are then a device partition, padding zeroed).
         vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when both weights hold this rank's rows (the same
             ranges); None: whole heads, or DTensor weights.
+        student_gemm_dtype: float32, bfloat16 or float16: the student's hidden states and weight are rounded to it
+            for the GEMMs (autocast's dtype over an fp32 model, as TRL's head computes) and their gradients still
+            come back in their own dtype, from fp32 accumulators, not rounded to it; None: their own dtype.
+            Vocab-parallel heads take it as a differentiable cast of both (their gradients rounded to it).
 
     Returns:
         divergence: [B, T] float32, differentiable with respect to the student's hidden states, weight and bias.
@@ -276,10 +286,13 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
             devices, a mask value other than 0/1 (with ``check_values``), a beta outside [0, 1], a bad
             temperature, soft-cap or logit scale, an unknown ``backend`` or ``head_path``, sizes the Triton
             kernels cannot index, or vocab-parallel heads that are not sharded alike.
+        TypeError: a ``student_gemm_dtype`` that is not None, float32, bfloat16 or float16.
     """
     student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = \
         divergence_parallel.resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden,
                                          teacher_weight, teacher_bias, vocab_parallel)
+    if student_gemm_dtype is not None and student_gemm_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {student_gemm_dtype!r}")
     checks = _ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
     backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
                        temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
@@ -294,6 +307,8 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
     teacher = [x.detach() if x is not None else None for x in teacher]
     if shard is not None:
+        if student_gemm_dtype is not None:
+            student_hidden, student_weight = (x.to(student_gemm_dtype) for x in (student_hidden, student_weight))
         transforms = _transforms(float(temperature), None if student_softcap is None else float(student_softcap),
                                  None if teacher_softcap is None else float(teacher_softcap),
                                  float(student_logit_scale), float(teacher_logit_scale))
@@ -307,7 +322,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),
         float(beta), float(temperature), None if student_softcap is None else float(student_softcap),
         None if teacher_softcap is None else float(teacher_softcap), float(student_logit_scale),
-        float(teacher_logit_scale), backend, frozen_head)
+        float(teacher_logit_scale), backend, student_gemm_dtype or student_hidden.dtype, frozen_head)
     return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
 
 

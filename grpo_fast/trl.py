@@ -388,13 +388,17 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
     teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
     student, teacher = head_precision(student_hidden_states), head_precision(teacher_hidden_states)
     valid = completion_mask != 0
+    # the student's GEMMs in its compute dtype, its gradients in its own (TRL casts its fp32 accumulators to them):
+    # the op rounds an autocast student for the GEMMs alone; a weight of another dtype is cast to the hidden states'
+    if student_weight.dtype != student_hidden_states.dtype:
+        student_hidden_states, student_weight = student.cast(student_hidden_states), student.cast(student_weight)
     with autocast_off(student_hidden_states):
         divergence, entropy = grpo_fast.divergence_and_entropy(
-            student.cast(student_hidden_states), student.cast(student_weight),
-            teacher.cast(teacher_hidden_states), teacher.cast(teacher_weight), valid, beta=beta,
-            temperature=temperature, student_bias=student_bias, teacher_bias=teacher_bias,
-            student_softcap=student_final_logit_softcapping, teacher_softcap=teacher_final_logit_softcapping,
-            student_logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale)
+            student_hidden_states, student_weight, teacher.cast(teacher_hidden_states),
+            teacher.cast(teacher_weight), valid, beta=beta, temperature=temperature, student_bias=student_bias,
+            teacher_bias=teacher_bias, student_softcap=student_final_logit_softcapping,
+            teacher_softcap=teacher_final_logit_softcapping, student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale, student_gemm_dtype=student.dtype)
     num_valid = valid.sum()
     loss = divergence.sum()
     if num_items_in_batch is None:

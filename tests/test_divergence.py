@@ -431,7 +431,8 @@ def test_op_registration():
     hs, ws, bs, ht, wt, bt = (x.float() for x in pair_inputs(5, 8, 12, 31))
     for frozen in (False, True):
         torch.library.opcheck(_forward_op, (hs.detach().requires_grad_(), ws.detach().requires_grad_(not frozen), bs,
-                                            ht, wt, bt, 0.5, 0.9, None, 2.0, 1.0, 1.0, "torch", frozen))
+                                            ht, wt, bt, 0.5, 0.9, None, 2.0, 1.0, 1.0, "torch", torch.bfloat16,
+                                            frozen))
 
 
 @pytest.mark.parametrize("confident", ["none", "both"])
@@ -455,6 +456,41 @@ def test_frozen_student_head(backend, beta, confident, device):
         assert err <= 2e-5, f"{name}: {err:.3g}"
     torch.testing.assert_close(frozen[0], general[0])  # the frozen forward is the torch twin on every backend
     torch.testing.assert_close(frozen[2], general[2], rtol=1e-4, atol=1e-4 * general[2].abs().max().item())
+
+
+@pytest.mark.parametrize("head_path", ["general", "frozen"])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_student_gemm_dtype_rounds_only_the_gemm_operands(backend, beta, head_path, device):
+    """fp32 student tensors with student_gemm_dtype=bf16 (autocast over an fp32 model, as TRL's head computes): the
+    divergence and entropy are the bf16-rounded student's, bit for bit; the gradients come back fp32, from the fp32
+    accumulators, not rounded to bf16. Against the fp64 spec on the rounded inputs: the torch twin and the frozen
+    head's J (fp32 GEMMs) within 2e-5 of max, where a bf16 gradient is off by up to 2^-8; the Triton backward
+    rounds g to bf16 for its GEMMs (as TRL's head does), within bf16's bound."""
+    import grpo_fast
+
+    kw = TRANSFORMS["softcap-scale"]
+    inputs = on(backend, device, pair_inputs(21, 19, 37, 101, dtype=torch.float32))
+    rounded = tuple(x.to(torch.bfloat16) if i in (0, 1) else x for i, x in enumerate(inputs))
+    requires = (0,) if head_path == "frozen" else (0, 1, 2)
+    leaves = [x.detach().clone().requires_grad_(i in requires) for i, x in enumerate(inputs)]
+    div, ent = grpo_fast.divergence_and_entropy(leaves[0][None], leaves[1], leaves[3][None], leaves[4], beta=beta,
+                                                student_bias=leaves[2], teacher_bias=leaves[5], backend=backend,
+                                                student_gemm_dtype=torch.bfloat16, **kw)
+    div[0].sum().backward()
+    rounded_leaves = [x.detach().clone().requires_grad_(i in requires) for i, x in enumerate(rounded)]  # one path
+    reference_div, reference_ent = grpo_fast.divergence_and_entropy(
+        rounded_leaves[0][None], rounded_leaves[1], rounded_leaves[3][None], rounded_leaves[4], beta=beta,
+        student_bias=rounded_leaves[2], teacher_bias=rounded_leaves[5], backend=backend, **kw)
+    assert torch.equal(div, reference_div) and torch.equal(ent, reference_ent)
+    expected = spec_grads(tuple(x.to(F64) for x in rounded), beta, kw)[2:]
+    tol = 1e-2 if backend == "triton" and head_path == "general" else 2e-5
+    for i in requires:
+        assert leaves[i].grad.dtype == torch.float32
+        err = relative_errors([leaves[i].grad.cpu()], [expected[i]])[0]
+        assert err <= tol, f"gradient {i}: {err:.3g} of max > {tol}"
+    with pytest.raises(TypeError, match="student_gemm_dtype must be"):
+        grpo_fast.divergence(leaves[0][None], leaves[1], leaves[3][None], leaves[4], student_gemm_dtype=torch.int8)
 
 
 @pytest.mark.parametrize("beta", [pytest.param(0.0, marks=pytest.mark.slow), 1.0, 0.5])

@@ -18,6 +18,8 @@ shape is a launch choice).
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from test_confident_tokens import confident_batch
 
 from grpo_fast import autograd, reference
@@ -26,6 +28,7 @@ from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels.config import LogitTransform
+from grpo_fast.kernels.tile import to_gemm
 
 F64 = torch.float64
 # max |error| / max |entry| against fp64, at every gradient scale (the issue's bounds: fp16 rounds g to 2^-11,
@@ -158,3 +161,27 @@ def test_frozen_head_grad_keeps_its_precision_on_confident_tokens(gemm_dtype, tr
     row_errors = ((grad.cpu().to(F64) - expected).abs().amax(dim=1) / expected.abs().amax(dim=1))
     confident, others = row_errors[:N // 2].max().item(), row_errors[N // 2:].max().item()
     assert max(confident, others) <= TOL[gemm_dtype], f"confident rows {confident:.3g}, others {others:.3g}"
+
+
+@triton.jit
+def _to_gemm_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, to_gemm(tl.load(x_ptr + offs, mask=offs < n), y_ptr.dtype.element_ty), mask=offs < n)
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float16, torch.bfloat16])
+def test_gemm_operands_round_to_nearest_even(gemm_dtype, device):
+    """tile.to_gemm, which rounds g and P' for the GEMMs, gives torch's (a GPU's) round-to-nearest-even bits: every
+    exponent of fp32, subnormals, ties to even either way, signed zeros, infinities, values that round to inf, NaNs
+    (triton 3.9's interpreter truncates fp32 to bf16 by itself: twice the error, all toward zero)."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (4000,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 3.4e38, -3.4e38,
+                         65520.0, 1e-45, 0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    odd_nans = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x00008000, 0x00018000], dtype=torch.int32)
+    x = torch.cat([bits.view(torch.float32), ties, odd_nans.view(torch.float32)]).to(device)
+    y = torch.empty(x.shape, dtype=gemm_dtype, device=device)
+    _to_gemm_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    expected = x.to(gemm_dtype)
+    assert torch.equal(y.isnan(), expected.isnan())
+    assert torch.equal(y[~y.isnan()].view(torch.int16), expected[~expected.isnan()].view(torch.int16))

@@ -158,16 +158,7 @@ PRECISIONS = {
 }
 
 
-# measured on the divergence branch's op: its bf16 student gradients are 0.4-0.5% of their largest entry off the fp64
-# truth where TRL's are 0.2-0.3% (from fp32 operands of the same values grpo_fast's are 3e-7 off). Under autocast the
-# glue casts the fp32 hidden states to bf16 for the op (as the log-prob head does), so their gradient comes back
-# rounded to bf16 too, where TRL's stays fp32.
-BF16_GRADIENT_GAP = pytest.mark.xfail(strict=True, reason="the divergence op's bf16 student gradients are less exact "
-                                      "than TRL's (reported to the op's owner)")
-
-
-@pytest.mark.parametrize("precision", [pytest.param(name, marks=BF16_GRADIENT_GAP) if "bf16 autocast" in name
-                                       or name == "bf16" else name for name in PRECISIONS])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_divergence_loss_matches_trl_function(precision, beta):
     """grpo_fast.trl.divergence_loss against TRL's _chunked_divergence_loss on the same tensors (heads with biases,
@@ -206,9 +197,13 @@ def test_divergence_loss_matches_trl_function(precision, beta):
     if dtypes["autocast"] is None and dtypes["student"] == torch.float32:
         assert_tensors_close(grads, ref_grads, "gradient")
         return
-    # a bf16 student (TRL rounds each gradient tile d loss / d logits to bf16 before its GEMMs; both return the
-    # gradient in bf16): against the fp64 truth from the same bf16-rounded inputs, grpo_fast's gradients at least as
-    # exact as TRL's, relative to their largest entry
+    # a bf16 student, or an fp32 one under autocast (TRL rounds each gradient tile d loss / d logits to bf16 before
+    # its GEMMs, accumulates in fp32 and returns the gradient in the student's own dtype: bf16, or fp32 under
+    # autocast): against the fp64 truth from the same bf16-rounded inputs, grpo_fast's gradients at least as exact
+    # as TRL's, relative to their largest entry. Measured (beta 0, 0.5, 1; d hidden, d weight): TRL 2.4e-3 to 3.7e-3
+    # in bf16, 1.7e-3 to 2.8e-3 under autocast; the Triton backward (rounding g to bf16 as a GPU does) equals TRL's,
+    # the torch backend (fp32 g) is 1.4e-3 to 2.9e-3 in bf16 (bf16's own rounding of the fp64 value) and 1e-7 to
+    # 4e-7 under autocast
     leaves = [x.to(dtypes["autocast"] or x.dtype).double().requires_grad_() if i < 2 else x.double().requires_grad_()
               for i, x in enumerate(student)]
     teacher64 = [x.to(dtypes["autocast"] or x.dtype).double() if i < 2 else x.double() for i, x in enumerate(teacher)]

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
 from .launch import on_first_argument_device
-from .tile import gemm_scale, lora_kernel_args, lora_tile, row_coefficients, tile_grad
+from .tile import gemm_scale, lora_kernel_args, lora_tile, row_coefficients, tile_grad, to_gemm
 
 
 @triton.jit
@@ -107,11 +107,11 @@ def _backward_kernel(
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     if not FUSED:
-        tl.store(g_ptrs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=g_mask)
+        tl.store(g_ptrs, to_gemm(g * g_scale, g_ptr.dtype.element_ty), mask=g_mask)
         return
     # the GEMM operand: g scaled and rounded to the input dtype, as the tensor cores take it (the interpreter
     # then upcasts it for its fp32 dot: the same rounding); every product is unscaled by g_unscale before its atomic
-    g_dot = (g * g_scale).to(hidden_ptr.dtype.element_ty)
+    g_dot = to_gemm(g * g_scale, hidden_ptr.dtype.element_ty)
     if DOT_FP32:
         g_dot = g_dot.to(tl.float32)
     for d0 in range(0, D, BLOCK_D):

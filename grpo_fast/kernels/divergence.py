@@ -25,7 +25,7 @@ from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled
 from .forward import num_vocab_splits
 from .gemm import chunk_size, mm_fp32
 from .launch import on_first_argument_device
-from .tile import gemm_scale, logit_tile, row_coefficients
+from .tile import gemm_scale, logit_tile, row_coefficients, to_gemm
 
 # the record fields of one model in the split buffer, in divergence_torch.Record's order
 RECORD_FIELDS = len(divergence_torch.Record._fields)
@@ -348,7 +348,7 @@ def _backward_kernel(
     g = tl.where(g_mask, g * slope, 0.0)
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
-    tl.store(g_ptrs, (g * g_scale).to(g_ptr.dtype.element_ty), mask=g_mask)
+    tl.store(g_ptrs, to_gemm(g * g_scale, g_ptr.dtype.element_ty), mask=g_mask)
 
 
 def _scalars(student_transform, teacher_transform):

@@ -60,7 +60,7 @@ import triton.language as tl
 from . import softmax_stats
 from .gemm import OUT_DTYPE_GEMM, chunk_size, mm_fp32
 from .launch import on_first_argument_device
-from .tile import GRAD_SCALE_CEILING, gemm_scale, transform_and_slope
+from .tile import GRAD_SCALE_CEILING, gemm_scale, to_gemm, transform_and_slope
 
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
 VOCAB_ALIGN = 128
@@ -145,7 +145,7 @@ def _frozen_chunk_kernel(
         if HAS_SOFTCAP:
             target_slope += tl.sum(tl.where(is_target, slope, 0.0), axis=1)
         tl.store(p_ptr + offs_n[:, None].to(tl.int64) * stride_pn + offs_v[None, :],
-                 (e_rest * slope * p_scale[:, None]).to(p_ptr.dtype.element_ty),
+                 to_gemm(e_rest * slope * p_scale[:, None], p_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & v_mask[None, :])
 
     # the running state (targets fall in one chunk: their sums just add)

@@ -35,11 +35,17 @@ tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the te
 import triton
 import triton.language as tl
 
+from .config import interpreting
+
 # gemm_scale puts the bound at 2^GRAD_SCALE_EXP..2^(GRAD_SCALE_EXP + 1): the largest value then stays far below fp16's
 # 65504 (the backward's g is at most its bound times ln V + 1 < 17, its entropy term's largest factor) while the
 # small ones keep 8 more bits above the subnormals than at a bound of 1
 GRAD_SCALE_EXP = tl.constexpr(8)
 GRAD_SCALE_CEILING = tl.constexpr(2.0 ** (GRAD_SCALE_EXP.value + 1))  # the scaled bound is below it
+# a GPU converts fp32 to bf16 rounding to nearest even; triton 3.9's interpreter drops the low 16 bits instead (round
+# toward zero: twice the error, all of one sign, so a GEMM's sum of rounded g grows it coherently): there to_gemm
+# rounds the bits first, and the CPU tests see the GPU's bf16 operands
+ROUND_BF16_BY_HAND = tl.constexpr(interpreting())
 
 
 @triton.jit
@@ -55,6 +61,19 @@ def gemm_scale(bound):
     biased_exponent = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
     k = tl.minimum(tl.maximum(GRAD_SCALE_EXP + 127 - biased_exponent, -126), 126)
     return pow2(k), pow2(-k)
+
+
+@triton.jit
+def to_gemm(x, dtype: tl.constexpr):
+    """fp32 x converted to ``dtype`` (a GEMM operand's) rounded to nearest even, on a GPU and in the interpreter
+    alike (ROUND_BF16_BY_HAND: bf16's bits taken by hand, past the interpreter's conversion, which also garbles
+    subnormals); a NaN stays a NaN."""
+    if ROUND_BF16_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        # the high half, rounded: bf16's bit pattern (a NaN's high half with the quiet bit set: a NaN still)
+        high = tl.where(x == x, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, (bits >> 16) | 0x40)
+        return high.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
