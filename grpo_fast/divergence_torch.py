@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.torch_backend import CHUNK_N, CHUNK_V
+from grpo_fast.torch_backend import CHUNK_N, CHUNK_V, add_tile_gradients
 
 # the per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order; the last two:
 # beta = 1: g_a and C_s / S_s; JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: unused), and the two argmax indices
@@ -408,9 +408,4 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
             zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
             g = logit_grad(zs, zt, student, teacher, reference, excess, beta, offset + v0)
             g.mul_(c[:, None]).mul_(slope)
-            if grad_hidden is not None:
-                torch.addmm(grad_hidden[n0:n1], g, student_weight[v0:v1].float(), out=grad_hidden[n0:n1])
-            if grad_weight is not None:
-                torch.addmm(grad_weight[v0:v1], g.T, hs.float(), out=grad_weight[v0:v1])
-            if grad_bias is not None:
-                grad_bias[v0:v1] += g.sum(0)
+            add_tile_gradients(g, hs, student_weight, slice(n0, n1), slice(v0, v1), grad_hidden, grad_weight, grad_bias)

@@ -32,7 +32,7 @@ from grpo_fast import divergence_torch as dt
 from grpo_fast import ops, torch_backend
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels import softmax_stats
-from grpo_fast.torch_backend import CHUNK_N, CHUNK_V
+from grpo_fast.torch_backend import CHUNK_N, CHUNK_V, add_tile_gradients
 from grpo_fast.transform import LogitTransform
 
 # layer 1's per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order:
@@ -151,12 +151,7 @@ def backward(grad_logp, grad_entropy, grad_divergence, hidden, weight, targets, 
                 zt = dt.logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
                 g += d[:, None] * dt.logit_grad(zs, zt, student, teacher, reference, excess, beta, v0)
             g.mul_(slope)
-            if grad_hidden is not None:
-                torch.addmm(grad_hidden[n0:n1], g, weight[v0:v1].float(), out=grad_hidden[n0:n1])
-            if grad_weight is not None:
-                torch.addmm(grad_weight[v0:v1], g.T, hs.float(), out=grad_weight[v0:v1])
-            if grad_bias is not None:
-                grad_bias[v0:v1] += g.sum(0)
+            add_tile_gradients(g, hs, weight, slice(n0, n1), slice(v0, v1), grad_hidden, grad_weight, grad_bias)
 
 
 # ----------------------------------------------------------------------------------------------- the ops

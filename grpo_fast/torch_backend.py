@@ -153,12 +153,7 @@ def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, tran
             g = logit_grad(z, tgt - v0, c, e, lse, target_dz, stats.mean_logit[n0:n1] if e is not None else None,
                            stats.mean_minus_target[n0:n1] if e is not None else None)
             g.mul_(dz_du)
-            if grad_hidden is not None:
-                grad_hidden[n0:n1] += g @ weight[v0:v1].float()
-            if grad_weight is not None:
-                grad_weight[v0:v1] += g.T @ h
-            if grad_bias is not None:
-                grad_bias[v0:v1] += g.sum(0)
+            add_tile_gradients(g, h, weight, slice(n0, n1), slice(v0, v1), grad_hidden, grad_weight, grad_bias)
             if grad_lora_hidden is not None:
                 grad_lora_hidden[n0:n1] += g @ lora[1][v0:v1].float()
             if grad_lora_weight is not None:
@@ -182,3 +177,14 @@ def logit_grad(z, local_target, grad_logp, grad_entropy, lse, target_dz, mean_lo
         column = column + grad_entropy[rows] * p[rows, local] * mean_minus_target[rows]
     g[rows, local] = column
     return g
+
+
+def add_tile_gradients(g, hidden_rows, weight, rows, cols, grad_hidden, grad_weight, grad_bias):
+    """One logit-gradient tile's GEMMs into the fp32 accumulators (each None where not wanted): dH[rows] += g W[cols],
+    dW[cols] += g^T hidden_rows, db[cols] += g's column sums. g: [n, c] fp32, hidden_rows: the tile's [n, D]."""
+    if grad_hidden is not None:
+        torch.addmm(grad_hidden[rows], g, weight[cols].float(), out=grad_hidden[rows])
+    if grad_weight is not None:
+        torch.addmm(grad_weight[cols], g.T, hidden_rows.float(), out=grad_weight[cols])
+    if grad_bias is not None:
+        grad_bias[cols] += g.sum(0)
