@@ -93,6 +93,7 @@ def test_thread_policy_is_unknown_when_torch_was_imported_first():
     assert proc.stdout.splitlines() == ["unknown: torch was imported before bench set OMP_WAIT_POLICY", "PASSIVE"]
 
 
+@pytest.mark.slow  # the benchmark end to end (its runs: a minute)
 def test_runs_print_nothing_of_the_profiler_or_nanobind(cpu_runs):
     """The CPU's peak-memory runs start torch's profiler, whose libkineto logs `USDT: ... profiler_start/stop`
     markers to stderr; the sweep freezes objects out of the garbage collector's view, which Triton's nanobind
