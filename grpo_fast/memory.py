@@ -429,11 +429,7 @@ class TrlHead(LossHead):
     label = "TRL 1.16 fused head"
 
     def on_fake_tensors(self):
-        """TRL's GPU path (``trl_gpu_path``).
-
-        Returns:
-            The context manager.
-        """
+        """TRL's GPU path (``trl_gpu_path``)."""
         return trl_gpu_path()
 
     def forward(self, hidden, weight):
@@ -480,11 +476,7 @@ class GrpoFastHead(LossHead):
     label = "grpo_fast (Triton path)"
 
     def on_fake_tensors(self):
-        """grpo_fast's Triton backend over fake CPU tensors (the interpreter's flag set; no kernel runs).
-
-        Returns:
-            The context manager.
-        """
+        """grpo_fast's Triton backend over fake CPU tensors (the interpreter's flag set; no kernel runs)."""
         return _triton_backend_on_fake_tensors()
 
     def forward(self, hidden, weight):

@@ -117,7 +117,8 @@ def _documented_base_method(obj):
         return None
     for base in obj.parent.resolved_bases:
         method = base.members.get(obj.name)
-        if method is not None and method.docstring is not None and "Args:" in method.docstring.value:
+        if method is not None and method.docstring is not None and (
+                "Args:" in method.docstring.value or "Returns:" in method.docstring.value):
             return method
     return None
 
