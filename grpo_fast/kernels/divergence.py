@@ -76,21 +76,32 @@ def _model_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask
 
 
 @triton.jit
-def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds, Dt,
+def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, v0, v_end, Ds, Dt,
                 stride_hs, stride_ws, stride_ht, stride_wt,
                 inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
                 S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
                 T_HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr,
                 T_DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Both models' transformed logit tiles (two K-loops) and the student's slope dz/du."""
+    """The vocabulary tile at v0 (entries from v_end on masked): its indices, both models' transformed logits (two
+    K-loops) and the student's slope dz/du."""
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    v_mask = offs_v < v_end
     zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
                             inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
                             S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
     zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
                         inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
                         T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
-    return zs, slope, zt
+    return offs_v, zs, slope, zt
 
+
+
+
+@triton.jit
+def _split_range(split, vocab_per_split, V):
+    """The vocabulary entries [begin, end) of a forward or JSD program's split."""
+    begin = split * vocab_per_split
+    return begin, tl.minimum(begin + vocab_per_split, V)
 
 @triton.jit
 def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
@@ -170,6 +181,7 @@ def _forward_kernel(
     record field after both models' (the combined head, grpo_fast/teacher_head.py)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    v_begin, v_end = _split_range(split, vocab_per_split, V)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     BIG: tl.constexpr = 2 ** 30
@@ -180,15 +192,12 @@ def _forward_kernel(
     target_logit = empty
     if WITH_TARGET:
         targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
-    v_begin = split * vocab_per_split
-    v_end = tl.minimum(v_begin + vocab_per_split, V)
     for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        v_mask = offs_v < v_end
-        zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
-                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
-                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
-                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        offs_v, zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, v0, v_end, Ds,
+                                        Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                        s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                        T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V,
+                                        BLOCK_D)
         m, a, r, c, o, z, u = _tile_record(zs, zt, offs_v, BIG)
         sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
         m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
@@ -238,21 +247,19 @@ def _jsd_kernel(
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    v_begin, v_end = _split_range(split, vocab_per_split, V)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
         _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
     jsd = tl.zeros((BLOCK_N,), tl.float32)
     excess = tl.zeros((BLOCK_N,), tl.float32)
-    v_begin = split * vocab_per_split
-    v_end = tl.minimum(v_begin + vocab_per_split, V)
     for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        v_mask = offs_v < v_end
-        zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
-                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
-                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
-                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+        offs_v, zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, v0, v_end, Ds,
+                                        Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
+                                        s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
+                                        T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V,
+                                        BLOCK_D)
         log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
         log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
@@ -310,10 +317,11 @@ def _backward_kernel(
         return
     s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = \
         _load_saved(saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask)
-    zs, slope, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Ds,
-                                Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
-                                s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
-                                T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+    _, zs, slope, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, pid_v * BLOCK_V, V,
+                                   Ds, Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature,
+                                   s_logit_scale, s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS,
+                                   S_HAS_SOFTCAP, T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION,
+                                   BLOCK_N, BLOCK_V, BLOCK_D)
     log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
     log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
     ps = tl.exp(log_ps)
