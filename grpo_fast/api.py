@@ -566,31 +566,44 @@ def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel
     return float(coef), float(distillation_beta)
 
 
+def check_head(names, hidden, weight, bias, sharded=False):
+    """One model's hidden [B, T, D], weight [V, D] (hidden's dtype; a vocab-parallel shard may hold no row) and bias
+    [V] | None, named ``names`` (hidden's, weight's, bias's) in the errors; returns (B, T, D, V). The divergence
+    head's checks of both models, and ``loss``'s of a teacher."""
+    hidden_name, weight_name, bias_name = names
+    _float_tensor(hidden_name, hidden)
+    if hidden.dim() != 3 or 0 in hidden.shape:
+        raise ValueError(f"{hidden_name} must have shape [B, T, D] with B, T, D > 0, got {tuple(hidden.shape)}")
+    D = hidden.shape[2]
+    _float_tensor(weight_name, weight)
+    if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and not sharded):
+        raise ValueError(f"{weight_name} must have shape [V, D] with D = {D} ({hidden_name}'s) and V > 0, got "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: "
+                        "cast one of them")
+    if bias is not None:
+        _float_tensor(bias_name, bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{bias_name} must have shape [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    return (*hidden.shape, weight.shape[0])
+
+
 def _check_teacher(teacher, hidden, weight, shard):
     """The teacher's tensors and numbers against the student's ``hidden`` [B, T, Ds] and ``weight`` [V, Ds], on a
     head (``shard``: vocab-parallel) the combined head supports."""
     if shard is not None:
         raise ValueError("a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
                          "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)")
-    _float_tensor("teacher.hidden", teacher.hidden)
     B, T, _ = hidden.shape
-    if teacher.hidden.dim() != 3 or tuple(teacher.hidden.shape[:2]) != (B, T) or teacher.hidden.shape[2] == 0:
-        raise ValueError(f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's) and Dt > 0, "
-                         f"got {tuple(teacher.hidden.shape)}")
-    _float_tensor("teacher.weight", teacher.weight)
-    Dt = teacher.hidden.shape[2]
-    if teacher.weight.dim() != 2 or teacher.weight.shape[1] != Dt:
-        raise ValueError(f"teacher.weight must have shape [V, Dt] with Dt = {Dt} (teacher.hidden's), got "
-                         f"{tuple(teacher.weight.shape)}")
-    if teacher.weight.shape[0] != weight.shape[0]:
-        raise ValueError(f"weight has V = {weight.shape[0]} rows but teacher.weight has V = {teacher.weight.shape[0]}: "
-                         "the vocabularies must match")
-    if teacher.weight.dtype != teacher.hidden.dtype:
-        raise TypeError(f"teacher.weight dtype {teacher.weight.dtype} differs from teacher.hidden dtype "
-                        f"{teacher.hidden.dtype}: cast one of them")
-    if teacher.bias is not None:
-        _float_tensor("teacher.bias", teacher.bias)
-        _shape("teacher.bias", teacher.bias, [(weight.shape[0],)], lambda: f"[V] = [{weight.shape[0]}]")
+    Bt, Tt, _, Vt = check_head(("teacher.hidden", "teacher.weight", "teacher.bias"), teacher.hidden, teacher.weight,
+                               teacher.bias)
+    if (Bt, Tt) != (B, T):
+        raise ValueError(f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's), got "
+                         f"{tuple(teacher.hidden.shape)}")
+    if Vt != weight.shape[0]:
+        raise ValueError(f"weight has V = {weight.shape[0]} rows but teacher.weight has V = {Vt}: the vocabularies "
+                         "must match")
     _same_device([("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight),
                   ("teacher.bias", teacher.bias)], hidden.device, "hidden")
     if teacher.softcap is not None:

@@ -24,7 +24,6 @@ from grpo_fast import divergence_parallel, divergence_torch, ops
 from grpo_fast.api import (
     FLOAT_DTYPES,
     _check_mask,
-    _float_tensor,
     _resolve_backend,
     _row_values,
     _same_device,
@@ -32,6 +31,7 @@ from grpo_fast.api import (
     _scored_rows,
     _tensor,
     _ValueChecks,
+    check_head,
 )
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.config import HEAD_PATHS
@@ -166,35 +166,16 @@ def _divergence_forward(*args):
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _check_model(prefix, hidden, weight, bias, sharded):
-    """One model's hidden [B, T, D], weight [V, D] (hidden's dtype; a vocab-parallel shard may hold no row), bias
-    [V] | None; returns (B, T, D, V)."""
-    _float_tensor(f"{prefix}_hidden", hidden)
-    if hidden.dim() != 3 or 0 in hidden.shape:
-        raise ValueError(f"{prefix}_hidden must have shape [B, T, D] with B, T, D > 0, got {tuple(hidden.shape)}")
-    D = hidden.shape[2]
-    _float_tensor(f"{prefix}_weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and not sharded):
-        raise ValueError(f"{prefix}_weight must have shape [V, D] with D = {D} ({prefix}_hidden's) and V > 0, got "
-                         f"{tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"{prefix}_weight dtype {weight.dtype} differs from {prefix}_hidden dtype {hidden.dtype}: "
-                        "cast one of them")
-    if bias is not None:
-        _float_tensor(f"{prefix}_bias", bias)
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"{prefix}_bias must have shape [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-    return (*hidden.shape, weight.shape[0])
-
-
 def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
              student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
              backend, checks, sharded=False):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
     with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
     this rank's rows of vocab-parallel heads, which may hold none: divergence_parallel)."""
-    B, T, _, V = _check_model("student", student_hidden, student_weight, student_bias, sharded)
-    Bt, Tt, _, Vt = _check_model("teacher", teacher_hidden, teacher_weight, teacher_bias, sharded)
+    B, T, _, V = check_head(("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight,
+                             student_bias, sharded)
+    Bt, Tt, _, Vt = check_head(("teacher_hidden", "teacher_weight", "teacher_bias"), teacher_hidden, teacher_weight,
+                               teacher_bias, sharded)
     if (Bt, Tt) != (B, T):
         raise ValueError(f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score "
                          "the same tokens")
