@@ -531,13 +531,14 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
         rows = _scored_rows(completion_mask, checks)
         logp, entropy, div = _with_teacher(hidden, weight, targets, bias, teacher, rows, transform,
                                            distillation[1], backend)
-        total, metrics = _token_loss(logp, entropy, batch, options, backend)
-        return _add_distillation(total, metrics, div, distillation[0], batch, options)
+        prepared = _prepared(batch, options, hidden.device)
+        total, metrics = _token_loss(logp, entropy, prepared, options, backend)
+        return _add_distillation(total, metrics, div, distillation[0], prepared, options)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks),
                                           transform, backend, head_path if options.entropy_coef == 0.0 else "general",
                                           backward_mode, shard, lora)
-    return _token_loss(logp, entropy, batch, options, backend)
+    return _token_loss(logp, entropy, _prepared(batch, options, hidden.device), options, backend)
 
 
 def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel):
@@ -624,11 +625,11 @@ def _with_teacher(hidden, weight, targets, bias, teacher, rows, transform, disti
     return tuple(_scatter_rows(x, rows, (B, T)) for x in out)
 
 
-def _add_distillation(total, metrics, div, coef, batch, options):
+def _add_distillation(total, metrics, div, coef, prepared, options):
     """GRPO's loss and metrics plus the distillation term: loss + coef * aggregate(divergence) (the per-token loss
     gains coef * divergence before the loss type's reduction), metrics["distillation_loss"] the mean divergence over
-    the scored tokens (TRL's SDPO trainer logs that mean under this name)."""
-    prepared = _prepared(batch, options, div.device)
+    the scored tokens (TRL's SDPO trainer logs that mean under this name); ``prepared``: the batch as layer 2 took it
+    (``_prepared``)."""
     mask = prepared.completion_mask.bool()
     total = total + coef * options.aggregate(div, prepared.completion_mask, prepared.num_items_in_batch)
     with torch.no_grad():
@@ -700,7 +701,8 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
     elif options.entropy_mask or options.entropy_coef != 0.0:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
                          "(grpo_fast.logprobs_and_entropy gives it with its gradient)")
-    return _token_loss(logprobs, entropy, batch, options, _resolve_backend(backend, logprobs.device))
+    return _token_loss(logprobs, entropy, _prepared(batch, options, logprobs.device), options,
+                       _resolve_backend(backend, logprobs.device))
 
 
 def _check_batch(batch, shape, device, device_of, options, checks):
@@ -784,8 +786,7 @@ def _prepared(batch, options, device):
 def _token_loss(logprobs, entropy, batch, options, backend):
     """Layer 2 on checked inputs: the token-loss op (grpo_fast.ops.token_loss) by ``backend``'s token loss (the
     token kernel, or its torch twin grpo_fast/token_loss_torch.py); the metrics a Metrics dict of fp32 device
-    scalars."""
-    batch = _prepared(batch, options, logprobs.device)
+    scalars. ``batch``: the per-batch inputs as ``_prepared`` gives them."""
     logp = logprobs.float()
     entropy = entropy.float() if entropy is not None else None
     total, metric_values, _, _ = ops.token_loss(
