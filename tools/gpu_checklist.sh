@@ -8,6 +8,11 @@
 #   BENCH_MODE=full bash tools/gpu_checklist.sh     # the benchmark's full sweep (bench/gpu_run.sh full, ~8 min)
 #   BENCH_MODE=none bash tools/gpu_checklist.sh tests/test_linear_logprobs.py   # chosen tests, no benchmark
 #   MEMORY=0 bash tools/gpu_checklist.sh            # without the memory step (default MEMORY=1)
+#   DIVERGENCE=0 bash tools/gpu_checklist.sh        # without the divergence head's benchmark (default DIVERGENCE=1)
+# Time limits in seconds, so that one step running long leaves the others' results (tools/gpu_lease.sh sets them for
+# one 10-minute call): TESTS_LIMIT (pytest), BENCH_BUDGET (bench/gpu_run.sh's sweep; the step gets 90 s more for its
+# set-up), DIVERGENCE_BUDGET (default 120), MEMORY_LIMIT (both recipes). Unset: no limit. BENCH_ARGS and
+# DIVERGENCE_ARGS: more options for python -m bench and python -m bench.divergence.
 # Arguments go to pytest (default: the whole suite, slow tier included). Carried wheels in .whl/ (trl, its
 # dependencies, liger-kernel: bench/README.md) are installed into /tmp/site first, as bench/gpu_run.sh does; a
 # test file whose imports are missing there is reported as a collection error and the others still run.
@@ -60,16 +65,28 @@ EOF
 [ $? -eq 0 ] || exit 1
 
 echo "== $(date -u +%FT%TZ) pytest (compiled) $*"
-python3 -m pytest -p no:cacheprovider -q -rs --continue-on-collection-errors --junitxml="$OUT/pytest.xml" "$@" \
-  2>&1 | tee "$OUT/pytest.log"
+# time_limit SECONDS COMMAND...: COMMAND under timeout when SECONDS is set (exit 124: it ran out)
+# (SIGINT first: pytest then prints its summary and writes the JUnit file for the tests that ran)
+time_limit() { local limit="$1"; shift; if [ -n "$limit" ]; then timeout -s INT -k 20 "$limit" "$@"; else "$@"; fi; }
+time_limit "${TESTS_LIMIT:-}" python3 -m pytest -p no:cacheprovider -q -rs --continue-on-collection-errors \
+  --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
 bench_rc="not run"
 if [ "$BENCH_MODE" != none ]; then
   echo "== $(date -u +%FT%TZ) bench/gpu_run.sh $BENCH_MODE"
   OUT="$OUT" BENCH_COMMIT="${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" \
-    bash bench/gpu_run.sh "$BENCH_MODE"
+    time_limit "${BENCH_BUDGET:+$((BENCH_BUDGET + 90))}" bash bench/gpu_run.sh "$BENCH_MODE" ${BENCH_ARGS:-}
   bench_rc=$?
+fi
+
+divergence_rc="not run"
+if [ "${DIVERGENCE:-1}" != 0 ]; then
+  echo "== $(date -u +%FT%TZ) python -m bench.divergence ${DIVERGENCE_ARGS:-}"
+  # shellcheck disable=SC2086  # DIVERGENCE_ARGS: options split on spaces
+  time_limit "$(( ${DIVERGENCE_BUDGET:-120} + 60 ))" python3 -m bench.divergence --out "$OUT" --no-progress \
+    --time-budget "${DIVERGENCE_BUDGET:-120}" ${DIVERGENCE_ARGS:-} 2>&1 | tee "$OUT/divergence.log"
+  divergence_rc=${PIPESTATUS[0]}
 fi
 
 memory_rc="not run"
@@ -81,8 +98,8 @@ elif [ "${MEMORY:-1}" != 0 ]; then
   memory_rc=0
   for recipe in qwen2.5-1.5b-lora qwen2.5-0.5b-full; do
     echo "== $(date -u +%FT%TZ) memory: $recipe ($heads), estimated and measured"
-    python3 -m grpo_fast.memory --recipe "$recipe" --heads "$heads" --measure --out "$OUT/memory-$recipe" \
-      || memory_rc=$?
+    time_limit "${MEMORY_LIMIT:+$((MEMORY_LIMIT / 2))}" python3 -m grpo_fast.memory --recipe "$recipe" \
+      --heads "$heads" --measure --out "$OUT/memory-$recipe" || memory_rc=$?
   done
 fi
 
@@ -102,9 +119,12 @@ fi
   echo
   echo "bench/gpu_run.sh $BENCH_MODE: exit $bench_rc"
   echo
+  echo "python -m bench.divergence: exit $divergence_rc"
+  echo
   echo "memory (estimate beside the measured peak: memory-<recipe>.md): exit $memory_rc"
   for f in "$OUT"/memory-*.md; do [ -f "$f" ] && { echo; sed -n '/^| |/,/^$/p' "$f"; }; done
 } > "$OUT/checklist.md"
 cat "$OUT/checklist.md"
 [ "$tests_rc" -eq 0 ] && { [ "$bench_rc" = "not run" ] || [ "$bench_rc" -eq 0 ]; } \
+  && { [ "$divergence_rc" = "not run" ] || [ "$divergence_rc" -eq 0 ]; } \
   && { [[ "$memory_rc" == "not run"* ]] || [ "$memory_rc" -eq 0 ]; }
