@@ -38,7 +38,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 # the versions and the device, before anything can fail
 python3 - "$OUT/environment.json" <<'EOF'
-import json, platform, subprocess, sys
+import json, os, platform, subprocess, sys
 import numpy, torch, triton
 env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
        "numpy": numpy.__version__, "cuda (torch build)": torch.version.cuda,
@@ -56,7 +56,7 @@ try:
     env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                    check=True).stdout.strip()
 except (OSError, subprocess.CalledProcessError):
-    env["commit"] = "unknown (no git here)"
+    env["commit"] = os.environ.get("BENCH_COMMIT", "unknown (no git here; BENCH_COMMIT unset)")
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print("\n".join(f"{k}: {v}" for k, v in env.items()))
 if not torch.cuda.is_available():
