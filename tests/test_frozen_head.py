@@ -13,6 +13,8 @@ grpo_fast.autograd.LinearLogprobs (entropy gradient included: the recompute fall
 it by itself for a frozen weight and equals the recompute path.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_grad_close, backend_device, grad_rtol
@@ -124,6 +126,22 @@ def test_transforms_with_and_without_bias(path, dtype, transform, monkeypatch, d
     h, w, b, y, c = _inputs(37, 29, 203, dtype, scale=scale, bias=transform != "none",
                             device=backend_device(path, device))
     _check(path, dtype, h, w, b, y, c, monkeypatch, **kw)
+
+
+@pytest.mark.parametrize("vocab_chunk", [64, 96])
+def test_the_gpu_tile_past_a_vocabulary_chunk_with_targets_in_later_chunks(vocab_chunk, monkeypatch, device):
+    # the compiled kernel's tile (2 rows x 512 columns) is wider than these chunks: a tile reaches past the chunk's
+    # last column, where a target held by a later chunk must not match a masked (-inf) column (found on an H200:
+    # logp -inf; the interpreter's 32-column tiles divide 64 and never reach past a chunk)
+    config = dataclasses.replace(kconfig.gpu_frozen_head_config(),
+                                 gemm_fp32=kconfig.frozen_head_config(device).gemm_fp32)
+    h, w, b, y, c = _inputs(37, 29, 203, torch.float32, device=device)
+    logp, ent, _, jac = kfrozen.forward_frozen_head(h, w, y, b, kconfig.LogitTransform(), True, config,
+                                                    token_chunk=16, vocab_chunk=vocab_chunk)[:4]
+    ref_logp, ref_ent, ref_jac, _ = _truth(h, w, b, y, c)
+    torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
+    assert (jac.double() - ref_jac).abs().max() <= 1e-5 * ref_jac.abs().max()
 
 
 def test_softcap_really_saturates_in_the_saturated_case():

@@ -97,7 +97,10 @@ def _frozen_chunk_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < rows
-    local_target = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1) - v0  # outside [0, cols): not this chunk
+    # the target's column in this chunk, -1 where another chunk holds it: a tile may reach past the chunk's last
+    # column (cols need not be a multiple of BLOCK_V), and a target there would match a masked (-inf) column
+    local_target = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1) - v0
+    local_target = tl.where((local_target >= 0) & (local_target < cols), local_target, -1)
 
     # pass 1: the chunk's row max and largest non-target logit
     chunk_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
