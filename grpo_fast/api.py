@@ -36,7 +36,7 @@ from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.lora import HeadLora
 from grpo_fast.metrics import metric_names
-from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions
+from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, takes_option_keywords
 from grpo_fast.options import check_number as _number
 from grpo_fast.teacher_head import Teacher
 from grpo_fast.transform import LogitTransform
@@ -438,6 +438,7 @@ class _LossBatch:
     entropy_threshold: float | None = None
 
 
+@takes_option_keywords
 def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
          completion_mask: torch.Tensor, *, bias: torch.Tensor | None = None,
          old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
@@ -513,7 +514,6 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
             ``distillation_beta`` without a teacher, a teacher without ``distillation_coef``, a teacher whose
             shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``.
     """
-    options = LossOptions.from_written_keywords(options, locals())
     distillation = _checked_distillation(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
@@ -637,6 +637,7 @@ def _add_distillation(total, metrics, div, coef, prepared, options):
     return total, metrics
 
 
+@takes_option_keywords
 def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
                entropy: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
                ref_logprobs: torch.Tensor | None = None, sampling_logprobs: torch.Tensor | None = None,
@@ -683,7 +684,6 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
             ``backend``, a mask value other than 0/1 (with ``check_values``), ``top_entropy_quantile < 1`` or
             ``entropy_coef != 0`` without ``entropy``, or inputs the options do not take (as ``loss``).
     """
-    options = LossOptions.from_written_keywords(options, locals())
     _float_tensor("logprobs", logprobs)
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")

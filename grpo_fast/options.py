@@ -4,7 +4,7 @@
 kernel's launcher and its torch twin ``grpo_fast.token_loss_torch``, the benchmark, the examples).
 ``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take the same names as keyword arguments, TRL style, written
 out in their signatures with these defaults (a test keeps them in step), and turn them into a ``LossOptions`` here
-(``from_written_keywords``); the spec's ``**loss_options`` go through ``resolve``, where an unknown name is a
+(``takes_option_keywords``); the spec's ``**loss_options`` go through ``resolve``, where an unknown name is a
 ``TypeError`` that says which names exist.
 
 Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -326,14 +327,14 @@ class LossOptions:
         return dataclasses.replace(base, **keywords) if keywords else base
 
     @classmethod
-    def from_written_keywords(cls, options: LossOptions | None, arguments: dict) -> LossOptions:
-        """The options of a call that writes every option out as a keyword (grpo_fast.loss, token_loss).
+    def from_written_keywords(cls, options: LossOptions | None, written: dict) -> LossOptions:
+        """The options of a call that writes every option out as a keyword (``takes_option_keywords``).
 
         Args:
             options: the call's ``options`` argument, or None.
-            arguments: the call's ``locals()``, holding every option name. Without ``options`` they are the
-                options; with it, those that differ from their default apply on top (a keyword left at its default
-                keeps ``options``' value).
+            written: the option keywords the call was given. Without ``options`` they are the options (the others
+                keep their defaults); with it, those that differ from their default apply on top (a keyword left
+                at its default keeps ``options``' value).
 
         Returns:
             The options.
@@ -342,10 +343,9 @@ class LossOptions:
             TypeError: ``options`` not a LossOptions.
             ValueError: an argument's value is not a valid option.
         """
-        keywords = {name: arguments[name] for name in FIELD_NAMES}
         if options is None:
-            return cls(**keywords)
-        return cls.resolve(options, {name: value for name, value in keywords.items()
+            return cls(**written)
+        return cls.resolve(options, {name: value for name, value in written.items()
                                      if not _is_default(value, FIELD_DEFAULTS[name])})
 
     @classmethod
@@ -366,6 +366,20 @@ class LossOptions:
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossOptions)}
+
+
+def takes_option_keywords(function):
+    """Decorates a function whose signature writes every loss option out as a keyword (grpo_fast.loss, token_loss):
+    it is called with the given option keywords and ``options`` resolved into one LossOptions, as ``options``
+    (``LossOptions.from_written_keywords``), and the option parameters left at their defaults. The keywords are
+    taken from the call, not from ``locals()``, which torch.compile's dynamo traces only from torch 2.13 on."""
+
+    @functools.wraps(function)
+    def with_options(*args, options=None, **keywords):
+        written = {name: keywords.pop(name) for name in FIELD_NAMES if name in keywords}
+        return function(*args, options=LossOptions.from_written_keywords(options, written), **keywords)
+
+    return with_options
 
 
 def _is_default(value, default) -> bool:
