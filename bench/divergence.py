@@ -129,9 +129,9 @@ def fp64_truth(pair: Pair, beta: float, need_grads: bool, rest_mass: bool) -> Tr
     N, V = hs.shape[0], ws.shape[0]
     rows = max(1, TRUTH_CHUNK_ELEMENTS // V)
     ws.requires_grad_(need_grads)
-    div = torch.empty(N, dtype=torch.float64)
-    grad_hidden = torch.zeros(hs.shape, dtype=torch.float32) if need_grads else None
-    grad_weight = torch.zeros(ws.shape, dtype=torch.float64) if need_grads else None
+    div = torch.empty(N, dtype=torch.float64, device=hs.device)
+    grad_hidden = torch.zeros(hs.shape, dtype=torch.float32, device=hs.device) if need_grads else None
+    grad_weight = torch.zeros(ws.shape, dtype=torch.float64, device=hs.device) if need_grads else None
     rest = {"student": [], "teacher": []}
     for r0 in range(0, N, rows):
         h = hs[r0:r0 + rows].clone().requires_grad_(need_grads)
@@ -262,7 +262,7 @@ class MatmulCounter(TorchDispatchMode):
 def _errors(div, grads, truth: Truth, per_token: bool):
     e = {}
     if per_token:
-        d = div.detach().double().reshape(-1)
+        d = div.detach().double().reshape(-1).to(truth.divergence.device)
         err = float((d - truth.divergence).abs().max())
         e["div_max_abs_err"] = err
         e["div_rel_err"] = err / float(truth.divergence.abs().max())
@@ -275,7 +275,7 @@ def _errors(div, grads, truth: Truth, per_token: bool):
             if actual is None:
                 e[f"{name}_rel_err"] = None
                 continue
-            a = actual.detach().reshape(expected.shape).float()
+            a = actual.detach().reshape(expected.shape).float().to(expected.device)
             e[f"{name}_rel_err"] = float((a - expected).abs().max() / expected.abs().max())
     return e
 

@@ -68,7 +68,7 @@ echo "== $(date -u +%FT%TZ) pytest (compiled) $*"
 # time_limit SECONDS COMMAND...: COMMAND under timeout when SECONDS is set (exit 124: it ran out)
 # (SIGINT first: pytest then prints its summary and writes the JUnit file for the tests that ran)
 time_limit() { local limit="$1"; shift; if [ -n "$limit" ]; then timeout -s INT -k 20 "$limit" "$@"; else "$@"; fi; }
-time_limit "${TESTS_LIMIT:-}" python3 -m pytest -p no:cacheprovider -q -rs --continue-on-collection-errors \
+time_limit "${TESTS_LIMIT:-}" python3 -m pytest -p no:cacheprovider -q -rfEs --continue-on-collection-errors \
   --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
