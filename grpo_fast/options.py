@@ -372,7 +372,7 @@ def takes_option_keywords(function):
     """Decorates a function whose signature writes every loss option out as a keyword (grpo_fast.loss, token_loss):
     it is called with the given option keywords and ``options`` resolved into one LossOptions, as ``options``
     (``LossOptions.from_written_keywords``), and the option parameters left at their defaults. The keywords are
-    taken from the call, not from ``locals()``, which torch.compile's dynamo traces only from torch 2.13 on."""
+    taken from the call, not from ``locals()``, which torch 2.11's dynamo cannot trace (2.13's can)."""
 
     @functools.wraps(function)
     def with_options(*args, options=None, **keywords):
