@@ -10,6 +10,7 @@ no code generation) and with Inductor, the default; the export test is in the fa
 import pytest
 import torch
 import torch._dynamo
+from conftest import backend_device
 from torch._dynamo.utils import counters
 
 import grpo_fast
@@ -18,10 +19,12 @@ D, V = 16, 37
 SHAPES = [(2, 5), (3, 7), (4, 6)]
 
 
-def _step_and_inputs(backend, options):
+def _step_and_inputs(backend, options, device):
+    """Drawn on CPU (the same numbers on every device), on ``device``."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(V, D, generator=g) * 0.3
-    ref_weight = weight + 0.05 * torch.randn(V, D, generator=g)
+    ref_weight = (weight + 0.05 * torch.randn(V, D, generator=g)).to(device)
+    weight = weight.to(device)
 
     def step(hidden, targets, mask, advantages):
         ref = grpo_fast.logprobs(hidden, ref_weight, targets, completion_mask=mask, backend=backend)
@@ -33,9 +36,9 @@ def _step_and_inputs(backend, options):
     batches = []
     for B, T in SHAPES:
         mask = torch.rand(B, T, generator=g) > 0.3
-        batches.append((torch.randn(B, T, D, generator=g).requires_grad_(),
-                        torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100), mask,
-                        torch.randn(B, generator=g)))
+        batches.append((torch.randn(B, T, D, generator=g).to(device).requires_grad_(),
+                        torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100).to(device),
+                        mask.to(device), torch.randn(B, generator=g).to(device)))
     return step, batches
 
 
@@ -45,10 +48,10 @@ def _run(step, batch):
     return loss, {name: value.detach() for name, value in metrics.items()}, batch[0].grad.clone()
 
 
-def _check_one_graph_equals_eager(backend, compiler, options):
+def _check_one_graph_equals_eager(backend, compiler, options, device):
     torch._dynamo.reset()
     counters.clear()
-    step, batches = _step_and_inputs(backend, options)
+    step, batches = _step_and_inputs(backend, options, device)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=compiler)
         for batch in batches:
@@ -70,24 +73,26 @@ OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5, ent
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("options", OPTIONS, ids=["dapo_kl", "grpo_entropy"])
-def test_compiled_step_is_one_graph_and_equals_eager(backend, options):
-    _check_one_graph_equals_eager(backend, "aot_eager", options)
+def test_compiled_step_is_one_graph_and_equals_eager(backend, options, device):
+    _check_one_graph_equals_eager(backend, "aot_eager", options, backend_device(backend, device))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_compiled_step_with_inductor(backend):
-    _check_one_graph_equals_eager(backend, "inductor", OPTIONS[0])
+def test_compiled_step_with_inductor(backend, device):
+    _check_one_graph_equals_eager(backend, "inductor", OPTIONS[0], backend_device(backend, device))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_export_of_logprobs(backend):
+def test_export_of_logprobs(backend, device):
+    dev = backend_device(backend, device)
     g = torch.Generator().manual_seed(1)
 
     class Head(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(V, D, generator=g) * 0.3, requires_grad=False)
+            self.weight = torch.nn.Parameter((torch.randn(V, D, generator=g) * 0.3).to(dev),
+                                            requires_grad=False)
 
         def forward(self, hidden, targets, mask):
             return grpo_fast.logprobs(hidden, self.weight, targets, completion_mask=mask, backend=backend)
@@ -98,7 +103,8 @@ def test_export_of_logprobs(backend):
 
     def inputs(B, T):
         mask = torch.rand(B, T, generator=g) > 0.3
-        return torch.randn(B, T, D, generator=g), torch.randint(0, V, (B, T), generator=g), mask
+        return (torch.randn(B, T, D, generator=g).to(dev), torch.randint(0, V, (B, T), generator=g).to(dev),
+                mask.to(dev))
 
     exported = torch.export.export(head, inputs(2, 5), dynamic_shapes=(dims, dims, dims))
     for B, T in SHAPES:

@@ -1,12 +1,13 @@
 """grpo_fast.divergence at the boundary with torch, as grpo_fast.loss is there (tests/test_host_syncs.py,
 test_fake_tensors.py, test_compile.py): one host synchronisation per call with the value checks (the mask's flags
-and the scored-row count, read together), none without them, the same numbers either way; fake CPU and meta tensors
+and the scored-row count, read together), none without them, the same numbers either way; fake and meta tensors
 through forward and backward (no value read); torch.compile(fullgraph=True) of a distillation step is one graph,
 equal to eager, with dynamic batch and length."""
 
 import pytest
 import torch
 import torch._dynamo
+from conftest import backend_device
 from test_host_syncs import count_syncs
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -30,8 +31,8 @@ def _pair(B=3, T=9, seed=0, device="cpu"):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_one_host_read_with_the_checks_none_without(backend, beta, monkeypatch):
-    x = _pair()
+def test_one_host_read_with_the_checks_none_without(backend, beta, monkeypatch, device):
+    x = _pair(device=backend_device(backend, device))
 
     def step(check_values):
         x["student_hidden"].grad = x["student_weight"].grad = None
@@ -53,20 +54,21 @@ def test_one_host_read_with_the_checks_none_without(backend, beta, monkeypatch):
     torch.testing.assert_close(grad_h_off, grad_h, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad_w_off, grad_w, rtol=1e-5, atol=1e-7)
     assert (grad_h[~mask] == 0).all()
-    # and the spec's
-    expected = grpo_fast.divergence(**x, beta=beta, backend="torch")
-    torch.testing.assert_close(div, expected.detach(), rtol=1e-5, atol=1e-6)
+    # and the spec's (the torch backend on CPU copies, leaves as they are)
+    x_cpu = {k: v.detach().cpu().requires_grad_(v.requires_grad) for k, v in x.items()}
+    expected = grpo_fast.divergence(**x_cpu, beta=beta, backend="torch")
+    torch.testing.assert_close(div.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_bad_mask_is_still_named():
-    x = _pair()
+def test_a_bad_mask_is_still_named(device):
+    x = _pair(device=device)
     with pytest.raises(ValueError, match="completion_mask must be bool or hold only 0 and 1"):
         grpo_fast.divergence(**dict(x, completion_mask=x["completion_mask"].float() * 2), backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["general", "frozen_head"])
-def test_fake_and_meta_tensors_run_forward_and_backward(backend, frozen):
+def test_fake_and_meta_tensors_run_forward_and_backward(backend, frozen, device):
     def run(x):
         x["student_weight"].requires_grad_(not frozen)
         div, entropy = grpo_fast.divergence_and_entropy(**x, beta=0.5, backend=backend)
@@ -76,18 +78,21 @@ def test_fake_and_meta_tensors_run_forward_and_backward(backend, frozen):
         assert (x["student_weight"].grad is None) == frozen
         return div
 
-    with FakeTensorMode():
-        run(_pair())
-    meta = run(_pair(device="meta"))
-    assert meta.device.type == "meta"
+    dev = backend_device(backend, device)
+    with FakeTensorMode():  # fake tensors on the backend's device (fake CUDA ones where the kernels are compiled)
+        run(_pair(device=dev))
+    if dev.type == "cpu":  # meta tensors: compiled Triton takes CUDA tensors only (the interpreter takes any)
+        meta = run(_pair(device="meta"))
+        assert meta.device.type == "meta"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend):
+def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend, device):
+    dev = backend_device(backend, device)
     g = torch.Generator().manual_seed(1)
-    student_weight = (torch.randn(V, DS, generator=g) * 0.3).requires_grad_()
-    teacher_weight = torch.randn(V, DT, generator=g) * 0.3
+    student_weight = (torch.randn(V, DS, generator=g) * 0.3).to(dev).requires_grad_()
+    teacher_weight = (torch.randn(V, DT, generator=g) * 0.3).to(dev)
 
     def step(student_hidden, teacher_hidden, mask):
         div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=0.5,
@@ -102,7 +107,8 @@ def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend):
         compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
         for B, T in [(2, 5), (3, 7), (4, 6)]:
             mask = torch.rand(B, T, generator=g) > 0.3
-            inputs = (torch.randn(B, T, DS, generator=g).requires_grad_(), torch.randn(B, T, DT, generator=g), mask)
+            inputs = (torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
+                      torch.randn(B, T, DT, generator=g).to(dev), mask.to(dev))
             results = []
             for fn in (step, compiled):
                 inputs[0].grad = student_weight.grad = None

@@ -51,16 +51,21 @@ def count_syncs(fn, monkeypatch):
     return out, mode.syncs
 
 
-def _batch(weight_grad=False, seed=0):
+def _batch(weight_grad=False, seed=0, device="cpu"):
+    """Drawn on CPU (the same numbers on every device), on ``device``."""
     g = torch.Generator().manual_seed(seed)
     B, T, D, V = 3, 9, 32, 77
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[2] = False  # a sequence without tokens
-    return dict(hidden=torch.randn(B, T, D, generator=g).requires_grad_(),
-                weight=(torch.randn(V, D, generator=g) * 0.2).requires_grad_(weight_grad),
-                targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
-                advantages=torch.randn(B, generator=g), completion_mask=mask,
-                old_logprobs=-torch.rand(B, T, generator=g) * 4, ref_logprobs=-torch.rand(B, T, generator=g) * 4)
+    x = dict(hidden=torch.randn(B, T, D, generator=g),
+             weight=(torch.randn(V, D, generator=g) * 0.2),
+             targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
+             advantages=torch.randn(B, generator=g), completion_mask=mask,
+             old_logprobs=-torch.rand(B, T, generator=g) * 4, ref_logprobs=-torch.rand(B, T, generator=g) * 4)
+    x = {k: v.to(device) for k, v in x.items()}
+    x["hidden"].requires_grad_()
+    x["weight"].requires_grad_(weight_grad)
+    return x
 
 
 LOSS_OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
@@ -69,8 +74,8 @@ LOSS_OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5
 
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_head", "general"])
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=["dapo_kl", "grpo_entropy", "dr_grpo_seq"])
-def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeypatch):
-    x = _batch(weight_grad)
+def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeypatch, device):
+    x = _batch(weight_grad, device=device)
 
     def step(check_values):
         x["hidden"].grad = None
@@ -89,12 +94,12 @@ def test_one_loss_call_reads_the_host_at_most_once(weight_grad, options, monkeyp
     for name in metrics:
         assert metrics[name].device == loss.device and metrics[name].dim() == 0  # device tensors: TRL reads them
         torch.testing.assert_close(metrics_off[name], metrics[name], rtol=1e-5, atol=1e-7, equal_nan=True)
-    # the torch backend's numbers (both layers' torch twins)
-    x["hidden"].grad = None
-    expected, _ = grpo_fast.loss(**x, backend="torch", **options)
+    # the torch backend's numbers (both layers' torch twins), on CPU copies (leaves as they are)
+    x_cpu = {k: v.detach().cpu().requires_grad_(v.requires_grad) for k, v in x.items()}
+    expected, _ = grpo_fast.loss(**x_cpu, backend="torch", **options)
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, x["hidden"].grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.cpu(), x_cpu["hidden"].grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", grpo_fast.LOSS_TYPES)
@@ -124,8 +129,8 @@ def test_the_torch_layer2_never_reads_the_host(loss_type, level, monkeypatch):
     assert all(m.dim() == 0 for m in metrics.values())
 
 
-def test_the_value_checks_still_name_each_bad_input():
-    x = _batch()
+def test_the_value_checks_still_name_each_bad_input(device):
+    x = _batch(device=device)
     bad_targets = dict(x, targets=torch.where(x["completion_mask"], 80, 0))
     with pytest.raises(ValueError, match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask "
                                          r"is 1, got values in \[80, 80\]"):
@@ -134,9 +139,10 @@ def test_the_value_checks_still_name_each_bad_input():
     with pytest.raises(ValueError, match="completion_mask must be bool or hold only 0 and 1"):
         grpo_fast.loss(**bad_mask, backend="triton")
     with pytest.raises(ValueError, match=r"num_items_in_batch must be >= 0, got -3.5"):
-        grpo_fast.loss(**x, backend="triton", num_items_in_batch=torch.tensor(-3.5))
+        grpo_fast.loss(**x, backend="triton", num_items_in_batch=torch.tensor(-3.5, device=device))
     # without the checks nothing is read: a bad target is then the caller's promise broken, not an error
-    loss, _ = grpo_fast.loss(**x, backend="triton", check_values=False, num_items_in_batch=torch.tensor(4.0))
+    loss, _ = grpo_fast.loss(**x, backend="triton", check_values=False,
+                             num_items_in_batch=torch.tensor(4.0, device=device))
     assert torch.isfinite(loss)
 
 
@@ -154,7 +160,7 @@ def test_device_entropy_quantile_is_torch_quantile_of_the_masked_values():
     assert ops.device_entropy_quantile(torch.rand(2, 3), torch.zeros(2, 3), 0.5) == torch.inf
 
 
-def test_forward_kernel_skips_the_blocks_past_the_scored_count():
+def test_forward_kernel_skips_the_blocks_past_the_scored_count(device):
     """With the checks off the rows are a device partition (scored first, the count a device value): the Triton
     forward computes no block wholly past the count (placeholder records: logp 0, entropy 0, lse the padding
     logit), the others exactly as without a count, and loss, metrics and gradients equal those with the checks on."""
@@ -167,19 +173,20 @@ def test_forward_kernel_skips_the_blocks_past_the_scored_count():
     hidden = torch.randn(N, D, generator=g)
     hidden[scored:] = 0.0  # padding rows are zeros, as the API builds them
     weight, targets = torch.randn(V, D, generator=g) * 0.3, torch.randint(0, V, (N,), generator=g)
+    hidden, weight, targets = hidden.to(device), weight.to(device), targets.to(device)
     block = kconfig.forward_config(hidden.device, hidden.dtype).block_n
     computed = -(-scored // block) * block
     assert computed < N  # some blocks are skipped
     args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked")
     full = ops.linear_logprobs(*args, None)
-    part = ops.linear_logprobs(*args, torch.tensor([scored], dtype=torch.int32))
+    part = ops.linear_logprobs(*args, torch.tensor([scored], dtype=torch.int32, device=device))
     for name, a, b in zip(("logp", "entropy", "lse", "nontarget_mass"), full, part):
         assert torch.equal(a[:computed], b[:computed]), name
     logp, entropy, lse = part[:3]
     assert (logp[computed:] == 0).all() and (entropy[computed:] == 0).all()
     assert (lse[computed:] == kforward.PADDING_LOGIT.value).all()
 
-    x = _batch(weight_grad=True, seed=3)
+    x = _batch(weight_grad=True, seed=3, device=device)
     x["completion_mask"][:, 1:] = False  # few scored tokens: most blocks are padding
     outs = []
     for check_values in (True, False):

@@ -4,7 +4,7 @@ against the sum of the two separate calls (loss, metrics, every student gradient
 
 import pytest
 import torch
-from conftest import assert_grad_close
+from conftest import assert_grad_close, backend_device
 from helpers import make_batch, matmul_flops
 
 import grpo_fast
@@ -16,9 +16,10 @@ DT = 29  # the teacher's hidden size (the student's: make_batch's D = 37)
 COEF = 0.3
 
 
-def _batch(dtype=torch.float32, seed=0, B=3, T=7, V=203):
+def _batch(dtype=torch.float32, seed=0, B=3, T=7, V=203, device="cpu"):
     """make_batch's (a fully masked sequence) with a one-token completion in the last row, and a teacher whose
-    logits track the student's loosely (a soft-capped head of its own)."""
+    logits track the student's loosely (a soft-capped head of its own); built on CPU (the same numbers on every
+    device), on ``device``."""
     batch = make_batch(B=B, T=T, V=V, dtype=dtype, bias=True, seed=seed)
     batch["mask"][B - 1] = False
     batch["mask"][B - 1, T // 2] = True
@@ -27,6 +28,10 @@ def _batch(dtype=torch.float32, seed=0, B=3, T=7, V=203):
                                          (torch.randn(V, DT, generator=g) * 0.4).to(dtype),
                                          bias=(0.3 * torch.randn(V, generator=g)).to(dtype), softcap=6.0,
                                          logit_scale=0.9)
+    t = batch["teacher"]
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch["teacher"] = grpo_fast.Teacher(t.hidden.to(device), t.weight.to(device), bias=t.bias.to(device),
+                                         softcap=t.softcap, logit_scale=t.logit_scale)
     return batch
 
 
@@ -59,7 +64,7 @@ def _separate(batch, distillation_beta, kw, backend="torch"):
                                backend=backend, head_path="general")
     options = LossOptions.resolve(None, {k: v for k, v in kw.items() if k in LossOptions.__dataclass_fields__})
     n_items = kw.get("num_items_in_batch")
-    n_items = torch.tensor(float(n_items)) if n_items is not None else None
+    n_items = torch.tensor(float(n_items), device=h.device) if n_items is not None else None
     total = total + COEF * options.aggregate(div, batch["mask"], n_items)
     mask = batch["mask"]
     metrics = dict(metrics, distillation_loss=div.detach()[mask].sum() / mask.sum())
@@ -95,18 +100,19 @@ FAST = {("torch", "grpo-softcap", 0.5), ("torch", "dapo-num-items-is", 1.0), ("t
 def _options(batch, case):
     kw = dict(CASES[case], old_logprobs=batch["old"], ref_logprobs=batch["ref"])
     if kw.get("importance_weights") == "per-token":
-        kw["importance_weights"] = torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(5)) * 2
+        kw["importance_weights"] = (torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(5))
+                                    * 2).to(batch["mask"].device)
     return kw
 
 
 @pytest.mark.parametrize("backend, case, distillation_beta", [
     pytest.param(backend, case, b, marks=() if (backend, case, b) in FAST else pytest.mark.slow)
     for backend in ("torch", "triton") for case in CASES for b in (0.0, 0.5, 1.0)])
-def test_equals_the_sum_of_the_separate_calls(backend, case, distillation_beta):
+def test_equals_the_sum_of_the_separate_calls(backend, case, distillation_beta, device):
     """loss + metrics + every student gradient = grpo_fast.loss (no teacher) + COEF * reduced grpo_fast.divergence,
     with the mean divergence over the scored tokens as metrics["distillation_loss"], on each backend (Triton: the
     interpreter on CPU)."""
-    batch = _batch()
+    batch = _batch(device=backend_device(backend, device))
     kw = _options(batch, case)
     _assert_same(_combined(batch, distillation_beta, kw, backend), _separate(batch, distillation_beta, kw, backend),
                  rtol=1e-6 if backend == "torch" else 1e-5)
@@ -119,9 +125,9 @@ SPEC_FAST = {("torch", torch.float32, 1.0), ("torch", torch.float16, 1.0), ("tri
     pytest.param(backend, dtype, b, marks=() if (backend, dtype, b) in SPEC_FAST else pytest.mark.slow)
     for backend in ("torch", "triton") for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for b in (0.0, 0.5, 1.0)])
-def test_matches_the_fp64_spec(backend, dtype, distillation_beta):
+def test_matches_the_fp64_spec(backend, dtype, distillation_beta, device):
     """Against reference.loss_with_teacher in fp64 on the same (rounded) inputs, at test_api's tolerances."""
-    batch = _batch(dtype=dtype, seed=2, V=131)
+    batch = _batch(dtype=dtype, seed=2, V=131, device=backend_device(backend, device))
     kw = dict(loss_type="grpo", temperature=0.8, softcap=5.0, beta=0.04, entropy_coef=0.02,
               old_logprobs=batch["old"], ref_logprobs=batch["ref"])
     loss, metrics, grads = _combined(batch, distillation_beta, kw, backend)
@@ -143,10 +149,10 @@ def test_matches_the_fp64_spec(backend, dtype, distillation_beta):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
-def test_a_nan_in_a_masked_row_changes_nothing(backend):
+def test_a_nan_in_a_masked_row_changes_nothing(backend, device):
     """Row 1 is fully masked: NaN hidden states there (student's and teacher's) leave loss, metrics and gradients
     as they were."""
-    batch = _batch()
+    batch = _batch(device=backend_device(backend, device))
     kw = _options(batch, "grpo-softcap")
     clean = _combined(batch, 0.5, kw, backend)
     batch["hidden"][1] = float("nan")
