@@ -41,7 +41,7 @@ COLORS = {
 
 @dataclass(frozen=True)
 class Panel:
-    """One column: the records of ``impls`` at (shape, N, dense) in ``file``; ``error`` names the precision row."""
+    """One column (``title`` unique: the rows are grouped by it): the records of ``impls`` at (shape, N, dense) in ``file``; ``error`` names the precision row."""
 
     title: str
     file: str
@@ -52,6 +52,10 @@ class Panel:
 
 
 PANELS = (
+    Panel("Qwen2.5-1.5B head (GPU)", "gpu-h200-2026-11-26/first-run/nvidia-h200-2026-11-26-quick.json",
+          "qwen2.5-1.5b", 16384, ("eager", "trl", "liger", "grpo_fast")),
+    Panel("Qwen2.5-1.5B head, frozen (LoRA) (GPU)", "gpu-h200-2026-11-26/rerun/nvidia-h200-2026-11-26-frozen.json",
+          "qwen2.5-1.5b", 16384, ("trl_frozen", "grpo_fast_frozen"), error="grad_hidden_rel_err"),
     Panel("Qwen2.5-1.5B head", "cpu-xeon-bf16.json", "qwen2.5-1.5b", 2048, ("eager", "trl", "liger", "grpo_fast")),
     Panel("Qwen2.5-1.5B head, verl", "cpu-verl-bf16.json", "qwen2.5-1.5b", 1024, ("verl_torch", "grpo_fast")),
     Panel(
@@ -62,7 +66,6 @@ PANELS = (
         ("trl_frozen", "grpo_fast_frozen"),
         error="grad_hidden_rel_err",
     ),
-    Panel("SmolLM2-135M head", "cpu-bf16.json", "smollm2-135m", 2048, ("eager", "trl", "liger", "grpo_fast")),
 )
 ERROR_LABELS = {
     "logprobs_max_abs_err": "log-prob error vs fp64 (nats)",
@@ -95,7 +98,7 @@ def rows(results=RESULTS):
                     impl=impl,
                     name=NAMES[impl],
                     tokens=panel.tokens,
-                    seconds=fwdbwd["median_ms"] / 1e3 if fwdbwd else None,
+                    ms=fwdbwd["median_ms"] if fwdbwd else None,
                     mib=fwdbwd["peak_mem_bytes"] / 2**20 if fwdbwd else None,
                     error=checked["errors"].get(panel.error) if checked else None,
                     error_kind=panel.error,
@@ -121,12 +124,12 @@ def markdown(table) -> str:
         "forward + backward; peak memory above the inputs; error against an fp64 truth). Rows of different files "
         "ran on different machines: compare within a head and file only.",
         "",
-        "| head | N | implementation | fwd+bwd s | fwd+bwd MiB | error | error of | device | date | commit | file |",
+        "| head | N | implementation | fwd+bwd ms | fwd+bwd MiB | error | error of | device | date | commit | file |",
         "| --- | ---: | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |",
     ]
     for r in table:
         lines.append(
-            f"| {r['panel']} | {r['tokens']} | {r['name']} (`{r['impl']}`) | {_cell(r['seconds'], '.1f')} | "
+            f"| {r['panel']} | {r['tokens']} | {r['name']} (`{r['impl']}`) | {_cell(r['ms'], '.1f' if r['ms'] is not None and r['ms'] < 100 else '.0f')} | "
             f"{_cell(r['mib'], '.0f')} | {_cell(r['error'], '.1e')} | {ERROR_LABELS[r['error_kind']]} | "
             f"{r['where']}: {r['device'].removeprefix('CPU: ')} | {r['date']} | `{r['commit']}` | `{r['file']}` |"
         )
@@ -152,7 +155,7 @@ def plot(table, path):
         )
         for row, (field, label, log) in enumerate(
             (
-                ("seconds", "fwd+bwd time (s)", False),
+                ("ms", "fwd+bwd time (ms)", False),
                 ("mib", "fwd+bwd peak memory (MiB)", False),
                 ("error", ERROR_LABELS[panel.error], True),
             )

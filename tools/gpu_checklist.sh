@@ -52,11 +52,12 @@ try:
                                    capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()
 except (OSError, subprocess.CalledProcessError) as e:
     env["driver"] = f"unknown ({type(e).__name__})"
+# BENCH_COMMIT first: the device tool sends the working tree with the git directory of the session's start
 try:
-    env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                   check=True).stdout.strip()
+    env["commit"] = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
 except (OSError, subprocess.CalledProcessError):
-    env["commit"] = os.environ.get("BENCH_COMMIT", "unknown (no git here; BENCH_COMMIT unset)")
+    env["commit"] = "unknown (no git here; BENCH_COMMIT unset)"
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print("\n".join(f"{k}: {v}" for k, v in env.items()))
 if not torch.cuda.is_available():
