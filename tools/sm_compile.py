@@ -358,9 +358,10 @@ DIVERGENCE_VARIANTS = tuple((f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
 
 
 def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None):
-    """The divergence head's launches for one variant: forward, JSD sweep (0 < beta < 1), backward. The teacher
-    is wider than the student (Qwen2.5-1.5B's D 1536 over the stand-in's 896, Qwen2.5-0.5B's). ``layer1``: the
-    combined head's variant ("logp": layer 1's log-prob term, "entropy": and the entropy's)."""
+    """The divergence head's launches for one variant: the sweep kernel's record sweep ("div fwd") and JSD sweep
+    ("div jsd", where 0 < beta < 1), the backward. The teacher is wider than the student (Qwen2.5-1.5B's D 1536
+    over the stand-in's 896, Qwen2.5-0.5B's). ``layer1``: the combined head's variant ("logp": layer 1's log-prob
+    term, "entropy": and the entropy's)."""
     gen = torch.Generator().manual_seed(0)
     N, Ds, Dt, V = 48, 896, 1536, 4096
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
@@ -369,12 +370,13 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     transforms = (kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
                   kconfig.LogitTransform(0.7, softcap, 1.0))
     out = []
-    with recording(kdivergence, "_forward_kernel") as fwd, recording(kdivergence, "_jsd_kernel") as jsd:
+    with recording(kdivergence, "_sweep_kernel") as sweeps:
         run_s, run_t, jsd_sweep, _ = kdivergence.records(
             hs, ws, bs, ht, wt, bt, beta, *transforms, targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
             config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))
         kdivergence.divergence_torch.finish(run_s, run_t, beta, jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
-    out += [("div fwd", fwd[0])] + [("div jsd", launch) for launch in jsd]
+    # the record sweep, then the JSD sweep (where 0 < beta < 1): one kernel, two modes
+    out += [("div jsd" if launch.kwargs["JSD"] else "div fwd", launch) for launch in sweeps]
     saved = torch.zeros(len(kdivergence.divergence_torch.SAVED_FIELDS), N)
     argmax = torch.zeros(2, N, dtype=torch.int64)
     layer1_args = None

@@ -1,17 +1,18 @@
 """The divergence head's Triton kernels: both models' logit tiles in registers, the records of
 grpo_fast/divergence_torch.py (which has the math, the exactness and the sweep counts), no [N, V] buffer.
 
-* ``_forward_kernel``: program (i, k) builds the student's and the teacher's BLOCK_N x BLOCK_V logit tiles (two
-  K-loops, fp32 accumulators: tile.logit_tile) over the vocabulary range k and folds them into one record per model
-  (max, argmax, rest, cross, other, zsum, unsupported), written per vocabulary split; the epilogue merges the splits
-  with divergence_torch.merge (the same merge as the torch twin's chunks) and finishes with divergence_torch.finish.
-* ``_jsd_kernel``: the generalized JSD's second sweep (0 < beta < 1), per split, summed in the epilogue.
+* ``_sweep_kernel``: program (i, k) builds the student's and the teacher's BLOCK_N x BLOCK_V logit tiles (two
+  K-loops, fp32 accumulators: tile.logit_tile) over the vocabulary range k, in one of two modes. The record sweep
+  folds them into one record per model (max, argmax, rest, cross, other, zsum, unsupported), written per vocabulary
+  split; the epilogue merges the splits with divergence_torch.merge (the same merge as the torch twin's chunks) and
+  finishes with divergence_torch.finish. The JSD sweep (JSD): the generalized JSD's second sweep (0 < beta < 1)
+  over the finished records, per split, summed in the epilogue.
 * ``_backward_kernel``: recomputes both tiles for a chunk of at most ``gemm.chunk_size`` tokens and writes
   g = c d div / d z_s * dz_s/du (fp32 for fp32 inputs; else scaled by an exact power of two and rounded to the
   input dtype, tile.gemm_scale, as kernels/backward.py's chunked mode) and adds its column sums to db; cuBLAS does
   dH = g W_s and dW_s += g^T H_s with fp32 outputs (gemm.mm_fp32).
 The argmax indices travel as fp32 in the split records (exact: V <= config.MAX_VOCAB < 2^24).
-The combined GRPO + distillation head (grpo_fast/teacher_head.py) runs the same kernels: the forward also gathers
+The combined GRPO + distillation head (grpo_fast/teacher_head.py) runs the same kernels: the record sweep also gathers
 the student's logit at each target (WITH_TARGET), the backward adds layer 1's logit gradient to g (LAYER1).
 """
 
@@ -32,7 +33,7 @@ RECORD_FIELDS = len(divergence_torch.Record._fields)
 
 
 def gpu_forward_config(dtype, sm_count):
-    """The compiled forward's and JSD sweep's launch: two logit tiles live at once, so half the log-prob forward's
+    """The compiled sweep kernel's launch (both modes): two logit tiles live at once, so half the log-prob forward's
     vocabulary width (tools/sm_compile.py: no spills on sm_90 / 89 / 80)."""
     if dtype == torch.float32:
         # IEEE fp32 products on the FMA units: 8 warps keep both tiles' registers in bounds
@@ -99,7 +100,7 @@ def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, 
 
 @triton.jit
 def _split_range(split, vocab_per_split, V):
-    """The vocabulary entries [begin, end) of a forward or JSD program's split."""
+    """The vocabulary entries [begin, end) of a sweep program's split."""
     begin = split * vocab_per_split
     return begin, tl.minimum(begin + vocab_per_split, V)
 
@@ -168,51 +169,6 @@ def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
 
 
 @triton.jit
-def _forward_kernel(
-    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, records_ptr, targets_ptr,
-    N, V, Ds, Dt, vocab_per_split, stride_field,
-    stride_hs, stride_ws, stride_ht, stride_wt,
-    inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
-    S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
-    WITH_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """WITH_TARGET: also the student's logit at each token's target (0 where this split does not hold it), in the
-    record field after both models' (the combined head, grpo_fast/teacher_head.py)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    v_begin, v_end = _split_range(split, vocab_per_split, V)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    BIG: tl.constexpr = 2 ** 30
-    empty = tl.zeros((BLOCK_N,), tl.float32)
-    no_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    sm, sa, sr, sc, so, sz, su = no_max, empty, empty, empty, empty, empty, empty
-    tm, ta, tr, tc, to, tz, tu = no_max, empty, empty, empty, empty, empty, empty
-    target_logit = empty
-    if WITH_TARGET:
-        targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v, zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, v0, v_end, Ds,
-                                        Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
-                                        s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
-                                        T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V,
-                                        BLOCK_D)
-        m, a, r, c, o, z, u = _tile_record(zs, zt, offs_v, BIG)
-        sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
-        m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
-        tm, ta, tr, tc, to, tz, tu = _merge(tm, ta, tr, tc, to, tz, tu, m, a, r, c, o, z, u)
-        if WITH_TARGET:
-            # the tile's own value: at the argmax it is the record's max exactly
-            target_logit += tl.sum(tl.where(offs_v[None, :] == targets[:, None], zs, 0.0), axis=1)
-    out = records_ptr + split * N + offs_n
-    _store_record(out, stride_field, n_mask, sm, sa, sr, sc, so, sz, su)
-    _store_record(out + 7 * stride_field, stride_field, n_mask, tm, ta, tr, tc, to, tz, tu)
-    if WITH_TARGET:
-        tl.store(out + 14 * stride_field, target_logit, mask=n_mask)
-
-
-@triton.jit
 def _log_probs(z, offs_v, row_max, log_sumexp, top_index):
     """log p = (z - m) - log S of a tile (exactly -log S at the argmax), and the argmax mask."""
     top = offs_v[None, :] == top_index[:, None]
@@ -236,43 +192,76 @@ def _log_mixture(log_ps, log_pt, shared_top, s_rest_mass, t_rest_mass, beta, log
 
 
 @triton.jit
-def _jsd_kernel(
-    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, saved_ptr, argmax_ptr, out_ptr,
-    N, V, Ds, Dt, vocab_per_split, stride_saved, stride_out,
+def _sweep_kernel(
+    hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, out_ptr, targets_ptr, saved_ptr, argmax_ptr,
+    N, V, Ds, Dt, vocab_per_split, stride_out, stride_saved,
     stride_hs, stride_ws, stride_ht, stride_wt,
     inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap, beta, log_1m_beta, log_beta,
+    JSD: tl.constexpr,
     S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """One sweep of program (i, k) over its vocabulary split, written per split at out_ptr (fields stride_out apart).
+    JSD false, the record sweep: both models' records (divergence_torch.Record's fields, the student's then the
+    teacher's), WITH_TARGET also the student's logit at each token's target (0 where this split does not hold it)
+    in the field after them (the combined head, grpo_fast/teacher_head.py). JSD true, the generalized JSD's second
+    sweep: (jsd, excess) from the saved values (saved_ptr, argmax_ptr: _load_saved's rows). The other mode's
+    pointers are placeholders."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     v_begin, v_end = _split_range(split, vocab_per_split, V)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
-        _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
-    jsd = tl.zeros((BLOCK_N,), tl.float32)
-    excess = tl.zeros((BLOCK_N,), tl.float32)
+    BIG: tl.constexpr = 2 ** 30
+    if JSD:
+        s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
+            _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
+        jsd = tl.zeros((BLOCK_N,), tl.float32)
+        excess = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        empty = tl.zeros((BLOCK_N,), tl.float32)
+        no_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        sm, sa, sr, sc, so, sz, su = no_max, empty, empty, empty, empty, empty, empty
+        tm, ta, tr, tc, to, tz, tu = no_max, empty, empty, empty, empty, empty, empty
+        target_logit = empty
+        if WITH_TARGET:
+            targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v, zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, v0, v_end, Ds,
                                         Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
                                         s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
                                         T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V,
                                         BLOCK_D)
-        log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
-        log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
-        log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
-        ps = tl.exp(log_ps)
-        pt = tl.exp(log_pt)
-        log_ratio = log_ps - log_m
-        kl_s = tl.where(ps == 0.0, 0.0, ps * log_ratio)
-        kl_t = tl.where(pt == 0.0, 0.0, pt * (log_pt - log_m))
-        jsd += tl.sum(beta * kl_t + (1.0 - beta) * kl_s, axis=1)
-        excess += tl.sum(tl.where((ps == 0.0) | top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
+        if JSD:
+            log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
+            log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
+            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta,
+                                 log_beta)
+            ps = tl.exp(log_ps)
+            pt = tl.exp(log_pt)
+            log_ratio = log_ps - log_m
+            kl_s = tl.where(ps == 0.0, 0.0, ps * log_ratio)
+            kl_t = tl.where(pt == 0.0, 0.0, pt * (log_pt - log_m))
+            jsd += tl.sum(beta * kl_t + (1.0 - beta) * kl_s, axis=1)
+            excess += tl.sum(tl.where((ps == 0.0) | top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
+        else:
+            m, a, r, c, o, z, u = _tile_record(zs, zt, offs_v, BIG)
+            sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
+            m, a, r, c, o, z, u = _tile_record(zt, zs, offs_v, BIG)
+            tm, ta, tr, tc, to, tz, tu = _merge(tm, ta, tr, tc, to, tz, tu, m, a, r, c, o, z, u)
+            if WITH_TARGET:
+                # the tile's own value: at the argmax it is the record's max exactly
+                target_logit += tl.sum(tl.where(offs_v[None, :] == targets[:, None], zs, 0.0), axis=1)
     out = out_ptr + split * N + offs_n
-    tl.store(out, jsd, mask=n_mask)
-    tl.store(out + stride_out, excess, mask=n_mask)
+    if JSD:
+        tl.store(out, jsd, mask=n_mask)
+        tl.store(out + stride_out, excess, mask=n_mask)
+    else:
+        _store_record(out, stride_out, n_mask, sm, sa, sr, sc, so, sz, su)
+        _store_record(out + 7 * stride_out, stride_out, n_mask, tm, ta, tr, tc, to, tz, tu)
+        if WITH_TARGET:
+            tl.store(out + 14 * stride_out, target_logit, mask=n_mask)
 
 
 @triton.jit
@@ -415,7 +404,7 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
 @on_first_argument_device
 def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
             student_transform, teacher_transform, config=None, offset=0, targets=None):
-    """Both models' records over the weights' rows by the forward kernel, and the JSD's second sweep over them.
+    """Both models' records over the weights' rows by the record sweep, and the JSD's second sweep over them.
 
     Args:
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: [N, Ds],
@@ -424,7 +413,7 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
         config: the launch (None: forward_config's).
         offset: the vocabulary entry of the weights' first row (a vocab-parallel shard's; 0 for a whole head).
         targets: None, or [N] int64 target ids, rows of these weights (the combined head,
-            grpo_fast/teacher_head.py, on a whole head): the kernel also gathers the student's logit there.
+            grpo_fast/teacher_head.py, on a whole head): the record sweep also gathers the student's logit there.
 
     Returns:
         (student, teacher, jsd_sweep, target_logit): both models' divergence_torch.Records [N] (the kernel's
@@ -443,13 +432,16 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
                                 device=dev)
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
               teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
-    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
+    common = dict(N=N, V=V, Ds=Ds, Dt=Dt, vocab_per_split=vocab_per_split,
+                  stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
                   stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
-                  **_scalars(student_transform, teacher_transform),
+                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
                   **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
                                       teacher_transform, config))
-    _forward_kernel[grid](*models, split_records, targets if targets is not None else split_records, N, V, Ds, Dt,
-                          vocab_per_split, split_records.stride(0), WITH_TARGET=targets is not None, **common)
+    # the record sweep reads no saved values: split_records stands in for their pointers
+    _sweep_kernel[grid](*models, split_records, targets if targets is not None else split_records, split_records,
+                        split_records, stride_out=split_records.stride(0), stride_saved=0, JSD=False,
+                        WITH_TARGET=targets is not None, **common)
     runs = []
     for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS:2 * RECORD_FIELDS]):
         per_split = [divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
@@ -463,8 +455,9 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
         saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
         argmax = local_argmax(torch.stack([student.argmax, teacher.argmax]), offset, V)
         out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
-        _jsd_kernel[grid](*models, saved, argmax, out, N, V, Ds, Dt, vocab_per_split, saved.stride(0),
-                          out.stride(0), **_beta_scalars(beta), **common)
+        # the JSD sweep gathers no target: out stands in for the targets' pointer
+        _sweep_kernel[grid](*models, out, out, saved, argmax, stride_out=out.stride(0), stride_saved=saved.stride(0),
+                            JSD=True, WITH_TARGET=False, **common)
         jsd, excess = out.sum(1).unbind(0)
         return jsd, excess
 
