@@ -41,7 +41,8 @@ COLORS = {
 
 @dataclass(frozen=True)
 class Panel:
-    """One column (``title`` unique: the rows are grouped by it): the records of ``impls`` at (shape, N, dense) in ``file``; ``error`` names the precision row."""
+    """One column (``title`` unique: the rows are grouped by it): the records of ``impls`` at (shape, N, dense) in
+    ``file``; ``error`` names the precision row."""
 
     title: str
     file: str
@@ -71,6 +72,11 @@ ERROR_LABELS = {
     "logprobs_max_abs_err": "log-prob error vs fp64 (nats)",
     "grad_hidden_rel_err": "dH error vs fp64 (max abs error / max abs dH)",
 }
+
+
+def _ms_format(ms):
+    """A time's format: a GPU's tens of ms with a decimal, a CPU's thousands without."""
+    return ".1f" if ms is not None and ms < 100 else ".0f"
 
 
 def _record(doc, panel, impl, mode):
@@ -129,7 +135,7 @@ def markdown(table) -> str:
     ]
     for r in table:
         lines.append(
-            f"| {r['panel']} | {r['tokens']} | {r['name']} (`{r['impl']}`) | {_cell(r['ms'], '.1f' if r['ms'] is not None and r['ms'] < 100 else '.0f')} | "
+            f"| {r['panel']} | {r['tokens']} | {r['name']} (`{r['impl']}`) | {_cell(r['ms'], _ms_format(r['ms']))} | "
             f"{_cell(r['mib'], '.0f')} | {_cell(r['error'], '.1e')} | {ERROR_LABELS[r['error_kind']]} | "
             f"{r['where']}: {r['device'].removeprefix('CPU: ')} | {r['date']} | `{r['commit']}` | `{r['file']}` |"
         )
