@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
 from .launch import on_first_argument_device
-from .tile import gemm_scale, lora_kernel_args, lora_tile, row_coefficients, tile_grad, to_gemm
+from .tile import gemm_scale, gradient_tile, lora_kernel_args, lora_tile, row_coefficients, tile_grad, to_gemm
 
 
 @triton.jit
@@ -74,14 +74,10 @@ def _backward_kernel(
         # one; 32-bit, as _launch keeps the grid under 2^31 programs. Only here: without dW the token-block order
         # already spreads the atomics, and the remap spills registers in two fused frozen-W variants (sm_compile)
         pid_v, pid_n = tl.swizzle2d(pid_v, pid_n, tl.num_programs(1), tl.num_programs(0), GROUP_V)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    n_mask = offs_n < N
-    v_mask = offs_v < V
     # int64 row offsets wherever a row times a stride may pass 2^31 elements (g: chunk x V with chunk <= D, at most
     # the size of W; hidden N x D; weight V x D; the fp32 dH and dW); tile.py says why
-    g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_gn + offs_v[None, :]
-    g_mask = n_mask[:, None] & v_mask[None, :]
+    offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(g_ptr, stride_gn, pid_n, pid_v, N, V, BLOCK_N,
+                                                                   BLOCK_V)
 
     grad_logp, grad_entropy, coefficient_sum = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask,
                                                                  ENTROPY_GRAD)

@@ -26,7 +26,7 @@ from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled
 from .forward import num_vocab_splits
 from .gemm import chunk_size, mm_fp32
 from .launch import on_first_argument_device
-from .tile import gemm_scale, logit_tile, row_coefficients, to_gemm
+from .tile import gemm_scale, gradient_tile, logit_tile, row_coefficients, to_gemm
 
 # the record fields of one model in the split buffer, in divergence_torch.Record's order
 RECORD_FIELDS = len(divergence_torch.Record._fields)
@@ -283,12 +283,8 @@ def _backward_kernel(
     tile.tile_grad forms it."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    n_mask = offs_n < N
-    v_mask = offs_v < V
-    g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :]
-    g_mask = n_mask[:, None] & v_mask[None, :]
+    offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(g_ptr, stride_g, pid_n, pid_v, N, V, BLOCK_N,
+                                                                   BLOCK_V)
     c = tl.load(grad_ptr + offs_n, mask=n_mask, other=0.0)
     # a sum, not a max: a NaN coefficient must reach the gradient (tile.row_coefficients)
     coefficient_sum = tl.sum(tl.abs(c), axis=0)

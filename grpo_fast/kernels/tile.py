@@ -162,6 +162,18 @@ def logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_pt
 
 
 @triton.jit
+def gradient_tile(g_ptr, stride_g, pid_n, pid_v, N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Tile (pid_n, pid_v) of an [N, V] gradient buffer (the backwards' g): its rows and columns, their masks, and
+    the tile's pointers (int64 row offsets: g may pass 2^31 elements) and mask."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+    g_ptrs = g_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :]
+    return offs_n, offs_v, n_mask, v_mask, g_ptrs, n_mask[:, None] & v_mask[None, :]
+
+
+@triton.jit
 def row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD: tl.constexpr):
     """A token block's dL/dlogp and dL/dentropy (the latter only with ENTROPY_GRAD), and the sum of their
     magnitudes: 0 means the block has no gradient (masked rows), which the kernels skip exactly. A sum, not a max:
