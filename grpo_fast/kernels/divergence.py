@@ -96,13 +96,12 @@ def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, 
     return offs_v, zs, slope, zt
 
 
-
-
 @triton.jit
 def _split_range(split, vocab_per_split, V):
     """The vocabulary entries [begin, end) of a sweep program's split."""
     begin = split * vocab_per_split
     return begin, tl.minimum(begin + vocab_per_split, V)
+
 
 @triton.jit
 def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
