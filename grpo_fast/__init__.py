@@ -18,11 +18,11 @@ from grpo_fast import reference
 from grpo_fast.api import Metrics, logprobs, logprobs_and_entropy, loss, sampling_importance_weights, token_loss
 from grpo_fast.divergence_head import divergence, divergence_and_entropy
 from grpo_fast.lora import HeadLora
-from grpo_fast.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptions
+from grpo_fast.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
 from grpo_fast.teacher_head import Teacher
 from grpo_fast.vocab_parallel import VocabShard
 
 __all__ = ["loss", "logprobs", "logprobs_and_entropy", "token_loss", "sampling_importance_weights", "Metrics",
-           "LossOptions", "LOSS_TYPES", "NUM_ITEMS_LOSS_TYPES", "VocabShard", "HeadLora", "reference", "divergence",
-           "divergence_and_entropy", "Teacher"]
+           "LossOptions", "LossOptionKeywords", "LOSS_TYPES", "NUM_ITEMS_LOSS_TYPES", "VocabShard", "HeadLora",
+           "reference", "divergence", "divergence_and_entropy", "Teacher"]
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from typing_extensions import Unpack
 
 from grpo_fast import autograd, ops, reference, teacher_head
 from grpo_fast import lora as head_lora
@@ -36,7 +37,7 @@ from grpo_fast import vocab_parallel as vocab_parallel_head
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.lora import HeadLora
 from grpo_fast.metrics import metric_names
-from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptions, takes_option_keywords
+from grpo_fast.options import IMPORTANCE_SAMPLING_MODES, LossOptionKeywords, LossOptions
 from grpo_fast.options import check_number as _number
 from grpo_fast.teacher_head import Teacher
 from grpo_fast.transform import LogitTransform
@@ -438,7 +439,6 @@ class _LossBatch:
     entropy_threshold: float | None = None
 
 
-@takes_option_keywords
 def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
          completion_mask: torch.Tensor, *, bias: torch.Tensor | None = None,
          old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
@@ -449,22 +449,17 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
          lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None, backend: str = "auto",
          check_values: bool = True, teacher: Teacher | None = None, distillation_coef: float | None = None,
          distillation_beta: float | None = None,
-         loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-         delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
-         sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
-         vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-         use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
-         top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
+         **option_keywords: Unpack[LossOptionKeywords]) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1; a
-    vocab-parallel head gives every rank the unsharded loss and metrics. The loss options, ``loss_type`` to
-    ``entropy_coef`` at the signature's end, are TRL's ``GRPOConfig`` keywords with its defaults:
-    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)); ``options`` gives them
-    as one object. With a ``teacher``: RL and distillation in one call; the per-token loss gains
-    ``distillation_coef`` times the divergence from the teacher (``grpo_fast.divergence``) before the loss type's
-    reduction, computed from the same student tiles as the log-probs (grpo_fast/teacher_head.py), and
-    ``metrics["distillation_loss"]`` is its mean over the scored tokens.
+    vocab-parallel head gives every rank the unsharded loss and metrics. The loss options are TRL's
+    ``GRPOConfig`` keywords with its defaults, by name (``**option_keywords``, typed by
+    [LossOptionKeywords][grpo_fast.LossOptionKeywords]) or as one object (``options``);
+    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)). With a ``teacher``: RL and
+    distillation in one call; the per-token loss gains ``distillation_coef`` times the divergence from the teacher
+    (``grpo_fast.divergence``) before the loss type's reduction, computed from the same student tiles as the
+    log-probs (grpo_fast/teacher_head.py), and ``metrics["distillation_loss"]`` is its mean over the scored tokens.
 
     Args:
         hidden: the policy's last hidden states [B, T, D] (float32, bfloat16 or float16).
@@ -486,8 +481,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
         temperature: the sampling temperature (> 0).
         softcap: the model's logit soft-cap, or None.
         logit_scale: the model's logit scale.
-        options: the loss options as one LossOptions; the option keywords that differ from their defaults apply
-            on top. None: the keywords alone.
+        options: the loss options as one LossOptions, under the option keywords; None: TRL's defaults.
         head_path: layer 1's path, as in ``logprobs_and_entropy`` (the entropy bonus takes the general path).
         backward_mode: layer 1's Triton backward, as in ``logprobs_and_entropy``.
         lora: LoRA on the lm_head (HeadLora), or None.
@@ -498,6 +492,8 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
         distillation_coef: the divergence's weight in the per-token loss; required with ``teacher``, only with it.
         distillation_beta: the divergence's beta (0: forward KL, 1: reverse KL, between: the generalized JSD;
             TRL's DistillationConfig.beta); None: 1.0. Only with ``teacher``.
+        **option_keywords: the loss options by name, TRL's ``GRPOConfig`` keywords (LossOptionKeywords): they
+            apply on top of ``options``.
 
     Returns:
         loss: the differentiable float32 scalar loss.
@@ -505,7 +501,8 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
             [B, T] as attributes ([metrics](../options.md#metrics)).
 
     Raises:
-        TypeError: as ``logprobs_and_entropy`` for the arguments both take, ``options`` not a LossOptions,
+        TypeError: as ``logprobs_and_entropy`` for the arguments both take, ``options`` not a LossOptions, an
+            unknown option keyword,
             ``teacher`` not a Teacher, or a teacher's tensors of mismatched dtypes.
         ValueError: as ``logprobs_and_entropy`` for the arguments both take; a bad option; or inputs the options
             do not take: beta != 0 without ref_logprobs, ``sampling_logprobs`` without
@@ -514,6 +511,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
             ``distillation_beta`` without a teacher, a teacher without ``distillation_coef``, a teacher whose
             shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``.
     """
+    options = LossOptions.resolve(options, option_keywords, "loss")
     distillation = _checked_distillation(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
     checks = _ValueChecks(check_values, hidden, targets, completion_mask)
@@ -637,24 +635,18 @@ def _add_distillation(total, metrics, div, coef, prepared, options):
     return total, metrics
 
 
-@takes_option_keywords
 def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
                entropy: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
                ref_logprobs: torch.Tensor | None = None, sampling_logprobs: torch.Tensor | None = None,
                importance_weights: torch.Tensor | None = None, num_items_in_batch: float | torch.Tensor | None = None,
                entropy_threshold: float | torch.Tensor | None = None, options: LossOptions | None = None,
                backend: str = "auto", check_values: bool = True,
-         loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-               delta: float | None = None, importance_sampling_level: str = "token", max_completion_length: int = 512,
-               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
-               vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-               use_bias_correction_kl: bool = True, off_policy_mask_threshold: float | None = None,
-               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
+               **option_keywords: Unpack[LossOptionKeywords]) -> tuple[torch.Tensor, Metrics]:
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs that carry the gradient.
 
     For callers that already have the policy's log-probs; the per-batch inputs are ``loss``'s. The loss options,
-    ``loss_type`` to ``entropy_coef`` at the signature's end, are TRL's ``GRPOConfig`` keywords with its defaults:
-    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)).
+    by name or as one object, are ``loss``'s: [LossOptions][grpo_fast.LossOptions] documents each
+    ([loss options](../options.md)).
 
     Args:
         logprobs: [B, T] float: the policy's log-probs of the sampled tokens; the loss's gradient flows to them.
@@ -668,10 +660,11 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
         importance_weights: the sampler correction, [B, T], [B, 1] or [B]; or None.
         num_items_in_batch: dapo / cispo / vespo's normaliser; None: the mask's sum.
         entropy_threshold: the top-entropy quantile's value, precomputed; or None.
-        options: a LossOptions; or None.
+        options: the loss options as one LossOptions, under the option keywords; None: TRL's defaults.
         backend: "auto", "triton" (the token kernel) or "torch" (the spec's layer 2 with autograd).
         check_values: read the mask's 0/1 check and num_items_in_batch >= 0 in one host synchronisation; False
             reads nothing on the host.
+        **option_keywords: the loss options by name, as ``loss``'s.
 
     Returns:
         loss: the differentiable float32 scalar loss.
@@ -679,11 +672,12 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
 
     Raises:
         TypeError: a tensor argument that is not a tensor (float where a float is expected), ``options`` not a
-            LossOptions, or ``check_values`` not a bool.
+            LossOptions, an unknown option keyword, or ``check_values`` not a bool.
         ValueError: a shape that does not match, tensors on different devices, a bad option, an unknown
             ``backend``, a mask value other than 0/1 (with ``check_values``), ``top_entropy_quantile < 1`` or
             ``entropy_coef != 0`` without ``entropy``, or inputs the options do not take (as ``loss``).
     """
+    options = LossOptions.resolve(options, option_keywords, "token_loss")
     _float_tensor("logprobs", logprobs)
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")

@@ -2,10 +2,11 @@
 
 ``LossOptions`` is what every layer-2 implementation takes (the spec ``grpo_fast.reference``, the Triton token
 kernel's launcher and its torch twin ``grpo_fast.token_loss_torch``, the benchmark, the examples).
-``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take the same names as keyword arguments, TRL style, written
-out in their signatures with these defaults (a test keeps them in step), and turn them into a ``LossOptions`` here
-(``takes_option_keywords``); the spec's ``**loss_options`` go through ``resolve``, where an unknown name is a
-``TypeError`` that says which names exist.
+``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take the same names as keyword arguments, TRL style, typed for
+IDEs and type checkers by ``LossOptionKeywords`` (PEP 692: ``**option_keywords: Unpack[LossOptionKeywords]``; a test
+keeps its names and types those of ``LossOptions``, whose defaults are the only ones), and turn them into a
+``LossOptions`` with ``resolve``, as the spec does its ``**loss_options``: an unknown name is a ``TypeError`` that
+says which names exist.
 
 Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
 its metrics. The spec (grpo_fast.reference), the token kernel's launcher, the torch layer 2
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from grpo_fast.loss_statistics import STATISTICS
 from grpo_fast.transform import check_number
@@ -327,28 +327,6 @@ class LossOptions:
         return dataclasses.replace(base, **keywords) if keywords else base
 
     @classmethod
-    def from_written_keywords(cls, options: LossOptions | None, written: dict) -> LossOptions:
-        """The options of a call that writes every option out as a keyword (``takes_option_keywords``).
-
-        Args:
-            options: the call's ``options`` argument, or None.
-            written: the option keywords the call was given. Without ``options`` they are the options (the others
-                keep their defaults); with it, those that differ from their default apply on top (a keyword left
-                at its default keeps ``options``' value).
-
-        Returns:
-            The options.
-
-        Raises:
-            TypeError: ``options`` not a LossOptions.
-            ValueError: an argument's value is not a valid option.
-        """
-        if options is None:
-            return cls(**written)
-        return cls.resolve(options, {name: value for name, value in written.items()
-                                     if not _is_default(value, FIELD_DEFAULTS[name])})
-
-    @classmethod
     def from_trl(cls, config) -> LossOptions:
         """The options of a TRL ``GRPOConfig``.
 
@@ -364,25 +342,29 @@ class LossOptions:
         return cls(**{name: getattr(config, name) for name in FIELD_NAMES if hasattr(config, name)})
 
 
+class LossOptionKeywords(TypedDict, total=False):
+    """The loss options as keywords of ``grpo_fast.loss`` and ``token_loss`` (``**option_keywords:
+    Unpack[LossOptionKeywords]``, PEP 692): an IDE and a type checker see each name and type. Each is the
+    [LossOptions][grpo_fast.LossOptions] field of that name (its meaning; its default, TRL's); a keyword left out
+    keeps the default, or the value in the call's ``options``."""
+
+    loss_type: str
+    beta: float
+    epsilon: float
+    epsilon_high: float | None
+    delta: float | None
+    importance_sampling_level: str
+    max_completion_length: int
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
+    use_bias_correction_kl: bool
+    off_policy_mask_threshold: float | None
+    top_entropy_quantile: float
+    entropy_coef: float
+
+
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
-FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossOptions)}
-
-
-def takes_option_keywords(function):
-    """Decorates a function whose signature writes every loss option out as a keyword (grpo_fast.loss, token_loss):
-    it is called with the given option keywords and ``options`` resolved into one LossOptions, as ``options``
-    (``LossOptions.from_written_keywords``), and the option parameters left at their defaults. The keywords are
-    taken from the call, not from ``locals()``, which torch 2.11's dynamo cannot trace (2.13's can)."""
-
-    @functools.wraps(function)
-    def with_options(*args, options=None, **keywords):
-        written = {name: keywords.pop(name) for name in FIELD_NAMES if name in keywords}
-        return function(*args, options=LossOptions.from_written_keywords(options, written), **keywords)
-
-    return with_options
-
-
-def _is_default(value, default) -> bool:
-    """``value`` is ``default`` itself or an equal value of its type (no tensor comparison: a tensor is never one)."""
-    return value is default or (type(value) is type(default) and value == default)
-

@@ -64,7 +64,6 @@ def _parameters(obj):
 
 PACKAGE = _load()
 RENDERED = _rendered(PACKAGE)
-LOSS_OPTION_FIELDS = _parameters(PACKAGE["options"]["LossOptions"])
 
 
 def _sections(obj, caplog):
@@ -154,12 +153,6 @@ def test_docstring_documents_the_signature(path, caplog):
             f"{sorted(set(expected) - set(documented))}")
         return
     expected = _parameters(obj)
-    if set(LOSS_OPTION_FIELDS) <= set(expected):
-        # grpo_fast.loss and token_loss write the loss options out as keywords (for IDEs and type checkers); each is
-        # documented once, in LossOptions' Attributes, which the docstring names instead of repeating them
-        assert "[LossOptions][grpo_fast.LossOptions]" in obj.docstring.value, (
-            f"{path}: the loss-option keywords are documented by linking LossOptions")
-        expected = [name for name in expected if name not in LOSS_OPTION_FIELDS]
     assert sorted(args) == sorted(expected), (
         f"{path}: Args must name exactly the signature's parameters; missing {sorted(set(expected) - set(args))}, "
         f"stale {sorted(set(args) - set(expected))}")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import typing
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from trl import GRPOConfig
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.options import FIELD_NAMES, LOSS_TYPES, LossOptions
+from grpo_fast.options import FIELD_NAMES, LOSS_TYPES, LossOptionKeywords, LossOptions
 
 
 def test_every_option_is_a_grpo_config_field_with_trls_default():
@@ -26,31 +27,35 @@ def test_from_trl_reads_a_grpo_config():
     assert (options.loss_type, options.beta, options.epsilon_high, options.clip_high) == ("cispo", 0.04, 5.0, 5.0)
 
 
-def test_signatures_write_out_the_options_with_their_defaults_and_types():
-    """grpo_fast.loss and token_loss write every option out (an IDE and a type checker see them): keyword-only, in
-    LossOptions' order, with its defaults (the one source) and its annotations; nothing else is taken by name."""
-    fields = dataclasses.fields(LossOptions)
+def test_option_keywords_are_typed_with_the_options_names_and_types():
+    """grpo_fast.loss and token_loss take the loss options as ``**option_keywords: Unpack[LossOptionKeywords]`` (an
+    IDE and a type checker see each keyword): the TypedDict's names, in order, and annotations are LossOptions'
+    fields'; nothing else is taken by name."""
+    keyword_types, field_types = typing.get_type_hints(LossOptionKeywords), typing.get_type_hints(LossOptions)
+    assert list(keyword_types) == list(FIELD_NAMES) == [f.name for f in dataclasses.fields(LossOptions)]
+    assert LossOptionKeywords.__total__ is False
+    for name in FIELD_NAMES:
+        assert keyword_types[name] == field_types[name], name
     for fn in (grpo_fast.loss, grpo_fast.token_loss):
         params = inspect.signature(fn).parameters
-        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn.__name__
-        assert [name for name in params if name in FIELD_NAMES] == list(FIELD_NAMES), fn.__name__
-        for field in fields:
-            param = params[field.name]
-            assert param.kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, field.name)
-            assert param.default == field.default and type(param.default) is type(field.default), (fn.__name__,
-                                                                                                   field.name)
-            assert param.annotation == field.type, (fn.__name__, field.name)
+        keywords = [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        assert [(p.name, p.annotation) for p in keywords] == [("option_keywords", "Unpack[LossOptionKeywords]")]
+        assert not set(params) & set(FIELD_NAMES), fn.__name__
 
 
-def test_a_keyword_at_its_default_keeps_the_options_value():
+def test_a_keyword_applies_on_top_of_the_options():
     g = torch.Generator().manual_seed(0)
     logp, adv, mask = -torch.rand(3, 5, generator=g), torch.randn(3, generator=g), torch.ones(3, 5)
     old = logp + 0.3 * torch.randn(3, 5, generator=g)
     by_object, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01))
-    with_default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01),
-                                           epsilon=0.2)
+    by_keyword, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, epsilon=0.01)
+    keyword_on_top, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01),
+                                             epsilon=0.2)
     default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old)
-    assert with_default.item() == by_object.item() != default.item()
+    assert by_keyword.item() == by_object.item() != default.item()
+    assert keyword_on_top.item() == default.item()
+    kept, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01), beta=0.0)
+    assert kept.item() == by_object.item()
 
 
 @pytest.mark.parametrize("override, error, message", [
@@ -71,11 +76,13 @@ def test_bad_options_raise_named_errors(override, error, message):
 
 def test_unknown_keyword_suggests_the_close_name():
     logp = torch.zeros(1, 2)
-    with pytest.raises(TypeError, match=r"token_loss\(\) got an unexpected keyword argument 'epsilon_hi'"):
-        grpo_fast.token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
-    with pytest.raises(TypeError, match=r"token_loss\(\) got unexpected keyword argument\(s\) 'epsilon_hi' "
-                                        r"\(did you mean 'epsilon_high'\?\)"):
-        reference.token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
+    for token_loss in (grpo_fast.token_loss, reference.token_loss):
+        with pytest.raises(TypeError, match=r"token_loss\(\) got unexpected keyword argument\(s\) 'epsilon_hi' "
+                                            r"\(did you mean 'epsilon_high'\?\)"):
+            token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
+    with pytest.raises(TypeError, match=r"loss\(\) got unexpected keyword argument\(s\) 'loss_typ' "):
+        grpo_fast.loss(torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long), torch.ones(1),
+                       torch.ones(1, 2), loss_typ="grpo")
     with pytest.raises(TypeError, match="options must be a grpo_fast.LossOptions"):
         grpo_fast.token_loss(logp, torch.ones(1), torch.ones(1, 2), options={"beta": 0.1})
 

@@ -1,0 +1,40 @@
+"""A type checker sees grpo_fast's public signatures: mypy, run over a caller, names the loss-option keyword that does
+not exist (and the one it meant) and the option given a value of the wrong type, and passes the right calls."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import grpo_fast
+
+CALLER = '''
+import torch
+
+import grpo_fast
+
+logp, adv, mask = torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3)
+hidden, weight, targets = torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, 3, dtype=torch.long)
+grpo_fast.token_loss(logp, adv, mask, loss_type="grpo", epsilon_high=0.3, delta=None, max_completion_length=64)
+grpo_fast.loss(hidden, weight, targets, adv, mask, options=grpo_fast.LossOptions(beta=0.04), epsilon=0.1)
+grpo_fast.token_loss(logp, adv, mask, epsilon_hi=0.3)
+grpo_fast.loss(hidden, weight, targets, adv, mask, loss_type=3)
+'''
+
+
+@pytest.mark.slow
+def test_mypy_checks_the_loss_option_keywords(tmp_path):
+    caller = tmp_path / "caller.py"
+    caller.write_text(CALLER)
+    # run from the folder that holds the package, so that an editable install (an import hook mypy does not follow)
+    # is found as source; a regular install is found through its py.typed
+    result = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
+                             "--cache-dir", str(tmp_path / "cache"), "--no-error-summary", str(caller)],
+                            cwd=pathlib.Path(grpo_fast.__file__).parents[1], capture_output=True, text=True)
+    errors = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": error: " in line]
+    assert errors == [
+        'error: Unexpected keyword argument "epsilon_hi" for "token_loss"; did you mean "epsilon_high" or "epsilon"?  '
+        "[call-arg]",
+        'error: Argument "loss_type" to "loss" has incompatible type "int"; expected "str"  [arg-type]',
+    ], result.stdout + result.stderr
