@@ -465,6 +465,9 @@ GRPO_FAST_ONLY_KEYWORDS = {"bias", "old_logprobs", "ref_logprobs", "sampling_log
 def test_keyword_defaults_are_grpo_config_defaults(fn):
     fields = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     keywords = {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    # and the loss options, taken as **option_keywords (typed by LossOptionKeywords: tests/test_options.py) with
+    # LossOptions' defaults
+    keywords |= {f.name: f.default for f in dataclasses.fields(grpo_fast.LossOptions)}
     for name, default in keywords.items():
         if name in GRPO_FAST_ONLY_KEYWORDS:
             assert name not in fields, f"{name} is a GRPOConfig field now: compare its default"
