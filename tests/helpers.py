@@ -142,3 +142,43 @@ def dtensors_never_gathered(what):
         yield
     finally:
         DTensor.full_tensor = real
+
+
+def parser_actions(parse_args, argv):
+    """{dest: argparse action} of the parser a command's ``parse_args(argv)`` builds, caught as it parses."""
+    import argparse
+
+    captured = {}
+    real = argparse.ArgumentParser.parse_args
+
+    def grab(self, args=None, namespace=None):
+        captured["actions"] = self._actions
+        return real(self, args, namespace)
+
+    argparse.ArgumentParser.parse_args = grab
+    try:
+        parse_args(argv)
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    return {action.dest: action for action in captured["actions"]}
+
+
+def out_of_range_cases(ranges, actions):
+    """For each numeric flag of ``ranges`` ({dest: grpo_fast.gsm8k.cli.Range}), the values its range refuses just
+    outside each end (and "nan" for a float flag): (dest, argv, the error's text after "error: ") as
+    ``cli.check_numbers`` words it, with the range as ``Range.describe`` words it (its wording: test_cli_wording)."""
+    for dest, accepted in ranges.items():
+        integer = actions[dest].type is int
+        step = 1 if integer else 0.5
+        values = [] if integer else [float("nan")]
+        if accepted.low is not None:
+            low = accepted.low if accepted.low_open else accepted.low - step
+            while low in accepted.also:
+                low -= step
+            values.append(low)
+        if accepted.high is not None:
+            values.append(accepted.high if accepted.high_open else accepted.high + step)
+        flag = "--" + dest.replace("_", "-")
+        for value in values:
+            text = str(value) if integer else f"{value:g}"
+            yield dest, [flag, text], f"{flag} {text}: expected {accepted.describe(integer)}"

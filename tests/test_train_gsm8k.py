@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import out_of_range_cases, parser_actions
 from safetensors.torch import load_file
 
 from grpo_fast.gsm8k.tokenizer import byte_tokenizer
@@ -301,15 +302,15 @@ def test_embedded_smollm2_resolves_without_network(monkeypatch):
     assert (Path(source.path) / source.gguf_file).stat().st_size > 50e6
 
 
-def out_of_range(accepted, integer):
-    """A value the flag's range refuses, just outside it."""
-    step = 1 if integer else 0.5
-    if accepted.low is not None:
-        value = accepted.low if accepted.low_open else accepted.low - step
-        while value in accepted.also:
-            value -= step
-        return value
-    return accepted.high if accepted.high_open else accepted.high + step
+def test_cli_wording():
+    """How a range reads in an error and in --help (the tests of every flag compare against these words)."""
+    from grpo_fast.gsm8k.cli import Range
+
+    assert Range(1, 1024).describe(True) == "an integer in [1, 1024]"
+    assert Range(0.0, 1.0, high_open=True).describe(False) == "a number in [0, 1)"
+    assert Range(0.0, low_open=True).describe(False) == "a number > 0"
+    assert Range(1, also={-1: "one epoch"}).describe(True) == "an integer >= 1, or -1 (one epoch)"
+    assert Range(high=2.5).describe(False) == "a number <= 2.5"
 
 
 def test_every_numeric_flag_is_checked_before_anything_slow(setup, monkeypatch, capsys):
@@ -318,20 +319,17 @@ def test_every_numeric_flag_is_checked_before_anything_slow(setup, monkeypatch, 
     root, script = setup
     monkeypatch.setattr(script.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.setattr(script.cli, "load_split", lambda *a, **k: pytest.fail("loaded the data"))
-    actions = {a.dest: a for a in _parser_actions(script)}
+    actions = parser_actions(script.parse_args, ["--preset", "cpu"])
     numeric = {dest for dest, a in actions.items() if a.type in (int, float)}
     assert numeric == set(script.RANGES)  # every numeric flag has a range
     for dest, accepted in script.RANGES.items():
-        integer, parser_help = actions[dest].type is int, actions[dest].help
-        value = out_of_range(accepted, integer)
-        flag = "--" + dest.replace("_", "-")
-        assert "accepts " + accepted.describe(integer) in parser_help, dest
+        assert "accepts " + accepted.describe(actions[dest].type is int) in actions[dest].help, dest
+    for dest, argv, message in out_of_range_cases(script.RANGES, actions):
         with pytest.raises(SystemExit) as exit_info:
-            script.main(["--preset", "cpu", "--model", str(root / "model"), "--output-dir", str(root / "bad"),
-                         flag, str(value)])
+            script.main(["--preset", "cpu", "--model", str(root / "model"), "--output-dir", str(root / "bad"), *argv])
         text = str(exit_info.value)
         assert exit_info.value.code == 2 and capsys.readouterr().err == text + "\n", dest
-        assert text == f"train_gsm8k.py: error: {flag} {value:g}: expected {accepted.describe(integer)}", dest
+        assert text == f"train_gsm8k.py: error: {message}", dest
     for bad in ("nan", "inf"):
         with pytest.raises(SystemExit, match="--temperature " + bad):
             script.parse_args(["--temperature", bad])
@@ -340,24 +338,6 @@ def test_every_numeric_flag_is_checked_before_anything_slow(setup, monkeypatch, 
     for preset in ("cpu", "gpu"):  # the recipes' own values pass
         script.parse_args(["--preset", preset])
     assert not (root / "bad").exists()
-
-
-def _parser_actions(script):
-    import argparse
-
-    captured = {}
-    real = argparse.ArgumentParser.parse_args
-
-    def grab(self, argv=None, namespace=None):
-        captured["actions"] = self._actions
-        return real(self, argv, namespace)
-
-    argparse.ArgumentParser.parse_args = grab
-    try:
-        script.parse_args(["--preset", "cpu"])
-    finally:
-        argparse.ArgumentParser.parse_args = real
-    return captured["actions"]
 
 
 def test_a_bad_number_from_the_command_line_exits_2_with_one_line():

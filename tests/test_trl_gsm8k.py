@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import out_of_range_cases, parser_actions
 from trl_harness import tiny_qwen2
 from trl_pairs import trl_kernel_forbidden
 
@@ -145,30 +146,16 @@ def test_cpu_recipe_and_bad_input(monkeypatch, tmp_path):
 def test_every_numeric_flag_is_checked_before_anything_slow(monkeypatch, capsys):
     """Each numeric flag just outside its range, and batch sizes TRL would reject: one line naming the flag, the
     value and the range, exit status 2, before TRL or a model loads; --help says what each flag accepts."""
-    import argparse
-
     script = load_script()
     monkeypatch.setattr(script.models, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("loaded a model"))
-    captured = {}
-    real = argparse.ArgumentParser.parse_args
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
-                        lambda self, *a, **k: (captured.setdefault("actions", self._actions), real(self, *a, **k))[1])
-    script.parse_args(["--preset", "cpu"])
-    actions = {a.dest: a for a in captured["actions"]}
+    actions = parser_actions(script.parse_args, ["--preset", "cpu"])
     assert {d for d, a in actions.items() if a.type in (int, float)} == set(script.RANGES)
-    cases = [(["--max-steps", "0"], "--max-steps 0: expected an integer >= 1, or -1 (one epoch)"),
-             (["--max-steps", "-2"], "--max-steps -2: expected an integer >= 1, or -1 (one epoch)"),
-             (["--num-generations", "0"], "--num-generations 0: expected an integer >= 2"),
-             (["--temperature", "0"], "--temperature 0: expected a number > 0"),
-             (["--learning-rate", "nan"], "--learning-rate nan: expected a number > 0"),
-             (["--warmup-ratio", "1"], "--warmup-ratio 1: expected a number in [0, 1)"),
-             (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size 0: expected an integer >= 1"),
-             (["--generation-batch-size", "6"],
-              "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
-             (["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
-              "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)"),
-             (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]")]
-    for argv, message in cases:
+    ranged = [(argv, message) for _, argv, message in out_of_range_cases(script.RANGES, actions)]
+    batch_sizes = [(["--generation-batch-size", "6"],
+                    "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
+                   (["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
+                    "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)")]
+    for argv, message in ranged + batch_sizes:
         with pytest.raises(SystemExit) as exit_info:
             script.main(["--preset", "cpu", *argv])
         assert exit_info.value.code == 2 and str(exit_info.value) == f"trl_gsm8k.py: error: {message}", argv
