@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import THREAD_POLICY, measure, report
-from bench.__main__ import DEFAULT_OUT, DEFAULT_OUT_SHOWN, DTYPES
+from bench.__main__ import DTYPES, add_output_arguments
 from bench.impls import _import_failure
 from bench.shapes import resolve_shape
 from grpo_fast import reference
@@ -40,10 +40,10 @@ SCHEMA_VERSION = 1
 MODES = ("fwdbwd", "forward")
 MODE_TITLES = {"fwdbwd": "forward + backward (loss = mean divergence; student dH, dW)", "forward": "forward only"}
 SCENARIOS = ("ordinary", "confident")
-BETAS = (1.0, 0.0, 0.5)              # TRL's default (reverse KL) first: the budget keeps what comes first
-LOGIT_STD = 2.0                      # the student's logits on the ordinary batch; the teacher's add noise of std 1
-CONFIDENT_REST_MASS = 1e-6           # 1 - p of the chosen token in both models (within a factor 2): confident batch
-TRUTH_CHUNK_ELEMENTS = 1 << 23       # rows x V per chunk of the fp64 truth (64 MiB per fp64 [rows, V] temporary)
+BETAS = (1.0, 0.0, 0.5)  # TRL's default (reverse KL) first: the budget keeps what comes first
+LOGIT_STD = 2.0  # the student's logits on the ordinary batch; the teacher's add noise of std 1
+CONFIDENT_REST_MASS = 1e-6  # 1 - p of the chosen token in both models (within a factor 2): confident batch
+TRUTH_CHUNK_ELEMENTS = 1 << 23  # rows x V per chunk of the fp64 truth (64 MiB per fp64 [rows, V] temporary)
 # eager's peak in [N, V] fp32 tensors (measured: bench/results/cpu-divergence-bf16.json), to skip a point that would
 # exhaust the machine's memory (no swap: the kernel would kill a process) rather than run it
 EAGER_TEMPORARIES = {("fwdbwd", False): 9, ("fwdbwd", True): 17, ("forward", False): 5, ("forward", True): 9}
@@ -53,9 +53,10 @@ EAGER_TEMPORARIES = {("fwdbwd", False): 9, ("fwdbwd", True): 17, ("forward", Fal
 @dataclass
 class Pair:
     """One batch of a student-teacher pair: [1, N, D] hidden states and [V, D] heads (no biases, as Qwen2.5's)."""
-    student_hidden: torch.Tensor   # leaf, requires grad
-    student_weight: torch.Tensor   # leaf, requires grad
-    teacher_hidden: torch.Tensor   # no grad: the teacher never gets one
+
+    student_hidden: torch.Tensor  # leaf, requires grad
+    student_weight: torch.Tensor  # leaf, requires grad
+    teacher_hidden: torch.Tensor  # no grad: the teacher never gets one
     teacher_weight: torch.Tensor
     scenario: str
 
@@ -67,7 +68,7 @@ class Pair:
 def _ordinary(N, Ds, Dt, V, g):
     """Student logits of std LOGIT_STD; the teacher's are the student's (its first min(Ds, Dt) features) plus
     independent logits of std 1: related distributions, a divergence of a fraction of a nat."""
-    ws = torch.randn(V, Ds, generator=g) * (LOGIT_STD / Ds ** 0.5)
+    ws = torch.randn(V, Ds, generator=g) * (LOGIT_STD / Ds**0.5)
     hs = torch.randn(N, Ds, generator=g)
     k = min(Ds, Dt)
     wt = torch.randn(V, Dt, generator=g) / max(Dt - k, 1) ** 0.5
@@ -75,7 +76,7 @@ def _ordinary(N, Ds, Dt, V, g):
     wt[:, :k] = ws[:, :k] * (Ds / k) ** 0.5
     ht[:, :k] = hs[:, :k]
     if Dt == k:  # no independent features left: the noise comes from a rotation of the student's own
-        wt = wt + torch.randn(V, Dt, generator=g) / Dt ** 0.5
+        wt = wt + torch.randn(V, Dt, generator=g) / Dt**0.5
     return hs, ws, ht, wt
 
 
@@ -85,8 +86,8 @@ def _confident_model(N, D, V, y, dtype, g):
     linear in alpha: c = W h_1 is computed once)."""
     w = torch.randn(V, D, generator=g)
     w = (w / w.norm(dim=1, keepdim=True)).to(dtype)
-    direction = (w[y].double() + 0.1 * torch.randn(N, D, generator=g, dtype=torch.float64) / D ** 0.5).to(dtype)
-    c = direction.double() @ w.double().T                                # [N, V]
+    direction = (w[y].double() + 0.1 * torch.randn(N, D, generator=g, dtype=torch.float64) / D**0.5).to(dtype)
+    c = direction.double() @ w.double().T  # [N, V]
     c_y = c.gather(1, y[:, None]).squeeze(1)
     others = c.scatter(1, y[:, None], -math.inf)
     goal = math.log(CONFIDENT_REST_MASS) + (torch.rand(N, generator=g, dtype=torch.float64) * 2 - 1) * math.log(2)
@@ -94,7 +95,7 @@ def _confident_model(N, D, V, y, dtype, g):
     for _ in range(40):
         mid = (lo + hi) / 2
         lse_others = torch.logsumexp(mid[:, None] * others, dim=1)
-        log_rest = lse_others - torch.logaddexp(mid * c_y, lse_others)   # log(1 - p_y)
+        log_rest = lse_others - torch.logaddexp(mid * c_y, lse_others)  # log(1 - p_y)
         unsure = log_rest > goal
         lo, hi = torch.where(unsure, mid, lo), torch.where(unsure, hi, mid)
     return (hi[:, None] * direction.double()).to(dtype), w
@@ -108,17 +109,22 @@ def make_pair(scenario, N, Ds, Dt, V, dtype, seed=0) -> Pair:
         y = torch.randint(0, V, (N,), generator=g)
         hs, ws = _confident_model(N, Ds, V, y, dtype, g)
         ht, wt = _confident_model(N, Dt, V, y, dtype, g)
-    return Pair(hs[None].contiguous().requires_grad_(), ws.contiguous().requires_grad_(), ht[None].contiguous(),
-                wt.contiguous(), scenario)
+    return Pair(
+        hs[None].contiguous().requires_grad_(),
+        ws.contiguous().requires_grad_(),
+        ht[None].contiguous(),
+        wt.contiguous(),
+        scenario,
+    )
 
 
 @dataclass
 class Truth:
-    divergence: torch.Tensor    # [N] fp64
-    loss: float                 # mean divergence
-    grad_hidden: torch.Tensor   # [N, Ds] of the loss (fp64 computed, kept in fp32: 6e-8 relative)
-    grad_weight: torch.Tensor   # [V, Ds]
-    rest_mass: dict             # median 1 - max p per model (where asked: the confident batch)
+    divergence: torch.Tensor  # [N] fp64
+    loss: float  # mean divergence
+    grad_hidden: torch.Tensor  # [N, Ds] of the loss (fp64 computed, kept in fp32: 6e-8 relative)
+    grad_weight: torch.Tensor  # [V, Ds]
+    rest_mass: dict  # median 1 - max p per model (where asked: the confident batch)
 
 
 def fp64_truth(pair: Pair, beta: float, need_grads: bool, rest_mass: bool) -> Truth:
@@ -134,22 +140,28 @@ def fp64_truth(pair: Pair, beta: float, need_grads: bool, rest_mass: bool) -> Tr
     grad_weight = torch.zeros(ws.shape, dtype=torch.float64, device=hs.device) if need_grads else None
     rest = {"student": [], "teacher": []}
     for r0 in range(0, N, rows):
-        h = hs[r0:r0 + rows].clone().requires_grad_(need_grads)
-        d, _ = reference.divergence_and_entropy(h[None], ws, ht[None, r0:r0 + rows], wt, beta=beta,
-                                                compute_dtype=torch.float64)
-        div[r0:r0 + rows] = d[0].detach()
+        h = hs[r0 : r0 + rows].clone().requires_grad_(need_grads)
+        d, _ = reference.divergence_and_entropy(
+            h[None], ws, ht[None, r0 : r0 + rows], wt, beta=beta, compute_dtype=torch.float64
+        )
+        div[r0 : r0 + rows] = d[0].detach()
         if need_grads:
             gh, gw = torch.autograd.grad(d.sum() / N, (h, ws))
-            grad_hidden[r0:r0 + rows] = gh
+            grad_hidden[r0 : r0 + rows] = gh
             grad_weight += gw
             del gh, gw
         with torch.no_grad():
             for name, hh, w in (("student", hs, ws), ("teacher", ht, wt)) if rest_mass else ():
-                top = torch.log_softmax(hh[r0:r0 + rows] @ w.T, dim=-1).max(dim=-1).values
+                top = torch.log_softmax(hh[r0 : r0 + rows] @ w.T, dim=-1).max(dim=-1).values
                 rest[name].append(-torch.expm1(top))
         del d, h
-    return Truth(div, float(div.mean()), grad_hidden, None if grad_weight is None else grad_weight.float(),
-                 {k: float(torch.cat(v).median()) for k, v in rest.items() if v})
+    return Truth(
+        div,
+        float(div.mean()),
+        grad_hidden,
+        None if grad_weight is None else grad_weight.float(),
+        {k: float(torch.cat(v).median()) for k, v in rest.items() if v},
+    )
 
 
 # ----------------------------------------------------------------------------------------------- implementations
@@ -168,8 +180,9 @@ def _eager(pair, beta, backend):
     else:
         b = torch.tensor(beta, dtype=student.dtype)
         mixture = torch.logsumexp(torch.stack([student + torch.log1p(-b), teacher + torch.log(b)]), dim=0)
-        jsd = (b * F.kl_div(mixture, teacher, reduction="none", log_target=True)
-               + (1 - b) * F.kl_div(mixture, student, reduction="none", log_target=True))
+        jsd = b * F.kl_div(mixture, teacher, reduction="none", log_target=True) + (1 - b) * F.kl_div(
+            mixture, student, reduction="none", log_target=True
+        )
     return jsd.sum(-1)
 
 
@@ -178,31 +191,46 @@ def _trl(pair, beta, backend):
     on a CPU TRL projects every position, here all of them are completion tokens."""
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
-    div, _entropy = ChunkedDivergenceFunction.apply(pair.student_hidden[0], pair.student_weight, None,
-                                                    pair.teacher_hidden[0], pair.teacher_weight, None, beta, 1.0,
-                                                    1.0, None, 1.0, None)
+    div, _entropy = ChunkedDivergenceFunction.apply(
+        pair.student_hidden[0],
+        pair.student_weight,
+        None,
+        pair.teacher_hidden[0],
+        pair.teacher_weight,
+        None,
+        beta,
+        1.0,
+        1.0,
+        None,
+        1.0,
+        None,
+    )
     return div
 
 
 def _liger(pair, beta, backend):
     from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
 
-    return LigerFusedLinearJSD(jsd_beta=beta)(pair.student_hidden[0], pair.student_weight, pair.teacher_hidden[0],
-                                              pair.teacher_weight, None)
+    return LigerFusedLinearJSD(jsd_beta=beta)(
+        pair.student_hidden[0], pair.student_weight, pair.teacher_hidden[0], pair.teacher_weight, None
+    )
 
 
 def _grpo_fast(pair, beta, backend):
     import grpo_fast
 
-    return grpo_fast.divergence(pair.student_hidden, pair.student_weight, pair.teacher_hidden, pair.teacher_weight,
-                                beta=beta, backend=backend)[0]
+    return grpo_fast.divergence(
+        pair.student_hidden, pair.student_weight, pair.teacher_hidden, pair.teacher_weight, beta=beta, backend=backend
+    )[0]
 
 
 def _liger_unavailable(device):
     if torch.device(device).type != "cuda":  # decided before importing it (liger_kernel.transformers: transformers)
-        return ("LigerFusedLinearJSD's JSD is a Triton kernel (no torch fallback): on a CPU Triton has no driver "
-                "(RuntimeError: 0 active drivers), and its interpreter (TRITON_INTERPRET=1) is far too slow at "
-                "V=151936")
+        return (
+            "LigerFusedLinearJSD's JSD is a Triton kernel (no torch fallback): on a CPU Triton has no driver "
+            "(RuntimeError: 0 active drivers), and its interpreter (TRITON_INTERPRET=1) is far too slow at "
+            "V=151936"
+        )
     return _import_failure("liger-kernel", ("liger_kernel.transformers.fused_linear_jsd",))
 
 
@@ -215,15 +243,31 @@ class Impl:
     unavailable: object = staticmethod(lambda device: None)
 
 
-IMPLS = {i.name: i for i in (
-    Impl("eager", "eager PyTorch: both models' full [N, V] logits in the input dtype, fp32 log-softmax, TRL's "
-         "generalized JSD formula (GKDTrainer.generalized_jsd_loss's lines)", _eager),
-    Impl("trl", "TRL 1.16's trl.kernels.chunked_divergence.ChunkedDivergenceFunction, called as DistillationTrainer "
-         "does", _trl, unavailable=lambda device: _import_failure("trl", ("trl.kernels.chunked_divergence",))),
-    Impl("liger", "Liger-Kernel's LigerFusedLinearJSD (a scalar mean: no per-token divergence)", _liger,
-         per_token=False, unavailable=_liger_unavailable),
-    Impl("grpo_fast", "grpo_fast.divergence (Triton on CUDA; the chunked torch twin on a CPU)", _grpo_fast),
-)}
+IMPLS = {
+    i.name: i
+    for i in (
+        Impl(
+            "eager",
+            "eager PyTorch: both models' full [N, V] logits in the input dtype, fp32 log-softmax, TRL's "
+            "generalized JSD formula (GKDTrainer.generalized_jsd_loss's lines)",
+            _eager,
+        ),
+        Impl(
+            "trl",
+            "TRL 1.16's trl.kernels.chunked_divergence.ChunkedDivergenceFunction, called as DistillationTrainer does",
+            _trl,
+            unavailable=lambda device: _import_failure("trl", ("trl.kernels.chunked_divergence",)),
+        ),
+        Impl(
+            "liger",
+            "Liger-Kernel's LigerFusedLinearJSD (a scalar mean: no per-token divergence)",
+            _liger,
+            per_token=False,
+            unavailable=_liger_unavailable,
+        ),
+        Impl("grpo_fast", "grpo_fast.divergence (Triton on CUDA; the chunked torch twin on a CPU)", _grpo_fast),
+    )
+}
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs per model
@@ -270,8 +314,10 @@ def _errors(div, grads, truth: Truth, per_token: bool):
     else:
         e["loss_abs_err"] = abs(float(div.detach()) - truth.loss)
     if grads is not None and truth.grad_hidden is not None:
-        for name, actual, expected in (("grad_hidden", grads[0], truth.grad_hidden),
-                                       ("grad_weight", grads[1], truth.grad_weight)):
+        for name, actual, expected in (
+            ("grad_hidden", grads[0], truth.grad_hidden),
+            ("grad_weight", grads[1], truth.grad_weight),
+        ):
             if actual is None:
                 e[f"{name}_rel_err"] = None
                 continue
@@ -306,8 +352,11 @@ def measure_one(impl: Impl, mode, pair: Pair, beta, truth: Truth, opts, timed: b
         need = EAGER_TEMPORARIES[(mode, 0.0 < beta < 1.0)] * N * V * 4
         avail = _mem_available()
         if avail is not None and need > 0.7 * avail:
-            return dict(status="skipped", reason=f"memory: eager needs about {need / 2**30:.1f} GiB of [N, V] fp32 "
-                                                 f"temporaries, {avail / 2**30:.1f} GiB available")
+            return dict(
+                status="skipped",
+                reason=f"memory: eager needs about {need / 2**30:.1f} GiB of [N, V] fp32 "
+                f"temporaries, {avail / 2**30:.1f} GiB available",
+            )
     out = {}
 
     def call():
@@ -333,23 +382,28 @@ def measure_one(impl: Impl, mode, pair: Pair, beta, truth: Truth, opts, timed: b
                 call()
             measure.synchronize(opts.device)
             first_ms.append((time.perf_counter() - start) * 1e3)
+
         if cuda:
             pair.reset_grads()
             first()
             peak = None
         else:
             peak = measure.cpu_peak_bytes(first, pair.reset_grads)
-        rec.update(flops_student=counter.flops["student"], flops_teacher=counter.flops["teacher"],
-                   flops_other=counter.flops["other"],
-                   sweeps_student=counter.flops["student"] / (2 * N * V * Ds),
-                   sweeps_teacher=counter.flops["teacher"] / (2 * N * V * Dt))
+        rec.update(
+            flops_student=counter.flops["student"],
+            flops_teacher=counter.flops["teacher"],
+            flops_other=counter.flops["other"],
+            sweeps_student=counter.flops["student"] / (2 * N * V * Ds),
+            sweeps_teacher=counter.flops["teacher"] / (2 * N * V * Dt),
+        )
         rec["errors"] = _errors(out["div"], out["grads"], truth, impl.per_token) if truth is not None else {}
         out.clear()
         if timed and opts.reps == 0:  # the first run is the timed one (a machine too slow for more)
             rec.update(times_ms=first_ms, median_ms=first_ms[0])
         elif timed:
-            times, cuda_peak = measure.time_runs(call, pair.reset_grads, opts.device, opts.warmup, opts.reps,
-                                                 opts.min_reps, opts.max_seconds)
+            times, cuda_peak = measure.time_runs(
+                call, pair.reset_grads, opts.device, opts.warmup, opts.reps, opts.min_reps, opts.max_seconds
+            )
             out.clear()
             rec.update(times_ms=times, median_ms=measure.median(times))
             peak = cuda_peak if cuda else peak
@@ -372,9 +426,9 @@ class Options:
     teacher: tuple
     tokens: list
     betas: list
-    other_betas_tokens: list   # the N at which betas other than the first are timed
-    precision_tokens: int      # N of the precision points (both batches, every beta; 0: none)
-    untimed_impls: list        # implementations run at the precision points only
+    other_betas_tokens: list  # the N at which betas other than the first are timed
+    precision_tokens: int  # N of the precision points (both batches, every beta; 0: none)
+    untimed_impls: list  # implementations run at the precision points only
     impls: list
     modes: list
     device: str
@@ -396,11 +450,18 @@ def ordered_points(opts: Options):
     first beta timed at the other N, the other betas timed at theirs."""
     first, rest = opts.betas[0], opts.betas[1:]
     tokens = sorted(opts.tokens)
-    precision = [(scenario, opts.precision_tokens, b, False) for b in opts.betas for scenario in SCENARIOS
-                 ] if opts.precision_tokens else []
-    return (precision[:len(SCENARIOS)] + [("ordinary", tokens[0], first, True)] + precision[len(SCENARIOS):]
-            + [("ordinary", N, first, True) for N in tokens[1:]]
-            + [("ordinary", N, b, True) for b in rest for N in tokens if N in opts.other_betas_tokens])
+    precision = (
+        [(scenario, opts.precision_tokens, b, False) for b in opts.betas for scenario in SCENARIOS]
+        if opts.precision_tokens
+        else []
+    )
+    return (
+        precision[: len(SCENARIOS)]
+        + [("ordinary", tokens[0], first, True)]
+        + precision[len(SCENARIOS) :]
+        + [("ordinary", N, first, True) for N in tokens[1:]]
+        + [("ordinary", N, b, True) for b in rest for N in tokens if N in opts.other_betas_tokens]
+    )
 
 
 def run(opts: Options, on_point_done=None):
@@ -438,12 +499,22 @@ def _sweep(opts, unavailable, on_point_done):
         if not over and not timed:  # a precision point
             _log(opts, f"{scenario} N={N} beta={beta}: fp64 truth")
             truth = fp64_truth(pair, beta, need_grads="fwdbwd" in modes, rest_mass=scenario == "confident")
-            base["truth"] = dict(divergence_max=float(truth.divergence.abs().max()), loss=truth.loss,
-                                 rest_mass_median=truth.rest_mass)
+            base["truth"] = dict(
+                divergence_max=float(truth.divergence.abs().max()), loss=truth.loss, rest_mass_median=truth.rest_mass
+            )
         if not over and opts.device != "cpu":
-            pair = pair.__class__(*(x.to(opts.device) if isinstance(x, torch.Tensor) else x
-                                    for x in (pair.student_hidden.detach(), pair.student_weight.detach(),
-                                              pair.teacher_hidden, pair.teacher_weight, pair.scenario)))
+            pair = pair.__class__(
+                *(
+                    x.to(opts.device) if isinstance(x, torch.Tensor) else x
+                    for x in (
+                        pair.student_hidden.detach(),
+                        pair.student_weight.detach(),
+                        pair.teacher_hidden,
+                        pair.teacher_weight,
+                        pair.scenario,
+                    )
+                )
+            )
             pair.student_hidden.requires_grad_()
             pair.student_weight.requires_grad_()
         for mode in modes:
@@ -465,9 +536,12 @@ def _sweep(opts, unavailable, on_point_done):
                 ms = f" {rec['median_ms']:.0f} ms" if rec.get("median_ms") else ""
                 mem = f" {rec['peak_mem_bytes'] / 2**20:.0f} MiB" if rec.get("peak_mem_bytes") is not None else ""
                 err = rec.get("errors", {}).get("div_rel_err")
-                _log(opts, f"[{done}/{todo}] {where}: {rec['status']}{ms}{mem}"
-                     + (f" div rel err {err:.1e}" if err is not None else "")
-                     + (f" ({rec['reason']})" if rec["reason"] and rec["status"] != "unavailable" else ""))
+                _log(
+                    opts,
+                    f"[{done}/{todo}] {where}: {rec['status']}{ms}{mem}"
+                    + (f" div rel err {err:.1e}" if err is not None else "")
+                    + (f" ({rec['reason']})" if rec["reason"] and rec["status"] != "unavailable" else ""),
+                )
         truth = None
         if on_point_done:
             on_point_done(records)
@@ -496,9 +570,11 @@ def summary_rows(doc):
     """One row per (scenario, N, beta, implementation): both modes' time, memory, sweeps and the precision."""
     by = {(r["scenario"], r["N"], r["beta"], r["impl"], r["mode"]): r for r in doc["results"]}
     keys = list(dict.fromkeys((r["scenario"], r["N"], r["beta"], r["impl"]) for r in doc["results"]))
-    lines = ["| batch | N | beta | implementation | fwd+bwd ms | fwd+bwd MiB | fwd ms | fwd MiB | sweeps fwd+bwd "
-             "(student / teacher) | sweeps fwd | max abs div err | div err / max div | dH rel err | dW rel err |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| batch | N | beta | implementation | fwd+bwd ms | fwd+bwd MiB | fwd ms | fwd MiB | sweeps fwd+bwd "
+        "(student / teacher) | sweeps fwd | max abs div err | div err / max div | dH rel err | dW rel err |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for key in keys:
         fb, fw = by.get((*key, "fwdbwd")), by.get((*key, "forward"))
         if all(r is None or r["status"] in ("unavailable", "skipped") for r in (fb, fw)):
@@ -510,13 +586,34 @@ def summary_rows(doc):
             if r is None or r["status"] != "ok":
                 return ""
             return f"{r['sweeps_student']:.2f} / {r['sweeps_teacher']:.2f}"
-        mib = lambda r: (_cells(r, "peak_mem_bytes", "") if r is None or r["status"] != "ok" or  # noqa: E731
-                         r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**20:.0f}")
-        lines.append("| " + " | ".join([
-            key[0], str(key[1]), f"{key[2]:g}", key[3], _cells(fb, "median_ms", ".0f"), mib(fb) if fb else "",
-            _cells(fw, "median_ms", ".0f"), mib(fw) if fw else "", sweeps(fb), sweeps(fw),
-            _fmt(e.get("div_max_abs_err"), ".1e"), _fmt(e.get("div_rel_err"), ".1e"),
-            _fmt(e.get("grad_hidden_rel_err"), ".1e"), _fmt(e.get("grad_weight_rel_err"), ".1e")]) + " |")
+
+        def mib(r):
+            if r is None or r["status"] != "ok" or r.get("peak_mem_bytes") is None:
+                return _cells(r, "peak_mem_bytes", "")
+            return f"{r['peak_mem_bytes'] / 2**20:.0f}"
+
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    key[0],
+                    str(key[1]),
+                    f"{key[2]:g}",
+                    key[3],
+                    _cells(fb, "median_ms", ".0f"),
+                    mib(fb) if fb else "",
+                    _cells(fw, "median_ms", ".0f"),
+                    mib(fw) if fw else "",
+                    sweeps(fb),
+                    sweeps(fw),
+                    _fmt(e.get("div_max_abs_err"), ".1e"),
+                    _fmt(e.get("div_rel_err"), ".1e"),
+                    _fmt(e.get("grad_hidden_rel_err"), ".1e"),
+                    _fmt(e.get("grad_weight_rel_err"), ".1e"),
+                ]
+            )
+            + " |"
+        )
     return lines
 
 
@@ -524,16 +621,21 @@ def markdown(doc) -> str:
     m = doc["meta"]
     v = m["versions"]
     skipped = [r for r in doc["results"] if r["status"] == "skipped"]
-    lines = [f"# grpo_fast divergence head benchmark: {m['device_name']}", "",
-             "```bash", m["command"], "```", ""]
+    lines = [f"# grpo_fast divergence head benchmark: {m['device_name']}", "", "```bash", m["command"], "```", ""]
     if m["device_type"] != "cuda":
         lines += [f"> **{report.CPU_BANNER}**", ""]
     if not doc.get("complete", True):
         lines += ["> **Incomplete**: the run stopped before the end of the sweep.", ""]
     if skipped:
-        lines += [f"> **Partial**: {len(skipped)} of {len(doc['results'])} measurements were skipped: "
-                  + "; ".join(f"{r['impl']} {r['mode']} at {r['scenario']} N={r['N']} beta={r['beta']:g} "
-                              f"({r['reason']})" for r in skipped) + ".", ""]
+        lines += [
+            f"> **Partial**: {len(skipped)} of {len(doc['results'])} measurements were skipped: "
+            + "; ".join(
+                f"{r['impl']} {r['mode']} at {r['scenario']} N={r['N']} beta={r['beta']:g} ({r['reason']})"
+                for r in skipped
+            )
+            + ".",
+            "",
+        ]
     (sn, Ds, V), (tn, Dt, _) = m["student"], m["teacher"]
     lines += [
         f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
@@ -554,22 +656,35 @@ def markdown(doc) -> str:
         f"- CPU threads {m.get('cpu_threads')}, thread policy {m.get('thread_policy')}; load average (1, 5, 15 min) "
         f"{report._load(m.get('load_average_before'))} before the run, {report._load(m.get('load_average_after'))} "
         "at its end (other processes share this machine's cores: the times are this machine's, loaded)"
-        if m["device_type"] != "cuda" else f"- CUDA {m.get('cuda_version')}",
+        if m["device_type"] != "cuda"
+        else f"- CUDA {m.get('cuda_version')}",
         "- sweeps: the matmul FLOPs each implementation ran (counted by torch dispatch, grpo_fast's custom ops "
         "opened), per model, in units of 2 N V D of that model (Ds for the student, Dt for the teacher)",
         "- precision: against grpo_fast.reference (full logits, TRL's formula) in fp64 from the same "
         f"{m['dtype']} inputs: the per-token divergence's max |error| (nats) and that over max |divergence|; dH, dW "
         "of the mean divergence: max |error| / max |truth|",
         f"- elapsed {m.get('elapsed_s')} s of a {m.get('time_budget_s') or 'unlimited'} s budget",
-        "", "## Summary", "", *summary_rows(doc), ""]
+        "",
+        "## Summary",
+        "",
+        *summary_rows(doc),
+        "",
+    ]
     conf = [r for r in doc["results"] if r["scenario"] == "confident" and r.get("truth")]
     if conf:
         t = conf[0]["truth"]
         rest = t["rest_mass_median"]
-        lines += [f"Confident batch: median 1 - max p of the fp64 truth: student {rest['student']:.1e}, "
-                  f"teacher {rest['teacher']:.1e}; max divergence per beta: "
-                  + ", ".join(f"beta {r['beta']:g}: {r['truth']['divergence_max']:.2e} nats"
-                              for r in conf if r["impl"] == conf[0]["impl"]) + ".", ""]
+        lines += [
+            f"Confident batch: median 1 - max p of the fp64 truth: student {rest['student']:.1e}, "
+            f"teacher {rest['teacher']:.1e}; max divergence per beta: "
+            + ", ".join(
+                f"beta {r['beta']:g}: {r['truth']['divergence_max']:.2e} nats"
+                for r in conf
+                if r["impl"] == conf[0]["impl"]
+            )
+            + ".",
+            "",
+        ]
     notes = [r for r in doc["results"] if r["status"] != "ok" and r.get("reason")]
     if notes:
         lines += ["## Not measured", ""]
@@ -598,14 +713,22 @@ def plot(doc, path):
     results = doc["results"]
     impls = list(doc["meta"]["impl_labels"])
     colors = {name: plt.cm.tab10(i) for i, name in enumerate(impls)}
-    panels = [("fwdbwd", "median_ms", "fwd+bwd: median ms", "ordinary"),
-              ("forward", "median_ms", "forward: median ms", "ordinary"),
-              ("fwdbwd", "peak_mem_bytes", "fwd+bwd: peak MiB above inputs", "ordinary"),
-              ("fwdbwd", "div_rel_err", "max |div err| / max div (fp64 truth)", None)]
+    panels = [
+        ("fwdbwd", "median_ms", "fwd+bwd: median ms", "ordinary"),
+        ("forward", "median_ms", "forward: median ms", "ordinary"),
+        ("fwdbwd", "peak_mem_bytes", "fwd+bwd: peak MiB above inputs", "ordinary"),
+        ("fwdbwd", "div_rel_err", "max |div err| / max div (fp64 truth)", None),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     for ax, (mode, key, title, scenario) in zip(axes.flat, panels):
-        rs = [r for r in results if r["mode"] == mode and (scenario is None or r["scenario"] == scenario)
-              and r["status"] == "ok" and (r.get("errors", {}).get(key) if key == "div_rel_err" else r["timed"])]
+        rs = [
+            r
+            for r in results
+            if r["mode"] == mode
+            and (scenario is None or r["scenario"] == scenario)
+            and r["status"] == "ok"
+            and (r.get("errors", {}).get(key) if key == "div_rel_err" else r["timed"])
+        ]
         groups = list(dict.fromkeys((r["scenario"], r["N"], r["beta"]) for r in rs))  # measured points only
         width = 0.8 / max(len(impls), 1)
         for i, impl in enumerate(impls):
@@ -616,7 +739,7 @@ def plot(doc, path):
                     continue
                 y = r.get("errors", {}).get(key) if key == "div_rel_err" else r.get(key)
                 if key == "peak_mem_bytes" and y is not None:
-                    y = y / 2 ** 20
+                    y = y / 2**20
                 if y:
                     xs.append(gi + (i - (len(impls) - 1) / 2) * width)
                     ys.append(y)
@@ -624,18 +747,24 @@ def plot(doc, path):
                 ax.bar(xs, ys, width, color=colors[impl], label=impl)
         ax.set_xticks(range(len(groups)))
         ax.set_xlim(-0.5, len(groups) - 0.5)
-        ax.set_xticklabels([(f"{s}\n" if scenario is None else "") + f"N={n}\nβ={b:g}" for s, n, b in groups],
-                           fontsize=7)
+        ax.set_xticklabels(
+            [(f"{s}\n" if scenario is None else "") + f"N={n}\nβ={b:g}" for s, n, b in groups], fontsize=7
+        )
         if ax.has_data() and key == "div_rel_err":  # errors span decades; times and memory compare linearly
             ax.set_yscale("log")
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[i]) for i in impls
-               if any(r["impl"] == i and r["status"] == "ok" for r in results)]
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=colors[i])
+        for i in impls
+        if any(r["impl"] == i and r["status"] == "ok" for r in results)
+    ]
     labels = [i for i in impls if any(r["impl"] == i and r["status"] == "ok" for r in results)]
     m = doc["meta"]
-    title = (f"divergence head, student {m['student'][0]} / teacher {m['teacher'][0]}, V {m['student'][2]}, "
-             f"{m['dtype']}, {m['device_name']}, {m['date'][:10]}")
+    title = (
+        f"divergence head, student {m['student'][0]} / teacher {m['teacher'][0]}, V {m['student'][2]}, "
+        f"{m['dtype']}, {m['device_name']}, {m['date'][:10]}"
+    )
     if m["device_type"] != "cuda":
         title = "CPU numbers, not GPU figures: " + title
     fig.suptitle(title, fontsize=9)
@@ -656,36 +785,49 @@ def _floats(s):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.divergence", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--student", default="qwen2.5-0.5b", help="the student's head: a shape name or DxV "
-                                                            "(qwen2.5-0.5b: 896 x 151936)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.divergence",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--student", default="qwen2.5-0.5b", help="the student's head: a shape name or DxV (qwen2.5-0.5b: 896 x 151936)"
+    )
     p.add_argument("--teacher", default="qwen2.5-1.5b", help="the teacher's head (qwen2.5-1.5b: 1536 x 151936)")
     p.add_argument("--tokens", default="1024,2048", help="token counts N (1024,2048)")
     p.add_argument("--betas", default="1,0,0.5", help="betas, the first at every N (1,0,0.5)")
     p.add_argument("--other-betas-tokens", help="the N at which the betas after the first are timed (the smallest N)")
-    p.add_argument("--precision-tokens", type=int, default=128,
-                   help="N of the precision points: both batches, every beta, against the fp64 truth (128; 0: none)")
+    p.add_argument(
+        "--precision-tokens",
+        type=int,
+        default=128,
+        help="N of the precision points: both batches, every beta, against the fp64 truth (128; 0: none)",
+    )
     p.add_argument("--impls", default="eager,trl,liger,grpo_fast", help=f"of {', '.join(IMPLS)} (all)")
     p.add_argument("--untimed-impls", default="", help="implementations run at the precision points only (none)")
     p.add_argument("--mode", default="both", choices=("fwdbwd", "forward", "both"))
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="input dtype (bfloat16)")
-    p.add_argument("--backend", help="grpo_fast's backend (torch on a CPU: the Triton interpreter is far too slow "
-                                     "at V=151936; auto on CUDA)")
-    p.add_argument("--reps", type=int, default=2, help="timed runs at most (2; 0: the first run's own time, under the "
-                                                          "memory profiler and the FLOP counter)")
+    p.add_argument(
+        "--backend",
+        help="grpo_fast's backend (torch on a CPU: the Triton interpreter is far too slow at V=151936; auto on CUDA)",
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=2,
+        help="timed runs at most (2; 0: the first run's own time, under the memory profiler and the FLOP counter)",
+    )
     p.add_argument("--min-reps", type=int, default=1)
     p.add_argument("--max-seconds", type=float, default=20.0, help="stop timing after this, once --min-reps ran")
     p.add_argument("--warmup", type=int, default=0, help="untimed runs after the first (0: the first warms up)")
-    p.add_argument("--time-budget", type=float, default=float("inf"),
-                   help="seconds for the sweep; what is left after it is recorded as skipped (none)")
-    p.add_argument("--out", "--out-dir", dest="out_dir", default=DEFAULT_OUT,
-                   help=f"output folder ({DEFAULT_OUT_SHOWN}/, ignored by git; bench/results to commit)")
-    p.add_argument("--name", help="file stem (<device>-divergence-<date>)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=float("inf"),
+        help="seconds for the sweep; what is left after it is recorded as skipped (none)",
+    )
+    add_output_arguments(p, "<device>-divergence-<date>")
     return p.parse_args(argv)
 
 
@@ -693,11 +835,14 @@ def build_options(args) -> Options:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     student, teacher = resolve_shape(args.student), resolve_shape(args.teacher)
     if student[2] != teacher[2]:
-        raise SystemExit(f"--student has V = {student[2]} but --teacher has V = {teacher[2]}: the vocabularies must "
-                         "match")
+        raise SystemExit(
+            f"--student has V = {student[2]} but --teacher has V = {teacher[2]}: the vocabularies must match"
+        )
     if student[1] == teacher[1]:
-        raise SystemExit(f"--student and --teacher both have D = {student[1]}: the FLOP count tells the models apart "
-                         "by their hidden sizes")
+        raise SystemExit(
+            f"--student and --teacher both have D = {student[1]}: the FLOP count tells the models apart "
+            "by their hidden sizes"
+        )
     tokens = [int(x) for x in _csv(args.tokens)]
     impls = []
     for name in _csv(args.impls):
@@ -707,14 +852,27 @@ def build_options(args) -> Options:
     betas = _floats(args.betas)
     if not betas or any(not 0.0 <= b <= 1.0 for b in betas):
         raise SystemExit("--betas: numbers in [0, 1]")
-    return Options(student=student, teacher=teacher, tokens=tokens, betas=betas,
-                   other_betas_tokens=[int(x) for x in _csv(args.other_betas_tokens)] or [min(tokens)],
-                   precision_tokens=args.precision_tokens, impls=impls, untimed_impls=_csv(args.untimed_impls),
-                   modes=list(MODES) if args.mode == "both" else [args.mode], device=device,
-                   dtype=DTYPES[args.dtype], backend=args.backend or ("auto" if device == "cuda" else "torch"),
-                   reps=args.reps, warmup=args.warmup, min_reps=max(1, min(args.min_reps, args.reps)),
-                   max_seconds=args.max_seconds, time_budget=args.time_budget, seed=args.seed,
-                   progress=not args.no_progress)
+    return Options(
+        student=student,
+        teacher=teacher,
+        tokens=tokens,
+        betas=betas,
+        other_betas_tokens=[int(x) for x in _csv(args.other_betas_tokens)] or [min(tokens)],
+        precision_tokens=args.precision_tokens,
+        impls=impls,
+        untimed_impls=_csv(args.untimed_impls),
+        modes=list(MODES) if args.mode == "both" else [args.mode],
+        device=device,
+        dtype=DTYPES[args.dtype],
+        backend=args.backend or ("auto" if device == "cuda" else "torch"),
+        reps=args.reps,
+        warmup=args.warmup,
+        min_reps=max(1, min(args.min_reps, args.reps)),
+        max_seconds=args.max_seconds,
+        time_budget=args.time_budget,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
 
 
 NOTES = [
@@ -738,8 +896,11 @@ def main(argv=None):
     args = parse_args(argv)
     opts = build_options(args)
     started, load_before, info, cuda = report.at_start(opts.device)
-    print(f"[bench.divergence] {info['device_name']}; student {opts.student}, teacher {opts.teacher}; N "
-          f"{opts.tokens}; betas {opts.betas}", flush=True)
+    print(
+        f"[bench.divergence] {info['device_name']}; student {opts.student}, teacher {opts.teacher}; N "
+        f"{opts.tokens}; betas {opts.betas}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -747,19 +908,28 @@ def main(argv=None):
     paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
     argv_used = list(sys.argv[1:] if argv is None else argv)
     meta = dict(
-        info, date=started.isoformat(timespec="seconds"), **report.git_commit(), versions=report.versions(),
-        argv=argv_used, command=" ".join(["python -m bench.divergence", *map(shlex.quote, argv_used)]),
-        dtype=str(opts.dtype).replace("torch.", ""), backend=opts.backend, student=list(opts.student),
-        teacher=list(opts.teacher), tokens=opts.tokens, betas=opts.betas, precision_tokens=opts.precision_tokens,
+        info,
+        date=started.isoformat(timespec="seconds"),
+        **report.git_commit(),
+        versions=report.versions(),
+        argv=argv_used,
+        command=" ".join(["python -m bench.divergence", *map(shlex.quote, argv_used)]),
+        dtype=str(opts.dtype).replace("torch.", ""),
+        backend=opts.backend,
+        student=list(opts.student),
+        teacher=list(opts.teacher),
+        tokens=opts.tokens,
+        betas=opts.betas,
+        precision_tokens=opts.precision_tokens,
         modes=opts.modes,
-        timing_method=("CUDA events around each run, median of the timed runs" if cuda
-                       else "time.perf_counter around each run, median of the timed runs"),
-        memory_method=measure.CUDA_PEAK_METHOD if cuda else measure.CPU_PEAK_METHOD,
-        reps=opts.reps, warmup=opts.warmup, min_reps=opts.min_reps, max_seconds=opts.max_seconds,
+        **measure.methods(cuda, opts),
         impl_labels={i.name: i.label for i in opts.impls},
         time_budget_s=None if args.time_budget == float("inf") else args.time_budget,
         env={k: os.environ[k] for k in ("TRITON_INTERPRET", "OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ},
-        thread_policy=THREAD_POLICY, load_average_before=load_before, notes=NOTES)
+        thread_policy=THREAD_POLICY,
+        load_average_before=load_before,
+        notes=NOTES,
+    )
 
     def write(records, complete):
         meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
@@ -769,8 +939,15 @@ def main(argv=None):
         paths["md"].write_text(markdown(doc))
         return doc
 
-    return report.run_and_report(lambda point_done: run(opts, on_point_done=point_done), write, plot, markdown,
-                                 paths, no_plot=args.no_plot, tag="bench.divergence")
+    return report.run_and_report(
+        lambda point_done: run(opts, on_point_done=point_done),
+        write,
+        plot,
+        markdown,
+        paths,
+        no_plot=args.no_plot,
+        tag="bench.divergence",
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,19 @@ def register(impl: Impl) -> Impl:
 # The eager baseline computes the logits as a training step does: the lm_head matmul in the input dtype (bf16 on
 # tensor cores), then fp32 for the log-softmax (grpo_fast.reference with fp32_matmul=False).
 def _eager_loss(hidden, weight, targets, advantages, mask, old, ref, options, temperature, num_items_in_batch):
-    return reference.loss(hidden, weight, targets, advantages, mask, options, old_logprobs=old, ref_logprobs=ref,
-                          temperature=temperature, num_items_in_batch=num_items_in_batch, fp32_matmul=False)
+    return reference.loss(
+        hidden,
+        weight,
+        targets,
+        advantages,
+        mask,
+        options,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        temperature=temperature,
+        num_items_in_batch=num_items_in_batch,
+        fp32_matmul=False,
+    )
 
 
 def _eager_logprobs(hidden, weight, targets, bias, temperature):
@@ -59,12 +70,17 @@ def _eager_logprobs(hidden, weight, targets, bias, temperature):
 def _build_eager(mode, options):
     if mode == "fwdbwd":
         return lambda x, w: _eager_loss(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs,
-                                        x.ref_logprobs, x.options, x.temperature, x.num_items_in_batch)
+                                        x.ref_logprobs, x.options, x.temperature, x.num_items_in_batch)  # fmt: skip
     return lambda x, w: _eager_logprobs(x.hidden, w, x.targets, None, x.temperature)
 
 
-register(Impl("eager", "eager PyTorch (grpo_fast.reference: full logits of every position, matmul in the input "
-              "dtype)", _build_eager))
+register(
+    Impl(
+        "eager",
+        "eager PyTorch (grpo_fast.reference: full logits of every position, matmul in the input dtype)",
+        _build_eager,
+    )
+)
 
 # ----------------------------------------------------------------------------------------------- torch.compile
 _COMPILED = {}
@@ -84,8 +100,18 @@ def _build_compile(mode, options):
         _COMPILED[mode] = torch.compile(_eager_loss if mode == "fwdbwd" else _eager_logprobs)
     fn = _COMPILED[mode]
     if mode == "fwdbwd":
-        return lambda x, w: fn(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs,
-                               x.options, x.temperature, x.num_items_in_batch)
+        return lambda x, w: fn(
+            x.hidden,
+            w,
+            x.targets,
+            x.advantages,
+            x.mask,
+            x.old_logprobs,
+            x.ref_logprobs,
+            x.options,
+            x.temperature,
+            x.num_items_in_batch,
+        )
     return lambda x, w: fn(x.hidden, w, x.targets, None, x.temperature)
 
 
@@ -120,8 +146,9 @@ def _build_liger(mode, options):
 
         def logprobs(x, w):
             with torch.no_grad():
-                return LigerFusedLinearPPOBase.chunk_forward(x.hidden, w, x.targets, bias=None,
-                                                             temperature=x.temperature)
+                return LigerFusedLinearPPOBase.chunk_forward(
+                    x.hidden, w, x.targets, bias=None, temperature=x.temperature
+                )
 
         return logprobs
 
@@ -135,20 +162,21 @@ def _build_liger(mode, options):
                 beta=o.beta, compiled=x.hidden.is_cuda, use_ref_model=o.beta != 0.0, chunk_size=1,
                 epsilon_low=o.epsilon, epsilon_high=o.clip_high, loss_type=o.loss_type,
                 importance_sampling_level=o.importance_sampling_level, temperature=x.temperature,
-                use_bias_correction_kl=o.use_bias_correction_kl)
+                use_bias_correction_kl=o.use_bias_correction_kl)  # fmt: skip
         # returns (loss, (mean KL, clip ratio)); it computes the gradients inside its forward
         return cache[key](x.hidden, w, x.targets, x.mask, x.advantages, bias=None,
                           ref_per_token_logps=x.ref_logprobs, old_per_token_logps=x.old_logprobs,
-                          num_items_in_batch=x.num_items_in_batch)
+                          num_items_in_batch=x.num_items_in_batch)  # fmt: skip
 
     return loss
 
 
 register(Impl("liger", "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)", _build_liger,
               unavailable=_liger_unavailable,
-              note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public one)"))
+              note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public "
+                   "one)"))  # fmt: skip
 register(Impl("liger_frozen", "Liger-Kernel, lm_head frozen (no dW)", _build_liger, modes=("fwdbwd",), frozen=True,
-              unavailable=_liger_unavailable))
+              unavailable=_liger_unavailable))  # fmt: skip
 
 # ----------------------------------------------------------------------------------------------- TRL's fused head
 # TRL 1.16's GRPOTrainer patches the policy with add_fused_lm_head (trl/trainer/utils.py): the model's forward
@@ -173,11 +201,12 @@ def _build_trl(mode, options):
         """ChunkedLogProbFunction on the completion tokens, each requested output scattered back to [B, T] with
         zeros at the padding (add_fused_lm_head's masked_scatter)."""
         per_token = ChunkedLogProbFunction.apply(
-            x.hidden[x.mask], w, None, x.targets[x.mask], x.temperature,
-            _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs)  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads)
+            x.hidden[x.mask], w, None, x.targets[x.mask], x.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs
+        )  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads)
         return [None if t is None else t.new_zeros(x.mask.shape).masked_scatter(x.mask, t) for t in per_token[:2]]
 
     if mode == "logprobs":
+
         def logprobs(x, w):  # the reference model's head: add_fused_lm_head's default outputs
             with torch.no_grad():
                 return completion_outputs(x, w, ("log_probs",))[0]
@@ -188,15 +217,29 @@ def _build_trl(mode, options):
         logp, entropy = completion_outputs(x, w, ("log_probs", "entropy"))  # the temperature: applied in the head
         return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy,
                                     old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
-                                    num_items_in_batch=x.num_items_in_batch)
+                                    num_items_in_batch=x.num_items_in_batch)  # fmt: skip
 
     return loss
 
 
-register(Impl("trl", "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction on the completion tokens) + "
-              "TRL's GRPO loss", _build_trl, unavailable=_trl_unavailable))
-register(Impl("trl_frozen", "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
-              _build_trl, modes=("fwdbwd",), frozen=True, unavailable=_trl_unavailable))
+register(
+    Impl(
+        "trl",
+        "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction on the completion tokens) + TRL's GRPO loss",
+        _build_trl,
+        unavailable=_trl_unavailable,
+    )
+)
+register(
+    Impl(
+        "trl_frozen",
+        "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
+        _build_trl,
+        modes=("fwdbwd",),
+        frozen=True,
+        unavailable=_trl_unavailable,
+    )
+)
 
 # ----------------------------------------------------------------------------------------------- verl
 # verl 0.9's fused heads. Its torch backend (fused_kernel_options.impl_backend=torch): FusedLinearForPPO, chunks of
@@ -237,6 +280,7 @@ def _build_verl(mode, options, backend):
         return [t.float().new_zeros(x.mask.shape).masked_scatter(x.mask, t.float()) for t in (logp, entropy)]
 
     if mode == "logprobs":
+
         def logprobs(x, w):
             with torch.no_grad():
                 return completion_outputs(x, w)[0]
@@ -245,18 +289,31 @@ def _build_verl(mode, options, backend):
 
     def loss(x, w):
         logp, entropy = completion_outputs(x, w)
-        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy,
-                                    old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
-                                    num_items_in_batch=x.num_items_in_batch)
+        return reference.token_loss(
+            logp,
+            x.advantages,
+            x.mask,
+            x.options,
+            entropy=entropy,
+            old_logprobs=x.old_logprobs,
+            ref_logprobs=x.ref_logprobs,
+            num_items_in_batch=x.num_items_in_batch,
+        )
 
     return loss
 
 
 register(Impl("verl_torch", "verl 0.9's torch backend (FusedLinearForPPO on the completion tokens) + TRL's GRPO loss",
-              lambda mode, options: _build_verl(mode, options, "torch"), unavailable=_verl_unavailable))
+              lambda mode, options: _build_verl(mode, options, "torch"), unavailable=_verl_unavailable))  # fmt: skip
 # verl's Triton backend (impl_backend=triton: verl.utils.kernel's linear_cross_entropy), CUDA only
-register(Impl("verl_triton", "verl 0.9's Triton backend (linear_cross_entropy on the completion tokens) + TRL's GRPO "
-              "loss", lambda mode, options: _build_verl(mode, options, "triton"), unavailable=_verl_triton_unavailable))
+register(
+    Impl(
+        "verl_triton",
+        "verl 0.9's Triton backend (linear_cross_entropy on the completion tokens) + TRL's GRPO loss",
+        lambda mode, options: _build_verl(mode, options, "triton"),
+        unavailable=_verl_triton_unavailable,
+    )
+)
 
 # ----------------------------------------------------------------------------------------------- grpo_fast
 
@@ -267,9 +324,10 @@ def _build_grpo_fast(mode, options, head_path="auto"):
         return lambda x, w: grpo_fast.loss(x.hidden, w, x.targets, x.advantages, x.mask, old_logprobs=x.old_logprobs,
                                            ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch,
                                            temperature=x.temperature, options=x.options, head_path=head_path,
-                                           backend=backend)
-    return lambda x, w: grpo_fast.logprobs(x.hidden, w, x.targets, temperature=x.temperature,
-                                           completion_mask=x.mask, backend=backend)
+                                           backend=backend)  # fmt: skip
+    return lambda x, w: grpo_fast.logprobs(
+        x.hidden, w, x.targets, temperature=x.temperature, completion_mask=x.mask, backend=backend
+    )
 
 
 def _build_grpo_fast_general_path(mode, options):
@@ -278,15 +336,44 @@ def _build_grpo_fast_general_path(mode, options):
 
 
 register(Impl("grpo_fast", "grpo_fast (Triton on CUDA; chunked torch on a CPU)", _build_grpo_fast))
-register(Impl("grpo_fast_frozen", "grpo_fast, lm_head frozen (LoRA: no dW; d logp / dh built in the forward, two "
-              "vocabulary sweeps)", _build_grpo_fast, modes=("fwdbwd",), frozen=True))
-register(Impl("grpo_fast_frozen_recompute", "grpo_fast, lm_head frozen, general path (head_path='general': "
-              "three sweeps)", _build_grpo_fast_general_path, modes=("fwdbwd",), frozen=True))
+register(
+    Impl(
+        "grpo_fast_frozen",
+        "grpo_fast, lm_head frozen (LoRA: no dW; d logp / dh built in the forward, two vocabulary sweeps)",
+        _build_grpo_fast,
+        modes=("fwdbwd",),
+        frozen=True,
+    )
+)
+register(
+    Impl(
+        "grpo_fast_frozen_recompute",
+        "grpo_fast, lm_head frozen, general path (head_path='general': three sweeps)",
+        _build_grpo_fast_general_path,
+        modes=("fwdbwd",),
+        frozen=True,
+    )
+)
 
-DEFAULT_GPU = ("eager", "compile", "trl", "liger", "grpo_fast", "grpo_fast_frozen", "trl_frozen",
-               "grpo_fast_frozen_recompute")
-DEFAULT_CPU = ("eager", "trl", "liger", "grpo_fast", "grpo_fast_frozen", "trl_frozen",  # torch.compile on a CPU: ask
-               "grpo_fast_frozen_recompute")
+DEFAULT_GPU = (
+    "eager",
+    "compile",
+    "trl",
+    "liger",
+    "grpo_fast",
+    "grpo_fast_frozen",
+    "trl_frozen",
+    "grpo_fast_frozen_recompute",
+)
+DEFAULT_CPU = (
+    "eager",
+    "trl",
+    "liger",
+    "grpo_fast",
+    "grpo_fast_frozen",
+    "trl_frozen",  # torch.compile on a CPU: ask
+    "grpo_fast_frozen_recompute",
+)
 
 
 def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:

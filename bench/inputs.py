@@ -33,30 +33,36 @@ from grpo_fast.options import LossOptions
 # The loss the benchmark measures, passed to every implementation: TRL 1.16's GRPOConfig defaults (DAPO, token
 # level, temperature 1, the k3 KL multiplied by the importance ratio: use_bias_correction_kl) with a KL term
 # (beta 0.04) and clip-higher (epsilon_high 0.28). Liger-Kernel 0.8.5 takes every one of these arguments.
-LOSS_OPTIONS = LossOptions(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-                           importance_sampling_level="token", use_bias_correction_kl=True)
+LOSS_OPTIONS = LossOptions(
+    beta=0.04,
+    epsilon=0.2,
+    epsilon_high=0.28,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    use_bias_correction_kl=True,
+)
 TEMPERATURE = 1.0  # the logits' (layer 1's), not a loss option
 LOSS_CONFIG = dict(dataclasses.asdict(LOSS_OPTIONS), temperature=TEMPERATURE)  # for the results' metadata
 SCENARIOS = ("dense", "padded")
-LOGIT_STD = 2.0          # std of the logits of the random lm_head on random hidden states
-OLD_REF_NOISE = 0.2      # std of old/ref log-probs around the true log-probs
-CLIP_MARGIN = 0.1        # nats from any token's log-ratio to a clipping boundary (the guard's bf16 log-prob tolerance)
+LOGIT_STD = 2.0  # std of the logits of the random lm_head on random hidden states
+OLD_REF_NOISE = 0.2  # std of old/ref log-probs around the true log-probs
+CLIP_MARGIN = 0.1  # nats from any token's log-ratio to a clipping boundary (the guard's bf16 log-prob tolerance)
 CHUNK_ELEMENTS = 1 << 27  # rows x V per chunk of the fp64 truth (1 GiB of fp64 logits)
 
 
 @dataclass
 class Inputs:
-    hidden: torch.Tensor         # [B, T, D] leaf, requires grad
-    weight: torch.Tensor         # [V, D] leaf, requires grad
+    hidden: torch.Tensor  # [B, T, D] leaf, requires grad
+    weight: torch.Tensor  # [V, D] leaf, requires grad
     weight_frozen: torch.Tensor  # the same storage, no grad (the LoRA case)
-    targets: torch.Tensor        # [B, T] int64
-    advantages: torch.Tensor     # [B] fp32
-    mask: torch.Tensor           # [B, T] bool, the completion mask
-    old_logprobs: torch.Tensor   # [B, T] fp32
-    ref_logprobs: torch.Tensor   # [B, T] fp32
+    targets: torch.Tensor  # [B, T] int64
+    advantages: torch.Tensor  # [B] fp32
+    mask: torch.Tensor  # [B, T] bool, the completion mask
+    old_logprobs: torch.Tensor  # [B, T] fp32
+    ref_logprobs: torch.Tensor  # [B, T] fp32
     true_logprobs: torch.Tensor  # [B, T] fp64, the truth on the completion tokens (0 elsewhere)
-    num_items_in_batch: float    # completion tokens in the batch (TRL passes it; dapo normalises by it)
-    scenario: str                # "dense" or "padded"
+    num_items_in_batch: float  # completion tokens in the batch (TRL passes it; dapo normalises by it)
+    scenario: str  # "dense" or "padded"
     B: int
     T: int
     D: int
@@ -128,7 +134,7 @@ def make_inputs(D, V, B, T, dtype, device, seed=0, scenario="dense"):
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(B, T, D, generator=g, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(V, D, generator=g, device=device) * (LOGIT_STD / D ** 0.5)).to(dtype).requires_grad_()
+    weight = (torch.randn(V, D, generator=g, device=device) * (LOGIT_STD / D**0.5)).to(dtype).requires_grad_()
     targets = torch.randint(0, V, (B, T), generator=g, device=device)
     advantages = torch.randn(B, generator=g, device=device)
     lengths = completion_lengths_of(scenario, B, T, seed).to(device)
@@ -136,9 +142,23 @@ def make_inputs(D, V, B, T, dtype, device, seed=0, scenario="dense"):
     true = true_logprobs(hidden, weight, targets, mask, TEMPERATURE)
     old = true.float() - away_from_clip_boundaries(OLD_REF_NOISE * torch.randn(B, T, generator=g, device=device))
     ref = true.float() + OLD_REF_NOISE * torch.randn(B, T, generator=g, device=device)
-    return Inputs(hidden=hidden, weight=weight, weight_frozen=weight.detach(), targets=targets,
-                  advantages=advantages, mask=mask, old_logprobs=old, ref_logprobs=ref, true_logprobs=true,
-                  num_items_in_batch=float(mask.sum()), scenario=scenario, B=B, T=T, D=D, V=V)
+    return Inputs(
+        hidden=hidden,
+        weight=weight,
+        weight_frozen=weight.detach(),
+        targets=targets,
+        advantages=advantages,
+        mask=mask,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        true_logprobs=true,
+        num_items_in_batch=float(mask.sum()),
+        scenario=scenario,
+        B=B,
+        T=T,
+        D=D,
+        V=V,
+    )
 
 
 @dataclass
@@ -146,7 +166,7 @@ class Reference:
     loss: float
     grad_hidden: torch.Tensor  # [B, T, D] fp64, on the CPU (off the GPU, so that it takes no memory there)
     grad_weight: torch.Tensor  # [V, D] fp64, on the CPU
-    grad_hidden_scale: float   # max |grad_hidden|
+    grad_hidden_scale: float  # max |grad_hidden|
     grad_weight_scale: float
 
 
@@ -157,8 +177,15 @@ def reference_fwdbwd(x: Inputs) -> Reference:
     temperature = x.temperature
     D = x.D
     logp = x.true_logprobs.float().requires_grad_()
-    loss, _ = reference.token_loss(logp, x.advantages, x.mask, x.options, old_logprobs=x.old_logprobs,
-                                   ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch)
+    loss, _ = reference.token_loss(
+        logp,
+        x.advantages,
+        x.mask,
+        x.options,
+        old_logprobs=x.old_logprobs,
+        ref_logprobs=x.ref_logprobs,
+        num_items_in_batch=x.num_items_in_batch,
+    )
     (coef,) = torch.autograd.grad(loss, logp)
     h, t, c = x.hidden.detach().reshape(-1, D), x.targets.reshape(-1), coef.double().reshape(-1)
     w64 = x.weight.detach().double().requires_grad_()
@@ -169,9 +196,13 @@ def reference_fwdbwd(x: Inputs) -> Reference:
         grad_hidden[rows] = hc.grad
         del hc
     grad_weight = w64.grad if w64.grad is not None else torch.zeros_like(w64)  # no completion token: no gradient
-    return Reference(loss=float(loss.detach()), grad_hidden=grad_hidden.view(x.B, x.T, D).cpu(),
-                     grad_weight=grad_weight.cpu(), grad_hidden_scale=float(grad_hidden.abs().max()),
-                     grad_weight_scale=float(grad_weight.abs().max()))
+    return Reference(
+        loss=float(loss.detach()),
+        grad_hidden=grad_hidden.view(x.B, x.T, D).cpu(),
+        grad_weight=grad_weight.cpu(),
+        grad_hidden_scale=float(grad_hidden.abs().max()),
+        grad_weight_scale=float(grad_weight.abs().max()),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- the guard
@@ -193,7 +224,7 @@ def _max_abs_diff(actual: torch.Tensor, expected_cpu: torch.Tensor, rows=4096) -
     e = expected_cpu.reshape(-1, expected_cpu.shape[-1])
     worst = 0.0
     for r0 in range(0, a.shape[0], rows):
-        d = float((a[r0:r0 + rows].float() - e[r0:r0 + rows].to(a.device)).abs().max())
+        d = float((a[r0 : r0 + rows].float() - e[r0 : r0 + rows].to(a.device)).abs().max())
         if d != d:  # nan
             return d
         worst = max(worst, d)

@@ -29,6 +29,20 @@ CUDA_PEAK_METHOD = "torch.cuda.max_memory_allocated() - memory_allocated() befor
 CPU_PEAK_METHOD = "torch.profiler(profile_memory=True): largest running total of the CPU allocator above its start"
 
 
+def methods(cuda: bool, opts) -> dict:
+    """How a benchmark measured, for its results' metadata: the timing and memory methods, and ``opts``' runs policy
+    (``reps``, ``warmup``, ``min_reps``, ``max_seconds``: ``time_runs``' arguments)."""
+    clock = "CUDA events" if cuda else "time.perf_counter"
+    return dict(
+        timing_method=f"{clock} around each run, median of the timed runs",
+        memory_method=CUDA_PEAK_METHOD if cuda else CPU_PEAK_METHOD,
+        reps=opts.reps,
+        warmup=opts.warmup,
+        min_reps=opts.min_reps,
+        max_seconds=opts.max_seconds,
+    )
+
+
 def is_oom(exc: BaseException) -> bool:
     """torch.cuda.OutOfMemoryError, or the CPU allocator's failure."""
     if isinstance(exc, MemoryError):

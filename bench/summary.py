@@ -53,10 +53,21 @@ class Panel:
 
 
 PANELS = (
-    Panel("Qwen2.5-1.5B head (GPU)", "gpu-h200-2026-11-26/first-run/nvidia-h200-2026-11-26-quick.json",
-          "qwen2.5-1.5b", 16384, ("eager", "trl", "liger", "grpo_fast")),
-    Panel("Qwen2.5-1.5B head, frozen (LoRA) (GPU)", "gpu-h200-2026-11-26/rerun/nvidia-h200-2026-11-26-frozen.json",
-          "qwen2.5-1.5b", 16384, ("trl_frozen", "grpo_fast_frozen"), error="grad_hidden_rel_err"),
+    Panel(
+        "Qwen2.5-1.5B head (GPU)",
+        "gpu-h200-2026-11-26/first-run/nvidia-h200-2026-11-26-quick.json",
+        "qwen2.5-1.5b",
+        16384,
+        ("eager", "trl", "liger", "grpo_fast"),
+    ),
+    Panel(
+        "Qwen2.5-1.5B head, frozen (LoRA) (GPU)",
+        "gpu-h200-2026-11-26/rerun/nvidia-h200-2026-11-26-frozen.json",
+        "qwen2.5-1.5b",
+        16384,
+        ("trl_frozen", "grpo_fast_frozen"),
+        error="grad_hidden_rel_err",
+    ),
     Panel("Qwen2.5-1.5B head", "cpu-xeon-bf16.json", "qwen2.5-1.5b", 2048, ("eager", "trl", "liger", "grpo_fast")),
     Panel("Qwen2.5-1.5B head, verl", "cpu-verl-bf16.json", "qwen2.5-1.5b", 1024, ("verl_torch", "grpo_fast")),
     Panel(

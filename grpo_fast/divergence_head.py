@@ -40,8 +40,10 @@ from grpo_fast.transform import LogitTransform, check_number
 
 def _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
     """(student's, teacher's) LogitTransform."""
-    return (LogitTransform(temperature, student_softcap, student_logit_scale),
-            LogitTransform(temperature, teacher_softcap, teacher_logit_scale))
+    return (
+        LogitTransform(temperature, student_softcap, student_logit_scale),
+        LogitTransform(temperature, teacher_softcap, teacher_logit_scale),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- the ops
@@ -49,7 +51,8 @@ def _forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, student
                 teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
                 beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
                 student_logit_scale: float, teacher_logit_scale: float, backend: str, student_gemm_dtype: torch.dtype,
-                frozen_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                frozen_head: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """[N, Ds], [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None -> (divergence [N] fp32, student entropy [N] fp32,
     saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64, J [N, Ds] fp32): the last three for
     the backward; J = d divergence / d student_hidden with ``frozen_head`` (then the backward is dH = c J, no
@@ -57,8 +60,16 @@ def _forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, student
     GPU): divergence_torch.FrozenHead. The student's hidden states and weight enter the GEMMs rounded to
     ``student_gemm_dtype`` (divergence_and_entropy's)."""
     transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
-    args = (student_hidden.to(student_gemm_dtype), student_weight.to(student_gemm_dtype), student_bias,
-            teacher_hidden, teacher_weight, teacher_bias, beta, *transforms)
+    args = (
+        student_hidden.to(student_gemm_dtype),
+        student_weight.to(student_gemm_dtype),
+        student_bias,
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        beta,
+        *transforms,
+    )
     if frozen_head:
         return divergence_torch.forward(*args, frozen_head=True)
     out = kdivergence.forward(*args) if backend == "triton" else divergence_torch.forward(*args)[:4]
@@ -71,13 +82,16 @@ _forward_op = torch.library.custom_op("grpo_fast::divergence_forward", mutates_a
 @_forward_op.register_fake
 def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
                   temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend,
-                  student_gemm_dtype, frozen_head):
+                  student_gemm_dtype, frozen_head):  # fmt: skip
     N = student_hidden.shape[0]
     per_token = student_hidden.new_empty(N, dtype=torch.float32)
-    return (per_token, torch.empty_like(per_token),
-            student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
-            student_hidden.new_empty((2, N), dtype=torch.int64),
-            student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32))
+    return (
+        per_token,
+        torch.empty_like(per_token),
+        student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
+        student_hidden.new_empty((2, N), dtype=torch.int64),
+        student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32),
+    )
 
 
 def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
@@ -86,7 +100,7 @@ def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, 
                  temperature: float, student_softcap: float | None, teacher_softcap: float | None,
                  student_logit_scale: float, teacher_logit_scale: float, backend: str, student_gemm_dtype: torch.dtype,
                  need_hidden: bool, need_weight: bool,
-                 need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(d student_hidden, d student_weight, d student_bias) in the inputs' dtypes (cast once from the fp32
     accumulators, whatever ``student_gemm_dtype`` the GEMMs took), each empty (0 elements) where not needed, from
     dL/d divergence [N]."""
@@ -94,11 +108,14 @@ def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, 
     dev = student_hidden.device
     grad_hidden = torch.zeros(student_hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
     grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=dev) if need_weight else None
-    grad_bias = (torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
-                 if need_bias and student_bias is not None else None)
+    grad_bias = (
+        torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
+        if need_bias and student_bias is not None
+        else None
+    )
     args = (grad_divergence.float().contiguous(), student_hidden.to(student_gemm_dtype),
             student_weight.to(student_gemm_dtype), student_bias, teacher_hidden, teacher_weight, teacher_bias, saved,
-            argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)
+            argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)  # fmt: skip
     if student_hidden.shape[0] > 0:
         if backend == "triton":
             kdivergence.backward(*args)
@@ -108,8 +125,11 @@ def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, 
     def out(grad, like):
         return grad.to(like.dtype) if grad is not None else like.new_empty(0)
 
-    return (out(grad_hidden, student_hidden), out(grad_weight, student_weight),
-            out(grad_bias, student_bias if student_bias is not None else student_weight))
+    return (
+        out(grad_hidden, student_hidden),
+        out(grad_weight, student_weight),
+        out(grad_bias, student_bias if student_bias is not None else student_weight),
+    )
 
 
 _backward_op = torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())(_backward_impl)
@@ -119,7 +139,7 @@ _backward_op = torch.library.custom_op("grpo_fast::divergence_backward", mutates
 def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                    teacher_bias, saved, argmax, beta, temperature, student_softcap, teacher_softcap,
                    student_logit_scale, teacher_logit_scale, backend, student_gemm_dtype, need_hidden, need_weight,
-                   need_bias):
+                   need_bias):  # fmt: skip
     def out(need, like):
         return torch.empty_like(like) if need and like is not None else student_hidden.new_empty(0)
 
@@ -128,10 +148,10 @@ def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias
 
 def _setup_context(ctx, inputs, output):
     (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars,
-     frozen_head) = inputs
+     frozen_head) = inputs  # fmt: skip
     _, entropy, saved, argmax, frozen_grad = output
     ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                          teacher_bias, saved, argmax, frozen_grad)
+                          teacher_bias, saved, argmax, frozen_grad)  # fmt: skip
     ctx.scalars = scalars
     ctx.frozen_head = frozen_head
     ctx.mark_non_differentiable(entropy, saved, argmax, frozen_grad)
@@ -139,20 +159,23 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax, _grad_frozen):
     student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, saved, argmax, \
-        frozen_grad = ctx.saved_tensors
+        frozen_grad = ctx.saved_tensors  # fmt: skip
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_divergence is None or not (need_hidden or need_weight or need_bias):
         return (None,) * 15
     if ctx.frozen_head:
         if need_weight or need_bias:
-            raise RuntimeError("the divergence's frozen-head forward ran (student_weight and student_bias needed no "
-                               "gradient then), but the backward asks for one: call it again with head_path='general'")
+            raise RuntimeError(
+                "the divergence's frozen-head forward ran (student_weight and student_bias needed no "
+                "gradient then), but the backward asks for one: call it again with head_path='general'"
+            )
         return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 14
     backward_op = _backward_impl if ops.runs_inline(ctx.saved_tensors) else _backward_op
     grads = backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                        teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight, need_bias)
-    return (grads[0] if need_hidden else None, grads[1] if need_weight else None,
-            grads[2] if need_bias else None) + (None,) * 12
+                        teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight, need_bias)  # fmt: skip
+    return (grads[0] if need_hidden else None, grads[1] if need_weight else None, grads[2] if need_bias else None) + (
+        None,
+    ) * 12
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -168,30 +191,49 @@ def _divergence_forward(*args):
 # ----------------------------------------------------------------------------------------------- checks
 def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
              student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
-             backend, checks, sharded=False):
+             backend, checks, sharded=False):  # fmt: skip
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
     with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
     this rank's rows of vocab-parallel heads, which may hold none: divergence_parallel)."""
-    B, T, _, V = check_head(("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight,
-                             student_bias, sharded)
-    Bt, Tt, _, Vt = check_head(("teacher_hidden", "teacher_weight", "teacher_bias"), teacher_hidden, teacher_weight,
-                               teacher_bias, sharded)
+    B, T, _, V = check_head(
+        ("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias, sharded
+    )
+    Bt, Tt, _, Vt = check_head(
+        ("teacher_hidden", "teacher_weight", "teacher_bias"), teacher_hidden, teacher_weight, teacher_bias, sharded
+    )
     if (Bt, Tt) != (B, T):
-        raise ValueError(f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score "
-                         "the same tokens")
+        raise ValueError(
+            f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score the same tokens"
+        )
     if Vt != V:
-        raise ValueError(f"student_weight has V = {V} rows but teacher_weight has V = {Vt}: the vocabularies must "
-                         "match")
+        raise ValueError(
+            f"student_weight has V = {V} rows but teacher_weight has V = {Vt}: the vocabularies must match"
+        )
     if completion_mask is not None:
         _tensor("completion_mask", completion_mask)
-    _same_device([(name, x) for name, x in (("student_weight", student_weight), ("student_bias", student_bias),
-                                             ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
-                                             ("teacher_bias", teacher_bias), ("completion_mask", completion_mask))],
-                 student_hidden.device, "student_hidden")
+    _same_device(
+        [
+            (name, x)
+            for name, x in (
+                ("student_weight", student_weight),
+                ("student_bias", student_bias),
+                ("teacher_hidden", teacher_hidden),
+                ("teacher_weight", teacher_weight),
+                ("teacher_bias", teacher_bias),
+                ("completion_mask", completion_mask),
+            )
+        ],
+        student_hidden.device,
+        "student_hidden",
+    )
     if completion_mask is not None:
         _check_mask(completion_mask, (B, T), checks)
-    check_number("beta", beta, lambda v: 0.0 <= v <= 1.0,
-                 "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))")
+    check_number(
+        "beta",
+        beta,
+        lambda v: 0.0 <= v <= 1.0,
+        "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
+    )
     check_number("temperature", temperature, lambda v: v > 0, "a positive number")
     for name, softcap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         if softcap is not None:
@@ -217,7 +259,8 @@ def _contiguous(x):
 def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
                            teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
-                           head_path="auto", check_values=True, vocab_parallel=None, student_gemm_dtype=None):
+                           head_path="auto", check_values=True, vocab_parallel=None,
+                           student_gemm_dtype=None):  # fmt: skip
     """Per-token divergence between a student and a teacher head, and the student's entropy, without logits.
 
     TRL 1.16's ``DistillationTrainer`` divergence: each model's logit is ``softcap * tanh(logit_scale * (h . W + b)
@@ -269,20 +312,41 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
             kernels cannot index, or vocab-parallel heads that are not sharded alike.
         TypeError: a ``student_gemm_dtype`` that is not None, float32, bfloat16 or float16.
     """
-    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = \
-        divergence_parallel.resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden,
-                                         teacher_weight, teacher_bias, vocab_parallel)
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = (
+        divergence_parallel.resolve_pair(
+            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, vocab_parallel
+        )
+    )
     if student_gemm_dtype is not None and student_gemm_dtype not in FLOAT_DTYPES:
         raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {student_gemm_dtype!r}")
     checks = _ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
-    backend = _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta,
-                       temperature, student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale,
-                       teacher_logit_scale, backend, checks, sharded=shard is not None)
+    backend = _checked(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        completion_mask,
+        beta,
+        temperature,
+        student_bias,
+        teacher_bias,
+        student_softcap,
+        teacher_softcap,
+        student_logit_scale,
+        teacher_logit_scale,
+        backend,
+        checks,
+        sharded=shard is not None,
+    )
     if head_path not in HEAD_PATHS:
         raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
-    frozen_head = (head_path == "auto" and torch.is_grad_enabled() and student_hidden.requires_grad
-                   and not student_weight.requires_grad and not (student_bias is not None and
-                                                                 student_bias.requires_grad))
+    frozen_head = (
+        head_path == "auto"
+        and torch.is_grad_enabled()
+        and student_hidden.requires_grad
+        and not student_weight.requires_grad
+        and not (student_bias is not None and student_bias.requires_grad)
+    )
     B, T = student_hidden.shape[:2]
     rows = _scored_rows(completion_mask, checks)
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
@@ -290,20 +354,35 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     if shard is not None:
         if student_gemm_dtype is not None:
             student_hidden, student_weight = (x.to(student_gemm_dtype) for x in (student_hidden, student_weight))
-        transforms = _transforms(float(temperature), None if student_softcap is None else float(student_softcap),
-                                 None if teacher_softcap is None else float(teacher_softcap),
-                                 float(student_logit_scale), float(teacher_logit_scale))
+        transforms = _transforms(
+            float(temperature),
+            None if student_softcap is None else float(student_softcap),
+            None if teacher_softcap is None else float(teacher_softcap),
+            float(student_logit_scale),
+            float(teacher_logit_scale),
+        )
         div, entropy = divergence_parallel.VocabParallelDivergence.apply(
             _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
             _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
-            frozen_head, backend)
+            frozen_head, backend)  # fmt: skip
         return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
-        _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
-        _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]),
-        float(beta), float(temperature), None if student_softcap is None else float(student_softcap),
-        None if teacher_softcap is None else float(teacher_softcap), float(student_logit_scale),
-        float(teacher_logit_scale), backend, student_gemm_dtype or student_hidden.dtype, frozen_head)
+        _rows(student_hidden, rows),
+        _contiguous(student_weight),
+        _contiguous(student_bias),
+        _rows(teacher[0], rows),
+        _contiguous(teacher[1]),
+        _contiguous(teacher[2]),
+        float(beta),
+        float(temperature),
+        None if student_softcap is None else float(student_softcap),
+        None if teacher_softcap is None else float(teacher_softcap),
+        float(student_logit_scale),
+        float(teacher_logit_scale),
+        backend,
+        student_gemm_dtype or student_hidden.dtype,
+        frozen_head,
+    )
     return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
 
 
@@ -325,5 +404,6 @@ def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, c
         TypeError: as ``divergence_and_entropy``.
         ValueError: as ``divergence_and_entropy``.
     """
-    return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
-                                  **kwargs)[0]
+    return divergence_and_entropy(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **kwargs
+    )[0]

@@ -55,28 +55,39 @@ from grpo_fast.vocab_parallel import VocabShard, resolve
 _NO_ARGMAX = torch.iinfo(torch.int64).max
 
 
-def resolve_pair(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
-                 vocab_parallel):
+def resolve_pair(
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, vocab_parallel
+):
     """(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard) as the
     head computes on them: both weights DTensors sharded on dim 0 (their local rows; the same ranges), or plain
     shards with one ``vocab_parallel=VocabShard(...)`` for both, or plain whole heads (shard None)."""
     dtensors = [type(w).__name__ == "DTensor" for w in (student_weight, teacher_weight)]
     if dtensors[0] != dtensors[1]:
-        raise ValueError("one of student_weight and teacher_weight is a DTensor and the other is not: pass both as "
-                         "DTensors sharded on dim 0 by the same ranges, or both as this rank's rows with "
-                         "vocab_parallel=VocabShard(...)")
-    student_hidden, student_weight, student_bias, shard = resolve(student_hidden, student_weight, student_bias,
-                                                                  vocab_parallel)
-    teacher_hidden, teacher_weight, teacher_bias, teacher_shard = resolve(teacher_hidden, teacher_weight,
-                                                                          teacher_bias, vocab_parallel)
+        raise ValueError(
+            "one of student_weight and teacher_weight is a DTensor and the other is not: pass both as "
+            "DTensors sharded on dim 0 by the same ranges, or both as this rank's rows with "
+            "vocab_parallel=VocabShard(...)"
+        )
+    student_hidden, student_weight, student_bias, shard = resolve(
+        student_hidden, student_weight, student_bias, vocab_parallel
+    )
+    teacher_hidden, teacher_weight, teacher_bias, teacher_shard = resolve(
+        teacher_hidden, teacher_weight, teacher_bias, vocab_parallel
+    )
     if shard is not None:
-        same = (teacher_shard.offset == shard.offset and teacher_shard.vocab_size == shard.vocab_size
-                and teacher_shard.group == shard.group and teacher_weight.shape[0] == student_weight.shape[0])
+        same = (
+            teacher_shard.offset == shard.offset
+            and teacher_shard.vocab_size == shard.vocab_size
+            and teacher_shard.group == shard.group
+            and teacher_weight.shape[0] == student_weight.shape[0]
+        )
         if not same:
-            raise ValueError(f"the teacher's head is sharded as rows [{teacher_shard.offset}, "
-                             f"{teacher_shard.offset + teacher_weight.shape[0]}) of {teacher_shard.vocab_size}, the "
-                             f"student's as [{shard.offset}, {shard.offset + student_weight.shape[0]}) of "
-                             f"{shard.vocab_size}: both heads must be split by the same vocabulary ranges")
+            raise ValueError(
+                f"the teacher's head is sharded as rows [{teacher_shard.offset}, "
+                f"{teacher_shard.offset + teacher_weight.shape[0]}) of {teacher_shard.vocab_size}, the "
+                f"student's as [{shard.offset}, {shard.offset + student_weight.shape[0]}) of "
+                f"{shard.vocab_size}: both heads must be split by the same vocabulary ranges"
+            )
     return student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard
 
 
@@ -100,8 +111,10 @@ def merge_over_group(student, teacher, group):
         local.append(divergence_torch.Record(*(torch.where(own, x, y) for x, y in zip(r, moved, strict=True))))
     sums = torch.stack([x for r in local for x in (r.rest, r.cross, r.zsum, r.unsupported.float())])
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    return tuple(divergence_torch.Record(m, a, s[0], s[1], o, s[2], s[3] > 0)
-                 for m, a, o, s in zip(maxima, argmax, other, sums.view(2, 4, -1), strict=True))
+    return tuple(
+        divergence_torch.Record(m, a, s[0], s[1], o, s[2], s[3] > 0)
+        for m, a, o, s in zip(maxima, argmax, other, sums.view(2, 4, -1), strict=True)
+    )
 
 
 def _rescale(local_max, merged_max):
@@ -116,7 +129,7 @@ def _cat_records(parts, n, device):
 
 
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, shard, frozen_head=False, backend="torch"):
+            student_transform, teacher_transform, shard, frozen_head=False, backend="torch"):  # fmt: skip
     """The whole vocabulary's forward, on every rank, from this rank's rows of both heads.
 
     Args:
@@ -135,12 +148,12 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     """
     args = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
     if backend == "triton" and not frozen_head and student_weight.shape[0] > 0:
-        *local, local_jsd = kdivergence.records(*args, beta, student_transform, teacher_transform,
-                                                offset=shard.offset)[:3]
+        *local, local_jsd = kdivergence.records(*args, beta, student_transform, teacher_transform, offset=shard.offset)[
+            :3
+        ]
         frozen = None
     else:
-        local, local_jsd, frozen = _torch_records(*args, beta, student_transform, teacher_transform, shard,
-                                                  frozen_head)
+        local, local_jsd, frozen = _torch_records(*args, beta, student_transform, teacher_transform, shard, frozen_head)
     student, teacher = merge_over_group(*local, shard.group)
 
     def jsd_sweep(finished_s, finished_t, reference):
@@ -152,15 +165,22 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
     if not frozen_head:
         return (*out, None)
     N = student_hidden.shape[0]
-    grad = torch.cat([frozen_grad(acc, tuple(divergence_torch.Record(*(x[n0:n0 + CHUNK_N] for x in r))
-                                             for r in (*local, student, teacher)), out[2][:, n0:n0 + CHUNK_N])
-                      for n0, acc in zip(range(0, N, CHUNK_N), frozen, strict=True)])
+    grad = torch.cat(
+        [
+            frozen_grad(
+                acc,
+                tuple(divergence_torch.Record(*(x[n0 : n0 + CHUNK_N] for x in r)) for r in (*local, student, teacher)),
+                out[2][:, n0 : n0 + CHUNK_N],
+            )
+            for n0, acc in zip(range(0, N, CHUNK_N), frozen, strict=True)
+        ]
+    )
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
     return (*out, grad)
 
 
 def _torch_records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-                   student_transform, teacher_transform, shard, frozen_head):
+                   student_transform, teacher_transform, shard, frozen_head):  # fmt: skip
     """The torch twin's part of ``forward`` on this rank's rows, by token chunks.
 
     Returns:
@@ -170,12 +190,25 @@ def _torch_records(student_hidden, student_weight, student_bias, teacher_hidden,
     """
     N, dev = student_hidden.shape[0], student_hidden.device
     starts = range(0, N, CHUNK_N)
-    frozen = [divergence_torch.FrozenHead(beta, min(CHUNK_N, N - n0), student_weight, shard.offset)
-              if frozen_head else None for n0 in starts]
-    chunks = [divergence_torch.records(student_hidden[n0:n0 + CHUNK_N], student_weight, student_bias,
-                                       teacher_hidden[n0:n0 + CHUNK_N], teacher_weight, teacher_bias,
-                                       student_transform, teacher_transform, offset=shard.offset, frozen=acc)
-              for n0, acc in zip(starts, frozen, strict=True)]
+    frozen = [
+        divergence_torch.FrozenHead(beta, min(CHUNK_N, N - n0), student_weight, shard.offset) if frozen_head else None
+        for n0 in starts
+    ]
+    chunks = [
+        divergence_torch.records(
+            student_hidden[n0 : n0 + CHUNK_N],
+            student_weight,
+            student_bias,
+            teacher_hidden[n0 : n0 + CHUNK_N],
+            teacher_weight,
+            teacher_bias,
+            student_transform,
+            teacher_transform,
+            offset=shard.offset,
+            frozen=acc,
+        )
+        for n0, acc in zip(starts, frozen, strict=True)
+    ]
     local = tuple(_cat_records([c[k] for c in chunks], N, dev) for k in (0, 1))
 
     def local_jsd(finished_s, finished_t, reference):
@@ -184,7 +217,8 @@ def _torch_records(student_hidden, student_weight, student_bias, teacher_hidden,
             teacher_weight, teacher_bias, beta, student_transform, teacher_transform,
             divergence_torch.Finished(*(x[n0:n0 + CHUNK_N] for x in finished_s)),
             divergence_torch.Finished(*(x[n0:n0 + CHUNK_N] for x in finished_t)),
-            reference[n0:n0 + CHUNK_N], acc, offset=shard.offset) for n0, acc in zip(starts, frozen, strict=True)]
+            reference[n0:n0 + CHUNK_N], acc,
+            offset=shard.offset) for n0, acc in zip(starts, frozen, strict=True)]  # fmt: skip
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     return local, local_jsd, frozen
@@ -205,8 +239,9 @@ def frozen_grad(acc, records, saved):
     if acc.beta == 1.0:
         scale = _rescale(local_s.max, student.max)
         shift = (local_s.max - local_s.other) - (student.max - student.other)
-        acc.second = divergence_torch._zero_where((scale == 0)[:, None],
-                                                  scale[:, None] * (acc.second + shift[:, None] * acc.first))
+        acc.second = divergence_torch._zero_where(
+            (scale == 0)[:, None], scale[:, None] * (acc.second + shift[:, None] * acc.first)
+        )
         acc.first = acc.first * scale[:, None]
         return acc.finish(student, teacher, saved)
     for k, (mine, merged) in enumerate(((local_s, student), (local_t, teacher))):
@@ -229,7 +264,7 @@ class VocabParallelDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-                student_transform, teacher_transform, shard, frozen_head, backend):
+                student_transform, teacher_transform, shard, frozen_head, backend):  # fmt: skip
         if student_hidden.shape[0] == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=student_hidden.device)
             saved, argmax = empty.new_zeros((len(divergence_torch.SAVED_FIELDS), 0)), empty.new_zeros((2, 0)).long()
@@ -237,10 +272,10 @@ class VocabParallelDivergence(torch.autograd.Function):
         else:
             div, entropy, saved, argmax, grad = forward(student_hidden, student_weight, student_bias, teacher_hidden,
                                                         teacher_weight, teacher_bias, beta, student_transform,
-                                                        teacher_transform, shard, frozen_head, backend)
+                                                        teacher_transform, shard, frozen_head, backend)  # fmt: skip
         ctx.frozen_head = frozen_head
         ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                              teacher_bias, saved, argmax, grad if frozen_head else None)
+                              teacher_bias, saved, argmax, grad if frozen_head else None)  # fmt: skip
         ctx.beta, ctx.transforms, ctx.shard, ctx.backend = beta, (student_transform, teacher_transform), shard, backend
         ctx.mark_non_differentiable(entropy)
         return div, entropy
@@ -251,25 +286,34 @@ class VocabParallelDivergence(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.frozen_head:
             if need_w or need_b:
-                raise RuntimeError("the divergence's frozen-head forward ran (student_weight and student_bias needed "
-                                   "no gradient then), but the backward asks for one: call it again with "
-                                   "head_path='general'")
-            grad = (torch.zeros_like(hidden_grad) if grad_divergence is None
-                    else grad_divergence.float()[:, None] * hidden_grad)
+                raise RuntimeError(
+                    "the divergence's frozen-head forward ran (student_weight and student_bias needed "
+                    "no gradient then), but the backward asks for one: call it again with "
+                    "head_path='general'"
+                )
+            grad = (
+                torch.zeros_like(hidden_grad)
+                if grad_divergence is None
+                else grad_divergence.float()[:, None] * hidden_grad
+            )
             return (grad.to(hs.dtype),) + (None,) * 11
         dev = hs.device
         grad_hidden = torch.zeros(hs.shape, dtype=torch.float32, device=dev) if need_h else None
         grad_weight = torch.zeros(ws.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(ws.shape[0], dtype=torch.float32, device=dev) if need_b else None
         if hs.shape[0] > 0 and grad_divergence is not None:
-            sweep = (kdivergence.backward if ctx.backend == "triton" and ws.shape[0] > 0
-                     else divergence_torch.backward)  # a shard of no rows: nothing to recompute, dH's part is 0
+            sweep = (
+                kdivergence.backward if ctx.backend == "triton" and ws.shape[0] > 0 else divergence_torch.backward
+            )  # a shard of no rows: nothing to recompute, dH's part is 0
             sweep(grad_divergence.float().contiguous(), hs, ws, bs, ht, wt, bt, saved, argmax, ctx.beta,
-                  *ctx.transforms, grad_hidden, grad_weight, grad_bias, offset=ctx.shard.offset)
+                  *ctx.transforms, grad_hidden, grad_weight, grad_bias, offset=ctx.shard.offset)  # fmt: skip
             if need_h:
                 dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
-        return (grad_hidden.to(hs.dtype) if need_h else None, grad_weight.to(ws.dtype) if need_w else None,
-                grad_bias.to(bs.dtype) if need_b else None) + (None,) * 9
+        return (
+            grad_hidden.to(hs.dtype) if need_h else None,
+            grad_weight.to(ws.dtype) if need_w else None,
+            grad_bias.to(bs.dtype) if need_b else None,
+        ) + (None,) * 9
 
 
 __all__ = ["VocabShard", "VocabParallelDivergence", "merge_over_group", "resolve_pair"]

@@ -59,8 +59,16 @@ from grpo_fast.torch_backend import CHUNK_N, CHUNK_V, add_tile_gradients
 # the per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order; the last two:
 # beta = 1: g_a and C_s / S_s; JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: unused), and the two argmax indices
 # (one [2, N] int64 tensor: the student's, the teacher's)
-SAVED_FIELDS = ("student_max", "student_log_sumexp", "student_rest_mass", "teacher_max", "teacher_log_sumexp",
-                "teacher_rest_mass", "reference", "excess")
+SAVED_FIELDS = (
+    "student_max",
+    "student_log_sumexp",
+    "student_rest_mass",
+    "teacher_max",
+    "teacher_log_sumexp",
+    "teacher_rest_mass",
+    "reference",
+    "excess",
+)
 
 
 class Record(NamedTuple):
@@ -111,18 +119,27 @@ def merge(first, second):
     max_shift = lose.max - _pivot(win.max)
     nothing = scale == 0  # an empty loser (or one too far below to count) adds nothing, and no inf * 0
     return Record(
-        win.max, win.argmax,
+        win.max,
+        win.argmax,
         win.rest + scale * lose_sumexp,
         win.cross + _zero_where(nothing, scale * (lose.cross + gap_shift * lose_sumexp)),
         win.other,
         win.zsum + _zero_where(nothing, scale * (lose.zsum + max_shift * lose_sumexp)),
-        first.unsupported | second.unsupported)
+        first.unsupported | second.unsupported,
+    )
 
 
 def _empty_record(n, device):
     nothing = torch.zeros(n, dtype=torch.float32, device=device)
-    return Record(torch.full((n,), float("-inf"), device=device), torch.zeros(n, dtype=torch.int64, device=device),
-                  nothing, nothing, nothing, nothing, torch.zeros(n, dtype=torch.bool, device=device))
+    return Record(
+        torch.full((n,), float("-inf"), device=device),
+        torch.zeros(n, dtype=torch.int64, device=device),
+        nothing,
+        nothing,
+        nothing,
+        nothing,
+        torch.zeros(n, dtype=torch.bool, device=device),
+    )
 
 
 def logit_tile(hidden, weight, bias, transform, v0, v1, slope=False):
@@ -138,7 +155,7 @@ class Finished(NamedTuple):
 
     max: torch.Tensor
     log_sumexp: torch.Tensor  # log S = log1p(R): lse = max + log S
-    rest_mass: torch.Tensor   # q = R / S = 1 - p at the argmax
+    rest_mass: torch.Tensor  # q = R / S = 1 - p at the argmax
     argmax: torch.Tensor
 
 
@@ -165,7 +182,7 @@ def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
 
 
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, frozen_head=False):
+            student_transform, teacher_transform, frozen_head=False):  # fmt: skip
     """(divergence [N], student entropy [N], saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64, J): with
     ``frozen_head`` J = d divergence / d student_hidden [N, Ds] fp32 built in the last sweep (FrozenHead), else
     None."""
@@ -177,24 +194,38 @@ def forward(student_hidden, student_weight, student_bias, teacher_hidden, teache
         hs, ht = student_hidden[n0:n1], teacher_hidden[n0:n1]
         frozen = FrozenHead(beta, n1 - n0, student_weight) if frozen_head else None
         run_s, run_t = records(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias,
-                               student_transform, teacher_transform, frozen=frozen)
+                               student_transform, teacher_transform, frozen=frozen)  # fmt: skip
 
         def jsd_sweep(student, teacher, reference, hs=hs, ht=ht, frozen=frozen):
             return _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta,
-                              student_transform, teacher_transform, student, teacher, reference, frozen)
+                              student_transform, teacher_transform, student, teacher, reference, frozen)  # fmt: skip
 
         out = finish(run_s, run_t, beta, jsd_sweep)
         outputs.append(out + ((frozen.finish(run_s, run_t, out[2]),) if frozen is not None else ()))
     if not outputs:
-        return (torch.zeros(0, device=dev), torch.zeros(0, device=dev),
-                torch.zeros((len(SAVED_FIELDS), 0), device=dev), torch.zeros((2, 0), dtype=torch.int64, device=dev),
-                torch.zeros((0, student_hidden.shape[1]), device=dev) if frozen_head else None)
+        return (
+            torch.zeros(0, device=dev),
+            torch.zeros(0, device=dev),
+            torch.zeros((len(SAVED_FIELDS), 0), device=dev),
+            torch.zeros((2, 0), dtype=torch.int64, device=dev),
+            torch.zeros((0, student_hidden.shape[1]), device=dev) if frozen_head else None,
+        )
     merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs), strict=True))
     return merged + (torch.cat([out[4] for out in outputs]) if frozen_head else None,)
 
 
-def records(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, student_transform,
-            teacher_transform, offset=0, frozen=None):
+def records(
+    hs,
+    student_weight,
+    student_bias,
+    ht,
+    teacher_weight,
+    teacher_bias,
+    student_transform,
+    teacher_transform,
+    offset=0,
+    frozen=None,
+):
     """Both models' records (student's, teacher's) over the rows of the weights, for the tokens of hs / ht [n, D];
     the weights' row v is vocabulary entry offset + v (a vocab-parallel shard: divergence_parallel). With ``frozen``
     (a FrozenHead) its sums are folded chunk by chunk."""
@@ -202,9 +233,11 @@ def records(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, 
     for v0 in range(0, student_weight.shape[0], CHUNK_V):
         v1 = min(v0 + CHUNK_V, student_weight.shape[0])
         # the student's slope dz/du only where the frozen head's sums need it
-        zs, slope = (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
-                     if frozen is not None else
-                     (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0))
+        zs, slope = (
+            logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
+            if frozen is not None
+            else (logit_tile(hs, student_weight, student_bias, student_transform, v0, v1), 1.0)
+        )
         zt = logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1)
         tile_s, tile_t = tile_record(zs, zt, offset + v0), tile_record(zt, zs, offset + v0)
         if frozen is not None:
@@ -253,8 +286,11 @@ class FrozenHead:
                 rows = torch.nonzero(wins).squeeze(1)
                 local = tile.argmax[rows] - self.offset - v0
                 e[rows, local] = 0.0  # the merged argmax stays out of the sum
-                slope_at = slope[torch.arange(z.shape[0], device=z.device), tile.argmax - self.offset - v0] \
-                    if torch.is_tensor(slope) else torch.full_like(tile.max, slope)
+                slope_at = (
+                    slope[torch.arange(z.shape[0], device=z.device), tile.argmax - self.offset - v0]
+                    if torch.is_tensor(slope)
+                    else torch.full_like(tile.max, slope)
+                )
                 # the running argmax's own term (1 x its slope) joins the rest where this chunk's max wins
                 moved = torch.where(wins & (run.max > float("-inf")), rescale * self.slope_top[k], 0.0)
                 acc = self.first if k == 0 else self.second
@@ -267,8 +303,9 @@ class FrozenHead:
             rescale = torch.exp(run_s.max - pivot)
             reference = torch.where(wins, tile_s.max - tile_s.other, run_s.max - run_s.other)
             shift = (run_s.max - run_s.other) - reference
-            self.second = _zero_where((rescale == 0)[:, None],
-                                      rescale[:, None] * (self.second + shift[:, None] * self.first))
+            self.second = _zero_where(
+                (rescale == 0)[:, None], rescale[:, None] * (self.second + shift[:, None] * self.first)
+            )
             self.first.mul_(rescale[:, None])
             e = torch.exp(zs - pivot[:, None])
             relative = _zero_where(e == 0, e * ((zs - zt) - reference[:, None]))
@@ -318,8 +355,12 @@ def finish(run_s, run_t, beta, jsd_sweep):
     else:
         reference = _top_log_ratio(student, teacher, run_s.other, beta)
         div, excess = jsd_sweep(student, teacher, reference)
-    return (div, entropy, torch.stack([*student[:3], *teacher[:3], reference, excess]),
-            torch.stack([student.argmax, teacher.argmax]))
+    return (
+        div,
+        entropy,
+        torch.stack([*student[:3], *teacher[:3], reference, excess]),
+        torch.stack([student.argmax, teacher.argmax]),
+    )
 
 
 def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
@@ -333,8 +374,22 @@ def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
     return log_ps - log_m
 
 
-def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bias, beta, student_transform,
-               teacher_transform, student, teacher, top_log_ratio, frozen=None, offset=0):
+def _jsd_sweep(
+    hs,
+    ht,
+    student_weight,
+    student_bias,
+    teacher_weight,
+    teacher_bias,
+    beta,
+    student_transform,
+    teacher_transform,
+    student,
+    teacher,
+    top_log_ratio,
+    frozen=None,
+    offset=0,
+):
     """The generalized JSD's second sweep: (JSD, sum_v p_s (r_v - r_a)) [n] from both models' finished records and
     r_a (``_top_log_ratio``), summed over the weights' rows (entries offset + v); with ``frozen`` (a FrozenHead) it
     also folds J's two sums."""
@@ -345,8 +400,9 @@ def _jsd_sweep(hs, ht, student_weight, student_bias, teacher_weight, teacher_bia
         v1 = min(v0 + CHUNK_V, V)
         zs, slope = logit_tile(hs, student_weight, student_bias, student_transform, v0, v1, slope=True)
         log_ps, top_s = _log_probs(zs, student, offset + v0)
-        log_pt, top_t = _log_probs(logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1),
-                                   teacher, offset + v0)
+        log_pt, top_t = _log_probs(
+            logit_tile(ht, teacher_weight, teacher_bias, teacher_transform, v0, v1), teacher, offset + v0
+        )
         log_m = _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)
         ps, pt = log_ps.exp(), log_pt.exp()
         log_ratio = log_ps - log_m
@@ -390,7 +446,7 @@ def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
 
 def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
              teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias, offset=0):
+             grad_bias, offset=0):  # fmt: skip
     """Accumulate the student's gradients into the fp32 buffers grad_hidden [N, Ds], grad_weight [V, Ds],
     grad_bias [V] (zero on entry; each may be None), recomputing both models' tiles (the weights' row v is
     vocabulary entry offset + v: a vocab-parallel shard, with the whole vocabulary's saved values)."""

@@ -62,8 +62,10 @@ def logit_scale_of(text_config) -> float:
 def logit_transform_of(text_config) -> dict:
     """grpo_fast's transform keywords (``softcap``, ``logit_scale``) for a model, read from its text config as TRL 1.16
     reads them: ``final_logit_softcapping`` and ``logit_scale_of``."""
-    return {"softcap": getattr(text_config, "final_logit_softcapping", None),
-            "logit_scale": logit_scale_of(text_config)}
+    return {
+        "softcap": getattr(text_config, "final_logit_softcapping", None),
+        "logit_scale": logit_scale_of(text_config),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +148,11 @@ def lm_head_lora(lm_head, dtype=None, gathered=_already_whole):
         return
     a, b = lm_head.lora_A[adapter].weight, lm_head.lora_B[adapter].weight
     if isinstance(a, DTensor) or isinstance(b, DTensor):
-        raise NotImplementedError(f"{_UNSUPPORTED}: the adapter {adapter!r}'s weights are DTensors "
-                                  f"({type(a).__name__}, {type(b).__name__}) outside an FSDP2 unit that grpo_fast "
-                                  "gathers; that layout is untested")
+        raise NotImplementedError(
+            f"{_UNSUPPORTED}: the adapter {adapter!r}'s weights are DTensors "
+            f"({type(a).__name__}, {type(b).__name__}) outside an FSDP2 unit that grpo_fast "
+            "gathers; that layout is untested"
+        )
     with gathered(a, b):
         if dtype is not None:
             a, b = a.to(dtype), b.to(dtype)
@@ -170,16 +174,20 @@ def lm_head_lora_adapter(lm_head):
         return None
     kind = type(lm_head).__name__
     if not isinstance(lm_head, LoraLinear) or type(lm_head).forward is not LoraLinear.forward:
-        raise NotImplementedError(f"{_UNSUPPORTED}: the lm_head is a {kind} ({type(lm_head).__module__}); only "
-                                  "peft's lora.Linear over an nn.Linear is supported (use modules_to_save=['lm_head'] "
-                                  "to train the whole head, or leave lm_head out of target_modules)")
+        raise NotImplementedError(
+            f"{_UNSUPPORTED}: the lm_head is a {kind} ({type(lm_head).__module__}); only "
+            "peft's lora.Linear over an nn.Linear is supported (use modules_to_save=['lm_head'] "
+            "to train the whole head, or leave lm_head out of target_modules)"
+        )
     base = lm_head.base_layer
     if not isinstance(base, torch.nn.Linear) or isinstance(base, BaseTunerLayer):
         raise NotImplementedError(f"{_UNSUPPORTED}: the LoRA layer wraps a {type(base).__name__}, not an nn.Linear")
     if lm_head.disable_adapters:
         if lm_head.merged:  # PEFT's forward would unmerge the weight first
-            raise NotImplementedError(f"{_UNSUPPORTED}: its adapters are disabled but merged into the base weight "
-                                      f"({lm_head.merged_adapters}); call unmerge_adapter() first")
+            raise NotImplementedError(
+                f"{_UNSUPPORTED}: its adapters are disabled but merged into the base weight "
+                f"({lm_head.merged_adapters}); call unmerge_adapter() first"
+            )
         return None
     if lm_head.merged:  # PEFT's forward: the base layer alone, which holds the merged delta
         return None
@@ -187,13 +195,17 @@ def lm_head_lora_adapter(lm_head):
     if not active:
         return None
     if len(active) > 1:
-        raise NotImplementedError(f"{_UNSUPPORTED}: {len(active)} active LoRA adapters on the lm_head ({active}); "
-                                  "grpo_fast applies one (set_adapter to one, or merge the others)")
+        raise NotImplementedError(
+            f"{_UNSUPPORTED}: {len(active)} active LoRA adapters on the lm_head ({active}); "
+            "grpo_fast applies one (set_adapter to one, or merge the others)"
+        )
     adapter = active[0]
     if lm_head.use_dora.get(adapter, False) or adapter in lm_head.lora_variant:
         variant = type(lm_head.lora_variant[adapter]).__name__ if adapter in lm_head.lora_variant else "DoRA"
-        raise NotImplementedError(f"{_UNSUPPORTED}: the adapter {adapter!r} is a LoRA variant ({variant}: DoRA, "
-                                  "aLoRA, ...), whose forward is not base + B A x")
+        raise NotImplementedError(
+            f"{_UNSUPPORTED}: the adapter {adapter!r} is a LoRA variant ({variant}: DoRA, "
+            "aLoRA, ...), whose forward is not base + B A x"
+        )
     if lm_head.lora_bias.get(adapter, False):
         raise NotImplementedError(f"{_UNSUPPORTED}: the adapter {adapter!r} has a LoRA bias (lora_bias=True)")
     if lm_head.fan_in_fan_out:

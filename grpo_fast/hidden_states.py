@@ -22,8 +22,7 @@ def decoder_of(model):
     return getattr(base, base.base_model_prefix)
 
 
-def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                             share_prompts=False):
+def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, share_prompts=False):
     """Last hidden states [B, T, D] of the positions that predict the completion tokens; no logits are built.
 
     Position ``P - 1 + t`` (the prompt's last token, then each completion token but the last) predicts
@@ -41,10 +40,11 @@ def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, com
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], 1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+    out = decoder_of(model)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    return out.last_hidden_state[:, P - 1:P + T - 1]
+    return out.last_hidden_state[:, P - 1 : P + T - 1]
 
 
 def prompt_groups(prompt_ids, prompt_mask):
@@ -68,8 +68,12 @@ def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, 
         return None
     decoder = decoder_of(model)
     u_mask = prompt_mask[unique]
-    out = decoder(input_ids=prompt_ids[unique], attention_mask=u_mask,
-                  position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    out = decoder(
+        input_ids=prompt_ids[unique],
+        attention_mask=u_mask,
+        position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+    )
     cache = out.past_key_values
     if cache is None or cache.get_seq_length() != prompt_ids.shape[1]:  # e.g. gradient checkpointing drops it
         return None
@@ -80,6 +84,11 @@ def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, 
     cache.batch_select_indices(group)
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1].to(prompt_mask.dtype)], 1)
     position_ids = u_mask.sum(1)[group, None] + torch.arange(T - 1, device=completion_ids.device)
-    rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True)
+    rest = decoder(
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    )
     return torch.cat([last, rest.last_hidden_state], 1)

@@ -54,13 +54,17 @@ class HeadLora:
             if x.dtype not in _FLOAT_DTYPES:
                 raise TypeError(f"lora.{name} must be float32, bfloat16 or float16, got {x.dtype}")
             if x.dim() != 2:
-                raise ValueError(f"lora.{name} must be 2-D (a: lora_A.weight [r, D], b: lora_B.weight [V, r]), got "
-                                 f"shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"lora.{name} must be 2-D (a: lora_A.weight [r, D], b: lora_B.weight [V, r]), got "
+                    f"shape {tuple(x.shape)}"
+                )
         if self.a.dtype != self.b.dtype:
             raise TypeError(f"lora.a ({self.a.dtype}) and lora.b ({self.b.dtype}) must share a dtype")
         if self.a.shape[0] != self.b.shape[1] or self.a.shape[0] == 0:
-            raise ValueError(f"lora rank mismatch: a [r, D] has r = {self.a.shape[0]}, b [V, r] has r = "
-                             f"{self.b.shape[1]} (r must be the same and > 0)")
+            raise ValueError(
+                f"lora rank mismatch: a [r, D] has r = {self.a.shape[0]}, b [V, r] has r = "
+                f"{self.b.shape[1]} (r must be the same and > 0)"
+            )
         if self.a.device != self.b.device:
             raise ValueError(f"lora.a is on {self.a.device} but lora.b is on {self.b.device}")
         s = self.scaling
@@ -68,8 +72,10 @@ class HeadLora:
             raise ValueError(f"lora.scaling must be a finite number, got {s!r}")
         object.__setattr__(self, "scaling", float(s))
         if self.dropout is not None and not callable(self.dropout):
-            raise TypeError(f"lora.dropout must be None or a callable (PEFT's lora_dropout module), got "
-                            f"{type(self.dropout).__name__}")
+            raise TypeError(
+                f"lora.dropout must be None or a callable (PEFT's lora_dropout module), got "
+                f"{type(self.dropout).__name__}"
+            )
 
     @property
     def rank(self):
@@ -97,8 +103,9 @@ def check_against_head(lora, hidden, weight, vocab_parallel):
     if lora.b.shape[0] != V:
         raise ValueError(f"lora.b must have shape [V, r] with V = {V} (weight's rows), got {tuple(lora.b.shape)}")
     if lora.a.device != hidden.device:
-        raise ValueError(f"lora.a is on {lora.a.device} but hidden is on {hidden.device}: all tensors must share a "
-                         "device")
+        raise ValueError(
+            f"lora.a is on {lora.a.device} but hidden is on {hidden.device}: all tensors must share a device"
+        )
 
 
 def lora_hidden(lora, hidden, rows):

@@ -22,8 +22,9 @@ STATISTICS = {
 SLOTS = {name: slot for slot, name in enumerate(STATISTICS)}
 
 
-def returned_statistics(*, sequence_level: bool, advantages_per_token: bool, has_kl: bool, has_entropy: bool,
-                        has_phi: bool) -> dict[str, bool]:
+def returned_statistics(
+    *, sequence_level: bool, advantages_per_token: bool, has_kl: bool, has_entropy: bool, has_phi: bool
+) -> dict[str, bool]:
     """The statistics a layer-2 implementation returns, each with whether it is one value per sequence.
 
     Args:
@@ -39,7 +40,13 @@ def returned_statistics(*, sequence_level: bool, advantages_per_token: bool, has
         advantages), which TRL averages over sequences rather than tokens.
     """
     sequence_clip = sequence_level and not advantages_per_token
-    per_sequence = {"ratio": sequence_level, "low": sequence_clip, "high": sequence_clip, "region": sequence_clip,
-                    "cispo": sequence_clip, "phi": not advantages_per_token}
+    per_sequence = {
+        "ratio": sequence_level,
+        "low": sequence_clip,
+        "high": sequence_clip,
+        "region": sequence_clip,
+        "cispo": sequence_clip,
+        "phi": not advantages_per_token,
+    }
     computed = {"kl": has_kl, "entropy": has_entropy, "phi": has_phi}
     return {name: per_sequence.get(name, False) for name in STATISTICS if computed.get(name, True)}

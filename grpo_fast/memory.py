@@ -48,7 +48,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from grpo_fast.gsm8k import cli
 
-GIB = 2 ** 30
+GIB = 2**30
 PROG = "python -m grpo_fast.memory"
 # nvidia-smi's total for an RTX 4090 (24 GB): 24564 MiB
 RTX_4090_GIB = 24564 / 1024
@@ -93,17 +93,19 @@ class ModelShape:
                              num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
                              num_key_value_heads=self.num_kv_heads, vocab_size=self.vocab_size,
                              tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=32768,
-                             rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu", use_cache=False)
+                             rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu", use_cache=False)  # fmt: skip
         config._attn_implementation = "sdpa"
         return config
 
 
 # Qwen2.5 instruct models' public configs (hub: Qwen/Qwen2.5-*-Instruct, config.json)
 MODELS = {
-    "qwen2.5-0.5b": ModelShape(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-                               vocab_size=151936),
-    "qwen2.5-1.5b": ModelShape(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                               num_kv_heads=2, vocab_size=151936),
+    "qwen2.5-0.5b": ModelShape(
+        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2, vocab_size=151936
+    ),
+    "qwen2.5-1.5b": ModelShape(
+        hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2, vocab_size=151936
+    ),
 }
 
 
@@ -172,22 +174,26 @@ class Recipe:
             The description the report's title and the command's stderr show.
         """
         trains = f"LoRA r {self.lora_r} (alpha {self.lora_alpha})" if self.lora_r else "all parameters"
-        return (f"{self.model}, {trains}, {str(self.dtype).removeprefix('torch.')}, AdamW, micro-batch "
-                f"{self.micro_batch_size} x ({self.prompt_length} prompt + {self.completion_length} completion "
-                f"tokens), gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, beta {self.beta:g}"
-                f"{' (a reference copy of the weights)' if self.reference_copy else ''}; rollout "
-                f"{self.prompts_per_step} x {self.num_generations} completions")
+        return (
+            f"{self.model}, {trains}, {str(self.dtype).removeprefix('torch.')}, AdamW, micro-batch "
+            f"{self.micro_batch_size} x ({self.prompt_length} prompt + {self.completion_length} completion "
+            f"tokens), gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, beta {self.beta:g}"
+            f"{' (a reference copy of the weights)' if self.reference_copy else ''}; rollout "
+            f"{self.prompts_per_step} x {self.num_generations} completions"
+        )
 
 
 # examples/train_gsm8k.py's GPU preset (PRESETS["gpu"], its --max-prompt-length default, its optimizer and learning
 # rates): LoRA r 16 on Qwen2.5-1.5B-Instruct; and the same run with all parameters of the 0.5B model (--lora-r 0)
 _GPU_PRESET = dict(micro_batch_size=4, prompt_length=512, completion_length=786, prompts_per_step=4,
-                   num_generations=16, gradient_checkpointing=True, beta=0.04)
+                   num_generations=16, gradient_checkpointing=True, beta=0.04)  # fmt: skip
 RECIPES = {
-    "qwen2.5-1.5b-lora": Recipe(model="qwen2.5-1.5b", shape=MODELS["qwen2.5-1.5b"], lora_r=16, lora_alpha=32,
-                                lr=2e-5, **_GPU_PRESET),
-    "qwen2.5-0.5b-full": Recipe(model="qwen2.5-0.5b", shape=MODELS["qwen2.5-0.5b"], lora_r=0, lora_alpha=32,
-                                lr=5e-6, **_GPU_PRESET),
+    "qwen2.5-1.5b-lora": Recipe(
+        model="qwen2.5-1.5b", shape=MODELS["qwen2.5-1.5b"], lora_r=16, lora_alpha=32, lr=2e-5, **_GPU_PRESET
+    ),
+    "qwen2.5-0.5b-full": Recipe(
+        model="qwen2.5-0.5b", shape=MODELS["qwen2.5-0.5b"], lora_r=0, lora_alpha=32, lr=5e-6, **_GPU_PRESET
+    ),
 }
 
 # What the tracker cannot see, added to each estimate before it is compared with the card (the .md says why)
@@ -231,9 +237,13 @@ def _fake_parameters(model: nn.Module, fake_mode) -> None:
     replaced = {}
     with fake_mode:
         for module in model.modules():
-            for table, make in ((module._parameters, lambda p: nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)),
-                               (module._buffers, lambda b: torch.empty(b.shape, dtype=b.dtype))):
+            for table, make in (
+                (
+                    module._parameters,
+                    lambda p: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad),
+                ),
+                (module._buffers, lambda b: torch.empty(b.shape, dtype=b.dtype)),
+            ):
                 for name, tensor in list(table.items()):
                     if tensor is not None:
                         if id(tensor) not in replaced:
@@ -241,8 +251,9 @@ def _fake_parameters(model: nn.Module, fake_mode) -> None:
                         table[name] = replaced[id(tensor)]
 
 
-def build_model(recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = True,
-                checkpointing: bool = True) -> nn.Module:
+def build_model(
+    recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = True, checkpointing: bool = True
+) -> nn.Module:
     """The recipe's model in train mode, with gradient checkpointing (non-reentrant, as the example enables it) and
     PEFT's LoRA on the example's target modules (``lora`` and a rank > 0; the adapters in fp32, PEFT's default
     autocast of bf16 adapters).
@@ -273,8 +284,16 @@ def build_model(recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = Tr
 
         from grpo_fast.gsm8k.models import LORA_TARGETS
 
-        model = get_peft_model(model, LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
-                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=recipe.lora_r,
+                lora_alpha=recipe.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=LORA_TARGETS,
+                task_type="CAUSAL_LM",
+            ),
+        )
     if fake_mode is not None:
         _fake_parameters(model, fake_mode)
     return model.train()
@@ -442,8 +461,16 @@ class TrlHead(LossHead):
         rows = torch.arange(B, device=hidden.device).repeat_interleave(T)
         columns = torch.arange(T, device=hidden.device).repeat(B)
         logp, _entropy_metric, *_ = ChunkedLogProbFunction.apply(
-            hidden[rows, columns], weight, None, self.batch.targets[rows, columns],
-            self.recipe.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs", "entropy"))
+            hidden[rows, columns],
+            weight,
+            None,
+            self.batch.targets[rows, columns],
+            self.recipe.temperature,
+            _CHUNKED_LOGPROB_CHUNK_SIZE,
+            None,
+            1.0,
+            ("log_probs", "entropy"),
+        )
         logp = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         return grpo_token_loss(logp, self.batch, self.recipe)
 
@@ -481,12 +508,24 @@ class GrpoFastHead(LossHead):
         """The micro-batch's loss (LossHead.forward)."""
         import grpo_fast
 
-        options = grpo_fast.LossOptions(loss_type="dapo", beta=self.recipe.beta, epsilon=self.recipe.epsilon,
-                                        max_completion_length=self.recipe.completion_length)
-        loss, _ = grpo_fast.loss(hidden, weight, self.batch.targets, self.batch.advantages, self.batch.mask,
-                                 ref_logprobs=self.batch.ref_logprobs, options=options,
-                                 temperature=self.recipe.temperature, num_items_in_batch=self.batch.num_items,
-                                 backend="triton")
+        options = grpo_fast.LossOptions(
+            loss_type="dapo",
+            beta=self.recipe.beta,
+            epsilon=self.recipe.epsilon,
+            max_completion_length=self.recipe.completion_length,
+        )
+        loss, _ = grpo_fast.loss(
+            hidden,
+            weight,
+            self.batch.targets,
+            self.batch.advantages,
+            self.batch.mask,
+            ref_logprobs=self.batch.ref_logprobs,
+            options=options,
+            temperature=self.recipe.temperature,
+            num_items_in_batch=self.batch.num_items,
+            backend="triton",
+        )
         return loss
 
 
@@ -539,13 +578,21 @@ def grpo_fast_workspace(func, args, kwargs) -> int:
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
     if op == "token_loss":
-        return ops.workspace_bytes(op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape),
-                                   backend=bound["backend"])
+        return ops.workspace_bytes(
+            op, None, None, torch.float32, batch_shape=tuple(bound["logp"].shape), backend=bound["backend"]
+        )
     hidden = bound["hidden"]
     with launchers_sized_for(RTX_4090_PROPS):
-        return ops.workspace_bytes(op, tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype,
-                                   backend=bound["backend"], frozen_head=bool(bound.get("frozen_head", False)),
-                                   backward_mode=bound["backward_mode"], device_type="cuda")
+        return ops.workspace_bytes(
+            op,
+            tuple(hidden.shape),
+            bound["weight"].shape[0],
+            hidden.dtype,
+            backend=bound["backend"],
+            frozen_head=bool(bound.get("frozen_head", False)),
+            backward_mode=bound["backward_mode"],
+            device_type="cuda",
+        )
 
 
 # ------------------------------------------------------------------------------------------ the tracker
@@ -577,7 +624,8 @@ def _mem_tracker_class():
                     if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
                         self._param_to_grad_hook_handles[param] = (
                             param.register_hook(self._grad_hook),
-                            param.register_post_accumulate_grad_hook(lambda p: self._grad_hook(p.grad)))
+                            param.register_post_accumulate_grad_hook(lambda p: self._grad_hook(p.grad)),
+                        )
             return memory
 
         def _grad_hook(self, grad):
@@ -639,8 +687,15 @@ def _mem_tracker_class():
 
 
 # ------------------------------------------------------------------------------------------ one step
-CATEGORIES = ("weights", "reference weights", "gradients", "optimizer state", "optimizer step temporaries",
-              "activations", "loss head")
+CATEGORIES = (
+    "weights",
+    "reference weights",
+    "gradients",
+    "optimizer state",
+    "optimizer step temporaries",
+    "activations",
+    "loss head",
+)
 
 
 @dataclass
@@ -675,8 +730,14 @@ class Step:
         Returns:
             The prompt ids and mask, and the batch's tensors.
         """
-        return [self.prompt_ids, self.prompt_mask, self.batch.targets, self.batch.advantages, self.batch.mask,
-                self.batch.num_items] + ([self.batch.ref_logprobs] if self.batch.ref_logprobs is not None else [])
+        return [
+            self.prompt_ids,
+            self.prompt_mask,
+            self.batch.targets,
+            self.batch.advantages,
+            self.batch.mask,
+            self.batch.num_items,
+        ] + ([self.batch.ref_logprobs] if self.batch.ref_logprobs is not None else [])
 
     def forward_backward(self) -> None:
         """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
@@ -684,8 +745,9 @@ class Step:
         from grpo_fast.hidden_states import completion_hidden_states
 
         with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
-            hidden = completion_hidden_states(self.model, self.prompt_ids, self.prompt_mask, self.batch.targets,
-                                              self.batch.mask, share_prompts=False)
+            hidden = completion_hidden_states(
+                self.model, self.prompt_ids, self.prompt_mask, self.batch.targets, self.batch.mask, share_prompts=False
+            )
             self.head(hidden, self.model.get_output_embeddings().weight).backward()
 
     def update(self) -> None:
@@ -710,25 +772,33 @@ def prepare_step(recipe: Recipe, head: str, fake_mode=None, device="cpu") -> Ste
         The step, ready for ``forward_backward``.
     """
     model = build_model(recipe, fake_mode, device=device)
-    reference = build_model(recipe, fake_mode, device=device, lora=False, checkpointing=False).requires_grad_(
-        False) if recipe.reference_copy else None
+    reference = (
+        build_model(recipe, fake_mode, device=device, lora=False, checkpointing=False).requires_grad_(False)
+        if recipe.reference_copy
+        else None
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     B, P, T = recipe.micro_batch_size, recipe.prompt_length, recipe.completion_length
     V = recipe.shape.vocab_size
     with fake_mode if fake_mode is not None else torch.device(device):
         # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, with other temporaries)
-        optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay,
-                                      foreach=True)
+        optimizer = torch.optim.AdamW(
+            trainable, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay, foreach=True
+        )
         for p in trainable:
             p.grad = torch.zeros_like(p)
         optimizer.step()
-        batch = Batch(targets=torch.randint(0, V, (B, T)), advantages=torch.randn(B),
-                      mask=torch.ones(B, T, dtype=torch.long),
-                      ref_logprobs=-torch.rand(B, T) if recipe.beta != 0.0 else None,
-                      num_items=torch.tensor(recipe.prompts_per_step * recipe.num_generations * T))
+        batch = Batch(
+            targets=torch.randint(0, V, (B, T)),
+            advantages=torch.randn(B),
+            mask=torch.ones(B, T, dtype=torch.long),
+            ref_logprobs=-torch.rand(B, T) if recipe.beta != 0.0 else None,
+            num_items=torch.tensor(recipe.prompts_per_step * recipe.num_generations * T),
+        )
         prompt_ids, prompt_mask = torch.randint(0, V, (B, P)), torch.ones(B, P, dtype=torch.long)
-    return Step(recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch,
-                HEADS[head](recipe, batch))
+    return Step(
+        recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch, HEADS[head](recipe, batch)
+    )
 
 
 def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
@@ -756,8 +826,9 @@ def estimate_step(recipe: Recipe, head: str, log=None) -> dict:
     log(f"built on fake tensors in {time.perf_counter() - start:.0f} s; running the step")
     StepTracker, RefType = _mem_tracker_class()
     tracker = StepTracker(step.head, grpo_fast_workspace if head == "grpo_fast" else None)
-    tracker.track_external(step.model, step.optimizer, *step.inputs(),
-                           *([step.reference] if step.reference is not None else []))
+    tracker.track_external(
+        step.model, step.optimizer, *step.inputs(), *([step.reference] if step.reference is not None else [])
+    )
     optimizer_state = tracker.get_tracker_snapshot()[torch.device("cpu")][RefType.OPT]
     start = time.perf_counter()
     with fake, tracker:
@@ -820,11 +891,16 @@ def measure_step(recipe: Recipe, head: str, log=None) -> dict:
     step.update()
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    measured = {"max_allocated_bytes": torch.cuda.max_memory_allocated(),
-                "max_reserved_bytes": torch.cuda.max_memory_reserved(), "device_used_bytes": total - free,
-                "device": torch.cuda.get_device_name(device)}
-    log(f"measured: allocated {gib(measured['max_allocated_bytes']):.2f} GiB, reserved "
-        f"{gib(measured['max_reserved_bytes']):.2f} GiB")
+    measured = {
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "device_used_bytes": total - free,
+        "device": torch.cuda.get_device_name(device),
+    }
+    log(
+        f"measured: allocated {gib(measured['max_allocated_bytes']):.2f} GiB, reserved "
+        f"{gib(measured['max_reserved_bytes']):.2f} GiB"
+    )
     del step
     torch.cuda.empty_cache()
     return measured
@@ -846,10 +922,18 @@ def generation_phase(recipe: Recipe, step: dict) -> dict:
     sequences = recipe.prompts_per_step * recipe.num_generations
     cache = kv_cache_bytes(recipe.shape, sequences, recipe.prompt_length + recipe.completion_length, element)
     c = step["categories_bytes"]
-    parts = {"weights": c["weights"], "reference weights": c["reference weights"],
-             "optimizer state": step["optimizer_state_bytes"], "kv cache": cache}
-    return {"sequences": sequences, "tokens": recipe.prompt_length + recipe.completion_length, "parts_bytes": parts,
-            "total_bytes": sum(parts.values())}
+    parts = {
+        "weights": c["weights"],
+        "reference weights": c["reference weights"],
+        "optimizer state": step["optimizer_state_bytes"],
+        "kv cache": cache,
+    }
+    return {
+        "sequences": sequences,
+        "tokens": recipe.prompt_length + recipe.completion_length,
+        "parts_bytes": parts,
+        "total_bytes": sum(parts.values()),
+    }
 
 
 def estimate(recipe: Recipe, heads, progress=True, measure=False) -> dict:
@@ -866,6 +950,7 @@ def estimate(recipe: Recipe, heads, progress=True, measure=False) -> dict:
     """
     results = {}
     for i, head in enumerate(heads):
+
         def log(message, i=i, head=head):
             if progress:
                 print(f"memory: [{i + 1}/{len(heads)}] {head}: {message}", file=sys.stderr, flush=True)
@@ -903,9 +988,13 @@ def verdict(peak_bytes: int, card_gib: float) -> dict:
     """
     peak = gib(peak_bytes)
     allowance = allowance_gib(peak)
-    return {"peak_gib": round(peak, 3), "allowance_gib": round(allowance, 3),
-            "with_allowance_gib": round(peak + allowance, 3), "margin_gib": round(card_gib - peak - allowance, 3),
-            "fits": peak + allowance <= card_gib}
+    return {
+        "peak_gib": round(peak, 3),
+        "allowance_gib": round(allowance, 3),
+        "with_allowance_gib": round(peak + allowance, 3),
+        "margin_gib": round(card_gib - peak - allowance, 3),
+        "fits": peak + allowance <= card_gib,
+    }
 
 
 def to_json(result: dict, command: str, card_gib: float) -> dict:
@@ -926,10 +1015,18 @@ def to_json(result: dict, command: str, card_gib: float) -> dict:
     recipe = result["recipe"]
     out = {
         "command": command,
-        "recipe": {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else
-                       dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
-                   for k, v in dataclasses.asdict(recipe).items() if k != "shape"} | {
-            "shape": dataclasses.asdict(recipe.shape), "description": recipe.describe()},
+        "recipe": {
+            k: (
+                str(v).removeprefix("torch.")
+                if isinstance(v, torch.dtype)
+                else dataclasses.asdict(v)
+                if dataclasses.is_dataclass(v)
+                else v
+            )
+            for k, v in dataclasses.asdict(recipe).items()
+            if k != "shape"
+        }
+        | {"shape": dataclasses.asdict(recipe.shape), "description": recipe.describe()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "card": {"name": "RTX 4090", "gib": round(card_gib, 3)},
         "allowance": ALLOWANCE,
@@ -953,12 +1050,19 @@ def answer(report: dict) -> str:
     heads = list(report["heads"].values())
     g = report["generation"]
     everything = heads + [g]
-    verdict_words = ("fits with every head" if all(x["fits"] for x in everything) else
-                     "does not fit with every head" if any(x["fits"] for x in everything) else "does not fit")
+    verdict_words = (
+        "fits with every head"
+        if all(x["fits"] for x in everything)
+        else "does not fit with every head"
+        if any(x["fits"] for x in everything)
+        else "does not fit"
+    )
     steps = "; ".join(f"{h['label']} {h['with_allowance_gib']:.2f} (margin {h['margin_gib']:+.2f})" for h in heads)
-    return (f"**RTX 4090 ({report['card']['gib']:.2f} GiB): {verdict_words}.** Expected on the card (estimate + "
-            f"allowance), GiB: the training step with {steps}; the generation phase {g['with_allowance_gib']:.2f} "
-            f"(margin {g['margin_gib']:+.2f}).")
+    return (
+        f"**RTX 4090 ({report['card']['gib']:.2f} GiB): {verdict_words}.** Expected on the card (estimate + "
+        f"allowance), GiB: the training step with {steps}; the generation phase {g['with_allowance_gib']:.2f} "
+        f"(margin {g['margin_gib']:+.2f})."
+    )
 
 
 def markdown(report: dict) -> str:
@@ -972,49 +1076,68 @@ def markdown(report: dict) -> str:
     """
     r = report["recipe"]
     card = report["card"]["gib"]
-    lines = [f"# Peak GPU memory of one GRPO step: {r['description']}", "",
-             "Regenerate (CPU, no GPU, no hub; about a minute a head):", "", "```",
-             report["command"], "```", "",
-             (f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
-              f"(transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}); GiB "
-              f"(2^30 bytes). The card: RTX 4090, {card:.2f} GiB (24564 MiB)."), "",
-             answer(report), "",
-             "| | " + " | ".join(h["label"] for h in report["heads"].values()) + " |",
-             "|---|" + "---:|" * len(report["heads"])]
+    lines = [
+        f"# Peak GPU memory of one GRPO step: {r['description']}",
+        "",
+        "Regenerate (CPU, no GPU, no hub; about a minute a head):",
+        "",
+        "```",
+        report["command"],
+        "```",
+        "",
+        (
+            f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
+            f"(transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}); GiB "
+            f"(2^30 bytes). The card: RTX 4090, {card:.2f} GiB (24564 MiB)."
+        ),
+        "",
+        answer(report),
+        "",
+        "| | " + " | ".join(h["label"] for h in report["heads"].values()) + " |",
+        "|---|" + "---:|" * len(report["heads"]),
+    ]
     heads = list(report["heads"].values())
     for category in CATEGORIES:
         if any(h["categories_bytes"][category] for h in heads):
-            lines.append(f"| {category} | " + " | ".join(f"{gib(h['categories_bytes'][category]):.2f}"
-                                                     for h in heads) + " |")
-    rows = [("**estimated peak**", lambda h: f"**{h['peak_gib']:.2f}**"),
-            ("peak during", lambda h: h["peak_in"]),
-            ("loss head's own peak", lambda h: f"{gib(h['loss_head_peak_bytes']):.2f}"),
-            ("+ allowance (not tracked)", lambda h: f"{h['allowance_gib']:.2f}"),
-            ("= expected on the card", lambda h: f"{h['with_allowance_gib']:.2f}"),
-            (f"fits {card:.2f} GiB?",
-             lambda h: ("yes" if h["fits"] else "**no**") + f", margin {h['margin_gib']:+.2f}")]
+            lines.append(
+                f"| {category} | " + " | ".join(f"{gib(h['categories_bytes'][category]):.2f}" for h in heads) + " |"
+            )
+    rows = [
+        ("**estimated peak**", lambda h: f"**{h['peak_gib']:.2f}**"),
+        ("peak during", lambda h: h["peak_in"]),
+        ("loss head's own peak", lambda h: f"{gib(h['loss_head_peak_bytes']):.2f}"),
+        ("+ allowance (not tracked)", lambda h: f"{h['allowance_gib']:.2f}"),
+        ("= expected on the card", lambda h: f"{h['with_allowance_gib']:.2f}"),
+        (f"fits {card:.2f} GiB?", lambda h: ("yes" if h["fits"] else "**no**") + f", margin {h['margin_gib']:+.2f}"),
+    ]
     if all("measured" in h for h in heads):
         device = heads[0]["measured"]["device"]
-        rows += [(f"measured on {device}: max allocated",
-                  lambda h: f"{gib(h['measured']['max_allocated_bytes']):.2f}"),
-                 ("measured: max reserved", lambda h: f"{gib(h['measured']['max_reserved_bytes']):.2f}"),
-                 ("measured: device used (context included)",
-                  lambda h: f"{gib(h['measured']['device_used_bytes']):.2f}")]
+        rows += [
+            (f"measured on {device}: max allocated", lambda h: f"{gib(h['measured']['max_allocated_bytes']):.2f}"),
+            ("measured: max reserved", lambda h: f"{gib(h['measured']['max_reserved_bytes']):.2f}"),
+            ("measured: device used (context included)", lambda h: f"{gib(h['measured']['device_used_bytes']):.2f}"),
+        ]
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(h) for h in heads) + " |")
     g = report["generation"]
     parts = g["parts_bytes"]
-    lines += ["", (f"Generation phase (HF generate, {g['sequences']} sequences x {g['tokens']} tokens, key / value "
-               f"cache {gib(parts['kv cache']):.2f} GiB = {r['shape']['num_layers']} layers x 2 x "
-               f"{r['shape']['num_kv_heads']} kv heads x {r['shape']['hidden_size'] // r['shape']['num_heads']} x "
-               f"{g['sequences']} x {g['tokens']} tokens x {2 if r['dtype'] in ('bfloat16', 'float16') else 4} bytes): "
-               f"weights {gib(parts['weights'] + parts['reference weights']):.2f} + optimizer state "
-               f"{gib(parts['optimizer state']):.2f} + cache = **{g['peak_gib']:.2f} GiB**, with the allowance "
-               f"{g['with_allowance_gib']:.2f}: {'fits' if g['fits'] else 'does not fit'} (margin "
-               f"{g['margin_gib']:+.2f}). The step and the generation do not overlap; the run's peak is the larger."),
-               ""]
-    lines += [HOW_TO_READ.format(ctx=ALLOWANCE["cuda_context_gib"],
-                                 frag=round(100 * ALLOWANCE["fragmentation_fraction"]))]
+    lines += [
+        "",
+        (
+            f"Generation phase (HF generate, {g['sequences']} sequences x {g['tokens']} tokens, key / value "
+            f"cache {gib(parts['kv cache']):.2f} GiB = {r['shape']['num_layers']} layers x 2 x "
+            f"{r['shape']['num_kv_heads']} kv heads x {r['shape']['hidden_size'] // r['shape']['num_heads']} x "
+            f"{g['sequences']} x {g['tokens']} tokens x {2 if r['dtype'] in ('bfloat16', 'float16') else 4} bytes): "
+            f"weights {gib(parts['weights'] + parts['reference weights']):.2f} + optimizer state "
+            f"{gib(parts['optimizer state']):.2f} + cache = **{g['peak_gib']:.2f} GiB**, with the allowance "
+            f"{g['with_allowance_gib']:.2f}: {'fits' if g['fits'] else 'does not fit'} (margin "
+            f"{g['margin_gib']:+.2f}). The step and the generation do not overlap; the run's peak is the larger."
+        ),
+        "",
+    ]
+    lines += [
+        HOW_TO_READ.format(ctx=ALLOWANCE["cuda_context_gib"], frag=round(100 * ALLOWANCE["fragmentation_fraction"]))
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -1065,9 +1188,12 @@ def plot(report: dict, path) -> None:
 
     heads = list(report["heads"].values())
     labels = [h["label"].replace(" (", "\n(") for h in heads] + ["generation\n(KV cache)"]
-    colors = dict(zip(CATEGORIES + ("kv cache", "allowance"),
-                      ["#4c72b0", "#8172b3", "#dd8452", "#55a868", "#a1c9a4", "#c44e52", "#937860", "#64b5cd",
-                       "#dddddd"]))
+    colors = dict(
+        zip(
+            CATEGORIES + ("kv cache", "allowance"),
+            ["#4c72b0", "#8172b3", "#dd8452", "#55a868", "#a1c9a4", "#c44e52", "#937860", "#64b5cd", "#dddddd"],
+        )
+    )
     stacks = [dict(h["categories_bytes"]) | {"allowance": h["allowance_gib"] * GIB} for h in heads]
     g = report["generation"]
     stacks.append(dict(g["parts_bytes"]) | {"allowance": g["allowance_gib"] * GIB})
@@ -1075,10 +1201,19 @@ def plot(report: dict, path) -> None:
     for name, color in colors.items():
         values = [gib(s.get(name, 0)) for s in stacks]
         if any(values):
-            bottoms = [sum(gib(v) for k, v in s.items() if list(colors).index(k) < list(colors).index(name))
-                       for s in stacks]
-            ax.bar(labels, values, bottom=bottoms, color=color, label=name, width=0.6,
-                   hatch="//" if name == "allowance" else None, edgecolor="white" if name != "allowance" else "#999")
+            bottoms = [
+                sum(gib(v) for k, v in s.items() if list(colors).index(k) < list(colors).index(name)) for s in stacks
+            ]
+            ax.bar(
+                labels,
+                values,
+                bottom=bottoms,
+                color=color,
+                label=name,
+                width=0.6,
+                hatch="//" if name == "allowance" else None,
+                edgecolor="white" if name != "allowance" else "#999",
+            )
     card = report["card"]["gib"]
     ax.axhline(card, color="black", linestyle="--", linewidth=1)
     ax.text(len(labels) - 0.5, card, f" RTX 4090: {card:.1f} GiB", va="bottom", ha="right", fontsize=9)
@@ -1096,17 +1231,41 @@ def plot(report: dict, path) -> None:
 
 # ------------------------------------------------------------------------------------------ the command line
 RANGES = {
-    "hidden_size": cli.Range(1, 65536), "intermediate_size": cli.Range(1, 262144), "num_layers": cli.Range(1, 256),
-    "num_heads": cli.Range(1, 1024), "num_kv_heads": cli.Range(1, 1024), "vocab_size": cli.Range(2, 2 ** 24),
-    "micro_batch_size": cli.Range(1, 1024), "prompt_length": cli.Range(1, 131072),
-    "completion_length": cli.Range(1, 131072), "prompts_per_step": cli.Range(1, 4096),
-    "num_generations": cli.COMMON_RANGES["num_generations"], "lora_r": cli.Range(0, 4096),
-    "lora_alpha": cli.Range(1), "beta": cli.Range(0.0), "card_gib": cli.Range(0.0, low_open=True),
+    "hidden_size": cli.Range(1, 65536),
+    "intermediate_size": cli.Range(1, 262144),
+    "num_layers": cli.Range(1, 256),
+    "num_heads": cli.Range(1, 1024),
+    "num_kv_heads": cli.Range(1, 1024),
+    "vocab_size": cli.Range(2, 2**24),
+    "micro_batch_size": cli.Range(1, 1024),
+    "prompt_length": cli.Range(1, 131072),
+    "completion_length": cli.Range(1, 131072),
+    "prompts_per_step": cli.Range(1, 4096),
+    "num_generations": cli.COMMON_RANGES["num_generations"],
+    "lora_r": cli.Range(0, 4096),
+    "lora_alpha": cli.Range(1),
+    "beta": cli.Range(0.0),
+    "card_gib": cli.Range(0.0, low_open=True),
 }
-SHAPE_FLAGS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_layers": "num_layers",
-               "num_heads": "num_heads", "num_kv_heads": "num_kv_heads", "vocab_size": "vocab_size"}
-RECIPE_FLAGS = ("micro_batch_size", "prompt_length", "completion_length", "prompts_per_step", "num_generations",
-                "lora_r", "lora_alpha", "beta", "gradient_checkpointing")
+SHAPE_FLAGS = {
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_layers",
+    "num_heads": "num_heads",
+    "num_kv_heads": "num_kv_heads",
+    "vocab_size": "vocab_size",
+}
+RECIPE_FLAGS = (
+    "micro_batch_size",
+    "prompt_length",
+    "completion_length",
+    "prompts_per_step",
+    "num_generations",
+    "lora_r",
+    "lora_alpha",
+    "beta",
+    "gradient_checkpointing",
+)
 
 
 def parse_args(argv=None):
@@ -1123,8 +1282,12 @@ def parse_args(argv=None):
             without a CUDA GPU (argparse itself exits on a malformed flag).
     """
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", choices=sorted(RECIPES), default="qwen2.5-1.5b-lora",
-                   help="the step to estimate (the flags below override its values)")
+    p.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default="qwen2.5-1.5b-lora",
+        help="the step to estimate (the flags below override its values)",
+    )
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="another published shape")
     for dest in SHAPE_FLAGS:
         p.add_argument("--" + dest.replace("_", "-"), type=int, default=None, help=f"the model's {dest}")
@@ -1140,9 +1303,12 @@ def parse_args(argv=None):
     p.add_argument("--heads", default=",".join(HEADS), help=f"comma-separated, of {', '.join(HEADS)}")
     p.add_argument("--card-gib", type=float, default=RTX_4090_GIB, help="the card's memory (RTX 4090: 23.99)")
     p.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png (default: print the table)")
-    p.add_argument("--measure", action="store_true",
-                   help="also run each step on the CUDA GPU (random weights) and record its real peak beside the "
-                   "estimate (torch.cuda.max_memory_allocated / max_memory_reserved)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run each step on the CUDA GPU (random weights) and record its real peak beside the "
+        "estimate (torch.cuda.max_memory_allocated / max_memory_reserved)",
+    )
     p.add_argument("--quiet", action="store_true", help="no per-phase messages on stderr")
     cli.add_ranges_to_help(p, RANGES)
     args = p.parse_args(argv)
@@ -1171,8 +1337,9 @@ def recipe_from_args(args) -> Recipe:
     """
     recipe = RECIPES[args.recipe]
     shape = MODELS[args.model] if args.model else recipe.shape
-    shape = dataclasses.replace(shape, **{field: getattr(args, dest) for dest, field in SHAPE_FLAGS.items()
-                                          if getattr(args, dest) is not None})
+    shape = dataclasses.replace(
+        shape, **{field: getattr(args, dest) for dest, field in SHAPE_FLAGS.items() if getattr(args, dest) is not None}
+    )
     if shape.hidden_size % shape.num_heads:
         cli.fail(PROG, f"hidden size {shape.hidden_size} is not a multiple of the {shape.num_heads} attention heads")
     if shape.num_heads % shape.num_kv_heads:
@@ -1181,8 +1348,12 @@ def recipe_from_args(args) -> Recipe:
         cli.fail(PROG, f"head dim {shape.head_dim} (hidden size / heads) is odd: rotary embeddings need it even")
     changed = shape != (MODELS[args.model] if args.model else recipe.shape)
     name = args.model or recipe.model
-    recipe = dataclasses.replace(recipe, shape=shape, model=name + (" (shape overridden)" if changed else ""),
-                                 **{f: getattr(args, f) for f in RECIPE_FLAGS if getattr(args, f) is not None})
+    recipe = dataclasses.replace(
+        recipe,
+        shape=shape,
+        model=name + (" (shape overridden)" if changed else ""),
+        **{f: getattr(args, f) for f in RECIPE_FLAGS if getattr(args, f) is not None},
+    )
     if args.lora_r == 0 and args.recipe.endswith("-lora"):
         recipe = dataclasses.replace(recipe, lr=RECIPES["qwen2.5-0.5b-full"].lr)
     return recipe
@@ -1199,12 +1370,12 @@ def main(argv=None) -> dict:
     """
     args = parse_args(argv)
     recipe = recipe_from_args(args)
-    command = "python -m grpo_fast.memory " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None
-                                                                                 else argv))
+    command = "python -m grpo_fast.memory " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if not args.quiet:
         print(f"memory: {recipe.describe()}; heads {', '.join(args.heads)}", file=sys.stderr, flush=True)
-    report = to_json(estimate(recipe, args.heads, progress=not args.quiet, measure=args.measure),
-                     command.strip(), args.card_gib)
+    report = to_json(
+        estimate(recipe, args.heads, progress=not args.quiet, measure=args.measure), command.strip(), args.card_gib
+    )
     text = markdown(report)
     if args.out:
         out = Path(args.out)

@@ -51,9 +51,13 @@ def logged_metrics(options, has_entropy: bool) -> tuple[Metric, ...]:
         ``kl`` (beta != 0), ``entropy`` (with the entropies), the loss type's own (its record's ``metrics``),
         ``policy_loss`` (entropy_coef != 0) and ``ratio_mean``, as ``Metric`` records.
     """
-    return (((KL,) if options.beta != 0.0 else ()) + ((ENTROPY,) if has_entropy else ())
-            + options.loss_type_record.metrics + ((POLICY_LOSS,) if options.entropy_coef != 0.0 else ())
-            + (RATIO_MEAN,))
+    return (
+        ((KL,) if options.beta != 0.0 else ())
+        + ((ENTROPY,) if has_entropy else ())
+        + options.loss_type_record.metrics
+        + ((POLICY_LOSS,) if options.entropy_coef != 0.0 else ())
+        + (RATIO_MEAN,)
+    )
 
 
 def metric_names(options, has_entropy: bool) -> list[str]:
@@ -102,6 +106,7 @@ def loss_metrics(options, rows, counts, policy_loss=None):
         elif metric.reduce == "max_over_sequences":
             metrics[metric.name] = over_sequences(metric.statistic, torch.max, -math.inf)
         else:
-            raise ValueError(f"metric {metric.name!r} of loss type {options.loss_type!r} has an unknown reduction "
-                             f"{metric.reduce!r}")
+            raise ValueError(
+                f"metric {metric.name!r} of loss type {options.loss_type!r} has an unknown reduction {metric.reduce!r}"
+            )
     return {name: value.detach().float().reshape(()) for name, value in metrics.items()}

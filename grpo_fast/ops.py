@@ -61,7 +61,7 @@ def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                     backend: str, backward_mode: str,
                     row_count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor, torch.Tensor]:
+                                                               torch.Tensor, torch.Tensor]:  # fmt: skip
     """Layer 1's forward on [N] rows: (logp, entropy, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora).
 
     [N] fp32 each (entropy, mean_logit and mean_minus_target empty without ``compute_entropy``); with
@@ -70,11 +70,12 @@ def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     ``row_count``: None, or the [1] int32 device count of the scored rows, which come first (autograd.linear_logprobs).
     """
     return _head_forward(autograd.ONE_PROCESS, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature,
-                         softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode, row_count)
+                         softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode,
+                         row_count)  # fmt: skip
 
 
 def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale,
-                  compute_entropy, frozen_head, backend, backward_mode, row_count):
+                  compute_entropy, frozen_head, backend, backward_mode, row_count):  # fmt: skip
     """``_linear_logprobs`` with a reduce step (autograd.OneProcess or vocab_parallel.GroupReduce)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
     backend = autograd.BACKENDS[backend]
@@ -82,20 +83,36 @@ def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weigh
     N = hidden.shape[0]
     if N == 0:
         empty = torch.zeros(0, dtype=FP32, device=hidden.device)
-        return (empty, empty.clone(), empty.clone(), empty.clone(), empty.clone(), empty.clone(),
-                _nothing(hidden), _nothing(hidden))
+        return (
+            empty,
+            empty.clone(),
+            empty.clone(),
+            empty.clone(),
+            empty.clone(),
+            empty.clone(),
+            _nothing(hidden),
+            _nothing(hidden),
+        )
     J = J_lora = None
     if frozen_head:
         logp, entropy, stats, J, J_lora = reduce.frozen_forward(hidden, weight, targets, bias, transform, backend, lora)
     else:
-        logp, entropy, stats = reduce.forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora,
-                                              row_count)
+        logp, entropy, stats = reduce.forward(
+            hidden, weight, targets, bias, transform, compute_entropy, backend, lora, row_count
+        )
     if not compute_entropy:
         entropy = None
         stats = BackwardStats(stats.lse, stats.nontarget_mass, None, None)
-    return (logp, _or_nothing(entropy, hidden), stats.lse, stats.nontarget_mass,
-            _or_nothing(stats.mean_logit, hidden), _or_nothing(stats.mean_minus_target, hidden),
-            _or_nothing(J, hidden), _or_nothing(J_lora, hidden))
+    return (
+        logp,
+        _or_nothing(entropy, hidden),
+        stats.lse,
+        stats.nontarget_mass,
+        _or_nothing(stats.mean_logit, hidden),
+        _or_nothing(stats.mean_minus_target, hidden),
+        _or_nothing(J, hidden),
+        _or_nothing(J_lora, hidden),
+    )
 
 
 _linear_logprobs_op = torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())(_linear_logprobs)
@@ -103,28 +120,37 @@ _linear_logprobs_op = torch.library.custom_op("grpo_fast::linear_logprobs", muta
 
 @_linear_logprobs_op.register_fake
 def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-      frozen_head, backend, backward_mode, row_count):
+      frozen_head, backend, backward_mode, row_count):  # fmt: skip
     N = hidden.shape[0]
 
     def per_token(computed=True):
         return hidden.new_empty((N,) if computed else (0,), dtype=FP32)
 
     J = hidden.new_empty((N, hidden.shape[1]) if frozen_head and N > 0 else (0,), dtype=FP32)
-    J_lora = hidden.new_empty((N, lora_hidden.shape[1]) if frozen_head and N > 0 and lora_hidden is not None
-                              else (0,), dtype=FP32)
+    J_lora = hidden.new_empty(
+        (N, lora_hidden.shape[1]) if frozen_head and N > 0 and lora_hidden is not None else (0,), dtype=FP32
+    )
     entropy = compute_entropy or frozen_head or N == 0
-    return (per_token(), per_token(entropy), per_token(), per_token(), per_token(entropy), per_token(entropy), J,
-            J_lora)
+    return (
+        per_token(),
+        per_token(entropy),
+        per_token(),
+        per_token(),
+        per_token(entropy),
+        per_token(entropy),
+        J,
+        J_lora,
+    )
 
 
 def _linear_setup_context(ctx, inputs, output):
     (hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-     frozen_head, backend, backward_mode, _) = inputs
+     frozen_head, backend, backward_mode, _) = inputs  # fmt: skip
     _, _, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora = output
     # the entropy is usually a metric: its gradient is then None, not zeros (no entropy term, no fallback)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
-                          mean_minus_target, J, J_lora)
+                          mean_minus_target, J, J_lora)  # fmt: skip
     ctx.transform_floats = (temperature, softcap, logit_scale)
     ctx.frozen_head, ctx.backend, ctx.backward_mode = frozen_head, backend, backward_mode
     ctx.reduce = autograd.ONE_PROCESS  # a vocab-parallel call sets its group's (_LinearLogprobsWithReduce)
@@ -135,17 +161,21 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     path's entropy-only term, from that path's own forward statistics: exact, at three sweeps more), or the general
     path's recompute (linear_logprobs_backward); dH summed by the reduce step (ctx.reduce) where it is partial."""
     (hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target, J,
-     J_lora) = ctx.saved_tensors
+     J_lora) = ctx.saved_tensors  # fmt: skip
     need_h, need_w, _, need_b, need_lh, need_lw = ctx.needs_input_grad[:6]
     lora = lora_hidden is not None
     need_lh, need_lw = need_lh and lora, need_lw and lora
     N = hidden.shape[0]
     no_grad_rest = (None,) * 8
     if N == 0:
-        return (torch.zeros_like(hidden) if need_h else None, torch.zeros_like(weight) if need_w else None, None,
-                torch.zeros_like(bias) if need_b else None,
-                torch.zeros_like(lora_hidden) if need_lh else None,
-                torch.zeros_like(lora_weight) if need_lw else None) + no_grad_rest
+        return (
+            torch.zeros_like(hidden) if need_h else None,
+            torch.zeros_like(weight) if need_w else None,
+            None,
+            torch.zeros_like(bias) if need_b else None,
+            torch.zeros_like(lora_hidden) if need_lh else None,
+            torch.zeros_like(lora_weight) if need_lw else None,
+        ) + no_grad_rest
     temperature, softcap, logit_scale = ctx.transform_floats
     if grad_logp is None:
         grad_logp = hidden.new_zeros(N, dtype=FP32)
@@ -158,25 +188,32 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
             # tiles, and p = exp(z - lse) must see one z (at logits of 1e4 the difference is 1e-3 relative)
             _, _, lse, nontarget_mass, mean_logit, mean_minus_target, _, _ = linear_logprobs(
                 hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, True,
-                False, ctx.backend, ctx.backward_mode, None, reduce=ctx.reduce)
+                False, ctx.backend, ctx.backward_mode, None, reduce=ctx.reduce)  # fmt: skip
             term, _, _, lora_term, _ = linear_logprobs_backward(
                 hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
                 mean_minus_target, torch.zeros_like(grad_logp), grad_entropy.float().contiguous(), temperature,
-                softcap, logit_scale, [True, False, False, need_lh, False], ctx.backend, ctx.backward_mode)
+                softcap, logit_scale, [True, False, False, need_lh, False], ctx.backend, ctx.backward_mode)  # fmt: skip
             grad_hidden = grad_hidden + ctx.reduce.sum_grad_hidden(term)
             if need_lh:
                 grad_lora_hidden = grad_lora_hidden + lora_term
-        return ((grad_hidden.to(hidden.dtype), None, None, None,
-                 grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None, None) + no_grad_rest)
+        return (
+            grad_hidden.to(hidden.dtype),
+            None,
+            None,
+            None,
+            grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None,
+            None,
+        ) + no_grad_rest
     grads = linear_logprobs_backward(
         hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
         grad_logp, grad_entropy.float().contiguous() if grad_entropy is not None else None, temperature, softcap,
-        logit_scale, [need_h, need_w, need_b, need_lh, need_lw], ctx.backend, ctx.backward_mode)
+        logit_scale, [need_h, need_w, need_b, need_lh, need_lw], ctx.backend, ctx.backward_mode)  # fmt: skip
     if need_h:
         grads = (ctx.reduce.sum_grad_hidden(grads[0]),) + grads[1:]
     inputs = (hidden, weight, bias, lora_hidden, lora_weight)
-    dH, dW, db, dlh, dlw = (g.to(x.dtype) if need else None
-                            for g, x, need in zip(grads, inputs, (need_h, need_w, need_b, need_lh, need_lw)))
+    dH, dW, db, dlh, dlw = (
+        g.to(x.dtype) if need else None for g, x, need in zip(grads, inputs, (need_h, need_w, need_b, need_lh, need_lw))
+    )
     return (dH, dW, None, db, dlh, dlw) + no_grad_rest
 
 
@@ -184,14 +221,26 @@ _linear_logprobs_op.register_autograd(_linear_backward, setup_context=_linear_se
 
 
 # ----------------------------------------------------------------------------------------------- layer 1: backward
-def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             bias: torch.Tensor | None, lora_hidden: torch.Tensor | None,
-                             lora_weight: torch.Tensor | None, lse: torch.Tensor, nontarget_mass: torch.Tensor,
-                             mean_logit: torch.Tensor, mean_minus_target: torch.Tensor, grad_logp: torch.Tensor,
-                             grad_entropy: torch.Tensor | None, temperature: float, softcap: float | None,
-                             logit_scale: float, needs: list[bool], backend: str,
-                             backward_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                          torch.Tensor]:
+def _linear_logprobs_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_hidden: torch.Tensor | None,
+    lora_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    nontarget_mass: torch.Tensor,
+    mean_logit: torch.Tensor,
+    mean_minus_target: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
+    logit_scale: float,
+    needs: list[bool],
+    backend: str,
+    backward_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The general path's backward: fp32 (dH, dW, db, d lora_hidden, d lora_weight), each of its input's shape
     where ``needs`` (five flags, in that order) asks for it, else empty. ``grad_entropy`` None: no entropy term
     (then mean_logit and mean_minus_target are not read)."""
@@ -212,20 +261,41 @@ def _linear_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, target
     elif hidden.shape[0] > 0 and weight.shape[0] > 0 and any(needs):
         stats = BackwardStats(lse, nontarget_mass, _given(mean_logit), _given(mean_minus_target))
         autograd.head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                               grad_weight, grad_bias, backend, backward_mode, lora=lora, grad_lora=grad_lora)
+                               grad_weight, grad_bias, backend, backward_mode, lora=lora,
+                               grad_lora=grad_lora)  # fmt: skip
     return tuple(_or_nothing(g, hidden) for g in (grad_hidden, grad_weight, grad_bias, *grad_lora))
 
 
-_linear_logprobs_backward_op = torch.library.custom_op("grpo_fast::linear_logprobs_backward",
-                                                       mutates_args=())(_linear_logprobs_backward)
+_linear_logprobs_backward_op = torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())(
+    _linear_logprobs_backward
+)
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
-      grad_logp, grad_entropy, temperature, softcap, logit_scale, needs, backend, backward_mode):
+def _(
+    hidden,
+    weight,
+    targets,
+    bias,
+    lora_hidden,
+    lora_weight,
+    lse,
+    nontarget_mass,
+    mean_logit,
+    mean_minus_target,
+    grad_logp,
+    grad_entropy,
+    temperature,
+    softcap,
+    logit_scale,
+    needs,
+    backend,
+    backward_mode,
+):
     inputs = (hidden, weight, bias, lora_hidden, lora_weight)
-    return tuple(hidden.new_empty(x.shape if need and x is not None else (0,), dtype=FP32)
-                 for x, need in zip(inputs, needs))
+    return tuple(
+        hidden.new_empty(x.shape if need and x is not None else (0,), dtype=FP32) for x, need in zip(inputs, needs)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- layer 2
@@ -240,7 +310,7 @@ def options_json(options: LossOptions) -> str:
         elif isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, str):
-            text = f"\"{value}\""  # the option strings are plain names (loss types, levels)
+            text = f'"{value}"'  # the option strings are plain names (loss types, levels)
         elif isinstance(value, int):
             text = str(int(value))
         else:
@@ -249,11 +319,20 @@ def options_json(options: LossOptions) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
-def _token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
-               old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-               sampling_logprobs: torch.Tensor | None, importance_weights: torch.Tensor | None,
-               num_items_in_batch: torch.Tensor | None, entropy_threshold: torch.Tensor | None,
-               options_json: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _token_loss(
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    sampling_logprobs: torch.Tensor | None,
+    importance_weights: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | None,
+    entropy_threshold: torch.Tensor | None,
+    options_json: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer 2 on prepared inputs (fp32 contiguous [B, T]; mask fp32 0/1; advantages [B] or [B, T]; importance
     weights [B] or [B, T]; the two counts fp32 scalar tensors or None): (loss [], metrics [M] in
     grpo_fast.metrics.metric_names' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus),
@@ -261,20 +340,35 @@ def _token_loss(logp: torch.Tensor, entropy: torch.Tensor | None, advantages: to
     value is read on the host (the normaliser, the bonus tokens' count and the entropy quantile stay on the device)."""
     options = LossOptions(**json.loads(options_json))
     return _layer2(autograd.BACKENDS[backend], logp, entropy, advantages, mask, old_logprobs, ref_logprobs,
-                   sampling_logprobs, importance_weights, num_items_in_batch, entropy_threshold, options)
+                   sampling_logprobs, importance_weights, num_items_in_batch, entropy_threshold, options)  # fmt: skip
 
 
 _token_loss_op = torch.library.custom_op("grpo_fast::token_loss", mutates_args=())(_token_loss)
 
 
 @_token_loss_op.register_fake
-def _(logp, entropy, advantages, mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-      num_items_in_batch, entropy_threshold, options_json, backend):
+def _(
+    logp,
+    entropy,
+    advantages,
+    mask,
+    old_logprobs,
+    ref_logprobs,
+    sampling_logprobs,
+    importance_weights,
+    num_items_in_batch,
+    entropy_threshold,
+    options_json,
+    backend,
+):
     options = LossOptions(**json.loads(options_json))
     bonus = options.entropy_coef != 0.0
-    return (logp.new_empty((), dtype=FP32), logp.new_empty(len(metric_names(options, entropy is not None)),
-                                                           dtype=FP32),
-            torch.empty_like(logp, dtype=FP32), logp.new_empty(logp.shape if bonus else (0,), dtype=FP32))
+    return (
+        logp.new_empty((), dtype=FP32),
+        logp.new_empty(len(metric_names(options, entropy is not None)), dtype=FP32),
+        torch.empty_like(logp, dtype=FP32),
+        logp.new_empty(logp.shape if bonus else (0,), dtype=FP32),
+    )
 
 
 def _token_loss_setup_context(ctx, inputs, output):
@@ -305,8 +399,11 @@ def device_entropy_quantile(entropy, mask, top_entropy_quantile):
     below = rank.to(torch.int64)
     above = rank.ceil().to(torch.int64)  # torch.quantile's rule: the same two ranks when rank is integral
     # index_select, not values[below]: a 0-d index tensor would be read on the host
-    threshold = values.index_select(0, below.reshape(1)).lerp(values.index_select(0, above.reshape(1)),
-                                                              rank - below.to(FP32)).reshape(())
+    threshold = (
+        values.index_select(0, below.reshape(1))
+        .lerp(values.index_select(0, above.reshape(1)), rank - below.to(FP32))
+        .reshape(())
+    )
     # a NaN entropy among the masked ones makes torch.quantile NaN
     threshold = torch.where((active & entropy.reshape(-1).isnan()).any(), torch.nan, threshold)
     return torch.where(count > 0, threshold, torch.inf)
@@ -318,18 +415,34 @@ def _layer2(backend, logp, entropy, adv, mask, old, ref, sampling, iw, num_items
     B = logp.shape[0]
     denominator = options.denominator(B, mask.sum(), num_items)
     # a number is written to the device (torch.full: a fill, not a copy from host memory), never read back
-    scale = 1.0 / (denominator.double() if isinstance(denominator, torch.Tensor)
-                   else torch.full((), denominator, dtype=torch.float64, device=logp.device))
+    scale = 1.0 / (
+        denominator.double()
+        if isinstance(denominator, torch.Tensor)
+        else torch.full((), denominator, dtype=torch.float64, device=logp.device)
+    )
     threshold = None
     if options.entropy_mask:
-        threshold = (entropy_threshold if entropy_threshold is not None
-                     else device_entropy_quantile(entropy, mask, options.top_entropy_quantile))
+        threshold = (
+            entropy_threshold
+            if entropy_threshold is not None
+            else device_entropy_quantile(entropy, mask, options.top_entropy_quantile)
+        )
     sampler = None
     if options.off_policy_mask_threshold is not None:
         sampler = next(x for x in (sampling, old, logp) if x is not None).contiguous()
     grad_logp, bonus_mask, stats = backend.token_loss(
-        logp, adv, mask, old, ref if options.beta != 0.0 else None, sampler, iw, entropy, options,
-        scale=scale.to(logp.dtype), entropy_threshold=threshold)
+        logp,
+        adv,
+        mask,
+        old,
+        ref if options.beta != 0.0 else None,
+        sampler,
+        iw,
+        entropy,
+        options,
+        scale=scale.to(logp.dtype),
+        entropy_threshold=threshold,
+    )
     rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
     policy_loss = rows["loss"].values.sum()
     total, grad_entropy = policy_loss, None
@@ -340,8 +453,7 @@ def _layer2(backend, logp, entropy, adv, mask, old, ref, sampling, iw, num_items
         grad_entropy = bonus_mask * bonus_scale
     metrics = loss_metrics(options, rows, rows["count"].values, policy_loss)
     # in metric_names' order: loss_metrics builds them in it
-    return (total.reshape(()).clone(), torch.stack(list(metrics.values())), grad_logp,
-            _or_nothing(grad_entropy, logp))
+    return (total.reshape(()).clone(), torch.stack(list(metrics.values())), grad_logp, _or_nothing(grad_entropy, logp))
 
 
 # ----------------------------------------------------------------------------------------------- calls
@@ -353,8 +465,11 @@ def inline_function(impl, setup_context, backward):
         setup_context(ctx, args, output)
         return output
 
-    return type(f"Inline_{impl.__name__.strip('_')}", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return type(
+        f"Inline_{impl.__name__.strip('_')}",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
 
 
 _LINEAR_INLINE = inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
@@ -417,8 +532,18 @@ def token_loss(*args):
 
 
 # ----------------------------------------------------------------------------------------------- workspace
-def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False,
-                    backward_mode="chunked", batch_shape=None, device_type="cuda"):
+def workspace_bytes(
+    op,
+    hidden_shape,
+    vocab_size,
+    dtype,
+    *,
+    backend="triton",
+    frozen_head=False,
+    backward_mode="chunked",
+    batch_shape=None,
+    device_type="cuda",
+):
     """The bytes a real implementation allocates besides its outputs (its peak extra memory, for a memory estimate
     over fake tensors, whose fake implementations allocate the outputs only), by the launchers' own formulas.
 
@@ -440,6 +565,7 @@ def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", fr
     V = vocab_size
     if backend == "torch":
         from grpo_fast import torch_backend
+
         return 4 * min(N, torch_backend.CHUNK_N) * min(V, torch_backend.CHUNK_V) * 4
     if op == "linear_logprobs":
         if frozen_head:

@@ -46,8 +46,10 @@ class Metric:
 
     def __post_init__(self):
         if self.statistic not in STATISTICS:
-            raise ValueError(f"metric {self.name!r}: statistic must be one of {tuple(STATISTICS)} "
-                             f"(grpo_fast.loss_statistics), got {self.statistic!r}")
+            raise ValueError(
+                f"metric {self.name!r}: statistic must be one of {tuple(STATISTICS)} "
+                f"(grpo_fast.loss_statistics), got {self.statistic!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -68,22 +70,28 @@ class PolicyTerm:
 
     def __post_init__(self):
         if self.gradient_wrt not in GRADIENT_WRT:
-            raise ValueError(f"policy term {self.formula!r}: gradient_wrt must be one of {GRADIENT_WRT}, got "
-                             f"{self.gradient_wrt!r}")
+            raise ValueError(
+                f"policy term {self.formula!r}: gradient_wrt must be one of {GRADIENT_WRT}, got {self.gradient_wrt!r}"
+            )
         if not isinstance(self.importance_weights_in_term, bool):
-            raise ValueError(f"policy term {self.formula!r}: importance_weights_in_term must be a bool, got "
-                             f"{self.importance_weights_in_term!r}")
+            raise ValueError(
+                f"policy term {self.formula!r}: importance_weights_in_term must be a bool, got "
+                f"{self.importance_weights_in_term!r}"
+            )
 
 
 # what a per-token term's derivative is taken with respect to (PolicyTerm.gradient_wrt)
 GRADIENT_WRT = ("ratio", "logprob")
 # TRL 1.16's families of per-token term
-POLICY_TERMS = {term.formula: term for term in (
-    PolicyTerm("clipped"),
-    PolicyTerm("cispo", gradient_wrt="logprob"),
-    PolicyTerm("sapo"),
-    PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=True),
-)}
+POLICY_TERMS = {
+    term.formula: term
+    for term in (
+        PolicyTerm("clipped"),
+        PolicyTerm("cispo", gradient_wrt="logprob"),
+        PolicyTerm("sapo"),
+        PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=True),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -112,28 +120,35 @@ class LossType:
 
 # TRL 1.16 logs these for its clipped loss types: the clip fractions (masked means), and the min / max over sequences
 # of each sequence's low / high clip fraction
-CLIP_METRICS = (Metric("clip_ratio/low_mean", "low"), Metric("clip_ratio/high_mean", "high"),
-                Metric("clip_ratio/region_mean", "region"),
-                Metric("clip_ratio/low_min", "low", "min_over_sequences"),
-                Metric("clip_ratio/high_max", "high", "max_over_sequences"))
+CLIP_METRICS = (
+    Metric("clip_ratio/low_mean", "low"),
+    Metric("clip_ratio/high_mean", "high"),
+    Metric("clip_ratio/region_mean", "region"),
+    Metric("clip_ratio/low_min", "low", "min_over_sequences"),
+    Metric("clip_ratio/high_max", "high", "max_over_sequences"),
+)
 
 # TRL 1.16's loss types (GRPOTrainer._compute_loss), one record each
 _CLIPPED, _CISPO, _SAPO, _VESPO = POLICY_TERMS.values()
-LOSS_TYPE_RECORDS = {record.name: record for record in (
-    LossType("grpo", _CLIPPED, "sequences", row_mean=True, metrics=CLIP_METRICS),
-    LossType("bnpo", _CLIPPED, "tokens", metrics=CLIP_METRICS),
-    LossType("dr_grpo", _CLIPPED, "max_completion_length", metrics=CLIP_METRICS),
-    LossType("dapo", _CLIPPED, "num_items_in_batch", metrics=CLIP_METRICS),
-    LossType("cispo", _CISPO, "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),)),
-    LossType("sapo", _SAPO, "sequences", row_mean=True),
-    LossType("luspo", _CLIPPED, "sequences", metrics=CLIP_METRICS),
-    LossType("vespo", _VESPO, "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
-)}
+LOSS_TYPE_RECORDS = {
+    record.name: record
+    for record in (
+        LossType("grpo", _CLIPPED, "sequences", row_mean=True, metrics=CLIP_METRICS),
+        LossType("bnpo", _CLIPPED, "tokens", metrics=CLIP_METRICS),
+        LossType("dr_grpo", _CLIPPED, "max_completion_length", metrics=CLIP_METRICS),
+        LossType("dapo", _CLIPPED, "num_items_in_batch", metrics=CLIP_METRICS),
+        LossType("cispo", _CISPO, "num_items_in_batch", metrics=(Metric("cispo_clip_ratio", "cispo"),)),
+        LossType("sapo", _SAPO, "sequences", row_mean=True),
+        LossType("luspo", _CLIPPED, "sequences", metrics=CLIP_METRICS),
+        LossType("vespo", _VESPO, "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
+    )
+}
 LOSS_TYPES = tuple(LOSS_TYPE_RECORDS)
 # normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window): a training loop sums
 # those losses over its micro-batches, and averages the others
-NUM_ITEMS_LOSS_TYPES = tuple(name for name, record in LOSS_TYPE_RECORDS.items()
-                             if record.normaliser == "num_items_in_batch")
+NUM_ITEMS_LOSS_TYPES = tuple(
+    name for name, record in LOSS_TYPE_RECORDS.items() if record.normaliser == "num_items_in_batch"
+)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # TRL's vllm_importance_sampling_mode values (grpo_fast.sampling_importance_weights)
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -200,10 +215,20 @@ class LossOptions:
         if self.loss_type not in LOSS_TYPE_RECORDS:
             raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPE_RECORDS)}, got {self.loss_type!r}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
-                             f"{self.importance_sampling_level!r}")
-        for name in ("beta", "epsilon", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
+            raise ValueError(
+                f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
+            )
+        for name in (
+            "beta",
+            "epsilon",
+            "sapo_temperature_pos",
+            "sapo_temperature_neg",
+            "vespo_k_pos",
+            "vespo_lambda_pos",
+            "vespo_k_neg",
+            "vespo_lambda_neg",
+            "entropy_coef",
+        ):
             check_number(name, getattr(self, name))
         for name in ("epsilon_high", "delta", "off_policy_mask_threshold"):
             if getattr(self, name) is not None:
@@ -215,8 +240,7 @@ class LossOptions:
             raise ValueError(f"max_completion_length must be a positive int (the dr_grpo normaliser), got {mcl!r}")
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
-        check_number("top_entropy_quantile", self.top_entropy_quantile, lambda v: 0.0 <= v <= 1.0,
-                     "a number in [0, 1]")
+        check_number("top_entropy_quantile", self.top_entropy_quantile, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
     # ------------------------------------------------------------------------------------------ derived facts
     @property
@@ -270,8 +294,9 @@ class LossOptions:
             return _at_least_one(mask_total if num_items_in_batch is None else num_items_in_batch)
         raise ValueError(f"loss type {self.loss_type!r} has an unknown normaliser {normaliser!r}")
 
-    def aggregate(self, per_token_loss: torch.Tensor, mask: torch.Tensor,
-                  num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+    def aggregate(
+        self, per_token_loss: torch.Tensor, mask: torch.Tensor, num_items_in_batch: float | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The loss type's reduction of a per-token loss to the loss (TRL's, at one process without gradient
         accumulation): each row's masked sum (divided by its token count with the record's ``row_mean``), summed,
         over ``denominator``.
@@ -298,8 +323,9 @@ class LossOptions:
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
-    def resolve(cls, options: LossOptions | None = None, keywords: dict | None = None,
-                caller: str = "loss") -> LossOptions:
+    def resolve(
+        cls, options: LossOptions | None = None, keywords: dict | None = None, caller: str = "loss"
+    ) -> LossOptions:
         """``options`` with TRL-style ``keywords`` applied on top.
 
         Args:
@@ -319,10 +345,16 @@ class LossOptions:
         keywords = keywords or {}
         unknown = sorted(set(keywords) - set(FIELD_NAMES))
         if unknown:
-            hints = [f"{name!r} (did you mean {close[0]!r}?)"
-                     if (close := difflib.get_close_matches(name, FIELD_NAMES, 1)) else repr(name) for name in unknown]
-            raise TypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; the loss options are "
-                            f"{', '.join(FIELD_NAMES)}")
+            hints = [
+                f"{name!r} (did you mean {close[0]!r}?)"
+                if (close := difflib.get_close_matches(name, FIELD_NAMES, 1))
+                else repr(name)
+                for name in unknown
+            ]
+            raise TypeError(
+                f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; the loss options are "
+                f"{', '.join(FIELD_NAMES)}"
+            )
         base = options if options is not None else cls()
         return dataclasses.replace(base, **keywords) if keywords else base
 

@@ -54,7 +54,7 @@ from grpo_fast.transform import LogitTransform
 
 
 def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0, fp32_matmul=True,
-           compute_dtype=torch.float32, lora=None, transform=None):
+           compute_dtype=torch.float32, lora=None, transform=None):  # fmt: skip
     """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``,
     with ``lora`` (a grpo_fast.HeadLora or None) adding PEFT's ``scaling * (dropout(hidden) @ a.T) @ b.T`` to the
     raw logits: its [.., r] activation in the adapters' dtype (PEFT's), its product with b in ``compute_dtype``
@@ -83,14 +83,15 @@ def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_sc
 
 
 def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-                         fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):
+                         fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):  # fmt: skip
     """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
 
     Both are differentiable (the entropy too: TRL's entropy bonus trains through it). See ``logits``.
     """
     transform = transform or LogitTransform(temperature, softcap, logit_scale)
-    z = logits(hidden, weight, bias, fp32_matmul=fp32_matmul, compute_dtype=compute_dtype, lora=lora,
-               transform=transform)
+    z = logits(
+        hidden, weight, bias, fp32_matmul=fp32_matmul, compute_dtype=compute_dtype, lora=lora, transform=transform
+    )
     logsoftmax = F.log_softmax(z, dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = logsoftmax.exp()
@@ -100,16 +101,24 @@ def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, *,
 
 
 def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-             fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):
+             fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):  # fmt: skip
     """Per-token log-prob of ``targets`` (see ``logits``); no grad."""
     with torch.no_grad():
-        return logprobs_and_entropy(hidden, weight, targets, bias, fp32_matmul=fp32_matmul,
-                                    compute_dtype=compute_dtype, lora=lora,
-                                    transform=transform or LogitTransform(temperature, softcap, logit_scale))[0]
+        return logprobs_and_entropy(
+            hidden,
+            weight,
+            targets,
+            bias,
+            fp32_matmul=fp32_matmul,
+            compute_dtype=compute_dtype,
+            lora=lora,
+            transform=transform or LogitTransform(temperature, softcap, logit_scale),
+        )[0]
 
 
-def sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask",
-                                clip_max=3.0, clip_min=None):
+def sampling_importance_weights(
+    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_max=3.0, clip_min=None
+):
     """TRL's importance-sampling correction for a sampler (vLLM) that is not the trained policy.
 
     ``rho = exp(old - sampling)`` per token (``token_*``: [B, T]) or ``exp(sum_t m_t (old_t - sampling_t))`` per
@@ -158,9 +167,21 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     return phi.masked_fill(torch.isinf(phi), 0.0).detach()
 
 
-def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None, old_logprobs=None,
-               ref_logprobs=None, sampling_logprobs=None, importance_weights=None, num_items_in_batch=None,
-               entropy_threshold=None, **loss_options):
+def token_loss(
+    logp,
+    advantages,
+    completion_mask,
+    options=None,
+    *,
+    entropy=None,
+    old_logprobs=None,
+    ref_logprobs=None,
+    sampling_logprobs=None,
+    importance_weights=None,
+    num_items_in_batch=None,
+    entropy_threshold=None,
+    **loss_options,
+):
     """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
 
     ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
@@ -185,8 +206,11 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
 
     entropy_mask = None
     if o.top_entropy_quantile < 1.0:
-        threshold = (entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile) if entropy_threshold is None
-                     else torch.as_tensor(entropy_threshold, dtype=torch.float32))
+        threshold = (
+            entropy_quantile_threshold(entropy, mask, o.top_entropy_quantile)
+            if entropy_threshold is None
+            else torch.as_tensor(entropy_threshold, dtype=torch.float32)
+        )
         if threshold is None:
             entropy_mask = torch.zeros_like(mask, dtype=torch.bool)
         else:
@@ -226,14 +250,24 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
         temperatures = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
     elif policy_term == "vespo":
-        phi_seq = gamma_weights(advantages, log_ratio, mask, importance_weights if term.importance_weights_in_term
-                                else None, o.vespo_k_pos, o.vespo_lambda_pos, o.vespo_k_neg, o.vespo_lambda_neg)
+        phi_seq = gamma_weights(
+            advantages,
+            log_ratio,
+            mask,
+            importance_weights if term.importance_weights_in_term else None,
+            o.vespo_k_pos,
+            o.vespo_lambda_pos,
+            o.vespo_k_neg,
+            o.vespo_lambda_neg,
+        )
         per_token_loss = -phi_seq * advantages * logp
     else:
         raise ValueError(f"loss type {o.loss_type!r} has an unknown policy term {policy_term!r}")
     if term.importance_weights_in_term and phi_seq is None:
-        raise ValueError(f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
-                         f"{policy_term!r} term does not read them (only 'vespo' does)")
+        raise ValueError(
+            f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
+            f"{policy_term!r} term does not read them (only 'vespo' does)"
+        )
 
     if o.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
@@ -255,8 +289,13 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
     with torch.no_grad():
         is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
         is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
-        quantities = {"ratio": ratio, "low": is_low_clipped, "high": is_high_clipped,
-                      "region": is_low_clipped | is_high_clipped, "cispo": (coef_1 > epsilon_high) & (advantages > 0)}
+        quantities = {
+            "ratio": ratio,
+            "low": is_low_clipped,
+            "high": is_high_clipped,
+            "region": is_low_clipped | is_high_clipped,
+            "cispo": (coef_1 > epsilon_high) & (advantages > 0),
+        }
         if beta != 0.0:
             quantities["kl"] = per_token_kl
         if entropy is not None:
@@ -269,12 +308,22 @@ def token_loss(logp, advantages, completion_mask, options=None, *, entropy=None,
 
 
 def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, bias=None, temperature=1.0,
-         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, lora=None, **kwargs):
+         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, lora=None,
+         **kwargs):  # fmt: skip
     """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss
     (the loss options as ``options`` or keywords)."""
-    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, temperature, softcap=softcap,
-                                         logit_scale=logit_scale, fp32_matmul=fp32_matmul,
-                                         compute_dtype=compute_dtype, lora=lora)
+    logp, entropy = logprobs_and_entropy(
+        hidden,
+        weight,
+        targets,
+        bias,
+        temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        fp32_matmul=fp32_matmul,
+        compute_dtype=compute_dtype,
+        lora=lora,
+    )
     return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)
 
 
@@ -305,16 +354,18 @@ def _expected_log_ratio(p, log_p, log_q):
 def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
                            beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
                            teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-                           compute_dtype=torch.float32):
+                           compute_dtype=torch.float32):  # fmt: skip
     """Per-token divergence and student entropy [B, T] in ``compute_dtype`` from the full logits of both models
     (the section's comment gives the math); both differentiable (the teacher's tensors too, if they require it:
     the fused op stops there). Hidden sizes may differ; the vocabularies must match."""
     student = LogitTransform(temperature, student_softcap, student_logit_scale)
     teacher = LogitTransform(temperature, teacher_softcap, teacher_logit_scale)
-    log_ps = F.log_softmax(_transformed_logits(student_hidden, student_weight, student_bias, student, compute_dtype),
-                           dim=-1)
-    log_pt = F.log_softmax(_transformed_logits(teacher_hidden, teacher_weight, teacher_bias, teacher, compute_dtype),
-                           dim=-1)
+    log_ps = F.log_softmax(
+        _transformed_logits(student_hidden, student_weight, student_bias, student, compute_dtype), dim=-1
+    )
+    log_pt = F.log_softmax(
+        _transformed_logits(teacher_hidden, teacher_weight, teacher_bias, teacher, compute_dtype), dim=-1
+    )
     ps, pt = log_ps.exp(), log_pt.exp()
     if beta == 0.0:
         div = _expected_log_ratio(pt, log_pt, log_ps)
@@ -332,14 +383,33 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
 
 def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
     """The per-token divergence alone (``divergence_and_entropy``)."""
-    return divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
-                                  **kwargs)[0]
+    return divergence_and_entropy(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **kwargs
+    )[0]
 
 
-def loss_with_teacher(hidden, weight, targets, advantages, completion_mask, teacher_hidden, teacher_weight,
-                      options=None, *, distillation_coef, distillation_beta=1.0, teacher_bias=None,
-                      teacher_softcap=None, teacher_logit_scale=1.0, bias=None, temperature=1.0, softcap=None,
-                      logit_scale=1.0, compute_dtype=torch.float32, **kwargs):
+def loss_with_teacher(
+    hidden,
+    weight,
+    targets,
+    advantages,
+    completion_mask,
+    teacher_hidden,
+    teacher_weight,
+    options=None,
+    *,
+    distillation_coef,
+    distillation_beta=1.0,
+    teacher_bias=None,
+    teacher_softcap=None,
+    teacher_logit_scale=1.0,
+    bias=None,
+    temperature=1.0,
+    softcap=None,
+    logit_scale=1.0,
+    compute_dtype=torch.float32,
+    **kwargs,
+):
     """RL and distillation in one loss (grpo_fast.loss with ``teacher=``): the per-token GRPO loss plus
     ``distillation_coef`` times the divergence (``distillation_beta``), reduced by the loss type's reduction, which
     is linear: ``loss`` + coef * the reduced divergence. Metrics: ``loss``'s plus ``distillation_loss``, the mean
@@ -360,15 +430,39 @@ def loss_with_teacher(hidden, weight, targets, advantages, completion_mask, teac
     """
     from grpo_fast.options import FIELD_NAMES  # here: the module's imports belong to its token-loss part
 
-    options = LossOptions.resolve(options, {k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES},
-                                  "loss_with_teacher")
-    total, metrics = loss(hidden, weight, targets, advantages, completion_mask, options, bias=bias,
-                          temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                          compute_dtype=compute_dtype, **kwargs)
-    div = divergence(hidden, weight, teacher_hidden, teacher_weight, completion_mask, beta=distillation_beta,
-                     temperature=temperature, student_bias=bias, teacher_bias=teacher_bias, student_softcap=softcap,
-                     teacher_softcap=teacher_softcap, student_logit_scale=logit_scale,
-                     teacher_logit_scale=teacher_logit_scale, compute_dtype=compute_dtype)
+    options = LossOptions.resolve(
+        options, {k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES}, "loss_with_teacher"
+    )
+    total, metrics = loss(
+        hidden,
+        weight,
+        targets,
+        advantages,
+        completion_mask,
+        options,
+        bias=bias,
+        temperature=temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        compute_dtype=compute_dtype,
+        **kwargs,
+    )
+    div = divergence(
+        hidden,
+        weight,
+        teacher_hidden,
+        teacher_weight,
+        completion_mask,
+        beta=distillation_beta,
+        temperature=temperature,
+        student_bias=bias,
+        teacher_bias=teacher_bias,
+        student_softcap=softcap,
+        teacher_softcap=teacher_softcap,
+        student_logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        compute_dtype=compute_dtype,
+    )
     mask = completion_mask.bool()
     total = total + distillation_coef * options.aggregate(div, completion_mask, kwargs.get("num_items_in_batch"))
     metrics["distillation_loss"] = (torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1)).detach().float()

@@ -81,8 +81,11 @@ def _gamma_weight(log_w, adv, o):
 def _clip_indicators(r, adv, o):
     """(low, high, cispo): TRL's clip indicators (low and high of the delta-capped ratio)."""
     capped = torch.clamp(r, max=o.delta) if o.delta is not None else r
-    return ((capped < 1.0 - o.epsilon) & (adv < 0.0), (capped > 1.0 + o.clip_high) & (adv > 0.0),
-            (r > o.clip_high) & (adv > 0.0))
+    return (
+        (capped < 1.0 - o.epsilon) & (adv < 0.0),
+        (capped > 1.0 + o.clip_high) & (adv > 0.0),
+        (r > o.clip_high) & (adv > 0.0),
+    )
 
 
 def _scalar(x):
@@ -90,8 +93,9 @@ def _scalar(x):
     return x.reshape(()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale,
-               entropy_threshold):
+def token_loss(
+    logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale, entropy_threshold
+):
     """Layer 2 on prepared inputs, the token kernel's launcher's contract (grpo_fast.kernels.token_loss.token_loss).
 
     Args:
@@ -123,8 +127,10 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     if policy_term is None:
         raise ValueError(f"loss type {options.loss_type!r} has an unknown policy term {term.formula!r}")
     if term.importance_weights_in_term and policy_term is not _vespo:
-        raise ValueError(f"loss type {options.loss_type!r} puts the importance weights in its term, but the torch "
-                         f"layer 2's {term.formula!r} term does not read them (only 'vespo' does)")
+        raise ValueError(
+            f"loss type {options.loss_type!r} puts the importance weights in its term, but the torch "
+            f"layer 2's {term.formula!r} term does not read them (only 'vespo' does)"
+        )
     sequence = options.sequence_level
     has_kl = ref is not None and options.beta != 0.0
     iw = importance_weights
@@ -198,8 +204,13 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
         grad_logp = grad_logp + d_ratio * seq_ratio * mask / length  # d r_b / d logp_t = r_b m_t / L_b
 
     # the statistics: masked sums, or the sequence's own value (grpo_fast.loss_statistics)
-    returned = returned_statistics(sequence_level=sequence, advantages_per_token=advantages.dim() == 2,
-                                   has_kl=has_kl, has_entropy=entropy is not None, has_phi=phi is not None)
+    returned = returned_statistics(
+        sequence_level=sequence,
+        advantages_per_token=advantages.dim() == 2,
+        has_kl=has_kl,
+        has_entropy=entropy is not None,
+        has_phi=phi is not None,
+    )
     low, high, cispo = _clip_indicators(r, adv, options)
     if returned["low"]:  # one value per sequence: the sequence ratio's own indicators
         low, high, cispo = _clip_indicators(seq_ratio, adv, options)
@@ -211,10 +222,16 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     def own_or_sum(x, own):
         return x[:, 0].to(lp.dtype) if own else row_sum(x)
 
-    values = {"loss": row_sum(s * per_token), "count": count, "kl": row_sum(kl), "entropy": ent.sum(-1),
-              "ratio": seq_ratio[:, 0] if sequence else row_sum(r),
-              **{name: own_or_sum(x, returned[name]) for name, x in indicators.items()},
-              "bonus_count": bonus.sum(-1), "bonus_entropy": (bonus * ent).sum(-1)}
+    values = {
+        "loss": row_sum(s * per_token),
+        "count": count,
+        "kl": row_sum(kl),
+        "entropy": ent.sum(-1),
+        "ratio": seq_ratio[:, 0] if sequence else row_sum(r),
+        **{name: own_or_sum(x, returned[name]) for name, x in indicators.items()},
+        "bonus_count": bonus.sum(-1),
+        "bonus_entropy": (bonus * ent).sum(-1),
+    }
     if phi is not None:
         values["phi"] = own_or_sum(phi, returned["phi"])
     bonus_mask = bonus if options.entropy_coef != 0.0 else None

@@ -43,8 +43,9 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, lora=None
     entropy (and the backward's entropy values) are None without ``compute_entropy``; ``lora``: None or
     (lora_hidden [N, r], lora_weight [V, r]).
     """
-    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora),
-                                compute_entropy)
+    return softmax_stats.finish(
+        forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora), compute_entropy
+    )
 
 
 def forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora=None):
@@ -62,8 +63,9 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
     fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
     """
-    stats, acc, target_slope, lora_acc = forward_frozen_record(hidden, weight, targets, bias, transform,
-                                                               compute_entropy, lora)
+    stats, acc, target_slope, lora_acc = forward_frozen_record(
+        hidden, weight, targets, bias, transform, compute_entropy, lora
+    )
     grad = softmax_stats.finish_frozen_grad(acc, stats, target_slope, weight, targets)
     if lora is not None:
         lora_acc = softmax_stats.finish_frozen_grad(lora_acc, stats, target_slope, lora[1], targets)
@@ -88,8 +90,11 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
     dev = hidden.device
     records = []
     grad = torch.empty((N, hidden.shape[1]), dtype=torch.float32, device=dev) if frozen_head else None
-    lora_grad = (torch.empty((N, lora[1].shape[1]), dtype=torch.float32, device=dev)
-                 if frozen_head and lora is not None else None)
+    lora_grad = (
+        torch.empty((N, lora[1].shape[1]), dtype=torch.float32, device=dev)
+        if frozen_head and lora is not None
+        else None
+    )
     slopes = torch.zeros(N, device=dev) if frozen_head else None
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
@@ -121,13 +126,29 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
         records.append(run)
     if frozen_head and transform.softcap is None:
         slopes.fill_(transform.logit_scale / transform.temperature)
-    stats = (SoftmaxStats(*(torch.cat(fields) for fields in zip(*records))) if records
-             else SoftmaxStats(*(torch.zeros(0, device=dev) for _ in SoftmaxStats._fields)))
+    stats = (
+        SoftmaxStats(*(torch.cat(fields) for fields in zip(*records)))
+        if records
+        else SoftmaxStats(*(torch.zeros(0, device=dev) for _ in SoftmaxStats._fields))
+    )
     return stats, grad, slopes, lora_grad
 
 
-def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-             grad_hidden, grad_weight, grad_bias, lora=None, grad_lora=(None, None)):
+def backward(
+    hidden,
+    weight,
+    targets,
+    bias,
+    stats,
+    grad_logp,
+    grad_entropy,
+    transform,
+    grad_hidden,
+    grad_weight,
+    grad_bias,
+    lora=None,
+    grad_lora=(None, None),
+):
     """Accumulate into fp32 grad_hidden [N, D], grad_weight [V, D], grad_bias [V] (each may be None), and with
     ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) into ``grad_lora``'s fp32 (d lora_hidden, d lora_weight)
     (each may be None).
@@ -150,8 +171,16 @@ def backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, tran
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
             z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True, lora=lora)
-            g = logit_grad(z, tgt - v0, c, e, lse, target_dz, stats.mean_logit[n0:n1] if e is not None else None,
-                           stats.mean_minus_target[n0:n1] if e is not None else None)
+            g = logit_grad(
+                z,
+                tgt - v0,
+                c,
+                e,
+                lse,
+                target_dz,
+                stats.mean_logit[n0:n1] if e is not None else None,
+                stats.mean_minus_target[n0:n1] if e is not None else None,
+            )
             g.mul_(dz_du)
             add_tile_gradients(g, h, weight, slice(n0, n1), slice(v0, v1), grad_hidden, grad_weight, grad_bias)
             if grad_lora_hidden is not None:

@@ -48,8 +48,17 @@ from grpo_fast import vocab_parallel as vocab_parallel_head  # noqa: E402
 from grpo_fast.lora import lora_hidden  # noqa: E402
 from grpo_fast.transform import LogitTransform  # noqa: E402
 
-__all__ = ["add_fused_lm_head", "GRPOTrainer", "RLOOTrainer", "DistillationTrainer", "GRPOConfig", "RLOOConfig",
-           "DistillationConfig", "FusedCausalLMOutput", "TRL_VERSIONS"]
+__all__ = [
+    "add_fused_lm_head",
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "DistillationTrainer",
+    "GRPOConfig",
+    "RLOOConfig",
+    "DistillationConfig",
+    "FusedCausalLMOutput",
+    "TRL_VERSIONS",
+]
 
 # the per-token fields of FusedCausalLMOutput that a caller can request
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -58,8 +67,14 @@ EXTRA_OUTPUTS_CHUNK_LOGITS = 1 << 24
 
 
 # ---------------------------------------------------------------------------------------------- the head
-def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                      outputs: tuple[str, ...] = ("log_probs",), *, entropy_grad: bool = False) -> None:
+def add_fused_lm_head(
+    model,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    *,
+    entropy_grad: bool = False,
+) -> None:
     """TRL's ``add_fused_lm_head``, computed by grpo_fast: patches ``model``'s forward in place.
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` without building the
@@ -96,11 +111,15 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
 
     # Keep the original signature: `generate` validates its model kwargs against it
     @functools.wraps(type(model).forward)
-    def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                      **kwargs):
+    def fused_forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
         if not fused_lm_head:
-            for name, value in (("labels", labels), ("shift_labels", shift_labels),
-                                ("num_items_in_batch", num_items_in_batch)):
+            for name, value in (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+            ):
                 if value is not None:
                     kwargs[name] = value
             return original_forward(*args, **kwargs)
@@ -120,15 +139,26 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             hidden, labels = hidden.to(weight.device), labels.to(weight.device)
             mask = labels != -100
             precision = head_precision(hidden, cast_lm_head_to_fp32)
-            with (autocast_off(hidden), maybe_gather_lm_head_ctx(weight, bias),
-                  lm_head_lora(lm_head, precision.adapter_dtype, maybe_gather_lm_head_ctx) as lora,
-                  _gathered_again_for_backward(weight, bias)):
+            with (
+                autocast_off(hidden),
+                maybe_gather_lm_head_ctx(weight, bias),
+                lm_head_lora(lm_head, precision.adapter_dtype, maybe_gather_lm_head_ctx) as lora,
+                _gathered_again_for_backward(weight, bias),
+            ):
                 h, w, b = precision.cast(hidden), precision.cast(weight), precision.cast(bias)
                 if lora is not None and is_deepspeed_zero3_enabled():  # the backward must not read released params
                     lora = dataclasses.replace(lora, a=lora.a.clone(), b=lora.b.clone())
                 log_probs, entropy = grpo_fast.logprobs_and_entropy(
-                    h, w, labels, bias=b, temperature=temperature, **transform, completion_mask=mask,
-                    entropy_grad=entropy_grad, lora=lora)
+                    h,
+                    w,
+                    labels,
+                    bias=b,
+                    temperature=temperature,
+                    **transform,
+                    completion_mask=mask,
+                    entropy_grad=entropy_grad,
+                    lora=lora,
+                )
                 if extras and isinstance(w, DTensor):  # the no-grad extras read the whole head
                     w, b = w.full_tensor(), None if b is None else b.full_tensor()
                 extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, **transform, names=extras)
@@ -139,8 +169,14 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             aux_loss = _load_balancing_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
 
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy if "entropy" in outputs else None,
-                                   label_mask=mask, aux_loss=aux_loss, **extra)
+        return FusedCausalLMOutput(
+            loss=loss,
+            log_probs=log_probs,
+            entropy=entropy if "entropy" in outputs else None,
+            label_mask=mask,
+            aux_loss=aux_loss,
+            **extra,
+        )
 
     model.forward = types.MethodType(fused_forward, model)
 
@@ -196,11 +232,11 @@ def _extra_outputs(hidden, weight, bias, lora, labels, mask, temperature, *, sof
     if lora is not None:
         lora_rows, lora_b32 = lora_hidden(lora, hidden, mask.flatten().nonzero().squeeze(1)).float(), lora.b.float()
     for start in range(0, rows.shape[0], step):
-        u = rows[start:start + step].float() @ weight32.T
+        u = rows[start : start + step].float() @ weight32.T
         if lora is not None:
-            u = u + lora_rows[start:start + step] @ lora_b32.T
+            u = u + lora_rows[start : start + step] @ lora_b32.T
         z = transform.apply(u + bias32 if bias32 is not None else u)
-        y = targets[start:start + step]
+        y = targets[start : start + step]
         if "log_sum_sq_probs" in values:  # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
             values["log_sum_sq_probs"].append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
         if "mean_logits" in values:
@@ -238,10 +274,17 @@ def _with_module_names(function, **names):
             read |= set(const.co_names)
     unread = sorted(set(names) - read)
     if unread:
-        raise RuntimeError(f"grpo_fast.trl: {function.__qualname__} ({function.__module__}) no longer reads {unread}; "
-                           f"this TRL release is outside {TRL_VERSIONS}")
-    rebound = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
-                                 function.__defaults__, function.__closure__)
+        raise RuntimeError(
+            f"grpo_fast.trl: {function.__qualname__} ({function.__module__}) no longer reads {unread}; "
+            f"this TRL release is outside {TRL_VERSIONS}"
+        )
+    rebound = types.FunctionType(
+        function.__code__,
+        {**function.__globals__, **names},
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
     rebound.__kwdefaults__ = function.__kwdefaults__
     return functools.update_wrapper(rebound, function)
 
@@ -260,10 +303,12 @@ def _lm_head_adapter_check(cast_lm_head_to_fp32: bool):
                 from peft.tuners.tuners_utils import BaseTunerLayer
 
                 if isinstance(lm_head, BaseTunerLayer):
-                    raise ValueError("`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT "
-                                     "adapter (`target_modules` includes `lm_head`): TRL's cast replaces the head's "
-                                     "forward. Remove `lm_head` from the adapter's target modules, or set "
-                                     "`cast_lm_head_to_fp32=False`.")
+                    raise ValueError(
+                        "`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT "
+                        "adapter (`target_modules` includes `lm_head`): TRL's cast replaces the head's "
+                        "forward. Remove `lm_head` from the adapter's target modules, or set "
+                        "`cast_lm_head_to_fp32=False`."
+                    )
             return False
 
     return AdapterCheck("BaseTunerLayer", (), {})
@@ -291,12 +336,15 @@ class _GRPOFastHead:
             patched.append(model)
 
         trl_init = _with_module_names(
-            trl_class.__init__, add_fused_lm_head=head,
-            BaseTunerLayer=_lm_head_adapter_check(bool(getattr(config, "cast_lm_head_to_fp32", False))))
+            trl_class.__init__,
+            add_fused_lm_head=head,
+            BaseTunerLayer=_lm_head_adapter_check(bool(getattr(config, "cast_lm_head_to_fp32", False))),
+        )
         trl_init(self, *args, **kwargs)
         if not patched:
-            raise RuntimeError(f"grpo_fast.trl: {trl_class.__name__}'s constructor patched no model with the fused "
-                               "head")
+            raise RuntimeError(
+                f"grpo_fast.trl: {trl_class.__name__}'s constructor patched no model with the fused head"
+            )
 
 
 class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
@@ -349,7 +397,8 @@ def _whole(weight, bias, dtype):
 def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
                     completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
                     teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-                    student_final_logit_softcapping=None, teacher_final_logit_softcapping=None, temperature=1.0):
+                    student_final_logit_softcapping=None, teacher_final_logit_softcapping=None,
+                    temperature=1.0):  # fmt: skip
     """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.divergence_and_entropy``.
 
     Each model computes in its own precision (the autocast dtype, else its hidden states'; the biases as they are:
@@ -394,18 +443,29 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
         student_hidden_states, student_weight = student.cast(student_hidden_states), student.cast(student_weight)
     with autocast_off(student_hidden_states):
         divergence, entropy = grpo_fast.divergence_and_entropy(
-            student_hidden_states, student_weight, teacher.cast(teacher_hidden_states),
-            teacher.cast(teacher_weight), valid, beta=beta, temperature=temperature, student_bias=student_bias,
-            teacher_bias=teacher_bias, student_softcap=student_final_logit_softcapping,
-            teacher_softcap=teacher_final_logit_softcapping, student_logit_scale=student_logit_scale,
-            teacher_logit_scale=teacher_logit_scale, student_gemm_dtype=student.dtype)
+            student_hidden_states,
+            student_weight,
+            teacher.cast(teacher_hidden_states),
+            teacher.cast(teacher_weight),
+            valid,
+            beta=beta,
+            temperature=temperature,
+            student_bias=student_bias,
+            teacher_bias=teacher_bias,
+            student_softcap=student_final_logit_softcapping,
+            teacher_softcap=teacher_final_logit_softcapping,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
+            student_gemm_dtype=student.dtype,
+        )
     num_valid = valid.sum()
     loss = divergence.sum()
     if num_items_in_batch is None:
         loss = loss / num_valid.clamp(min=1)
     else:
-        loss = loss / (num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, torch.Tensor)
-                       else num_items_in_batch)
+        loss = loss / (
+            num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
+        )
     return loss, entropy.detach().sum(), num_valid
 
 

@@ -33,8 +33,10 @@ VERL_VERSIONS = f">={_VERL_LOW},<{_VERL_END}"
 BACKEND = "grpo_fast"
 # the engines (verl's `strategy`) whose model build calls apply_monkey_patch, the path tested here
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
-SUPPORTED_PATH = ("verl's FSDP engine (actor_rollout_ref.actor.strategy=fsdp or fsdp2) with a text-only causal LM "
-                  "(verl's dense_common forward) and ulysses_sequence_parallel_size=1")
+SUPPORTED_PATH = (
+    "verl's FSDP engine (actor_rollout_ref.actor.strategy=fsdp or fsdp2) with a text-only causal LM "
+    "(verl's dense_common forward) and ulysses_sequence_parallel_size=1"
+)
 
 _log = logging.getLogger(__name__)
 
@@ -45,8 +47,9 @@ def _loud(what):
     try:
         yield
     except Exception:
-        _log.error("grpo_fast's verl backend failed to %s; impl_backend=%s is unavailable", what, BACKEND,
-                   exc_info=True)
+        _log.error(
+            "grpo_fast's verl backend failed to %s; impl_backend=%s is unavailable", what, BACKEND, exc_info=True
+        )
         raise
 
 
@@ -72,7 +75,8 @@ def _check_text_only(config) -> None:
         raise NotImplementedError(
             f"impl_backend={BACKEND}: model_type {config.model_type!r} is a vision-language model, which verl runs "
             f"through forwards of its own; grpo_fast supports {SUPPORTED_PATH}. Use impl_backend=torch or triton "
-            "for this model, or use_fused_kernels=False.")
+            "for this model, or use_fused_kernels=False."
+        )
 
 
 def check_model(model) -> None:
@@ -89,12 +93,13 @@ def check_model(model) -> None:
     if model.get_output_embeddings() is None or not hasattr(model, "model"):
         raise NotImplementedError(
             f"impl_backend={BACKEND}: {type(model).__name__} has no lm_head (get_output_embeddings()) over a "
-            f"`model` backbone; grpo_fast supports {SUPPORTED_PATH}.")
+            f"`model` backbone; grpo_fast supports {SUPPORTED_PATH}."
+        )
 
 
 def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
             labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
-            cache_position=None, logits_to_keep=0, temperature=1.0, shift_labels=None, **loss_kwargs):
+            cache_position=None, logits_to_keep=0, temperature=1.0, shift_labels=None, **loss_kwargs):  # fmt: skip
     """verl's fused-kernel forward (``dense_common``'s contract) with grpo_fast's head, set as the model's forward.
 
     The backbone runs as verl runs it; every position is scored except, in the padded [B, T] layout, those whose
@@ -127,13 +132,23 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_k
         ValueError: none of ``shift_labels``, ``labels`` and ``input_ids``.
     """
     if not return_dict:
-        raise NotImplementedError(f"impl_backend={BACKEND}: the forward returns a CausalLMOutputForPPO; pass "
-                                  "return_dict=True (verl's FSDP engine does)")
+        raise NotImplementedError(
+            f"impl_backend={BACKEND}: the forward returns a CausalLMOutputForPPO; pass "
+            "return_dict=True (verl's FSDP engine does)"
+        )
     outputs = forward_base_model(
-        self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-        output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=return_dict,
-        cache_position=cache_position)
+        self,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        output_attentions=output_attentions,
+        output_hidden_states=output_hidden_states,
+        return_dict=return_dict,
+        cache_position=cache_position,
+    )
     hidden = outputs[0]
     # verl's labels: the engine's pre-rolled ids (remove-padding; rolled over the whole packed sequence), else the
     # ids rolled by one, as verl's own backends roll them
@@ -157,11 +172,22 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_k
             mask = mask.to(weight.device)
         with autocast_off(hidden), lm_head_lora(lm_head, precision.adapter_dtype) as lora:
             log_probs, entropy = grpo_fast.logprobs_and_entropy(
-                precision.cast(hidden.to(weight.device)), precision.cast(weight), targets.to(weight.device).long(),
-                bias=precision.cast(bias), temperature=temperature,
-                **logit_transform_of(self.config.get_text_config()), completion_mask=mask, lora=lora)
-    return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
-                                hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+                precision.cast(hidden.to(weight.device)),
+                precision.cast(weight),
+                targets.to(weight.device).long(),
+                bias=precision.cast(bias),
+                temperature=temperature,
+                **logit_transform_of(self.config.get_text_config()),
+                completion_mask=mask,
+                lora=lora,
+            )
+    return CausalLMOutputForPPO(
+        log_probs=log_probs,
+        entropy=entropy,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
 
 
 @contextlib.contextmanager
@@ -171,7 +197,8 @@ def _head_parameters(lm_head):
         if isinstance(weight, DTensor):
             raise NotImplementedError(
                 f"impl_backend={BACKEND}: the lm_head's weight is a DTensor outside FSDP2 ({weight.placements}; "
-                f"tensor parallelism?), which is untested; grpo_fast supports {SUPPORTED_PATH}.")
+                f"tensor parallelism?), which is untested; grpo_fast supports {SUPPORTED_PATH}."
+            )
         yield weight, bias
 
 
@@ -182,8 +209,9 @@ def _patch_forward_with_backends(verl_function):
     @functools.wraps(verl_function)
     def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None):
         if not (use_fused_kernels and fused_kernels_backend == BACKEND):
-            return verl_function(model, use_fused_kernels=use_fused_kernels,
-                                 fused_kernels_backend=fused_kernels_backend)
+            return verl_function(
+                model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend
+            )
         check_model(model)
         # verl patches the class, as for its own backends; the attribute is what verl's forwards read
         model._verl_fused_kernels_backend = BACKEND
@@ -205,12 +233,14 @@ def _engine_new(verl_new):
             if backend not in SUPPORTED_STRATEGIES:
                 raise NotImplementedError(
                     f"impl_backend={BACKEND} with the {backend!r} engine: that engine does not call verl's "
-                    f"apply_monkey_patch, so grpo_fast's head would not run; grpo_fast supports {SUPPORTED_PATH}.")
+                    f"apply_monkey_patch, so grpo_fast's head would not run; grpo_fast supports {SUPPORTED_PATH}."
+                )
             sp_size = getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1
             if sp_size > 1:
                 raise NotImplementedError(
                     f"impl_backend={BACKEND} with ulysses_sequence_parallel_size={sp_size}: sequence parallelism "
-                    f"is untested with grpo_fast; grpo_fast supports {SUPPORTED_PATH}.")
+                    f"is untested with grpo_fast; grpo_fast supports {SUPPORTED_PATH}."
+                )
             if getattr(model_config, "hf_config", None) is not None:
                 _check_text_only(model_config.hf_config)
         return verl_new.__func__(cls, model_type, backend, *args, **kwargs)

@@ -84,11 +84,14 @@ def _check_shard(shard, rows):
     _int("offset", shard.offset)
     _int("vocab_size", shard.vocab_size)
     if shard.vocab_size <= 0 or shard.offset < 0 or shard.offset + rows > shard.vocab_size:
-        raise ValueError(f"vocab_parallel: this rank's weight rows [offset, offset + {rows}) = [{shard.offset}, "
-                         f"{shard.offset + rows}) must lie in [0, vocab_size) = [0, {shard.vocab_size})")
+        raise ValueError(
+            f"vocab_parallel: this rank's weight rows [offset, offset + {rows}) = [{shard.offset}, "
+            f"{shard.offset + rows}) must lie in [0, vocab_size) = [0, {shard.vocab_size})"
+        )
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("vocab_parallel needs torch.distributed initialised (init_process_group) on every rank of "
-                         "its group")
+        raise ValueError(
+            "vocab_parallel needs torch.distributed initialised (init_process_group) on every rank of its group"
+        )
 
 
 def _is_dtensor(x):
@@ -104,19 +107,25 @@ def resolve(hidden, weight, bias, vocab_parallel):
     DTensor's placements."""
     if _is_dtensor(weight):
         if vocab_parallel is not None:
-            raise ValueError("vocab_parallel is for a plain [V_local, D] weight shard: a DTensor weight carries its "
-                             "own sharding, pass it alone")
+            raise ValueError(
+                "vocab_parallel is for a plain [V_local, D] weight shard: a DTensor weight carries its "
+                "own sharding, pass it alone"
+            )
         return _from_dtensor(hidden, weight, bias)
     if _is_dtensor(bias):
-        raise ValueError("bias is a DTensor but weight is not: pass both as DTensors sharded on dim 0, or both as "
-                         "this rank's rows with vocab_parallel=VocabShard(...)")
+        raise ValueError(
+            "bias is a DTensor but weight is not: pass both as DTensors sharded on dim 0, or both as "
+            "this rank's rows with vocab_parallel=VocabShard(...)"
+        )
     if _is_dtensor(hidden):
         hidden = _replicated_local("hidden", hidden)
     if vocab_parallel is None:
         return hidden, weight, bias, None
     if not isinstance(vocab_parallel, VocabShard):
-        raise TypeError(f"vocab_parallel must be a grpo_fast.VocabShard(group, offset, vocab_size), got "
-                        f"{type(vocab_parallel).__name__}")
+        raise TypeError(
+            f"vocab_parallel must be a grpo_fast.VocabShard(group, offset, vocab_size), got "
+            f"{type(vocab_parallel).__name__}"
+        )
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         _check_shard(vocab_parallel, weight.shape[0])
     return hidden, weight, bias, vocab_parallel
@@ -133,9 +142,11 @@ def is_vocab_sharded(weight):
 
 def _replicated_local(name, x):
     if not all(p.is_replicate() for p in x.placements):
-        raise ValueError(f"{name} is a DTensor with placements {tuple(x.placements)}: the vocab-parallel head takes "
-                         "replicated hidden states (every rank the same tokens); pass a plain tensor or a Replicate "
-                         "DTensor")
+        raise ValueError(
+            f"{name} is a DTensor with placements {tuple(x.placements)}: the vocab-parallel head takes "
+            "replicated hidden states (every rank the same tokens); pass a plain tensor or a Replicate "
+            "DTensor"
+        )
     return x.to_local()
 
 
@@ -144,14 +155,19 @@ def _from_dtensor(hidden, weight, bias):
 
     placements = tuple(weight.placements)
     if not is_vocab_sharded(weight):
-        raise ValueError(f"weight is a DTensor with placements {placements}: grpo_fast takes a head sharded by "
-                         "vocabulary (Shard(0) on one mesh dimension, Replicate on any other); gather another "
-                         "layout with weight.full_tensor()")
+        raise ValueError(
+            f"weight is a DTensor with placements {placements}: grpo_fast takes a head sharded by "
+            "vocabulary (Shard(0) on one mesh dimension, Replicate on any other); gather another "
+            "layout with weight.full_tensor()"
+        )
     mesh_dim = next(dim for dim, p in enumerate(placements) if not p.is_replicate())
-    if bias is not None and (not _is_dtensor(bias) or tuple(bias.placements) != placements
-                             or bias.device_mesh != weight.device_mesh):
-        raise ValueError(f"weight is a DTensor sharded on dim 0: bias must be None or a DTensor on the same mesh "
-                         f"with the same placements {placements}")
+    if bias is not None and (
+        not _is_dtensor(bias) or tuple(bias.placements) != placements or bias.device_mesh != weight.device_mesh
+    ):
+        raise ValueError(
+            f"weight is a DTensor sharded on dim 0: bias must be None or a DTensor on the same mesh "
+            f"with the same placements {placements}"
+        )
     if _is_dtensor(hidden):
         hidden = _replicated_local("hidden", hidden)
     mesh = weight.device_mesh
@@ -182,8 +198,9 @@ def merge_records(record, compute_entropy, group):
     sums = [local.sumexp, local.rest, local.target] + ([local.zsum] if compute_entropy else [])
     packed = torch.stack(sums)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return SoftmaxStats(row_max, packed[0], packed[1], packed[3] if compute_entropy else torch.zeros_like(row_max),
-                        packed[2])
+    return SoftmaxStats(
+        row_max, packed[0], packed[1], packed[3] if compute_entropy else torch.zeros_like(row_max), packed[2]
+    )
 
 
 class GroupReduce:
@@ -195,12 +212,12 @@ class GroupReduce:
     def __init__(self, group):
         self.group = group
 
-    def forward(self, hidden, weight, local_targets, bias, transform, compute_entropy, backend, lora=None,
-                row_count=None):
+    def forward(
+        self, hidden, weight, local_targets, bias, transform, compute_entropy, backend, lora=None, row_count=None
+    ):
         """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank. ``row_count`` is
         not read: a padding row's placeholder record would not merge over the ranks as a real one does."""
-        record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy,
-                                              backend)
+        record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
         return softmax_stats.finish(merge_records(record, compute_entropy, self.group), compute_entropy)
 
     def frozen_forward(self, hidden, weight, local_targets, bias, transform, backend, lora=None):
@@ -210,8 +227,9 @@ class GroupReduce:
         records merge as in ``forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m)
         and finished with the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its
         owner), so that the ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
-        record, acc, target_slope = autograd.head_forward_frozen_record(hidden, weight, local_targets, bias,
-                                                                        transform, backend)
+        record, acc, target_slope = autograd.head_forward_frozen_record(
+            hidden, weight, local_targets, bias, transform, backend
+        )
         merged = merge_records(record, True, self.group)
         acc.mul_(softmax_stats.rescale(record.max, merged.max)[:, None])
         grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, weight, local_targets)
@@ -238,8 +256,21 @@ def local_targets(targets, shard, rows):
 def logprobs(hidden, weight, targets, bias, transform, backend, shard):
     """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
     y = local_targets(targets, shard, weight.shape[0])
-    return ops.linear_logprobs(hidden, weight, y, bias, None, None, *transform.as_floats(), False, False,
-                               backend.name, "chunked", None, reduce=GroupReduce(shard.group))[0]
+    return ops.linear_logprobs(
+        hidden,
+        weight,
+        y,
+        bias,
+        None,
+        None,
+        *transform.as_floats(),
+        False,
+        False,
+        backend.name,
+        "chunked",
+        None,
+        reduce=GroupReduce(shard.group),
+    )[0]
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
@@ -250,5 +281,6 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, he
     (one N x D all-reduce there) and its backward is dH = grad_logp J, with no collective; the general path
     all-reduces dH in the backward. N = 0 on every rank: empty outputs, no collective."""
     y = local_targets(targets, shard, weight.shape[0])
-    return autograd.linear_logprobs(hidden, weight, y, bias, transform, backend, head_path, backward_mode,
-                                    reduce=GroupReduce(shard.group))
+    return autograd.linear_logprobs(
+        hidden, weight, y, bias, transform, backend, head_path, backward_mode, reduce=GroupReduce(shard.group)
+    )

@@ -87,11 +87,15 @@ def backend_device(backend, device):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "interpreter_only: feeds the Triton kernels CPU tensors (FLOP counts of the CPU path, gloo process "
-                   "groups, TRL's CPU models): skipped where the kernels are compiled (a CUDA device)")
+        "markers",
+        "interpreter_only: feeds the Triton kernels CPU tensors (FLOP counts of the CPU path, gloo process "
+        "groups, TRL's CPU models): skipped where the kernels are compiled (a CUDA device)",
+    )
     config.addinivalue_line(
-        "markers", "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
-                   "beyond a covering subset; deselect with -m 'not slow' for the fast tier")
+        "markers",
+        "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
+        "beyond a covering subset; deselect with -m 'not slow' for the fast tier",
+    )
     # with -n, the tests of one file go to one worker (xdist's --dist loadfile), so a module's fixtures (a benchmark
     # run, the offline compiles, a trainer pair) are built once; an explicit --dist is kept. Set here rather than in
     # pyproject's addopts: an environment without pytest-xdist (verl's) would refuse the option.
@@ -115,8 +119,10 @@ def _parameter_values(item):
 
 def pytest_collection_modifyitems(config, items):
     if KERNEL_DEVICE.type == "cuda":
-        compiled = pytest.mark.skip(reason="Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1); "
-                                           "the kernels are compiled here")
+        compiled = pytest.mark.skip(
+            reason="Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1); "
+            "the kernels are compiled here"
+        )
         for item in items:
             if item.get_closest_marker("interpreter_only") is not None:
                 item.add_marker(compiled)
@@ -130,8 +136,7 @@ def pytest_collection_modifyitems(config, items):
         facts = [_parameter_values(item) for item in cases]
         covered, kept = set(), set()
         while True:
-            gain, best = max(((len(f - covered), -i) for i, f in enumerate(facts) if i not in kept),
-                             default=(0, 0))
+            gain, best = max(((len(f - covered), -i) for i, f in enumerate(facts) if i not in kept), default=(0, 0))
             if gain == 0:
                 break
             kept.add(-best)

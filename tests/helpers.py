@@ -28,8 +28,9 @@ def randn(*shape, generator, device="cpu"):
     return torch.randn(*shape, generator=generator).to(device)
 
 
-def make_batch(B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_scale=0.3, masked_row=True,
-               seed=0, device="cpu"):
+def make_batch(
+    B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_scale=0.3, masked_row=True, seed=0, device="cpu"
+):
     """Hidden states, lm_head, targets (``head_inputs``), then advantages, a mask with a fully masked sequence and
     old / reference log-probs near the true ones, from the same generator (CPU), on ``device``."""
     g = torch.Generator().manual_seed(seed)
@@ -42,8 +43,17 @@ def make_batch(B=3, T=7, D=37, V=203, dtype=torch.float32, bias=False, logit_sca
     true_logp = reference.logprobs(hidden, weight, targets, b)
     old = true_logp + 0.3 * randn(B, T, generator=g, device=device)
     ref = true_logp + 0.3 * randn(B, T, generator=g, device=device)
-    return dict(hidden=hidden, weight=weight, bias=b, targets=targets, mask=mask, advantages=advantages,
-                old=old, ref=ref, generator=g)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        bias=b,
+        targets=targets,
+        mask=mask,
+        advantages=advantages,
+        old=old,
+        ref=ref,
+        generator=g,
+    )
 
 
 def run_loss(fn, batch, requires=("hidden", "weight", "bias"), **kwargs):
@@ -55,8 +65,9 @@ def run_loss(fn, batch, requires=("hidden", "weight", "bias"), **kwargs):
             x = x.detach().clone().requires_grad_(name in requires)
         leaves[name] = x
     advantages = kwargs.pop("advantages", batch["advantages"])
-    loss, metrics = fn(leaves["hidden"], leaves["weight"], batch["targets"], advantages, batch["mask"],
-                       bias=leaves["bias"], **kwargs)
+    loss, metrics = fn(
+        leaves["hidden"], leaves["weight"], batch["targets"], advantages, batch["mask"], bias=leaves["bias"], **kwargs
+    )
     loss.backward()
     grads = {n: (x.grad if x is not None else None) for n, x in leaves.items()}
     return loss.detach(), {k: v for k, v in metrics.items()}, grads

@@ -20,8 +20,9 @@ def _check_against_reference(batch, dtype, backend, requires=("hidden", "weight"
             ref_batch[n] = batch[n].float()
     # the spec in fp64 (see test_linear_logprobs.F64)
     rl, rm, rg = run_loss(reference.loss, ref_batch, requires=requires, compute_dtype=torch.float64, **dict(kw))
-    fl, fm, fg = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch, requires=requires,
-                          **dict(kw))
+    fl, fm, fg = run_loss(
+        lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch, requires=requires, **dict(kw)
+    )
     torch.testing.assert_close(fl, rl, rtol=1e-4, atol=1e-5)
     assert set(fm) == set(rm)
     for k in rm:
@@ -38,9 +39,20 @@ def _check_against_reference(batch, dtype, backend, requires=("hidden", "weight"
 @pytest.mark.parametrize("loss_type, level", list(itertools.product(reference.LOSS_TYPES, ("token", "sequence"))))
 def test_loss_matches_reference(backend, dtype, loss_type, level, device):
     batch = make_batch(dtype=dtype, bias=True, device=backend_device(backend, device))
-    _check_against_reference(batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"],
-                             beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
-                             importance_sampling_level=level, temperature=0.7, max_completion_length=9)
+    _check_against_reference(
+        batch,
+        dtype,
+        backend,
+        old_logprobs=batch["old"],
+        ref_logprobs=batch["ref"],
+        beta=0.04,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        temperature=0.7,
+        max_completion_length=9,
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -49,9 +61,20 @@ def test_loss_with_every_option_at_once(backend, device):
     batch = make_batch(B=2, T=13, D=40, V=257, bias=True, seed=3, device=dev)
     g = batch["generator"]
     _check_against_reference(
-        batch, torch.float32, backend, advantages=torch.randn(2, 13, generator=g).to(dev), old_logprobs=batch["old"],
-        ref_logprobs=batch["ref"], beta=0.1, epsilon=0.1, epsilon_high=0.3, delta=1.2,
-        importance_weights=(torch.rand(2, 13, generator=g) * 2).to(dev), temperature=1.3, num_items_in_batch=31)
+        batch,
+        torch.float32,
+        backend,
+        advantages=torch.randn(2, 13, generator=g).to(dev),
+        old_logprobs=batch["old"],
+        ref_logprobs=batch["ref"],
+        beta=0.1,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        delta=1.2,
+        importance_weights=(torch.rand(2, 13, generator=g) * 2).to(dev),
+        temperature=1.3,
+        num_items_in_batch=31,
+    )
 
 
 # TRL 1.16's options end to end, each on the fused path (entropy gradients through layer 1 included)
@@ -75,15 +98,15 @@ def test_trl_options_end_to_end(backend, dtype, option, device):
     kw = dict(OPTIONS[option])
     if kw.get("importance_weights") == "per-sequence":
         kw["importance_weights"] = (torch.rand(3, 1, generator=batch["generator"]) + 0.5).to(dev)
-    _check_against_reference(batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04,
-                             **kw)
+    _check_against_reference(
+        batch, dtype, backend, old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04, **kw
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_on_policy_frozen_lm_head_like_lora(backend, device):
     batch = make_batch(seed=4, device=backend_device(backend, device))
-    _, metrics, grads = _check_against_reference(batch, torch.float32, backend, requires=("hidden",),
-                                                 loss_type="grpo")
+    _, metrics, grads = _check_against_reference(batch, torch.float32, backend, requires=("hidden",), loss_type="grpo")
     assert grads["weight"] is None
     assert metrics["ratio_mean"].item() == 1.0
 
@@ -91,10 +114,12 @@ def test_on_policy_frozen_lm_head_like_lora(backend, device):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend, device):
     batch = make_batch(seed=5, device=backend_device(backend, device))
-    _, metrics = grpo_fast.loss(batch["hidden"], batch["weight"], batch["targets"], batch["advantages"],
-                                batch["mask"], backend=backend)
-    expected_logp, expected_entropy = reference.logprobs_and_entropy(batch["hidden"], batch["weight"],
-                                                                     batch["targets"], compute_dtype=torch.float64)
+    _, metrics = grpo_fast.loss(
+        batch["hidden"], batch["weight"], batch["targets"], batch["advantages"], batch["mask"], backend=backend
+    )
+    expected_logp, expected_entropy = reference.logprobs_and_entropy(
+        batch["hidden"], batch["weight"], batch["targets"], compute_dtype=torch.float64
+    )
     assert not metrics.logprobs.requires_grad
     mask = batch["mask"]  # only completion tokens are computed: exact zeros elsewhere
     torch.testing.assert_close(metrics.logprobs, expected_logp * mask, rtol=1e-5, atol=1e-5)
@@ -107,8 +132,13 @@ def test_metrics_carry_per_token_logprobs_for_reuse_as_old(backend, device):
 def test_empty_mask_gives_zero_loss_and_zero_gradients(backend, device):
     batch = make_batch(seed=6, device=backend_device(backend, device))
     batch["mask"] = torch.zeros_like(batch["mask"])
-    loss, metrics, grads = run_loss(lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k), batch,
-                                    old_logprobs=batch["old"], ref_logprobs=batch["ref"], beta=0.04)
+    loss, metrics, grads = run_loss(
+        lambda *a, **k: grpo_fast.loss(*a, backend=backend, **k),
+        batch,
+        old_logprobs=batch["old"],
+        ref_logprobs=batch["ref"],
+        beta=0.04,
+    )
     assert loss.item() == 0.0
     # every metric is finite but TRL's min / max over sequences, of which there is none with a token (NaN in TRL too)
     undefined = {"clip_ratio/low_min", "clip_ratio/high_max"}
@@ -121,8 +151,13 @@ def test_empty_mask_gives_zero_loss_and_zero_gradients(backend, device):
 # ------------------------------------------------------------------------------------------------ bad input
 def _good(**override):
     batch = make_batch(B=2, T=3, D=8, V=11, masked_row=False)
-    args = dict(hidden=batch["hidden"], weight=batch["weight"], targets=batch["targets"],
-                advantages=batch["advantages"], completion_mask=batch["mask"])
+    args = dict(
+        hidden=batch["hidden"],
+        weight=batch["weight"],
+        targets=batch["targets"],
+        advantages=batch["advantages"],
+        completion_mask=batch["mask"],
+    )
     args.update(override)
     return args
 
@@ -148,8 +183,11 @@ BAD_INPUTS = [
     (dict(max_completion_length=12.5), ValueError, "max_completion_length must be a positive int"),
     (dict(loss_type="vespo", importance_weights=torch.ones(2)), ValueError, "vespo' takes per-token importance"),
     (dict(sampling_logprobs=torch.zeros(2, 3)), ValueError, "sampling_logprobs is only used by the off-policy mask"),
-    (dict(sampling_logprobs=torch.zeros(2, 4), off_policy_mask_threshold=0.5), ValueError,
-     "sampling_logprobs must have shape"),
+    (
+        dict(sampling_logprobs=torch.zeros(2, 4), off_policy_mask_threshold=0.5),
+        ValueError,
+        "sampling_logprobs must have shape",
+    ),
     (dict(off_policy_mask_threshold=float("nan")), ValueError, "off_policy_mask_threshold must be a finite number"),
     (dict(top_entropy_quantile=1.5), ValueError, r"top_entropy_quantile must be a number in \[0, 1\]"),
     (dict(entropy_threshold=1.0), ValueError, "entropy_threshold is only used with top_entropy_quantile < 1"),
@@ -160,8 +198,11 @@ BAD_INPUTS = [
     (dict(ref_logprobs=torch.zeros(3, 3), beta=0.1), ValueError, "ref_logprobs must have shape"),
     (dict(importance_weights=torch.ones(5)), ValueError, "importance_weights must have shape"),
     (dict(importance_weights=torch.ones(2, 2)), ValueError, "importance_weights must have shape"),
-    (dict(targets=torch.full((2, 3), -100), completion_mask=torch.tensor([[1, 0, 0], [0, 0, 0]])), ValueError,
-     r"targets must be token ids in \[0, V\) = \[0, 11\) where completion_mask is 1"),
+    (
+        dict(targets=torch.full((2, 3), -100), completion_mask=torch.tensor([[1, 0, 0], [0, 0, 0]])),
+        ValueError,
+        r"targets must be token ids in \[0, V\) = \[0, 11\) where completion_mask is 1",
+    ),
     (dict(bias=torch.zeros(10)), ValueError, "bias must have shape"),
     (dict(temperature=0.0), ValueError, "temperature must be a positive number"),
     (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),
@@ -178,8 +219,14 @@ BAD_INPUTS = [
 def test_bad_input_raises_a_named_error(override, error, message):
     args = _good(**override)
     with pytest.raises(error, match=message):
-        grpo_fast.loss(args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("advantages"),
-                       args.pop("completion_mask"), **args)
+        grpo_fast.loss(
+            args.pop("hidden"),
+            args.pop("weight"),
+            args.pop("targets"),
+            args.pop("advantages"),
+            args.pop("completion_mask"),
+            **args,
+        )
 
 
 def test_mixed_devices_are_rejected():
@@ -214,8 +261,9 @@ def test_device_errors_name_the_argument_they_compare_with():
     with pytest.raises(ValueError, match="advantages is on meta but logprobs is on cpu"):
         grpo_fast.token_loss(logp, torch.zeros(2, device="meta"), args["completion_mask"])
     with pytest.raises(ValueError, match="entropy is on meta but logprobs is on cpu"):
-        grpo_fast.token_loss(logp, args["advantages"], args["completion_mask"],
-                             entropy=torch.zeros(2, 3, device="meta"))
+        grpo_fast.token_loss(
+            logp, args["advantages"], args["completion_mask"], entropy=torch.zeros(2, 3, device="meta")
+        )
     with pytest.raises(ValueError, match="completion_mask is on meta but old_logprobs is on cpu"):
         grpo_fast.sampling_importance_weights(logp, logp, torch.ones(2, 3, device="meta"))
 

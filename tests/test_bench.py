@@ -32,10 +32,12 @@ def _env():
 
 
 def _run(args, timeout=300):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
-                                  f"stderr:\n{proc.stderr[-3000:]}")
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -86,9 +88,18 @@ def test_thread_policy_is_unknown_when_torch_was_imported_first():
     """OpenMP reads OMP_WAIT_POLICY when torch loads it: too late for bench to set it, and the results say so."""
     env = _env()
     env.pop("OMP_WAIT_POLICY", None)
-    proc = subprocess.run([sys.executable, "-c", "import torch, bench, os; print(bench.THREAD_POLICY); "
-                           "print(os.environ['OMP_WAIT_POLICY'])"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, bench, os; print(bench.THREAD_POLICY); print(os.environ['OMP_WAIT_POLICY'])",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == ["unknown: torch was imported before bench set OMP_WAIT_POLICY", "PASSIVE"]
 
@@ -121,8 +132,18 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
     meta = doc["meta"]
     assert meta["device_type"] == "cpu" and meta["device_name"].startswith("CPU")
     assert "not GPU figures" in meta["banner"]
-    for key in ("date", "commit", "versions", "dtype", "loss_config", "matmul_peak_tflops", "memory_method",
-                "precision_method", "scenarios", "padded_lengths"):
+    for key in (
+        "date",
+        "commit",
+        "versions",
+        "dtype",
+        "loss_config",
+        "matmul_peak_tflops",
+        "memory_method",
+        "precision_method",
+        "scenarios",
+        "padded_lengths",
+    ):
         assert key in meta, key
     assert meta["versions"]["torch"] and "triton" in meta["versions"] and "trl" in meta["versions"]
     assert meta["matmul_peak_tflops"] > 0
@@ -145,8 +166,10 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
     by_key = {(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"]): r for r in records}
     trl_status = "ok" if TRL_INSTALLED else "unavailable"
     for shape, N, scenario in points:
-        expected = (("fwdbwd", ("eager", "grpo_fast", "grpo_fast_frozen", "grpo_fast_frozen_recompute")),
-                    ("logprobs", ("eager", "grpo_fast")))
+        expected = (
+            ("fwdbwd", ("eager", "grpo_fast", "grpo_fast_frozen", "grpo_fast_frozen_recompute")),
+            ("logprobs", ("eager", "grpo_fast")),
+        )
         for mode, impls in expected:
             for impl in impls:
                 r = by_key[(shape, N, scenario, mode, impl)]
@@ -172,9 +195,13 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
         # the matmul FLOPs each ran (counted on a CPU), in vocabulary sweeps of the completion tokens: the frozen head
         # builds d logp / dh in the forward (two sweeps); its general path and TRL's head recompute (three)
         sweeps = r["matmul_flops"] / (2 * r["active_tokens"] * r["D"] * r["V"])
-        expected_sweeps = {("fwdbwd", "grpo_fast"): (3.9, 4.1), ("fwdbwd", "grpo_fast_frozen"): (1.9, 2.2),
-                           ("fwdbwd", "grpo_fast_frozen_recompute"): (2.9, 3.1), ("fwdbwd", "trl_frozen"): (2.9, 3.1),
-                           ("logprobs", "grpo_fast"): (0.9, 1.1)}.get((r["mode"], r["impl"]))
+        expected_sweeps = {
+            ("fwdbwd", "grpo_fast"): (3.9, 4.1),
+            ("fwdbwd", "grpo_fast_frozen"): (1.9, 2.2),
+            ("fwdbwd", "grpo_fast_frozen_recompute"): (2.9, 3.1),
+            ("fwdbwd", "trl_frozen"): (2.9, 3.1),
+            ("logprobs", "grpo_fast"): (0.9, 1.1),
+        }.get((r["mode"], r["impl"]))
         if expected_sweeps:
             assert expected_sweeps[0] <= sweeps <= expected_sweeps[1], (r["impl"], r["mode"], sweeps)
         assert math.isclose(r["tflops"], r["flops"] / (r["median_ms"] * 1e-3) / 1e12, rel_tol=1e-9)
@@ -185,8 +212,7 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
         if r["scenario"] == "padded":
             dense = by_key[(r["shape"], r["N"], "dense", r["mode"], r["impl"])]
             assert math.isclose(r["ratio_time_vs_dense"], r["median_ms"] / dense["median_ms"], rel_tol=1e-9)
-            assert math.isclose(r["ratio_mem_vs_dense"], r["peak_mem_bytes"] / dense["peak_mem_bytes"],
-                                rel_tol=1e-9)
+            assert math.isclose(r["ratio_mem_vs_dense"], r["peak_mem_bytes"] / dense["peak_mem_bytes"], rel_tol=1e-9)
         # precision against the fp64 truth, fp32 inputs: every implementation within fp32 rounding
         errors = r["errors"]
         if r["mode"] == "fwdbwd":
@@ -324,9 +350,11 @@ def test_a_file_with_skipped_measurements_says_so_in_its_header(tmp_path):
     doc["results"][0].update(status="skipped", reason="time budget of 60 s spent")
     first = doc["results"][0]
     header = [line for line in report.markdown(doc).splitlines() if "**Partial**" in line]
-    assert header == [f"> **Partial**: 1 of {len(doc['results'])} measurements were skipped (time budget of 60 s "
-                      f"spent): {first['impl']} {first['mode']} at {first['shape']} N={first['N']} "
-                      f"{first['scenario']}. This file holds the rest."]
+    assert header == [
+        f"> **Partial**: 1 of {len(doc['results'])} measurements were skipped (time budget of 60 s "
+        f"spent): {first['impl']} {first['mode']} at {first['shape']} N={first['N']} "
+        f"{first['scenario']}. This file holds the rest."
+    ]
 
 
 def test_an_interrupted_run_writes_what_was_measured_and_exits_130(tmp_path, capsys, monkeypatch):
@@ -347,13 +375,21 @@ def test_an_interrupted_run_writes_what_was_measured_and_exits_130(tmp_path, cap
 
     paths = {"md": tmp_path / "r.md", "png": tmp_path / "r.png"}
     with pytest.raises(SystemExit) as exit_info:
-        report.run_and_report(run_points, write, lambda doc, path: plots.append(doc), lambda doc: "the markdown",
-                              paths, no_plot=False, tag="t")
+        report.run_and_report(
+            run_points,
+            write,
+            lambda doc, path: plots.append(doc),
+            lambda doc: "the markdown",
+            paths,
+            no_plot=False,
+            tag="t",
+        )
     assert exit_info.value.code == 130
     assert writes == [(["first point"], False), (["first point"], False)]
     assert plots == [dict(records=["first point"], complete=False)]
     out, err = capsys.readouterr()
     assert "the markdown" in out and f"[t] wrote {tmp_path / 'r.md'}" in out and "[t] interrupted" in err
-    assert report.run_and_report(lambda point_done: ["a", "b"], write, lambda doc, path: 1 / 0, lambda doc: "md",
-                                 paths, no_plot=False, tag="t") == dict(records=["a", "b"], complete=True)
+    assert report.run_and_report(
+        lambda point_done: ["a", "b"], write, lambda doc, path: 1 / 0, lambda doc: "md", paths, no_plot=False, tag="t"
+    ) == dict(records=["a", "b"], complete=True)
     assert "[t] plot failed: ZeroDivisionError" in capsys.readouterr().err

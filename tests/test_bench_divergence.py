@@ -9,8 +9,23 @@ import pytest
 
 from bench import divergence as bench_divergence
 
-ARGS = ["--student", "24x1000", "--teacher", "40x1000", "--tokens", "48", "--betas", "1,0.5",
-        "--precision-tokens", "32", "--reps", "1", "--no-progress", "--name", "tiny"]
+ARGS = [
+    "--student",
+    "24x1000",
+    "--teacher",
+    "40x1000",
+    "--tokens",
+    "48",
+    "--betas",
+    "1,0.5",
+    "--precision-tokens",
+    "32",
+    "--reps",
+    "1",
+    "--no-progress",
+    "--name",
+    "tiny",
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +36,11 @@ def run(tmp_path_factory):
 
 
 def _record(doc, scenario, beta, mode, impl, timed=False):
-    (r,) = [r for r in doc["results"] if (r["scenario"], r["beta"], r["mode"], r["impl"], r["timed"])
-            == (scenario, beta, mode, impl, timed)]
+    (r,) = [
+        r
+        for r in doc["results"]
+        if (r["scenario"], r["beta"], r["mode"], r["impl"], r["timed"]) == (scenario, beta, mode, impl, timed)
+    ]
     return r
 
 
@@ -38,8 +56,18 @@ def test_files_and_report(run):
     assert md.splitlines()[3].startswith("python -m bench.divergence --student 24x1000")
     assert "load average (1, 5, 15 min)" in md
     header = next(line for line in md.splitlines() if line.startswith("| batch |"))
-    for column in ("fwd+bwd ms", "fwd+bwd MiB", "fwd ms", "fwd MiB", "sweeps fwd+bwd (student / teacher)",
-                   "sweeps fwd", "max abs div err", "div err / max div", "dH rel err", "dW rel err"):
+    for column in (
+        "fwd+bwd ms",
+        "fwd+bwd MiB",
+        "fwd ms",
+        "fwd MiB",
+        "sweeps fwd+bwd (student / teacher)",
+        "sweeps fwd",
+        "max abs div err",
+        "div err / max div",
+        "dH rel err",
+        "dW rel err",
+    ):
         assert f"| {column} |" in header
     # a row per implementation that ran (eager, trl, grpo_fast) and point: precision (N 32: ordinary and confident,
     # betas 1 and 0.5), timed (N 48, ordinary, betas 1 and 0.5)
@@ -60,8 +88,11 @@ def test_statuses_and_measurements(run):
         else:  # a precision point: untimed, against the fp64 truth
             assert r["N"] == 32 and "median_ms" not in r and r["errors"]["div_rel_err"] is not None
     assert {(r["scenario"], r["mode"], r["timed"]) for r in doc["results"]} == {
-        ("ordinary", "fwdbwd", True), ("ordinary", "forward", True), ("ordinary", "fwdbwd", False),
-        ("confident", "fwdbwd", False)}
+        ("ordinary", "fwdbwd", True),
+        ("ordinary", "forward", True),
+        ("ordinary", "fwdbwd", False),
+        ("confident", "fwdbwd", False),
+    }
 
 
 def test_sweeps_counted_per_model(run):
@@ -90,8 +121,9 @@ def test_precision_numbers_are_real(run):
         # the gradients come back in bf16: its rounding, 2^-9 of the largest entry, and no more than a few of it
         assert 1e-4 < ours["grad_hidden_rel_err"] < 1e-2 and 1e-4 < ours["grad_weight_rel_err"] < 1e-2
     # confident tokens (1 - p ~ 1e-6 in both models): TRL's head and eager form 1 - p by subtraction
-    ours, trl, eager = (_record(doc, "confident", 1.0, "fwdbwd", impl)["errors"] for impl in ("grpo_fast", "trl",
-                                                                                              "eager"))
+    ours, trl, eager = (
+        _record(doc, "confident", 1.0, "fwdbwd", impl)["errors"] for impl in ("grpo_fast", "trl", "eager")
+    )
     assert ours["div_rel_err"] < 1e-4
     assert trl["div_rel_err"] > 100 * ours["div_rel_err"] and eager["div_rel_err"] > 100 * ours["div_rel_err"]
     rest = _record(doc, "confident", 1.0, "fwdbwd", "grpo_fast")["truth"]["rest_mass_median"]

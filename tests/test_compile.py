@@ -28,17 +28,31 @@ def _step_and_inputs(backend, options, device):
 
     def step(hidden, targets, mask, advantages):
         ref = grpo_fast.logprobs(hidden, ref_weight, targets, completion_mask=mask, backend=backend)
-        loss, metrics = grpo_fast.loss(hidden, weight, targets, advantages, mask, old_logprobs=ref.detach() - 0.1,
-                                       ref_logprobs=ref, backend=backend, **options)
+        loss, metrics = grpo_fast.loss(
+            hidden,
+            weight,
+            targets,
+            advantages,
+            mask,
+            old_logprobs=ref.detach() - 0.1,
+            ref_logprobs=ref,
+            backend=backend,
+            **options,
+        )
         loss.backward()
         return loss.detach(), metrics
 
     batches = []
     for B, T in SHAPES:
         mask = torch.rand(B, T, generator=g) > 0.3
-        batches.append((torch.randn(B, T, D, generator=g).to(device).requires_grad_(),
-                        torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100).to(device),
-                        mask.to(device), torch.randn(B, generator=g).to(device)))
+        batches.append(
+            (
+                torch.randn(B, T, D, generator=g).to(device).requires_grad_(),
+                torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100).to(device),
+                mask.to(device),
+                torch.randn(B, generator=g).to(device),
+            )
+        )
     return step, batches
 
 
@@ -91,8 +105,7 @@ def test_export_of_logprobs(backend, device):
     class Head(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.weight = torch.nn.Parameter((torch.randn(V, D, generator=g) * 0.3).to(dev),
-                                            requires_grad=False)
+            self.weight = torch.nn.Parameter((torch.randn(V, D, generator=g) * 0.3).to(dev), requires_grad=False)
 
         def forward(self, hidden, targets, mask):
             return grpo_fast.logprobs(hidden, self.weight, targets, completion_mask=mask, backend=backend)
@@ -103,8 +116,11 @@ def test_export_of_logprobs(backend, device):
 
     def inputs(B, T):
         mask = torch.rand(B, T, generator=g) > 0.3
-        return (torch.randn(B, T, D, generator=g).to(dev), torch.randint(0, V, (B, T), generator=g).to(dev),
-                mask.to(dev))
+        return (
+            torch.randn(B, T, D, generator=g).to(dev),
+            torch.randint(0, V, (B, T), generator=g).to(dev),
+            mask.to(dev),
+        )
 
     exported = torch.export.export(head, inputs(2, 5), dynamic_shapes=(dims, dims, dims))
     for B, T in SHAPES:

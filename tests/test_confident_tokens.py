@@ -47,9 +47,12 @@ def confident_batch(N, D, V, dtype, transform, seed=0):
     w = w / w.norm(dim=1, keepdim=True)  # rows of one norm: W_y . W_v < |W_y|^2, the gap grows with alpha
     b = 0.3 * torch.randn(V, generator=g, dtype=F64)
     y = torch.randint(0, V, (N,), generator=g)
-    direction = w[y] + 0.1 * torch.randn(N, D, generator=g, dtype=F64) / D ** 0.5
-    goal = torch.exp(torch.empty(N, dtype=F64).uniform_(torch.log(torch.tensor(1e-6)).item(),
-                                                        torch.log(torch.tensor(1e-3)).item(), generator=g))
+    direction = w[y] + 0.1 * torch.randn(N, D, generator=g, dtype=F64) / D**0.5
+    goal = torch.exp(
+        torch.empty(N, dtype=F64).uniform_(
+            torch.log(torch.tensor(1e-6)).item(), torch.log(torch.tensor(1e-3)).item(), generator=g
+        )
+    )
     # 1 - p_y falls as alpha grows; with a soft-cap, until tanh saturates (then the gaps shrink): stop before
     top = transform["softcap"] / transform.get("logit_scale", 1.0) if "softcap" in transform else 200.0
     lo, hi = torch.zeros(N, dtype=F64), torch.full((N,), top, dtype=F64)
@@ -69,16 +72,19 @@ def _gradients(h, w, b, y, transform, grad_logp, grad_entropy, backend=None, bac
     if backend is None:
         logp, entropy = reference.logprobs_and_entropy(*leaves[:2], y, leaves[2], compute_dtype=F64, **transform)
     else:
-        logp, entropy = LinearLogprobs.apply(*leaves[:2], y, leaves[2], LogitTransform(**transform), backend,
-                                             "general", backward_mode)
+        logp, entropy = LinearLogprobs.apply(
+            *leaves[:2], y, leaves[2], LogitTransform(**transform), backend, "general", backward_mode
+        )
     ((grad_logp * logp).sum() + (grad_entropy * entropy).sum()).backward()
     return (logp.detach(), entropy.detach()) + tuple(x.grad for x in leaves)
 
 
 def relative_errors(actual, expected):
     """max |actual - expected| / max |expected| for dH, dW, db."""
-    return {name: ((a.to(F64) - e).abs().max() / e.abs().max()).item()
-            for name, a, e in zip(("hidden", "weight", "bias"), actual[2:], expected[2:])}
+    return {
+        name: ((a.to(F64) - e).abs().max() / e.abs().max()).item()
+        for name, a, e in zip(("hidden", "weight", "bias"), actual[2:], expected[2:])
+    }
 
 
 CASES = [("torch", "chunked"), ("triton", "chunked"), ("triton", "fused")]
@@ -118,6 +124,8 @@ def test_an_entropy_only_loss_is_exact_too(backend, backward_mode, device):
     h, w, b, y = (x.to(dev) for x in confident_batch(N, D, V, torch.float32, kw, seed=3))
     grad_entropy = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(dev)
     zero = torch.zeros(N, device=dev)
-    errors = relative_errors(_gradients(h, w, b, y, kw, zero, grad_entropy, backend, backward_mode),
-                             _gradients(h, w, b, y, kw, zero.to(F64), grad_entropy.to(F64)))
+    errors = relative_errors(
+        _gradients(h, w, b, y, kw, zero, grad_entropy, backend, backward_mode),
+        _gradients(h, w, b, y, kw, zero.to(F64), grad_entropy.to(F64)),
+    )
     assert max(errors.values()) <= GRAD_TOL[torch.float32], errors

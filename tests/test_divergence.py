@@ -16,8 +16,9 @@ BETAS = [0.0, 1.0, 0.5, 0.1]
 TRANSFORMS = {
     "plain": dict(),
     "temperature": dict(temperature=0.7),
-    "softcap-scale": dict(temperature=1.3, student_softcap=3.0, student_logit_scale=0.8, teacher_softcap=5.0,
-                          teacher_logit_scale=1.25),
+    "softcap-scale": dict(
+        temperature=1.3, student_softcap=3.0, student_logit_scale=0.8, teacher_softcap=5.0, teacher_logit_scale=1.25
+    ),
 }
 
 
@@ -25,19 +26,22 @@ def pair_inputs(N, Ds, Dt, V, dtype=F64, bias=True, seed=0, scale=1.0):
     """(student hidden [N, Ds], weight [V, Ds], bias [V], teacher hidden [N, Dt], weight [V, Dt], bias [V])."""
     g = torch.Generator().manual_seed(seed)
     hs = torch.randn(N, Ds, generator=g, dtype=F64)
-    ws = torch.randn(V, Ds, generator=g, dtype=F64) * scale / Ds ** 0.5 * 3
+    ws = torch.randn(V, Ds, generator=g, dtype=F64) * scale / Ds**0.5 * 3
     bs = 0.5 * torch.randn(V, generator=g, dtype=F64) if bias else None
     ht = torch.randn(N, Dt, generator=g, dtype=F64)
-    wt = torch.randn(V, Dt, generator=g, dtype=F64) * scale / Dt ** 0.5 * 3
+    wt = torch.randn(V, Dt, generator=g, dtype=F64) * scale / Dt**0.5 * 3
     bt = 0.5 * torch.randn(V, generator=g, dtype=F64) if bias else None
     return tuple(x.to(dtype) if x is not None else None for x in (hs, ws, bs, ht, wt, bt))
 
 
 def _trl_kwargs(kw):
-    return dict(temperature=kw.get("temperature", 1.0), student_logit_scale=kw.get("student_logit_scale", 1.0),
-                student_final_logit_softcapping=kw.get("student_softcap"),
-                teacher_logit_scale=kw.get("teacher_logit_scale", 1.0),
-                teacher_final_logit_softcapping=kw.get("teacher_softcap"))
+    return dict(
+        temperature=kw.get("temperature", 1.0),
+        student_logit_scale=kw.get("student_logit_scale", 1.0),
+        student_final_logit_softcapping=kw.get("student_softcap"),
+        teacher_logit_scale=kw.get("teacher_logit_scale", 1.0),
+        teacher_final_logit_softcapping=kw.get("teacher_softcap"),
+    )
 
 
 def spec_grads(inputs, beta, kw, compute_dtype=F64, grad_div=None):
@@ -45,8 +49,9 @@ def spec_grads(inputs, beta, kw, compute_dtype=F64, grad_div=None):
     hs, ws, bs, ht, wt, bt = (x.detach().clone() if x is not None else None for x in inputs)
     for x in (hs, ws, bs):
         x.requires_grad_()
-    div, ent = reference.divergence_and_entropy(hs[None], ws, ht[None], wt, beta=beta, student_bias=bs,
-                                                teacher_bias=bt, compute_dtype=compute_dtype, **kw)
+    div, ent = reference.divergence_and_entropy(
+        hs[None], ws, ht[None], wt, beta=beta, student_bias=bs, teacher_bias=bt, compute_dtype=compute_dtype, **kw
+    )
     div, ent = div[0], ent[0]
     (div * (grad_div if grad_div is not None else 1.0)).sum().backward()
     return div.detach(), ent.detach(), hs.grad, ws.grad, bs.grad
@@ -61,10 +66,16 @@ def _trl_fold(inputs, beta, kw):
 
     hs, ws, bs, ht, wt, bt = inputs
     t = _trl_kwargs(kw)
-    args = dict(s_scale=t["student_logit_scale"], s_softcap=t["student_final_logit_softcapping"] or 1.0,
-                t_scale=t["teacher_logit_scale"], t_softcap=t["teacher_final_logit_softcapping"] or 1.0,
-                inv_t=1 / t["temperature"], S_HAS_SOFTCAP=t["student_final_logit_softcapping"] is not None,
-                T_HAS_SOFTCAP=t["teacher_final_logit_softcapping"] is not None, BLOCK_SIZE=1024)
+    args = dict(
+        s_scale=t["student_logit_scale"],
+        s_softcap=t["student_final_logit_softcapping"] or 1.0,
+        t_scale=t["teacher_logit_scale"],
+        t_softcap=t["teacher_final_logit_softcapping"] or 1.0,
+        inv_t=1 / t["temperature"],
+        S_HAS_SOFTCAP=t["student_final_logit_softcapping"] is not None,
+        T_HAS_SOFTCAP=t["teacher_final_logit_softcapping"] is not None,
+        BLOCK_SIZE=1024,
+    )
     N, V = hs.shape[0], ws.shape[0]
     s_tile, t_tile = hs @ ws.T + bs, ht @ wt.T + bt
     zeros = [torch.zeros(N, dtype=F64) for _ in range(9)]
@@ -83,8 +94,20 @@ def _trl_fold(inputs, beta, kw):
     else:
         div, aux = jsd, kl_student
     grad_tile = s_tile.clone()
-    cd._backward_tile(grad_tile, V, t_tile, V, s_log_z, t_log_z, aux, torch.ones(N, dtype=F64), V, beta,
-                      MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2, **args)
+    cd._backward_tile(
+        grad_tile,
+        V,
+        t_tile,
+        V,
+        s_log_z,
+        t_log_z,
+        aux,
+        torch.ones(N, dtype=F64),
+        V,
+        beta,
+        MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
+        **args,
+    )
     return div, entropy, grad_tile @ ws, grad_tile.T @ hs, grad_tile.sum(0)
 
 
@@ -113,8 +136,11 @@ def test_spec_equals_trl_head_fp32(beta):
     div.sum().backward()
     assert not ent.requires_grad
     expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw)
-    for name, a, e in zip(("divergence", "entropy", "d hidden", "d weight", "d bias"),
-                          (div, ent) + tuple(x.grad for x in leaves[:3]), expected):
+    for name, a, e in zip(
+        ("divergence", "entropy", "d hidden", "d weight", "d bias"),
+        (div, ent) + tuple(x.grad for x in leaves[:3]),
+        expected,
+    ):
         err = (a.double() - e).abs().max().item()
         assert err <= 2e-5 * e.abs().max().item() + 1e-7, f"{name}: {err:.3g}"
 
@@ -126,8 +152,9 @@ def _rest_mass(h, w, b, y, transform):
     return -torch.expm1(torch.log_softmax(z, dim=-1).gather(1, y[:, None]).squeeze(1))
 
 
-def confident_pair(N, Ds, Dt, V, kw, confident=("student", "teacher"), dtype=torch.float32, seed=0,
-                   rest_range=(1e-6, 1e-3)):
+def confident_pair(
+    N, Ds, Dt, V, kw, confident=("student", "teacher"), dtype=torch.float32, seed=0, rest_range=(1e-6, 1e-3)
+):
     """pair_inputs' six tensors where each model named in ``confident`` puts 1 - p_y log-uniformly in
     ``rest_range`` on one token y per row (the same y for both): h = alpha (W_y + noise), alpha by bisection in
     fp64. The other model, if any, stays ordinary."""
@@ -146,9 +173,10 @@ def _confident_pair(N, Ds, Dt, V, kw, confident, dtype, seed, rest_range):
         w = torch.randn(V, D, generator=g, dtype=F64)
         w = w / w.norm(dim=1, keepdim=True)
         b = 0.3 * torch.randn(V, generator=g, dtype=F64)
-        direction = w[y] + 0.1 * torch.randn(N, D, generator=g, dtype=F64) / D ** 0.5
-        transform = LogitTransform(kw.get("temperature", 1.0), kw.get(f"{model}_softcap"),
-                                   kw.get(f"{model}_logit_scale", 1.0))
+        direction = w[y] + 0.1 * torch.randn(N, D, generator=g, dtype=F64) / D**0.5
+        transform = LogitTransform(
+            kw.get("temperature", 1.0), kw.get(f"{model}_softcap"), kw.get(f"{model}_logit_scale", 1.0)
+        )
         if model in confident:
             goal = torch.exp(torch.empty(N, dtype=F64).uniform_(*map(math.log, rest_range), generator=g))
             softcap = kw.get(f"{model}_softcap")
@@ -160,7 +188,7 @@ def _confident_pair(N, Ds, Dt, V, kw, confident, dtype, seed, rest_range):
                 lo, hi = torch.where(unsure, mid, lo), torch.where(unsure, hi, mid)
             h = hi[:, None] * direction
         else:
-            h = direction * D ** 0.5 * 0.3
+            h = direction * D**0.5 * 0.3
         out += [h, w, b]
     return tuple(x.to(dtype) for x in out)
 
@@ -175,12 +203,20 @@ def ours(inputs, beta, kw, backend, requires=(0, 1, 2), mask=None, grad_div=None
     grpo_fast.divergence_and_entropy on ``backend``, rows as one sequence [1, N]."""
     import grpo_fast
 
-    leaves = [x.detach().clone().requires_grad_(i in requires) if x is not None else None
-              for i, x in enumerate(inputs)]
-    div, ent = grpo_fast.divergence_and_entropy(leaves[0][None], leaves[1], leaves[3][None], leaves[4],
-                                                mask, beta=beta, student_bias=leaves[2],
-                                                teacher_bias=leaves[5], backend=backend, head_path=head_path,
-                                                **kw)
+    leaves = [x.detach().clone().requires_grad_(i in requires) if x is not None else None for i, x in enumerate(inputs)]
+    div, ent = grpo_fast.divergence_and_entropy(
+        leaves[0][None],
+        leaves[1],
+        leaves[3][None],
+        leaves[4],
+        mask,
+        beta=beta,
+        student_bias=leaves[2],
+        teacher_bias=leaves[5],
+        backend=backend,
+        head_path=head_path,
+        **kw,
+    )
     if any(leaves[i].requires_grad for i in (0, 1, 2)):
         (div[0] * (grad_div if grad_div is not None else 1.0)).sum().backward()
     return (div[0].detach(), ent[0]) + tuple(leaves[i].grad for i in (0, 1, 2)), leaves
@@ -223,23 +259,30 @@ def on(backend, device, inputs):
     return tuple(x.to(dev) if x is not None else None for x in inputs)
 
 
-def check_against_spec(inputs, beta, kw, backend, device, dtype, mask=None, grad_div=None, div_tol=None,
-                       grad_tol=None):
+def check_against_spec(inputs, beta, kw, backend, device, dtype, mask=None, grad_div=None, div_tol=None, grad_tol=None):
     """ours (on ``backend``, inputs rounded to ``dtype``) against the fp64 spec on the same rounded inputs:
     divergence, entropy and every student gradient; the teacher gets no gradient."""
     rounded = tuple(x.to(dtype) if x is not None else None for x in inputs)
     spec_grad_div = torch.ones(rounded[0].shape[0], dtype=F64) if grad_div is None else grad_div.to(F64)
     if mask is not None:  # masked tokens: no value, no gradient
         spec_grad_div = spec_grad_div * mask.reshape(-1)
-    expected = spec_grads(tuple(x.to(F64) if x is not None else None for x in rounded), beta, kw,
-                          grad_div=spec_grad_div)
+    expected = spec_grads(
+        tuple(x.to(F64) if x is not None else None for x in rounded), beta, kw, grad_div=spec_grad_div
+    )
     if mask is not None:
         keep = mask.reshape(-1).to(F64)
         expected = (expected[0] * keep, expected[1] * keep) + expected[2:]
-    actual, leaves = ours(on(backend, device, rounded), beta, kw, backend, requires=(0, 1, 2, 3, 4, 5),
-                          mask=None if mask is None else mask.to(rounded[0].device if backend == "torch"
-                                                                 else on(backend, device, (mask,))[0].device)[None],
-                          grad_div=None if grad_div is None else on(backend, device, (grad_div,))[0])
+    actual, leaves = ours(
+        on(backend, device, rounded),
+        beta,
+        kw,
+        backend,
+        requires=(0, 1, 2, 3, 4, 5),
+        mask=None
+        if mask is None
+        else mask.to(rounded[0].device if backend == "torch" else on(backend, device, (mask,))[0].device)[None],
+        grad_div=None if grad_div is None else on(backend, device, (grad_div,))[0],
+    )
     assert all(leaves[i].grad is None for i in (3, 4, 5)), "the teacher got a gradient"
     names = ("divergence", "entropy", "d student_hidden", "d student_weight", "d student_bias")
     tols = (div_tol or DIV_TOL[dtype],) * 2 + (grad_tol or GRAD_TOL[dtype],) * 3
@@ -269,8 +312,16 @@ def test_confident_tokens(backend, beta, confident, device):
     their max against fp64 (no 1 - p formed by subtraction)."""
     kw = TRANSFORMS["softcap-scale"] if confident == "both" else TRANSFORMS["temperature"]
     models = ("student", "teacher") if confident == "both" else (confident,)
-    inputs = confident_pair(24, 32, 48, 211, dict(kw, student_softcap=None, teacher_softcap=None)
-                            if confident != "both" else dict(kw, student_softcap=30.0, teacher_softcap=30.0), models)
+    inputs = confident_pair(
+        24,
+        32,
+        48,
+        211,
+        dict(kw, student_softcap=None, teacher_softcap=None)
+        if confident != "both"
+        else dict(kw, student_softcap=30.0, teacher_softcap=30.0),
+        models,
+    )
     kw = kw if confident != "both" else dict(kw, student_softcap=30.0, teacher_softcap=30.0)
     check_against_spec(inputs, beta, kw, backend, device, torch.float32)
 
@@ -306,8 +357,13 @@ def test_realistic_gradient_scale(backend, beta, device):
     expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw, grad_div=grad_div.to(F64))
     hs, ws, bs, ht, wt, bt = on(backend, device, inputs)
     module = kdivergence if backend == "triton" else divergence_torch
-    transforms = _transforms(kw["temperature"], kw["student_softcap"], kw["teacher_softcap"],
-                             kw["student_logit_scale"], kw["teacher_logit_scale"])
+    transforms = _transforms(
+        kw["temperature"],
+        kw["student_softcap"],
+        kw["teacher_softcap"],
+        kw["student_logit_scale"],
+        kw["teacher_logit_scale"],
+    )
     saved, argmax = module.forward(hs, ws, bs, ht, wt, bt, beta, *transforms)[2:4]
     grads = [torch.zeros(x.shape, device=hs.device) for x in (hs, ws, bs)]
     module.backward(grad_div.to(hs.device), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms, *grads)
@@ -339,13 +395,24 @@ def test_unsupported_entries_give_infinite_kl(backend, device):
 
     kill = torch.zeros(37, dtype=torch.bool, device=bs.device)
     kill[3] = True
-    for beta, student_bias, teacher_bias in ((1.0, bs, bt.masked_fill(kill, -math.inf)),
-                                             (0.0, bs.masked_fill(kill, -math.inf), bt)):
-        div = grpo_fast.divergence(hs[None], ws, ht[None], wt, beta=beta, student_bias=student_bias,
-                                   teacher_bias=teacher_bias, backend=backend)
+    for beta, student_bias, teacher_bias in (
+        (1.0, bs, bt.masked_fill(kill, -math.inf)),
+        (0.0, bs.masked_fill(kill, -math.inf), bt),
+    ):
+        div = grpo_fast.divergence(
+            hs[None], ws, ht[None], wt, beta=beta, student_bias=student_bias, teacher_bias=teacher_bias, backend=backend
+        )
         assert bool((div == math.inf).all())
-    div = grpo_fast.divergence(hs[None], ws, ht[None], wt, beta=0.5, student_bias=bs,
-                               teacher_bias=bt.masked_fill(kill, -math.inf), backend=backend)
+    div = grpo_fast.divergence(
+        hs[None],
+        ws,
+        ht[None],
+        wt,
+        beta=0.5,
+        student_bias=bs,
+        teacher_bias=bt.masked_fill(kill, -math.inf),
+        backend=backend,
+    )
     assert bool(torch.isfinite(div).all())
 
 
@@ -364,9 +431,17 @@ def test_nan_in_masked_rows_changes_nothing(backend, beta, device):
 
     def run(hs, ht, mask):
         leaves = [x.detach().clone().requires_grad_() for x in (hs, ws, bs)]
-        div, ent = grpo_fast.divergence_and_entropy(leaves[0].view(2, 6, -1), leaves[1], ht.view(2, 6, -1), wt,
-                                                    mask, beta=beta, student_bias=leaves[2], teacher_bias=bt,
-                                                    backend=backend)
+        div, ent = grpo_fast.divergence_and_entropy(
+            leaves[0].view(2, 6, -1),
+            leaves[1],
+            ht.view(2, 6, -1),
+            wt,
+            mask,
+            beta=beta,
+            student_bias=leaves[2],
+            teacher_bias=bt,
+            backend=backend,
+        )
         div.sum().backward()
         return (div, ent) + tuple(x.grad for x in leaves)
 
@@ -389,8 +464,9 @@ def test_one_token_rows_and_all_masked(backend, device):
     check_against_spec(inputs, 1.0, {}, backend, device, torch.float32)
     hs, ws, bs, ht, wt, bt = on(backend, device, tuple(x.float() for x in inputs))
     hs, ws = hs.requires_grad_(), ws.requires_grad_()
-    div, ent = grpo_fast.divergence_and_entropy(hs.view(4, 1, -1), ws, ht.view(4, 1, -1), wt,
-                                                torch.zeros(4, 1, device=hs.device), beta=0.5, backend=backend)
+    div, ent = grpo_fast.divergence_and_entropy(
+        hs.view(4, 1, -1), ws, ht.view(4, 1, -1), wt, torch.zeros(4, 1, device=hs.device), beta=0.5, backend=backend
+    )
     div.sum().backward()
     assert div.shape == ent.shape == (4, 1) and not bool(div.any()) and not bool(ent.any())
     assert not bool(hs.grad.any()) and not bool(ws.grad.any())
@@ -430,9 +506,26 @@ def test_op_registration():
 
     hs, ws, bs, ht, wt, bt = (x.float() for x in pair_inputs(5, 8, 12, 31))
     for frozen in (False, True):
-        torch.library.opcheck(_forward_op, (hs.detach().requires_grad_(), ws.detach().requires_grad_(not frozen), bs,
-                                            ht, wt, bt, 0.5, 0.9, None, 2.0, 1.0, 1.0, "torch", torch.bfloat16,
-                                            frozen))
+        torch.library.opcheck(
+            _forward_op,
+            (
+                hs.detach().requires_grad_(),
+                ws.detach().requires_grad_(not frozen),
+                bs,
+                ht,
+                wt,
+                bt,
+                0.5,
+                0.9,
+                None,
+                2.0,
+                1.0,
+                1.0,
+                "torch",
+                torch.bfloat16,
+                frozen,
+            ),
+        )
 
 
 @pytest.mark.parametrize("confident", ["none", "both"])
@@ -442,15 +535,26 @@ def test_frozen_student_head(backend, beta, confident, device):
     """Only student_hidden requires a gradient (LoRA, a frozen lm_head): the forward builds d div / d h, the
     backward is dH = c J; equal to the fp64 spec (confident tokens too) and to the general path."""
     kw = TRANSFORMS["softcap-scale"]
-    inputs = (pair_inputs(21, 19, 37, 101, dtype=torch.float32) if confident == "none"
-              else confident_pair(24, 32, 48, 211, dict(kw, student_softcap=30.0, teacher_softcap=30.0)))
+    inputs = (
+        pair_inputs(21, 19, 37, 101, dtype=torch.float32)
+        if confident == "none"
+        else confident_pair(24, 32, 48, 211, dict(kw, student_softcap=30.0, teacher_softcap=30.0))
+    )
     kw = kw if confident == "none" else dict(kw, student_softcap=30.0, teacher_softcap=30.0)
     grad_div = torch.linspace(0.5, 2.0, inputs[0].shape[0])
     expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw, grad_div=grad_div.to(F64))
-    frozen, _ = ours(on(backend, device, inputs), beta, kw, backend, requires=(0,),
-                     grad_div=on(backend, device, (grad_div,))[0])
-    general, _ = ours(on(backend, device, inputs), beta, kw, backend, requires=(0,), head_path="general",
-                      grad_div=on(backend, device, (grad_div,))[0])
+    frozen, _ = ours(
+        on(backend, device, inputs), beta, kw, backend, requires=(0,), grad_div=on(backend, device, (grad_div,))[0]
+    )
+    general, _ = ours(
+        on(backend, device, inputs),
+        beta,
+        kw,
+        backend,
+        requires=(0,),
+        head_path="general",
+        grad_div=on(backend, device, (grad_div,))[0],
+    )
     for name, a, e in zip(("divergence", "entropy", "d hidden"), frozen[:3], expected[:3]):
         err = ((a.cpu().double() - e).abs().max() / e.abs().max()).item()
         assert err <= 2e-5, f"{name}: {err:.3g}"
@@ -476,12 +580,20 @@ def test_student_gemm_dtype_rounds_only_the_gemm_operands(backend, beta, head_pa
     leaves = [x.detach().clone().requires_grad_(i in requires) for i, x in enumerate(inputs)]
     div, ent = grpo_fast.divergence_and_entropy(leaves[0][None], leaves[1], leaves[3][None], leaves[4], beta=beta,
                                                 student_bias=leaves[2], teacher_bias=leaves[5], backend=backend,
-                                                student_gemm_dtype=torch.bfloat16, **kw)
+                                                student_gemm_dtype=torch.bfloat16, **kw)  # fmt: skip
     div[0].sum().backward()
     rounded_leaves = [x.detach().clone().requires_grad_(i in requires) for i, x in enumerate(rounded)]  # one path
     reference_div, reference_ent = grpo_fast.divergence_and_entropy(
-        rounded_leaves[0][None], rounded_leaves[1], rounded_leaves[3][None], rounded_leaves[4], beta=beta,
-        student_bias=rounded_leaves[2], teacher_bias=rounded_leaves[5], backend=backend, **kw)
+        rounded_leaves[0][None],
+        rounded_leaves[1],
+        rounded_leaves[3][None],
+        rounded_leaves[4],
+        beta=beta,
+        student_bias=rounded_leaves[2],
+        teacher_bias=rounded_leaves[5],
+        backend=backend,
+        **kw,
+    )
     assert torch.equal(div, reference_div) and torch.equal(ent, reference_ent)
     expected = spec_grads(tuple(x.cpu().to(F64) for x in rounded), beta, kw)[2:]  # the spec on CPU
     tol = 1e-2 if backend == "triton" and head_path == "general" else 2e-5
@@ -512,7 +624,7 @@ def test_vocabulary_sweep_flops(beta):
     def trainable():  # the op's forward and backward (custom ops hide their insides from FlopCounterMode)
         _, _, saved, argmax, _ = divergence_torch.forward(hs, ws, bs, ht, wt, bt, beta, *transforms)
         divergence_torch.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
-                                  torch.zeros(N, Ds), torch.zeros(V, Ds), torch.zeros(V))
+                                  torch.zeros(N, Ds), torch.zeros(V, Ds), torch.zeros(V))  # fmt: skip
 
     def frozen():  # the backward is then dH = c J: no matmul
         divergence_torch.forward(hs, ws, bs, ht, wt, bt, beta, *transforms, frozen_head=True)

@@ -23,10 +23,13 @@ def _pair(B=3, T=9, seed=0, device="cpu"):
     mask[-1] = False  # a sequence without tokens
     student_hidden = torch.randn(B, T, DS, generator=g)
     student_hidden[~mask] = float("nan")  # never read: the masked rows are not computed
-    return dict(student_hidden=student_hidden.to(device).requires_grad_(),
-                student_weight=(torch.randn(V, DS, generator=g) * 0.3).to(device).requires_grad_(),
-                teacher_hidden=torch.randn(B, T, DT, generator=g).to(device),
-                teacher_weight=(torch.randn(V, DT, generator=g) * 0.3).to(device), completion_mask=mask.to(device))
+    return dict(
+        student_hidden=student_hidden.to(device).requires_grad_(),
+        student_weight=(torch.randn(V, DS, generator=g) * 0.3).to(device).requires_grad_(),
+        teacher_hidden=torch.randn(B, T, DT, generator=g).to(device),
+        teacher_weight=(torch.randn(V, DT, generator=g) * 0.3).to(device),
+        completion_mask=mask.to(device),
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -95,8 +98,16 @@ def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend, device)
     teacher_weight = (torch.randn(V, DT, generator=g) * 0.3).to(dev)
 
     def step(student_hidden, teacher_hidden, mask):
-        div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=0.5,
-                                   temperature=0.9, backend=backend)
+        div = grpo_fast.divergence(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            beta=0.5,
+            temperature=0.9,
+            backend=backend,
+        )
         loss = div.sum() / mask.sum()
         loss.backward()
         return loss.detach()
@@ -107,8 +118,11 @@ def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend, device)
         compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
         for B, T in [(2, 5), (3, 7), (4, 6)]:
             mask = torch.rand(B, T, generator=g) > 0.3
-            inputs = (torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
-                      torch.randn(B, T, DT, generator=g).to(dev), mask.to(dev))
+            inputs = (
+                torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
+                torch.randn(B, T, DT, generator=g).to(dev),
+                mask.to(dev),
+            )
             results = []
             for fn in (step, compiled):
                 inputs[0].grad = student_weight.grad = None

@@ -28,8 +28,9 @@ SPEC_ATOL = 2e-5  # against the fp64 spec: the unsharded head's bar (tests/test_
 CONFIDENT_RTOL = 2e-5  # confident tokens against their own size: as exact as fp32 logits allow (carried 1 - p)
 TIMEOUT_S = 240
 B, T, Ds, Dt = 2, 6, 12, 16
-TRANSFORM = dict(temperature=0.8, student_softcap=30.0, teacher_softcap=30.0, student_logit_scale=1.1,
-                 teacher_logit_scale=0.9)
+TRANSFORM = dict(
+    temperature=0.8, student_softcap=30.0, teacher_softcap=30.0, student_logit_scale=1.1, teacher_logit_scale=0.9
+)
 BETAS = (0.0, 0.5, 1.0)
 
 
@@ -64,14 +65,17 @@ def call(data, rows, beta, frozen=False, backend="torch", **head):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         mesh = head.pop("dtensor_mesh")
-        w, b = (torch.nn.Parameter(distribute_tensor(x.detach(), mesh, [Shard(0)]), requires_grad=not frozen)
-                for x in (ws, bs))
+        w, b = (
+            torch.nn.Parameter(distribute_tensor(x.detach(), mesh, [Shard(0)]), requires_grad=not frozen)
+            for x in (ws, bs)
+        )
         wt, bt = (distribute_tensor(x, mesh, [Shard(0)]) for x in (wt, bt))
     else:
         wt, bt = wt[rows], bt[rows]
     with CollectiveBytes() as forward_bytes:
-        div, entropy = grpo_fast.divergence_and_entropy(h, w, ht, wt, mask, beta=beta, student_bias=b,
-                                                        teacher_bias=bt, backend=backend, **TRANSFORM, **head)
+        div, entropy = grpo_fast.divergence_and_entropy(
+            h, w, ht, wt, mask, beta=beta, student_bias=b, teacher_bias=bt, backend=backend, **TRANSFORM, **head
+        )
     coef = torch.randn(B, T, generator=torch.Generator().manual_seed(5))
     with CollectiveBytes() as backward_bytes:
         (div * coef).sum().backward()
@@ -88,8 +92,9 @@ def spec(data, beta):
 
     hs, ws, bs, ht, wt, bt, mask = (x.double() if x.is_floating_point() else x for x in data)
     h, w, b = (x.clone().requires_grad_() for x in (hs, ws, bs))
-    div, entropy = reference.divergence_and_entropy(h, w, ht, wt, mask, beta=beta, student_bias=b, teacher_bias=bt,
-                                                    compute_dtype=torch.float64, **TRANSFORM)
+    div, entropy = reference.divergence_and_entropy(
+        h, w, ht, wt, mask, beta=beta, student_bias=b, teacher_bias=bt, compute_dtype=torch.float64, **TRANSFORM
+    )
     div, entropy = torch.where(mask, div, 0.0), torch.where(mask, entropy, 0.0)
     coef = torch.randn(B, T, generator=torch.Generator().manual_seed(5)).double()
     (div * coef).sum().backward()
@@ -118,9 +123,17 @@ def compare(rank, world, V, beta, frozen, layout, backend):
     expected = (truth[0], truth[1], truth[2], None if frozen else truth[3][rows], None if frozen else truth[4][rows])
     names = ("div", "entropy", "dH", "dW", "db")
     errors = {name: max_error(a, e) for name, a, e in zip(names, ours, expected, strict=True)}
-    errors.update({f"spec/{name}": max_error(a, e if a is not None else None)
-                   for name, a, e in zip(("div", "entropy", "dH", "dW", "db"), ours,
-                                         (*truth64[:3], truth64[3][rows], truth64[4][rows]), strict=True)})
+    errors.update(
+        {
+            f"spec/{name}": max_error(a, e if a is not None else None)
+            for name, a, e in zip(
+                ("div", "entropy", "dH", "dW", "db"),
+                ours,
+                (*truth64[:3], truth64[3][rows], truth64[4][rows]),
+                strict=True,
+            )
+        }
+    )
     # the confident tokens against their own size (their divergence and dH are ~1e-6 of the ordinary tokens')
     confident = slice(B * T // 2, None)
     for name, k in (("div_confident", 0), ("dH_confident", 2)):
@@ -145,8 +158,9 @@ def check(tmp_path, world, cases, vocab_sizes):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for (V, beta, frozen, layout, backend), (errors, sent) in results.items():
             where = f"rank {rank}/{world}, V {V}, beta {beta}, frozen {frozen}, {layout}, {backend}"
-            assert max(v for k, v in errors.items() if "/" not in k and "confident" not in k) < RTOL, \
+            assert max(v for k, v in errors.items() if "/" not in k and "confident" not in k) < RTOL, (
                 f"{where}: {errors}"
+            )
             assert max(v for k, v in errors.items() if k.startswith("spec/")) < SPEC_ATOL, f"{where}: {errors}"
             assert max(v for k, v in errors.items() if "confident" in k) < CONFIDENT_RTOL, f"{where}: {errors}"
             forward_bytes = 64 * N + (8 * N if 0.0 < beta < 1.0 else 0)
@@ -158,8 +172,10 @@ def check(tmp_path, world, cases, vocab_sizes):
 def test_two_ranks(tmp_path):
     """The fast case: 2 ranks, plain shards, the three betas and the frozen head on the torch backend, the JSD on the
     Triton kernels."""
-    cases = [(beta, False, "shard", "torch") for beta in BETAS] + [(0.0, True, "shard", "torch"),
-                                                                   (0.5, False, "shard", "triton")]
+    cases = [(beta, False, "shard", "torch") for beta in BETAS] + [
+        (0.0, True, "shard", "torch"),
+        (0.5, False, "shard", "triton"),
+    ]
     check(tmp_path, 2, cases, (37,))
 
 
@@ -168,8 +184,9 @@ def test_two_ranks(tmp_path):
 def test_every_case(tmp_path, world):
     """Plain shards (an empty one on 4 ranks) and DTensors, every beta, trainable and frozen heads, two vocabulary
     sizes (the bytes are the same), the torch backend."""
-    cases = [(beta, frozen, layout, "torch") for beta in BETAS for frozen in (False, True)
-             for layout in ("shard", "dtensor")]
+    cases = [
+        (beta, frozen, layout, "torch") for beta in BETAS for frozen in (False, True) for layout in ("shard", "dtensor")
+    ]
     check(tmp_path, world, cases, (37, 301))
 
 
@@ -195,18 +212,33 @@ def test_wrong_combinations_are_named_errors(one_rank_mesh):  # noqa: F811 (the 
     hs, ws, bs, ht, wt, bt, mask = inputs(37)
     shard = grpo_fast.VocabShard(None, 0, 37)
     cases = [
-        ("one of student_weight and teacher_weight is a DTensor",
-         dict(student_weight=distribute_tensor(ws, one_rank_mesh, [Shard(0)]))),
-        ("both heads must be split by the same vocabulary ranges",
-         dict(teacher_weight=wt[:20], teacher_bias=bt[:20], vocab_parallel=shard)),
+        (
+            "one of student_weight and teacher_weight is a DTensor",
+            dict(student_weight=distribute_tensor(ws, one_rank_mesh, [Shard(0)])),
+        ),
+        (
+            "both heads must be split by the same vocabulary ranges",
+            dict(teacher_weight=wt[:20], teacher_bias=bt[:20], vocab_parallel=shard),
+        ),
     ]
     for message, override in cases:
-        kwargs = {**dict(student_hidden=hs, student_weight=ws, teacher_hidden=ht, teacher_weight=wt,
-                         student_bias=bs, teacher_bias=bt, completion_mask=mask), **override}
+        kwargs = {
+            **dict(
+                student_hidden=hs,
+                student_weight=ws,
+                teacher_hidden=ht,
+                teacher_weight=wt,
+                student_bias=bs,
+                teacher_bias=bt,
+                completion_mask=mask,
+            ),
+            **override,
+        }
         with pytest.raises(ValueError, match=message):
             grpo_fast.divergence(**kwargs)
     for backend in ("torch", "triton"):
         alone = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend=backend)
-        sharded = grpo_fast.divergence(hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend=backend,
-                                       vocab_parallel=shard)
+        sharded = grpo_fast.divergence(
+            hs, ws, ht, wt, mask, student_bias=bs, teacher_bias=bt, backend=backend, vocab_parallel=shard
+        )
         assert max_error(sharded, alone) < RTOL, backend

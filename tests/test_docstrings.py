@@ -27,8 +27,14 @@ IMPLICIT = {"self", "cls"}
 
 
 def _load():
-    return griffe.load("grpo_fast", search_paths=[str(ROOT)], allow_inspection=False, docstring_parser="google",
-                       resolve_aliases=True, resolve_external=False)
+    return griffe.load(
+        "grpo_fast",
+        search_paths=[str(ROOT)],
+        allow_inspection=False,
+        docstring_parser="google",
+        resolve_aliases=True,
+        resolve_external=False,
+    )
 
 
 def _resolved(obj):
@@ -92,8 +98,11 @@ def _returns_value(obj):
                 continue
             if isinstance(child, ast.YieldFrom) or (isinstance(child, ast.Yield) and child.value is not None):
                 return True
-            if isinstance(child, ast.Return) and child.value is not None and not (
-                    isinstance(child.value, ast.Constant) and child.value.value is None):
+            if (
+                isinstance(child, ast.Return)
+                and child.value is not None
+                and not (isinstance(child.value, ast.Constant) and child.value.value is None)
+            ):
                 return True
             if walk(child):
                 return True
@@ -104,10 +113,12 @@ def _returns_value(obj):
 
 def _is_abstract(obj):
     """The body only raises NotImplementedError (a base method subclasses override): its Returns describes theirs."""
-    body = [node for node in ast.parse(textwrap.dedent(obj.source)).body[0].body
-            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
-    return (len(body) == 1 and isinstance(body[0], ast.Raise)
-            and "NotImplementedError" in ast.unparse(body[0].exc))
+    body = [
+        node
+        for node in ast.parse(textwrap.dedent(obj.source)).body[0].body
+        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+    ]
+    return len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0].exc)
 
 
 def _documented_base_method(obj):
@@ -116,17 +127,26 @@ def _documented_base_method(obj):
         return None
     for base in obj.parent.resolved_bases:
         method = base.members.get(obj.name)
-        if method is not None and method.docstring is not None and (
-                "Args:" in method.docstring.value or "Returns:" in method.docstring.value):
+        if (
+            method is not None
+            and method.docstring is not None
+            and ("Args:" in method.docstring.value or "Returns:" in method.docstring.value)
+        ):
             return method
     return None
 
 
 def test_the_reference_renders_the_public_api():
     paths = {path for path, _ in RENDERED}
-    for path in ("grpo_fast.api.loss", "grpo_fast.api.token_loss", "grpo_fast.options.LossOptions",
-                 "grpo_fast.divergence_head.divergence_and_entropy", "grpo_fast.trl.add_fused_lm_head",
-                 "grpo_fast.verl.forward", "grpo_fast.memory.estimate"):
+    for path in (
+        "grpo_fast.api.loss",
+        "grpo_fast.api.token_loss",
+        "grpo_fast.options.LossOptions",
+        "grpo_fast.divergence_head.divergence_and_entropy",
+        "grpo_fast.trl.add_fused_lm_head",
+        "grpo_fast.verl.forward",
+        "grpo_fast.memory.estimate",
+    ):
         assert path in paths
 
 
@@ -150,16 +170,19 @@ def test_docstring_documents_the_signature(path, caplog):
         expected = _parameters(obj)
         assert sorted(set(documented) & set(expected)) == sorted(expected), (
             f"{path}: constructor parameters not documented (Args or Attributes): "
-            f"{sorted(set(expected) - set(documented))}")
+            f"{sorted(set(expected) - set(documented))}"
+        )
         return
     expected = _parameters(obj)
     assert sorted(args) == sorted(expected), (
         f"{path}: Args must name exactly the signature's parameters; missing {sorted(set(expected) - set(args))}, "
-        f"stale {sorted(set(args) - set(expected))}")
+        f"stale {sorted(set(args) - set(expected))}"
+    )
     if "property" in obj.labels or _is_abstract(obj):
         return
-    has_returns = any(s.kind in (griffe.DocstringSectionKind.returns, griffe.DocstringSectionKind.yields)
-                      for s in sections)
+    has_returns = any(
+        s.kind in (griffe.DocstringSectionKind.returns, griffe.DocstringSectionKind.yields) for s in sections
+    )
     if _returns_value(obj):
         assert has_returns, f"{path} returns a value: its docstring needs a Returns section"
     else:

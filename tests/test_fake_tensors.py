@@ -28,10 +28,11 @@ def _check_all(inputs, backend, weight_grad):
     assert logp.shape == (B, T) and logp.dtype == torch.float32
     lp, ent = grpo_fast.logprobs_and_entropy(hidden, weight, targets, completion_mask=mask, backend=backend)
     assert lp.shape == ent.shape == (B, T) and lp.dtype == ent.dtype == torch.float32
-    for options in (dict(beta=0.04, ref_logprobs=old), dict(loss_type="grpo", top_entropy_quantile=0.5,
-                                                             entropy_coef=0.01)):
-        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, old_logprobs=old, backend=backend,
-                                       **options)
+    for options in (
+        dict(beta=0.04, ref_logprobs=old),
+        dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
+    ):
+        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, old_logprobs=old, backend=backend, **options)
         assert loss.shape == () and loss.dtype == torch.float32
         assert all(m.shape == () for m in metrics.values())
         grads = torch.autograd.grad(loss, [hidden, weight] if weight_grad else [hidden])
@@ -62,8 +63,22 @@ def test_fake_outputs_have_the_real_sizes():
 
     hidden, weight, targets, *_ = _inputs(torch.float32)
     for frozen in (False, True):
-        args = (hidden.detach().reshape(-1, D), weight.detach(), targets.reshape(-1), None, None, None, 1.0, None,
-                1.0, True, frozen, "triton", "chunked", None)
+        args = (
+            hidden.detach().reshape(-1, D),
+            weight.detach(),
+            targets.reshape(-1),
+            None,
+            None,
+            None,
+            1.0,
+            None,
+            1.0,
+            True,
+            frozen,
+            "triton",
+            "chunked",
+            None,
+        )
         real = ops._linear_logprobs(*args)
         with FakeTensorMode() as mode:
             fake = ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
@@ -100,9 +115,26 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
     assert records in mode.sizes
     mode = Allocations()
     with mode:
-        ops.linear_logprobs_backward(hidden, weight, targets, None, None, None, lse, mass, mean, mmt,
-                                     torch.randn(N), None, 1.0, None, 1.0, [True, False, False, False, False],
-                                     "triton", "chunked")
+        ops.linear_logprobs_backward(
+            hidden,
+            weight,
+            targets,
+            None,
+            None,
+            None,
+            lse,
+            mass,
+            mean,
+            mmt,
+            torch.randn(N),
+            None,
+            1.0,
+            None,
+            1.0,
+            [True, False, False, False, False],
+            "triton",
+            "chunked",
+        )
     g_bytes = ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
     assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes
 
@@ -146,13 +178,25 @@ def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
     old, ref, sampler = (logp + 0.1 * torch.randn(B, T, generator=g) for _ in range(3))
     iw, entropy = 0.5 + torch.rand(B, T, generator=g), 4 * torch.rand(B, T, generator=g)
     bound = ops.workspace_bytes("token_loss", None, None, torch.float32, backend="torch", batch_shape=(B, T))
-    for level, advantages in ((lv, a) for lv in ("token", "sequence")
-                              for a in (torch.randn(B, generator=g), torch.randn(B, T, generator=g))):
+    for level, advantages in (
+        (lv, a) for lv in ("token", "sequence") for a in (torch.randn(B, generator=g), torch.randn(B, T, generator=g))
+    ):
         options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.2,
-                                        off_policy_mask_threshold=0.1, top_entropy_quantile=0.5, entropy_coef=0.01)
+                                        off_policy_mask_threshold=0.1, top_entropy_quantile=0.5,
+                                        entropy_coef=0.01)  # fmt: skip
         mode = LiveBytes()
         with mode:
-            grad_logp, _, _ = autograd.TORCH.token_loss(logp, advantages, mask, old, ref, sampler, iw, entropy,
-                                                        options, scale=torch.tensor(0.01),
-                                                        entropy_threshold=torch.tensor(2.0))
+            grad_logp, _, _ = autograd.TORCH.token_loss(
+                logp,
+                advantages,
+                mask,
+                old,
+                ref,
+                sampler,
+                iw,
+                entropy,
+                options,
+                scale=torch.tensor(0.01),
+                entropy_threshold=torch.tensor(2.0),
+            )
         assert 0 < mode.peak - grad_logp.numel() * 4 <= bound, (level, advantages.shape)

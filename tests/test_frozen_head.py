@@ -61,8 +61,9 @@ def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
         return torch_backend.forward_frozen_head(h, w, y, b, t, True)[:4]
     chunks = dict(token_chunk=16, vocab_chunk=64) if small_chunks else {}
     gemm_dtype = torch.bfloat16 if path == "triton-bf16-gemm" else None
-    return kfrozen.forward_frozen_head(h, w, y, b, t, True, kconfig.frozen_head_config(h.device), gemm_dtype=gemm_dtype,
-                                  **chunks)[:4]
+    return kfrozen.forward_frozen_head(
+        h, w, y, b, t, True, kconfig.frozen_head_config(h.device), gemm_dtype=gemm_dtype, **chunks
+    )[:4]
 
 
 def _todays_forward(path, h, w, b, y, transform):
@@ -81,16 +82,16 @@ def _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=True, **transfo
     torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
     today = _todays_forward(path, h, w, b, y, transform)
-    for name, a, t in zip(("logp", "entropy") + stats._fields, (logp, ent) + tuple(stats),
-                          today[:2] + tuple(today[2])):
+    for name, a, t in zip(("logp", "entropy") + stats._fields, (logp, ent) + tuple(stats), today[:2] + tuple(today[2])):
         if path == "torch":  # the same operations in the same order
             assert torch.equal(a, t), name
         else:  # u from one GEMM instead of the forward kernel's tiles: fp32 rounding of another summation order
             torch.testing.assert_close(a, t, rtol=1e-6, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     grad_hidden = (c[:, None] * jac).to(dtype)  # the backward: dH = c J
     # P' rounded to bf16 for the GEMM, as backward.py rounds g: asked for, or a GPU's bf16 inputs
-    rounded = path == "triton-bf16-gemm" or (path == "triton" and dtype != torch.float32
-                                             and not kconfig.frozen_head_config(h.device).gemm_fp32)
+    rounded = path == "triton-bf16-gemm" or (
+        path == "triton" and dtype != torch.float32 and not kconfig.frozen_head_config(h.device).gemm_fp32
+    )
     if rounded:
         err = (jac.double() - ref_jac).abs().max().item()
         assert err <= grad_rtol(h.device, torch.bfloat16) * ref_jac.abs().max().item(), err
@@ -114,8 +115,12 @@ TRANSFORMS = {
 
 
 # the bf16 GEMM rounding is for bf16 inputs
-PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{str(d).split('.')[-1]}") for p in PATHS
-               for d in (torch.float32, torch.bfloat16) if not (p == "triton-bf16-gemm" and d == torch.float32)]
+PATH_DTYPES = [
+    pytest.param(p, d, id=f"{p}-{str(d).split('.')[-1]}")
+    for p in PATHS
+    for d in (torch.float32, torch.bfloat16)
+    if not (p == "triton-bf16-gemm" and d == torch.float32)
+]
 
 
 @pytest.mark.parametrize("path, dtype", PATH_DTYPES)
@@ -123,8 +128,9 @@ PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{str(d).split('.')[-1]}") for p in PA
 def test_transforms_with_and_without_bias(path, dtype, transform, monkeypatch, device):
     # N 37, D 29, V 203: no block multiple, V not a power of two; 3 token chunks x 4 vocabulary chunks
     scale, kw = TRANSFORMS[transform]
-    h, w, b, y, c = _inputs(37, 29, 203, dtype, scale=scale, bias=transform != "none",
-                            device=backend_device(path, device))
+    h, w, b, y, c = _inputs(
+        37, 29, 203, dtype, scale=scale, bias=transform != "none", device=backend_device(path, device)
+    )
     _check(path, dtype, h, w, b, y, c, monkeypatch, **kw)
 
 
@@ -133,11 +139,13 @@ def test_the_gpu_tile_past_a_vocabulary_chunk_with_targets_in_later_chunks(vocab
     # the compiled kernel's tile (2 rows x 512 columns) is wider than these chunks: a tile reaches past the chunk's
     # last column, where a target held by a later chunk must not match a masked (-inf) column (found on an H200:
     # logp -inf; the interpreter's 32-column tiles divide 64 and never reach past a chunk)
-    config = dataclasses.replace(kconfig.gpu_frozen_head_config(),
-                                 gemm_fp32=kconfig.frozen_head_config(device).gemm_fp32)
+    config = dataclasses.replace(
+        kconfig.gpu_frozen_head_config(), gemm_fp32=kconfig.frozen_head_config(device).gemm_fp32
+    )
     h, w, b, y, c = _inputs(37, 29, 203, torch.float32, device=device)
-    logp, ent, _, jac = kfrozen.forward_frozen_head(h, w, y, b, kconfig.LogitTransform(), True, config,
-                                                    token_chunk=16, vocab_chunk=vocab_chunk)[:4]
+    logp, ent, _, jac = kfrozen.forward_frozen_head(
+        h, w, y, b, kconfig.LogitTransform(), True, config, token_chunk=16, vocab_chunk=vocab_chunk
+    )[:4]
     ref_logp, ref_ent, ref_jac, _ = _truth(h, w, b, y, c)
     torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
@@ -266,8 +274,11 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     N, D, V = 32, 32, 512
     h, w, b, y, _ = _inputs(N, D, V, torch.float32)
     cfg = kconfig.frozen_head_config(h.device)
-    flops = matmul_flops(lambda: kfrozen.forward_frozen_head(h, w, y, b, kconfig.LogitTransform(), True, cfg,
-                                                               token_chunk=16, vocab_chunk=128))
+    flops = matmul_flops(
+        lambda: kfrozen.forward_frozen_head(
+            h, w, y, b, kconfig.LogitTransform(), True, cfg, token_chunk=16, vocab_chunk=128
+        )
+    )
     assert flops == 2 * (2 * N * D * V)
 
 
@@ -279,11 +290,12 @@ def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3, device="cpu"
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[1, 1:] = False  # a one-token completion
     mask[1, 0] = True
-    mask[2] = False      # a fully masked row
+    mask[2] = False  # a fully masked row
     adv = torch.randn(B, generator=g)
     logp = reference.logprobs(hidden, weight, targets)
     batch = dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv,
-                 old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T, generator=g))
+                 old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T,
+                 generator=g))  # fmt: skip
     return {name: x.to(device) for name, x in batch.items()}
 
 
@@ -299,17 +311,22 @@ def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
     hidden = x["hidden"].clone().requires_grad_()
     weight = x["weight"].clone().requires_grad_(weight_requires_grad)
     loss, metrics = grpo_fast.loss(hidden, weight, x["targets"], x["adv"], x["mask"], old_logprobs=x["old"],
-                                   ref_logprobs=x["ref"], beta=0.04, backend=backend, **kw)
+                                   ref_logprobs=x["ref"], beta=0.04, backend=backend, **kw)  # fmt: skip
     loss.backward()
     return loss, metrics, hidden.grad
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("loss_kw", [dict(loss_type="dapo"),
-                                     dict(loss_type="grpo", importance_sampling_level="sequence"),
-                                     dict(loss_type="cispo", softcap=4.0, temperature=0.7),
-                                     dict(loss_type="dapo", entropy_coef=0.01)])
+@pytest.mark.parametrize(
+    "loss_kw",
+    [
+        dict(loss_type="dapo"),
+        dict(loss_type="grpo", importance_sampling_level="sequence"),
+        dict(loss_type="cispo", softcap=4.0, temperature=0.7),
+        dict(loss_type="dapo", entropy_coef=0.01),
+    ],
+)
 def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(backend, dtype, loss_kw, device):
     """grpo_fast.loss with a frozen weight (the frozen-head path; with an entropy bonus, the general path) gives the
     loss, metrics and dH of the same call with a trainable weight (the recompute path) and of the fp64 spec."""
@@ -321,8 +338,18 @@ def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(b
         torch.testing.assert_close(frozen_metrics[name], metrics[name], rtol=1e-6, atol=1e-7, equal_nan=True)
     assert_grad_close(frozen_dh, dh.float().to(dtype), dtype, "frozen vs recompute")
     hidden = x["hidden"].to(F64).requires_grad_()
-    ref_loss, _ = reference.loss(hidden, x["weight"].to(F64), x["targets"], x["adv"], x["mask"],
-                                 old_logprobs=x["old"], ref_logprobs=x["ref"], beta=0.04, compute_dtype=F64, **loss_kw)
+    ref_loss, _ = reference.loss(
+        hidden,
+        x["weight"].to(F64),
+        x["targets"],
+        x["adv"],
+        x["mask"],
+        old_logprobs=x["old"],
+        ref_logprobs=x["ref"],
+        beta=0.04,
+        compute_dtype=F64,
+        **loss_kw,
+    )
     ref_loss.backward()
     assert_grad_close(frozen_dh, hidden.grad.float(), dtype, "frozen vs fp64 spec")
 

@@ -20,8 +20,13 @@ def _fresh_probe():
 
 def _chunk_products(device, dtype, V=203, D=37, chunk=19, n_chunks=6, seed=3):
     g = torch.Generator(device=device).manual_seed(seed)
-    return [(torch.randn(chunk, V, device=device, generator=g).to(dtype),
-             torch.randn(chunk, D, device=device, generator=g).to(dtype)) for _ in range(n_chunks)]
+    return [
+        (
+            torch.randn(chunk, V, device=device, generator=g).to(dtype),
+            torch.randn(chunk, D, device=device, generator=g).to(dtype),
+        )
+        for _ in range(n_chunks)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -74,8 +79,11 @@ def test_the_accumulating_form_follows_the_probe(cublas_stand_in, accumulates, m
     start = torch.randn(13, 5, generator=g)
     out = start.clone()
     gemm.mm_fp32(a, b, out, accumulate=True, slab=5)
-    expected = ([("addmm", torch.float32, 13)] if accumulates else
-                [("mm", torch.float32, 5), ("mm", torch.float32, 5), ("mm", torch.float32, 3)])
+    expected = (
+        [("addmm", torch.float32, 13)]
+        if accumulates
+        else [("mm", torch.float32, 5), ("mm", torch.float32, 5), ("mm", torch.float32, 3)]
+    )
     assert cublas_stand_in == expected
     exact = start.double() + a.double() @ b.double()
     torch.testing.assert_close(out.double(), exact, rtol=2e-7, atol=2e-6)
@@ -107,8 +115,13 @@ def test_the_probe_says_no_when_torch_rejects_an_fp32_self_or_adds_wrong(monkeyp
 def test_the_probe_runs_once_per_device_and_dtype(monkeypatch):
     calls = []
     real_addmm = torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda self, a, b, out_dtype=None, out=None:
-                        calls.append(a.dtype) or real_addmm(self, a.float(), b.float(), out=out))
+    monkeypatch.setattr(
+        torch,
+        "addmm",
+        lambda self, a, b, out_dtype=None, out=None: (
+            calls.append(a.dtype) or real_addmm(self, a.float(), b.float(), out=out)
+        ),
+    )
     for dtype in (torch.bfloat16, torch.bfloat16, torch.float16, torch.bfloat16):
         assert gemm.addmm_out_dtype_accumulates(torch.device("cpu"), dtype)
     assert calls == [torch.bfloat16, torch.float16]

@@ -48,14 +48,16 @@ def test_loss_on_gpu_matches_reference(dtype, loss_type, level):
     ref = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
     _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
                             beta=0.04, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
-                            temperature=0.9, max_completion_length=T)
+                            temperature=0.9, max_completion_length=T)  # fmt: skip
 
 
 def _loss_matches_reference(dtype, hidden, weight, bias, targets, advantages, mask, **kw):
     """grpo_fast.loss against the fp64 reference: loss and metrics to 1e-4, gradients within GPU_TOL."""
     outs = []
-    for fn, inputs in ((reference.loss, (hidden.float(), weight.float(), bias.float())),
-                       (grpo_fast.loss, (hidden, weight, bias))):
+    for fn, inputs in (
+        (reference.loss, (hidden.float(), weight.float(), bias.float())),
+        (grpo_fast.loss, (hidden, weight, bias)),
+    ):
         leaves = [x.detach().clone().requires_grad_() for x in inputs]
         extra = dict(compute_dtype=torch.float64) if fn is reference.loss else {}
         loss, metrics = fn(leaves[0], leaves[1], targets, advantages, mask, bias=leaves[2], **kw, **extra)
@@ -76,14 +78,17 @@ def test_logprobs_on_gpu_few_tokens_large_vocab():
     weight = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16) * 0.02
     targets = torch.randint(0, 151936, (1, 3), device="cuda")
     lp = grpo_fast.logprobs(hidden, weight, targets)
-    torch.testing.assert_close(lp, reference.logprobs(hidden, weight, targets, compute_dtype=torch.float64),
-                               rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        lp, reference.logprobs(hidden, weight, targets, compute_dtype=torch.float64), rtol=1e-4, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backward_mode", ["chunked", "fused"])
-@pytest.mark.parametrize("transform", [dict(), dict(softcap=30.0), dict(softcap=2.0, logit_scale=1.7, temperature=0.7),
-                                       dict(logit_scale=0.0625)])
+@pytest.mark.parametrize(
+    "transform",
+    [dict(), dict(softcap=30.0), dict(softcap=2.0, logit_scale=1.7, temperature=0.7), dict(logit_scale=0.0625)],
+)
 def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform):
     # a loss on both outputs: the entropy-gradient and soft-cap variants of both backward kernels, compiled
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -95,15 +100,24 @@ def test_logprobs_and_entropy_gradients_on_gpu(dtype, backward_mode, transform):
     mask = torch.rand(B, T, device="cuda", generator=g) > 0.2
     c_logp, c_ent = torch.randn(B, T, device="cuda", generator=g), torch.randn(B, T, device="cuda", generator=g)
     outs = []
-    for fn, inputs in ((reference.logprobs_and_entropy, (hidden.double(), weight.double(), bias.double())),
-                       (grpo_fast.logprobs_and_entropy, (hidden, weight, bias))):
+    for fn, inputs in (
+        (reference.logprobs_and_entropy, (hidden.double(), weight.double(), bias.double())),
+        (grpo_fast.logprobs_and_entropy, (hidden, weight, bias)),
+    ):
         leaves = [x.detach().clone().requires_grad_() for x in inputs]
         if fn is reference.logprobs_and_entropy:
             logp, ent = fn(leaves[0], leaves[1], targets, leaves[2], compute_dtype=torch.float64, **transform)
             logp, ent = logp * mask, ent * mask
         else:
-            logp, ent = fn(leaves[0], leaves[1], targets, bias=leaves[2], completion_mask=mask,
-                           backward_mode=backward_mode, **transform)
+            logp, ent = fn(
+                leaves[0],
+                leaves[1],
+                targets,
+                bias=leaves[2],
+                completion_mask=mask,
+                backward_mode=backward_mode,
+                **transform,
+            )
         ((c_logp * logp).sum() + (c_ent * ent).sum()).backward()
         outs.append((logp.detach(), ent.detach(), [x.grad for x in leaves]))
     (rl, re, rg), (fl, fe, fg) = outs
@@ -131,13 +145,20 @@ def _cuda_batch(seed, B, T, D, V, dtype, **transform):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [dict(entropy_coef=0.01, top_entropy_quantile=0.2),
-                                     dict(loss_type="vespo"), dict(off_policy_mask_threshold=0.05),
-                                     dict(importance_sampling_level="sequence", use_bias_correction_kl=True)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(entropy_coef=0.01, top_entropy_quantile=0.2),
+        dict(loss_type="vespo"),
+        dict(off_policy_mask_threshold=0.05),
+        dict(importance_sampling_level="sequence", use_bias_correction_kl=True),
+    ],
+)
 def test_trl_options_on_gpu_match_reference(dtype, options):
     hidden, weight, bias, targets, mask, adv, old, ref = _cuda_batch(2, 4, 157, 264, 5003, dtype)
-    _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
-                            beta=0.04, **options)
+    _loss_matches_reference(
+        dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref, beta=0.04, **options
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -147,6 +168,7 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     # with fp32 output, the tile kernel, cuBLAS into fp32 J) and dH = c J; several token and vocabulary chunks
     from grpo_fast import autograd
     from grpo_fast.kernels import forward_frozen
+
     D = 264
     hidden, weight, bias, targets, mask, adv, old, _ = _cuda_batch(4, 4, 300, D, 50021, dtype, **transform)
     assert forward_frozen.available(hidden.reshape(-1, D)) or dtype != torch.float32
@@ -161,8 +183,17 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
         autograd.head_forward_frozen_head = original
     assert calls == ([1] if forward_frozen.available(hidden.reshape(-1, D)) else [])
     ref_leaf = hidden.double().requires_grad_()
-    ref_loss, _ = reference.loss(ref_leaf, weight.double(), targets, adv, mask, bias=bias.double(), old_logprobs=old,
-                                 compute_dtype=torch.float64, **transform)
+    ref_loss, _ = reference.loss(
+        ref_leaf,
+        weight.double(),
+        targets,
+        adv,
+        mask,
+        bias=bias.double(),
+        old_logprobs=old,
+        compute_dtype=torch.float64,
+        **transform,
+    )
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-4, atol=1e-5)
     assert leaf.grad.dtype == dtype
@@ -183,8 +214,9 @@ def test_loss_step_in_a_cuda_graph_equals_eager(dtype, frozen_weight):
     trained = (0,) if frozen_weight else (0, 1, 2)  # hidden; weight and bias
 
     def step(hidden, weight, bias, targets, mask, adv, old, ref):
-        loss, metrics = grpo_fast.loss(hidden, weight, targets, adv, mask, bias=bias, old_logprobs=old,
-                                       ref_logprobs=ref, **options)
+        loss, metrics = grpo_fast.loss(
+            hidden, weight, targets, adv, mask, bias=bias, old_logprobs=old, ref_logprobs=ref, **options
+        )
         loss.backward()
         return loss, metrics
 
@@ -218,8 +250,9 @@ def test_loss_step_in_a_cuda_graph_equals_eager(dtype, frozen_weight):
         torch.testing.assert_close(static_loss.detach(), loss.detach(), rtol=1e-5, atol=1e-6)
         assert sorted(static_metrics) == sorted(metrics)
         for name in metrics:
-            torch.testing.assert_close(static_metrics[name].detach(), metrics[name].detach(), rtol=1e-5, atol=1e-6,
-                                       msg=name)
+            torch.testing.assert_close(
+                static_metrics[name].detach(), metrics[name].detach(), rtol=1e-5, atol=1e-6, msg=name
+            )
         for name, got, leaf in zip(("hidden", "weight", "bias"), static_grads, eager_leaves):
             assert got.dtype == dtype, name
             assert _max_rel(got, leaf.grad) <= grad_tol, name
@@ -239,14 +272,18 @@ def test_confident_tokens_on_gpu(dtype, backward_mode):
     grad_logp, grad_entropy = torch.randn(N, device="cuda", generator=g), torch.randn(N, device="cuda", generator=g)
     grads = []
     for backend in (None, "triton"):
-        leaves = [x.detach().clone().requires_grad_() for x in ((h, w, b) if backend else
-                                                                 (h.double(), w.double(), b.double()))]
+        leaves = [
+            x.detach().clone().requires_grad_()
+            for x in ((h, w, b) if backend else (h.double(), w.double(), b.double()))
+        ]
         if backend is None:
-            logp, ent = reference.logprobs_and_entropy(leaves[0], leaves[1], y, leaves[2],
-                                                       compute_dtype=torch.float64, **kw)
+            logp, ent = reference.logprobs_and_entropy(
+                leaves[0], leaves[1], y, leaves[2], compute_dtype=torch.float64, **kw
+            )
         else:
-            logp, ent = LinearLogprobs.apply(leaves[0], leaves[1], y, leaves[2], LogitTransform(**kw), backend,
-                                             "general", backward_mode)
+            logp, ent = LinearLogprobs.apply(
+                leaves[0], leaves[1], y, leaves[2], LogitTransform(**kw), backend, "general", backward_mode
+            )
         ((grad_logp * logp).sum() + (grad_entropy * ent).sum()).backward()
         grads.append([x.grad for x in leaves])
     for name, a, e in zip(("hidden", "weight", "bias"), grads[1], grads[0]):
@@ -266,13 +303,24 @@ def _max_rel_by_rows(a, b, rows=8192):
     """_max_rel of two large tensors, a slab of rows at a time (no full-size fp32 temporaries)."""
     err = scale = 0.0
     for r0 in range(0, a.shape[0], rows):
-        x, y = a[r0:r0 + rows].float(), b[r0:r0 + rows].float()
+        x, y = a[r0 : r0 + rows].float(), b[r0 : r0 + rows].float()
         err, scale = max(err, (x - y).abs().max().item()), max(scale, y.abs().max().item())
     return err / max(scale, 1e-12)
 
 
-def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, monkeypatch, backward_mode="chunked",
-                                              token_chunk=1024, logp_atol=1e-3, grad_rtol=2e-2):
+def _layer1_matches_reference_in_token_chunks(
+    N,
+    D,
+    V,
+    dtype,
+    frozen,
+    device,
+    monkeypatch,
+    backward_mode="chunked",
+    token_chunk=1024,
+    logp_atol=1e-3,
+    grad_rtol=2e-2,
+):
     """LinearLogprobs on the Triton backend (random [N, D] hidden, [V, D] weight, bias; soft-cap and temperature)
     against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
     entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
@@ -283,7 +331,7 @@ def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, mo
     transform = dict(temperature=0.7, softcap=30.0)
     g = torch.Generator(device=device).manual_seed(9)
     hidden = torch.randn(N, D, device=device, generator=g, dtype=dtype)
-    weight = torch.randn(V, D, device=device, generator=g, dtype=dtype).mul_(2.0 * D ** -0.5)  # logits of std ~2
+    weight = torch.randn(V, D, device=device, generator=g, dtype=dtype).mul_(2.0 * D**-0.5)  # logits of std ~2
     bias = torch.randn(V, device=device, generator=g, dtype=dtype)
     targets = torch.randint(0, V, (N,), device=device, generator=g)
     c_logp = torch.randn(N, device=device, generator=g)
@@ -297,8 +345,16 @@ def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, mo
     monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
     for leaf, trained in ((hidden, True), (weight, not frozen), (bias, not frozen)):
         leaf.requires_grad_(trained)
-    logp, ent = autograd.LinearLogprobs.apply(hidden, weight, targets, bias, LogitTransform(**transform), "triton",
-                                              "auto" if frozen else "general", backward_mode)
+    logp, ent = autograd.LinearLogprobs.apply(
+        hidden,
+        weight,
+        targets,
+        bias,
+        LogitTransform(**transform),
+        "triton",
+        "auto" if frozen else "general",
+        backward_mode,
+    )
     assert len(frozen_calls) == frozen
     weighted(logp, ent, slice(None)).backward()
     logp, ent = logp.detach(), ent.detach()
@@ -312,8 +368,11 @@ def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, mo
         h = hidden.detach()[rows].to(torch.float32, copy=True).requires_grad_()
         ref_logp, ref_ent = reference.logprobs_and_entropy(h, ref_weight, targets[rows], ref_bias, **transform)
         weighted(ref_logp, ref_ent, rows).backward()
-        for name, ours, ref in (("logp", logp[rows], ref_logp), ("entropy", ent[rows], ref_ent),
-                                ("hidden", hidden.grad[rows], h.grad)):
+        for name, ours, ref in (
+            ("logp", logp[rows], ref_logp),
+            ("entropy", ent[rows], ref_ent),
+            ("hidden", hidden.grad[rows], h.grad),
+        ):
             err[name] = max(err[name], (ours.float() - ref.detach()).abs().max().item())
             scale[name] = max(scale[name], ref.detach().abs().max().item())
     assert err["logp"] <= logp_atol and err["entropy"] <= logp_atol, err
@@ -330,13 +389,21 @@ def _layer1_matches_reference_in_token_chunks(N, D, V, dtype, frozen, device, mo
 def test_layer1_with_tensors_past_2_31_elements_on_gpu(large, path, monkeypatch):
     # real tensors past 2^31 elements, forward and backward; the 32-bit offsets that wrapped there read and wrote
     # the wrong memory without an error
-    if torch.cuda.get_device_properties(0).total_memory < 60 * 2 ** 30:
+    if torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
         pytest.skip("needs 60 GiB of GPU memory (tensors of 2^31 elements in fp32 and bf16, and the reference's)")
     N, D, V = PAST_2_31[large]
-    assert (V if large == "weight" else N) * D > 2 ** 31
+    assert (V if large == "weight" else N) * D > 2**31
     # the frozen-head path's u buffer is about W's size in bytes: past 2^31 fp32 elements with an fp32 weight
     dtype = torch.float32 if (large, path) == ("weight", "frozen") else torch.bfloat16
-    _layer1_matches_reference_in_token_chunks(N, D, V, dtype, path == "frozen", "cuda", monkeypatch,
-                                              backward_mode="fused" if path == "fused" else "chunked",
-                                              logp_atol=1e-3 if dtype == torch.bfloat16 else 1e-4,
-                                              grad_rtol=GPU_TOL[dtype])
+    _layer1_matches_reference_in_token_chunks(
+        N,
+        D,
+        V,
+        dtype,
+        path == "frozen",
+        "cuda",
+        monkeypatch,
+        backward_mode="fused" if path == "fused" else "chunked",
+        logp_atol=1e-3 if dtype == torch.bfloat16 else 1e-4,
+        grad_rtol=GPU_TOL[dtype],
+    )

@@ -49,7 +49,7 @@ def _inputs(dtype, seed=0):
     """(hidden, weight, bias, targets): logits of a few nats' spread (p from 0.98 down to 1e-12, median 1e-5: most
     below fp16's smallest normal times 1e4), the target favoured by 0..14 nats (1 - p_y from 0.02 to ~1)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, D, generator=g, dtype=F64) / D ** 0.5
+    w = torch.randn(V, D, generator=g, dtype=F64) / D**0.5
     y = torch.randint(0, V, (N,), generator=g)
     h = 2.0 * torch.randn(N, D, generator=g, dtype=F64) + 14.0 * torch.rand(N, 1, generator=g, dtype=F64) * w[y]
     b = 0.3 * torch.randn(V, generator=g, dtype=F64)
@@ -76,8 +76,7 @@ def _coefficients(scale, entropy, seed=1):
 def _reference_grads(h, w, b, y, transform, grad_logp, grad_entropy):
     """(dH, dW, db) of sum(grad_logp logp + grad_entropy entropy) in fp64 from the same rounded inputs."""
     leaves = [x.detach().to(F64).requires_grad_() for x in (h, w, b)]
-    logp, entropy = reference.logprobs_and_entropy(leaves[0], leaves[1], y, leaves[2], compute_dtype=F64,
-                                                   **transform)
+    logp, entropy = reference.logprobs_and_entropy(leaves[0], leaves[1], y, leaves[2], compute_dtype=F64, **transform)
     loss = (grad_logp.to(F64) * logp).sum()
     if grad_entropy is not None:
         loss = loss + (grad_entropy.to(F64) * entropy).sum()
@@ -88,8 +87,11 @@ def _reference_grads(h, w, b, y, transform, grad_logp, grad_entropy):
 def _config(kind, device, dtype, mode=None):
     """The kernels' launch configuration: a GPU's own; under the interpreter, wider tiles (_TILES)."""
     if device.type == "cuda":
-        return (kconfig.forward_config(device, dtype) if kind is kconfig.ForwardConfig
-                else kconfig.backward_config(device, dtype, mode, wide_epilogue=True))
+        return (
+            kconfig.forward_config(device, dtype)
+            if kind is kconfig.ForwardConfig
+            else kconfig.backward_config(device, dtype, mode, wide_epilogue=True)
+        )
     extra = dict(target_programs=8) if kind is kconfig.ForwardConfig else dict(group_v=2)
     return kind(**_TILES, block_d=64, dot_fp32=True, **extra)
 
@@ -103,8 +105,20 @@ def _kernel_grads(h, w, b, y, transform, stats, grad_logp, grad_entropy, mode):
     grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=device)
     grad_bias = torch.zeros(w.shape[0], dtype=torch.float32, device=device)
     backward = kbackward.backward_chunked if mode == "chunked" else kbackward.backward_fused
-    backward(h, w, y, b, stats, grad_logp, grad_entropy, LogitTransform(**transform), grad_hidden, grad_weight,
-             grad_bias, _config(kconfig.BackwardConfig, device, h.dtype, mode))
+    backward(
+        h,
+        w,
+        y,
+        b,
+        stats,
+        grad_logp,
+        grad_entropy,
+        LogitTransform(**transform),
+        grad_hidden,
+        grad_weight,
+        grad_bias,
+        _config(kconfig.BackwardConfig, device, h.dtype, mode),
+    )
     return grad_hidden, grad_weight, grad_bias
 
 
@@ -119,8 +133,14 @@ def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, variant, 
     h, w, b, y = _inputs(dtype)
     transform, entropy = VARIANTS[variant]["transform"], VARIANTS[variant]["entropy"]
     inputs = tuple(x.to(device) for x in (h, w, b, y))
-    _, _, stats = kforward.forward(*inputs[:2], inputs[3], inputs[2], LogitTransform(**transform), True,
-                                   _config(kconfig.ForwardConfig, device, dtype))
+    _, _, stats = kforward.forward(
+        *inputs[:2],
+        inputs[3],
+        inputs[2],
+        LogitTransform(**transform),
+        True,
+        _config(kconfig.ForwardConfig, device, dtype),
+    )
     errors = {}
     for scale in SCALES:
         grad_logp, grad_entropy = _coefficients(scale, entropy)
@@ -141,8 +161,11 @@ def _reference_frozen_grad(h, w, b, y, transform):
     return leaf.grad
 
 
-@pytest.mark.parametrize("transform", [dict(), dict(softcap=20.0, logit_scale=0.8, temperature=0.35)],
-                         ids=["plain", "softcap-scale-temperature"])
+@pytest.mark.parametrize(
+    "transform",
+    [dict(), dict(softcap=20.0, logit_scale=0.8, temperature=0.35)],
+    ids=["plain", "softcap-scale-temperature"],
+)
 @pytest.mark.parametrize("gemm_dtype", [torch.float16, torch.bfloat16])
 def test_frozen_head_grad_keeps_its_precision_on_confident_tokens(gemm_dtype, transform, device):
     """J with P' rounded to fp16 / bf16, per row relative to the row's largest entry: half the rows confident
@@ -153,13 +176,24 @@ def test_frozen_head_grad_keeps_its_precision_on_confident_tokens(gemm_dtype, tr
     h_unsure = torch.randn(N - N // 2, D, generator=g) * 2.0
     h, y = torch.cat([h_sure, h_unsure]), torch.cat([y_sure, torch.randint(0, V, (N - N // 2,), generator=g)])
     expected = _reference_frozen_grad(h, w, b, y, transform)
-    cfg = (kconfig.frozen_head_config(device) if device.type == "cuda"
-           else kconfig.FrozenHeadConfig(**_TILES, gemm_fp32=True))
-    grad = kfrozen.forward_frozen_head(h.to(device), w.to(device), y.to(device), b.to(device),
-                                       LogitTransform(**transform), False, cfg, vocab_chunk=3072,
-                                       gemm_dtype=gemm_dtype)[3]  # J; [4] is LoRA's J_l (None here)
-    row_errors = ((grad.cpu().to(F64) - expected).abs().amax(dim=1) / expected.abs().amax(dim=1))
-    confident, others = row_errors[:N // 2].max().item(), row_errors[N // 2:].max().item()
+    cfg = (
+        kconfig.frozen_head_config(device)
+        if device.type == "cuda"
+        else kconfig.FrozenHeadConfig(**_TILES, gemm_fp32=True)
+    )
+    grad = kfrozen.forward_frozen_head(
+        h.to(device),
+        w.to(device),
+        y.to(device),
+        b.to(device),
+        LogitTransform(**transform),
+        False,
+        cfg,
+        vocab_chunk=3072,
+        gemm_dtype=gemm_dtype,
+    )[3]  # J; [4] is LoRA's J_l (None here)
+    row_errors = (grad.cpu().to(F64) - expected).abs().amax(dim=1) / expected.abs().amax(dim=1)
+    confident, others = row_errors[: N // 2].max().item(), row_errors[N // 2 :].max().item()
     assert max(confident, others) <= TOL[gemm_dtype], f"confident rows {confident:.3g}, others {others:.3g}"
 
 
@@ -175,9 +209,24 @@ def test_gemm_operands_round_to_nearest_even(gemm_dtype, device):
     exponent of fp32, subnormals, ties to even either way, signed zeros, infinities, values that round to inf, NaNs
     (triton 3.9's interpreter truncates fp32 to bf16 by itself: twice the error, all toward zero)."""
     g = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (4000,), generator=g, dtype=torch.int64).to(torch.int32)
-    ties = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 3.4e38, -3.4e38,
-                         65520.0, 1e-45, 0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    bits = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = torch.tensor(
+        [
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+            1.0 + 2**-11,
+            1.0 + 3 * 2**-11,
+            3.4e38,
+            -3.4e38,
+            65520.0,
+            1e-45,
+            0.0,
+            -0.0,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+        ]
+    )
     odd_nans = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x00008000, 0x00018000], dtype=torch.int32)
     x = torch.cat([bits.view(torch.float32), ties, odd_nans.view(torch.float32)]).to(device)
     y = torch.empty(x.shape, dtype=gemm_dtype, device=device)

@@ -30,8 +30,8 @@ def _batch(seed=0, per_token_adv=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g) * 3
     mask = torch.rand(B, T, generator=g) > 0.25
-    mask[2] = False          # a fully masked sequence
-    mask[3, 1:] = False      # a one-token completion
+    mask[2] = False  # a fully masked sequence
+    mask[3, 1:] = False  # a one-token completion
     mask[3, 0] = True
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g)
     old = logp + 0.4 * torch.randn(B, T, generator=g)
@@ -75,14 +75,21 @@ def _compare(backend, device, logp, adv, mask, entropy, **kw):
     return rl, rm, rg
 
 
-@pytest.mark.parametrize("loss_type, level, off_policy, kl, per_token_adv", list(itertools.product(
-    LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True))))
+@pytest.mark.parametrize(
+    "loss_type, level, off_policy, kl, per_token_adv",
+    list(
+        itertools.product(
+            LOSS_TYPES, ("token", "sequence"), (False, True), ("none", "k3", "bias-corrected"), (False, True)
+        )
+    ),
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layer2_matches_reference(loss_type, level, off_policy, kl, per_token_adv, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(per_token_adv=per_token_adv)
     _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
              beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected",
-             loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, epsilon_high=0.28)
+             loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
+             epsilon_high=0.28)  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -98,7 +105,7 @@ def test_delta_and_importance_weights(loss_type, level, backend, device):
         _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
                  importance_weights=iw, loss_type=loss_type, importance_sampling_level=level,
                  max_completion_length=T + 3, epsilon=0.1, epsilon_high=0.15, num_items_in_batch=57,
-                 sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
+                 sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
@@ -109,8 +116,18 @@ def test_ties_on_the_clip_boundary_follow_torch_min_and_clamp(loss_type, delta, 
     # both min branches tie, clamp passes the gradient on its bounds, torch.min splits a tie in half
     logp = -torch.rand(2, 5)
     adv = torch.tensor([[1.0, -1.0, -2.0, 0.5, 0.0], [3.0, 0.0, -1.0, 1.0, 2.0]])
-    _compare(backend, device, logp, adv, torch.ones(2, 5), None, loss_type=loss_type, epsilon=0.0, epsilon_high=0.0,
-             delta=delta)
+    _compare(
+        backend,
+        device,
+        logp,
+        adv,
+        torch.ones(2, 5),
+        None,
+        loss_type=loss_type,
+        epsilon=0.0,
+        epsilon_high=0.0,
+        delta=delta,
+    )
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -121,7 +138,8 @@ def test_all_masked_batch_is_zero_not_nan(loss_type, device):
         mask = torch.zeros(B, T, dtype=torch.bool, device=logp.device)
         leaf = logp.clone().requires_grad_()
         loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, old_logprobs=old, ref_logprobs=ref,
-                                             beta=0.04, loss_type=loss_type, max_completion_length=T, backend=backend)
+                                             beta=0.04, loss_type=loss_type,
+                                             max_completion_length=T, backend=backend)  # fmt: skip
         loss.backward()
         # the spec alone would multiply -inf by 0 here; neither backend may
         assert loss.item() == 0.0
@@ -136,8 +154,9 @@ def test_all_masked_batch_is_zero_not_nan(loss_type, device):
 def test_num_items_in_batch_tensor_and_float_agree(backend, device):
     device = backend_device(backend, device)
     logp, mask, adv, old, _, _ = _batch(device=device)
-    a, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old,
-                                num_items_in_batch=torch.tensor(40.0, device=device), backend=backend)
+    a, _ = grpo_fast.token_loss(
+        logp, adv, mask, old_logprobs=old, num_items_in_batch=torch.tensor(40.0, device=device), backend=backend
+    )
     b, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40, backend=backend)
     c, _ = reference.token_loss(logp, adv, mask, old_logprobs=old, num_items_in_batch=40)
     assert a.item() == b.item()
@@ -166,7 +185,7 @@ def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_to
         for threshold in (0.05, 0.5):
             _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
                      sampling_logprobs=sampling, off_policy_mask_threshold=threshold, loss_type=loss_type,
-                     importance_sampling_level=level, max_completion_length=T)
+                     importance_sampling_level=level, max_completion_length=T)  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -174,12 +193,16 @@ def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_to
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_top_entropy_mask_and_entropy_bonus(loss_type, level, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=3)
-    for kw in (dict(top_entropy_quantile=0.2), dict(entropy_coef=0.01),
-               dict(top_entropy_quantile=0.5, entropy_coef=0.03), dict(top_entropy_quantile=0.0),
-               dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02)):
+    for kw in (
+        dict(top_entropy_quantile=0.2),
+        dict(entropy_coef=0.01),
+        dict(top_entropy_quantile=0.5, entropy_coef=0.03),
+        dict(top_entropy_quantile=0.0),
+        dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02),
+    ):
         _, metrics, _ = _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref,
                                  beta=0.04, loss_type=loss_type, importance_sampling_level=level,
-                                 max_completion_length=T, **kw)
+                                 max_completion_length=T, **kw)  # fmt: skip
         assert ("policy_loss" in metrics) == ("entropy_coef" in kw)
 
 
@@ -222,8 +245,20 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type, backend, devi
     assert iw.shape == ((B, T) if mode.startswith("token") else (B, 1))
     if loss_type == "vespo" and mode.startswith("sequence"):
         return
-    _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
-             importance_weights=iw, loss_type=loss_type, max_completion_length=T)
+    _compare(
+        backend,
+        device,
+        logp,
+        adv,
+        mask,
+        entropy,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        beta=0.04,
+        importance_weights=iw,
+        loss_type=loss_type,
+        max_completion_length=T,
+    )
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -239,13 +274,17 @@ def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_a
     sampler = old + 0.3 * torch.randn(B, T, generator=g)
     options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.3,
                                     epsilon_high=0.28, max_completion_length=T, off_policy_mask_threshold=0.1,
-                                    top_entropy_quantile=0.6, entropy_coef=0.01)
+                                    top_entropy_quantile=0.6, entropy_coef=0.01)  # fmt: skip
     out = {}
     for backend in (autograd.TRITON, autograd.TORCH):
         dev = backend_device(backend.name, device)
         inputs = [x.to(dev).float().contiguous() for x in (logp, adv, mask, old, ref, sampler, iw, entropy)]
-        out[backend.name] = backend.token_loss(*inputs, options, scale=torch.full((), 1 / 17, device=dev),
-                                               entropy_threshold=torch.full((), 1.5, device=dev))
+        out[backend.name] = backend.token_loss(
+            *inputs,
+            options,
+            scale=torch.full((), 1 / 17, device=dev),
+            entropy_threshold=torch.full((), 1.5, device=dev),
+        )
     (kernel_grad, kernel_bonus, kernel_stats), (torch_grad, torch_bonus, torch_stats) = out["triton"], out["torch"]
     torch.testing.assert_close(torch_grad, kernel_grad.cpu(), rtol=1e-5, atol=1e-7)
     assert torch.equal(torch_bonus, kernel_bonus.cpu())
@@ -264,7 +303,7 @@ FP64_OPTIONS = {
                                            off_policy_mask_threshold=0.1),
     "onpolicy-entropy-mask-bonus": dict(on_policy=True, top_entropy_quantile=0.5, entropy_coef=0.03,
                                         max_completion_length=T + 3),
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -279,28 +318,52 @@ def test_torch_layer2_equals_the_spec_in_fp64(loss_type, level, per_token_adv, c
     on_policy = kw.pop("on_policy", False)
     weights = kw.pop("importance_weights", None)
     num_items = kw.pop("num_items_in_batch", None)
-    options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level,
-                                    **dict(dict(max_completion_length=T), **kw))
+    options = grpo_fast.LossOptions(
+        loss_type=loss_type, importance_sampling_level=level, **dict(dict(max_completion_length=T), **kw)
+    )
     logp, mask, adv, old, ref, entropy = (x.double() for x in _batch(seed=11, per_token_adv=per_token_adv))
     g = torch.Generator().manual_seed(12)
     sampler = old + 0.3 * torch.randn(B, T, generator=g).double()
     if weights == "sequence" and loss_type == "vespo":
         weights = "token"  # TRL's VESPO takes per-token weights only
-    iw = {None: None, "token": 0.5 + torch.rand(B, T, generator=g).double(),
-          "sequence": 0.5 + torch.rand(B, generator=g).double()}[weights]
+    iw = {
+        None: None,
+        "token": 0.5 + torch.rand(B, T, generator=g).double(),
+        "sequence": 0.5 + torch.rand(B, generator=g).double(),
+    }[weights]
     old = None if on_policy else old
     sampling = sampler if options.off_policy_mask_threshold is not None else None
 
     leaf, ent_leaf = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
     spec_loss, spec_metrics = reference.token_loss(
-        leaf, adv, mask, options, entropy=ent_leaf, old_logprobs=old, ref_logprobs=ref, sampling_logprobs=sampling,
-        importance_weights=iw, num_items_in_batch=num_items)
+        leaf,
+        adv,
+        mask,
+        options,
+        entropy=ent_leaf,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        sampling_logprobs=sampling,
+        importance_weights=iw,
+        num_items_in_batch=num_items,
+    )
     spec_loss.backward()
     assert spec_loss.dtype == torch.float64
 
     loss, metric_values, grad_logp, grad_entropy = ops._layer2(
-        autograd.TORCH, logp, entropy, adv, mask.double(), old, ref if options.beta != 0.0 else None, sampling, iw,
-        torch.tensor(float(num_items), dtype=torch.float64) if num_items is not None else None, None, options)
+        autograd.TORCH,
+        logp,
+        entropy,
+        adv,
+        mask.double(),
+        old,
+        ref if options.beta != 0.0 else None,
+        sampling,
+        iw,
+        torch.tensor(float(num_items), dtype=torch.float64) if num_items is not None else None,
+        None,
+        options,
+    )
     assert loss.dtype == grad_logp.dtype == torch.float64
     torch.testing.assert_close(loss, spec_loss.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad_logp, leaf.grad, rtol=1e-10, atol=1e-13)

@@ -14,8 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_fast
 
-SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-            torch.ops.aten.is_nonzero.default, torch.ops.aten.masked_select.default}
+SYNC_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.masked_select.default,
+}
 
 
 class HostSyncs(TorchDispatchMode):
@@ -28,7 +32,8 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         bool_index = func is torch.ops.aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
         if func in SYNC_OPS or bool_index:
             self.syncs.append(str(func))
         return func(*args, **kwargs)
@@ -57,19 +62,26 @@ def _batch(weight_grad=False, seed=0, device="cpu"):
     B, T, D, V = 3, 9, 32, 77
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[2] = False  # a sequence without tokens
-    x = dict(hidden=torch.randn(B, T, D, generator=g),
-             weight=(torch.randn(V, D, generator=g) * 0.2),
-             targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
-             advantages=torch.randn(B, generator=g), completion_mask=mask,
-             old_logprobs=-torch.rand(B, T, generator=g) * 4, ref_logprobs=-torch.rand(B, T, generator=g) * 4)
+    x = dict(
+        hidden=torch.randn(B, T, D, generator=g),
+        weight=(torch.randn(V, D, generator=g) * 0.2),
+        targets=torch.where(mask, torch.randint(0, V, (B, T), generator=g), -100),
+        advantages=torch.randn(B, generator=g),
+        completion_mask=mask,
+        old_logprobs=-torch.rand(B, T, generator=g) * 4,
+        ref_logprobs=-torch.rand(B, T, generator=g) * 4,
+    )
     x = {k: v.to(device) for k, v in x.items()}
     x["hidden"].requires_grad_()
     x["weight"].requires_grad_(weight_grad)
     return x
 
 
-LOSS_OPTIONS = [dict(beta=0.04), dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
-                dict(loss_type="dr_grpo", importance_sampling_level="sequence", max_completion_length=9)]
+LOSS_OPTIONS = [
+    dict(beta=0.04),
+    dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01),
+    dict(loss_type="dr_grpo", importance_sampling_level="sequence", max_completion_length=9),
+]
 
 
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_head", "general"])
@@ -119,7 +131,7 @@ def test_the_torch_layer2_never_reads_the_host(loss_type, level, monkeypatch):
             ref_logprobs=x["ref_logprobs"], sampling_logprobs=x["old_logprobs"] + 0.1,
             importance_weights=0.5 + torch.rand(B, T, generator=g), num_items_in_batch=torch.tensor(20.0),
             backend="torch", check_values=False, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
-            delta=1.5, off_policy_mask_threshold=0.2, top_entropy_quantile=0.5, entropy_coef=0.01)
+            delta=1.5, off_policy_mask_threshold=0.2, top_entropy_quantile=0.5, entropy_coef=0.01)  # fmt: skip
         loss.backward()
         return loss, metrics
 
@@ -132,8 +144,11 @@ def test_the_torch_layer2_never_reads_the_host(loss_type, level, monkeypatch):
 def test_the_value_checks_still_name_each_bad_input(device):
     x = _batch(device=device)
     bad_targets = dict(x, targets=torch.where(x["completion_mask"], 80, 0))
-    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask "
-                                         r"is 1, got values in \[80, 80\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"targets must be token ids in \[0, V\) = \[0, 77\) where completion_mask "
+        r"is 1, got values in \[80, 80\]",
+    ):
         grpo_fast.loss(**bad_targets, backend="triton")
     bad_mask = dict(x, completion_mask=x["completion_mask"].float() * 2)
     with pytest.raises(ValueError, match="completion_mask must be bool or hold only 0 and 1"):
@@ -141,8 +156,9 @@ def test_the_value_checks_still_name_each_bad_input(device):
     with pytest.raises(ValueError, match=r"num_items_in_batch must be >= 0, got -3.5"):
         grpo_fast.loss(**x, backend="triton", num_items_in_batch=torch.tensor(-3.5, device=device))
     # without the checks nothing is read: a bad target is then the caller's promise broken, not an error
-    loss, _ = grpo_fast.loss(**x, backend="triton", check_values=False,
-                             num_items_in_batch=torch.tensor(4.0, device=device))
+    loss, _ = grpo_fast.loss(
+        **x, backend="triton", check_values=False, num_items_in_batch=torch.tensor(4.0, device=device)
+    )
     assert torch.isfinite(loss)
 
 

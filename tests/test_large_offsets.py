@@ -36,7 +36,7 @@ from grpo_fast.kernels import softmax_stats
 # strided CPU views past 2^31 elements under the interpreter; tests/test_gpu.py has the real tensors on a GPU
 pytestmark = pytest.mark.interpreter_only
 
-LIMIT = 2 ** 31
+LIMIT = 2**31
 F64 = torch.float64
 
 
@@ -45,8 +45,10 @@ def _reserve(numel, dtype, device="cpu"):
     try:
         return torch.empty(numel, dtype=dtype, device=device)
     except (RuntimeError, MemoryError):
-        pytest.skip(f"this machine cannot reserve {numel * torch.finfo(dtype).bits // 8 / 2 ** 30:.1f} GiB of "
-                    "(untouched) address space")
+        pytest.skip(
+            f"this machine cannot reserve {numel * torch.finfo(dtype).bits // 8 / 2**30:.1f} GiB of "
+            "(untouched) address space"
+        )
 
 
 def far_rows(values, first_far):
@@ -57,7 +59,7 @@ def far_rows(values, first_far):
     R, C = values.shape
     assert 2 <= first_far < R
     stride = -(-LIMIT // first_far)
-    assert stride * (first_far - 1) + C <= LIMIT <= stride * first_far < 2 ** 32 and stride < LIMIT
+    assert stride * (first_far - 1) + C <= LIMIT <= stride * first_far < 2**32 and stride < LIMIT
     view = _reserve(LIMIT + stride * (R - 1) + C, values.dtype, values.device).as_strided((R, C), (stride, 1), LIMIT)
     view.copy_(values)
     return view
@@ -104,17 +106,25 @@ def test_layer1_with_rows_past_2_31_elements_matches_reference(far, path, monkey
     frozen_calls = []
     original = autograd.head_forward_frozen_head
     monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
-    leaves = [far_hidden.detach().requires_grad_()] + [x.detach().requires_grad_(not frozen)
-                                                       for x in (far_weight, bias)]
-    logp, ent = autograd.LinearLogprobs.apply(*leaves[:2], targets, leaves[2], transform, "triton",
-                                              "auto" if frozen else "general",
-                                              "fused" if path == "fused" else "chunked")
+    leaves = [far_hidden.detach().requires_grad_()] + [
+        x.detach().requires_grad_(not frozen) for x in (far_weight, bias)
+    ]
+    logp, ent = autograd.LinearLogprobs.apply(
+        *leaves[:2],
+        targets,
+        leaves[2],
+        transform,
+        "triton",
+        "auto" if frozen else "general",
+        "fused" if path == "fused" else "chunked",
+    )
     assert len(frozen_calls) == frozen
     ((c_logp * logp).sum() + ((c_ent * ent).sum() if c_ent is not None else 0.0)).backward()
 
     ref_leaves = [x.double().requires_grad_() for x in (hidden, weight, bias)]
-    ref_logp, ref_ent = reference.logprobs_and_entropy(ref_leaves[0], ref_leaves[1], targets, ref_leaves[2],
-                                                       compute_dtype=F64, **TRANSFORM)
+    ref_logp, ref_ent = reference.logprobs_and_entropy(
+        ref_leaves[0], ref_leaves[1], targets, ref_leaves[2], compute_dtype=F64, **TRANSFORM
+    )
     ((c_logp * ref_logp).sum() + ((c_ent * ref_ent).sum() if c_ent is not None else 0.0)).backward()
     torch.testing.assert_close(logp.detach(), ref_logp, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ent.detach(), ref_ent, rtol=1e-5, atol=2e-5)
@@ -140,19 +150,22 @@ def test_fused_backward_accumulates_grad_hidden_past_2_31_elements():
     transform = kconfig.LogitTransform(**TRANSFORM)
 
     ref_leaves = [x.double().requires_grad_() for x in (hidden_rows, weight, bias)]
-    ref_logp, _ = reference.logprobs_and_entropy(ref_leaves[0], ref_leaves[1], targets[scored], ref_leaves[2],
-                                                 compute_dtype=F64, **TRANSFORM)
+    ref_logp, _ = reference.logprobs_and_entropy(
+        ref_leaves[0], ref_leaves[1], targets[scored], ref_leaves[2], compute_dtype=F64, **TRANSFORM
+    )
     (coef[scored] * ref_logp).sum().backward()
     # the backward's per-token statistics (softmax_stats.BackwardStats), from the fp64 reference
     lse, nontarget_mass = torch.zeros(n_tokens), torch.zeros(n_tokens)
-    lse[scored] = torch.logsumexp(reference.logits(hidden_rows.double(), weight.double(), bias.double(),
-                                                   compute_dtype=F64, **TRANSFORM), dim=1).float()
+    lse[scored] = torch.logsumexp(
+        reference.logits(hidden_rows.double(), weight.double(), bias.double(), compute_dtype=F64, **TRANSFORM), dim=1
+    ).float()
     nontarget_mass[scored] = (-torch.expm1(ref_logp.detach())).float()
     stats = softmax_stats.BackwardStats(lse, nontarget_mass, None, None)
 
     # large blocks keep the interpreter's program count and K-loop short; the offsets do not depend on them
-    cfg = dataclasses.replace(kconfig.backward_config(torch.device("cpu"), torch.bfloat16, "fused"), block_n=128,
-                              block_d=2048)
+    cfg = dataclasses.replace(
+        kconfig.backward_config(torch.device("cpu"), torch.bfloat16, "fused"), block_n=128, block_d=2048
+    )
     computed = torch.arange(scored[0] // cfg.block_n * cfg.block_n, n_tokens)  # the rows of the computed blocks
     hidden = far_contiguous((n_tokens, width), torch.bfloat16)
     hidden[computed] = 0.0
@@ -161,9 +174,10 @@ def test_fused_backward_accumulates_grad_hidden_past_2_31_elements():
     grad_hidden[computed] = 0.0
     grad_weight = torch.zeros(vocab, width)
     grad_bias = torch.zeros(vocab)
-    kbackward.backward_fused(hidden, weight, targets, bias, stats, coef, None, transform, grad_hidden,
-                             grad_weight, grad_bias, cfg)
-    assert grad_hidden[computed[0]:scored[0]].abs().max() == 0.0
+    kbackward.backward_fused(
+        hidden, weight, targets, bias, stats, coef, None, transform, grad_hidden, grad_weight, grad_bias, cfg
+    )
+    assert grad_hidden[computed[0] : scored[0]].abs().max() == 0.0
     # bf16 inputs: the kernel rounds g to bf16 for its products (as on a GPU), so bf16's bound, on the gradients as
     # autograd returns them (bf16); db sums fp32 g
     assert_grad_close(grad_hidden[scored].bfloat16(), ref_leaves[0].grad.float(), torch.bfloat16, "hidden")
@@ -190,11 +204,28 @@ def test_frozen_head_tile_kernel_reads_logits_past_2_31_elements(gemm_dtype):
         state = torch.zeros(kfrozen.STATE_ROWS, rows)
         state[0] = 0.5  # a running max from an earlier chunk: the rescale is exercised
         state[1:3] = 2.0
-        state[7] = 2.0 ** -9  # and its P' scale
+        state[7] = 2.0**-9  # and its P' scale
         kfrozen._frozen_chunk_kernel[(triton.cdiv(rows, cfg.block_n),)](
-            u_in, p, bias[v0:], targets, state, rows, cols, v0, u_in.stride(0), p.stride(0), state.stride(0),
-            inv_temperature, logit_scale, softcap, HAS_BIAS=True, HAS_SOFTCAP=True, COMPUTE_ENTROPY=True,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v)
+            u_in,
+            p,
+            bias[v0:],
+            targets,
+            state,
+            rows,
+            cols,
+            v0,
+            u_in.stride(0),
+            p.stride(0),
+            state.stride(0),
+            inv_temperature,
+            logit_scale,
+            softcap,
+            HAS_BIAS=True,
+            HAS_SOFTCAP=True,
+            COMPUTE_ENTROPY=True,
+            BLOCK_N=cfg.block_n,
+            BLOCK_V=cfg.block_v,
+        )
         results.append((p.clone(), state))
     (p_near, state_near), (p_far, state_far) = results
     assert p_near.abs().max() > 0 and state_near[3].abs().min() > 0

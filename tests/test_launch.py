@@ -20,8 +20,14 @@ from grpo_fast.kernels.softmax_stats import BackwardStats
 from grpo_fast.options import LossOptions
 
 # every Triton kernel and the cuBLAS helper, by the module that calls it
-CALLS = ((forward, "_forward_kernel"), (backward, "_backward_kernel"), (backward, "mm_fp32"),
-         (forward_frozen, "_frozen_chunk_kernel"), (forward_frozen, "mm_fp32"), (token_loss, "_token_loss_kernel"))
+CALLS = (
+    (forward, "_forward_kernel"),
+    (backward, "_backward_kernel"),
+    (backward, "mm_fp32"),
+    (forward_frozen, "_frozen_chunk_kernel"),
+    (forward_frozen, "mm_fp32"),
+    (token_loss, "_token_loss_kernel"),
+)
 
 
 class _Launches:
@@ -67,8 +73,9 @@ def _inputs(device, N=6, D=32, V=96):
 
 def _forward(device):
     hidden, weight, targets, transform = _inputs(device)
-    forward.forward_record(hidden, weight, targets, None, transform, True,
-                           kconfig.gpu_forward_config(torch.float32, 4, 90))
+    forward.forward_record(
+        hidden, weight, targets, None, transform, True, kconfig.gpu_forward_config(torch.float32, 4, 90)
+    )
 
 
 def _every_other_wrapper(device):
@@ -76,13 +83,37 @@ def _every_other_wrapper(device):
     per_token = torch.zeros(hidden.shape[0], device=device)
     stats = BackwardStats(per_token, per_token, per_token, per_token)
     for mode, run in (("chunked", backward.backward_chunked), ("fused", backward.backward_fused)):
-        run(hidden, weight, targets, None, stats, per_token, per_token, transform, torch.zeros_like(hidden),
-            torch.zeros_like(weight), None, kconfig.gpu_backward_config(torch.float32, mode, 232448))
-    forward_frozen.forward_frozen_record(hidden, weight, targets, None, transform, True,
-                                         kconfig.gpu_frozen_head_config())
+        run(
+            hidden,
+            weight,
+            targets,
+            None,
+            stats,
+            per_token,
+            per_token,
+            transform,
+            torch.zeros_like(hidden),
+            torch.zeros_like(weight),
+            None,
+            kconfig.gpu_backward_config(torch.float32, mode, 232448),
+        )
+    forward_frozen.forward_frozen_record(
+        hidden, weight, targets, None, transform, True, kconfig.gpu_frozen_head_config()
+    )
     logp = torch.zeros(2, 3, device=device)
-    token_loss.token_loss(logp, torch.zeros(2, device=device), logp, logp, logp, None, None, logp,
-                          LossOptions(loss_type="grpo", beta=0.04), scale=1.0, entropy_threshold=None)
+    token_loss.token_loss(
+        logp,
+        torch.zeros(2, device=device),
+        logp,
+        logp,
+        logp,
+        None,
+        None,
+        logp,
+        LossOptions(loss_type="grpo", beta=0.04),
+        scale=1.0,
+        entropy_threshold=None,
+    )
 
 
 def test_a_cuda_tensor_makes_its_device_current_and_a_cpu_tensor_none(monkeypatch):

@@ -39,15 +39,16 @@ def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_ma
     for impl in ("reference", backend):
         leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
         if impl == "reference":
-            logp, ent = reference.logprobs_and_entropy(leaves[0], leaves[1], y.clamp(min=0), leaves[2],
-                                                       compute_dtype=F64, **transform)
+            logp, ent = reference.logprobs_and_entropy(
+                leaves[0], leaves[1], y.clamp(min=0), leaves[2], compute_dtype=F64, **transform
+            )
             if completion_mask is not None:
                 logp, ent = logp * completion_mask, ent * completion_mask
         else:
             logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2],
                                                        completion_mask=completion_mask, backend=_impl(impl),
                                                        backward_mode=_mode(impl),
-                                                       **transform)
+                                                       **transform)  # fmt: skip
         total = sum((c * x).sum() for c, x in ((grad_logp, logp), (grad_entropy, ent)) if c is not None)
         total.backward()
         results.append((logp.detach(), ent.detach(), [x.grad if x is not None else None for x in leaves]))
@@ -70,8 +71,17 @@ def test_forward_and_gradients_match_reference(backend, dtype, shape, device):
     dev = backend_device(backend, device)
     h, w, b, y = head_inputs(B, T, D, V, dtype, device=dev)
     g = torch.Generator().manual_seed(1)
-    _check(backend, dtype, h, w, b, y, grad_logp=randn(B, T, generator=g, device=dev),
-           grad_entropy=randn(B, T, generator=g, device=dev), temperature=0.8)
+    _check(
+        backend,
+        dtype,
+        h,
+        w,
+        b,
+        y,
+        grad_logp=randn(B, T, generator=g, device=dev),
+        grad_entropy=randn(B, T, generator=g, device=dev),
+        temperature=0.8,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -81,8 +91,17 @@ def test_a_loss_on_one_output_only(backend, dtype, loss_on, device):
     dev = backend_device(backend, device)
     h, w, b, y = head_inputs(2, 7, 40, 157, dtype, device=dev)
     coef = randn(2, 7, generator=torch.Generator().manual_seed(2), device=dev)
-    _check(backend, dtype, h, w, b, y, grad_logp=coef if loss_on == "logprobs" else None,
-           grad_entropy=coef if loss_on == "entropy" else None, temperature=1.3)
+    _check(
+        backend,
+        dtype,
+        h,
+        w,
+        b,
+        y,
+        grad_logp=coef if loss_on == "logprobs" else None,
+        grad_entropy=coef if loss_on == "entropy" else None,
+        temperature=1.3,
+    )
 
 
 # Gemma 2's soft-cap is 30: weights of scale 40 make logits of ~200, most of tanh saturated; a small cap with a
@@ -103,8 +122,17 @@ def test_logit_transforms(backend, dtype, transform, device):
     dev = backend_device(backend, device)
     h, w, b, y = head_inputs(2, 6, 37, 203, dtype, scale=weight_scale, device=dev)
     g = torch.Generator().manual_seed(3)
-    _check(backend, dtype, h, w, b, y, grad_logp=randn(2, 6, generator=g, device=dev),
-           grad_entropy=randn(2, 6, generator=g, device=dev), **kw)
+    _check(
+        backend,
+        dtype,
+        h,
+        w,
+        b,
+        y,
+        grad_logp=randn(2, 6, generator=g, device=dev),
+        grad_entropy=randn(2, 6, generator=g, device=dev),
+        **kw,
+    )
 
 
 def test_softcap_really_saturates_in_the_saturated_case():
@@ -128,9 +156,18 @@ def test_masked_rows_and_one_token_completions(backend, dtype, device):
     mask[2, 1:] = False  # a one-token completion
     y = y.masked_fill(~mask, -100)
     g = torch.Generator().manual_seed(4)
-    logp, ent, grads = _check(backend, dtype, h, w, b, y, grad_logp=randn(3, 8, generator=g, device=dev),
-                              grad_entropy=randn(3, 8, generator=g, device=dev), completion_mask=mask,
-                              temperature=0.9)
+    logp, ent, grads = _check(
+        backend,
+        dtype,
+        h,
+        w,
+        b,
+        y,
+        grad_logp=randn(3, 8, generator=g, device=dev),
+        grad_entropy=randn(3, 8, generator=g, device=dev),
+        completion_mask=mask,
+        temperature=0.9,
+    )
     assert torch.count_nonzero(logp[~mask]) == 0 and torch.count_nonzero(ent[~mask]) == 0
     assert torch.count_nonzero(grads[0][~mask]) == 0
 
@@ -141,8 +178,15 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend, device):
     h, w, b, y = head_inputs(2, 4, 20, 77, torch.float32, device=dev)
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     mask = torch.zeros(2, 4, dtype=torch.bool, device=dev)
-    logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2], completion_mask=mask,
-                                               backend=_impl(backend), backward_mode=_mode(backend))
+    logp, ent = grpo_fast.logprobs_and_entropy(
+        leaves[0],
+        leaves[1],
+        y,
+        bias=leaves[2],
+        completion_mask=mask,
+        backend=_impl(backend),
+        backward_mode=_mode(backend),
+    )
     (logp.sum() + ent.sum()).backward()
     assert torch.count_nonzero(logp) == 0 and torch.count_nonzero(ent) == 0
     assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
@@ -174,8 +218,9 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap, device)
     bias[::7] = 0.0
     y = (y // 7) * 7
     h.requires_grad_()
-    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, softcap=softcap, backend=_impl(backend),
-                                               backward_mode=_mode(backend))
+    logp, ent = grpo_fast.logprobs_and_entropy(
+        h, w, y, bias=bias, softcap=softcap, backend=_impl(backend), backward_mode=_mode(backend)
+    )
     (logp.sum() + ent.sum()).backward()
     h2 = h.detach().clone().requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(h2, w, y, bias, softcap=softcap, compute_dtype=F64)
@@ -190,8 +235,7 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap, device)
 def test_logprobs_function_is_fp32_without_grad(backend, device):
     h, w, b, y = head_inputs(2, 5, 33, 150, torch.bfloat16, device=backend_device(backend, device))
     h.requires_grad_()
-    logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, softcap=3.0, logit_scale=0.8,
-                              backend=_impl(backend))
+    logp = grpo_fast.logprobs(h, w, y, bias=b, temperature=0.9, softcap=3.0, logit_scale=0.8, backend=_impl(backend))
     assert logp.shape == (2, 5) and logp.dtype == torch.float32 and not logp.requires_grad
     expected = reference.logprobs(h, w, y, b, 0.9, softcap=3.0, logit_scale=0.8, compute_dtype=F64)
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=2e-5)
@@ -203,8 +247,17 @@ def test_grouped_program_order_computes_every_tile_once(device):
     # blocks of 16. A tile skipped or computed twice would miss or double its dH rows, dW rows and db entries.
     h, w, b, y = head_inputs(3, 25, 24, 131, torch.float32, device=device)
     g = torch.Generator().manual_seed(5)
-    _check("triton-fused", torch.float32, h, w, b, y, grad_logp=torch.randn(3, 25, generator=g).to(device),
-           grad_entropy=torch.randn(3, 25, generator=g).to(device), temperature=0.9)
+    _check(
+        "triton-fused",
+        torch.float32,
+        h,
+        w,
+        b,
+        y,
+        grad_logp=torch.randn(3, 25, generator=g).to(device),
+        grad_entropy=torch.randn(3, 25, generator=g).to(device),
+        temperature=0.9,
+    )
 
 
 def test_many_vocab_splits_merge_exactly(device):
@@ -244,7 +297,6 @@ def test_the_fused_case_runs_the_fused_backward(monkeypatch, device):
     original = kbackward.backward_fused
     monkeypatch.setattr(kbackward, "backward_fused", lambda *a: calls.append("fused") or original(*a))
     h, w, b, y = head_inputs(1, 3, 24, 50, torch.float32, device=device)
-    logp, _ = grpo_fast.logprobs_and_entropy(h, w.requires_grad_(), y, bias=b, backend="triton",
-                                             backward_mode="fused")
+    logp, _ = grpo_fast.logprobs_and_entropy(h, w.requires_grad_(), y, bias=b, backend="triton", backward_mode="fused")
     logp.sum().backward()
     assert calls == ["fused"]

@@ -15,12 +15,15 @@ from grpo_fast import reference
 F64 = torch.float64
 BACKENDS = ["triton", "triton-fused", "torch"]
 # (base dtype, adapter dtype): PEFT keeps fp32 adapters over a bf16 base by default (autocast_adapter_dtype)
-DTYPES = {"fp32": (torch.float32, torch.float32), "bf16-fp32": (torch.bfloat16, torch.float32),
-          "bf16-bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torch.float16)}
+DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16-fp32": (torch.bfloat16, torch.float32),
+    "bf16-bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16),
+}
 # which inputs train: the adapters alone over a frozen base (LoRA), the base too, or nothing but hidden (a frozen
 # adapter scoring a reference: the frozen-head path, J over [W | B])
-TRAINING = {"adapters": ("hidden", "a", "b"), "all": ("hidden", "weight", "bias", "a", "b"),
-            "frozen": ("hidden",)}
+TRAINING = {"adapters": ("hidden", "a", "b"), "all": ("hidden", "weight", "bias", "a", "b"), "frozen": ("hidden",)}
 
 
 def _impl(backend):
@@ -36,7 +39,7 @@ def lora_inputs(B, T, D, V, r, dtype, adapter_dtype, device, seed=0):
     init, so that the LoRA term moves the log-probs by about a nat."""
     h, w, bias, y = head_inputs(B, T, D, V, dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    a = (torch.randn(r, D, generator=g) / D ** 0.5).to(adapter_dtype)
+    a = (torch.randn(r, D, generator=g) / D**0.5).to(adapter_dtype)
     b = (torch.randn(V, r, generator=g) * 0.5).to(adapter_dtype)
     return [x.to(device) for x in (h, w, bias, y, a, b)]
 
@@ -53,8 +56,9 @@ def _assert_grad(actual, expected, base_dtype, name):
         assert_grad_close(actual, expected.to(actual.dtype), actual.dtype, name)
 
 
-def _check(backend, inputs, trainable, scaling=2.0, dropout=None, mask=None, entropy_grad=True, as_tuple=False,
-           **kwargs):
+def _check(
+    backend, inputs, trainable, scaling=2.0, dropout=None, mask=None, entropy_grad=True, as_tuple=False, **kwargs
+):
     """grpo_fast.logprobs_and_entropy with lora= against reference.logprobs_and_entropy in fp64: outputs and the
     gradients of sum(c1 logp + c2 entropy) for the ``trainable`` leaves."""
     h, w, bias, y, a, b = inputs
@@ -64,19 +68,28 @@ def _check(backend, inputs, trainable, scaling=2.0, dropout=None, mask=None, ent
     c2 = torch.randn(y.shape, generator=coef).to(h.device) if entropy_grad else None
     results = []
     for impl in ("reference", backend):
-        leaves = dict(zip(names, (x.detach().clone().requires_grad_(n in trainable) for n, x in
-                                  zip(names, (h, w, bias, a, b)))))
+        leaves = dict(
+            zip(names, (x.detach().clone().requires_grad_(n in trainable) for n, x in zip(names, (h, w, bias, a, b))))
+        )
         lora = grpo_fast.HeadLora(leaves["a"], leaves["b"], scaling, dropout)
         if impl == "reference":
-            logp, ent = reference.logprobs_and_entropy(leaves["hidden"], leaves["weight"], y, leaves["bias"],
-                                                       compute_dtype=F64, lora=lora, **kwargs)
+            logp, ent = reference.logprobs_and_entropy(
+                leaves["hidden"], leaves["weight"], y, leaves["bias"], compute_dtype=F64, lora=lora, **kwargs
+            )
             if mask is not None:
                 logp, ent = logp * mask, ent * mask
         else:
             logp, ent = grpo_fast.logprobs_and_entropy(
-                leaves["hidden"], leaves["weight"], y, bias=leaves["bias"], completion_mask=mask,
-                lora=(leaves["a"], leaves["b"], scaling) if as_tuple else lora, backend=_impl(impl),
-                backward_mode=_mode(impl), **kwargs)
+                leaves["hidden"],
+                leaves["weight"],
+                y,
+                bias=leaves["bias"],
+                completion_mask=mask,
+                lora=(leaves["a"], leaves["b"], scaling) if as_tuple else lora,
+                backend=_impl(impl),
+                backward_mode=_mode(impl),
+                **kwargs,
+            )
         total = (c1 * logp).sum() + ((c2 * ent).sum() if c2 is not None else 0.0)
         total.backward()
         results.append((logp.detach(), ent.detach(), {n: leaves[n].grad for n in trainable}))
@@ -100,13 +113,13 @@ def test_lora_head_matches_the_peft_formula(backend, dtypes, training, r, device
     mask = torch.rand(2, 9, generator=torch.Generator().manual_seed(3)) > 0.3
     mask[1] = False
     mask[0, 0] = True
-    _check(backend, inputs, TRAINING[training], mask=mask.to(device), temperature=0.8,
-           entropy_grad=training != "frozen")
+    _check(
+        backend, inputs, TRAINING[training], mask=mask.to(device), temperature=0.8, entropy_grad=training != "frozen"
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_frozen_adapter_takes_the_frozen_head_path_and_an_entropy_gradient_still_arrives(backend, device,
-                                                                                          monkeypatch):
+def test_frozen_adapter_takes_the_frozen_head_path_and_an_entropy_gradient_still_arrives(backend, device, monkeypatch):
     # only hidden trains: the forward builds J and J_l; an entropy gradient after all goes through the general
     # path's entropy term (lora term included)
     taken = []
@@ -149,8 +162,12 @@ def test_dropout_in_train_mode_equals_the_eager_model_and_eval_mode_is_identity(
     no_dropout = grpo_fast.logprobs(h, w, y, bias=bias, lora=(a, b, 2.0), backend=_impl(backend))
     assert (fused - no_dropout).abs().max() > 1e-3  # the mask did act
     dropout.eval()
-    torch.testing.assert_close(grpo_fast.logprobs(h, w, y, bias=bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout),
-                                                  backend=_impl(backend)), no_dropout, rtol=0, atol=0)
+    torch.testing.assert_close(
+        grpo_fast.logprobs(h, w, y, bias=bias, lora=grpo_fast.HeadLora(a, b, 2.0, dropout), backend=_impl(backend)),
+        no_dropout,
+        rtol=0,
+        atol=0,
+    )
     # the mask passed explicitly, with gradients, against fp64
     keep = (torch.rand(h.shape, generator=torch.Generator().manual_seed(4)) > 0.3).to(device)
     _check(backend, inputs, TRAINING["adapters"], dropout=lambda x: x * keep / 0.7, entropy_grad=False)
@@ -170,8 +187,9 @@ def test_loss_with_lora_equals_the_reference_loss(backend, device):
         if impl == "reference":
             loss, _ = reference.loss(h, w, y, advantages, mask, compute_dtype=F64, **kwargs)
         else:
-            loss, _ = grpo_fast.loss(h, w, y, advantages, mask, backend=_impl(impl), backward_mode=_mode(impl),
-                                     **kwargs)
+            loss, _ = grpo_fast.loss(
+                h, w, y, advantages, mask, backend=_impl(impl), backward_mode=_mode(impl), **kwargs
+            )
         loss.backward()
         results.append((loss.detach().double(), la.grad, lb.grad))
     (ref_loss, ref_ga, ref_gb), (loss, ga, gb) = results
@@ -234,8 +252,12 @@ def test_peft_model_logits_path(device):
     hidden = model.base_model.model.body(x)
     logits = model(x)
     truth = torch.log_softmax(logits.double(), -1).gather(-1, y[..., None]).squeeze(-1).float()
-    lora = grpo_fast.HeadLora(head.lora_A["default"].weight, head.lora_B["default"].weight,
-                              head.scaling["default"], head.lora_dropout["default"])
+    lora = grpo_fast.HeadLora(
+        head.lora_A["default"].weight,
+        head.lora_B["default"].weight,
+        head.scaling["default"],
+        head.lora_dropout["default"],
+    )
     logp, _ = grpo_fast.logprobs_and_entropy(hidden, head.base_layer.weight, y, lora=lora)
     torch.testing.assert_close(logp, truth, rtol=1e-5, atol=2e-5)
     base, _ = grpo_fast.logprobs_and_entropy(hidden, head.base_layer.weight, y)
@@ -257,9 +279,16 @@ def test_one_token_and_every_row_masked(backend, device):
     _check(backend, inputs, TRAINING["all"])
     h, w, bias, y, a, b = inputs
     la, lb = (x.clone().requires_grad_() for x in (a, b))
-    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, completion_mask=torch.zeros_like(y),
-                                               lora=(la, lb, 2.0), backend=_impl(backend),
-                                               backward_mode=_mode(backend))
+    logp, ent = grpo_fast.logprobs_and_entropy(
+        h,
+        w,
+        y,
+        bias=bias,
+        completion_mask=torch.zeros_like(y),
+        lora=(la, lb, 2.0),
+        backend=_impl(backend),
+        backward_mode=_mode(backend),
+    )
     (logp.sum() + ent.sum()).backward()
     assert not logp.any() and not ent.any()
     assert la.grad is not None and not la.grad.any() and lb.grad is not None and not lb.grad.any()

@@ -36,7 +36,7 @@ def _batch(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g) * 3
     mask = torch.rand(B, T, generator=g) > 0.3
-    mask[2] = False          # a sequence without tokens
+    mask[2] = False  # a sequence without tokens
     mask[3, 0] = True
     adv = torch.randn(B, generator=g)
     old = logp + 0.4 * torch.randn(B, T, generator=g)
@@ -57,8 +57,12 @@ def _check_both_backends(spec, device, logp, adv, mask, entropy, **kw):
     for backend in ("torch", "triton"):
         dev = backend_device(backend, device)
         on_dev = {name: x.to(dev) for name, x in kw.items() if isinstance(x, torch.Tensor)}
-        loss, metrics, grad = _run(grpo_fast.token_loss, *(x.to(dev) for x in (logp, adv, mask, entropy)),
-                                   backend=backend, **dict(kw, **on_dev))
+        loss, metrics, grad = _run(
+            grpo_fast.token_loss,
+            *(x.to(dev) for x in (logp, adv, mask, entropy)),
+            backend=backend,
+            **dict(kw, **on_dev),
+        )
         torch.testing.assert_close(loss.cpu(), spec[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad.cpu(), spec[2], rtol=1e-5, atol=1e-7)
         assert set(metrics) == set(spec[1])
@@ -70,7 +74,12 @@ def test_the_records_are_trls_loss_types():
     assert LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
     assert NUM_ITEMS_LOSS_TYPES == ("dapo", "cispo", "vespo")
     assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.policy_term.formula == "clipped"} == {
-        "grpo", "bnpo", "dr_grpo", "dapo", "luspo"}
+        "grpo",
+        "bnpo",
+        "dr_grpo",
+        "dapo",
+        "luspo",
+    }
     assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.row_mean} == {"grpo", "sapo"}
     # every record's formula exists in the token kernel
     assert {r.policy_term.formula for r in LOSS_TYPE_RECORDS.values()} == set(token_kernel.LOSS_KINDS)
@@ -82,8 +91,11 @@ def test_the_records_are_trls_loss_types():
 def test_the_statistics_are_named_once():
     """grpo_fast.loss_statistics names the statistics: the token kernel's STAT_ slots are its SLOTS (each slot once),
     a metric that reads another statistic is an error, and both layer-2 backends return the same statistics."""
-    kernel_slots = {name.removeprefix("STAT_").lower(): slot.value for name, slot in vars(token_kernel).items()
-                    if name.startswith("STAT_")}
+    kernel_slots = {
+        name.removeprefix("STAT_").lower(): slot.value
+        for name, slot in vars(token_kernel).items()
+        if name.startswith("STAT_")
+    }
     assert kernel_slots == loss_statistics.SLOTS
     assert sorted(loss_statistics.SLOTS.values()) == list(range(token_kernel.NUM_STATS.value))
     assert list(loss_statistics.SLOTS) == list(loss_statistics.STATISTICS)
@@ -94,17 +106,27 @@ def test_the_statistics_are_named_once():
 
 # A loss type TRL does not have: cispo's per-token term, normalised per sequence (grpo's reduction), logging the
 # cispo clip fraction and its largest per-sequence value.
-CISPO_PER_SEQUENCE = LossType("cispo_per_sequence", POLICY_TERMS["cispo"], "sequences", row_mean=True,
-                              metrics=(Metric("cispo_clip_ratio", "cispo"),
-                                       Metric("cispo_clip_ratio/max", "cispo", "max_over_sequences")))
+CISPO_PER_SEQUENCE = LossType(
+    "cispo_per_sequence",
+    POLICY_TERMS["cispo"],
+    "sequences",
+    row_mean=True,
+    metrics=(Metric("cispo_clip_ratio", "cispo"), Metric("cispo_clip_ratio/max", "cispo", "max_over_sequences")),
+)
 
 
 @pytest.mark.parametrize("level", ("token", "sequence"))
 def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
     monkeypatch.setitem(LOSS_TYPE_RECORDS, CISPO_PER_SEQUENCE.name, CISPO_PER_SEQUENCE)
     logp, mask, adv, old, ref, entropy = _batch(seed=1)
-    kw = dict(loss_type="cispo_per_sequence", importance_sampling_level=level, old_logprobs=old, ref_logprobs=ref,
-              beta=0.04, epsilon_high=1.1)
+    kw = dict(
+        loss_type="cispo_per_sequence",
+        importance_sampling_level=level,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        beta=0.04,
+        epsilon_high=1.1,
+    )
     assert LossOptions(loss_type="cispo_per_sequence").denominator(B, mask.sum()) == B
     spec = _run(reference.token_loss, logp, adv, mask, entropy, **kw)
 
@@ -112,7 +134,7 @@ def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
     m = mask.float()
     log_ratio = logp - old
     if level == "sequence":
-        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
     r = log_ratio.exp().expand(B, T)
     kl = ((ref - logp).exp() - (ref - logp) - 1) * r
     per_token = -torch.clamp(r, max=1.1) * adv[:, None] * logp + 0.04 * kl
@@ -134,9 +156,12 @@ def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
 
 # A family TRL does not have: vespo's formula with the importance weights used as every other family uses them
 # (multiplying the term, any shape) instead of inside phi's log W; a loss type of it, one record.
-VESPO_WEIGHTED = LossType("vespo_weighted",
-                          PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=False),
-                          "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),))
+VESPO_WEIGHTED = LossType(
+    "vespo_weighted",
+    PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=False),
+    "num_items_in_batch",
+    metrics=(Metric("vespo/phi_seq_mean", "phi"),),
+)
 
 
 @pytest.mark.parametrize("weights", ("sequence", "token"))
@@ -164,16 +189,21 @@ def test_a_loss_types_importance_weight_use_is_its_records(monkeypatch, weights,
 
 
 def test_weights_in_a_term_that_does_not_read_them_raise(monkeypatch, device):
-    record = LossType("sapo_weights_in_term", PolicyTerm("sapo", importance_weights_in_term=True), "sequences",
-                      row_mean=True)
+    record = LossType(
+        "sapo_weights_in_term", PolicyTerm("sapo", importance_weights_in_term=True), "sequences", row_mean=True
+    )
     monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
     for backend in ("torch", "triton"):
         logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))
         iw = torch.ones_like(logp)
-        with pytest.raises(ValueError, match="loss type 'sapo_weights_in_term' puts the importance weights in its "
-                                             "term, but the .*'sapo' term does not read them"):
-            grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, importance_weights=iw,
-                                 loss_type=record.name, backend=backend)
+        with pytest.raises(
+            ValueError,
+            match="loss type 'sapo_weights_in_term' puts the importance weights in its "
+            "term, but the .*'sapo' term does not read them",
+        ):
+            grpo_fast.token_loss(
+                logp, adv, mask, old_logprobs=old, importance_weights=iw, loss_type=record.name, backend=backend
+            )
     with pytest.raises(ValueError, match="gradient_wrt must be one of \\('ratio', 'logprob'\\), got 'advantage'"):
         PolicyTerm("clipped", gradient_wrt="advantage")
 
@@ -202,13 +232,15 @@ def test_an_unknown_normaliser_raises(monkeypatch, device):
 
 
 def test_an_unknown_metric_reduction_raises(monkeypatch, device):
-    record = LossType("bnpo_median", POLICY_TERMS["clipped"], "tokens",
-                      metrics=(Metric("clip_ratio/median", "low", "median"),))
+    record = LossType(
+        "bnpo_median", POLICY_TERMS["clipped"], "tokens", metrics=(Metric("clip_ratio/median", "low", "median"),)
+    )
     monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
     for backend in ("torch", "triton"):
         logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))
-        with pytest.raises(ValueError, match="metric 'clip_ratio/median' of loss type 'bnpo_median' has an unknown "
-                                             "reduction 'median'"):
+        with pytest.raises(
+            ValueError, match="metric 'clip_ratio/median' of loss type 'bnpo_median' has an unknown reduction 'median'"
+        ):
             grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, loss_type="bnpo_median", backend=backend)
 
 
@@ -221,16 +253,23 @@ def test_metrics_builder_reductions_by_hand():
     # two sequences of 2 and 0 tokens, a per-token statistic and a per-sequence one
     options = LossOptions(loss_type="bnpo", beta=0.1)
     counts = torch.tensor([2.0, 0.0, 1.0])
-    rows = {"ratio": metrics_module.RowValues(torch.tensor([1.5, 0.7, 1.2]), per_sequence=True),
-            "kl": metrics_module.RowValues(torch.tensor([0.3, 0.0, 0.6])),
-            "low": metrics_module.RowValues(torch.tensor([1.0, 0.0, 0.0])),
-            "high": metrics_module.RowValues(torch.tensor([0.0, 0.0, 1.0])),
-            "region": metrics_module.RowValues(torch.tensor([1.0, 0.0, 1.0]))}
+    rows = {
+        "ratio": metrics_module.RowValues(torch.tensor([1.5, 0.7, 1.2]), per_sequence=True),
+        "kl": metrics_module.RowValues(torch.tensor([0.3, 0.0, 0.6])),
+        "low": metrics_module.RowValues(torch.tensor([1.0, 0.0, 0.0])),
+        "high": metrics_module.RowValues(torch.tensor([0.0, 0.0, 1.0])),
+        "region": metrics_module.RowValues(torch.tensor([1.0, 0.0, 1.0])),
+    }
     got = metrics_module.loss_metrics(options, rows, counts)
-    expected = {"kl": 0.9 / 3, "ratio_mean": 3.4 / 3, "clip_ratio/low_mean": 1 / 3, "clip_ratio/high_mean": 1 / 3,
-                "clip_ratio/region_mean": 2 / 3,
-                "clip_ratio/low_min": 0.0,   # per-sequence fractions 0.5 and 0 (the empty sequence has none)
-                "clip_ratio/high_max": 1.0}
+    expected = {
+        "kl": 0.9 / 3,
+        "ratio_mean": 3.4 / 3,
+        "clip_ratio/low_mean": 1 / 3,
+        "clip_ratio/high_mean": 1 / 3,
+        "clip_ratio/region_mean": 2 / 3,
+        "clip_ratio/low_min": 0.0,  # per-sequence fractions 0.5 and 0 (the empty sequence has none)
+        "clip_ratio/high_max": 1.0,
+    }
     assert set(got) == set(expected)
     for name, value in expected.items():
         assert math.isclose(got[name].item(), value, rel_tol=1e-6), name

@@ -24,14 +24,18 @@ def _batch(dtype=torch.float32, seed=0, B=3, T=7, V=203, device="cpu"):
     batch["mask"][B - 1] = False
     batch["mask"][B - 1, T // 2] = True
     g = torch.Generator().manual_seed(seed + 1)
-    batch["teacher"] = grpo_fast.Teacher((torch.randn(B, T, DT, generator=g)).to(dtype),
-                                         (torch.randn(V, DT, generator=g) * 0.4).to(dtype),
-                                         bias=(0.3 * torch.randn(V, generator=g)).to(dtype), softcap=6.0,
-                                         logit_scale=0.9)
+    batch["teacher"] = grpo_fast.Teacher(
+        (torch.randn(B, T, DT, generator=g)).to(dtype),
+        (torch.randn(V, DT, generator=g) * 0.4).to(dtype),
+        bias=(0.3 * torch.randn(V, generator=g)).to(dtype),
+        softcap=6.0,
+        logit_scale=0.9,
+    )
     t = batch["teacher"]
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    batch["teacher"] = grpo_fast.Teacher(t.hidden.to(device), t.weight.to(device), bias=t.bias.to(device),
-                                         softcap=t.softcap, logit_scale=t.logit_scale)
+    batch["teacher"] = grpo_fast.Teacher(
+        t.hidden.to(device), t.weight.to(device), bias=t.bias.to(device), softcap=t.softcap, logit_scale=t.logit_scale
+    )
     return batch
 
 
@@ -45,9 +49,19 @@ def _grads(total, leaves):
 
 def _combined(batch, distillation_beta, kw, backend="torch"):
     h, w, b = _leaves(batch)
-    total, metrics = grpo_fast.loss(h, w, batch["targets"], batch["advantages"], batch["mask"], bias=b,
-                                    teacher=batch["teacher"], distillation_coef=COEF,
-                                    distillation_beta=distillation_beta, backend=backend, **kw)
+    total, metrics = grpo_fast.loss(
+        h,
+        w,
+        batch["targets"],
+        batch["advantages"],
+        batch["mask"],
+        bias=b,
+        teacher=batch["teacher"],
+        distillation_coef=COEF,
+        distillation_beta=distillation_beta,
+        backend=backend,
+        **kw,
+    )
     return total.detach(), dict(metrics), _grads(total, (h, w, b))
 
 
@@ -55,13 +69,26 @@ def _separate(batch, distillation_beta, kw, backend="torch"):
     """grpo_fast.loss without the teacher + COEF * the loss type's reduction of grpo_fast.divergence."""
     h, w, b = _leaves(batch)
     t = batch["teacher"]
-    total, metrics = grpo_fast.loss(h, w, batch["targets"], batch["advantages"], batch["mask"], bias=b,
-                                    backend=backend, **kw)
-    div = grpo_fast.divergence(h, w, t.hidden, t.weight, batch["mask"], beta=distillation_beta,
-                               temperature=kw.get("temperature", 1.0), student_bias=b, teacher_bias=t.bias,
-                               student_softcap=kw.get("softcap"), teacher_softcap=t.softcap,
-                               student_logit_scale=kw.get("logit_scale", 1.0), teacher_logit_scale=t.logit_scale,
-                               backend=backend, head_path="general")
+    total, metrics = grpo_fast.loss(
+        h, w, batch["targets"], batch["advantages"], batch["mask"], bias=b, backend=backend, **kw
+    )
+    div = grpo_fast.divergence(
+        h,
+        w,
+        t.hidden,
+        t.weight,
+        batch["mask"],
+        beta=distillation_beta,
+        temperature=kw.get("temperature", 1.0),
+        student_bias=b,
+        teacher_bias=t.bias,
+        student_softcap=kw.get("softcap"),
+        teacher_softcap=t.softcap,
+        student_logit_scale=kw.get("logit_scale", 1.0),
+        teacher_logit_scale=t.logit_scale,
+        backend=backend,
+        head_path="general",
+    )
     options = LossOptions.resolve(None, {k: v for k, v in kw.items() if k in LossOptions.__dataclass_fields__})
     n_items = kw.get("num_items_in_batch")
     n_items = torch.tensor(float(n_items), device=h.device) if n_items is not None else None
@@ -81,14 +108,14 @@ def _assert_same(actual, expected, rtol=1e-6):
         torch.testing.assert_close(ma[k], me[k], rtol=rtol, atol=rtol / 10, msg=lambda m, k=k: f"metric {k}: {m}")
     for name, a, e in zip(("d hidden", "d weight", "d bias"), ga, ge):
         # one summed logit gradient against two: fp32 rounding of the GEMMs' sums
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6 * e.abs().max().item(),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            a, e, rtol=1e-5, atol=1e-6 * e.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 CASES = {  # loss options and the student's transform, each with one importance-sampling or entropy twist
     "grpo-softcap": dict(loss_type="grpo", temperature=0.7, softcap=5.0, logit_scale=1.2),
-    "dapo-num-items-is": dict(loss_type="dapo", temperature=1.3, num_items_in_batch=17,
-                              importance_weights="per-token"),
+    "dapo-num-items-is": dict(loss_type="dapo", temperature=1.3, num_items_in_batch=17, importance_weights="per-token"),
     "dr_grpo-kl": dict(loss_type="dr_grpo", beta=0.04, max_completion_length=9),
     "bnpo-entropy-bonus": dict(loss_type="bnpo", entropy_coef=0.05, temperature=0.9),
     "grpo-sequence-level": dict(loss_type="grpo", importance_sampling_level="sequence", softcap=4.0),
@@ -100,50 +127,86 @@ FAST = {("torch", "grpo-softcap", 0.5), ("torch", "dapo-num-items-is", 1.0), ("t
 def _options(batch, case):
     kw = dict(CASES[case], old_logprobs=batch["old"], ref_logprobs=batch["ref"])
     if kw.get("importance_weights") == "per-token":
-        kw["importance_weights"] = (torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(5))
-                                    * 2).to(batch["mask"].device)
+        kw["importance_weights"] = (torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(5)) * 2).to(
+            batch["mask"].device
+        )
     return kw
 
 
-@pytest.mark.parametrize("backend, case, distillation_beta", [
-    pytest.param(backend, case, b, marks=() if (backend, case, b) in FAST else pytest.mark.slow)
-    for backend in ("torch", "triton") for case in CASES for b in (0.0, 0.5, 1.0)])
+@pytest.mark.parametrize(
+    "backend, case, distillation_beta",
+    [
+        pytest.param(backend, case, b, marks=() if (backend, case, b) in FAST else pytest.mark.slow)
+        for backend in ("torch", "triton")
+        for case in CASES
+        for b in (0.0, 0.5, 1.0)
+    ],
+)
 def test_equals_the_sum_of_the_separate_calls(backend, case, distillation_beta, device):
     """loss + metrics + every student gradient = grpo_fast.loss (no teacher) + COEF * reduced grpo_fast.divergence,
     with the mean divergence over the scored tokens as metrics["distillation_loss"], on each backend (Triton: the
     interpreter on CPU)."""
     batch = _batch(device=backend_device(backend, device))
     kw = _options(batch, case)
-    _assert_same(_combined(batch, distillation_beta, kw, backend), _separate(batch, distillation_beta, kw, backend),
-                 rtol=1e-6 if backend == "torch" else 1e-5)
+    _assert_same(
+        _combined(batch, distillation_beta, kw, backend),
+        _separate(batch, distillation_beta, kw, backend),
+        rtol=1e-6 if backend == "torch" else 1e-5,
+    )
 
 
 SPEC_FAST = {("torch", torch.float32, 1.0), ("torch", torch.float16, 1.0), ("triton", torch.bfloat16, 0.5)}
 
 
-@pytest.mark.parametrize("backend, dtype, distillation_beta", [
-    pytest.param(backend, dtype, b, marks=() if (backend, dtype, b) in SPEC_FAST else pytest.mark.slow)
-    for backend in ("torch", "triton") for dtype in (torch.float32, torch.bfloat16, torch.float16)
-    for b in (0.0, 0.5, 1.0)])
+@pytest.mark.parametrize(
+    "backend, dtype, distillation_beta",
+    [
+        pytest.param(backend, dtype, b, marks=() if (backend, dtype, b) in SPEC_FAST else pytest.mark.slow)
+        for backend in ("torch", "triton")
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for b in (0.0, 0.5, 1.0)
+    ],
+)
 def test_matches_the_fp64_spec(backend, dtype, distillation_beta, device):
     """Against reference.loss_with_teacher in fp64 on the same (rounded) inputs, at test_api's tolerances."""
     batch = _batch(dtype=dtype, seed=2, V=131, device=backend_device(backend, device))
-    kw = dict(loss_type="grpo", temperature=0.8, softcap=5.0, beta=0.04, entropy_coef=0.02,
-              old_logprobs=batch["old"], ref_logprobs=batch["ref"])
+    kw = dict(
+        loss_type="grpo",
+        temperature=0.8,
+        softcap=5.0,
+        beta=0.04,
+        entropy_coef=0.02,
+        old_logprobs=batch["old"],
+        ref_logprobs=batch["ref"],
+    )
     loss, metrics, grads = _combined(batch, distillation_beta, kw, backend)
     t = batch["teacher"]
     # the spec on fp32 copies of the same rounded inputs, computing in fp64 (as test_api's)
     h, w, b = (x.detach().float().requires_grad_() for x in (batch["hidden"], batch["weight"], batch["bias"]))
     spec, spec_metrics = reference.loss_with_teacher(
-        h, w, batch["targets"], batch["advantages"], batch["mask"], t.hidden.float(), t.weight.float(), bias=b,
-        distillation_coef=COEF, distillation_beta=distillation_beta, teacher_bias=t.bias.float(),
-        teacher_softcap=t.softcap, teacher_logit_scale=t.logit_scale, compute_dtype=F64, **kw)
+        h,
+        w,
+        batch["targets"],
+        batch["advantages"],
+        batch["mask"],
+        t.hidden.float(),
+        t.weight.float(),
+        bias=b,
+        distillation_coef=COEF,
+        distillation_beta=distillation_beta,
+        teacher_bias=t.bias.float(),
+        teacher_softcap=t.softcap,
+        teacher_logit_scale=t.logit_scale,
+        compute_dtype=F64,
+        **kw,
+    )
     spec_grads = torch.autograd.grad(spec, (h, w, b))
     torch.testing.assert_close(loss, spec.float(), rtol=1e-4, atol=1e-5)
     assert set(metrics) == set(spec_metrics)
     for k in spec_metrics:
-        torch.testing.assert_close(metrics[k], spec_metrics[k].float(), rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, k=k: f"metric {k}: {m}")
+        torch.testing.assert_close(
+            metrics[k], spec_metrics[k].float(), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"metric {k}: {m}"
+        )
     for name, a, e in zip(("hidden", "weight", "bias"), grads, spec_grads):
         assert_grad_close(a, e, dtype, f"d{name}")
 
@@ -186,8 +249,9 @@ def test_fewer_student_sweeps_than_the_separate_calls(distillation_beta):
 
 def _call(batch, **kw):
     kw = dict(dict(teacher=batch["teacher"], distillation_coef=COEF, backend="torch"), **kw)
-    return grpo_fast.loss(batch["hidden"], batch["weight"], batch["targets"], batch["advantages"], batch["mask"],
-                          bias=batch["bias"], **kw)
+    return grpo_fast.loss(
+        batch["hidden"], batch["weight"], batch["targets"], batch["advantages"], batch["mask"], bias=batch["bias"], **kw
+    )
 
 
 def test_bad_input_is_a_named_error():
@@ -195,22 +259,31 @@ def test_bad_input_is_a_named_error():
     t = batch["teacher"]
     cases = [
         (dict(teacher=None), ValueError, "distillation_coef is given but teacher is None"),
-        (dict(teacher=None, distillation_coef=None, distillation_beta=0.5), ValueError,
-         "distillation_beta is given but teacher is None"),
+        (
+            dict(teacher=None, distillation_coef=None, distillation_beta=0.5),
+            ValueError,
+            "distillation_beta is given but teacher is None",
+        ),
         (dict(distillation_coef=None), ValueError, "teacher needs distillation_coef"),
         (dict(teacher=(t.hidden, t.weight)), TypeError, "teacher must be a grpo_fast.Teacher"),
         (dict(distillation_beta=1.5), ValueError, "distillation_beta must be a number in"),
         (dict(distillation_coef=float("nan")), ValueError, "distillation_coef must be"),
-        (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight[:7])), ValueError,
-         "weight has V = 11 rows but teacher.weight has V = 7"),
+        (
+            dict(teacher=grpo_fast.Teacher(t.hidden, t.weight[:7])),
+            ValueError,
+            "weight has V = 11 rows but teacher.weight has V = 7",
+        ),
         (dict(teacher=grpo_fast.Teacher(t.hidden[:, :2], t.weight)), ValueError, "teacher.hidden must have shape"),
         (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight[:, :5])), ValueError, "teacher.weight must have shape"),
         (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight.double())), TypeError, "teacher.weight must be"),
         (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight.half())), TypeError, "differs from teacher.hidden dtype"),
         (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight, bias=t.bias[:3])), ValueError, "teacher.bias must have"),
         (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight, softcap=-1.0)), ValueError, "teacher.softcap must be"),
-        (dict(teacher=grpo_fast.Teacher(t.hidden, t.weight, logit_scale=0.0)), ValueError,
-         "teacher.logit_scale must be"),
+        (
+            dict(teacher=grpo_fast.Teacher(t.hidden, t.weight, logit_scale=0.0)),
+            ValueError,
+            "teacher.logit_scale must be",
+        ),
         (dict(teacher=grpo_fast.Teacher(t.hidden.to("meta"), t.weight)), ValueError, "teacher.hidden is on meta"),
         (dict(lora=(torch.zeros(2, 37), torch.zeros(11, 2), 1.0)), ValueError, "lora with a teacher"),
         (dict(vocab_parallel=grpo_fast.VocabShard(None, 0, 11)), ValueError, "vocab_parallel with a teacher"),
@@ -227,13 +300,30 @@ def test_op_registration():
 
     batch = _batch(B=2, T=3, V=31)
     t = batch["teacher"]
-    h, w, b = (x.detach().reshape(-1, x.shape[-1]) if x.dim() == 3 else x.detach()
-               for x in (batch["hidden"], batch["weight"], batch["bias"]))
+    h, w, b = (
+        x.detach().reshape(-1, x.shape[-1]) if x.dim() == 3 else x.detach()
+        for x in (batch["hidden"], batch["weight"], batch["bias"])
+    )
     for distillation_beta in (0.0, 0.5):
-        torch.library.opcheck(_forward_op, (h.clone().requires_grad_(), w.clone().requires_grad_(),
-                                            batch["targets"].reshape(-1), b.clone().requires_grad_(),
-                                            t.hidden.reshape(-1, DT), t.weight, t.bias, distillation_beta, 0.9, 3.0,
-                                            1.1, t.softcap, t.logit_scale, "torch"))
+        torch.library.opcheck(
+            _forward_op,
+            (
+                h.clone().requires_grad_(),
+                w.clone().requires_grad_(),
+                batch["targets"].reshape(-1),
+                b.clone().requires_grad_(),
+                t.hidden.reshape(-1, DT),
+                t.weight,
+                t.bias,
+                distillation_beta,
+                0.9,
+                3.0,
+                1.1,
+                t.softcap,
+                t.logit_scale,
+                "torch",
+            ),
+        )
 
 
 def test_fake_tensors_give_the_shapes():
@@ -247,7 +337,8 @@ def test_fake_tensors_give_the_shapes():
         teacher = grpo_fast.Teacher(*(mode.from_tensor(x) for x in (t.hidden, t.weight, t.bias)), softcap=t.softcap)
         h = fake["hidden"].clone().requires_grad_()
         total, metrics = grpo_fast.loss(h, fake["weight"], fake["targets"], fake["advantages"], fake["mask"],
-                                        bias=fake["bias"], teacher=teacher, distillation_coef=COEF, backend="torch")
+                                        bias=fake["bias"], teacher=teacher, distillation_coef=COEF,
+                                        backend="torch")  # fmt: skip
         total.backward()
     assert total.shape == () and metrics["distillation_loss"].shape == () and h.grad.shape == h.shape
 
@@ -262,7 +353,7 @@ def test_compiles_to_one_graph():
     def step(h, w, b):
         total, metrics = grpo_fast.loss(h, w, batch["targets"], batch["advantages"], batch["mask"], bias=b,
                                         teacher=t, distillation_coef=COEF, distillation_beta=0.5, backend="torch",
-                                        check_values=False)
+                                        check_values=False)  # fmt: skip
         return total, metrics["distillation_loss"]
 
     leaves = _leaves(batch)

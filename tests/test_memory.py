@@ -43,8 +43,9 @@ def _largest_tensor_of(fn, N, D, V):
     targets = torch.randint(0, V, (1, N), generator=g)
     old = torch.randn(1, N, generator=g) - 5
     with LargestTensor() as probe:
-        loss, _ = fn(hidden, weight, targets, torch.ones(1), torch.ones(1, N), old_logprobs=old,
-                     ref_logprobs=old, beta=0.04)
+        loss, _ = fn(
+            hidden, weight, targets, torch.ones(1), torch.ones(1, N), old_logprobs=old, ref_logprobs=old, beta=0.04
+        )
         loss.backward()
     return probe.largest
 
@@ -82,8 +83,14 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_process_peak_memory_stays_far_below_full_logits():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=os.path.dirname(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=os.path.dirname(__file__),
+    )
     assert out.returncode == 0, out.stderr
     grown = int(out.stdout.strip().splitlines()[-1])
     full_logits = 4096 * 131072 * 4  # 2 GiB of fp32 logits, which eager PyTorch builds several times

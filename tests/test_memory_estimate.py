@@ -15,9 +15,31 @@ from grpo_fast import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 # tiny: 2 layers, 4 heads of 16, 2 kv heads; a vocabulary much wider than the hidden size, so that [N, V] dominates
-TINY = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
-        "--num-kv-heads", "2", "--vocab-size", "32768", "--micro-batch-size", "2", "--prompt-length", "16",
-        "--completion-length", "64", "--prompts-per-step", "2", "--num-generations", "4", "--quiet"]
+TINY = [
+    "--hidden-size",
+    "64",
+    "--intermediate-size",
+    "128",
+    "--num-layers",
+    "2",
+    "--num-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--vocab-size",
+    "32768",
+    "--micro-batch-size",
+    "2",
+    "--prompt-length",
+    "16",
+    "--completion-length",
+    "64",
+    "--prompts-per-step",
+    "2",
+    "--num-generations",
+    "4",
+    "--quiet",
+]
 D, FFN, L, KV_DIM, V, B, P, T = 64, 128, 2, 2 * 16, 32768, 2, 16, 64
 
 
@@ -91,7 +113,8 @@ def test_report_files(lora_report):
     for head in report["heads"].values():
         assert head["fits"] and head["allowance_gib"] == pytest.approx(
             memory.ALLOWANCE["cuda_context_gib"] + memory.ALLOWANCE["fragmentation_fraction"] * head["peak_gib"],
-            abs=2e-3)
+            abs=2e-3,
+        )
 
 
 @pytest.mark.slow
@@ -131,19 +154,47 @@ def test_recipes_are_the_examples():
     defaults = example.parse_args(["--preset", "gpu"])
     for name, recipe in memory.RECIPES.items():
         shape = example.MODEL_CONFIGS[recipe.model]
-        assert (recipe.shape.hidden_size, recipe.shape.intermediate_size, recipe.shape.num_layers,
-                recipe.shape.num_heads, recipe.shape.num_kv_heads, recipe.shape.vocab_size,
-                recipe.shape.tie_word_embeddings) == (
-            shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"],
-            shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"],
-            shape["tie_word_embeddings"]), name
-        assert (recipe.micro_batch_size, recipe.completion_length, recipe.prompts_per_step, recipe.num_generations,
-                recipe.gradient_checkpointing, recipe.beta, recipe.temperature) == (
-            preset["micro_batch_size"], preset["max_completion_length"], preset["prompts_per_step"],
-            preset["num_generations"], preset["gradient_checkpointing"], preset["beta"], preset["temperature"])
+        assert (
+            recipe.shape.hidden_size,
+            recipe.shape.intermediate_size,
+            recipe.shape.num_layers,
+            recipe.shape.num_heads,
+            recipe.shape.num_kv_heads,
+            recipe.shape.vocab_size,
+            recipe.shape.tie_word_embeddings,
+        ) == (
+            shape["hidden_size"],
+            shape["intermediate_size"],
+            shape["num_hidden_layers"],
+            shape["num_attention_heads"],
+            shape["num_key_value_heads"],
+            shape["vocab_size"],
+            shape["tie_word_embeddings"],
+        ), name
+        assert (
+            recipe.micro_batch_size,
+            recipe.completion_length,
+            recipe.prompts_per_step,
+            recipe.num_generations,
+            recipe.gradient_checkpointing,
+            recipe.beta,
+            recipe.temperature,
+        ) == (
+            preset["micro_batch_size"],
+            preset["max_completion_length"],
+            preset["prompts_per_step"],
+            preset["num_generations"],
+            preset["gradient_checkpointing"],
+            preset["beta"],
+            preset["temperature"],
+        )
         assert recipe.prompt_length == defaults.max_prompt_length
         assert (recipe.lora_alpha, recipe.weight_decay, recipe.max_grad_norm, recipe.epsilon) == (
-            defaults.lora_alpha, defaults.weight_decay, defaults.max_grad_norm, defaults.epsilon)
+            defaults.lora_alpha,
+            defaults.weight_decay,
+            defaults.max_grad_norm,
+            defaults.epsilon,
+        )
         assert recipe.lr == example.parse_args(["--preset", "gpu", "--lora-r", str(recipe.lora_r)]).lr
     assert memory.RECIPES["qwen2.5-1.5b-lora"].lora_r == preset["lora_r"]
     assert memory.RECIPES["qwen2.5-1.5b-lora"].model == "qwen2.5-1.5b"
@@ -159,14 +210,19 @@ def test_every_numeric_flag_out_of_range_is_one_line(capsys):
         assert capsys.readouterr().err == f"python -m grpo_fast.memory: error: {message}\n", dest
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--heads", "eager,logits"], "--heads eager,logits: expected distinct names among eager, trl, grpo_fast"),
-    (["--heads", "eager,eager"], "--heads eager,eager: expected distinct names"),
-    (["--hidden-size", "100", "--num-heads", "3", "--num-kv-heads", "1"],
-     "hidden size 100 is not a multiple of the 3 attention heads"),
-    (["--num-heads", "12", "--num-kv-heads", "5"], "12 attention heads are not a multiple of the 5 kv heads"),
-    (["--hidden-size", "36", "--num-heads", "4", "--num-kv-heads", "2"], "head dim 9 (hidden size / heads) is odd"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--heads", "eager,logits"], "--heads eager,logits: expected distinct names among eager, trl, grpo_fast"),
+        (["--heads", "eager,eager"], "--heads eager,eager: expected distinct names"),
+        (
+            ["--hidden-size", "100", "--num-heads", "3", "--num-kv-heads", "1"],
+            "hidden size 100 is not a multiple of the 3 attention heads",
+        ),
+        (["--num-heads", "12", "--num-kv-heads", "5"], "12 attention heads are not a multiple of the 5 kv heads"),
+        (["--hidden-size", "36", "--num-heads", "4", "--num-kv-heads", "2"], "head dim 9 (hidden size / heads) is odd"),
+    ],
+)
 def test_command_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
         memory.recipe_from_args(memory.parse_args(argv + ["--quiet"]))

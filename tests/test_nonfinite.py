@@ -26,10 +26,14 @@ def _token_batch(device):
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[0, :3] = True
     mask[0, 3] = False
-    mask[2] = False          # a sequence without tokens
-    inputs = dict(advantages=torch.randn(B, generator=g), old_logprobs=logp + 0.3 * torch.randn(B, T, generator=g),
-                  ref_logprobs=logp + 0.3 * torch.randn(B, T, generator=g), entropy=torch.rand(B, T, generator=g) * 4,
-                  importance_weights=0.5 + torch.rand(B, T, generator=g))
+    mask[2] = False  # a sequence without tokens
+    inputs = dict(
+        advantages=torch.randn(B, generator=g),
+        old_logprobs=logp + 0.3 * torch.randn(B, T, generator=g),
+        ref_logprobs=logp + 0.3 * torch.randn(B, T, generator=g),
+        entropy=torch.rand(B, T, generator=g) * 4,
+        importance_weights=0.5 + torch.rand(B, T, generator=g),
+    )
     return logp.to(device), mask.to(device), {name: x.to(device) for name, x in inputs.items()}
 
 
@@ -67,13 +71,18 @@ def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, b
         "old_logprobs": (logp, _with(inputs, "old_logprobs", scored, NAN), {}),
         "ref_logprobs": (logp, _with(inputs, "ref_logprobs", scored, NAN), {}),
         "advantages": (logp, _with(inputs, "advantages", 0, NAN), {}),
-        "per-token advantages": (logp, _with(dict(inputs, advantages=inputs["advantages"][:, None].expand(B, T)),
-                                             "advantages", scored, NAN), {}),
+        "per-token advantages": (
+            logp,
+            _with(dict(inputs, advantages=inputs["advantages"][:, None].expand(B, T)), "advantages", scored, NAN),
+            {},
+        ),
         "importance_weights": (logp, _with(inputs, "importance_weights", scored, NAN), {}),
         "entropy, with the bonus": (logp, _with(inputs, "entropy", scored, NAN), dict(entropy_coef=0.01)),
-        "logprobs, with the off-policy and top-entropy masks": (bad_logp, inputs,
-                                                                dict(off_policy_mask_threshold=0.1,
-                                                                     top_entropy_quantile=0.5)),
+        "logprobs, with the off-policy and top-entropy masks": (
+            bad_logp,
+            inputs,
+            dict(off_policy_mask_threshold=0.1, top_entropy_quantile=0.5),
+        ),
     }
     for name, (x, kw, extra) in cases.items():
         loss, _ = _token_loss(x, mask, kw, backend, **options, **extra)
@@ -86,7 +95,7 @@ def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, b
 def test_token_loss_a_nan_at_a_masked_token_changes_nothing(loss_type, level, backend, device):
     logp, mask, inputs = _token_batch(backend_device(backend, device))
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01,
-                   off_policy_mask_threshold=0.2, top_entropy_quantile=0.7)
+                   off_policy_mask_threshold=0.2, top_entropy_quantile=0.7)  # fmt: skip
     inputs["sampling_logprobs"] = inputs["old_logprobs"] + 0.2
     inputs["advantages"] = inputs["advantages"][:, None].expand(B, T).clone()
     if loss_type == "vespo":
@@ -115,7 +124,8 @@ def _loss(batch, backend, path, **kw):
     weight = batch["weight"].clone().requires_grad_(path == "general")
     with torch.set_grad_enabled(path != "no grad"):
         loss, _ = grpo_fast.loss(hidden, weight, batch["targets"], batch["advantages"], batch["mask"],
-                                 old_logprobs=batch["old"], ref_logprobs=batch["ref"], backend=backend, **kw)
+                                 old_logprobs=batch["old"], ref_logprobs=batch["ref"],
+                                 backend=backend, **kw)  # fmt: skip
     if path != "no grad":
         loss.backward()
         return loss.detach(), hidden.grad
@@ -128,9 +138,14 @@ FAST_LAYER1_CASES = (("dapo", "token"), ("vespo", "sequence"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("loss_type, level", [
-    pytest.param(loss_type, level, marks=() if (loss_type, level) in FAST_LAYER1_CASES else pytest.mark.slow)
-    for loss_type in LOSS_TYPES for level in LEVELS])
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [
+        pytest.param(loss_type, level, marks=() if (loss_type, level) in FAST_LAYER1_CASES else pytest.mark.slow)
+        for loss_type in LOSS_TYPES
+        for level in LEVELS
+    ],
+)
 def test_loss_a_non_finite_input_at_a_scored_token_gives_a_non_finite_loss(loss_type, level, backend, device):
     batch = make_batch(B=3, T=5, D=16, V=37, device=backend_device(backend, device))
     mask = batch["mask"]
@@ -197,17 +212,29 @@ def test_large_logits_leave_no_nan_in_the_rows_past_the_batch(backward_mode, che
     mask = torch.zeros(Bn, Tn, dtype=torch.bool)
     mask[0, :13] = True
     mask[2, 5:9] = True
-    inputs = (torch.randn(Bn, Tn, D, generator=g), torch.randn(V, D, generator=g) * 0.3,
-              torch.randn(V, generator=g) * 50)
+    inputs = (
+        torch.randn(Bn, Tn, D, generator=g),
+        torch.randn(V, D, generator=g) * 0.3,
+        torch.randn(V, generator=g) * 50,
+    )
     targets = torch.randint(0, V, (Bn, Tn), generator=g)
     advantages = torch.randn(Bn, generator=g)
     grads = {}
     for backend in ("triton", "torch"):
         dev = backend_device(backend, device)
         leaves = [x.to(dev).requires_grad_() for x in inputs]
-        loss, _ = grpo_fast.loss(leaves[0], leaves[1], targets.to(dev), advantages.to(dev), mask.to(dev),
-                                 bias=leaves[2], entropy_coef=0.01, backend=backend, check_values=check_values,
-                                 **({"backward_mode": backward_mode} if backend == "triton" else {}))
+        loss, _ = grpo_fast.loss(
+            leaves[0],
+            leaves[1],
+            targets.to(dev),
+            advantages.to(dev),
+            mask.to(dev),
+            bias=leaves[2],
+            entropy_coef=0.01,
+            backend=backend,
+            check_values=check_values,
+            **({"backward_mode": backward_mode} if backend == "triton" else {}),
+        )
         loss.backward()
         grads[backend] = [x.grad.cpu() for x in leaves]
     for name, actual, expected in zip(("dH", "dW", "db"), grads["triton"], grads["torch"], strict=True):

@@ -21,8 +21,9 @@ def test_every_option_is_a_grpo_config_field_with_trls_default():
 
 
 def test_from_trl_reads_a_grpo_config():
-    config = GRPOConfig(output_dir="unused", loss_type="cispo", beta=0.04, epsilon_high=5.0, report_to="none",
-                        use_cpu=True, bf16=False)
+    config = GRPOConfig(
+        output_dir="unused", loss_type="cispo", beta=0.04, epsilon_high=5.0, report_to="none", use_cpu=True, bf16=False
+    )
     options = LossOptions.from_trl(config)
     assert (options.loss_type, options.beta, options.epsilon_high, options.clip_high) == ("cispo", 0.04, 5.0, 5.0)
 
@@ -49,8 +50,9 @@ def test_a_keyword_applies_on_top_of_the_options():
     old = logp + 0.3 * torch.randn(3, 5, generator=g)
     by_object, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01))
     by_keyword, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, epsilon=0.01)
-    keyword_on_top, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01),
-                                             epsilon=0.2)
+    keyword_on_top, _ = grpo_fast.token_loss(
+        logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01), epsilon=0.2
+    )
     default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old)
     assert by_keyword.item() == by_object.item() != default.item()
     assert keyword_on_top.item() == default.item()
@@ -58,17 +60,20 @@ def test_a_keyword_applies_on_top_of_the_options():
     assert kept.item() == by_object.item()
 
 
-@pytest.mark.parametrize("override, error, message", [
-    (dict(loss_type="ppo"), ValueError, "loss_type must be one of"),
-    (dict(importance_sampling_level="batch"), ValueError, "importance_sampling_level"),
-    (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),
-    (dict(beta=float("nan")), ValueError, "beta must be a finite number"),
-    (dict(max_completion_length=0), ValueError, "max_completion_length"),
-    (dict(max_completion_length=True), ValueError, "max_completion_length"),
-    (dict(use_bias_correction_kl=1), ValueError, "use_bias_correction_kl must be a bool"),
-    (dict(top_entropy_quantile=1.5), ValueError, r"top_entropy_quantile must be a number in \[0, 1\]"),
-    (dict(delta="2"), ValueError, "delta must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "override, error, message",
+    [
+        (dict(loss_type="ppo"), ValueError, "loss_type must be one of"),
+        (dict(importance_sampling_level="batch"), ValueError, "importance_sampling_level"),
+        (dict(epsilon=-0.1), ValueError, "epsilon and epsilon_high must be >= 0"),
+        (dict(beta=float("nan")), ValueError, "beta must be a finite number"),
+        (dict(max_completion_length=0), ValueError, "max_completion_length"),
+        (dict(max_completion_length=True), ValueError, "max_completion_length"),
+        (dict(use_bias_correction_kl=1), ValueError, "use_bias_correction_kl must be a bool"),
+        (dict(top_entropy_quantile=1.5), ValueError, r"top_entropy_quantile must be a number in \[0, 1\]"),
+        (dict(delta="2"), ValueError, "delta must be a finite number"),
+    ],
+)
 def test_bad_options_raise_named_errors(override, error, message):
     with pytest.raises(error, match=message):
         LossOptions(**override)
@@ -77,12 +82,21 @@ def test_bad_options_raise_named_errors(override, error, message):
 def test_unknown_keyword_suggests_the_close_name():
     logp = torch.zeros(1, 2)
     for token_loss in (grpo_fast.token_loss, reference.token_loss):
-        with pytest.raises(TypeError, match=r"token_loss\(\) got unexpected keyword argument\(s\) 'epsilon_hi' "
-                                            r"\(did you mean 'epsilon_high'\?\)"):
+        with pytest.raises(
+            TypeError,
+            match=r"token_loss\(\) got unexpected keyword argument\(s\) 'epsilon_hi' "
+            r"\(did you mean 'epsilon_high'\?\)",
+        ):
             token_loss(logp, torch.ones(1), torch.ones(1, 2), epsilon_hi=0.3)
     with pytest.raises(TypeError, match=r"loss\(\) got unexpected keyword argument\(s\) 'loss_typ' "):
-        grpo_fast.loss(torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long), torch.ones(1),
-                       torch.ones(1, 2), loss_typ="grpo")
+        grpo_fast.loss(
+            torch.zeros(1, 2, 3),
+            torch.zeros(4, 3),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.ones(1),
+            torch.ones(1, 2),
+            loss_typ="grpo",
+        )
     with pytest.raises(TypeError, match="options must be a grpo_fast.LossOptions"):
         grpo_fast.token_loss(logp, torch.ones(1), torch.ones(1, 2), options={"beta": 0.1})
 
@@ -107,8 +121,9 @@ def test_denominator_is_trls_reduction(loss_type):
     options = LossOptions(loss_type=loss_type, max_completion_length=16)
     expected = {"grpo": 4, "sapo": 4, "luspo": 4, "bnpo": 10, "dr_grpo": 64, "dapo": 7, "cispo": 7, "vespo": 7}
     assert options.denominator(4, torch.tensor(10.0), 7) == expected[loss_type]
-    assert options.denominator(4, 0.0, None) == {"bnpo": 1, "dapo": 1, "cispo": 1, "vespo": 1}.get(loss_type,
-                                                                                                     expected[loss_type])
+    assert options.denominator(4, 0.0, None) == {"bnpo": 1, "dapo": 1, "cispo": 1, "vespo": 1}.get(
+        loss_type, expected[loss_type]
+    )
     assert options.loss_type_record.row_mean == (loss_type in ("grpo", "sapo"))
 
 

@@ -36,8 +36,15 @@ def test_normalisations_by_hand():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     adv = torch.tensor([1.0, 1.0])
     # per-token loss is -1 on every real token: 4 tokens, rows of 3 and 1
-    expected = {"grpo": -1.0, "bnpo": -1.0, "dapo": -1.0, "dr_grpo": -4 / (2 * 8), "luspo": -4 / 2,
-                "cispo": 0.0, "sapo": -2.0}  # sapo at r = 1: sigmoid(0) * 4 / tau = 2
+    expected = {
+        "grpo": -1.0,
+        "bnpo": -1.0,
+        "dapo": -1.0,
+        "dr_grpo": -4 / (2 * 8),
+        "luspo": -4 / 2,
+        "cispo": 0.0,
+        "sapo": -2.0,
+    }  # sapo at r = 1: sigmoid(0) * 4 / tau = 2
     for loss_type, value in expected.items():
         loss, _ = reference.token_loss(logp, adv, mask, loss_type=loss_type, max_completion_length=8)
         assert math.isclose(loss.item(), value, abs_tol=1e-6), loss_type
@@ -50,9 +57,18 @@ def test_clipping_kl_and_metrics_by_hand():
     old = torch.tensor([[math.log(2.0), -math.log(2.0), 0.0]])  # ratios 0.5, 2, 1
     ref = torch.tensor([[1.0, 0.0, 0.0]])
     adv = torch.tensor([[-1.0, 1.0, 1.0]])
-    loss, metrics = reference.token_loss(logp, adv, torch.ones(1, 3), old_logprobs=old, ref_logprobs=ref, beta=0.1,
-                                         epsilon=0.2, epsilon_high=0.28, loss_type="bnpo",
-                                         use_bias_correction_kl=False)
+    loss, metrics = reference.token_loss(
+        logp,
+        adv,
+        torch.ones(1, 3),
+        old_logprobs=old,
+        ref_logprobs=ref,
+        beta=0.1,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="bnpo",
+        use_bias_correction_kl=False,
+    )
     # token 0: -min(0.5*-1, 0.8*-1) = 0.8; token 1: -min(2, 1.28) = -1.28; token 2: -1; kl: e - 2 on token 0
     kl0 = math.e - 1 - 1
     assert math.isclose(loss.item(), (0.8 - 1.28 - 1 + 0.1 * kl0) / 3, rel_tol=1e-6)
@@ -67,8 +83,9 @@ def test_sequence_level_ratio_is_the_masked_mean_log_ratio():
     logp = torch.tensor([[-1.0, -1.0, -5.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -1.1, 0.0]])
     mask = torch.tensor([[1, 1, 0]])
-    _, metrics = reference.token_loss(logp, torch.tensor([1.0]), mask, old_logprobs=old,
-                                      importance_sampling_level="sequence")
+    _, metrics = reference.token_loss(
+        logp, torch.tensor([1.0]), mask, old_logprobs=old, importance_sampling_level="sequence"
+    )
     assert math.isclose(metrics["ratio_mean"].item(), math.exp((0.5 + 0.1) / 2), rel_tol=1e-6)
 
 
@@ -85,8 +102,9 @@ def test_bias_corrected_kl_multiplies_by_the_ratio_and_its_gradient_flows_on_pol
     torch.testing.assert_close(metrics["kl"], k.mean())
     torch.testing.assert_close(logp.grad, ((1 - diff.exp()) + k) / 2)
     off_policy = torch.tensor([[-1.2, -2.0]])  # ratios exp(0.2), 1: the KL is weighted by them
-    loss, metrics = reference.token_loss(logp.detach(), adv, torch.ones(1, 2), old_logprobs=off_policy,
-                                         ref_logprobs=ref, beta=1.0, loss_type="bnpo")
+    loss, metrics = reference.token_loss(
+        logp.detach(), adv, torch.ones(1, 2), old_logprobs=off_policy, ref_logprobs=ref, beta=1.0, loss_type="bnpo"
+    )
     torch.testing.assert_close(loss, (k * torch.tensor([[math.exp(0.2), 1.0]])).mean())
 
 
@@ -112,8 +130,9 @@ def test_off_policy_mask_drops_negative_advantage_sequences_far_from_the_sampler
     logp = torch.zeros(3, 2, requires_grad=True)
     sampler = torch.tensor([[1.0, float("nan")], [1.0, 1.0], [0.2, 0.2]])  # mean KL: 0.5 (NaN is 0), 1.0, 0.2
     adv = torch.tensor([-1.0, 1.0, -1.0])
-    loss, _ = reference.token_loss(logp, adv, torch.ones(3, 2), sampling_logprobs=sampler,
-                                   off_policy_mask_threshold=0.3, loss_type="bnpo")
+    loss, _ = reference.token_loss(
+        logp, adv, torch.ones(3, 2), sampling_logprobs=sampler, off_policy_mask_threshold=0.3, loss_type="bnpo"
+    )
     # sequence 0: negative advantage and KL 0.5 > 0.3: dropped; 1: positive advantage: kept; 2: KL 0.2: kept
     assert math.isclose(loss.item(), (0 + 0 - 1 - 1 + 1 + 1) / 6, abs_tol=1e-7)
     loss.backward()
@@ -125,8 +144,9 @@ def test_top_entropy_mask_and_entropy_bonus_by_hand():
     entropy = torch.tensor([[0.5, 2.0, 1.0, 3.0]], requires_grad=True)
     adv = torch.tensor([1.0])
     # the quantile 0.5 of [0.5, 1, 2, 3] is 1.5: tokens 1 and 3 carry the policy loss and the bonus
-    loss, metrics = reference.token_loss(logp, adv, torch.ones(1, 4), entropy=entropy, top_entropy_quantile=0.5,
-                                         entropy_coef=0.1, loss_type="bnpo")
+    loss, metrics = reference.token_loss(
+        logp, adv, torch.ones(1, 4), entropy=entropy, top_entropy_quantile=0.5, entropy_coef=0.1, loss_type="bnpo"
+    )
     assert math.isclose(metrics["policy_loss"].item(), -2 / 4, rel_tol=1e-6)
     assert math.isclose(loss.item(), -2 / 4 - 0.1 * (2.0 + 3.0) / 2, rel_tol=1e-6)
     assert math.isclose(metrics["entropy"].item(), 6.5 / 4, rel_tol=1e-6)  # the metric: every completion token

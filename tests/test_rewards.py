@@ -83,8 +83,9 @@ def test_trailing_text_penalty():
 
 
 def test_answers_and_numbers():
-    comps = [conv(f"<reasoning>\nr\n</reasoning>\n<answer>\n{a}\n</answer>\n")
-             for a in ["18.0", "18", "-3", "x", "1,000"]]
+    comps = [
+        conv(f"<reasoning>\nr\n</reasoning>\n<answer>\n{a}\n</answer>\n") for a in ["18.0", "18", "-3", "x", "1,000"]
+    ]
     gold = ["18", "18", "-3", "18", "1000"]
     assert correctness_reward(None, comps, gold) == [2.0, 2.0, 2.0, 0.0, 2.0]
     assert int_reward(None, comps, gold) == [0.0, 0.5, 0.0, 0.0, 0.0]  # str.isdigit, as the demo
@@ -94,8 +95,12 @@ def test_answers_and_numbers():
 def test_default_rewards_have_trl_signature():
     prompts = [[{"role": "user", "content": "q"}]] * 2
     comps = [conv(PERFECT), conv(PLAIN)]
-    totals = [sum(v) for v in zip(*(f(prompts=prompts, completions=comps, answer=["72", "72"], extra=1)
-                                      for f in DEFAULT_REWARDS.values()))]
+    totals = [
+        sum(v)
+        for v in zip(
+            *(f(prompts=prompts, completions=comps, answer=["72", "72"], extra=1) for f in DEFAULT_REWARDS.values())
+        )
+    ]
     assert totals == pytest.approx([2.0 + 0.5 + 0.5 + 0.0 + 0.5, 0.0])
 
 
@@ -104,8 +109,10 @@ def test_load_local_jsonl(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     loaded = data.load_gsm8k("train", str(tmp_path))
     assert [d["answer"] for d in loaded] == ["2", "1500"]
-    assert loaded[0]["prompt"] == [{"role": "system", "content": data.SYSTEM_PROMPT},
-                                   {"role": "user", "content": "What is 1+1?"}]
+    assert loaded[0]["prompt"] == [
+        {"role": "system", "content": data.SYSTEM_PROMPT},
+        {"role": "user", "content": "What is 1+1?"},
+    ]
     with pytest.raises(FileNotFoundError, match="test.jsonl"):
         data.load_gsm8k("test", str(tmp_path))
 

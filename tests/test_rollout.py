@@ -19,7 +19,8 @@ def tiny_model(vocab=259, seed=0):
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=512, eos_token_id=256, pad_token_id=257, bos_token_id=None)
+                         max_position_embeddings=512, eos_token_id=256, pad_token_id=257,
+                         bos_token_id=None)  # fmt: skip
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -117,8 +118,9 @@ def test_completion_hidden_states_match_model_logits_and_ignore_left_padding():
         alone = model(torch.cat([short, completion], 1)).logits[:, 3:8]
         torch.testing.assert_close(hidden[1:] @ model.lm_head.weight.T, alone, rtol=1e-5, atol=1e-5)
         logp = grpo_fast.logprobs(hidden, model.lm_head.weight, completion_ids)
-        torch.testing.assert_close(logp, reference.logprobs(hidden, model.lm_head.weight, completion_ids),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            logp, reference.logprobs(hidden, model.lm_head.weight, completion_ids), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_generate_shapes_mask_and_force_full_length():

@@ -25,7 +25,8 @@ ARCHS = (90, 89, 80)
 _COUNT_VARIANTS = (
     "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
     "div = sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
-    "print(4 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div)\n")
+    "print(4 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div)\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,15 @@ def compiled(tmp_path_factory):
         pytest.skip(f"this triton wheel ships no ptxas ({PTXAS})")
     out = tmp_path_factory.mktemp("sm") / "rows.json"
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore")
-    command = [sys.executable, os.path.join(HERE, "..", "tools", "sm_compile.py"), "--arch", *map(str, ARCHS),
-               "--json", str(out), "--table"]
+    command = [
+        sys.executable,
+        os.path.join(HERE, "..", "tools", "sm_compile.py"),
+        "--arch",
+        *map(str, ARCHS),
+        "--json",
+        str(out),
+        "--table",
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout + proc.stderr
     return json.loads(out.read_text()), proc
@@ -45,8 +53,14 @@ def compiled(tmp_path_factory):
 def test_every_variant_was_compiled(compiled):
     rows, _ = compiled
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", _COUNT_VARIANTS], cwd=os.path.join(HERE, ".."), env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_VARIANTS],
+        cwd=os.path.join(HERE, ".."),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     expected = int(proc.stdout.split()[-1])
     assert expected >= 80  # what the lists held when this test was last read: none may vanish unnoticed
@@ -82,17 +96,24 @@ def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
 
 
 # one compiled row as sm_compile.compile_all returns it, for main()'s verdicts
-_MADE_UP_ROW = ("row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, "
-                "LOCAL=0, STACK=0, SHARED=10, tensor_cores='none', ctas_per_sm=8, MEMBAR_GPU=0, MEMBAR_CTA=0, "
-                "ATOM=0, RED=0)\n")
+_MADE_UP_ROW = (
+    "row = dict(arch=90, kernel='k', num_warps=4, num_stages=2, smem_limit=1000, error=None, REG=64, "
+    "LOCAL=0, STACK=0, SHARED=10, tensor_cores='none', ctas_per_sm=8, MEMBAR_GPU=0, MEMBAR_CTA=0, "
+    "ATOM=0, RED=0)\n"
+)
 
 
 def _verdicts_hold(code):
     """Runs ``code`` (main() on made-up rows, printing 'verdicts ok' at the end) with the real compiler's settings."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(HERE, ".."), env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="0",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=os.path.join(HERE, ".."), env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "verdicts ok" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -124,8 +145,8 @@ def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_c
     # main()'s verdict on rows as compile_all returns them: a clean row passes, a spill or an overflow fails
     code = (
         "import sys; sys.argv = ['sm_compile']; sys.path.insert(0, 'tools'); import sm_compile as s\n"
-        + _MADE_UP_ROW +
-        "for change, want in ((dict(), 0), (dict(LOCAL=8), 1), (dict(STACK=16), 1), (dict(SHARED=2000), 1), "
+        + _MADE_UP_ROW
+        + "for change, want in ((dict(), 0), (dict(LOCAL=8), 1), (dict(STACK=16), 1), (dict(SHARED=2000), 1), "
         "(dict(error='E'), 1)):\n"
         "    s.compile_all = lambda archs: [dict(row, **change)]\n"
         "    assert s.main([]) == want, (change, want)\n"
@@ -136,7 +157,8 @@ def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_c
         "for args, want in (((89, 156, 0, 8), 1), ((90, 110, 1024, 8), 2), ((89, 64, 60 * 1024, 4), 1), "
         "((89, 32, 0, 8), 6), ((90, 32, 0, 1), 32), ((80, 64, 40 * 1024, 4), 4)):\n"
         "    assert s.ctas_per_sm(*args) == want, (args, s.ctas_per_sm(*args), want)\n"
-        "print('occupancy ok')\n")
+        "print('occupancy ok')\n"
+    )
     _verdicts_hold(code)
 
 
@@ -145,10 +167,11 @@ def test_allow_spill_passes_small_spills_only():
     # and a shared-memory overflow still fail
     code = (
         "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
-        + _MADE_UP_ROW +
-        "for change, want in ((dict(LOCAL=16), 0), (dict(LOCAL=8, STACK=8), 0), (dict(LOCAL=24), 1), "
+        + _MADE_UP_ROW
+        + "for change, want in ((dict(LOCAL=16), 0), (dict(LOCAL=8, STACK=8), 0), (dict(LOCAL=24), 1), "
         "(dict(SHARED=2000), 1)):\n"
         "    s.compile_all = lambda archs: [dict(row, **change)]\n"
         "    assert s.main(['--allow-spill', '16']) == want, (change, want)\n"
-        "print('verdicts ok')\n")
+        "print('verdicts ok')\n"
+    )
     _verdicts_hold(code)

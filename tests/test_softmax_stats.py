@@ -16,8 +16,14 @@ def _direct(z, y):
     logp = logp_all.gather(1, y[:, None]).squeeze(1)
     plogp = torch.where(p > 0, p * logp_all, 0.0)
     mean = torch.where(p > 0, p * z, 0.0).sum(1)
-    return dict(logp=logp, entropy=-plogp.sum(1), lse=torch.logsumexp(z, 1), nontarget_mass=1 - logp.exp(),
-                mean_logit=mean, mean_minus_target=mean - z.gather(1, y[:, None]).squeeze(1))
+    return dict(
+        logp=logp,
+        entropy=-plogp.sum(1),
+        lse=torch.logsumexp(z, 1),
+        nontarget_mass=1 - logp.exp(),
+        mean_logit=mean,
+        mean_minus_target=mean - z.gather(1, y[:, None]).squeeze(1),
+    )
 
 
 def _finished(stats):
@@ -39,13 +45,17 @@ def test_any_partition_and_grouping_merges_to_the_full_softmax(device):
     bounds = [0, 13, 64, 150, 180, V]
     shards = _shard_records(z, y, bounds)
     flat = softmax_stats.merge(softmax_stats.stack(*shards))
-    nested = softmax_stats.merge(softmax_stats.stack(
-        softmax_stats.merge(softmax_stats.stack(*shards[:2])), softmax_stats.merge(softmax_stats.stack(*shards[2:]))))
+    nested = softmax_stats.merge(
+        softmax_stats.stack(
+            softmax_stats.merge(softmax_stats.stack(*shards[:2])), softmax_stats.merge(softmax_stats.stack(*shards[2:]))
+        )
+    )
     for merged in (flat, nested):
         got = _finished(merged)
         for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                got[name], value, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_confident_rows_keep_relative_precision_in_fp32(device):

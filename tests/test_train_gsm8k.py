@@ -18,9 +18,14 @@ from safetensors.torch import load_file
 from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "train_gsm8k.py"
-QUESTIONS = [("What is 2 plus 3?", "5"), ("Tom has 4 apples and eats 1. How many are left?", "3"),
-             ("What is 6 times 7?", "42"), ("Half of 18?", "9"), ("What is 1,000 plus 1?", "1001"),
-             ("A box holds 12 eggs. How many eggs in 2 boxes?", "24")]
+QUESTIONS = [
+    ("What is 2 plus 3?", "5"),
+    ("Tom has 4 apples and eats 1. How many are left?", "3"),
+    ("What is 6 times 7?", "42"),
+    ("Half of 18?", "9"),
+    ("What is 1,000 plus 1?", "1001"),
+    ("A box holds 12 eggs. How many eggs in 2 boxes?", "24"),
+]
 
 
 def load_script():
@@ -51,7 +56,7 @@ def setup(tmp_path_factory):
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                          max_position_embeddings=512, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
+                         bos_token_id=None)  # fmt: skip
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
@@ -60,10 +65,35 @@ def setup(tmp_path_factory):
 
 def base_args(root, out, *extra):
     # the GPU recipe's defaults (gradient checkpointing, no priming) at toy sizes
-    return ["--preset", "gpu", "--model", str(root / "model"), "--data", str(root / "data"), "--output-dir", str(out),
-            "--prompts-per-step", "2", "--num-generations", "3", "--max-completion-length", "8",
-            "--micro-batch-size", "4", "--warmup-ratio", "0", "--lr", "1e-2", "--max-grad-norm", "1.0",
-            "--eval-samples", "0", "--seed", "0", *extra]
+    return [
+        "--preset",
+        "gpu",
+        "--model",
+        str(root / "model"),
+        "--data",
+        str(root / "data"),
+        "--output-dir",
+        str(out),
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "3",
+        "--max-completion-length",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--max-grad-norm",
+        "1.0",
+        "--eval-samples",
+        "0",
+        "--seed",
+        "0",
+        *extra,
+    ]
 
 
 def read_metrics(out):
@@ -76,8 +106,23 @@ def test_full_parameters_two_steps_checkpoint_and_resume(setup, monkeypatch):
     root, script = setup
     rewards = {"letters": letters_reward, "correctness": script.DEFAULT_REWARDS["correctness"]}
     out = root / "full"
-    result = script.main(base_args(root, out, "--max-steps", "2", "--save-every", "1", "--lora-r", "0",
-                                   "--eval-samples", "2", "--keep-checkpoints", "3"), reward_funcs=rewards)
+    result = script.main(
+        base_args(
+            root,
+            out,
+            "--max-steps",
+            "2",
+            "--save-every",
+            "1",
+            "--lora-r",
+            "0",
+            "--eval-samples",
+            "2",
+            "--keep-checkpoints",
+            "3",
+        ),
+        reward_funcs=rewards,
+    )
     assert result["status"] == "ok"
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
@@ -109,8 +154,10 @@ def test_full_parameters_two_steps_checkpoint_and_resume(setup, monkeypatch):
     resumed = root / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoint-2")
-    script.main(base_args(root, resumed, "--max-steps", "2", "--save-every", "1", "--lora-r", "0",
-                          "--resume", "latest"), reward_funcs=rewards)
+    script.main(
+        base_args(root, resumed, "--max-steps", "2", "--save-every", "1", "--lora-r", "0", "--resume", "latest"),
+        reward_funcs=rewards,
+    )
     again = read_metrics(resumed)
     assert [r["step"] for r in again] == [1, 2]
     assert again[1]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
@@ -125,9 +172,25 @@ def test_lora_reference_from_disabled_adapter_and_num_iterations(setup, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, script = setup
     out = root / "lora"
-    result = script.main(base_args(root, out, "--max-steps", "1", "--num-iterations", "2", "--lora-r", "4",
-                                   "--loss-type", "grpo", "--beta", "0.1", "--lr", "5e-2"),
-                         reward_funcs={"letters": letters_reward})
+    result = script.main(
+        base_args(
+            root,
+            out,
+            "--max-steps",
+            "1",
+            "--num-iterations",
+            "2",
+            "--lora-r",
+            "4",
+            "--loss-type",
+            "grpo",
+            "--beta",
+            "0.1",
+            "--lr",
+            "5e-2",
+        ),
+        reward_funcs={"letters": letters_reward},
+    )
     assert result["status"] == "ok"
     (row,) = read_metrics(out)
     # the first update starts from the base model (lora_B = 0: KL 0), the second from a moved policy: KL > 0 on
@@ -159,7 +222,8 @@ def test_eager_and_fused_losses_agree(setup, monkeypatch):
     for name in ("fused", "eager"):
         out = root / f"loss-{name}"
         script.main(base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--loss", name,
-                              "--memory-report", str(root / "memory.jsonl")), reward_funcs={"letters": letters_reward})
+                              "--memory-report",
+                              str(root / "memory.jsonl")), reward_funcs={"letters": letters_reward})  # fmt: skip
         losses[name] = read_metrics(out)[0]
     for key in ("loss", "kl", "entropy", "reward"):
         assert losses["fused"][key] == pytest.approx(losses["eager"][key], rel=1e-4, abs=1e-6), key
@@ -199,16 +263,21 @@ def test_completion_prefix_reaches_prompt_ids_and_rewards_and_one_shot_prompts(s
 
     monkeypatch.setattr(script.rollout, "generate", spy_generate)
     out = root / "prefix"
-    result = script.main(base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--one-shot",
-                                   "--completion-prefix", "<reasoning>\\n"), reward_funcs={"r": recording_reward})
+    result = script.main(
+        base_args(
+            root, out, "--max-steps", "1", "--lora-r", "0", "--one-shot", "--completion-prefix", "<reasoning>\\n"
+        ),
+        reward_funcs={"r": recording_reward},
+    )
     assert result["status"] == "ok"
     tok, batch = generated[0]
     for ids, mask in zip(batch.prompt_ids, batch.prompt_mask):  # the prompt ends with the template, then the prefix
         assert tok.decode(ids[mask.bool()]).endswith("<|im_start|>assistant\n<reasoning>\n")
     completions = script.rollout.decode_completions(tok, batch.completion_ids, batch.completion_mask)
     assert seen["texts"] == ["<reasoning>\n" + t for t in completions]  # the rewards see prefix + completion
-    assert read_metrics(out)[0]["reward"] == pytest.approx(sum(letters_reward(None, [[{"content": t}] for t in
-                                                                seen["texts"]], None)) / len(seen["texts"]))
+    assert read_metrics(out)[0]["reward"] == pytest.approx(
+        sum(letters_reward(None, [[{"content": t}] for t in seen["texts"]], None)) / len(seen["texts"])
+    )
     assert seen["prompts"][0][1:3] == script.data.ONE_SHOT and seen["prompts"][0][3]["role"] == "user"
 
 
@@ -221,9 +290,26 @@ def test_shared_prompt_path_equals_the_plain_one(setup, monkeypatch):
     rows = {}
     for flag in ("--gradient-checkpointing", "--no-gradient-checkpointing"):
         out = root / f"share{flag}"
-        script.main(base_args(root, out, "--max-steps", "1", "--lora-r", "4", "--beta", "0.1", "--lr", "5e-2",
-                              "--num-iterations", "2", "--save-every", "0", flag),
-                    reward_funcs={"letters": letters_reward})
+        script.main(
+            base_args(
+                root,
+                out,
+                "--max-steps",
+                "1",
+                "--lora-r",
+                "4",
+                "--beta",
+                "0.1",
+                "--lr",
+                "5e-2",
+                "--num-iterations",
+                "2",
+                "--save-every",
+                "0",
+                flag,
+            ),
+            reward_funcs={"letters": letters_reward},
+        )
         rows[flag] = read_metrics(out)
     for plain, shared in zip(rows["--gradient-checkpointing"], rows["--no-gradient-checkpointing"]):
         for key in ("loss", "kl", "entropy", "reward", "grad_norm", "ratio_mean"):
@@ -250,18 +336,26 @@ def test_no_arguments_picks_the_machines_recipe():
     assert cpu.one_shot and cpu.completion_prefix == "<reasoning>\n" and not cpu.gradient_checkpointing
     gpu = script.parse_args(["--preset", "gpu", "--max-steps", "3", "--no-gradient-checkpointing"])
     assert (gpu.model, gpu.lora_r, gpu.max_steps, gpu.lr, gpu.gradient_checkpointing) == (
-        "Qwen/Qwen2.5-1.5B-Instruct", 16, 3, 2e-5, False)
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        16,
+        3,
+        2e-5,
+        False,
+    )
     assert gpu.changed == ["gradient_checkpointing", "max_steps"] and gpu.data is None  # the bundled GSM8K
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "no-such-model"], "--model no-such-model: not a local folder and not a hub id"),
-    (["--model", "{root}/data"], "the folder has no config.json and no .gguf file"),
-    (["--model", "{root}/model", "--gguf-file", "x.gguf"], "--gguf-file x.gguf: not in"),
-    (["--model", "{root}/model", "--data", "{root}"], "no train.jsonl (or train.jsonl.gz) there"),
-    (["--model", "{root}/model", "--tokenizer", "a/b/c"], "--tokenizer a/b/c: not a local folder"),
-    (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set and the model is not in the local hub cache"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no-such-model"], "--model no-such-model: not a local folder and not a hub id"),
+        (["--model", "{root}/data"], "the folder has no config.json and no .gguf file"),
+        (["--model", "{root}/model", "--gguf-file", "x.gguf"], "--gguf-file x.gguf: not in"),
+        (["--model", "{root}/model", "--data", "{root}"], "no train.jsonl (or train.jsonl.gz) there"),
+        (["--model", "{root}/model", "--tokenizer", "a/b/c"], "--tokenizer a/b/c: not a local folder"),
+        (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set and the model is not in the local hub cache"),
+    ],
+)
 def test_bad_input_is_one_line_before_anything_slow(setup, monkeypatch, capsys, argv, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, script = setup
@@ -347,17 +441,39 @@ def test_a_bad_number_from_the_command_line_exits_2_with_one_line():
     import sys
 
     env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1]), HF_HUB_OFFLINE="1")
-    for argv, message in [(["--num-generations", "-4"], "--num-generations -4: expected an integer >= 2"),
-                          (["--max-steps", "-1"], "--max-steps -1: expected an integer >= 1")]:
-        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env,
-                              timeout=300, cwd=SCRIPT.parents[1])
+    for argv, message in [
+        (["--num-generations", "-4"], "--num-generations -4: expected an integer >= 2"),
+        (["--max-steps", "-1"], "--max-steps -1: expected an integer >= 1"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=SCRIPT.parents[1],
+        )
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr == f"train_gsm8k.py: error: {message}\n"
 
 
 def one_step(root, out, *extra):
-    return base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--num-generations", "2",
-                     "--prompts-per-step", "1", "--no-gradient-checkpointing", "--save-every", "0", *extra)
+    return base_args(
+        root,
+        out,
+        "--max-steps",
+        "1",
+        "--lora-r",
+        "0",
+        "--num-generations",
+        "2",
+        "--prompts-per-step",
+        "1",
+        "--no-gradient-checkpointing",
+        "--save-every",
+        "0",
+        *extra,
+    )
 
 
 @pytest.mark.slow
@@ -375,8 +491,11 @@ def test_a_run_never_destroys_another_and_says_what_it_wrote(setup, monkeypatch,
     # the same folder again: refused in a second, nothing touched
     with pytest.raises(SystemExit) as exit_info:
         script.main(one_step(root, out, "--seed", "1"), reward_funcs=rewards)
-    assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, samples.jsonl)" in str(
-        exit_info.value) and "--overwrite" in str(exit_info.value)
+    assert (
+        exit_info.value.code == 2
+        and "holds an earlier run (metrics.jsonl, metrics.png, samples.jsonl)" in str(exit_info.value)
+        and "--overwrite" in str(exit_info.value)
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # --resume latest without a checkpoint: an error, not a fresh start
     with pytest.raises(SystemExit) as exit_info:
@@ -408,8 +527,9 @@ def test_a_run_never_destroys_another_and_says_what_it_wrote(setup, monkeypatch,
 
     half = root / "half"
     with pytest.raises(RuntimeError):
-        script.main(one_step(root, half, "--max-steps", "2", "--eval-samples", "1"),
-                    reward_funcs={"flaky": fails_second_time})
+        script.main(
+            one_step(root, half, "--max-steps", "2", "--eval-samples", "1"), reward_funcs={"flaky": fails_second_time}
+        )
     assert sorted(p.name for p in half.iterdir()) == ["FAILED.txt", "metrics.jsonl", "samples.jsonl"]
     assert [r["step"] for r in read_metrics(half)] == [1]
     assert "stopped after 1 finished step(s): RuntimeError: gone" in (half / "FAILED.txt").read_text()

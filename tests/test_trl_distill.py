@@ -49,7 +49,7 @@ def distill_config(output_dir, **overrides):
     """One CPU process, fp32, no checkpointing, no saving, no reporting; any field can be overridden."""
     kw = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, gradient_checkpointing=False,
               per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION, max_completion_length=8,
-              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
+              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)  # fmt: skip
     kw.update(overrides)
     return DistillationConfig(**kw)
 
@@ -60,8 +60,14 @@ def trl_divergence_forbidden():
 
 
 def build(trainer_cls, student, teacher, args, **kwargs):
-    return trainer_cls(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=args,
-                       train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer(), **kwargs)
+    return trainer_cls(
+        model=copy.deepcopy(student),
+        teacher_model=copy.deepcopy(teacher),
+        args=args,
+        train_dataset=tiny_prompt_dataset(),
+        processing_class=byte_tokenizer(),
+        **kwargs,
+    )
 
 
 def generation_batch(trainer):
@@ -69,7 +75,7 @@ def generation_batch(trainer):
     them all), with some completions cut short so that masked tokens exist."""
     trainer.model.train()
     torch.manual_seed(1)
-    inputs = dict(trainer._prepare_inputs([{"prompt": p} for p in _PROMPTS[:BATCH * ACCUMULATION]]))
+    inputs = dict(trainer._prepare_inputs([{"prompt": p} for p in _PROMPTS[: BATCH * ACCUMULATION]]))
     mask = inputs["completion_mask"].clone()
     mask[0, 3:] = 0
     inputs["completion_mask"] = mask
@@ -119,20 +125,33 @@ def configured(trainer, beta, temperature, transforms):
 
 # every divergence mode (beta 0, 1, between), a temperature, the configs' transforms, with TRL's num_items_in_batch
 # or none; grpo_fast's Triton kernels run here (the interpreter, on a CPU): two cases in the fast tier
-CASES = [dict(beta=b, num_items=n, **extra) for n in ("from_generation", "none")
-         for b, extra in ((0.0, {}), (1.0, {}), (0.5, {}), (0.1, dict(temperature=0.7)),
-                          (1.0, dict(transforms=TRANSFORMS)), (0.5, dict(temperature=1.3, transforms=TRANSFORMS)))]
-FAST_CASES = (dict(beta=0.5, num_items="from_generation", temperature=1.3, transforms=TRANSFORMS),
-              dict(beta=1.0, num_items="none"))
+CASES = [
+    dict(beta=b, num_items=n, **extra)
+    for n in ("from_generation", "none")
+    for b, extra in (
+        (0.0, {}),
+        (1.0, {}),
+        (0.5, {}),
+        (0.1, dict(temperature=0.7)),
+        (1.0, dict(transforms=TRANSFORMS)),
+        (0.5, dict(temperature=1.3, transforms=TRANSFORMS)),
+    )
+]
+FAST_CASES = (
+    dict(beta=0.5, num_items="from_generation", temperature=1.3, transforms=TRANSFORMS),
+    dict(beta=1.0, num_items="none"),
+)
 
 
 def case_id(case):
-    return "-".join(f"{k}={v}" for k, v in case.items() if k != "transforms") + ("-transforms" if "transforms" in case
-                                                                                  else "")
+    return "-".join(f"{k}={v}" for k, v in case.items() if k != "transforms") + (
+        "-transforms" if "transforms" in case else ""
+    )
 
 
-@pytest.mark.parametrize("case", [case if case in FAST_CASES else pytest.param(case, marks=pytest.mark.slow)
-                                  for case in CASES], ids=case_id)
+@pytest.mark.parametrize(
+    "case", [case if case in FAST_CASES else pytest.param(case, marks=pytest.mark.slow) for case in CASES], ids=case_id
+)
 def test_compute_loss_matches_trl(pair, case):
     """Loss, every student gradient and the logged entropy: TRL's num_items_in_batch (the generation batch's token
     count over the process count), or none (the mean over this micro-batch's tokens)."""
@@ -172,7 +191,7 @@ def test_divergence_loss_matches_trl_function(precision, beta):
 
     def model(width, dtype, scale):
         hidden = torch.randn(B, T, width, generator=g).to(dtype)
-        weight = (scale * torch.randn(V, width, generator=g) / width ** 0.5).to(dtype)
+        weight = (scale * torch.randn(V, width, generator=g) / width**0.5).to(dtype)
         return hidden, weight, torch.randn(V, generator=g)
 
     student, teacher = model(16, dtypes["student"], 3.0), model(24, dtypes["teacher"], 4.0)
@@ -181,12 +200,20 @@ def test_divergence_loss_matches_trl_function(precision, beta):
     results = []
     for fn in (_chunked_divergence_loss, grpo_fast.trl.divergence_loss):
         leaves = [x.clone().requires_grad_() for x in student]
-        autocast = (torch.autocast("cpu", dtype=dtypes["autocast"]) if dtypes["autocast"]
-                    else contextlib.nullcontext())
+        autocast = torch.autocast("cpu", dtype=dtypes["autocast"]) if dtypes["autocast"] else contextlib.nullcontext()
         with autocast, trl_divergence_forbidden() if fn is grpo_fast.trl.divergence_loss else contextlib.nullcontext():
-            loss, entropy_sum, valid = fn(leaves[0], teacher[0], leaves[1], teacher[1], mask, beta,
-                                          num_items_in_batch=torch.tensor(11.0), student_lm_head_bias=leaves[2],
-                                          teacher_lm_head_bias=teacher[2], temperature=0.8)
+            loss, entropy_sum, valid = fn(
+                leaves[0],
+                teacher[0],
+                leaves[1],
+                teacher[1],
+                mask,
+                beta,
+                num_items_in_batch=torch.tensor(11.0),
+                student_lm_head_bias=leaves[2],
+                teacher_lm_head_bias=teacher[2],
+                temperature=0.8,
+            )
         loss.backward()
         results.append((loss.detach(), entropy_sum, valid, {i: x.grad for i, x in enumerate(leaves)}))
     (ref_loss, ref_entropy, ref_valid, ref_grads), (loss, entropy, valid, grads) = results
@@ -204,12 +231,23 @@ def test_divergence_loss_matches_trl_function(precision, beta):
     # in bf16, 1.7e-3 to 2.8e-3 under autocast; the Triton backward (rounding g to bf16 as a GPU does) equals TRL's,
     # the torch backend (fp32 g) is 1.4e-3 to 2.9e-3 in bf16 (bf16's own rounding of the fp64 value) and 1e-7 to
     # 4e-7 under autocast
-    leaves = [x.to(dtypes["autocast"] or x.dtype).double().requires_grad_() if i < 2 else x.double().requires_grad_()
-              for i, x in enumerate(student)]
+    leaves = [
+        x.to(dtypes["autocast"] or x.dtype).double().requires_grad_() if i < 2 else x.double().requires_grad_()
+        for i, x in enumerate(student)
+    ]
     teacher64 = [x.to(dtypes["autocast"] or x.dtype).double() if i < 2 else x.double() for i, x in enumerate(teacher)]
     divergence, _ = grpo_fast.reference.divergence_and_entropy(
-        leaves[0], leaves[1], teacher64[0], teacher64[1], mask, beta=beta, temperature=0.8, student_bias=leaves[2],
-        teacher_bias=teacher64[2], compute_dtype=torch.float64)
+        leaves[0],
+        leaves[1],
+        teacher64[0],
+        teacher64[1],
+        mask,
+        beta=beta,
+        temperature=0.8,
+        student_bias=leaves[2],
+        teacher_bias=teacher64[2],
+        compute_dtype=torch.float64,
+    )
     (divergence.sum() / 11.0).backward()
     for i, x in enumerate(leaves):
         scale = x.grad.abs().max().item()
@@ -237,8 +275,9 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
     """LoRA on the attention (random B, so the adapter matters): the student's head is frozen, grpo_fast takes its
     frozen-head path (d divergence / dh built in the forward) and the adapters' gradients equal TRL's."""
     student, teacher = tiny_pair()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                      task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"
+    )
     args = distill_config(tmp_path)
     theirs = build(trl.DistillationTrainer, student, teacher, args, peft_config=lora)
     with trl_divergence_forbidden():
@@ -269,7 +308,7 @@ def test_training_run_matches_trl(tmp_path):
 
     student, teacher = tiny_pair()
     args = distill_config(tmp_path, logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5,
-                          max_steps=2, beta=0.5, temperature=0.9)
+                          max_steps=2, beta=0.5, temperature=0.9)  # fmt: skip
     runs = {}
     for name, cls in (("trl", trl.DistillationTrainer), ("grpo_fast", DistillationTrainer)):
         recorder = GradRecorder()
@@ -289,8 +328,9 @@ def test_training_run_matches_trl(tmp_path):
     assert len(grads) == len(ref_grads) == 2
     for step, (a, b) in enumerate(zip(grads, ref_grads, strict=True)):
         assert_tensors_close(a, b, f"gradient at optimizer step {step}")
-    assert_tensors_close({k: v.detach() for k, v in params.items()},
-                         {k: v.detach() for k, v in ref_params.items()}, "trained parameter")
+    assert_tensors_close(
+        {k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in ref_params.items()}, "trained parameter"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- 2 processes
@@ -312,7 +352,7 @@ def scripted_generation(trainer):
         completions = []
         for ids in prompt_ids:
             k = len(ids) % 4
-            completions.append(list(reversed(ids))[:3 + k] + ([eos] if k % 2 == 0 else []))
+            completions.append(list(reversed(ids))[: 3 + k] + ([eos] if k % 2 == 0 else []))
         return completions
 
     return generate
@@ -327,10 +367,16 @@ def one_step(out_dir, world, case):
     student, teacher = tiny_pair()
     args = distill_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=1,
                           optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_steps=1, logging_strategy="steps",
-                          logging_steps=1, beta=0.5, shuffle_dataset=False)
+                          logging_steps=1, beta=0.5, shuffle_dataset=False)  # fmt: skip
     recorder = GradRecorder()
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, callbacks=[recorder],
-                                  train_dataset=tiny_prompt_dataset(n=GLOBAL_BATCH), processing_class=byte_tokenizer())
+    trainer = DistillationTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        callbacks=[recorder],
+        train_dataset=tiny_prompt_dataset(n=GLOBAL_BATCH),
+        processing_class=byte_tokenizer(),
+    )
     trainer._generate_single_turn = scripted_generation(trainer)
     if case == "fsdp2" and world > 1:
         fully_shard_by_hand(trainer)
@@ -339,8 +385,10 @@ def one_step(out_dir, world, case):
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
     wrapper = f"{trainer.accelerator.num_processes} x {type(trainer.model_wrapped).__name__}"
     # an FSDP2 gradient is this rank's shard (a DTensor): gathered here, on every rank in the same order
-    grads = {name.removeprefix("module."): g.full_tensor() if isinstance(g, DTensor) else g
-             for name, g in recorder.grads[0].items()}
+    grads = {
+        name.removeprefix("module."): g.full_tensor() if isinstance(g, DTensor) else g
+        for name, g in recorder.grads[0].items()
+    }
     return logged["loss"], logged["entropy"], grads, wrapper
 
 
@@ -364,11 +412,10 @@ def distributed_worker(rank, port, out_dir, case):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
     loss, entropy, grads, wrapper = one_step(os.path.join(out_dir, f"rank{rank}"), WORLD, case)
     if rank == 0:
-        torch.save(dict(loss=loss, entropy=entropy, grads=grads, wrapper=wrapper),
-                   os.path.join(out_dir, f"{case}.pt"))
+        torch.save(dict(loss=loss, entropy=entropy, grads=grads, wrapper=wrapper), os.path.join(out_dir, f"{case}.pt"))
 
 
 @pytest.mark.slow

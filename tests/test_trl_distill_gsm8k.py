@@ -36,9 +36,22 @@ def test_two_steps_offline(tmp_path, monkeypatch):
 
     script = load_script()
     with trl_divergence_forbidden():
-        trainer = script.main(["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
-                               "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
-                               "--max-completion-length", "8", "--per-device-train-batch-size", "2"])
+        trainer = script.main(
+            [
+                "--model",
+                str(tmp_path / "model"),
+                "--data",
+                str(tmp_path / "data"),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--max-steps",
+                "2",
+                "--max-completion-length",
+                "8",
+                "--per-device-train-batch-size",
+                "2",
+            ]
+        )
     assert trainer.model.config.num_hidden_layers == 2 and len(trainer.model.model.layers) == 2
     assert trainer.teacher_model.config.num_hidden_layers == 4
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -36,7 +36,7 @@ def global_batch():
     labels = ids.clone()
     labels[:, :4] = -100
     for row, length in enumerate([8, 3, 5, 8, 1, 6, 8, 2]):
-        labels[row, 4 + length:] = -100
+        labels[row, 4 + length :] = -100
     advantages = torch.randn(8, generator=g)
     return ids, labels, advantages
 
@@ -72,8 +72,11 @@ def build_model(case):
 def full_gradients(model):
     from torch.distributed.tensor import DTensor
 
-    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def unwrapped(model):
@@ -116,10 +119,17 @@ def run_case(rank, case, out_dir):
         loss.backward()
     loss_sum = loss.detach().clone()
     dist.all_reduce(loss_sum)
-    torch.save(dict(loss=loss_sum / WORLD, grads=full_gradients(unwrapped(model)), single_loss=single_loss.detach(),
-                    single_grads=full_gradients(single), weights_seen=weights_seen,
-                    head_sharded_after_no_grad=head_sharded_after_no_grad),
-               os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+    torch.save(
+        dict(
+            loss=loss_sum / WORLD,
+            grads=full_gradients(unwrapped(model)),
+            single_loss=single_loss.detach(),
+            single_grads=full_gradients(single),
+            weights_seen=weights_seen,
+            head_sharded_after_no_grad=head_sharded_after_no_grad,
+        ),
+        os.path.join(out_dir, f"{case}-rank{rank}.pt"),
+    )
 
 
 def worker(rank, port, out_dir):
@@ -137,8 +147,11 @@ def results(tmp_path_factory):
     """One spawn of 2 ranks runs every case."""
     out_dir = str(tmp_path_factory.mktemp("distributed"))
     spawn(worker, out_dir)
-    return {(case, rank): torch.load(os.path.join(out_dir, f"{case}-rank{rank}.pt"))
-            for case in CASES for rank in range(WORLD)}
+    return {
+        (case, rank): torch.load(os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+        for case in CASES
+        for rank in range(WORLD)
+    }
 
 
 @pytest.mark.slow
@@ -152,8 +165,9 @@ def test_two_processes_equal_one(results, case):
         assert_tensors_close(r["grads"], r["single_grads"], f"rank {rank} gradient")
         assert all(g.abs().max() > 0 for name, g in r["single_grads"].items() if "lm_head" in name)
         # the kernel always got the whole [V, D] weight as a plain tensor (FSDP gathered it, not grpo_fast)
-        assert r["weights_seen"] and all(seen == ("Tensor", (259, 48)) or seen == ("Parameter", (259, 48))
-                                         for seen in r["weights_seen"]), r["weights_seen"]
+        assert r["weights_seen"] and all(
+            seen == ("Tensor", (259, 48)) or seen == ("Parameter", (259, 48)) for seen in r["weights_seen"]
+        ), r["weights_seen"]
         if case.endswith("head_unit"):
             assert r["head_sharded_after_no_grad"]
         if "lora" in case:
@@ -166,11 +180,17 @@ DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 # stage3_param_persistence_threshold elements, 1e5 by default, gathered for good: the whole tiny model). The head's
 # weight is then gathered by ZeRO-3 itself when the patched forward reads it (DeepSpeed 0.19 gathers a partitioned
 # parameter on access inside a module's forward and registers it with that module for the backward).
-ZERO3 = dict(zero_optimization=dict(stage=3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
-                                    stage3_prefetch_bucket_size=0),
-             train_micro_batch_size_per_gpu="auto", train_batch_size="auto",
-             gradient_accumulation_steps="auto", gradient_clipping="auto", bf16=dict(enabled=False),
-             fp16=dict(enabled=False))
+ZERO3 = dict(
+    zero_optimization=dict(
+        stage=3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0
+    ),
+    train_micro_batch_size_per_gpu="auto",
+    train_batch_size="auto",
+    gradient_accumulation_steps="auto",
+    gradient_clipping="auto",
+    bf16=dict(enabled=False),
+    fp16=dict(enabled=False),
+)
 GLOBAL_BATCH, GENERATIONS = 4, 2
 
 
@@ -201,12 +221,21 @@ def zero3_step(out_dir, world):
 
     model = tiny_qwen2()  # before the config: ZeRO-3 partitions it in deepspeed.initialize, not while it is built
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    args = grpo_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, num_generations=GENERATIONS,
-                       max_completion_length=8, deepspeed=ZERO3 if world > 1 else None, optim="sgd",
-                       learning_rate=1.0, max_grad_norm=1e9, logging_strategy="steps", logging_steps=1)
+    args = grpo_config(
+        out_dir,
+        per_device_train_batch_size=GLOBAL_BATCH // world,
+        num_generations=GENERATIONS,
+        max_completion_length=8,
+        deepspeed=ZERO3 if world > 1 else None,
+        optim="sgd",
+        learning_rate=1.0,
+        max_grad_norm=1e9,
+        logging_strategy="steps",
+        logging_steps=1,
+    )
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL 1.16
     trainer = GRPOTrainer(model=model, reward_funcs=[token_reward], args=args, train_dataset=tiny_prompt_dataset(),
-                          processing_class=byte_tokenizer(), rollout_func=scripted_rollout)
+                          processing_class=byte_tokenizer(), rollout_func=scripted_rollout)  # fmt: skip
     with trl_kernel_forbidden():  # grpo_fast's head, never TRL's kernel
         trainer.train()
     loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
@@ -222,8 +251,15 @@ def zero3_step(out_dir, world):
 
 
 def zero3_worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        DS_ACCELERATOR="cpu",
+    )
     import deepspeed.ops
 
     # DeepSpeed's shared-memory all-reduce (its CPU fast path) is a C++ op JIT-built on first use (minutes on CI's

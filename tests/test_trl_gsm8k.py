@@ -57,7 +57,7 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
                                "--no-one-shot", "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
                                "--num-generations", "2", "--max-completion-length", "8",
                                "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1",
-                               "--generation-batch-size", "4", "--learning-rate", "1e-3"])
+                               "--generation-batch-size", "4", "--learning-rate", "1e-3"])  # fmt: skip
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
     assert all(f"rewards/{name}/mean" in steps[0] for name in REWARDS[1:])  # one generation batch feeds both steps
@@ -85,15 +85,17 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     stdout = capsys.readouterr().out
     assert "saving the trained weights..." in stdout
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith(f"done: this run wrote {out}/: metrics.jsonl (2 steps), metrics.png, model/ (weights and "
-                           "tokenizer, ") and last.endswith(" kB)")
+    assert last.startswith(
+        f"done: this run wrote {out}/: metrics.jsonl (2 steps), metrics.png, model/ (weights and tokenizer, "
+    ) and last.endswith(" kB)")
 
     # a second run into the same folder is refused before anything slow, and the first run's files stay
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
-                     "--output-dir", str(out)])
+                     "--output-dir", str(out)])  # fmt: skip
     assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, model/)" in str(
-        exit_info.value)
+        exit_info.value
+    )
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "metrics.png", "model"]
 
 
@@ -114,10 +116,31 @@ def test_a_failed_run_keeps_only_its_finished_steps_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(script, "xmlcount_reward", fails_in_the_second_generation)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="reward server down"):
-        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
-                     "--no-one-shot", "--output-dir", str(out), "--max-steps", "4", "--num-generations", "2",
-                     "--max-completion-length", "8", "--per-device-train-batch-size", "2",
-                     "--generation-batch-size", "4", "--learning-rate", "1e-3"])
+        script.main(
+            [
+                "--preset",
+                "cpu",
+                "--model",
+                str(tmp_path / "model"),
+                "--data",
+                str(tmp_path / "data"),
+                "--no-one-shot",
+                "--output-dir",
+                str(out),
+                "--max-steps",
+                "4",
+                "--num-generations",
+                "2",
+                "--max-completion-length",
+                "8",
+                "--per-device-train-batch-size",
+                "2",
+                "--generation-batch-size",
+                "4",
+                "--learning-rate",
+                "1e-3",
+            ]
+        )
     assert sorted(p.name for p in out.iterdir()) == ["FAILED.txt", "metrics.jsonl"]
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     assert "stopped after 2 finished step(s): RuntimeError: reward server down" in (out / "FAILED.txt").read_text()
@@ -131,11 +154,12 @@ def test_cpu_recipe_and_bad_input(monkeypatch, tmp_path):
     assert args.max_completion_length >= 128  # room for the tags to close (at 64 every reward was 0)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    for argv, message in [(["--model", "nope"], "--model nope: not a local folder and not a hub id"),
-                          (["--model", str(tmp_path)], "the folder has no config.json"),
-                          (["--model", str(tmp_path / "model"), "--data", str(tmp_path)],
-                           "no train.jsonl (or train.jsonl.gz) there"),
-                          (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set")]:
+    for argv, message in [
+        (["--model", "nope"], "--model nope: not a local folder and not a hub id"),
+        (["--model", str(tmp_path)], "the folder has no config.json"),
+        (["--model", str(tmp_path / "model"), "--data", str(tmp_path)], "no train.jsonl (or train.jsonl.gz) there"),
+        (["--model", "someone/some-model"], "HF_HUB_OFFLINE is set"),
+    ]:
         with pytest.raises(SystemExit) as exit_info:
             script.main(["--preset", "cpu", *argv])
         text = str(exit_info.value)
@@ -151,10 +175,13 @@ def test_every_numeric_flag_is_checked_before_anything_slow(monkeypatch, capsys)
     actions = parser_actions(script.parse_args, ["--preset", "cpu"])
     assert {d for d, a in actions.items() if a.type in (int, float)} == set(script.RANGES)
     ranged = [(argv, message) for _, argv, message in out_of_range_cases(script.RANGES, actions)]
-    batch_sizes = [(["--generation-batch-size", "6"],
-                    "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
-                   (["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
-                    "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)")]
+    batch_sizes = [
+        (["--generation-batch-size", "6"], "--generation-batch-size 6: expected a multiple of --num-generations (4)"),
+        (
+            ["--generation-batch-size", "12", "--num-generations", "6", "--per-device-train-batch-size", "8"],
+            "--generation-batch-size 12: expected a multiple of --per-device-train-batch-size (8)",
+        ),
+    ]
     for argv, message in ranged + batch_sizes:
         with pytest.raises(SystemExit) as exit_info:
             script.main(["--preset", "cpu", *argv])

@@ -113,24 +113,33 @@ def test_every_output_and_gradient_match_trl_head(name):
 @pytest.mark.parametrize("name", ["qwen2_untied", "gemma2_softcap"])
 def test_cpu_torch_backend_matches_trl_head(monkeypatch, name):
     """Outside the tests' Triton interpreter a CPU tensor runs grpo_fast's chunked torch path: the same check."""
-    monkeypatch.setattr(grpo_fast, "logprobs_and_entropy",
-                        functools.partial(grpo_fast.logprobs_and_entropy, backend="torch"))
+    monkeypatch.setattr(
+        grpo_fast, "logprobs_and_entropy", functools.partial(grpo_fast.logprobs_and_entropy, backend="torch")
+    )
     test_every_output_and_gradient_match_trl_head(name)
 
 
 def test_the_logit_transforms_bind():
     """The soft-cap and scale cases above are not vacuous: without the transform the log-probs differ a lot."""
     ids, labels = batch()
-    for model, plain_config in ((softcapped_gemma2(), dict(final_logit_softcapping=None)),
-                                (with_config(logits_scaling=4.0), dict(logits_scaling=None))):
+    for model, plain_config in (
+        (softcapped_gemma2(), dict(final_logit_softcapping=None)),
+        (with_config(logits_scaling=4.0), dict(logits_scaling=None)),
+    ):
         plain = copy.deepcopy(model)
         for key, value in plain_config.items():
             setattr(plain.config, key, value)
         add_fused_lm_head(model)
         add_fused_lm_head(plain)
         with torch.no_grad():
-            diff = (model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
-                    - plain(input_ids=ids, labels=labels, fused_lm_head=True).log_probs).abs().max()
+            diff = (
+                (
+                    model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+                    - plain(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+                )
+                .abs()
+                .max()
+            )
         assert diff > 0.1
 
 
@@ -187,15 +196,18 @@ def spy_on_kernel(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("autocast, cast_lm_head_to_fp32, compute_dtype", [
-    (False, False, torch.float32), (True, False, torch.bfloat16), (True, True, torch.float32)])
+@pytest.mark.parametrize(
+    "autocast, cast_lm_head_to_fp32, compute_dtype",
+    [(False, False, torch.float32), (True, False, torch.bfloat16), (True, True, torch.float32)],
+)
 def test_compute_dtype_as_trl(monkeypatch, autocast, cast_lm_head_to_fp32, compute_dtype):
     """TRL's compute dtype: the autocast dtype when autocast is on, unless cast_lm_head_to_fp32 (fp32, autocast off).
     An fp32 model under bf16 autocast: grpo_fast gets bf16 hidden states and weight (a differentiable cast: the
     weight's gradient comes back in fp32) and is exact for those inputs, where TRL's bf16 logit tiles are not."""
     seen = spy_on_kernel(monkeypatch)
-    ours, theirs = patched_pair(tiny_qwen2(), cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-                                outputs=("log_probs", "entropy"))
+    ours, theirs = patched_pair(
+        tiny_qwen2(), cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=("log_probs", "entropy")
+    )
     ids, labels = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out, grads = forward_backward(ours, input_ids=ids, labels=labels)
@@ -203,8 +215,9 @@ def test_compute_dtype_as_trl(monkeypatch, autocast, cast_lm_head_to_fp32, compu
     hidden, weight, targets, kwargs = seen[0]
     assert hidden.dtype == weight.dtype == compute_dtype
     assert out.log_probs.dtype == torch.float32 and grads["lm_head.weight"].dtype == torch.float32
-    truth, _ = reference.logprobs_and_entropy(hidden.double(), weight.double(), targets.clamp(min=0),
-                                              compute_dtype=torch.float64)
+    truth, _ = reference.logprobs_and_entropy(
+        hidden.double(), weight.double(), targets.clamp(min=0), compute_dtype=torch.float64
+    )
     truth = truth.masked_fill(~kwargs["completion_mask"], 0)
     assert (out.log_probs.double() - truth).abs().max() < 1e-5
     trl_error = (ref.log_probs.double() - truth).abs().max()
@@ -214,7 +227,7 @@ def test_compute_dtype_as_trl(monkeypatch, autocast, cast_lm_head_to_fp32, compu
 def test_moe_load_balancing_loss_as_trl():
     config = MixtralConfig(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-                           output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=64)
+                           output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=64)  # fmt: skip
     torch.manual_seed(0)
     ours, theirs = patched_pair(MixtralForCausalLM(config), outputs=("log_probs", "entropy"))
     ids, labels = batch()
@@ -330,8 +343,11 @@ def extras_path(logits, labels, temperature=0.7):
     """The no-grad extras of OUTPUTS from the model's own logits (zero / False where the label is -100)."""
     z, labels = logits[:, :-1] / temperature, labels[:, 1:]
     mask = labels != -100
-    return dict(log_sum_sq_probs=(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)) * mask,
-                mean_logits=z.mean(-1) * mask, is_top1=(z.argmax(-1) == labels) & mask)
+    return dict(
+        log_sum_sq_probs=(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)) * mask,
+        mean_logits=z.mean(-1) * mask,
+        is_top1=(z.argmax(-1) == labels) & mask,
+    )
 
 
 def own_logits(model, ids):
@@ -363,8 +379,9 @@ def assert_grads_within(grads, truth, rtol):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_lora_on_lm_head_equals_peft_logits_path(monkeypatch, backend):
-    monkeypatch.setattr(grpo_fast, "logprobs_and_entropy",
-                        functools.partial(grpo_fast.logprobs_and_entropy, backend=backend))
+    monkeypatch.setattr(
+        grpo_fast, "logprobs_and_entropy", functools.partial(grpo_fast.logprobs_and_entropy, backend=backend)
+    )
     model = lora_on_head()
     ids, labels = batch()
     out, grads = forward_backward(model, input_ids=ids, labels=labels)
@@ -415,8 +432,9 @@ def test_head_path_follows_the_adapter(monkeypatch, adapter_trains):
     takes the frozen-head path, which also builds the adapter's hidden-side gradient. Both exact."""
     taken = []
     real = grpo_fast.autograd.takes_frozen_head
-    monkeypatch.setattr(grpo_fast.autograd, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k))
-                        or taken[-1])
+    monkeypatch.setattr(
+        grpo_fast.autograd, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
+    )
     model = lora_on_head()
     if not adapter_trains:
         for name, p in model.named_parameters():
@@ -430,9 +448,15 @@ def test_head_path_follows_the_adapter(monkeypatch, adapter_trains):
     assert_grads_within(grads, truth_grads, 1e-4)
 
 
-@pytest.mark.parametrize("model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype", [
-    (torch.float32, False, False, torch.float32), (torch.float32, True, False, torch.bfloat16),
-    (torch.float32, True, True, torch.float32), (torch.bfloat16, False, False, torch.float32)])
+@pytest.mark.parametrize(
+    "model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype",
+    [
+        (torch.float32, False, False, torch.float32),
+        (torch.float32, True, False, torch.bfloat16),
+        (torch.float32, True, True, torch.float32),
+        (torch.bfloat16, False, False, torch.float32),
+    ],
+)
 def test_adapter_dtype_policy(monkeypatch, model_dtype, autocast, cast_lm_head_to_fp32, adapter_dtype):
     """The adapter's weights in the compute dtype under autocast or cast_lm_head_to_fp32, else in their own (PEFT's
     fp32 adapters over a bf16 model); their gradients come back in the parameters' dtype."""

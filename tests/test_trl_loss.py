@@ -48,8 +48,14 @@ BACKENDS = ("torch", pytest.param("triton", marks=pytest.mark.interpreter_only))
 MAX_COMPLETION_LENGTH = 11
 # GRPOConfig options that exist for TRL's vLLM importance sampling, not grpo_fast.loss keywords (grpo_fast takes the
 # resulting weights as importance_weights, from grpo_fast.sampling_importance_weights)
-TRL_ONLY_OPTIONS = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "use_adaptive_entropy")
+TRL_ONLY_OPTIONS = (
+    "use_vllm",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "use_adaptive_entropy",
+)
 # Metrics one side reports that the other has no counterpart for. TRL's `entropy_coef` is trainer state (the
 # coefficient itself, logged when the bonus is on), not computed from the batch; grpo_fast's `ratio_mean` is its own.
 TRL_ONLY_METRICS = {"entropy_coef"}
@@ -72,8 +78,14 @@ ATOL = 1e-6
 # row 2 is EOS alone: a one-token completion. Prompts of different lengths are left-padded by TRL.
 PROMPT_IDS = [[72, 105, 33], [72, 105, 33], [50, 43, 50, 61, 63, 10], [50, 43, 50, 61, 63, 10], [81, 58], [81, 58]]
 EOS = ASCII_EOS_ID
-COMPLETION_IDS = [[52, 32, 52, 61, 56, 46, 32, EOS], [53, 33, 10, EOS], [EOS], [9, 8, 7, 6, 5],
-                  [100, 101, 102, 103, 104, 105, EOS], [120, 121, EOS]]
+COMPLETION_IDS = [
+    [52, 32, 52, 61, 56, 46, 32, EOS],
+    [53, 33, 10, EOS],
+    [EOS],
+    [9, 8, 7, 6, 5],
+    [100, 101, 102, 103, 104, 105, EOS],
+    [120, 121, EOS],
+]
 ADVANTAGES = [0.8, -1.1, 0.0, 0.6, -0.7, 1.3]
 # per-row offset of the sampler's log-probs from the model's: row 1 (A < 0) is far off-policy (dropped by the
 # off-policy mask at OFF_POLICY_THRESHOLD), row 4 (A < 0) is close (kept)
@@ -87,9 +99,14 @@ def make_trainer(model=None, **config):
     """TRL's GRPOTrainer around a tiny Qwen2 (hidden 32, vocab 131: the interpreter's cost grows with D x V)."""
     if model is None:
         model = tiny_qwen2(vocab_size=ASCII_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                           num_key_value_heads=2)
-    args = grpo_config(per_device_train_batch_size=6, num_generations=2, max_completion_length=MAX_COMPLETION_LENGTH,
-                       mask_truncated_completions=True, **config)
+                           num_key_value_heads=2)  # fmt: skip
+    args = grpo_config(
+        per_device_train_batch_size=6,
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        mask_truncated_completions=True,
+        **config,
+    )
     trainer = build_trainer(args, model=model, processing_class=ascii_tokenizer())
     _assert_trl_head(trainer)
     return trainer
@@ -136,8 +153,9 @@ CLIPS = ((3.0, None), (2.0, 0.5), (None, 0.7), (3.0, 1.2))
 def make_rollouts(trainer, clips=CLIPS):
     """TRL's inputs for the scripted rollout, per (vLLM importance sampling mode, clip_max, clip_min)."""
     # the model's own log-probs first (TRL computes them as the old log-probs when correcting for a sampler)
-    old_true = score_scripted_rollout(trainer, PROMPT_IDS, COMPLETION_IDS,
-                                      [[0.0] * len(c) for c in COMPLETION_IDS])["old_per_token_logps"]
+    old_true = score_scripted_rollout(trainer, PROMPT_IDS, COMPLETION_IDS, [[0.0] * len(c) for c in COMPLETION_IDS])[
+        "old_per_token_logps"
+    ]
     sampling = _sampler_logprobs(old_true)
     out = {}
     for mode in IS_MODES:
@@ -145,8 +163,14 @@ def make_rollouts(trainer, clips=CLIPS):
             if mode.endswith("truncate") and clip_max is None:
                 continue  # a lower bound alone: checked on the mask modes only (keeps the grid small)
             out[mode, clip_max, clip_min] = score_scripted_rollout(
-                trainer, PROMPT_IDS, COMPLETION_IDS, sampling, vllm_importance_sampling_mode=mode,
-                vllm_importance_sampling_clip_max=clip_max, vllm_importance_sampling_clip_min=clip_min)
+                trainer,
+                PROMPT_IDS,
+                COMPLETION_IDS,
+                sampling,
+                vllm_importance_sampling_mode=mode,
+                vllm_importance_sampling_clip_max=clip_max,
+                vllm_importance_sampling_clip_min=clip_min,
+            )
     return out
 
 
@@ -161,8 +185,9 @@ def make_batch(rollouts):
     advantages_per_token = torch.randn(6, 8, generator=g)
     advantages_per_token[0, 1] = advantages_per_token[5, :] = 0.0
     return dict(
-        inputs={k: base[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                     "num_items_in_batch")},
+        inputs={
+            k: base[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
+        },
         old=((true + 0.3 * torch.randn(6, 8, generator=g)) * mask),
         ref=((true + 0.3 * torch.randn(6, 8, generator=g)) * mask),
         sampling=base["sampling_per_token_logps"],
@@ -205,8 +230,9 @@ class Case:
     def trl_options(self):
         options = dict(self.options)
         if self.is_mode is not None:
-            options.update(use_vllm=True, vllm_importance_sampling_correction=True,
-                           vllm_importance_sampling_mode=self.is_mode)
+            options.update(
+                use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=self.is_mode
+            )
         return options
 
     def grpo_fast_kwargs(self, inputs):
@@ -257,11 +283,20 @@ def run_grpo_fast(model, inputs, backend, **kwargs):
     prompt_len = inputs["prompt_ids"].shape[1]
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # as TRL's forward
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              use_cache=False).last_hidden_state[:, prompt_len - 1:-1]
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[
+        :, prompt_len - 1 : -1
+    ]
     head = model.get_output_embeddings()
-    loss, metrics = grpo_fast.loss(hidden, head.weight, inputs["completion_ids"], inputs["advantages"],
-                                   inputs["completion_mask"], bias=head.bias, backend=backend, **kwargs)
+    loss, metrics = grpo_fast.loss(
+        hidden,
+        head.weight,
+        inputs["completion_ids"],
+        inputs["advantages"],
+        inputs["completion_mask"],
+        bias=head.bias,
+        backend=backend,
+        **kwargs,
+    )
     loss.backward()
     return loss.detach(), _grads(model), {k: float(v) for k, v in metrics.items()}
 
@@ -276,8 +311,9 @@ def assert_matches_trl(trl_result, fast_result, context=""):
         scale[module] = max(scale.get(module, 0.0), float(expected.abs().max()))
     for name, expected in trl_grads.items():
         atol = RTOL * scale[name.rsplit(".", 1)[0]]
-        torch.testing.assert_close(grads[name], expected, rtol=RTOL, atol=atol,
-                                   msg=lambda m, name=name: f"{context} grad of {name}: {m}")
+        torch.testing.assert_close(
+            grads[name], expected, rtol=RTOL, atol=atol, msg=lambda m, name=name: f"{context} grad of {name}: {m}"
+        )
     # every metric TRL logs has a grpo_fast counterpart, and the other way round (bar the named exceptions)
     names = f"{context}: TRL logs {sorted(trl_metrics)}, grpo_fast reports {sorted(metrics)}"
     assert set(trl_metrics) - TRL_ONLY_METRICS <= set(metrics), names
@@ -285,8 +321,9 @@ def assert_matches_trl(trl_result, fast_result, context=""):
     for name in set(trl_metrics) & set(metrics):
         expected, actual = trl_metrics[name], metrics[name]
         both_nan = math.isnan(actual) and math.isnan(expected)
-        assert both_nan or math.isclose(actual, expected, rel_tol=RTOL, abs_tol=ATOL), \
+        assert both_nan or math.isclose(actual, expected, rel_tol=RTOL, abs_tol=ATOL), (
             f"{context} metric {name}: grpo_fast {actual!r}, TRL {expected!r}"
+        )
 
 
 _TRL_RESULTS = {}  # case id -> TRL's result: computed once for both backends
@@ -308,8 +345,11 @@ LEVELS = ("token", "sequence")
 
 
 def _grid(prefix, **options):
-    return [Case(f"{prefix}-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, **options))
-            for lt in LOSS_TYPES for lvl in LEVELS]
+    return [
+        Case(f"{prefix}-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, **options))
+        for lt in LOSS_TYPES
+        for lvl in LEVELS
+    ]
 
 
 CASES = [
@@ -376,7 +416,7 @@ CASES = [
                    else dict(epsilon=0.05, epsilon_high=0.08, delta=1.06))),
            sampler=True, is_mode="token_mask", per_token_advantages=True, num_items_in_batch=40)
       for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))],
-]
+]  # fmt: skip
 assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -392,8 +432,9 @@ def test_the_batch_exercises_every_branch(batch, rollouts):
     mask = batch["inputs"]["completion_mask"].bool()
     advantages = batch["advantages"].unsqueeze(1)
     # the off-policy mask (TRL's own) drops a negative-advantage sequence and keeps another
-    keep = trl.GRPOTrainer.get_off_policy_mask(advantages, batch["old"], batch["sampling"], mask.float(),
-                                               OFF_POLICY_THRESHOLD).squeeze(1)
+    keep = trl.GRPOTrainer.get_off_policy_mask(
+        advantages, batch["old"], batch["sampling"], mask.float(), OFF_POLICY_THRESHOLD
+    ).squeeze(1)
     negative = (advantages.squeeze(1) < 0) & mask.any(1)
     assert (keep[negative] == 0).any() and (keep[negative] == 1).any()
     assert torch.isnan(batch["sampling"][mask]).any()
@@ -411,16 +452,22 @@ def test_the_batch_exercises_every_branch(batch, rollouts):
 
 
 # ----------------------------------------------------------------------------------------------- sampler weights
-@pytest.mark.parametrize("key", [(m, hi, lo) for m in IS_MODES for hi, lo in CLIPS
-                                 if not (m.endswith("truncate") and hi is None)], ids=str)
+@pytest.mark.parametrize(
+    "key", [(m, hi, lo) for m in IS_MODES for hi, lo in CLIPS if not (m.endswith("truncate") and hi is None)], ids=str
+)
 def test_sampling_importance_weights_match_trl(rollouts, key):
     """grpo_fast.sampling_importance_weights against the ratio TRL's own _generate_and_score_completions computed."""
     mode, clip_max, clip_min = key
     out = rollouts[key]
     expected = out["importance_sampling_ratio"]
-    weights = grpo_fast.sampling_importance_weights(out["old_per_token_logps"], out["sampling_per_token_logps"],
-                                                    out["completion_mask"], mode=mode, clip_max=clip_max,
-                                                    clip_min=clip_min)
+    weights = grpo_fast.sampling_importance_weights(
+        out["old_per_token_logps"],
+        out["sampling_per_token_logps"],
+        out["completion_mask"],
+        mode=mode,
+        clip_max=clip_max,
+        clip_min=clip_min,
+    )
     assert weights.shape == expected.shape == ((6, 8) if mode.startswith("token") else (6, 1))
     assert not torch.isnan(weights).any()
     torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0.0)
@@ -446,8 +493,11 @@ def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, ro
     ratio = rollouts["token_truncate", 3.0, 1.2]["importance_sampling_ratio"]  # 1.2 at padding (checked below)
     case = Case("vespo-clip_min-above-1", dict(loss_type="vespo"), is_mode="token_truncate")
     inputs = {**case.trl_inputs(batch), "importance_sampling_ratio": ratio}
-    assert_matches_trl(run_trl(trainer, case, inputs),
-                       run_grpo_fast(trainer.model, inputs, backend, **case.grpo_fast_kwargs(inputs)), case.id)
+    assert_matches_trl(
+        run_trl(trainer, case, inputs),
+        run_grpo_fast(trainer.model, inputs, backend, **case.grpo_fast_kwargs(inputs)),
+        case.id,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- defaults, errors
@@ -455,10 +505,28 @@ def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, ro
 # carries (TRL reads softcap / logit scale from it), the head's LoRA adapter (TRL reads it from the PEFT model), the
 # precomputed top-entropy threshold, the backend and layer 1's path and backward, the distillation teacher and its
 # coefficient and beta (DistillationConfig's names, not GRPOConfig's)
-GRPO_FAST_ONLY_KEYWORDS = {"bias", "old_logprobs", "ref_logprobs", "sampling_logprobs", "importance_weights",
-                           "softcap", "logit_scale", "num_items_in_batch", "entropy_threshold", "backend", "entropy",
-                           "options", "head_path", "backward_mode", "vocab_parallel", "lora", "check_values",
-                           "teacher", "distillation_coef", "distillation_beta"}
+GRPO_FAST_ONLY_KEYWORDS = {
+    "bias",
+    "old_logprobs",
+    "ref_logprobs",
+    "sampling_logprobs",
+    "importance_weights",
+    "softcap",
+    "logit_scale",
+    "num_items_in_batch",
+    "entropy_threshold",
+    "backend",
+    "entropy",
+    "options",
+    "head_path",
+    "backward_mode",
+    "vocab_parallel",
+    "lora",
+    "check_values",
+    "teacher",
+    "distillation_coef",
+    "distillation_beta",
+}
 
 
 @pytest.mark.parametrize("fn", [grpo_fast.loss, grpo_fast.token_loss], ids=lambda f: f.__name__)
@@ -492,8 +560,17 @@ def test_vespo_rejects_sequence_level_importance_weights(batch, rollouts, backen
     weight = torch.randn(ASCII_VOCAB_SIZE, 16)
     inputs = batch["inputs"]
     with pytest.raises(ValueError, match="vespo"):
-        grpo_fast.loss(hidden, weight, inputs["completion_ids"], batch["advantages"], inputs["completion_mask"],
-                       old_logprobs=batch["old"], importance_weights=weights, loss_type="vespo", backend=backend)
+        grpo_fast.loss(
+            hidden,
+            weight,
+            inputs["completion_ids"],
+            batch["advantages"],
+            inputs["completion_mask"],
+            old_logprobs=batch["old"],
+            importance_weights=weights,
+            loss_type="vespo",
+            backend=backend,
+        )
 
 
 # ----------------------------------------------------------------------------------------------- the harness itself
@@ -515,8 +592,16 @@ def test_temperature_repatch_is_faithful(trainer, batch):
 # ----------------------------------------------------------------------------------------------- Gemma 2's softcap
 GEMMA2_CASES = [
     Case("gemma2-dapo-beta-is", dict(loss_type="dapo", beta=0.04), is_mode="token_truncate"),
-    Case("gemma2-grpo-sequence-entropy", dict(loss_type="grpo", importance_sampling_level="sequence",
-                                              temperature=0.8, top_entropy_quantile=0.5, entropy_coef=0.01)),
+    Case(
+        "gemma2-grpo-sequence-entropy",
+        dict(
+            loss_type="grpo",
+            importance_sampling_level="sequence",
+            temperature=0.8,
+            top_entropy_quantile=0.5,
+            entropy_coef=0.01,
+        ),
+    ),
 ]
 
 
@@ -535,6 +620,11 @@ def test_softcapped_model_matches_trl(gemma2, case, backend):
     inputs = case.trl_inputs(batch)
     if case.id not in _TRL_RESULTS:
         _TRL_RESULTS[case.id] = run_trl(trainer, case, inputs)
-    fast = run_grpo_fast(trainer.model, inputs, backend, softcap=trainer.model.config.final_logit_softcapping,
-                         **case.grpo_fast_kwargs(inputs))
+    fast = run_grpo_fast(
+        trainer.model,
+        inputs,
+        backend,
+        softcap=trainer.model.config.final_logit_softcapping,
+        **case.grpo_fast_kwargs(inputs),
+    )
     assert_matches_trl(_TRL_RESULTS[case.id], fast, f"[{case.id}, {backend}]")

@@ -63,7 +63,8 @@ def test_reference_model_accumulation_generation_reuse_entropy_bonus_and_mask(tm
     entropy bonus, top-entropy mask, temperature."""
     path = save_model(tiny_qwen2(), tmp_path / "qwen2")
     args = grpo_config(beta=0.04, gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2,
-                       entropy_coef=0.01, top_entropy_quantile=0.5, temperature=0.9, loss_type="dapo", **LOGGED)
+                       entropy_coef=0.01, top_entropy_quantile=0.5, temperature=0.9,
+                       loss_type="dapo", **LOGGED)  # fmt: skip
     ours, theirs = runs(path, args)
     assert_runs_match(ours, theirs)
     assert {"kl", "entropy", "clip_ratio/region_mean"} <= theirs.log_history[0].keys()
@@ -76,8 +77,14 @@ def test_tied_embeddings_lora_reference_and_gradient_checkpointing():
     adapter disabled), gradient checkpointing, sequence-level importance sampling, accumulation 2."""
     model = tiny_qwen2(tie_word_embeddings=True)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
-    args = grpo_config(beta=0.04, gradient_checkpointing=True, gradient_accumulation_steps=2, loss_type="grpo",
-                       importance_sampling_level="sequence", **LOGGED)
+    args = grpo_config(
+        beta=0.04,
+        gradient_checkpointing=True,
+        gradient_accumulation_steps=2,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        **LOGGED,
+    )
     ours, theirs = runs(model, args, peft_config=lora)
     assert_runs_match(ours, theirs)
     assert ours.grads[0] and all("lora_" in name for name in ours.grads[0])
@@ -89,12 +96,13 @@ def test_lora_on_lm_head_against_trl_trainer_on_the_eager_head(monkeypatch):
     reads the base weight (TRL #6530, #7017), so TRL's trainer refuses the adapter and has no other path: it runs with
     that refusal lifted and the eager head (trl_pairs.eager_lm_head: the model's own logits); beta != 0: the
     reference is the policy with its adapters disabled."""
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False,
-                      task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False, task_type="CAUSAL_LM"
+    )
     args = grpo_config(beta=0.04, loss_type="dapo", temperature=0.9, **LOGGED)
     with pytest.raises(ValueError, match="PEFT adapter to `lm_head` is not supported"):
         trl.GRPOTrainer(model=tiny_qwen2(), reward_funcs=[token_reward], args=args, peft_config=lora,
-                        train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+                        train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())  # fmt: skip
     with monkeypatch.context() as patch:
         patch.setattr(trl_grpo_trainer, "BaseTunerLayer", type("NoTunerLayer", (), {}))
         patch.setattr(trl_grpo_trainer, "add_fused_lm_head", eager_lm_head)
@@ -106,17 +114,34 @@ def test_lora_on_lm_head_against_trl_trainer_on_the_eager_head(monkeypatch):
     assert any(entry.get("kl", 0) > 0 for entry in theirs.log_history)
 
 
-@pytest.mark.parametrize("trainer_cls, lm_head_dora", [(GRPOTrainer, False), (RLOOTrainer, False),
-                                                       (GRPOTrainer, True)], ids=["grpo", "rloo", "grpo_dora"])
+@pytest.mark.parametrize(
+    "trainer_cls, lm_head_dora",
+    [(GRPOTrainer, False), (RLOOTrainer, False), (GRPOTrainer, True)],
+    ids=["grpo", "rloo", "grpo_dora"],
+)
 def test_trainers_take_lora_on_lm_head_and_refuse_what_the_head_cannot_apply(tmp_path, trainer_cls, lm_head_dora):
     """TRL's constructors refuse an adapter on the lm_head; grpo_fast's take one its head applies and name what it
     cannot (DoRA); TRL's names are TRL's again afterwards."""
     lora = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], use_dora=lm_head_dora, task_type="CAUSAL_LM")
     config_cls = trl.RLOOConfig if trainer_cls is RLOOTrainer else trl.GRPOConfig
-    args = config_cls(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
-                      num_generations=2, max_completion_length=4, save_strategy="no")
-    build = functools.partial(trainer_cls, model=tiny_qwen2(), reward_funcs=[token_reward], args=args,
-                              peft_config=lora, train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+    args = config_cls(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        save_strategy="no",
+    )
+    build = functools.partial(
+        trainer_cls,
+        model=tiny_qwen2(),
+        reward_funcs=[token_reward],
+        args=args,
+        peft_config=lora,
+        train_dataset=tiny_prompt_dataset(),
+        processing_class=byte_tokenizer(),
+    )
     if lm_head_dora:
         with pytest.raises(NotImplementedError, match="DoraLinearVariant"):
             build()
@@ -131,9 +156,14 @@ def test_trl_refusal_of_cast_lm_head_to_fp32_with_lora_on_lm_head_stays(tmp_path
     """TRL's other check on a PEFT lm_head (cast_lm_head_to_fp32 would replace the head's forward) is not lifted."""
     lora = LoraConfig(r=4, target_modules=["lm_head"], task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True` is not supported"):
-        GRPOTrainer(model=tiny_qwen2(), reward_funcs=[token_reward], peft_config=lora,
-                    args=grpo_config(str(tmp_path), cast_lm_head_to_fp32=True),
-                    train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+        GRPOTrainer(
+            model=tiny_qwen2(),
+            reward_funcs=[token_reward],
+            peft_config=lora,
+            args=grpo_config(str(tmp_path), cast_lm_head_to_fp32=True),
+            train_dataset=tiny_prompt_dataset(),
+            processing_class=byte_tokenizer(),
+        )
 
 
 @pytest.mark.slow
@@ -158,7 +188,7 @@ def test_rloo_trainer(tmp_path):
     args = trl.RLOOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=False,
                           per_device_train_batch_size=4, num_generations=2, max_completion_length=8, beta=0.04,
                           gradient_accumulation_steps=2, num_iterations=2, save_strategy="no", disable_tqdm=True,
-                          dataloader_num_workers=0, seed=0, **LOGGED)
+                          dataloader_num_workers=0, seed=0, **LOGGED)  # fmt: skip
     ours, theirs = runs(path, args, trainer_classes=(trl.RLOOTrainer, RLOOTrainer))
     assert_runs_match(ours, theirs)
 
@@ -184,8 +214,13 @@ def test_every_patched_model_gets_grpo_fast_head_and_trl_module_is_untouched(tmp
         return ours_head(model, **kwargs)
 
     monkeypatch.setattr(grpo_fast.trl, "add_fused_lm_head", head_that_looks)
-    trainer = GRPOTrainer(model=path, reward_funcs=[token_reward], args=grpo_config(beta=0.04),
-                          train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())
+    trainer = GRPOTrainer(
+        model=path,
+        reward_funcs=[token_reward],
+        args=grpo_config(beta=0.04),
+        train_dataset=tiny_prompt_dataset(),
+        processing_class=byte_tokenizer(),
+    )
     for model in (trainer.model, trainer.ref_model):
         assert model.forward.__func__.__code__.co_filename == grpo_fast.trl.__file__
     assert seen_during == [(trl_add_fused_lm_head, BaseTunerLayer)] * 2
@@ -195,6 +230,7 @@ def test_every_patched_model_gets_grpo_fast_head_and_trl_module_is_untouched(tmp
 def test_a_constructor_that_no_longer_reads_the_name_fails_loudly():
     """The head reaches TRL's constructor only through the names it reads: a release that moved the call is an
     error, not TRL's head in silence."""
+
     def constructor_without_the_call(self):
         return None
 
@@ -213,9 +249,15 @@ def test_a_constructor_that_patched_no_model_fails_loudly():
         trainer._trl_init_with_grpo_fast_head(Quiet, (tiny_qwen2(),), {})
 
 
-@pytest.mark.parametrize("config, entropy_grad", [(dict(entropy_coef=0.0), False), (dict(entropy_coef=0.01), True),
-                                                  (dict(entropy_coef=0.0, use_adaptive_entropy=True), True),
-                                                  ({}, False)])
+@pytest.mark.parametrize(
+    "config, entropy_grad",
+    [
+        (dict(entropy_coef=0.0), False),
+        (dict(entropy_coef=0.01), True),
+        (dict(entropy_coef=0.0, use_adaptive_entropy=True), True),
+        ({}, False),
+    ],
+)
 def test_the_head_gets_the_trainers_entropy_decision_from_its_config(monkeypatch, config, entropy_grad):
     """The entropy is differentiated only with an entropy bonus in the trainer's config (RLOO's has none: {})."""
     calls = []
@@ -242,13 +284,16 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 # the options a case may change, at their GRPOConfig defaults (each case sets them all, so none leaks into the next)
 OPTION_DEFAULTS = dict(loss_type="dapo", importance_sampling_level="token", epsilon=0.2, epsilon_high=None,
                        delta=None, use_bias_correction_kl=True, top_entropy_quantile=1.0, entropy_coef=0.0,
-                       off_policy_mask_threshold=None)
-OPTION_CASES = [dict(loss_type=t, importance_sampling_level=level)
-                for t in LOSS_TYPES for level in ("token", "sequence")]
-OPTION_CASES += [dict(loss_type="grpo", delta=1.5, epsilon_high=0.28),
-                 dict(loss_type="dapo", use_bias_correction_kl=False),
-                 dict(loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=0.05),
-                 dict(loss_type="grpo", off_policy_mask_threshold=0.01)]
+                       off_policy_mask_threshold=None)  # fmt: skip
+OPTION_CASES = [
+    dict(loss_type=t, importance_sampling_level=level) for t in LOSS_TYPES for level in ("token", "sequence")
+]
+OPTION_CASES += [
+    dict(loss_type="grpo", delta=1.5, epsilon_high=0.28),
+    dict(loss_type="dapo", use_bias_correction_kl=False),
+    dict(loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=0.05),
+    dict(loss_type="grpo", off_policy_mask_threshold=0.01),
+]
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +308,13 @@ def trainer_pair(tmp_path_factory):
     for name, cls in (("trl", trl.GRPOTrainer), ("grpo_fast", GRPOTrainer)):
         with trl_kernel_forbidden() if name == "grpo_fast" else contextlib.nullcontext():
             torch.manual_seed(0)
-            trainer = cls(model=path, reward_funcs=[token_reward], args=args, train_dataset=tiny_prompt_dataset(),
-                          processing_class=byte_tokenizer())
+            trainer = cls(
+                model=path,
+                reward_funcs=[token_reward],
+                args=args,
+                train_dataset=tiny_prompt_dataset(),
+                processing_class=byte_tokenizer(),
+            )
             trainer.model.train()
             trainer.current_gradient_accumulation_steps = 1
             torch.manual_seed(1)

@@ -9,7 +9,7 @@ import pytest
 
 import grpo_fast
 
-CALLER = '''
+CALLER = """
 import torch
 
 import grpo_fast
@@ -20,7 +20,7 @@ grpo_fast.token_loss(logp, adv, mask, loss_type="grpo", epsilon_high=0.3, delta=
 grpo_fast.loss(hidden, weight, targets, adv, mask, options=grpo_fast.LossOptions(beta=0.04), epsilon=0.1)
 grpo_fast.token_loss(logp, adv, mask, epsilon_hi=0.3)
 grpo_fast.loss(hidden, weight, targets, adv, mask, loss_type=3)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -29,9 +29,22 @@ def test_mypy_checks_the_loss_option_keywords(tmp_path):
     caller.write_text(CALLER)
     # run from the folder that holds the package, so that an editable install (an import hook mypy does not follow)
     # is found as source; a regular install is found through its py.typed
-    result = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
-                             "--cache-dir", str(tmp_path / "cache"), "--no-error-summary", str(caller)],
-                            cwd=pathlib.Path(grpo_fast.__file__).parents[1], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--follow-imports=silent",
+            "--ignore-missing-imports",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-error-summary",
+            str(caller),
+        ],
+        cwd=pathlib.Path(grpo_fast.__file__).parents[1],
+        capture_output=True,
+        text=True,
+    )
     errors = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": error: " in line]
     assert errors == [
         'error: Unexpected keyword argument "epsilon_hi" for "token_loss"; did you mean "epsilon_high" or "epsilon"?  '

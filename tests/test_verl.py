@@ -22,13 +22,27 @@ VERL_PYTHON = os.environ.get("GRPO_FAST_VERL_PYTHON")
 TIMEOUT_S = 40 * 60
 
 
-@pytest.mark.skipif(importlib.util.find_spec("verl") is not None,
-                    reason="verl is importable here: this session collects tests/verl_env itself")
-@pytest.mark.skipif(not VERL_PYTHON, reason="no verl environment: GRPO_FAST_VERL_PYTHON is not set (the python of an "
-                                            "environment with grpo_fast[verl] installed; .ci/run builds one)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("verl") is not None,
+    reason="verl is importable here: this session collects tests/verl_env itself",
+)
+@pytest.mark.skipif(
+    not VERL_PYTHON,
+    reason="no verl environment: GRPO_FAST_VERL_PYTHON is not set (the python of an "
+    "environment with grpo_fast[verl] installed; .ci/run builds one)",
+)
 def test_verl_environment(request):
-    command = [VERL_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
-               "tests/verl_env"]
+    command = [
+        VERL_PYTHON,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::UserWarning",
+        "tests/verl_env",
+    ]
     markexpr = request.config.getoption("markexpr")
     if markexpr:
         command += ["-m", markexpr]

@@ -27,8 +27,20 @@ TIMEOUT_S = 240  # a hung collective must not hang CI
 B, T, D = 2, 5, 12
 TRANSFORM = dict(temperature=0.7, softcap=3.0, logit_scale=1.3)
 LOSS_OPTIONS = dict(loss_type="dapo", beta=0.04, entropy_coef=0.01)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "all_to_all", "all_to_all_single", "send", "recv", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "gather",
+    "scatter",
+)
 
 
 def splits(V, world):
@@ -68,8 +80,13 @@ class CollectiveBytes:
 
             def counting(*args, _real=real, _name=name, **kwargs):
                 size = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-                size += sum(t.numel() * t.element_size() for a in args if isinstance(a, (list, tuple))
-                            for t in a if isinstance(t, torch.Tensor))
+                size += sum(
+                    t.numel() * t.element_size()
+                    for a in args
+                    if isinstance(a, (list, tuple))
+                    for t in a
+                    if isinstance(t, torch.Tensor)
+                )
                 self.bytes += size
                 self.calls.append((_name, size))
                 return _real(*args, **kwargs)
@@ -120,11 +137,26 @@ def run_call(kind, data, h, w, b, backend, **head):
         outputs = dict(logp=logp, entropy=entropy)
     else:
         options = {**LOSS_OPTIONS, "entropy_coef": 0.0} if frozen else LOSS_OPTIONS
-        objective, metrics = grpo_fast.loss(h, w, data["targets"], data["advantages"], data["mask"],
-                                            ref_logprobs=data["ref"], bias=b, backend=backend, head_path="auto",
-                                            **TRANSFORM, **head, **options)
-        outputs = dict(loss=objective, logp=metrics.logprobs, entropy=metrics.entropies,
-                       **{f"metric/{k}": v for k, v in metrics.items()})
+        objective, metrics = grpo_fast.loss(
+            h,
+            w,
+            data["targets"],
+            data["advantages"],
+            data["mask"],
+            ref_logprobs=data["ref"],
+            bias=b,
+            backend=backend,
+            head_path="auto",
+            **TRANSFORM,
+            **head,
+            **options,
+        )
+        outputs = dict(
+            loss=objective,
+            logp=metrics.logprobs,
+            entropy=metrics.entropies,
+            **{f"metric/{k}": v for k, v in metrics.items()},
+        )
     objective.backward()
     grads = {name: x.grad for name, x in (("hidden", h), ("weight", w), ("bias", b)) if x.requires_grad}
     return outputs, grads
@@ -190,8 +222,14 @@ def compare(rank, world, V, backend, kind, requires, layout):
         with PathCalls() as sharded:
             out, grads = run_call(kind, data, h, w, b, backend)
     errors = {name: max_error(out[name], ref_out[name]) for name in ref_out}
-    errors.update({f"d{name}": max_error(local_grad(grads[name]), ref_grads[name][rows] if name != "hidden"
-                                         else ref_grads[name]) for name in ref_grads})
+    errors.update(
+        {
+            f"d{name}": max_error(
+                local_grad(grads[name]), ref_grads[name][rows] if name != "hidden" else ref_grads[name]
+            )
+            for name in ref_grads
+        }
+    )
     assert set(out) == set(ref_out) and set(grads) == set(ref_grads), (sorted(out), sorted(grads))
     assert all(g.abs().max() > 0 for name, g in ref_grads.items() if name == "hidden"), "a gradient is all zero"
     return errors, dict(one_process=one_process.calls, sharded=sharded.calls)
@@ -213,19 +251,33 @@ def step_bytes(V, rank, world):
     # a frozen head's step (only hidden needs a gradient, no entropy gradient), forward and backward apart
     h, w, b = leaves(data, rows, ("hidden",))
     with CollectiveBytes() as frozen_forward:
-        logp, _ = grpo_fast.logprobs_and_entropy(h, w, data["targets"], bias=b, completion_mask=data["mask"],
-                                                 backend="torch", **TRANSFORM, **head)
+        logp, _ = grpo_fast.logprobs_and_entropy(
+            h, w, data["targets"], bias=b, completion_mask=data["mask"], backend="torch", **TRANSFORM, **head
+        )
     with CollectiveBytes() as frozen_backward:
         logp.sum().backward()
-    return dict(step=step.bytes, logprobs=no_grad.bytes, frozen_forward=frozen_forward.bytes,
-                frozen_backward=frozen_backward.bytes, scored=int(data["mask"].sum()))
+    return dict(
+        step=step.bytes,
+        logprobs=no_grad.bytes,
+        frozen_forward=frozen_forward.bytes,
+        frozen_backward=frozen_backward.bytes,
+        scored=int(data["mask"].sum()),
+    )
 
 
-CASES = ([(kind, ("hidden", "weight"), layout) for kind in ("logprobs", "logprobs_and_entropy", "loss")
-          for layout in ("plain", "dtensor")]
-         + [(kind, ("hidden",), layout) for kind in ("frozen_logprobs_and_entropy", "frozen_loss")
-            for layout in ("plain", "dtensor")]
-         + [("frozen_entropy_anyway", ("hidden",), "plain")])
+CASES = (
+    [
+        (kind, ("hidden", "weight"), layout)
+        for kind in ("logprobs", "logprobs_and_entropy", "loss")
+        for layout in ("plain", "dtensor")
+    ]
+    + [
+        (kind, ("hidden",), layout)
+        for kind in ("frozen_logprobs_and_entropy", "frozen_loss")
+        for layout in ("plain", "dtensor")
+    ]
+    + [("frozen_entropy_anyway", ("hidden",), "plain")]
+)
 
 
 def worker(rank, port, out_dir, world, backends, vocab_sizes):
@@ -260,9 +312,10 @@ def check(results, world):
             assert not bad, f"rank {rank}/{world}, {case}: {bad}"
             # the frozen cases take the frozen-head path on one process and over the shards; the others never
             frozen = case[2].startswith("frozen_")
-            assert calls == dict(one_process=dict(head_forward_frozen_head=int(frozen), head_forward_frozen_record=0),
-                                 sharded=dict(head_forward_frozen_head=0, head_forward_frozen_record=int(frozen))), \
-                (rank, case, calls)
+            assert calls == dict(
+                one_process=dict(head_forward_frozen_head=int(frozen), head_forward_frozen_record=0),
+                sharded=dict(head_forward_frozen_head=0, head_forward_frozen_record=int(frozen)),
+            ), (rank, case, calls)
         # O(N) + O(N D) bytes per step, whatever V: 4 N (max) + 16 N (sum) forward, 4 N D (dH) backward; a frozen
         # head moves the 4 N D (J) into the forward and has no collective in its backward
         for V, counted in per_rank["bytes"].items():
@@ -342,13 +395,20 @@ def trl_worker(rank, port, out_dir, world):
             DTensor.full_tensor = real_full_tensor
         chunk = -(-head.shape[0] // world)
         rows = slice(rank * chunk, min((rank + 1) * chunk, head.shape[0]))
-        errors = dict(loss=max_error(objective, single_objective), logp=max_error(out.log_probs, single_out.log_probs),
-                      entropy=max_error(out.entropy, single_out.entropy))
+        errors = dict(
+            loss=max_error(objective, single_objective),
+            logp=max_error(out.log_probs, single_out.log_probs),
+            entropy=max_error(out.entropy, single_out.entropy),
+        )
         for name, p in model.named_parameters():
             expected = dict(single.named_parameters())[name].grad
             errors[f"d{name}"] = max_error(local_grad(p.grad), expected[rows] if "lm_head" in name else expected)
-        torch.save(dict(errors=errors, bytes=counted.bytes, scored=int((labels[:, 1:] != -100).sum()),
-                        hidden_size=head.shape[1]), os.path.join(out_dir, f"trl-rank{rank}.pt"))
+        torch.save(
+            dict(
+                errors=errors, bytes=counted.bytes, scored=int((labels[:, 1:] != -100).sum()), hidden_size=head.shape[1]
+            ),
+            os.path.join(out_dir, f"trl-rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -386,17 +446,30 @@ def confident_errors(h, w, b, y, coef, backend, shard=None, rows=slice(None), fr
     from grpo_fast import reference
 
     h64, w64, b64 = (x.double().requires_grad_() for x in (h, w, b))
-    logp64, ent64 = reference.logprobs_and_entropy(h64[None], w64, y[None], b64, compute_dtype=torch.float64,
-                                                   softcap=50.0, temperature=0.8)
+    logp64, ent64 = reference.logprobs_and_entropy(
+        h64[None], w64, y[None], b64, compute_dtype=torch.float64, softcap=50.0, temperature=0.8
+    )
     ((logp64 * coef[0]).sum() + (0.0 if frozen else (ent64 * coef[1]).sum())).backward()
     hl, wl, bl = h.clone().requires_grad_(), w[rows].clone().requires_grad_(not frozen), b[rows].clone()
     bl.requires_grad_(not frozen)
-    logp, ent = grpo_fast.logprobs_and_entropy(hl[None], wl, y[None], bias=bl, entropy_grad=not frozen, softcap=50.0,
-                                               temperature=0.8, backend=backend, vocab_parallel=shard)
+    logp, ent = grpo_fast.logprobs_and_entropy(
+        hl[None],
+        wl,
+        y[None],
+        bias=bl,
+        entropy_grad=not frozen,
+        softcap=50.0,
+        temperature=0.8,
+        backend=backend,
+        vocab_parallel=shard,
+    )
     ((logp * coef[0]).sum() + (0.0 if frozen else (ent * coef[1]).sum())).backward()
     one_minus_p = -torch.expm1(logp64.detach())
-    errors = dict(one_minus_p=(float(one_minus_p.min()), float(one_minus_p.max())),
-                  logp_abs=float((logp.double() - logp64).abs().max()), dH=max_error(hl.grad, h64.grad))
+    errors = dict(
+        one_minus_p=(float(one_minus_p.min()), float(one_minus_p.max())),
+        logp_abs=float((logp.double() - logp64).abs().max()),
+        dH=max_error(hl.grad, h64.grad),
+    )
     if not frozen:
         errors.update(dW=max_error(wl.grad, w64.grad[rows]), db=max_error(bl.grad, b64.grad[rows]))
     return errors
@@ -413,9 +486,14 @@ def confident_worker(rank, port, out_dir, world, backends):
         bounds = [0, 80, V] if world == 2 else [0, 40, 80, 150, V]  # uneven
         shard = grpo_fast.VocabShard(None, bounds[rank], V)
         rows = slice(bounds[rank], bounds[rank + 1])
-        results = {(backend, frozen): dict(one_process=confident_errors(h, w, b, y, coef, backend, frozen=frozen),
-                                           sharded=confident_errors(h, w, b, y, coef, backend, shard, rows, frozen))
-                   for backend in backends for frozen in (False, True)}
+        results = {
+            (backend, frozen): dict(
+                one_process=confident_errors(h, w, b, y, coef, backend, frozen=frozen),
+                sharded=confident_errors(h, w, b, y, coef, backend, shard, rows, frozen),
+            )
+            for backend in backends
+            for frozen in (False, True)
+        }
         torch.save(results, os.path.join(out_dir, f"confident-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -461,8 +539,13 @@ def test_one_rank_equals_the_plain_head(one_rank_group):
     data = inputs(37)
     for backend in ("torch", "triton"):
         expected = run_call("loss", data, *leaves(data, slice(0, 37), ("hidden", "weight")), backend)
-        got = run_call("loss", data, *leaves(data, slice(0, 37), ("hidden", "weight")), backend,
-                       vocab_parallel=grpo_fast.VocabShard(None, 0, 37))
+        got = run_call(
+            "loss",
+            data,
+            *leaves(data, slice(0, 37), ("hidden", "weight")),
+            backend,
+            vocab_parallel=grpo_fast.VocabShard(None, 0, 37),
+        )
         for name in expected[0]:
             assert max_error(got[0][name], expected[0][name]) <= ATOL, name
         for name in expected[1]:
@@ -488,8 +571,9 @@ def test_backward_mode_reaches_the_shards_backward(one_rank_group, monkeypatch):
     grads = {}
     for shard in (None, grpo_fast.VocabShard(None, 0, 37)):
         h = data["hidden"].clone().requires_grad_()
-        logp, entropy = grpo_fast.logprobs_and_entropy(h, data["weight"], y, entropy_grad=True, backend="triton",
-                                                       backward_mode="fused", vocab_parallel=shard)
+        logp, entropy = grpo_fast.logprobs_and_entropy(
+            h, data["weight"], y, entropy_grad=True, backend="triton", backward_mode="fused", vocab_parallel=shard
+        )
         (logp.sum() + entropy.sum()).backward()
         grads[shard is None] = h.grad
     assert modes == ["fused", "fused"], modes
@@ -513,21 +597,31 @@ def test_wrong_combinations_are_named_errors(one_rank_group, monkeypatch):
         (ValueError, "carries its own sharding", dict(weight=w_dt, vocab_parallel=shard)),
         (ValueError, "bias is a DTensor but weight is not", dict(weight=w, bias=b_dt)),
         (ValueError, "bias must be None or a DTensor", dict(weight=w_dt, bias=b)),
-        (ValueError, r"Shard\(0\) on one mesh dimension",
-         dict(weight=distribute_tensor(w, one_rank_group, [Shard(1)]))),
+        (
+            ValueError,
+            r"Shard\(0\) on one mesh dimension",
+            dict(weight=distribute_tensor(w, one_rank_group, [Shard(1)])),
+        ),
         (ValueError, "Replicate DTensor", dict(weight=w_dt, hidden=distribute_tensor(h, one_rank_group, [Shard(1)]))),
-        (ValueError, r"this rank's rows \[V_local\] = \[20\]",
-         dict(weight=w[:20], bias=b, vocab_parallel=grpo_fast.VocabShard(None, 0, 37))),
-        (ValueError, r"token ids in \[0, V\) = \[0, 37\)",
-         dict(weight=w[:20], bias=b[:20], targets=y + 37, vocab_parallel=grpo_fast.VocabShard(None, 0, 37))),
+        (
+            ValueError,
+            r"this rank's rows \[V_local\] = \[20\]",
+            dict(weight=w[:20], bias=b, vocab_parallel=grpo_fast.VocabShard(None, 0, 37)),
+        ),
+        (
+            ValueError,
+            r"token ids in \[0, V\) = \[0, 37\)",
+            dict(weight=w[:20], bias=b[:20], targets=y + 37, vocab_parallel=grpo_fast.VocabShard(None, 0, 37)),
+        ),
     ]
     for error, message, args in cases:
         args = dict(dict(hidden=h, targets=y, bias=None), **args)
         with pytest.raises(error, match=message):
             grpo_fast.logprobs_and_entropy(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
     # a replicated DTensor hidden is taken as the plain tensor it holds
-    logp, _ = grpo_fast.logprobs_and_entropy(distribute_tensor(h, one_rank_group, [Replicate()]), w_dt, y,
-                                             backend="torch")
+    logp, _ = grpo_fast.logprobs_and_entropy(
+        distribute_tensor(h, one_rank_group, [Replicate()]), w_dt, y, backend="torch"
+    )
     assert max_error(logp, grpo_fast.logprobs(h, w, y, backend="torch")) == 0.0
     # without torch.distributed initialised
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

@@ -57,14 +57,14 @@ def _special_ids(vocab_size):
 
 # ----------------------------------------------------------------------------------------------- models
 def tiny_qwen2_config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, **overrides):
+                      num_key_value_heads=2, intermediate_size=96, **overrides):  # fmt: skip
     """A ``Qwen2Config`` small enough for CPU tests; dropout off, untied embeddings, eager attention."""
     from transformers import Qwen2Config
 
     kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
               num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
               intermediate_size=intermediate_size, max_position_embeddings=256, attention_dropout=0.0,
-              tie_word_embeddings=False, use_cache=False, **_special_ids(vocab_size))
+              tie_word_embeddings=False, use_cache=False, **_special_ids(vocab_size))  # fmt: skip
     kw.update(overrides)
     config = Qwen2Config(**kw)
     config._attn_implementation = "eager"
@@ -73,7 +73,7 @@ def tiny_qwen2_config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=48, num_hidden_lay
 
 def tiny_gemma2_config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16, intermediate_size=64, final_logit_softcapping=30.0,
-                       **overrides):
+                       **overrides):  # fmt: skip
     """A ``Gemma2Config`` small enough for CPU tests, with Gemma 2's final logit softcap (30.0 by default)."""
     from transformers import Gemma2Config
 
@@ -81,7 +81,7 @@ def tiny_gemma2_config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32, num_hidden_la
               num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
               intermediate_size=intermediate_size, max_position_embeddings=256, attention_dropout=0.0,
               final_logit_softcapping=final_logit_softcapping, sliding_window=64, use_cache=False,
-              **_special_ids(vocab_size))
+              **_special_ids(vocab_size))  # fmt: skip
     kw.update(overrides)
     config = Gemma2Config(**kw)
     config._attn_implementation = "eager"
@@ -108,8 +108,7 @@ def tiny_gemma2(seed=0, dtype=torch.float32, **config_overrides):
 
 
 # ----------------------------------------------------------------------------------------------- data, reward
-_PROMPTS = ["2+2=", "What is 3*4?", "Name a colour.", "Count to three:", "hi", "The sky is", "Q: 7-5? A:",
-            "Say yes."]
+_PROMPTS = ["2+2=", "What is 3*4?", "Name a colour.", "Count to three:", "hi", "The sky is", "Q: 7-5? A:", "Say yes."]
 
 
 def tiny_prompt_dataset(n=8, conversational=False):
@@ -129,8 +128,9 @@ def length_reward(completions, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------- config, trainer
-def grpo_config(output_dir=None, *, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
-                **overrides):
+def grpo_config(
+    output_dir=None, *, per_device_train_batch_size=4, num_generations=2, max_completion_length=8, **overrides
+):
     """A ``GRPOConfig`` for one CPU process in fp32: nothing reported, saved or logged, no gradient accumulation,
     ``steps_per_generation`` 1 (so the dapo/cispo/vespo normaliser is exactly ``num_items_in_batch``).
 
@@ -145,13 +145,14 @@ def grpo_config(output_dir=None, *, per_device_train_batch_size=4, num_generatio
               per_device_train_batch_size=per_device_train_batch_size, num_generations=num_generations,
               max_completion_length=max_completion_length, gradient_accumulation_steps=1, steps_per_generation=1,
               save_strategy="no", logging_strategy="no", eval_strategy="no", dataloader_num_workers=0,
-              disable_tqdm=True, seed=0, max_steps=1)
+              disable_tqdm=True, seed=0, max_steps=1)  # fmt: skip
     kw.update(overrides)
     return GRPOConfig(**kw)
 
 
-def build_trainer(args=None, *, model=None, processing_class=None, train_dataset=None, reward_funcs=None,
-                  **trainer_kwargs):
+def build_trainer(
+    args=None, *, model=None, processing_class=None, train_dataset=None, reward_funcs=None, **trainer_kwargs
+):
     """TRL's ``GRPOTrainer`` over the offline parts (each defaults to the builders above).
 
     ``args`` defaults to ``grpo_config()``. ``beta`` must be 0 at construction for a non-PEFT model instance (TRL
@@ -164,8 +165,10 @@ def build_trainer(args=None, *, model=None, processing_class=None, train_dataset
 
     args = grpo_config() if args is None else args
     if args.beta != 0.0 and not isinstance(model, (str, os.PathLike)) and not hasattr(model, "peft_config"):
-        raise ValueError("build the trainer with beta=0 (TRL would load a reference model by name from the hub) "
-                         "and set it afterwards with set_loss_options(trainer, beta=...)")
+        raise ValueError(
+            "build the trainer with beta=0 (TRL would load a reference model by name from the hub) "
+            "and set it afterwards with set_loss_options(trainer, beta=...)"
+        )
     model = tiny_qwen2() if model is None else model
     trainer = GRPOTrainer(
         model=model,
@@ -203,13 +206,19 @@ LOSS_OPTION_ATTRIBUTES = {
     "entropy_coef": ("entropy_coef", "args.entropy_coef"),
     "use_adaptive_entropy": ("use_adaptive_entropy", "args.use_adaptive_entropy"),
     "use_vllm": ("use_vllm", "args.use_vllm"),
-    "vllm_importance_sampling_correction": ("vllm_importance_sampling_correction",
-                                            "args.vllm_importance_sampling_correction"),
+    "vllm_importance_sampling_correction": (
+        "vllm_importance_sampling_correction",
+        "args.vllm_importance_sampling_correction",
+    ),
     "vllm_importance_sampling_mode": ("vllm_importance_sampling_mode", "args.vllm_importance_sampling_mode"),
-    "vllm_importance_sampling_clip_max": ("vllm_importance_sampling_clip_max",
-                                          "args.vllm_importance_sampling_clip_max"),
-    "vllm_importance_sampling_clip_min": ("vllm_importance_sampling_clip_min",
-                                          "args.vllm_importance_sampling_clip_min"),
+    "vllm_importance_sampling_clip_max": (
+        "vllm_importance_sampling_clip_max",
+        "args.vllm_importance_sampling_clip_max",
+    ),
+    "vllm_importance_sampling_clip_min": (
+        "vllm_importance_sampling_clip_min",
+        "args.vllm_importance_sampling_clip_min",
+    ),
 }
 
 
@@ -266,9 +275,12 @@ def set_loss_options(trainer, fused_head=None, **options):
         model = trainer.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         # TRL's __init__ call, again: the new wrapper's fused path runs the backbone itself (no stacking)
-        (fused_head or _fused_head_of(trainer))(base, temperature=trainer.temperature,
-                                                cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
-                                                outputs=("log_probs", "entropy"))
+        (fused_head or _fused_head_of(trainer))(
+            base,
+            temperature=trainer.temperature,
+            cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32,
+            outputs=("log_probs", "entropy"),
+        )
     return trainer
 
 
@@ -294,15 +306,19 @@ def score_scripted_rollout(trainer, prompt_ids, completion_ids, sampling_logprob
 
     Returns TRL's ``inputs`` dict for ``_compute_loss``.
     """
-    if len(prompt_ids) != len(completion_ids) or (sampling_logprobs is not None
-                                                  and len(sampling_logprobs) != len(completion_ids)):
+    if len(prompt_ids) != len(completion_ids) or (
+        sampling_logprobs is not None and len(sampling_logprobs) != len(completion_ids)
+    ):
         raise ValueError("one prompt, completion (and sampling log-prob list) per row")
 
     def rollout_func(prompts, trainer_):
         assert len(prompts) == len(completion_ids)
         logprobs = sampling_logprobs if sampling_logprobs is not None else [[0.0] * len(c) for c in completion_ids]
-        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [list(c) for c in completion_ids],
-                "logprobs": [list(x) for x in logprobs]}
+        return {
+            "prompt_ids": [list(p) for p in prompt_ids],
+            "completion_ids": [list(c) for c in completion_ids],
+            "logprobs": [list(x) for x in logprobs],
+        }
 
     vllm_options = [name for name in LOSS_OPTION_ATTRIBUTES if name.startswith(("vllm_", "use_vllm"))]
     saved = {name: getattr(trainer, name) for name in vllm_options}

@@ -50,13 +50,13 @@ class GradRecorder(TrainerCallback):
         self.grads = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters()
-                           if p.grad is not None})
+        self.grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None})
 
 
 @contextlib.contextmanager
 def autograd_function_forbidden(function_cls):
     """``function_cls`` (a torch.autograd.Function of TRL's) raises if anything applies it."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError(f"TRL's {function_cls.__name__} ran")
 
@@ -93,18 +93,28 @@ def train(trainer_cls, model, args, *, forbid_trl_kernel=False, **trainer_kwargs
     kernel_guard = trl_kernel_forbidden() if forbid_trl_kernel else contextlib.nullcontext()
     with kernel_guard:
         torch.manual_seed(0)
-        trainer = trainer_cls(model=model, reward_funcs=[token_reward], args=args,
-                              train_dataset=trainer_kwargs.pop("train_dataset", tiny_prompt_dataset()),
-                              processing_class=byte_tokenizer(), callbacks=[recorder], **trainer_kwargs)
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=[token_reward],
+            args=args,
+            train_dataset=trainer_kwargs.pop("train_dataset", tiny_prompt_dataset()),
+            processing_class=byte_tokenizer(),
+            callbacks=[recorder],
+            **trainer_kwargs,
+        )
         trainer.train()
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return Run(trainer.state.log_history, recorder.grads, token_reward.seen, params)
 
 
 def assert_close(actual, expected, name):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
-                               torch.as_tensor(expected, dtype=torch.float64), rtol=RTOL, atol=ATOL,
-                               msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64),
+        torch.as_tensor(expected, dtype=torch.float64),
+        rtol=RTOL,
+        atol=ATOL,
+        msg=lambda m: f"{name}: {m}",
+    )
 
 
 def assert_tensors_close(actual: dict, expected: dict, what):
@@ -137,7 +147,6 @@ def save_model(model, folder):
     return str(folder)
 
 
-
 def eager_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
     """TRL's ``add_fused_lm_head`` (log-probs, entropy, loss, label mask) computed eagerly from the [B, T, V] logits of
     ``model.get_output_embeddings()`` called as a module, in fp32, for text models without a logit transform."""
@@ -155,7 +164,8 @@ def eager_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("
         log_probs = logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
         entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy if "entropy" in outputs else None,
-                                   label_mask=mask)
+        return FusedCausalLMOutput(
+            loss=loss, log_probs=log_probs, entropy=entropy if "entropy" in outputs else None, label_mask=mask
+        )
 
     model.forward = types.MethodType(forward, model)

@@ -20,8 +20,16 @@ from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 
 # (block_n, block_v, block_d, num_warps, num_stages): the default's neighbours and Hopper's usual GEMM tiles
-CANDIDATES = [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-              (128, 128, 64, 4, 3), (128, 64, 64, 4, 3), (64, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
+CANDIDATES = [
+    (64, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 64, 64, 4, 3),
+    (64, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+]
 
 
 def main():
@@ -43,8 +51,13 @@ def main():
     rows = []
     product = torch.empty(N, 32768, device=dev, dtype=dtype)
     # cuBLAS: the same 2NDV in [N, 32768] pieces (what a chunked head computes; no softmax)
-    ms = triton.testing.do_bench(lambda: [torch.mm(hidden, weight[v0:v0 + 32768].T, out=product[:, :min(32768, V - v0)])
-                                          for v0 in range(0, V, 32768)], return_mode="median")
+    ms = triton.testing.do_bench(
+        lambda: [
+            torch.mm(hidden, weight[v0 : v0 + 32768].T, out=product[:, : min(32768, V - v0)])
+            for v0 in range(0, V, 32768)
+        ],
+        return_mode="median",
+    )
     rows.append(dict(config="cuBLAS mm, 32768-column pieces", ms=ms, tflops=flops / ms / 1e9, err=None))
     default = kconfig.forward_config(dev, dtype)
     reference = kforward.forward(hidden, weight, targets, None, transform, True, default)[0]
@@ -54,8 +67,10 @@ def main():
         try:
             logp = kforward.forward(hidden, weight, targets, None, transform, True, cfg)[0]
             err = float((logp - reference).abs().max())
-            ms = triton.testing.do_bench(lambda cfg=cfg: kforward.forward(hidden, weight, targets, None, transform,
-                                                                          True, cfg), return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda cfg=cfg: kforward.forward(hidden, weight, targets, None, transform, True, cfg),
+                return_mode="median",
+            )
             rows.append(dict(config=name, ms=ms, tflops=flops / ms / 1e9, err=err))
         except Exception as e:  # a tile that does not fit: recorded, the others still run
             rows.append(dict(config=name, ms=None, tflops=None, err=f"{type(e).__name__}: {str(e)[:120]}"))

@@ -204,8 +204,12 @@ def layer1_launches(
         lora = (torch.randn(hidden.shape[0], rank).to(lora_dtype), torch.randn(V, rank).to(lora_dtype))
         grad_lora = (torch.zeros(hidden.shape[0], rank), torch.zeros(V, rank))
     transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
-    stats = BackwardStats(per_token, per_token.clone(), per_token.clone() if entropy_grad else None,
-                          per_token.clone() if entropy_grad else None)
+    stats = BackwardStats(
+        per_token,
+        per_token.clone(),
+        per_token.clone() if entropy_grad else None,
+        per_token.clone() if entropy_grad else None,
+    )
     grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
     cfg = kconfig.gpu_forward_config(dtype, sms, arch)
@@ -218,13 +222,28 @@ def layer1_launches(
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
         backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                  torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg, lora, grad_lora)
+                                  torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg,
+                                  lora, grad_lora)  # fmt: skip
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
-            backward.backward_fused(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                    torch.zeros(hidden.shape), grad_weight, grad_bias, cfg, lora, grad_lora)
+            backward.backward_fused(
+                hidden,
+                weight,
+                targets,
+                b,
+                stats,
+                grad_logp,
+                grad_entropy,
+                transform,
+                torch.zeros(hidden.shape),
+                grad_weight,
+                grad_bias,
+                cfg,
+                lora,
+                grad_lora,
+            )
         out += [(name, launches[0])]
     return out
 
@@ -343,8 +362,11 @@ LAYER1_EXTRA = (
 
 # the divergence head (kernels/divergence.py): per dtype, the forward KL (one sweep + the backward), the JSD (its
 # second sweep, its backward's mixture) and the reverse KL with biases and soft-caps on both models
-DIVERGENCE_VARIANTS = tuple((f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
-                            for d in (torch.bfloat16, torch.float16, torch.float32) for b in (0.0, 0.5)) + (
+DIVERGENCE_VARIANTS = tuple(
+    (f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
+    for d in (torch.bfloat16, torch.float16, torch.float32)
+    for b in (0.0, 0.5)
+) + (
     ("div bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
     ("div fp32 beta=1 +bias +softcap", torch.float32, dict(beta=1.0, bias=True, softcap=30.0)),
     # the combined GRPO + distillation head (grpo_fast/teacher_head.py): the forward's target gather, layer 1's
@@ -352,8 +374,11 @@ DIVERGENCE_VARIANTS = tuple((f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
     ("div bf16 beta=1 +loss", torch.bfloat16, dict(beta=1.0, layer1="logp")),
     ("div bf16 beta=0.5 +loss +entropy", torch.bfloat16, dict(beta=0.5, layer1="entropy")),
     ("div fp16 beta=0 +loss +entropy", torch.float16, dict(beta=0.0, layer1="entropy")),
-    ("div fp32 beta=1 +bias +softcap +loss +entropy", torch.float32,
-     dict(beta=1.0, bias=True, softcap=30.0, layer1="entropy")),
+    (
+        "div fp32 beta=1 +bias +softcap +loss +entropy",
+        torch.float32,
+        dict(beta=1.0, bias=True, softcap=30.0, layer1="entropy"),
+    ),
 )
 
 
@@ -367,13 +392,15 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
     ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
     bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
-    transforms = (kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
-                  kconfig.LogitTransform(0.7, softcap, 1.0))
+    transforms = (
+        kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
+        kconfig.LogitTransform(0.7, softcap, 1.0),
+    )
     out = []
     with recording(kdivergence, "_sweep_kernel") as sweeps:
         run_s, run_t, jsd_sweep, _ = kdivergence.records(
             hs, ws, bs, ht, wt, bt, beta, *transforms, targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
-            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))
+            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))  # fmt: skip
         kdivergence.divergence_torch.finish(run_s, run_t, beta, jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
     # the record sweep, then the JSD sweep (where 0 < beta < 1): one kernel, two modes
     out += [("div jsd" if launch.kwargs["JSD"] else "div fwd", launch) for launch in sweeps]
@@ -381,12 +408,31 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     argmax = torch.zeros(2, N, dtype=torch.int64)
     layer1_args = None
     if layer1:
-        layer1_args = (torch.zeros(N, dtype=torch.int64), torch.zeros(len(BackwardStats._fields), N), torch.ones(N),
-                       torch.ones(N) if layer1 == "entropy" else None)
+        layer1_args = (
+            torch.zeros(N, dtype=torch.int64),
+            torch.zeros(len(BackwardStats._fields), N),
+            torch.ones(N),
+            torch.ones(N) if layer1 == "entropy" else None,
+        )
     with recording(kdivergence, "_backward_kernel") as bwd:
-        kdivergence.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
-                             torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None,
-                             config=kdivergence.gpu_backward_config(dtype, layer1 is not None), layer1=layer1_args)
+        kdivergence.backward(
+            torch.ones(N),
+            hs,
+            ws,
+            bs,
+            ht,
+            wt,
+            bt,
+            saved,
+            argmax,
+            beta,
+            *transforms,
+            torch.empty(N, Ds),
+            torch.zeros(V, Ds),
+            torch.zeros(V) if bias else None,
+            config=kdivergence.gpu_backward_config(dtype, layer1 is not None),
+            layer1=layer1_args,
+        )
     return out + [("div bwd", bwd[0])]
 
 

@@ -65,7 +65,7 @@ def _backward_kernel(
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_V: tl.constexpr,
-):
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     if FUSED and COMPUTE_DW:
@@ -76,11 +76,13 @@ def _backward_kernel(
         pid_v, pid_n = tl.swizzle2d(pid_v, pid_n, tl.num_programs(1), tl.num_programs(0), GROUP_V)
     # int64 row offsets wherever a row times a stride may pass 2^31 elements (g: chunk x V with chunk <= D, at most
     # the size of W; hidden N x D; weight V x D; the fp32 dH and dW); tile.py says why
-    offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(g_ptr, stride_gn, pid_n, pid_v, N, V, BLOCK_N,
-                                                                   BLOCK_V)
+    offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(
+        g_ptr, stride_gn, pid_n, pid_v, N, V, BLOCK_N, BLOCK_V
+    )
 
-    grad_logp, grad_entropy, coefficient_sum = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask,
-                                                                 ENTROPY_GRAD)
+    grad_logp, grad_entropy, coefficient_sum = row_coefficients(
+        grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD
+    )
     if SCALE_G:
         # g's scale (tile.gemm_scale): |c| + |e| bounds the coefficients (the block's sum, fused; the call's max,
         # chunked: its GEMMs mix token blocks), logit_scale / temperature the slope
@@ -99,7 +101,7 @@ def _backward_kernel(
                   nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v,
                   n_mask, v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
                   softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION,
-                  LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
+                  LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     if not FUSED:
@@ -115,20 +117,23 @@ def _backward_kernel(
         d_mask = offs_d < D
         if COMPUTE_DH:
             w_vd = tl.load(weight_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
-                           mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+                           mask=v_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
             if DOT_FP32:
                 w_vd = w_vd.to(tl.float32)
             dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION) * g_unscale
             tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
-                          mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
+                          mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
         if COMPUTE_DW:
-            h_nd = tl.load(hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
-                           mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            h_nd = tl.load(
+                hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
             if DOT_FP32:
                 h_nd = h_nd.to(tl.float32)
             dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION) * g_unscale
             tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
-                          mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
+                          mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
     # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
     # of fp32 g here spills registers on sm_90)
     if COMPUTE_DLH or COMPUTE_DLW:
@@ -138,17 +143,26 @@ def _backward_kernel(
             if COMPUTE_DLH:
                 lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
                 dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION) * g_unscale
-                tl.atomic_add(grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], dlh,
-                              mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
+                tl.atomic_add(
+                    grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :],
+                    dlh,
+                    mask=n_mask[:, None] & r_mask[None, :],
+                    sem="relaxed",
+                )
             if COMPUTE_DLW:
                 lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
                 dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION) * g_unscale
-                tl.atomic_add(grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :], dlw,
-                              mask=v_mask[:, None] & r_mask[None, :], sem="relaxed")
+                tl.atomic_add(
+                    grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :],
+                    dlw,
+                    mask=v_mask[:, None] & r_mask[None, :],
+                    sem="relaxed",
+                )
 
 
 def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
-            grad_weight, grad_bias, config, lora=None, grad_lora=(None, None), coefficient_max=None, g_unscale=None):
+            grad_weight, grad_bias, config, lora=None, grad_lora=(None, None), coefficient_max=None,
+            g_unscale=None):  # fmt: skip
     """One launch over hidden's rows; g (chunked: scaled by the power of two its kernel takes from
     ``coefficient_max`` [1] and writes the inverse of into ``g_unscale`` [1]) or the fp32 dH / dW / dl / dB (fused)
     receive the result."""
@@ -157,9 +171,11 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
     dummy = stats.lse
     entropy_grad = grad_entropy is not None
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(V, config.block_v))
-    if grid[0] * grid[1] >= 2 ** 31:
-        raise ValueError(f"{N} tokens x {V} vocabulary entries make {grid[0] * grid[1]} backward programs; the "
-                         "kernel numbers them in 32 bits (at most 2^31 - 1): split the batch")
+    if grid[0] * grid[1] >= 2**31:
+        raise ValueError(
+            f"{N} tokens x {V} vocabulary entries make {grid[0] * grid[1]} backward programs; the "
+            "kernel numbers them in 32 bits (at most 2^31 - 1): split the batch"
+        )
     _backward_kernel[grid](
         hidden, weight, bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
         stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
@@ -181,7 +197,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, GROUP_V=config.group_v,
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    )  # fmt: skip
 
 
 def _rows(stats, n0, n1):
@@ -190,7 +206,7 @@ def _rows(stats, n0, n1):
 
 @on_first_argument_device
 def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-                     grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
+                     grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):  # fmt: skip
     """dH (fp32, written), dW (fp32 accumulator, zero on entry), db (fp32, added to); any may be None.
     With ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): ``grad_lora`` = (dl written, dB zero on entry), fp32,
     each may be None.
@@ -217,11 +233,26 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
         g_unscale = torch.empty(1, dtype=torch.float32, device=hidden.device)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
-        _launch(hidden[n0:n1], weight, targets[n0:n1], bias, _rows(stats, n0, n1), grad_logp[n0:n1],
-                grad_entropy[n0:n1] if grad_entropy is not None else None, transform, g, None, None, grad_bias,
-                config, (lora[0][n0:n1], lora[1]) if lora is not None else None, grad_lora=(None, None),
-                coefficient_max=coefficient_max, g_unscale=g_unscale)
-        g_rows = g[:n1 - n0]
+        _launch(
+            hidden[n0:n1],
+            weight,
+            targets[n0:n1],
+            bias,
+            _rows(stats, n0, n1),
+            grad_logp[n0:n1],
+            grad_entropy[n0:n1] if grad_entropy is not None else None,
+            transform,
+            g,
+            None,
+            None,
+            grad_bias,
+            config,
+            (lora[0][n0:n1], lora[1]) if lora is not None else None,
+            grad_lora=(None, None),
+            coefficient_max=coefficient_max,
+            g_unscale=g_unscale,
+        )
+        g_rows = g[: n1 - n0]
         for grad_rows, grad_columns, rows_operand, columns_operand in operand_pairs:
             if grad_rows is not None:  # dH = g W (LoRA: dl = g B), written per chunk
                 mm_fp32(g_rows, columns_operand, grad_rows[n0:n1], accumulate=False)
@@ -236,8 +267,8 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
 
 @on_first_argument_device
 def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-                   grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):
+                   grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):  # fmt: skip
     """Accumulate dH, dW, db (and LoRA's dl, dB) into fp32 buffers (zero-initialised, or None when not needed) with
     atomics; the arguments as ``backward_chunked``'s."""
     _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, None, grad_hidden,
-            grad_weight, grad_bias, config, lora, grad_lora)
+            grad_weight, grad_bias, config, lora, grad_lora)  # fmt: skip

@@ -87,7 +87,7 @@ class FrozenHeadConfig:
 # with strides are 64-bit). grpo_fast.api checks both before a launch.
 MAX_GRID_AXIS_1 = 65535
 MAX_VOCAB = MAX_GRID_AXIS_1 * 64
-MAX_ROWS = 2 ** 31 - 1
+MAX_ROWS = 2**31 - 1
 
 
 def _compiled(device) -> bool:
@@ -101,8 +101,17 @@ _INTERPRETER_TILES = dict(block_n=16, block_v=32, block_d=16, num_warps=4, num_s
 # The CTAs per SM the compiled forward kernel's registers, shared memory and warps allow, per (arch, dtype): the
 # fewest over its constexpr variants. Data produced by ``TRITON_INTERPRET=0 python tools/sm_compile.py --table``;
 # tests/test_sm_compile.py checks that it matches what compiles. Another arch counts one CTA per SM.
-FORWARD_CTAS_PER_SM = {(80, "bf16"): 1, (80, "fp16"): 1, (80, "fp32"): 2, (89, "bf16"): 1, (89, "fp16"): 1,
-                       (89, "fp32"): 2, (90, "bf16"): 1, (90, "fp16"): 1, (90, "fp32"): 2}
+FORWARD_CTAS_PER_SM = {
+    (80, "bf16"): 1,
+    (80, "fp16"): 1,
+    (80, "fp32"): 2,
+    (89, "bf16"): 1,
+    (89, "fp16"): 1,
+    (89, "fp32"): 2,
+    (90, "bf16"): 1,
+    (90, "fp16"): 1,
+    (90, "fp32"): 2,
+}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -118,15 +127,19 @@ def gpu_forward_config(dtype: torch.dtype, sm_count: int, arch: int) -> ForwardC
     return ForwardConfig(**tiles, dot_fp32=False, target_programs=wave)
 
 
-def gpu_backward_config(dtype: torch.dtype, mode: str, smem_per_block: int,
-                        wide_epilogue: bool = False) -> BackwardConfig:
+def gpu_backward_config(
+    dtype: torch.dtype, mode: str, smem_per_block: int, wide_epilogue: bool = False
+) -> BackwardConfig:
     """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device with ``smem_per_block`` bytes
     of shared memory per block. ``wide_epilogue``: the tile gradient also has a soft-cap slope or an entropy term
     (more live values per logit)."""
     big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
     if dtype == torch.float32:
-        tiles = (dict(block_n=32, block_v=64, block_d=16, num_warps=4, num_stages=2) if mode == "fused"
-                 else dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2))
+        tiles = (
+            dict(block_n=32, block_v=64, block_d=16, num_warps=4, num_stages=2)
+            if mode == "fused"
+            else dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
+        )
     elif mode == "chunked":
         # a 128 x 128 tile with the soft-cap slope and the entropy term needs all 255 registers and spills on sm_8x
         tiles = dict(block_n=128, block_v=64 if wide_epilogue else 128, block_d=64, num_warps=8, num_stages=3)
@@ -148,8 +161,11 @@ def _device_props(device):
     """(SM count, shared memory per block, arch as 10 major + minor) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
     # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
-    return (props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 0) or 101376,
-            10 * props.major + props.minor)
+    return (
+        props.multi_processor_count,
+        getattr(props, "shared_memory_per_block_optin", 0) or 101376,
+        10 * props.major + props.minor,
+    )
 
 
 def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:

@@ -69,11 +69,38 @@ def backward_config(device, dtype, layer1=False):
 def _model_tile(hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, D, stride_hn, stride_wv,
                 inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """One model's transformed logits (-inf past the vocabulary) and dz/du: tile.logit_tile without LoRA."""
-    return logit_tile(hidden_ptr, weight_ptr, bias_ptr, hidden_ptr, weight_ptr, offs_n, offs_v, n_mask, v_mask, D, 0,
-                      stride_hn, 1, stride_wv, 1, inv_temperature, logit_scale, softcap, HAS_BIAS, False, HAS_SOFTCAP,
-                      DOT_FP32, DOT_PRECISION, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, 16)
+    return logit_tile(
+        hidden_ptr,
+        weight_ptr,
+        bias_ptr,
+        hidden_ptr,
+        weight_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        D,
+        0,
+        stride_hn,
+        1,
+        stride_wv,
+        1,
+        inv_temperature,
+        logit_scale,
+        softcap,
+        HAS_BIAS,
+        False,
+        HAS_SOFTCAP,
+        DOT_FP32,
+        DOT_PRECISION,
+        DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        16,
+    )
 
 
 @triton.jit
@@ -82,17 +109,18 @@ def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, 
                 inv_temperature, s_logit_scale, s_softcap, t_logit_scale, t_softcap,
                 S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr,
                 T_HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr,
-                T_DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                T_DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
     """The vocabulary tile at v0 (entries from v_end on masked): its indices, both models' transformed logits (two
     K-loops) and the student's slope dz/du."""
     offs_v = v0 + tl.arange(0, BLOCK_V)
     v_mask = offs_v < v_end
     zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
                             inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
-                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)  # fmt: skip
     zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
                         inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
-                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)
+                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)  # fmt: skip
     return offs_v, zs, slope, zt
 
 
@@ -107,15 +135,18 @@ def _split_range(split, vocab_per_split, V):
 def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
     """A token block's divergence_torch.SAVED_FIELDS (8 rows) and both argmax indices."""
     fields = saved_ptr + offs_n
-    return (tl.load(fields, mask=n_mask, other=0.0), tl.load(fields + stride_saved, mask=n_mask, other=0.0),
-            tl.load(fields + 2 * stride_saved, mask=n_mask, other=0.0),
-            tl.load(fields + 3 * stride_saved, mask=n_mask, other=0.0),
-            tl.load(fields + 4 * stride_saved, mask=n_mask, other=0.0),
-            tl.load(fields + 5 * stride_saved, mask=n_mask, other=0.0),
-            tl.load(fields + 6 * stride_saved, mask=n_mask, other=0.0),
-            tl.load(fields + 7 * stride_saved, mask=n_mask, other=0.0),
-            tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1),
-            tl.load(argmax_ptr + stride_argmax + offs_n, mask=n_mask, other=-1))
+    return (
+        tl.load(fields, mask=n_mask, other=0.0),
+        tl.load(fields + stride_saved, mask=n_mask, other=0.0),
+        tl.load(fields + 2 * stride_saved, mask=n_mask, other=0.0),
+        tl.load(fields + 3 * stride_saved, mask=n_mask, other=0.0),
+        tl.load(fields + 4 * stride_saved, mask=n_mask, other=0.0),
+        tl.load(fields + 5 * stride_saved, mask=n_mask, other=0.0),
+        tl.load(fields + 6 * stride_saved, mask=n_mask, other=0.0),
+        tl.load(fields + 7 * stride_saved, mask=n_mask, other=0.0),
+        tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1),
+        tl.load(argmax_ptr + stride_argmax + offs_n, mask=n_mask, other=-1),
+    )
 
 
 @triton.jit
@@ -152,8 +183,15 @@ def _merge(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
     gap_shift = (lm - lo) - (wm - wo)
     cross = tl.where(scale == 0.0, 0.0, scale * (lc + gap_shift * lose_sumexp))
     zsum = tl.where(scale == 0.0, 0.0, scale * (lz + (lm - pivot) * lose_sumexp))
-    return (wm, tl.where(second, a2, a1), tl.where(second, r2, r1) + scale * lose_sumexp,
-            tl.where(second, c2, c1) + cross, wo, tl.where(second, z2, z1) + zsum, tl.maximum(u1, u2))
+    return (
+        wm,
+        tl.where(second, a2, a1),
+        tl.where(second, r2, r1) + scale * lose_sumexp,
+        tl.where(second, c2, c1) + cross,
+        wo,
+        tl.where(second, z2, z1) + zsum,
+        tl.maximum(u1, u2),
+    )
 
 
 @triton.jit
@@ -200,7 +238,7 @@ def _sweep_kernel(
     S_HAS_BIAS: tl.constexpr, T_HAS_BIAS: tl.constexpr, S_HAS_SOFTCAP: tl.constexpr, T_HAS_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
     WITH_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     """One sweep of program (i, k) over its vocabulary split, written per split at out_ptr (fields stride_out apart).
     JSD false, the record sweep: both models' records (divergence_torch.Record's fields, the student's then the
     teacher's), WITH_TARGET also the student's logit at each token's target (0 where this split does not hold it)
@@ -212,10 +250,11 @@ def _sweep_kernel(
     v_begin, v_end = _split_range(split, vocab_per_split, V)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    BIG: tl.constexpr = 2 ** 30
+    BIG: tl.constexpr = 2**30
     if JSD:
-        s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = \
+        s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, top_log_ratio, _excess, s_top, t_top = (
             _load_saved(saved_ptr, argmax_ptr, stride_saved, N, offs_n, n_mask)
+        )
         jsd = tl.zeros((BLOCK_N,), tl.float32)
         excess = tl.zeros((BLOCK_N,), tl.float32)
     else:
@@ -231,12 +270,11 @@ def _sweep_kernel(
                                         Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
                                         s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
                                         T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V,
-                                        BLOCK_D)
+                                        BLOCK_D)  # fmt: skip
         if JSD:
             log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
             log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
-            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta,
-                                 log_beta)
+            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
             ps = tl.exp(log_ps)
             pt = tl.exp(log_pt)
             log_ratio = log_ps - log_m
@@ -275,21 +313,23 @@ def _backward_kernel(
     DOT_FP32: tl.constexpr, S_DOT_PRECISION: tl.constexpr, T_DOT_PRECISION: tl.constexpr,
     LAYER1: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     """MODE 0: forward KL, 1: reverse KL, 2: JSD. The saved values' rows are N_ALL apart (this launch's rows are a
     slice of them). LAYER1 (the combined head, grpo_fast/teacher_head.py): g also gets layer 1's term from dL/dlogp
     (and dL/dentropy with ENTROPY_GRAD) and softmax_stats.BackwardStats' rows at layer1_ptr (N_ALL apart), as
     tile.tile_grad forms it."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
-    offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(g_ptr, stride_g, pid_n, pid_v, N, V, BLOCK_N,
-                                                                   BLOCK_V)
+    offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(
+        g_ptr, stride_g, pid_n, pid_v, N, V, BLOCK_N, BLOCK_V
+    )
     c = tl.load(grad_ptr + offs_n, mask=n_mask, other=0.0)
     # a sum, not a max: a NaN coefficient must reach the gradient (tile.row_coefficients)
     coefficient_sum = tl.sum(tl.abs(c), axis=0)
     if LAYER1:
-        grad_logp, grad_entropy, layer1_sum = row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask,
-                                                               ENTROPY_GRAD)
+        grad_logp, grad_entropy, layer1_sum = row_coefficients(
+            grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD
+        )
         coefficient_sum += layer1_sum
     if SCALE_G:
         g_scale, g_unscale = gemm_scale(tl.load(coefficient_max_ptr) * tl.abs(s_logit_scale * inv_temperature))
@@ -299,13 +339,42 @@ def _backward_kernel(
     if coefficient_sum == 0.0:  # rows without a gradient (masked): exactly zero
         tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = \
-        _load_saved(saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask)
-    _, zs, slope, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, pid_v * BLOCK_V, V,
-                                   Ds, Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature,
-                                   s_logit_scale, s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS,
-                                   S_HAS_SOFTCAP, T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION,
-                                   BLOCK_N, BLOCK_V, BLOCK_D)
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference, excess, s_top, t_top = _load_saved(
+        saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask
+    )
+    _, zs, slope, zt = _pair_tiles(
+        hs_ptr,
+        ws_ptr,
+        bs_ptr,
+        ht_ptr,
+        wt_ptr,
+        bt_ptr,
+        offs_n,
+        n_mask,
+        pid_v * BLOCK_V,
+        V,
+        Ds,
+        Dt,
+        stride_hs,
+        stride_ws,
+        stride_ht,
+        stride_wt,
+        inv_temperature,
+        s_logit_scale,
+        s_softcap,
+        t_logit_scale,
+        t_softcap,
+        S_HAS_BIAS,
+        T_HAS_BIAS,
+        S_HAS_SOFTCAP,
+        T_HAS_SOFTCAP,
+        DOT_FP32,
+        S_DOT_PRECISION,
+        T_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
     log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
     log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
     ps = tl.exp(log_ps)
@@ -317,8 +386,7 @@ def _backward_kernel(
             relative = (zs - zt) - reference[:, None]
             weight = 1.0
         else:
-            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta,
-                                 log_beta)
+            log_m = _log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
             relative = (log_ps - log_m) - reference[:, None]
             weight = 1.0 - beta
         relative = tl.where(top_s, 0.0, relative)
@@ -346,26 +414,30 @@ def _backward_kernel(
 def _scalars(student_transform, teacher_transform):
     inv_t, s_scale, s_softcap = student_transform.kernel_scalars()
     _, t_scale, t_softcap = teacher_transform.kernel_scalars()
-    return dict(inv_temperature=inv_t, s_logit_scale=s_scale, s_softcap=s_softcap, t_logit_scale=t_scale,
-                t_softcap=t_softcap)
+    return dict(
+        inv_temperature=inv_t, s_logit_scale=s_scale, s_softcap=s_softcap, t_logit_scale=t_scale, t_softcap=t_softcap
+    )
 
 
-def _model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
-                      teacher_transform, config):
+def _model_constexprs(
+    student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
+):
     return dict(S_HAS_BIAS=student_bias is not None, T_HAS_BIAS=teacher_bias is not None,
                 S_HAS_SOFTCAP=student_transform.softcap is not None,
                 T_HAS_SOFTCAP=teacher_transform.softcap is not None, DOT_FP32=config.dot_fp32,
                 S_DOT_PRECISION=config.dot_precision(student_hidden.dtype),
                 T_DOT_PRECISION=config.dot_precision(teacher_hidden.dtype),
                 BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
 
 
 def _beta_scalars(beta):
     import math
+
     inner = 0.0 < beta < 1.0
-    return dict(beta=float(beta), log_1m_beta=math.log1p(-beta) if inner else 0.0,
-                log_beta=math.log(beta) if inner else 0.0)
+    return dict(
+        beta=float(beta), log_1m_beta=math.log1p(-beta) if inner else 0.0, log_beta=math.log(beta) if inner else 0.0
+    )
 
 
 def local_argmax(argmax, offset, rows):
@@ -386,19 +458,21 @@ def local_argmax(argmax, offset, rows):
 
 @on_first_argument_device
 def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, config=None):
+            student_transform, teacher_transform, config=None):  # fmt: skip
     """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
     if student_hidden.shape[0] == 0:
         return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, beta, student_transform, teacher_transform)[:4]
+                                        teacher_weight, teacher_bias, beta, student_transform,
+                                        teacher_transform)[:4]  # fmt: skip
     run_s, run_t, jsd_sweep = records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                      teacher_bias, beta, student_transform, teacher_transform, config=config)[:3]
+                                      teacher_bias, beta, student_transform, teacher_transform,
+                                      config=config)[:3]  # fmt: skip
     return divergence_torch.finish(run_s, run_t, beta, jsd_sweep)
 
 
 @on_first_argument_device
 def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, config=None, offset=0, targets=None):
+            student_transform, teacher_transform, config=None, offset=0, targets=None):  # fmt: skip
     """Both models' records over the weights' rows by the record sweep, and the JSD's second sweep over them.
 
     Args:
@@ -423,24 +497,36 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
     config = config or forward_config(dev, student_hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
-    split_records = torch.empty((2 * RECORD_FIELDS + (targets is not None), num_splits, N), dtype=torch.float32,
-                                device=dev)
+    split_records = torch.empty(
+        (2 * RECORD_FIELDS + (targets is not None), num_splits, N), dtype=torch.float32, device=dev
+    )
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
-              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)  # fmt: skip
     common = dict(N=N, V=V, Ds=Ds, Dt=Dt, vocab_per_split=vocab_per_split,
                   stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
                   stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
                   **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
                   **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
-                                      teacher_transform, config))
+                                      teacher_transform, config))  # fmt: skip
     # the record sweep reads no saved values: split_records stands in for their pointers
-    _sweep_kernel[grid](*models, split_records, targets if targets is not None else split_records, split_records,
-                        split_records, stride_out=split_records.stride(0), stride_saved=0, JSD=False,
-                        WITH_TARGET=targets is not None, **common)
+    _sweep_kernel[grid](
+        *models,
+        split_records,
+        targets if targets is not None else split_records,
+        split_records,
+        split_records,
+        stride_out=split_records.stride(0),
+        stride_saved=0,
+        JSD=False,
+        WITH_TARGET=targets is not None,
+        **common,
+    )
     runs = []
-    for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS:2 * RECORD_FIELDS]):
-        per_split = [divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
-                     for f in fields.unbind(1)]
+    for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS : 2 * RECORD_FIELDS]):
+        per_split = [
+            divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
+            for f in fields.unbind(1)
+        ]
         run = per_split[0]
         for split in per_split[1:]:
             run = divergence_torch.merge(run, split)
@@ -452,7 +538,7 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
         out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
         # the JSD sweep gathers no target: out stands in for the targets' pointer
         _sweep_kernel[grid](*models, out, out, saved, argmax, stride_out=out.stride(0), stride_saved=saved.stride(0),
-                            JSD=True, WITH_TARGET=False, **common)
+                            JSD=True, WITH_TARGET=False, **common)  # fmt: skip
         jsd, excess = out.sum(1).unbind(0)
         return jsd, excess
 
@@ -461,9 +547,26 @@ def records(student_hidden, student_weight, student_bias, teacher_hidden, teache
 
 
 @on_first_argument_device
-def backward(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-             teacher_bias, saved, argmax, beta, student_transform, teacher_transform, grad_hidden, grad_weight,
-             grad_bias, config=None, offset=0, layer1=None):
+def backward(
+    grad_divergence,
+    student_hidden,
+    student_weight,
+    student_bias,
+    teacher_hidden,
+    teacher_weight,
+    teacher_bias,
+    saved,
+    argmax,
+    beta,
+    student_transform,
+    teacher_transform,
+    grad_hidden,
+    grad_weight,
+    grad_bias,
+    config=None,
+    offset=0,
+    layer1=None,
+):
     """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
     written, grad_weight and grad_bias accumulated (zero on entry); each may be None. ``offset``: the weights' row v
     is vocabulary entry offset + v (a vocab-parallel shard, with the whole vocabulary's saved values and argmax).
@@ -489,28 +592,61 @@ def backward(grad_divergence, student_hidden, student_weight, student_bias, teac
         coefficient_max = saved
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
     models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
-              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)
-    common = dict(stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
-                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
-                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
-                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
-                                      teacher_transform, config))
+              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)  # fmt: skip
+    common = dict(
+        stride_hs=student_hidden.stride(0),
+        stride_ws=student_weight.stride(0),
+        stride_ht=teacher_hidden.stride(0),
+        stride_wt=teacher_weight.stride(0),
+        **_scalars(student_transform, teacher_transform),
+        **_beta_scalars(beta),
+        **_model_constexprs(
+            student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
+        ),
+    )
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
     argmax = local_argmax(argmax, offset, V)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         grid = (triton.cdiv(n1 - n0, config.block_n), triton.cdiv(V, config.block_v))
         _backward_kernel[grid](
-            student_hidden[n0:n1], student_weight, models[2], teacher_hidden[n0:n1], *models[4:],
-            saved[:, n0:], argmax[:, n0:], grad_divergence[n0:n1], g,
-            grad_bias if grad_bias is not None else saved, coefficient_max, g_unscale,
-            *((targets[n0:n1], layer1_stats[:, n0:], grad_logp[n0:n1],
-               (grad_entropy if grad_entropy is not None else grad_logp)[n0:n1]) if layer1 is not None
-              else (saved,) * 4),
-            n1 - n0, V, Ds, Dt, N, saved.stride(0), g.stride(0),
-            MODE=mode, COMPUTE_DB=grad_bias is not None, SCALE_G=scaled, LAYER1=layer1 is not None,
-            ENTROPY_GRAD=layer1 is not None and grad_entropy is not None, **common)
-        g_rows = g[:n1 - n0]
+            student_hidden[n0:n1],
+            student_weight,
+            models[2],
+            teacher_hidden[n0:n1],
+            *models[4:],
+            saved[:, n0:],
+            argmax[:, n0:],
+            grad_divergence[n0:n1],
+            g,
+            grad_bias if grad_bias is not None else saved,
+            coefficient_max,
+            g_unscale,
+            *(
+                (
+                    targets[n0:n1],
+                    layer1_stats[:, n0:],
+                    grad_logp[n0:n1],
+                    (grad_entropy if grad_entropy is not None else grad_logp)[n0:n1],
+                )
+                if layer1 is not None
+                else (saved,) * 4
+            ),
+            n1 - n0,
+            V,
+            Ds,
+            Dt,
+            N,
+            saved.stride(0),
+            g.stride(0),
+            MODE=mode,
+            COMPUTE_DB=grad_bias is not None,
+            SCALE_G=scaled,
+            LAYER1=layer1 is not None,
+            ENTROPY_GRAD=layer1 is not None and grad_entropy is not None,
+            **common,
+        )
+        g_rows = g[: n1 - n0]
         if grad_hidden is not None:
             mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
             if scaled:

@@ -44,7 +44,7 @@ def _forward_kernel(
     HAS_ROW_COUNT: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-):
+):  # fmt: skip
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +76,7 @@ def _forward_kernel(
         z, _ = logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
                           v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
                           softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                          BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
+                          BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
 
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
@@ -88,8 +88,9 @@ def _forward_kernel(
             # Z relative to the new pivot: (Z_old + (m_old - m_new) S_old) rescale; an empty record adds nothing, and
             # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
             shift = tl.where(run_max == float("-inf"), 0.0, run_max - pivot)
-            run_zsum = (run_zsum + shift * run_sumexp) * rescale + \
-                tl.sum(e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1)
+            run_zsum = (run_zsum + shift * run_sumexp) * rescale + tl.sum(
+                e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1
+            )
         run_sumexp = run_sumexp * rescale + tl.sum(e, axis=1)
         run_rest = run_rest * rescale + tl.sum(tl.where(is_target, 0.0, e), axis=1)
         target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
@@ -121,8 +122,9 @@ def num_vocab_splits(N, V, config):
         return triton.cdiv(n_blocks * triton.cdiv(v_tiles, tiles), wave) * tiles
 
     unsplit_waves = triton.cdiv(n_blocks, wave)  # fewer waves than these hold no split at all
-    candidates = sorted({max(1, min(v_tiles, k * wave // n_blocks))
-                         for k in range(unsplit_waves, unsplit_waves + EXTRA_WAVES + 1)})
+    candidates = sorted(
+        {max(1, min(v_tiles, k * wave // n_blocks)) for k in range(unsplit_waves, unsplit_waves + EXTRA_WAVES + 1)}
+    )
     vocab_per_split = triton.cdiv(v_tiles, min(candidates, key=steps)) * config.block_v
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
@@ -134,8 +136,10 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config, l
     values) are None without ``compute_entropy``. ``lora``: None or (lora_hidden [N, r], lora_weight [V, r]),
     contiguous (grpo_fast/lora.py).
     """
-    return softmax_stats.finish(forward_record(hidden, weight, targets, bias, transform, compute_entropy, config,
-                                               lora, row_count), compute_entropy)
+    return softmax_stats.finish(
+        forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora, row_count),
+        compute_entropy,
+    )
 
 
 @on_first_argument_device
@@ -150,15 +154,33 @@ def forward_record(hidden, weight, targets, bias, transform, compute_entropy, co
     # the five fields of softmax_stats.SoftmaxStats, one record per vocabulary split and token
     records = torch.empty((5, num_splits, N), dtype=torch.float32, device=hidden.device)
     _forward_kernel[(triton.cdiv(N, config.block_n), num_splits)](
-        hidden, weight, bias if bias is not None else hidden, targets, records,
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        targets,
+        records,
         row_count if row_count is not None else targets,
-        N, V, D, vocab_per_split, records.stride(0),
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        *transform.kernel_scalars(), **lora_kernel_args(lora, hidden, config),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, COMPUTE_ENTROPY=compute_entropy,
-        HAS_ROW_COUNT=row_count is not None, DOT_FP32=config.dot_fp32,
+        N,
+        V,
+        D,
+        vocab_per_split,
+        records.stride(0),
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        *transform.kernel_scalars(),
+        **lora_kernel_args(lora, hidden, config),
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=transform.softcap is not None,
+        COMPUTE_ENTROPY=compute_entropy,
+        HAS_ROW_COUNT=row_count is not None,
+        DOT_FP32=config.dot_fp32,
         DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v,
+        BLOCK_D=config.block_d,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return softmax_stats.merge(softmax_stats.SoftmaxStats(*records.unbind(0)))

@@ -74,11 +74,15 @@ _MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE, _UNSCALE = (tl.constexpr
 
 @triton.jit
 def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
-                      inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                      inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr):  # fmt: skip
     """(z, dz/du) of one tile of the u buffer: z is -inf past the chunk; dz/du is a number without a soft-cap."""
     # int64 row offsets: the u buffer is about the size of W and may pass 2^31 elements (tile.py)
-    u = tl.load(u_ptr + offs_n[:, None].to(tl.int64) * stride_un + offs_v[None, :],
-                mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+    u = tl.load(
+        u_ptr + offs_n[:, None].to(tl.int64) * stride_un + offs_v[None, :],
+        mask=n_mask[:, None] & v_mask[None, :],
+        other=0.0,
+    )
     if HAS_BIAS:
         u += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
@@ -87,12 +91,25 @@ def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un
 
 @triton.jit
 def _frozen_chunk_kernel(
-    u_ptr, p_ptr, bias_ptr, targets_ptr, state_ptr,
-    rows, cols, v0,
-    stride_un, stride_pn, stride_state,
-    inv_temperature, logit_scale, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    u_ptr,
+    p_ptr,
+    bias_ptr,
+    targets_ptr,
+    state_ptr,
+    rows,
+    cols,
+    v0,
+    stride_un,
+    stride_pn,
+    stride_state,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +125,7 @@ def _frozen_chunk_kernel(
     for c0 in range(0, cols, BLOCK_V):
         offs_v = c0 + tl.arange(0, BLOCK_V)
         z, _ = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, offs_v < cols, stride_un,
-                                 inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+                                 inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)  # fmt: skip
         chunk_max = tl.maximum(chunk_max, tl.max(z, axis=1))
         is_target = offs_v[None, :] == local_target[:, None]
         rest_max = tl.maximum(rest_max, tl.max(tl.where(is_target, float("-inf"), z), axis=1))
@@ -121,8 +138,9 @@ def _frozen_chunk_kernel(
     # largest non-target e times the largest slope, and the earlier chunks' (below GRAD_SCALE_CEILING 2^-k_old
     # before the rescale). So the accumulator's rescale exp(m_old - m_new) 2^(k - k_old) is at most 1
     old_unscale = tl.load(state_ptr + _UNSCALE * stride_state + offs_n, mask=n_mask, other=0.0)
-    p_bound = tl.maximum(tl.exp(rest_max - pivot) * tl.abs(logit_scale * inv_temperature),
-                         rescale * old_unscale * GRAD_SCALE_CEILING)
+    p_bound = tl.maximum(
+        tl.exp(rest_max - pivot) * tl.abs(logit_scale * inv_temperature), rescale * old_unscale * GRAD_SCALE_CEILING
+    )
     p_scale, p_unscale = gemm_scale(p_bound)
 
     # pass 2: the state's sums, and P' = e s' (the target's column zeroed) written over the u tile just read
@@ -135,7 +153,7 @@ def _frozen_chunk_kernel(
         offs_v = c0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < cols
         z, slope = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
-                                     inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+                                     inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)  # fmt: skip
         e = tl.exp(z - pivot[:, None])
         is_target = offs_v[None, :] == local_target[:, None]
         e_rest = tl.where(is_target, 0.0, e)
@@ -147,9 +165,11 @@ def _frozen_chunk_kernel(
         target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
         if HAS_SOFTCAP:
             target_slope += tl.sum(tl.where(is_target, slope, 0.0), axis=1)
-        tl.store(p_ptr + offs_n[:, None].to(tl.int64) * stride_pn + offs_v[None, :],
-                 to_gemm(e_rest * slope * p_scale[:, None], p_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & v_mask[None, :])
+        tl.store(
+            p_ptr + offs_n[:, None].to(tl.int64) * stride_pn + offs_v[None, :],
+            to_gemm(e_rest * slope * p_scale[:, None], p_ptr.dtype.element_ty),
+            mask=n_mask[:, None] & v_mask[None, :],
+        )
 
     # the running state (targets fall in one chunk: their sums just add)
     s = state_ptr + offs_n
@@ -160,15 +180,17 @@ def _frozen_chunk_kernel(
         # record (m_old = -inf) adds nothing
         shift = tl.where(old_max == float("-inf"), 0.0, old_max - pivot)
         old_sumexp = tl.load(s + _SUMEXP * stride_state, mask=n_mask)
-        tl.store(s + _ZSUM * stride_state,
-                 (tl.load(s + _ZSUM * stride_state, mask=n_mask) + shift * old_sumexp) * rescale + zsum, mask=n_mask)
-    tl.store(s + _SUMEXP * stride_state, tl.load(s + _SUMEXP * stride_state, mask=n_mask) * rescale + sumexp,
-             mask=n_mask)
-    tl.store(s + _TARGET * stride_state, tl.load(s + _TARGET * stride_state, mask=n_mask) + target_logit,
-             mask=n_mask)
+        tl.store(
+            s + _ZSUM * stride_state,
+            (tl.load(s + _ZSUM * stride_state, mask=n_mask) + shift * old_sumexp) * rescale + zsum,
+            mask=n_mask,
+        )
+    tl.store(
+        s + _SUMEXP * stride_state, tl.load(s + _SUMEXP * stride_state, mask=n_mask) * rescale + sumexp, mask=n_mask
+    )
+    tl.store(s + _TARGET * stride_state, tl.load(s + _TARGET * stride_state, mask=n_mask) + target_logit, mask=n_mask)
     if HAS_SOFTCAP:
-        tl.store(s + _SLOPE * stride_state, tl.load(s + _SLOPE * stride_state, mask=n_mask) + target_slope,
-                 mask=n_mask)
+        tl.store(s + _SLOPE * stride_state, tl.load(s + _SLOPE * stride_state, mask=n_mask) + target_slope, mask=n_mask)
     tl.store(s + _RESCALE * stride_state, rescale * p_scale * old_unscale, mask=n_mask)
     tl.store(s + _UNSCALE * stride_state, p_unscale, mask=n_mask)
 
@@ -188,7 +210,7 @@ def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
 
 
 def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
-                        vocab_chunk=None, gemm_dtype=None, lora=None):
+                        vocab_chunk=None, gemm_dtype=None, lora=None):  # fmt: skip
     """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as forward.py's
     ``forward`` (entropy None without ``compute_entropy``), J = d logp / d hidden [N, D] fp32 and J_l = d logp /
     d lora_hidden [N, r] fp32 with ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) (else None).
@@ -197,9 +219,9 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     gemm.chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and ``gemm_dtype`` (P''s dtype: default the
     input dtype on a GPU, fp32 with gemm_fp32) are for tests and tuning.
     """
-    record, acc, target_slope, lora_acc = forward_frozen_record(hidden, weight, targets, bias, transform,
-                                                                compute_entropy, config, token_chunk, vocab_chunk,
-                                                                gemm_dtype, lora)
+    record, acc, target_slope, lora_acc = forward_frozen_record(
+        hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk, vocab_chunk, gemm_dtype, lora
+    )
     grad = softmax_stats.finish_frozen_grad(acc, record, target_slope, weight, targets)
     if lora is not None:
         lora_acc = softmax_stats.finish_frozen_grad(lora_acc, record, target_slope, lora[1], targets)
@@ -207,8 +229,19 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
 
 
 @on_first_argument_device
-def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
-                          vocab_chunk=None, gemm_dtype=None, lora=None):
+def forward_frozen_record(
+    hidden,
+    weight,
+    targets,
+    bias,
+    transform,
+    compute_entropy,
+    config,
+    token_chunk=None,
+    vocab_chunk=None,
+    gemm_dtype=None,
+    lora=None,
+):
     """``forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope [N]
     fp32, lora_acc [N, r] fp32 or None without ``lora``), unfinished (acc = sum_{v != y} e_v s'_v W_v against the
     record's max; lora_acc the same over lora_weight), for softmax_stats.finish_frozen_grad and
@@ -245,21 +278,34 @@ def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entr
         for v0 in range(0, V, vchunk):
             v1 = min(v0 + vchunk, V)
             cols = v1 - v0
-            u = u_buffer[:rows * cols].view(rows, cols)
+            u = u_buffer[: rows * cols].view(rows, cols)
             mm_fp32(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False)
             if lora is not None:
                 mm_fp32(lora_hidden[n0:n1], lora_weight[v0:v1].T, u, accumulate=True)
             # P' over u: in place (fp32), or the first half of each u row's bytes (bf16 / fp16, row stride 2 cols)
             p = u if gemm_dtype == torch.float32 else u.view(gemm_dtype)[:, :cols]
             _frozen_chunk_kernel[(triton.cdiv(rows, config.block_n),)](
-                u, p, bias[v0:] if bias is not None else u, targets[n0:n1], chunk_state,
-                rows, cols, v0,
-                u.stride(0), p.stride(0), chunk_state.stride(0),
-                inv_temperature, logit_scale, softcap,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
+                u,
+                p,
+                bias[v0:] if bias is not None else u,
+                targets[n0:n1],
+                chunk_state,
+                rows,
+                cols,
+                v0,
+                u.stride(0),
+                p.stride(0),
+                chunk_state.stride(0),
+                inv_temperature,
+                logit_scale,
+                softcap,
+                HAS_BIAS=bias is not None,
+                HAS_SOFTCAP=transform.softcap is not None,
                 COMPUTE_ENTROPY=compute_entropy,
-                BLOCK_N=config.block_n, BLOCK_V=config.block_v,
-                num_warps=config.num_warps, num_stages=config.num_stages,
+                BLOCK_N=config.block_n,
+                BLOCK_V=config.block_v,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
             )
             if v0 > 0:
                 acc.mul_(rescale[n0:n1, None])

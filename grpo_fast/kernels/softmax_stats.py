@@ -71,8 +71,11 @@ def record(z, local_target, compute_entropy=True):
     e = torch.exp(z - pivot[:, None])
     sumexp = e.sum(1)
     # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
-    zsum = ((e * torch.where(torch.isinf(z), 0.0, z - pivot[:, None])).sum(1) if compute_entropy
-            else torch.zeros_like(sumexp))
+    zsum = (
+        (e * torch.where(torch.isinf(z), 0.0, z - pivot[:, None])).sum(1)
+        if compute_entropy
+        else torch.zeros_like(sumexp)
+    )
     in_block = (local_target >= 0) & (local_target < z.shape[1])
     rows = torch.nonzero(in_block).squeeze(1)
     columns = local_target[rows]
@@ -89,8 +92,13 @@ def merge(stats: SoftmaxStats) -> SoftmaxStats:
     scale = rescale(stats.max, row_max)
     # (m_k - m) S_k: an empty record adds nothing (its S_k is 0, and -inf * 0 must not form a NaN)
     shift = torch.where(scale > 0, (stats.max - pivot) * stats.sumexp, torch.zeros_like(scale))
-    return SoftmaxStats(row_max, (stats.sumexp * scale).sum(0), (stats.rest * scale).sum(0),
-                        ((stats.zsum + shift) * scale).sum(0), stats.target.sum(0))
+    return SoftmaxStats(
+        row_max,
+        (stats.sumexp * scale).sum(0),
+        (stats.rest * scale).sum(0),
+        ((stats.zsum + shift) * scale).sum(0),
+        stats.target.sum(0),
+    )
 
 
 def rescale(row_max, merged_max):

@@ -95,20 +95,35 @@ def lora_kernel_args(lora, dummy, config):
     (lora_hidden [N, r], lora_weight [V, r], contiguous, one dtype) or ``dummy`` pointers without ``lora``, R, and
     the constexprs HAS_LORA, LORA_DOT_PRECISION (the adapters' dtype's) and BLOCK_R (config.lora_block)."""
     if lora is None:
-        return dict(lora_hidden_ptr=dummy, lora_weight_ptr=dummy, R=0, HAS_LORA=False,
-                    LORA_DOT_PRECISION=config.dot_precision(dummy.dtype), BLOCK_R=16)
+        return dict(
+            lora_hidden_ptr=dummy,
+            lora_weight_ptr=dummy,
+            R=0,
+            HAS_LORA=False,
+            LORA_DOT_PRECISION=config.dot_precision(dummy.dtype),
+            BLOCK_R=16,
+        )
     lora_hidden, lora_weight = lora
     R = lora_weight.shape[1]
-    return dict(lora_hidden_ptr=lora_hidden, lora_weight_ptr=lora_weight, R=R, HAS_LORA=True,
-                LORA_DOT_PRECISION=config.dot_precision(lora_weight.dtype), BLOCK_R=config.lora_block(R))
+    return dict(
+        lora_hidden_ptr=lora_hidden,
+        lora_weight_ptr=lora_weight,
+        R=R,
+        HAS_LORA=True,
+        LORA_DOT_PRECISION=config.dot_precision(lora_weight.dtype),
+        BLOCK_R=config.lora_block(R),
+    )
 
 
 @triton.jit
 def lora_tile(ptr, offs_rows, row_mask, r0, R, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows ``offs_rows`` x columns [r0, r0 + BLOCK_R) of a LoRA operand [rows, R] (contiguous), zero outside."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    x = tl.load(ptr + offs_rows[:, None].to(tl.int64) * R + offs_r[None, :],
-                mask=row_mask[:, None] & (offs_r < R)[None, :], other=0.0)
+    x = tl.load(
+        ptr + offs_rows[:, None].to(tl.int64) * R + offs_r[None, :],
+        mask=row_mask[:, None] & (offs_r < R)[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         x = x.to(tl.float32)
     return x
@@ -120,7 +135,8 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weig
                     stride_hn, stride_hd, stride_wv, stride_wd,
                     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_FP32: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_R: tl.constexpr):  # fmt: skip
     """u = H W^T + L B^T (HAS_LORA) + b for one tile, fp32."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -128,10 +144,16 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weig
         d_mask = offs_d < D
         # int64 row offsets: N x D and V x D may pass 2^31 elements, and a 32-bit index times a 32-bit stride would
         # wrap (Triton passes a stride below 2^31 as i32); the column strides are 1 (the API makes them so)
-        h = tl.load(hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        w = tl.load(weight_ptr + offs_v[None, :].to(tl.int64) * stride_wv + offs_d[:, None] * stride_wd,
-                    mask=v_mask[None, :] & d_mask[:, None], other=0.0)
+        h = tl.load(
+            hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            weight_ptr + offs_v[None, :].to(tl.int64) * stride_wv + offs_d[:, None] * stride_wd,
+            mask=v_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )
         if DOT_FP32:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
@@ -151,12 +173,12 @@ def logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_pt
                D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
                HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
                DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     """The transformed logits z of one tile (-inf past the vocabulary) and dz/du (see transform_and_slope)."""
     u = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
                         v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd,
                         HAS_BIAS, HAS_LORA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                        BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
+                        BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
     return tl.where(v_mask[None, :], z, float("-inf")), slope
 
@@ -195,7 +217,7 @@ def tile_grad(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr
               HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               ENTROPY_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
               LORA_DOT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     """g = dL/du for one tile, from the recomputed logits and the forward's per-token values (module docstring).
 
     ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
@@ -203,10 +225,36 @@ def tile_grad(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr
     # rows past the batch: lse +inf makes their p exactly 0 (with 0 their exp(z) overflows, and 0 x inf is a NaN in db)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
     nontarget_mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
-    z, slope = logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
-                          v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
-                          softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                          BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)
+    z, slope = logit_tile(
+        hidden_ptr,
+        weight_ptr,
+        bias_ptr,
+        lora_hidden_ptr,
+        lora_weight_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        D,
+        R,
+        stride_hn,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        inv_temperature,
+        logit_scale,
+        softcap,
+        HAS_BIAS,
+        HAS_LORA,
+        HAS_SOFTCAP,
+        DOT_FP32,
+        DOT_PRECISION,
+        LORA_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        BLOCK_R,
+    )
     p = tl.exp(z - lse[:, None])
     is_target = offs_v[None, :] == targets[:, None]
     dz = -grad_logp[:, None] * p

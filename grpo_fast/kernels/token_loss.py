@@ -63,15 +63,27 @@ LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "
 
 # Statistics slots: row_stats[b, slot], as grpo_fast.loss_statistics names them, in its order (tests/test_loss_types.py
 # checks each name against its slot)
-(STAT_LOSS, STAT_COUNT, STAT_KL, STAT_ENTROPY, STAT_RATIO, STAT_LOW, STAT_HIGH, STAT_REGION, STAT_CISPO, STAT_PHI,
- STAT_BONUS_COUNT, STAT_BONUS_ENTROPY) = (tl.constexpr(slot) for slot in SLOTS.values())
+(
+    STAT_LOSS,
+    STAT_COUNT,
+    STAT_KL,
+    STAT_ENTROPY,
+    STAT_RATIO,
+    STAT_LOW,
+    STAT_HIGH,
+    STAT_REGION,
+    STAT_CISPO,
+    STAT_PHI,
+    STAT_BONUS_COUNT,
+    STAT_BONUS_ENTROPY,
+) = (tl.constexpr(slot) for slot in SLOTS.values())
 NUM_STATS = tl.constexpr(len(SLOTS))
 
 # Two warps per sequence: the work is a few [T] vectors, and with 4 warps ptxas gives the vespo variant with every
 # option a stack slot on sm_90 (tools/sm_compile.py); with 2 every variant compiles clean on sm_90 / 89 / 80.
 NUM_WARPS = 2
 LOG_RATIO_FLOOR = tl.constexpr(math.log(1e-8))  # VESPO's clamp of log W (TRL's)
-LOG_RATIO_CAP = tl.constexpr(20.0)              # TRL's clamp of each log-ratio and of log W
+LOG_RATIO_CAP = tl.constexpr(20.0)  # TRL's clamp of each log-ratio and of log W
 
 
 @triton.jit
@@ -89,7 +101,7 @@ def _maximum(x, y):
 @triton.jit
 def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
               SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, IS_VESPO: tl.constexpr, TERM_IW: tl.constexpr,
-              IW_PER_TOKEN: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
+              IW_PER_TOKEN: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     """Pass 1 over a row: its token count, the sum of log-ratios (GSPO), VESPO's log W (unclamped) and the summed
     KL(sampler || policy) for the off-policy mask. TERM_IW: importance weights that enter the term (log W)."""
     count = 0.0
@@ -130,8 +142,18 @@ def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
 
 
 @triton.jit
-def _importance_ratio(lp, old_ptr, row, offs, in_row, active, seq_ratio,
-                      SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, BLOCK_T: tl.constexpr):
+def _importance_ratio(
+    lp,
+    old_ptr,
+    row,
+    offs,
+    in_row,
+    active,
+    seq_ratio,
+    SEQUENCE: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """r per token: the row's sequence ratio (GSPO), exp(logp - old), or on-policy exp(logp - logp): 1 (its gradient
     still flows), or NaN for a non-finite log-prob, as torch's."""
     if SEQUENCE:
@@ -149,7 +171,7 @@ def _policy_weight(iw_ptr, entropy_ptr, row, offs, in_row, m, active, adv, iw_ro
                    off_policy_threshold, entropy_threshold,
                    IW_IN_TERM: tl.constexpr, HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr,
                    HAS_ENTROPY: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, ENTROPY_MASK: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+                   BLOCK_T: tl.constexpr):  # fmt: skip
     """(weight, bonus, entropy): the policy term's multiplier (importance weights unless IW_IN_TERM, the off-policy and
     top-entropy masks; 0 at padding), the entropy bonus's token mask, and the token entropies (0 at padding)."""
     weight = tl.full((BLOCK_T,), 1.0, tl.float32)
@@ -175,8 +197,9 @@ def _policy_weight(iw_ptr, entropy_ptr, row, offs, in_row, m, active, adv, iw_ro
 
 
 @triton.jit
-def _policy_term(r, lp, adv, phi, eps_low, eps_high, delta, sapo_pos, sapo_neg,
-                 LOSS_KIND: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _policy_term(
+    r, lp, adv, phi, eps_low, eps_high, delta, sapo_pos, sapo_neg, LOSS_KIND: tl.constexpr, HAS_DELTA: tl.constexpr
+):
     """The loss type's per-token term pg and its derivative: dpg/dr (clipped, sapo) or dpg/dlogp (cispo, vespo)."""
     if LOSS_KIND == LOSS_CLIPPED:
         r1 = r
@@ -249,16 +272,49 @@ def _clip_indicators(r, adv, eps_low, eps_high, delta, HAS_DELTA: tl.constexpr):
 
 @triton.jit
 def _token_loss_kernel(
-    logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, iw_ptr, entropy_ptr,
-    grad_logp_ptr, bonus_mask_ptr, stats_ptr,
-    T, beta, eps_low, eps_high, delta, sapo_pos, sapo_neg, scale_ptr,
-    vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg, off_policy_threshold, entropy_threshold_ptr,
-    LOSS_KIND: tl.constexpr, GRAD_WRT_LOGP: tl.constexpr, IW_IN_TERM: tl.constexpr,
-    SEQUENCE: tl.constexpr, ROW_MEAN: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
-    HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    OFF_POLICY_MASK: tl.constexpr, ENTROPY_MASK: tl.constexpr, ENTROPY_BONUS: tl.constexpr,
-    SEQ_CLIP_METRICS: tl.constexpr, BLOCK_T: tl.constexpr,
+    logp_ptr,
+    old_ptr,
+    ref_ptr,
+    sampler_ptr,
+    adv_ptr,
+    mask_ptr,
+    iw_ptr,
+    entropy_ptr,
+    grad_logp_ptr,
+    bonus_mask_ptr,
+    stats_ptr,
+    T,
+    beta,
+    eps_low,
+    eps_high,
+    delta,
+    sapo_pos,
+    sapo_neg,
+    scale_ptr,
+    vespo_k_pos,
+    vespo_lam_pos,
+    vespo_k_neg,
+    vespo_lam_neg,
+    off_policy_threshold,
+    entropy_threshold_ptr,
+    LOSS_KIND: tl.constexpr,
+    GRAD_WRT_LOGP: tl.constexpr,
+    IW_IN_TERM: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    ROW_MEAN: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    BIAS_CORRECTION_KL: tl.constexpr,
+    ADV_PER_TOKEN: tl.constexpr,
+    HAS_IW: tl.constexpr,
+    IW_PER_TOKEN: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    OFF_POLICY_MASK: tl.constexpr,
+    ENTROPY_MASK: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+    SEQ_CLIP_METRICS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = b.to(tl.int64) * T  # int64: B x T may pass 2^31 tokens (kernels/tile.py says why)
@@ -266,8 +322,21 @@ def _token_loss_kernel(
     TERM_IW: tl.constexpr = HAS_IW and IW_IN_TERM
 
     count, log_ratio_sum, vespo_log_w, sampler_kl_sum = _row_sums(
-        logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
-        SEQUENCE, HAS_OLD, IS_VESPO, TERM_IW, IW_PER_TOKEN, OFF_POLICY_MASK, BLOCK_T)
+        logp_ptr,
+        old_ptr,
+        sampler_ptr,
+        mask_ptr,
+        iw_ptr,
+        row,
+        T,
+        SEQUENCE,
+        HAS_OLD,
+        IS_VESPO,
+        TERM_IW,
+        IW_PER_TOKEN,
+        OFF_POLICY_MASK,
+        BLOCK_T,
+    )
     length = tl.maximum(count, 1.0)
     # the normaliser and the entropy quantile are device values: the caller never reads them on the host
     scale = tl.load(scale_ptr)
@@ -314,9 +383,26 @@ def _token_loss_kernel(
         else:
             adv = tl.zeros((BLOCK_T,), tl.float32) + adv_row
         weight, bonus, ent = _policy_weight(
-            iw_ptr, entropy_ptr, row, offs, in_row, m, active, adv, iw_row, sampler_kl,
-            off_policy_threshold, entropy_threshold,
-            IW_IN_TERM, HAS_IW, IW_PER_TOKEN, HAS_ENTROPY, OFF_POLICY_MASK, ENTROPY_MASK, BLOCK_T)
+            iw_ptr,
+            entropy_ptr,
+            row,
+            offs,
+            in_row,
+            m,
+            active,
+            adv,
+            iw_row,
+            sampler_kl,
+            off_policy_threshold,
+            entropy_threshold,
+            IW_IN_TERM,
+            HAS_IW,
+            IW_PER_TOKEN,
+            HAS_ENTROPY,
+            OFF_POLICY_MASK,
+            ENTROPY_MASK,
+            BLOCK_T,
+        )
         entropy_sum += tl.sum(ent, axis=0)
         if ENTROPY_BONUS:
             tl.store(bonus_mask_ptr + row + offs, bonus, mask=in_row)
@@ -391,8 +477,10 @@ def _token_loss_kernel(
         if ADV_PER_TOKEN:
             tl.store(stats + STAT_PHI, phi_sum)
         else:  # one weight per sequence, masked tokens or not
-            tl.store(stats + STAT_PHI, _gamma_weight(vespo_log_w, adv_row, vespo_k_pos, vespo_lam_pos, vespo_k_neg,
-                                                     vespo_lam_neg))
+            tl.store(
+                stats + STAT_PHI,
+                _gamma_weight(vespo_log_w, adv_row, vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg),
+            )
     else:
         tl.store(stats + STAT_PHI, 0.0)
     tl.store(stats + STAT_BONUS_COUNT, bonus_count)
@@ -407,8 +495,9 @@ def _device_scalar(x, like):
 
 
 @on_first_argument_device
-def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale,
-               entropy_threshold):
+def token_loss(
+    logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale, entropy_threshold
+):
     """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: (values [B],
     per_sequence)}: grpo_fast.loss_statistics.returned_statistics').
     grpo_fast/token_loss_torch.py is its torch twin, with the same arguments and returns.
@@ -423,12 +512,16 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     record = options.loss_type_record
     term = record.policy_term
     if term.formula not in LOSS_KINDS:
-        raise ValueError(f"loss type {options.loss_type!r} has a policy term the token kernel does not have: "
-                         f"{term.formula!r} (it has {tuple(LOSS_KINDS)})")
+        raise ValueError(
+            f"loss type {options.loss_type!r} has a policy term the token kernel does not have: "
+            f"{term.formula!r} (it has {tuple(LOSS_KINDS)})"
+        )
     loss_kind = LOSS_KINDS[term.formula]
     if term.importance_weights_in_term and loss_kind != LOSS_VESPO:
-        raise ValueError(f"loss type {options.loss_type!r} puts the importance weights in its term, but the token "
-                         f"kernel's {term.formula!r} term does not read them (only 'vespo' does)")
+        raise ValueError(
+            f"loss type {options.loss_type!r} puts the importance weights in its term, but the token "
+            f"kernel's {term.formula!r} term does not read them (only 'vespo' does)"
+        )
     B, T = logp.shape
     entropy_bonus = options.entropy_coef != 0.0
     has_kl = ref is not None and options.beta != 0.0
@@ -439,30 +532,60 @@ def token_loss(logp, advantages, mask, old, ref, sampler, importance_weights, en
     seq_clip_metrics = options.sequence_level and not adv_per_token
     block_t = min(1024, max(16, triton.next_power_of_2(T)))
     _token_loss_kernel[(B,)](
-        logp, old if old is not None else logp, ref if ref is not None else logp,
-        sampler if sampler is not None else logp, advantages, mask,
-        importance_weights if importance_weights is not None else logp, entropy if entropy is not None else logp,
-        grad_logp, bonus_mask if bonus_mask is not None else grad_logp, stats,
-        T, float(options.beta), float(options.epsilon), float(options.clip_high),
+        logp,
+        old if old is not None else logp,
+        ref if ref is not None else logp,
+        sampler if sampler is not None else logp,
+        advantages,
+        mask,
+        importance_weights if importance_weights is not None else logp,
+        entropy if entropy is not None else logp,
+        grad_logp,
+        bonus_mask if bonus_mask is not None else grad_logp,
+        stats,
+        T,
+        float(options.beta),
+        float(options.epsilon),
+        float(options.clip_high),
         float(options.delta if options.delta is not None else 0.0),
-        float(options.sapo_temperature_pos), float(options.sapo_temperature_neg), _device_scalar(scale, logp),
-        float(options.vespo_k_pos), float(options.vespo_lambda_pos), float(options.vespo_k_neg),
+        float(options.sapo_temperature_pos),
+        float(options.sapo_temperature_neg),
+        _device_scalar(scale, logp),
+        float(options.vespo_k_pos),
+        float(options.vespo_lambda_pos),
+        float(options.vespo_k_neg),
         float(options.vespo_lambda_neg),
         float(options.off_policy_mask_threshold if sampler is not None else 0.0),
         _device_scalar(entropy_threshold, logp) if entropy_threshold is not None else logp,
-        LOSS_KIND=loss_kind, GRAD_WRT_LOGP=term.gradient_wrt == "logprob",
-        IW_IN_TERM=term.importance_weights_in_term, SEQUENCE=options.sequence_level,
-        ROW_MEAN=record.row_mean, HAS_DELTA=options.delta is not None,
-        HAS_OLD=old is not None, HAS_KL=has_kl,
-        BIAS_CORRECTION_KL=options.use_bias_correction_kl, ADV_PER_TOKEN=adv_per_token,
+        LOSS_KIND=loss_kind,
+        GRAD_WRT_LOGP=term.gradient_wrt == "logprob",
+        IW_IN_TERM=term.importance_weights_in_term,
+        SEQUENCE=options.sequence_level,
+        ROW_MEAN=record.row_mean,
+        HAS_DELTA=options.delta is not None,
+        HAS_OLD=old is not None,
+        HAS_KL=has_kl,
+        BIAS_CORRECTION_KL=options.use_bias_correction_kl,
+        ADV_PER_TOKEN=adv_per_token,
         HAS_IW=importance_weights is not None,
         IW_PER_TOKEN=importance_weights is not None and importance_weights.dim() == 2,
-        HAS_ENTROPY=entropy is not None, OFF_POLICY_MASK=sampler is not None,
-        ENTROPY_MASK=entropy_threshold is not None, ENTROPY_BONUS=entropy_bonus,
-        SEQ_CLIP_METRICS=seq_clip_metrics, BLOCK_T=block_t,
+        HAS_ENTROPY=entropy is not None,
+        OFF_POLICY_MASK=sampler is not None,
+        ENTROPY_MASK=entropy_threshold is not None,
+        ENTROPY_BONUS=entropy_bonus,
+        SEQ_CLIP_METRICS=seq_clip_metrics,
+        BLOCK_T=block_t,
         num_warps=NUM_WARPS,
     )
-    returned = returned_statistics(sequence_level=options.sequence_level, advantages_per_token=adv_per_token,
-                                   has_kl=has_kl, has_entropy=entropy is not None, has_phi=loss_kind == LOSS_VESPO)
-    return grad_logp, bonus_mask, {name: (stats[:, SLOTS[name]], per_sequence)
-                                   for name, per_sequence in returned.items()}
+    returned = returned_statistics(
+        sequence_level=options.sequence_level,
+        advantages_per_token=adv_per_token,
+        has_kl=has_kl,
+        has_entropy=entropy is not None,
+        has_phi=loss_kind == LOSS_VESPO,
+    )
+    return (
+        grad_logp,
+        bonus_mask,
+        {name: (stats[:, SLOTS[name]], per_sequence) for name, per_sequence in returned.items()},
+    )

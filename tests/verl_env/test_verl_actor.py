@@ -35,14 +35,26 @@ def micro_batch(use_remove_padding):
     responses = [torch.randint(0, VOCAB, (n,), generator=g) for n in RESPONSE_LENGTHS]
     ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
     return tu.get_tensordict(
-        dict(input_ids=nested(ids), position_ids=nested([torch.arange(len(i)) for i in ids]),
-             prompts=nested(prompts), responses=nested(responses),
-             response_mask=nested([torch.ones(n) for n in RESPONSE_LENGTHS]),
-             old_log_probs=nested([-4.9 + 0.3 * torch.randn(n, generator=g) for n in RESPONSE_LENGTHS]),
-             advantages=nested([torch.full((n,), a) for n, a in zip(RESPONSE_LENGTHS, ADVANTAGES)])),
-        dict(temperature=TEMPERATURE, use_remove_padding=use_remove_padding, pad_mode=DatasetPadMode.NO_PADDING,
-             use_fused_kernels=True, calculate_entropy=True, dp_size=1, batch_num_tokens=None,
-             global_batch_size=None))
+        dict(
+            input_ids=nested(ids),
+            position_ids=nested([torch.arange(len(i)) for i in ids]),
+            prompts=nested(prompts),
+            responses=nested(responses),
+            response_mask=nested([torch.ones(n) for n in RESPONSE_LENGTHS]),
+            old_log_probs=nested([-4.9 + 0.3 * torch.randn(n, generator=g) for n in RESPONSE_LENGTHS]),
+            advantages=nested([torch.full((n,), a) for n, a in zip(RESPONSE_LENGTHS, ADVANTAGES)]),
+        ),
+        dict(
+            temperature=TEMPERATURE,
+            use_remove_padding=use_remove_padding,
+            pad_mode=DatasetPadMode.NO_PADDING,
+            use_fused_kernels=True,
+            calculate_entropy=True,
+            dp_size=1,
+            batch_num_tokens=None,
+            global_batch_size=None,
+        ),
+    )
 
 
 def engine_for(model):
@@ -57,8 +69,9 @@ def engine_for(model):
 def update(model, backend, use_remove_padding):
     """forward_step with ppo_loss, backward, SGD step; then forward_step again. Returns the loss, the metrics, the
     gradients and the log-probs after the step."""
-    config = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=3, rollout_n=1,
-                             entropy_coeff=0.01)
+    config = FSDPActorConfig(
+        strategy="fsdp2", ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=3, rollout_n=1, entropy_coeff=0.01
+    )
     loss_fn = functools.partial(ppo_loss, config)
     with patched(model, backend, use_remove_padding):
         engine = engine_for(model)

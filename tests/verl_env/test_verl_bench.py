@@ -13,8 +13,9 @@ def test_verl_torch_peer_passes_the_bench_checks():
     x = make_inputs(D=24, V=203, B=3, T=17, dtype=torch.float32, device="cpu", scenario="padded")
     loss, _metrics = impl.build("fwdbwd", {})(x, x.weight)  # the loss and TRL's metrics, as every peer returns
     loss.backward()
-    ok, errors = check_fwdbwd(loss.detach(), x.hidden.grad, x.weight.grad, reference_fwdbwd(x), torch.float32,
-                              frozen=False)
+    ok, errors = check_fwdbwd(
+        loss.detach(), x.hidden.grad, x.weight.grad, reference_fwdbwd(x), torch.float32, frozen=False
+    )
     assert ok, errors
     ok, errors = check_logprobs(impl.build("logprobs", {})(x, x.weight), x, torch.float32)
     assert ok, errors

@@ -21,7 +21,7 @@ SCRIPT = ROOT / "examples" / "verl_gsm8k.sh"
 def script_overrides(**env):
     """The key=value arguments the script passes to verl.trainer.main_ppo, its variables set from ``env``."""
     text = SCRIPT.read_text()
-    command = text[text.index("python3 -m verl.trainer.main_ppo"):].replace("\\\n", " ")
+    command = text[text.index("python3 -m verl.trainer.main_ppo") :].replace("\\\n", " ")
     words = command.split()[3:]
     assert words[-1] == '"$@"'
     return [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in words[:-1]]
@@ -29,8 +29,13 @@ def script_overrides(**env):
 
 @pytest.mark.slow
 def test_data_step_writes_what_verl_scores(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "examples" / "verl_gsm8k_data.py"), "--local_save_dir", str(tmp_path)],
-                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "verl_gsm8k_data.py"), "--local_save_dir", str(tmp_path)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+    )
     train, test = (pd.read_parquet(tmp_path / f"{split}.parquet") for split in ("train", "test"))
     assert (len(train), len(test)) == (7473, 1319)
     row = test.iloc[0]

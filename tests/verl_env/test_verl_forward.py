@@ -74,8 +74,9 @@ def assert_grads_close(actual, expected, dtype, name):
     assert err <= GRAD_RTOL[dtype] * scale, f"{name}: max error {err:.3g} vs max |grad| {scale:.3g}"
 
 
-@pytest.mark.parametrize("grpo_fast_path", ["torch", pytest.param("triton", marks=pytest.mark.interpreter_only)],
-                         indirect=True)  # verl's CPU models: the Triton kernels run on them under the interpreter
+@pytest.mark.parametrize(
+    "grpo_fast_path", ["torch", pytest.param("triton", marks=pytest.mark.interpreter_only)], indirect=True
+)  # verl's CPU models: the Triton kernels run on them under the interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -202,8 +203,9 @@ def test_lora_variant_on_lm_head_refused():
         fused_outputs(model, inputs, TEMPERATURE)
 
 
-@pytest.mark.parametrize("backend, verl_forward", [("torch", "forward_with_torch_backend"),
-                                                   ("triton", "forward_with_triton_backend")])
+@pytest.mark.parametrize(
+    "backend, verl_forward", [("torch", "forward_with_torch_backend"), ("triton", "forward_with_triton_backend")]
+)
 def test_other_backends_untouched(backend, verl_forward):
     model = tiny_qwen2(tied=True)
     with patched(model, backend):
@@ -218,17 +220,22 @@ def test_vision_language_model_refused():
 
 
 def engine_configs(sp_size=1, hf_config=None, backend="grpo_fast"):
-    model_config = types.SimpleNamespace(use_fused_kernels=True, fused_kernel_options={"impl_backend": backend},
-                                         hf_config=hf_config or Qwen2Config())
+    model_config = types.SimpleNamespace(
+        use_fused_kernels=True, fused_kernel_options={"impl_backend": backend}, hf_config=hf_config or Qwen2Config()
+    )
     return dict(model_config=model_config, engine_config=types.SimpleNamespace(ulysses_sequence_parallel_size=sp_size))
 
 
-@pytest.mark.parametrize("strategy, configs, message", [
-    ("megatron", engine_configs(), "'megatron' engine.*does not call verl's apply_monkey_patch"),
-    ("veomni", engine_configs(), "'veomni' engine"),
-    ("fsdp2", engine_configs(sp_size=2), "ulysses_sequence_parallel_size=2"),
-    ("fsdp", engine_configs(hf_config=Qwen2VLConfig()), "vision-language"),
-], ids=["megatron", "veomni", "sequence-parallel", "vision-language"])
+@pytest.mark.parametrize(
+    "strategy, configs, message",
+    [
+        ("megatron", engine_configs(), "'megatron' engine.*does not call verl's apply_monkey_patch"),
+        ("veomni", engine_configs(), "'veomni' engine"),
+        ("fsdp2", engine_configs(sp_size=2), "ulysses_sequence_parallel_size=2"),
+        ("fsdp", engine_configs(hf_config=Qwen2VLConfig()), "vision-language"),
+    ],
+    ids=["megatron", "veomni", "sequence-parallel", "vision-language"],
+)
 def test_unsupported_engines_refused(strategy, configs, message):
     with pytest.raises(NotImplementedError, match=message):
         EngineRegistry.new(model_type="language_model", backend=strategy, **configs)
@@ -238,8 +245,11 @@ def test_unsupported_engines_refused(strategy, configs, message):
 def test_supported_engine_reaches_verl(strategy, backend, monkeypatch):
     """fsdp / fsdp2 with grpo_fast, and any engine with another backend, reach verl's registry unchanged."""
     built = []
-    monkeypatch.setattr(EngineRegistry, "get_engine_cls",
-                        classmethod(lambda cls, model_type, name: lambda **kwargs: built.append((name, kwargs))))
+    monkeypatch.setattr(
+        EngineRegistry,
+        "get_engine_cls",
+        classmethod(lambda cls, model_type, name: lambda **kwargs: built.append((name, kwargs))),
+    )
     EngineRegistry.new(model_type="language_model", backend=strategy, **engine_configs(backend=backend))
     assert [name for name, _ in built] == [strategy]
 
@@ -267,5 +277,6 @@ def test_load_failure_is_loud(break_verl, monkeypatch, caplog):
     monkeypatch.delitem(sys.modules, "grpo_fast.verl")
     with caplog.at_level(logging.ERROR), pytest.raises(expected):
         importlib.import_module("grpo_fast.verl")
-    assert any(r.levelno == logging.ERROR and "impl_backend=grpo_fast is unavailable" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        r.levelno == logging.ERROR and "impl_backend=grpo_fast is unavailable" in r.getMessage() for r in caplog.records
+    )

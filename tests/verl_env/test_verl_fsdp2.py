@@ -33,8 +33,10 @@ def shard_loss(model, rank, scale):
 def full_gradients(model):
     from torch.distributed.tensor import DTensor
 
-    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def run(rank, out_dir):
@@ -52,8 +54,9 @@ def run(rank, out_dir):
         single_loss.backward()
 
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                         cast_forward_inputs=True)
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True
+        )
         apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": True}, {})
         head_is_unit = type(model.lm_head).__name__.startswith("FSDP")
         assert isinstance(model.lm_head.weight, DTensor) and model.lm_head.weight.to_local().shape[0] < 131
@@ -66,9 +69,18 @@ def run(rank, out_dir):
             loss.backward()
     loss_sum = loss.detach().clone() / WORLD
     dist.all_reduce(loss_sum)
-    torch.save(dict(loss=loss_sum, single_loss=single_loss.detach(), grads=full_gradients(model),
-                    single_grads=full_gradients(single), weights_seen=weights_seen, head_is_unit=head_is_unit,
-                    resharded_after_no_grad=resharded_after_no_grad), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        dict(
+            loss=loss_sum,
+            single_loss=single_loss.detach(),
+            grads=full_gradients(model),
+            single_grads=full_gradients(single),
+            weights_seen=weights_seen,
+            head_is_unit=head_is_unit,
+            resharded_after_no_grad=resharded_after_no_grad,
+        ),
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
 
 
 def worker(rank, port, out_dir):
@@ -90,6 +102,7 @@ def test_fsdp2_untied_head_two_ranks_equal_one(tmp_path):
             err = (grad - single).abs().max().item()
             assert err <= 1e-5 * single.abs().max().item() + 1e-7, f"rank {rank} d{name}: {err:.3g}"
         # the kernel got the whole [V, D] head as a plain tensor (FSDP gathered it), and resharded it after no-grad
-        assert r["weights_seen"] and all(seen in (("Tensor", (131, 48)), ("Parameter", (131, 48)))
-                                         for seen in r["weights_seen"]), r["weights_seen"]
+        assert r["weights_seen"] and all(
+            seen in (("Tensor", (131, 48)), ("Parameter", (131, 48))) for seen in r["weights_seen"]
+        ), r["weights_seen"]
         assert r["resharded_after_no_grad"]

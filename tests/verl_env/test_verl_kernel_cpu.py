@@ -36,7 +36,7 @@ def inputs(D, V, seed=0):
 def truth(hidden, weight, labels, g_logp, g_entropy):
     """fp64 log-probs, entropies, dH and dW (the last as a function of a row range, to compare chunk by chunk)."""
     h = hidden.double()
-    logits = torch.cat([h @ weight[i:i + CHUNK].double().T for i in range(0, weight.shape[0], CHUNK)], 1)
+    logits = torch.cat([h @ weight[i : i + CHUNK].double().T for i in range(0, weight.shape[0], CHUNK)], 1)
     logits /= TEMPERATURE
     logp_all = logits.log_softmax(-1)
     p = logp_all.exp()
@@ -47,8 +47,8 @@ def truth(hidden, weight, labels, g_logp, g_entropy):
     dz[torch.arange(TOKENS), labels] += g_logp
     dz -= g_entropy[:, None] * p * (logp_all + entropy[:, None])
     dz /= TEMPERATURE
-    dh = sum(dz[:, i:i + CHUNK] @ weight[i:i + CHUNK].double() for i in range(0, weight.shape[0], CHUNK))
-    return logp, entropy, dh, lambda i: dz[:, i:i + CHUNK].T @ h
+    dh = sum(dz[:, i : i + CHUNK] @ weight[i : i + CHUNK].double() for i in range(0, weight.shape[0], CHUNK))
+    return logp, entropy, dh, lambda i: dz[:, i : i + CHUNK].T @ h
 
 
 def run(fn, hidden, weight, labels, g_logp, g_entropy):
@@ -59,8 +59,9 @@ def run(fn, hidden, weight, labels, g_logp, g_entropy):
 
 
 def ours(h, w, labels):
-    logp, entropy = grpo_fast.logprobs_and_entropy(h[None], w, labels[None], temperature=TEMPERATURE,
-                                                   entropy_grad=True, backend="torch")
+    logp, entropy = grpo_fast.logprobs_and_entropy(
+        h[None], w, labels[None], temperature=TEMPERATURE, entropy_grad=True, backend="torch"
+    )
     return logp[0], entropy[0]
 
 
@@ -75,18 +76,24 @@ def errors(result, expected):
     dw_err = dw_scale = 0.0
     for i in range(0, dw.shape[0], CHUNK):
         chunk = t_dw(i)
-        dw_err = max(dw_err, (dw[i:i + CHUNK].double() - chunk).abs().max().item())
+        dw_err = max(dw_err, (dw[i : i + CHUNK].double() - chunk).abs().max().item())
         dw_scale = max(dw_scale, chunk.abs().max().item())
-    return dict(log_probs=(logp - t_logp).abs().max().item(), entropy=(entropy - t_entropy).abs().max().item(),
-                dh=(dh - t_dh).abs().max().item() / t_dh.abs().max().item(), dw=dw_err / dw_scale)
+    return dict(
+        log_probs=(logp - t_logp).abs().max().item(),
+        entropy=(entropy - t_entropy).abs().max().item(),
+        dh=(dh - t_dh).abs().max().item() / t_dh.abs().max().item(),
+        dw=dw_err / dw_scale,
+    )
 
 
 def within_verl_tolerance(result, expected):
     """verl's assert_close tolerances, elementwise: |error| <= atol + rtol |truth|."""
     logp, entropy, dh, _ = result
     t_logp, t_entropy, t_dh, _ = expected
-    return all(bool(((a - b).abs() <= VERL_TOL[k][0] + VERL_TOL[k][1] * b.abs()).all())
-               for k, a, b in (("log_probs", logp, t_logp), ("entropy", entropy, t_entropy), ("grad", dh, t_dh)))
+    return all(
+        bool(((a - b).abs() <= VERL_TOL[k][0] + VERL_TOL[k][1] * b.abs()).all())
+        for k, a, b in (("log_probs", logp, t_logp), ("entropy", entropy, t_entropy), ("grad", dh, t_dh))
+    )
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def _keep_hidden_states(backbone, args, output):
 def tiny_qwen2(tied, dtype=torch.float32, seed=0, vocab_size=VOCAB):
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                         attn_implementation="sdpa", attention_dropout=0.0)
+                         attn_implementation="sdpa", attention_dropout=0.0)  # fmt: skip
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     # a random init with logits of order 1: a real softmax, not a near-uniform one
@@ -34,9 +34,19 @@ def tiny_qwen2(tied, dtype=torch.float32, seed=0, vocab_size=VOCAB):
 
 def tiny_gemma2(dtype=torch.float32, seed=0):
     """A tied Gemma 2 whose final_logit_softcapping (4.0, small so that it bites) verl's backends ignore."""
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, final_logit_softcapping=4.0,
-                          attn_implementation="sdpa", attention_dropout=0.0, sliding_window=8)
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        final_logit_softcapping=4.0,
+        attn_implementation="sdpa",
+        attention_dropout=0.0,
+        sliding_window=8,
+    )
     torch.manual_seed(seed)
     model = Gemma2ForCausalLM(config)
     with torch.no_grad():  # logits of a few units, which the cap of 4 bends
@@ -52,8 +62,9 @@ def patched(model, backend, use_remove_padding=False):
     cls = type(model)
     original = cls.forward
     try:
-        apply_monkey_patch(model, use_remove_padding=use_remove_padding, use_fused_kernels=True,
-                           fused_kernels_backend=backend)
+        apply_monkey_patch(
+            model, use_remove_padding=use_remove_padding, use_fused_kernels=True, fused_kernels_backend=backend
+        )
         yield model
     finally:
         cls.forward = original
@@ -77,8 +88,9 @@ def packed_batch(lengths=(7, 4, 1, 5), seed=1):
     nnz = sum(lengths)
     ids = torch.randint(0, VOCAB, (1, nnz), generator=g)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    return dict(input_ids=ids, position_ids=positions, shift_labels=torch.roll(ids, -1, dims=1)), \
-        torch.ones(1, nnz, dtype=torch.bool)
+    return dict(input_ids=ids, position_ids=positions, shift_labels=torch.roll(ids, -1, dims=1)), torch.ones(
+        1, nnz, dtype=torch.bool
+    )
 
 
 def targets_of(inputs):
