@@ -44,22 +44,6 @@ def test_option_keywords_are_typed_with_the_options_names_and_types():
         assert not set(params) & set(FIELD_NAMES), fn.__name__
 
 
-def test_a_keyword_applies_on_top_of_the_options():
-    g = torch.Generator().manual_seed(0)
-    logp, adv, mask = -torch.rand(3, 5, generator=g), torch.randn(3, generator=g), torch.ones(3, 5)
-    old = logp + 0.3 * torch.randn(3, 5, generator=g)
-    by_object, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01))
-    by_keyword, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, epsilon=0.01)
-    keyword_on_top, _ = grpo_fast.token_loss(
-        logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01), epsilon=0.2
-    )
-    default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old)
-    assert by_keyword.item() == by_object.item() != default.item()
-    assert keyword_on_top.item() == default.item()
-    kept, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(epsilon=0.01), beta=0.0)
-    assert kept.item() == by_object.item()
-
-
 @pytest.mark.parametrize(
     "override, error, message",
     [
@@ -109,11 +93,15 @@ def test_options_object_and_keywords_give_the_same_loss():
     kw = dict(loss_type="grpo", epsilon=0.01, epsilon_high=0.3)
     by_keywords, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, **kw)
     by_object, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(**kw))
-    # keywords override the object's fields
+    # keywords override the object's fields, a keyword at its default value too; the others keep the object's
     mixed, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(**kw), epsilon=0.5)
     default_eps, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, **dict(kw, epsilon=0.5))
-    assert by_keywords.item() == by_object.item()
+    at_default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(**kw), epsilon=0.2)
+    eps_default, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, **dict(kw, epsilon=0.2))
+    kept, _ = grpo_fast.token_loss(logp, adv, mask, old_logprobs=old, options=LossOptions(**kw), beta=0.0)
+    assert by_keywords.item() == by_object.item() == kept.item()
     assert mixed.item() == default_eps.item() != by_keywords.item()
+    assert at_default.item() == eps_default.item() != by_keywords.item()
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
