@@ -133,9 +133,9 @@ def _tile_record_kernel(
 
 @triton.jit
 def _tile_record_tma_kernel(
-    h_desc, w_desc, targets_ptr, parts_ptr, target_logit_ptr,
-    N, V, D, stride_field, inv_temperature,
-    COMPUTE_ENTROPY: tl.constexpr,
+    h_desc, w_desc, targets_ptr, parts_ptr, target_logit_ptr, z_ptr,
+    N, V, D, stride_field, stride_z, inv_temperature,
+    COMPUTE_ENTROPY: tl.constexpr, STORE_Z: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, GROUP_N: tl.constexpr,
 ):  # fmt: skip
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -160,11 +160,144 @@ def _tile_record_tma_kernel(
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, w.T, acc)
         z = tl.where((offs_v < V)[None, :], acc * inv_temperature, float("-inf"))
+        if STORE_Z:
+            tl.store(z_ptr + offs_n[:, None].to(tl.int64) * stride_z + offs_v[None, :], z,
+                     mask=n_mask[:, None] & (offs_v < V)[None, :])  # fmt: skip
         run_max, run_rest, run_zrest, target_logit = _fold_tile(
             z, offs_v, targets, run_max, run_rest, run_zrest, target_logit, COMPUTE_ENTROPY
         )
     _store_record(parts_ptr, target_logit_ptr, stride_field, pid_v, N, offs_n, n_mask, targets, v_lo,
                   v_lo + TILES * BLOCK_V, run_max, run_rest, run_zrest, target_logit, COMPUTE_ENTROPY)  # fmt: skip
+
+
+@triton.jit
+def _tile_grad_tma_kernel(
+    h_desc, w_desc, targets_ptr, lse_ptr, nontarget_mass_ptr, grad_logp_ptr, g_ptr,
+    N, V, D, stride_g, inv_temperature, g_scale,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+):  # fmt: skip
+    """The four-sweep backward's recompute: g = dL/dz of one tile from the forward's lse and 1 - p_y, scaled by
+    g_scale and rounded to g's dtype (the chunk buffer that cuBLAS's dH and dW read)."""
+    pid_n, pid_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        h = h_desc.load([pid_n * BLOCK_N, d0])
+        w = w_desc.load([pid_v * BLOCK_V, d0])
+        if UPCAST:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(h, w.T, acc)
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
+    c = tl.load(grad_logp_ptr + offs_n, mask=n_mask, other=0.0) * g_scale
+    mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
+    targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
+    p = tl.exp(acc * inv_temperature - lse[:, None])
+    g = tl.where(offs_v[None, :] == targets[:, None], (c * mass)[:, None], -c[:, None] * p)
+    tl.store(g_ptr + offs_n[:, None].to(tl.int64) * stride_g + offs_v[None, :], g.to(g_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (offs_v < V)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _row_grad_inplace_kernel(z_ptr, stride_z, g_ptr, stride_g, targets_ptr, lse_ptr, nontarget_mass_ptr,
+                             grad_logp_ptr, g_scale, V, BLOCK: tl.constexpr):  # fmt: skip
+    """g over z in place: one program walks its row left to right, so a block's g (2 bytes an entry, in the first
+    half of the row's bytes) lands on entries already read (this block's or earlier ones)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    c = tl.load(grad_logp_ptr + row) * g_scale
+    lse = tl.load(lse_ptr + row)
+    target_g = c * tl.load(nontarget_mass_ptr + row)
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        mask = offs < V
+        z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=float("-inf"))
+        g = tl.where(offs == target, target_g, -c * tl.exp(z - lse))
+        tl.store(g_ptr + row * stride_g + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def chunk_pipeline(hidden, weight, targets, grad_logp, chunk, tile_cfg, train_weight=True, dw_layout="VD",
+                   block=4096):  # fmt: skip
+    """(logp, dH, dW) of sum_n c_n logp_n in three sweeps (two with a frozen weight): per token chunk the tile
+    kernel (TMA) writes the fp32 logits and their records in one pass, g is written over them in place, cuBLAS
+    does dH and dW (``dw_layout`` "DV": dW^T += H^T g, transposed once at the end)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_n, block_v, block_d, warps, stages, tiles, group_n = tile_cfg
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    z = torch.empty((chunk, V), dtype=torch.float32, device=dev)
+    g = z.view(hidden.dtype)[:, :V] if hidden.dtype != torch.float32 else z  # rows of stride 2V
+    patches = triton.cdiv(triton.cdiv(V, block_v), tiles)
+    parts = torch.empty((3, patches, chunk), dtype=torch.float32, device=dev)
+    target_logit = torch.empty(chunk, dtype=torch.float32, device=dev)
+    grad_hidden = torch.empty((N, D), dtype=torch.float32, device=dev)
+    grad_weight = None
+    if train_weight:
+        grad_weight = torch.zeros((V, D) if dw_layout == "VD" else (D, V), dtype=torch.float32, device=dev)
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    scale = _pow2_scale(float(grad_logp.abs().max()))
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_v, block_d])
+    for n0 in range(0, N, chunk):
+        n1 = min(n0 + chunk, N)
+        rows = n1 - n0
+        h = hidden[n0:n1]
+        h_desc = TensorDescriptor(h, list(h.shape), list(h.stride()), [block_n, block_d])
+        grid = (triton.cdiv(rows, block_n) * patches,)
+        part_rows = parts.view(-1)[: 3 * patches * rows].view(3, patches, rows)  # the kernel's layout for `rows`
+        _tile_record_tma_kernel[grid](h_desc, w_desc, targets[n0:n1], part_rows, target_logit, z, rows, V, D,
+                                      part_rows.stride(0), z.stride(0), 1.0, COMPUTE_ENTROPY=True, STORE_Z=True,
+                                      BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d, TILES=tiles,
+                                      GROUP_N=group_n, num_warps=warps, num_stages=stages)  # fmt: skip
+        record = finish_parts(part_rows, target_logit[:rows], True)
+        lp, _, bstats = softmax_stats.finish(record, True)
+        logp[n0:n1] = lp
+        _row_grad_inplace_kernel[(rows,)](z, z.stride(0), g, g.stride(0), targets[n0:n1], bstats.lse,
+                                          bstats.nontarget_mass, grad_logp[n0:n1], scale, V, BLOCK=block,
+                                          num_warps=8)  # fmt: skip
+        mm_fp32(g[:rows], weight, grad_hidden[n0:n1], accumulate=False)
+        grad_hidden[n0:n1].mul_(1.0 / scale)
+        if train_weight and dw_layout == "VD":
+            mm_fp32(g[:rows].T, h, grad_weight, accumulate=True)
+        elif train_weight:
+            mm_fp32(h.T, g[:rows], grad_weight, accumulate=True)
+    if train_weight:
+        grad_weight.mul_(1.0 / scale)
+        if dw_layout == "DV":
+            grad_weight = grad_weight.T.contiguous()
+    return logp, grad_hidden, grad_weight
+
+
+def backward_four_sweeps(hidden, weight, targets, bstats, grad_logp, chunk, cfg):
+    """dH, dW from the forward's lse and 1 - p_y (c known only in the backward): per chunk the TMA grad-tile
+    kernel writes g, cuBLAS does dH and dW."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_n, block_v, block_d, warps, stages, _, group_n = cfg
+    N, D = hidden.shape
+    V = weight.shape[0]
+    g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
+    grad_hidden = torch.empty((N, D), dtype=torch.float32, device=hidden.device)
+    grad_weight = torch.zeros((V, D), dtype=torch.float32, device=hidden.device)
+    scale = _pow2_scale(float(grad_logp.abs().max()))
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_v, block_d])
+    for n0 in range(0, N, chunk):
+        n1 = min(n0 + chunk, N)
+        rows = n1 - n0
+        h = hidden[n0:n1]
+        h_desc = TensorDescriptor(h, list(h.shape), list(h.stride()), [block_n, block_d])
+        grid = (triton.cdiv(rows, block_n) * triton.cdiv(V, block_v),)
+        _tile_grad_tma_kernel[grid](h_desc, w_desc, targets[n0:n1], bstats.lse[n0:n1], bstats.nontarget_mass[n0:n1],
+                                    grad_logp[n0:n1], g, rows, V, D, g.stride(0), 1.0, scale, BLOCK_N=block_n,
+                                    BLOCK_V=block_v, BLOCK_D=block_d, GROUP_N=group_n, num_warps=warps,
+                                    num_stages=stages)  # fmt: skip
+        mm_fp32(g[:rows], weight, grad_hidden[n0:n1], accumulate=False)
+        grad_hidden[n0:n1].mul_(1.0 / scale)
+        mm_fp32(g[:rows].T, h, grad_weight, accumulate=True)
+    grad_weight.mul_(1.0 / scale)
+    return grad_hidden, grad_weight
 
 
 def finish_parts(parts, target_logit, compute_entropy):
@@ -201,8 +334,10 @@ def tile_forward(hidden, weight, targets, cfg, compute_entropy=True, temperature
 
         h_desc = TensorDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [block_n, block_d])
         w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_v, block_d])
-        _tile_record_tma_kernel[grid](h_desc, w_desc, targets, parts, target_logit, N, V, D, parts.stride(0),
-                                      1.0 / temperature, **common)  # fmt: skip
+        _tile_record_tma_kernel[grid](h_desc, w_desc, targets, parts, target_logit,
+                                      z_out if z_out is not None else parts, N, V, D, parts.stride(0),
+                                      z_out.stride(0) if z_out is not None else 0, 1.0 / temperature,
+                                      STORE_Z=z_out is not None, **common)  # fmt: skip
     else:
         _tile_record_kernel[grid](hidden, weight, targets, parts, target_logit, z_out if z_out is not None else parts,
                                   N, V, D, parts.stride(0), z_out.stride(0) if z_out is not None else 0,
@@ -585,6 +720,133 @@ def study_trained(st, N, D, V):
     st.time(shape, "piece: dW += chunk (cuBLAS fp32 acc)", lambda: mm_fp32(g.T, hs, dw, accumulate=True), cflops)
 
 
+TMA_SECOND = [
+    (128, 256, 64, 8, 3, 1, 8),
+    (128, 256, 64, 8, 3, 4, 8),
+    (128, 256, 64, 8, 3, 2, 8),
+    (128, 256, 64, 8, 3, 1, 16),
+    (128, 256, 128, 8, 2, 1, 8),
+    (256, 128, 64, 8, 3, 1, 8),
+]
+
+
+def study_forward_tma(st, N, D, V, candidates):
+    """The TMA tile kernel's neighbours (tiles per program, group, K step, tile shape), with the entropy."""
+    shape = f"N{N} D{D} V{V}"
+    hidden, weight, targets = _inputs(N, D, V)
+    truth_logp, truth_entropy = _truth(hidden, weight, targets)
+    for cfg in candidates:
+        name = f"tile tma {cfg[0]}x{cfg[1]}x{cfg[2]} w{cfg[3]} s{cfg[4]} t{cfg[5]} g{cfg[6]} +entropy"
+        try:
+            logp, entropy, _ = tile_forward(hidden, weight, targets, cfg, True, tma=True)
+            extra = dict(
+                logp_err=float((logp[:512].double() - truth_logp).abs().max()),
+                entropy_err=float((entropy[:512].double() - truth_entropy).abs().max()),
+            )
+        except Exception as e:  # noqa: BLE001
+            st.record(shape=shape, what=name, ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+            continue
+        st.time(shape, name, lambda cfg=cfg: tile_forward(hidden, weight, targets, cfg, True, tma=True),
+                2 * N * D * V, **extra)  # fmt: skip
+
+
+def study_pipeline(st, N, D, V):
+    """The chunk pipeline (TMA z + records, g in place, cuBLAS dH / dW), trained and frozen, beside TRL's and
+    today's heads; the four-sweep backward with the TMA grad tile."""
+    shape = f"N{N} D{D} V{V}"
+    hidden, weight, targets = _inputs(N, D, V, seed=1)
+    grad_logp = torch.randn(N, device=DEVICE) / N
+    cfg = (128, 256, 64, 8, 3, 1, 8) if DEVICE == "cuda" else (16, 32, 16, 4, 1, 1, 2)
+    import grpo_fast
+
+    h = hidden.view(1, N, D).detach().requires_grad_(True)
+    w_trained = weight.detach().requires_grad_(True)
+    w_frozen = weight.detach()
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+
+        for w, label in ((w_trained, "trained"), (w_frozen, "frozen")):
+
+            def trl_head(w=w):
+                logp, _ = ChunkedLogProbFunction.apply(h.view(N, D), w, None, targets, 1.0, 4096, None, 1.0,
+                                                       ("log_probs", "entropy"))[:2]  # fmt: skip
+                torch.autograd.backward(logp, grad_logp)
+                h.grad = w_trained.grad = None
+
+            st.time(shape, f"TRL 1.16 {label} head fwd+bwd", trl_head)
+    except ImportError as e:
+        st.record(shape=shape, what="TRL 1.16 heads", ms=None, error=f"ImportError: {e}")
+    for w, label in ((w_trained, "trained"), (w_frozen, "frozen")):
+
+        def ours_today(w=w):
+            logp, _ = grpo_fast.logprobs_and_entropy(h, w, targets.view(1, N))
+            torch.autograd.backward(logp, grad_logp.view(1, N))
+            h.grad = w_trained.grad = None
+
+        st.time(shape, f"today's {label} head fwd+bwd", ours_today)
+    n_small = min(256, N)
+    lp, dh, dw = chunk_pipeline(hidden[:n_small], weight, targets[:n_small], grad_logp[:n_small], n_small, cfg)
+    z = hidden[:n_small].double() @ weight.double().T
+    p = torch.softmax(z, 1)
+    g64 = -grad_logp[:n_small, None].double() * p
+    g64[torch.arange(n_small), targets[:n_small]] += grad_logp[:n_small].double()
+    dh64, dw64 = g64 @ weight.double(), g64.T @ hidden[:n_small].double()
+    truth_logp = torch.log_softmax(z, 1).gather(1, targets[:n_small, None])[:, 0]
+    st.record(shape=f"N{n_small} D{D} V{V}", what="pipeline precision vs fp64", ms=None,
+              logp_err=float((lp.double() - truth_logp).abs().max()),
+              dh_rel_err=float((dh.double() - dh64).norm() / dh64.norm()),
+              dw_rel_err=float((dw.double() - dw64).norm() / dw64.norm()))  # fmt: skip
+    del z, p, g64, dh64, dw64
+    chunks = (1024, 768, 1280) if DEVICE == "cuda" else (64,)
+    for chunk in chunks:
+        for layout in ("VD", "DV") if chunk == chunks[0] else ("VD",):
+            st.time(shape, f"pipeline trained, chunk {chunk}, dW {layout}",
+                    lambda c=chunk, lay=layout: chunk_pipeline(hidden, weight, targets, grad_logp, c, cfg,
+                                                               dw_layout=lay), 6 * N * D * V)  # fmt: skip
+    for chunk in chunks[:2]:
+        st.time(shape, f"pipeline frozen, chunk {chunk}",
+                lambda c=chunk: chunk_pipeline(hidden, weight, targets, grad_logp, c, cfg, train_weight=False),
+                4 * N * D * V)  # fmt: skip
+    _, _, bstats = tile_forward(hidden, weight, targets, cfg, False, tma=True)
+    st.time(shape, "TMA tile forward, no entropy (the 4-sweep head's first)",
+            lambda: tile_forward(hidden, weight, targets, cfg, False, tma=True), 2 * N * D * V)  # fmt: skip
+    for chunk in (1536, 1024) if DEVICE == "cuda" else (64,):
+        st.time(shape, f"4-sweep backward, TMA grad tile, chunk {chunk}",
+                lambda c=chunk: backward_four_sweeps(hidden, weight, targets, bstats, grad_logp, c, cfg),
+                6 * N * D * V)  # fmt: skip
+    # the pieces at chunk 1024
+    C = min(1024, N)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    zc = torch.empty((C, V), dtype=torch.float32, device=DEVICE)
+    patches = triton.cdiv(V, cfg[1])
+    parts = torch.empty((3, patches, C), dtype=torch.float32, device=DEVICE)
+    tlog = torch.empty(C, dtype=torch.float32, device=DEVICE)
+    hc = hidden[:C]
+    h_desc = TensorDescriptor(hc, list(hc.shape), list(hc.stride()), [cfg[0], cfg[2]])
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg[1], cfg[2]])
+
+    def z_and_records():
+        _tile_record_tma_kernel[(triton.cdiv(C, cfg[0]) * patches,)](
+            h_desc, w_desc, targets[:C], parts, tlog, zc, C, V, D, parts.stride(0), zc.stride(0), 1.0,
+            COMPUTE_ENTROPY=True, STORE_Z=True, BLOCK_N=cfg[0], BLOCK_V=cfg[1], BLOCK_D=cfg[2], TILES=1,
+            GROUP_N=cfg[6], num_warps=cfg[3], num_stages=cfg[4])  # fmt: skip
+
+    st.time(shape, "piece: TMA z fp32 + records, chunk", z_and_records, 2 * C * D * V)
+    st.time(shape, "piece: merge + finish the chunk's records",
+            lambda: softmax_stats.finish(finish_parts(parts, tlog, True), True))  # fmt: skip
+    lse = torch.zeros(C, device=DEVICE)
+    gv = zc.view(hidden.dtype)[:, :V]
+    st.time(shape, "piece: g in place, chunk",
+            lambda: _row_grad_inplace_kernel[(C,)](zc, zc.stride(0), gv, gv.stride(0), targets[:C], lse, lse,
+                                                   grad_logp[:C], 1.0, V, BLOCK=4096, num_warps=8))  # fmt: skip
+    dwt = torch.zeros((D, V), dtype=torch.float32, device=DEVICE)
+    st.time(shape, "piece: dW^T += H^T g, chunk", lambda: mm_fp32(hc.T, gv, dwt, accumulate=True), 2 * C * D * V)
+    dw = torch.zeros((V, D), dtype=torch.float32, device=DEVICE)
+    st.time(shape, "piece: dW += g^T H (strided g), chunk", lambda: mm_fp32(gv.T, hc, dw, accumulate=True),
+            2 * C * D * V)  # fmt: skip
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the folder for tile-study.json")
@@ -592,11 +854,12 @@ def main():
     p.add_argument("--parts", default="forward,trained,forward4096", help="which studies, in order")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU under TRITON_INTERPRET=1")
     args = p.parse_args()
-    global DEVICE, FORWARD_CANDIDATES, TMA_CANDIDATES
+    global DEVICE, FORWARD_CANDIDATES, TMA_CANDIDATES  # noqa: PLW0603
     if args.dry_run:
         DEVICE = "cpu"
         FORWARD_CANDIDATES = [(16, 32, 16, 4, 1, 1, 2), (16, 32, 16, 4, 1, 2, 2)]
         TMA_CANDIDATES = [(16, 32, 16, 4, 1, 1, 2)]
+        TMA_SECOND[:] = [(16, 32, 16, 4, 1, 1, 2), (16, 32, 16, 4, 1, 2, 2)]
     elif not torch.cuda.is_available():
         sys.exit("a CUDA GPU (TRITON_INTERPRET unset)")
     os.makedirs(args.out, exist_ok=True)
@@ -612,6 +875,12 @@ def main():
                 study_forward(st, *shapes[part])
             elif part == "trained":
                 study_trained(st, *shapes[part])
+            elif part == "tma":
+                study_forward_tma(st, *shapes["forward"], TMA_SECOND)
+            elif part == "tma4096":
+                study_forward_tma(st, *shapes["forward4096"], TMA_SECOND[:3])
+            elif part == "pipeline":
+                study_pipeline(st, *shapes["trained"])
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - the next part still runs
