@@ -57,10 +57,8 @@ def _tokenizer():
 
 
 def default_data() -> Path:
-    """GSM8K's test split as grpo_fast ships it (``grpo_fast.gsm8k.data.BUNDLED_DIR``)."""
-    from grpo_fast.gsm8k.data import BUNDLED_DIR
-
-    return Path(BUNDLED_DIR) / "test.jsonl.gz"
+    """GSM8K's test split as the examples bundle it (examples/gsm8k/files/)."""
+    return Path(__file__).resolve().parent.parent / "examples" / "gsm8k" / "files" / "test.jsonl.gz"
 
 
 def read_answers(path) -> list[str]:
@@ -80,7 +78,7 @@ def main(argv=None):
     p.add_argument(
         "--data",
         help="GSM8K's test split, test.jsonl or test.jsonl.gz ({question, answer} per line; "
-        "default: the copy grpo_fast ships, grpo_fast/gsm8k/files/test.jsonl.gz)",
+        "default: the examples' copy, examples/gsm8k/files/test.jsonl.gz)",
     )
     args = p.parse_args(argv)
     data = Path(args.data) if args.data else default_data()

@@ -28,7 +28,7 @@ import torch
 
 from bench import completion_lengths
 from grpo_fast import reference
-from grpo_fast.options import LossOptions
+from grpo_fast.grpo_loss.options import LossOptions
 
 # The loss the benchmark measures, passed to every implementation: TRL 1.16's GRPOConfig defaults (DAPO, token
 # level, temperature 1, the k3 KL multiplied by the importance ratio: use_bias_correction_kl) with a KL term

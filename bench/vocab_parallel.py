@@ -9,7 +9,7 @@ only its rows, bf16), every rank holds the same N tokens of hidden states (tenso
 step runs ``grpo_fast.logprobs_and_entropy`` forward and backward (a log-prob and an entropy-bonus objective; the
 weight and hidden need gradients) on the torch backend:
 
-* ``vocab_parallel``: the DTensor is passed as it is (grpo_fast.vocab_parallel: O(N) statistics all-reduced in the
+* ``vocab_parallel``: the DTensor is passed as it is (grpo_fast.head.vocab_parallel: O(N) statistics all-reduced in the
   forward, dH in the backward);
 * ``gather``: ``weight.full_tensor()`` first (TRL 1.16), then the unsharded head. Every rank would do the same
   work on the same tokens, so to fit 4 ranks in a small machine's memory only rank 0 computes after the all-gather

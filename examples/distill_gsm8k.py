@@ -32,8 +32,7 @@ import argparse
 import copy
 
 import torch
-
-from grpo_fast.gsm8k import cli, data, models, plots
+from gsm8k import cli, data, models, plots
 
 PROG = "distill_gsm8k.py"
 RESULTS = ("metrics.jsonl", "metrics.png")
@@ -117,8 +116,8 @@ def main(argv=None):
     )
 
     from datasets import Dataset
+    from gsm8k.callbacks import MetricsFile
 
-    from grpo_fast.gsm8k.callbacks import MetricsFile
     from grpo_fast.trl import DistillationConfig, DistillationTrainer  # was: from trl import ...
 
     dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in cli.load_split(PROG, "train", args.data)])

@@ -47,14 +47,14 @@ import time
 from pathlib import Path
 
 import torch
+from gsm8k import cli, data, models, plots, rollout
+from gsm8k.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward, strict_format_reward
 from tqdm.auto import tqdm
 
 import grpo_fast
 from grpo_fast import NUM_ITEMS_LOSS_TYPES
-from grpo_fast.advantages import SCALE_REWARDS, group_advantages
-from grpo_fast.gsm8k import cli, data, models, plots, rollout
-from grpo_fast.gsm8k.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward, strict_format_reward
-from grpo_fast.hidden_states import completion_hidden_states
+from grpo_fast.grpo_loss.advantages import SCALE_REWARDS, group_advantages
+from grpo_fast.integrations.hidden_states import completion_hidden_states
 
 PROG = "train_gsm8k.py"
 RESULTS = ("metrics.jsonl", "samples.jsonl", "metrics.png", "summary.json")
@@ -130,7 +130,7 @@ def parse_args(argv=None):
         "--one-shot",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="[off / on] a worked example in the answer format (grpo_fast.gsm8k.data.ONE_SHOT) before each question",
+        help="[off / on] a worked example in the answer format (gsm8k.data.ONE_SHOT) before each question",
     )
     a.add_argument("--random-init", action="store_true", help="random weights (for memory measurements)")
     a.add_argument(
@@ -306,7 +306,7 @@ def random_init_config(name):
 
 
 def grpo_fast_byte_tokenizer():
-    from grpo_fast.gsm8k.tokenizer import byte_tokenizer
+    from gsm8k.tokenizer import byte_tokenizer
 
     return byte_tokenizer()
 
@@ -314,7 +314,7 @@ def grpo_fast_byte_tokenizer():
 def reward_functions(spec, functions=None):
     """{name: (function, weight)} from '--reward-weights name=w,...' (unnamed rewards keep weight 1.0).
 
-    ``functions``: {name: callable} to use instead of the demo's five (grpo_fast.gsm8k.rewards.DEFAULT_REWARDS).
+    ``functions``: {name: callable} to use instead of the demo's five (gsm8k.rewards.DEFAULT_REWARDS).
     """
     functions = DEFAULT_REWARDS if functions is None else functions
     weights = {name: 1.0 for name in functions}
@@ -461,7 +461,7 @@ def find_checkpoint(args, out_dir):
 
 # ------------------------------------------------------------------------------------------ plot
 def plot_panels(rows):
-    """The plot's six panels (grpo_fast.gsm8k.plots): the KL where it is logged, else the learning rate."""
+    """The plot's six panels (gsm8k.plots): the KL where it is logged, else the learning rate."""
     kl = any("kl" in r for r in rows)
     return [
         ("reward", ["reward", "rewards/"]),
@@ -476,7 +476,7 @@ def plot_panels(rows):
 # ------------------------------------------------------------------------------------------ the loop
 def main(argv=None, reward_funcs=None):
     """Train; ``reward_funcs`` ({name: f(prompts, completions, answer, **kw) -> list[float]}) replaces the
-    default rewards (add yours to ``dict(grpo_fast.gsm8k.rewards.DEFAULT_REWARDS)`` to keep them)."""
+    default rewards (add yours to ``dict(gsm8k.rewards.DEFAULT_REWARDS)`` to keep them)."""
     args = parse_args(argv)
     random.seed(args.seed)
     torch.manual_seed(args.seed)

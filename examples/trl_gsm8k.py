@@ -5,7 +5,7 @@
     python examples/trl_gsm8k.py --model /path/to/model --data /path/to/gsm8k     # local files, no hub
     accelerate launch --num_processes 2 examples/trl_gsm8k.py   # more GPUs: accelerate / torchrun, as with TRL
 
-The demo's script: its system prompt, its five reward functions (grpo_fast.gsm8k.rewards, the same values), its
+The demo's script: its system prompt, its five reward functions (gsm8k.rewards, the same values), its
 GRPOConfig and, with ``--lora-r 16``, its LoRA config; TRL's trainer runs the loop, the progress bar and the logs.
 The one change for grpo_fast is the import,
 
@@ -46,9 +46,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 
 import torch
-
-from grpo_fast.gsm8k import cli, data, models, plots, rollout
-from grpo_fast.gsm8k.rewards import (
+from gsm8k import cli, data, models, plots, rollout
+from gsm8k.rewards import (
     correctness_reward,
     int_reward,
     soft_format_reward,
@@ -83,7 +82,7 @@ PRESETS = {
                 max_steps=8, save_steps=0, gradient_checkpointing=False),
 }  # fmt: skip
 
-# the plot's six panels (grpo_fast.gsm8k.plots), from TRL's metric names
+# the plot's six panels (gsm8k.plots), from TRL's metric names
 PLOT_PANELS = [
     ("reward", ["reward", "rewards/"]),
     ("loss", ["loss"]),
@@ -221,9 +220,9 @@ def main(argv=None):
     )
 
     from datasets import Dataset
+    from gsm8k.callbacks import MetricsFile, StepProgress
     from peft import LoraConfig
 
-    from grpo_fast.gsm8k.callbacks import MetricsFile, StepProgress
     from grpo_fast.trl import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
 
     # the demo's system prompt and gold answers

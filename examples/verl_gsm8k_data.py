@@ -8,14 +8,14 @@ answer after "####", the gold number as the rule reward's ground truth), which v
 import argparse
 import os
 
-from grpo_fast.gsm8k.data import HUB_ID, load_gsm8k
+from gsm8k.data import HUB_ID, load_gsm8k
 
 # verl's instruction for GSM8K: its reward (verl.utils.reward_score.gsm8k) reads the number after "####"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 def verl_rows(split, data=None):
-    """GSM8K ``split`` in verl's RL dataset layout (``data``: as grpo_fast.gsm8k.data.load_gsm8k takes it)."""
+    """GSM8K ``split`` in verl's RL dataset layout (``data``: as gsm8k.data.load_gsm8k takes it)."""
     return [
         {
             "data_source": HUB_ID,

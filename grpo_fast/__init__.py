@@ -12,15 +12,25 @@ div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teach
                            beta=0.5)                      # on-policy distillation (TRL's DistillationTrainer)
 loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, teacher_weight),
                                distillation_coef=0.1)     # RL and distillation in one call
+
+The package's parts, one folder each (imports run down this list, never up; the spec stands apart):
+    head/          layer 1: log-probs and entropies from hidden states, no [tokens, vocab] logits
+    grpo_loss/     layer 2: the GRPO loss, its options and metrics; ``loss`` runs both layers
+    distillation/  the student-teacher divergence head; RL with distillation in one call
+    kernels/       the Triton kernels and their launch configurations (import nothing of the package)
+    integrations/  TRL's trainers and verl's backend (public as grpo_fast.trl, grpo_fast.verl)
+    memory/        one GRPO step's peak GPU memory, estimated on a CPU (python -m grpo_fast.memory)
+    reference.py   the spec: every formula in plain eager PyTorch, independent of the product
 """
 
 from grpo_fast import reference
-from grpo_fast.api import Metrics, logprobs, logprobs_and_entropy, loss, sampling_importance_weights, token_loss
-from grpo_fast.divergence_head import divergence, divergence_and_entropy
-from grpo_fast.lora import HeadLora
-from grpo_fast.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
-from grpo_fast.teacher_head import Teacher
-from grpo_fast.vocab_parallel import VocabShard
+from grpo_fast.distillation.api import divergence, divergence_and_entropy
+from grpo_fast.distillation.teacher import Teacher
+from grpo_fast.grpo_loss.api import Metrics, loss, sampling_importance_weights, token_loss
+from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
+from grpo_fast.head.api import logprobs, logprobs_and_entropy
+from grpo_fast.head.lora import HeadLora
+from grpo_fast.head.vocab_parallel import VocabShard
 
 __all__ = [
     "loss",

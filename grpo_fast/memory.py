@@ -43,10 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gsm8k import cli
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-
-from grpo_fast.gsm8k import cli
 
 GIB = 2**30
 PROG = "python -m grpo_fast.memory"
@@ -280,9 +279,8 @@ def build_model(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if lora and recipe.lora_r > 0:
+        from gsm8k.models import LORA_TARGETS
         from peft import LoraConfig, get_peft_model
-
-        from grpo_fast.gsm8k.models import LORA_TARGETS
 
         model = get_peft_model(
             model,
@@ -742,7 +740,7 @@ class Step:
     def forward_backward(self) -> None:
         """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
         loss head, backward."""
-        from grpo_fast.hidden_states import completion_hidden_states
+        from grpo_fast.integrations.hidden_states import completion_hidden_states
 
         with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
             hidden = completion_hidden_states(
@@ -1278,7 +1276,7 @@ def parse_args(argv=None):
         The parsed arguments (``heads`` as a list of ``HEADS`` keys).
 
     Raises:
-        grpo_fast.gsm8k.cli.InputError: an argument out of range, unknown or repeated heads, or ``--measure``
+        gsm8k.cli.InputError: an argument out of range, unknown or repeated heads, or ``--measure``
             without a CUDA GPU (argparse itself exits on a malformed flag).
     """
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1332,7 +1330,7 @@ def recipe_from_args(args) -> Recipe:
         The recipe.
 
     Raises:
-        grpo_fast.gsm8k.cli.InputError: a shape whose heads do not divide the hidden size or each other, or an
+        gsm8k.cli.InputError: a shape whose heads do not divide the hidden size or each other, or an
             odd head dim.
     """
     recipe = RECIPES[args.recipe]

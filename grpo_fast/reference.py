@@ -48,9 +48,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grpo_fast.metrics import loss_metrics, row_values
-from grpo_fast.options import LOSS_TYPES, LossOptions  # noqa: F401 (LOSS_TYPES: for readers)
-from grpo_fast.transform import LogitTransform
+from grpo_fast.grpo_loss.metrics import loss_metrics, row_values
+from grpo_fast.grpo_loss.options import LOSS_TYPES, LossOptions  # noqa: F401 (LOSS_TYPES: for readers)
+from grpo_fast.head.transform import LogitTransform
 
 
 def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0, fp32_matmul=True,
@@ -63,7 +63,7 @@ def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_sc
     With ``fp32_matmul`` (the spec) the matmul itself runs in ``compute_dtype`` (fp32; the tests use fp64 as a
     stricter truth); without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them
     in a TRL training step) and is upcast after: the benchmark's eager baseline, on tensor cores.
-    ``transform`` (a grpo_fast.transform.LogitTransform) replaces the three keywords when given.
+    ``transform`` (a grpo_fast.head.transform.LogitTransform) replaces the three keywords when given.
     """
     transform = transform or LogitTransform(temperature, softcap, logit_scale)
     if fp32_matmul:
@@ -284,7 +284,7 @@ def token_loss(
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
         loss = loss - o.entropy_coef * (entropy.to(dtype) * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
-    # Log the metrics: TRL's quantities, reduced by grpo_fast.metrics from per-sequence sums as for the token kernel
+    # Log the metrics: TRL's quantities, reduced by grpo_fast.grpo_loss.metrics from per-sequence sums as for the token kernel
     # (each loss type's own metrics are named by its record)
     with torch.no_grad():
         is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
@@ -428,7 +428,7 @@ def loss_with_teacher(
     Returns:
         (loss, metrics): a scalar and a dict of detached fp32 scalars.
     """
-    from grpo_fast.options import FIELD_NAMES  # here: the module's imports belong to its token-loss part
+    from grpo_fast.grpo_loss.options import FIELD_NAMES  # here: the module's imports belong to its token-loss part
 
     options = LossOptions.resolve(
         options, {k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES}, "loss_with_teacher"

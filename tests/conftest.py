@@ -2,8 +2,12 @@
 CUDA (TRITON_INTERPRET=1 is set here, before triton.jit runs), compiled on a CUDA GPU where one is present."""
 
 import os
+import sys
 
 import torch
+
+# the examples' own package (examples/gsm8k), as the example scripts import it
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 # before any triton.jit runs (the test modules import grpo_fast after this file); TRITON_INTERPRET=1 set by hand
 # keeps a CUDA machine on the interpreter

@@ -175,7 +175,7 @@ def parser_actions(parse_args, argv):
 
 
 def out_of_range_cases(ranges, actions):
-    """For each numeric flag of ``ranges`` ({dest: grpo_fast.gsm8k.cli.Range}), the values its range refuses just
+    """For each numeric flag of ``ranges`` ({dest: gsm8k.cli.Range}), the values its range refuses just
     outside each end (and "nan" for a float flag): (dest, argv, the error's text after "error: ") as
     ``cli.check_numbers`` words it, with the range as ``Range.describe`` words it (its wording: test_cli_wording)."""
     for dest, accepted in ranges.items():

@@ -163,7 +163,7 @@ def confident_pair(
 
 @functools.cache
 def _confident_pair(N, Ds, Dt, V, kw, confident, dtype, seed, rest_range):
-    from grpo_fast.kernels.config import LogitTransform
+    from grpo_fast.head.transform import LogitTransform
 
     kw = dict(kw)
     g = torch.Generator().manual_seed(seed)
@@ -246,7 +246,7 @@ GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.fixture(autouse=True)
 def _small_torch_chunks(monkeypatch):
     """The torch twin's chunks smaller than the test shapes, so that its records merge over tokens and vocabulary."""
-    from grpo_fast import divergence_torch
+    from grpo_fast.distillation import torch_twin as divergence_torch
 
     monkeypatch.setattr(divergence_torch, "CHUNK_N", 16)
     monkeypatch.setattr(divergence_torch, "CHUNK_V", 48)
@@ -347,8 +347,8 @@ def test_realistic_gradient_scale(backend, beta, device):
     """dL/d divergence of 1 / tokens (1e-5: TRL's mean over a large batch) from fp16 inputs: the student gradients
     in the backward's fp32 buffers (before the cast to fp16, whose subnormals would hold them) keep fp16's relative
     precision (the Triton backward scales g by an exact power of two before rounding it for the GEMMs)."""
-    from grpo_fast import divergence_torch
-    from grpo_fast.divergence_head import _transforms
+    from grpo_fast.distillation import torch_twin as divergence_torch
+    from grpo_fast.distillation.api import _transforms
     from grpo_fast.kernels import divergence as kdivergence
 
     kw = TRANSFORMS["softcap-scale"]
@@ -502,7 +502,7 @@ def test_named_errors():
 @pytest.mark.slow
 def test_op_registration():
     """The custom ops pass torch.library.opcheck (schema, fake implementation, autograd registration)."""
-    from grpo_fast.divergence_head import _forward_op
+    from grpo_fast.distillation.api import _forward_op
 
     hs, ws, bs, ht, wt, bt = (x.float() for x in pair_inputs(5, 8, 12, 31))
     for frozen in (False, True):
@@ -614,8 +614,8 @@ def test_vocabulary_sweep_flops(beta):
     (4 Ds + 2 Dt) against 2 N V (4 Ds + 3 Dt))."""
     from helpers import matmul_flops
 
-    from grpo_fast import divergence_torch
-    from grpo_fast.kernels.config import LogitTransform
+    from grpo_fast.distillation import torch_twin as divergence_torch
+    from grpo_fast.head.transform import LogitTransform
 
     N, Ds, Dt, V = 21, 19, 37, 101
     hs, ws, bs, ht, wt, bt = pair_inputs(N, Ds, Dt, V, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The divergence head over vocab-parallel heads (grpo_fast.divergence_parallel) on 2, 3 and 4 CPU processes (gloo)
+"""The divergence head over vocab-parallel heads (grpo_fast.distillation.parallel) on 2, 3 and 4 CPU processes (gloo)
 equals one process, on the torch backend and on the Triton kernels (the interpreter).
 
 Each spawned rank builds the same inputs (ordinary tokens and tokens confident in both models, 1 - p ~ 1e-6..1e-3,

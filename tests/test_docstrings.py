@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the framework modules with a reference page of their own (docs/reference/*.md)
-PAGE_MODULES = ("trl", "verl", "memory")
+PAGE_MODULES = ("integrations.trl", "integrations.verl", "memory")
 # a parameter the docstring does not name: the bound instance
 IMPLICIT = {"self", "cls"}
 
@@ -139,12 +139,12 @@ def _documented_base_method(obj):
 def test_the_reference_renders_the_public_api():
     paths = {path for path, _ in RENDERED}
     for path in (
-        "grpo_fast.api.loss",
-        "grpo_fast.api.token_loss",
-        "grpo_fast.options.LossOptions",
-        "grpo_fast.divergence_head.divergence_and_entropy",
-        "grpo_fast.trl.add_fused_lm_head",
-        "grpo_fast.verl.forward",
+        "grpo_fast.grpo_loss.api.loss",
+        "grpo_fast.grpo_loss.api.token_loss",
+        "grpo_fast.grpo_loss.options.LossOptions",
+        "grpo_fast.distillation.api.divergence_and_entropy",
+        "grpo_fast.integrations.trl.add_fused_lm_head",
+        "grpo_fast.integrations.verl.forward",
         "grpo_fast.memory.estimate",
     ):
         assert path in paths

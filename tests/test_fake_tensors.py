@@ -59,7 +59,7 @@ def test_meta_tensors(backend, weight_grad):
 
 def test_fake_outputs_have_the_real_sizes():
     """The fake implementations allocate what the real ones return (a memory tracker sees the right sizes)."""
-    from grpo_fast import ops
+    from grpo_fast.head import ops as head_ops
 
     hidden, weight, targets, *_ = _inputs(torch.float32)
     for frozen in (False, True):
@@ -79,18 +79,18 @@ def test_fake_outputs_have_the_real_sizes():
             "chunked",
             None,
         )
-        real = ops._linear_logprobs(*args)
+        real = head_ops._linear_logprobs(*args)
         with FakeTensorMode() as mode:
-            fake = ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+            fake = head_ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
         assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
 
 def test_workspace_bytes_is_what_the_kernels_allocate():
-    """ops.workspace_bytes against the allocations a dispatch mode sees in the real Triton implementations (the
+    """head_ops.workspace_bytes against the allocations a dispatch mode sees in the real Triton implementations (the
     ops run inline under a mode over real tensors): the chunked backward's g buffer and the forward's records."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from grpo_fast import ops
+    from grpo_fast.head import ops as head_ops
 
     class Allocations(TorchDispatchMode):
         def __init__(self):
@@ -110,12 +110,12 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
     args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked", None)
     mode = Allocations()
     with mode:
-        _, _, lse, mass, mean, mmt, _, _ = ops.linear_logprobs(*args)
-    records = ops.workspace_bytes("linear_logprobs", (N, D), V, torch.bfloat16, device_type="cpu")
+        _, _, lse, mass, mean, mmt, _, _ = head_ops.linear_logprobs(*args)
+    records = head_ops.workspace_bytes("linear_logprobs", (N, D), V, torch.bfloat16, device_type="cpu")
     assert records in mode.sizes
     mode = Allocations()
     with mode:
-        ops.linear_logprobs_backward(
+        head_ops.linear_logprobs_backward(
             hidden,
             weight,
             targets,
@@ -135,20 +135,20 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
             "triton",
             "chunked",
         )
-    g_bytes = ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
+    g_bytes = head_ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
     assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes
 
 
 @pytest.mark.parametrize("loss_type", grpo_fast.LOSS_TYPES)
 def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
-    """ops.workspace_bytes("token_loss", backend="torch") is at least the peak of the torch layer 2's live
+    """head_ops.workspace_bytes("token_loss", backend="torch") is at least the peak of the torch layer 2's live
     temporaries (every tensor an op returns, counted until it is freed; the returned dL/dlogp excluded), with every
     option on, at each importance level and advantage shape."""
     import weakref
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from grpo_fast import autograd, ops
+    from grpo_fast.grpo_loss import ops as loss_ops
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self):
@@ -177,7 +177,7 @@ def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
     mask = (torch.rand(B, T, generator=g) > 0.2).float()
     old, ref, sampler = (logp + 0.1 * torch.randn(B, T, generator=g) for _ in range(3))
     iw, entropy = 0.5 + torch.rand(B, T, generator=g), 4 * torch.rand(B, T, generator=g)
-    bound = ops.workspace_bytes("token_loss", None, None, torch.float32, backend="torch", batch_shape=(B, T))
+    bound = loss_ops.workspace_bytes((B, T), backend="torch")
     for level, advantages in (
         (lv, a) for lv in ("token", "sequence") for a in (torch.randn(B, generator=g), torch.randn(B, T, generator=g))
     ):
@@ -186,7 +186,7 @@ def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
                                         entropy_coef=0.01)  # fmt: skip
         mode = LiveBytes()
         with mode:
-            grad_logp, _, _ = autograd.TORCH.token_loss(
+            grad_logp, _, _ = loss_ops.TOKEN_LOSS["torch"](
                 logp,
                 advantages,
                 mask,

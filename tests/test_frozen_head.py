@@ -1,6 +1,6 @@
 """The frozen-head forward (a frozen lm_head: only dH needed): J = d logp / d h built in the forward, dH = c J.
 
-Both paths: the chunked torch one (grpo_fast.torch_backend.forward_frozen_head) and the Triton one
+Both paths: the chunked torch one (grpo_fast.head.torch_twin.forward_frozen_head) and the Triton one
 (grpo_fast.kernels.forward_frozen, through Triton's interpreter on CPU, compiled on a CUDA GPU: the ``device``
 fixture; the torch path on CPU), against the
 fp64 reference's autograd (J = d(sum logp)/dh, dH = d(sum c logp)/dh); the forward's outputs against today's
@@ -9,7 +9,7 @@ target falls in every chunk position and the token loop runs several times. The 
 to bf16 as a GPU does (written over the fp32 u buffer's bytes); under the interpreter the GEMMs are computed on fp32
 operands.
 Also: the matmul FLOPs of a frozen-head forward + backward (at most 2.2 x 2NDV), the path through
-grpo_fast.autograd.LinearLogprobs (entropy gradient included: the recompute fallback) and grpo_fast.loss, which takes
+grpo_fast.head.backends.LinearLogprobs (entropy gradient included: the recompute fallback) and grpo_fast.loss, which takes
 it by itself for a frozen weight and equals the recompute path.
 """
 
@@ -21,7 +21,11 @@ from conftest import assert_grad_close, backend_device, grad_rtol
 from helpers import matmul_flops
 
 import grpo_fast
-from grpo_fast import autograd, reference, torch_backend
+from grpo_fast import reference
+from grpo_fast.head import backends as autograd
+from grpo_fast.head import ops as head_ops
+from grpo_fast.head import torch_twin as torch_backend
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
@@ -53,7 +57,7 @@ def _truth(h, w, b, y, c, **transform):
 def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
     """(logp, entropy, BackwardStats, J) by the path (without the J_l of LoRA); small_chunks: 16 tokens and 64
     vocabulary entries a chunk."""
-    t = kconfig.LogitTransform(**transform)
+    t = LogitTransform(**transform)
     if path == "torch":
         if small_chunks:
             monkeypatch.setattr(torch_backend, "CHUNK_N", 16)
@@ -67,7 +71,7 @@ def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
 
 
 def _todays_forward(path, h, w, b, y, transform):
-    t = kconfig.LogitTransform(**transform)
+    t = LogitTransform(**transform)
     if path == "torch":
         return torch_backend.forward(h, w, y, b, t, True)
     return kforward.forward(h, w, y, b, t, True, kconfig.forward_config(h.device, h.dtype))
@@ -144,7 +148,7 @@ def test_the_gpu_tile_past_a_vocabulary_chunk_with_targets_in_later_chunks(vocab
     )
     h, w, b, y, c = _inputs(37, 29, 203, torch.float32, device=device)
     logp, ent, _, jac = kfrozen.forward_frozen_head(
-        h, w, y, b, kconfig.LogitTransform(), True, config, token_chunk=16, vocab_chunk=vocab_chunk
+        h, w, y, b, LogitTransform(), True, config, token_chunk=16, vocab_chunk=vocab_chunk
     )[:4]
     ref_logp, ref_ent, ref_jac, _ = _truth(h, w, b, y, c)
     torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
@@ -222,7 +226,7 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     B, T, D, V = 4, 64, 256, 8192
     N = B * T
     h, w, _, y, c = _inputs(N, D, V, torch.float32, bias=False)
-    t = kconfig.LogitTransform(temperature=0.9)
+    t = LogitTransform(temperature=0.9)
 
     def frozen():
         jac = torch_backend.forward_frozen_head(h, w, y, None, t, True)[3]
@@ -238,16 +242,16 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     assert 1.9 <= frozen_ratio <= 2.2, frozen_ratio  # at least 1.9: both GEMMs are seen by the counter
     assert matmul_flops(recompute) / one_gemm >= 2.9  # today's three sweeps, for comparison
 
-    # the same through grpo_fast.autograd.LinearLogprobs, with autograd
+    # the same through grpo_fast.head.backends.LinearLogprobs, with autograd
     def through_autograd():
         leaf = h.clone().requires_grad_()
-        logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, None, t, "torch", "auto", "chunked")
+        logp, _ = head_ops.linear_logprobs_path(leaf, w, y, None, t, "torch", "auto", "chunked")
         (c * logp).sum().backward()
 
     assert matmul_flops(through_autograd) / one_gemm <= 2.2
 
 
-# ------------------------------------------------------------------ through grpo_fast.autograd and grpo_fast.loss
+# ------------------------------------------------------------------ through grpo_fast.head.backends and grpo_fast.loss
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -256,9 +260,9 @@ def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entro
     h, w, b, y, c = _inputs(11, 29, 203, dtype, device=backend_device(backend, device))
     e = torch.randn(11, generator=torch.Generator().manual_seed(7)).to(h.device)
     kw = dict(softcap=3.0, temperature=0.8)
-    t = kconfig.LogitTransform(**kw)
+    t = LogitTransform(**kw)
     leaf = h.clone().requires_grad_()
-    logp, ent = autograd.LinearLogprobs.apply(leaf, w, y, b, t, backend, "auto", "chunked")
+    logp, ent = head_ops.linear_logprobs_path(leaf, w, y, b, t, backend, "auto", "chunked")
     ((c * logp).sum() + ((e * ent).sum() if entropy_grad else 0.0)).backward()
     ref_leaf = h.to(F64).requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(ref_leaf, w, y, b, compute_dtype=F64, **kw)
@@ -275,9 +279,7 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     h, w, b, y, _ = _inputs(N, D, V, torch.float32)
     cfg = kconfig.frozen_head_config(h.device)
     flops = matmul_flops(
-        lambda: kfrozen.forward_frozen_head(
-            h, w, y, b, kconfig.LogitTransform(), True, cfg, token_chunk=16, vocab_chunk=128
-        )
+        lambda: kfrozen.forward_frozen_head(h, w, y, b, LogitTransform(), True, cfg, token_chunk=16, vocab_chunk=128)
     )
     assert flops == 2 * (2 * N * D * V)
 
@@ -392,11 +394,11 @@ def test_general_head_path_turns_the_frozen_path_off(backend, monkeypatch, devic
     frozen-head path, with the same dH; an unknown head path or backward mode is an error naming the argument."""
     calls = _frozen_forward_calls(monkeypatch)
     h, w, b, y, c = _inputs(11, 29, 203, torch.float32, device=backend_device(backend, device))
-    t = kconfig.LogitTransform(temperature=0.8)
+    t = LogitTransform(temperature=0.8)
 
     def grad_hidden(head_path, backward_mode="chunked"):
         leaf = h.clone().requires_grad_()
-        logp, _ = autograd.LinearLogprobs.apply(leaf, w, y, b, t, backend, head_path, backward_mode)
+        logp, _ = head_ops.linear_logprobs_path(leaf, w, y, b, t, backend, head_path, backward_mode)
         (c * logp).sum().backward()
         return leaf.grad
 

@@ -16,8 +16,9 @@ from conftest import grad_rtol
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.autograd import LinearLogprobs
-from grpo_fast.kernels.config import LogitTransform, interpreting
+from grpo_fast.head.ops import linear_logprobs_path
+from grpo_fast.head.transform import LogitTransform
+from grpo_fast.kernels.config import interpreting
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -166,7 +167,7 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
 def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     # a frozen weight and bias, no entropy bonus: the forward builds d logp / dh (kernels/forward_frozen.py: cuBLAS
     # with fp32 output, the tile kernel, cuBLAS into fp32 J) and dH = c J; several token and vocabulary chunks
-    from grpo_fast import autograd
+    from grpo_fast.head import backends as autograd
     from grpo_fast.kernels import forward_frozen
 
     D = 264
@@ -281,7 +282,7 @@ def test_confident_tokens_on_gpu(dtype, backward_mode):
                 leaves[0], leaves[1], y, leaves[2], compute_dtype=torch.float64, **kw
             )
         else:
-            logp, ent = LinearLogprobs.apply(
+            logp, ent = linear_logprobs_path(
                 leaves[0], leaves[1], y, leaves[2], LogitTransform(**kw), backend, "general", backward_mode
             )
         ((grad_logp * logp).sum() + (grad_entropy * ent).sum()).backward()
@@ -325,8 +326,9 @@ def _layer1_matches_reference_in_token_chunks(
     against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
     entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
     log-probs only, and the frozen-head path must be the one taken."""
-    from grpo_fast import autograd
-    from grpo_fast.kernels.config import LogitTransform
+    from grpo_fast.head import backends as autograd
+    from grpo_fast.head import ops as head_ops
+    from grpo_fast.head.transform import LogitTransform
 
     transform = dict(temperature=0.7, softcap=30.0)
     g = torch.Generator(device=device).manual_seed(9)
@@ -345,7 +347,7 @@ def _layer1_matches_reference_in_token_chunks(
     monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
     for leaf, trained in ((hidden, True), (weight, not frozen), (bias, not frozen)):
         leaf.requires_grad_(trained)
-    logp, ent = autograd.LinearLogprobs.apply(
+    logp, ent = head_ops.linear_logprobs_path(
         hidden,
         weight,
         targets,

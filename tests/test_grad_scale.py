@@ -22,12 +22,13 @@ import triton
 import triton.language as tl
 from test_confident_tokens import confident_batch
 
-from grpo_fast import autograd, reference
+from grpo_fast import reference
+from grpo_fast.head import backends as autograd
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels.config import LogitTransform
 from grpo_fast.kernels.tile import to_gemm
 
 F64 = torch.float64

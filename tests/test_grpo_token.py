@@ -16,8 +16,9 @@ import torch
 from conftest import backend_device
 
 import grpo_fast
-from grpo_fast import autograd, ops, reference
-from grpo_fast.metrics import metric_names
+from grpo_fast import reference
+from grpo_fast.grpo_loss import ops as loss_ops
+from grpo_fast.grpo_loss.metrics import metric_names
 
 LOSS_TYPES = reference.LOSS_TYPES
 BACKENDS = ("triton", "torch")
@@ -276,10 +277,10 @@ def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_a
                                     epsilon_high=0.28, max_completion_length=T, off_policy_mask_threshold=0.1,
                                     top_entropy_quantile=0.6, entropy_coef=0.01)  # fmt: skip
     out = {}
-    for backend in (autograd.TRITON, autograd.TORCH):
-        dev = backend_device(backend.name, device)
+    for name, token_loss in loss_ops.TOKEN_LOSS.items():
+        dev = backend_device(name, device)
         inputs = [x.to(dev).float().contiguous() for x in (logp, adv, mask, old, ref, sampler, iw, entropy)]
-        out[backend.name] = backend.token_loss(
+        out[name] = token_loss(
             *inputs,
             options,
             scale=torch.full((), 1 / 17, device=dev),
@@ -350,8 +351,8 @@ def test_torch_layer2_equals_the_spec_in_fp64(loss_type, level, per_token_adv, c
     spec_loss.backward()
     assert spec_loss.dtype == torch.float64
 
-    loss, metric_values, grad_logp, grad_entropy = ops._layer2(
-        autograd.TORCH,
+    loss, metric_values, grad_logp, grad_entropy = loss_ops._layer2(
+        loss_ops.TOKEN_LOSS["torch"],
         logp,
         entropy,
         adv,

@@ -163,7 +163,8 @@ def test_the_value_checks_still_name_each_bad_input(device):
 
 
 def test_device_entropy_quantile_is_torch_quantile_of_the_masked_values():
-    from grpo_fast import ops, reference
+    from grpo_fast import reference
+    from grpo_fast.grpo_loss import ops as loss_ops
 
     g = torch.Generator().manual_seed(3)
     for _ in range(20):
@@ -171,16 +172,16 @@ def test_device_entropy_quantile_is_torch_quantile_of_the_masked_values():
         mask = (torch.rand(4, 11, generator=g) > 0.5).float()
         for q in (0.2, 0.5, 0.8, 1.0 / 3.0):
             expected = reference.entropy_quantile_threshold(entropy, mask, q)
-            got = ops.device_entropy_quantile(entropy, mask, q)
+            got = loss_ops.device_entropy_quantile(entropy, mask, q)
             assert torch.equal(got, expected if expected is not None else torch.tensor(torch.inf))
-    assert ops.device_entropy_quantile(torch.rand(2, 3), torch.zeros(2, 3), 0.5) == torch.inf
+    assert loss_ops.device_entropy_quantile(torch.rand(2, 3), torch.zeros(2, 3), 0.5) == torch.inf
 
 
 def test_forward_kernel_skips_the_blocks_past_the_scored_count(device):
     """With the checks off the rows are a device partition (scored first, the count a device value): the Triton
     forward computes no block wholly past the count (placeholder records: logp 0, entropy 0, lse the padding
     logit), the others exactly as without a count, and loss, metrics and gradients equal those with the checks on."""
-    from grpo_fast import ops
+    from grpo_fast.head import ops as head_ops
     from grpo_fast.kernels import config as kconfig
     from grpo_fast.kernels import forward as kforward
 
@@ -194,8 +195,8 @@ def test_forward_kernel_skips_the_blocks_past_the_scored_count(device):
     computed = -(-scored // block) * block
     assert computed < N  # some blocks are skipped
     args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked")
-    full = ops.linear_logprobs(*args, None)
-    part = ops.linear_logprobs(*args, torch.tensor([scored], dtype=torch.int32, device=device))
+    full = head_ops.linear_logprobs(*args, None)
+    part = head_ops.linear_logprobs(*args, torch.tensor([scored], dtype=torch.int32, device=device))
     for name, a, b in zip(("logp", "entropy", "lse", "nontarget_mass"), full, part):
         assert torch.equal(a[:computed], b[:computed]), name
     logp, entropy, lse = part[:3]

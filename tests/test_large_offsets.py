@@ -27,7 +27,10 @@ import torch
 import triton
 from conftest import assert_grad_close
 
-from grpo_fast import autograd, reference
+from grpo_fast import reference
+from grpo_fast.head import backends as autograd
+from grpo_fast.head import ops as head_ops
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward_frozen as kfrozen
@@ -101,7 +104,7 @@ def test_layer1_with_rows_past_2_31_elements_matches_reference(far, path, monkey
     frozen = path == "frozen"
     c_logp = torch.randn(N, generator=g)
     c_ent = None if frozen else torch.randn(N, generator=g)
-    transform = kconfig.LogitTransform(**TRANSFORM)
+    transform = LogitTransform(**TRANSFORM)
 
     frozen_calls = []
     original = autograd.head_forward_frozen_head
@@ -109,7 +112,7 @@ def test_layer1_with_rows_past_2_31_elements_matches_reference(far, path, monkey
     leaves = [far_hidden.detach().requires_grad_()] + [
         x.detach().requires_grad_(not frozen) for x in (far_weight, bias)
     ]
-    logp, ent = autograd.LinearLogprobs.apply(
+    logp, ent = head_ops.linear_logprobs_path(
         *leaves[:2],
         targets,
         leaves[2],
@@ -147,7 +150,7 @@ def test_fused_backward_accumulates_grad_hidden_past_2_31_elements():
     targets = torch.randint(0, vocab, (n_tokens,), generator=g)
     coef = torch.zeros(n_tokens)
     coef[scored] = torch.randn(len(scored), generator=g)
-    transform = kconfig.LogitTransform(**TRANSFORM)
+    transform = LogitTransform(**TRANSFORM)
 
     ref_leaves = [x.double().requires_grad_() for x in (hidden_rows, weight, bias)]
     ref_logp, _ = reference.logprobs_and_entropy(
@@ -196,7 +199,7 @@ def test_frozen_head_tile_kernel_reads_logits_past_2_31_elements(gemm_dtype):
     bias = (torch.randn(V + v0, generator=g) * 0.5).bfloat16()
     targets = torch.randint(0, V + v0, (rows,), generator=g)
     cfg = kconfig.frozen_head_config(torch.device("cpu"))
-    inv_temperature, logit_scale, softcap = kconfig.LogitTransform(**TRANSFORM).kernel_scalars()
+    inv_temperature, logit_scale, softcap = LogitTransform(**TRANSFORM).kernel_scalars()
     results = []
     for u_in in (u.clone(), far_rows(u, FAR_TOKEN)):
         # P' in gemm_dtype over the first half of each u row's bytes (bf16), or u itself (fp32), as forward_frozen

@@ -14,10 +14,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import grpo_fast
+from grpo_fast.grpo_loss.options import LossOptions
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward, forward, forward_frozen, launch, token_loss
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels.softmax_stats import BackwardStats
-from grpo_fast.options import LossOptions
 
 # every Triton kernel and the cuBLAS helper, by the module that calls it
 CALLS = (
@@ -68,7 +69,7 @@ def launches(monkeypatch):
 
 def _inputs(device, N=6, D=32, V=96):
     hidden, weight = torch.zeros(N, D, device=device), torch.zeros(V, D, device=device)
-    return hidden, weight, torch.zeros(N, dtype=torch.long, device=device), kconfig.LogitTransform()
+    return hidden, weight, torch.zeros(N, dtype=torch.long, device=device), LogitTransform()
 
 
 def _forward(device):

@@ -1,4 +1,4 @@
-"""One record per loss type (grpo_fast.options.LOSS_TYPE_RECORDS): the spec, the token kernel's launcher, the
+"""One record per loss type (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS): the spec, the token kernel's launcher, the
 normaliser and the metrics builder all read it, and each raises on what it does not know.
 
 A hypothetical loss type registered here as a record, and nothing else, runs on both backends with the normaliser
@@ -13,10 +13,9 @@ import torch
 from conftest import backend_device
 
 import grpo_fast
-from grpo_fast import loss_statistics, reference
-from grpo_fast import metrics as metrics_module
-from grpo_fast.kernels import token_loss as token_kernel
-from grpo_fast.options import (
+from grpo_fast import reference
+from grpo_fast.grpo_loss import metrics as metrics_module
+from grpo_fast.grpo_loss.options import (
     LOSS_TYPE_RECORDS,
     LOSS_TYPES,
     NUM_ITEMS_LOSS_TYPES,
@@ -26,6 +25,8 @@ from grpo_fast.options import (
     Metric,
     PolicyTerm,
 )
+from grpo_fast.kernels import loss_statistics
+from grpo_fast.kernels import token_loss as token_kernel
 
 B, T = 4, 9
 
@@ -89,7 +90,7 @@ def test_the_records_are_trls_loss_types():
 
 
 def test_the_statistics_are_named_once():
-    """grpo_fast.loss_statistics names the statistics: the token kernel's STAT_ slots are its SLOTS (each slot once),
+    """grpo_fast.kernels.loss_statistics names the statistics: the token kernel's STAT_ slots are its SLOTS (each slot once),
     a metric that reads another statistic is an error, and both layer-2 backends return the same statistics."""
     kernel_slots = {
         name.removeprefix("STAT_").lower(): slot.value

@@ -9,7 +9,7 @@ from helpers import make_batch, matmul_flops
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.options import LossOptions
+from grpo_fast.grpo_loss.options import LossOptions
 
 F64 = torch.float64
 DT = 29  # the teacher's hidden size (the student's: make_batch's D = 37)
@@ -296,7 +296,7 @@ def test_bad_input_is_a_named_error():
 @pytest.mark.slow
 def test_op_registration():
     """The combined head's custom op passes torch.library.opcheck (schema, fake implementation, autograd)."""
-    from grpo_fast.teacher_head import _forward_op
+    from grpo_fast.distillation.teacher import _forward_op
 
     batch = _batch(B=2, T=3, V=31)
     t = batch["teacher"]

@@ -11,7 +11,7 @@ from conftest import backend_device
 from helpers import make_batch
 
 import grpo_fast
-from grpo_fast.options import LOSS_TYPES
+from grpo_fast.grpo_loss.options import LOSS_TYPES
 
 BACKENDS = ("torch", "triton")
 LEVELS = ("token", "sequence")

@@ -10,7 +10,7 @@ from trl import GRPOConfig
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.options import FIELD_NAMES, LOSS_TYPES, LossOptionKeywords, LossOptions
+from grpo_fast.grpo_loss.options import FIELD_NAMES, LOSS_TYPES, LossOptionKeywords, LossOptions
 
 
 def test_every_option_is_a_grpo_config_field_with_trls_default():

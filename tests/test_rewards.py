@@ -3,9 +3,8 @@
 import json
 
 import pytest
-
-from grpo_fast.gsm8k import data
-from grpo_fast.gsm8k.rewards import (
+from gsm8k import data
+from gsm8k.rewards import (
     DEFAULT_REWARDS,
     correctness_reward,
     count_xml,
@@ -118,7 +117,7 @@ def test_load_local_jsonl(tmp_path):
 
 
 def test_load_real_gsm8k_files():
-    """The GSM8K files grpo_fast ships (grpo_fast/gsm8k/files/), read as a folder like any other."""
+    """The GSM8K files grpo_fast ships (examples/gsm8k/files/), read as a folder like any other."""
     assert {p.name for p in data.BUNDLED_DIR.iterdir()} >= {"train.jsonl.gz", "test.jsonl.gz", "LICENSE"}
     train = data.load_gsm8k("train", str(data.BUNDLED_DIR))
     test = data.load_gsm8k("test", str(data.BUNDLED_DIR))

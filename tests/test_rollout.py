@@ -1,16 +1,16 @@
-"""Rollout pieces (grpo_fast.gsm8k.rollout: the completion mask, decoding, prompts, generation and its progress bar)
-and the generic GRPO pieces (grpo_fast.advantages: group advantages; grpo_fast.hidden_states: completion hidden
+"""Rollout pieces (gsm8k.rollout: the completion mask, decoding, prompts, generation and its progress bar)
+and the generic GRPO pieces (grpo_fast.grpo_loss.advantages: group advantages; grpo_fast.integrations.hidden_states: completion hidden
 states)."""
 
 import pytest
 import torch
+from gsm8k import rollout
+from gsm8k.tokenizer import byte_tokenizer
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.advantages import group_advantages
-from grpo_fast.gsm8k import rollout
-from grpo_fast.gsm8k.tokenizer import byte_tokenizer
-from grpo_fast.hidden_states import completion_hidden_states
+from grpo_fast.grpo_loss.advantages import group_advantages
+from grpo_fast.integrations.hidden_states import completion_hidden_states
 
 
 def tiny_model(vocab=259, seed=0):
@@ -193,7 +193,7 @@ def test_generate_with_progress_and_show_generation_progress():
 
 
 def test_prime_chat_template_and_rewards_with_the_prefix():
-    from grpo_fast.gsm8k.rewards import strict_format_reward, with_completion_prefix
+    from gsm8k.rewards import strict_format_reward, with_completion_prefix
 
     tok = byte_tokenizer()
     prompts = [[{"role": "user", "content": "hi"}]]

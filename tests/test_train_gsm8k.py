@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gsm8k.tokenizer import byte_tokenizer
 from helpers import out_of_range_cases, parser_actions
 from safetensors.torch import load_file
-
-from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "train_gsm8k.py"
 QUESTIONS = [
@@ -370,7 +369,7 @@ def test_bad_input_is_one_line_before_anything_slow(setup, monkeypatch, capsys, 
 
 
 def test_default_data_is_the_bundled_copy(tmp_path):
-    from grpo_fast.gsm8k import data
+    from gsm8k import data
 
     assert sorted(p.name for p in data.BUNDLED_DIR.iterdir()) == ["LICENSE", "test.jsonl.gz", "train.jsonl.gz"]
     train, test = data.load_gsm8k("train"), data.load_gsm8k("test", data.BUNDLED)
@@ -384,7 +383,7 @@ def test_default_data_is_the_bundled_copy(tmp_path):
 
 
 def test_embedded_smollm2_resolves_without_network(monkeypatch):
-    from grpo_fast.gsm8k import models
+    from gsm8k import models
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     if models.smollm2_folder() is None:
@@ -398,7 +397,7 @@ def test_embedded_smollm2_resolves_without_network(monkeypatch):
 
 def test_cli_wording():
     """How a range reads in an error and in --help (the tests of every flag compare against these words)."""
-    from grpo_fast.gsm8k.cli import Range
+    from gsm8k.cli import Range
 
     assert Range(1, 1024).describe(True) == "an integer in [1, 1024]"
     assert Range(0.0, 1.0, high_open=True).describe(False) == "a number in [0, 1)"

@@ -25,7 +25,7 @@ from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen
 from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_function_forbidden
 
 import grpo_fast
-from grpo_fast import divergence_torch
+from grpo_fast.distillation import torch_twin as divergence_torch
 from grpo_fast.trl import DistillationConfig, DistillationTrainer
 
 TEACHER = dict(seed=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

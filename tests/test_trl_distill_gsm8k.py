@@ -8,10 +8,9 @@ import math
 from pathlib import Path
 
 import pytest
+from gsm8k.tokenizer import byte_tokenizer
 from test_trl_distill import trl_divergence_forbidden
 from trl_harness import tiny_qwen2
-
-from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "distill_gsm8k.py"
 

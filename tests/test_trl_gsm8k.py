@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gsm8k.tokenizer import byte_tokenizer
 from helpers import out_of_range_cases, parser_actions
 from trl_harness import tiny_qwen2
 from trl_pairs import trl_kernel_forbidden
-
-from grpo_fast.gsm8k.tokenizer import byte_tokenizer
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "trl_gsm8k.py"
 REWARDS = ("xmlcount_reward", "soft_format_reward", "strict_format_reward", "int_reward", "correctness_reward")
@@ -199,7 +198,7 @@ def test_step_progress_names_the_phase_and_ticks():
     import time
     from types import SimpleNamespace
 
-    from grpo_fast.gsm8k.callbacks import StepProgress
+    from gsm8k.callbacks import StepProgress
 
     model = tiny_qwen2()
     screen = io.StringIO()

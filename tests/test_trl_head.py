@@ -431,9 +431,9 @@ def test_head_path_follows_the_adapter(monkeypatch, adapter_trains):
     """A trainable head adapter needs its weight's gradient: the general path; a frozen one (and a frozen base head)
     takes the frozen-head path, which also builds the adapter's hidden-side gradient. Both exact."""
     taken = []
-    real = grpo_fast.autograd.takes_frozen_head
+    real = grpo_fast.head.backends.takes_frozen_head
     monkeypatch.setattr(
-        grpo_fast.autograd, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
+        grpo_fast.head.backends, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
     )
     model = lora_on_head()
     if not adapter_trains:
@@ -547,7 +547,7 @@ def test_lora_layer_weight_and_bias_are_the_base_layers():
     """The head reads lm_head.weight / .bias: on a PEFT lora.Linear, its base layer's (fsdp_unit_gathered)."""
     from peft import LoraConfig, get_peft_model
 
-    from grpo_fast.frameworks import fsdp_unit_gathered
+    from grpo_fast.integrations.hf import fsdp_unit_gathered
 
     head = get_peft_model(with_bias(tiny_qwen2()), LoraConfig(target_modules=["lm_head"])).base_model.model.lm_head
     with fsdp_unit_gathered(head) as (weight, bias):
@@ -577,7 +577,9 @@ def test_import_outside_the_tested_trl_versions_says_which_work(monkeypatch, ins
         monkeypatch.setitem(sys.modules, "trl", None)  # as if not installed
     else:
         monkeypatch.setattr(trl, "__version__", installed)
+    # the public name and the module it stands for (grpo_fast/trl.py makes them one)
     monkeypatch.delitem(sys.modules, "grpo_fast.trl")
+    monkeypatch.delitem(sys.modules, "grpo_fast.integrations.trl")
     with pytest.raises(ImportError, match=r"trl>=1\.16,<1\.17"):
         importlib.import_module("grpo_fast.trl")
     monkeypatch.undo()

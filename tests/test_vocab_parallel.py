@@ -1,4 +1,4 @@
-"""The vocab-parallel head (grpo_fast.vocab_parallel) on 2 and 4 CPU processes (gloo) equals one process.
+"""The vocab-parallel head (grpo_fast.head.vocab_parallel) on 2 and 4 CPU processes (gloo) equals one process.
 
 Each spawned rank builds the same inputs, computes the unsharded call on the whole head (the one-process truth),
 then the same call on its rows only: a plain shard with ``vocab_parallel=VocabShard(...)`` (uneven splits, an empty
@@ -173,7 +173,7 @@ class PathCalls:
     NAMES = ("head_forward_frozen_head", "head_forward_frozen_record")
 
     def __enter__(self):
-        from grpo_fast import autograd
+        from grpo_fast.head import backends as autograd
 
         self.calls, self._saved = dict.fromkeys(self.NAMES, 0), {}
         for name in self.NAMES:
@@ -187,7 +187,7 @@ class PathCalls:
         return self
 
     def __exit__(self, *exc):
-        from grpo_fast import autograd
+        from grpo_fast.head import backends as autograd
 
         for name, real in self._saved.items():
             setattr(autograd, name, real)
@@ -556,7 +556,7 @@ def test_backward_mode_reaches_the_shards_backward(one_rank_group, monkeypatch):
     """The public ``backward_mode`` is the mode of layer 1's backward on the shard, and the result is the plain
     head's."""
     import grpo_fast
-    from grpo_fast import autograd
+    from grpo_fast.head import backends as autograd
 
     modes = []
     real_backward = autograd.head_backward

@@ -8,7 +8,7 @@ Builders (names are stable: other test modules import them):
 * ``tiny_qwen2_config`` / ``tiny_qwen2``: a 2-layer Qwen2 (hidden 48, vocab ``BYTE_VOCAB_SIZE`` = 259, not a power
   of two), attention dropout 0, untied lm_head (its weight is a separate parameter, as in a larger Qwen2).
 * ``tiny_gemma2_config`` / ``tiny_gemma2``: a 2-layer Gemma 2 with ``final_logit_softcapping`` (the softcap path).
-* ``byte_tokenizer``: grpo_fast's own (``grpo_fast.gsm8k.tokenizer``), a ``PreTrainedTokenizerFast`` over the 256
+* ``byte_tokenizer``: grpo_fast's own (``gsm8k.tokenizer``), a ``PreTrainedTokenizerFast`` over the 256
   bytes plus ``<|im_end|>`` (EOS, 256), ``<|endoftext|>`` (pad, 257) and ``<|im_start|>`` (258), with a ChatML chat
   template; ``ascii_tokenizer``: the same over the 128 ASCII bytes (131 tokens: EOS 128, pad 129, im_start 130),
   for a smaller vocabulary (the Triton interpreter's cost grows with V). The model builders take the special ids as
@@ -36,11 +36,10 @@ import os
 import tempfile
 
 import torch
-
-from grpo_fast.gsm8k.tokenizer import ASCII_VOCAB_SIZE, BYTE_VOCAB_SIZE, byte_tokenizer
+from gsm8k.tokenizer import ASCII_VOCAB_SIZE, BYTE_VOCAB_SIZE, byte_tokenizer
 
 # ----------------------------------------------------------------------------------------------- tokenizer
-# grpo_fast's own byte tokenizer (grpo_fast/gsm8k/tokenizer.py); the harness names its special ids
+# grpo_fast's own byte tokenizer (examples/gsm8k/tokenizer.py); the harness names its special ids
 EOS_ID, PAD_ID, IM_START_ID = BYTE_VOCAB_SIZE - 3, BYTE_VOCAB_SIZE - 2, BYTE_VOCAB_SIZE - 1  # 256, 257, 258
 ASCII_EOS_ID, ASCII_PAD_ID, ASCII_IM_START_ID = ASCII_VOCAB_SIZE - 3, ASCII_VOCAB_SIZE - 2, ASCII_VOCAB_SIZE - 1
 

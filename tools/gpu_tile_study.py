@@ -37,6 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from grpo_fast.head.transform import LogitTransform  # noqa: E402
 from grpo_fast.kernels import softmax_stats  # noqa: E402
 from grpo_fast.kernels.gemm import mm_fp32  # noqa: E402
 
@@ -560,7 +561,7 @@ def study_forward(st, N, D, V):
     from grpo_fast.kernels import config as kconfig
     from grpo_fast.kernels import forward as kforward
 
-    transform = kconfig.LogitTransform()
+    transform = LogitTransform()
     default = kconfig.forward_config(hidden.device, hidden.dtype)
     try:
         logp, entropy, _ = kforward.forward(hidden, weight, targets, None, transform, True, default)
@@ -668,7 +669,7 @@ def study_trained(st, N, D, V):
     from grpo_fast.kernels import config as kconfig
     from grpo_fast.kernels import forward as kforward
 
-    transform = kconfig.LogitTransform()
+    transform = LogitTransform()
     _, _, bstats = kforward.forward(
         hidden, weight, targets, None, transform, False, kconfig.forward_config(hidden.device, hidden.dtype)
     )

@@ -16,6 +16,7 @@ import sys
 import torch
 import triton.testing
 
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 
@@ -46,7 +47,7 @@ def main():
     hidden = torch.randn(N, D, device=dev, generator=g).to(dtype)
     weight = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dtype)
     targets = torch.randint(0, V, (N,), device=dev, generator=g)
-    transform = kconfig.LogitTransform()
+    transform = LogitTransform()
     flops = 2 * N * D * V
     rows = []
     product = torch.empty(N, 32768, device=dev, dtype=dtype)

@@ -44,11 +44,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from grpo_fast.grpo_loss.options import LossOptions  # noqa: E402
+from grpo_fast.head.transform import LogitTransform  # noqa: E402
 from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
-from grpo_fast.options import LossOptions  # noqa: E402
 
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
 SMEM_LIMIT = {90: 232448, 89: 101376, 86: 101376, 80: 166912}
@@ -203,7 +204,7 @@ def layer1_launches(
     if lora_dtype is not None:
         lora = (torch.randn(hidden.shape[0], rank).to(lora_dtype), torch.randn(V, rank).to(lora_dtype))
         grad_lora = (torch.zeros(hidden.shape[0], rank), torch.zeros(V, rank))
-    transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
+    transform = LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     stats = BackwardStats(
         per_token,
         per_token.clone(),
@@ -217,7 +218,7 @@ def layer1_launches(
         row_counts = torch.tensor([hidden.shape[0] // 2], dtype=torch.int32) if row_count else None
         forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora, row_counts)
     out += [("fwd", launches[0])]
-    wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.autograd chooses
+    wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.head.backends chooses
     cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
@@ -251,7 +252,7 @@ def layer1_launches(
 def frozen_launch(dtype, bias=False, softcap=None, entropy=True):
     """The frozen-head forward's tile kernel (the stand-in's 48 tokens x 4096 entries are one chunk: one launch)."""
     hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
-    transform = kconfig.LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
+    transform = LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     with recording(forward_frozen, "_frozen_chunk_kernel") as launches:
         forward_frozen.forward_frozen_head(
             hidden, weight, targets, b, transform, entropy, kconfig.gpu_frozen_head_config()
@@ -393,8 +394,8 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
     bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
     transforms = (
-        kconfig.LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
-        kconfig.LogitTransform(0.7, softcap, 1.0),
+        LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
+        LogitTransform(0.7, softcap, 1.0),
     )
     out = []
     with recording(kdivergence, "_sweep_kernel") as sweeps:

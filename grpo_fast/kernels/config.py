@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.transform import LogitTransform  # noqa: F401 (the kernels' transform, read by them)
-
 # the layer-1 path: "auto" takes the frozen-head path (J = d logp / d hidden built in the forward, two vocabulary
 # sweeps) when only ``hidden`` needs a gradient; "general" always takes the recompute path (three sweeps with a
 # frozen weight: the benchmark's comparison row, and callers whose entropy will be differentiated)

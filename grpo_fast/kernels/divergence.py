@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast import divergence_torch
+from grpo_fast.distillation import torch_twin as divergence_torch
 
 from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled, _device_props
 from .forward import num_vocab_splits

@@ -20,13 +20,13 @@ For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weight
                     dk/dlogp_t = (1 - exp(ref_t - logp_t)) * r  +  (k_t / r) dr/dlogp  (the ratio's gradient flows)
     loss            L = sum_b sum_t s_bt (keep_t e_t w_t pg_t + beta k_t), s_bt = m_t * scale / (L_b if ROW_MEAN else 1)
                     (w_t is 1 when the family's importance_weights_in_term: vespo's weights enter phi instead)
-    The loss type's record (grpo_fast.options.LossType), read by the launcher from the ``options`` its caller passes
+    The loss type's record (grpo_fast.grpo_loss.options.LossType), read by the launcher from the ``options`` its caller passes
     (kernels/ imports nothing above it), gives the family's formula (LOSS_KIND), what dpg is taken against
     (GRAD_WRT_LOGP) and how it uses the importance weights (IW_IN_TERM).
 
 Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
 the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
-dL/dentropy, ``grad_entropy``) and the per-row statistics (grpo_fast.loss_statistics names them and their slots,
+dL/dentropy, ``grad_entropy``) and the per-row statistics (grpo_fast.kernels.loss_statistics names them and their slots,
 returned by name): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
 the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and vespo's per-sequence
 phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and entropy sum. Masked
@@ -51,17 +51,17 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import on_first_argument_device
-from grpo_fast.loss_statistics import SLOTS, returned_statistics
+from grpo_fast.kernels.loss_statistics import SLOTS, returned_statistics
 
 # Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term.formula``
-# (grpo_fast.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
+# (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
 LOSS_CLIPPED = tl.constexpr(0)
 LOSS_CISPO = tl.constexpr(1)
 LOSS_SAPO = tl.constexpr(2)
 LOSS_VESPO = tl.constexpr(3)
 LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "vespo": LOSS_VESPO}
 
-# Statistics slots: row_stats[b, slot], as grpo_fast.loss_statistics names them, in its order (tests/test_loss_types.py
+# Statistics slots: row_stats[b, slot], as grpo_fast.kernels.loss_statistics names them, in its order (tests/test_loss_types.py
 # checks each name against its slot)
 (
     STAT_LOSS,
@@ -499,7 +499,7 @@ def token_loss(
     logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale, entropy_threshold
 ):
     """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: (values [B],
-    per_sequence)}: grpo_fast.loss_statistics.returned_statistics').
+    per_sequence)}: grpo_fast.kernels.loss_statistics.returned_statistics').
     grpo_fast/token_loss_torch.py is its torch twin, with the same arguments and returns.
 
     All tensors fp32 contiguous [B, T] on one device (advantages [B] or [B, T], importance_weights [B] or [B, T]);

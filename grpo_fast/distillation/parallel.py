@@ -47,10 +47,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from grpo_fast import divergence_torch
+from grpo_fast.distillation import torch_twin as divergence_torch
+from grpo_fast.head.torch_twin import CHUNK_N
+from grpo_fast.head.vocab_parallel import VocabShard, resolve
 from grpo_fast.kernels import divergence as kdivergence
-from grpo_fast.torch_backend import CHUNK_N
-from grpo_fast.vocab_parallel import VocabShard, resolve
 
 _NO_ARGMAX = torch.iinfo(torch.int64).max
 

@@ -28,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast import divergence_torch as dt
-from grpo_fast import ops, torch_backend
+from grpo_fast.distillation import torch_twin as dt
+from grpo_fast.head import ops
+from grpo_fast.head import torch_twin as torch_backend
+from grpo_fast.head.torch_twin import CHUNK_N, CHUNK_V, add_tile_gradients
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels import softmax_stats
-from grpo_fast.torch_backend import CHUNK_N, CHUNK_V, add_tile_gradients
-from grpo_fast.transform import LogitTransform
 
 # layer 1's per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order:
 # softmax_stats.BackwardStats' fields)

@@ -43,7 +43,7 @@ class StepProgress(TrainerCallback):
     def __init__(self, model, refresh_s=1.0, file=None):
         self.refresh_s, self.file = refresh_s, file
         self.phase, self.bar, self.stop, self.generating = "starting", None, None, False
-        from grpo_fast.hidden_states import decoder_of
+        from grpo_fast.integrations.hidden_states import decoder_of
 
         self.hook = decoder_of(model).register_forward_pre_hook(self._see_forward)
         generate = model.generate  # the class's, or a wrapper already there (rollout.show_generation_progress)

@@ -18,9 +18,9 @@ then returns exactly what the unsharded head returns:
   carried values are read on the owner only, the other ranks have target -1 and no target column), keeps its dW
   rows and bias rows local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes,
   the only tensor that scales with more than N.
-* frozen head (autograd.linear_logprobs' choice, made alike on every rank: head_path "auto", only hidden needs a
+* frozen head (ops.linear_logprobs_path's choice, made alike on every rank: head_path "auto", only hidden needs a
   gradient, the entropy none): each rank runs layer 1's frozen-head forward on its shard up to "finish"
-  (autograd.head_forward_frozen_record): its unfinished record, acc_r = sum_{v in shard, v != y} e_v s'_v W_v
+  (backends.head_forward_frozen_record): its unfinished record, acc_r = sum_{v in shard, v != y} e_v s'_v W_v
   [N, D] fp32 against its own max m_r (s' = dz/du), and the target's slope s'_y where it owns the target. The
   records merge as above (the same two O(N) all-reduces); acc_r is rescaled to the global max by the record's own
   factor exp(m_r - m) (softmax_stats.rescale) and finished by softmax_stats.finish_frozen_grad with the GLOBAL R and
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from grpo_fast import autograd, ops
+from grpo_fast.head import backends, ops
 from grpo_fast.kernels import softmax_stats
 from grpo_fast.kernels.softmax_stats import SoftmaxStats
 
@@ -179,10 +179,10 @@ def _from_dtensor(hidden, weight, bias):
 
 # ------------------------------------------------------------------------------------------------------------
 # The adapter: the only code that knows layer 1's internals. A shard's forward is layer 1's unfinished per-token
-# record over its rows (autograd.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
+# record over its rows (backends.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
 # logit; kernels/softmax_stats.py); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
 # and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them; the
-# frozen-head path's acc (autograd.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The
+# frozen-head path's acc (backends.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The
 # shard's backward is layer 1's own (the head's one backward, grpo_fast.ops) with the finished GLOBAL BackwardStats,
 # its dH summed by ``GroupReduce.sum_grad_hidden``; its target column reads the carried 1 - p_y and mean - z_y only
 # on the target's owner (the other ranks pass target -1, a column no kernel matches: no target term there).
@@ -204,7 +204,7 @@ def merge_records(record, compute_entropy, group):
 
 
 class GroupReduce:
-    """The head's reduce step over a vocab-parallel group (grpo_fast.autograd.OneProcess's counterpart, which the
+    """The head's reduce step over a vocab-parallel group (grpo_fast.head.backends.OneProcess's counterpart, which the
     head's one autograd path in grpo_fast.ops takes): each rank's forward stops at its unfinished record, the records
     merge over the group (``merge_records``) and are finished as one process finishes its own; J and dH are summed
     over the group. No LoRA (the public API rejects it with a vocab-parallel head)."""
@@ -217,7 +217,7 @@ class GroupReduce:
     ):
         """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank. ``row_count`` is
         not read: a padding row's placeholder record would not merge over the ranks as a real one does."""
-        record = autograd.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
+        record = backends.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
         return softmax_stats.finish(merge_records(record, compute_entropy, self.group), compute_entropy)
 
     def frozen_forward(self, hidden, weight, local_targets, bias, transform, backend, lora=None):
@@ -227,7 +227,7 @@ class GroupReduce:
         records merge as in ``forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m)
         and finished with the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its
         owner), so that the ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
-        record, acc, target_slope = autograd.head_forward_frozen_record(
+        record, acc, target_slope = backends.head_forward_frozen_record(
             hidden, weight, local_targets, bias, transform, backend
         )
         merged = merge_records(record, True, self.group)
@@ -276,11 +276,11 @@ def logprobs(hidden, weight, targets, bias, transform, backend, shard):
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
     """(logp, entropy) [N] fp32 of a vocab-parallel head, equal on every rank to the unsharded head's, both
     differentiable: dH (whole on every rank), this rank's dW and db rows (local). The single-process head's autograd
-    path (autograd.linear_logprobs: the same choice of path, the same backward, entropy fallback and empty case)
+    path (ops.linear_logprobs_path: the same choice of path, the same backward, entropy fallback and empty case)
     with this group's reduce step: the frozen head ("auto", only hidden needs a gradient) builds J in the forward
     (one N x D all-reduce there) and its backward is dH = grad_logp J, with no collective; the general path
     all-reduces dH in the backward. N = 0 on every rank: empty outputs, no collective."""
     y = local_targets(targets, shard, weight.shape[0])
-    return autograd.linear_logprobs(
+    return ops.linear_logprobs_path(
         hidden, weight, y, bias, transform, backend, head_path, backward_mode, reduce=GroupReduce(shard.group)
     )

@@ -1,6 +1,6 @@
 """The loss's metrics, built once for the spec (grpo_fast.reference) and both layer-2 implementations (the token
 kernel and its torch twin, grpo_fast/token_loss_torch.py) from one number per sequence and statistic
-(grpo_fast.loss_statistics names them), under TRL 1.16's names and reductions.
+(grpo_fast.kernels.loss_statistics names them), under TRL 1.16's names and reductions.
 
 A statistic's per-sequence value (``RowValues``) is either the masked sum of a per-token quantity over the sequence
 (a [B, T] quantity) or the sequence's own value (a [B, 1] quantity: the sequence-level ratio, its clip indicators,
@@ -11,7 +11,7 @@ VESPO's phi with per-sequence advantages). TRL's reductions of them:
                           for [B, 1] quantities); a sequence without tokens has none (NaN in TRL), and with none at
                           all the metric is NaN
 Which metrics a call logs, and in what order, is ``logged_metrics``: every loss type's ``kl``, ``entropy``,
-``policy_loss`` and ``ratio_mean``, and its record's own (grpo_fast.options.LOSS_TYPE_RECORDS).
+``policy_loss`` and ``ratio_mean``, and its record's own (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.options import Metric
+from grpo_fast.grpo_loss.options import Metric
 
 
 @dataclass(frozen=True)

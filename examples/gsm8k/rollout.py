@@ -1,9 +1,9 @@
 """The GRPO rollout pieces of the GSM8K recipe: sampling completions with ``model.generate``, the completion mask,
-decoding (the group advantages and the completion hidden states are generic GRPO: ``grpo_fast.advantages``,
-``grpo_fast.hidden_states``).
+decoding (the group advantages and the completion hidden states are generic GRPO: ``grpo_fast.grpo_loss.advantages``,
+``grpo_fast.integrations.hidden_states``).
 
-    from grpo_fast.advantages import group_advantages
-    from grpo_fast.hidden_states import completion_hidden_states
+    from grpo_fast.grpo_loss.advantages import group_advantages
+    from grpo_fast.integrations.hidden_states import completion_hidden_states
 
     batch = generate(model, tokenizer, prompts, num_generations=16, max_completion_length=786)
     texts = decode_completions(tokenizer, batch.completion_ids, batch.completion_mask)
@@ -234,7 +234,7 @@ def generate(
 def prompt_cache(model, prompt_ids, prompt_mask, repeats):
     """The key / value cache of the (left-padded) prompts, each row repeated ``repeats`` times, for
     ``model.generate(past_key_values=...)``: generate then runs only the tokens after it."""
-    from grpo_fast.hidden_states import decoder_of
+    from grpo_fast.integrations.hidden_states import decoder_of
 
     out = decoder_of(model)(
         input_ids=prompt_ids,

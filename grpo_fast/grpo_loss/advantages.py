@@ -3,7 +3,7 @@
     advantages, std = group_advantages(rewards, num_generations=16, scale_rewards="group")
 
 Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G completions of prompt ``i``
-(grpo_fast.hidden_states has their hidden states).
+(grpo_fast.integrations.hidden_states has their hidden states).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""GSM8K for GRPO: loading (the copy bundled with grpo_fast, a local folder or the hub), chat prompts, the gold answer.
+"""GSM8K for GRPO: loading (the copy bundled with the examples, a local folder or the hub), chat prompts, the gold answer.
 
-GSM8K's original release files (OpenAI, MIT licence) ship with the package in ``BUNDLED_DIR``
+GSM8K's original release files (OpenAI, MIT licence) are bundled with the examples in ``BUNDLED_DIR``
 (``train.jsonl.gz``, ``test.jsonl.gz`` and the ``LICENSE``): the default everywhere, no network needed.
 
 Each example becomes ``{"prompt": [system, user messages], "answer": gold number as a string, "question": ...}``,
@@ -99,7 +99,7 @@ def load_gsm8k(
 ) -> list[dict]:
     """GSM8K ``split`` ("train" or "test") as a list of ``{"prompt", "answer", "question"}`` dicts.
 
-    ``data``: None or ``"bundled"`` (the default): the original release files shipped in ``BUNDLED_DIR``; a folder
+    ``data``: None or ``"bundled"`` (the default): the original release files bundled in ``BUNDLED_DIR``; a folder
     holding ``{split}.jsonl`` or ``{split}.jsonl.gz`` in the original release format (one ``{"question",
     "answer"}`` per line, the answer ending with ``#### <number>``); or ``"openai/gsm8k"``: the hub's ``main``
     configuration through ``datasets``. ``one_shot``: put the worked example ``ONE_SHOT`` before each question.

@@ -3,7 +3,7 @@ the math) in PyTorch on whole [B, T] tensors, for any torch device.
 
 It is the kernel's twin, as grpo_fast/torch_backend.py is layer 1's: the same contract as the kernel's launcher
 (``token_loss``: dL/dlogp, the entropy bonus's token mask and the per-sequence statistics of
-grpo_fast.loss_statistics), computed the same way: the rows' sums first (token count, log-ratio sum, VESPO's log W,
+grpo_fast.kernels.loss_statistics), computed the same way: the rows' sums first (token count, log-ratio sum, VESPO's log W,
 the sampler's KL), then per token the importance ratio, the policy weight (importance weights, off-policy and
 top-entropy masks), the loss type's term with its closed-form derivative (dpg/dr chained through r, or dpg/dlogp,
 by the record's ``gradient_wrt``), the KL term and the clip indicators. Autograd never differentiates it: the custom
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from grpo_fast.loss_statistics import returned_statistics
+from grpo_fast.kernels.loss_statistics import returned_statistics
 
 LOG_W_FLOOR = math.log(1e-8)  # TRL's clamps of VESPO's log W and of each log-ratio in it
 LOG_RATIO_CAP = 20.0
@@ -115,7 +115,7 @@ def token_loss(
     Returns:
         ``(grad_logp, bonus_mask, statistics)``: dL/dlogp [B, T] (normalised, 0 at masked tokens); the entropy
         bonus's token mask [B, T] with ``entropy_coef != 0``, else None; ``{statistic: (values [B],
-        per_sequence)}`` for those of ``grpo_fast.loss_statistics.returned_statistics``.
+        per_sequence)}`` for those of ``grpo_fast.kernels.loss_statistics.returned_statistics``.
 
     Raises:
         ValueError: the record's policy term is not one of ``POLICY_TERMS``, or it puts the importance weights in
@@ -203,7 +203,7 @@ def token_loss(
     if d_ratio is not None:
         grad_logp = grad_logp + d_ratio * seq_ratio * mask / length  # d r_b / d logp_t = r_b m_t / L_b
 
-    # the statistics: masked sums, or the sequence's own value (grpo_fast.loss_statistics)
+    # the statistics: masked sums, or the sequence's own value (grpo_fast.kernels.loss_statistics)
     returned = returned_statistics(
         sequence_level=sequence,
         advantages_per_token=advantages.dim() == 2,

@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.torch_backend import CHUNK_N, CHUNK_V, add_tile_gradients
+from grpo_fast.head.torch_twin import CHUNK_N, CHUNK_V, add_tile_gradients
 
 # the per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order; the last two:
 # beta = 1: g_a and C_s / S_s; JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: unused), and the two argmax indices

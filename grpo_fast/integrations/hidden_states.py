@@ -6,7 +6,7 @@ from a causal LM's decoder (no lm_head, no logits), with each group's shared pro
                                    completion_mask)
 
 Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G completions of prompt ``i``
-(grpo_fast.advantages has the group advantages).
+(grpo_fast.grpo_loss.advantages has the group advantages).
 """
 
 from __future__ import annotations

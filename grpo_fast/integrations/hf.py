@@ -18,7 +18,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from grpo_fast.lora import HeadLora
+from grpo_fast.head.lora import HeadLora
 
 
 def import_pinned(name: str, low: str, end: str):

@@ -20,22 +20,24 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast import divergence_parallel, divergence_torch, ops
-from grpo_fast.api import (
+from grpo_fast.distillation import parallel as divergence_parallel
+from grpo_fast.distillation import torch_twin as divergence_torch
+from grpo_fast.head import ops
+from grpo_fast.head.inputs import (
     FLOAT_DTYPES,
-    _check_mask,
-    _resolve_backend,
-    _row_values,
-    _same_device,
-    _scatter_rows,
-    _scored_rows,
-    _tensor,
-    _ValueChecks,
+    ValueChecks,
     check_head,
+    check_mask,
+    check_same_device,
+    check_tensor,
+    resolve_backend,
+    row_values,
+    scatter_rows,
+    scored_rows,
 )
+from grpo_fast.head.transform import LogitTransform, check_number
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.config import HEAD_PATHS
-from grpo_fast.transform import LogitTransform, check_number
 
 
 def _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
@@ -193,7 +195,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
              student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
              backend, checks, sharded=False):  # fmt: skip
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
-    with the scored-row count: api._scored_rows); returns the resolved backend's name (``sharded``: the weights are
+    with the scored-row count: inputs.scored_rows); returns the resolved backend's name (``sharded``: the weights are
     this rank's rows of vocab-parallel heads, which may hold none: divergence_parallel)."""
     B, T, _, V = check_head(
         ("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias, sharded
@@ -210,8 +212,8 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
             f"student_weight has V = {V} rows but teacher_weight has V = {Vt}: the vocabularies must match"
         )
     if completion_mask is not None:
-        _tensor("completion_mask", completion_mask)
-    _same_device(
+        check_tensor("completion_mask", completion_mask)
+    check_same_device(
         [
             (name, x)
             for name, x in (
@@ -227,7 +229,7 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
         "student_hidden",
     )
     if completion_mask is not None:
-        _check_mask(completion_mask, (B, T), checks)
+        check_mask(completion_mask, (B, T), checks)
     check_number(
         "beta",
         beta,
@@ -240,14 +242,14 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
             check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
     for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
         check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
-    backend = _resolve_backend(backend, student_hidden.device)
+    backend = resolve_backend(backend, student_hidden.device)
     backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
     return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
 
 
 def _rows(hidden, rows):
-    """The scored rows [N, D] of hidden [B, T, D] (api._Rows), row-contiguous."""
-    h = _row_values(hidden.reshape(-1, hidden.shape[-1]), rows)
+    """The scored rows [N, D] of hidden [B, T, D] (inputs.Rows), row-contiguous."""
+    h = row_values(hidden.reshape(-1, hidden.shape[-1]), rows)
     return h if h.stride(-1) == 1 else h.contiguous()
 
 
@@ -319,7 +321,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
     )
     if student_gemm_dtype is not None and student_gemm_dtype not in FLOAT_DTYPES:
         raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {student_gemm_dtype!r}")
-    checks = _ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
+    checks = ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
     backend = _checked(
         student_hidden,
         student_weight,
@@ -348,7 +350,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         and not (student_bias is not None and student_bias.requires_grad)
     )
     B, T = student_hidden.shape[:2]
-    rows = _scored_rows(completion_mask, checks)
+    rows = scored_rows(completion_mask, checks)
     teacher = [teacher_hidden, teacher_weight, teacher_bias]
     teacher = [x.detach() if x is not None else None for x in teacher]
     if shard is not None:
@@ -365,7 +367,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
             _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
             _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
             frozen_head, backend)  # fmt: skip
-        return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
+        return scatter_rows(div, rows, (B, T)), scatter_rows(entropy, rows, (B, T)).detach()
     div, entropy, _, _, _ = _divergence_forward(
         _rows(student_hidden, rows),
         _contiguous(student_weight),
@@ -383,7 +385,7 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         student_gemm_dtype or student_hidden.dtype,
         frozen_head,
     )
-    return _scatter_rows(div, rows, (B, T)), _scatter_rows(entropy, rows, (B, T)).detach()
+    return scatter_rows(div, rows, (B, T)), scatter_rows(entropy, rows, (B, T)).detach()
 
 
 def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):

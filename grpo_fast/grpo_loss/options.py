@@ -1,7 +1,7 @@
 """The loss's options, once: TRL 1.16.0 ``GRPOConfig``'s names and defaults, validated in one place.
 
 ``LossOptions`` is what every layer-2 implementation takes (the spec ``grpo_fast.reference``, the Triton token
-kernel's launcher and its torch twin ``grpo_fast.token_loss_torch``, the benchmark, the examples).
+kernel's launcher and its torch twin ``grpo_fast.grpo_loss.torch_twin``, the benchmark, the examples).
 ``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take the same names as keyword arguments, TRL style, typed for
 IDEs and type checkers by ``LossOptionKeywords`` (PEP 692: ``**option_keywords: Unpack[LossOptionKeywords]``; a test
 keeps its names and types those of ``LossOptions``, whose defaults are the only ones), and turn them into a
@@ -10,8 +10,8 @@ says which names exist.
 
 Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
 its metrics. The spec (grpo_fast.reference), the token kernel's launcher, the torch layer 2
-(grpo_fast.token_loss_torch), ``LossOptions.denominator`` and ``aggregate`` and the metrics builder
-(grpo_fast.metrics) read it and raise on a value they do not know, so a new loss type is its record plus, if it
+(grpo_fast.grpo_loss.torch_twin), ``LossOptions.denominator`` and ``aggregate`` and the metrics builder
+(grpo_fast.grpo_loss.metrics) read it and raise on a value they do not know, so a new loss type is its record plus, if it
 brings a new family of term, that term's formula in the spec, in the kernel and in the torch layer 2.
 
 The per-batch inputs (old / reference / sampler log-probs, importance weights, ``num_items_in_batch``,
@@ -26,8 +26,8 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
-from grpo_fast.loss_statistics import STATISTICS
-from grpo_fast.transform import check_number
+from grpo_fast.head.transform import check_number
+from grpo_fast.kernels.loss_statistics import STATISTICS
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Metric:
     """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (one of
-    grpo_fast.loss_statistics.STATISTICS), reduced by grpo_fast.metrics by ``reduce``: "mean" (TRL's global
+    grpo_fast.kernels.loss_statistics.STATISTICS), reduced by grpo_fast.grpo_loss.metrics by ``reduce``: "mean" (TRL's global
     masked mean: over tokens, or over sequences for a value with one per sequence), "min_over_sequences" /
     "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
 
@@ -48,7 +48,7 @@ class Metric:
         if self.statistic not in STATISTICS:
             raise ValueError(
                 f"metric {self.name!r}: statistic must be one of {tuple(STATISTICS)} "
-                f"(grpo_fast.loss_statistics), got {self.statistic!r}"
+                f"(grpo_fast.kernels.loss_statistics), got {self.statistic!r}"
             )
 
 

@@ -1,41 +1,30 @@
-"""grpo_fast's torch.library custom ops: layer 1's forward (general or frozen-head), its backward, and layer 2's token
-loss, each with a fake implementation (what the real one returns: shapes, dtypes, fp32 where fp32) and the two
-forwards with a registered autograd formula.
+"""Layer 1's torch.library custom ops: the forward (general or frozen-head) with its registered autograd formula,
+and the backward; ``linear_logprobs_path`` chooses the path and calls the forward op.
 
-torch.compile traces each op as one node (no graph break, no guard on a value: a step calling grpo_fast.logprobs
-and grpo_fast.loss is one graph, forward and backward); FakeTensorMode and meta tensors run the fake
-implementations, which read no value. Schemas take tensors and numbers only: the logit transform travels as its
-three floats (grpo_fast.transform.LogitTransform.as_floats), the loss options as their JSON (``options_json``),
-the backend, head path and backward mode as strings and flags; optional tensors are ``Tensor?``, and an output that
-a path does not produce is an empty tensor (shape [0]).
+torch.compile traces each op as one node (no graph break, no guard on a value); FakeTensorMode and meta tensors run
+the fake implementations, which read no value. Schemas take tensors and numbers only: the logit transform travels
+as its three floats (``LogitTransform.as_floats``), the backend, head path and backward mode as strings and flags;
+optional tensors are ``Tensor?``, and an output that a path does not produce is an empty tensor (shape [0]).
 
-``custom_op``, not ``triton_op``: the real implementations are Python around Triton launches *and* cuBLAS GEMMs
-(the chunked backward, the frozen head), whose launch configurations are chosen from sizes at call time, plus a
-chunked-torch twin on any device; ``triton_op`` lets Inductor see into functions made of Triton kernels and
-traceable torch code, which these are not. An opaque ``custom_op`` is one node that serves both backends, the CPU
-interpreter and fake tensors alike.
+``custom_op``, not ``triton_op``: the implementations are Python around Triton launches and cuBLAS GEMMs, whose
+launch configurations are chosen from sizes at call time, plus a chunked-torch twin on any device; an opaque
+``custom_op`` is one node that serves both backends, the CPU interpreter and fake tensors alike.
 
-Workspace: what a real implementation allocates besides its outputs, for a memory estimate over fake tensors:
-``workspace_bytes`` (one function per op, in bytes, by the same formulas as the kernels' launchers).
+``workspace_bytes``: what an implementation allocates besides its outputs (a memory estimate over fake tensors).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 import torch
 
-from grpo_fast import autograd, token_loss_torch
+from grpo_fast.head import backends
+from grpo_fast.head.backends import ONE_PROCESS, as_backend
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import gemm
 from grpo_fast.kernels.softmax_stats import BackwardStats
-from grpo_fast.loss_statistics import SLOTS
-from grpo_fast.metrics import RowValues, loss_metrics, metric_names
-from grpo_fast.options import LossOptions
-from grpo_fast.transform import LogitTransform
 
 FP32 = torch.float32
 
@@ -67,18 +56,18 @@ def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     [N] fp32 each (entropy, mean_logit and mean_minus_target empty without ``compute_entropy``); with
     ``frozen_head`` also J = d logp / d hidden [N, D] fp32 and, with LoRA, J_lora = d logp / d lora_hidden [N, r]
     fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments.
-    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first (autograd.linear_logprobs).
+    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first (linear_logprobs_path).
     """
-    return _head_forward(autograd.ONE_PROCESS, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature,
+    return _head_forward(ONE_PROCESS, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature,
                          softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode,
                          row_count)  # fmt: skip
 
 
 def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale,
                   compute_entropy, frozen_head, backend, backward_mode, row_count):  # fmt: skip
-    """``_linear_logprobs`` with a reduce step (autograd.OneProcess or vocab_parallel.GroupReduce)."""
+    """``_linear_logprobs`` with a reduce step (backends.OneProcess or vocab_parallel.GroupReduce)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
-    backend = autograd.BACKENDS[backend]
+    backend = backends.BACKENDS[backend]
     lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
     N = hidden.shape[0]
     if N == 0:
@@ -153,7 +142,7 @@ def _linear_setup_context(ctx, inputs, output):
                           mean_minus_target, J, J_lora)  # fmt: skip
     ctx.transform_floats = (temperature, softcap, logit_scale)
     ctx.frozen_head, ctx.backend, ctx.backward_mode = frozen_head, backend, backward_mode
-    ctx.reduce = autograd.ONE_PROCESS  # a vocab-parallel call sets its group's (_LinearLogprobsWithReduce)
+    ctx.reduce = ONE_PROCESS  # a vocab-parallel call sets its group's (_LinearLogprobsWithReduce)
 
 
 def _linear_backward(ctx, grad_logp, grad_entropy, *_):
@@ -245,7 +234,7 @@ def _linear_logprobs_backward(
     where ``needs`` (five flags, in that order) asks for it, else empty. ``grad_entropy`` None: no entropy term
     (then mean_logit and mean_minus_target are not read)."""
     transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
-    backend = autograd.BACKENDS[backend]
+    backend = backends.BACKENDS[backend]
     need_h, need_w, need_b, need_lh, need_lw = needs
     dev = hidden.device
     lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
@@ -260,7 +249,7 @@ def _linear_logprobs_backward(
         grad_hidden.zero_()  # no tiles to launch (an empty vocab-parallel shard: torch's chunking can leave one)
     elif hidden.shape[0] > 0 and weight.shape[0] > 0 and any(needs):
         stats = BackwardStats(lse, nontarget_mass, _given(mean_logit), _given(mean_minus_target))
-        autograd.head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+        backends.head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
                                grad_weight, grad_bias, backend, backward_mode, lora=lora,
                                grad_lora=grad_lora)  # fmt: skip
     return tuple(_or_nothing(g, hidden) for g in (grad_hidden, grad_weight, grad_bias, *grad_lora))
@@ -298,164 +287,6 @@ def _(
     )
 
 
-# ----------------------------------------------------------------------------------------------- layer 2
-def options_json(options: LossOptions) -> str:
-    """The loss options as token_loss's ``options_json`` argument (a string: a schema constant). Built field by
-    field, not by json.dumps, which torch.compile cannot trace (a float option is then fixed by a guard)."""
-    parts = []
-    for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
-        if value is None:
-            text = "null"
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = f'"{value}"'  # the option strings are plain names (loss types, levels)
-        elif isinstance(value, int):
-            text = str(int(value))
-        else:
-            text = f"{float(value)}"  # (str of a float round-trips exactly)
-        parts.append(f'"{field.name}": {text}')
-    return "{" + ", ".join(parts) + "}"
-
-
-def _token_loss(
-    logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    sampling_logprobs: torch.Tensor | None,
-    importance_weights: torch.Tensor | None,
-    num_items_in_batch: torch.Tensor | None,
-    entropy_threshold: torch.Tensor | None,
-    options_json: str,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layer 2 on prepared inputs (fp32 contiguous [B, T]; mask fp32 0/1; advantages [B] or [B, T]; importance
-    weights [B] or [B, T]; the two counts fp32 scalar tensors or None): (loss [], metrics [M] in
-    grpo_fast.metrics.metric_names' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an entropy bonus),
-    fp32, by the backend's token loss (the token kernel, or its torch twin grpo_fast/token_loss_torch.py). No
-    value is read on the host (the normaliser, the bonus tokens' count and the entropy quantile stay on the device)."""
-    options = LossOptions(**json.loads(options_json))
-    return _layer2(autograd.BACKENDS[backend], logp, entropy, advantages, mask, old_logprobs, ref_logprobs,
-                   sampling_logprobs, importance_weights, num_items_in_batch, entropy_threshold, options)  # fmt: skip
-
-
-_token_loss_op = torch.library.custom_op("grpo_fast::token_loss", mutates_args=())(_token_loss)
-
-
-@_token_loss_op.register_fake
-def _(
-    logp,
-    entropy,
-    advantages,
-    mask,
-    old_logprobs,
-    ref_logprobs,
-    sampling_logprobs,
-    importance_weights,
-    num_items_in_batch,
-    entropy_threshold,
-    options_json,
-    backend,
-):
-    options = LossOptions(**json.loads(options_json))
-    bonus = options.entropy_coef != 0.0
-    return (
-        logp.new_empty((), dtype=FP32),
-        logp.new_empty(len(metric_names(options, entropy is not None)), dtype=FP32),
-        torch.empty_like(logp, dtype=FP32),
-        logp.new_empty(logp.shape if bonus else (0,), dtype=FP32),
-    )
-
-
-def _token_loss_setup_context(ctx, inputs, output):
-    _, _, grad_logp, grad_entropy = output
-    ctx.save_for_backward(grad_logp, grad_entropy)
-
-
-def _token_loss_backward(ctx, grad_loss, *_):
-    grad_logp, grad_entropy = ctx.saved_tensors
-    if grad_loss is None:
-        return (None,) * 12
-    grad_entropy = grad_entropy * grad_loss if ctx.needs_input_grad[1] and grad_entropy.numel() else None
-    return (grad_logp * grad_loss, grad_entropy) + (None,) * 10
-
-
-_token_loss_op.register_autograd(_token_loss_backward, setup_context=_token_loss_setup_context)
-
-
-def device_entropy_quantile(entropy, mask, top_entropy_quantile):
-    """torch.quantile(entropy[mask], 1 - top_entropy_quantile) (linear interpolation, as grpo_fast.reference's
-    entropy_quantile_threshold) without a boolean selection or a host read: the masked entropies sorted first, the
-    count a device value; +inf (no token is high-entropy) where no token is masked in."""
-    active = mask.reshape(-1) > 0
-    values = torch.where(active, entropy.detach().float().reshape(-1), torch.inf).sort().values
-    count = active.sum()
-    q = torch.full((), 1.0 - top_entropy_quantile, dtype=FP32, device=entropy.device)
-    rank = q * (count - 1).clamp(min=0).to(FP32)
-    below = rank.to(torch.int64)
-    above = rank.ceil().to(torch.int64)  # torch.quantile's rule: the same two ranks when rank is integral
-    # index_select, not values[below]: a 0-d index tensor would be read on the host
-    threshold = (
-        values.index_select(0, below.reshape(1))
-        .lerp(values.index_select(0, above.reshape(1)), rank - below.to(FP32))
-        .reshape(())
-    )
-    # a NaN entropy among the masked ones makes torch.quantile NaN
-    threshold = torch.where((active & entropy.reshape(-1).isnan()).any(), torch.nan, threshold)
-    return torch.where(count > 0, threshold, torch.inf)
-
-
-def _layer2(backend, logp, entropy, adv, mask, old, ref, sampling, iw, num_items, entropy_threshold, options):
-    """``_token_loss`` by ``backend``'s token loss (autograd.TRITON or autograd.TORCH): the normaliser and the
-    entropy quantile on the device, then the loss, the entropy bonus and the metrics from its statistics."""
-    B = logp.shape[0]
-    denominator = options.denominator(B, mask.sum(), num_items)
-    # a number is written to the device (torch.full: a fill, not a copy from host memory), never read back
-    scale = 1.0 / (
-        denominator.double()
-        if isinstance(denominator, torch.Tensor)
-        else torch.full((), denominator, dtype=torch.float64, device=logp.device)
-    )
-    threshold = None
-    if options.entropy_mask:
-        threshold = (
-            entropy_threshold
-            if entropy_threshold is not None
-            else device_entropy_quantile(entropy, mask, options.top_entropy_quantile)
-        )
-    sampler = None
-    if options.off_policy_mask_threshold is not None:
-        sampler = next(x for x in (sampling, old, logp) if x is not None).contiguous()
-    grad_logp, bonus_mask, stats = backend.token_loss(
-        logp,
-        adv,
-        mask,
-        old,
-        ref if options.beta != 0.0 else None,
-        sampler,
-        iw,
-        entropy,
-        options,
-        scale=scale.to(logp.dtype),
-        entropy_threshold=threshold,
-    )
-    rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
-    policy_loss = rows["loss"].values.sum()
-    total, grad_entropy = policy_loss, None
-    if options.entropy_coef != 0.0:
-        # loss -= entropy_coef * (mean entropy over the bonus tokens): dL/dentropy = -entropy_coef * e_t / count
-        bonus_scale = -options.entropy_coef / rows["bonus_count"].values.sum().clamp(min=1.0)
-        total = policy_loss + bonus_scale * rows["bonus_entropy"].values.sum()
-        grad_entropy = bonus_mask * bonus_scale
-    metrics = loss_metrics(options, rows, rows["count"].values, policy_loss)
-    # in metric_names' order: loss_metrics builds them in it
-    return (total.reshape(()).clone(), torch.stack(list(metrics.values())), grad_logp, _or_nothing(grad_entropy, logp))
-
-
 # ----------------------------------------------------------------------------------------------- calls
 def inline_function(impl, setup_context, backward):
     """The op's implementation and autograd formula as a torch.autograd.Function, for ``runs_inline``."""
@@ -473,7 +304,6 @@ def inline_function(impl, setup_context, backward):
 
 
 _LINEAR_INLINE = inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
-_TOKEN_LOSS_INLINE = inline_function(_token_loss, _token_loss_setup_context, _token_loss_backward)
 
 
 def runs_inline(args):
@@ -515,8 +345,8 @@ class _LinearLogprobsWithReduce(torch.autograd.Function):
 
 def linear_logprobs(*args, reduce=None):
     """grpo_fast::linear_logprobs (``_linear_logprobs``'s arguments and outputs), differentiable. ``reduce``: a
-    vocab-parallel group's reduce step (vocab_parallel.GroupReduce); None or autograd.ONE_PROCESS: the op."""
-    if reduce is not None and reduce is not autograd.ONE_PROCESS:
+    vocab-parallel group's reduce step (vocab_parallel.GroupReduce); None or ONE_PROCESS: the op."""
+    if reduce is not None and reduce is not ONE_PROCESS:
         return _LinearLogprobsWithReduce.apply(*args, reduce)
     return _LINEAR_INLINE.apply(*args) if runs_inline(args) else _linear_logprobs_op(*args)
 
@@ -526,47 +356,76 @@ def linear_logprobs_backward(*args):
     return _linear_logprobs_backward(*args) if runs_inline(args) else _linear_logprobs_backward_op(*args)
 
 
-def token_loss(*args):
-    """grpo_fast::token_loss (``_token_loss``'s arguments and outputs), differentiable in logp and entropy."""
-    return _TOKEN_LOSS_INLINE.apply(*args) if runs_inline(args) else _token_loss_op(*args)
+def linear_logprobs_path(
+    hidden,
+    weight,
+    targets,
+    bias,
+    transform,
+    backend,
+    head_path,
+    backward_mode,
+    lora_hidden=None,
+    lora_weight=None,
+    reduce=ONE_PROCESS,
+    row_count=None,
+):
+    """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
+    lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
+    linear_logprobs, whose registered autograd formula is the head's one backward.
+
+    With LoRA (grpo_fast/lora.py) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
+    lora_hidden and lora_weight too (each in its own dtype).
+
+    Both outputs carry their exact gradient. Two paths (``head_path``, config.HEAD_PATHS), chosen here from which
+    inputs require a gradient (``takes_frozen_head``):
+    * general (recompute): saves the inputs and O(N) fp32 values (softmax_stats.BackwardStats: lse, 1 - p_y, the mean
+      logit and mean - z_y), nothing of size V; the backward recomputes the logits (an entropy that receives no
+      gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
+    * frozen head ("auto", and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also builds
+      J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the backward
+      is dH = grad_logp J: two sweeps. With LoRA it also builds J_l = d logp / d lora_hidden [N, r] fp32; it is
+      taken only when lora_weight needs no gradient either (a frozen adapter). Callers pass "auto" when the entropy
+      will usually get no gradient; if one arrives anyway, its term comes from the general path with its own forward
+      statistics: exact, at three sweeps more (five in all, against three).
+    ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
+    N = 0 (every row masked) gives empty outputs and zero gradients. ``reduce``: the reduce step (``OneProcess``,
+    or a vocab-parallel group's grpo_fast.head.vocab_parallel.GroupReduce, whose ranks all take the same path).
+    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first; the rows after it are
+    padding (zeros, no gradient; their outputs are placeholders), whose blocks the Triton forward skips.
+    """
+    if head_path not in kconfig.HEAD_PATHS:
+        raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
+    if backward_mode not in kconfig.BACKWARD_MODES:
+        raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
+    backend = as_backend(backend)
+    grad = torch.is_grad_enabled()
+    needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
+    lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
+    frozen_head = backends.takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
+    outputs = linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
+                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)  # fmt: skip
+    return outputs[0], outputs[1]
 
 
 # ----------------------------------------------------------------------------------------------- workspace
-def workspace_bytes(
-    op,
-    hidden_shape,
-    vocab_size,
-    dtype,
-    *,
-    backend="triton",
-    frozen_head=False,
-    backward_mode="chunked",
-    batch_shape=None,
-    device_type="cuda",
-):
-    """The bytes a real implementation allocates besides its outputs (its peak extra memory, for a memory estimate
-    over fake tensors, whose fake implementations allocate the outputs only), by the launchers' own formulas.
+def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False,
+                    backward_mode="chunked", device_type="cuda"):  # fmt: skip
+    """The bytes a layer-1 op's implementation allocates besides its outputs (its peak extra memory, for a memory
+    estimate over fake tensors, whose fake implementations allocate the outputs only), by the launchers' formulas.
 
     ``op``: "linear_logprobs" (hidden_shape [N, D]; the forward's 5 x splits x N fp32 records, or the frozen head's
-    8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows),
-    "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype, and the dW
-    accumulator's fp32 copy is an output; the fused one allocates nothing more) or "token_loss" (batch_shape
-    [B, T]: the kernel's B x len(loss_statistics.SLOTS) fp32 statistics and its B x T fp32 bonus mask, which
-    exists only with an entropy bonus: an upper bound). The torch backend (an estimate, not a launcher's formula):
-    CHUNK_N x CHUNK_V fp32 tiles, about four alive at once; for "token_loss", token_loss_torch.TEMPORARIES fp32
-    [B, T] tensors."""
+    8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows) or
+    "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype; the dW
+    accumulator's fp32 copy is an output; the fused one allocates nothing more). The torch backend (an estimate, not
+    a launcher's formula): CHUNK_N x CHUNK_V fp32 tiles, about four alive at once."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if op == "token_loss":
-        B, T = batch_shape
-        if backend == "torch":
-            return token_loss_torch.TEMPORARIES * B * T * 4
-        return B * len(SLOTS) * 4 + B * T * 4
     N, D = hidden_shape
     V = vocab_size
     if backend == "torch":
-        from grpo_fast import torch_backend
+        from grpo_fast.head import torch_twin
 
-        return 4 * min(N, torch_backend.CHUNK_N) * min(V, torch_backend.CHUNK_V) * 4
+        return 4 * min(N, torch_twin.CHUNK_N) * min(V, torch_twin.CHUNK_V) * 4
     if op == "linear_logprobs":
         if frozen_head:
             chunk = gemm.chunk_size(N, D)
@@ -576,4 +435,4 @@ def workspace_bytes(
         return 5 * splits * N * 4
     if op == "linear_logprobs_backward":
         return gemm.chunk_size(N, D) * V * itemsize if backward_mode == "chunked" else 0
-    raise ValueError(f"op must be 'linear_logprobs', 'linear_logprobs_backward' or 'token_loss', got {op!r}")
+    raise ValueError(f"op must be 'linear_logprobs' or 'linear_logprobs_backward', got {op!r}")

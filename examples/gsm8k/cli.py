@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_fast.gsm8k import data, models
+from gsm8k import data, models
 
 __all__ = [
     "InputError",

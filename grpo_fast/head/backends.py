@@ -1,5 +1,5 @@
 """The backends and layer 1's path choice: ``TRITON`` (the kernels) and ``TORCH`` (the torch twins,
-grpo_fast/torch_backend.py for layer 1 and grpo_fast/token_loss_torch.py for layer 2), two objects with one
+grpo_fast/torch_twin.py for layer 1 and grpo_fast/token_loss_torch.py for layer 2), two objects with one
 signature for the forward, the forward record (a vocab-parallel shard's), the frozen-head forward and record, the
 backward and layer 2's token loss, chosen once (the public API resolves its
 ``backend=`` string to one; the custom ops' schemas carry its ``name``); the reduce step of one process
@@ -7,7 +7,7 @@ backward and layer 2's token loss, chosen once (the public API resolves its
 autograd formula is the head's backward).
 
 Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
-with ``transform`` a grpo_fast.transform.LogitTransform, and optionally ``lora`` = (lora_hidden [N, r],
+with ``transform`` a grpo_fast.head.transform.LogitTransform, and optionally ``lora`` = (lora_hidden [N, r],
 lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py), whose product lora_hidden lora_weight^T is
 added to the raw logits; the head path is one of config.HEAD_PATHS and the backward mode one of
 config.BACKWARD_MODES (the caller's choices, passed down as arguments).
@@ -15,13 +15,12 @@ config.BACKWARD_MODES (the caller's choices, passed down as arguments).
 
 import torch
 
-from grpo_fast import token_loss_torch, torch_backend
+from grpo_fast.head import torch_twin
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import softmax_stats
-from grpo_fast.kernels import token_loss as ktoken_loss
 
 
 class TritonBackend:
@@ -30,8 +29,6 @@ class TritonBackend:
 
     name = "triton"
     backward_modes = kconfig.BACKWARD_MODES
-    # layer 2: the token kernel's launcher (run inside the op grpo_fast.ops.token_loss)
-    token_loss = staticmethod(ktoken_loss.token_loss)
 
     def runs_on(self, device):
         """CUDA tensors, or any device under Triton's interpreter (TRITON_INTERPRET=1 before importing grpo_fast)."""
@@ -90,13 +87,11 @@ class TritonBackend:
 
 
 class TorchBackend:
-    """Layer 1 by the chunked-torch twin (grpo_fast/torch_backend.py), on any device, with one backward ("chunked");
+    """Layer 1 by the chunked-torch twin (grpo_fast/torch_twin.py), on any device, with one backward ("chunked");
     layer 2 by the token kernel's torch twin (grpo_fast/token_loss_torch.py)."""
 
     name = "torch"
     backward_modes = ("chunked",)
-    # layer 2: the token kernel's torch twin, the launcher's arguments and returns (inside grpo_fast.ops.token_loss)
-    token_loss = staticmethod(token_loss_torch.token_loss)
 
     def runs_on(self, device):
         return True
@@ -106,19 +101,19 @@ class TorchBackend:
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
         """``row_count`` is not read: the twin's chunks compute the padding rows too (zeros)."""
-        return torch_backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
+        return torch_twin.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
 
     def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
-        return torch_backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
+        return torch_twin.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
 
     def frozen_head_available(self, hidden):
         return True
 
     def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
-        return torch_backend.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
+        return torch_twin.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
 
     def forward_frozen_record(self, hidden, weight, targets, bias, transform):
-        return torch_backend.forward_frozen_record(hidden, weight, targets, bias, transform, True)[:3]
+        return torch_twin.forward_frozen_record(hidden, weight, targets, bias, transform, True)[:3]
 
     def grad_hidden_buffer(self, hidden, backward_mode):
         """dH's fp32 zero accumulator for ``backward``."""
@@ -126,7 +121,7 @@ class TorchBackend:
 
     def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
                  grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
-        torch_backend.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
+        torch_twin.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
                                grad_weight, grad_bias, lora, grad_lora)  # fmt: skip
 
 
@@ -210,7 +205,7 @@ def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy,
 
 class OneProcess:
     """The head's reduce step on one process: identity. Layer 1's forward merges its own vocabulary splits (inside the
-    kernels) and its dH is whole. grpo_fast.vocab_parallel.GroupReduce is the same step over a vocab-parallel group
+    kernels) and its dH is whole. grpo_fast.head.vocab_parallel.GroupReduce is the same step over a vocab-parallel group
     (the ranks' records merged, J and dH summed); grpo_fast.ops' head autograd takes either, so the frozen-head
     backward, the entropy fallback and the empty case exist once."""
 
@@ -228,63 +223,3 @@ class OneProcess:
 
 
 ONE_PROCESS = OneProcess()
-
-
-def linear_logprobs(
-    hidden,
-    weight,
-    targets,
-    bias,
-    transform,
-    backend,
-    head_path,
-    backward_mode,
-    lora_hidden=None,
-    lora_weight=None,
-    reduce=ONE_PROCESS,
-    row_count=None,
-):
-    """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
-    lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
-    grpo_fast.ops.linear_logprobs, whose registered autograd formula is the head's one backward.
-
-    With LoRA (grpo_fast/lora.py) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
-    lora_hidden and lora_weight too (each in its own dtype).
-
-    Both outputs carry their exact gradient. Two paths (``head_path``, config.HEAD_PATHS), chosen here from which
-    inputs require a gradient (``takes_frozen_head``):
-    * general (recompute): saves the inputs and O(N) fp32 values (softmax_stats.BackwardStats: lse, 1 - p_y, the mean
-      logit and mean - z_y), nothing of size V; the backward recomputes the logits (an entropy that receives no
-      gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
-    * frozen head ("auto", and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also builds
-      J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the backward
-      is dH = grad_logp J: two sweeps. With LoRA it also builds J_l = d logp / d lora_hidden [N, r] fp32; it is
-      taken only when lora_weight needs no gradient either (a frozen adapter). Callers pass "auto" when the entropy
-      will usually get no gradient; if one arrives anyway, its term comes from the general path with its own forward
-      statistics: exact, at three sweeps more (five in all, against three).
-    ``backward_mode`` (config.BACKWARD_MODES) picks the Triton backward; the torch backend has one ("chunked").
-    N = 0 (every row masked) gives empty outputs and zero gradients. ``reduce``: the reduce step (``OneProcess``,
-    or a vocab-parallel group's grpo_fast.vocab_parallel.GroupReduce, whose ranks all take the same path).
-    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first; the rows after it are
-    padding (zeros, no gradient; their outputs are placeholders), whose blocks the Triton forward skips.
-    """
-    from grpo_fast import ops  # ops' implementations call this module's backend functions
-
-    if head_path not in kconfig.HEAD_PATHS:
-        raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
-    if backward_mode not in kconfig.BACKWARD_MODES:
-        raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
-    backend = as_backend(backend)
-    grad = torch.is_grad_enabled()
-    needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
-    lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
-    frozen_head = takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
-    outputs = ops.linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
-                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)  # fmt: skip
-    return outputs[0], outputs[1]
-
-
-class LinearLogprobs:
-    """``linear_logprobs`` under its former autograd.Function name: ``LinearLogprobs.apply(...)``."""
-
-    apply = staticmethod(linear_logprobs)

@@ -1,6 +1,6 @@
 """The GSM8K recipe's helpers, on top of the loss (nothing in grpo_fast's top level imports them).
 
-    from grpo_fast.gsm8k import data, models, rewards, rollout, tokenizer
+    from gsm8k import data, models, rewards, rollout, tokenizer
 
 - ``data``: GSM8K (the copy bundled in ``gsm8k/files/``, a local folder or the hub's ``openai/gsm8k``), the demo's
   system prompt, the gold answer
@@ -14,6 +14,6 @@
 - ``callbacks``: transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase
   (imports transformers)
 
-The generic GRPO pieces are in ``grpo_fast.advantages`` (group advantages) and ``grpo_fast.hidden_states``
+The generic GRPO pieces are in ``grpo_fast.grpo_loss.advantages`` (group advantages) and ``grpo_fast.integrations.hidden_states``
 (completion hidden states).
 """

@@ -1,0 +1,481 @@
+"""grpo_fast inside TRL: TRL's fused LM head computed by grpo_fast, and TRL's trainers using it.
+
+    from grpo_fast.trl import GRPOConfig, GRPOTrainer     # instead of `from trl import GRPOConfig, GRPOTrainer`
+
+``add_fused_lm_head`` is TRL 1.16's fused-head protocol on grpo_fast's kernels; ``GRPOTrainer``, ``RLOOTrainer``
+and ``DistillationTrainer`` are TRL's classes with grpo_fast's heads. How the head computes (dtypes, LoRA on the
+lm_head, sharded heads) and how the trainers get it: [with TRL](../trl.md#the-head).
+
+TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
+with another TRL raises ``ImportError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+
+from packaging.version import Version
+
+from grpo_fast.integrations.hf import (
+    autocast_off,
+    fsdp_unit_gathered,
+    head_precision,
+    import_pinned,
+    lm_head_lora,
+    lm_head_lora_adapter,
+    logit_transform_of,
+)
+
+_TRL_LOW, _TRL_END = "1.16", "1.17"
+TRL_VERSIONS = f">={_TRL_LOW},<{_TRL_END}"
+
+trl = import_pinned("trl", _TRL_LOW, _TRL_END)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled  # noqa: E402
+from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
+
+import grpo_fast  # noqa: E402
+from grpo_fast.head import vocab_parallel as vocab_parallel_head  # noqa: E402
+from grpo_fast.head.lora import lora_hidden  # noqa: E402
+from grpo_fast.head.transform import LogitTransform  # noqa: E402
+
+__all__ = [
+    "add_fused_lm_head",
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "DistillationTrainer",
+    "GRPOConfig",
+    "RLOOConfig",
+    "DistillationConfig",
+    "FusedCausalLMOutput",
+    "TRL_VERSIONS",
+]
+
+# the per-token fields of FusedCausalLMOutput that a caller can request
+OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# the no-grad extras' chunked torch pass: at most this many fp32 logits at a time (64 MiB)
+EXTRA_OUTPUTS_CHUNK_LOGITS = 1 << 24
+
+
+# ---------------------------------------------------------------------------------------------- the head
+def add_fused_lm_head(
+    model,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    *,
+    entropy_grad: bool = False,
+) -> None:
+    """TRL's ``add_fused_lm_head``, computed by grpo_fast: patches ``model``'s forward in place.
+
+    ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` without building the
+    [tokens, vocab] logits; without ``fused_lm_head=True`` the forward is the model's own. Add the head before
+    wrapping the model with PEFT. How it computes (dtypes, LoRA, sharded heads): [with TRL](../trl.md#the-head).
+
+    Args:
+        model: a transformers causal LM (a text config with an output embedding over its backbone).
+        temperature: divides the logits.
+        cast_lm_head_to_fp32: score in fp32 with autocast off (TRL's option).
+        outputs: the per-token fields to fill, among ``OUTPUTS`` ("log_probs", "entropy", "log_sum_sq_probs",
+            "mean_logits", "is_top1"); ``log_probs``, and so ``loss``, always.
+        entropy_grad: grpo_fast's, not TRL's: the entropy will be differentiated (an entropy bonus); without it a
+            frozen lm_head takes the frozen-head path (two vocabulary sweeps instead of three). Either way every
+            gradient is exact.
+
+    Raises:
+        TypeError: ``entropy_grad`` not a bool.
+        ValueError: an output name TRL's head does not know.
+    """
+    if not isinstance(entropy_grad, bool):
+        raise TypeError(f"add_fused_lm_head: entropy_grad must be a bool, got {entropy_grad!r}")
+    unknown = [name for name in outputs if name not in OUTPUTS]
+    if unknown:
+        raise ValueError(f"add_fused_lm_head: unknown outputs {unknown}; the fused head computes {list(OUTPUTS)}")
+    original_forward = model.forward
+    text_config = model.config.get_text_config()
+    transform = logit_transform_of(text_config)
+    # Before transformers 5, vision-language models expose their language backbone as `model`
+    backbone_attr = "base_model"
+    if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
+        backbone_attr = "model"
+    extras = tuple(name for name in ("log_sum_sq_probs", "mean_logits", "is_top1") if name in outputs)
+
+    # Keep the original signature: `generate` validates its model kwargs against it
+    @functools.wraps(type(model).forward)
+    def fused_forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
+        if not fused_lm_head:
+            for name, value in (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+            ):
+                if value is not None:
+                    kwargs[name] = value
+            return original_forward(*args, **kwargs)
+
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)  # as the model's own forward does
+        # The backbone and the head are looked up on each call: FSDP and PEFT replace them after patching
+        backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)
+        if shift_labels is None:
+            hidden, labels = backbone_outputs.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = backbone_outputs.last_hidden_state, shift_labels
+        lm_head = self.get_output_embeddings()
+        with _head_parameters(lm_head) as (weight, bias):
+            # with `device_map`, the backbone can end on another device than the head
+            hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+            mask = labels != -100
+            precision = head_precision(hidden, cast_lm_head_to_fp32)
+            with (
+                autocast_off(hidden),
+                maybe_gather_lm_head_ctx(weight, bias),
+                lm_head_lora(lm_head, precision.adapter_dtype, maybe_gather_lm_head_ctx) as lora,
+                _gathered_again_for_backward(weight, bias),
+            ):
+                h, w, b = precision.cast(hidden), precision.cast(weight), precision.cast(bias)
+                if lora is not None and is_deepspeed_zero3_enabled():  # the backward must not read released params
+                    lora = dataclasses.replace(lora, a=lora.a.clone(), b=lora.b.clone())
+                log_probs, entropy = grpo_fast.logprobs_and_entropy(
+                    h,
+                    w,
+                    labels,
+                    bias=b,
+                    temperature=temperature,
+                    **transform,
+                    completion_mask=mask,
+                    entropy_grad=entropy_grad,
+                    lora=lora,
+                )
+                if extras and isinstance(w, DTensor):  # the no-grad extras read the whole head
+                    w, b = w.full_tensor(), None if b is None else b.full_tensor()
+                extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, **transform, names=extras)
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _load_balancing_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+
+        return FusedCausalLMOutput(
+            loss=loss,
+            log_probs=log_probs,
+            entropy=entropy if "entropy" in outputs else None,
+            label_mask=mask,
+            aux_loss=aux_loss,
+            **extra,
+        )
+
+    model.forward = types.MethodType(fused_forward, model)
+
+
+@contextlib.contextmanager
+def _head_parameters(lm_head):
+    """The head's weight and bias as tensors the kernel can read (see the module docstring on distributed)."""
+    with fsdp_unit_gathered(lm_head) as (weight, bias):
+        # a head split by vocabulary (tensor parallelism: every rank of its group sees the same tokens) stays split:
+        # grpo_fast computes on each rank's rows (grpo_fast.head.vocab_parallel); any other layout is gathered, as TRL does
+        if isinstance(weight, DTensor) and not vocab_parallel_head.is_vocab_sharded(weight):
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        yield weight, bias
+
+
+@contextlib.contextmanager
+def _gathered_again_for_backward(*params):
+    """ZeRO-3: tensors saved for the backward that are one of ``params`` are gathered again when the backward
+    unpacks them (ZeRO-3 releases a gathered parameter when its gather context exits, before the backward)."""
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    ids = {id(p) for p in params if p is not None}
+
+    def pack(tensor):
+        return tensor, id(tensor) in ids
+
+    def unpack(packed):
+        tensor, is_partitioned_param = packed
+        if not is_partitioned_param:
+            return tensor
+        with maybe_gather_lm_head_ctx(tensor):
+            return tensor.detach().clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+@torch.no_grad()
+def _extra_outputs(hidden, weight, bias, lora, labels, mask, temperature, *, softcap, logit_scale, names):
+    """The requested no-grad extras {name: [B, T]} (zero / False where the label is -100), exactly in fp32 from
+    chunks of the scored rows' logits (LogitTransform: the kernels' transform; ``lora``'s term added as PEFT adds
+    it, its dropout drawn as PEFT's forward would draw it)."""
+    if not names:
+        return {}
+    rows, targets = hidden[mask], labels[mask]
+    V = weight.shape[0]
+    values = {name: [] for name in names}
+    step = max(1, EXTRA_OUTPUTS_CHUNK_LOGITS // V)
+    transform = LogitTransform(temperature, softcap, logit_scale)
+    weight32, bias32 = weight.float(), bias.float() if bias is not None else None
+    if lora is not None:
+        lora_rows, lora_b32 = lora_hidden(lora, hidden, mask.flatten().nonzero().squeeze(1)).float(), lora.b.float()
+    for start in range(0, rows.shape[0], step):
+        u = rows[start : start + step].float() @ weight32.T
+        if lora is not None:
+            u = u + lora_rows[start : start + step] @ lora_b32.T
+        z = transform.apply(u + bias32 if bias32 is not None else u)
+        y = targets[start : start + step]
+        if "log_sum_sq_probs" in values:  # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
+            values["log_sum_sq_probs"].append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+        if "mean_logits" in values:
+            values["mean_logits"].append(z.mean(-1))
+        if "is_top1" in values:  # the label is the first maximum, as TRL counts ties
+            values["is_top1"].append(z.argmax(-1) == y)
+    out = {}
+    for name, chunks in values.items():
+        if not chunks:  # no label at all
+            chunks = [torch.zeros(0, dtype=torch.bool if name == "is_top1" else torch.float32, device=hidden.device)]
+        out[name] = chunks[0].new_zeros(mask.shape).masked_scatter(mask, torch.cat(chunks))
+    return out
+
+
+def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
+    """The MoE load-balancing loss, as TRL's head computes it (Mixtral's function, which every MoE family uses)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    # transformers 5 configs name the expert counts `num_experts` / `num_experts_per_tok`; earlier models held them
+    num_experts = getattr(text_config, "num_experts", None) or model.num_experts
+    num_experts_per_tok = getattr(text_config, "num_experts_per_tok", None) or model.num_experts_per_tok
+    # padding-free batches pack every token into one row with no attention mask: every token counts
+    return load_balancing_loss_func(backbone_outputs.router_logits, num_experts, num_experts_per_tok, attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------- the trainers
+def _with_module_names(function, **names):
+    """``function`` (a TRL trainer's method) as a new function with the same code, defaults and closure, whose global
+    ``names`` resolve to the values given and every other global name to its module's value at this call. TRL's
+    module is left as it is: other callers (TRL's own trainers, other threads) see TRL's names. Each name must be one
+    that the code (or a function nested in it) reads, so a TRL release that moves the call fails here, loudly."""
+    read = set(function.__code__.co_names)
+    for const in function.__code__.co_consts:
+        if isinstance(const, types.CodeType):
+            read |= set(const.co_names)
+    unread = sorted(set(names) - read)
+    if unread:
+        raise RuntimeError(
+            f"grpo_fast.trl: {function.__qualname__} ({function.__module__}) no longer reads {unread}; "
+            f"this TRL release is outside {TRL_VERSIONS}"
+        )
+    rebound = types.FunctionType(
+        function.__code__,
+        {**function.__globals__, **names},
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(rebound, function)
+
+
+def _lm_head_adapter_check(cast_lm_head_to_fp32: bool):
+    """What a grpo_fast trainer's constructor reads as PEFT's ``BaseTunerLayer``, for its isinstance checks on the
+    lm_head: TRL refuses a PEFT adapter there (its head would ignore it); an lm_head that grpo_fast's head applies
+    exactly is no tuner layer, one it cannot apply raises, naming why (grpo_fast.integrations.hf.lm_head_lora_adapter), and
+    any adapter on the lm_head is refused with ``cast_lm_head_to_fp32`` (TRL's cast replaces the head's forward, which
+    generation then runs without the adapter)."""
+
+    class AdapterCheck(type):
+        def __instancecheck__(cls, lm_head):
+            lm_head_lora_adapter(lm_head)
+            if cast_lm_head_to_fp32 and "peft" in sys.modules:
+                from peft.tuners.tuners_utils import BaseTunerLayer
+
+                if isinstance(lm_head, BaseTunerLayer):
+                    raise ValueError(
+                        "`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT "
+                        "adapter (`target_modules` includes `lm_head`): TRL's cast replaces the head's "
+                        "forward. Remove `lm_head` from the adapter's target modules, or set "
+                        "`cast_lm_head_to_fp32=False`."
+                    )
+            return False
+
+    return AdapterCheck("BaseTunerLayer", (), {})
+
+
+class _GRPOFastHead:
+    """What grpo_fast's trainers add to TRL's: TRL's constructor run with grpo_fast's head, and the head's settings,
+    from the trainer's config."""
+
+    def _head_entropy_grad(self) -> bool:
+        """The entropy is differentiated only through an entropy bonus (GRPOConfig's ``entropy_coef`` or the
+        adaptive controller; RLOO has neither)."""
+        return getattr(self.args, "entropy_coef", 0.0) != 0.0 or bool(getattr(self.args, "use_adaptive_entropy", False))
+
+    def _trl_init_with_grpo_fast_head(self, trl_class, args, kwargs):
+        """``trl_class.__init__`` on this trainer, its calls to ``add_fused_lm_head`` given grpo_fast's head (with this
+        trainer's entropy decision) and its ``BaseTunerLayer`` checks ``_lm_head_adapter_check``; a constructor that
+        patched no model raises."""
+        bound = inspect.signature(trl_class.__init__).bind(self, *args, **kwargs)
+        config = bound.arguments.get("args")  # None: TRL's default config, which does not cast the head
+        patched = []
+
+        def head(model, *head_args, **head_kwargs):
+            add_fused_lm_head(model, *head_args, **head_kwargs, entropy_grad=self._head_entropy_grad())
+            patched.append(model)
+
+        trl_init = _with_module_names(
+            trl_class.__init__,
+            add_fused_lm_head=head,
+            BaseTunerLayer=_lm_head_adapter_check(bool(getattr(config, "cast_lm_head_to_fp32", False))),
+        )
+        trl_init(self, *args, **kwargs)
+        if not patched:
+            raise RuntimeError(
+                f"grpo_fast.trl: {trl_class.__name__}'s constructor patched no model with the fused head"
+            )
+
+
+class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with grpo_fast's fused head on the policy and the reference model.
+
+    Same constructor, same ``GRPOConfig``, same loss; only the per-token log-probs and entropies are computed by
+    grpo_fast. The entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
+    ``use_adaptive_entropy``); without one a frozen lm_head takes the frozen-head path.
+
+    Args:
+        *args: TRL's ``GRPOTrainer`` arguments.
+        **kwargs: TRL's ``GRPOTrainer`` keywords.
+
+    Raises:
+        RuntimeError: the constructor patched no model with the fused head (a TRL whose constructor no longer
+            calls ``add_fused_lm_head``).
+    """
+
+    @functools.wraps(trl.GRPOTrainer.__init__)
+    def __init__(self, *args, **kwargs):
+        self._trl_init_with_grpo_fast_head(trl.GRPOTrainer, args, kwargs)
+
+
+class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
+    """TRL's ``RLOOTrainer`` with grpo_fast's fused head on the policy and the reference model.
+
+    Args:
+        *args: TRL's ``RLOOTrainer`` arguments.
+        **kwargs: TRL's ``RLOOTrainer`` keywords.
+
+    Raises:
+        RuntimeError: the constructor patched no model with the fused head.
+    """
+
+    @functools.wraps(trl.RLOOTrainer.__init__)
+    def __init__(self, *args, **kwargs):
+        self._trl_init_with_grpo_fast_head(trl.RLOOTrainer, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+def _whole(weight, bias, dtype):
+    """A head's weight and bias as TRL 1.16's distillation loss takes them: a DTensor gathered (``full_tensor()``, its
+    weight in ``dtype``, the hidden states'), anything else as it is."""
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor().to(dtype)
+        bias = None if bias is None else bias.full_tensor()
+    return weight, bias
+
+
+def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+                    completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
+                    teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
+                    student_final_logit_softcapping=None, teacher_final_logit_softcapping=None,
+                    temperature=1.0):  # fmt: skip
+    """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.divergence_and_entropy``.
+
+    Each model computes in its own precision (the autocast dtype, else its hidden states'; the biases as they are:
+    TRL adds them in fp32); only the tokens where ``completion_mask`` is nonzero are computed. A DTensor head is
+    gathered whole, as TRL gathers it (an lm_head that is an FSDP2 unit of its own then gets each rank's unreduced
+    gradient, as in TRL).
+
+    Args:
+        student_hidden_states: [B, T, Ds] float: the student's last hidden states.
+        teacher_hidden_states: [B, T, Dt] float: the teacher's.
+        student_lm_head_weight: [V, Ds] (or a DTensor).
+        teacher_lm_head_weight: [V, Dt] (or a DTensor).
+        completion_mask: [B, T]: nonzero at the tokens scored.
+        beta: in [0, 1]: 0 forward KL, 1 reverse KL, between the generalized JSD.
+        num_items_in_batch: the gradient-accumulation window's token count (a number or a scalar tensor); None:
+            the scored tokens' count (at least 1).
+        student_lm_head_bias: [V] or None.
+        teacher_lm_head_bias: [V] or None.
+        student_logit_scale: multiplies the student's raw logits.
+        teacher_logit_scale: multiplies the teacher's raw logits.
+        student_final_logit_softcapping: the student's soft-cap, or None.
+        teacher_final_logit_softcapping: the teacher's soft-cap, or None.
+        temperature: divides both models' logits.
+
+    Returns:
+        loss: the divergence summed over the scored tokens, divided by ``num_items_in_batch`` or their count; a
+            differentiable float32 scalar.
+        entropy_sum: the student's entropy summed over the scored tokens, detached.
+        num_valid: the scored tokens' count, an int64 scalar tensor.
+
+    Raises:
+        TypeError: as ``grpo_fast.divergence_and_entropy``.
+        ValueError: as ``grpo_fast.divergence_and_entropy``.
+    """
+    student_weight, student_bias = _whole(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
+    teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
+    student, teacher = head_precision(student_hidden_states), head_precision(teacher_hidden_states)
+    valid = completion_mask != 0
+    # the student's GEMMs in its compute dtype, its gradients in its own (TRL casts its fp32 accumulators to them):
+    # the op rounds an autocast student for the GEMMs alone; a weight of another dtype is cast to the hidden states'
+    if student_weight.dtype != student_hidden_states.dtype:
+        student_hidden_states, student_weight = student.cast(student_hidden_states), student.cast(student_weight)
+    with autocast_off(student_hidden_states):
+        divergence, entropy = grpo_fast.divergence_and_entropy(
+            student_hidden_states,
+            student_weight,
+            teacher.cast(teacher_hidden_states),
+            teacher.cast(teacher_weight),
+            valid,
+            beta=beta,
+            temperature=temperature,
+            student_bias=student_bias,
+            teacher_bias=teacher_bias,
+            student_softcap=student_final_logit_softcapping,
+            teacher_softcap=teacher_final_logit_softcapping,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
+            student_gemm_dtype=student.dtype,
+        )
+    num_valid = valid.sum()
+    loss = divergence.sum()
+    if num_items_in_batch is None:
+        loss = loss / num_valid.clamp(min=1)
+    else:
+        loss = loss / (
+            num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
+        )
+    return loss, entropy.detach().sum(), num_valid
+
+
+class DistillationTrainer(trl.DistillationTrainer):
+    """TRL's ``DistillationTrainer`` with grpo_fast's divergence head.
+
+    Same constructor, same ``DistillationConfig``, same loss, metrics and reductions; only the per-token divergence
+    and the student's entropy are computed by grpo_fast (``divergence_loss``, bound as TRL's
+    ``_chunked_divergence_loss`` in TRL's ``_compute_loss``). A frozen student head (PEFT with LoRA elsewhere)
+    takes grpo_fast's frozen-head path; TRL's constructor refuses a PEFT adapter on the lm_head, as here.
+    """
+
+    _compute_loss = _with_module_names(trl.DistillationTrainer._compute_loss, _chunked_divergence_loss=divergence_loss)
