@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The benchmark on a lent GPU machine (python3 there: torch 2.11, triton 3.6, no network), in one command that
-# ends within about 8 minutes, writing <device>-<date>.json/.md/.png and bench.log into $OUT.
+# The GPU benchmark in one command, on any machine with a CUDA GPU (python3 with torch and triton; grpo_fast runs from
+# the source tree, no install), writing <device>-<date>.json/.md/.png and bench.log into $OUT (default bench/results).
 #
-# From the repository root on the GPU machine (see bench/README.md for the whole procedure):
-#   BENCH_COMMIT=<sha> bash bench/gpu_run.sh            # the full sweep, cut by a 400 s budget (BENCH_BUDGET)
-#   BENCH_COMMIT=<sha> bash bench/gpu_run.sh quick      # Qwen2.5-1.5B at 4k and 16k tokens
-#   BENCH_COMMIT=<sha> bash bench/gpu_run.sh full --shapes qwen2.5-1.5b --tokens 16k   # extra args go to bench
-# liger-kernel and trl (with datasets, dill and multiprocess, which trl imports) travel as wheels in .whl/ (the run
-# names .whl in carry; bench/README.md has the download command); without them the Liger / TRL rows read
-# "unavailable". The sweep runs the goals' point (Qwen2.5-1.5B, 16k tokens, dense then padded) first, then the
-# rest by priority; what the budget leaves out is recorded as "skipped", and the files are rewritten after every
-# point.
+# From the repository root (bench/README.md has the whole procedure; tools/gpu_checklist.sh runs it as one step):
+#   bash bench/gpu_run.sh            # the full sweep, within a 400 s budget
+#   bash bench/gpu_run.sh quick      # Qwen2.5-1.5B at 4k and 16k tokens, within a 240 s budget
+#   bash bench/gpu_run.sh full --shapes qwen2.5-1.5b --tokens 16k   # extra arguments go to python -m bench
+# Environment: BENCH_BUDGET (seconds: the sweep's time budget, default 400 full, 240 quick), OUT (the results folder),
+# BENCH_COMMIT (the commit stamped on the results, for a copy of the tree without its .git), WHEELS (default .whl:
+# wheels installed first with pip --no-index --no-deps into /tmp/site, for a machine without network; liger-kernel
+# and trl with datasets, dill and multiprocess, which trl imports: bench/README.md has the download command). Without
+# liger-kernel or trl their rows read "unavailable". The sweep runs the goals' point (Qwen2.5-1.5B, 16k tokens, dense
+# then padded) first, then the rest by priority; what the budget leaves out is recorded as "skipped", and the files
+# are rewritten after every point.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 REPO="$PWD"
 OUT="${OUT:-$REPO/bench/results}"
 mkdir -p "$OUT"
@@ -24,10 +26,11 @@ exec > >(tee -a "$OUT/bench.log") 2>&1
 echo "== $(date -u +%FT%TZ) gpu_run.sh $MODE $*"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv || true
 
-# liger-kernel, trl and trl's missing dependencies (every carried wheel), the device README's way
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# the wheels brought to a machine without network (liger-kernel, trl and what trl imports), without their dependencies
+WHEELS="${WHEELS:-.whl}"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 # grpo_fast (its kernels included) runs from the source tree: no install

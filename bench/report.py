@@ -63,7 +63,7 @@ def device_info(device) -> dict:
 
 
 def git_commit() -> dict:
-    """The commit (BENCH_COMMIT overrides: a copy of the tree without .git, as on a lent GPU machine)."""
+    """The commit (BENCH_COMMIT overrides: for a copy of the tree without its .git, e.g. on a GPU machine)."""
     if os.environ.get("BENCH_COMMIT"):
         return dict(commit=os.environ["BENCH_COMMIT"], commit_dirty=None)
     root = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ The package's parts, one folder each (imports run down this list, never up; the 
 """
 
 from grpo_fast import reference
-from grpo_fast.distillation.api import divergence, divergence_and_entropy
+from grpo_fast.distillation.api import DivergenceKeywords, divergence, divergence_and_entropy
 from grpo_fast.distillation.teacher import Teacher
 from grpo_fast.grpo_loss.api import Metrics, loss, sampling_importance_weights, token_loss
 from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
@@ -48,6 +48,7 @@ __all__ = [
     "reference",
     "divergence",
     "divergence_and_entropy",
+    "DivergenceKeywords",
     "Teacher",
 ]
 __version__ = "0.1.0"

@@ -1,71 +1,71 @@
-"""The spec: an eager, readable PyTorch GRPO loss that builds the full logits.
+"""The spec: every formula of grpo_fast in readable, eager PyTorch that builds the full logits, independent of the
+product (it imports the loss options' record, no formula and no reducer).
 
-Every fused path in grpo_fast is tested against this module, the benchmark uses it as the eager baseline, and
-it is itself tested against TRL 1.16.0's own ``GRPOTrainer._compute_loss`` (tests/test_trl_loss.py). It follows
-TRL line by line, at one process and no gradient accumulation, so a TRL user gets the same numbers.
+Every fused path is tested against it (in fp64: a stricter truth), the benchmark runs it as the eager baseline, and
+it follows TRL 1.16.0's ``GRPOTrainer._compute_loss`` at one process without gradient accumulation (a test runs it
+beside TRL's own), so a TRL user gets the same numbers. No backend of ``grpo_fast.loss`` runs it.
 
-It is only the spec: no backend of ``grpo_fast.loss`` runs it (``grpo_fast.sampling_importance_weights``, TRL's per-
-batch sampler correction, is this module's function behind the API's checks). The product's layer 1 is the Triton
-kernels or the chunked-torch twin (grpo_fast/torch_backend.py), its layer 2 the token kernel or its torch twin
-(grpo_fast/token_loss_torch.py), which never build the full logits nor differentiate layer 2 by autograd. What a
-loss type is outside its formula (its normaliser, its family of per-token term, its metrics) is its record in
-grpo_fast/options.py; the metrics are reduced from per-sequence sums by grpo_fast/metrics.py, as for the product.
-
-Two layers, the same as the fused paths:
-  1. ``logprobs_and_entropy``: hidden states and lm_head -> per-token log-prob of the target and entropy.
-  2. ``token_loss``: per-token log-probs (+ entropy, old / ref / sampler log-probs, advantages, mask) -> loss, metrics.
-
-Layer 1, the logit of vocabulary entry v (TRL 1.16's fused head applies the transforms in this order):
-    z_v = softcap * tanh(logit_scale * (h . W_v + b_v) / softcap) / temperature     (no tanh when softcap is None)
-    with LoRA on the head (PEFT's lora_A = A [r, D], lora_B = B [V, r]): h . W_v + l . B_v inside, where
-    l = scaling * dropout(h) A^T [r] is computed in the adapters' dtype (PEFT's lora_A activation, rounded as PEFT
-    rounds it) and l . B_v in the logits' dtype
-    logp = z_y - logsumexp(z),   entropy = -sum_v p_v log p_v,   p = softmax(z)
-
-Layer 2 (r: importance ratio, A: advantage, m: completion mask, w: importance weights):
-  token level     r_t = exp(logp_t - old_t)
-  sequence level  r_b = exp(sum_t m_t (logp_t - old_t) / max(sum_t m_t, 1))         (GSPO)
-  clipped family  l_t = -min(min(r, delta) * A, clamp(r, 1 - eps, 1 + eps_high) * A)  (grpo bnpo dr_grpo dapo luspo)
-  cispo           l_t = -stopgrad(min(r, eps_high)) * A * logp_t
-  sapo            l_t = -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
-  vespo           l_t = -stopgrad(phi_b) * A * logp_t,  phi = exp(lam + k log W - lam W) (gamma weight, phi(1) = 1),
-                  W = exp(clamp(sum_t m_t clamp(logp_t - old_t, -20, 20) + sum_t log w_t, log 1e-8, 20)),
-                  (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg)
-  masks           l_t *= off-policy keep_b (A >= 0 or mean_t KL(sampler || policy) <= threshold), NaN sampler = 0
-                  l_t *= 1[entropy_t >= quantile_{1 - top_entropy_quantile}(masked entropies)]
-  then            l_t = w_t * l_t (not vespo) + beta * k_t,  k_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) * r
-                  (the factor r only with use_bias_correction_kl, its gradient included)
-  normalisation   grpo, sapo: mean_b(sum_t m l / max(sum_t m, 1));  bnpo: sum m l / max(sum m, 1)
-                  dr_grpo: sum m l / (B * max_completion_length);  dapo, cispo, vespo: sum m l / max(num_items, 1)
-                  luspo: mean_b(sum_t m l)
-  entropy bonus   loss -= entropy_coef * sum_t e_t H_t / max(sum_t e_t, 1),  e = m * the entropy mask
+Two layers, as in the product:
+    ``logprobs_and_entropy``: hidden states and lm_head -> each target's log-prob and each row's entropy.
+    ``token_loss``: per-token log-probs (+ entropy, old / ref / sampler log-probs, advantages, mask) -> loss and
+    TRL's metrics; the loss type's record names its family of term, normaliser and metrics, whose formulas,
+    reductions and reducers are written here.
+And the student-teacher divergence of on-policy distillation (``divergence_and_entropy``, ``loss_with_teacher``).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 
-from grpo_fast.grpo_loss.metrics import loss_metrics, row_values
-from grpo_fast.grpo_loss.options import LOSS_TYPES, LossOptions  # noqa: F401 (LOSS_TYPES: for readers)
-from grpo_fast.head.transform import LogitTransform
+from grpo_fast.grpo_loss.options import FIELD_NAMES, LOSS_TYPES, LossOptions  # noqa: F401 (LOSS_TYPES: for readers)
 
 
-def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0, fp32_matmul=True,
-           compute_dtype=torch.float32, lora=None, transform=None):  # fmt: skip
-    """``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` in ``compute_dtype``,
-    with ``lora`` (a grpo_fast.HeadLora or None) adding PEFT's ``scaling * (dropout(hidden) @ a.T) @ b.T`` to the
-    raw logits: its [.., r] activation in the adapters' dtype (PEFT's), its product with b in ``compute_dtype``
-    with ``fp32_matmul``, else in the adapters' dtype.
+def logits(
+    hidden,
+    weight,
+    bias=None,
+    temperature=1.0,
+    *,
+    softcap=None,
+    logit_scale=1.0,
+    fp32_matmul=True,
+    compute_dtype=torch.float32,
+    lora=None,
+    transform=None,
+):
+    """The transformed logits z of every vocabulary entry, in ``compute_dtype``.
+
+    z_v = softcap * tanh(logit_scale * (h . W_v + b_v) / softcap) / temperature (no tanh when softcap is None; TRL
+    1.16's fused head applies the transforms in this order). With LoRA on the head (PEFT's lora_A = a [r, D], lora_B
+    = b [V, r]), h . W_v gains l . b_v, where l = scaling * dropout(h) a^T [r] is computed in the adapters' dtype (as
+    PEFT rounds it) and l . b_v in ``compute_dtype`` with ``fp32_matmul``, else in the adapters' dtype.
 
     With ``fp32_matmul`` (the spec) the matmul itself runs in ``compute_dtype`` (fp32; the tests use fp64 as a
     stricter truth); without it, the matmul runs in the input dtype (bf16 logits, as a model's lm_head produces them
     in a TRL training step) and is upcast after: the benchmark's eager baseline, on tensor cores.
-    ``transform`` (a grpo_fast.head.transform.LogitTransform) replaces the three keywords when given.
+
+    Args:
+        hidden: [..., D] hidden states.
+        weight: the lm_head's [V, D] weight.
+        bias: its [V] bias, or None.
+        temperature: the sampling temperature.
+        softcap: the logit soft-cap, or None.
+        logit_scale: the logit scale.
+        fp32_matmul: the matmul in ``compute_dtype`` (else in the input dtype, upcast after).
+        compute_dtype: the logits' dtype.
+        lora: a ``grpo_fast.HeadLora``, or None.
+        transform: a ``grpo_fast.head.transform.LogitTransform`` whose three numbers replace temperature, softcap
+            and logit_scale; None: theirs.
+
+    Returns:
+        The logits [..., V] in ``compute_dtype``.
     """
-    transform = transform or LogitTransform(temperature, softcap, logit_scale)
+    if transform is not None:
+        temperature, softcap, logit_scale = transform.temperature, transform.softcap, transform.logit_scale
     if fp32_matmul:
         z = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
     else:
@@ -79,20 +79,41 @@ def logits(hidden, weight, bias=None, temperature=1.0, *, softcap=None, logit_sc
             z = z + (activation @ lora.b.T).to(compute_dtype)
     if bias is not None:
         z = z + bias.to(compute_dtype)
-    return transform.apply(z)
+    return transformed(z, temperature, softcap, logit_scale)
 
 
-def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-                         fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):  # fmt: skip
-    """Full-logits log-prob of each target and entropy of each row, both fp32 with the shape of ``targets``.
+def transformed(u, temperature=1.0, softcap=None, logit_scale=1.0):
+    """softcap * tanh(logit_scale * u / softcap) / temperature from raw logits u (no tanh when softcap is None)."""
+    z = u * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
 
-    Both are differentiable (the entropy too: TRL's entropy bonus trains through it). See ``logits``.
+
+# logits' keywords besides the head's tensors (the transform, the precision, LoRA): what ``loss`` hands to layer 1
+HEAD_KEYWORDS = ("temperature",) + tuple(
+    name for name, parameter in inspect.signature(logits).parameters.items() if parameter.kind is parameter.KEYWORD_ONLY
+)
+
+
+def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, **head):
+    """Each target's log-prob and each row's entropy from the full logits (``logits``).
+
+    logp = z_y - logsumexp(z), entropy = -sum_v p_v log p_v with p = softmax(z); both differentiable (the entropy
+    too: TRL's entropy bonus trains through it).
+
+    Args:
+        hidden: [..., D] hidden states.
+        weight: the lm_head's [V, D] weight.
+        targets: the target ids [...] (int64).
+        bias: the lm_head's [V] bias, or None.
+        temperature: the sampling temperature.
+        **head: ``logits``' other keywords (softcap, logit_scale, fp32_matmul, compute_dtype, lora, transform).
+
+    Returns:
+        (logp, entropy), fp32 with the shape of ``targets``.
     """
-    transform = transform or LogitTransform(temperature, softcap, logit_scale)
-    z = logits(
-        hidden, weight, bias, fp32_matmul=fp32_matmul, compute_dtype=compute_dtype, lora=lora, transform=transform
-    )
-    logsoftmax = F.log_softmax(z, dim=-1)
+    logsoftmax = F.log_softmax(logits(hidden, weight, bias, temperature, **head), dim=-1)
     logp = logsoftmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = logsoftmax.exp()
     # p log p is 0 where p is 0 (a -inf logit), not 0 * -inf, and so is its gradient
@@ -100,20 +121,10 @@ def logprobs_and_entropy(hidden, weight, targets, bias=None, temperature=1.0, *,
     return logp.float(), entropy.float()
 
 
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, softcap=None, logit_scale=1.0,
-             fp32_matmul=True, compute_dtype=torch.float32, lora=None, transform=None):  # fmt: skip
-    """Per-token log-prob of ``targets`` (see ``logits``); no grad."""
+def logprobs(hidden, weight, targets, bias=None, temperature=1.0, **head):
+    """Each target's log-prob, ``logprobs_and_entropy``'s (the same arguments), without a gradient."""
     with torch.no_grad():
-        return logprobs_and_entropy(
-            hidden,
-            weight,
-            targets,
-            bias,
-            fp32_matmul=fp32_matmul,
-            compute_dtype=compute_dtype,
-            lora=lora,
-            transform=transform or LogitTransform(temperature, softcap, logit_scale),
-        )[0]
+        return logprobs_and_entropy(hidden, weight, targets, bias, temperature, **head)[0]
 
 
 def sampling_importance_weights(
@@ -167,6 +178,79 @@ def gamma_weights(advantages, log_ratio, mask, importance_weights, k_pos, lambda
     return phi.masked_fill(torch.isinf(phi), 0.0).detach()
 
 
+def aggregate(per_token_loss, completion_mask, options, num_items_in_batch=None):
+    """The loss type's reduction of a per-token loss (TRL's, at one process without gradient accumulation).
+
+    By the record's normaliser, with l the per-token loss and m the mask (each sequence's sum first divided by its
+    own token count max(sum_t m, 1) with the record's ``row_mean``: grpo, sapo):
+        sequences               sum_b (sum_t m l) / B                       (grpo, sapo, luspo)
+        tokens                  sum m l / max(sum m, 1)                      (bnpo)
+        max_completion_length   sum m l / (B * max_completion_length)        (dr_grpo)
+        num_items_in_batch      sum m l / max(num_items_in_batch, 1), by default the mask's sum (dapo, cispo, vespo)
+    A masked token adds 0 whatever its value (selected out where TRL multiplies by m: a NaN there changes nothing).
+
+    Args:
+        per_token_loss: [B, T].
+        completion_mask: [B, T] bool or 0 / 1.
+        options: the LossOptions.
+        num_items_in_batch: a number or a one-element tensor, or None.
+
+    Returns:
+        The loss, a scalar in per_token_loss's dtype.
+
+    Raises:
+        ValueError: the record's normaliser is not one of the four.
+    """
+    mask = completion_mask.to(per_token_loss.dtype)
+    record = options.loss_type_record
+    per_sequence = torch.where(mask.bool(), per_token_loss, 0.0).sum(-1)
+    if record.row_mean:
+        per_sequence = per_sequence / mask.sum(-1).clamp(min=1.0)
+    total = per_sequence.sum()
+    if record.normaliser == "sequences":
+        return total / mask.shape[0]
+    if record.normaliser == "tokens":
+        return total / mask.sum().clamp(min=1.0)
+    if record.normaliser == "max_completion_length":
+        return total / (mask.shape[0] * options.max_completion_length)
+    if record.normaliser == "num_items_in_batch":
+        count = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).to(mask)
+        return total / count.clamp(min=1.0)
+    raise ValueError(f"loss type {options.loss_type!r} has an unknown normaliser {record.normaliser!r}")
+
+
+def global_masked_mean(x, mask):
+    """TRL's global masked mean: over the mask's tokens for x [B, T], over the sequences for x [B, 1] (one value per
+    sequence: TRL's test is the shape, so with T = 1 every quantity counts as one per sequence)."""
+    x = x.to(mask.dtype)
+    if x.shape[1] == 1:
+        return x.sum() / x.shape[0]
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def sequence_means(x, mask):
+    """TRL's masked_seq_mean: each sequence's masked mean [B] (NaN for a sequence without tokens), or for x [B, 1]
+    the sequence's own value."""
+    x = x.to(mask.dtype)
+    if x.shape[1] == 1:
+        return x.squeeze(1)
+    return (x * mask).sum(-1) / mask.sum(-1)
+
+
+def nan_reduce(values, reduce):
+    """TRL's nanmin / nanmax (``reduce``: torch.min / torch.max) over the values that are not NaN; NaN if none is."""
+    kept = values[~values.isnan()]
+    return reduce(kept) if kept.numel() else values.new_tensor(math.nan)
+
+
+# Metric.reduce -> the spec's reducer of a quantity [B, T] or [B, 1] and the mask (TRL's)
+REDUCERS = {
+    "mean": global_masked_mean,
+    "min_over_sequences": lambda x, mask: nan_reduce(sequence_means(x, mask), torch.min),
+    "max_over_sequences": lambda x, mask: nan_reduce(sequence_means(x, mask), torch.max),
+}
+
+
 def token_loss(
     logp,
     advantages,
@@ -182,18 +266,59 @@ def token_loss(
     entropy_threshold=None,
     **loss_options,
 ):
-    """GRPO loss and metrics from per-token log-probs ``logp`` [B, T] (differentiable), as TRL 1.16 computes them.
+    """The GRPO loss and TRL's metrics from per-token log-probs, as TRL 1.16 computes them.
 
-    ``entropy`` [B, T] (differentiable when ``entropy_coef != 0``) feeds the ``entropy`` metric, the top-entropy
-    mask and the entropy bonus. Returns ``(loss, metrics)``: a scalar and a dict of detached fp32 scalars. It
-    computes in fp32, or in fp64 for fp64 log-probs (a stricter truth for the tests).
+    With r the importance ratio, A the advantage, m the mask and w the importance weights:
+        token level     r_t = exp(logp_t - old_t)
+        sequence level  r_b = exp(sum_t m_t (logp_t - old_t) / max(sum_t m_t, 1))            (GSPO)
+        clipped         l_t = -min(min(r, delta) A, clamp(r, 1 - eps, 1 + eps_high) A)
+        cispo           l_t = -stopgrad(min(r, eps_high)) A logp_t
+        sapo            l_t = -sigmoid(tau (r - 1)) 4 / tau A,  tau = tau_pos if A > 0 else tau_neg
+        vespo           l_t = -stopgrad(phi) A logp_t,  phi = ``gamma_weights`` (w inside, not multiplying l)
+        masks           l_t *= [A >= 0 or mean_t KL(sampler || policy) <= threshold] (a NaN sampler log-prob: 0)
+                        l_t *= [entropy_t >= quantile 1 - top_entropy_quantile of the masked entropies]
+        then            l_t = w_t l_t + beta k_t,  k_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (times r, its
+                        gradient included, with use_bias_correction_kl)
+        loss            ``aggregate``(l), minus entropy_coef sum_t e_t H_t / max(sum_t e_t, 1) (e: m times the
+                        entropy mask)
+    It computes in fp32, or in fp64 for fp64 log-probs (a stricter truth for the tests).
+
+    Args:
+        logp: the policy's log-probs [B, T] (differentiable).
+        advantages: [B] or [B, T].
+        completion_mask: [B, T] bool or 0 / 1.
+        options: a LossOptions, under the keywords; None: TRL's defaults.
+        entropy: [B, T] (differentiable with entropy_coef != 0): the entropy metric, the top-entropy mask and the
+            entropy bonus; or None.
+        old_logprobs: [B, T], or None (on-policy: logp detached).
+        ref_logprobs: [B, T], required with beta != 0.
+        sampling_logprobs: the off-policy mask's [B, T] (NaN: not scored), or None (the old log-probs).
+        importance_weights: [B], [B, 1] or [B, T], or None.
+        num_items_in_batch: the "num_items_in_batch" normaliser's count, or None.
+        entropy_threshold: the top-entropy quantile's value, or None (this batch's).
+        **loss_options: the loss options by name (on top of ``options``).
+
+    Returns:
+        (loss, metrics): a scalar, and TRL's metrics as detached fp32 scalars.
+
+    Raises:
+        TypeError: an unknown loss option.
+        ValueError: a record's family, normaliser or metric reduction the spec does not know, or importance
+            weights in a term that does not read them.
     """
     o = LossOptions.resolve(options, loss_options, "token_loss")
+    record = o.loss_type_record
+    term = record.policy_term
+    policy_term = term.formula  # TRL dispatches on loss_type; its record names the formula
+    epsilon_low, beta = o.epsilon, o.beta
+    epsilon_high = o.epsilon if o.epsilon_high is None else o.epsilon_high  # TRL's default
+    if term.importance_weights_in_term and policy_term != "vespo":
+        raise ValueError(
+            f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
+            f"{policy_term!r} term does not read them (only 'vespo' does)"
+        )
     dtype = torch.promote_types(logp.dtype, torch.float32)
     mask = completion_mask.to(dtype)
-    epsilon_low, epsilon_high, beta = o.epsilon, o.clip_high, o.beta
-    term = o.loss_type_record.policy_term
-    policy_term = term.formula  # TRL dispatches on loss_type; its record names the formula
     logp = logp.to(dtype)
     old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
     advantages = advantages.to(dtype)
@@ -223,7 +348,7 @@ def token_loss(
         off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= o.off_policy_mask_threshold)).to(dtype)
 
     log_ratio = logp - old
-    if o.sequence_level:
+    if o.importance_sampling_level == "sequence":
         log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
         log_importance_weights = log_ratio
@@ -263,11 +388,6 @@ def token_loss(
         per_token_loss = -phi_seq * advantages * logp
     else:
         raise ValueError(f"loss type {o.loss_type!r} has an unknown policy term {policy_term!r}")
-    if term.importance_weights_in_term and phi_seq is None:
-        raise ValueError(
-            f"loss type {o.loss_type!r} puts the importance weights in its term, but the "
-            f"{policy_term!r} term does not read them (only 'vespo' does)"
-        )
 
     if o.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
@@ -278,53 +398,63 @@ def token_loss(
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
 
-    loss = o.aggregate(per_token_loss, mask, num_items_in_batch)
+    loss = aggregate(per_token_loss, mask, o, num_items_in_batch)
     policy_loss = loss.detach()
     if o.entropy_coef != 0.0:
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
         loss = loss - o.entropy_coef * (entropy.to(dtype) * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
 
-    # Log the metrics: TRL's quantities, reduced by grpo_fast.grpo_loss.metrics from per-sequence sums as for the token kernel
-    # (each loss type's own metrics are named by its record)
+    # TRL's metrics: kl, entropy, the loss type's own (its record names them and the quantity each reduces),
+    # policy_loss with an entropy bonus, and grpo_fast's ratio_mean
     with torch.no_grad():
         is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
         is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
         quantities = {
-            "ratio": ratio,
             "low": is_low_clipped,
             "high": is_high_clipped,
             "region": is_low_clipped | is_high_clipped,
             "cispo": (coef_1 > epsilon_high) & (advantages > 0),
+            "phi": phi_seq,
         }
+        metrics = {}
         if beta != 0.0:
-            quantities["kl"] = per_token_kl
+            metrics["kl"] = global_masked_mean(per_token_kl, mask)
         if entropy is not None:
-            quantities["entropy"] = entropy
-        if phi_seq is not None:
-            quantities["phi"] = phi_seq
-        rows = {name: row_values(x, mask) for name, x in quantities.items()}
-        metrics = loss_metrics(o, rows, mask.sum(-1), policy_loss)
-    return loss, metrics
+            metrics["entropy"] = global_masked_mean(entropy, mask)
+        for metric in record.metrics:
+            if metric.reduce not in REDUCERS:
+                raise ValueError(
+                    f"metric {metric.name!r} of loss type {o.loss_type!r} has an unknown reduction {metric.reduce!r}"
+                )
+            if quantities.get(metric.statistic) is None:
+                raise ValueError(f"metric {metric.name!r}: the spec has no quantity {metric.statistic!r} here")
+            metrics[metric.name] = REDUCERS[metric.reduce](quantities[metric.statistic], mask)
+        if o.entropy_coef != 0.0:
+            metrics["policy_loss"] = policy_loss
+        metrics["ratio_mean"] = global_masked_mean(ratio, mask)
+    return loss, {name: value.detach().float().reshape(()) for name, value in metrics.items()}
 
 
-def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, bias=None, temperature=1.0,
-         softcap=None, logit_scale=1.0, fp32_matmul=True, compute_dtype=torch.float32, lora=None,
-         **kwargs):  # fmt: skip
-    """The eager GRPO loss from hidden states: full logits, then ``token_loss``. Same arguments as grpo_fast.loss
-    (the loss options as ``options`` or keywords)."""
-    logp, entropy = logprobs_and_entropy(
-        hidden,
-        weight,
-        targets,
-        bias,
-        temperature,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        fp32_matmul=fp32_matmul,
-        compute_dtype=compute_dtype,
-        lora=lora,
-    )
-    return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **kwargs)
+def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, bias=None, **keywords):
+    """The eager GRPO loss from hidden states: the full logits' ``logprobs_and_entropy``, then ``token_loss``.
+
+    Args:
+        hidden: [B, T, D] hidden states.
+        weight: the lm_head's [V, D] weight.
+        targets: the sampled token ids [B, T].
+        advantages: as ``token_loss``.
+        completion_mask: as ``token_loss``.
+        options: as ``token_loss``.
+        bias: the lm_head's [V] bias, or None.
+        **keywords: ``logits``' keywords (temperature, softcap, logit_scale, fp32_matmul, compute_dtype, lora), and
+            ``token_loss``'s (the per-batch inputs and the loss options by name).
+
+    Returns:
+        (loss, metrics), as ``token_loss``.
+    """
+    head = {name: keywords.pop(name) for name in HEAD_KEYWORDS if name in keywords}
+    logp, entropy = logprobs_and_entropy(hidden, weight, targets, bias, **head)
+    return token_loss(logp, advantages, completion_mask, options, entropy=entropy, **keywords)
 
 
 # ----------------------------------------------------------------------------------------------- divergence
@@ -339,11 +469,11 @@ def loss(hidden, weight, targets, advantages, completion_mask, options=None, *, 
 # is -sum_v p_s log p_s. Masked tokens are exact zeros.
 
 
-def _transformed_logits(hidden, weight, bias, transform, compute_dtype):
+def _transformed_logits(hidden, weight, bias, temperature, softcap, logit_scale, compute_dtype):
     u = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
     if bias is not None:
         u = u + bias.to(compute_dtype)
-    return transform.apply(u)
+    return transformed(u, temperature, softcap, logit_scale)
 
 
 def _expected_log_ratio(p, log_p, log_q):
@@ -351,21 +481,30 @@ def _expected_log_ratio(p, log_p, log_q):
     return (p * (log_p - log_q).masked_fill(p == 0, 0.0)).sum(-1)
 
 
-def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
-                           beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
-                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-                           compute_dtype=torch.float32):  # fmt: skip
+def divergence_and_entropy(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    completion_mask=None,
+    *,
+    beta=1.0,
+    temperature=1.0,
+    student_bias=None,
+    teacher_bias=None,
+    student_softcap=None,
+    teacher_softcap=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
+    compute_dtype=torch.float32,
+):
     """Per-token divergence and student entropy [B, T] in ``compute_dtype`` from the full logits of both models
     (the section's comment gives the math); both differentiable (the teacher's tensors too, if they require it:
     the fused op stops there). Hidden sizes may differ; the vocabularies must match."""
-    student = LogitTransform(temperature, student_softcap, student_logit_scale)
-    teacher = LogitTransform(temperature, teacher_softcap, teacher_logit_scale)
-    log_ps = F.log_softmax(
-        _transformed_logits(student_hidden, student_weight, student_bias, student, compute_dtype), dim=-1
-    )
-    log_pt = F.log_softmax(
-        _transformed_logits(teacher_hidden, teacher_weight, teacher_bias, teacher, compute_dtype), dim=-1
-    )
+    student = (student_bias, temperature, student_softcap, student_logit_scale, compute_dtype)
+    teacher = (teacher_bias, temperature, teacher_softcap, teacher_logit_scale, compute_dtype)
+    log_ps = F.log_softmax(_transformed_logits(student_hidden, student_weight, *student), dim=-1)
+    log_pt = F.log_softmax(_transformed_logits(teacher_hidden, teacher_weight, *teacher), dim=-1)
     ps, pt = log_ps.exp(), log_pt.exp()
     if beta == 0.0:
         div = _expected_log_ratio(pt, log_pt, log_ps)
@@ -428,8 +567,6 @@ def loss_with_teacher(
     Returns:
         (loss, metrics): a scalar and a dict of detached fp32 scalars.
     """
-    from grpo_fast.grpo_loss.options import FIELD_NAMES  # here: the module's imports belong to its token-loss part
-
     options = LossOptions.resolve(
         options, {k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES}, "loss_with_teacher"
     )
@@ -464,6 +601,6 @@ def loss_with_teacher(
         compute_dtype=compute_dtype,
     )
     mask = completion_mask.bool()
-    total = total + distillation_coef * options.aggregate(div, completion_mask, kwargs.get("num_items_in_batch"))
+    total = total + distillation_coef * aggregate(div, completion_mask, options, kwargs.get("num_items_in_batch"))
     metrics["distillation_loss"] = (torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1)).detach().float()
     return total, metrics

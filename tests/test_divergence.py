@@ -246,10 +246,10 @@ GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.fixture(autouse=True)
 def _small_torch_chunks(monkeypatch):
     """The torch twin's chunks smaller than the test shapes, so that its records merge over tokens and vocabulary."""
-    from grpo_fast.distillation import torch_twin as divergence_torch
+    from grpo_fast.distillation import torch_twin
 
-    monkeypatch.setattr(divergence_torch, "CHUNK_N", 16)
-    monkeypatch.setattr(divergence_torch, "CHUNK_V", 48)
+    monkeypatch.setattr(torch_twin, "CHUNK_N", 16)
+    monkeypatch.setattr(torch_twin, "CHUNK_V", 48)
 
 
 def on(backend, device, inputs):
@@ -347,26 +347,22 @@ def test_realistic_gradient_scale(backend, beta, device):
     """dL/d divergence of 1 / tokens (1e-5: TRL's mean over a large batch) from fp16 inputs: the student gradients
     in the backward's fp32 buffers (before the cast to fp16, whose subnormals would hold them) keep fp16's relative
     precision (the Triton backward scales g by an exact power of two before rounding it for the GEMMs)."""
-    from grpo_fast.distillation import torch_twin as divergence_torch
-    from grpo_fast.distillation.api import _transforms
+    from grpo_fast.distillation import torch_twin
+    from grpo_fast.head.transform import LogitTransform
     from grpo_fast.kernels import divergence as kdivergence
+    from grpo_fast.kernels.divergence_records import ModelHead
 
     kw = TRANSFORMS["softcap-scale"]
     inputs = tuple(x.to(torch.float16) for x in pair_inputs(21, 19, 37, 101))
     grad_div = torch.full((21,), 1e-5)
     expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw, grad_div=grad_div.to(F64))
     hs, ws, bs, ht, wt, bt = on(backend, device, inputs)
-    module = kdivergence if backend == "triton" else divergence_torch
-    transforms = _transforms(
-        kw["temperature"],
-        kw["student_softcap"],
-        kw["teacher_softcap"],
-        kw["student_logit_scale"],
-        kw["teacher_logit_scale"],
-    )
-    saved, argmax = module.forward(hs, ws, bs, ht, wt, bt, beta, *transforms)[2:4]
-    grads = [torch.zeros(x.shape, device=hs.device) for x in (hs, ws, bs)]
-    module.backward(grad_div.to(hs.device), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms, *grads)
+    module = kdivergence if backend == "triton" else torch_twin
+    student = ModelHead(hs, ws, bs, LogitTransform(kw["temperature"], kw["student_softcap"], kw["student_logit_scale"]))
+    teacher = ModelHead(ht, wt, bt, LogitTransform(kw["temperature"], kw["teacher_softcap"], kw["teacher_logit_scale"]))
+    saved, argmax = module.forward(student, teacher, beta)[2:4]
+    grads = tuple(torch.zeros(x.shape, device=hs.device) for x in (hs, ws, bs))
+    module.backward(grad_div.to(hs.device), student, teacher, saved, argmax, beta, grads)
     for name, a, e in zip(("d hidden", "d weight", "d bias"), grads, expected[2:]):
         err = ((a.cpu().double() - e).abs().max() / e.abs().max()).item()
         assert err <= GRAD_TOL[torch.float16], f"{name}: {err:.3g}"
@@ -502,7 +498,7 @@ def test_named_errors():
 @pytest.mark.slow
 def test_op_registration():
     """The custom ops pass torch.library.opcheck (schema, fake implementation, autograd registration)."""
-    from grpo_fast.distillation.api import _forward_op
+    from grpo_fast.distillation.ops import _forward_op
 
     hs, ws, bs, ht, wt, bt = (x.float() for x in pair_inputs(5, 8, 12, 31))
     for frozen in (False, True):
@@ -518,8 +514,8 @@ def test_op_registration():
                 0.5,
                 0.9,
                 None,
-                2.0,
                 1.0,
+                2.0,
                 1.0,
                 "torch",
                 torch.bfloat16,
@@ -577,23 +573,18 @@ def test_student_gemm_dtype_rounds_only_the_gemm_operands(backend, beta, head_pa
     inputs = on(backend, device, pair_inputs(21, 19, 37, 101, dtype=torch.float32))
     rounded = tuple(x.to(torch.bfloat16) if i in (0, 1) else x for i, x in enumerate(inputs))
     requires = (0,) if head_path == "frozen" else (0, 1, 2)
+
+    def call(leaves, **extra):
+        hs, ws, bs, ht, wt, bt = leaves
+        return grpo_fast.divergence_and_entropy(
+            hs[None], ws, ht[None], wt, beta=beta, student_bias=bs, teacher_bias=bt, backend=backend, **kw, **extra
+        )
+
     leaves = [x.detach().clone().requires_grad_(i in requires) for i, x in enumerate(inputs)]
-    div, ent = grpo_fast.divergence_and_entropy(leaves[0][None], leaves[1], leaves[3][None], leaves[4], beta=beta,
-                                                student_bias=leaves[2], teacher_bias=leaves[5], backend=backend,
-                                                student_gemm_dtype=torch.bfloat16, **kw)  # fmt: skip
+    div, ent = call(leaves, student_gemm_dtype=torch.bfloat16)
     div[0].sum().backward()
     rounded_leaves = [x.detach().clone().requires_grad_(i in requires) for i, x in enumerate(rounded)]  # one path
-    reference_div, reference_ent = grpo_fast.divergence_and_entropy(
-        rounded_leaves[0][None],
-        rounded_leaves[1],
-        rounded_leaves[3][None],
-        rounded_leaves[4],
-        beta=beta,
-        student_bias=rounded_leaves[2],
-        teacher_bias=rounded_leaves[5],
-        backend=backend,
-        **kw,
-    )
+    reference_div, reference_ent = call(rounded_leaves)
     assert torch.equal(div, reference_div) and torch.equal(ent, reference_ent)
     expected = spec_grads(tuple(x.cpu().to(F64) for x in rounded), beta, kw)[2:]  # the spec on CPU
     tol = 1e-2 if backend == "triton" and head_path == "general" else 2e-5
@@ -607,27 +598,28 @@ def test_student_gemm_dtype_rounds_only_the_gemm_operands(backend, beta, head_pa
 
 @pytest.mark.parametrize("beta", [pytest.param(0.0, marks=pytest.mark.slow), 1.0, 0.5])
 def test_vocabulary_sweep_flops(beta):
-    """The matmul FLOPs of the torch twin (forward + backward), counted by FlopCounterMode, are the module
-    docstring's: with a trainable head those of TRL 1.16's ChunkedDivergenceFunction (projections of both models:
-    forward 1 sweep, 2 for the JSD; backward 1; dH and dW), with a frozen one (only hidden needs a gradient) one
-    sweep of the teacher fewer (beta 0, 1: 2 N V (3 Ds + Dt) against TRL's 2 N V (3 Ds + 2 Dt); JSD: 2 N V
-    (4 Ds + 2 Dt) against 2 N V (4 Ds + 3 Dt))."""
+    """The matmul FLOPs of the torch twin (forward + backward), counted by FlopCounterMode, are docs/api.md's table:
+    with a trainable head those of TRL 1.16's ChunkedDivergenceFunction (projections of both models: forward 1
+    sweep, 2 for the JSD; backward 1; dH and dW), with a frozen one (only hidden needs a gradient) one sweep of the
+    teacher fewer (beta 0, 1: 2 N V (3 Ds + Dt) against TRL's 2 N V (3 Ds + 2 Dt); JSD: 2 N V (4 Ds + 2 Dt)
+    against 2 N V (4 Ds + 3 Dt))."""
     from helpers import matmul_flops
 
-    from grpo_fast.distillation import torch_twin as divergence_torch
+    from grpo_fast.distillation import torch_twin
     from grpo_fast.head.transform import LogitTransform
+    from grpo_fast.kernels.divergence_records import ModelHead
 
     N, Ds, Dt, V = 21, 19, 37, 101
     hs, ws, bs, ht, wt, bt = pair_inputs(N, Ds, Dt, V, dtype=torch.float32)
-    transforms = (LogitTransform(), LogitTransform())
+    student, teacher = ModelHead(hs, ws, bs, LogitTransform()), ModelHead(ht, wt, bt, LogitTransform())
 
     def trainable():  # the op's forward and backward (custom ops hide their insides from FlopCounterMode)
-        _, _, saved, argmax, _ = divergence_torch.forward(hs, ws, bs, ht, wt, bt, beta, *transforms)
-        divergence_torch.backward(torch.ones(N), hs, ws, bs, ht, wt, bt, saved, argmax, beta, *transforms,
-                                  torch.zeros(N, Ds), torch.zeros(V, Ds), torch.zeros(V))  # fmt: skip
+        _, _, saved, argmax, _ = torch_twin.forward(student, teacher, beta)
+        grads = (torch.zeros(N, Ds), torch.zeros(V, Ds), torch.zeros(V))
+        torch_twin.backward(torch.ones(N), student, teacher, saved, argmax, beta, grads)
 
     def frozen():  # the backward is then dH = c J: no matmul
-        divergence_torch.forward(hs, ws, bs, ht, wt, bt, beta, *transforms, frozen_head=True)
+        torch_twin.forward(student, teacher, beta, frozen_head=True)
 
     sweep = 2 * N * V * (Ds + Dt)  # one projection of each model
     gemm = 2 * N * V * Ds  # one student-sized GEMM (dH, dW, or a frozen-head accumulator)

@@ -90,10 +90,10 @@ def _config(kind, device, dtype, mode=None):
     if device.type == "cuda":
         return (
             kconfig.forward_config(device, dtype)
-            if kind is kconfig.ForwardConfig
+            if kind is kconfig.TileRecordConfig
             else kconfig.backward_config(device, dtype, mode, wide_epilogue=True)
         )
-    extra = dict(target_programs=8) if kind is kconfig.ForwardConfig else dict(group_v=2)
+    extra = dict(tiles=2, group_n=2, use_tma=False) if kind is kconfig.TileRecordConfig else dict(group_v=2)
     return kind(**_TILES, block_d=64, dot_fp32=True, **extra)
 
 
@@ -140,7 +140,7 @@ def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, variant, 
         inputs[2],
         LogitTransform(**transform),
         True,
-        _config(kconfig.ForwardConfig, device, dtype),
+        _config(kconfig.TileRecordConfig, device, dtype),
     )
     errors = {}
     for scale in SCALES:

@@ -5,7 +5,7 @@ Every loss type x importance level x on/off-policy x KL on/off (bias-corrected o
 advantages, plus delta, epsilon_high, importance weights of every shape, the off-policy mask (with NaN sampler
 log-probs), the top-entropy mask, the entropy bonus, fully masked rows, ties on the clip boundary and
 num_items_in_batch, on both backends. The kernel runs on the ``device`` fixture (the interpreter on CPU, compiled on a
-CUDA GPU), the torch twin (grpo_fast/token_loss_torch.py) on CPU; the inputs are drawn on CPU and moved there.
+CUDA GPU), the torch twin (grpo_fast.grpo_loss.torch_twin) on CPU; the inputs are drawn on CPU and moved there.
 """
 
 import itertools
@@ -19,6 +19,7 @@ import grpo_fast
 from grpo_fast import reference
 from grpo_fast.grpo_loss import ops as loss_ops
 from grpo_fast.grpo_loss.metrics import metric_names
+from grpo_fast.kernels.token_loss import TokenLossInputs
 
 LOSS_TYPES = reference.LOSS_TYPES
 BACKENDS = ("triton", "torch")
@@ -87,10 +88,10 @@ def _compare(backend, device, logp, adv, mask, entropy, **kw):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layer2_matches_reference(loss_type, level, off_policy, kl, per_token_adv, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(per_token_adv=per_token_adv)
-    _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old if off_policy else None, ref_logprobs=ref,
-             beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected",
-             loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
-             epsilon_high=0.28)  # fmt: skip
+    kl_options = dict(beta=0.0 if kl == "none" else 0.04, use_bias_correction_kl=kl == "bias-corrected")
+    options = dict(loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, epsilon_high=0.28)
+    old = old if off_policy else None
+    _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, **kl_options, **options)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -100,13 +101,13 @@ def test_delta_and_importance_weights(loss_type, level, backend, device):
     logp, mask, adv, old, ref, entropy = _batch(seed=1)
     g = torch.Generator().manual_seed(5)
     per_sequence = torch.rand(B, generator=g) * 2
+    inputs = dict(old_logprobs=old, ref_logprobs=ref, num_items_in_batch=57)
+    options = dict(loss_type=loss_type, importance_sampling_level=level, max_completion_length=T + 3, beta=0.1)
+    options.update(delta=1.1, epsilon=0.1, epsilon_high=0.15, sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
     for iw in (torch.rand(B, T, generator=g) * 2, per_sequence, per_sequence[:, None]):
         if loss_type == "vespo" and iw.shape != (B, T):
             continue  # TRL rejects VESPO with sequence-level weights: test_vespo_rejects_per_sequence_weights
-        _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.1, delta=1.1,
-                 importance_weights=iw, loss_type=loss_type, importance_sampling_level=level,
-                 max_completion_length=T + 3, epsilon=0.1, epsilon_high=0.15, num_items_in_batch=57,
-                 sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)  # fmt: skip
+        _compare(backend, device, logp, adv, mask, entropy, importance_weights=iw, **inputs, **options)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
@@ -138,9 +139,9 @@ def test_all_masked_batch_is_zero_not_nan(loss_type, device):
         logp[0, 0] = float("-inf")  # garbage under the mask must not leak
         mask = torch.zeros(B, T, dtype=torch.bool, device=logp.device)
         leaf = logp.clone().requires_grad_()
-        loss, metrics = grpo_fast.token_loss(leaf, adv, mask, entropy=entropy, old_logprobs=old, ref_logprobs=ref,
-                                             beta=0.04, loss_type=loss_type,
-                                             max_completion_length=T, backend=backend)  # fmt: skip
+        options = dict(beta=0.04, loss_type=loss_type, max_completion_length=T)
+        inputs = dict(entropy=entropy, old_logprobs=old, ref_logprobs=ref)
+        loss, metrics = grpo_fast.token_loss(leaf, adv, mask, **inputs, **options, backend=backend)
         loss.backward()
         # the spec alone would multiply -inf by 0 here; neither backend may
         assert loss.item() == 0.0
@@ -182,11 +183,13 @@ def test_off_policy_mask_with_unscorable_sampler_tokens(loss_type, level, per_to
     sampler = old + torch.tensor([0.0, 2.0, 0.0, 1.5])[:, None] + 0.1 * torch.randn(B, T, generator=g)
     sampler[0, 1] = float("nan")
     sampler[1, :3] = float("nan")
+    options = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, max_completion_length=T)
     for sampling in (sampler, None):  # None: the old policy's log-probs are the sampler's
         for threshold in (0.05, 0.5):
-            _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, beta=0.04,
-                     sampling_logprobs=sampling, off_policy_mask_threshold=threshold, loss_type=loss_type,
-                     importance_sampling_level=level, max_completion_length=T)  # fmt: skip
+            inputs = dict(old_logprobs=old, ref_logprobs=ref, sampling_logprobs=sampling)
+            _compare(
+                backend, device, logp, adv, mask, entropy, off_policy_mask_threshold=threshold, **inputs, **options
+            )
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -201,9 +204,10 @@ def test_top_entropy_mask_and_entropy_bonus(loss_type, level, backend, device):
         dict(top_entropy_quantile=0.0),
         dict(top_entropy_quantile=0.3, entropy_threshold=2.0, entropy_coef=0.02),
     ):
-        _, metrics, _ = _compare(backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref,
-                                 beta=0.04, loss_type=loss_type, importance_sampling_level=level,
-                                 max_completion_length=T, **kw)  # fmt: skip
+        options = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, max_completion_length=T, **kw)
+        _, metrics, _ = _compare(
+            backend, device, logp, adv, mask, entropy, old_logprobs=old, ref_logprobs=ref, **options
+        )
         assert ("policy_loss" in metrics) == ("entropy_coef" in kw)
 
 
@@ -244,6 +248,9 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type, backend, devi
     sampler[0, 0] = float("nan")
     iw = grpo_fast.sampling_importance_weights(old, sampler, mask, mode=mode, clip_max=1.5, clip_min=0.6)
     assert iw.shape == ((B, T) if mode.startswith("token") else (B, 1))
+    # the product's weights are the spec's, clipped or masked somewhere (the NaN sampler token: no correction)
+    torch.testing.assert_close(iw, reference.sampling_importance_weights(old, sampler, mask, mode, 1.5, 0.6))
+    assert ((iw == 1.5) | (iw == 0.6) if mode.endswith("truncate") else iw == 0.0).any()
     if loss_type == "vespo" and mode.startswith("sequence"):
         return
     _compare(
@@ -266,22 +273,22 @@ def test_sampler_importance_weights_of_every_mode(mode, loss_type, backend, devi
 @pytest.mark.parametrize("level", ("token", "sequence"))
 @pytest.mark.parametrize("per_token_adv", (False, True))
 def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_adv, device):
-    """The two production layer-2 implementations (the token kernel's launcher and grpo_fast/token_loss_torch.py),
-    called on the same prepared inputs, return the same dL/dlogp, bonus mask and per-sequence statistics (names,
-    whether each is one value per sequence, and values), with every option that changes them."""
+    """The two production layer-2 implementations (the token kernel's launcher and its torch twin), called on the
+    same prepared inputs, return the same dL/dlogp, bonus mask and per-sequence statistics (names, whether each is
+    one value per sequence, and values), with every option that changes them."""
     logp, mask, adv, old, ref, entropy = _batch(seed=9, per_token_adv=per_token_adv)
     g = torch.Generator().manual_seed(10)
     iw = 0.5 + torch.rand(B, T, generator=g)
     sampler = old + 0.3 * torch.randn(B, T, generator=g)
-    options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.3,
-                                    epsilon_high=0.28, max_completion_length=T, off_policy_mask_threshold=0.1,
-                                    top_entropy_quantile=0.6, entropy_coef=0.01)  # fmt: skip
+    every_option = dict(beta=0.04, delta=1.3, epsilon_high=0.28, max_completion_length=T, off_policy_mask_threshold=0.1)
+    every_option.update(top_entropy_quantile=0.6, entropy_coef=0.01)
+    options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, **every_option)
     out = {}
     for name, token_loss in loss_ops.TOKEN_LOSS.items():
         dev = backend_device(name, device)
-        inputs = [x.to(dev).float().contiguous() for x in (logp, adv, mask, old, ref, sampler, iw, entropy)]
+        tensors = [x.to(dev).float().contiguous() for x in (logp, adv, mask, old, ref, sampler, iw, entropy)]
         out[name] = token_loss(
-            *inputs,
+            TokenLossInputs(*tensors),
             options,
             scale=torch.full((), 1 / 17, device=dev),
             entropy_threshold=torch.full((), 1.5, device=dev),
@@ -298,13 +305,15 @@ def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_a
 # option sets for the fp64 comparison: every option that changes layer 2's algebra appears in one
 FP64_OPTIONS = {
     "kl-iw-token": dict(beta=0.04, epsilon_high=0.28, importance_weights="token"),
-    "k3-delta-iw-sequence-offpolicy": dict(beta=0.04, use_bias_correction_kl=False, delta=1.1, epsilon=0.1,
-                                           epsilon_high=0.15, importance_weights="sequence", num_items_in_batch=57,
-                                           sapo_temperature_pos=0.9, sapo_temperature_neg=1.3,
-                                           off_policy_mask_threshold=0.1),
-    "onpolicy-entropy-mask-bonus": dict(on_policy=True, top_entropy_quantile=0.5, entropy_coef=0.03,
-                                        max_completion_length=T + 3),
-}  # fmt: skip
+    "k3-delta-iw-sequence-offpolicy": {
+        **dict(beta=0.04, use_bias_correction_kl=False, delta=1.1, epsilon=0.1, epsilon_high=0.15),
+        **dict(importance_weights="sequence", num_items_in_batch=57, off_policy_mask_threshold=0.1),
+        **dict(sapo_temperature_pos=0.9, sapo_temperature_neg=1.3),
+    },
+    "onpolicy-entropy-mask-bonus": dict(
+        on_policy=True, top_entropy_quantile=0.5, entropy_coef=0.03, max_completion_length=T + 3
+    ),
+}
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -312,7 +321,7 @@ FP64_OPTIONS = {
 @pytest.mark.parametrize("per_token_adv", (False, True))
 @pytest.mark.parametrize("case", list(FP64_OPTIONS))
 def test_torch_layer2_equals_the_spec_in_fp64(loss_type, level, per_token_adv, case):
-    """The torch layer 2 (grpo_fast/token_loss_torch.py and the op's finishing, grpo_fast.ops._layer2) in fp64 is the
+    """The torch layer 2 (the torch twin and the op's finishing, grpo_fast.grpo_loss.ops._layer2) in fp64 is the
     spec's fp64 autograd to rounding: loss, dL/dlogp and dL/dentropy to 1e-10, the metrics (fp32) to 1e-6. The
     inputs are fp32 values (the top-entropy mask compares entropies with an fp32 quantile in both)."""
     kw = dict(FP64_OPTIONS[case])
@@ -351,20 +360,19 @@ def test_torch_layer2_equals_the_spec_in_fp64(loss_type, level, per_token_adv, c
     spec_loss.backward()
     assert spec_loss.dtype == torch.float64
 
-    loss, metric_values, grad_logp, grad_entropy = loss_ops._layer2(
-        loss_ops.TOKEN_LOSS["torch"],
-        logp,
-        entropy,
-        adv,
-        mask.double(),
-        old,
-        ref if options.beta != 0.0 else None,
-        sampling,
-        iw,
-        torch.tensor(float(num_items), dtype=torch.float64) if num_items is not None else None,
-        None,
-        options,
+    batch = loss_ops.PreparedBatch(
+        logp=logp,
+        entropy=entropy,
+        advantages=adv,
+        mask=mask.double(),
+        old_logprobs=old,
+        ref_logprobs=ref if options.beta != 0.0 else None,
+        sampling_logprobs=sampling,
+        importance_weights=iw,
+        num_items_in_batch=torch.tensor(float(num_items), dtype=torch.float64) if num_items is not None else None,
+        entropy_threshold=None,
     )
+    loss, metric_values, grad_logp, grad_entropy = loss_ops._layer2(loss_ops.TOKEN_LOSS["torch"], batch, options)
     assert loss.dtype == grad_logp.dtype == torch.float64
     torch.testing.assert_close(loss, spec_loss.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad_logp, leaf.grad, rtol=1e-10, atol=1e-13)

@@ -125,13 +125,16 @@ def test_the_torch_layer2_never_reads_the_host(loss_type, level, monkeypatch):
     logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
     entropy = (torch.rand(B, T, generator=g) * 4).requires_grad_()
 
+    inputs = dict(entropy=entropy, old_logprobs=x["old_logprobs"], ref_logprobs=x["ref_logprobs"])
+    inputs.update(sampling_logprobs=x["old_logprobs"] + 0.1, num_items_in_batch=torch.tensor(20.0))
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.5, entropy_coef=0.01)
+    options.update(off_policy_mask_threshold=0.2, top_entropy_quantile=0.5, backend="torch", check_values=False)
+
     def step():
+        iw = 0.5 + torch.rand(B, T, generator=g)
         loss, metrics = grpo_fast.token_loss(
-            logp, x["advantages"], x["completion_mask"], entropy=entropy, old_logprobs=x["old_logprobs"],
-            ref_logprobs=x["ref_logprobs"], sampling_logprobs=x["old_logprobs"] + 0.1,
-            importance_weights=0.5 + torch.rand(B, T, generator=g), num_items_in_batch=torch.tensor(20.0),
-            backend="torch", check_values=False, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
-            delta=1.5, off_policy_mask_threshold=0.2, top_entropy_quantile=0.5, entropy_coef=0.01)  # fmt: skip
+            logp, x["advantages"], x["completion_mask"], importance_weights=iw, **inputs, **options
+        )
         loss.backward()
         return loss, metrics
 

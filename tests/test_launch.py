@@ -1,4 +1,5 @@
-"""Launches on any GPU of the machine, and the forward's vocabulary split sized to whole waves.
+"""Launches on any GPU of the machine, the forward's launches sized to their buffer, and the divergence head's
+vocabulary split sized to whole waves.
 
 No GPU here: the Triton kernels and the cuBLAS GEMM helper are replaced by recorders that note the device made
 current (by torch.cuda.device, or by launch.on_device, each replaced by a recorder) at each call. Fake CUDA tensors
@@ -22,7 +23,8 @@ from grpo_fast.kernels.softmax_stats import BackwardStats
 
 # every Triton kernel and the cuBLAS helper, by the module that calls it
 CALLS = (
-    (forward, "_forward_kernel"),
+    (forward, "_tile_records_kernel"),
+    (forward, "_merge_parts_kernel"),
     (backward, "_backward_kernel"),
     (backward, "mm_fp32"),
     (forward_frozen, "_frozen_chunk_kernel"),
@@ -74,9 +76,7 @@ def _inputs(device, N=6, D=32, V=96):
 
 def _forward(device):
     hidden, weight, targets, transform = _inputs(device)
-    forward.forward_record(
-        hidden, weight, targets, None, transform, True, kconfig.gpu_forward_config(torch.float32, 4, 90)
-    )
+    forward.forward_record(hidden, weight, targets, None, transform, True, kconfig.gpu_record_config(torch.float32, 90))
 
 
 def _every_other_wrapper(device):
@@ -96,21 +96,14 @@ def _every_other_wrapper(device):
             torch.zeros_like(hidden),
             torch.zeros_like(weight),
             None,
-            kconfig.gpu_backward_config(torch.float32, mode, 232448),
+            kconfig.gpu_backward_config(torch.float32, mode, 232448, arch=90),
         )
     forward_frozen.forward_frozen_record(
         hidden, weight, targets, None, transform, True, kconfig.gpu_frozen_head_config()
     )
     logp = torch.zeros(2, 3, device=device)
     token_loss.token_loss(
-        logp,
-        torch.zeros(2, device=device),
-        logp,
-        logp,
-        logp,
-        None,
-        None,
-        logp,
+        token_loss.TokenLossInputs(logp, torch.zeros(2, device=device), logp, logp, logp, None, None, logp),
         LossOptions(loss_type="grpo", beta=0.04),
         scale=1.0,
         entropy_threshold=None,
@@ -131,7 +124,10 @@ def test_the_forward_launches_on_its_tensors_cuda_device(launches, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", launches.guard)
     with FakeTensorMode():
         _forward(torch.device("cuda:1"))
-    assert launches.seen == [("forward._forward_kernel", torch.device("cuda:1"))]
+    assert launches.seen == [
+        ("forward._tile_records_kernel", torch.device("cuda:1")),
+        ("forward._merge_parts_kernel", torch.device("cuda:1")),
+    ]
 
 
 def test_every_launch_and_gemm_runs_under_its_wrappers_device_guard(launches, monkeypatch):
@@ -156,12 +152,30 @@ def test_tensors_on_two_cuda_devices_are_a_named_error():
             grpo_fast.token_loss(logp, torch.zeros(1, device="cuda:0"), torch.ones(1, 2, device="cuda:1"))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_wave_is_the_compiled_ctas_per_sm_times_the_sms(dtype):
-    for arch, sms in ((90, 132), (89, 128), (80, 108)):
-        ctas = kconfig.FORWARD_CTAS_PER_SM[(arch, kconfig.DTYPE_NAMES[dtype])]
-        assert kconfig.gpu_forward_config(dtype, sms, arch).target_programs == ctas * sms
-    assert kconfig.gpu_forward_config(dtype, 170, 120).target_programs == 170  # an arch not compiled: 1 per SM
+@pytest.mark.parametrize("compute_entropy", [True, False])
+def test_the_forward_takes_rows_in_launches_whose_partials_fit_their_budget(compute_entropy):
+    cfg = kconfig.gpu_record_config(torch.bfloat16, 90)
+    V = 151936  # Qwen2.5's head: 594 patches of 256 columns (1187 of 128)
+    patches = -(-V // (cfg.block_v * cfg.tiles))
+    fields = 3 if compute_entropy else 2
+    rows = forward.rows_per_launch(65536, V, compute_entropy, cfg)
+    assert rows % cfg.block_n == 0
+    assert fields * patches * rows * 4 <= forward.PARTS_BYTES < fields * patches * (rows + cfg.block_n) * 4
+    assert forward.rows_per_launch(100, V, compute_entropy, cfg) == 100  # fewer rows: one launch
+    # a vocabulary too wide for one block of rows within the budget: one block a launch, never none
+    assert forward.rows_per_launch(1000, 2**27, compute_entropy, cfg) == cfg.block_n
+
+
+def test_the_gpu_forward_tiles_follow_the_architecture():
+    for arch, expected in ((90, 90), (100, 90), (80, 80), (86, 89), (89, 89), (75, 80)):
+        cfg = kconfig.gpu_record_config(torch.bfloat16, arch)
+        table = dict(kconfig.RECORD_TILES[expected])
+        if not kconfig.COLUMNS_256:  # a compiler that spills the 256-column tile: 128 columns
+            table["block_v"] = min(table["block_v"], 128)
+        assert {k: getattr(cfg, k) for k in table} == table, arch
+        # a soft-cap or LoRA: at most 128 columns, everywhere
+        assert kconfig.gpu_record_config(torch.bfloat16, arch, wide_epilogue=True).block_v <= 128
+    assert kconfig.gpu_record_config(torch.float32, 90).use_tma is False  # IEEE fp32 dots run on the FMA units
 
 
 def _fill(N, V, cfg):
@@ -171,9 +185,10 @@ def _fill(N, V, cfg):
     return splits, programs / (-(-programs // cfg.target_programs) * cfg.target_programs)
 
 
-def test_the_forward_split_fills_whole_waves():
-    cfg = kconfig.gpu_forward_config(torch.bfloat16, 132, 90)
-    cfg = kconfig.ForwardConfig(**{**cfg.__dict__, "target_programs": 132})  # one CTA per SM, as an H100's bf16
+def test_the_divergence_split_fills_whole_waves():
+    # the divergence head's record sweep, 64 x 128 tiles, one CTA per SM on an H100
+    cfg = kconfig.ForwardConfig(block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3, dot_fp32=False,
+                                target_programs=132)  # fmt: skip
     V = 151936  # Qwen2.5's head: 1187 tiles of 128
     # 100 token blocks: unsplit, 24 % of the wave idles; 9 splits are 7 waves 97 % full
     assert _fill(6400, V, cfg) == (9, 900 / 924)

@@ -1,5 +1,5 @@
-"""One record per loss type (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS): the spec, the token kernel's launcher, the
-normaliser and the metrics builder all read it, and each raises on what it does not know.
+"""One record per loss type (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS): the spec, the token kernel's launcher, its
+torch twin, the normaliser and the metrics builder all read it, and each raises on what it does not know.
 
 A hypothetical loss type registered here as a record, and nothing else, runs on both backends with the normaliser
 and metrics the record names; a record whose formula exists nowhere raises in the spec and in the launcher. The
@@ -73,6 +73,7 @@ def _check_both_backends(spec, device, logp, adv, mask, entropy, **kw):
 
 def test_the_records_are_trls_loss_types():
     assert LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+    assert tuple(LOSS_TYPE_RECORDS) == LOSS_TYPES  # one record per name of the Literal, in its order
     assert NUM_ITEMS_LOSS_TYPES == ("dapo", "cispo", "vespo")
     assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.policy_term.formula == "clipped"} == {
         "grpo",
@@ -84,14 +85,48 @@ def test_the_records_are_trls_loss_types():
     assert {name for name, r in LOSS_TYPE_RECORDS.items() if r.row_mean} == {"grpo", "sapo"}
     # every record's formula exists in the token kernel
     assert {r.policy_term.formula for r in LOSS_TYPE_RECORDS.values()} == set(token_kernel.LOSS_KINDS)
-    # the families' facts: cispo's and vespo's terms are -stopgrad(c) A logp, vespo's weights enter its phi
+    # the families' facts: cispo's and vespo's terms are -stopgrad(c) A logp, vespo's is weighted by phi, which its
+    # weights enter
     assert {name for name, term in POLICY_TERMS.items() if term.gradient_wrt == "logprob"} == {"cispo", "vespo"}
+    assert {name for name, term in POLICY_TERMS.items() if term.gamma_weighted} == {"vespo"}
     assert {name for name, term in POLICY_TERMS.items() if term.importance_weights_in_term} == {"vespo"}
+    assert {name for name, term in POLICY_TERMS.items() if "delta" in term.options} == {"clipped"}
+
+
+# a value for each family's own options (a term's options, LossOptions attributes): clip_high through epsilon_high
+FAMILY_OPTION_VALUES = {
+    "epsilon": dict(epsilon=0.1),
+    "clip_high": dict(epsilon_high=0.05),
+    "delta": dict(delta=1.05),
+    "sapo_temperature_pos": dict(sapo_temperature_pos=0.5),
+    "sapo_temperature_neg": dict(sapo_temperature_neg=2.0),
+    "vespo_k_pos": dict(vespo_k_pos=1.0),
+    "vespo_lambda_pos": dict(vespo_lambda_pos=1.5),
+    "vespo_k_neg": dict(vespo_k_neg=1.0),
+    "vespo_lambda_neg": dict(vespo_lambda_neg=1.5),
+}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_familys_options_are_its_records(loss_type):
+    """The options a family's record names (PolicyTerm.options) are those that change the spec's loss: each of
+    them does (the batch clips, caps and has advantages of both signs), and none of the other families' does
+    (epsilon_high given, so that epsilon is the lower offset alone)."""
+    logp, mask, adv, old, _, _ = _batch(seed=4)
+    old = logp + 0.8 * (old - logp)  # ratios far enough from 1 that every clip and cap bites
+    adv = torch.tensor([0.9, -1.2, 0.5, -0.4])
+    term = LOSS_TYPE_RECORDS[loss_type].policy_term
+    assert set(term.options) <= set(FAMILY_OPTION_VALUES)
+    given = dict(old_logprobs=old, loss_type=loss_type, epsilon_high=0.28)
+    baseline, _ = reference.token_loss(logp, adv, mask, **given)
+    for name, changed in FAMILY_OPTION_VALUES.items():
+        loss, _ = reference.token_loss(logp, adv, mask, **dict(given, **changed))
+        assert (loss.item() != baseline.item()) == (name in term.options), (name, loss.item(), baseline.item())
 
 
 def test_the_statistics_are_named_once():
-    """grpo_fast.kernels.loss_statistics names the statistics: the token kernel's STAT_ slots are its SLOTS (each slot once),
-    a metric that reads another statistic is an error, and both layer-2 backends return the same statistics."""
+    """grpo_fast.kernels.loss_statistics names the statistics: the token kernel's STAT_ slots are its SLOTS (each slot
+    once), a metric that reads another statistic is an error, and both layer-2 backends return the same statistics."""
     kernel_slots = {
         name.removeprefix("STAT_").lower(): slot.value
         for name, slot in vars(token_kernel).items()
@@ -159,7 +194,7 @@ def test_a_new_loss_type_is_one_record(monkeypatch, level, device):
 # (multiplying the term, any shape) instead of inside phi's log W; a loss type of it, one record.
 VESPO_WEIGHTED = LossType(
     "vespo_weighted",
-    PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=False),
+    PolicyTerm("vespo", POLICY_TERMS["vespo"].options, gradient_wrt="logprob", gamma_weighted=True),
     "num_items_in_batch",
     metrics=(Metric("vespo/phi_seq_mean", "phi"),),
 )
@@ -189,24 +224,32 @@ def test_a_loss_types_importance_weight_use_is_its_records(monkeypatch, weights,
     _check_both_backends(spec, device, logp, adv, mask, entropy, **kw)
 
 
-def test_weights_in_a_term_that_does_not_read_them_raise(monkeypatch, device):
-    record = LossType(
-        "sapo_weights_in_term", PolicyTerm("sapo", importance_weights_in_term=True), "sequences", row_mean=True
-    )
-    monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
-    for backend in ("torch", "triton"):
-        logp, mask, adv, old, _, _ = _batch(device=backend_device(backend, device))
-        iw = torch.ones_like(logp)
-        with pytest.raises(
-            ValueError,
-            match="loss type 'sapo_weights_in_term' puts the importance weights in its "
-            "term, but the .*'sapo' term does not read them",
-        ):
-            grpo_fast.token_loss(
-                logp, adv, mask, old_logprobs=old, importance_weights=iw, loss_type=record.name, backend=backend
-            )
+def test_a_records_inconsistent_facts_raise():
+    # importance weights in a term without phi: nothing would read them
+    with pytest.raises(
+        ValueError, match="policy term 'sapo' puts the importance weights in its term, but the term has no"
+    ):
+        PolicyTerm("sapo", importance_weights_in_term=True)
     with pytest.raises(ValueError, match="gradient_wrt must be one of \\('ratio', 'logprob'\\), got 'advantage'"):
         PolicyTerm("clipped", gradient_wrt="advantage")
+    with pytest.raises(ValueError, match="gamma_weighted must be a bool, got 1"):
+        PolicyTerm("vespo", gamma_weighted=1)
+
+
+def test_weights_in_a_term_the_spec_does_not_weigh_by_phi_raise(monkeypatch):
+    """The spec states it in its own words: only vespo's term reads the weights (a record claiming phi for sapo)."""
+    record = LossType(
+        "sapo_weights_in_term",
+        PolicyTerm("sapo", gamma_weighted=True, importance_weights_in_term=True),
+        "sequences",
+        row_mean=True,
+    )
+    monkeypatch.setitem(LOSS_TYPE_RECORDS, record.name, record)
+    logp, mask, adv, old, _, _ = _batch()
+    with pytest.raises(ValueError, match="loss type 'sapo_weights_in_term' puts the importance weights in its term"):
+        reference.token_loss(
+            logp, adv, mask, old_logprobs=old, importance_weights=torch.ones_like(logp), loss_type=record.name
+        )
 
 
 def test_an_unknown_policy_term_raises_in_the_spec_and_the_launcher(monkeypatch, device):

@@ -308,9 +308,9 @@ def test_op_registration():
         torch.library.opcheck(
             _forward_op,
             (
+                batch["targets"].reshape(-1),
                 h.clone().requires_grad_(),
                 w.clone().requires_grad_(),
-                batch["targets"].reshape(-1),
                 b.clone().requires_grad_(),
                 t.hidden.reshape(-1, DT),
                 t.weight,
@@ -322,6 +322,7 @@ def test_op_registration():
                 t.softcap,
                 t.logit_scale,
                 "torch",
+                h.dtype,
             ),
         )
 
@@ -336,9 +337,10 @@ def test_fake_tensors_give_the_shapes():
         t = batch["teacher"]
         teacher = grpo_fast.Teacher(*(mode.from_tensor(x) for x in (t.hidden, t.weight, t.bias)), softcap=t.softcap)
         h = fake["hidden"].clone().requires_grad_()
-        total, metrics = grpo_fast.loss(h, fake["weight"], fake["targets"], fake["advantages"], fake["mask"],
-                                        bias=fake["bias"], teacher=teacher, distillation_coef=COEF,
-                                        backend="torch")  # fmt: skip
+        args = (h, fake["weight"], fake["targets"], fake["advantages"], fake["mask"])
+        total, metrics = grpo_fast.loss(
+            *args, bias=fake["bias"], teacher=teacher, distillation_coef=COEF, backend="torch"
+        )
         total.backward()
     assert total.shape == () and metrics["distillation_loss"].shape == () and h.grad.shape == h.shape
 
@@ -351,9 +353,9 @@ def test_compiles_to_one_graph():
     t = batch["teacher"]
 
     def step(h, w, b):
-        total, metrics = grpo_fast.loss(h, w, batch["targets"], batch["advantages"], batch["mask"], bias=b,
-                                        teacher=t, distillation_coef=COEF, distillation_beta=0.5, backend="torch",
-                                        check_values=False)  # fmt: skip
+        args = (h, w, batch["targets"], batch["advantages"], batch["mask"])
+        distillation = dict(teacher=t, distillation_coef=COEF, distillation_beta=0.5)
+        total, metrics = grpo_fast.loss(*args, bias=b, **distillation, backend="torch", check_values=False)
         return total, metrics["distillation_loss"]
 
     leaves = _leaves(batch)

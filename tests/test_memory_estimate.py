@@ -1,19 +1,37 @@
-"""python -m grpo_fast.memory: the step's categories against hand arithmetic on tiny configs, the loss heads' [N, V]
-logits (the eager head holds them, grpo_fast's never does), the key / value cache's arithmetic, the recipes against
-examples/train_gsm8k.py's preset, and the command line's errors. The real-size estimates (bench/results/memory-4090-*)
-are slow: one 0.5B run is in the slow tier."""
+"""python -m grpo_fast.memory and examples/memory_gsm8k.py: the step's categories against hand arithmetic on tiny
+configs, the loss heads' [N, V] logits (the eager head holds them, grpo_fast's never does), the key / value cache's
+arithmetic, the example's recipes against examples/train_gsm8k.py's preset, the command line's errors, the package
+without TRL, and the report for another card. The real-size estimates (bench/results/memory-4090-*) are slow: one
+0.5B run is in the slow tier."""
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gsm8k.models import LORA_TARGETS
 from helpers import out_of_range_cases, parser_actions
 
 from grpo_fast import memory
+from grpo_fast.memory import command
+from grpo_fast.memory.step import generation_phase
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example():
+    """examples/memory_gsm8k.py, imported from its path (it puts the repository root on sys.path for bench)."""
+    spec = importlib.util.spec_from_file_location("memory_gsm8k", ROOT / "examples" / "memory_gsm8k.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _example()
 # tiny: 2 layers, 4 heads of 16, 2 kv heads; a vocabulary much wider than the hidden size, so that [N, V] dominates
 TINY = [
     "--hidden-size",
@@ -61,9 +79,11 @@ def rope_buffer_bytes():
 
 @pytest.fixture(scope="module")
 def lora_report(tmp_path_factory):
-    """The three heads on a tiny LoRA r 4 recipe, through the command line (--out writes the three files)."""
+    """The example's three heads (TRL's from bench, registered by the example) on a tiny LoRA r 4 recipe, through the
+    command line (--out writes the three files)."""
     out = tmp_path_factory.mktemp("memory") / "tiny-lora"
-    report = memory.main(TINY + ["--lora-r", "4", "--out", str(out)])
+    report = example.main(TINY + ["--lora-r", "4", "--out", str(out)])
+    assert list(report["heads"]) == ["eager", "trl", "grpo_fast"]  # trl is a test dependency: never left out here
     return report, out
 
 
@@ -106,7 +126,7 @@ def test_report_files(lora_report):
     written = json.loads(Path(f"{out}.json").read_text())
     assert written["heads"]["eager"]["peak_bytes"] == report["heads"]["eager"]["peak_bytes"]
     text = Path(f"{out}.md").read_text()
-    assert text.splitlines()[5].startswith("python -m grpo_fast.memory --hidden-size 64")
+    assert text.splitlines()[5].startswith("python examples/memory_gsm8k.py --hidden-size 64")
     assert "What is estimated, what is not" in text
     assert "**RTX 4090 (23.99 GiB): fits with every head.**" in text
     assert Path(f"{out}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -136,9 +156,9 @@ def test_full_parameter_categories_and_reference_copy():
 def test_kv_cache_arithmetic():
     qwen = memory.MODELS["qwen2.5-1.5b"]
     assert memory.kv_cache_bytes(qwen, 64, 1298, 2) == 28 * 2 * 2 * 128 * 64 * 1298 * 2 == 2_381_840_384
-    recipe = memory.RECIPES["qwen2.5-1.5b-lora"]
+    recipe = example.RECIPES["qwen2.5-1.5b-lora"]
     step = {"categories_bytes": {"weights": 10, "reference weights": 0}, "optimizer_state_bytes": 7}
-    generation = memory.generation_phase(recipe, step)
+    generation = generation_phase(recipe, step)
     assert (generation["sequences"], generation["tokens"]) == (64, 1298)
     assert generation["parts_bytes"]["kv cache"] == 2_381_840_384
     assert generation["total_bytes"] == 2_381_840_384 + 17
@@ -146,14 +166,15 @@ def test_kv_cache_arithmetic():
 
 
 def test_recipes_are_the_examples():
-    """The two recipes are examples/train_gsm8k.py's GPU preset (and --lora-r 0) on its public model configs."""
+    """The example's two recipes are examples/train_gsm8k.py's GPU preset (and --lora-r 0) on its public model
+    configs, with its LoRA targets."""
     spec = importlib.util.spec_from_file_location("train_gsm8k", ROOT / "examples" / "train_gsm8k.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    preset = example.PRESETS["gpu"]
-    defaults = example.parse_args(["--preset", "gpu"])
-    for name, recipe in memory.RECIPES.items():
-        shape = example.MODEL_CONFIGS[recipe.model]
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    preset = train.PRESETS["gpu"]
+    defaults = train.parse_args(["--preset", "gpu"])
+    for name, recipe in example.RECIPES.items():
+        shape = train.MODEL_CONFIGS[recipe.model]
         assert (
             recipe.shape.hidden_size,
             recipe.shape.intermediate_size,
@@ -195,17 +216,19 @@ def test_recipes_are_the_examples():
             defaults.max_grad_norm,
             defaults.epsilon,
         )
-        assert recipe.lr == example.parse_args(["--preset", "gpu", "--lora-r", str(recipe.lora_r)]).lr
-    assert memory.RECIPES["qwen2.5-1.5b-lora"].lora_r == preset["lora_r"]
-    assert memory.RECIPES["qwen2.5-1.5b-lora"].model == "qwen2.5-1.5b"
+        assert recipe.lr == train.parse_args(["--preset", "gpu", "--lora-r", str(recipe.lora_r)]).lr
+        assert recipe.lora_targets == tuple(LORA_TARGETS)
+    assert example.RECIPES["qwen2.5-1.5b-lora"].lora_r == preset["lora_r"]
+    assert example.RECIPES["qwen2.5-1.5b-lora"].model == "qwen2.5-1.5b"
+    assert example.RECIPES["qwen2.5-0.5b-full"].lora_r == 0
 
 
 def test_every_numeric_flag_out_of_range_is_one_line(capsys):
-    actions = parser_actions(memory.parse_args, ["--quiet"])
-    assert {d for d, a in actions.items() if a.type in (int, float)} == set(memory.RANGES)
-    for dest, argv, message in out_of_range_cases(memory.RANGES, actions):
+    actions = parser_actions(command.parse_args, ["--quiet"])
+    assert {d for d, a in actions.items() if a.type in (int, float)} == set(command.RANGES)
+    for dest, argv, message in out_of_range_cases(command.RANGES, actions):
         with pytest.raises(SystemExit) as raised:
-            memory.parse_args(argv + ["--quiet"])
+            command.parse_args(argv + ["--quiet"])
         assert raised.value.code == 2, dest
         assert capsys.readouterr().err == f"python -m grpo_fast.memory: error: {message}\n", dest
 
@@ -213,7 +236,8 @@ def test_every_numeric_flag_out_of_range_is_one_line(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--heads", "eager,logits"], "--heads eager,logits: expected distinct names among eager, trl, grpo_fast"),
+        (["--heads", "eager,logits"], "--heads eager,logits: expected distinct names among eager, grpo_fast"),
+        (["--heads", "eager,trl"], "--heads eager,trl: expected distinct names among eager, grpo_fast"),
         (["--heads", "eager,eager"], "--heads eager,eager: expected distinct names"),
         (
             ["--hidden-size", "100", "--num-heads", "3", "--num-kv-heads", "1"],
@@ -225,7 +249,7 @@ def test_every_numeric_flag_out_of_range_is_one_line(capsys):
 )
 def test_command_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
-        memory.recipe_from_args(memory.parse_args(argv + ["--quiet"]))
+        command.recipe_from_args(command.parse_args(argv + ["--quiet"]))
     assert raised.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m grpo_fast.memory: error: ") and message in err, err
@@ -234,15 +258,18 @@ def test_command_line_errors(argv, message, capsys):
 
 def test_unknown_recipe_is_argparse_error(capsys):
     with pytest.raises(SystemExit) as raised:
-        memory.parse_args(["--recipe", "qwen3-8b"])
+        command.parse_args(["--recipe", "qwen3-8b"], recipes=example.RECIPES, prog=example.PROG)
     assert raised.value.code == 2 and "invalid choice: 'qwen3-8b'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as raised:  # the package's own command has its default recipe, no --recipe
+        command.parse_args(["--recipe", "qwen2.5-1.5b-lora"])
+    assert raised.value.code == 2 and "unrecognized arguments: --recipe" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_qwen05b_full_parameter_step():
     """The committed 0.5B estimate's categories at full size: weights, reference copy, gradients and AdamW's state
     by the parameter count (494M, tied), and the eager head's logits far above grpo_fast's head."""
-    report = memory.main(["--recipe", "qwen2.5-0.5b-full", "--heads", "eager,grpo_fast", "--quiet"])
+    report = example.main(["--recipe", "qwen2.5-0.5b-full", "--heads", "eager,grpo_fast", "--quiet"])
     params = 494_032_768
     for head in ("eager", "grpo_fast"):
         step = report["heads"][head]
@@ -257,5 +284,76 @@ def test_qwen05b_full_parameter_step():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
 def test_measure_needs_cuda(capsys):
     with pytest.raises(SystemExit) as raised:
-        memory.parse_args(["--measure"])
+        command.parse_args(["--measure"])
     assert raised.value.code == 2 and "--measure runs the step on a CUDA GPU" in capsys.readouterr().err
+
+
+# The package's own command where trl does not import: `import trl` raises ImportError, as without the package
+WITHOUT_TRL = """
+import runpy, sys
+sys.modules["trl"] = None
+import grpo_fast.memory
+loaded = sorted(name for name in ("transformers", "peft", "trl", "matplotlib") if sys.modules.get(name) is not None)
+print("loaded by the import:", ",".join(loaded), file=sys.stderr)
+runpy.run_module("grpo_fast.memory", run_name="__main__")
+"""
+
+
+def test_package_estimates_without_trl(lora_report, tmp_path):
+    """python -m grpo_fast.memory with trl unimportable: importing the estimator loads neither transformers nor trl,
+    and the run estimates eager's and grpo_fast's heads, to the byte of the run beside TRL's (same recipe)."""
+    out = tmp_path / "no-trl"
+    argv = TINY + ["--lora-r", "4", "--beta", "0.04", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", WITHOUT_TRL, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "loaded by the import: \n" in run.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert list(report["heads"]) == ["eager", "grpo_fast"]
+    assert report["versions"].keys() == {"torch", "transformers", "peft"}
+    assert report["command"].startswith("python -m grpo_fast.memory --hidden-size 64")
+    beside_trl, _ = lora_report
+    for head in ("eager", "grpo_fast"):
+        for key in ("peak_bytes", "categories_bytes", "loss_head_peak_bytes", "peak_in"):
+            assert report["heads"][head][key] == beside_trl["heads"][head][key], (head, key)
+
+
+def test_package_default_recipe():
+    recipe = command.recipe_from_args(command.parse_args(["--quiet"]))
+    assert recipe == memory.DEFAULT_RECIPE
+    assert recipe.describe() == (
+        "qwen2.5-1.5b, LoRA r 16 (alpha 32), bfloat16, AdamW, micro-batch 4 x (512 prompt + 1024 completion tokens), "
+        "gradient checkpointing on, beta 0; rollout 8 x 8 completions"
+    )
+    assert command.gpu_from_args(command.parse_args(["--quiet"])) == memory.RTX_4090
+    assert memory.RTX_4090.memory_gib * 1024 == 24564
+
+
+def test_report_for_another_card(lora_report, tmp_path):
+    """A 1.02 GiB card of an A100's architecture: the verdicts, margins and wording are that card's, and the LoRA
+    step's bytes do not change (the frozen head's workspaces do not depend on the architecture)."""
+    out = tmp_path / "card"
+    card = ["--gpu-name", "test card", "--gpu-memory-gib", "1.02", "--gpu-compute-capability", "80"]
+    report = memory.main(TINY + ["--lora-r", "4", "--beta", "0.04", "--out", str(out)] + card)
+    assert report["card"] == {
+        "name": "test card",
+        "gib": 1.02,
+        "compute_capability": 80,
+    }
+    beside_trl, _ = lora_report
+    eager, fused = report["heads"]["eager"], report["heads"]["grpo_fast"]
+    for head in ("eager", "grpo_fast"):
+        assert report["heads"][head]["peak_bytes"] == beside_trl["heads"][head]["peak_bytes"]
+    # eager: 1 GiB of context + 15 % of its 0.05 GiB peak is over the card; grpo_fast's 0.008 GiB is not
+    assert eager["with_allowance_gib"] == pytest.approx(1 + 1.15 * eager["peak_bytes"] / 2**30, abs=1e-3)
+    assert not eager["fits"] and eager["margin_gib"] == pytest.approx(1.02 - eager["with_allowance_gib"], abs=1e-3)
+    assert fused["fits"] and fused["margin_gib"] == pytest.approx(1.02 - fused["with_allowance_gib"], abs=1e-3)
+    assert report["generation"]["fits"]
+    text = out.with_suffix(".md").read_text()
+    assert "The card: test card, 1.02 GiB (1044 MiB)." in text
+    assert "**test card (1.02 GiB): does not fit with every head.**" in text
+    margins = f"**no**, margin {eager['margin_gib']:+.2f} | yes, margin {fused['margin_gib']:+.2f}"
+    assert f"| fits 1.02 GiB? | {margins} |" in text
+    assert "sized for the test card's sm_80" in " ".join(text.split())  # in a wrapped paragraph
+    assert "4090" not in text
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -94,8 +94,8 @@ def test_token_loss_a_nan_at_a_scored_token_gives_a_nan_loss(loss_type, level, b
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_token_loss_a_nan_at_a_masked_token_changes_nothing(loss_type, level, backend, device):
     logp, mask, inputs = _token_batch(backend_device(backend, device))
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01,
-                   off_policy_mask_threshold=0.2, top_entropy_quantile=0.7)  # fmt: skip
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
+    options.update(off_policy_mask_threshold=0.2, top_entropy_quantile=0.7)
     inputs["sampling_logprobs"] = inputs["old_logprobs"] + 0.2
     inputs["advantages"] = inputs["advantages"][:, None].expand(B, T).clone()
     if loss_type == "vespo":
@@ -122,10 +122,10 @@ PATHS = ("general", "frozen head", "no grad")
 def _loss(batch, backend, path, **kw):
     hidden = batch["hidden"].clone().requires_grad_(path != "no grad")
     weight = batch["weight"].clone().requires_grad_(path == "general")
+    targets, advantages, mask = batch["targets"], batch["advantages"], batch["mask"]
+    kw.update(old_logprobs=batch["old"], ref_logprobs=batch["ref"], backend=backend)
     with torch.set_grad_enabled(path != "no grad"):
-        loss, _ = grpo_fast.loss(hidden, weight, batch["targets"], batch["advantages"], batch["mask"],
-                                 old_logprobs=batch["old"], ref_logprobs=batch["ref"],
-                                 backend=backend, **kw)  # fmt: skip
+        loss, _ = grpo_fast.loss(hidden, weight, targets, advantages, mask, **kw)
     if path != "no grad":
         loss.backward()
         return loss.detach(), hidden.grad

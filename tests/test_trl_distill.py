@@ -25,7 +25,7 @@ from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen
 from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_function_forbidden
 
 import grpo_fast
-from grpo_fast.distillation import torch_twin as divergence_torch
+from grpo_fast.distillation import torch_twin
 from grpo_fast.trl import DistillationConfig, DistillationTrainer
 
 TEACHER = dict(seed=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -45,11 +45,15 @@ def tiny_pair():
     return student, teacher
 
 
+# the trainer logs every optimizer step (the tests compare each step's log)
+LOG_EVERY_STEP = dict(logging_strategy="steps", logging_steps=1)
+
+
 def distill_config(output_dir, **overrides):
     """One CPU process, fp32, no checkpointing, no saving, no reporting; any field can be overridden."""
-    kw = dict(output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, gradient_checkpointing=False,
-              per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION, max_completion_length=8,
-              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)  # fmt: skip
+    kw = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0)
+    kw.update(per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION, max_completion_length=8)
+    kw.update(report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     kw.update(overrides)
     return DistillationConfig(**kw)
 
@@ -284,13 +288,13 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
         ours = build(DistillationTrainer, student, teacher, args, peft_config=lora)
     inputs = generation_batch(theirs)
     seen = []
-    forward = divergence_torch.forward
+    forward = torch_twin.forward
 
     def spy(*args, frozen_head=False, **kwargs):  # the frozen-head forward runs the torch twin's on every backend
         seen.append(frozen_head)
         return forward(*args, frozen_head=frozen_head, **kwargs)
 
-    monkeypatch.setattr(divergence_torch, "forward", spy)
+    monkeypatch.setattr(torch_twin, "forward", spy)
     loss, grads, entropy = loss_gradients_entropy(ours, inputs, forbid_trl_head=True)
     ref_loss, ref_grads, ref_entropy = loss_gradients_entropy(theirs, inputs, forbid_trl_head=False)
     assert seen == [True]
@@ -307,8 +311,9 @@ def test_training_run_matches_trl(tmp_path):
     from trl_pairs import GradRecorder
 
     student, teacher = tiny_pair()
-    args = distill_config(tmp_path, logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5,
-                          max_steps=2, beta=0.5, temperature=0.9)  # fmt: skip
+    args = distill_config(
+        tmp_path, **LOG_EVERY_STEP, optim="sgd", learning_rate=0.5, max_steps=2, beta=0.5, temperature=0.9
+    )
     runs = {}
     for name, cls in (("trl", trl.DistillationTrainer), ("grpo_fast", DistillationTrainer)):
         recorder = GradRecorder()
@@ -365,9 +370,12 @@ def one_step(out_dir, world, case):
     from trl_pairs import GradRecorder
 
     student, teacher = tiny_pair()
-    args = distill_config(out_dir, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=1,
-                          optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_steps=1, logging_strategy="steps",
-                          logging_steps=1, beta=0.5, shuffle_dataset=False)  # fmt: skip
+    # each rank's share of one global batch, in order; one plain SGD step
+    batch = dict(
+        per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=1, shuffle_dataset=False
+    )
+    step = dict(optim="sgd", learning_rate=1.0, max_grad_norm=1e9, max_steps=1)
+    args = distill_config(out_dir, **batch, **step, **LOG_EVERY_STEP, beta=0.5)
     recorder = GradRecorder()
     trainer = DistillationTrainer(
         model=student,
@@ -411,8 +419,8 @@ def fully_shard_by_hand(trainer):
 def distributed_worker(rank, port, out_dir, case):
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
+    ranks = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{name: str(n) for name, n in ranks.items()})
     loss, entropy, grads, wrapper = one_step(os.path.join(out_dir, f"rank{rank}"), WORLD, case)
     if rank == 0:
         torch.save(dict(loss=loss, entropy=entropy, grads=grads, wrapper=wrapper), os.path.join(out_dir, f"{case}.pt"))

@@ -1,4 +1,5 @@
-"""grpo_fast.loss against TRL 1.16.0's own ``GRPOTrainer._compute_loss``, on a tiny random Qwen2 built offline.
+"""grpo_fast.loss and the spec against TRL 1.16.0's own ``GRPOTrainer._compute_loss``, on a tiny random Qwen2 built
+offline.
 
 One trainer (tests/trl_harness.py) serves the module: each case sets the trainer attributes ``_compute_loss`` reads
 for its ``GRPOConfig`` options (``set_loss_options`` asserts each exists), runs TRL's loss and backward through the
@@ -13,7 +14,8 @@ TRL's; old / ref log-probs are the model's own plus noise (clipping happens, the
 by hand (one exactly 0: the A >= 0 / A > 0 boundaries of vespo, sapo and the off-policy mask).
 
 Both grpo_fast backends run: "torch" (the chunked-torch CPU path) and "triton" (the kernels, under TRITON_INTERPRET=1
-as tests/conftest.py sets it).
+as tests/conftest.py sets it), and beside them the spec (``grpo_fast.reference.loss``, full logits, its own metric
+reducers), so that the truth the product is tested against is itself TRL's.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ from trl_harness import (
 )
 
 import grpo_fast
+from grpo_fast import reference
 
 # TRL's models here are CPU models: the Triton backend runs on them under the interpreter
 BACKENDS = ("torch", pytest.param("triton", marks=pytest.mark.interpreter_only))
+# what is compared with TRL's loss, gradients and metrics: the spec ("reference") and both backends
+SIDES = ("reference", *BACKENDS)
 # dr_grpo divides by B * max_completion_length: 11, not the padded completion length 8, so using T would fail
 MAX_COMPLETION_LENGTH = 11
 # GRPOConfig options that exist for TRL's vLLM importance sampling, not grpo_fast.loss keywords (grpo_fast takes the
@@ -95,11 +100,14 @@ NAN_POSITIONS = [(0, 2), (1, 0), (4, 3)]  # tokens the sampler could not score (
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+# the tiny Qwen2's sizes besides its vocabulary
+TINY_QWEN2 = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
 def make_trainer(model=None, **config):
     """TRL's GRPOTrainer around a tiny Qwen2 (hidden 32, vocab 131: the interpreter's cost grows with D x V)."""
     if model is None:
-        model = tiny_qwen2(vocab_size=ASCII_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                           num_key_value_heads=2)  # fmt: skip
+        model = tiny_qwen2(vocab_size=ASCII_VOCAB_SIZE, **TINY_QWEN2)
     args = grpo_config(
         per_device_train_batch_size=6,
         num_generations=2,
@@ -277,8 +285,9 @@ def run_trl(trainer, case, inputs, reset=True):
 
 
 def run_grpo_fast(model, inputs, backend, **kwargs):
-    """grpo_fast.loss from the backbone's last hidden states (hidden[b, t] predicts completion_ids[b, t]) and the
-    lm_head, backward through the model: the loss, every parameter's gradient, the metrics ({name: float})."""
+    """grpo_fast.loss (or with ``backend="reference"`` the spec's) from the backbone's last hidden states (hidden[b, t]
+    predicts completion_ids[b, t]) and the lm_head, backward through the model: the loss, every parameter's gradient,
+    the metrics ({name: float})."""
     model.zero_grad(set_to_none=True)
     prompt_len = inputs["prompt_ids"].shape[1]
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
@@ -287,14 +296,17 @@ def run_grpo_fast(model, inputs, backend, **kwargs):
         :, prompt_len - 1 : -1
     ]
     head = model.get_output_embeddings()
-    loss, metrics = grpo_fast.loss(
+    if backend == "reference":
+        loss_fn = reference.loss
+    else:
+        loss_fn, kwargs = grpo_fast.loss, dict(kwargs, backend=backend)
+    loss, metrics = loss_fn(
         hidden,
         head.weight,
         inputs["completion_ids"],
         inputs["advantages"],
         inputs["completion_mask"],
         bias=head.bias,
-        backend=backend,
         **kwargs,
     )
     loss.backward()
@@ -420,7 +432,7 @@ CASES = [
 assert len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SIDES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_loss_matches_trl(trainer, batch, case, backend):
     check_case(trainer, batch, case, backend)
@@ -486,7 +498,7 @@ def test_sampling_importance_weights_defaults_are_trl_defaults():
     assert params["clip_min"].default == fields["vllm_importance_sampling_clip_min"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SIDES)
 def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, rollouts, backend):
     # TRL's VESPO sums log(importance_sampling_ratio) over every position, padding included, where its ratio is
     # exp(0) = 1 clamped into [clip_min, clip_max]: grpo_fast does the same
@@ -612,7 +624,7 @@ def gemma2():
     return trainer, make_batch(make_rollouts(trainer, clips=CLIPS[:1]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SIDES)
 @pytest.mark.parametrize("case", GEMMA2_CASES, ids=lambda c: c.id)
 def test_softcapped_model_matches_trl(gemma2, case, backend):
     """TRL's head reads final_logit_softcapping from the config; grpo_fast takes it as softcap."""

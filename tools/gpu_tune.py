@@ -1,4 +1,4 @@
-"""Launch configurations of the forward kernel on a lent GPU: each candidate tile timed at one head shape, its
+"""Launch configurations of the forward kernel on a CUDA GPU: each candidate tile timed at one head shape, its
 log-probs checked against the default configuration's, beside cuBLAS's product of the same shape (the floor a
 GEMM-bound kernel approaches). Data for config.gpu_forward_config; the benchmark (bench/) makes the claims.
 

@@ -17,7 +17,6 @@ the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is c
 compiled code (V only enters as a loop bound and a mask).
 
     TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
-    TRITON_INTERPRET=0 python tools/sm_compile.py --table    # also print config.FORWARD_CTAS_PER_SM as compiled
 
 It runs with every declared Triton (pyproject.toml: 3.6 to 3.9; .ci/run compiles with both ends). Triton 3.6's
 compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --allow-spill for it, and says which).
@@ -43,12 +42,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from grpo_fast.grpo_loss.options import LossOptions  # noqa: E402
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
 from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
+from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, finish  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
@@ -108,6 +109,10 @@ def specialise(launch):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
+        elif isinstance(value, TensorDescriptor):  # a tile read through the copy engine (sm_90 and later)
+            signature[param.name] = (
+                f"tensordesc<{TRITON_TYPES[value.base.dtype]}[{','.join(map(str, value.block_shape))}]>"
+            )
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TRITON_TYPES[value.dtype]
             if value.data_ptr() % 16 == 0:
@@ -197,7 +202,6 @@ def layer1_launches(
     ``entropy``: the forward computes the entropy; ``entropy_grad``: the backwards take dL/dentropy too;
     ``lora_dtype``: a LoRA operand pair of rank ``rank`` in that dtype (the fused backward computes its dl and dB);
     ``row_count``: the forward reads the scored rows' device count (the API's rows with check_values=False)."""
-    sms = SM_COUNT[arch]
     hidden, weight, targets, b, per_token, grad_logp = _inputs(dtype, bias=bias)
     D, V = hidden.shape[1], weight.shape[0]
     lora, grad_lora = None, (None, None)
@@ -213,20 +217,20 @@ def layer1_launches(
     )
     grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
-    cfg = kconfig.gpu_forward_config(dtype, sms, arch)
-    with recording(forward, "_forward_kernel") as launches:
+    cfg = kconfig.gpu_record_config(dtype, arch, softcap is not None or lora is not None)
+    with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel") as merges:
         row_counts = torch.tensor([hidden.shape[0] // 2], dtype=torch.int32) if row_count else None
         forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora, row_counts)
-    out += [("fwd", launches[0])]
+    out += [("fwd", launches[0]), ("fwd merge", merges[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.head.backends chooses
-    cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue)
+    cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue, arch, lora is not None)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
         backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
                                   torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg,
                                   lora, grad_lora)  # fmt: skip
     out += [("bwd chunked", launches[0])]
-    cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue)
+    cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue, arch)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
             backward.backward_fused(
@@ -329,20 +333,12 @@ def token_loss_launches():
     for name, options, per_token_adv, inputs in TOKEN_LOSS_VARIANTS:
         adv = torch.randn(B, T) if per_token_adv else torch.randn(B)
         options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl="bias-corrected" in name, **options)
+        old_logprobs = None if inputs.get("on_policy") else old
+        sampling = sampler if inputs.get("off_policy") else None
+        batch = token_loss.TokenLossInputs(logp, adv, mask, old_logprobs, ref, sampling, torch.rand(B, T), entropy)
+        threshold = 1.5 if inputs.get("entropy_mask") else None
         with recording(token_loss, "_token_loss_kernel") as launches:
-            token_loss.token_loss(
-                logp,
-                adv,
-                mask,
-                None if inputs.get("on_policy") else old,
-                ref,
-                sampler if inputs.get("off_policy") else None,
-                torch.rand(B, T),
-                entropy,
-                options,
-                scale=0.25,
-                entropy_threshold=1.5 if inputs.get("entropy_mask") else None,
-            )
+            token_loss.token_loss(batch, options, scale=0.25, entropy_threshold=threshold)
         out.append((f"token_loss {name}", launches[0]))
     return out
 
@@ -370,7 +366,7 @@ DIVERGENCE_VARIANTS = tuple(
 ) + (
     ("div bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
     ("div fp32 beta=1 +bias +softcap", torch.float32, dict(beta=1.0, bias=True, softcap=30.0)),
-    # the combined GRPO + distillation head (grpo_fast/teacher_head.py): the forward's target gather, layer 1's
+    # the combined GRPO + distillation head (grpo_fast.distillation.teacher): the forward's target gather, layer 1's
     # term in the backward (with and without the entropy's gradient)
     ("div bf16 beta=1 +loss", torch.bfloat16, dict(beta=1.0, layer1="logp")),
     ("div bf16 beta=0.5 +loss +entropy", torch.bfloat16, dict(beta=0.5, layer1="entropy")),
@@ -393,23 +389,25 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
     ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
     bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
-    transforms = (
-        LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5),
-        LogitTransform(0.7, softcap, 1.0),
-    )
+    student = ModelHead(hs, ws, bs, LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5))
+    teacher = ModelHead(ht, wt, bt, LogitTransform(0.7, softcap, 1.0))
     out = []
     with recording(kdivergence, "_sweep_kernel") as sweeps:
-        run_s, run_t, jsd_sweep, _ = kdivergence.records(
-            hs, ws, bs, ht, wt, bt, beta, *transforms, targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
-            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]))  # fmt: skip
-        kdivergence.divergence_torch.finish(run_s, run_t, beta, jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
+        sweep = kdivergence.records(
+            student,
+            teacher,
+            beta,
+            targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
+            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]),
+        )
+        finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
     # the record sweep, then the JSD sweep (where 0 < beta < 1): one kernel, two modes
     out += [("div jsd" if launch.kwargs["JSD"] else "div fwd", launch) for launch in sweeps]
-    saved = torch.zeros(len(kdivergence.divergence_torch.SAVED_FIELDS), N)
+    saved = torch.zeros(len(SAVED_FIELDS), N)
     argmax = torch.zeros(2, N, dtype=torch.int64)
-    layer1_args = None
+    layer1_term = None
     if layer1:
-        layer1_args = (
+        layer1_term = kdivergence.Layer1Gradient(
             torch.zeros(N, dtype=torch.int64),
             torch.zeros(len(BackwardStats._fields), N),
             torch.ones(N),
@@ -418,21 +416,14 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     with recording(kdivergence, "_backward_kernel") as bwd:
         kdivergence.backward(
             torch.ones(N),
-            hs,
-            ws,
-            bs,
-            ht,
-            wt,
-            bt,
+            student,
+            teacher,
             saved,
             argmax,
             beta,
-            *transforms,
-            torch.empty(N, Ds),
-            torch.zeros(V, Ds),
-            torch.zeros(V) if bias else None,
+            (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None),
             config=kdivergence.gpu_backward_config(dtype, layer1 is not None),
-            layer1=layer1_args,
+            layer1=layer1_term,
         )
     return out + [("div bwd", bwd[0])]
 
@@ -471,6 +462,7 @@ def compile_all(archs):
         for name, family, dtype, launch in all_launches(arch):
             signature, constexprs, attrs, options = specialise(launch)
             row = {
+                "descriptors": sum(v.startswith("tensordesc") for v in signature.values()),
                 "arch": arch,
                 "kernel": name,
                 "family": family,
@@ -504,17 +496,6 @@ def compile_all(archs):
     return rows
 
 
-def forward_ctas_table(rows):
-    """config.FORWARD_CTAS_PER_SM as these rows give it: per (arch, dtype), the fewest CTAs per SM of any forward
-    variant of that dtype (its launch configuration is one per dtype, whichever constexpr path runs)."""
-    table = {}
-    for r in rows:
-        if r["family"] == "fwd" and not r["error"]:
-            key = (r["arch"], r["dtype"])
-            table[key] = min(table.get(key, r["ctas_per_sm"]), r["ctas_per_sm"])
-    return table
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80], choices=sorted(SMEM_LIMIT))
@@ -527,7 +508,6 @@ def main(argv=None):
         help="a variant spilling at most BYTES (local + stack) is reported, not failed: for an older "
         "Triton's compiler (.ci/run's lowest declared Triton); default 0",
     )
-    parser.add_argument("--table", action="store_true", help="also print config.FORWARD_CTAS_PER_SM as compiled")
     args = parser.parse_args(argv)
     rows = compile_all(args.arch)
     if args.json:
@@ -553,12 +533,6 @@ def main(argv=None):
             f"{r['SHARED'] / 1024:>8.1f} {r['smem_limit'] // 1024:>6} {r['LOCAL'] + r['STACK']:>7} "
             f"{r['tensor_cores']:>5} "
             f"{r['ctas_per_sm']:>6} {r['MEMBAR_GPU']:>5} {r['MEMBAR_CTA']:>3} {r['ATOM']:>4} {r['RED']:>4}  {status}"
-        )
-    if args.table:
-        print(
-            "FORWARD_CTAS_PER_SM = {"
-            + ", ".join(f"({a}, {d!r}): {n}" for (a, d), n in sorted(forward_ctas_table(rows).items()))
-            + "}"
         )
     if bad:
         print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers", file=sys.stderr)

@@ -4,27 +4,28 @@
     div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
                                beta=0.5, temperature=0.9)          # [B, T] fp32, differentiable (student only)
 
-The math (grpo_fast.reference's divergence section is the spec; grpo_fast/divergence_torch.py has the exact
-mergeable records, the formulas and the sweep counts): beta 0 is the forward KL(teacher || student), 1 the reverse
-KL(student || teacher) (TRL's default), in between the generalized JSD beta KL(p_t || m) + (1 - beta) KL(p_s || m),
-m = (1 - beta) p_s + beta p_t. Each model's logits are transformed as TRL does (its own soft-cap and logit scale,
-one temperature for both): config.LogitTransform, one object per model.
+beta 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's default), in between the
+generalized JSD beta KL(p_t || m) + (1 - beta) KL(p_s || m), m = (1 - beta) p_s + beta p_t; grpo_fast.reference's
+divergence section is the spec. Each model's logits get its own soft-cap and logit scale, then one temperature for
+both (TRL's order): one LogitTransform per model.
 
-The boundary with torch is two custom ops (``grpo_fast::divergence_forward``, ``grpo_fast::divergence_backward``)
-with fake implementations and registered autograd: the backward op recomputes both models' tiles and returns the
-student's dH, dW, db; the teacher never gets a gradient. The entropy is the student's, detached (TRL's head marks
-it non-differentiable: the trainer only logs it).
+Here are the checks (named errors before any value is read) and the choice of path; the computation is two custom ops
+(grpo_fast.distillation.ops), or, for vocab-parallel heads, grpo_fast.distillation.parallel. The teacher never gets a
+gradient. The entropy is the student's, detached (TRL's head marks it non-differentiable: the trainer only logs it).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TypedDict
 
-from grpo_fast.distillation import parallel as divergence_parallel
-from grpo_fast.distillation import torch_twin as divergence_torch
-from grpo_fast.head import ops
+import torch
+from typing_extensions import Unpack
+
+from grpo_fast.distillation import ops as divergence_ops
+from grpo_fast.distillation import parallel
 from grpo_fast.head.inputs import (
     FLOAT_DTYPES,
+    BackendName,
     ValueChecks,
     check_head,
     check_mask,
@@ -36,173 +37,19 @@ from grpo_fast.head.inputs import (
     scored_rows,
 )
 from grpo_fast.head.transform import LogitTransform, check_number
-from grpo_fast.kernels import divergence as kdivergence
-from grpo_fast.kernels.config import HEAD_PATHS
-
-
-def _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale):
-    """(student's, teacher's) LogitTransform."""
-    return (
-        LogitTransform(temperature, student_softcap, student_logit_scale),
-        LogitTransform(temperature, teacher_softcap, teacher_logit_scale),
-    )
-
-
-# ----------------------------------------------------------------------------------------------- the ops
-def _forward(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
-                teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
-                beta: float, temperature: float, student_softcap: float | None, teacher_softcap: float | None,
-                student_logit_scale: float, teacher_logit_scale: float, backend: str, student_gemm_dtype: torch.dtype,
-                frozen_head: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """[N, Ds], [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None -> (divergence [N] fp32, student entropy [N] fp32,
-    saved [len(divergence_torch.SAVED_FIELDS), N] fp32, argmax [2, N] int64, J [N, Ds] fp32): the last three for
-    the backward; J = d divergence / d student_hidden with ``frozen_head`` (then the backward is dH = c J, no
-    sweep), else empty. The frozen-head forward is the torch twin's algorithm on every backend (cuBLAS GEMMs on a
-    GPU): divergence_torch.FrozenHead. The student's hidden states and weight enter the GEMMs rounded to
-    ``student_gemm_dtype`` (divergence_and_entropy's)."""
-    transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
-    args = (
-        student_hidden.to(student_gemm_dtype),
-        student_weight.to(student_gemm_dtype),
-        student_bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        beta,
-        *transforms,
-    )
-    if frozen_head:
-        return divergence_torch.forward(*args, frozen_head=True)
-    out = kdivergence.forward(*args) if backend == "triton" else divergence_torch.forward(*args)[:4]
-    return (*out, student_hidden.new_empty(0, dtype=torch.float32))
-
-
-_forward_op = torch.library.custom_op("grpo_fast::divergence_forward", mutates_args=())(_forward)
-
-
-@_forward_op.register_fake
-def _forward_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-                  temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale, backend,
-                  student_gemm_dtype, frozen_head):  # fmt: skip
-    N = student_hidden.shape[0]
-    per_token = student_hidden.new_empty(N, dtype=torch.float32)
-    return (
-        per_token,
-        torch.empty_like(per_token),
-        student_hidden.new_empty((len(divergence_torch.SAVED_FIELDS), N), dtype=torch.float32),
-        student_hidden.new_empty((2, N), dtype=torch.int64),
-        student_hidden.new_empty(student_hidden.shape if frozen_head else (0,), dtype=torch.float32),
-    )
-
-
-def _backward_impl(grad_divergence: torch.Tensor, student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                 student_bias: torch.Tensor | None, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
-                 teacher_bias: torch.Tensor | None, saved: torch.Tensor, argmax: torch.Tensor, beta: float,
-                 temperature: float, student_softcap: float | None, teacher_softcap: float | None,
-                 student_logit_scale: float, teacher_logit_scale: float, backend: str, student_gemm_dtype: torch.dtype,
-                 need_hidden: bool, need_weight: bool,
-                 need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(d student_hidden, d student_weight, d student_bias) in the inputs' dtypes (cast once from the fp32
-    accumulators, whatever ``student_gemm_dtype`` the GEMMs took), each empty (0 elements) where not needed, from
-    dL/d divergence [N]."""
-    transforms = _transforms(temperature, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale)
-    dev = student_hidden.device
-    grad_hidden = torch.zeros(student_hidden.shape, dtype=torch.float32, device=dev) if need_hidden else None
-    grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=dev) if need_weight else None
-    grad_bias = (
-        torch.zeros(student_weight.shape[0], dtype=torch.float32, device=dev)
-        if need_bias and student_bias is not None
-        else None
-    )
-    args = (grad_divergence.float().contiguous(), student_hidden.to(student_gemm_dtype),
-            student_weight.to(student_gemm_dtype), student_bias, teacher_hidden, teacher_weight, teacher_bias, saved,
-            argmax, beta, *transforms, grad_hidden, grad_weight, grad_bias)  # fmt: skip
-    if student_hidden.shape[0] > 0:
-        if backend == "triton":
-            kdivergence.backward(*args)
-        else:
-            divergence_torch.backward(*args)
-
-    def out(grad, like):
-        return grad.to(like.dtype) if grad is not None else like.new_empty(0)
-
-    return (
-        out(grad_hidden, student_hidden),
-        out(grad_weight, student_weight),
-        out(grad_bias, student_bias if student_bias is not None else student_weight),
-    )
-
-
-_backward_op = torch.library.custom_op("grpo_fast::divergence_backward", mutates_args=())(_backward_impl)
-
-
-@_backward_op.register_fake
-def _backward_fake(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                   teacher_bias, saved, argmax, beta, temperature, student_softcap, teacher_softcap,
-                   student_logit_scale, teacher_logit_scale, backend, student_gemm_dtype, need_hidden, need_weight,
-                   need_bias):  # fmt: skip
-    def out(need, like):
-        return torch.empty_like(like) if need and like is not None else student_hidden.new_empty(0)
-
-    return out(need_hidden, student_hidden), out(need_weight, student_weight), out(need_bias, student_bias)
-
-
-def _setup_context(ctx, inputs, output):
-    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, *scalars,
-     frozen_head) = inputs  # fmt: skip
-    _, entropy, saved, argmax, frozen_grad = output
-    ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                          teacher_bias, saved, argmax, frozen_grad)  # fmt: skip
-    ctx.scalars = scalars
-    ctx.frozen_head = frozen_head
-    ctx.mark_non_differentiable(entropy, saved, argmax, frozen_grad)
-
-
-def _backward(ctx, grad_divergence, _grad_entropy, _grad_saved, _grad_argmax, _grad_frozen):
-    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, saved, argmax, \
-        frozen_grad = ctx.saved_tensors  # fmt: skip
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    if grad_divergence is None or not (need_hidden or need_weight or need_bias):
-        return (None,) * 15
-    if ctx.frozen_head:
-        if need_weight or need_bias:
-            raise RuntimeError(
-                "the divergence's frozen-head forward ran (student_weight and student_bias needed no "
-                "gradient then), but the backward asks for one: call it again with head_path='general'"
-            )
-        return ((grad_divergence.float()[:, None] * frozen_grad).to(student_hidden.dtype),) + (None,) * 14
-    backward_op = _backward_impl if ops.runs_inline(ctx.saved_tensors) else _backward_op
-    grads = backward_op(grad_divergence, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                        teacher_bias, saved, argmax, *ctx.scalars, need_hidden, need_weight, need_bias)  # fmt: skip
-    return (grads[0] if need_hidden else None, grads[1] if need_weight else None, grads[2] if need_bias else None) + (
-        None,
-    ) * 12
-
-
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
-_FORWARD_INLINE = ops.inline_function(_forward, _setup_context, _backward)
-
-
-def _divergence_forward(*args):
-    """grpo_fast::divergence_forward, differentiable; inline under a dispatch mode over real tensors, as grpo_fast.ops'
-    ops (a FLOP, allocation or host-sync counter then sees the kernels' own torch ops)."""
-    return _FORWARD_INLINE.apply(*args) if ops.runs_inline(args) else _forward_op(*args)
+from grpo_fast.head.vocab_parallel import VocabShard
+from grpo_fast.kernels.config import HEAD_PATHS, HeadPath
+from grpo_fast.kernels.divergence_records import ModelHead
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, beta, temperature,
-             student_bias, teacher_bias, student_softcap, teacher_softcap, student_logit_scale, teacher_logit_scale,
-             backend, checks, sharded=False):  # fmt: skip
+def _checked(student, teacher, completion_mask, beta, backend, checks, sharded):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
-    with the scored-row count: inputs.scored_rows); returns the resolved backend's name (``sharded``: the weights are
-    this rank's rows of vocab-parallel heads, which may hold none: divergence_parallel)."""
-    B, T, _, V = check_head(
-        ("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias, sharded
-    )
-    Bt, Tt, _, Vt = check_head(
-        ("teacher_hidden", "teacher_weight", "teacher_bias"), teacher_hidden, teacher_weight, teacher_bias, sharded
-    )
+    with the scored-row count: inputs.scored_rows); returns the resolved backend's name. ``student`` and ``teacher``
+    are the public arguments as ModelHeads, their transforms not yet checked; ``sharded``: the weights are this
+    rank's rows of vocab-parallel heads, which may hold none."""
+    B, T, _, V = check_head(("student_hidden", "student_weight", "student_bias"), *student[:3], sharded)
+    Bt, Tt, _, Vt = check_head(("teacher_hidden", "teacher_weight", "teacher_bias"), *teacher[:3], sharded)
     if (Bt, Tt) != (B, T):
         raise ValueError(
             f"teacher_hidden's [B, T] = {[Bt, Tt]} differs from student_hidden's {[B, T]}: both score the same tokens"
@@ -213,21 +60,11 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
         )
     if completion_mask is not None:
         check_tensor("completion_mask", completion_mask)
-    check_same_device(
-        [
-            (name, x)
-            for name, x in (
-                ("student_weight", student_weight),
-                ("student_bias", student_bias),
-                ("teacher_hidden", teacher_hidden),
-                ("teacher_weight", teacher_weight),
-                ("teacher_bias", teacher_bias),
-                ("completion_mask", completion_mask),
-            )
-        ],
-        student_hidden.device,
-        "student_hidden",
+    others = zip(
+        ("student_weight", "student_bias", "teacher_hidden", "teacher_weight", "teacher_bias"),
+        (*student[1:3], *teacher[:3]),
     )
+    check_same_device([*others, ("completion_mask", completion_mask)], student.hidden.device, "student_hidden")
     if completion_mask is not None:
         check_mask(completion_mask, (B, T), checks)
     check_number(
@@ -236,33 +73,73 @@ def _checked(student_hidden, student_weight, teacher_hidden, teacher_weight, com
         lambda v: 0.0 <= v <= 1.0,
         "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
     )
-    check_number("temperature", temperature, lambda v: v > 0, "a positive number")
-    for name, softcap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
-        if softcap is not None:
-            check_number(name, softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
-    for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
-        check_number(name, scale, lambda v: v != 0, "a finite non-zero number")
-    backend = resolve_backend(backend, student_hidden.device)
+    check_number("temperature", student.transform.temperature, lambda v: v > 0, "a positive number")
+    named = (("student", student.transform), ("teacher", teacher.transform))
+    for name, transform in named:
+        if transform.softcap is not None:
+            check_number(
+                f"{name}_softcap", transform.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)"
+            )
+    for name, transform in named:
+        check_number(f"{name}_logit_scale", transform.logit_scale, lambda v: v != 0, "a finite non-zero number")
+    backend = resolve_backend(backend, student.hidden.device)
     backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
     return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
 
 
-def _rows(hidden, rows):
-    """The scored rows [N, D] of hidden [B, T, D] (inputs.Rows), row-contiguous."""
-    h = row_values(hidden.reshape(-1, hidden.shape[-1]), rows)
-    return h if h.stride(-1) == 1 else h.contiguous()
-
-
-def _contiguous(x):
-    return x.contiguous() if x is not None else None
+def _scored(model, rows, detach=False):
+    """The model's scored rows [N, D] (inputs.Rows; row-contiguous), its weight and bias contiguous, its transform's
+    numbers as floats; ``detach``: none of them takes a gradient (the teacher)."""
+    hidden = row_values(model.hidden.reshape(-1, model.hidden.shape[-1]), rows)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight, bias = (x.contiguous() if x is not None else None for x in model[1:3])
+    if detach:
+        hidden, weight, bias = (x.detach() if x is not None else None for x in (hidden, weight, bias))
+    return ModelHead(hidden, weight, bias, LogitTransform.from_floats(*model.transform.as_floats()))
 
 
 # ----------------------------------------------------------------------------------------------- public
-def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, *,
-                           beta=1.0, temperature=1.0, student_bias=None, teacher_bias=None, student_softcap=None,
-                           teacher_softcap=None, student_logit_scale=1.0, teacher_logit_scale=1.0, backend="auto",
-                           head_path="auto", check_values=True, vocab_parallel=None,
-                           student_gemm_dtype=None):  # fmt: skip
+class DivergenceKeywords(TypedDict, total=False):
+    """``divergence``'s keywords (``**keywords: Unpack[DivergenceKeywords]``, PEP 692): those of
+    ``divergence_and_entropy``, which documents them and their defaults; an IDE and a type checker see each name and
+    type."""
+
+    beta: float
+    temperature: float
+    student_bias: torch.Tensor | None
+    teacher_bias: torch.Tensor | None
+    student_softcap: float | None
+    teacher_softcap: float | None
+    student_logit_scale: float
+    teacher_logit_scale: float
+    backend: BackendName
+    head_path: HeadPath
+    check_values: bool
+    vocab_parallel: VocabShard | None
+    student_gemm_dtype: torch.dtype | None
+
+
+def divergence_and_entropy(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    *,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    backend: BackendName = "auto",
+    head_path: HeadPath = "auto",
+    check_values: bool = True,
+    vocab_parallel: VocabShard | None = None,
+    student_gemm_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token divergence between a student and a teacher head, and the student's entropy, without logits.
 
     TRL 1.16's ``DistillationTrainer`` divergence: each model's logit is ``softcap * tanh(logit_scale * (h . W + b)
@@ -306,89 +183,77 @@ def divergence_and_entropy(student_hidden, student_weight, teacher_hidden, teach
         entropy: [B, T] float32, the student's entropy, detached (as TRL's head gives it).
 
     Raises:
-        TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16, or a
-            weight whose dtype is not its hidden states'.
+        TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16, a
+            weight whose dtype is not its hidden states', or a ``student_gemm_dtype`` that is not None, float32,
+            bfloat16 or float16.
         ValueError: a shape that does not match (B, T or V differing between the models), tensors on different
             devices, a mask value other than 0/1 (with ``check_values``), a beta outside [0, 1], a bad
             temperature, soft-cap or logit scale, an unknown ``backend`` or ``head_path``, sizes the Triton
             kernels cannot index, or vocab-parallel heads that are not sharded alike.
-        TypeError: a ``student_gemm_dtype`` that is not None, float32, bfloat16 or float16.
     """
-    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, shard = (
-        divergence_parallel.resolve_pair(
-            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, vocab_parallel
-        )
+    student, teacher, shard = parallel.resolve_pair(
+        ModelHead(
+            student_hidden,
+            student_weight,
+            student_bias,
+            LogitTransform(temperature, student_softcap, student_logit_scale),
+        ),
+        ModelHead(
+            teacher_hidden,
+            teacher_weight,
+            teacher_bias,
+            LogitTransform(temperature, teacher_softcap, teacher_logit_scale),
+        ),
+        vocab_parallel,
     )
     if student_gemm_dtype is not None and student_gemm_dtype not in FLOAT_DTYPES:
         raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {student_gemm_dtype!r}")
-    checks = ValueChecks(check_values, student_hidden, teacher_hidden, completion_mask)
-    backend = _checked(
-        student_hidden,
-        student_weight,
-        teacher_hidden,
-        teacher_weight,
-        completion_mask,
-        beta,
-        temperature,
-        student_bias,
-        teacher_bias,
-        student_softcap,
-        teacher_softcap,
-        student_logit_scale,
-        teacher_logit_scale,
-        backend,
-        checks,
-        sharded=shard is not None,
-    )
+    checks = ValueChecks(check_values, student.hidden, teacher.hidden, completion_mask)
+    backend_name = _checked(student, teacher, completion_mask, beta, backend, checks, sharded=shard is not None)
     if head_path not in HEAD_PATHS:
         raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
     frozen_head = (
         head_path == "auto"
         and torch.is_grad_enabled()
-        and student_hidden.requires_grad
-        and not student_weight.requires_grad
-        and not (student_bias is not None and student_bias.requires_grad)
+        and student.hidden.requires_grad
+        and not student.weight.requires_grad
+        and not (student.bias is not None and student.bias.requires_grad)
     )
-    B, T = student_hidden.shape[:2]
+    B, T = student.hidden.shape[:2]
     rows = scored_rows(completion_mask, checks)
-    teacher = [teacher_hidden, teacher_weight, teacher_bias]
-    teacher = [x.detach() if x is not None else None for x in teacher]
-    if shard is not None:
-        if student_gemm_dtype is not None:
-            student_hidden, student_weight = (x.to(student_gemm_dtype) for x in (student_hidden, student_weight))
-        transforms = _transforms(
-            float(temperature),
-            None if student_softcap is None else float(student_softcap),
-            None if teacher_softcap is None else float(teacher_softcap),
-            float(student_logit_scale),
-            float(teacher_logit_scale),
+    if shard is not None and student_gemm_dtype is not None:
+        # vocab-parallel heads: a differentiable cast of both (the op casts inside, with fp32 gradients)
+        student = student._replace(
+            hidden=student.hidden.to(student_gemm_dtype), weight=student.weight.to(student_gemm_dtype)
         )
-        div, entropy = divergence_parallel.VocabParallelDivergence.apply(
-            _rows(student_hidden, rows), _contiguous(student_weight), _contiguous(student_bias),
-            _rows(teacher[0], rows), _contiguous(teacher[1]), _contiguous(teacher[2]), float(beta), *transforms, shard,
-            frozen_head, backend)  # fmt: skip
-        return scatter_rows(div, rows, (B, T)), scatter_rows(entropy, rows, (B, T)).detach()
-    div, entropy, _, _, _ = _divergence_forward(
-        _rows(student_hidden, rows),
-        _contiguous(student_weight),
-        _contiguous(student_bias),
-        _rows(teacher[0], rows),
-        _contiguous(teacher[1]),
-        _contiguous(teacher[2]),
-        float(beta),
-        float(temperature),
-        None if student_softcap is None else float(student_softcap),
-        None if teacher_softcap is None else float(teacher_softcap),
-        float(student_logit_scale),
-        float(teacher_logit_scale),
-        backend,
-        student_gemm_dtype or student_hidden.dtype,
-        frozen_head,
-    )
+    student, teacher = _scored(student, rows), _scored(teacher, rows, detach=True)
+    if shard is not None:
+        div, entropy = parallel.VocabParallelDivergence.apply(
+            *student[:3],
+            *teacher[:3],
+            float(beta),
+            student.transform,
+            teacher.transform,
+            shard,
+            frozen_head,
+            backend_name,
+        )
+    else:
+        operands = divergence_ops.OpOperands.from_heads(
+            student, teacher, beta, backend_name, student_gemm_dtype or student.hidden.dtype
+        )
+        div, entropy, _, _, _ = divergence_ops.divergence_forward(operands, frozen_head)
     return scatter_rows(div, rows, (B, T)), scatter_rows(entropy, rows, (B, T)).detach()
 
 
-def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask=None, **kwargs):
+def divergence(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    **keywords: Unpack[DivergenceKeywords],
+) -> torch.Tensor:
     """The per-token divergence alone: ``divergence_and_entropy``'s first output.
 
     Args:
@@ -397,15 +262,15 @@ def divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, c
         teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
         teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
         completion_mask: [B, T] bool or 0/1; None: every token.
-        **kwargs: ``divergence_and_entropy``'s keywords.
+        **keywords: ``divergence_and_entropy``'s keywords (DivergenceKeywords), with its defaults.
 
     Returns:
         [B, T] float32, differentiable with respect to the student's hidden states, weight and bias.
 
     Raises:
-        TypeError: as ``divergence_and_entropy``.
+        TypeError: as ``divergence_and_entropy``, or a keyword it does not take.
         ValueError: as ``divergence_and_entropy``.
     """
     return divergence_and_entropy(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **kwargs
+        student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **keywords
     )[0]

@@ -8,19 +8,35 @@ Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G com
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-__all__ = ["SCALE_REWARDS", "group_advantages"]
+__all__ = ["SCALE_REWARDS", "ScaleRewards", "group_advantages"]
 
-SCALE_REWARDS = ("group", "batch", "none")
+# TRL's GRPOConfig.scale_rewards
+ScaleRewards = Literal["group", "batch", "none"]
+SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4):
-    """TRL's advantages: reward minus its group's mean, divided by a std (+ eps); returns (advantages, std).
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: ScaleRewards = "group", eps: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages: each reward minus its group's mean, divided by a std (+ eps).
 
-    ``scale_rewards``: "group" divides by each group's std, "batch" by the std of all rewards, "none" does not
-    divide (Dr. GRPO). ``std`` [B] is the group std ("group", "none") or the batch std ("batch"); a group
-    whose rewards are all equal gets zero advantages, never a NaN.
+    Args:
+        rewards: [B] rewards, prompt by prompt (B a multiple of num_generations).
+        num_generations: G, the completions of each prompt (>= 2).
+        scale_rewards: "group" divides by each group's std, "batch" by the std of all rewards, "none" does not
+            divide (Dr. GRPO).
+        eps: added to the std.
+
+    Returns:
+        (advantages, std), float32 [B]: std is the group's ("group", "none") or the batch's ("batch"); a group whose
+        rewards are all equal gets zero advantages, never a NaN.
+
+    Raises:
+        ValueError: an unknown ``scale_rewards``, or num_generations < 2 or not dividing B.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")

@@ -9,12 +9,16 @@ from dataclasses import dataclass
 import torch
 from typing_extensions import Unpack
 
-from grpo_fast import reference
 from grpo_fast.distillation import teacher as teacher_head
 from grpo_fast.distillation.teacher import Teacher
 from grpo_fast.grpo_loss import ops
 from grpo_fast.grpo_loss.metrics import metric_names
-from grpo_fast.grpo_loss.options import IMPORTANCE_SAMPLING_MODES, LossOptionKeywords, LossOptions
+from grpo_fast.grpo_loss.options import (
+    IMPORTANCE_SAMPLING_MODES,
+    ImportanceSamplingMode,
+    LossOptionKeywords,
+    LossOptions,
+)
 from grpo_fast.grpo_loss.options import check_number as _number
 from grpo_fast.head import inputs
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
@@ -39,7 +43,7 @@ class Metrics(dict):
 # ----------------------------------------------------------------------------------------------- layer 2
 @dataclass(frozen=True)
 class _LossBatch:
-    """Layer 2's per-batch inputs besides the log-probs (README's keyword table); checked once by _check_batch."""
+    """Layer 2's per-batch inputs besides the log-probs, as the caller gave them; checked once by _check_batch."""
 
     advantages: torch.Tensor
     completion_mask: torch.Tensor
@@ -51,17 +55,35 @@ class _LossBatch:
     entropy_threshold: float | None = None
 
 
-def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
-         completion_mask: torch.Tensor, *, bias: torch.Tensor | None = None,
-         old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-         sampling_logprobs: torch.Tensor | None = None, importance_weights: torch.Tensor | None = None,
-         num_items_in_batch: float | torch.Tensor | None = None, entropy_threshold: float | torch.Tensor | None = None,
-         temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
-         options: LossOptions | None = None, head_path: str = "auto", backward_mode: str = "chunked",
-         lora: HeadLora | tuple | None = None, vocab_parallel: VocabShard | None = None, backend: str = "auto",
-         check_values: bool = True, teacher: Teacher | None = None, distillation_coef: float | None = None,
-         distillation_beta: float | None = None,
-         **option_keywords: Unpack[LossOptionKeywords]) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
+def loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    entropy_threshold: float | torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    options: LossOptions | None = None,
+    head_path: str = "auto",
+    backward_mode: str = "chunked",
+    lora: HeadLora | tuple | None = None,
+    vocab_parallel: VocabShard | None = None,
+    backend: str = "auto",
+    check_values: bool = True,
+    teacher: Teacher | None = None,
+    distillation_coef: float | None = None,
+    distillation_beta: float | None = None,
+    **option_keywords: Unpack[LossOptionKeywords],
+) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss (TRL 1.16 semantics) from the policy's last hidden states, without full-vocab logits.
 
     Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1; a
@@ -71,7 +93,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)). With a ``teacher``: RL and
     distillation in one call; the per-token loss gains ``distillation_coef`` times the divergence from the teacher
     (``grpo_fast.divergence``) before the loss type's reduction, computed from the same student tiles as the
-    log-probs (grpo_fast/teacher_head.py), and ``metrics["distillation_loss"]`` is its mean over the scored tokens.
+    log-probs, and ``metrics["distillation_loss"]`` is its mean over the scored tokens.
 
     Args:
         hidden: the policy's last hidden states [B, T, D] (float32, bfloat16 or float16).
@@ -130,8 +152,16 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
     B, T, _, _ = inputs.check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
     lora = inputs.checked_lora(lora, hidden, weight, shard)
     transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
-    batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-                       num_items_in_batch, entropy_threshold)  # fmt: skip
+    batch = _LossBatch(
+        advantages,
+        completion_mask,
+        old_logprobs,
+        ref_logprobs,
+        sampling_logprobs,
+        importance_weights,
+        num_items_in_batch,
+        entropy_threshold,
+    )
     _check_batch(batch, (B, T), hidden.device, "hidden", options, checks)
     backend = inputs.resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
@@ -142,8 +172,8 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
         logp, entropy, div = _with_teacher(
             hidden, weight, targets, bias, teacher, rows, transform, distillation[1], backend
         )
-        prepared = _prepared(batch, options, hidden.device)
-        total, metrics = _token_loss(logp, entropy, prepared, options, backend)
+        prepared = _prepared(logp, entropy, batch, options)
+        total, metrics = _token_loss(prepared, options, backend)
         return _add_distillation(total, metrics, div, distillation[0], prepared, options)
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = logprobs_and_entropy_rows(
@@ -159,7 +189,7 @@ def loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, adva
         shard,
         lora,
     )
-    return _token_loss(logp, entropy, _prepared(batch, options, hidden.device), options, backend)
+    return _token_loss(_prepared(logp, entropy, batch, options), options, backend)
 
 
 def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel):
@@ -232,7 +262,7 @@ def _check_teacher(teacher, hidden, weight, shard):
 
 
 def _with_teacher(hidden, weight, targets, bias, teacher, rows, transform, distillation_beta, backend):
-    """Layer 1 with the teacher's divergence (grpo_fast.distillation.teacher): (logp, entropy, divergence) [B, T] fp32."""
+    """Layer 1 with the teacher's divergence: (logp, entropy, divergence) [B, T] fp32."""
     B, T = targets.shape
     h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
     ht = inputs.row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows)
@@ -259,8 +289,8 @@ def _add_distillation(total, metrics, div, coef, prepared, options):
     gains coef * divergence before the loss type's reduction), metrics["distillation_loss"] the mean divergence over
     the scored tokens (TRL's SDPO trainer logs that mean under this name); ``prepared``: the batch as layer 2 took it
     (``_prepared``)."""
-    mask = prepared.completion_mask.bool()
-    total = total + coef * options.aggregate(div, prepared.completion_mask, prepared.num_items_in_batch)
+    mask = prepared.mask.bool()
+    total = total + coef * options.aggregate(div, prepared.mask, prepared.num_items_in_batch)
     with torch.no_grad():
         metrics["distillation_loss"] = torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1).float()
     return total, metrics
@@ -302,7 +332,7 @@ def token_loss(
         num_items_in_batch: dapo / cispo / vespo's normaliser; None: the mask's sum.
         entropy_threshold: the top-entropy quantile's value, precomputed; or None.
         options: the loss options as one LossOptions, under the option keywords; None: TRL's defaults.
-        backend: "auto", "triton" (the token kernel) or "torch" (the spec's layer 2 with autograd).
+        backend: "auto", "triton" (the token kernel) or "torch" (its torch twin).
         check_values: read the mask's 0/1 check and num_items_in_batch >= 0 in one host synchronisation; False
             reads nothing on the host.
         **option_keywords: the loss options by name, as ``loss``'s.
@@ -323,8 +353,16 @@ def token_loss(
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
     B, T = logprobs.shape
-    batch = _LossBatch(advantages, completion_mask, old_logprobs, ref_logprobs, sampling_logprobs, importance_weights,
-                       num_items_in_batch, entropy_threshold)  # fmt: skip
+    batch = _LossBatch(
+        advantages,
+        completion_mask,
+        old_logprobs,
+        ref_logprobs,
+        sampling_logprobs,
+        importance_weights,
+        num_items_in_batch,
+        entropy_threshold,
+    )
     checks = inputs.ValueChecks(check_values, logprobs, completion_mask)
     _check_batch(batch, (B, T), logprobs.device, "logprobs", options, checks)
     inputs.check_mask(completion_mask, (B, T), checks)
@@ -338,13 +376,8 @@ def token_loss(
             "top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
             "(grpo_fast.logprobs_and_entropy gives it with its gradient)"
         )
-    return _token_loss(
-        logprobs,
-        entropy,
-        _prepared(batch, options, logprobs.device),
-        options,
-        inputs.resolve_backend(backend, logprobs.device),
-    )
+    prepared = _prepared(logprobs, entropy, batch, options)
+    return _token_loss(prepared, options, inputs.resolve_backend(backend, logprobs.device))
 
 
 def _check_batch(batch, shape, device, device_of, options, checks):
@@ -416,10 +449,12 @@ def _check_batch(batch, shape, device, device_of, options, checks):
 _LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
 
 
-def _prepared(batch, options, device):
-    """The batch as layer 2 computes on it: detached fp32 contiguous tensors, [B, 1] weights as [B], no reference
-    log-probs without a KL term, num_items_in_batch and entropy_threshold fp32 scalar tensors on ``device`` (a
-    number is written there, not read back)."""
+def _prepared(logprobs, entropy, batch, options):
+    """The batch as layer 2 computes on it (an ``ops.PreparedBatch``): detached fp32 contiguous tensors but the
+    log-probs and entropy (fp32, their gradient flowing), [B, 1] weights as [B], no reference log-probs without a KL
+    term, num_items_in_batch and entropy_threshold fp32 scalar tensors on the log-probs' device (a number is written
+    there, not read back)."""
+    device = logprobs.device
 
     def fp32(x):
         return x.detach().float().contiguous() if x is not None else None
@@ -435,41 +470,27 @@ def _prepared(batch, options, device):
             return x.detach().reshape(()).to(device=device, dtype=torch.float32)
         return torch.full((), float(x), dtype=torch.float32, device=device)
 
-    return _LossBatch(
-        fp32(batch.advantages),
-        batch.completion_mask.to(torch.float32).contiguous(),
-        fp32(batch.old_logprobs),
-        fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
-        fp32(batch.sampling_logprobs),
-        iw,
-        scalar(batch.num_items_in_batch),
-        scalar(batch.entropy_threshold),
+    return ops.PreparedBatch(
+        logp=logprobs.float(),
+        entropy=entropy.float() if entropy is not None else None,
+        advantages=fp32(batch.advantages),
+        mask=batch.completion_mask.to(torch.float32).contiguous(),
+        old_logprobs=fp32(batch.old_logprobs),
+        ref_logprobs=fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
+        sampling_logprobs=fp32(batch.sampling_logprobs),
+        importance_weights=iw,
+        num_items_in_batch=scalar(batch.num_items_in_batch),
+        entropy_threshold=scalar(batch.entropy_threshold),
     )
 
 
-def _token_loss(logprobs, entropy, batch, options, backend):
-    """Layer 2 on checked inputs: the token-loss op (grpo_fast.ops.token_loss) by ``backend``'s token loss (the
-    token kernel, or its torch twin grpo_fast/token_loss_torch.py); the metrics a Metrics dict of fp32 device
-    scalars. ``batch``: the per-batch inputs as ``_prepared`` gives them."""
-    logp = logprobs.float()
-    entropy = entropy.float() if entropy is not None else None
-    total, metric_values, _, _ = ops.token_loss(
-        logp,
-        entropy,
-        batch.advantages,
-        batch.completion_mask,
-        batch.old_logprobs,
-        batch.ref_logprobs,
-        batch.sampling_logprobs,
-        batch.importance_weights,
-        batch.num_items_in_batch,
-        batch.entropy_threshold,
-        ops.options_json(options),
-        backend.name,
-    )
-    metrics = Metrics(zip(metric_names(options, entropy is not None), metric_values.detach().unbind(0)))
-    metrics.logprobs = logp.detach()
-    metrics.entropies = entropy.detach() if entropy is not None else None
+def _token_loss(prepared, options, backend):
+    """Layer 2 on checked, prepared inputs (``_prepared``): the token-loss op by ``backend``'s token loss (the token
+    kernel or its torch twin); the metrics a Metrics dict of fp32 device scalars."""
+    total, metric_values, _, _ = ops.token_loss(prepared, options, backend.name)
+    metrics = Metrics(zip(metric_names(options, prepared.entropy is not None), metric_values.detach().unbind(0)))
+    metrics.logprobs = prepared.logp.detach()
+    metrics.entropies = prepared.entropy.detach() if prepared.entropy is not None else None
     return total, metrics
 
 
@@ -477,7 +498,7 @@ def sampling_importance_weights(
     old_logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,
     completion_mask: torch.Tensor,
-    mode: str = "sequence_mask",
+    mode: ImportanceSamplingMode = "sequence_mask",
     clip_max: float | None = 3.0,
     clip_min: float | None = None,
 ) -> torch.Tensor:
@@ -533,6 +554,19 @@ def sampling_importance_weights(
         raise ValueError(f"clip_min ({clip_min}) must be less than clip_max ({clip_max})")
     if mode.endswith("truncate") and clip_min is None and clip_max is None:
         raise ValueError(f"mode={mode!r} needs clip_min or clip_max")
-    return reference.sampling_importance_weights(
-        old_logprobs.detach(), sampling_logprobs.detach(), completion_mask, mode, clip_max, clip_min
-    )
+    # a token the sampler could not score (NaN) and a masked one carry no correction: a log-ratio of 0 (TRL's
+    # nan_to_num of the masked difference)
+    log_ratio = old_logprobs.detach().float() - sampling_logprobs.detach().float()
+    log_ratio = torch.nan_to_num(torch.where(completion_mask.bool(), log_ratio, 0.0), nan=0.0)
+    level, action = mode.split("_")  # TRL's modes: ("token" | "sequence") _ ("truncate" | "mask")
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = log_ratio.exp()
+    if action == "truncate":
+        return ratio.clamp(min=clip_min, max=clip_max)
+    outside = torch.zeros_like(ratio, dtype=torch.bool)
+    if clip_min is not None:
+        outside |= ratio < clip_min
+    if clip_max is not None:
+        outside |= ratio > clip_max
+    return torch.where(outside, 0.0, ratio)

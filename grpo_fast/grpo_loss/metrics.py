@@ -1,17 +1,16 @@
-"""The loss's metrics, built once for the spec (grpo_fast.reference) and both layer-2 implementations (the token
-kernel and its torch twin, grpo_fast/token_loss_torch.py) from one number per sequence and statistic
-(grpo_fast.kernels.loss_statistics names them), under TRL 1.16's names and reductions.
+"""The loss's metrics under TRL 1.16's names, reduced from one value per sequence of each statistic that the token
+kernel or its torch twin returns (``grpo_fast.kernels.loss_statistics`` names them).
 
-A statistic's per-sequence value (``RowValues``) is either the masked sum of a per-token quantity over the sequence
-(a [B, T] quantity) or the sequence's own value (a [B, 1] quantity: the sequence-level ratio, its clip indicators,
-VESPO's phi with per-sequence advantages). TRL's reductions of them:
-    mean                  TRL's global masked mean: sum over sequences / the batch's tokens ([B, T] quantities) or
-                          / B ([B, 1] quantities)
+A statistic's per-sequence value (``RowValues``) is the masked sum of a per-token quantity, or the sequence's own
+value of a quantity that has one per sequence (the sequence-level ratio, its clip indicators with per-sequence
+advantages, VESPO's phi with per-sequence advantages). A metric's reduction (``Metric.reduce``):
+    mean                 TRL's global masked mean: the sum over sequences / the batch's tokens, or / B for values that
+                         are one per sequence
     min / max_over_sequences   TRL's nanmin / nanmax over sequences of each sequence's masked mean (the value itself
-                          for [B, 1] quantities); a sequence without tokens has none (NaN in TRL), and with none at
-                          all the metric is NaN
-Which metrics a call logs, and in what order, is ``logged_metrics``: every loss type's ``kl``, ``entropy``,
-``policy_loss`` and ``ratio_mean``, and its record's own (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS).
+                         when it is one per sequence); a sequence without tokens has none, and with none at all the
+                         metric is NaN
+``logged_metrics`` says which metrics a call logs, in order: every loss type's ``kl``, ``entropy``, ``policy_loss``
+and ``ratio_mean``, and its record's own.
 """
 
 from __future__ import annotations
@@ -65,19 +64,22 @@ def metric_names(options, has_entropy: bool) -> list[str]:
     return [metric.name for metric in logged_metrics(options, has_entropy)]
 
 
-def row_values(x, mask):
-    """The spec's statistic: x [B, T] (masked sum per sequence) or [B, 1] (the sequence's own value; TRL's
-    test is the shape, so with T = 1 every quantity counts as one per sequence)."""
-    x = x.detach().float()
-    if x.shape[1] == 1:
-        return RowValues(x.squeeze(1), per_sequence=True)
-    return RowValues((x * mask).sum(-1))
-
-
 def loss_metrics(options, rows, counts, policy_loss=None):
-    """{TRL's metric name: detached fp32 scalar} for ``options`` (a LossOptions) from ``rows`` ({statistic:
-    RowValues}: "ratio", "kl" with beta != 0, "entropy" when given, and those the loss type's metrics name) and
-    ``counts`` [B], each sequence's token count. ``policy_loss``: the loss before the entropy bonus."""
+    """The metrics of ``logged_metrics``, reduced from the per-sequence statistics, without a host read.
+
+    Args:
+        options: a ``grpo_fast.LossOptions``.
+        rows: ``{statistic: RowValues}``: "ratio", "kl" with beta != 0, "entropy" when given, and those the loss
+            type's metrics name.
+        counts: each sequence's token count [B].
+        policy_loss: the loss before the entropy bonus (a scalar tensor), logged with ``entropy_coef != 0``.
+
+    Returns:
+        ``{TRL's metric name: detached fp32 scalar tensor}``, in ``logged_metrics``' order.
+
+    Raises:
+        ValueError: a metric of the loss type's record has a reduction this function does not know.
+    """
     counts = counts.detach().float()
     tokens = counts.sum().clamp(min=1.0)
 

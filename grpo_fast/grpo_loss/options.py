@@ -1,21 +1,18 @@
-"""The loss's options, once: TRL 1.16.0 ``GRPOConfig``'s names and defaults, validated in one place.
+"""The loss's options and loss-type records: TRL 1.16.0 ``GRPOConfig``'s names and defaults, checked once.
 
-``LossOptions`` is what every layer-2 implementation takes (the spec ``grpo_fast.reference``, the Triton token
-kernel's launcher and its torch twin ``grpo_fast.grpo_loss.torch_twin``, the benchmark, the examples).
-``grpo_fast.loss`` and ``grpo_fast.token_loss`` also take the same names as keyword arguments, TRL style, typed for
-IDEs and type checkers by ``LossOptionKeywords`` (PEP 692: ``**option_keywords: Unpack[LossOptionKeywords]``; a test
-keeps its names and types those of ``LossOptions``, whose defaults are the only ones), and turn them into a
-``LossOptions`` with ``resolve``, as the spec does its ``**loss_options``: an unknown name is a ``TypeError`` that
-says which names exist.
+``LossOptions`` is what every layer-2 implementation takes (the spec, the token kernel's launcher, its torch twin).
+``grpo_fast.loss`` and ``grpo_fast.token_loss`` take the same names as keywords, typed by ``LossOptionKeywords``
+(PEP 692), and turn them into a ``LossOptions`` with ``resolve``: an unknown name is a ``TypeError`` that lists them.
+Each enumeration is a ``Literal`` (``LossTypeName``, ``ImportanceSamplingLevel``, ...); its runtime tuple
+(``LOSS_TYPES``, ...) is derived from it.
 
-Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term, its normaliser and
-its metrics. The spec (grpo_fast.reference), the token kernel's launcher, the torch layer 2
-(grpo_fast.grpo_loss.torch_twin), ``LossOptions.denominator`` and ``aggregate`` and the metrics builder
-(grpo_fast.grpo_loss.metrics) read it and raise on a value they do not know, so a new loss type is its record plus, if it
-brings a new family of term, that term's formula in the spec, in the kernel and in the torch layer 2.
+Each loss type is one ``LossType`` record (``LOSS_TYPE_RECORDS``): its family of per-token term (a ``PolicyTerm``:
+the formula's name and the facts its readers need besides the formula), its normaliser and its metrics. The readers
+raise on a value they do not know, so a new loss type is its record, plus its term's formula in the spec, the token
+kernel and the torch twin when it brings a new family.
 
 The per-batch inputs (old / reference / sampler log-probs, importance weights, ``num_items_in_batch``,
-``entropy_threshold``) are not options: they are arguments of the functions.
+``entropy_threshold``) are arguments of the functions, not options.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import dataclasses
 import difflib
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict, get_args
 
 from grpo_fast.head.transform import check_number
 from grpo_fast.kernels.loss_statistics import STATISTICS
@@ -32,17 +29,44 @@ from grpo_fast.kernels.loss_statistics import STATISTICS
 if TYPE_CHECKING:
     import torch
 
+# The enumerations, each listed once: the Literal is what a type checker sees, the tuple what the checks read
+LossTypeName = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+# TRL's vllm_importance_sampling_mode (grpo_fast.sampling_importance_weights)
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+# what a per-token term's derivative is taken with respect to (PolicyTerm.gradient_wrt)
+GradientWrt = Literal["ratio", "logprob"]
+# a loss type's divisor (LossType.normaliser; LossOptions.denominator says each)
+Normaliser = Literal["sequences", "tokens", "max_completion_length", "num_items_in_batch"]
+# how a metric reduces its per-sequence values (Metric.reduce)
+MetricReduction = Literal["mean", "min_over_sequences", "max_over_sequences"]
+
+LOSS_TYPES: tuple[str, ...] = get_args(LossTypeName)
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
+IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = get_args(ImportanceSamplingMode)
+GRADIENT_WRT: tuple[str, ...] = get_args(GradientWrt)
+NORMALISERS: tuple[str, ...] = get_args(Normaliser)
+METRIC_REDUCTIONS: tuple[str, ...] = get_args(MetricReduction)
+
 
 @dataclass(frozen=True)
 class Metric:
-    """One metric a loss type logs: TRL's ``name``, from the per-sequence values of ``statistic`` (one of
-    grpo_fast.kernels.loss_statistics.STATISTICS), reduced by grpo_fast.grpo_loss.metrics by ``reduce``: "mean" (TRL's global
-    masked mean: over tokens, or over sequences for a value with one per sequence), "min_over_sequences" /
-    "max_over_sequences" (TRL's nanmin / nanmax of each sequence's mean)."""
+    """One metric a loss type logs, under TRL's name, reduced from one value per sequence of a statistic.
+
+    Attributes:
+        name: the metric's name (TRL's).
+        statistic: the per-sequence statistic it reads, one of ``grpo_fast.kernels.loss_statistics.STATISTICS``.
+        reduce: one of ``METRIC_REDUCTIONS``: "mean" (TRL's global masked mean: over tokens, or over sequences for a
+            value with one per sequence), "min_over_sequences" / "max_over_sequences" (TRL's nanmin / nanmax of each
+            sequence's mean). The metrics' readers raise on another.
+
+    Raises:
+        ValueError: ``statistic`` is not one of the statistics.
+    """
 
     name: str
     statistic: str
-    reduce: str = "mean"
+    reduce: MetricReduction = "mean"
 
     def __post_init__(self):
         if self.statistic not in STATISTICS:
@@ -54,18 +78,30 @@ class Metric:
 
 @dataclass(frozen=True)
 class PolicyTerm:
-    """A family of per-token term: its ``formula`` (written once in the spec and once in the token kernel, which
-    dispatch on this name: "clipped", PPO's -min(r A, clamp(r, 1 - eps, 1 + eps_high) A), "cispo", "sapo",
-    "vespo") and the facts about it that the readers need besides the formula.
+    """A family of per-token term: the name of its formula and the facts about it that its readers need.
 
-    ``gradient_wrt``: what the term's derivative is taken with respect to: "ratio" (a function of r: dpg/dr, chained
-    through r, the sequence ratio at sequence level) or "logprob" (-stopgrad(c) A logp: dpg/dlogp directly).
-    ``importance_weights_in_term``: the importance weights enter the term itself (vespo's log W: per-token [B, T]
-    weights only, read at padding too, as TRL) instead of multiplying it.
+    Attributes:
+        formula: the name the spec, the token kernel and the torch twin dispatch on: "clipped" (PPO's
+            -min(r A, clamp(r, 1 - eps, 1 + eps_high) A)), "cispo", "sapo" or "vespo".
+        options: the ``LossOptions`` attributes the formula reads beyond those every family reads (``clip_high``
+            is epsilon_high as TRL resolves it); the clip indicators use ``delta`` only for a family that reads it.
+        gradient_wrt: what the term's derivative is taken with respect to: "ratio" (dpg/dr, chained through r, the
+            sequence ratio at sequence level) or "logprob" (a term -stopgrad(c) A logp: dpg/dlogp directly).
+        gamma_weighted: the term is weighted by VESPO's gamma weight phi of the sequence's log W: its readers
+            compute log W and phi, and return phi as the "phi" statistic.
+        importance_weights_in_term: the importance weights enter the term, in phi's log W (per-token [B, T] weights
+            only, summed over padding too, as TRL's), instead of multiplying it.
+
+    Raises:
+        ValueError: ``gradient_wrt`` is not one of ``GRADIENT_WRT``; ``gamma_weighted`` or
+            ``importance_weights_in_term`` is not a bool; importance weights in a term without phi (nothing would
+            read them).
     """
 
     formula: str
-    gradient_wrt: str = "ratio"
+    options: tuple[str, ...] = ()
+    gradient_wrt: GradientWrt = "ratio"
+    gamma_weighted: bool = False
     importance_weights_in_term: bool = False
 
     def __post_init__(self):
@@ -73,43 +109,56 @@ class PolicyTerm:
             raise ValueError(
                 f"policy term {self.formula!r}: gradient_wrt must be one of {GRADIENT_WRT}, got {self.gradient_wrt!r}"
             )
-        if not isinstance(self.importance_weights_in_term, bool):
+        for name in ("gamma_weighted", "importance_weights_in_term"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"policy term {self.formula!r}: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.importance_weights_in_term and not self.gamma_weighted:
             raise ValueError(
-                f"policy term {self.formula!r}: importance_weights_in_term must be a bool, got "
-                f"{self.importance_weights_in_term!r}"
+                f"policy term {self.formula!r} puts the importance weights in its term, but the term has no "
+                "gamma weight phi whose log W would read them (gamma_weighted=False)"
             )
 
 
-# what a per-token term's derivative is taken with respect to (PolicyTerm.gradient_wrt)
-GRADIENT_WRT = ("ratio", "logprob")
-# TRL 1.16's families of per-token term
+# TRL 1.16's families of per-token term, by formula
 POLICY_TERMS = {
     term.formula: term
     for term in (
-        PolicyTerm("clipped"),
-        PolicyTerm("cispo", gradient_wrt="logprob"),
-        PolicyTerm("sapo"),
-        PolicyTerm("vespo", gradient_wrt="logprob", importance_weights_in_term=True),
+        PolicyTerm("clipped", options=("epsilon", "clip_high", "delta")),
+        PolicyTerm("cispo", options=("clip_high",), gradient_wrt="logprob"),
+        PolicyTerm("sapo", options=("sapo_temperature_pos", "sapo_temperature_neg")),
+        PolicyTerm(
+            "vespo",
+            options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+            gradient_wrt="logprob",
+            gamma_weighted=True,
+            importance_weights_in_term=True,
+        ),
     )
 }
 
 
 @dataclass(frozen=True)
 class LossType:
-    """Everything about a loss type outside its formula; the spec, the token kernel's launcher and the metrics
-    builder read it, and each raises on a value it does not know.
+    """Everything about a loss type outside its formula; the spec, the token kernel's launcher, its torch twin and
+    the metrics builder read it, and each raises on a value it does not know.
 
-    ``policy_term``: the family of per-token term (a ``PolicyTerm``: its formula and how it uses importance weights
-    and what its gradient is taken against).
-    ``normaliser``: the loss's divisor (``LossOptions.denominator``): "sequences" (B), "tokens" (the mask's sum),
-    "max_completion_length" (B x max_completion_length), "num_items_in_batch" (default: the mask's sum).
-    ``row_mean``: each sequence's token sum is first divided by its own token count.
-    ``metrics``: the loss type's own metrics, beyond the ones every type logs (kl, entropy, ratio_mean, policy_loss).
+    Attributes:
+        name: the loss type's name (``LossOptions.loss_type``).
+        policy_term: its family of per-token term (a ``PolicyTerm``).
+        normaliser: the loss's divisor (``LossOptions.denominator``), one of ``NORMALISERS``: "sequences" (B),
+            "tokens" (the mask's sum), "max_completion_length" (B x max_completion_length), "num_items_in_batch"
+            (default: the mask's sum).
+        row_mean: each sequence's token sum is first divided by its own token count.
+        metrics: the loss type's own metrics, beyond the ones every type logs (kl, entropy, policy_loss,
+            ratio_mean).
+
+    Raises:
+        TypeError: ``policy_term`` is not a PolicyTerm.
     """
 
     name: str
     policy_term: PolicyTerm
-    normaliser: str
+    normaliser: Normaliser
     row_mean: bool = False
     metrics: tuple[Metric, ...] = ()
 
@@ -128,7 +177,7 @@ CLIP_METRICS = (
     Metric("clip_ratio/high_max", "high", "max_over_sequences"),
 )
 
-# TRL 1.16's loss types (GRPOTrainer._compute_loss), one record each
+# TRL 1.16's loss types (GRPOTrainer._compute_loss), one record each, in LossTypeName's order
 _CLIPPED, _CISPO, _SAPO, _VESPO = POLICY_TERMS.values()
 LOSS_TYPE_RECORDS = {
     record.name: record
@@ -143,15 +192,11 @@ LOSS_TYPE_RECORDS = {
         LossType("vespo", _VESPO, "num_items_in_batch", metrics=(Metric("vespo/phi_seq_mean", "phi"),)),
     )
 }
-LOSS_TYPES = tuple(LOSS_TYPE_RECORDS)
 # normalised by num_items_in_batch (the tokens of the whole gradient-accumulation window): a training loop sums
 # those losses over its micro-batches, and averages the others
 NUM_ITEMS_LOSS_TYPES = tuple(
     name for name, record in LOSS_TYPE_RECORDS.items() if record.normaliser == "num_items_in_batch"
 )
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-# TRL's vllm_importance_sampling_mode values (grpo_fast.sampling_importance_weights)
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _at_least_one(count):
@@ -167,12 +212,12 @@ class LossOptions:
     keywords.
 
     Attributes:
-        loss_type: one of ``LOSS_TYPES``: "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo".
+        loss_type: the loss type, one of ``LOSS_TYPES`` (``LossTypeName``).
         beta: the KL coefficient (k3 estimator); non-zero needs ``ref_logprobs``.
         epsilon: the lower clip offset: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (>= 0).
         epsilon_high: the upper clip offset (>= 0; cispo's cap on the ratio); None: ``epsilon``.
         delta: two-sided clipping: the ratio is also capped at delta; None: no cap.
-        importance_sampling_level: "token" (per-token ratios) or "sequence" (GSPO).
+        importance_sampling_level: "token" (per-token ratios) or "sequence" (GSPO): ``ImportanceSamplingLevel``.
         max_completion_length: dr_grpo's normaliser (a positive int).
         sapo_temperature_pos: sapo's gate temperature for positive advantages.
         sapo_temperature_neg: sapo's gate temperature for the others.
@@ -193,12 +238,12 @@ class LossOptions:
             top_entropy_quantile outside [0, 1].
     """
 
-    loss_type: str = "dapo"
+    loss_type: LossTypeName = "dapo"
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
     delta: float | None = None
-    importance_sampling_level: str = "token"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
     max_completion_length: int = 512
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
@@ -216,7 +261,8 @@ class LossOptions:
             raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPE_RECORDS)}, got {self.loss_type!r}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
-                f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
+                f"{self.importance_sampling_level!r}"
             )
         for name in (
             "beta",
@@ -380,12 +426,12 @@ class LossOptionKeywords(TypedDict, total=False):
     [LossOptions][grpo_fast.LossOptions] field of that name (its meaning; its default, TRL's); a keyword left out
     keeps the default, or the value in the call's ``options``."""
 
-    loss_type: str
+    loss_type: LossTypeName
     beta: float
     epsilon: float
     epsilon_high: float | None
     delta: float | None
-    importance_sampling_level: str
+    importance_sampling_level: ImportanceSamplingLevel
     max_completion_length: int
     sapo_temperature_pos: float
     sapo_temperature_neg: float

@@ -1,18 +1,14 @@
-"""The "torch" backend of layer 2: the token kernel's algebra (grpo_fast/kernels/token_loss.py, whose docstring has
-the math) in PyTorch on whole [B, T] tensors, for any torch device.
+"""The token kernel's torch twin: layer 2's algebra on whole [B, T] tensors, for any torch device.
 
-It is the kernel's twin, as grpo_fast/torch_backend.py is layer 1's: the same contract as the kernel's launcher
-(``token_loss``: dL/dlogp, the entropy bonus's token mask and the per-sequence statistics of
-grpo_fast.kernels.loss_statistics), computed the same way: the rows' sums first (token count, log-ratio sum, VESPO's log W,
-the sampler's KL), then per token the importance ratio, the policy weight (importance weights, off-policy and
-top-entropy masks), the loss type's term with its closed-form derivative (dpg/dr chained through r, or dpg/dlogp,
-by the record's ``gradient_wrt``), the KL term and the clip indicators. Autograd never differentiates it: the custom
-op (grpo_fast.ops.token_loss) applies dL/dlogp in its backward, for both backends. The spec
-(grpo_fast.reference.token_loss) is the readable eager formula both are tested against.
+The same contract as the kernel's launcher (``grpo_fast.kernels.token_loss.token_loss``, whose module docstring has
+the math) and computed the same way: the rows' sums first (token count, log-ratio sum, phi's log W, the sampler's
+KL), then per token the importance ratio, the policy weight (importance weights, off-policy and top-entropy masks),
+the family's term with its closed-form derivative (by the record's ``gradient_wrt``), the KL term and the clip
+indicators. Autograd never differentiates it: the token-loss op applies dL/dlogp in its backward.
 
-No value is read on the host and nothing is selected by a boolean (``torch.where`` over static shapes): it runs
-under torch.compile, FakeTensorMode and on meta tensors. Masked tokens contribute exactly zero, whatever their
-values; NaN propagates as in the spec (torch's min / max / clamp).
+Nothing is read on the host and nothing is selected by a boolean (``torch.where`` over static shapes): it runs under
+torch.compile, FakeTensorMode and on meta tensors. Masked tokens contribute exactly zero, whatever their values; NaN
+propagates as in the spec (torch's min / max / clamp).
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ from grpo_fast.kernels.loss_statistics import returned_statistics
 
 LOG_W_FLOOR = math.log(1e-8)  # TRL's clamps of VESPO's log W and of each log-ratio in it
 LOG_RATIO_CAP = 20.0
-# an upper bound of the [B, T] fp32 temporaries alive at once, every option on (grpo_fast.ops.workspace_bytes;
-# tests/test_fake_tensors.py measures the peak under it)
+# an upper bound of the [B, T] fp32 temporaries alive at once, every option on (ops.workspace_bytes; a test measures
+# the peak under it)
 TEMPORARIES = 24
 
 
@@ -65,8 +61,8 @@ def _vespo(r, lp, adv, phi, o):
     return coefficient * lp, coefficient
 
 
-# the families of per-token term, by the record's policy_term.formula; vespo's reads the importance weights (in phi)
-POLICY_TERMS = {"clipped": _clipped, "cispo": _cispo, "sapo": _sapo, "vespo": _vespo}
+# the families of per-token term by the record's policy_term.formula: (r, logp, A, phi, options) -> (pg, dpg)
+TERM_FORMULAS = {"clipped": _clipped, "cispo": _cispo, "sapo": _sapo, "vespo": _vespo}
 
 
 def _gamma_weight(log_w, adv, o):
@@ -78,9 +74,9 @@ def _gamma_weight(log_w, adv, o):
     return torch.where(phi == math.inf, 0.0, phi)
 
 
-def _clip_indicators(r, adv, o):
-    """(low, high, cispo): TRL's clip indicators (low and high of the delta-capped ratio)."""
-    capped = torch.clamp(r, max=o.delta) if o.delta is not None else r
+def _clip_indicators(r, adv, o, delta):
+    """(low, high, cispo): TRL's clip indicators (low and high of the ratio capped at ``delta``, unless None)."""
+    capped = torch.clamp(r, max=delta) if delta is not None else r
     return (
         (capped < 1.0 - o.epsilon) & (adv < 0.0),
         (capped > 1.0 + o.clip_high) & (adv > 0.0),
@@ -93,21 +89,14 @@ def _scalar(x):
     return x.reshape(()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def token_loss(
-    logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale, entropy_threshold
-):
-    """Layer 2 on prepared inputs, the token kernel's launcher's contract (grpo_fast.kernels.token_loss.token_loss).
+def token_loss(inputs, options, *, scale, entropy_threshold):
+    """Layer 2 on prepared inputs: the token kernel's launcher's arguments and returns, in torch.
 
     Args:
-        logp: the policy's log-probs [B, T], fp32 (any float dtype: it computes in this one).
-        advantages: [B] or [B, T].
-        mask: the completion mask [B, T], 0 / 1 in logp's dtype.
-        old: the old policy's log-probs [B, T], or None (on-policy: the ratio is 1, its gradient flows).
-        ref: the reference log-probs [B, T], or None without a KL term.
-        sampler: the off-policy mask's sampler log-probs [B, T] (NaN: not scored), or None without that mask.
-        importance_weights: [B] or [B, T], or None.
-        entropy: the token entropies [B, T], or None.
-        options: a ``grpo_fast.LossOptions``; its loss type's record gives the term, its gradient and its weights.
+        inputs: a ``grpo_fast.kernels.token_loss.TokenLossInputs`` (fp32 here; any float dtype: it computes in
+            logp's).
+        options: the loss options (a ``grpo_fast.LossOptions``); its ``loss_type_record`` gives the family of
+            per-token term and its facts.
         scale: 1 / the loss's denominator: a number or a one-element device tensor.
         entropy_threshold: the top-entropy mask's threshold (a number or a one-element device tensor), or None
             without that mask.
@@ -118,22 +107,16 @@ def token_loss(
         per_sequence)}`` for those of ``grpo_fast.kernels.loss_statistics.returned_statistics``.
 
     Raises:
-        ValueError: the record's policy term is not one of ``POLICY_TERMS``, or it puts the importance weights in
-            a term that does not read them.
+        ValueError: the record's policy term is not one of ``TERM_FORMULAS``.
     """
+    logp, advantages, mask, old, ref, sampler, iw, entropy = inputs
     record = options.loss_type_record
     term = record.policy_term
-    policy_term = POLICY_TERMS.get(term.formula)
-    if policy_term is None:
+    formula = TERM_FORMULAS.get(term.formula)
+    if formula is None:
         raise ValueError(f"loss type {options.loss_type!r} has an unknown policy term {term.formula!r}")
-    if term.importance_weights_in_term and policy_term is not _vespo:
-        raise ValueError(
-            f"loss type {options.loss_type!r} puts the importance weights in its term, but the torch "
-            f"layer 2's {term.formula!r} term does not read them (only 'vespo' does)"
-        )
     sequence = options.sequence_level
     has_kl = ref is not None and options.beta != 0.0
-    iw = importance_weights
     adv = advantages if advantages.dim() == 2 else advantages[:, None]  # [B, T] or [B, 1]
 
     # the rows' sums (the kernel's pass 1); a masked token's values may be anything: zeroed before any arithmetic
@@ -145,7 +128,7 @@ def token_loss(
     log_ratio = lp - (torch.where(active, old, 0.0) if old is not None else lp)
     seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / length)  # [B, 1]
     phi = None
-    if policy_term is _vespo:
+    if term.gamma_weighted:
         log_w = torch.clamp(log_ratio, -LOG_RATIO_CAP, LOG_RATIO_CAP).sum(-1, keepdim=True)
         if iw is not None and term.importance_weights_in_term and iw.dim() == 2:
             # every position, padding included: TRL's sum
@@ -173,7 +156,7 @@ def token_loss(
     # the loss and dL/dlogp: s is each token's share of the normaliser
     row_scale = _scalar(scale) / length if record.row_mean else _scalar(scale) + torch.zeros_like(length)
     s = torch.where(active, row_scale, 0.0)
-    pg, dpg = policy_term(r, lp, adv, phi, options)
+    pg, dpg = formula(r, lp, adv, phi, options)
     per_token = weight * pg
     d_term = s * weight * dpg
     zeros = torch.zeros_like(lp)
@@ -203,17 +186,18 @@ def token_loss(
     if d_ratio is not None:
         grad_logp = grad_logp + d_ratio * seq_ratio * mask / length  # d r_b / d logp_t = r_b m_t / L_b
 
-    # the statistics: masked sums, or the sequence's own value (grpo_fast.kernels.loss_statistics)
+    # the statistics: masked sums, or the sequence's own value
     returned = returned_statistics(
         sequence_level=sequence,
         advantages_per_token=advantages.dim() == 2,
         has_kl=has_kl,
         has_entropy=entropy is not None,
-        has_phi=phi is not None,
+        has_phi=term.gamma_weighted,
     )
-    low, high, cispo = _clip_indicators(r, adv, options)
-    if returned["low"]:  # one value per sequence: the sequence ratio's own indicators
-        low, high, cispo = _clip_indicators(seq_ratio, adv, options)
+    # one value per sequence (a sequence ratio with per-sequence advantages): the sequence ratio's own indicators
+    clip_ratio = seq_ratio if returned["low"] else r
+    delta = options.delta if "delta" in term.options else None  # only a family that reads delta caps the ratio
+    low, high, cispo = _clip_indicators(clip_ratio, adv, options, delta)
     indicators = {"low": low, "high": high, "region": low | high, "cispo": cispo}
 
     def row_sum(x):

@@ -49,11 +49,11 @@ class TritonBackend:
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
         """``row_count``: the kernel computes no block wholly past it (kernels/forward.py's forward_record)."""
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype)
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype, transform.softcap is not None or lora is not None)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
 
     def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype)
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype, transform.softcap is not None)
         return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
 
     def frozen_head_available(self, hidden):
@@ -80,7 +80,7 @@ class TritonBackend:
     def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
                  grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
         wide_epilogue = transform.softcap is not None or grad_entropy is not None
-        cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue)
+        cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue, lora is not None)
         run = kbackward.backward_chunked if backward_mode == "chunked" else kbackward.backward_fused
         run(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden, grad_weight,
             grad_bias, cfg, lora, grad_lora)  # fmt: skip

@@ -11,6 +11,7 @@ nothing is read: the rows are a stable partition of all B x T rows by the mask (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -18,9 +19,10 @@ from torch._subclasses.fake_tensor import is_fake
 from grpo_fast.head import backends
 from grpo_fast.head import lora as head_lora
 from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels.config import FLOAT_DTYPES
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKEND_NAMES = ("auto", "triton", "torch")
+BackendName = Literal["auto", "triton", "torch"]
+BACKEND_NAMES = get_args(BackendName)
 
 
 def check_tensor(name, x):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from grpo_fast.kernels.config import FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class HeadLora:
         for name, x in (("a", self.a), ("b", self.b)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"lora.{name} must be a torch.Tensor, got {type(x).__name__}")
-            if x.dtype not in _FLOAT_DTYPES:
+            if x.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"lora.{name} must be float32, bfloat16 or float16, got {x.dtype}")
             if x.dim() != 2:
                 raise ValueError(

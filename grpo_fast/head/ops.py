@@ -410,15 +410,17 @@ def linear_logprobs_path(
 
 # ----------------------------------------------------------------------------------------------- workspace
 def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False,
-                    backward_mode="chunked", device_type="cuda"):  # fmt: skip
+                    backward_mode="chunked", device_type="cuda", compute_capability=None):  # fmt: skip
     """The bytes a layer-1 op's implementation allocates besides its outputs (its peak extra memory, for a memory
     estimate over fake tensors, whose fake implementations allocate the outputs only), by the launchers' formulas.
 
-    ``op``: "linear_logprobs" (hidden_shape [N, D]; the forward's 5 x splits x N fp32 records, or the frozen head's
+    ``op``: "linear_logprobs" (hidden_shape [N, D]; the forward's partial and merged records, or the frozen head's
     8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows) or
     "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype; the dW
     accumulator's fp32 copy is an output; the fused one allocates nothing more). The torch backend (an estimate, not
-    a launcher's formula): CHUNK_N x CHUNK_V fp32 tiles, about four alive at once."""
+    a launcher's formula): CHUNK_N x CHUNK_V fp32 tiles, about four alive at once. ``compute_capability`` (10 x
+    major + minor): the card the forward's launch is sized for, one this machine need not have; None: the
+    ``device_type`` device's."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     N, D = hidden_shape
     V = vocab_size
@@ -431,8 +433,11 @@ def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", fr
             chunk = gemm.chunk_size(N, D)
             vchunk = kfrozen.vocab_chunk_size(V, D, chunk, itemsize)
             return kfrozen.STATE_ROWS * N * 4 + chunk * vchunk * 4 + min(N, 1024) * D * 4
-        splits, _ = kforward.num_vocab_splits(N, V, kconfig.forward_config(torch.device(device_type), dtype))
-        return 5 * splits * N * 4
+        if compute_capability is not None:
+            config = kconfig.gpu_record_config(dtype, compute_capability)
+        else:
+            config = kconfig.forward_config(torch.device(device_type), dtype)
+        return kforward.workspace_bytes(N, V, True, config)
     if op == "linear_logprobs_backward":
         return gemm.chunk_size(N, D) * V * itemsize if backward_mode == "chunked" else 0
     raise ValueError(f"op must be 'linear_logprobs' or 'linear_logprobs_backward', got {op!r}")

@@ -46,13 +46,13 @@ import triton
 import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
-from .launch import on_first_argument_device
+from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
 from .tile import gemm_scale, gradient_tile, lora_kernel_args, lora_tile, row_coefficients, tile_grad, to_gemm
 
 
 @triton.jit
 def _backward_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
+    hidden, weight, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
     mean_minus_target_ptr, grad_logp_ptr, grad_entropy_ptr,
     g_ptr, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr, coefficient_max_ptr, g_unscale_ptr,
     N, V, D,
@@ -60,7 +60,7 @@ def _backward_kernel(
     inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
     grad_lora_hidden_ptr, grad_lora_weight_ptr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-    FUSED: tl.constexpr, COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    FUSED: tl.constexpr, USE_TMA: tl.constexpr, COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr, SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -97,67 +97,68 @@ def _backward_kernel(
         if not FUSED:
             tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    g = tile_grad(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, targets_ptr, lse_ptr,
-                  nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy, offs_n, offs_v,
-                  n_mask, v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
-                  softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, ENTROPY_GRAD, DOT_FP32, DOT_PRECISION,
-                  LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+    g = tile_grad(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, targets_ptr, lse_ptr,
+                  nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy,
+                  pid_n * BLOCK_N, pid_v * BLOCK_V, offs_n, offs_v, n_mask, v_mask, N, V, D, R, stride_hn, stride_wv,
+                  inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, ENTROPY_GRAD, USE_TMA,
+                  DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D,
+                  BLOCK_R)  # fmt: skip
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     if not FUSED:
         tl.store(g_ptrs, to_gemm(g * g_scale, g_ptr.dtype.element_ty), mask=g_mask)
-        return
-    # the GEMM operand: g scaled and rounded to the input dtype, as the tensor cores take it (the interpreter
-    # then upcasts it for its fp32 dot: the same rounding); every product is unscaled by g_unscale before its atomic
-    g_dot = to_gemm(g * g_scale, hidden_ptr.dtype.element_ty)
-    if DOT_FP32:
-        g_dot = g_dot.to(tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
-        if COMPUTE_DH:
-            w_vd = tl.load(weight_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
-                           mask=v_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-            if DOT_FP32:
-                w_vd = w_vd.to(tl.float32)
-            dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION) * g_unscale
-            tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
-                          mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
-        if COMPUTE_DW:
-            h_nd = tl.load(
-                hidden_ptr + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
-                mask=n_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            if DOT_FP32:
-                h_nd = h_nd.to(tl.float32)
-            dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION) * g_unscale
-            tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
-                          mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
-    # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
-    # of fp32 g here spills registers on sm_90)
-    if COMPUTE_DLH or COMPUTE_DLW:
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = offs_r < R
-            if COMPUTE_DLH:
-                lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
-                dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION) * g_unscale
-                tl.atomic_add(
-                    grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :],
-                    dlh,
-                    mask=n_mask[:, None] & r_mask[None, :],
-                    sem="relaxed",
+    else:
+        # the GEMM operand: g scaled and rounded to the input dtype, as the tensor cores take it (the interpreter
+        # then upcasts it for its fp32 dot: the same rounding); every product is unscaled by g_unscale before its atomic
+        g_dot = to_gemm(g * g_scale, hidden.dtype.element_ty)
+        if DOT_FP32:
+            g_dot = g_dot.to(tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            if COMPUTE_DH:
+                w_vd = tl.load(weight + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
+                               mask=v_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+                if DOT_FP32:
+                    w_vd = w_vd.to(tl.float32)
+                dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION) * g_unscale
+                tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
+                              mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
+            if COMPUTE_DW:
+                h_nd = tl.load(
+                    hidden + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
+                    mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0,
                 )
-            if COMPUTE_DLW:
-                lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
-                dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION) * g_unscale
-                tl.atomic_add(
-                    grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :],
-                    dlw,
-                    mask=v_mask[:, None] & r_mask[None, :],
-                    sem="relaxed",
-                )
+                if DOT_FP32:
+                    h_nd = h_nd.to(tl.float32)
+                dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION) * g_unscale
+                tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
+                              mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
+        # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
+        # of fp32 g here spills registers on sm_90)
+        if COMPUTE_DLH or COMPUTE_DLW:
+            for r0 in range(0, R, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_mask = offs_r < R
+                if COMPUTE_DLH:
+                    lw = lora_tile(lora_weight_ptr, offs_v, v_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
+                    dlh = tl.dot(g_dot, lw, input_precision=DOT_PRECISION) * g_unscale
+                    tl.atomic_add(
+                        grad_lora_hidden_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :],
+                        dlh,
+                        mask=n_mask[:, None] & r_mask[None, :],
+                        sem="relaxed",
+                    )
+                if COMPUTE_DLW:
+                    lh = lora_tile(lora_hidden_ptr, offs_n, n_mask, r0, R, DOT_FP32, BLOCK_R).to(g_dot.dtype)
+                    dlw = tl.dot(tl.trans(g_dot), lh, input_precision=DOT_PRECISION) * g_unscale
+                    tl.atomic_add(
+                        grad_lora_weight_ptr + offs_v[:, None].to(tl.int64) * R + offs_r[None, :],
+                        dlw,
+                        mask=v_mask[:, None] & r_mask[None, :],
+                        sem="relaxed",
+                    )
 
 
 def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
@@ -176,8 +177,11 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
             f"{N} tokens x {V} vocabulary entries make {grid[0] * grid[1]} backward programs; the "
             "kernel numbers them in 32 bits (at most 2^31 - 1): split the batch"
         )
+    # the copy engine's tiles in the chunked mode (the fused one reads H and W rows again through pointers)
+    use_tma = config.use_tma and g is not None and tensor_descriptors_fit(hidden, weight)
     _backward_kernel[grid](
-        hidden, weight, bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
+        tile_operand(hidden, use_tma, config.block_n, config.block_d),
+        tile_operand(weight, use_tma, config.block_v, config.block_d), bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
         stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
         grad_logp, grad_entropy if entropy_grad else dummy,
         g if g is not None else dummy,
@@ -191,7 +195,7 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
         grad_lora_hidden_ptr=grad_lora[0] if grad_lora[0] is not None else dummy,
         grad_lora_weight_ptr=grad_lora[1] if grad_lora[1] is not None else dummy,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_grad,
-        FUSED=g is None, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
+        FUSED=g is None, USE_TMA=use_tma, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
         COMPUTE_DB=grad_bias is not None, COMPUTE_DLH=grad_lora[0] is not None,
         COMPUTE_DLW=grad_lora[1] is not None, SCALE_G=hidden.dtype != torch.float32,
         DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),

@@ -1,21 +1,23 @@
-"""What the linear log-probs kernels share: the caller's choices (head path, backward mode),
-and one launch-configuration type per kernel family (forward, backward, frozen-head tile kernel).
+"""What the linear log-probs kernels share: the caller's choices (head path, backward mode), one
+launch-configuration type per kernel family, and the configurations per GPU architecture.
 
-The GPU configurations are chosen without a GPU by compiling every kernel variant for sm_90 / sm_89 / sm_80 with
-tools/sm_compile.py (run in CI through tests/test_sm_compile.py): each fits the card's shared memory and spills no
-registers; the CTAs per SM they allow size the forward's waves (FORWARD_CTAS_PER_SM). Speed is not tuned yet:
-bench/ does that.
+Each GPU configuration compiles for its architecture within the card's shared memory (tools/sm_compile.py checks
+every variant for sm_90 / sm_89 / sm_80 in CI); the sm_90 tiles of the forward and of the chunked backward are the
+fastest measured on an H200 (bench/results/gpu-h200-2026-11-27/), the others are argued from the compiled code.
 """
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+import triton
 
 # the layer-1 path: "auto" takes the frozen-head path (J = d logp / d hidden built in the forward, two vocabulary
 # sweeps) when only ``hidden`` needs a gradient; "general" always takes the recompute path (three sweeps with a
 # frozen weight: the benchmark's comparison row, and callers whose entropy will be differentiated)
-HEAD_PATHS = ("auto", "general")
+HeadPath = Literal["auto", "general"]
+HEAD_PATHS = get_args(HeadPath)
 # the Triton backward: "chunked" (a Triton kernel writes g per token chunk, cuBLAS does the two gradient GEMMs) or
 # "fused" (one kernel, fp32 atomics, no g buffer); the torch backend has only "chunked"
 BACKWARD_MODES = ("chunked", "fused")
@@ -53,9 +55,20 @@ class _DotTileConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TileRecordConfig(_DotTileConfig):
+    """The layer-1 forward's launch (kernels/forward.py): one program per token block and patch of ``tiles``
+    vocabulary tiles, in groups of ``group_n`` token blocks; ``use_tma``: H and W tiles through tensor descriptors
+    (sm_90 and later), where the tensors allow it."""
+
+    tiles: int
+    group_n: int
+    use_tma: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class ForwardConfig(_DotTileConfig):
-    """kernels/forward.py's launch: logit tiles; the vocabulary is split so that the programs fill whole waves of
-    ``target_programs``, the programs the GPU holds at once (forward.num_vocab_splits)."""
+    """The divergence head's record sweep (kernels/divergence.py): logit tiles; the vocabulary is split so that the
+    programs fill whole waves of ``target_programs``, the programs the GPU holds at once (forward.num_vocab_splits)."""
 
     target_programs: int
 
@@ -63,9 +76,11 @@ class ForwardConfig(_DotTileConfig):
 @dataclass(frozen=True, kw_only=True)
 class BackwardConfig(_DotTileConfig):
     """kernels/backward.py's launch (either mode): gradient tiles; the fused mode with dW runs in groups of
-    ``group_v`` vocabulary tiles (each group walks every token block before the next group starts)."""
+    ``group_v`` vocabulary tiles (each group walks every token block before the next group starts); ``use_tma``:
+    the chunked mode reads H and W tiles through tensor descriptors (sm_90 and later)."""
 
     group_v: int
+    use_tma: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,41 +111,62 @@ def _compiled(device) -> bool:
 _INTERPRETER_TILES = dict(block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, dot_fp32=True)
 
 
-# The CTAs per SM the compiled forward kernel's registers, shared memory and warps allow, per (arch, dtype): the
-# fewest over its constexpr variants. Data produced by ``TRITON_INTERPRET=0 python tools/sm_compile.py --table``;
-# tests/test_sm_compile.py checks that it matches what compiles. Another arch counts one CTA per SM.
-FORWARD_CTAS_PER_SM = {
-    (80, "bf16"): 1,
-    (80, "fp16"): 1,
-    (80, "fp32"): 2,
-    (89, "bf16"): 1,
-    (89, "fp16"): 1,
-    (89, "fp32"): 2,
-    (90, "bf16"): 1,
-    (90, "fp16"): 1,
-    (90, "fp32"): 2,
-}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# the input dtypes every kernel takes (the API checks them)
+FLOAT_DTYPES = tuple(DTYPE_NAMES)
+
+# The forward's tiles per architecture (bf16 / fp16; fp32 takes FP32_TILES everywhere). sm_90: 128 x 256 x 64 tiles on
+# 8 warps (two warpgroups, each a 64 x 256 wgmma), 3 stages, the copy engine: 14.0-14.3 ms for Qwen2.5-1.5B's head
+# at 16k tokens on an H200, 1.2x cuBLAS's bare product, where 128 x 128 took 18.8 and 256 x 128 14.7. sm_80 (A100,
+# 163 KiB of shared memory a block): 128 x 128 through pointers (mma.sync; 128 x 256 spills 24 bytes there, and
+# nothing has measured it). sm_89 (RTX 4090, 99 KiB): a
+# 128 x 128 tile, 4 stages of 64-wide K steps (64 KiB): one CTA an SM (240 registers a thread), so the pipeline's depth
+# is what hides the loads' latency.
+RECORD_TILES = {
+    90: dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, use_tma=True),
+    80: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3, use_tma=False),
+    89: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4, use_tma=False),
+}
+# a soft-cap's tanh and slope, or LoRA's second K loop, keep more values alive per logit: a 256-column tile then
+# spills hundreds of bytes (sm_80, sm_90), so these variants take 128 columns
+WIDE_EPILOGUE_BLOCK_V = 128
+# Triton 3.6's compiler keeps the 256-column tile's record epilogue in registers (183 on sm_90); 3.9's spills 280 bytes
+# there and in the chunked backward (tools/sm_compile.py): other Triton versions take 128 columns (3.7 and 3.8 are
+# not compiled here, so they take the tile known not to spill)
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+COLUMNS_256 = TRITON_VERSION == (3, 6)
+# IEEE fp32 products run on the FMA units, not the tensor cores: short K steps keep registers in bounds
+FP32_TILES = dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2, use_tma=False)
+# 8 token blocks a group (the programs resident at once share their W tiles), one tile a program: measured on the
+# H200 (16 token blocks: the same time; 2 or 4 tiles a program: 4-14 % slower)
+RECORD_GROUP_N = 8
 
 
-def gpu_forward_config(dtype: torch.dtype, sm_count: int, arch: int) -> ForwardConfig:
-    """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90) with
-    ``sm_count`` SMs: one wave is FORWARD_CTAS_PER_SM programs per SM."""
+def gpu_record_config(dtype: torch.dtype, arch: int, wide_epilogue: bool = False) -> TileRecordConfig:
+    """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90); an arch not in
+    RECORD_TILES takes the nearest lower one's (sm_86 takes sm_89's small shared memory; sm_100 sm_90's).
+    ``wide_epilogue``: a soft-cap or LoRA (WIDE_EPILOGUE_BLOCK_V)."""
     if dtype == torch.float32:
-        # IEEE fp32 products run on the FMA units, not the tensor cores: short K steps keep registers in bounds
-        tiles = dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
+        tiles = dict(FP32_TILES)
     else:
-        tiles = dict(block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3)
-    wave = FORWARD_CTAS_PER_SM.get((arch, DTYPE_NAMES[dtype]), 1) * sm_count
-    return ForwardConfig(**tiles, dot_fp32=False, target_programs=wave)
+        known = [a for a in sorted(RECORD_TILES) if a <= arch] or [min(RECORD_TILES)]
+        tiles = dict(RECORD_TILES[89 if arch in (86, 87, 89) else known[-1]])
+        if wide_epilogue or not COLUMNS_256:
+            tiles["block_v"] = min(tiles["block_v"], WIDE_EPILOGUE_BLOCK_V)
+    return TileRecordConfig(**tiles, dot_fp32=False, tiles=1, group_n=RECORD_GROUP_N)
 
 
 def gpu_backward_config(
-    dtype: torch.dtype, mode: str, smem_per_block: int, wide_epilogue: bool = False
+    dtype: torch.dtype,
+    mode: str,
+    smem_per_block: int,
+    wide_epilogue: bool = False,
+    arch: int = 80,
+    lora: bool = False,
 ) -> BackwardConfig:
-    """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device with ``smem_per_block`` bytes
-    of shared memory per block. ``wide_epilogue``: the tile gradient also has a soft-cap slope or an entropy term
-    (more live values per logit)."""
+    """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device of compute capability
+    ``arch`` with ``smem_per_block`` bytes of shared memory per block. ``wide_epilogue``: the tile gradient also has
+    a soft-cap slope or an entropy term (more live values per logit); ``lora``: the logits have LoRA's K loop."""
     big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
     if dtype == torch.float32:
         tiles = (
@@ -138,6 +174,14 @@ def gpu_backward_config(
             if mode == "fused"
             else dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
         )
+    elif mode == "chunked" and arch >= 90:
+        # Hopper: the forward's 128 x 256 tile through the copy engine (on an H200 the chunked backward of
+        # Qwen2.5-1.5B's head at 16k tokens took 41.5 ms with it, 45.0 with 128 x 128, both through pointers); Triton
+        # versions other than 3.6 and LoRA (184 bytes of spill at 256) keep 128 x 128, the wider epilogue (its extra
+        # live values per logit) 128 x 64
+        block_v = 64 if wide_epilogue else 256 if COLUMNS_256 and not lora else 128
+        tiles = dict(block_n=128, block_v=block_v, block_d=64, num_warps=8, num_stages=3)
+        return BackwardConfig(**tiles, dot_fp32=False, group_v=8, use_tma=True)
     elif mode == "chunked":
         # a 128 x 128 tile with the soft-cap slope and the entropy term needs all 255 registers and spills on sm_8x
         tiles = dict(block_n=128, block_v=64 if wide_epilogue else 128, block_d=64, num_warps=8, num_stages=3)
@@ -166,18 +210,23 @@ def _device_props(device):
     )
 
 
-def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:
+def forward_config(device: torch.device, dtype: torch.dtype, wide_epilogue: bool = False) -> TileRecordConfig:
+    """The layer-1 forward's configuration on ``device`` (the interpreter's small tiles on a CPU: 2 tiles a patch,
+    groups of 2 token blocks, so that the tests' shapes have partial patches and groups). ``wide_epilogue``: a
+    soft-cap or LoRA."""
     if not _compiled(device):
-        return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
-    sm_count, _, arch = _device_props(device)
-    return gpu_forward_config(dtype, sm_count, arch)
+        return TileRecordConfig(**_INTERPRETER_TILES, tiles=2, group_n=2, use_tma=False)
+    return gpu_record_config(dtype, _device_props(device)[2], wide_epilogue)
 
 
-def backward_config(device: torch.device, dtype: torch.dtype, mode: str, wide_epilogue: bool = False) -> BackwardConfig:
+def backward_config(
+    device: torch.device, dtype: torch.dtype, mode: str, wide_epilogue: bool = False, lora: bool = False
+) -> BackwardConfig:
     if not _compiled(device):
         # groups of 2 vocabulary tiles: the tests' shapes have partial groups
         return BackwardConfig(**_INTERPRETER_TILES, group_v=2)
-    return gpu_backward_config(dtype, mode, _device_props(device)[1], wide_epilogue)
+    _, smem_per_block, arch = _device_props(device)
+    return gpu_backward_config(dtype, mode, smem_per_block, wide_epilogue, arch, lora)
 
 
 def frozen_head_config(device: torch.device) -> FrozenHeadConfig:

@@ -1,40 +1,52 @@
-"""The divergence head's Triton kernels: both models' logit tiles in registers, the records of
-grpo_fast/divergence_torch.py (which has the math, the exactness and the sweep counts), no [N, V] buffer.
+"""The divergence head's Triton kernels: both models' logit tiles in registers, folded into the records of
+grpo_fast.kernels.divergence_records (which has their algebra), no [N, V] buffer.
 
-* ``_sweep_kernel``: program (i, k) builds the student's and the teacher's BLOCK_N x BLOCK_V logit tiles (two
-  K-loops, fp32 accumulators: tile.logit_tile) over the vocabulary range k, in one of two modes. The record sweep
-  folds them into one record per model (max, argmax, rest, cross, other, zsum, unsupported), written per vocabulary
-  split; the epilogue merges the splits with divergence_torch.merge (the same merge as the torch twin's chunks) and
-  finishes with divergence_torch.finish. The JSD sweep (JSD): the generalized JSD's second sweep (0 < beta < 1)
-  over the finished records, per split, summed in the epilogue.
-* ``_backward_kernel``: recomputes both tiles for a chunk of at most ``gemm.chunk_size`` tokens and writes
-  g = c d div / d z_s * dz_s/du (fp32 for fp32 inputs; else scaled by an exact power of two and rounded to the
-  input dtype, tile.gemm_scale, as kernels/backward.py's chunked mode) and adds its column sums to db; cuBLAS does
-  dH = g W_s and dW_s += g^T H_s with fp32 outputs (gemm.mm_fp32).
+* ``_sweep_kernel``, program (i, k): both models' BLOCK_N x BLOCK_V logit tiles (two K-loops, fp32 accumulators)
+  over vocabulary split k, in one of two modes. The record sweep folds them into one record per model per split
+  (and, for the combined GRPO + distillation head, gathers the student's logit at each target); ``records`` merges
+  the splits. The JSD sweep: the generalized JSD's second sweep over the finished records, summed over the splits.
+* ``_backward_kernel``: recomputes both tiles for a chunk of tokens and writes g = c d div / d z_s dz_s/du (c the
+  upstream dL/d div; fp32 for fp32 inputs, else scaled by an exact power of two and rounded to the input dtype) and
+  adds its column sums to db; cuBLAS does dH = g W_s and dW_s += g^T H_s with fp32 outputs. With p = softmax(z):
+      beta = 0:  d div / d z_s = p_s - p_t                            (q_t - q_s at a shared argmax: carried rests)
+      beta = 1:  d div / d z_s = p_s (l_v - KL),  l = log p_s - log p_t
+      between:   d div / d z_s = (1 - beta) p_s (r_v - KL(p_s || m)),  r = log p_s - log m
+  Where the student is confident and the teacher is not, l_a and KL agree to O(q): their difference is carried,
+  l_v - KL = (l_v - l_a) - C_s / S_s with l_v - l_a = g_v - g_a (0 at the argmax, exactly), and
+  r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v - r_a), the sum from the JSD sweep. The combined head's backward
+  adds layer 1's logit gradient to g (its softmax is p_s: one normaliser).
 The argmax indices travel as fp32 in the split records (exact: V <= config.MAX_VOCAB < 2^24).
-The combined GRPO + distillation head (grpo_fast/teacher_head.py) runs the same kernels: the record sweep also gathers
-the student's logit at each target (WITH_TARGET), the backward adds layer 1's logit gradient to g (LAYER1).
 """
+
+import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.distillation import torch_twin as divergence_torch
-
 from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled, _device_props
+from .divergence_records import JsdSweep, Record, finish, merge
 from .forward import num_vocab_splits
 from .gemm import chunk_size, mm_fp32
-from .launch import on_first_argument_device
+from .launch import on_device, on_first_argument_device
 from .tile import gemm_scale, gradient_tile, logit_tile, row_coefficients, to_gemm
 
-# the record fields of one model in the split buffer, in divergence_torch.Record's order
-RECORD_FIELDS = len(divergence_torch.Record._fields)
+# the fields of one model's record in the split buffer, in Record's order
+RECORD_FIELDS = len(Record._fields)
 
 
-def gpu_forward_config(dtype, sm_count):
+def gpu_forward_config(dtype: torch.dtype, sm_count: int) -> ForwardConfig:
     """The compiled sweep kernel's launch (both modes): two logit tiles live at once, so half the log-prob forward's
-    vocabulary width (tools/sm_compile.py: no spills on sm_90 / 89 / 80)."""
+    vocabulary width (no register spills on sm_90 / 89 / 80).
+
+    Args:
+        dtype: the student's dtype.
+        sm_count: the GPU's multiprocessors (the programs of one wave).
+
+    Returns:
+        The ForwardConfig.
+    """
     if dtype == torch.float32:
         # IEEE fp32 products on the FMA units: 8 warps keep both tiles' registers in bounds
         tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=8, num_stages=2)
@@ -43,9 +55,17 @@ def gpu_forward_config(dtype, sm_count):
     return ForwardConfig(**tiles, dot_fp32=False, target_programs=sm_count)
 
 
-def gpu_backward_config(dtype, layer1=False):
-    """The compiled backward's launch (both tiles and the gradient's epilogue live at once); ``layer1``: the combined
-    head's, whose half-precision epilogue holds layer 1's term too (a narrower vocabulary tile: no spills)."""
+def gpu_backward_config(dtype: torch.dtype, layer1: bool = False) -> BackwardConfig:
+    """The compiled backward's launch: both tiles and the gradient's epilogue live at once.
+
+    Args:
+        dtype: the student's dtype.
+        layer1: the combined head's backward, whose half-precision epilogue also holds layer 1's term (a narrower
+            vocabulary tile: no spills).
+
+    Returns:
+        The BackwardConfig.
+    """
     if dtype == torch.float32:
         tiles = dict(block_n=32, block_v=32, block_d=32, num_warps=4, num_stages=2)
     else:
@@ -53,13 +73,15 @@ def gpu_backward_config(dtype, layer1=False):
     return BackwardConfig(**tiles, dot_fp32=False, group_v=1)
 
 
-def forward_config(device, dtype):
+def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:
+    """The sweep kernel's launch on ``device`` for a student of ``dtype`` (the interpreter's small tiles on a CPU)."""
     if not _compiled(device):
         return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
     return gpu_forward_config(dtype, _device_props(device)[0])
 
 
-def backward_config(device, dtype, layer1=False):
+def backward_config(device: torch.device, dtype: torch.dtype, layer1: bool = False) -> BackwardConfig:
+    """The backward kernel's launch on ``device`` for a student of ``dtype`` (``layer1``: the combined head's)."""
     if not _compiled(device):
         return BackwardConfig(**_INTERPRETER_TILES, group_v=1)
     return gpu_backward_config(dtype, layer1)
@@ -115,12 +137,50 @@ def _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, 
     K-loops) and the student's slope dz/du."""
     offs_v = v0 + tl.arange(0, BLOCK_V)
     v_mask = offs_v < v_end
-    zs, slope = _model_tile(hs_ptr, ws_ptr, bs_ptr, offs_n, offs_v, n_mask, v_mask, Ds, stride_hs, stride_ws,
-                            inv_temperature, s_logit_scale, s_softcap, S_HAS_BIAS, S_HAS_SOFTCAP, DOT_FP32,
-                            S_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)  # fmt: skip
-    zt, _ = _model_tile(ht_ptr, wt_ptr, bt_ptr, offs_n, offs_v, n_mask, v_mask, Dt, stride_ht, stride_wt,
-                        inv_temperature, t_logit_scale, t_softcap, T_HAS_BIAS, T_HAS_SOFTCAP, DOT_FP32,
-                        T_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D)  # fmt: skip
+    zs, slope = _model_tile(
+        hs_ptr,
+        ws_ptr,
+        bs_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        Ds,
+        stride_hs,
+        stride_ws,
+        inv_temperature,
+        s_logit_scale,
+        s_softcap,
+        S_HAS_BIAS,
+        S_HAS_SOFTCAP,
+        DOT_FP32,
+        S_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
+    zt, _ = _model_tile(
+        ht_ptr,
+        wt_ptr,
+        bt_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        Dt,
+        stride_ht,
+        stride_wt,
+        inv_temperature,
+        t_logit_scale,
+        t_softcap,
+        T_HAS_BIAS,
+        T_HAS_SOFTCAP,
+        DOT_FP32,
+        T_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+    )
     return offs_v, zs, slope, zt
 
 
@@ -133,7 +193,7 @@ def _split_range(split, vocab_per_split, V):
 
 @triton.jit
 def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
-    """A token block's divergence_torch.SAVED_FIELDS (8 rows) and both argmax indices."""
+    """A token block's divergence_records.SAVED_FIELDS (8 rows) and both argmax indices."""
     fields = saved_ptr + offs_n
     return (
         tl.load(fields, mask=n_mask, other=0.0),
@@ -151,7 +211,7 @@ def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_ma
 
 @triton.jit
 def _tile_record(z, z_other, offs_v, BIG: tl.constexpr):
-    """divergence_torch.tile_record in registers: (max, argmax, rest, cross, other, zsum, unsupported)."""
+    """divergence_records.tile_record in registers: (max, argmax, rest, cross, other, zsum, unsupported)."""
     row_max = tl.max(z, axis=1)
     top_index = tl.min(tl.where(z == row_max[:, None], offs_v[None, :], BIG), axis=1)
     pivot = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -168,7 +228,7 @@ def _tile_record(z, z_other, offs_v, BIG: tl.constexpr):
 
 @triton.jit
 def _merge(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
-    """divergence_torch.merge in registers: the first record holds the lower indices (it wins ties)."""
+    """divergence_records.merge in registers: the first record holds the lower indices (it wins ties)."""
     second = m2 > m1
     wm = tl.where(second, m2, m1)
     lm = tl.where(second, m1, m2)
@@ -196,6 +256,7 @@ def _merge(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
 
 @triton.jit
 def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
+    """A record's seven fields at ptr, stride_field apart."""
     tl.store(ptr, m, mask=mask)
     tl.store(ptr + stride_field, a, mask=mask)
     tl.store(ptr + 2 * stride_field, r, mask=mask)
@@ -240,11 +301,10 @@ def _sweep_kernel(
     WITH_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One sweep of program (i, k) over its vocabulary split, written per split at out_ptr (fields stride_out apart).
-    JSD false, the record sweep: both models' records (divergence_torch.Record's fields, the student's then the
-    teacher's), WITH_TARGET also the student's logit at each token's target (0 where this split does not hold it)
-    in the field after them (the combined head, grpo_fast/teacher_head.py). JSD true, the generalized JSD's second
-    sweep: (jsd, excess) from the saved values (saved_ptr, argmax_ptr: _load_saved's rows). The other mode's
-    pointers are placeholders."""
+    JSD false, the record sweep: both models' records (Record's fields, the student's then the teacher's), and with
+    WITH_TARGET the student's logit at each token's target (0 where this split does not hold it) in the field after
+    them. JSD true, the generalized JSD's second sweep: (jsd, excess) from the saved values (saved_ptr, argmax_ptr:
+    _load_saved's rows). The other mode's pointers are placeholders."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     v_begin, v_end = _split_range(split, vocab_per_split, V)
@@ -266,11 +326,39 @@ def _sweep_kernel(
         if WITH_TARGET:
             targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v, zs, _, zt = _pair_tiles(hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr, offs_n, n_mask, v0, v_end, Ds,
-                                        Dt, stride_hs, stride_ws, stride_ht, stride_wt, inv_temperature, s_logit_scale,
-                                        s_softcap, t_logit_scale, t_softcap, S_HAS_BIAS, T_HAS_BIAS, S_HAS_SOFTCAP,
-                                        T_HAS_SOFTCAP, DOT_FP32, S_DOT_PRECISION, T_DOT_PRECISION, BLOCK_N, BLOCK_V,
-                                        BLOCK_D)  # fmt: skip
+        offs_v, zs, _, zt = _pair_tiles(
+            hs_ptr,
+            ws_ptr,
+            bs_ptr,
+            ht_ptr,
+            wt_ptr,
+            bt_ptr,
+            offs_n,
+            n_mask,
+            v0,
+            v_end,
+            Ds,
+            Dt,
+            stride_hs,
+            stride_ws,
+            stride_ht,
+            stride_wt,
+            inv_temperature,
+            s_logit_scale,
+            s_softcap,
+            t_logit_scale,
+            t_softcap,
+            S_HAS_BIAS,
+            T_HAS_BIAS,
+            S_HAS_SOFTCAP,
+            T_HAS_SOFTCAP,
+            DOT_FP32,
+            S_DOT_PRECISION,
+            T_DOT_PRECISION,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+        )
         if JSD:
             log_ps, top_s = _log_probs(zs, offs_v, s_max, s_log_sumexp, s_top)
             log_pt, top_t = _log_probs(zt, offs_v, t_max, t_log_sumexp, t_top)
@@ -314,10 +402,10 @@ def _backward_kernel(
     LAYER1: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """MODE 0: forward KL, 1: reverse KL, 2: JSD. The saved values' rows are N_ALL apart (this launch's rows are a
-    slice of them). LAYER1 (the combined head, grpo_fast/teacher_head.py): g also gets layer 1's term from dL/dlogp
-    (and dL/dentropy with ENTROPY_GRAD) and softmax_stats.BackwardStats' rows at layer1_ptr (N_ALL apart), as
-    tile.tile_grad forms it."""
+    """The g tile (pid_n, pid_v) of a chunk of N tokens; MODE 0: the forward KL, 1: the reverse KL, 2: the JSD. The
+    saved values' rows are N_ALL apart (this launch's rows are a slice of them). LAYER1 (the combined head): g also
+    gets layer 1's term from dL/dlogp (and dL/dentropy with ENTROPY_GRAD) and softmax_stats.BackwardStats' rows at
+    layer1_ptr (N_ALL apart), as tile.tile_grad forms it."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(
@@ -411,36 +499,25 @@ def _backward_kernel(
     tl.store(g_ptrs, to_gemm(g * g_scale, g_ptr.dtype.element_ty), mask=g_mask)
 
 
-def _scalars(student_transform, teacher_transform):
-    inv_t, s_scale, s_softcap = student_transform.kernel_scalars()
-    _, t_scale, t_softcap = teacher_transform.kernel_scalars()
-    return dict(
-        inv_temperature=inv_t, s_logit_scale=s_scale, s_softcap=s_softcap, t_logit_scale=t_scale, t_softcap=t_softcap
-    )
+class SweepRecords(NamedTuple):
+    """What the record sweep gives (``records``)."""
+
+    student: Record  # [N], merged over the vocabulary splits; argmax global
+    teacher: Record
+    jsd_sweep: JsdSweep  # the JSD's second sweep over the same rows, for divergence_records.finish
+    target_logit: torch.Tensor | None  # [N] fp32: the student's logit at each target (None without targets)
 
 
-def _model_constexprs(
-    student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
-):
-    return dict(S_HAS_BIAS=student_bias is not None, T_HAS_BIAS=teacher_bias is not None,
-                S_HAS_SOFTCAP=student_transform.softcap is not None,
-                T_HAS_SOFTCAP=teacher_transform.softcap is not None, DOT_FP32=config.dot_fp32,
-                S_DOT_PRECISION=config.dot_precision(student_hidden.dtype),
-                T_DOT_PRECISION=config.dot_precision(teacher_hidden.dtype),
-                BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
-                num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+class Layer1Gradient(NamedTuple):
+    """The combined head's layer-1 term, which ``backward`` adds to g."""
+
+    targets: torch.Tensor  # [N] int64 target ids, rows of the weights
+    stats: torch.Tensor  # [4, N] fp32: softmax_stats.BackwardStats' rows
+    grad_logp: torch.Tensor  # [N] fp32: dL/dlogp
+    grad_entropy: torch.Tensor | None  # [N] fp32 dL/dentropy, or None: the entropy has no gradient
 
 
-def _beta_scalars(beta):
-    import math
-
-    inner = 0.0 < beta < 1.0
-    return dict(
-        beta=float(beta), log_1m_beta=math.log1p(-beta) if inner else 0.0, log_beta=math.log(beta) if inner else 0.0
-    )
-
-
-def local_argmax(argmax, offset, rows):
+def local_argmax(argmax: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
     """Global argmax indices as row indices of a vocab-parallel shard's weights.
 
     Args:
@@ -456,155 +533,150 @@ def local_argmax(argmax, offset, rows):
     return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
 
 
-@on_first_argument_device
-def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, config=None):  # fmt: skip
-    """divergence_torch.forward's outputs by the Triton kernels (rows contiguous, N >= 0)."""
-    if student_hidden.shape[0] == 0:
-        return divergence_torch.forward(student_hidden, student_weight, student_bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, beta, student_transform,
-                                        teacher_transform)[:4]  # fmt: skip
-    run_s, run_t, jsd_sweep = records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                      teacher_bias, beta, student_transform, teacher_transform,
-                                      config=config)[:3]  # fmt: skip
-    return divergence_torch.finish(run_s, run_t, beta, jsd_sweep)
+def forward(student, teacher, beta, config=None):
+    """The divergence head's forward by the Triton kernels, over a whole vocabulary.
+
+    Args:
+        student: the student's ModelHead over N > 0 tokens (hidden and weight rows contiguous).
+        teacher: the teacher's ModelHead, over the same tokens and vocabulary.
+        beta: in [0, 1]: 0 the forward KL, 1 the reverse KL, between the generalized JSD.
+        config: the sweep's ForwardConfig (None: ``forward_config``'s).
+
+    Returns:
+        divergence_records.finish's (divergence [N] fp32, the student's entropy [N] fp32, saved [8, N] fp32,
+        argmax [2, N] int64).
+
+    Raises:
+        ValueError: as ``records``.
+    """
+    sweep = records(student, teacher, beta, config=config)
+    return finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
 
 
-@on_first_argument_device
-def records(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
-            student_transform, teacher_transform, config=None, offset=0, targets=None):  # fmt: skip
+def records(student, teacher, beta, config=None, offset=0, targets=None):
     """Both models' records over the weights' rows by the record sweep, and the JSD's second sweep over them.
 
     Args:
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias: [N, Ds],
-            [V, Ds], [V] | None, [N, Dt], [V, Dt], [V] | None; rows contiguous, N > 0, V > 0.
-        beta, student_transform, teacher_transform: as divergence_torch.forward.
-        config: the launch (None: forward_config's).
+        student: the student's ModelHead over N > 0 tokens (hidden and weight rows contiguous), V > 0 weight rows.
+        teacher: the teacher's ModelHead, over the same tokens and weight rows.
+        beta: in [0, 1] (the JSD sweep's mixture weight).
+        config: the ForwardConfig (None: ``forward_config``'s).
         offset: the vocabulary entry of the weights' first row (a vocab-parallel shard's; 0 for a whole head).
-        targets: None, or [N] int64 target ids, rows of these weights (the combined head,
-            grpo_fast/teacher_head.py, on a whole head): the record sweep also gathers the student's logit there.
+        targets: None, or [N] int64 target ids, rows of these weights (the combined head, on a whole head): the
+            record sweep also gathers the student's logit there.
 
     Returns:
-        (student, teacher, jsd_sweep, target_logit): both models' divergence_torch.Records [N] (the kernel's
-        per-split records merged with divergence_torch.merge; argmax indices global), divergence_torch.finish's
-        ``jsd_sweep`` over these rows (given the whole vocabulary's finished records), and the student's logit at
-        each target [N] fp32 (None without ``targets``).
+        The SweepRecords: both models' records over these rows (the splits merged with divergence_records.merge,
+        argmax global), the JSD sweep over these rows (given the whole vocabulary's finished records: it sums
+        over these rows only), and the student's logit at each target.
+
+    Raises:
+        ValueError: no token or no weight row (a launch of no program; a caller's torch twin returns the empty
+            outputs).
     """
-    N, Ds = student_hidden.shape
-    Dt = teacher_hidden.shape[1]
-    V = student_weight.shape[0]
-    dev = student_hidden.device
-    config = config or forward_config(dev, student_hidden.dtype)
+    N = student.hidden.shape[0]
+    V = student.weight.shape[0]
+    if N == 0 or V == 0:
+        raise ValueError(f"the divergence kernels need tokens and weight rows, got N = {N}, V = {V}")
+    dev = student.hidden.device
+    config = config or forward_config(dev, student.hidden.dtype)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
-    split_records = torch.empty(
-        (2 * RECORD_FIELDS + (targets is not None), num_splits, N), dtype=torch.float32, device=dev
-    )
-    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
-              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)  # fmt: skip
-    common = dict(N=N, V=V, Ds=Ds, Dt=Dt, vocab_per_split=vocab_per_split,
-                  stride_hs=student_hidden.stride(0), stride_ws=student_weight.stride(0),
-                  stride_ht=teacher_hidden.stride(0), stride_wt=teacher_weight.stride(0),
-                  **_scalars(student_transform, teacher_transform), **_beta_scalars(beta),
-                  **_model_constexprs(student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform,
-                                      teacher_transform, config))  # fmt: skip
-    # the record sweep reads no saved values: split_records stands in for their pointers
-    _sweep_kernel[grid](
-        *models,
-        split_records,
-        targets if targets is not None else split_records,
-        split_records,
-        split_records,
-        stride_out=split_records.stride(0),
-        stride_saved=0,
-        JSD=False,
-        WITH_TARGET=targets is not None,
-        **common,
-    )
-    runs = []
-    for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS : 2 * RECORD_FIELDS]):
-        per_split = [
-            divergence_torch.Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
-            for f in fields.unbind(1)
-        ]
-        run = per_split[0]
-        for split in per_split[1:]:
-            run = divergence_torch.merge(run, split)
-        runs.append(run)
+    pointers = (*_pointers(student), *_pointers(teacher))
+    shared = dict(N=N, V=V, vocab_per_split=vocab_per_split, **_shared_arguments(student, teacher, beta, config))
+    with on_device(student.hidden):
+        split_records = torch.empty(
+            (2 * RECORD_FIELDS + (targets is not None), num_splits, N), dtype=torch.float32, device=dev
+        )
+        # the record sweep reads no saved values: split_records stands in for their pointers
+        _sweep_kernel[grid](
+            *pointers,
+            split_records,
+            targets if targets is not None else split_records,
+            split_records,
+            split_records,
+            stride_out=split_records.stride(0),
+            stride_saved=0,
+            JSD=False,
+            WITH_TARGET=targets is not None,
+            **shared,
+        )
+        merged = []
+        for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS : 2 * RECORD_FIELDS]):
+            per_split = [
+                Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0) for f in fields.unbind(1)
+            ]
+            run = per_split[0]
+            for split in per_split[1:]:
+                run = merge(run, split)
+            merged.append(run)
+        # one split holds each target: the others' zeros add exactly
+        target_logit = split_records[2 * RECORD_FIELDS].sum(0) if targets is not None else None
 
-    def jsd_sweep(student, teacher, top_log_ratio):
-        saved = torch.stack([*student[:3], *teacher[:3], top_log_ratio, torch.zeros_like(top_log_ratio)])
-        argmax = local_argmax(torch.stack([student.argmax, teacher.argmax]), offset, V)
-        out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
-        # the JSD sweep gathers no target: out stands in for the targets' pointer
-        _sweep_kernel[grid](*models, out, out, saved, argmax, stride_out=out.stride(0), stride_saved=saved.stride(0),
-                            JSD=True, WITH_TARGET=False, **common)  # fmt: skip
-        jsd, excess = out.sum(1).unbind(0)
+    def jsd_sweep(student_finished, teacher_finished, top_log_ratio):
+        with on_device(student.hidden):
+            saved = torch.stack(
+                [*student_finished[:3], *teacher_finished[:3], top_log_ratio, torch.zeros_like(top_log_ratio)]
+            )
+            argmax = local_argmax(torch.stack([student_finished.argmax, teacher_finished.argmax]), offset, V)
+            out = torch.empty((2, num_splits, N), dtype=torch.float32, device=dev)
+            # the JSD sweep gathers no target: out stands in for the targets' pointer
+            _sweep_kernel[grid](
+                *pointers,
+                out,
+                out,
+                saved,
+                argmax,
+                stride_out=out.stride(0),
+                stride_saved=saved.stride(0),
+                JSD=True,
+                WITH_TARGET=False,
+                **shared,
+            )
+            jsd, excess = out.sum(1).unbind(0)
         return jsd, excess
 
-    # one split holds the target: the others' zeros add exactly
-    return (*runs, jsd_sweep, split_records[2 * RECORD_FIELDS].sum(0) if targets is not None else None)
+    return SweepRecords(*merged, jsd_sweep, target_logit)
 
 
 @on_first_argument_device
-def backward(
-    grad_divergence,
-    student_hidden,
-    student_weight,
-    student_bias,
-    teacher_hidden,
-    teacher_weight,
-    teacher_bias,
-    saved,
-    argmax,
-    beta,
-    student_transform,
-    teacher_transform,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    config=None,
-    offset=0,
-    layer1=None,
-):
-    """divergence_torch.backward by the Triton kernel (g per token chunk) and cuBLAS (dH, dW); grad_hidden is
-    written, grad_weight and grad_bias accumulated (zero on entry); each may be None. ``offset``: the weights' row v
-    is vocabulary entry offset + v (a vocab-parallel shard, with the whole vocabulary's saved values and argmax).
-    ``layer1``: None, or the combined head's (targets [N], BackwardStats rows [4, N] fp32, dL/dlogp [N] fp32,
-    dL/dentropy [N] fp32 or None), whose term joins g (grpo_fast/teacher_head.py; a whole head, offset 0)."""
-    N, Ds = student_hidden.shape
-    Dt = teacher_hidden.shape[1]
-    V = student_weight.shape[0]
-    dev = student_hidden.device
-    config = config or backward_config(dev, student_hidden.dtype, layer1 is not None)
+def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, config=None, offset=0, layer1=None):
+    """The student's gradients by the backward kernel (g per token chunk) and cuBLAS (dH, dW).
+
+    Args:
+        grad_divergence: [N] fp32 dL/d divergence, contiguous.
+        student: the student's ModelHead over N > 0 tokens (rows contiguous).
+        teacher: the teacher's ModelHead, over the same tokens and weight rows.
+        saved: [8, N] fp32, the forward's saved values (divergence_records.SAVED_FIELDS) over the whole vocabulary.
+        argmax: [2, N] int64, the forward's global argmax indices.
+        beta: the forward's beta.
+        grads: the fp32 buffers (grad_hidden [N, Ds], written; grad_weight [V, Ds] and grad_bias [V], zero on entry,
+            accumulated), each None where not wanted.
+        config: the BackwardConfig (None: ``backward_config``'s).
+        offset: the weights' row v is vocabulary entry offset + v (a vocab-parallel shard).
+        layer1: the combined head's layer-1 term (a whole head, offset 0), or None.
+    """
+    grad_hidden, grad_weight, grad_bias = grads
+    N, Ds = student.hidden.shape
+    V = student.weight.shape[0]
+    dev = student.hidden.device
+    config = config or backward_config(dev, student.hidden.dtype, layer1 is not None)
     chunk = chunk_size(N, Ds)
-    g = torch.empty((chunk, V), dtype=student_hidden.dtype, device=dev)
-    scaled = student_hidden.dtype != torch.float32
-    targets, layer1_stats, grad_logp, grad_entropy = layer1 if layer1 is not None else (saved,) * 4
+    g = torch.empty((chunk, V), dtype=student.hidden.dtype, device=dev)
+    scaled = student.hidden.dtype != torch.float32
     if scaled:
         # the bound of the coefficients of g (tile.gemm_scale): |c| + |dL/dlogp| + |dL/dentropy|
         bound = grad_divergence.abs()
-        for extra in (grad_logp, grad_entropy) if layer1 is not None else ():
+        for extra in (layer1.grad_logp, layer1.grad_entropy) if layer1 is not None else ():
             if extra is not None:
                 bound = bound + extra.abs()
         coefficient_max = bound.amax().reshape(1)
     else:
-        coefficient_max = saved
+        coefficient_max = saved  # a placeholder: SCALE_G is off
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
-    models = (student_hidden, student_weight, student_bias if student_bias is not None else student_hidden,
-              teacher_hidden, teacher_weight, teacher_bias if teacher_bias is not None else teacher_hidden)  # fmt: skip
-    common = dict(
-        stride_hs=student_hidden.stride(0),
-        stride_ws=student_weight.stride(0),
-        stride_ht=teacher_hidden.stride(0),
-        stride_wt=teacher_weight.stride(0),
-        **_scalars(student_transform, teacher_transform),
-        **_beta_scalars(beta),
-        **_model_constexprs(
-            student_hidden, student_bias, teacher_hidden, teacher_bias, student_transform, teacher_transform, config
-        ),
-    )
-    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    student_hidden, student_weight, student_bias = _pointers(student)
+    teacher_hidden, teacher_weight, teacher_bias = _pointers(teacher)
+    shared = _shared_arguments(student, teacher, beta, config)
     argmax = local_argmax(argmax, offset, V)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
@@ -612,9 +684,10 @@ def backward(
         _backward_kernel[grid](
             student_hidden[n0:n1],
             student_weight,
-            models[2],
+            student_bias,
             teacher_hidden[n0:n1],
-            *models[4:],
+            teacher_weight,
+            teacher_bias,
             saved[:, n0:],
             argmax[:, n0:],
             grad_divergence[n0:n1],
@@ -622,36 +695,74 @@ def backward(
             grad_bias if grad_bias is not None else saved,
             coefficient_max,
             g_unscale,
-            *(
-                (
-                    targets[n0:n1],
-                    layer1_stats[:, n0:],
-                    grad_logp[n0:n1],
-                    (grad_entropy if grad_entropy is not None else grad_logp)[n0:n1],
-                )
-                if layer1 is not None
-                else (saved,) * 4
-            ),
-            n1 - n0,
-            V,
-            Ds,
-            Dt,
-            N,
-            saved.stride(0),
-            g.stride(0),
-            MODE=mode,
+            *_layer1_rows(layer1, n0, n1, placeholder=saved),
+            N=n1 - n0,
+            V=V,
+            N_ALL=N,
+            stride_saved=saved.stride(0),
+            stride_g=g.stride(0),
+            MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
             COMPUTE_DB=grad_bias is not None,
             SCALE_G=scaled,
             LAYER1=layer1 is not None,
-            ENTROPY_GRAD=layer1 is not None and grad_entropy is not None,
-            **common,
+            ENTROPY_GRAD=layer1 is not None and layer1.grad_entropy is not None,
+            **shared,
         )
         g_rows = g[: n1 - n0]
         if grad_hidden is not None:
-            mm_fp32(g_rows, student_weight, grad_hidden[n0:n1], accumulate=False)
+            mm_fp32(g_rows, student.weight, grad_hidden[n0:n1], accumulate=False)
             if scaled:
                 grad_hidden[n0:n1].mul_(g_unscale)
         if grad_weight is not None:
-            mm_fp32(g_rows.T, student_hidden[n0:n1], grad_weight, accumulate=True)
+            mm_fp32(g_rows.T, student.hidden[n0:n1], grad_weight, accumulate=True)
     if scaled and grad_weight is not None:
         grad_weight.mul_(g_unscale)
+
+
+def _pointers(model):
+    """A model's hidden states, weight and bias; the hidden states stand in for a missing bias (never read then)."""
+    return model.hidden, model.weight, model.bias if model.bias is not None else model.hidden
+
+
+def _layer1_rows(layer1, n0, n1, placeholder):
+    """The backward kernel's four layer-1 pointers for the token rows [n0, n1) (placeholders without ``layer1``)."""
+    if layer1 is None:
+        return (placeholder,) * 4
+    grad_entropy = layer1.grad_entropy if layer1.grad_entropy is not None else layer1.grad_logp
+    return layer1.targets[n0:n1], layer1.stats[:, n0:], layer1.grad_logp[n0:n1], grad_entropy[n0:n1]
+
+
+def _shared_arguments(student, teacher, beta, config):
+    """The arguments both kernels take alike: the models' sizes and row strides, the transforms' and beta's scalars,
+    the models' and the tiles' constexprs, the launch's warps and stages."""
+    inv_temperature, s_logit_scale, s_softcap = student.transform.kernel_scalars()
+    _, t_logit_scale, t_softcap = teacher.transform.kernel_scalars()
+    inner = 0.0 < beta < 1.0  # the JSD's logs (the other modes read none)
+    return dict(
+        Ds=student.hidden.shape[1],
+        Dt=teacher.hidden.shape[1],
+        stride_hs=student.hidden.stride(0),
+        stride_ws=student.weight.stride(0),
+        stride_ht=teacher.hidden.stride(0),
+        stride_wt=teacher.weight.stride(0),
+        inv_temperature=inv_temperature,
+        s_logit_scale=s_logit_scale,
+        s_softcap=s_softcap,
+        t_logit_scale=t_logit_scale,
+        t_softcap=t_softcap,
+        beta=float(beta),
+        log_1m_beta=math.log1p(-beta) if inner else 0.0,
+        log_beta=math.log(beta) if inner else 0.0,
+        S_HAS_BIAS=student.bias is not None,
+        T_HAS_BIAS=teacher.bias is not None,
+        S_HAS_SOFTCAP=student.transform.softcap is not None,
+        T_HAS_SOFTCAP=teacher.transform.softcap is not None,
+        DOT_FP32=config.dot_fp32,
+        S_DOT_PRECISION=config.dot_precision(student.hidden.dtype),
+        T_DOT_PRECISION=config.dot_precision(teacher.hidden.dtype),
+        BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v,
+        BLOCK_D=config.block_d,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

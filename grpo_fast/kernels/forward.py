@@ -1,22 +1,23 @@
-"""The forward pass of layer 1 (linear log-probs): log-prob of each target and entropy, without [N, V] logits.
+"""The forward of layer 1 (linear log-probs): each token's log-prob of its target and entropy, no [N, V] logits.
 
-Math: the transformed logits z of tile.py (a BLOCK_N x BLOCK_V tile at a time, fp32 accumulator; LoRA's operand
-pair only with ``lora``), folded tile by tile into the per-token softmax record of softmax_stats.py (m, S, R, Z only
-with COMPUTE_ENTROPY, the target logit) by its merge formulas. ``softmax_stats.finish`` turns it
-into logp, H and what the backward reads (lse, 1 - p_y, mean logit, mean - z_y): O(N) values, saved by the caller,
-with 1 - p_y and mean - z_y formed as sums of same-signed terms (exact where a token is confident).
+Math: z = the transformed logits of tile.py. The vocabulary is cut into patches of TILES x BLOCK_V columns and the
+tokens into blocks of BLOCK_N rows; one program computes one (token block, patch): each tile with the whole D loop
+(fp32 accumulation on the tensor cores), folded into the patch's partial record per row,
+    m = max z,   R = sum exp(z - m) over the columns but the target's,   Zr = sum exp(z - m)(z - m) likewise
+(Zr only with the entropy); the program whose columns hold a row's target writes z_y. ``_merge_parts_kernel`` folds
+a row's partials into softmax_stats's record against the merged max M:
+    R = sum_k exp(m_k - M) R_k,   S = R + exp(z_y - M),   Z = sum_k exp(m_k - M)(Zr_k + (m_k - M) R_k)
+                                                           + exp(z_y - M)(z_y - M),
+so 1 - p_y = R / S is a sum of positive terms, never a difference (exact where a token is confident), and
+``softmax_stats.finish`` turns the record into logp, H and what the backward reads.
 
-The vocabulary is cut into ``num_splits`` contiguous ranges so that few tokens still fill the GPU, in whole waves of
-the programs it holds at once (``num_vocab_splits``; config.FORWARD_CTAS_PER_SM, the compiled occupancy): program
-(i, k) sweeps the vocab range k for the token block i and writes its record for each token; the epilogue folds the
-splits with ``softmax_stats.merge`` (a handful of [num_splits, N] fp32 ops): the same record and merge that a
-vocab-parallel head uses across ranks (``forward_record`` returns the merged record unfinished).
+Every program is independent (the tile, not the row, is the unit of parallel work): they run in grouped order
+(tile.grouped_tile) so that the programs resident at once share H and W tiles in L2. On Hopper the tiles come
+through tensor descriptors (the copy engine; ``USE_TMA``), elsewhere through pointers.
 
-Memory: inputs (LoRA's [N, r] and [V, r] too) are read in place; the only buffers are 5 x num_splits x N fp32
-records and N fp32 outputs.
-No tensor of size V x N exists, in any dtype. On a GPU the matmul runs on tensor cores in the input dtype
-(bf16/fp16), fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) so fp32 is exact. Under
-TRITON_INTERPRET=1 (CPU) the dot operands are upcast to fp32 (``DOT_FP32``, tile.py).
+Memory: the partials, 2 or 3 fields x patches x rows fp32, are kept under PARTS_BYTES by taking the rows in chunks
+(one launch each); the merged record is 5 x N fp32. No tensor of size N x V exists, in any dtype. fp32 inputs use
+IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``, tile.py).
 """
 
 import torch
@@ -24,89 +25,138 @@ import triton
 import triton.language as tl
 
 from . import softmax_stats
-from .launch import on_first_argument_device
-from .tile import logit_tile, lora_kernel_args
+from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
+from .tile import grouped_tile, logit_tile_at, lora_kernel_args
 
-# the most waves the forward's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill
-# the last wave better, and each adds a record of 5 x N fp32 to write and merge
-EXTRA_WAVES = 8
-# a padding row's logit (see _forward_kernel): far above any real logit, far below fp32's overflow
+# a padding row's logit (rows past the scored count): far above any real logit, far below fp32's overflow
 PADDING_LOGIT = tl.constexpr(1e30)
+# the most bytes the partial records of one launch take: the rows of a launch are chosen to fit (at Qwen2.5's
+# V = 151936 in 256-column tiles, 4096 rows with the entropy)
+PARTS_BYTES = 32 * 2**20
+# the most EXTRA_WAVES more waves than the unsplit launch's the divergence head's vocabulary split adds
+# (num_vocab_splits): more splits fill the last wave better, and each adds a record to write and merge
+EXTRA_WAVES = 8
 
 
 @triton.jit
-def _forward_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, targets_ptr, stats_ptr, row_count_ptr,
-    N, V, D, vocab_per_split, stride_stats_field,
-    stride_hn, stride_hd, stride_wv, stride_wd,
-    inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
+def _tile_records_kernel(
+    hidden, weight, bias_ptr, targets_ptr, parts_ptr, target_logit_ptr, row_count_ptr,
+    lora_hidden_ptr, lora_weight_ptr,
+    N, V, D, R, row0, stride_hn, stride_wv, stride_field, inv_temperature, logit_scale, softcap,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
-    HAS_ROW_COUNT: tl.constexpr,
+    HAS_ROW_COUNT: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    TILES: tl.constexpr, GROUP_N: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    patches = tl.cdiv(V, TILES * BLOCK_V)
+    pid_n, patch = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), patches, GROUP_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
-
-    # the running record (softmax_stats.SoftmaxStats), its sums taken against the pivot: m, or 0 while m is -inf
-    run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    run_sumexp = tl.zeros((BLOCK_N,), tl.float32)
-    run_rest = tl.zeros((BLOCK_N,), tl.float32)
-    run_zsum = tl.zeros((BLOCK_N,), tl.float32)
-    target_logit = tl.zeros((BLOCK_N,), tl.float32)
-
-    v_begin = split * vocab_per_split
-    v_end = tl.minimum(v_begin + vocab_per_split, V)
+    v_lo = patch * TILES * BLOCK_V
+    out = parts_ptr + patch * N + offs_n
+    holds_target = n_mask & (targets >= v_lo) & (targets < v_lo + TILES * BLOCK_V)
     if HAS_ROW_COUNT:
-        # a block of padding rows only (past the scored count, a device value) computes no tile: its record (split
-        # 0's; the others' are empty) is a certain token at a far logit, m = z_y = PADDING_LOGIT and S = 1: lse
-        # finite, logp 0, entropy 0, and a backward's recompute sees p = exp(z - lse) = 0 on every column
-        padding = pid_n * BLOCK_N >= tl.load(row_count_ptr)
-        v_end = tl.where(padding, v_begin, v_end)
-        first = padding & (split == 0)
-        run_max = tl.where(first, PADDING_LOGIT, run_max)
-        run_sumexp = tl.where(first, 1.0, run_sumexp)
-        target_logit = tl.where(first, PADDING_LOGIT, target_logit)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        v_mask = offs_v < v_end
-        z, _ = logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
-                          v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale,
-                          softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                          BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+        # a block of padding rows only (past the scored count, a device value) computes no tile; its record is a
+        # certain token at a far logit (patch 0: m = z_y = PADDING_LOGIT, R = 0; the other patches: empty), so
+        # lse is finite, logp 0, entropy 0, and a backward's recompute sees p = exp(z - lse) = 0 everywhere
+        if row0 + n0 >= tl.load(row_count_ptr):
+            first = (patch + tl.zeros((BLOCK_N,), tl.int32)) == 0
+            far = tl.full((BLOCK_N,), PADDING_LOGIT, tl.float32)
+            nothing = tl.zeros((BLOCK_N,), tl.float32)
+            tl.store(out, tl.where(first, far, float("-inf")), mask=n_mask)
+            tl.store(out + stride_field, nothing, mask=n_mask)
+            if COMPUTE_ENTROPY:
+                tl.store(out + 2 * stride_field, nothing, mask=n_mask)
+            tl.store(target_logit_ptr + offs_n, far, mask=n_mask & first)
+            return
 
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
-        pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(run_max - pivot)
-        e = tl.exp(z - pivot[:, None])
-        is_target = offs_v[None, :] == targets[:, None]
-        if COMPUTE_ENTROPY:
-            # Z relative to the new pivot: (Z_old + (m_old - m_new) S_old) rescale; an empty record adds nothing, and
-            # e is 0 where z is -inf: zero those z first so that 0 * -inf never forms a NaN
-            shift = tl.where(run_max == float("-inf"), 0.0, run_max - pivot)
-            run_zsum = (run_zsum + shift * run_sumexp) * rescale + tl.sum(
-                e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1
-            )
-        run_sumexp = run_sumexp * rescale + tl.sum(e, axis=1)
-        run_rest = run_rest * rescale + tl.sum(tl.where(is_target, 0.0, e), axis=1)
-        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
-        run_max = new_max
-
-    out = stats_ptr + split * N + offs_n
+    # the running record of the patch, its sums against the pivot: m, or 0 while m is -inf
+    run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    run_rest = tl.zeros((BLOCK_N,), tl.float32)
+    run_zrest = tl.zeros((BLOCK_N,), tl.float32)
+    target_logit = tl.zeros((BLOCK_N,), tl.float32)
+    for t in range(TILES):
+        v0 = v_lo + t * BLOCK_V
+        if v0 < V:
+            z, _ = logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
+                                 stride_hn, stride_wv, inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_LORA,
+                                 HAS_SOFTCAP, USE_TMA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
+                                 BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            is_target = offs_v[None, :] == targets[:, None]
+            new_max = tl.maximum(run_max, tl.max(z, axis=1))
+            # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
+            pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(run_max - pivot)
+            e = tl.where(is_target, 0.0, tl.exp(z - pivot[:, None]))
+            if COMPUTE_ENTROPY:
+                # against the new pivot: (Zr + (m_old - m_new) R) rescale; e is 0 where z is -inf: those z are
+                # zeroed first so that 0 * -inf never forms a NaN
+                shift = tl.where(run_max == float("-inf"), 0.0, run_max - pivot)
+                run_zrest = (run_zrest + shift * run_rest) * rescale + tl.sum(
+                    e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1
+                )
+            run_rest = run_rest * rescale + tl.sum(e, axis=1)
+            target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+            run_max = new_max
     tl.store(out, run_max, mask=n_mask)
-    tl.store(out + stride_stats_field, run_sumexp, mask=n_mask)
-    tl.store(out + 2 * stride_stats_field, run_rest, mask=n_mask)
-    tl.store(out + 3 * stride_stats_field, run_zsum, mask=n_mask)
-    tl.store(out + 4 * stride_stats_field, target_logit, mask=n_mask)
+    tl.store(out + stride_field, run_rest, mask=n_mask)
+    if COMPUTE_ENTROPY:
+        tl.store(out + 2 * stride_field, run_zrest, mask=n_mask)
+    tl.store(target_logit_ptr + offs_n, target_logit, mask=holds_target)
+
+
+@triton.jit
+def _merge_parts_kernel(parts_ptr, target_logit_ptr, targets_ptr, record_ptr, N, V, patches, stride_field,
+                        stride_record, COMPUTE_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Each row's partials folded into softmax_stats.SoftmaxStats's five fields (the module docstring's merge)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    run_rest = tl.zeros((BLOCK,), tl.float32)
+    run_zrest = tl.zeros((BLOCK,), tl.float32)
+    for k in range(patches):
+        part = parts_ptr + k * N + offs
+        part_max = tl.load(part, mask=mask, other=float("-inf"))
+        part_rest = tl.load(part + stride_field, mask=mask, other=0.0)
+        new_max = tl.maximum(run_max, part_max)
+        pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+        scale_run = tl.exp(run_max - pivot)
+        scale_part = tl.exp(part_max - pivot)
+        if COMPUTE_ENTROPY:
+            part_zrest = tl.load(part + 2 * stride_field, mask=mask, other=0.0)
+            # an empty record adds nothing (its sums are 0, and -inf * 0 must not form a NaN)
+            shift_run = tl.where(run_max == float("-inf"), 0.0, run_max - pivot)
+            shift_part = tl.where(part_max == float("-inf"), 0.0, part_max - pivot)
+            run_zrest = (run_zrest + shift_run * run_rest) * scale_run + (
+                part_zrest + shift_part * part_rest
+            ) * scale_part
+        run_rest = run_rest * scale_run + part_rest * scale_part
+        run_max = new_max
+    # a target outside these weight rows (a vocab-parallel shard's) adds nothing: its record keeps z_y = 0, S = R
+    targets = tl.load(targets_ptr + offs, mask=mask, other=-1)
+    has_target = (targets >= 0) & (targets < V)
+    target_logit = tl.where(has_target, tl.load(target_logit_ptr + offs, mask=mask & has_target, other=0.0), 0.0)
+    pivot = tl.where(run_max == float("-inf"), 0.0, run_max)
+    target_exp = tl.where(has_target, tl.exp(target_logit - pivot), 0.0)
+    out = record_ptr + offs
+    tl.store(out, run_max, mask=mask)
+    tl.store(out + stride_record, run_rest + target_exp, mask=mask)
+    tl.store(out + 2 * stride_record, run_rest, mask=mask)
+    zsum = tl.zeros((BLOCK,), tl.float32)
+    if COMPUTE_ENTROPY:
+        zsum = run_zrest + tl.where(has_target, target_exp * (target_logit - pivot), 0.0)
+    tl.store(out + 3 * stride_record, zsum, mask=mask)
+    tl.store(out + 4 * stride_record, target_logit, mask=mask)
 
 
 def num_vocab_splits(N, V, config):
-    """(num_splits, vocab_per_split): the vocabulary split so that the programs fill whole waves of
-    config.target_programs (the programs the GPU holds at once: CTAs per SM x SMs).
+    """(num_splits, vocab_per_split) of the divergence head's record sweep (kernels/divergence.py; a config with
+    ``block_n``, ``block_v`` and ``target_programs``, the programs the GPU holds at once): the vocabulary split so
+    that the programs fill whole waves.
 
     A launch of s splits takes about waves(s) x tiles(s) tile steps, waves(s) = cdiv(token blocks x s, wave) and
     tiles(s) = cdiv(vocabulary tiles, s), the longest program's share. The candidates are, for k waves up to
@@ -132,55 +182,80 @@ def num_vocab_splits(N, V, config):
 def forward(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
     """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
 
-    ``transform``: a LogitTransform; ``config``: a config.ForwardConfig. Entropy (and the backward's entropy
-    values) are None without ``compute_entropy``. ``lora``: None or (lora_hidden [N, r], lora_weight [V, r]),
-    contiguous (grpo_fast/lora.py).
-    """
+    ``transform``: the logit transform (``kernel_scalars()`` and ``softcap``); ``config``: a
+    config.TileRecordConfig. Entropy (and the backward's entropy values) are None without ``compute_entropy``.
+    ``lora``: None or (lora_hidden [N, r], lora_weight [V, r]), contiguous."""
     return softmax_stats.finish(
         forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora, row_count),
         compute_entropy,
     )
 
 
+def rows_per_launch(N, V, compute_entropy, config):
+    """The rows one launch takes: its partial records (2 or 3 fields x patches x rows fp32) within PARTS_BYTES, a
+    multiple of BLOCK_N (at least one block)."""
+    patches = triton.cdiv(V, config.block_v * config.tiles)
+    fields = 3 if compute_entropy else 2
+    rows = PARTS_BYTES // (fields * patches * 4) // config.block_n * config.block_n
+    return min(N, max(config.block_n, rows))
+
+
+def workspace_bytes(N, V, compute_entropy, config):
+    """The bytes ``forward_record`` allocates besides the finished outputs: the partial records of one launch, the
+    target logits and the merged record (5 + 1 fields of N fp32)."""
+    if N == 0:
+        return 0
+    patches = triton.cdiv(V, config.block_v * config.tiles)
+    fields = 3 if compute_entropy else 2
+    return fields * patches * rows_per_launch(N, V, compute_entropy, config) * 4 + 6 * N * 4
+
+
 @on_first_argument_device
 def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
-    """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1),
-    its vocabulary splits merged; ``forward`` finishes it. zsum is 0 without ``compute_entropy``. ``row_count``: None,
-    or a [1] int32 device tensor: rows from it on are padding (zeros, no gradient), and the blocks wholly past it
-    compute no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0)."""
+    """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1);
+    ``forward`` finishes it. zsum is 0 without ``compute_entropy``. A target outside [0, V) (a vocab-parallel shard
+    that does not hold it) leaves the record's target 0 and its rest equal to its sumexp. ``row_count``: None, or a
+    [1] int32 device tensor: rows from it on are padding (zeros, no gradient), and the blocks wholly past it compute
+    no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0)."""
     N, D = hidden.shape
     V = weight.shape[0]
-    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
-    # the five fields of softmax_stats.SoftmaxStats, one record per vocabulary split and token
-    records = torch.empty((5, num_splits, N), dtype=torch.float32, device=hidden.device)
-    _forward_kernel[(triton.cdiv(N, config.block_n), num_splits)](
-        hidden,
-        weight,
-        bias if bias is not None else hidden,
-        targets,
-        records,
-        row_count if row_count is not None else targets,
-        N,
-        V,
-        D,
-        vocab_per_split,
-        records.stride(0),
-        hidden.stride(0),
-        hidden.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        *transform.kernel_scalars(),
-        **lora_kernel_args(lora, hidden, config),
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=transform.softcap is not None,
-        COMPUTE_ENTROPY=compute_entropy,
-        HAS_ROW_COUNT=row_count is not None,
-        DOT_FP32=config.dot_fp32,
-        DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v,
-        BLOCK_D=config.block_d,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return softmax_stats.merge(softmax_stats.SoftmaxStats(*records.unbind(0)))
+    record = torch.empty((5, N), dtype=torch.float32, device=hidden.device)
+    if N == 0:
+        return softmax_stats.SoftmaxStats(*record.unbind(0))
+    chunk = rows_per_launch(N, V, compute_entropy, config)
+    patches = triton.cdiv(V, config.block_v * config.tiles)
+    fields = 3 if compute_entropy else 2
+    parts = torch.empty((fields, patches, chunk), dtype=torch.float32, device=hidden.device)
+    target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    use_tma = config.use_tma and tensor_descriptors_fit(hidden, weight)
+    w = tile_operand(weight, use_tma, config.block_v, config.block_d)
+    inv_temperature, logit_scale, softcap = transform.kernel_scalars()
+    for n0 in range(0, N, chunk):
+        rows = min(chunk, N - n0)
+
+        def part(x, dim=0):
+            """x's rows of this launch (x itself when one launch takes them all: no index of a fake CUDA tensor)."""
+            return x if rows == N else x.narrow(dim, n0, rows)
+
+        # the last launch's partials: the first of the buffer's elements, laid out for its rows
+        part_rows = parts if rows == chunk else parts.view(-1)[: fields * patches * rows].view(fields, patches, rows)
+        lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
+        _tile_records_kernel[(triton.cdiv(rows, config.block_n) * patches,)](
+            tile_operand(part(hidden), use_tma, config.block_n, config.block_d), w,
+            bias if bias is not None else hidden, part(targets), part_rows, part(target_logit),
+            row_count if row_count is not None else targets,
+            N=rows, V=V, D=D, row0=n0, stride_hn=hidden.stride(0), stride_wv=weight.stride(0),
+            stride_field=part_rows.stride(0), inv_temperature=inv_temperature, logit_scale=logit_scale,
+            softcap=softcap, **lora_kernel_args(lora_rows, hidden, config),
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, COMPUTE_ENTROPY=compute_entropy,
+            HAS_ROW_COUNT=row_count is not None, USE_TMA=use_tma,
+            DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
+            BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, TILES=config.tiles,
+            GROUP_N=config.group_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        merge_block = 128
+        _merge_parts_kernel[(triton.cdiv(rows, merge_block),)](
+            part_rows, part(target_logit), part(targets), part(record, 1), rows, V, patches, part_rows.stride(0),
+            record.stride(0), COMPUTE_ENTROPY=compute_entropy, BLOCK=merge_block, num_warps=4,
+        )  # fmt: skip
+    return softmax_stats.SoftmaxStats(*record.unbind(0))

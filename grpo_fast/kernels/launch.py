@@ -27,3 +27,25 @@ def on_first_argument_device(wrapper):
             return wrapper(first, *args, **kwargs)
 
     return run
+
+
+def tensor_descriptors_fit(*tensors):
+    """Whether these 2-D tensors can be read through tensor descriptors: 16-byte aligned base and row stride,
+    contiguous rows (what Hopper's copy engine requires)."""
+    return all(
+        x.dim() == 2
+        and x.stride(1) == 1
+        and x.data_ptr() % 16 == 0
+        and (x.stride(0) * x.element_size()) % 16 == 0
+        and x.shape[0] > 0
+        for x in tensors
+    )
+
+
+def tile_operand(x, use_tma, block_rows, block_d):
+    """``x`` [rows, D] as the kernel reads it: a tensor descriptor of [block_rows, block_d] blocks, or itself."""
+    if not use_tma:
+        return x
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_rows, block_d])

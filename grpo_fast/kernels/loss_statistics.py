@@ -1,6 +1,5 @@
-"""The per-sequence statistics of layer 2, named once: the token kernel's slots (grpo_fast/kernels/token_loss.py),
-the torch layer 2's keys (grpo_fast/token_loss_torch.py), the spec's quantities and what a metric reads
-(``grpo_fast.grpo_loss.options.Metric.statistic``, reduced by grpo_fast.grpo_loss.metrics). Imports nothing: the kernels read it.
+"""The per-sequence statistics of layer 2, named once: the token kernel's slots, its torch twin's keys and what a
+metric reads (``Metric.statistic``). The kernels own it: it imports nothing.
 """
 
 # name: what a sequence's value is (a masked sum over its tokens unless ``returned_statistics`` says it is the

@@ -1,68 +1,48 @@
-"""Layer 2, the token kernel: the per-token GRPO math (TRL 1.16): loss, metrics, dL/dlogp_t and the entropy bonus's
-token mask, one program per sequence.
+"""The GRPO token kernel: TRL 1.16's per-token math, one program per sequence, nothing read on the host.
 
-For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weights, s: normaliser):
-    token level     r_t = exp(logp_t - old_t)                 dr_t/dlogp_t = r_t
-    sequence level  r_b = exp(sum_t m_t (logp_t - old_t) / L_b),  L_b = max(sum_t m_t, 1)
-                                                              dr_b/dlogp_t = r_b m_t / L_b
-    clipped family  pg = -min(a1, a2),  a1 = min(r, delta) A,  a2 = clamp(r, 1 - eps, 1 + eps_high) A
-                    dpg/dr = -(da1 if a1 < a2, da2 if a2 < a1, (da1 + da2) / 2 on a tie: torch.min's rule)
-                    with da1 = A [r <= delta], da2 = A [1 - eps <= r <= 1 + eps_high] (clamp's inclusive rule)
-    cispo           pg = -stopgrad(min(r, eps_high)) A logp_t         dpg/dlogp_t = -min(r, eps_high) A
-    sapo            pg = -sigmoid(tau (r - 1)) 4 / tau A               dpg/dr = -4 sig (1 - sig) A
-    vespo           pg = -stopgrad(phi) A logp_t                       dpg/dlogp_t = -phi A
-                    phi = exp(lam + k log W - lam W), log W = clamp(sum_t m_t clamp(logp_t - old_t, -20, 20)
-                          + sum_t clamp(log w_t, log 1e-8, 20), log 1e-8, 20), (k, lam) by the sign of A
-                          (the weights' sum runs over padding too, as TRL's)
-    masks           keep_t = [A_t >= 0 or sum_t m_t nan_to_0(sampler_t - logp_t) / L_b <= off_policy_threshold]
-                    e_t = m_t [entropy_t >= entropy_threshold]          (top-entropy tokens)
-    kl              k_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) * (r if BIAS_CORRECTION_KL else 1)
-                    dk/dlogp_t = (1 - exp(ref_t - logp_t)) * r  +  (k_t / r) dr/dlogp  (the ratio's gradient flows)
-    loss            L = sum_b sum_t s_bt (keep_t e_t w_t pg_t + beta k_t), s_bt = m_t * scale / (L_b if ROW_MEAN else 1)
-                    (w_t is 1 when the family's importance_weights_in_term: vespo's weights enter phi instead)
-    The loss type's record (grpo_fast.grpo_loss.options.LossType), read by the launcher from the ``options`` its caller passes
-    (kernels/ imports nothing above it), gives the family's formula (LOSS_KIND), what dpg is taken against
-    (GRAD_WRT_LOGP) and how it uses the importance weights (IW_IN_TERM).
+For sequence b (r: importance ratio, A: advantage, m: mask, w: importance weights, L_b = max(sum_t m_t, 1)):
+    ratio      token level r_t = exp(logp_t - old_t), dr_t/dlogp_t = r_t; sequence level (GSPO)
+               r_b = exp(sum_t m_t (logp_t - old_t) / L_b), dr_b/dlogp_t = r_b m_t / L_b
+    clipped    pg = -min(a1, a2), a1 = min(r, delta) A, a2 = clamp(r, 1 - eps, 1 + eps_high) A; dpg/dr takes the
+               smaller one's derivative, half of each on a tie (torch.min), clamp's is A on its bounds too
+    cispo      pg = -stopgrad(min(r, eps_high)) A logp_t            dpg/dlogp_t = -min(r, eps_high) A
+    sapo       pg = -sigmoid(tau (r - 1)) 4 / tau A                  dpg/dr = -4 sig (1 - sig) A, tau by A's sign
+    vespo      pg = -stopgrad(phi) A logp_t                          dpg/dlogp_t = -phi A
+               phi = exp(lam + k log W - lam W), (k, lam) by A's sign, 0 where it overflows;
+               log W = clamp(sum_t m_t clamp(logp_t - old_t, -20, 20) + sum_t clamp(log w_t, log 1e-8, 20),
+               log 1e-8, 20), the weights summed over padding too (TRL's)
+    masks      keep = [A >= 0 or sum_t m_t nan_to_0(sampler_t - logp_t) / L_b <= off_policy_threshold]
+               e_t = [entropy_t >= entropy_threshold] (the top-entropy tokens)
+    kl         k_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1, times r with use_bias_correction_kl (its gradient
+               flows through r: on-policy r is 1 but dr/dlogp is not 0)
+    loss       L = sum_b sum_t s_bt (keep e_t w_t pg_t + beta k_t), s_bt = m_t scale (/ L_b with row_mean);
+               w_t is 1 where the weights enter the term (vespo's log W)
+The loss type's record (its ``policy_term``) says which family's term (LOSS_KIND), what dpg is taken against, whether
+the term has phi, where the weights go and whether delta applies; the launcher reads it from its ``options``.
 
-Outputs: ``grad_logp`` [B, T] fp32 (dL/dlogp, already normalised), ``bonus_mask`` [B, T] fp32 (with ENTROPY_BONUS:
-the tokens the entropy bonus averages over, m_t or m_t e_t; the caller scales it by -entropy_coef / their count to get
-dL/dentropy, ``grad_entropy``) and the per-row statistics (grpo_fast.kernels.loss_statistics names them and their slots,
-returned by name): the row's share of the policy loss, its mask sum, masked sums of kl, entropy, ratio,
-the clip indicators and phi (for sequence-level clip metrics with per-sequence advantages, and vespo's per-sequence
-phi, the row's own value: TRL averages those over sequences), and the bonus tokens' count and entropy sum. Masked
-tokens contribute exactly zero, whatever their values (no 0 * inf = NaN).
-
-NaN: a NaN at a scored token (or one formed there from an inf) reaches the loss, as in torch: every min / max / clamp
-of a value derived from the inputs propagates NaN (``_minimum``, ``_maximum``); tl.minimum's default, like PTX's
-min.f32, returns the other operand and would give a finite loss over NaN log-probs.
-
-The kernel is a short sequence of device functions, one concern each: ``_row_sums`` (pass 1: token count and the
-row's log-ratio sums), ``_importance_ratio``, ``_policy_weight`` (importance weights and the off-policy / entropy
-masks), ``_policy_term`` (the loss type's per-token term and its derivative), ``_kl_term``, ``_clip_indicators``
-(metrics); the statistics slots and loss kinds are named ``tl.constexpr`` constants below, shared with the launcher.
-
-Memory: the [B, T] fp32 coefficients (and bonus mask) and B x NUM_STATS fp32; everything else stays in registers.
+Masked tokens contribute exactly zero, whatever their values; a NaN at a scored token reaches the loss, as in torch
+(``_minimum`` / ``_maximum``: tl.minimum's default, like PTX's min.f32, returns the other operand).
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import on_first_argument_device
+from grpo_fast.kernels import launch
 from grpo_fast.kernels.loss_statistics import SLOTS, returned_statistics
 
-# Loss kinds: the families of per-token term (``_policy_term``), by the loss type record's ``policy_term.formula``
-# (grpo_fast.grpo_loss.options.LOSS_TYPE_RECORDS); the launcher raises on any other.
+# Loss kinds: the families of per-token term (``_policy_term``), by the record's ``policy_term.formula``; the launcher
+# raises on any other.
 LOSS_CLIPPED = tl.constexpr(0)
 LOSS_CISPO = tl.constexpr(1)
 LOSS_SAPO = tl.constexpr(2)
 LOSS_VESPO = tl.constexpr(3)
 LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "vespo": LOSS_VESPO}
 
-# Statistics slots: row_stats[b, slot], as grpo_fast.kernels.loss_statistics names them, in its order (tests/test_loss_types.py
-# checks each name against its slot)
+# Statistics slots: row_stats[b, slot], as loss_statistics names them, in its order (a test checks each name's slot)
 (
     STAT_LOSS,
     STAT_COUNT,
@@ -80,7 +60,7 @@ LOSS_KINDS = {"clipped": LOSS_CLIPPED, "cispo": LOSS_CISPO, "sapo": LOSS_SAPO, "
 NUM_STATS = tl.constexpr(len(SLOTS))
 
 # Two warps per sequence: the work is a few [T] vectors, and with 4 warps ptxas gives the vespo variant with every
-# option a stack slot on sm_90 (tools/sm_compile.py); with 2 every variant compiles clean on sm_90 / 89 / 80.
+# option a stack slot on sm_90; with 2 every variant compiles clean on sm_90 / 89 / 80.
 NUM_WARPS = 2
 LOG_RATIO_FLOOR = tl.constexpr(math.log(1e-8))  # VESPO's clamp of log W (TRL's)
 LOG_RATIO_CAP = tl.constexpr(20.0)  # TRL's clamp of each log-ratio and of log W
@@ -100,13 +80,13 @@ def _maximum(x, y):
 
 @triton.jit
 def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
-              SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, IS_VESPO: tl.constexpr, TERM_IW: tl.constexpr,
+              SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, GAMMA_WEIGHTED: tl.constexpr, TERM_IW: tl.constexpr,
               IW_PER_TOKEN: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """Pass 1 over a row: its token count, the sum of log-ratios (GSPO), VESPO's log W (unclamped) and the summed
+    """Pass 1 over a row: its token count, the sum of log-ratios (GSPO), phi's log W (unclamped) and the summed
     KL(sampler || policy) for the off-policy mask. TERM_IW: importance weights that enter the term (log W)."""
     count = 0.0
     log_ratio_sum = 0.0
-    vespo_log_w = 0.0
+    log_w = 0.0
     sampler_kl_sum = 0.0
     for t0 in range(0, T, BLOCK_T):
         offs = t0 + tl.arange(0, BLOCK_T)
@@ -114,9 +94,9 @@ def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
         m = tl.load(mask_ptr + row + offs, mask=in_row, other=0.0)
         active = m > 0.0
         count += tl.sum(m, axis=0)
-        if SEQUENCE or IS_VESPO or OFF_POLICY_MASK:
+        if SEQUENCE or GAMMA_WEIGHTED or OFF_POLICY_MASK:
             lp = tl.where(active, tl.load(logp_ptr + row + offs, mask=in_row, other=0.0), 0.0)
-        if SEQUENCE or IS_VESPO:
+        if SEQUENCE or GAMMA_WEIGHTED:
             # on-policy the old log-prob is logp itself: a log-ratio of exactly 0, or NaN for a non-finite log-prob
             # (torch's logp - logp.detach())
             old = lp
@@ -124,21 +104,21 @@ def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
                 old = tl.where(active, tl.load(old_ptr + row + offs, mask=in_row, other=0.0), 0.0)
             if SEQUENCE:
                 log_ratio_sum += tl.sum(lp - old, axis=0)
-            if IS_VESPO:
-                vespo_log_w += tl.sum(_minimum(_maximum(lp - old, -LOG_RATIO_CAP), LOG_RATIO_CAP), axis=0)
-        if IS_VESPO:
+            if GAMMA_WEIGHTED:
+                log_w += tl.sum(_minimum(_maximum(lp - old, -LOG_RATIO_CAP), LOG_RATIO_CAP), axis=0)
+        if GAMMA_WEIGHTED:
             if TERM_IW:
                 if IW_PER_TOKEN:
                     iw = tl.load(iw_ptr + row + offs, mask=in_row, other=1.0)
                     log_iw = _minimum(_maximum(tl.log(iw), LOG_RATIO_FLOOR), LOG_RATIO_CAP)  # clamp(log w, ..)
                     # every position, padding included: TRL's sum (its ratios are 1 there but for odd clips)
-                    vespo_log_w += tl.sum(tl.where(in_row, log_iw, 0.0), axis=0)
+                    log_w += tl.sum(tl.where(in_row, log_iw, 0.0), axis=0)
         if OFF_POLICY_MASK:
             sampler = tl.load(sampler_ptr + row + offs, mask=in_row, other=0.0)
             kl = sampler - lp
             # a token the sampler could not score (NaN) is no evidence: TRL's nan_to_num
             sampler_kl_sum += tl.sum(tl.where(active & (kl == kl), kl, 0.0), axis=0)
-    return count, log_ratio_sum, vespo_log_w, sampler_kl_sum
+    return count, log_ratio_sum, log_w, sampler_kl_sum
 
 
 @triton.jit
@@ -299,6 +279,7 @@ def _token_loss_kernel(
     entropy_threshold_ptr,
     LOSS_KIND: tl.constexpr,
     GRAD_WRT_LOGP: tl.constexpr,
+    GAMMA_WEIGHTED: tl.constexpr,
     IW_IN_TERM: tl.constexpr,
     SEQUENCE: tl.constexpr,
     ROW_MEAN: tl.constexpr,
@@ -317,11 +298,10 @@ def _token_loss_kernel(
     BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
-    row = b.to(tl.int64) * T  # int64: B x T may pass 2^31 tokens (kernels/tile.py says why)
-    IS_VESPO: tl.constexpr = LOSS_KIND == LOSS_VESPO
+    row = b.to(tl.int64) * T  # int64: B x T may pass 2^31 tokens
     TERM_IW: tl.constexpr = HAS_IW and IW_IN_TERM
 
-    count, log_ratio_sum, vespo_log_w, sampler_kl_sum = _row_sums(
+    count, log_ratio_sum, log_w, sampler_kl_sum = _row_sums(
         logp_ptr,
         old_ptr,
         sampler_ptr,
@@ -331,7 +311,7 @@ def _token_loss_kernel(
         T,
         SEQUENCE,
         HAS_OLD,
-        IS_VESPO,
+        GAMMA_WEIGHTED,
         TERM_IW,
         IW_PER_TOKEN,
         OFF_POLICY_MASK,
@@ -347,7 +327,7 @@ def _token_loss_kernel(
     if ROW_MEAN:
         row_scale = scale / length
     seq_ratio = tl.exp(log_ratio_sum / length)
-    vespo_log_w = _minimum(_maximum(vespo_log_w, LOG_RATIO_FLOOR), LOG_RATIO_CAP)
+    log_w = _minimum(_maximum(log_w, LOG_RATIO_FLOOR), LOG_RATIO_CAP)
     sampler_kl = sampler_kl_sum / length
     if ADV_PER_TOKEN:
         adv_row = 0.0
@@ -410,8 +390,8 @@ def _token_loss_kernel(
             bonus_entropy += tl.sum(bonus * ent, axis=0)
         r = _importance_ratio(lp, old_ptr, row, offs, in_row, active, seq_ratio, SEQUENCE, HAS_OLD, BLOCK_T)
         phi = tl.zeros((BLOCK_T,), tl.float32)
-        if IS_VESPO:
-            phi = _gamma_weight(vespo_log_w, adv, vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg)
+        if GAMMA_WEIGHTED:
+            phi = _gamma_weight(log_w, adv, vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg)
             phi_sum += tl.sum(tl.where(active, phi, 0.0), axis=0)
         pg, dpg = _policy_term(r, lp, adv, phi, eps_low, eps_high, delta, sapo_pos, sapo_neg, LOSS_KIND, HAS_DELTA)
         s = tl.where(active, row_scale, 0.0)
@@ -473,18 +453,42 @@ def _token_loss_kernel(
         tl.store(stats + STAT_HIGH, high_sum)
         tl.store(stats + STAT_REGION, region_sum)
         tl.store(stats + STAT_CISPO, cispo_sum)
-    if IS_VESPO:
+    if GAMMA_WEIGHTED:
         if ADV_PER_TOKEN:
             tl.store(stats + STAT_PHI, phi_sum)
         else:  # one weight per sequence, masked tokens or not
             tl.store(
                 stats + STAT_PHI,
-                _gamma_weight(vespo_log_w, adv_row, vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg),
+                _gamma_weight(log_w, adv_row, vespo_k_pos, vespo_lam_pos, vespo_k_neg, vespo_lam_neg),
             )
     else:
         tl.store(stats + STAT_PHI, 0.0)
     tl.store(stats + STAT_BONUS_COUNT, bonus_count)
     tl.store(stats + STAT_BONUS_ENTROPY, bonus_entropy)
+
+
+class TokenLossInputs(NamedTuple):
+    """Layer 2's prepared per-batch tensors: fp32, contiguous, on one device, a sequence a row.
+
+    Attributes:
+        logp: the policy's log-probs [B, T].
+        advantages: [B] or [B, T].
+        mask: the completion mask [B, T], 0 / 1.
+        old: the old policy's log-probs [B, T], or None (on-policy: the ratio is 1, its gradient flows).
+        ref: the reference log-probs [B, T], or None without a KL term.
+        sampler: the off-policy mask's sampler log-probs [B, T] (NaN: not scored), or None without that mask.
+        importance_weights: [B] or [B, T], or None.
+        entropy: the token entropies [B, T], or None.
+    """
+
+    logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    sampler: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    entropy: torch.Tensor | None
 
 
 def _device_scalar(x, like):
@@ -494,34 +498,41 @@ def _device_scalar(x, like):
     return torch.full((1,), float(x), dtype=torch.float32, device=like.device)  # a fill: no copy from host memory
 
 
-@on_first_argument_device
-def token_loss(
-    logp, advantages, mask, old, ref, sampler, importance_weights, entropy, options, *, scale, entropy_threshold
-):
-    """Launch one program per sequence; returns (grad_logp, bonus_mask or None, {statistic name: (values [B],
-    per_sequence)}: grpo_fast.kernels.loss_statistics.returned_statistics').
-    grpo_fast/token_loss_torch.py is its torch twin, with the same arguments and returns.
+def token_loss(inputs, options, *, scale, entropy_threshold):
+    """Layer 2 on prepared inputs: dL/dlogp, the entropy bonus's token mask and the per-sequence statistics.
 
-    All tensors fp32 contiguous [B, T] on one device (advantages [B] or [B, T], importance_weights [B] or [B, T]);
-    ``options`` a ``grpo_fast.LossOptions``; ``scale`` = 1 / the loss's denominator (a number, or a [1] / [] fp32
-    device tensor: never read on the host); ``sampler`` (the off-policy mask's log-probs) is None without that mask,
-    ``entropy_threshold`` (a number or an fp32 device tensor likewise) None without the top-entropy mask;
-    ``ref`` None without a KL term. The statistics: ``returned_statistics``' (no "kl" without a KL term, no "entropy"
-    without the entropy, no "phi" but for vespo's term).
+    One program per sequence. The torch twin (``grpo_fast.grpo_loss.torch_twin.token_loss``) takes the same
+    arguments and returns the same values.
+
+    Args:
+        inputs: a ``TokenLossInputs``.
+        options: the loss options (a ``grpo_fast.LossOptions``); its ``loss_type_record`` gives the family of
+            per-token term and its facts (kernels import nothing above them: the caller hands the record in).
+        scale: 1 / the loss's denominator: a number, or a [1] / [] fp32 device tensor (never read on the host).
+        entropy_threshold: the top-entropy mask's threshold (a number or an fp32 device tensor likewise), or None
+            without that mask.
+
+    Returns:
+        ``(grad_logp, bonus_mask, statistics)``: dL/dlogp [B, T] fp32 (normalised, 0 at masked tokens); the entropy
+        bonus's token mask [B, T] fp32 with ``entropy_coef != 0`` (m_t, or m_t e_t with the top-entropy mask), else
+        None; ``{statistic: (values [B] fp32, per_sequence)}`` for those of ``returned_statistics``.
+
+    Raises:
+        ValueError: the record's policy term is not one of ``LOSS_KINDS``.
     """
-    record = options.loss_type_record
-    term = record.policy_term
+    term = options.loss_type_record.policy_term
     if term.formula not in LOSS_KINDS:
         raise ValueError(
             f"loss type {options.loss_type!r} has a policy term the token kernel does not have: "
             f"{term.formula!r} (it has {tuple(LOSS_KINDS)})"
         )
-    loss_kind = LOSS_KINDS[term.formula]
-    if term.importance_weights_in_term and loss_kind != LOSS_VESPO:
-        raise ValueError(
-            f"loss type {options.loss_type!r} puts the importance weights in its term, but the token "
-            f"kernel's {term.formula!r} term does not read them (only 'vespo' does)"
-        )
+    with launch.on_device(inputs.logp):
+        return _launch(inputs, options, term, scale, entropy_threshold)
+
+
+def _launch(inputs, options, term, scale, entropy_threshold):
+    """``token_loss`` on the inputs' device: allocate the outputs, launch, name the statistics."""
+    logp, advantages, mask, old, ref, sampler, importance_weights, entropy = inputs
     B, T = logp.shape
     entropy_bonus = options.entropy_coef != 0.0
     has_kl = ref is not None and options.beta != 0.0
@@ -529,8 +540,7 @@ def token_loss(
     bonus_mask = torch.empty_like(logp) if entropy_bonus else None
     stats = torch.empty((B, NUM_STATS.value), dtype=torch.float32, device=logp.device)
     adv_per_token = advantages.dim() == 2
-    seq_clip_metrics = options.sequence_level and not adv_per_token
-    block_t = min(1024, max(16, triton.next_power_of_2(T)))
+    has_delta = "delta" in term.options and options.delta is not None
     _token_loss_kernel[(B,)](
         logp,
         old if old is not None else logp,
@@ -547,7 +557,7 @@ def token_loss(
         float(options.beta),
         float(options.epsilon),
         float(options.clip_high),
-        float(options.delta if options.delta is not None else 0.0),
+        float(options.delta if has_delta else 0.0),
         float(options.sapo_temperature_pos),
         float(options.sapo_temperature_neg),
         _device_scalar(scale, logp),
@@ -557,12 +567,13 @@ def token_loss(
         float(options.vespo_lambda_neg),
         float(options.off_policy_mask_threshold if sampler is not None else 0.0),
         _device_scalar(entropy_threshold, logp) if entropy_threshold is not None else logp,
-        LOSS_KIND=loss_kind,
+        LOSS_KIND=LOSS_KINDS[term.formula],
         GRAD_WRT_LOGP=term.gradient_wrt == "logprob",
+        GAMMA_WEIGHTED=term.gamma_weighted,
         IW_IN_TERM=term.importance_weights_in_term,
         SEQUENCE=options.sequence_level,
-        ROW_MEAN=record.row_mean,
-        HAS_DELTA=options.delta is not None,
+        ROW_MEAN=options.loss_type_record.row_mean,
+        HAS_DELTA=has_delta,
         HAS_OLD=old is not None,
         HAS_KL=has_kl,
         BIAS_CORRECTION_KL=options.use_bias_correction_kl,
@@ -573,8 +584,8 @@ def token_loss(
         OFF_POLICY_MASK=sampler is not None,
         ENTROPY_MASK=entropy_threshold is not None,
         ENTROPY_BONUS=entropy_bonus,
-        SEQ_CLIP_METRICS=seq_clip_metrics,
-        BLOCK_T=block_t,
+        SEQ_CLIP_METRICS=options.sequence_level and not adv_per_token,
+        BLOCK_T=min(1024, max(16, triton.next_power_of_2(T))),
         num_warps=NUM_WARPS,
     )
     returned = returned_statistics(
@@ -582,10 +593,7 @@ def token_loss(
         advantages_per_token=adv_per_token,
         has_kl=has_kl,
         has_entropy=entropy is not None,
-        has_phi=loss_kind == LOSS_VESPO,
+        has_phi=term.gamma_weighted,
     )
-    return (
-        grad_logp,
-        bonus_mask,
-        {name: (stats[:, SLOTS[name]], per_sequence) for name, per_sequence in returned.items()},
-    )
+    named = {name: (stats[:, SLOTS[name]], per_sequence) for name, per_sequence in returned.items()}
+    return grad_logp, bonus_mask, named

@@ -1,0 +1,167 @@
+"""The estimator's command line: its flags, their ranges and checks, and the recipe they describe."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from collections.abc import Mapping
+
+import torch
+
+from grpo_fast.memory import cli
+from grpo_fast.memory.heads import HEADS, LossHead
+from grpo_fast.memory.recipe import DEFAULT_RECIPE, MODELS, RTX_4090, Gpu, Recipe
+
+PROG = "python -m grpo_fast.memory"
+RANGES = {
+    "hidden_size": cli.Range(1, 65536),
+    "intermediate_size": cli.Range(1, 262144),
+    "num_layers": cli.Range(1, 256),
+    "num_heads": cli.Range(1, 1024),
+    "num_kv_heads": cli.Range(1, 1024),
+    "vocab_size": cli.Range(2, 2**24),
+    "micro_batch_size": cli.Range(1, 1024),
+    "prompt_length": cli.Range(1, 131072),
+    "completion_length": cli.Range(1, 131072),
+    "prompts_per_step": cli.Range(1, 4096),
+    "num_generations": cli.Range(2),  # GRPO compares the completions of one prompt: one alone has no advantage
+    "lora_r": cli.Range(0, 4096),
+    "lora_alpha": cli.Range(1),
+    "beta": cli.Range(0.0),
+    "gpu_memory_gib": cli.Range(0.0, low_open=True),
+    "gpu_compute_capability": cli.Range(30, 999),
+}
+SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
+RECIPE_FLAGS = (
+    "micro_batch_size",
+    "prompt_length",
+    "completion_length",
+    "prompts_per_step",
+    "num_generations",
+    "lora_r",
+    "lora_alpha",
+    "beta",
+    "gradient_checkpointing",
+)
+
+
+def parse_args(
+    argv=None,
+    *,
+    recipes: Mapping[str, Recipe] | None = None,
+    heads: Mapping[str, type[LossHead]] | None = None,
+    prog: str = PROG,
+):
+    """The command line's arguments, checked: one line on stderr and exit status 2 for an argument out of range,
+    unknown or repeated heads, or ``--measure`` without a CUDA GPU (argparse itself exits on a malformed flag).
+    ``recipes``: the ``--recipe`` choices, the first the default (None: no ``--recipe``, DEFAULT_RECIPE);
+    ``heads``: the ``--heads`` choices (None: HEADS); ``prog``: how the command is run. ``heads`` in the result is
+    a list of names."""
+    heads = HEADS if heads is None else heads
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="One GRPO training step's peak GPU memory, estimated on a CPU over fake tensors, for each loss "
+        "head, and the generation phase's, against a card's memory (with an allowance for what is not tracked). "
+        f"Without flags: {(next(iter(recipes.values())) if recipes else DEFAULT_RECIPE).describe()}.",
+    )
+    if recipes:
+        p.add_argument(
+            "--recipe",
+            choices=list(recipes),
+            default=next(iter(recipes)),
+            help="the step to estimate (the flags below override its values)",
+        )
+    p.add_argument("--model", choices=sorted(MODELS), default=None, help="another published shape")
+    for dest in SHAPE_FLAGS:
+        p.add_argument(cli.flag(dest), type=int, default=None, help=f"the model's {dest}")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="completions per forward / backward")
+    p.add_argument("--prompt-length", type=int, default=None, help="prompt tokens per row")
+    p.add_argument("--completion-length", type=int, default=None, help="completion tokens per row")
+    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per rollout")
+    p.add_argument("--num-generations", type=int, default=None, help="completions per prompt")
+    p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (0: every parameter trains)")
+    p.add_argument("--lora-alpha", type=int, default=None)
+    p.add_argument("--beta", type=float, default=None, help="KL coefficient (0: no reference log-probs)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--heads", default=",".join(heads), help=f"comma-separated, of {', '.join(heads)}")
+    g = p.add_argument_group(
+        f"the card (by default the {RTX_4090.name}): its memory is what must fit, its architecture sizes grpo_fast's "
+        "workspaces"
+    )
+    g.add_argument("--gpu-name", default=None, help="the card's name, as the report gives it")
+    g.add_argument("--gpu-memory-gib", type=float, default=None, help=f"its memory, GiB [{RTX_4090.memory_gib:.2f}]")
+    g.add_argument(
+        "--gpu-compute-capability",
+        type=int,
+        default=None,
+        help=f"10 x major + minor [{RTX_4090.compute_capability}]",
+    )
+    p.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png (default: print the table)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run each step on the CUDA GPU (random weights) and record its real peak beside the "
+        "estimate (torch.cuda.max_memory_allocated / max_memory_reserved)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no per-phase messages on stderr")
+    cli.add_ranges_to_help(p, RANGES)
+    args = p.parse_args(argv)
+    cli.check_numbers(prog, args, RANGES)
+    args.heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    unknown = [h for h in args.heads if h not in heads]
+    if unknown or not args.heads or len(set(args.heads)) != len(args.heads):
+        cli.fail(prog, f"--heads {','.join(args.heads)}: expected distinct names among {', '.join(heads)}")
+    if args.measure and not torch.cuda.is_available():
+        cli.fail(prog, "--measure runs the step on a CUDA GPU, and torch sees none here; leave it out to estimate")
+    return args
+
+
+def gpu_from_args(args) -> Gpu:
+    """The card the command line describes: the RTX 4090 with each ``--gpu-*`` flag given applied on top."""
+    given = {
+        "name": args.gpu_name,
+        "memory_gib": args.gpu_memory_gib,
+        "compute_capability": args.gpu_compute_capability,
+    }
+    return dataclasses.replace(RTX_4090, **{field: value for field, value in given.items() if value is not None})
+
+
+def recipe_from_args(args, recipes: Mapping[str, Recipe] | None = None, prog: str = PROG) -> Recipe:
+    """The recipe the command line asks for: ``--recipe`` (DEFAULT_RECIPE without ``recipes``) with every flag given
+    applied on top; one line on stderr and exit status 2 for a shape whose heads do not divide the hidden size or
+    each other, or an odd head dim."""
+    recipe = recipes[args.recipe] if recipes else DEFAULT_RECIPE
+    shape = MODELS[args.model] if args.model else recipe.shape
+    shape = dataclasses.replace(
+        shape, **{dest: getattr(args, dest) for dest in SHAPE_FLAGS if getattr(args, dest) is not None}
+    )
+    if shape.hidden_size % shape.num_heads:
+        cli.fail(prog, f"hidden size {shape.hidden_size} is not a multiple of the {shape.num_heads} attention heads")
+    if shape.num_heads % shape.num_kv_heads:
+        cli.fail(prog, f"{shape.num_heads} attention heads are not a multiple of the {shape.num_kv_heads} kv heads")
+    if shape.head_dim % 2:
+        cli.fail(prog, f"head dim {shape.head_dim} (hidden size / heads) is odd: rotary embeddings need it even")
+    changed = shape != (MODELS[args.model] if args.model else recipe.shape)
+    name = args.model or recipe.model
+    return dataclasses.replace(
+        recipe,
+        shape=shape,
+        model=name + (" (shape overridden)" if changed else ""),
+        **{f: getattr(args, f) for f in RECIPE_FLAGS if getattr(args, f) is not None},
+    )
+
+
+def check_packages(prog: str, recipe: Recipe, heads: Mapping[str, type[LossHead]]) -> None:
+    """One line on stderr and exit status 2 where a package the estimate needs does not import: transformers (it
+    builds the model), PEFT (LoRA), a head's own."""
+    needed = {"transformers": "builds the model from its shape"}
+    if recipe.lora_r > 0:
+        needed["peft"] = "applies LoRA (--lora-r 0 trains every parameter without it)"
+    for name, head in heads.items():
+        needed |= {package: f"runs the {name} head" for package in head.packages}
+    for package, why in needed.items():
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            cli.fail(prog, f"{package} {why}, and it does not import here: pip install {package}")

@@ -1,0 +1,432 @@
+"""One training step over fake tensors, accounted by torch's memory tracker; and the same step measured on a GPU.
+
+The model is built from its published shape (transformers' config object), never from a hub: on the meta device,
+PEFT's LoRA applied there (get_peft_model cannot swap fake tensors into modules), then every parameter and buffer
+replaced by a fake CPU tensor of its shape and dtype (tied weights stay one tensor). Fake CPU tensors, not fake CUDA
+ones: a backward over fake CUDA tensors aborts a CPU-only torch (the autograd engine asks for a CUDA device guard).
+Where a CPU kernel would allocate differently from the GPU one, the GPU's is what runs: AdamW and grad clipping take
+their foreach implementations (the CUDA default), grpo_fast's ops take backend "triton" with each op's workspace
+added while it runs. Attention runs torch's fused CPU kernel, which keeps what the CUDA flash / memory-efficient
+kernels keep (the output and a log-sum-exp per row and head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from grpo_fast.memory.heads import Batch, LossHead, workspace_bytes
+from grpo_fast.memory.recipe import Gpu, Recipe, kv_cache_bytes
+from grpo_fast.memory.report import gib
+
+
+def _fake_parameters(model: nn.Module, fake_mode) -> None:
+    """Each meta parameter and buffer of ``model`` replaced by a fake CPU tensor of its shape, dtype and
+    requires_grad; a tensor two modules share (tied embeddings) stays one."""
+    replaced = {}
+    with fake_mode:
+        for module in model.modules():
+            for table, make in (
+                (
+                    module._parameters,
+                    lambda p: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad),
+                ),
+                (module._buffers, lambda b: torch.empty(b.shape, dtype=b.dtype)),
+            ):
+                for name, tensor in list(table.items()):
+                    if tensor is not None:
+                        if id(tensor) not in replaced:
+                            replaced[id(tensor)] = make(tensor)
+                        table[name] = replaced[id(tensor)]
+
+
+def build_model(
+    recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = True, checkpointing: bool = True
+) -> nn.Module:
+    """The recipe's model in train mode, with gradient checkpointing (non-reentrant) and PEFT's LoRA on the recipe's
+    target modules (``lora`` and a rank > 0; the adapters in fp32, PEFT's default autocast of bf16 adapters).
+
+    Args:
+        recipe: the step's sizes.
+        fake_mode: a ``FakeTensorMode``: the model is built on the meta device, then every tensor a fake CPU one;
+            None: randomly initialised on ``device``.
+        device: where a real model is built.
+        lora: apply LoRA when the recipe's rank is > 0 (False: the base model, the KL term's copy).
+        checkpointing: enable the recipe's gradient checkpointing.
+
+    Returns:
+        The model, in train mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta" if fake_mode is not None else device):
+        model = AutoModelForCausalLM.from_config(recipe.shape.config(), dtype=recipe.dtype)
+    if checkpointing and recipe.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if lora and recipe.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=recipe.lora_r,
+                lora_alpha=recipe.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=list(recipe.lora_targets),
+                task_type="CAUSAL_LM",
+            ),
+        )
+    if fake_mode is not None:
+        _fake_parameters(model, fake_mode)
+    return model.train()
+
+
+def tensor_bytes(tensors) -> int:
+    """The bytes of distinct tensors among ``tensors`` (a tied weight counts once).
+
+    Args:
+        tensors: an iterable of tensors.
+
+    Returns:
+        Their bytes, each tensor once.
+    """
+    seen = {}
+    for t in tensors:
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _mem_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class StepTracker(MemTracker):
+        """MemTracker with what one step's account needs.
+
+        Gradient hooks only on parameters that train: torch's tracker registers one on every parameter of a module
+        it enters, which a frozen parameter (LoRA's base weights) refuses. The loss head's own bytes: what it
+        holds above the memory at its entry (its saved tensors, temporaries, the gradient it returns), at its own
+        peak and at the step's. Where the step's peak is (``phase``, forward or backward, in the head or not). Each
+        custom op's workspace (``workspace``: func, args, kwargs -> bytes), held while the op runs.
+        """
+
+        def __init__(self, head: nn.Module, workspace=None):
+            super().__init__()
+            self.head, self.workspace = head, workspace
+            self.phase = "forward / backward"
+            self.in_head = False
+            self.head_base = self.head_peak = self.head_at_peak = 0
+            self.peak_phase = None
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._grad_hook),
+                            param.register_post_accumulate_grad_hook(lambda p: self._grad_hook(p.grad)),
+                        )
+            return memory
+
+        def _grad_hook(self, grad):
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        def total(self) -> int:
+            return sum(snap["Total"] for snap in self._curr_mem_snap.values())
+
+        def _pre_fw_hook(self, module, inputs):
+            super()._pre_fw_hook(module, inputs)
+            if module is self.head:
+                self.in_head, self.head_base = True, self.total()
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            super()._post_fw_hook(module, inputs, outputs)
+            if module is self.head:
+                self.in_head = False
+
+        def _pre_bw_hook(self, module, args):
+            super()._pre_bw_hook(module, args)
+            if module is self.head:
+                self.in_head = True
+
+        def _post_bw_hook(self, module, args):
+            super()._post_bw_hook(module, args)
+            if module is self.head:
+                self.in_head = False
+
+        def where(self) -> str:
+            if self.phase != "forward / backward":
+                return self.phase
+            direction = "backward" if self._mod_tracker.is_bw else "forward"
+            return f"loss head {direction}" if self.in_head else f"model {direction}"
+
+        def _update_peak_stats(self, peak_state):
+            # the step's peak only: the tracker's per-module peaks walk every tracked module on every op, which
+            # grows with depth squared (minutes for 28 layers); the per-module snapshots are not read here
+            held = self.total() - self.head_base if self.in_head else 0
+            self.head_peak = max(self.head_peak, held)
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snap["Total"]:
+                    self._peak_mem[device] = snap["Total"]
+                    self._peak_mem_snap[device] = dict(snap)
+                    self.peak_phase, self.head_at_peak = self.where(), held
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            extra = self.workspace(func, args, kwargs or {}) if self.workspace is not None else 0
+            if not extra:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            scratch = torch.empty(extra, dtype=torch.uint8, device=device)  # the fake mode below makes it
+            self._track(_MemRefType.TEMP if self._mod_tracker.is_bw else _MemRefType.ACT, scratch)
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                del scratch
+
+    return StepTracker, _MemRefType
+
+
+@dataclass
+class Step:
+    """One training step's objects: the model (and the KL term's frozen copy), the optimizer, the inputs, the head.
+
+    Attributes:
+        recipe: the step's sizes.
+        model: the policy, in train mode.
+        reference: the KL term's frozen copy, or None (``Recipe.reference_copy``).
+        trainable: the parameters that train.
+        optimizer: AdamW over them, with the state of an earlier update.
+        prompt_ids: [B, P] prompt token ids.
+        prompt_mask: [B, P] the prompts' attention mask.
+        batch: the loss's per-token inputs.
+        head: the loss head.
+    """
+
+    recipe: Recipe
+    model: nn.Module
+    reference: nn.Module | None
+    trainable: list
+    optimizer: torch.optim.Optimizer
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    batch: Batch
+    head: LossHead
+
+    def inputs(self) -> list:
+        """The micro-batch's input tensors.
+
+        Returns:
+            The prompt ids and mask, and the batch's tensors.
+        """
+        return [
+            self.prompt_ids,
+            self.prompt_mask,
+            self.batch.targets,
+            self.batch.advantages,
+            self.batch.mask,
+            self.batch.num_items,
+        ] + ([self.batch.ref_logprobs] if self.batch.ref_logprobs is not None else [])
+
+    def forward_backward(self) -> None:
+        """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
+        loss head, backward."""
+        from grpo_fast.integrations.hidden_states import completion_hidden_states
+
+        with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
+            hidden = completion_hidden_states(
+                self.model, self.prompt_ids, self.prompt_mask, self.batch.targets, self.batch.mask, share_prompts=False
+            )
+            self.head(hidden, self.model.get_output_embeddings().weight).backward()
+
+    def update(self) -> None:
+        """The update: gradient clipping, AdamW, gradients freed."""
+        torch.nn.utils.clip_grad_norm_(self.trainable, self.recipe.max_grad_norm, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="cpu") -> Step:
+    """The steady state of a training loop before a micro-batch: the optimizer state of an earlier update, the
+    gradients of an earlier micro-batch of this one (it accumulates into them); the micro-batch's inputs at full
+    length.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's class.
+        fake_mode: a ``FakeTensorMode`` to build over; None: real tensors on ``device``.
+        device: where real tensors are built.
+
+    Returns:
+        The step, ready for ``forward_backward``.
+    """
+    model = build_model(recipe, fake_mode, device=device)
+    reference = (
+        build_model(recipe, fake_mode, device=device, lora=False, checkpointing=False).requires_grad_(False)
+        if recipe.reference_copy
+        else None
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    B, P, T = recipe.micro_batch_size, recipe.prompt_length, recipe.completion_length
+    V = recipe.shape.vocab_size
+    with fake_mode if fake_mode is not None else torch.device(device):
+        # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, with other temporaries)
+        optimizer = torch.optim.AdamW(
+            trainable, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay, foreach=True
+        )
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        batch = Batch(
+            targets=torch.randint(0, V, (B, T)),
+            advantages=torch.randn(B),
+            mask=torch.ones(B, T, dtype=torch.long),
+            ref_logprobs=-torch.rand(B, T) if recipe.beta != 0.0 else None,
+            num_items=torch.tensor(recipe.prompts_per_step * recipe.num_generations * T),
+        )
+        prompt_ids, prompt_mask = torch.randint(0, V, (B, P)), torch.ones(B, P, dtype=torch.long)
+    return Step(recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch, head(recipe, batch))
+
+
+def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> dict:
+    """The step's peak over fake tensors with loss head ``head``: bytes by category at the peak, where it is, and
+    the loss head's own peak; one micro-batch's forward and backward, then the update.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's class.
+        gpu: the card grpo_fast's ops size their workspaces for.
+        log: called with a progress message; None: silent.
+
+    Returns:
+        The peak's bytes, by category (``CATEGORIES``) and in all, the phase it is in, the loss head's own peak,
+            the parameter counts, the optimizer state's bytes and the tracker's raw peak.
+
+    Raises:
+        RuntimeError: the categories do not sum to the tracker's peak.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    log = log or (lambda message: None)
+    fake = FakeTensorMode()
+    start = time.perf_counter()
+    step = prepare_step(recipe, head, fake)
+    log(f"built on fake tensors in {time.perf_counter() - start:.0f} s; running the step")
+    StepTracker, RefType = _mem_tracker_class()
+    tracker = StepTracker(step.head, lambda func, args, kwargs: workspace_bytes(func, args, kwargs, gpu))
+    tracker.track_external(
+        step.model, step.optimizer, *step.inputs(), *([step.reference] if step.reference is not None else [])
+    )
+    optimizer_state = tracker.get_tracker_snapshot()[torch.device("cpu")][RefType.OPT]
+    start = time.perf_counter()
+    with fake, tracker:
+        step.forward_backward()
+        tracker.phase = "optimizer step"
+        step.update()
+    log(f"step accounted in {time.perf_counter() - start:.0f} s")
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    reference_bytes = 0
+    if step.reference is not None:
+        reference_bytes = tensor_bytes(step.reference.parameters()) + tensor_bytes(step.reference.buffers())
+    categories = {
+        "weights": peak[RefType.PARAM] + peak[RefType.BUFFER] - reference_bytes,
+        "reference weights": reference_bytes,
+        "gradients": peak[RefType.GRAD],
+        "optimizer state": min(peak[RefType.OPT], optimizer_state),
+        "optimizer step temporaries": max(peak[RefType.OPT] - optimizer_state, 0),
+        "activations": peak[RefType.ACT] + peak[RefType.TEMP] + peak[RefType.OTH] - tracker.head_at_peak,
+        "loss head": tracker.head_at_peak,
+    }
+    if sum(categories.values()) != peak["Total"]:
+        raise RuntimeError(f"the categories sum to {sum(categories.values())} bytes, the peak is {peak['Total']}")
+    return {
+        "peak_bytes": peak["Total"],
+        "categories_bytes": categories,
+        "peak_in": tracker.peak_phase,
+        "loss_head_peak_bytes": tracker.head_peak,
+        "trainable_parameters": sum(p.numel() for p in step.trainable),
+        "parameters": sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values()),
+        "optimizer_state_bytes": optimizer_state,
+        "tracker_raw_peak_bytes": {ref.value: peak[ref] for ref in RefType},
+    }
+
+
+def measure_step(recipe: Recipe, head: type[LossHead], log=None) -> dict:
+    """The same step on the CUDA GPU, random weights: torch.cuda.max_memory_allocated / max_memory_reserved over
+    the micro-batch and the update (the set-up's peak reset first), and the device's used memory (context
+    included) at the end.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's class.
+        log: called with a progress message; None: silent.
+
+    Returns:
+        The measured bytes (max allocated, max reserved, device used) and the device's name.
+
+    Raises:
+        RuntimeError: torch sees no CUDA GPU.
+    """
+    log = log or (lambda message: None)
+    if not torch.cuda.is_available():
+        raise RuntimeError("measuring the step needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    step = prepare_step(recipe, head, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step.forward_backward()
+    step.update()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    measured = {
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "device_used_bytes": total - free,
+        "device": torch.cuda.get_device_name(device),
+    }
+    log(
+        f"measured: allocated {gib(measured['max_allocated_bytes']):.2f} GiB, reserved "
+        f"{gib(measured['max_reserved_bytes']):.2f} GiB"
+    )
+    del step
+    torch.cuda.empty_cache()
+    return measured
+
+
+def generation_phase(recipe: Recipe, step: dict) -> dict:
+    """The rollout's memory beside the step: the weights (policy and reference), the optimizer state (it lives
+    between updates; the gradients do not: zero_grad frees them) and the key / value cache of every completion at
+    full length, in the model's dtype.
+
+    Args:
+        recipe: the step's sizes.
+        step: one head's ``estimate_step`` result (the weights and optimizer state are the same for every head).
+
+    Returns:
+        The sequences, their tokens, the bytes of each part and their total.
+    """
+    element = torch.empty(0, dtype=recipe.dtype).element_size()
+    sequences = recipe.prompts_per_step * recipe.num_generations
+    cache = kv_cache_bytes(recipe.shape, sequences, recipe.prompt_length + recipe.completion_length, element)
+    c = step["categories_bytes"]
+    parts = {
+        "weights": c["weights"],
+        "reference weights": c["reference weights"],
+        "optimizer state": step["optimizer_state_bytes"],
+        "kv cache": cache,
+    }
+    return {
+        "sequences": sequences,
+        "tokens": recipe.prompt_length + recipe.completion_length,
+        "parts_bytes": parts,
+        "total_bytes": sum(parts.values()),
+    }
