@@ -49,11 +49,12 @@ class TritonBackend:
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
         """``row_count``: the kernel computes no block wholly past it (kernels/forward.py's forward_record)."""
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype, transform.softcap is not None or lora is not None)
+        wide_epilogue = transform.softcap is not None or lora is not None or bias is not None
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide_epilogue)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
 
     def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype, transform.softcap is not None)
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype, transform.softcap is not None or bias is not None)
         return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
 
     def frozen_head_available(self, hidden):

@@ -127,8 +127,8 @@ RECORD_TILES = {
     80: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3, use_tma=False),
     89: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4, use_tma=False),
 }
-# a soft-cap's tanh and slope, or LoRA's second K loop, keep more values alive per logit: a 256-column tile then
-# spills hundreds of bytes (sm_80, sm_90), so these variants take 128 columns
+# a soft-cap's tanh and slope, LoRA's second K loop or a bias keep more values alive per logit: a 256-column tile then
+# spills (hundreds of bytes on sm_80 and sm_90 for the first two, 40 for a bias), so these variants take 128 columns
 WIDE_EPILOGUE_BLOCK_V = 128
 # Triton 3.6's compiler keeps the 256-column tile's record epilogue in registers (183 on sm_90); 3.9's spills 280 bytes
 # there and in the chunked backward (tools/sm_compile.py): other Triton versions take 128 columns (3.7 and 3.8 are
@@ -145,7 +145,7 @@ RECORD_GROUP_N = 8
 def gpu_record_config(dtype: torch.dtype, arch: int, wide_epilogue: bool = False) -> TileRecordConfig:
     """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90); an arch not in
     RECORD_TILES takes the nearest lower one's (sm_86 takes sm_89's small shared memory; sm_100 sm_90's).
-    ``wide_epilogue``: a soft-cap or LoRA (WIDE_EPILOGUE_BLOCK_V)."""
+    ``wide_epilogue``: a soft-cap, LoRA or a bias (WIDE_EPILOGUE_BLOCK_V)."""
     if dtype == torch.float32:
         tiles = dict(FP32_TILES)
     else:
@@ -213,7 +213,7 @@ def _device_props(device):
 def forward_config(device: torch.device, dtype: torch.dtype, wide_epilogue: bool = False) -> TileRecordConfig:
     """The layer-1 forward's configuration on ``device`` (the interpreter's small tiles on a CPU: 2 tiles a patch,
     groups of 2 token blocks, so that the tests' shapes have partial patches and groups). ``wide_epilogue``: a
-    soft-cap or LoRA."""
+    soft-cap, LoRA or a bias."""
     if not _compiled(device):
         return TileRecordConfig(**_INTERPRETER_TILES, tiles=2, group_n=2, use_tma=False)
     return gpu_record_config(dtype, _device_props(device)[2], wide_epilogue)

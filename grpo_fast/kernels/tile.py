@@ -192,20 +192,22 @@ def raw_logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr
     offs_v = v0 + tl.arange(0, BLOCK_V)
     n_mask = offs_n < N
     v_mask = offs_v < V
-    if not USE_TMA:
-        return _raw_logit_tile(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
-                               v_mask, D, R, stride_hn, 1, stride_wv, 1, HAS_BIAS, HAS_LORA, DOT_FP32, DOT_PRECISION,
-                               LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
-    acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        h = hidden.load([n0, d0])
-        w = weight.load([v0, d0])
-        if DOT_FP32:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(h, w.T, acc, input_precision=DOT_PRECISION)
-    return _lora_and_bias(acc, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask, R,
-                          HAS_BIAS, HAS_LORA, DOT_FP32, LORA_DOT_PRECISION, BLOCK_R)  # fmt: skip
+    if USE_TMA:
+        acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            h = hidden.load([n0, d0])
+            w = weight.load([v0, d0])
+            if DOT_FP32:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(h, w.T, acc, input_precision=DOT_PRECISION)
+        acc = _lora_and_bias(acc, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask, R,
+                             HAS_BIAS, HAS_LORA, DOT_FP32, LORA_DOT_PRECISION, BLOCK_R)  # fmt: skip
+    else:  # one return, after both branches: triton 3.6 compiles the code after a constexpr branch's return
+        acc = _raw_logit_tile(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
+                              v_mask, D, R, stride_hn, 1, stride_wv, 1, HAS_BIAS, HAS_LORA, DOT_FP32, DOT_PRECISION,
+                              LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+    return acc
 
 
 @triton.jit
