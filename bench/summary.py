@@ -55,14 +55,14 @@ class Panel:
 PANELS = (
     Panel(
         "Qwen2.5-1.5B head (GPU)",
-        "gpu-h200-2026-11-26/first-run/nvidia-h200-2026-11-26-quick.json",
+        "gpu-h200-2026-11-27/bench/nvidia-h200-2026-11-27.json",
         "qwen2.5-1.5b",
         16384,
-        ("eager", "trl", "liger", "grpo_fast"),
+        ("eager", "trl", "grpo_fast"),
     ),
     Panel(
         "Qwen2.5-1.5B head, frozen (LoRA) (GPU)",
-        "gpu-h200-2026-11-26/rerun/nvidia-h200-2026-11-26-frozen.json",
+        "gpu-h200-2026-11-27/bench/nvidia-h200-2026-11-27.json",
         "qwen2.5-1.5b",
         16384,
         ("trl_frozen", "grpo_fast_frozen"),

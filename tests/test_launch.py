@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import grpo_fast
 from grpo_fast.grpo_loss.options import LossOptions
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import backward, forward, forward_frozen, launch, token_loss
+from grpo_fast.kernels import backward, divergence, forward, forward_frozen, launch, token_loss
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels.softmax_stats import BackwardStats
 
@@ -180,7 +180,7 @@ def test_the_gpu_forward_tiles_follow_the_architecture():
 
 def _fill(N, V, cfg):
     """(splits, the share of the GPU's program slots the launch's waves fill)."""
-    splits, _ = forward.num_vocab_splits(N, V, cfg)
+    splits, _ = divergence.num_vocab_splits(N, V, cfg)
     programs = -(-N // cfg.block_n) * splits
     return splits, programs / (-(-programs // cfg.target_programs) * cfg.target_programs)
 

@@ -68,7 +68,7 @@ class TileRecordConfig(_DotTileConfig):
 @dataclass(frozen=True, kw_only=True)
 class ForwardConfig(_DotTileConfig):
     """The divergence head's record sweep (kernels/divergence.py): logit tiles; the vocabulary is split so that the
-    programs fill whole waves of ``target_programs``, the programs the GPU holds at once (forward.num_vocab_splits)."""
+    programs fill whole waves of ``target_programs``, the programs the GPU holds at once (divergence.num_vocab_splits)."""
 
     target_programs: int
 

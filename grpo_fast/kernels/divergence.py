@@ -27,13 +27,43 @@ import triton.language as tl
 
 from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled, _device_props
 from .divergence_records import JsdSweep, Record, finish, merge
-from .forward import num_vocab_splits
 from .gemm import chunk_size, mm_fp32
 from .launch import on_device, on_first_argument_device
 from .tile import gemm_scale, gradient_tile, logit_tile, row_coefficients, to_gemm
 
 # the fields of one model's record in the split buffer, in Record's order
 RECORD_FIELDS = len(Record._fields)
+
+
+# the most waves the record sweep's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill
+# the last wave better, and each adds a record to write and merge
+EXTRA_WAVES = 8
+
+
+def num_vocab_splits(N, V, config):
+    """(num_splits, vocab_per_split) of the record sweep (a config with ``block_n``, ``block_v`` and
+    ``target_programs``, the programs the GPU holds at once): the vocabulary split so that the programs fill whole
+    waves.
+
+    A launch of s splits takes about waves(s) x tiles(s) tile steps, waves(s) = cdiv(token blocks x s, wave) and
+    tiles(s) = cdiv(vocabulary tiles, s), the longest program's share. The candidates are, for k waves up to
+    EXTRA_WAVES more than the unsplit launch's, the most splits whose programs fit in k waves; the one of fewest
+    steps is taken (the fewest splits on a tie).
+    E.g. 100 token blocks on a wave of 132 leave 24 % of the GPU idle unsplit; 9 splits fill 7 waves to 97 %."""
+    n_blocks = max(1, triton.cdiv(N, config.block_n))
+    v_tiles = triton.cdiv(V, config.block_v)
+    wave = config.target_programs
+
+    def steps(splits):
+        tiles = triton.cdiv(v_tiles, splits)
+        return triton.cdiv(n_blocks * triton.cdiv(v_tiles, tiles), wave) * tiles
+
+    unsplit_waves = triton.cdiv(n_blocks, wave)  # fewer waves than these hold no split at all
+    candidates = sorted(
+        {max(1, min(v_tiles, k * wave // n_blocks)) for k in range(unsplit_waves, unsplit_waves + EXTRA_WAVES + 1)}
+    )
+    vocab_per_split = triton.cdiv(v_tiles, min(candidates, key=steps)) * config.block_v
+    return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
 def gpu_forward_config(dtype: torch.dtype, sm_count: int) -> ForwardConfig:

@@ -33,9 +33,6 @@ PADDING_LOGIT = tl.constexpr(1e30)
 # the most bytes the partial records of one launch take: the rows of a launch are chosen to fit (at Qwen2.5's
 # V = 151936 in 256-column tiles, 4096 rows with the entropy)
 PARTS_BYTES = 32 * 2**20
-# the most EXTRA_WAVES more waves than the unsplit launch's the divergence head's vocabulary split adds
-# (num_vocab_splits): more splits fill the last wave better, and each adds a record to write and merge
-EXTRA_WAVES = 8
 
 
 @triton.jit
@@ -151,32 +148,6 @@ def _merge_parts_kernel(parts_ptr, target_logit_ptr, targets_ptr, record_ptr, N,
         zsum = run_zrest + tl.where(has_target, target_exp * (target_logit - pivot), 0.0)
     tl.store(out + 3 * stride_record, zsum, mask=mask)
     tl.store(out + 4 * stride_record, target_logit, mask=mask)
-
-
-def num_vocab_splits(N, V, config):
-    """(num_splits, vocab_per_split) of the divergence head's record sweep (kernels/divergence.py; a config with
-    ``block_n``, ``block_v`` and ``target_programs``, the programs the GPU holds at once): the vocabulary split so
-    that the programs fill whole waves.
-
-    A launch of s splits takes about waves(s) x tiles(s) tile steps, waves(s) = cdiv(token blocks x s, wave) and
-    tiles(s) = cdiv(vocabulary tiles, s), the longest program's share. The candidates are, for k waves up to
-    EXTRA_WAVES more than the unsplit launch's, the most splits whose programs fit in k waves; the one of fewest
-    steps is taken (the fewest splits on a tie).
-    E.g. 100 token blocks on a wave of 132 leave 24 % of the GPU idle unsplit; 9 splits fill 7 waves to 97 %."""
-    n_blocks = max(1, triton.cdiv(N, config.block_n))
-    v_tiles = triton.cdiv(V, config.block_v)
-    wave = config.target_programs
-
-    def steps(splits):
-        tiles = triton.cdiv(v_tiles, splits)
-        return triton.cdiv(n_blocks * triton.cdiv(v_tiles, tiles), wave) * tiles
-
-    unsplit_waves = triton.cdiv(n_blocks, wave)  # fewer waves than these hold no split at all
-    candidates = sorted(
-        {max(1, min(v_tiles, k * wave // n_blocks)) for k in range(unsplit_waves, unsplit_waves + EXTRA_WAVES + 1)}
-    )
-    vocab_per_split = triton.cdiv(v_tiles, min(candidates, key=steps)) * config.block_v
-    return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
 def forward(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
