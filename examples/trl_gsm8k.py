@@ -19,7 +19,7 @@ from the hub, one epoch of GSM8K); elsewhere a CPU-sized run of SmolLM2-135M-Ins
 PyPI package embeds (no network), primed as examples/train_gsm8k.py primes it (a worked example before each
 question, and the chat template ends each prompt with the answer's first tag; without them the model never writes
 the demo's tags and every reward is 0), completions long enough to close the tags, and no checkpoints. The data is the
-GSM8K copy bundled with grpo_fast unless ``--data`` says otherwise.
+GSM8K copy bundled with the examples unless ``--data`` says otherwise.
 
 Where TRL 1.16 differs from the TRL the demo was written for: GRPOConfig has no ``max_prompt_length`` any more
 (prompts are not truncated), and a generation batch must hold whole groups of ``num_generations`` completions, so
@@ -111,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--data",
         default=None,
-        help="[the GSM8K copy bundled with grpo_fast] a folder with GSM8K's "
+        help="[the GSM8K copy bundled with the examples] a folder with GSM8K's "
         f"train.jsonl (or .jsonl.gz), or {data.HUB_ID} (the hub)",
     )
     p.add_argument(

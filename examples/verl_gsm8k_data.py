@@ -1,4 +1,4 @@
-"""GSM8K as verl's parquet files, from the copy bundled with grpo_fast (no hub): the rows verl's own
+"""GSM8K as verl's parquet files, from the copy bundled with the examples (no hub): the rows verl's own
 examples/data_preprocess/gsm8k.py writes (data_source "openai/gsm8k", the question as one user message asking for the
 answer after "####", the gold number as the rule reward's ground truth), which verl's default reward scores.
 

@@ -1,4 +1,4 @@
-"""``grpo_fast.trl``: TRL's trainers with grpo_fast's fused head (the code: grpo_fast/integrations/trl.py).
+"""``grpo_fast.trl``: TRL's trainers with grpo_fast's fused head (the code: ``grpo_fast.integrations.trl``).
 
 This name is that module itself, not a copy: ``grpo_fast.trl is grpo_fast.integrations.trl``.
 """

@@ -1,4 +1,4 @@
-"""``grpo_fast.verl``: grpo_fast as verl's fused-head backend (the code: grpo_fast/integrations/verl.py).
+"""``grpo_fast.verl``: grpo_fast as verl's fused-head backend (the code: ``grpo_fast.integrations.verl``).
 
 This name is that module itself, not a copy: ``grpo_fast.verl is grpo_fast.integrations.verl``; verl's plugin entry
 point imports it.

@@ -9,8 +9,8 @@ target falls in every chunk position and the token loop runs several times. The 
 to bf16 as a GPU does (written over the fp32 u buffer's bytes); under the interpreter the GEMMs are computed on fp32
 operands.
 Also: the matmul FLOPs of a frozen-head forward + backward (at most 2.2 x 2NDV), the path through
-grpo_fast.head.backends.LinearLogprobs (entropy gradient included: the recompute fallback) and grpo_fast.loss, which takes
-it by itself for a frozen weight and equals the recompute path.
+grpo_fast.head.ops.linear_logprobs_path (entropy gradient included: the recompute fallback) and grpo_fast.loss, which
+takes it by itself for a frozen weight and equals the recompute path.
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """Rollout pieces (gsm8k.rollout: the completion mask, decoding, prompts, generation and its progress bar)
-and the generic GRPO pieces (grpo_fast.grpo_loss.advantages: group advantages; grpo_fast.integrations.hidden_states: completion hidden
-states)."""
+and the generic GRPO pieces (grpo_fast.grpo_loss.advantages: group advantages;
+grpo_fast.integrations.hidden_states: completion hidden states)."""
 
 import pytest
 import torch

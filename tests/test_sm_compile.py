@@ -10,8 +10,6 @@ import sys
 import pytest
 import triton
 
-from grpo_fast.kernels import config as kconfig
-
 HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ARCHS = (90, 89, 80)

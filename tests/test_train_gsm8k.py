@@ -1,7 +1,7 @@
 """End to end on CPU: examples/train_gsm8k.py with a tiny random Qwen2 model, a byte tokenizer, local jsonl files.
 
 The script is imported from its path (the repo root is never put on sys.path) and run through ``main(argv)``.
-Nothing is downloaded: the model is a local folder, the data local files or the copy bundled with grpo_fast.
+Nothing is downloaded: the model is a local folder, the data local files or the copy bundled with the examples.
 """
 
 import importlib.util

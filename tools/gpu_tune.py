@@ -1,6 +1,6 @@
-"""Launch configurations of the forward kernel on a CUDA GPU: each candidate tile timed at one head shape, its
+"""Launch configurations of the layer-1 forward on a CUDA GPU: each candidate tile timed at one head shape, its
 log-probs checked against the default configuration's, beside cuBLAS's product of the same shape (the floor a
-GEMM-bound kernel approaches). Data for config.gpu_forward_config; the benchmark (bench/) makes the claims.
+GEMM-bound kernel approaches). Data for kernels/config.py's RECORD_TILES; the benchmark (bench/) makes the claims.
 
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --shape 1536x151936 --tokens 16384 --out tune.json
 
@@ -11,25 +11,30 @@ a configuration that fails to compile or run is recorded with its error.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 import torch
 import triton.testing
 
-from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import forward as kforward
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (block_n, block_v, block_d, num_warps, num_stages): the default's neighbours and Hopper's usual GEMM tiles
+from grpo_fast.head.transform import LogitTransform  # noqa: E402
+from grpo_fast.kernels import config as kconfig  # noqa: E402
+from grpo_fast.kernels import forward as kforward  # noqa: E402
+
+# (block_n, block_v, block_d, num_warps, num_stages, group_n, use_tma): the default's neighbours and the usual GEMM
+# tiles; the copy engine's rows run on sm_90 and later only
 CANDIDATES = [
-    (64, 128, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 8, 4),
-    (128, 256, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 64, 64, 4, 3),
-    (64, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3, 8, True),
+    (128, 256, 64, 8, 4, 8, True),
+    (128, 128, 64, 8, 4, 8, True),
+    (256, 128, 64, 8, 3, 8, True),
+    (128, 256, 64, 8, 3, 8, False),
+    (128, 128, 64, 8, 3, 8, False),
+    (128, 128, 64, 8, 4, 8, False),
+    (128, 128, 32, 4, 4, 8, False),
+    (64, 128, 64, 4, 4, 8, False),
 ]
 
 
@@ -62,9 +67,15 @@ def main():
     rows.append(dict(config="cuBLAS mm, 32768-column pieces", ms=ms, tflops=flops / ms / 1e9, err=None))
     default = kconfig.forward_config(dev, dtype)
     reference = kforward.forward(hidden, weight, targets, None, transform, True, default)[0]
-    for bn, bv, bd, warps, stages in CANDIDATES:
-        cfg = dataclasses.replace(default, block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages)
-        name = f"{bn}x{bv}x{bd} w{warps} s{stages}" + (" (default)" if cfg == default else "")
+    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+    for bn, bv, bd, warps, stages, group, tma in CANDIDATES:
+        if tma and arch < 90:
+            continue
+        cfg = dataclasses.replace(default, block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages,
+                                  group_n=group, use_tma=tma)  # fmt: skip
+        name = f"{bn}x{bv}x{bd} w{warps} s{stages} g{group}{' tma' if tma else ''}" + (
+            " (default)" if cfg == default else ""
+        )
         try:
             logp = kforward.forward(hidden, weight, targets, None, transform, True, cfg)[0]
             err = float((logp - reference).abs().max())

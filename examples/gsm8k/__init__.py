@@ -14,6 +14,6 @@
 - ``callbacks``: transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase
   (imports transformers)
 
-The generic GRPO pieces are in ``grpo_fast.grpo_loss.advantages`` (group advantages) and ``grpo_fast.integrations.hidden_states``
-(completion hidden states).
+The generic GRPO pieces are in ``grpo_fast.grpo_loss.advantages`` (group advantages) and
+``grpo_fast.integrations.hidden_states`` (completion hidden states).
 """

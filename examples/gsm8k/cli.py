@@ -73,7 +73,9 @@ def check_inputs(prog, model, gguf_file=None, data_arg=None, splits=("train",), 
         source = models.resolve(model, gguf_file) if model is not None else None
         tokenizer_source = models.resolve(tokenizer, flag="--tokenizer") if tokenizer is not None else None
         if data_arg == data.HUB_ID:
-            models.check_hub_dataset(data.HUB_ID, instead="leave --data out for the GSM8K copy bundled with grpo_fast")
+            models.check_hub_dataset(
+                data.HUB_ID, instead="leave --data out for the GSM8K copy bundled with the examples"
+            )
     except models.ModelError as e:
         fail(prog, e)
     if data_arg not in (None, data.BUNDLED, data.HUB_ID):
@@ -82,7 +84,7 @@ def check_inputs(prog, model, gguf_file=None, data_arg=None, splits=("train",), 
                 fail(
                     prog,
                     f"--data {data_arg}: no {split}.jsonl (or {split}.jsonl.gz) there; pass a folder with "
-                    f"GSM8K's original files, leave --data out for the copy bundled with grpo_fast, or --data "
+                    f"GSM8K's original files, leave --data out for the copy bundled with the examples, or --data "
                     f"{data.HUB_ID}",
                 )
     return source, tokenizer_source
@@ -94,7 +96,7 @@ def load_split(prog, split, data_arg, one_shot=False):
         return data.load_gsm8k(split, data_arg, one_shot=one_shot)
     except (OSError, ConnectionError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        fail(prog, f"--data {data_arg}: {first}; leave --data out for the GSM8K copy bundled with grpo_fast")
+        fail(prog, f"--data {data_arg}: {first}; leave --data out for the GSM8K copy bundled with the examples")
 
 
 def priming(one_shot, completion_prefix) -> str:

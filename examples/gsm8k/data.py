@@ -1,4 +1,4 @@
-"""GSM8K for GRPO: loading (the copy bundled with the examples, a local folder or the hub), chat prompts, the gold answer.
+"""GSM8K for GRPO: loading (the copy bundled with the examples, a local folder or the hub), chat prompts, gold answers.
 
 GSM8K's original release files (OpenAI, MIT licence) are bundled with the examples in ``BUNDLED_DIR``
 (``train.jsonl.gz``, ``test.jsonl.gz`` and the ``LICENSE``): the default everywhere, no network needed.
@@ -82,7 +82,7 @@ def find_split(folder, split: str) -> Path | None:
 def describe(data: str | None) -> str:
     """One line naming the data source ``data`` (as ``load_gsm8k`` takes it), for a script's first lines."""
     if data is None or data == BUNDLED:
-        return "GSM8K bundled with grpo_fast (7473 train / 1319 test questions, no network)"
+        return "GSM8K bundled with the examples (7473 train / 1319 test questions, no network)"
     if data == HUB_ID:
         return f"GSM8K from the hub ({HUB_ID}, main)"
     return f"GSM8K files in {data}"

@@ -155,9 +155,10 @@ def logprobs_and_entropy(
     backend = inputs.resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = inputs.layer1_choices(head_path, backward_mode, backend)
-    return logprobs_and_entropy_rows(hidden, weight, targets, bias, inputs.scored_rows(completion_mask, checks), transform,
-                                 backend, "general" if entropy_grad else head_path, backward_mode,
-                                 shard, lora)  # fmt: skip
+    rows = inputs.scored_rows(completion_mask, checks)
+    path = "general" if entropy_grad else head_path
+    return logprobs_and_entropy_rows(hidden, weight, targets, bias, rows, transform, backend, path, backward_mode,
+                                     shard, lora)  # fmt: skip
 
 
 def logprobs_and_entropy_rows(

@@ -1,16 +1,17 @@
-"""The backends and layer 1's path choice: ``TRITON`` (the kernels) and ``TORCH`` (the torch twins,
-grpo_fast/torch_twin.py for layer 1 and grpo_fast/token_loss_torch.py for layer 2), two objects with one
-signature for the forward, the forward record (a vocab-parallel shard's), the frozen-head forward and record, the
-backward and layer 2's token loss, chosen once (the public API resolves its
-``backend=`` string to one; the custom ops' schemas carry its ``name``); the reduce step of one process
-(``ONE_PROCESS``); and ``linear_logprobs``, which chooses the path and calls the custom op (grpo_fast/ops.py, whose
-autograd formula is the head's backward).
+"""Layer 1's backends and the reduce step of one process.
+
+``TRITON`` (the kernels) and ``TORCH`` (the chunked-torch twin, ``head.torch_twin``): two objects with one set of
+methods (the forward, the forward record of a vocab-parallel shard, the frozen-head forward and record, the
+backward), chosen once: the public API resolves its ``backend=`` string to one, and the custom ops' schemas carry
+its ``name`` (layer 2 picks its token kernel or its torch twin by the same name). ``head_forward`` and its siblings
+run the chosen backend; ``takes_frozen_head`` is the choice of path that ``ops.linear_logprobs_path`` makes before it
+calls the op; ``ONE_PROCESS`` is the reduce step of one process (``vocab_parallel.GroupReduce`` a group's).
 
 Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
-with ``transform`` a grpo_fast.head.transform.LogitTransform, and optionally ``lora`` = (lora_hidden [N, r],
-lora_weight [V, r]): LoRA's second operand pair (grpo_fast/lora.py), whose product lora_hidden lora_weight^T is
-added to the raw logits; the head path is one of config.HEAD_PATHS and the backward mode one of
-config.BACKWARD_MODES (the caller's choices, passed down as arguments).
+with ``transform`` a ``transform.LogitTransform``, and optionally ``lora`` = (lora_hidden [N, r], lora_weight
+[V, r]): LoRA's second operand pair (``lora.HeadLora``), whose product lora_hidden lora_weight^T is added to the raw
+logits; the head path is one of config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the caller's
+choices, passed down as arguments).
 """
 
 import torch
@@ -24,8 +25,8 @@ from grpo_fast.kernels import softmax_stats
 
 
 class TritonBackend:
-    """Layer 1 by the Triton kernels (grpo_fast/kernels/; cuBLAS GEMMs in the chunked backward and the frozen head),
-    each launch configured here from the device and dtype. ``TorchBackend`` has the same methods and signatures."""
+    """Layer 1 by the Triton kernels (``kernels``; cuBLAS GEMMs in the chunked backward and the frozen head), each
+    launch configured here from the device and dtype. ``TorchBackend`` has the same methods and signatures."""
 
     name = "triton"
     backward_modes = kconfig.BACKWARD_MODES
@@ -35,7 +36,8 @@ class TritonBackend:
         return device.type == "cuda" or kconfig.interpreting()
 
     def check_sizes(self, tokens, vocab_size):
-        """Sizes the kernels cannot index (kernels/config.py) are an error here, not a failed launch."""
+        """Sizes the kernels cannot index (``kernels.config``: MAX_VOCAB, MAX_ROWS) are an error here, not a failed
+        launch."""
         if vocab_size > kconfig.MAX_VOCAB:
             raise ValueError(
                 f"weight has V = {vocab_size} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} "
@@ -48,7 +50,7 @@ class TritonBackend:
             )
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
-        """``row_count``: the kernel computes no block wholly past it (kernels/forward.py's forward_record)."""
+        """``row_count``: the kernel computes no block wholly past it (``kernels.forward.forward_record``)."""
         wide_epilogue = transform.softcap is not None or lora is not None or bias is not None
         cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide_epilogue)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
@@ -58,7 +60,7 @@ class TritonBackend:
         return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
 
     def frozen_head_available(self, hidden):
-        """Where cuBLAS can return fp32 from bf16 (kernels/forward_frozen.py's ``available``)."""
+        """Where cuBLAS can return fp32 from bf16 (``kernels.forward_frozen.available``)."""
         return kfrozen.available(hidden)
 
     def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
@@ -88,8 +90,7 @@ class TritonBackend:
 
 
 class TorchBackend:
-    """Layer 1 by the chunked-torch twin (grpo_fast/torch_twin.py), on any device, with one backward ("chunked");
-    layer 2 by the token kernel's torch twin (grpo_fast/token_loss_torch.py)."""
+    """Layer 1 by the chunked-torch twin (``head.torch_twin``), on any device, with one backward ("chunked")."""
 
     name = "torch"
     backward_modes = ("chunked",)
@@ -205,10 +206,10 @@ def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy,
 
 
 class OneProcess:
-    """The head's reduce step on one process: identity. Layer 1's forward merges its own vocabulary splits (inside the
-    kernels) and its dH is whole. grpo_fast.head.vocab_parallel.GroupReduce is the same step over a vocab-parallel group
-    (the ranks' records merged, J and dH summed); grpo_fast.ops' head autograd takes either, so the frozen-head
-    backward, the entropy fallback and the empty case exist once."""
+    """The head's reduce step on one process: identity (its records cover the whole vocabulary, its dH is whole).
+    ``vocab_parallel.GroupReduce`` is the same step over a vocab-parallel group (the ranks' records merged, J and dH
+    summed); the head's one implementation in ``head.ops`` takes either, so the frozen-head backward, the entropy
+    fallback and the empty case exist once."""
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
         """(logp, entropy or None, BackwardStats) [N] fp32 of the whole vocabulary (``head_forward``)."""

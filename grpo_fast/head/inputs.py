@@ -140,7 +140,7 @@ def resolve_backend(backend, device):
 
 
 def layer1_choices(head_path, backward_mode, backend):
-    """The caller's choice of layer-1 path and backward (kernels/config.py lists them); returns the path to take."""
+    """The caller's choice of layer-1 path and backward (``kernels.config`` lists them); returns the path to take."""
     if head_path not in kconfig.HEAD_PATHS:
         raise ValueError(
             f"head_path must be one of {kconfig.HEAD_PATHS} ('auto': the frozen-head path when only "

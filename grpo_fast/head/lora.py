@@ -3,11 +3,10 @@
 PEFT's LoRA linear computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` with x cast to lora_A's dtype, so
 the head's raw logits are
     u = h W^T (+ bias) + l B^T,    l = scaling * dropout(h) A^T   [N, r], in the adapters' dtype,
-one GEMM over the concatenated operands [h | l] and [W | B]. Layer 1 (autograd.LinearLogprobs, the torch backend,
-the kernels) takes (l, B) as a second operand pair and runs a second K-loop over r into the same fp32 accumulator;
-its backward gives dl = g B [N, r] and dB = g^T l [V, r] from the same tiles g = dL/du, and autograd carries dl
-back to h and A through ``lora_hidden``. No merged [V, D] weight and no logits are built; the extra memory is
-O((N + V) r).
+one GEMM over the concatenated operands [h | l] and [W | B]. Layer 1 (its custom op, the torch twin, the kernels)
+takes (l, B) as a second operand pair and runs a second K-loop over r into the same fp32 accumulator; its backward
+gives dl = g B [N, r] and dB = g^T l [V, r] from the same tiles g = dL/du, and autograd carries dl back to h and A
+through ``lora_hidden``. No merged [V, D] weight and no logits are built; the extra memory is O((N + V) r).
 """
 
 from __future__ import annotations

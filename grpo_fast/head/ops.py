@@ -374,7 +374,7 @@ def linear_logprobs_path(
     lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
     linear_logprobs, whose registered autograd formula is the head's one backward.
 
-    With LoRA (grpo_fast/lora.py) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
+    With LoRA (``lora.HeadLora``) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
     lora_hidden and lora_weight too (each in its own dtype).
 
     Both outputs carry their exact gradient. Two paths (``head_path``, config.HEAD_PATHS), chosen here from which
@@ -383,7 +383,7 @@ def linear_logprobs_path(
       logit and mean - z_y), nothing of size V; the backward recomputes the logits (an entropy that receives no
       gradient costs it nothing: its term is compiled out). Three vocabulary GEMM sweeps with a frozen weight.
     * frozen head ("auto", and only hidden needs a gradient: a frozen lm_head, LoRA): the forward also builds
-      J = d logp / d hidden [N, D] fp32 (kernels/forward_frozen.py), saved instead of a recompute, and the backward
+      J = d logp / d hidden [N, D] fp32 (``kernels.forward_frozen``), saved instead of a recompute, and the backward
       is dH = grad_logp J: two sweeps. With LoRA it also builds J_l = d logp / d lora_hidden [N, r] fp32; it is
       taken only when lora_weight needs no gradient either (a frozen adapter). Callers pass "auto" when the entropy
       will usually get no gradient; if one arrives anyway, its term comes from the general path with its own forward

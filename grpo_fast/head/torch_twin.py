@@ -1,19 +1,20 @@
-"""The "torch" backend of layer 1: the kernels' algorithm in chunked PyTorch, for any torch device (a laptop's CPU,
-a GPU without Triton).
+"""Layer 1's torch twin, the "torch" backend: the kernels' algorithm in chunked PyTorch, for any torch device (a
+laptop's CPU, a GPU without Triton).
 
-Same math as kernels/forward.py and kernels/backward.py (kernels/tile.py has the gradient, config.LogitTransform the
-transform): the logits exist one [CHUNK_N, CHUNK_V] fp32 tile at a time; each vocabulary chunk's per-token record
-(kernels/softmax_stats.py: max, sum of exp, the non-target sum, the relative z-sum, the target logit) is folded into
-the running one with ``softmax_stats.merge``, and ``softmax_stats.finish`` gives the outputs and what the backward
-reads. The backward recomputes each tile to form g (every non-target column from p = exp(z - lse); the target
-column from the carried 1 - p_y and mean - z_y, never by cancellation) and accumulates dH, dW, db. Peak extra
-memory: one tile and a few same-sized temporaries (fp32), plus fp32 dH / dW accumulators; never N x V.
+Same math as ``kernels.forward`` and ``kernels.backward`` (``kernels.tile`` has the gradient,
+``transform.LogitTransform.apply`` the transform): the logits exist one [CHUNK_N, CHUNK_V] fp32 tile at a time; each
+vocabulary chunk's per-token record (``softmax_stats.SoftmaxStats``: max, sum of exp, the non-target sum, the
+relative z-sum, the target logit) is folded into the running one with ``softmax_stats.merge``, and
+``softmax_stats.finish`` gives the outputs and what the backward reads. The backward recomputes each tile to form g
+(every non-target column from p = exp(z - lse); the target column from the carried 1 - p_y and mean - z_y, never by
+cancellation) and accumulates dH, dW, db. Peak extra memory: one tile and a few same-sized temporaries (fp32), plus
+fp32 dH / dW accumulators; never N x V.
 
-LoRA on the head (grpo_fast/lora.py): ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) adds lora_hidden
+LoRA on the head (``lora.HeadLora``): ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) adds lora_hidden
 lora_weight^T to each tile's raw logits (fp32), and the backward adds d lora_hidden = g lora_weight and
 d lora_weight = g^T lora_hidden (fp32 accumulators).
 
-The frozen head (kernels/forward_frozen.py's math): ``forward_frozen_head`` also accumulates J = d logp / dh online
+The frozen head (``kernels.forward_frozen``'s math): ``forward_frozen_head`` also accumulates J = d logp / dh online
 with the record, so that the backward is dH = grad_logp J: two vocabulary GEMMs in all instead of three.
 """
 
@@ -59,7 +60,7 @@ def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entrop
     with ``lora``, J_l = d logp / d lora_hidden [N, r] fp32 (else None).
 
     For a weight and bias that need no gradient and an entropy that needs none: the backward is then
-    dH = grad_logp[:, None] * J, with no recompute and no third vocabulary GEMM (kernels/forward_frozen.py has the
+    dH = grad_logp[:, None] * J, with no recompute and no third vocabulary GEMM (``kernels.forward_frozen`` has the
     math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
     fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
     """

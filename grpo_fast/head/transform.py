@@ -1,8 +1,9 @@
 """The logit transform: one object from the public keywords (temperature, softcap, logit_scale) to the kernels.
 
 The public functions build it once (``from_keywords``: checked numbers); every internal signature takes it, the
-torch forms call ``apply`` and the Triton kernels take ``kernel_scalars`` (their one place); the custom ops
-(grpo_fast.ops), whose schemas take numbers only, carry ``as_floats`` and rebuild it with ``from_floats``.
+torch forms call ``apply`` and the Triton kernels take ``kernel_scalars`` (their one place); the custom ops (layer
+1's in ``head.ops``, the divergence head's), whose schemas take numbers only, carry ``as_floats`` and rebuild it with
+``from_floats``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ class LogitTransform:
     """z = softcap * tanh(logit_scale * (h . W + b) / softcap) / temperature, TRL 1.16's order (no tanh: softcap None).
 
     Gemma 2 / 3 soft-cap their logits (config.final_logit_softcapping); Cohere, Granite, Falcon-H1 and others scale
-    them (logit_scale, 1 / logits_scaling, lm_head_multiplier, ...). ``apply`` is the one torch form (the spec, the
-    torch backend, TRL's head); kernels/tile.py's ``transform_and_slope`` is the one Triton form.
+    them (logit_scale, 1 / logits_scaling, lm_head_multiplier, ...). ``apply`` is the product's one torch form (the
+    torch twins, TRL's head; the spec writes its own); ``kernels.tile.transform_and_slope`` is the one Triton form.
     """
 
     temperature: float = 1.0

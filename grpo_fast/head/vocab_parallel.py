@@ -2,45 +2,28 @@
 
 Tensor parallelism splits the head by rows (Megatron's vocab-parallel layout; a DTensor ``Shard(0)`` from torch's
 tensor-parallel plans and transformers' ``tp_plan``). Every rank of the group sees the same tokens (hidden [N, D] and
-targets [N], replicated) and holds rows [offset, offset + V_local) of the weight [V, D] (and of the bias). Each rank
-then returns exactly what the unsharded head returns:
+targets [N], replicated) and holds rows [offset, offset + V_local) of the weight [V, D] (and of the bias); each rank
+returns exactly what the unsharded head returns:
 
-* forward: each rank runs layer 1's forward on its shard, with the targets it does not own replaced by -1 (a
-  column no kernel ever matches), up to its unfinished per-token record (kernels/softmax_stats.py: max m_r,
-  S_r = sum exp(z - m_r), R_r the same without the target, Z_r = sum exp(z - m_r)(z - m_r), the target logit on the
-  owner, 0 elsewhere). The records are merged by softmax_stats' merge over the group: an all-reduce (max) of the
-  N maxima, each rank's record expressed against the global max m (its sums times exp(m_r - m), Z_r shifted by
-  (m_r - m) S_r), then one all-reduce (sum) of [4, N] fp32 (S, R, target, Z; [3, N] without the entropy). The merged
-  record is finished by softmax_stats.finish, as the unsharded head finishes its own: logp = -log1p(R / e_y) and
-  1 - p_y = R / S are carried, never formed by cancellation, so confident tokens are as exact as unsharded.
-* backward (the general path): each rank runs layer 1's backward on its shard with the GLOBAL BackwardStats (lse,
-  1 - p_y, mean logit, mean - z_y: its tiles' softmax probabilities are then the global ones; the target column's
-  carried values are read on the owner only, the other ranks have target -1 and no target column), keeps its dW
-  rows and bias rows local, and all-reduces its partial dH (sum over shards of g W_shard) in fp32: N x D x 4 bytes,
-  the only tensor that scales with more than N.
-* frozen head (ops.linear_logprobs_path's choice, made alike on every rank: head_path "auto", only hidden needs a
-  gradient, the entropy none): each rank runs layer 1's frozen-head forward on its shard up to "finish"
-  (backends.head_forward_frozen_record): its unfinished record, acc_r = sum_{v in shard, v != y} e_v s'_v W_v
-  [N, D] fp32 against its own max m_r (s' = dz/du), and the target's slope s'_y where it owns the target. The
-  records merge as above (the same two O(N) all-reduces); acc_r is rescaled to the global max by the record's own
-  factor exp(m_r - m) (softmax_stats.rescale) and finished by softmax_stats.finish_frozen_grad with the GLOBAL R and
-  S: (s'_y R W_y - acc_r) / S, the target's term on its owner only. The ranks' parts sum to
-  J = d logp / d hidden = (s'_y R W_y - sum_r acc_r) / S: one all-reduce (sum) of N x D fp32 gives every rank J,
-  and the backward is dH = grad_logp J with no collective (the weight and bias get no gradient). Two vocabulary
-  GEMM sweeps per shard instead of three, the same bytes. An entropy gradient that arrives anyway gets the general
-  path's entropy-only term, as on one process: a general forward over the shards (20 N bytes) and that term's dH
-  all-reduced (4 N D).
+* forward: layer 1's forward on the shard up to its unfinished per-token record (``softmax_stats.SoftmaxStats``;
+  targets it does not own are -1, a column no kernel matches); the records merge by softmax_stats' merge over the
+  group (an all-reduce (max) of the N maxima, then one all-reduce (sum) of [4, N] fp32, [3, N] without the entropy)
+  and are finished by ``softmax_stats.finish``, so confident tokens are as exact as unsharded.
+* backward (the general path): layer 1's backward on the shard with the GLOBAL BackwardStats; dW and db rows stay
+  local, the partial dH is all-reduced in fp32 (N x D x 4 bytes, the only tensor that scales with more than N).
+* frozen head (``ops.linear_logprobs_path``'s choice, alike on every rank): each rank's part of J = d logp / d hidden,
+  rescaled to the global max and finished with the global sums (``softmax_stats.finish_frozen_grad``), is summed by
+  one all-reduce of N x D fp32 in the forward; the backward is dH = grad_logp J with no collective. An entropy
+  gradient that arrives anyway gets the general path's entropy-only term, as on one process.
 
-What crosses the network per training step: 20 N bytes in the forward (4 N max + 16 N sums; 16 N without the
-entropy: ``logprobs``) and 4 N D bytes, whatever V is and whatever the number of ranks: on the general path in the
-backward (dH; none when hidden needs no gradient), on the frozen-head path in the forward (J; none in the backward).
-No rank holds more than its shard of the weight, or any tensor of size V x N.
+What crosses the network per training step: 20 N bytes in the forward (16 N without the entropy) and 4 N D bytes
+(dH in the backward, or J in the forward), whatever V and the number of ranks. No rank holds more than its shard of
+the weight, or any tensor of size V x N.
 
-Requirements (not checked: checking would cost a collective per call): the shards of the group tile [0, V) without
-overlap, and every rank passes the same hidden, targets and mask (tensor parallelism's layout) and the same
-upstream gradients (a loss computed identically on every rank, as ``grpo_fast.loss`` does). dH is the full gradient
-of the replicated hidden states: do not all-reduce it again (Megatron's ``copy_to_tensor_model_parallel_region``
-does exactly this reduction; skip it for the head's input).
+Requirements (not checked: checking would cost a collective per call): the shards tile [0, V) without overlap, and
+every rank passes the same hidden, targets and mask and the same upstream gradients (a loss computed identically on
+every rank, as ``grpo_fast.loss`` does). dH is the full gradient of the replicated hidden states: do not all-reduce it
+again (skip Megatron's ``copy_to_tensor_model_parallel_region`` for the head's input).
 """
 
 from __future__ import annotations
@@ -180,10 +163,10 @@ def _from_dtensor(hidden, weight, bias):
 # ------------------------------------------------------------------------------------------------------------
 # The adapter: the only code that knows layer 1's internals. A shard's forward is layer 1's unfinished per-token
 # record over its rows (backends.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
-# logit; kernels/softmax_stats.py); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
-# and finished by softmax_stats.finish, exactly as layer 1 merges its vocabulary splits and finishes them; the
-# frozen-head path's acc (backends.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The
-# shard's backward is layer 1's own (the head's one backward, grpo_fast.ops) with the finished GLOBAL BackwardStats,
+# logit; softmax_stats.SoftmaxStats); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
+# and finished by softmax_stats.finish, as one process finishes its own record; the frozen-head path's acc
+# (backends.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The shard's backward is
+# layer 1's own (the head's one backward, in head.ops) with the finished GLOBAL BackwardStats,
 # its dH summed by ``GroupReduce.sum_grad_hidden``; its target column reads the carried 1 - p_y and mean - z_y only
 # on the target's owner (the other ranks pass target -1, a column no kernel matches: no target term there).
 # ------------------------------------------------------------------------------------------------------------
@@ -204,8 +187,8 @@ def merge_records(record, compute_entropy, group):
 
 
 class GroupReduce:
-    """The head's reduce step over a vocab-parallel group (grpo_fast.head.backends.OneProcess's counterpart, which the
-    head's one autograd path in grpo_fast.ops takes): each rank's forward stops at its unfinished record, the records
+    """The head's reduce step over a vocab-parallel group (``backends.OneProcess``'s counterpart, which the head's
+    one implementation in ``head.ops`` takes): each rank's forward stops at its unfinished record, the records
     merge over the group (``merge_records``) and are finished as one process finishes its own; J and dH are summed
     over the group. No LoRA (the public API rejects it with a vocab-parallel head)."""
 

@@ -133,12 +133,12 @@ def lm_head_lora(lm_head, dtype=None, gathered=_already_whole):
     when its ``weight`` and ``bias`` alone are.
 
     A PEFT ``lora.Linear`` with an active, unmerged adapter: PEFT's forward is ``base_layer(x) + lora_B(lora_A(
-    dropout(x))) * scaling`` (peft/tuners/lora/layer.py), so the head gets lora_A / lora_B's weights (in ``dtype``
-    when given, by a differentiable cast; else in their own dtype, as PEFT computes the branch), ``scaling`` and the
-    dropout module, read at each call (``set_adapter``, ``disable_adapter()`` and ``merge_adapter()`` change them).
-    None: not a PEFT layer (``modules_to_save``'s wrapper and ``trainable_token_indices``' forward their trained
-    weight), adapters disabled (TRL's reference pass under ``disable_adapter()``) or merged into the base weight, or
-    no active adapter on this layer. What the head cannot compute exactly raises ``NotImplementedError`` naming it.
+    dropout(x))) * scaling``, so the head gets lora_A / lora_B's weights (in ``dtype`` when given, by a
+    differentiable cast; else in their own dtype, as PEFT computes the branch), ``scaling`` and the dropout module,
+    read at each call (``set_adapter``, ``disable_adapter()`` and ``merge_adapter()`` change them). None: not a PEFT
+    layer (``modules_to_save``'s wrapper and ``trainable_token_indices``' forward their trained weight), adapters
+    disabled (TRL's reference pass under ``disable_adapter()``) or merged into the base weight, or no active adapter
+    on this layer. What the head cannot compute exactly raises ``NotImplementedError`` naming it.
     ``gathered(a, b)``: a context in which the adapter's weights are whole (DeepSpeed ZeRO-3's gather), entered
     before they are read.
     """

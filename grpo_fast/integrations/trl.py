@@ -186,7 +186,7 @@ def _head_parameters(lm_head):
     """The head's weight and bias as tensors the kernel can read (see the module docstring on distributed)."""
     with fsdp_unit_gathered(lm_head) as (weight, bias):
         # a head split by vocabulary (tensor parallelism: every rank of its group sees the same tokens) stays split:
-        # grpo_fast computes on each rank's rows (grpo_fast.head.vocab_parallel); any other layout is gathered, as TRL does
+        # grpo_fast computes on each rank's rows (head.vocab_parallel); any other layout is gathered, as TRL does
         if isinstance(weight, DTensor) and not vocab_parallel_head.is_vocab_sharded(weight):
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
@@ -292,9 +292,9 @@ def _with_module_names(function, **names):
 def _lm_head_adapter_check(cast_lm_head_to_fp32: bool):
     """What a grpo_fast trainer's constructor reads as PEFT's ``BaseTunerLayer``, for its isinstance checks on the
     lm_head: TRL refuses a PEFT adapter there (its head would ignore it); an lm_head that grpo_fast's head applies
-    exactly is no tuner layer, one it cannot apply raises, naming why (grpo_fast.integrations.hf.lm_head_lora_adapter), and
-    any adapter on the lm_head is refused with ``cast_lm_head_to_fp32`` (TRL's cast replaces the head's forward, which
-    generation then runs without the adapter)."""
+    exactly is no tuner layer, one it cannot apply raises, naming why (``hf.lm_head_lora_adapter``), and any adapter
+    on the lm_head is refused with ``cast_lm_head_to_fp32`` (TRL's cast replaces the head's forward, which generation
+    then runs without the adapter)."""
 
     class AdapterCheck(type):
         def __instancecheck__(cls, lm_head):

@@ -1,44 +1,30 @@
 """The backward pass of layer 1: dH, dW, db from dL/dlogp and dL/dentropy, recomputing the logits tile by tile.
 
-Math: g = dL/du, one BLOCK_N x BLOCK_V tile at a time, is tile.py's (from c = dL/dlogp, e = dL/dentropy, the
-logits recomputed with fp32 accumulation and the forward's per-token softmax_stats.BackwardStats; the entropy term
-is a compile-time option: without an entropy gradient it is not formed); then
+Math: ``_backward_kernel`` forms g = dL/du for one BLOCK_N x BLOCK_V tile (``tile``'s formula, from c = dL/dlogp,
+e = dL/dentropy, the logits recomputed with fp32 accumulation over D and the forward's softmax_stats.BackwardStats;
+the entropy term is compiled out without an entropy gradient; a token block whose coefficients are all zero, masked
+rows, is exactly zero and skips the matmul) and adds the tile's column sums of g to db; then
     dH = g W  [N, D],   dW = g^T H  [V, D],   db = sum_n g_nv  [V].
-One kernel, ``_backward_kernel``, forms g for a BLOCK_N x BLOCK_V tile (the K-loop over D, as the forward; a token
-block whose coefficients are all zero, i.e. masked rows, is exactly zero and skips the matmul) and adds the tile's
-column sums of g (fp32, unscaled) to db.
+bf16 / fp16 g is multiplied by an exact power of two 2^k from its coefficients' bound before it is rounded for the
+tensor cores, and the fp32 products by 2^-k (``tile.gemm_scale``); fp32 g is neither rounded nor scaled.
 
-bf16 / fp16 inputs: g is rounded to the input dtype for the gradient GEMMs after a multiplication by an exact
-power of two 2^k from the coefficients' bound (|c| + |e| times logit_scale / temperature; tile.gemm_scale says why),
-and the fp32 products are multiplied by 2^-k. fp32 g is not rounded nor scaled.
-Its two modes (config.BACKWARD_MODES, the caller's choice):
+Two modes (config.BACKWARD_MODES, the caller's choice):
+* chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input dtype
+  (one power of two for the whole call, from a device bound: no host read), and cuBLAS does dH[chunk] = g W (written
+  once) and dW += g^T H[chunk] as fp32-output GEMMs (``gemm.mm_fp32``: never a K = V reduction rounded to bf16). On
+  sm_90 the kernel reads its H and W tiles through tensor descriptors (the copy engine; 128 x 256 tiles under triton
+  3.6, config.gpu_backward_config). Memory: one chunk of g (chunk x V, at most the size of W), the fp32 dW
+  accumulator (only when the weight needs a gradient; one fp32 slab more where cuBLAS cannot accumulate in fp32 from
+  bf16, ``gemm``), dH in fp32 (N x D); no tensor of N x V for N > D.
+* fused (``backward_fused``): one kernel walks D in BLOCK_D steps and adds g W into dH and g^T H into dW with relaxed
+  fp32 atomics (plain reductions, no memory fence), in groups of GROUP_V vocabulary tiles so that the resident
+  programs spread their dW adds; no g buffer, g's power of two the token block's. Memory: the fp32 accumulators.
+  About N V D (1/BLOCK_V + 1/BLOCK_N) atomic adds and a summation order that varies run to run: why chunked is the
+  default.
 
-* chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input
-  dtype, scaled by one power of two for the whole call (the GEMMs mix token blocks; its bound max_n |c_n| + |e_n|
-  is a device tensor the kernel loads, which also writes 2^-k for the host), and cuBLAS does the two gradient
-  products as dense GEMMs with fp32 output (gemm.mm_fp32: never a bf16-rounded product or K = V reduction):
-  dH[chunk] = 2^-k (g W) (fp32, written once), dW += g^T H[chunk] (fp32 accumulator, zero on entry, multiplied by
-  2^-k once at the end).
-  Memory: one chunk of g, chunk_n x V with chunk_n <= D, so at most the size of W; the fp32 dW accumulator (only
-  when the weight needs a gradient) and, without cuBLAS's out_dtype, one vocabulary slab of g^T H in fp32; dH in
-  fp32 (N x D); the saved per-token values and coefficients are O(N). No tensor of N x V exists for N > D.
-* fused (``backward_fused``): the kernel walks D in BLOCK_D steps and adds g W_j into dH_i
-  and g^T H_i into dW_j with fp32 atomics; no g buffer. g's power of two is the token block's (from the block's
-  sum of |c| + |e|), each product is multiplied by 2^-k before its atomic. The atomics (db's too, in both modes)
-  are relaxed: nothing in the kernel reads an accumulator and the launch's end orders them, so each compiles to a
-  plain reduction (RED) without a memory fence. Memory: fp32 accumulators for dH (N x D) and dW (V x D, only if the
-  weight needs one) and db. About N*V*D*(1/BLOCK_V + 1/BLOCK_N) atomic adds, which is why chunked is the
-  default; atomics also make the summation order vary run to run (fp32 rounding level).
-
-A frozen lm_head skips every dW product in both modes. The fused backward with dW runs its programs in groups of
-GROUP_V vocabulary tiles, each group walking every token block (config.BackwardConfig.group_v): the programs
-resident at once spread their dW adds over ~GROUP_V row blocks instead of all hitting one vocabulary tile's.
-
-LoRA (grpo_fast/lora.py: z recomputed from h W^T + l B^T, tile.py) adds dl = g B [N, r] and dB = g^T l [V, r] from
-the same tiles g, next to dH and dW: in the chunked mode two more GEMMs per chunk (dl[chunk] written, dB accumulated;
-fp32 outputs, the adapter operands in g's dtype, so that no fp32 copy of the chunk's g is made), in the fused mode a
-walk over r in BLOCK_R steps after the D walk, relaxed fp32 atomics (the adapter operands in g's dtype likewise).
-Memory: the fp32 dl (N x r) and dB (V x r).
+A frozen lm_head skips every dW product. LoRA (z recomputed from h W^T + l B^T) adds dl = g B [N, r] and
+dB = g^T l [V, r] from the same tiles g: two more GEMMs per chunk (the adapter operands in g's dtype), or a walk over
+r in BLOCK_R steps with atomics in the fused mode; memory: the fp32 dl (N x r) and dB (V x r).
 """
 
 import torch
@@ -60,7 +46,8 @@ def _backward_kernel(
     inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
     grad_lora_hidden_ptr, grad_lora_weight_ptr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-    FUSED: tl.constexpr, USE_TMA: tl.constexpr, COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    FUSED: tl.constexpr, USE_TMA: tl.constexpr,
+    COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr, SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -75,7 +62,7 @@ def _backward_kernel(
         # already spreads the atomics, and the remap spills registers in two fused frozen-W variants (sm_compile)
         pid_v, pid_n = tl.swizzle2d(pid_v, pid_n, tl.num_programs(1), tl.num_programs(0), GROUP_V)
     # int64 row offsets wherever a row times a stride may pass 2^31 elements (g: chunk x V with chunk <= D, at most
-    # the size of W; hidden N x D; weight V x D; the fp32 dH and dW); tile.py says why
+    # the size of W; hidden N x D; weight V x D; the fp32 dH and dW); ``tile`` says why
     offs_n, offs_v, n_mask, v_mask, g_ptrs, g_mask = gradient_tile(
         g_ptr, stride_gn, pid_n, pid_v, N, V, BLOCK_N, BLOCK_V
     )
@@ -181,7 +168,8 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
     use_tma = config.use_tma and g is not None and tensor_descriptors_fit(hidden, weight)
     _backward_kernel[grid](
         tile_operand(hidden, use_tma, config.block_n, config.block_d),
-        tile_operand(weight, use_tma, config.block_v, config.block_d), bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
+        tile_operand(weight, use_tma, config.block_v, config.block_d),
+        bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
         stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
         grad_logp, grad_entropy if entropy_grad else dummy,
         g if g is not None else dummy,

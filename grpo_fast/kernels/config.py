@@ -1,9 +1,11 @@
 """What the linear log-probs kernels share: the caller's choices (head path, backward mode), one
-launch-configuration type per kernel family, and the configurations per GPU architecture.
+launch-configuration type per kernel family, the configurations per GPU architecture, and the sizes the kernels can
+index.
 
-Each GPU configuration compiles for its architecture within the card's shared memory (tools/sm_compile.py checks
+Each GPU configuration compiles for its architecture within the card's shared memory (the sm_compile tool checks
 every variant for sm_90 / sm_89 / sm_80 in CI); the sm_90 tiles of the forward and of the chunked backward are the
-fastest measured on an H200 (bench/results/gpu-h200-2026-11-27/), the others are argued from the compiled code.
+fastest measured on an H200 (the timings are in the documentation's "How it works"), the others are argued from the
+compiled code.
 """
 
 import os
@@ -56,7 +58,7 @@ class _DotTileConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TileRecordConfig(_DotTileConfig):
-    """The layer-1 forward's launch (kernels/forward.py): one program per token block and patch of ``tiles``
+    """The layer-1 forward's launch (``kernels.forward``): one program per token block and patch of ``tiles``
     vocabulary tiles, in groups of ``group_n`` token blocks; ``use_tma``: H and W tiles through tensor descriptors
     (sm_90 and later), where the tensors allow it."""
 
@@ -67,15 +69,16 @@ class TileRecordConfig(_DotTileConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardConfig(_DotTileConfig):
-    """The divergence head's record sweep (kernels/divergence.py): logit tiles; the vocabulary is split so that the
-    programs fill whole waves of ``target_programs``, the programs the GPU holds at once (divergence.num_vocab_splits)."""
+    """The divergence head's record sweep (``kernels.divergence``): logit tiles; the vocabulary is split so that the
+    programs fill whole waves of ``target_programs``, the programs the GPU holds at once
+    (``divergence.num_vocab_splits``)."""
 
     target_programs: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class BackwardConfig(_DotTileConfig):
-    """kernels/backward.py's launch (either mode): gradient tiles; the fused mode with dW runs in groups of
+    """``kernels.backward``'s launch (either mode): gradient tiles; the fused mode with dW runs in groups of
     ``group_v`` vocabulary tiles (each group walks every token block before the next group starts); ``use_tma``:
     the chunked mode reads H and W tiles through tensor descriptors (sm_90 and later)."""
 
@@ -85,7 +88,7 @@ class BackwardConfig(_DotTileConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class FrozenHeadConfig:
-    """kernels/forward_frozen.py's tile kernel (no dot: BLOCK_N rows x BLOCK_V columns of the u buffer a step);
+    """``kernels.forward_frozen``'s tile kernel (no dot: BLOCK_N rows x BLOCK_V columns of the u buffer a step);
     ``gemm_fp32``: its two cuBLAS GEMMs run on fp32 operands (the interpreter, a CPU device)."""
 
     block_n: int
@@ -97,7 +100,7 @@ class FrozenHeadConfig:
 
 # What the Triton kernels can index: a CUDA grid's second axis holds at most 65535 blocks, and the backward's grid is
 # (token blocks, vocabulary tiles) with vocabulary tiles at least 64 wide; row indices are 32-bit (their products
-# with strides are 64-bit). grpo_fast.api checks both before a launch.
+# with strides are 64-bit). The Triton backend checks both before a launch (its check_sizes).
 MAX_GRID_AXIS_1 = 65535
 MAX_VOCAB = MAX_GRID_AXIS_1 * 64
 MAX_ROWS = 2**31 - 1
@@ -119,9 +122,8 @@ FLOAT_DTYPES = tuple(DTYPE_NAMES)
 # 8 warps (two warpgroups, each a 64 x 256 wgmma), 3 stages, the copy engine: 14.0-14.3 ms for Qwen2.5-1.5B's head
 # at 16k tokens on an H200, 1.2x cuBLAS's bare product, where 128 x 128 took 18.8 and 256 x 128 14.7. sm_80 (A100,
 # 163 KiB of shared memory a block): 128 x 128 through pointers (mma.sync; 128 x 256 spills 24 bytes there, and
-# nothing has measured it). sm_89 (RTX 4090, 99 KiB): a
-# 128 x 128 tile, 4 stages of 64-wide K steps (64 KiB): one CTA an SM (240 registers a thread), so the pipeline's depth
-# is what hides the loads' latency.
+# nothing has measured it). sm_89 (RTX 4090, 99 KiB): a 128 x 128 tile, 4 stages of 64-wide K steps (64 KiB): one CTA
+# an SM (240 registers a thread), so the pipeline's depth is what hides the loads' latency.
 RECORD_TILES = {
     90: dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, use_tma=True),
     80: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3, use_tma=False),
@@ -131,7 +133,7 @@ RECORD_TILES = {
 # spills (hundreds of bytes on sm_80 and sm_90 for the first two, 40 for a bias), so these variants take 128 columns
 WIDE_EPILOGUE_BLOCK_V = 128
 # Triton 3.6's compiler keeps the 256-column tile's record epilogue in registers (183 on sm_90); 3.9's spills 280 bytes
-# there and in the chunked backward (tools/sm_compile.py): other Triton versions take 128 columns (3.7 and 3.8 are
+# there and in the chunked backward (sm_compile): other Triton versions take 128 columns (3.7 and 3.8 are
 # not compiled here, so they take the tile known not to spill)
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 COLUMNS_256 = TRITON_VERSION == (3, 6)

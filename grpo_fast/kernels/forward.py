@@ -1,6 +1,6 @@
 """The forward of layer 1 (linear log-probs): each token's log-prob of its target and entropy, no [N, V] logits.
 
-Math: z = the transformed logits of tile.py. The vocabulary is cut into patches of TILES x BLOCK_V columns and the
+Math: z = the transformed logits of ``tile``. The vocabulary is cut into patches of TILES x BLOCK_V columns and the
 tokens into blocks of BLOCK_N rows; one program computes one (token block, patch): each tile with the whole D loop
 (fp32 accumulation on the tensor cores), folded into the patch's partial record per row,
     m = max z,   R = sum exp(z - m) over the columns but the target's,   Zr = sum exp(z - m)(z - m) likewise
@@ -17,7 +17,7 @@ through tensor descriptors (the copy engine; ``USE_TMA``), elsewhere through poi
 
 Memory: the partials, 2 or 3 fields x patches x rows fp32, are kept under PARTS_BYTES by taking the rows in chunks
 (one launch each); the merged record is 5 x N fp32. No tensor of size N x V exists, in any dtype. fp32 inputs use
-IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``, tile.py).
+IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``, ``tile``).
 """
 
 import torch
@@ -206,7 +206,7 @@ def forward_record(hidden, weight, targets, bias, transform, compute_entropy, co
 
         def part(x, dim=0):
             """x's rows of this launch (x itself when one launch takes them all: no index of a fake CUDA tensor)."""
-            return x if rows == N else x.narrow(dim, n0, rows)
+            return x if rows == N else x.narrow(dim, n0, rows)  # noqa: B023 (called in this iteration only)
 
         # the last launch's partials: the first of the buffer's elements, laid out for its rows
         part_rows = parts if rows == chunk else parts.view(-1)[: fields * patches * rows].view(fields, patches, rows)

@@ -1,56 +1,32 @@
 """The frozen-head forward of layer 1: log-probs, entropy, the backward's per-token values, and J = d logp / d h.
 
 When neither the weight nor the bias needs a gradient and the entropy needs none (a LoRA / frozen lm_head, the
-entropy a metric only), the backward needs only dH = c[:, None] * J, c = dL/dlogp: two vocabulary GEMM sweeps in
-total (u = H W^T here, and P' W here) instead of three (forward, recompute, dH GEMM). TRL main's shape
-(``trl/kernels/chunked_logprob.py``): cuBLAS for both GEMMs, a Triton kernel for the softmax state between them.
+entropy a metric only), the backward is dH = c[:, None] * J, c = dL/dlogp: two vocabulary GEMM sweeps in all
+(u = H W^T and P' W, both here) instead of three. TRL's chunked log-prob head has the same shape: cuBLAS for both
+GEMMs, a Triton kernel for the softmax state between them.
 
-Math, for token n, u_nv = h_n . W_v (+ b_v), the transform of tile.py (soft-cap c, logit scale k, temperature tau):
-    z_nv  = c tanh(k u_nv / c) / tau        (k u / tau without a soft-cap)
-    s'_nv = dz_nv / du_nv = k (1 - tanh^2) / tau       (k / tau without a soft-cap; tile.transform_and_slope)
-    J_n   = d logp_n / d h_n = s'_ny W_y - sum_v p_nv s'_nv W_v,     p = softmax(z)
-          = (s'_ny R_n W_y - sum_{v != y} e_nv s'_nv W_v) / S_n,
-with e_nv = exp(z_nv - m_n), S_n = sum_v e_nv, R_n = sum_{v != y} e_nv (so 1 - p_ny = R_n / S_n is a sum of
-positive terms, never the cancelling difference 1 - p_ny: J stays exact to fp32 rounding when the model is sure of
-its token). Per chunk of at most ``gemm.chunk_size(N, D)`` tokens and per vocabulary chunk [v0, v1):
-    u  = H_chunk W[v0:v1]^T  (fp32, cuBLAS: out_dtype=float32 for bf16 / fp16 on CUDA; fp32 operands elsewhere)
-    ``_frozen_chunk_kernel`` (one program per BLOCK_N rows, BLOCK_V-wide tiles of the chunk, two passes):
-        pass 1: z = transform(u + b), the chunk's row max and largest non-target z;  m_new = max(m, chunk max) (a
-                finite pivot while every logit so far is -inf, as forward.py), rescale = exp(m - m_new); P''s power
-                of two 2^k_new (tile.gemm_scale) from the row's bound on P' so far (see Rounding)
-        pass 2: e = exp(z - m_new); S, R, Z = sum e (z - m_new) (the entropy) and the target's z and s' are
-                updated (S = S rescale + sum e, ...: softmax_stats' merge of the running record and the chunk's);
-                P' = 2^k_new e s' with the target column zeroed, written in the GEMM dtype
-    J_chunk = J_chunk rescale 2^(k_new - k_old) + P' W[v0:v1]   (fp32 accumulator, in units of 2^k; cuBLAS addmm,
-                                                                out_dtype=float32 on CUDA)
-then J_chunk = 2^-k J_chunk (exact).
-With LoRA (grpo_fast/lora.py: a frozen adapter, lora_hidden l [N, r] and lora_weight B [V, r]) u gets a second GEMM,
-u += l_chunk B[v0:v1]^T, and J_l = d logp / d l [N, r] its own accumulator, J_l = J_l rescale 2^(k_new - k_old) +
-P' B[v0:v1], unscaled and finished like J (B is rounded to P''s dtype for that GEMM, as P' itself; J_l takes N x r
-fp32 more).
-At the end J = (s'_y R W[y] - J) / S (softmax_stats.finish_frozen_grad); logp, entropy and the backward's values
-by softmax_stats.finish from the record (m, S, R, Z, z_y), as forward.py computes them. The gradient is exactly
-d logp / dh: no other term exists on this path.
+Math, for token n, u_nv = h_n . W_v (+ b_v), the transform of ``tile`` (soft-cap c, logit scale k, temperature tau):
+    z_nv = c tanh(k u_nv / c) / tau,   s'_nv = dz_nv / du_nv = k (1 - tanh^2) / tau   (k u / tau, k / tau without one)
+    J_n  = s'_ny W_y - sum_v p_nv s'_nv W_v = (s'_ny R_n W_y - sum_{v != y} e_nv s'_nv W_v) / S_n,
+with e_nv = exp(z_nv - m_n), S_n = sum_v e_nv, R_n = sum_{v != y} e_nv: 1 - p_ny = R_n / S_n is a sum of positive
+terms, never a difference, so J stays exact where the model is sure of its token. Per token chunk (at most
+``gemm.chunk_size(N, D)`` rows) and vocabulary chunk [v0, v1): u = H_chunk W[v0:v1]^T (fp32, cuBLAS); then
+``_frozen_chunk_kernel`` in two passes over the chunk's tiles: the row max and largest non-target z (the new pivot,
+rescale = exp(m - m_new), P''s power of two), then e = exp(z - m_new), the record's sums (softmax_stats' merge) and
+P' = 2^k e s' with the target column zeroed, written over u in the GEMM dtype; then J_chunk = J_chunk rescale
+2^(k_new - k_old) + P' W[v0:v1] (fp32, cuBLAS addmm). At the end J = (s'_y R W_y - 2^-k J_chunk) / S
+(softmax_stats.finish_frozen_grad) and the outputs by softmax_stats.finish. With LoRA (a frozen adapter, l [N, r],
+B [V, r]) u += l B^T, and J_l = d logp / d l [N, r] accumulates P' B alike.
 
-Rounding: u, the softmax state and J are fp32; P' is rounded to the input dtype for the tensor cores (bf16 / fp16
-on CUDA), as backward.py rounds g, after a per-row power of two 2^k (tile.gemm_scale, which says why) from the bound
-on the row's P' so far (its largest non-target e times logit_scale / temperature, the largest slope): on a confident
-token every non-target e is ~1e-6, below fp16's smallest normal, while J itself is that small. The state keeps each
-row's 2^-k; a chunk whose bound moves k folds 2^(k_new - k_old) into the accumulator's rescale (at most 1: the old
-chunks' bound is part of the new one), and 2^-k comes out exactly after the row's last chunk. fp32 inputs keep
-fp32 P' (note: cuBLAS then follows torch's allow_tf32 flag, off by default). Under TRITON_INTERPRET=1 or on a CPU
-device every GEMM runs on fp32 operands.
+Rounding: u, the state and J are fp32; P' is rounded to the input dtype for the tensor cores after a per-row power of
+two 2^k (``tile.gemm_scale``) from the bound on the row's P' so far (on a confident token every non-target e is
+~1e-6, below fp16's smallest normal); a chunk that moves k folds 2^(k_new - k_old) into the rescale (at most 1).
+fp32 inputs keep fp32 P'. Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
 
-Memory (besides the inputs): J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536; the recompute path keeps
-only O(N) between the passes, and its backward writes an fp32 dH of J's shape), the u buffer of chunk x
-vocab-chunk fp32, with the vocab chunk chosen so that it is about the size of W (``vocab_chunk``; 467 MB at the
-Qwen2.5-1.5B head: V 151936 in two chunks of 76032), and 8 x N fp32 of running state. P' takes no memory of its
-own: it is written over the u tile it came from (same place for fp32; for bf16 / fp16 P'[n] lies in the first half
-of u[n]'s bytes, and a tile's stores only reach u entries the program has already read in pass 2, so no program
-reads a value it or another has overwritten). No tensor of N x V exists.
-
-Taken where ``available``: CUDA with torch >= 2.8 (cuBLAS's out_dtype) or fp32 inputs, a CPU device, the
-interpreter. Launch configuration: config.frozen_head_config (2 rows x 512 columns a tile, 4 warps on a GPU).
+Memory: J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536); the u buffer, chunk x vocabulary chunk fp32,
+about the size of W (``vocab_chunk_size``: 467 MB at the Qwen2.5-1.5B head); 8 x N fp32 of state. P' lies over the u
+tile it came from (a program's stores reach only entries it has already read). No tensor of N x V exists. Taken
+where ``available``: CUDA with torch >= 2.8 (cuBLAS's out_dtype) or fp32 inputs, a CPU device, the interpreter.
 """
 
 import torch
@@ -77,7 +53,7 @@ def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un
                       inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr):  # fmt: skip
     """(z, dz/du) of one tile of the u buffer: z is -inf past the chunk; dz/du is a number without a soft-cap."""
-    # int64 row offsets: the u buffer is about the size of W and may pass 2^31 elements (tile.py)
+    # int64 row offsets: the u buffer is about the size of W and may pass 2^31 elements (``tile``)
     u = tl.load(
         u_ptr + offs_n[:, None].to(tl.int64) * stride_un + offs_v[None, :],
         mask=n_mask[:, None] & v_mask[None, :],
@@ -211,9 +187,9 @@ def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
 
 def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
                         vocab_chunk=None, gemm_dtype=None, lora=None):  # fmt: skip
-    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as forward.py's
-    ``forward`` (entropy None without ``compute_entropy``), J = d logp / d hidden [N, D] fp32 and J_l = d logp /
-    d lora_hidden [N, r] fp32 with ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) (else None).
+    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as
+    ``forward.forward``'s (entropy None without ``compute_entropy``), J = d logp / d hidden [N, D] fp32 and
+    J_l = d logp / d lora_hidden [N, r] fp32 with ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) (else None).
 
     ``config``: a config.FrozenHeadConfig (gemm_fp32: every GEMM on fp32 operands). ``token_chunk`` (default
     gemm.chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and ``gemm_dtype`` (P''s dtype: default the

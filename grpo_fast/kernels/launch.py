@@ -1,10 +1,11 @@
-"""The device every kernel wrapper runs on: its first tensor argument's.
+"""The device every kernel wrapper runs on (its first tensor argument's), and the tensor-descriptor operands of the
+kernels that read their tiles through Hopper's copy engine (TMA).
 
-Triton launches on the current CUDA device, not on its arguments' device, and nothing else in grpo_fast sets it: a
-head on cuda:1 (``device_map="auto"`` over two GPUs puts lm_head on the last one) launched while cuda:0 is current
-crashes or reads the wrong memory. Each kernel wrapper (forward, both backwards, the frozen-head forward, the token
-loss) runs under ``on_device(its first tensor)``, its Triton launches and the cuBLAS calls and buffers around them
-alike; the API checks before that that all tensors share one device (grpo_fast.api._same_device).
+Triton launches on the current CUDA device, not on its arguments' device, and nothing else in grpo_fast sets it: a head
+on cuda:1 (``device_map="auto"`` over two GPUs puts lm_head on the last one) launched while cuda:0 is current crashes or
+reads the wrong memory. Each kernel wrapper (forward, both backwards, the frozen-head forward, the token loss, the
+divergence head's) runs under ``on_device(its first tensor)``, its Triton launches and the cuBLAS calls and buffers
+around them alike; the public functions check before that that all tensors share one device (``head.inputs``).
 """
 
 import contextlib

@@ -1,9 +1,9 @@
 """Layer 1's per-token softmax statistics: one mergeable record, its one merge, and what the outputs and the
 backward read from it. Plain torch (no Triton): the torch backend uses it too.
 
-The record of token n over a set A of vocabulary entries (one tile, one vocabulary split of the Triton forward, one
-chunk of the torch backend, or, for a vocab-parallel head, one rank's shard; ``record`` in torch), z the transformed
-logits, y the target:
+The record of token n over a set A of vocabulary entries (the Triton forward's patch of tiles, a chunk of the torch
+twin or of the frozen head, a vocab-parallel rank's shard; ``record`` in torch), z the transformed logits, y the
+target:
     max     m  = max_{v in A} z_v                        (-inf when A holds no finite logit)
     sumexp  S  = sum_{v in A} exp(z_v - m)
     rest    R  = sum_{v in A, v != y} exp(z_v - m)      (the target kept out of the sum)
@@ -12,12 +12,9 @@ logits, y the target:
 (sums relative to 0 instead of m when m = -inf: they are all 0 then). Records of disjoint sets merge, in any order
 and grouping, by ``merge``: m = max_k m_k, a_k = exp(m_k - m),
     S = sum_k a_k S_k,  R = sum_k a_k R_k,  Z = sum_k a_k (Z_k + (m_k - m) S_k),  zy = sum_k zy_k.
-kernels/forward.py's kernel folds its tiles into a running record by these formulas and writes one record per
-vocabulary split; ``merge`` folds the splits in the forward's epilogue. The torch backend folds its vocabulary chunks
-with ``merge``. The frozen-head forward (kernels/forward_frozen.py) keeps the same record in the first rows of its
-running state and ends with ``finish``, and its unfinished sum acc = sum_{v != y} e_v s'_v W_v with
-``finish_frozen_grad``. A vocab-parallel head reuses all three unchanged: each rank computes its shard's record (and
-acc) and the ranks merge them with ``merge`` over two all-reduces (vocab_parallel.py).
+Its users: the Triton forward's per-patch partials (merged by a second kernel) and the frozen-head kernel's vocabulary
+chunks, by these formulas; the torch twin's chunks and a vocab-parallel head's ranks (over two all-reduces), by
+``merge``. The frozen head finishes its J with ``finish_frozen_grad``.
 
 ``finish`` turns the merged record into the outputs and into what the backward reads (``BackwardStats``), forming
 nothing by cancellation where a token is confident (p_y near 1, z_y = m):

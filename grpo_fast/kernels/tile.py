@@ -1,26 +1,20 @@
 """Tile helpers: the device functions the layer-1 kernels share: the logit transform (value and slope), one logit
-tile, a token block's gradient coefficients, and one tile of the general path's gradient.
+tile (through tensor descriptors or pointers), the grouped program order, a token block's gradient coefficients, and
+one tile of the general path's gradient.
 
-    u[i, j] = h_i . W_j + l_i . B_j + b_j                (fp32 accumulation over D in BLOCK_D steps, then with
-                                                        HAS_LORA over r in BLOCK_R steps into the same accumulator)
-    z[i, j] = softcap * tanh(logit_scale * u / softcap) / tau      (no tanh without HAS_SOFTCAP; TRL 1.16's order;
-                                                                    columns past the vocab are -inf)
-    g[i, j] = dL/du[i, j] = dz[i, j] * dz/du[i, j],  dz/du = logit_scale (1 - tanh^2) / tau  (logit_scale / tau
-        without a soft-cap), with c = grad_logp, e = grad_entropy (only with ENTROPY_GRAD), p = exp(z - lse):
-        dz[i, j] = -c_i p_ij + e_i p_ij (mean_i - z_ij)                            for j != y_i
-        dz[i, y] =  c_i (1 - p_iy) + e_i p_iy (mean_i - z_iy)
-                 =  c_i nontarget_mass_i + e_i p_iy mean_minus_target_i            (carried from the forward)
-The entropy term: H = lse - sum_j p_j z_j, so dH/dz_j = p_j (mean - z_j). The target column takes 1 - p_y and
-mean - z_y from the forward's record (softmax_stats.py), where they are sums of same-signed terms: recomputed here
-they would cancel (1 - p_y and mean - z_y are 1e-6 at a confident token, z_y - lse is rounded at |z| eps).
-
-tanh is formed from e = exp(-2|x|) as (1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow for any x, and
-the slope keeps its relative precision where tanh saturates (1 - tanh^2 would cancel to 0 there); LogitTransform.apply
-(grpo_fast/transform.py) is the same transform in torch.
-
-l [N, r] and B [V, r] are LoRA's second operand pair (grpo_fast/lora.py; contiguous, row stride R), in the
-adapters' dtype, which may differ from the base's: their dot takes its own precision (LORA_DOT_PRECISION: IEEE for
-fp32 adapters).
+    u[i, j] = h_i . W_j + l_i . B_j + b_j          (fp32 accumulation over D in BLOCK_D steps, then with HAS_LORA
+                                                    over r in BLOCK_R steps into the same accumulator)
+    z[i, j] = softcap * tanh(logit_scale * u / softcap) / tau     (no tanh without HAS_SOFTCAP; TRL 1.16's order;
+                                                                   columns past the vocab are -inf)
+    g[i, j] = dL/du = dz * dz/du,  dz/du = logit_scale (1 - tanh^2) / tau  (logit_scale / tau without a soft-cap),
+        with c = grad_logp, e = grad_entropy (only with ENTROPY_GRAD), p = exp(z - lse), mean = sum_j p_j z_j:
+        dz[i, j] = -c_i p_ij + e_i p_ij (mean_i - z_ij)                              for j != y_i
+        dz[i, y] =  c_i (1 - p_iy) + e_i p_iy (mean_i - z_iy)      (1 - p_iy, mean_i - z_iy: from the forward)
+(the entropy H = lse - mean, so dH/dz_j = p_j (mean - z_j)). The target column reads 1 - p_y and mean - z_y from the
+forward's record (``softmax_stats``), where they are sums of same-signed terms: recomputed here they would cancel.
+tanh is formed from e = exp(-2|x|) as (1 - e) / (1 + e) and its slope as 4e / (1 + e)^2: no overflow, and the slope
+keeps its relative precision where tanh saturates (``transform.LogitTransform.apply`` is the same in torch). LoRA's
+pair l [N, r], B [V, r] (contiguous, row stride R) is in the adapters' dtype, its dot at LORA_DOT_PRECISION.
 
 Rounding for a GEMM (``gemm_scale``): g (and the frozen head's P') are rounded to fp16 / bf16 for the tensor cores;
 dL/dlogp carries GRPO's 1/tokens normaliser (1e-4 and below) and fp16's smallest normal is 6.1e-5, so unscaled they
@@ -28,8 +22,8 @@ would land in fp16's subnormals (or flush to zero). The kernels multiply them by
 the rounding, chosen from a bound on their magnitude, and multiply the fp32 products by 2^-k: exact, so only the
 rounding to the GEMM dtype remains, at its full relative precision whatever the gradient's scale.
 
-Registers only: a BLOCK_N x BLOCK_V fp32 tile. ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's bf16
-tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the tensor cores.
+Memory: registers only, a BLOCK_N x BLOCK_V fp32 tile. ``DOT_FP32`` upcasts the dot operands (the CPU interpreter's
+bf16 tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for the tensor cores.
 """
 
 import triton
@@ -286,16 +280,17 @@ def tile_grad(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, target
               ENTROPY_GRAD: tl.constexpr, USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr,
               DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    """g = dL/du for one tile (rows ``offs_n`` from n0, columns ``offs_v`` from v0), from the recomputed logits (``logit_tile_at``:
-    ``hidden`` and ``weight`` are tensor descriptors with USE_TMA) and the forward's per-token values (module
-    docstring). ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
+    """g = dL/du for one tile (rows ``offs_n`` from n0, columns ``offs_v`` from v0), from the recomputed logits
+    (``logit_tile_at``: ``hidden`` and ``weight`` are tensor descriptors with USE_TMA) and the forward's per-token
+    values (module docstring). ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     # rows past the batch: lse +inf makes their p exactly 0 (with 0 their exp(z) overflows, and 0 x inf is a NaN in db)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
     nontarget_mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
-    z, slope = logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R, stride_hn, stride_wv, inv_temperature, logit_scale,
-                             softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, USE_TMA, DOT_FP32, DOT_PRECISION,
-                             LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+    z, slope = logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
+                             stride_hn, stride_wv, inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_LORA,
+                             HAS_SOFTCAP, USE_TMA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
+                             BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
     p = tl.exp(z - lse[:, None])
     is_target = offs_v[None, :] == targets[:, None]
     dz = -grad_logp[:, None] * p
