@@ -64,7 +64,7 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     for entry in steps:  # every step trains: a gradient from a non-zero advantage, at a learning rate above 0
         assert "entropy" in entry and math.isfinite(entry["loss"])
         assert entry["grad_norm"] > 0 and entry["learning_rate"] > 0
-    assert trainer.model.forward.__func__.__code__.co_filename.endswith("grpo_fast/trl.py")
+    assert trainer.model.forward.__func__.__code__.co_filename.endswith("grpo_fast/integrations/trl.py")
     assert not list((tmp_path / "out").glob("checkpoint-*"))  # the CPU recipe saves none
 
     # what TRL users expect in the output folder: the logged metrics, a plot, the trained weights (and their size)

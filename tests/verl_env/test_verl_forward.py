@@ -274,7 +274,9 @@ def test_load_failure_is_loud(break_verl, monkeypatch, caplog):
     else:
         monkeypatch.delattr(monkey_patch, "patch_forward_with_backends")
         expected = AttributeError
+    # the public name and the module it stands for (grpo_fast/verl.py makes them one): both imported afresh
     monkeypatch.delitem(sys.modules, "grpo_fast.verl")
+    monkeypatch.delitem(sys.modules, "grpo_fast.integrations.verl")
     with caplog.at_level(logging.ERROR), pytest.raises(expected):
         importlib.import_module("grpo_fast.verl")
     assert any(
