@@ -146,13 +146,14 @@ RECORD_GROUP_N = 8
 
 def gpu_record_config(dtype: torch.dtype, arch: int, wide_epilogue: bool = False) -> TileRecordConfig:
     """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90); an arch not in
-    RECORD_TILES takes the nearest lower one's (sm_86 takes sm_89's small shared memory; sm_100 sm_90's).
+    RECORD_TILES takes the nearest lower one's (sm_100 sm_90's), one of ~100 KiB of shared memory a block sm_89's
+    (sm_86, sm_87; sm_120 and later, the consumer Blackwell cards).
     ``wide_epilogue``: a soft-cap, LoRA or a bias (WIDE_EPILOGUE_BLOCK_V)."""
     if dtype == torch.float32:
         tiles = dict(FP32_TILES)
     else:
         known = [a for a in sorted(RECORD_TILES) if a <= arch] or [min(RECORD_TILES)]
-        tiles = dict(RECORD_TILES[89 if arch in (86, 87, 89) else known[-1]])
+        tiles = dict(RECORD_TILES[89 if arch in (86, 87, 89) or arch >= 120 else known[-1]])
         if wide_epilogue or not COLUMNS_256:
             tiles["block_v"] = min(tiles["block_v"], WIDE_EPILOGUE_BLOCK_V)
     return TileRecordConfig(**tiles, dot_fp32=False, tiles=1, group_n=RECORD_GROUP_N)
