@@ -177,7 +177,7 @@ def gpu_backward_config(
             if mode == "fused"
             else dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
         )
-    elif mode == "chunked" and arch >= 90:
+    elif mode == "chunked" and arch >= 90 and big_smem:
         # Hopper: the forward's 128 x 256 tile through the copy engine (on an H200 the chunked backward of
         # Qwen2.5-1.5B's head at 16k tokens took 41.5 ms with it, 45.0 with 128 x 128, both through pointers); Triton
         # versions other than 3.6 and LoRA (184 bytes of spill at 256) keep 128 x 128, the wider epilogue (its extra
