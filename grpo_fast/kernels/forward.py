@@ -12,8 +12,9 @@ so 1 - p_y = R / S is a sum of positive terms, never a difference (exact where a
 ``softmax_stats.finish`` turns the record into logp, H and what the backward reads.
 
 Every program is independent (the tile, not the row, is the unit of parallel work): they run in grouped order
-(tile.grouped_tile) so that the programs resident at once share H and W tiles in L2. On Hopper the tiles come
-through tensor descriptors (the copy engine; ``USE_TMA``), elsewhere through pointers.
+(``tl.swizzle2d``: GROUP_N token blocks walk each patch before the next) so that the programs resident at once
+share H and W tiles in L2. On Hopper the tiles come through tensor descriptors (the copy engine; ``USE_TMA``),
+elsewhere through pointers.
 
 Memory: the partials, 2 or 3 fields x patches x rows fp32, are kept under PARTS_BYTES by taking the rows in chunks
 (one launch each); the merged record is 5 x N fp32. No tensor of size N x V exists, in any dtype. fp32 inputs use
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from . import softmax_stats
 from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
-from .tile import grouped_tile, logit_tile_at, lora_kernel_args
+from .tile import logit_tile_at, lora_kernel_args
 
 # a padding row's logit (rows past the scored count): far above any real logit, far below fp32's overflow
 PADDING_LOGIT = tl.constexpr(1e30)
@@ -47,7 +48,8 @@ def _tile_records_kernel(
     TILES: tl.constexpr, GROUP_N: tl.constexpr,
 ):  # fmt: skip
     patches = tl.cdiv(V, TILES * BLOCK_V)
-    pid_n, patch = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), patches, GROUP_N)
+    pid = tl.program_id(0)
+    pid_n, patch = tl.swizzle2d(pid // patches, pid % patches, tl.cdiv(N, BLOCK_N), patches, GROUP_N)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N

@@ -1,6 +1,6 @@
 """Tile helpers: the device functions the layer-1 kernels share: the logit transform (value and slope), one logit
-tile (through tensor descriptors or pointers), the grouped program order, a token block's gradient coefficients, and
-one tile of the general path's gradient.
+tile (through tensor descriptors or pointers), a token block's gradient coefficients, and one tile of the general
+path's gradient.
 
     u[i, j] = h_i . W_j + l_i . B_j + b_j          (fp32 accumulation over D in BLOCK_D steps, then with HAS_LORA
                                                     over r in BLOCK_R steps into the same accumulator)
@@ -219,16 +219,6 @@ def logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
     offs_v = v0 + tl.arange(0, BLOCK_V)
     return tl.where((offs_v < V)[None, :], z, float("-inf")), slope
-
-
-@triton.jit
-def grouped_tile(pid, num_blocks_n, num_blocks_v, GROUP_N: tl.constexpr):
-    """(token block, vocabulary block) of program ``pid`` in grouped order: GROUP_N token blocks walk each vocabulary
-    block before the next, so the programs resident at once share W tiles (and H tiles) in L2."""
-    in_group = GROUP_N * num_blocks_v
-    first_n = (pid // in_group) * GROUP_N
-    group_size = tl.minimum(num_blocks_n - first_n, GROUP_N)
-    return first_n + (pid % in_group) % group_size, (pid % in_group) // group_size
 
 
 @triton.jit
