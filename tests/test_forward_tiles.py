@@ -80,7 +80,7 @@ def test_rows_in_several_launches_equal_one_launch(monkeypatch, device):
     # partials for one token block a launch, then for two: 5 and 3 launches, the last one short
     for blocks in (1, 2):
         monkeypatch.setattr(kforward, "PARTS_BYTES", 3 * patches * cfg.block_n * blocks * 4)
-        assert kforward.rows_per_launch(N, V, True, cfg) == cfg.block_n * blocks
+        assert kforward.parts_shape(N, V, True, cfg)[2] == cfg.block_n * blocks
         chunked = kforward.forward_record(hidden, weight, targets, None, LogitTransform(), True, cfg)
         for field, a, b in zip(whole._fields, whole, chunked):
             assert torch.equal(a, b), (blocks, field)

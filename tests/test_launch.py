@@ -158,12 +158,13 @@ def test_the_forward_takes_rows_in_launches_whose_partials_fit_their_budget(comp
     V = 151936  # Qwen2.5's head: 594 patches of 256 columns (1187 of 128)
     patches = -(-V // (cfg.block_v * cfg.tiles))
     fields = 3 if compute_entropy else 2
-    rows = forward.rows_per_launch(65536, V, compute_entropy, cfg)
+    assert forward.parts_shape(65536, V, compute_entropy, cfg)[:2] == (fields, patches)
+    rows = forward.parts_shape(65536, V, compute_entropy, cfg)[2]
     assert rows % cfg.block_n == 0
     assert fields * patches * rows * 4 <= forward.PARTS_BYTES < fields * patches * (rows + cfg.block_n) * 4
-    assert forward.rows_per_launch(100, V, compute_entropy, cfg) == 100  # fewer rows: one launch
+    assert forward.parts_shape(100, V, compute_entropy, cfg)[2] == 100  # fewer rows: one launch
     # a vocabulary too wide for one block of rows within the budget: one block a launch, never none
-    assert forward.rows_per_launch(1000, 2**27, compute_entropy, cfg) == cfg.block_n
+    assert forward.parts_shape(1000, 2**27, compute_entropy, cfg)[2] == cfg.block_n
 
 
 def test_the_gpu_forward_tiles_follow_the_architecture():

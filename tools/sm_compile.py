@@ -217,7 +217,9 @@ def layer1_launches(
     )
     grad_entropy = grad_logp.clone() if entropy_grad else None
     out = []
-    cfg = kconfig.gpu_record_config(dtype, arch, softcap is not None or lora is not None or bias)
+    cfg = kconfig.gpu_record_config(
+        dtype, arch, kconfig.wide_record_epilogue(softcap is not None, bias, lora is not None)
+    )
     with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel") as merges:
         row_counts = torch.tensor([hidden.shape[0] // 2], dtype=torch.int32) if row_count else None
         forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora, row_counts)

@@ -51,12 +51,13 @@ class TritonBackend:
 
     def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
         """``row_count``: the kernel computes no block wholly past it (``kernels.forward.forward_record``)."""
-        wide_epilogue = transform.softcap is not None or lora is not None or bias is not None
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide_epilogue)
+        wide = kconfig.wide_record_epilogue(transform.softcap is not None, bias is not None, lora is not None)
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide)
         return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
 
     def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype, transform.softcap is not None or bias is not None)
+        wide = kconfig.wide_record_epilogue(transform.softcap is not None, bias is not None, False)
+        cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide)
         return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
 
     def frozen_head_available(self, hidden):

@@ -132,6 +132,13 @@ RECORD_TILES = {
 # a soft-cap's tanh and slope, LoRA's second K loop or a bias keep more values alive per logit: a 256-column tile then
 # spills (hundreds of bytes on sm_80 and sm_90 for the first two, 40 for a bias), so these variants take 128 columns
 WIDE_EPILOGUE_BLOCK_V = 128
+
+
+def wide_record_epilogue(has_softcap: bool, has_bias: bool, has_lora: bool) -> bool:
+    """Whether the forward's epilogue is a wide one (``gpu_record_config``'s ``wide_epilogue``)."""
+    return has_softcap or has_bias or has_lora
+
+
 # Triton 3.6's compiler keeps the 256-column tile's record epilogue in registers (183 on sm_90); 3.9's spills 280 bytes
 # there and in the chunked backward (sm_compile): other Triton versions take 128 columns (3.7 and 3.8 are
 # not compiled here, so they take the tile known not to spill)

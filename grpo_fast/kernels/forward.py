@@ -164,13 +164,14 @@ def forward(hidden, weight, targets, bias, transform, compute_entropy, config, l
     )
 
 
-def rows_per_launch(N, V, compute_entropy, config):
-    """The rows one launch takes: its partial records (2 or 3 fields x patches x rows fp32) within PARTS_BYTES, a
-    multiple of BLOCK_N (at least one block)."""
+def parts_shape(N, V, compute_entropy, config):
+    """(fields, patches, rows) of one launch's partial records (fp32): 2 fields (m, R) or 3 (Zr with the entropy),
+    one record a patch of ``config.tiles`` vocabulary tiles, the rows a launch takes (their records within
+    PARTS_BYTES, a multiple of BLOCK_N, at least one block)."""
     patches = triton.cdiv(V, config.block_v * config.tiles)
     fields = 3 if compute_entropy else 2
     rows = PARTS_BYTES // (fields * patches * 4) // config.block_n * config.block_n
-    return min(N, max(config.block_n, rows))
+    return fields, patches, min(N, max(config.block_n, rows))
 
 
 def workspace_bytes(N, V, compute_entropy, config):
@@ -178,9 +179,8 @@ def workspace_bytes(N, V, compute_entropy, config):
     target logits and the merged record (5 + 1 fields of N fp32)."""
     if N == 0:
         return 0
-    patches = triton.cdiv(V, config.block_v * config.tiles)
-    fields = 3 if compute_entropy else 2
-    return fields * patches * rows_per_launch(N, V, compute_entropy, config) * 4 + 6 * N * 4
+    fields, patches, rows = parts_shape(N, V, compute_entropy, config)
+    return fields * patches * rows * 4 + 6 * N * 4
 
 
 @on_first_argument_device
@@ -195,9 +195,7 @@ def forward_record(hidden, weight, targets, bias, transform, compute_entropy, co
     record = torch.empty((5, N), dtype=torch.float32, device=hidden.device)
     if N == 0:
         return softmax_stats.SoftmaxStats(*record.unbind(0))
-    chunk = rows_per_launch(N, V, compute_entropy, config)
-    patches = triton.cdiv(V, config.block_v * config.tiles)
-    fields = 3 if compute_entropy else 2
+    fields, patches, chunk = parts_shape(N, V, compute_entropy, config)
     parts = torch.empty((fields, patches, chunk), dtype=torch.float32, device=hidden.device)
     target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
     use_tma = config.use_tma and tensor_descriptors_fit(hidden, weight)
