@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from grpo_fast import reference
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
@@ -21,16 +22,11 @@ IDENTITY = LogitTransform()
 
 
 def _truth(hidden, weight, targets, bias=None, transform=IDENTITY, lora=None):
-    """(logp, entropy, lse, 1 - p_y) in fp64 from the full logits."""
-    u = hidden.to(F64) @ weight.to(F64).T
+    """(logp, entropy, lse, 1 - p_y) in fp64 from the spec's full logits; LoRA's operand pair (l [N, r], B [V, r]) as
+    the kernel takes it: the concatenated [h | l] . [W | B]."""
     if lora is not None:
-        u = u + lora[0].to(F64) @ lora[1].to(F64).T
-    if bias is not None:
-        u = u + bias.to(F64)
-    z = u * transform.logit_scale
-    if transform.softcap is not None:
-        z = transform.softcap * torch.tanh(z / transform.softcap)
-    z = z / transform.temperature
+        hidden, weight = torch.cat([hidden, lora[0]], 1), torch.cat([weight, lora[1]], 1)
+    z = reference.logits(hidden, weight, bias, compute_dtype=F64, transform=transform)
     log_p = torch.log_softmax(z, dim=1)
     logp = log_p.gather(1, targets[:, None].clamp(0, weight.shape[0] - 1))[:, 0]
     entropy = -(log_p.exp() * log_p).sum(1)
