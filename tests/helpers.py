@@ -2,12 +2,16 @@
 
 import contextlib
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+import grpo_fast
 from grpo_fast import reference
 
 
@@ -193,3 +197,19 @@ def out_of_range_cases(ranges, actions):
         for value in values:
             text = str(value) if integer else f"{value:g}"
             yield dest, [flag, text], f"{flag} {text}: expected {accepted.describe(integer)}"
+
+
+def mypy_errors(tmp_path, source):
+    """mypy's errors over ``source`` as a module of its own, each 'error: message  [code]', and the run."""
+    caller = tmp_path / "caller.py"
+    caller.write_text(source)
+    options = ["--follow-imports=silent", "--ignore-missing-imports", "--no-error-summary"]
+    # run from the folder that holds the package, so that an editable install (an import hook mypy does not follow)
+    # is found as source; a regular install is found through its py.typed
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", *options, "--cache-dir", str(tmp_path / "cache"), str(caller)],
+        cwd=pathlib.Path(grpo_fast.__file__).parents[1],
+        capture_output=True,
+        text=True,
+    )
+    return [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": error: " in line], result

@@ -2,13 +2,9 @@
 not exist (and the one it meant), the option given a value of the wrong type, and a name outside an enumeration's
 ``Literal`` (a loss type, an importance-sampling level or mode), and passes the right calls."""
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
+from helpers import mypy_errors
 
-import grpo_fast
 from grpo_fast.grpo_loss.options import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, LOSS_TYPES
 
 CALLER = """
@@ -36,27 +32,7 @@ def _literal(names):
 
 @pytest.mark.slow
 def test_mypy_checks_the_loss_option_keywords(tmp_path):
-    caller = tmp_path / "caller.py"
-    caller.write_text(CALLER)
-    # run from the folder that holds the package, so that an editable install (an import hook mypy does not follow)
-    # is found as source; a regular install is found through its py.typed
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--follow-imports=silent",
-            "--ignore-missing-imports",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--no-error-summary",
-            str(caller),
-        ],
-        cwd=pathlib.Path(grpo_fast.__file__).parents[1],
-        capture_output=True,
-        text=True,
-    )
-    errors = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": error: " in line]
+    errors, result = mypy_errors(tmp_path, CALLER)
     loss_types, levels, modes = map(_literal, (LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES))
     assert errors == [
         'error: Unexpected keyword argument "epsilon_hi" for "token_loss"; did you mean "epsilon_high" or "epsilon"?  '

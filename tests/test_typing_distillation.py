@@ -4,12 +4,10 @@ string, a backend and a head path that are not among the choices, and the keywor
 ``divergence``'s keywords (DivergenceKeywords) are ``divergence_and_entropy``'s, with their types."""
 
 import inspect
-import pathlib
-import subprocess
-import sys
 import typing
 
 import pytest
+from helpers import mypy_errors
 
 import grpo_fast
 from grpo_fast.distillation.api import DivergenceKeywords
@@ -31,22 +29,6 @@ grpo_fast.divergence(hs, ws, ht, wt, backend="cuda")
 grpo_fast.divergence_and_entropy(hs, ws, ht, wt, head_path="frozen")
 grpo_fast.divergence_and_entropy(hs, ws, ht, wt, mask, 0.5)
 """
-
-
-def mypy_errors(tmp_path, source):
-    """mypy's errors over ``source`` as a module of its own, each 'error: message  [code]'."""
-    caller = tmp_path / "caller.py"
-    caller.write_text(source)
-    options = ["--follow-imports=silent", "--ignore-missing-imports", "--no-error-summary"]
-    # run from the folder that holds the package, so that an editable install (an import hook mypy does not follow)
-    # is found as source; a regular install is found through its py.typed
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", *options, "--cache-dir", str(tmp_path / "cache"), str(caller)],
-        cwd=pathlib.Path(grpo_fast.__file__).parents[1],
-        capture_output=True,
-        text=True,
-    )
-    return [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": error: " in line], result
 
 
 @pytest.mark.slow
