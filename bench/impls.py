@@ -67,11 +67,17 @@ def _eager_logprobs(hidden, weight, targets, bias, temperature):
     return reference.logprobs(hidden, weight, targets, bias, temperature, fp32_matmul=False)
 
 
-def _build_eager(mode, options):
+def _eager_arguments(mode, x, w):
+    """``_eager_loss``'s arguments (mode "fwdbwd") or ``_eager_logprobs``' from a bench input and the weight."""
     if mode == "fwdbwd":
-        return lambda x, w: _eager_loss(x.hidden, w, x.targets, x.advantages, x.mask, x.old_logprobs,
-                                        x.ref_logprobs, x.options, x.temperature, x.num_items_in_batch)  # fmt: skip
-    return lambda x, w: _eager_logprobs(x.hidden, w, x.targets, None, x.temperature)
+        labels = (x.targets, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
+        return (x.hidden, w, *labels, x.options, x.temperature, x.num_items_in_batch)
+    return (x.hidden, w, x.targets, None, x.temperature)
+
+
+def _build_eager(mode, options):
+    fn = _eager_loss if mode == "fwdbwd" else _eager_logprobs
+    return lambda x, w: fn(*_eager_arguments(mode, x, w))
 
 
 register(
@@ -99,23 +105,8 @@ def _build_compile(mode, options):
     if mode not in _COMPILED:
         _COMPILED[mode] = torch.compile(_eager_loss if mode == "fwdbwd" else _eager_logprobs)
     fn = _COMPILED[mode]
-    if mode == "fwdbwd":
-        return lambda x, w: fn(
-            x.hidden,
-            w,
-            x.targets,
-            x.advantages,
-            x.mask,
-            x.old_logprobs,
-            x.ref_logprobs,
-            x.options,
-            x.temperature,
-            x.num_items_in_batch,
-        )
-    return lambda x, w: fn(x.hidden, w, x.targets, None, x.temperature)
+    return lambda x, w: fn(*_eager_arguments(mode, x, w))
 
-
-register(Impl("compile", "eager PyTorch under torch.compile (default mode)", _build_compile))
 
 # ----------------------------------------------------------------------------------------------- Liger-Kernel
 
@@ -159,24 +150,52 @@ def _build_liger(mode, options):
         key = (o, x.temperature)
         if key not in cache:
             cache[key] = LigerFusedLinearGRPOLoss(
-                beta=o.beta, compiled=x.hidden.is_cuda, use_ref_model=o.beta != 0.0, chunk_size=1,
-                epsilon_low=o.epsilon, epsilon_high=o.clip_high, loss_type=o.loss_type,
-                importance_sampling_level=o.importance_sampling_level, temperature=x.temperature,
-                use_bias_correction_kl=o.use_bias_correction_kl)  # fmt: skip
+                beta=o.beta,
+                compiled=x.hidden.is_cuda,
+                use_ref_model=o.beta != 0.0,
+                chunk_size=1,
+                epsilon_low=o.epsilon,
+                epsilon_high=o.clip_high,
+                loss_type=o.loss_type,
+                importance_sampling_level=o.importance_sampling_level,
+                temperature=x.temperature,
+                use_bias_correction_kl=o.use_bias_correction_kl,
+            )
         # returns (loss, (mean KL, clip ratio)); it computes the gradients inside its forward
-        return cache[key](x.hidden, w, x.targets, x.mask, x.advantages, bias=None,
-                          ref_per_token_logps=x.ref_logprobs, old_per_token_logps=x.old_logprobs,
-                          num_items_in_batch=x.num_items_in_batch)  # fmt: skip
+        return cache[key](
+            x.hidden,
+            w,
+            x.targets,
+            x.mask,
+            x.advantages,
+            bias=None,
+            ref_per_token_logps=x.ref_logprobs,
+            old_per_token_logps=x.old_logprobs,
+            num_items_in_batch=x.num_items_in_batch,
+        )
 
     return loss
 
 
-register(Impl("liger", "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)", _build_liger,
-              unavailable=_liger_unavailable,
-              note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public "
-                   "one)"))  # fmt: skip
-register(Impl("liger_frozen", "Liger-Kernel, lm_head frozen (no dW)", _build_liger, modes=("fwdbwd",), frozen=True,
-              unavailable=_liger_unavailable))  # fmt: skip
+register(
+    Impl(
+        "liger",
+        "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)",
+        _build_liger,
+        unavailable=_liger_unavailable,
+        note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public one)",
+    )
+)
+register(
+    Impl(
+        "liger_frozen",
+        "Liger-Kernel, lm_head frozen (no dW)",
+        _build_liger,
+        modes=("fwdbwd",),
+        frozen=True,
+        unavailable=_liger_unavailable,
+    )
+)
 
 # ----------------------------------------------------------------------------------------------- TRL's fused head
 # TRL 1.16's GRPOTrainer patches the policy with add_fused_lm_head (trl/trainer/utils.py): the model's forward
@@ -215,9 +234,16 @@ def _build_trl(mode, options):
 
     def loss(x, w):  # the policy's head computes the entropy too (the trainer's `entropy` metric)
         logp, entropy = completion_outputs(x, w, ("log_probs", "entropy"))  # the temperature: applied in the head
-        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy,
-                                    old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
-                                    num_items_in_batch=x.num_items_in_batch)  # fmt: skip
+        return reference.token_loss(
+            logp,
+            x.advantages,
+            x.mask,
+            x.options,
+            entropy=entropy,
+            old_logprobs=x.old_logprobs,
+            ref_logprobs=x.ref_logprobs,
+            num_items_in_batch=x.num_items_in_batch,
+        )
 
     return loss
 
@@ -303,8 +329,14 @@ def _build_verl(mode, options, backend):
     return loss
 
 
-register(Impl("verl_torch", "verl 0.9's torch backend (FusedLinearForPPO on the completion tokens) + TRL's GRPO loss",
-              lambda mode, options: _build_verl(mode, options, "torch"), unavailable=_verl_unavailable))  # fmt: skip
+register(
+    Impl(
+        "verl_torch",
+        "verl 0.9's torch backend (FusedLinearForPPO on the completion tokens) + TRL's GRPO loss",
+        lambda mode, options: _build_verl(mode, options, "torch"),
+        unavailable=_verl_unavailable,
+    )
+)
 # verl's Triton backend (impl_backend=triton: verl.utils.kernel's linear_cross_entropy), CUDA only
 register(
     Impl(
@@ -321,10 +353,20 @@ register(
 def _build_grpo_fast(mode, options, head_path="auto"):
     backend = options.get("backend", "auto")
     if mode == "fwdbwd":
-        return lambda x, w: grpo_fast.loss(x.hidden, w, x.targets, x.advantages, x.mask, old_logprobs=x.old_logprobs,
-                                           ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch,
-                                           temperature=x.temperature, options=x.options, head_path=head_path,
-                                           backend=backend)  # fmt: skip
+        return lambda x, w: grpo_fast.loss(
+            x.hidden,
+            w,
+            x.targets,
+            x.advantages,
+            x.mask,
+            old_logprobs=x.old_logprobs,
+            ref_logprobs=x.ref_logprobs,
+            num_items_in_batch=x.num_items_in_batch,
+            temperature=x.temperature,
+            options=x.options,
+            head_path=head_path,
+            backend=backend,
+        )
     return lambda x, w: grpo_fast.logprobs(
         x.hidden, w, x.targets, temperature=x.temperature, completion_mask=x.mask, backend=backend
     )

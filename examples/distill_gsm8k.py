@@ -44,9 +44,14 @@ RANGES = {
     "max_steps": cli.Range(1),
     "keep_every": cli.Range(2),
 }
-PLOT_PANELS = [("divergence (the loss)", ["loss"]), ("student entropy", ["entropy"]),
-               ("completion length", ["completions/mean_length"]), ("gradient norm", ["grad_norm"]),
-               ("learning rate", ["learning_rate"]), ("step time (s)", ["step_time"])]  # fmt: skip
+PLOT_PANELS = [
+    ("divergence (the loss)", ["loss"]),
+    ("student entropy", ["entropy"]),
+    ("completion length", ["completions/mean_length"]),
+    ("gradient norm", ["grad_norm"]),
+    ("learning rate", ["learning_rate"]),
+    ("step time (s)", ["step_time"]),
+]
 
 
 def parse_args(argv=None):
@@ -65,8 +70,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--output-dir", default="runs/distill-gsm8k", help="a new or empty folder")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run's outputs in --output-dir first")
-    p.add_argument("--keep-every", type=int, default=2,
-                   help="the student keeps every N-th decoder layer of the teacher (2: half of them)")  # fmt: skip
+    p.add_argument(
+        "--keep-every",
+        type=int,
+        default=2,
+        help="the student keeps every N-th decoder layer of the teacher (2: half of them)",
+    )
     p.add_argument(
         "--beta",
         type=float,
@@ -148,9 +157,14 @@ def main(argv=None):
     outputs.create()
     trainer = None
     try:
-        trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=dataset,
-                                      processing_class=tokenizer,
-                                      callbacks=[MetricsFile(outputs.path("metrics.jsonl"))])  # fmt: skip
+        trainer = DistillationTrainer(
+            model=student,
+            teacher_model=teacher,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[MetricsFile(outputs.path("metrics.jsonl"))],
+        )
         trainer.train()
         rows = [row for row in plots.read_rows(outputs.folder / "metrics.jsonl") if "loss" in row]
         outputs.written["metrics.jsonl"] = f"{len(rows)} steps"

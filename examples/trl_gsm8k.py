@@ -72,15 +72,41 @@ RANGES = {
 # "gpu": the demo's values. "cpu": a few minutes on 2 cores; warm-up 0 so that no optimizer step runs at learning
 # rate 0 (transformers' linear warm-up starts there), checkpoints off (the demo needs none: --save-steps N).
 PRESETS = {
-    "gpu": dict(model=models.CUDA_DEFAULT, output_dir="outputs/Qwen-1.5B-GRPO", one_shot=False, completion_prefix="",
-                temperature=1.0, num_generations=16, max_completion_length=786, per_device_train_batch_size=1,
-                gradient_accumulation_steps=4, generation_batch_size=16, learning_rate=5e-6, warmup_ratio=0.1,
-                max_steps=-1, save_steps=100, gradient_checkpointing=True),
-    "cpu": dict(model=models.SMOLLM2, output_dir="runs/trl-gsm8k", one_shot=True, completion_prefix="<reasoning>\n",
-                temperature=0.7, num_generations=4, max_completion_length=128, per_device_train_batch_size=4,
-                gradient_accumulation_steps=1, generation_batch_size=8, learning_rate=5e-5, warmup_ratio=0.0,
-                max_steps=8, save_steps=0, gradient_checkpointing=False),
-}  # fmt: skip
+    "gpu": dict(
+        model=models.CUDA_DEFAULT,
+        output_dir="outputs/Qwen-1.5B-GRPO",
+        one_shot=False,
+        completion_prefix="",
+        temperature=1.0,
+        num_generations=16,
+        max_completion_length=786,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
+        generation_batch_size=16,
+        learning_rate=5e-6,
+        warmup_ratio=0.1,
+        max_steps=-1,
+        save_steps=100,
+        gradient_checkpointing=True,
+    ),
+    "cpu": dict(
+        model=models.SMOLLM2,
+        output_dir="runs/trl-gsm8k",
+        one_shot=True,
+        completion_prefix="<reasoning>\n",
+        temperature=0.7,
+        num_generations=4,
+        max_completion_length=128,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        generation_batch_size=8,
+        learning_rate=5e-5,
+        warmup_ratio=0.0,
+        max_steps=8,
+        save_steps=0,
+        gradient_checkpointing=False,
+    ),
+}
 
 # the plot's six panels (gsm8k.plots), from TRL's metric names
 PLOT_PANELS = [

@@ -16,6 +16,7 @@ from conftest import backend_device
 from grpo_fast import reference
 from grpo_fast.head.ops import linear_logprobs_path
 from grpo_fast.head.transform import LogitTransform
+from grpo_fast.kernels.operands import HeadOperands
 
 F64 = torch.float64
 # max |error| / max |entry| against fp64 (from the same rounded inputs). fp32: the goal (measured: 3.4e-6 at most).
@@ -72,9 +73,8 @@ def _gradients(h, w, b, y, transform, grad_logp, grad_entropy, backend=None, bac
     if backend is None:
         logp, entropy = reference.logprobs_and_entropy(*leaves[:2], y, leaves[2], compute_dtype=F64, **transform)
     else:
-        logp, entropy = linear_logprobs_path(
-            *leaves[:2], y, leaves[2], LogitTransform(**transform), backend, "general", backward_mode
-        )
+        head = HeadOperands(*leaves[:2], y, leaves[2], LogitTransform(**transform))
+        logp, entropy = linear_logprobs_path(head, backend, "general", backward_mode)
     ((grad_logp * logp).sum() + (grad_entropy * entropy).sum()).backward()
     return (logp.detach(), entropy.detach()) + tuple(x.grad for x in leaves)
 

@@ -63,7 +63,7 @@ def test_fake_outputs_have_the_real_sizes():
 
     hidden, weight, targets, *_ = _inputs(torch.float32)
     for frozen in (False, True):
-        args = (
+        operands = head_ops.LinearOpOperands(
             hidden.detach().reshape(-1, D),
             weight.detach(),
             targets.reshape(-1),
@@ -73,15 +73,12 @@ def test_fake_outputs_have_the_real_sizes():
             1.0,
             None,
             1.0,
-            True,
-            frozen,
             "triton",
             "chunked",
-            None,
         )
-        real = head_ops._linear_logprobs(*args)
+        real = head_ops._linear_logprobs(*operands, True, frozen, None)
         with FakeTensorMode() as mode:
-            fake = head_ops.linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+            fake = head_ops.linear_logprobs(operands.with_tensors(mode.from_tensor), True, frozen)
         assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
 
@@ -107,35 +104,17 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
     hidden = torch.randn(N, D, dtype=torch.bfloat16)
     weight = torch.randn(V, D, dtype=torch.bfloat16) * 0.2
     targets = torch.randint(0, V, (N,))
-    args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked", None)
+    operands = head_ops.LinearOpOperands(hidden, weight, targets, None, None, None, 1.0, None, 1.0, "triton", "chunked")
     mode = Allocations()
     with mode:
-        _, _, lse, mass, mean, mmt, _, _ = head_ops.linear_logprobs(*args)
+        _, _, lse, mass, mean, mmt, _, _ = head_ops.linear_logprobs(operands, True, False)
     records = head_ops.workspace_bytes("linear_logprobs", (N, D), V, torch.bfloat16, device_type="cpu")
     # the forward's three buffers: the partial records, the target logits, the merged record
     assert records == sum(mode.sizes[:3]), mode.sizes
     mode = Allocations()
     with mode:
-        head_ops.linear_logprobs_backward(
-            hidden,
-            weight,
-            targets,
-            None,
-            None,
-            None,
-            lse,
-            mass,
-            mean,
-            mmt,
-            torch.randn(N),
-            None,
-            1.0,
-            None,
-            1.0,
-            [True, False, False, False, False],
-            "triton",
-            "chunked",
-        )
+        needs = [True, False, False, False, False]
+        head_ops.linear_logprobs_backward(lse, mass, mean, mmt, torch.randn(N), None, operands, needs)
     g_bytes = head_ops.workspace_bytes("linear_logprobs_backward", (N, D), V, torch.bfloat16)
     assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes
 

@@ -16,6 +16,7 @@ from grpo_fast import reference
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels.operands import HeadOperands
 
 F64 = torch.float64
 IDENTITY = LogitTransform()
@@ -58,7 +59,7 @@ def test_logprobs_entropy_and_record_match_fp64(dtype, use_tma, tiles, group_n, 
     N, D, V = 37, 48, 301  # a partial token block, partial patches, D not a multiple of the K step
     hidden, weight, targets = _inputs(N, D, V, dtype, device)
     cfg = _config(device, dtype, use_tma=use_tma, tiles=tiles, group_n=group_n)
-    logp, entropy, stats = kforward.forward(hidden, weight, targets, None, LogitTransform(), True, cfg)
+    logp, entropy, stats = kforward.forward(HeadOperands(hidden, weight, targets, None, LogitTransform()), True, cfg)
     truth_logp, truth_entropy, truth_lse, truth_mass = _truth(hidden.cpu(), weight.cpu(), targets.cpu())
     # fp32 sums over D and V (bf16 inputs are exact in fp32 products): rounding only
     assert (logp.cpu().to(F64) - truth_logp).abs().max() < 5e-6
@@ -71,13 +72,13 @@ def test_rows_in_several_launches_equal_one_launch(monkeypatch, device):
     N, D, V = 70, 32, 257
     hidden, weight, targets = _inputs(N, D, V, torch.float32, device, seed=1)
     cfg = _config(device, torch.float32)
-    whole = kforward.forward_record(hidden, weight, targets, None, LogitTransform(), True, cfg)
+    whole = kforward.forward_record(HeadOperands(hidden, weight, targets, None, LogitTransform()), True, cfg)
     patches = -(-V // (cfg.block_v * cfg.tiles))
     # partials for one token block a launch, then for two: 5 and 3 launches, the last one short
     for blocks in (1, 2):
         monkeypatch.setattr(kforward, "PARTS_BYTES", 3 * patches * cfg.block_n * blocks * 4)
         assert kforward.parts_shape(N, V, True, cfg)[2] == cfg.block_n * blocks
-        chunked = kforward.forward_record(hidden, weight, targets, None, LogitTransform(), True, cfg)
+        chunked = kforward.forward_record(HeadOperands(hidden, weight, targets, None, LogitTransform()), True, cfg)
         for field, a, b in zip(whole._fields, whole, chunked):
             assert torch.equal(a, b), (blocks, field)
 
@@ -93,7 +94,7 @@ def test_bias_softcap_and_lora(use_tma, device):
     lora = (torch.randn(N, r, generator=g).to(device), (torch.randn(V, r, generator=g) * 0.1).to(device))
     transform = LogitTransform(temperature=0.7, softcap=5.0, logit_scale=0.5)
     cfg = _config(device, torch.float32, use_tma=use_tma)
-    logp, entropy, _ = kforward.forward(hidden, weight, targets, bias, transform, True, cfg, lora=lora)
+    logp, entropy, _ = kforward.forward(HeadOperands(hidden, weight, targets, bias, transform, lora), True, cfg)
     lora_cpu = tuple(x.cpu() for x in lora)
     truth_logp, truth_entropy, _, _ = _truth(hidden.cpu(), weight.cpu(), targets.cpu(), bias.cpu(), transform, lora_cpu)
     assert (logp.cpu().to(F64) - truth_logp).abs().max() < 5e-6
@@ -109,7 +110,9 @@ def test_blocks_past_the_row_count_are_placeholders(use_tma, device):
     cfg = _config(device, torch.float32, use_tma=use_tma)
     count = 17
     row_count = torch.tensor([count], dtype=torch.int32, device=device)
-    logp, entropy, stats = kforward.forward(hidden, weight, targets, None, LogitTransform(), True, cfg, None, row_count)
+    logp, entropy, stats = kforward.forward(
+        HeadOperands(hidden, weight, targets, None, LogitTransform()), True, cfg, row_count
+    )
     first_padding_block = -(-count // cfg.block_n) * cfg.block_n
     truth_logp, _, _, _ = _truth(hidden.cpu(), weight.cpu(), targets.cpu())
     # the scored rows and the rest of their block are computed; whole blocks past the count are placeholders: a
@@ -129,7 +132,7 @@ def test_a_target_outside_the_rows_leaves_the_record_without_one(device):
     outside = targets.clone()
     outside[::3] = V + 7
     cfg = _config(device, torch.float32)
-    record = kforward.forward_record(hidden, weight, outside, None, LogitTransform(), True, cfg)
+    record = kforward.forward_record(HeadOperands(hidden, weight, outside, None, LogitTransform()), True, cfg)
     rows = torch.arange(N, device=device)[::3]
     assert torch.equal(record.target[rows], torch.zeros(len(rows), device=device))
     assert torch.equal(record.rest[rows], record.sumexp[rows])

@@ -22,13 +22,13 @@ from helpers import matmul_flops
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.head import backends as autograd
+from grpo_fast.head import backends, torch_twin
 from grpo_fast.head import ops as head_ops
-from grpo_fast.head import torch_twin as torch_backend
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 
 F64 = torch.float64
 PATHS = ["torch", "triton", "triton-bf16-gemm"]
@@ -60,25 +60,24 @@ def _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch):
     t = LogitTransform(**transform)
     if path == "torch":
         if small_chunks:
-            monkeypatch.setattr(torch_backend, "CHUNK_N", 16)
-            monkeypatch.setattr(torch_backend, "CHUNK_V", 64)
-        return torch_backend.forward_frozen_head(h, w, y, b, t, True)[:4]
+            monkeypatch.setattr(torch_twin, "CHUNK_N", 16)
+            monkeypatch.setattr(torch_twin, "CHUNK_V", 64)
+        return torch_twin.forward_frozen_head(HeadOperands(h, w, y, b, t), True)[:4]
     chunks = dict(token_chunk=16, vocab_chunk=64) if small_chunks else {}
     gemm_dtype = torch.bfloat16 if path == "triton-bf16-gemm" else None
-    return kfrozen.forward_frozen_head(
-        h, w, y, b, t, True, kconfig.frozen_head_config(h.device), gemm_dtype=gemm_dtype, **chunks
-    )[:4]
+    config = kconfig.frozen_head_config(h.device)
+    return kfrozen.forward_frozen_head(HeadOperands(h, w, y, b, t), True, config, gemm_dtype=gemm_dtype, **chunks)[:4]
 
 
 def _todays_forward(path, h, w, b, y, transform):
     t = LogitTransform(**transform)
     if path == "torch":
-        return torch_backend.forward(h, w, y, b, t, True)
-    return kforward.forward(h, w, y, b, t, True, kconfig.forward_config(h.device, h.dtype))
+        return torch_twin.forward(HeadOperands(h, w, y, b, t), True)
+    return kforward.forward(HeadOperands(h, w, y, b, t), True, kconfig.forward_config(h.device, h.dtype))
 
 
 def _check(path, dtype, h, w, b, y, c, monkeypatch, small_chunks=True, **transform):
-    """Outputs vs the fp64 reference and today's forward; J and dH = c J vs the fp64 autograd."""
+    """Outputs vs the fp64 reference and today's forward; J and dH = c J vs the fp64 backends."""
     out = _frozen(path, h, w, b, y, transform, small_chunks, monkeypatch)
     logp, ent, stats, jac = out
     ref_logp, ref_ent, ref_jac, ref_grad_hidden = _truth(h, w, b, y, c, **transform)
@@ -147,9 +146,8 @@ def test_the_gpu_tile_past_a_vocabulary_chunk_with_targets_in_later_chunks(vocab
         kconfig.gpu_frozen_head_config(), gemm_fp32=kconfig.frozen_head_config(device).gemm_fp32
     )
     h, w, b, y, c = _inputs(37, 29, 203, torch.float32, device=device)
-    logp, ent, _, jac = kfrozen.forward_frozen_head(
-        h, w, y, b, LogitTransform(), True, config, token_chunk=16, vocab_chunk=vocab_chunk
-    )[:4]
+    head = HeadOperands(h, w, y, b, LogitTransform())
+    logp, ent, _, jac = kfrozen.forward_frozen_head(head, True, config, token_chunk=16, vocab_chunk=vocab_chunk)[:4]
     ref_logp, ref_ent, ref_jac, _ = _truth(h, w, b, y, c)
     torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=2e-5)
@@ -229,23 +227,23 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     t = LogitTransform(temperature=0.9)
 
     def frozen():
-        jac = torch_backend.forward_frozen_head(h, w, y, None, t, True)[3]
+        jac = torch_twin.forward_frozen_head(HeadOperands(h, w, y, None, t), True)[3]
         return c[:, None] * jac
 
     def recompute():
-        _, _, stats = torch_backend.forward(h, w, y, None, t, True)
-        grad_hidden = torch.zeros(N, D)
-        torch_backend.backward(h, w, y, None, stats, c, None, t, grad_hidden, None, None)
+        head = HeadOperands(h, w, y, None, t)
+        _, _, stats = torch_twin.forward(head, True)
+        torch_twin.backward(head, stats, c, None, HeadGrads(hidden=torch.zeros(N, D)))
 
     one_gemm = 2 * N * D * V
     frozen_ratio = matmul_flops(frozen) / one_gemm
     assert 1.9 <= frozen_ratio <= 2.2, frozen_ratio  # at least 1.9: both GEMMs are seen by the counter
     assert matmul_flops(recompute) / one_gemm >= 2.9  # today's three sweeps, for comparison
 
-    # the same through grpo_fast.head.backends.LinearLogprobs, with autograd
+    # the same through the custom op (ops.linear_logprobs_path), with autograd
     def through_autograd():
         leaf = h.clone().requires_grad_()
-        logp, _ = head_ops.linear_logprobs_path(leaf, w, y, None, t, "torch", "auto", "chunked")
+        logp, _ = head_ops.linear_logprobs_path(HeadOperands(leaf, w, y, None, t), "torch", "auto", "chunked")
         (c * logp).sum().backward()
 
     assert matmul_flops(through_autograd) / one_gemm <= 2.2
@@ -262,7 +260,7 @@ def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entro
     kw = dict(softcap=3.0, temperature=0.8)
     t = LogitTransform(**kw)
     leaf = h.clone().requires_grad_()
-    logp, ent = head_ops.linear_logprobs_path(leaf, w, y, b, t, backend, "auto", "chunked")
+    logp, ent = head_ops.linear_logprobs_path(HeadOperands(leaf, w, y, b, t), backend, "auto", "chunked")
     ((c * logp).sum() + ((e * ent).sum() if entropy_grad else 0.0)).backward()
     ref_leaf = h.to(F64).requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(ref_leaf, w, y, b, compute_dtype=F64, **kw)
@@ -278,9 +276,8 @@ def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
     N, D, V = 32, 32, 512
     h, w, b, y, _ = _inputs(N, D, V, torch.float32)
     cfg = kconfig.frozen_head_config(h.device)
-    flops = matmul_flops(
-        lambda: kfrozen.forward_frozen_head(h, w, y, b, LogitTransform(), True, cfg, token_chunk=16, vocab_chunk=128)
-    )
+    head = HeadOperands(h, w, y, b, LogitTransform())
+    flops = matmul_flops(lambda: kfrozen.forward_frozen_head(head, True, cfg, token_chunk=16, vocab_chunk=128))
     assert flops == 2 * (2 * N * D * V)
 
 
@@ -295,25 +292,41 @@ def _loss_batch(B=3, T=7, D=24, V=150, dtype=torch.float32, seed=3, device="cpu"
     mask[2] = False  # a fully masked row
     adv = torch.randn(B, generator=g)
     logp = reference.logprobs(hidden, weight, targets)
-    batch = dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv,
-                 old=logp + 0.3 * torch.randn(B, T, generator=g), ref=logp + 0.3 * torch.randn(B, T,
-                 generator=g))  # fmt: skip
+    batch = dict(
+        hidden=hidden,
+        weight=weight,
+        targets=targets,
+        mask=mask,
+        adv=adv,
+        old=logp + 0.3 * torch.randn(B, T, generator=g),
+        ref=logp + 0.3 * torch.randn(B, T, generator=g),
+    )
     return {name: x.to(device) for name, x in batch.items()}
 
 
 def _frozen_forward_calls(monkeypatch):
     """A list that grows by one each time the frozen-head forward runs."""
     calls = []
-    original = autograd.head_forward_frozen_head
-    monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: calls.append(1) or original(*a))
+    original = backends.head_forward_frozen_head
+    monkeypatch.setattr(backends, "head_forward_frozen_head", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
 def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
     hidden = x["hidden"].clone().requires_grad_()
     weight = x["weight"].clone().requires_grad_(weight_requires_grad)
-    loss, metrics = grpo_fast.loss(hidden, weight, x["targets"], x["adv"], x["mask"], old_logprobs=x["old"],
-                                   ref_logprobs=x["ref"], beta=0.04, backend=backend, **kw)  # fmt: skip
+    loss, metrics = grpo_fast.loss(
+        hidden,
+        weight,
+        x["targets"],
+        x["adv"],
+        x["mask"],
+        old_logprobs=x["old"],
+        ref_logprobs=x["ref"],
+        beta=0.04,
+        backend=backend,
+        **kw,
+    )
     loss.backward()
     return loss, metrics, hidden.grad
 
@@ -398,7 +411,7 @@ def test_general_head_path_turns_the_frozen_path_off(backend, monkeypatch, devic
 
     def grad_hidden(head_path, backward_mode="chunked"):
         leaf = h.clone().requires_grad_()
-        logp, _ = head_ops.linear_logprobs_path(leaf, w, y, b, t, backend, head_path, backward_mode)
+        logp, _ = head_ops.linear_logprobs_path(HeadOperands(leaf, w, y, b, t), backend, head_path, backward_mode)
         (c * logp).sum().backward()
         return leaf.grad
 

@@ -19,6 +19,7 @@ from grpo_fast import reference
 from grpo_fast.head.ops import linear_logprobs_path
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels.config import interpreting
+from grpo_fast.kernels.operands import HeadOperands
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -47,9 +48,23 @@ def test_loss_on_gpu_matches_reference(dtype, loss_type, level):
     true = reference.logprobs(hidden, weight, targets, bias, 0.9)
     old = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
     ref = true + 0.2 * torch.randn(B, T, device="cuda", generator=g)
-    _loss_matches_reference(dtype, hidden, weight, bias, targets, adv, mask, old_logprobs=old, ref_logprobs=ref,
-                            beta=0.04, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
-                            temperature=0.9, max_completion_length=T)  # fmt: skip
+    _loss_matches_reference(
+        dtype,
+        hidden,
+        weight,
+        bias,
+        targets,
+        adv,
+        mask,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        beta=0.04,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        temperature=0.9,
+        max_completion_length=T,
+    )
 
 
 def _loss_matches_reference(dtype, hidden, weight, bias, targets, advantages, mask, **kw):
@@ -167,21 +182,21 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
 def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     # a frozen weight and bias, no entropy bonus: the forward builds d logp / dh (kernels/forward_frozen.py: cuBLAS
     # with fp32 output, the tile kernel, cuBLAS into fp32 J) and dH = c J; several token and vocabulary chunks
-    from grpo_fast.head import backends as autograd
+    from grpo_fast.head import backends
     from grpo_fast.kernels import forward_frozen
 
     D = 264
     hidden, weight, bias, targets, mask, adv, old, _ = _cuda_batch(4, 4, 300, D, 50021, dtype, **transform)
     assert forward_frozen.available(hidden.reshape(-1, D)) or dtype != torch.float32
     calls = []
-    original = autograd.head_forward_frozen_head
-    autograd.head_forward_frozen_head = lambda *a: calls.append(1) or original(*a)
+    original = backends.head_forward_frozen_head
+    backends.head_forward_frozen_head = lambda *a: calls.append(1) or original(*a)
     try:
         leaf = hidden.clone().requires_grad_()
         loss, _ = grpo_fast.loss(leaf, weight, targets, adv, mask, bias=bias, old_logprobs=old, **transform)
         loss.backward()
     finally:
-        autograd.head_forward_frozen_head = original
+        backends.head_forward_frozen_head = original
     assert calls == ([1] if forward_frozen.available(hidden.reshape(-1, D)) else [])
     ref_leaf = hidden.double().requires_grad_()
     ref_loss, _ = reference.loss(
@@ -282,9 +297,8 @@ def test_confident_tokens_on_gpu(dtype, backward_mode):
                 leaves[0], leaves[1], y, leaves[2], compute_dtype=torch.float64, **kw
             )
         else:
-            logp, ent = linear_logprobs_path(
-                leaves[0], leaves[1], y, leaves[2], LogitTransform(**kw), backend, "general", backward_mode
-            )
+            head = HeadOperands(leaves[0], leaves[1], y, leaves[2], LogitTransform(**kw))
+            logp, ent = linear_logprobs_path(head, backend, "general", backward_mode)
         ((grad_logp * logp).sum() + (grad_entropy * ent).sum()).backward()
         grads.append([x.grad for x in leaves])
     for name, a, e in zip(("hidden", "weight", "bias"), grads[1], grads[0]):
@@ -326,7 +340,7 @@ def _layer1_matches_reference_in_token_chunks(
     against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
     entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
     log-probs only, and the frozen-head path must be the one taken."""
-    from grpo_fast.head import backends as autograd
+    from grpo_fast.head import backends
     from grpo_fast.head import ops as head_ops
     from grpo_fast.head.transform import LogitTransform
 
@@ -343,20 +357,12 @@ def _layer1_matches_reference_in_token_chunks(
         return (c_logp[rows] * logp).sum() + ((c_ent[rows] * ent).sum() if c_ent is not None else 0.0)
 
     frozen_calls = []
-    original = autograd.head_forward_frozen_head
-    monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
+    original = backends.head_forward_frozen_head
+    monkeypatch.setattr(backends, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
     for leaf, trained in ((hidden, True), (weight, not frozen), (bias, not frozen)):
         leaf.requires_grad_(trained)
-    logp, ent = head_ops.linear_logprobs_path(
-        hidden,
-        weight,
-        targets,
-        bias,
-        LogitTransform(**transform),
-        "triton",
-        "auto" if frozen else "general",
-        backward_mode,
-    )
+    head = HeadOperands(hidden, weight, targets, bias, LogitTransform(**transform))
+    logp, ent = head_ops.linear_logprobs_path(head, "triton", "auto" if frozen else "general", backward_mode)
     assert len(frozen_calls) == frozen
     weighted(logp, ent, slice(None)).backward()
     logp, ent = logp.detach(), ent.detach()

@@ -23,12 +23,13 @@ import triton.language as tl
 from test_confident_tokens import confident_batch
 
 from grpo_fast import reference
-from grpo_fast.head import backends as autograd
+from grpo_fast.head import backends
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 from grpo_fast.kernels.tile import to_gemm
 
 F64 = torch.float64
@@ -102,24 +103,13 @@ def _kernel_grads(h, w, b, y, transform, stats, grad_logp, grad_entropy, mode):
     device = h.device
     grad_logp = grad_logp.to(device)
     grad_entropy = grad_entropy.to(device) if grad_entropy is not None else None
-    grad_hidden = autograd.TRITON.grad_hidden_buffer(h, mode)
+    grad_hidden = backends.TRITON.grad_hidden_buffer(h, mode)
     grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=device)
     grad_bias = torch.zeros(w.shape[0], dtype=torch.float32, device=device)
     backward = kbackward.backward_chunked if mode == "chunked" else kbackward.backward_fused
-    backward(
-        h,
-        w,
-        y,
-        b,
-        stats,
-        grad_logp,
-        grad_entropy,
-        LogitTransform(**transform),
-        grad_hidden,
-        grad_weight,
-        grad_bias,
-        _config(kconfig.BackwardConfig, device, h.dtype, mode),
-    )
+    head = HeadOperands(h, w, y, b, LogitTransform(**transform))
+    grads = HeadGrads(grad_hidden, grad_weight, grad_bias)
+    backward(head, stats, grad_logp, grad_entropy, grads, _config(kconfig.BackwardConfig, device, h.dtype, mode))
     return grad_hidden, grad_weight, grad_bias
 
 
@@ -134,14 +124,9 @@ def test_backward_precision_is_the_same_at_every_gradient_scale(dtype, variant, 
     h, w, b, y = _inputs(dtype)
     transform, entropy = VARIANTS[variant]["transform"], VARIANTS[variant]["entropy"]
     inputs = tuple(x.to(device) for x in (h, w, b, y))
-    _, _, stats = kforward.forward(
-        *inputs[:2],
-        inputs[3],
-        inputs[2],
-        LogitTransform(**transform),
-        True,
-        _config(kconfig.TileRecordConfig, device, dtype),
-    )
+    hidden, weight, bias, targets = inputs
+    head = HeadOperands(hidden, weight, targets, bias, LogitTransform(**transform))
+    _, _, stats = kforward.forward(head, True, _config(kconfig.TileRecordConfig, device, dtype))
     errors = {}
     for scale in SCALES:
         grad_logp, grad_entropy = _coefficients(scale, entropy)
@@ -182,17 +167,10 @@ def test_frozen_head_grad_keeps_its_precision_on_confident_tokens(gemm_dtype, tr
         if device.type == "cuda"
         else kconfig.FrozenHeadConfig(**_TILES, gemm_fp32=True)
     )
-    grad = kfrozen.forward_frozen_head(
-        h.to(device),
-        w.to(device),
-        y.to(device),
-        b.to(device),
-        LogitTransform(**transform),
-        False,
-        cfg,
-        vocab_chunk=3072,
-        gemm_dtype=gemm_dtype,
-    )[3]  # J; [4] is LoRA's J_l (None here)
+    head = HeadOperands(h.to(device), w.to(device), y.to(device), b.to(device), LogitTransform(**transform))
+    grad = kfrozen.forward_frozen_head(head, False, cfg, vocab_chunk=3072, gemm_dtype=gemm_dtype)[
+        3
+    ]  # J; [4] is LoRA's J_l (None here)
     row_errors = (grad.cpu().to(F64) - expected).abs().amax(dim=1) / expected.abs().amax(dim=1)
     confident, others = row_errors[: N // 2].max().item(), row_errors[N // 2 :].max().item()
     assert max(confident, others) <= TOL[gemm_dtype], f"confident rows {confident:.3g}, others {others:.3g}"

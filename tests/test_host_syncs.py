@@ -197,9 +197,9 @@ def test_forward_kernel_skips_the_blocks_past_the_scored_count(device):
     block = kconfig.forward_config(hidden.device, hidden.dtype).block_n
     computed = -(-scored // block) * block
     assert computed < N  # some blocks are skipped
-    args = (hidden, weight, targets, None, None, None, 1.0, None, 1.0, True, False, "triton", "chunked")
-    full = head_ops.linear_logprobs(*args, None)
-    part = head_ops.linear_logprobs(*args, torch.tensor([scored], dtype=torch.int32, device=device))
+    operands = head_ops.LinearOpOperands(hidden, weight, targets, None, None, None, 1.0, None, 1.0, "triton", "chunked")
+    full = head_ops.linear_logprobs(operands, True, False)
+    part = head_ops.linear_logprobs(operands, True, False, torch.tensor([scored], dtype=torch.int32, device=device))
     for name, a, b in zip(("logp", "entropy", "lse", "nontarget_mass"), full, part):
         assert torch.equal(a[:computed], b[:computed]), name
     logp, entropy, lse = part[:3]

@@ -28,13 +28,14 @@ import triton
 from conftest import assert_grad_close
 
 from grpo_fast import reference
-from grpo_fast.head import backends as autograd
+from grpo_fast.head import backends
 from grpo_fast.head import ops as head_ops
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 
 # strided CPU views past 2^31 elements under the interpreter; tests/test_gpu.py has the real tensors on a GPU
 pytestmark = pytest.mark.interpreter_only
@@ -107,19 +108,14 @@ def test_layer1_with_rows_past_2_31_elements_matches_reference(far, path, monkey
     transform = LogitTransform(**TRANSFORM)
 
     frozen_calls = []
-    original = autograd.head_forward_frozen_head
-    monkeypatch.setattr(autograd, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
+    original = backends.head_forward_frozen_head
+    monkeypatch.setattr(backends, "head_forward_frozen_head", lambda *a: frozen_calls.append(1) or original(*a))
     leaves = [far_hidden.detach().requires_grad_()] + [
         x.detach().requires_grad_(not frozen) for x in (far_weight, bias)
     ]
+    head = HeadOperands(*leaves[:2], targets, leaves[2], transform)
     logp, ent = head_ops.linear_logprobs_path(
-        *leaves[:2],
-        targets,
-        leaves[2],
-        transform,
-        "triton",
-        "auto" if frozen else "general",
-        "fused" if path == "fused" else "chunked",
+        head, "triton", "auto" if frozen else "general", "fused" if path == "fused" else "chunked"
     )
     assert len(frozen_calls) == frozen
     ((c_logp * logp).sum() + ((c_ent * ent).sum() if c_ent is not None else 0.0)).backward()
@@ -177,9 +173,8 @@ def test_fused_backward_accumulates_grad_hidden_past_2_31_elements():
     grad_hidden[computed] = 0.0
     grad_weight = torch.zeros(vocab, width)
     grad_bias = torch.zeros(vocab)
-    kbackward.backward_fused(
-        hidden, weight, targets, bias, stats, coef, None, transform, grad_hidden, grad_weight, grad_bias, cfg
-    )
+    head = HeadOperands(hidden, weight, targets, bias, transform)
+    kbackward.backward_fused(head, stats, coef, None, HeadGrads(grad_hidden, grad_weight, grad_bias), cfg)
     assert grad_hidden[computed[0] : scored[0]].abs().max() == 0.0
     # bf16 inputs: the kernel rounds g to bf16 for its products (as on a GPU), so bf16's bound, on the gradients as
     # autograd returns them (bf16); db sums fp32 g

@@ -19,6 +19,7 @@ from grpo_fast.grpo_loss.options import LossOptions
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward, divergence, forward, forward_frozen, launch, token_loss
 from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 from grpo_fast.kernels.softmax_stats import BackwardStats
 
 # every Triton kernel and the cuBLAS helper, by the module that calls it
@@ -76,31 +77,19 @@ def _inputs(device, N=6, D=32, V=96):
 
 def _forward(device):
     hidden, weight, targets, transform = _inputs(device)
-    forward.forward_record(hidden, weight, targets, None, transform, True, kconfig.gpu_record_config(torch.float32, 90))
+    head = HeadOperands(hidden, weight, targets, None, transform)
+    forward.forward_record(head, True, kconfig.gpu_record_config(torch.float32, 90))
 
 
 def _every_other_wrapper(device):
     hidden, weight, targets, transform = _inputs(device)
+    head = HeadOperands(hidden, weight, targets, None, transform)
     per_token = torch.zeros(hidden.shape[0], device=device)
     stats = BackwardStats(per_token, per_token, per_token, per_token)
     for mode, run in (("chunked", backward.backward_chunked), ("fused", backward.backward_fused)):
-        run(
-            hidden,
-            weight,
-            targets,
-            None,
-            stats,
-            per_token,
-            per_token,
-            transform,
-            torch.zeros_like(hidden),
-            torch.zeros_like(weight),
-            None,
-            kconfig.gpu_backward_config(torch.float32, mode, 232448, arch=90),
-        )
-    forward_frozen.forward_frozen_record(
-        hidden, weight, targets, None, transform, True, kconfig.gpu_frozen_head_config()
-    )
+        grads = HeadGrads(torch.zeros_like(hidden), torch.zeros_like(weight))
+        run(head, stats, per_token, per_token, grads, kconfig.gpu_backward_config(torch.float32, mode, 232448, arch=90))
+    forward_frozen.forward_frozen_record(head, True, kconfig.gpu_frozen_head_config())
     logp = torch.zeros(2, 3, device=device)
     token_loss.token_loss(
         token_loss.TokenLossInputs(logp, torch.zeros(2, device=device), logp, logp, logp, None, None, logp),
@@ -188,8 +177,9 @@ def _fill(N, V, cfg):
 
 def test_the_divergence_split_fills_whole_waves():
     # the divergence head's record sweep, 64 x 128 tiles, one CTA per SM on an H100
-    cfg = kconfig.ForwardConfig(block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3, dot_fp32=False,
-                                target_programs=132)  # fmt: skip
+    cfg = kconfig.ForwardConfig(
+        block_n=64, block_v=128, block_d=64, num_warps=8, num_stages=3, dot_fp32=False, target_programs=132
+    )
     V = 151936  # Qwen2.5's head: 1187 tiles of 128
     # 100 token blocks: unsplit, 24 % of the wave idles; 9 splits are 7 waves 97 % full
     assert _fill(6400, V, cfg) == (9, 900 / 924)

@@ -45,10 +45,16 @@ def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_ma
             if completion_mask is not None:
                 logp, ent = logp * completion_mask, ent * completion_mask
         else:
-            logp, ent = grpo_fast.logprobs_and_entropy(leaves[0], leaves[1], y, bias=leaves[2],
-                                                       completion_mask=completion_mask, backend=_impl(impl),
-                                                       backward_mode=_mode(impl),
-                                                       **transform)  # fmt: skip
+            logp, ent = grpo_fast.logprobs_and_entropy(
+                leaves[0],
+                leaves[1],
+                y,
+                bias=leaves[2],
+                completion_mask=completion_mask,
+                backend=_impl(impl),
+                backward_mode=_mode(impl),
+                **transform,
+            )
         total = sum((c * x).sum() for c, x in ((grad_logp, logp), (grad_entropy, ent)) if c is not None)
         total.backward()
         results.append((logp.detach(), ent.detach(), [x.grad if x is not None else None for x in leaves]))

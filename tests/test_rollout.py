@@ -17,10 +17,19 @@ def tiny_model(vocab=259, seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=512, eos_token_id=256, pad_token_id=257,
-                         bos_token_id=None)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        eos_token_id=256,
+        pad_token_id=257,
+        bos_token_id=None,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 

@@ -52,10 +52,19 @@ def setup(tmp_path_factory):
             for q, a in QUESTIONS:
                 f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
     tok = byte_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=512, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
@@ -220,9 +229,21 @@ def test_eager_and_fused_losses_agree(setup, monkeypatch):
     losses = {}
     for name in ("fused", "eager"):
         out = root / f"loss-{name}"
-        script.main(base_args(root, out, "--max-steps", "1", "--lora-r", "0", "--loss", name,
-                              "--memory-report",
-                              str(root / "memory.jsonl")), reward_funcs={"letters": letters_reward})  # fmt: skip
+        script.main(
+            base_args(
+                root,
+                out,
+                "--max-steps",
+                "1",
+                "--lora-r",
+                "0",
+                "--loss",
+                name,
+                "--memory-report",
+                str(root / "memory.jsonl"),
+            ),
+            reward_funcs={"letters": letters_reward},
+        )
         losses[name] = read_metrics(out)[0]
     for key in ("loss", "kl", "entropy", "reward"):
         assert losses["fused"][key] == pytest.approx(losses["eager"][key], rel=1e-4, abs=1e-6), key

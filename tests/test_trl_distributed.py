@@ -234,8 +234,14 @@ def zero3_step(out_dir, world):
         logging_steps=1,
     )
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL 1.16
-    trainer = GRPOTrainer(model=model, reward_funcs=[token_reward], args=args, train_dataset=tiny_prompt_dataset(),
-                          processing_class=byte_tokenizer(), rollout_func=scripted_rollout)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[token_reward],
+        args=args,
+        train_dataset=tiny_prompt_dataset(),
+        processing_class=byte_tokenizer(),
+        rollout_func=scripted_rollout,
+    )
     with trl_kernel_forbidden():  # grpo_fast's head, never TRL's kernel
         trainer.train()
     loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)

@@ -52,11 +52,33 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(script, "xmlcount_reward", letters_reward)  # the first of the five: a non-zero signal
     with trl_kernel_forbidden():
         # the CPU recipe (no warm-up, no checkpoints) at toy sizes
-        trainer = script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
-                               "--no-one-shot", "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
-                               "--num-generations", "2", "--max-completion-length", "8",
-                               "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1",
-                               "--generation-batch-size", "4", "--learning-rate", "1e-3"])  # fmt: skip
+        trainer = script.main(
+            [
+                "--preset",
+                "cpu",
+                "--model",
+                str(tmp_path / "model"),
+                "--data",
+                str(tmp_path / "data"),
+                "--no-one-shot",
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--max-steps",
+                "2",
+                "--num-generations",
+                "2",
+                "--max-completion-length",
+                "8",
+                "--per-device-train-batch-size",
+                "2",
+                "--gradient-accumulation-steps",
+                "1",
+                "--generation-batch-size",
+                "4",
+                "--learning-rate",
+                "1e-3",
+            ]
+        )
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
     assert all(f"rewards/{name}/mean" in steps[0] for name in REWARDS[1:])  # one generation batch feeds both steps
@@ -90,8 +112,18 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
 
     # a second run into the same folder is refused before anything slow, and the first run's files stay
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "cpu", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
-                     "--output-dir", str(out)])  # fmt: skip
+        script.main(
+            [
+                "--preset",
+                "cpu",
+                "--model",
+                str(tmp_path / "model"),
+                "--data",
+                str(tmp_path / "data"),
+                "--output-dir",
+                str(out),
+            ]
+        )
     assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, model/)" in str(
         exit_info.value
     )

@@ -225,9 +225,19 @@ def test_compute_dtype_as_trl(monkeypatch, autocast, cast_lm_head_to_fp32, compu
 
 
 def test_moe_load_balancing_loss_as_trl():
-    config = MixtralConfig(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-                           output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=64)  # fmt: skip
+    config = MixtralConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     ours, theirs = patched_pair(MixtralForCausalLM(config), outputs=("log_probs", "entropy"))
     ids, labels = batch()

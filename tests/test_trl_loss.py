@@ -372,63 +372,125 @@ CASES = [
     *[Case(f"on_policy-{lt}", dict(loss_type=lt, beta=0.04), on_policy=True) for lt in ("dapo", "cispo", "vespo")],
     Case("on_policy-grpo-sequence", dict(loss_type="grpo", importance_sampling_level="sequence"), on_policy=True),
     # use_bias_correction_kl off
-    *[Case(f"no_bias_correction-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, beta=0.04,
-                                                  use_bias_correction_kl=False))
-      for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))],
+    *[
+        Case(
+            f"no_bias_correction-{lt}-{lvl}",
+            dict(loss_type=lt, importance_sampling_level=lvl, beta=0.04, use_bias_correction_kl=False),
+        )
+        for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))
+    ],
     # off-policy sequence mask: from the sampler's log-probs (with NaN), and from the old ones (no sampler)
-    *[Case(f"off_policy-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl,
-                                          off_policy_mask_threshold=OFF_POLICY_THRESHOLD), sampler=True)
-      for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("cispo", "token"), ("sapo", "token"),
-                      ("vespo", "token"))],
+    *[
+        Case(
+            f"off_policy-{lt}-{lvl}",
+            dict(loss_type=lt, importance_sampling_level=lvl, off_policy_mask_threshold=OFF_POLICY_THRESHOLD),
+            sampler=True,
+        )
+        for lt, lvl in (
+            ("dapo", "token"),
+            ("grpo", "sequence"),
+            ("cispo", "token"),
+            ("sapo", "token"),
+            ("vespo", "token"),
+        )
+    ],
     Case("off_policy-no_sampler-bnpo", dict(loss_type="bnpo", off_policy_mask_threshold=0.0)),
     # top-entropy tokens only
-    *[Case(f"top_entropy-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, top_entropy_quantile=0.2))
-      for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("cispo", "token"), ("luspo", "sequence"))],
+    *[
+        Case(f"top_entropy-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, top_entropy_quantile=0.2))
+        for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("cispo", "token"), ("luspo", "sequence"))
+    ],
     # entropy bonus, alone and on the top-entropy tokens
     *[Case(f"entropy_coef-{lt}", dict(loss_type=lt, entropy_coef=0.01)) for lt in ("dapo", "grpo", "vespo")],
-    Case("entropy_coef-top_entropy-grpo-sequence", dict(loss_type="grpo", importance_sampling_level="sequence",
-                                                         entropy_coef=0.05, top_entropy_quantile=0.3)),
+    Case(
+        "entropy_coef-top_entropy-grpo-sequence",
+        dict(loss_type="grpo", importance_sampling_level="sequence", entropy_coef=0.05, top_entropy_quantile=0.3),
+    ),
     # vLLM importance sampling: TRL's ratios of each mode ([B, T] token_*, [B, 1] sequence_*)
-    *[Case(f"is-{mode}-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl), is_mode=mode)
-      for mode in IS_MODES for lt, lvl in (("dapo", "token"), ("grpo", "sequence"))],
-    *[Case(f"is-{mode}-{lt}", dict(loss_type=lt, beta=0.04), is_mode=mode)
-      for mode in IS_MODES for lt in ("cispo", "sapo")],
+    *[
+        Case(f"is-{mode}-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl), is_mode=mode)
+        for mode in IS_MODES
+        for lt, lvl in (("dapo", "token"), ("grpo", "sequence"))
+    ],
+    *[
+        Case(f"is-{mode}-{lt}", dict(loss_type=lt, beta=0.04), is_mode=mode)
+        for mode in IS_MODES
+        for lt in ("cispo", "sapo")
+    ],
     *[Case(f"is-{mode}-vespo", dict(loss_type="vespo"), is_mode=mode) for mode in ("token_truncate", "token_mask")],
     Case("is-sequence_mask-as-[B]-luspo", dict(loss_type="luspo"), is_mode="sequence_mask", weights_1d=True),
     # delta (two-sided clipping), epsilon / epsilon_high
     # (delta bites where A < 0 and the ratio is above both delta and 1 + epsilon_high: the sequence ratios here are
     # within [0.84, 1.17], so the sequence case narrows the clip range)
-    *[Case(f"delta-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, **clip))
-      for lt, lvl, clip in (("dapo", "token", dict(delta=1.1)), ("luspo", "token", dict(delta=1.1)),
-                            ("grpo", "sequence", dict(delta=1.08, epsilon=0.05)))],
+    *[
+        Case(f"delta-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, **clip))
+        for lt, lvl, clip in (
+            ("dapo", "token", dict(delta=1.1)),
+            ("luspo", "token", dict(delta=1.1)),
+            ("grpo", "sequence", dict(delta=1.08, epsilon=0.05)),
+        )
+    ],
     *[Case(f"epsilon-{lt}", dict(loss_type=lt, epsilon=0.1, epsilon_high=0.28)) for lt in ("dapo", "bnpo")],
     Case("epsilon_high-cispo", dict(loss_type="cispo", epsilon_high=1.2)),
     # temperature (TRL's fused head re-patched, as its __init__ does; see also test_temperature_repatch_is_faithful)
-    *[Case(f"temperature-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, temperature=0.7, beta=0.04))
-      for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))],
+    *[
+        Case(f"temperature-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl, temperature=0.7, beta=0.04))
+        for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))
+    ],
     # per-token advantages [B, T]
-    *[Case(f"per_token_advantages-{lt}-{lvl}", dict(loss_type=lt, importance_sampling_level=lvl),
-           per_token_advantages=True)
-      for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("cispo", "sequence"), ("sapo", "token"),
-                      ("vespo", "token"), ("luspo", "sequence"))],
+    *[
+        Case(
+            f"per_token_advantages-{lt}-{lvl}",
+            dict(loss_type=lt, importance_sampling_level=lvl),
+            per_token_advantages=True,
+        )
+        for lt, lvl in (
+            ("dapo", "token"),
+            ("grpo", "sequence"),
+            ("cispo", "sequence"),
+            ("sapo", "token"),
+            ("vespo", "token"),
+            ("luspo", "sequence"),
+        )
+    ],
     # num_items_in_batch of a larger accumulation window (dapo, cispo, vespo normalise by it)
-    *[Case(f"num_items_in_batch-{lt}", dict(loss_type=lt), num_items_in_batch=57)
-      for lt in ("dapo", "cispo", "vespo")],
+    *[Case(f"num_items_in_batch-{lt}", dict(loss_type=lt), num_items_in_batch=57) for lt in ("dapo", "cispo", "vespo")],
     # max_completion_length (dr_grpo's normaliser), sapo temperatures, vespo's gamma parameters
     Case("max_completion_length-dr_grpo", dict(loss_type="dr_grpo", max_completion_length=30)),
     Case("sapo_temperatures", dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0)),
-    Case("vespo_parameters", dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=4.0,
-                                  vespo_lambda_neg=2.5)),
+    Case(
+        "vespo_parameters",
+        dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=4.0, vespo_lambda_neg=2.5),
+    ),
     # every option at once
-    *[Case(f"everything-{lt}-{lvl}",
-           dict(loss_type=lt, importance_sampling_level=lvl, beta=0.04, temperature=0.9,
-                off_policy_mask_threshold=OFF_POLICY_THRESHOLD, top_entropy_quantile=0.5, entropy_coef=0.02,
-                use_bias_correction_kl=lvl == "token", vespo_k_pos=2.5, vespo_lambda_neg=1.5,
-                **(dict(epsilon=0.15, epsilon_high=0.25, delta=1.3) if lvl == "token"
-                   else dict(epsilon=0.05, epsilon_high=0.08, delta=1.06))),
-           sampler=True, is_mode="token_mask", per_token_advantages=True, num_items_in_batch=40)
-      for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))],
-]  # fmt: skip
+    *[
+        Case(
+            f"everything-{lt}-{lvl}",
+            dict(
+                loss_type=lt,
+                importance_sampling_level=lvl,
+                beta=0.04,
+                temperature=0.9,
+                off_policy_mask_threshold=OFF_POLICY_THRESHOLD,
+                top_entropy_quantile=0.5,
+                entropy_coef=0.02,
+                use_bias_correction_kl=lvl == "token",
+                vespo_k_pos=2.5,
+                vespo_lambda_neg=1.5,
+                **(
+                    dict(epsilon=0.15, epsilon_high=0.25, delta=1.3)
+                    if lvl == "token"
+                    else dict(epsilon=0.05, epsilon_high=0.08, delta=1.06)
+                ),
+            ),
+            sampler=True,
+            is_mode="token_mask",
+            per_token_advantages=True,
+            num_items_in_batch=40,
+        )
+        for lt, lvl in (("dapo", "token"), ("grpo", "sequence"), ("vespo", "token"))
+    ],
+]
 assert len({c.id for c in CASES}) == len(CASES)
 
 

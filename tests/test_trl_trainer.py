@@ -62,9 +62,17 @@ def test_reference_model_accumulation_generation_reuse_entropy_bonus_and_mask(tm
     reference model), gradient accumulation 2, steps_per_generation 2, num_iterations 2 (old-policy log-probs),
     entropy bonus, top-entropy mask, temperature."""
     path = save_model(tiny_qwen2(), tmp_path / "qwen2")
-    args = grpo_config(beta=0.04, gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2,
-                       entropy_coef=0.01, top_entropy_quantile=0.5, temperature=0.9,
-                       loss_type="dapo", **LOGGED)  # fmt: skip
+    args = grpo_config(
+        beta=0.04,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_iterations=2,
+        entropy_coef=0.01,
+        top_entropy_quantile=0.5,
+        temperature=0.9,
+        loss_type="dapo",
+        **LOGGED,
+    )
     ours, theirs = runs(path, args)
     assert_runs_match(ours, theirs)
     assert {"kl", "entropy", "clip_ratio/region_mean"} <= theirs.log_history[0].keys()
@@ -101,8 +109,14 @@ def test_lora_on_lm_head_against_trl_trainer_on_the_eager_head(monkeypatch):
     )
     args = grpo_config(beta=0.04, loss_type="dapo", temperature=0.9, **LOGGED)
     with pytest.raises(ValueError, match="PEFT adapter to `lm_head` is not supported"):
-        trl.GRPOTrainer(model=tiny_qwen2(), reward_funcs=[token_reward], args=args, peft_config=lora,
-                        train_dataset=tiny_prompt_dataset(), processing_class=byte_tokenizer())  # fmt: skip
+        trl.GRPOTrainer(
+            model=tiny_qwen2(),
+            reward_funcs=[token_reward],
+            args=args,
+            peft_config=lora,
+            train_dataset=tiny_prompt_dataset(),
+            processing_class=byte_tokenizer(),
+        )
     with monkeypatch.context() as patch:
         patch.setattr(trl_grpo_trainer, "BaseTunerLayer", type("NoTunerLayer", (), {}))
         patch.setattr(trl_grpo_trainer, "add_fused_lm_head", eager_lm_head)
@@ -185,10 +199,23 @@ def test_softcapped_tied_gemma2():
 def test_rloo_trainer(tmp_path):
     """RLOOTrainer shares the head: same comparison, with its reference model (beta != 0)."""
     path = save_model(tiny_qwen2(), tmp_path / "qwen2")
-    args = trl.RLOOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=False,
-                          per_device_train_batch_size=4, num_generations=2, max_completion_length=8, beta=0.04,
-                          gradient_accumulation_steps=2, num_iterations=2, save_strategy="no", disable_tqdm=True,
-                          dataloader_num_workers=0, seed=0, **LOGGED)  # fmt: skip
+    args = trl.RLOOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        beta=0.04,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **LOGGED,
+    )
     ours, theirs = runs(path, args, trainer_classes=(trl.RLOOTrainer, RLOOTrainer))
     assert_runs_match(ours, theirs)
 
@@ -282,9 +309,17 @@ def test_add_fused_lm_head_checks_entropy_grad():
 # ------------------------------------------------------------------------ loss options on one generation batch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # the options a case may change, at their GRPOConfig defaults (each case sets them all, so none leaks into the next)
-OPTION_DEFAULTS = dict(loss_type="dapo", importance_sampling_level="token", epsilon=0.2, epsilon_high=None,
-                       delta=None, use_bias_correction_kl=True, top_entropy_quantile=1.0, entropy_coef=0.0,
-                       off_policy_mask_threshold=None)  # fmt: skip
+OPTION_DEFAULTS = dict(
+    loss_type="dapo",
+    importance_sampling_level="token",
+    epsilon=0.2,
+    epsilon_high=None,
+    delta=None,
+    use_bias_correction_kl=True,
+    top_entropy_quantile=1.0,
+    entropy_coef=0.0,
+    off_policy_mask_threshold=None,
+)
 OPTION_CASES = [
     dict(loss_type=t, importance_sampling_level=level) for t in LOSS_TYPES for level in ("token", "sequence")
 ]

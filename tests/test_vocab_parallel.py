@@ -168,29 +168,29 @@ def local_grad(x):
 
 class PathCalls:
     """Counts the calls of layer 1's frozen-head forwards while active: the one-process head's
-    (autograd.head_forward_frozen_head) and the shards' (autograd.head_forward_frozen_record)."""
+    (head_backends.head_forward_frozen_head) and the shards' (head_backends.head_forward_frozen_record)."""
 
     NAMES = ("head_forward_frozen_head", "head_forward_frozen_record")
 
     def __enter__(self):
-        from grpo_fast.head import backends as autograd
+        from grpo_fast.head import backends as head_backends
 
         self.calls, self._saved = dict.fromkeys(self.NAMES, 0), {}
         for name in self.NAMES:
-            real = self._saved[name] = getattr(autograd, name)
+            real = self._saved[name] = getattr(head_backends, name)
 
             def counting(*args, _real=real, _name=name):
                 self.calls[_name] += 1
                 return _real(*args)
 
-            setattr(autograd, name, counting)
+            setattr(head_backends, name, counting)
         return self
 
     def __exit__(self, *exc):
-        from grpo_fast.head import backends as autograd
+        from grpo_fast.head import backends as head_backends
 
         for name, real in self._saved.items():
-            setattr(autograd, name, real)
+            setattr(head_backends, name, real)
 
 
 def compare(rank, world, V, backend, kind, requires, layout):
@@ -556,16 +556,16 @@ def test_backward_mode_reaches_the_shards_backward(one_rank_group, monkeypatch):
     """The public ``backward_mode`` is the mode of layer 1's backward on the shard, and the result is the plain
     head's."""
     import grpo_fast
-    from grpo_fast.head import backends as autograd
+    from grpo_fast.head import backends as head_backends
 
     modes = []
-    real_backward = autograd.head_backward
+    real_backward = head_backends.head_backward
 
     def spy(*args, **kwargs):
         modes.append(args[-1])
         real_backward(*args, **kwargs)
 
-    monkeypatch.setattr(autograd, "head_backward", spy)
+    monkeypatch.setattr(head_backends, "head_backward", spy)
     data = inputs(37)
     y = data["targets"].clamp(min=0)
     grads = {}

@@ -55,32 +55,66 @@ def _special_ids(vocab_size):
 
 
 # ----------------------------------------------------------------------------------------------- models
-def tiny_qwen2_config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, **overrides):  # fmt: skip
+def tiny_qwen2_config(
+    vocab_size=BYTE_VOCAB_SIZE,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    **overrides,
+):
     """A ``Qwen2Config`` small enough for CPU tests; dropout off, untied embeddings, eager attention."""
     from transformers import Qwen2Config
 
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-              num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-              intermediate_size=intermediate_size, max_position_embeddings=256, attention_dropout=0.0,
-              tie_word_embeddings=False, use_cache=False, **_special_ids(vocab_size))  # fmt: skip
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        use_cache=False,
+        **_special_ids(vocab_size),
+    )
     kw.update(overrides)
     config = Qwen2Config(**kw)
     config._attn_implementation = "eager"
     return config
 
 
-def tiny_gemma2_config(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, intermediate_size=64, final_logit_softcapping=30.0,
-                       **overrides):  # fmt: skip
+def tiny_gemma2_config(
+    vocab_size=BYTE_VOCAB_SIZE,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+    final_logit_softcapping=30.0,
+    **overrides,
+):
     """A ``Gemma2Config`` small enough for CPU tests, with Gemma 2's final logit softcap (30.0 by default)."""
     from transformers import Gemma2Config
 
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-              num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-              intermediate_size=intermediate_size, max_position_embeddings=256, attention_dropout=0.0,
-              final_logit_softcapping=final_logit_softcapping, sliding_window=64, use_cache=False,
-              **_special_ids(vocab_size))  # fmt: skip
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+        final_logit_softcapping=final_logit_softcapping,
+        sliding_window=64,
+        use_cache=False,
+        **_special_ids(vocab_size),
+    )
     kw.update(overrides)
     config = Gemma2Config(**kw)
     config._attn_implementation = "eager"
@@ -140,11 +174,25 @@ def grpo_config(
 
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="grpo_fast_trl_")
-    kw = dict(output_dir=os.fspath(output_dir), use_cpu=True, report_to="none", bf16=False, fp16=False,
-              per_device_train_batch_size=per_device_train_batch_size, num_generations=num_generations,
-              max_completion_length=max_completion_length, gradient_accumulation_steps=1, steps_per_generation=1,
-              save_strategy="no", logging_strategy="no", eval_strategy="no", dataloader_num_workers=0,
-              disable_tqdm=True, seed=0, max_steps=1)  # fmt: skip
+    kw = dict(
+        output_dir=os.fspath(output_dir),
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=per_device_train_batch_size,
+        num_generations=num_generations,
+        max_completion_length=max_completion_length,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        save_strategy="no",
+        logging_strategy="no",
+        eval_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+        max_steps=1,
+    )
     kw.update(overrides)
     return GRPOConfig(**kw)
 

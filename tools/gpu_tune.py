@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import forward as kforward  # noqa: E402
+from grpo_fast.kernels.operands import HeadOperands  # noqa: E402
 
 # (block_n, block_v, block_d, num_warps, num_stages, group_n, use_tma): the default's neighbours and the usual GEMM
 # tiles; the copy engine's rows run on sm_90 and later only
@@ -52,7 +53,7 @@ def main():
     hidden = torch.randn(N, D, device=dev, generator=g).to(dtype)
     weight = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dtype)
     targets = torch.randint(0, V, (N,), device=dev, generator=g)
-    transform = LogitTransform()
+    head = HeadOperands(hidden, weight, targets, None, LogitTransform())
     flops = 2 * N * D * V
     rows = []
     product = torch.empty(N, 32768, device=dev, dtype=dtype)
@@ -66,21 +67,21 @@ def main():
     )
     rows.append(dict(config="cuBLAS mm, 32768-column pieces", ms=ms, tflops=flops / ms / 1e9, err=None))
     default = kconfig.forward_config(dev, dtype)
-    reference = kforward.forward(hidden, weight, targets, None, transform, True, default)[0]
+    reference = kforward.forward(head, True, default)[0]
     arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
     for bn, bv, bd, warps, stages, group, tma in CANDIDATES:
         if tma and arch < 90:
             continue
-        cfg = dataclasses.replace(default, block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages,
-                                  group_n=group, use_tma=tma)  # fmt: skip
+        tile = dict(block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages, group_n=group)
+        cfg = dataclasses.replace(default, **tile, use_tma=tma)
         name = f"{bn}x{bv}x{bd} w{warps} s{stages} g{group}{' tma' if tma else ''}" + (
             " (default)" if cfg == default else ""
         )
         try:
-            logp = kforward.forward(hidden, weight, targets, None, transform, True, cfg)[0]
+            logp = kforward.forward(head, True, cfg)[0]
             err = float((logp - reference).abs().max())
             ms = triton.testing.do_bench(
-                lambda cfg=cfg: kforward.forward(hidden, weight, targets, None, transform, True, cfg),
+                lambda cfg=cfg: kforward.forward(head, True, cfg),
                 return_mode="median",
             )
             rows.append(dict(config=name, ms=ms, tflops=flops / ms / 1e9, err=err))

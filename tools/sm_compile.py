@@ -50,6 +50,7 @@ from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # n
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, finish  # noqa: E402
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 
 # Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
@@ -222,35 +223,21 @@ def layer1_launches(
     )
     with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel") as merges:
         row_counts = torch.tensor([hidden.shape[0] // 2], dtype=torch.int32) if row_count else None
-        forward.forward(hidden, weight, targets, b, transform, entropy, cfg, lora, row_counts)
+        forward.forward(HeadOperands(hidden, weight, targets, b, transform, lora), entropy, cfg, row_counts)
     out += [("fwd", launches[0]), ("fwd merge", merges[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.head.backends chooses
     cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue, arch, lora is not None)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
-        backward.backward_chunked(hidden, weight, targets, b, stats, grad_logp, grad_entropy, transform,
-                                  torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, cfg,
-                                  lora, grad_lora)  # fmt: skip
+        grads = HeadGrads(torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, *grad_lora)
+        head = HeadOperands(hidden, weight, targets, b, transform, lora)
+        backward.backward_chunked(head, stats, grad_logp, grad_entropy, grads, cfg)
     out += [("bwd chunked", launches[0])]
     cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue, arch)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
-            backward.backward_fused(
-                hidden,
-                weight,
-                targets,
-                b,
-                stats,
-                grad_logp,
-                grad_entropy,
-                transform,
-                torch.zeros(hidden.shape),
-                grad_weight,
-                grad_bias,
-                cfg,
-                lora,
-                grad_lora,
-            )
+            grads = HeadGrads(torch.zeros(hidden.shape), grad_weight, grad_bias, *grad_lora)
+            backward.backward_fused(head, stats, grad_logp, grad_entropy, grads, cfg)
         out += [(name, launches[0])]
     return out
 
@@ -260,9 +247,8 @@ def frozen_launch(dtype, bias=False, softcap=None, entropy=True):
     hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
     transform = LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     with recording(forward_frozen, "_frozen_chunk_kernel") as launches:
-        forward_frozen.forward_frozen_head(
-            hidden, weight, targets, b, transform, entropy, kconfig.gpu_frozen_head_config()
-        )
+        head = HeadOperands(hidden, weight, targets, b, transform)
+        forward_frozen.forward_frozen_head(head, entropy, kconfig.gpu_frozen_head_config())
     return launches[0]
 
 

@@ -9,13 +9,12 @@ both models' tiles and returns the student's dH, dW, db. The teacher never gets 
 
 from __future__ import annotations
 
-import typing
 from typing import NamedTuple
 
 import torch
 
 from grpo_fast.distillation import torch_twin
-from grpo_fast.head.ops import inline_function, runs_inline
+from grpo_fast.head.ops import custom_op, inline_function, op_schema, runs_inline
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead
@@ -91,31 +90,12 @@ class OpOperands(NamedTuple):
         )
 
 
-# a custom op's schema type of each annotation of OpOperands and of the ops' other arguments
-_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", str: "str", bool: "bool", torch.dtype: "ScalarType"}
-
-
-def op_schema(before: str, after: str, returns: str) -> str:
-    """A custom op's schema whose arguments are ``before``, OpOperands' fields, then ``after`` (schema text, "" for
-    none), returning ``returns``."""
-    fields = []
-    for name, hint in typing.get_type_hints(OpOperands).items():
-        optional = type(None) in typing.get_args(hint)
-        base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
-        fields.append(f"{_SCHEMA_TYPES[base]}{'?' if optional else ''} {name}")
-    arguments = ", ".join(part for part in (before, ", ".join(fields), after) if part)
-    return f"({arguments}) -> {returns}"
-
-
-def custom_op(name: str, impl, schema: str):
-    """``impl`` as the custom op ``grpo_fast::<name>`` of ``schema``, mutating none of its arguments."""
-    return torch.library.custom_op(f"grpo_fast::{name}", impl, mutates_args=(), schema=schema)
-
-
 def backward_schema(before: str) -> str:
     """A backward op's schema: ``before`` (schema text), OpOperands' fields and the three flags of the gradients
     wanted (need_hidden, need_weight, need_bias) -> the three gradients."""
-    return op_schema(before, "bool need_hidden, bool need_weight, bool need_bias", "(Tensor, Tensor, Tensor)")
+    return op_schema(
+        OpOperands, before, "bool need_hidden, bool need_weight, bool need_bias", "(Tensor, Tensor, Tensor)"
+    )
 
 
 def gradient_buffers(hidden, weight, bias, needs):
@@ -164,7 +144,9 @@ def _forward(*arguments):
 
 
 _forward_op = custom_op(
-    "divergence_forward", _forward, op_schema("", "bool frozen_head", "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+    "divergence_forward",
+    _forward,
+    op_schema(OpOperands, "", "bool frozen_head", "(Tensor, Tensor, Tensor, Tensor, Tensor)"),
 )
 
 

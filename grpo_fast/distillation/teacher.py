@@ -29,11 +29,9 @@ from grpo_fast.distillation import torch_twin
 from grpo_fast.distillation.ops import (
     OpOperands,
     backward_schema,
-    custom_op,
     fake_gradients,
     gradient_buffers,
     gradients_out,
-    op_schema,
 )
 from grpo_fast.head import ops
 from grpo_fast.head import torch_twin as layer1_twin
@@ -214,8 +212,10 @@ def _forward(*arguments):
     return run(student, targets, teacher, operands.beta)
 
 
-_forward_op = custom_op(
-    "loss_head_forward", _forward, op_schema("Tensor targets", "", "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_forward_op = ops.custom_op(
+    "loss_head_forward",
+    _forward,
+    ops.op_schema(OpOperands, "Tensor targets", "", "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"),
 )
 
 
@@ -263,7 +263,7 @@ _BACKWARD_INPUTS = (
     "Tensor grad_logp, Tensor? grad_entropy, Tensor grad_divergence, Tensor targets, Tensor layer1, Tensor saved, "
     "Tensor argmax"
 )
-_backward_op = custom_op("loss_head_backward", _backward_impl, backward_schema(_BACKWARD_INPUTS))
+_backward_op = ops.custom_op("loss_head_backward", _backward_impl, backward_schema(_BACKWARD_INPUTS))
 
 
 @_backward_op.register_fake

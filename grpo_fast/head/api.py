@@ -16,13 +16,24 @@ from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.head.vocab_parallel import VocabShard
+from grpo_fast.kernels.operands import HeadOperands
 
 
-def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None = None,
-             temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
-             completion_mask: torch.Tensor | None = None, lora: HeadLora | tuple | None = None,
-             vocab_parallel: VocabShard | None = None, backend: str = "auto",
-             check_values: bool = True) -> torch.Tensor:  # fmt: skip
+def logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    completion_mask: torch.Tensor | None = None,
+    lora: HeadLora | tuple | None = None,
+    vocab_parallel: VocabShard | None = None,
+    backend: str = "auto",
+    check_values: bool = True,
+) -> torch.Tensor:
     """Per-token log-probs of ``targets`` for the reference and old policies, without gradients.
 
     ``logprobs_and_entropy`` without the entropy and without autograd: no [tokens, V] logits are built and no graph
@@ -64,19 +75,8 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
                 return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
             logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
         else:
-            logp = ops.linear_logprobs(
-                h,
-                w,
-                y,
-                b,
-                *inputs.lora_operands(lora, hidden, rows),
-                *transform.as_floats(),
-                False,
-                False,
-                backend.name,
-                "chunked",
-                rows.count,
-            )[0]
+            head = HeadOperands(h, w, y, b, transform, inputs.lora_operands(lora, hidden, rows))
+            logp = ops.linear_logprobs(ops.LinearOpOperands.of(head, backend.name), False, False, rows.count)[0]
         return inputs.scatter_rows(logp, rows, (B, T))
 
 
@@ -157,8 +157,9 @@ def logprobs_and_entropy(
     head_path = inputs.layer1_choices(head_path, backward_mode, backend)
     rows = inputs.scored_rows(completion_mask, checks)
     path = "general" if entropy_grad else head_path
-    return logprobs_and_entropy_rows(hidden, weight, targets, bias, rows, transform, backend, path, backward_mode,
-                                     shard, lora)  # fmt: skip
+    return logprobs_and_entropy_rows(
+        hidden, weight, targets, bias, rows, transform, backend, path, backward_mode, shard, lora
+    )
 
 
 def logprobs_and_entropy_rows(
@@ -174,16 +175,6 @@ def logprobs_and_entropy_rows(
             h, w, y, b, transform, backend, shard, head_path, backward_mode
         )
     else:
-        logp, entropy = ops.linear_logprobs_path(
-            h,
-            w,
-            y,
-            b,
-            transform,
-            backend,
-            head_path,
-            backward_mode,
-            *inputs.lora_operands(lora, hidden, rows),
-            row_count=rows.count,
-        )
+        head = HeadOperands(h, w, y, b, transform, inputs.lora_operands(lora, hidden, rows))
+        logp, entropy = ops.linear_logprobs_path(head, backend, head_path, backward_mode, row_count=rows.count)
     return inputs.scatter_rows(logp, rows, (B, T)), inputs.scatter_rows(entropy, rows, (B, T))

@@ -7,11 +7,10 @@ its ``name`` (layer 2 picks its token kernel or its torch twin by the same name)
 run the chosen backend; ``takes_frozen_head`` is the choice of path that ``ops.linear_logprobs_path`` makes before it
 calls the op; ``ONE_PROCESS`` is the reduce step of one process (``vocab_parallel.GroupReduce`` a group's).
 
-Every layer-1 function takes ``(hidden, weight, targets, bias, transform, ...)`` in that order, as the kernels do,
-with ``transform`` a ``transform.LogitTransform``, and optionally ``lora`` = (lora_hidden [N, r], lora_weight
-[V, r]): LoRA's second operand pair (``lora.HeadLora``), whose product lora_hidden lora_weight^T is added to the raw
-logits; the head path is one of config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the caller's
-choices, passed down as arguments).
+Every layer-1 function takes its operands as one ``kernels.operands.HeadOperands`` (hidden, weight, targets, bias,
+the ``transform.LogitTransform``, LoRA's pair or None), as the kernels do, and a backward its fp32 buffers as one
+``HeadGrads``; the head path is one of config.HEAD_PATHS and the backward mode one of config.BACKWARD_MODES (the
+caller's choices, passed down as arguments).
 """
 
 import torch
@@ -49,30 +48,28 @@ class TritonBackend:
                 f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: split the batch"
             )
 
-    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
+    def forward(self, head, compute_entropy, row_count=None):
         """``row_count``: the kernel computes no block wholly past it (``kernels.forward.forward_record``)."""
-        wide = kconfig.wide_record_epilogue(transform.softcap is not None, bias is not None, lora is not None)
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide)
-        return kforward.forward(hidden, weight, targets, bias, transform, compute_entropy, cfg, lora, row_count)
+        return kforward.forward(head, compute_entropy, self._record_config(head), row_count)
 
-    def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
-        wide = kconfig.wide_record_epilogue(transform.softcap is not None, bias is not None, False)
-        cfg = kconfig.forward_config(hidden.device, hidden.dtype, wide)
-        return kforward.forward_record(hidden, weight, targets, bias, transform, compute_entropy, cfg)
+    def forward_record(self, head, compute_entropy):
+        return kforward.forward_record(head, compute_entropy, self._record_config(head))
+
+    def _record_config(self, head):
+        """The forward's tile for these operands' device, dtype and epilogue."""
+        has_softcap = head.transform.softcap is not None
+        wide = kconfig.wide_record_epilogue(has_softcap, head.bias is not None, head.lora is not None)
+        return kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
 
     def frozen_head_available(self, hidden):
         """Where cuBLAS can return fp32 from bf16 (``kernels.forward_frozen.available``)."""
         return kfrozen.available(hidden)
 
-    def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
-        return kfrozen.forward_frozen_head(
-            hidden, weight, targets, bias, transform, True, kconfig.frozen_head_config(hidden.device), lora=lora
-        )
+    def forward_frozen_head(self, head):
+        return kfrozen.forward_frozen_head(head, True, kconfig.frozen_head_config(head.hidden.device))
 
-    def forward_frozen_record(self, hidden, weight, targets, bias, transform):
-        return kfrozen.forward_frozen_record(
-            hidden, weight, targets, bias, transform, True, kconfig.frozen_head_config(hidden.device)
-        )[:3]
+    def forward_frozen_record(self, head):
+        return kfrozen.forward_frozen_record(head, True, kconfig.frozen_head_config(head.hidden.device))[:3]
 
     def grad_hidden_buffer(self, hidden, backward_mode):
         """dH's fp32 buffer for ``backward``: the chunked backward's GEMMs write it once (fp32 output, never a K = V
@@ -81,13 +78,12 @@ class TritonBackend:
             return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
-    def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
-        wide_epilogue = transform.softcap is not None or grad_entropy is not None
-        cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue, lora is not None)
+    def backward(self, head, stats, grad_logp, grad_entropy, grads, backward_mode):
+        wide_epilogue = head.transform.softcap is not None or grad_entropy is not None
+        hidden, has_lora = head.hidden, head.lora is not None
+        cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue, has_lora)
         run = kbackward.backward_chunked if backward_mode == "chunked" else kbackward.backward_fused
-        run(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden, grad_weight,
-            grad_bias, cfg, lora, grad_lora)  # fmt: skip
+        run(head, stats, grad_logp, grad_entropy, grads, cfg)
 
 
 class TorchBackend:
@@ -102,30 +98,28 @@ class TorchBackend:
     def check_sizes(self, tokens, vocab_size):
         """No index limit: torch indexes in int64."""
 
-    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, lora=None, row_count=None):
+    def forward(self, head, compute_entropy, row_count=None):
         """``row_count`` is not read: the twin's chunks compute the padding rows too (zeros)."""
-        return torch_twin.forward(hidden, weight, targets, bias, transform, compute_entropy, lora)
+        return torch_twin.forward(head, compute_entropy)
 
-    def forward_record(self, hidden, weight, targets, bias, transform, compute_entropy):
-        return torch_twin.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
+    def forward_record(self, head, compute_entropy):
+        return torch_twin.forward_record(head, compute_entropy)
 
     def frozen_head_available(self, hidden):
         return True
 
-    def forward_frozen_head(self, hidden, weight, targets, bias, transform, lora=None):
-        return torch_twin.forward_frozen_head(hidden, weight, targets, bias, transform, True, lora)
+    def forward_frozen_head(self, head):
+        return torch_twin.forward_frozen_head(head, True)
 
-    def forward_frozen_record(self, hidden, weight, targets, bias, transform):
-        return torch_twin.forward_frozen_record(hidden, weight, targets, bias, transform, True)[:3]
+    def forward_frozen_record(self, head):
+        return torch_twin.forward_frozen_record(head, True)[:3]
 
     def grad_hidden_buffer(self, hidden, backward_mode):
         """dH's fp32 zero accumulator for ``backward``."""
         return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
-    def backward(self, hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                 grad_weight, grad_bias, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
-        torch_twin.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                               grad_weight, grad_bias, lora, grad_lora)  # fmt: skip
+    def backward(self, head, stats, grad_logp, grad_entropy, grads, backward_mode):
+        torch_twin.backward(head, stats, grad_logp, grad_entropy, grads)
 
 
 TRITON, TORCH = TritonBackend(), TorchBackend()
@@ -137,42 +131,43 @@ def as_backend(backend):
     return BACKENDS[backend] if isinstance(backend, str) else backend
 
 
-def head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
+def head_forward(head, compute_entropy, backend, row_count=None):
     """(logp, entropy, softmax_stats.BackwardStats), fp32 [N], by the chosen backend; entropy (and the stats'
     entropy values) None without ``compute_entropy``; ``row_count``: None, or the [1] int32 device count of the
     scored rows, which come first (the others are padding: their values are placeholders); no autograd."""
-    return backend.forward(hidden, weight, targets, bias, transform, compute_entropy, lora, row_count)
+    return backend.forward(head, compute_entropy, row_count)
 
 
-def head_forward_record(hidden, weight, targets, bias, transform, compute_entropy, backend):
+def head_forward_record(head, compute_entropy, backend):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows, which
     ``head_forward`` finishes: for a caller that merges it with records of other rows first (a vocab-parallel head's
     shards). A target of -1 is in no column: the record then has no target (target logit 0, rest = sumexp).
     No rows (V = 0): the empty record (max -inf, sums 0). No autograd."""
-    if weight.shape[0] == 0:
-        return softmax_stats.empty(_no_max(hidden))
-    return backend.forward_record(hidden, weight, targets, bias, transform, compute_entropy)
+    if head.weight.shape[0] == 0:
+        return softmax_stats.empty(_no_max(head.hidden))
+    return backend.forward_record(head, compute_entropy)
 
 
-def head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora=None):
+def head_forward_frozen_head(head, backend):
     """(logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32, J_l = d logp / d lora_hidden [N, r] fp32 or
-    None without ``lora``) by the chosen backend; no autograd."""
-    return backend.forward_frozen_head(hidden, weight, targets, bias, transform, lora)
+    None without LoRA) by the chosen backend; no autograd."""
+    return backend.forward_frozen_head(head)
 
 
-def head_forward_frozen_record(hidden, weight, targets, bias, transform, backend):
+def head_forward_frozen_record(head, backend):
     """``head_forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope
     [N] fp32), unfinished (softmax_stats.finish_frozen_grad says what acc is), for a caller that merges them with
     other rows' first (a vocab-parallel head's shards). A target of -1 is in no column; no rows (V = 0): the empty
     record, acc 0. No autograd."""
-    if weight.shape[0] == 0:
+    hidden = head.hidden
+    if head.weight.shape[0] == 0:
         no_max = _no_max(hidden)
         return (
             softmax_stats.empty(no_max),
             torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
             torch.zeros_like(no_max),
         )
-    return backend.forward_frozen_record(hidden, weight, targets, bias, transform)
+    return backend.forward_frozen_record(head)
 
 
 def _no_max(hidden):
@@ -197,13 +192,10 @@ def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_
     )
 
 
-def head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                  grad_weight, grad_bias, backend, backward_mode, lora=None, grad_lora=(None, None)):  # fmt: skip
-    """Layer 1's general-path backward by the chosen backend and mode into the given buffers (dH:
-    backend.grad_hidden_buffer, the others fp32 zeros; ``grad_lora``: fp32 zero (d lora_hidden, d lora_weight),
-    each may be None)."""
-    backend.backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                     grad_weight, grad_bias, backward_mode, lora, grad_lora)  # fmt: skip
+def head_backward(head, stats, grad_logp, grad_entropy, grads, backend, backward_mode):
+    """Layer 1's general-path backward by the chosen backend and mode into ``grads``' buffers (a HeadGrads; dH:
+    backend.grad_hidden_buffer, the others fp32 zeros, each may be None)."""
+    backend.backward(head, stats, grad_logp, grad_entropy, grads, backward_mode)
 
 
 class OneProcess:
@@ -212,13 +204,13 @@ class OneProcess:
     summed); the head's one implementation in ``head.ops`` takes either, so the frozen-head backward, the entropy
     fallback and the empty case exist once."""
 
-    def forward(self, hidden, weight, targets, bias, transform, compute_entropy, backend, lora=None, row_count=None):
+    def forward(self, head, compute_entropy, backend, row_count=None):
         """(logp, entropy or None, BackwardStats) [N] fp32 of the whole vocabulary (``head_forward``)."""
-        return head_forward(hidden, weight, targets, bias, transform, compute_entropy, backend, lora, row_count)
+        return head_forward(head, compute_entropy, backend, row_count)
 
-    def frozen_forward(self, hidden, weight, targets, bias, transform, backend, lora=None):
+    def frozen_forward(self, head, backend):
         """(logp, entropy, BackwardStats, J, J_lora or None) of the whole vocabulary (``head_forward_frozen_head``)."""
-        return head_forward_frozen_head(hidden, weight, targets, bias, transform, backend, lora)
+        return head_forward_frozen_head(head, backend)
 
     def sum_grad_hidden(self, grad_hidden):
         """dH [N, D] fp32 of the whole vocabulary from this process's part: already whole."""

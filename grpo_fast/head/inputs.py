@@ -252,10 +252,9 @@ def checked_lora(lora, hidden, weight, shard):
 
 
 def lora_operands(lora, hidden, rows):
-    """Layer 1's LoRA operand pair (lora_hidden [N, r] for ``rows``, padding rows zeroed; b [V, r]), or
-    (None, None)."""
+    """Layer 1's LoRA operand pair (lora_hidden [N, r] for ``rows``, padding rows zeroed; b [V, r]), or None."""
     if lora is None:
-        return None, None
+        return None
     b = lora.b if lora.b.stride(-1) == 1 else lora.b.contiguous()
     lora_h = head_lora.lora_hidden(lora, hidden, rows.order)
     if rows.keep is not None:

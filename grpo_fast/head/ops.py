@@ -15,6 +15,9 @@ launch configurations are chosen from sizes at call time, plus a chunked-torch t
 
 from __future__ import annotations
 
+import typing
+from typing import NamedTuple
+
 import torch
 
 from grpo_fast.head import backends
@@ -24,9 +27,76 @@ from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import gemm
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 from grpo_fast.kernels.softmax_stats import BackwardStats
 
 FP32 = torch.float32
+
+
+class LinearOpOperands(NamedTuple):
+    """Layer 1's operands as both custom ops' schemas take them (tensors, numbers, strings), in that order.
+
+    Attributes:
+        hidden: [N, D] the scored rows, row-contiguous.
+        weight: [V, D] the head's rows, hidden's dtype.
+        targets: [N] int64.
+        bias: [V] or None.
+        lora_hidden: [N, r] LoRA's first operand, or None.
+        lora_weight: [V, r] LoRA's second operand, or None (both or neither).
+        temperature, softcap, logit_scale: the logit transform (``LogitTransform.as_floats``).
+        backend: a backend's name (``backends.BACKENDS``).
+        backward_mode: one of config.BACKWARD_MODES (the forward op does not read it; the autograd formula does).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    bias: torch.Tensor | None
+    lora_hidden: torch.Tensor | None
+    lora_weight: torch.Tensor | None
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+    backend: str
+    backward_mode: str
+
+    @classmethod
+    def of(cls, head: HeadOperands, backend: str, backward_mode: str = "chunked") -> LinearOpOperands:
+        """The schema's operands of a HeadOperands, a backend's name and a backward mode."""
+        lora = head.lora if head.lora is not None else (None, None)
+        return cls(*head[:4], *lora, *head.transform.as_floats(), backend, backward_mode)
+
+    def head(self) -> HeadOperands:
+        """The HeadOperands the backends take."""
+        lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
+        transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
+        return HeadOperands(self.hidden, self.weight, self.targets, self.bias, transform, lora)
+
+    def with_tensors(self, convert) -> LinearOpOperands:
+        """The same operands with ``convert`` applied to each tensor (a fake-tensor mode's ``from_tensor``)."""
+        return type(self)(*(convert(x) if isinstance(x, torch.Tensor) else x for x in self))
+
+
+# a custom op's schema type of each annotation of an operand record and of the ops' other arguments
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", str: "str", bool: "bool", torch.dtype: "ScalarType"}
+
+
+def op_schema(record: type, before: str, after: str, returns: str) -> str:
+    """A custom op's schema whose arguments are ``before``, the fields of ``record`` (a NamedTuple of annotated
+    tensors, numbers, strings and dtypes, optional as ``X | None``), then ``after`` (schema text, "" for none),
+    returning ``returns``."""
+    fields = []
+    for name, hint in typing.get_type_hints(record).items():
+        optional = type(None) in typing.get_args(hint)
+        base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
+        fields.append(f"{_SCHEMA_TYPES[base]}{'?' if optional else ''} {name}")
+    arguments = ", ".join(part for part in (before, ", ".join(fields), after) if part)
+    return f"({arguments}) -> {returns}"
+
+
+def custom_op(name: str, impl, schema: str):
+    """``impl`` as the custom op ``grpo_fast::<name>`` of ``schema``, mutating none of its arguments."""
+    return torch.library.custom_op(f"grpo_fast::{name}", impl, mutates_args=(), schema=schema)
 
 
 def _nothing(like):
@@ -44,81 +114,65 @@ def _given(x):
 
 
 # ----------------------------------------------------------------------------------------------- layer 1: forward
-def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
-                    lora_hidden: torch.Tensor | None, lora_weight: torch.Tensor | None, temperature: float,
-                    softcap: float | None, logit_scale: float, compute_entropy: bool, frozen_head: bool,
-                    backend: str, backward_mode: str,
-                    row_count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Layer 1's forward on [N] rows: (logp, entropy, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora).
+_FORWARD_ARGUMENTS = "bool compute_entropy, bool frozen_head, Tensor? row_count"
+_FORWARD_OUTPUTS = 8
+
+
+def _linear_logprobs(*arguments):
+    """grpo_fast::linear_logprobs: (LinearOpOperands' fields, compute_entropy, frozen_head, row_count) -> (logp,
+    entropy, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora): layer 1's forward on [N] rows.
 
     [N] fp32 each (entropy, mean_logit and mean_minus_target empty without ``compute_entropy``); with
     ``frozen_head`` also J = d logp / d hidden [N, D] fp32 and, with LoRA, J_lora = d logp / d lora_hidden [N, r]
-    fp32 (else empty). ``backward_mode`` is not read here: the autograd formula takes it from these arguments.
-    ``row_count``: None, or the [1] int32 device count of the scored rows, which come first (linear_logprobs_path).
+    fp32 (else empty). ``row_count``: None, or the [1] int32 device count of the scored rows, which come first
+    (linear_logprobs_path).
     """
-    return _head_forward(ONE_PROCESS, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature,
-                         softcap, logit_scale, compute_entropy, frozen_head, backend, backward_mode,
-                         row_count)  # fmt: skip
+    return _head_forward(ONE_PROCESS, *arguments)
 
 
-def _head_forward(reduce, hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale,
-                  compute_entropy, frozen_head, backend, backward_mode, row_count):  # fmt: skip
+def _head_forward(reduce, *arguments):
     """``_linear_logprobs`` with a reduce step (backends.OneProcess or vocab_parallel.GroupReduce)."""
-    transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
-    backend = backends.BACKENDS[backend]
-    lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
-    N = hidden.shape[0]
-    if N == 0:
+    *operands, compute_entropy, frozen_head, row_count = arguments
+    operands = LinearOpOperands(*operands)
+    head = operands.head()
+    backend = backends.BACKENDS[operands.backend]
+    hidden = head.hidden
+    if hidden.shape[0] == 0:
         empty = torch.zeros(0, dtype=FP32, device=hidden.device)
-        return (
-            empty,
-            empty.clone(),
-            empty.clone(),
-            empty.clone(),
-            empty.clone(),
-            empty.clone(),
-            _nothing(hidden),
-            _nothing(hidden),
-        )
+        return (empty, *(empty.clone() for _ in range(5)), _nothing(hidden), _nothing(hidden))
     J = J_lora = None
     if frozen_head:
-        logp, entropy, stats, J, J_lora = reduce.frozen_forward(hidden, weight, targets, bias, transform, backend, lora)
+        logp, entropy, stats, J, J_lora = reduce.frozen_forward(head, backend)
     else:
-        logp, entropy, stats = reduce.forward(
-            hidden, weight, targets, bias, transform, compute_entropy, backend, lora, row_count
-        )
+        logp, entropy, stats = reduce.forward(head, compute_entropy, backend, row_count)
     if not compute_entropy:
         entropy = None
         stats = BackwardStats(stats.lse, stats.nontarget_mass, None, None)
-    return (
-        logp,
-        _or_nothing(entropy, hidden),
-        stats.lse,
-        stats.nontarget_mass,
-        _or_nothing(stats.mean_logit, hidden),
-        _or_nothing(stats.mean_minus_target, hidden),
-        _or_nothing(J, hidden),
-        _or_nothing(J_lora, hidden),
-    )
+    outputs = (entropy, stats.lse, stats.nontarget_mass, stats.mean_logit, stats.mean_minus_target, J, J_lora)
+    return (logp, *(_or_nothing(x, hidden) for x in outputs))
 
 
-_linear_logprobs_op = torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())(_linear_logprobs)
+_linear_logprobs_op = custom_op(
+    "linear_logprobs",
+    _linear_logprobs,
+    op_schema(LinearOpOperands, "", _FORWARD_ARGUMENTS, "(" + ", ".join(["Tensor"] * _FORWARD_OUTPUTS) + ")"),
+)
 
 
 @_linear_logprobs_op.register_fake
-def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-      frozen_head, backend, backward_mode, row_count):  # fmt: skip
+def _(*arguments):
+    """The outputs' shapes and dtypes (torch calls a fake with the op's arguments by position)."""
+    *operands, compute_entropy, frozen_head, _ = arguments
+    operands = LinearOpOperands(*operands)
+    hidden = operands.hidden
     N = hidden.shape[0]
 
     def per_token(computed=True):
         return hidden.new_empty((N,) if computed else (0,), dtype=FP32)
 
     J = hidden.new_empty((N, hidden.shape[1]) if frozen_head and N > 0 else (0,), dtype=FP32)
-    J_lora = hidden.new_empty(
-        (N, lora_hidden.shape[1]) if frozen_head and N > 0 and lora_hidden is not None else (0,), dtype=FP32
-    )
+    lora_rows = frozen_head and N > 0 and operands.lora_hidden is not None
+    J_lora = hidden.new_empty((N, operands.lora_hidden.shape[1]) if lora_rows else (0,), dtype=FP32)
     entropy = compute_entropy or frozen_head or N == 0
     return (
         per_token(),
@@ -133,15 +187,15 @@ def _(hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, soft
 
 
 def _linear_setup_context(ctx, inputs, output):
-    (hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, compute_entropy,
-     frozen_head, backend, backward_mode, _) = inputs  # fmt: skip
+    *operands, _, frozen_head, _ = inputs
+    operands = LinearOpOperands(*operands)
     _, _, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora = output
     # the entropy is usually a metric: its gradient is then None, not zeros (no entropy term, no fallback)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
-                          mean_minus_target, J, J_lora)  # fmt: skip
-    ctx.transform_floats = (temperature, softcap, logit_scale)
-    ctx.frozen_head, ctx.backend, ctx.backward_mode = frozen_head, backend, backward_mode
+    tensors = (operands.hidden, operands.weight, operands.targets, operands.bias, operands.lora_hidden)
+    ctx.save_for_backward(*tensors, operands.lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora)
+    ctx.numbers = operands[len(tensors) + 1 :]  # the transform's floats, the backend's name, the backward mode
+    ctx.frozen_head = frozen_head
     ctx.reduce = ONE_PROCESS  # a vocab-parallel call sets its group's (_LinearLogprobsWithReduce)
 
 
@@ -149,13 +203,14 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     """The head's one backward: the frozen head's dH = grad_logp J (an entropy gradient after all: plus the general
     path's entropy-only term, from that path's own forward statistics: exact, at three sweeps more), or the general
     path's recompute (linear_logprobs_backward); dH summed by the reduce step (ctx.reduce) where it is partial."""
-    (hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target, J,
-     J_lora) = ctx.saved_tensors  # fmt: skip
+    *tensors, lse, nontarget_mass, mean_logit, mean_minus_target, J, J_lora = ctx.saved_tensors
+    operands = LinearOpOperands(*tensors, *ctx.numbers)
+    hidden, weight, _, bias, lora_hidden, lora_weight = tensors
     need_h, need_w, _, need_b, need_lh, need_lw = ctx.needs_input_grad[:6]
     lora = lora_hidden is not None
     need_lh, need_lw = need_lh and lora, need_lw and lora
     N = hidden.shape[0]
-    no_grad_rest = (None,) * 8
+    no_grad_rest = (None,) * (len(LinearOpOperands._fields) + 3 - 6)  # the numbers, strings, flags, row_count
     if N == 0:
         return (
             torch.zeros_like(hidden) if need_h else None,
@@ -165,7 +220,6 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
             torch.zeros_like(lora_hidden) if need_lh else None,
             torch.zeros_like(lora_weight) if need_lw else None,
         ) + no_grad_rest
-    temperature, softcap, logit_scale = ctx.transform_floats
     if grad_logp is None:
         grad_logp = hidden.new_zeros(N, dtype=FP32)
     grad_logp = grad_logp.float().contiguous()
@@ -175,34 +229,23 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
         if grad_entropy is not None:
             # the general path's values: the frozen forward's cuBLAS logits may round differently from the recomputed
             # tiles, and p = exp(z - lse) must see one z (at logits of 1e4 the difference is 1e-3 relative)
-            _, _, lse, nontarget_mass, mean_logit, mean_minus_target, _, _ = linear_logprobs(
-                hidden, weight, targets, bias, lora_hidden, lora_weight, temperature, softcap, logit_scale, True,
-                False, ctx.backend, ctx.backward_mode, None, reduce=ctx.reduce)  # fmt: skip
-            term, _, _, lora_term, _ = linear_logprobs_backward(
-                hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit,
-                mean_minus_target, torch.zeros_like(grad_logp), grad_entropy.float().contiguous(), temperature,
-                softcap, logit_scale, [True, False, False, need_lh, False], ctx.backend, ctx.backward_mode)  # fmt: skip
+            stats = linear_logprobs(operands, True, False, reduce=ctx.reduce)[2:6]
+            zero_logp, grad_entropy = torch.zeros_like(grad_logp), grad_entropy.float().contiguous()
+            needs = [True, False, False, need_lh, False]
+            term, _, _, lora_term, _ = linear_logprobs_backward(*stats, zero_logp, grad_entropy, operands, needs)
             grad_hidden = grad_hidden + ctx.reduce.sum_grad_hidden(term)
             if need_lh:
                 grad_lora_hidden = grad_lora_hidden + lora_term
-        return (
-            grad_hidden.to(hidden.dtype),
-            None,
-            None,
-            None,
-            grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None,
-            None,
-        ) + no_grad_rest
-    grads = linear_logprobs_backward(
-        hidden, weight, targets, bias, lora_hidden, lora_weight, lse, nontarget_mass, mean_logit, mean_minus_target,
-        grad_logp, grad_entropy.float().contiguous() if grad_entropy is not None else None, temperature, softcap,
-        logit_scale, [need_h, need_w, need_b, need_lh, need_lw], ctx.backend, ctx.backward_mode)  # fmt: skip
+        grad_lora_hidden = grad_lora_hidden.to(lora_hidden.dtype) if need_lh else None
+        return (grad_hidden.to(hidden.dtype), None, None, None, grad_lora_hidden, None) + no_grad_rest
+    grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+    needs = [need_h, need_w, need_b, need_lh, need_lw]
+    stats = (lse, nontarget_mass, mean_logit, mean_minus_target)
+    grads = linear_logprobs_backward(*stats, grad_logp, grad_entropy, operands, needs)
     if need_h:
         grads = (ctx.reduce.sum_grad_hidden(grads[0]),) + grads[1:]
     inputs = (hidden, weight, bias, lora_hidden, lora_weight)
-    dH, dW, db, dlh, dlw = (
-        g.to(x.dtype) if need else None for g, x, need in zip(grads, inputs, (need_h, need_w, need_b, need_lh, need_lw))
-    )
+    dH, dW, db, dlh, dlw = (g.to(x.dtype) if need else None for g, x, need in zip(grads, inputs, needs))
     return (dH, dW, None, db, dlh, dlw) + no_grad_rest
 
 
@@ -210,78 +253,58 @@ _linear_logprobs_op.register_autograd(_linear_backward, setup_context=_linear_se
 
 
 # ----------------------------------------------------------------------------------------------- layer 1: backward
-def _linear_logprobs_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_hidden: torch.Tensor | None,
-    lora_weight: torch.Tensor | None,
-    lse: torch.Tensor,
-    nontarget_mass: torch.Tensor,
-    mean_logit: torch.Tensor,
-    mean_minus_target: torch.Tensor,
-    grad_logp: torch.Tensor,
-    grad_entropy: torch.Tensor | None,
-    temperature: float,
-    softcap: float | None,
-    logit_scale: float,
-    needs: list[bool],
-    backend: str,
-    backward_mode: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The general path's backward: fp32 (dH, dW, db, d lora_hidden, d lora_weight), each of its input's shape
-    where ``needs`` (five flags, in that order) asks for it, else empty. ``grad_entropy`` None: no entropy term
-    (then mean_logit and mean_minus_target are not read)."""
-    transform = LogitTransform.from_floats(temperature, softcap, logit_scale)
-    backend = backends.BACKENDS[backend]
+_BACKWARD_INPUTS = "Tensor lse, Tensor nontarget_mass, Tensor mean_logit, Tensor mean_minus_target, Tensor grad_logp"
+
+
+def _linear_logprobs_backward(*arguments):
+    """grpo_fast::linear_logprobs_backward: (lse, nontarget_mass, mean_logit, mean_minus_target, grad_logp,
+    grad_entropy, LinearOpOperands' fields, needs) -> the general path's fp32 (dH, dW, db, d lora_hidden,
+    d lora_weight), each of its input's shape where ``needs`` (five flags, in that order) asks for it, else empty.
+    ``grad_entropy`` None: no entropy term (then mean_logit and mean_minus_target are not read)."""
+    lse, nontarget_mass, mean_logit, mean_minus_target, grad_logp, grad_entropy, *operands, needs = arguments
+    operands = LinearOpOperands(*operands)
+    head = operands.head()
+    backend = backends.BACKENDS[operands.backend]
+    hidden, weight = head.hidden, head.weight
     need_h, need_w, need_b, need_lh, need_lw = needs
-    dev = hidden.device
-    lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
 
     def zeros(x, need):
-        return torch.zeros(x.shape, dtype=FP32, device=dev) if need and x is not None else None
+        return torch.zeros(x.shape, dtype=FP32, device=hidden.device) if need and x is not None else None
 
-    grad_hidden = backend.grad_hidden_buffer(hidden, backward_mode) if need_h else None
-    grad_weight, grad_bias = zeros(weight, need_w), zeros(bias, need_b)
-    grad_lora = (zeros(lora_hidden, need_lh), zeros(lora_weight, need_lw))
-    if grad_hidden is not None and (hidden.shape[0] == 0 or weight.shape[0] == 0):
-        grad_hidden.zero_()  # no tiles to launch (an empty vocab-parallel shard: torch's chunking can leave one)
+    grads = HeadGrads(
+        backend.grad_hidden_buffer(hidden, operands.backward_mode) if need_h else None,
+        zeros(weight, need_w),
+        zeros(head.bias, need_b),
+        zeros(operands.lora_hidden, need_lh),
+        zeros(operands.lora_weight, need_lw),
+    )
+    if grads.hidden is not None and (hidden.shape[0] == 0 or weight.shape[0] == 0):
+        grads.hidden.zero_()  # no tiles to launch (an empty vocab-parallel shard: torch's chunking can leave one)
     elif hidden.shape[0] > 0 and weight.shape[0] > 0 and any(needs):
         stats = BackwardStats(lse, nontarget_mass, _given(mean_logit), _given(mean_minus_target))
-        backends.head_backward(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, grad_hidden,
-                               grad_weight, grad_bias, backend, backward_mode, lora=lora,
-                               grad_lora=grad_lora)  # fmt: skip
-    return tuple(_or_nothing(g, hidden) for g in (grad_hidden, grad_weight, grad_bias, *grad_lora))
+        backends.head_backward(head, stats, grad_logp, grad_entropy, grads, backend, operands.backward_mode)
+    return tuple(_or_nothing(g, hidden) for g in grads)
 
 
-_linear_logprobs_backward_op = torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())(
-    _linear_logprobs_backward
+_linear_logprobs_backward_op = custom_op(
+    "linear_logprobs_backward",
+    _linear_logprobs_backward,
+    op_schema(
+        LinearOpOperands,
+        f"{_BACKWARD_INPUTS}, Tensor? grad_entropy",
+        "bool[] needs",
+        "(" + ", ".join(["Tensor"] * 5) + ")",
+    ),
 )
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(
-    hidden,
-    weight,
-    targets,
-    bias,
-    lora_hidden,
-    lora_weight,
-    lse,
-    nontarget_mass,
-    mean_logit,
-    mean_minus_target,
-    grad_logp,
-    grad_entropy,
-    temperature,
-    softcap,
-    logit_scale,
-    needs,
-    backend,
-    backward_mode,
-):
-    inputs = (hidden, weight, bias, lora_hidden, lora_weight)
+def _(*arguments):
+    """The outputs' shapes and dtypes."""
+    *operands, needs = arguments[6:]
+    operands = LinearOpOperands(*operands)
+    hidden = operands.hidden
+    inputs = (hidden, operands.weight, operands.bias, operands.lora_hidden, operands.lora_weight)
     return tuple(
         hidden.new_empty(x.shape if need and x is not None else (0,), dtype=FP32) for x, need in zip(inputs, needs)
     )
@@ -343,36 +366,29 @@ class _LinearLogprobsWithReduce(torch.autograd.Function):
         return _linear_backward(ctx, *grads) + (None,)
 
 
-def linear_logprobs(*args, reduce=None):
-    """grpo_fast::linear_logprobs (``_linear_logprobs``'s arguments and outputs), differentiable. ``reduce``: a
-    vocab-parallel group's reduce step (vocab_parallel.GroupReduce); None or ONE_PROCESS: the op."""
+def linear_logprobs(operands, compute_entropy, frozen_head, row_count=None, *, reduce=None):
+    """grpo_fast::linear_logprobs on a LinearOpOperands (``_linear_logprobs``'s outputs), differentiable.
+    ``reduce``: a vocab-parallel group's reduce step (vocab_parallel.GroupReduce); None or ONE_PROCESS: the op."""
+    args = (*operands, compute_entropy, frozen_head, row_count)
     if reduce is not None and reduce is not ONE_PROCESS:
         return _LinearLogprobsWithReduce.apply(*args, reduce)
     return _LINEAR_INLINE.apply(*args) if runs_inline(args) else _linear_logprobs_op(*args)
 
 
-def linear_logprobs_backward(*args):
-    """grpo_fast::linear_logprobs_backward (``_linear_logprobs_backward``'s arguments and outputs)."""
+def linear_logprobs_backward(
+    lse, nontarget_mass, mean_logit, mean_minus_target, grad_logp, grad_entropy, operands, needs
+):
+    """grpo_fast::linear_logprobs_backward (``_linear_logprobs_backward``'s outputs) on the forward's statistics,
+    dL/dlogp, dL/dentropy or None, a LinearOpOperands and the five gradients' flags."""
+    args = (lse, nontarget_mass, mean_logit, mean_minus_target, grad_logp, grad_entropy, *operands, needs)
     return _linear_logprobs_backward(*args) if runs_inline(args) else _linear_logprobs_backward_op(*args)
 
 
-def linear_logprobs_path(
-    hidden,
-    weight,
-    targets,
-    bias,
-    transform,
-    backend,
-    head_path,
-    backward_mode,
-    lora_hidden=None,
-    lora_weight=None,
-    reduce=ONE_PROCESS,
-    row_count=None,
-):
-    """(hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, backend, head_path, backward_mode,
-    lora_hidden [N, r] | None, lora_weight [V, r] | None) -> logp [N] fp32, entropy [N] fp32, through the custom op
-    linear_logprobs, whose registered autograd formula is the head's one backward.
+def linear_logprobs_path(head, backend, head_path, backward_mode, reduce=ONE_PROCESS, row_count=None):
+    """A HeadOperands (hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, LoRA's pair
+    (lora_hidden [N, r], lora_weight [V, r]) | None), a backend, head_path and backward_mode -> logp [N] fp32,
+    entropy [N] fp32, through the custom op linear_logprobs, whose registered autograd formula is the head's one
+    backward.
 
     With LoRA (``lora.HeadLora``) the raw logits are h W^T + lora_hidden lora_weight^T (+ bias), and gradients reach
     lora_hidden and lora_weight too (each in its own dtype).
@@ -400,17 +416,27 @@ def linear_logprobs_path(
         raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
     backend = as_backend(backend)
     grad = torch.is_grad_enabled()
-    needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
-    lora_weight_grad = grad and lora_weight is not None and lora_weight.requires_grad
-    frozen_head = backends.takes_frozen_head(needs, hidden, backend, head_path, lora_weight_grad)
-    outputs = linear_logprobs(hidden, weight, targets, bias, lora_hidden, lora_weight, *transform.as_floats(),
-                                  True, frozen_head, backend.name, backward_mode, row_count, reduce=reduce)  # fmt: skip
+    needs = [grad and x is not None and x.requires_grad for x in head[:4]]
+    lora_weight_grad = grad and head.lora is not None and head.lora[1].requires_grad
+    frozen_head = backends.takes_frozen_head(needs, head.hidden, backend, head_path, lora_weight_grad)
+    operands = LinearOpOperands.of(head, backend.name, backward_mode)
+    outputs = linear_logprobs(operands, True, frozen_head, row_count, reduce=reduce)
     return outputs[0], outputs[1]
 
 
 # ----------------------------------------------------------------------------------------------- workspace
-def workspace_bytes(op, hidden_shape, vocab_size, dtype, *, backend="triton", frozen_head=False,
-                    backward_mode="chunked", device_type="cuda", compute_capability=None):  # fmt: skip
+def workspace_bytes(
+    op,
+    hidden_shape,
+    vocab_size,
+    dtype,
+    *,
+    backend="triton",
+    frozen_head=False,
+    backward_mode="chunked",
+    device_type="cuda",
+    compute_capability=None,
+):
     """The bytes a layer-1 op's implementation allocates besides its outputs (its peak extra memory, for a memory
     estimate over fake tensors, whose fake implementations allocate the outputs only), by the launchers' formulas.
 

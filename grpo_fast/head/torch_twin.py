@@ -27,9 +27,10 @@ CHUNK_N = 1024
 CHUNK_V = 8192
 
 
-def _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=False, lora=None):
-    """z = transform(h W^T + l B^T + b) for one tile, fp32 (l B^T: ``lora``'s pair, if any); with ``slope`` also
-    dz/du (a tile, or a number without a soft-cap)."""
+def _logit_tile(head, n0, n1, v0, v1, slope=False):
+    """z = transform(h W^T + l B^T + b) for one tile of ``head``'s logits, fp32 (l B^T: LoRA's pair, if any); with
+    ``slope`` also dz/du (a tile, or a number without a soft-cap)."""
+    hidden, weight, _, bias, transform, lora = head
     u = hidden[n0:n1].float() @ weight[v0:v1].float().T
     if lora is not None:
         u += lora[0][n0:n1].float() @ lora[1][v0:v1].float().T
@@ -38,55 +39,51 @@ def _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=False, lo
     return transform.apply(u, slope=slope)
 
 
-def forward(hidden, weight, targets, bias, transform, compute_entropy, lora=None):
-    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
-
-    entropy (and the backward's entropy values) are None without ``compute_entropy``; ``lora``: None or
-    (lora_hidden [N, r], lora_weight [V, r]).
+def forward(head, compute_entropy):
+    """An operands.HeadOperands (hidden [N, D], weight [V, D], targets [N], bias, transform, lora) -> (logp, entropy,
+    softmax_stats.BackwardStats), [N] fp32 each; entropy (and the backward's entropy values) None without
+    ``compute_entropy``.
     """
-    return softmax_stats.finish(
-        forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora), compute_entropy
-    )
+    return softmax_stats.finish(forward_record(head, compute_entropy), compute_entropy)
 
 
-def forward_record(hidden, weight, targets, bias, transform, compute_entropy, lora=None):
+def forward_record(head, compute_entropy):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) of these weight rows, which
     ``forward`` finishes; zsum is 0 without ``compute_entropy``. No rows (V = 0): the empty record."""
-    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=False, lora=lora)[0]
+    return _forward(head, compute_entropy, frozen_head=False)[0]
 
 
-def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy=True, lora=None):
+def forward_frozen_head(head, compute_entropy=True):
     """The frozen-head forward: ``forward``'s (logp, entropy, BackwardStats), J = d logp / d hidden [N, D] fp32 and,
-    with ``lora``, J_l = d logp / d lora_hidden [N, r] fp32 (else None).
+    with LoRA, J_l = d logp / d lora_hidden [N, r] fp32 (else None).
 
     For a weight and bias that need no gradient and an entropy that needs none: the backward is then
     dH = grad_logp[:, None] * J, with no recompute and no third vocabulary GEMM (``kernels.forward_frozen`` has the
     math). J is accumulated in fp32 with the record, rescaled whenever the running max moves; memory: J (N x D
     fp32) besides forward's tile. The outputs are bit for bit ``forward``'s.
     """
-    stats, acc, target_slope, lora_acc = forward_frozen_record(
-        hidden, weight, targets, bias, transform, compute_entropy, lora
-    )
-    grad = softmax_stats.finish_frozen_grad(acc, stats, target_slope, weight, targets)
-    if lora is not None:
-        lora_acc = softmax_stats.finish_frozen_grad(lora_acc, stats, target_slope, lora[1], targets)
+    stats, acc, target_slope, lora_acc = forward_frozen_record(head, compute_entropy)
+    grad = softmax_stats.finish_frozen_grad(acc, stats, target_slope, head.weight, head.targets)
+    if head.lora is not None:
+        lora_acc = softmax_stats.finish_frozen_grad(lora_acc, stats, target_slope, head.lora[1], head.targets)
     return (*softmax_stats.finish(stats, compute_entropy), grad, lora_acc)
 
 
-def forward_frozen_record(hidden, weight, targets, bias, transform, compute_entropy=True, lora=None):
+def forward_frozen_record(head, compute_entropy=True):
     """The frozen-head forward up to "finish": (record, acc, target_slope, lora_acc), unfinished, for
     softmax_stats.finish_frozen_grad (J) and softmax_stats.finish (the outputs), or for a caller that merges them with
     other rows' first (a vocab-parallel head's shards). acc [N, D] fp32 = sum_{v != y} exp(z_v - m) s'_v W_v against
     the record's max m; target_slope [N] = s'_y (the transform's constant slope without a soft-cap); lora_acc
-    [N, r] fp32 the same sum over lora_weight's rows (None without ``lora``)."""
-    return _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head=True, lora=lora)
+    [N, r] fp32 the same sum over lora_weight's rows (None without LoRA)."""
+    return _forward(head, compute_entropy, frozen_head=True)
 
 
-def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_head, lora=None):
+def _forward(head, compute_entropy, frozen_head):
     """(record, acc or None, target slope or None, lora acc or None): the online record over vocab chunks, and with
     ``frozen_head`` the online acc = sum_{v != y} exp(z_v - m) s'_v W_v (s' = dz/du, m the running max; the same over
-    lora_weight with ``lora``) and s'_y: the target's own term is kept out of the running sum, to be weighted by the
+    lora_weight with LoRA) and s'_y: the target's own term is kept out of the running sum, to be weighted by the
     other entries' sum when J is finished, so that 1 - p_y is never formed by cancellation."""
+    hidden, weight, targets, bias, transform, lora = head
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     records = []
@@ -108,7 +105,7 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
             target_slope = slopes[n0:n1]
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
-            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True, lora=lora)
+            z, dz_du = _logit_tile(head, n0, n1, v0, v1, slope=True)
             chunk, e = softmax_stats.record(z, tgt - v0, compute_entropy)
             if frozen_head:
                 new_pivot = torch.maximum(run.max, chunk.max)
@@ -135,29 +132,15 @@ def _forward(hidden, weight, targets, bias, transform, compute_entropy, frozen_h
     return stats, grad, slopes, lora_grad
 
 
-def backward(
-    hidden,
-    weight,
-    targets,
-    bias,
-    stats,
-    grad_logp,
-    grad_entropy,
-    transform,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    lora=None,
-    grad_lora=(None, None),
-):
-    """Accumulate into fp32 grad_hidden [N, D], grad_weight [V, D], grad_bias [V] (each may be None), and with
-    ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) into ``grad_lora``'s fp32 (d lora_hidden, d lora_weight)
-    (each may be None).
+def backward(head, stats, grad_logp, grad_entropy, grads):
+    """Accumulate into ``grads`` (an operands.HeadGrads of fp32 buffers, each may be None): d hidden [N, D],
+    d weight [V, D], d bias [V], and with LoRA d lora_hidden [N, r], d lora_weight [V, r]. ``head``: the
+    operands.HeadOperands.
 
     ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N]; ``grad_entropy`` =
     dL/dentropy [N] or None (then the stats' entropy values are unused).
     """
-    grad_lora_hidden, grad_lora_weight = grad_lora
+    hidden, weight, targets, _, _, lora = head
     N, V = hidden.shape[0], weight.shape[0]
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
@@ -171,7 +154,7 @@ def backward(
         h = hidden[n0:n1].float()
         for v0 in range(0, V, CHUNK_V):
             v1 = min(v0 + CHUNK_V, V)
-            z, dz_du = _logit_tile(hidden, weight, bias, transform, n0, n1, v0, v1, slope=True, lora=lora)
+            z, dz_du = _logit_tile(head, n0, n1, v0, v1, slope=True)
             g = logit_grad(
                 z,
                 tgt - v0,
@@ -183,11 +166,11 @@ def backward(
                 stats.mean_minus_target[n0:n1] if e is not None else None,
             )
             g.mul_(dz_du)
-            add_tile_gradients(g, h, weight, slice(n0, n1), slice(v0, v1), grad_hidden, grad_weight, grad_bias)
-            if grad_lora_hidden is not None:
-                grad_lora_hidden[n0:n1] += g @ lora[1][v0:v1].float()
-            if grad_lora_weight is not None:
-                grad_lora_weight[v0:v1] += g.T @ lora[0][n0:n1].float()
+            add_tile_gradients(g, h, weight, slice(n0, n1), slice(v0, v1), grads.hidden, grads.weight, grads.bias)
+            if grads.lora_hidden is not None:
+                grads.lora_hidden[n0:n1] += g @ lora[1][v0:v1].float()
+            if grads.lora_weight is not None:
+                grads.lora_weight[v0:v1] += g.T @ lora[0][n0:n1].float()
 
 
 def logit_grad(z, local_target, grad_logp, grad_entropy, lse, target_dz, mean_logit, mean_minus_target):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from grpo_fast.head import backends, ops
 from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.operands import HeadOperands
 from grpo_fast.kernels.softmax_stats import SoftmaxStats
 
 
@@ -195,27 +196,24 @@ class GroupReduce:
     def __init__(self, group):
         self.group = group
 
-    def forward(
-        self, hidden, weight, local_targets, bias, transform, compute_entropy, backend, lora=None, row_count=None
-    ):
+    def forward(self, head, compute_entropy, backend, row_count=None):
         """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank. ``row_count`` is
-        not read: a padding row's placeholder record would not merge over the ranks as a real one does."""
-        record = backends.head_forward_record(hidden, weight, local_targets, bias, transform, compute_entropy, backend)
+        not read: a padding row's placeholder record would not merge over the ranks as a real one does. ``head``'s
+        targets are this rank's columns (``local_targets``)."""
+        record = backends.head_forward_record(head, compute_entropy, backend)
         return softmax_stats.finish(merge_records(record, compute_entropy, self.group), compute_entropy)
 
-    def frozen_forward(self, hidden, weight, local_targets, bias, transform, backend, lora=None):
+    def frozen_forward(self, head, backend):
         """The frozen-head path's forward: (logp, entropy, BackwardStats, J = d logp / d hidden [N, D] fp32, None),
         the whole vocabulary's, on every rank. This shard's unfinished record, acc (sum over its non-target rows of
         e_v s'_v W_v, against its own max m_r) and target slope (layer 1's frozen forward up to "finish"); the
         records merge as in ``forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m)
         and finished with the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its
         owner), so that the ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
-        record, acc, target_slope = backends.head_forward_frozen_record(
-            hidden, weight, local_targets, bias, transform, backend
-        )
+        record, acc, target_slope = backends.head_forward_frozen_record(head, backend)
         merged = merge_records(record, True, self.group)
         acc.mul_(softmax_stats.rescale(record.max, merged.max)[:, None])
-        grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, weight, local_targets)
+        grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, head.weight, head.targets)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
         return (*softmax_stats.finish(merged, True), grad, None)
 
@@ -238,22 +236,9 @@ def local_targets(targets, shard, rows):
 
 def logprobs(hidden, weight, targets, bias, transform, backend, shard):
     """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
-    y = local_targets(targets, shard, weight.shape[0])
-    return ops.linear_logprobs(
-        hidden,
-        weight,
-        y,
-        bias,
-        None,
-        None,
-        *transform.as_floats(),
-        False,
-        False,
-        backend.name,
-        "chunked",
-        None,
-        reduce=GroupReduce(shard.group),
-    )[0]
+    head = HeadOperands(hidden, weight, local_targets(targets, shard, weight.shape[0]), bias, transform)
+    operands = ops.LinearOpOperands.of(head, backend.name)
+    return ops.linear_logprobs(operands, False, False, reduce=GroupReduce(shard.group))[0]
 
 
 def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
@@ -263,7 +248,5 @@ def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, he
     with this group's reduce step: the frozen head ("auto", only hidden needs a gradient) builds J in the forward
     (one N x D all-reduce there) and its backward is dH = grad_logp J, with no collective; the general path
     all-reduces dH in the backward. N = 0 on every rank: empty outputs, no collective."""
-    y = local_targets(targets, shard, weight.shape[0])
-    return ops.linear_logprobs_path(
-        hidden, weight, y, bias, transform, backend, head_path, backward_mode, reduce=GroupReduce(shard.group)
-    )
+    head = HeadOperands(hidden, weight, local_targets(targets, shard, weight.shape[0]), bias, transform)
+    return ops.linear_logprobs_path(head, backend, head_path, backward_mode, reduce=GroupReduce(shard.group))

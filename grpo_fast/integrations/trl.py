@@ -394,11 +394,22 @@ def _whole(weight, bias, dtype):
     return weight, bias
 
 
-def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
-                    completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
-                    teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-                    student_final_logit_softcapping=None, teacher_final_logit_softcapping=None,
-                    temperature=1.0):  # fmt: skip
+def divergence_loss(
+    student_hidden_states,
+    teacher_hidden_states,
+    student_lm_head_weight,
+    teacher_lm_head_weight,
+    completion_mask,
+    beta,
+    num_items_in_batch=None,
+    student_lm_head_bias=None,
+    teacher_lm_head_bias=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
+    student_final_logit_softcapping=None,
+    teacher_final_logit_softcapping=None,
+    temperature=1.0,
+):
     """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.divergence_and_entropy``.
 
     Each model computes in its own precision (the autocast dtype, else its hidden states'; the biases as they are:

@@ -97,9 +97,24 @@ def check_model(model) -> None:
         )
 
 
-def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-            labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
-            cache_position=None, logits_to_keep=0, temperature=1.0, shift_labels=None, **loss_kwargs):  # fmt: skip
+def forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    output_attentions=None,
+    output_hidden_states=None,
+    return_dict=None,
+    cache_position=None,
+    logits_to_keep=0,
+    temperature=1.0,
+    shift_labels=None,
+    **loss_kwargs,
+):
     """verl's fused-kernel forward (``dense_common``'s contract) with grpo_fast's head, set as the model's forward.
 
     The backbone runs as verl runs it; every position is scored except, in the padded [B, T] layout, those whose

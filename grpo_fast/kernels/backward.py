@@ -33,26 +33,65 @@ import triton.language as tl
 
 from .gemm import chunk_size, mm_fp32
 from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
+from .operands import HeadGrads
 from .tile import gemm_scale, gradient_tile, lora_kernel_args, lora_tile, row_coefficients, tile_grad, to_gemm
 
 
 @triton.jit
 def _backward_kernel(
-    hidden, weight, bias_ptr, targets_ptr, lse_ptr, nontarget_mass_ptr, mean_logit_ptr,
-    mean_minus_target_ptr, grad_logp_ptr, grad_entropy_ptr,
-    g_ptr, grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr, coefficient_max_ptr, g_unscale_ptr,
-    N, V, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
-    inv_temperature, logit_scale, softcap, lora_hidden_ptr, lora_weight_ptr, R,
-    grad_lora_hidden_ptr, grad_lora_weight_ptr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-    FUSED: tl.constexpr, USE_TMA: tl.constexpr,
-    COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-    COMPUTE_DLH: tl.constexpr, COMPUTE_DLW: tl.constexpr, SCALE_G: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    hidden,
+    weight,
+    bias_ptr,
+    targets_ptr,
+    lse_ptr,
+    nontarget_mass_ptr,
+    mean_logit_ptr,
+    mean_minus_target_ptr,
+    grad_logp_ptr,
+    grad_entropy_ptr,
+    g_ptr,
+    grad_hidden_ptr,
+    grad_weight_ptr,
+    grad_bias_ptr,
+    coefficient_max_ptr,
+    g_unscale_ptr,
+    N,
+    V,
+    D,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_gn,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    R,
+    grad_lora_hidden_ptr,
+    grad_lora_weight_ptr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
+    FUSED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    COMPUTE_DH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    COMPUTE_DLH: tl.constexpr,
+    COMPUTE_DLW: tl.constexpr,
+    SCALE_G: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     GROUP_V: tl.constexpr,
-):  # fmt: skip
+):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     if FUSED and COMPUTE_DW:
@@ -84,12 +123,47 @@ def _backward_kernel(
         if not FUSED:
             tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), tl.float32).to(g_ptr.dtype.element_ty), mask=g_mask)
         return
-    g = tile_grad(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, targets_ptr, lse_ptr,
-                  nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy,
-                  pid_n * BLOCK_N, pid_v * BLOCK_V, offs_n, offs_v, n_mask, v_mask, N, V, D, R, stride_hn, stride_wv,
-                  inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_LORA, HAS_SOFTCAP, ENTROPY_GRAD, USE_TMA,
-                  DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D,
-                  BLOCK_R)  # fmt: skip
+    g = tile_grad(
+        hidden,
+        weight,
+        bias_ptr,
+        lora_hidden_ptr,
+        lora_weight_ptr,
+        targets_ptr,
+        lse_ptr,
+        nontarget_mass_ptr,
+        mean_logit_ptr,
+        mean_minus_target_ptr,
+        grad_logp,
+        grad_entropy,
+        pid_n * BLOCK_N,
+        pid_v * BLOCK_V,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        N,
+        V,
+        D,
+        R,
+        stride_hn,
+        stride_wv,
+        inv_temperature,
+        logit_scale,
+        softcap,
+        HAS_BIAS,
+        HAS_LORA,
+        HAS_SOFTCAP,
+        ENTROPY_GRAD,
+        USE_TMA,
+        DOT_FP32,
+        DOT_PRECISION,
+        LORA_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        BLOCK_R,
+    )
     if COMPUTE_DB:
         tl.atomic_add(grad_bias_ptr + offs_v, tl.sum(g, axis=0), mask=v_mask, sem="relaxed")
     if not FUSED:
@@ -104,13 +178,20 @@ def _backward_kernel(
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_mask = offs_d < D
             if COMPUTE_DH:
-                w_vd = tl.load(weight + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
-                               mask=v_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+                w_vd = tl.load(
+                    weight + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
+                    mask=v_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                )
                 if DOT_FP32:
                     w_vd = w_vd.to(tl.float32)
                 dh = tl.dot(g_dot, w_vd, input_precision=DOT_PRECISION) * g_unscale
-                tl.atomic_add(grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :], dh,
-                              mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
+                tl.atomic_add(
+                    grad_hidden_ptr + offs_n[:, None].to(tl.int64) * D + offs_d[None, :],
+                    dh,
+                    mask=n_mask[:, None] & d_mask[None, :],
+                    sem="relaxed",
+                )
             if COMPUTE_DW:
                 h_nd = tl.load(
                     hidden + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
@@ -120,8 +201,12 @@ def _backward_kernel(
                 if DOT_FP32:
                     h_nd = h_nd.to(tl.float32)
                 dw = tl.dot(tl.trans(g_dot), h_nd, input_precision=DOT_PRECISION) * g_unscale
-                tl.atomic_add(grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :], dw,
-                              mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")  # fmt: skip
+                tl.atomic_add(
+                    grad_weight_ptr + offs_v[:, None].to(tl.int64) * D + offs_d[None, :],
+                    dw,
+                    mask=v_mask[:, None] & d_mask[None, :],
+                    sem="relaxed",
+                )
         # LoRA's dl and dB: the adapter operands in g_dot's dtype, as the chunked mode's GEMMs take them (an fp32 dot
         # of fp32 g here spills registers on sm_90)
         if COMPUTE_DLH or COMPUTE_DLW:
@@ -148,12 +233,11 @@ def _backward_kernel(
                     )
 
 
-def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, g, grad_hidden,
-            grad_weight, grad_bias, config, lora=None, grad_lora=(None, None), coefficient_max=None,
-            g_unscale=None):  # fmt: skip
+def _launch(head, stats, grad_logp, grad_entropy, grads, config, g=None, coefficient_max=None, g_unscale=None):
     """One launch over hidden's rows; g (chunked: scaled by the power of two its kernel takes from
     ``coefficient_max`` [1] and writes the inverse of into ``g_unscale`` [1]) or the fp32 dH / dW / dl / dB (fused)
-    receive the result."""
+    receive the result (``grads``: an operands.HeadGrads)."""
+    hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
     dummy = stats.lse
@@ -169,27 +253,52 @@ def _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, trans
     _backward_kernel[grid](
         tile_operand(hidden, use_tma, config.block_n, config.block_d),
         tile_operand(weight, use_tma, config.block_v, config.block_d),
-        bias if bias is not None else dummy, targets, stats.lse, stats.nontarget_mass,
-        stats.mean_logit if entropy_grad else dummy, stats.mean_minus_target if entropy_grad else dummy,
-        grad_logp, grad_entropy if entropy_grad else dummy,
+        bias if bias is not None else dummy,
+        targets,
+        stats.lse,
+        stats.nontarget_mass,
+        stats.mean_logit if entropy_grad else dummy,
+        stats.mean_minus_target if entropy_grad else dummy,
+        grad_logp,
+        grad_entropy if entropy_grad else dummy,
         g if g is not None else dummy,
-        grad_hidden if grad_hidden is not None else dummy,
-        grad_weight if grad_weight is not None else dummy,
-        grad_bias if grad_bias is not None else dummy,
-        coefficient_max if coefficient_max is not None else dummy, g_unscale if g_unscale is not None else dummy,
-        N, V, D,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0) if g is not None else 0,
-        *transform.kernel_scalars(), **lora_kernel_args(lora, dummy, config),
-        grad_lora_hidden_ptr=grad_lora[0] if grad_lora[0] is not None else dummy,
-        grad_lora_weight_ptr=grad_lora[1] if grad_lora[1] is not None else dummy,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, ENTROPY_GRAD=entropy_grad,
-        FUSED=g is None, USE_TMA=use_tma, COMPUTE_DH=grad_hidden is not None, COMPUTE_DW=grad_weight is not None,
-        COMPUTE_DB=grad_bias is not None, COMPUTE_DLH=grad_lora[0] is not None,
-        COMPUTE_DLW=grad_lora[1] is not None, SCALE_G=hidden.dtype != torch.float32,
-        DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, GROUP_V=config.group_v,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+        grads.hidden if grads.hidden is not None else dummy,
+        grads.weight if grads.weight is not None else dummy,
+        grads.bias if grads.bias is not None else dummy,
+        coefficient_max if coefficient_max is not None else dummy,
+        g_unscale if g_unscale is not None else dummy,
+        N,
+        V,
+        D,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        g.stride(0) if g is not None else 0,
+        *transform.kernel_scalars(),
+        **lora_kernel_args(lora, dummy, config),
+        grad_lora_hidden_ptr=grads.lora_hidden if grads.lora_hidden is not None else dummy,
+        grad_lora_weight_ptr=grads.lora_weight if grads.lora_weight is not None else dummy,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=transform.softcap is not None,
+        ENTROPY_GRAD=entropy_grad,
+        FUSED=g is None,
+        USE_TMA=use_tma,
+        COMPUTE_DH=grads.hidden is not None,
+        COMPUTE_DW=grads.weight is not None,
+        COMPUTE_DB=grads.bias is not None,
+        COMPUTE_DLH=grads.lora_hidden is not None,
+        COMPUTE_DLW=grads.lora_weight is not None,
+        SCALE_G=hidden.dtype != torch.float32,
+        DOT_FP32=config.dot_fp32,
+        DOT_PRECISION=config.dot_precision(hidden.dtype),
+        BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v,
+        BLOCK_D=config.block_d,
+        GROUP_V=config.group_v,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
 
 
 def _rows(stats, n0, n1):
@@ -197,26 +306,25 @@ def _rows(stats, n0, n1):
 
 
 @on_first_argument_device
-def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-                     grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):  # fmt: skip
-    """dH (fp32, written), dW (fp32 accumulator, zero on entry), db (fp32, added to); any may be None.
-    With ``lora`` = (lora_hidden [N, r], lora_weight [V, r]): ``grad_lora`` = (dl written, dB zero on entry), fp32,
-    each may be None.
+def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config):
+    """Into ``grads`` (an operands.HeadGrads of fp32 buffers, any None): dH written, dW zero on entry, db added to;
+    with LoRA d lora_hidden written, d lora_weight zero on entry. ``head``: the operands.HeadOperands.
 
     ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N] fp32; ``grad_entropy`` =
     dL/dentropy [N] fp32 or None (then the stats' entropy values are unused); ``config``: a config.BackwardConfig.
     bf16 / fp16 g is scaled by one power of two for the whole call (tile.gemm_scale, from max |c| + |e|, on the
     device: no host read); dH is unscaled per chunk, dW once at the end (hence zero on entry).
     """
+    hidden, weight, lora = head.hidden, head.weight, head.lora
     N, D = hidden.shape
     V = weight.shape[0]
     chunk = chunk_size(N, D)
     g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
     # (gradient of the rows operand, of the columns operand, rows operand, columns operand): the base head's, and
     # LoRA's with its adapters in g's dtype (the GEMM operands)
-    operand_pairs = [(grad_hidden, grad_weight, hidden, weight)]
+    operand_pairs = [(grads.hidden, grads.weight, hidden, weight)]
     if lora is not None:
-        operand_pairs.append((*grad_lora, *(x.to(g.dtype) for x in lora)))
+        operand_pairs.append((grads.lora_hidden, grads.lora_weight, *(x.to(g.dtype) for x in lora)))
     scaled = hidden.dtype != torch.float32
     coefficient_max = g_unscale = None
     if scaled:
@@ -226,23 +334,15 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         _launch(
-            hidden[n0:n1],
-            weight,
-            targets[n0:n1],
-            bias,
+            head.tokens(n0, n1),
             _rows(stats, n0, n1),
             grad_logp[n0:n1],
             grad_entropy[n0:n1] if grad_entropy is not None else None,
-            transform,
-            g,
-            None,
-            None,
-            grad_bias,
+            HeadGrads(bias=grads.bias),
             config,
-            (lora[0][n0:n1], lora[1]) if lora is not None else None,
-            grad_lora=(None, None),
-            coefficient_max=coefficient_max,
-            g_unscale=g_unscale,
+            g,
+            coefficient_max,
+            g_unscale,
         )
         g_rows = g[: n1 - n0]
         for grad_rows, grad_columns, rows_operand, columns_operand in operand_pairs:
@@ -258,9 +358,7 @@ def backward_chunked(hidden, weight, targets, bias, stats, grad_logp, grad_entro
 
 
 @on_first_argument_device
-def backward_fused(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform,
-                   grad_hidden, grad_weight, grad_bias, config, lora=None, grad_lora=(None, None)):  # fmt: skip
-    """Accumulate dH, dW, db (and LoRA's dl, dB) into fp32 buffers (zero-initialised, or None when not needed) with
-    atomics; the arguments as ``backward_chunked``'s."""
-    _launch(hidden, weight, targets, bias, stats, grad_logp, grad_entropy, transform, None, grad_hidden,
-            grad_weight, grad_bias, config, lora, grad_lora)  # fmt: skip
+def backward_fused(head, stats, grad_logp, grad_entropy, grads, config):
+    """Accumulate dH, dW, db (and LoRA's dl, dB) into ``grads``' fp32 buffers (zero-initialised, or None when not
+    needed) with atomics; the arguments as ``backward_chunked``'s."""
+    _launch(head, stats, grad_logp, grad_entropy, grads, config)

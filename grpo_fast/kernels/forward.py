@@ -38,15 +38,42 @@ PARTS_BYTES = 32 * 2**20
 
 @triton.jit
 def _tile_records_kernel(
-    hidden, weight, bias_ptr, targets_ptr, parts_ptr, target_logit_ptr, row_count_ptr,
-    lora_hidden_ptr, lora_weight_ptr,
-    N, V, D, R, row0, stride_hn, stride_wv, stride_field, inv_temperature, logit_scale, softcap,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
-    HAS_ROW_COUNT: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    TILES: tl.constexpr, GROUP_N: tl.constexpr,
-):  # fmt: skip
+    hidden,
+    weight,
+    bias_ptr,
+    targets_ptr,
+    parts_ptr,
+    target_logit_ptr,
+    row_count_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    N,
+    V,
+    D,
+    R,
+    row0,
+    stride_hn,
+    stride_wv,
+    stride_field,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr,
+    HAS_ROW_COUNT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    TILES: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
     patches = tl.cdiv(V, TILES * BLOCK_V)
     pid = tl.program_id(0)
     pid_n, patch = tl.swizzle2d(pid // patches, pid % patches, tl.cdiv(N, BLOCK_N), patches, GROUP_N)
@@ -80,10 +107,35 @@ def _tile_records_kernel(
     for t in range(TILES):
         v0 = v_lo + t * BLOCK_V
         if v0 < V:
-            z, _ = logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
-                                 stride_hn, stride_wv, inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_LORA,
-                                 HAS_SOFTCAP, USE_TMA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                                 BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+            z, _ = logit_tile_at(
+                hidden,
+                weight,
+                bias_ptr,
+                lora_hidden_ptr,
+                lora_weight_ptr,
+                n0,
+                v0,
+                N,
+                V,
+                D,
+                R,
+                stride_hn,
+                stride_wv,
+                inv_temperature,
+                logit_scale,
+                softcap,
+                HAS_BIAS,
+                HAS_LORA,
+                HAS_SOFTCAP,
+                USE_TMA,
+                DOT_FP32,
+                DOT_PRECISION,
+                LORA_DOT_PRECISION,
+                BLOCK_N,
+                BLOCK_V,
+                BLOCK_D,
+                BLOCK_R,
+            )
             offs_v = v0 + tl.arange(0, BLOCK_V)
             is_target = offs_v[None, :] == targets[:, None]
             new_max = tl.maximum(run_max, tl.max(z, axis=1))
@@ -109,8 +161,19 @@ def _tile_records_kernel(
 
 
 @triton.jit
-def _merge_parts_kernel(parts_ptr, target_logit_ptr, targets_ptr, record_ptr, N, V, patches, stride_field,
-                        stride_record, COMPUTE_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _merge_parts_kernel(
+    parts_ptr,
+    target_logit_ptr,
+    targets_ptr,
+    record_ptr,
+    N,
+    V,
+    patches,
+    stride_field,
+    stride_record,
+    COMPUTE_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Each row's partials folded into softmax_stats.SoftmaxStats's five fields (the module docstring's merge)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -152,16 +215,13 @@ def _merge_parts_kernel(parts_ptr, target_logit_ptr, targets_ptr, record_ptr, N,
     tl.store(out + 4 * stride_record, target_logit, mask=mask)
 
 
-def forward(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
-    """hidden [N, D], weight [V, D], targets [N] int -> (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
+def forward(head, compute_entropy, config, row_count=None):
+    """An operands.HeadOperands (hidden [N, D], weight [V, D], targets [N] int, bias, transform, lora: contiguous) ->
+    (logp, entropy, softmax_stats.BackwardStats), [N] fp32 each.
 
-    ``transform``: the logit transform (``kernel_scalars()`` and ``softcap``); ``config``: a
-    config.TileRecordConfig. Entropy (and the backward's entropy values) are None without ``compute_entropy``.
-    ``lora``: None or (lora_hidden [N, r], lora_weight [V, r]), contiguous."""
-    return softmax_stats.finish(
-        forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora, row_count),
-        compute_entropy,
-    )
+    ``config``: a config.TileRecordConfig. Entropy (and the backward's entropy values) are None without
+    ``compute_entropy``."""
+    return softmax_stats.finish(forward_record(head, compute_entropy, config, row_count), compute_entropy)
 
 
 def parts_shape(N, V, compute_entropy, config):
@@ -184,12 +244,13 @@ def workspace_bytes(N, V, compute_entropy, config):
 
 
 @on_first_argument_device
-def forward_record(hidden, weight, targets, bias, transform, compute_entropy, config, lora=None, row_count=None):
+def forward_record(head, compute_entropy, config, row_count=None):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1);
     ``forward`` finishes it. zsum is 0 without ``compute_entropy``. A target outside [0, V) (a vocab-parallel shard
     that does not hold it) leaves the record's target 0 and its rest equal to its sumexp. ``row_count``: None, or a
     [1] int32 device tensor: rows from it on are padding (zeros, no gradient), and the blocks wholly past it compute
     no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0)."""
+    hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
     record = torch.empty((5, N), dtype=torch.float32, device=hidden.device)
@@ -212,21 +273,52 @@ def forward_record(hidden, weight, targets, bias, transform, compute_entropy, co
         part_rows = parts if rows == chunk else parts.view(-1)[: fields * patches * rows].view(fields, patches, rows)
         lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
         _tile_records_kernel[(triton.cdiv(rows, config.block_n) * patches,)](
-            tile_operand(part(hidden), use_tma, config.block_n, config.block_d), w,
-            bias if bias is not None else hidden, part(targets), part_rows, part(target_logit),
+            tile_operand(part(hidden), use_tma, config.block_n, config.block_d),
+            w,
+            bias if bias is not None else hidden,
+            part(targets),
+            part_rows,
+            part(target_logit),
             row_count if row_count is not None else targets,
-            N=rows, V=V, D=D, row0=n0, stride_hn=hidden.stride(0), stride_wv=weight.stride(0),
-            stride_field=part_rows.stride(0), inv_temperature=inv_temperature, logit_scale=logit_scale,
-            softcap=softcap, **lora_kernel_args(lora_rows, hidden, config),
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None, COMPUTE_ENTROPY=compute_entropy,
-            HAS_ROW_COUNT=row_count is not None, USE_TMA=use_tma,
-            DOT_FP32=config.dot_fp32, DOT_PRECISION=config.dot_precision(hidden.dtype),
-            BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d, TILES=config.tiles,
-            GROUP_N=config.group_n, num_warps=config.num_warps, num_stages=config.num_stages,
-        )  # fmt: skip
+            N=rows,
+            V=V,
+            D=D,
+            row0=n0,
+            stride_hn=hidden.stride(0),
+            stride_wv=weight.stride(0),
+            stride_field=part_rows.stride(0),
+            inv_temperature=inv_temperature,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            **lora_kernel_args(lora_rows, hidden, config),
+            HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=transform.softcap is not None,
+            COMPUTE_ENTROPY=compute_entropy,
+            HAS_ROW_COUNT=row_count is not None,
+            USE_TMA=use_tma,
+            DOT_FP32=config.dot_fp32,
+            DOT_PRECISION=config.dot_precision(hidden.dtype),
+            BLOCK_N=config.block_n,
+            BLOCK_V=config.block_v,
+            BLOCK_D=config.block_d,
+            TILES=config.tiles,
+            GROUP_N=config.group_n,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
         merge_block = 128
         _merge_parts_kernel[(triton.cdiv(rows, merge_block),)](
-            part_rows, part(target_logit), part(targets), part(record, 1), rows, V, patches, part_rows.stride(0),
-            record.stride(0), COMPUTE_ENTROPY=compute_entropy, BLOCK=merge_block, num_warps=4,
-        )  # fmt: skip
+            part_rows,
+            part(target_logit),
+            part(targets),
+            part(record, 1),
+            rows,
+            V,
+            patches,
+            part_rows.stride(0),
+            record.stride(0),
+            COMPUTE_ENTROPY=compute_entropy,
+            BLOCK=merge_block,
+            num_warps=4,
+        )
     return softmax_stats.SoftmaxStats(*record.unbind(0))

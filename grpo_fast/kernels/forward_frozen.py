@@ -49,9 +49,20 @@ _MAX, _SUMEXP, _REST, _ZSUM, _TARGET, _SLOPE, _RESCALE, _UNSCALE = (tl.constexpr
 
 
 @triton.jit
-def _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
-                      inv_temperature, logit_scale, softcap, HAS_BIAS: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr):  # fmt: skip
+def _transformed_tile(
+    u_ptr,
+    bias_ptr,
+    offs_n,
+    offs_v,
+    n_mask,
+    v_mask,
+    stride_un,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
     """(z, dz/du) of one tile of the u buffer: z is -inf past the chunk; dz/du is a number without a soft-cap."""
     # int64 row offsets: the u buffer is about the size of W and may pass 2^31 elements (``tile``)
     u = tl.load(
@@ -100,8 +111,20 @@ def _frozen_chunk_kernel(
     rest_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     for c0 in range(0, cols, BLOCK_V):
         offs_v = c0 + tl.arange(0, BLOCK_V)
-        z, _ = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, offs_v < cols, stride_un,
-                                 inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)  # fmt: skip
+        z, _ = _transformed_tile(
+            u_ptr,
+            bias_ptr,
+            offs_n,
+            offs_v,
+            n_mask,
+            offs_v < cols,
+            stride_un,
+            inv_temperature,
+            logit_scale,
+            softcap,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+        )
         chunk_max = tl.maximum(chunk_max, tl.max(z, axis=1))
         is_target = offs_v[None, :] == local_target[:, None]
         rest_max = tl.maximum(rest_max, tl.max(tl.where(is_target, float("-inf"), z), axis=1))
@@ -128,8 +151,20 @@ def _frozen_chunk_kernel(
     for c0 in range(0, cols, BLOCK_V):
         offs_v = c0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < cols
-        z, slope = _transformed_tile(u_ptr, bias_ptr, offs_n, offs_v, n_mask, v_mask, stride_un,
-                                     inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)  # fmt: skip
+        z, slope = _transformed_tile(
+            u_ptr,
+            bias_ptr,
+            offs_n,
+            offs_v,
+            n_mask,
+            v_mask,
+            stride_un,
+            inv_temperature,
+            logit_scale,
+            softcap,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+        )
         e = tl.exp(z - pivot[:, None])
         is_target = offs_v[None, :] == local_target[:, None]
         e_rest = tl.where(is_target, 0.0, e)
@@ -185,44 +220,32 @@ def vocab_chunk_size(V, D, chunk, weight_bytes_per_entry, align=VOCAB_ALIGN):
     return min(V, triton.cdiv(triton.cdiv(V, n_chunks), align) * align)
 
 
-def forward_frozen_head(hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk=None,
-                        vocab_chunk=None, gemm_dtype=None, lora=None):  # fmt: skip
-    """hidden [N, D], weight [V, D], targets [N] -> (logp, entropy, softmax_stats.BackwardStats) as
-    ``forward.forward``'s (entropy None without ``compute_entropy``), J = d logp / d hidden [N, D] fp32 and
-    J_l = d logp / d lora_hidden [N, r] fp32 with ``lora`` = (lora_hidden [N, r], lora_weight [V, r]) (else None).
+def forward_frozen_head(head, compute_entropy, config, token_chunk=None, vocab_chunk=None, gemm_dtype=None):
+    """An operands.HeadOperands (hidden [N, D], weight [V, D], targets [N], bias, transform, lora) -> (logp, entropy,
+    softmax_stats.BackwardStats) as ``forward.forward``'s (entropy None without ``compute_entropy``),
+    J = d logp / d hidden [N, D] fp32 and J_l = d logp / d lora_hidden [N, r] fp32 with LoRA (else None).
 
     ``config``: a config.FrozenHeadConfig (gemm_fp32: every GEMM on fp32 operands). ``token_chunk`` (default
     gemm.chunk_size(N, D)), ``vocab_chunk`` (default vocab_chunk_size) and ``gemm_dtype`` (P''s dtype: default the
     input dtype on a GPU, fp32 with gemm_fp32) are for tests and tuning.
     """
     record, acc, target_slope, lora_acc = forward_frozen_record(
-        hidden, weight, targets, bias, transform, compute_entropy, config, token_chunk, vocab_chunk, gemm_dtype, lora
+        head, compute_entropy, config, token_chunk, vocab_chunk, gemm_dtype
     )
-    grad = softmax_stats.finish_frozen_grad(acc, record, target_slope, weight, targets)
-    if lora is not None:
-        lora_acc = softmax_stats.finish_frozen_grad(lora_acc, record, target_slope, lora[1], targets)
+    grad = softmax_stats.finish_frozen_grad(acc, record, target_slope, head.weight, head.targets)
+    if head.lora is not None:
+        lora_acc = softmax_stats.finish_frozen_grad(lora_acc, record, target_slope, head.lora[1], head.targets)
     return (*softmax_stats.finish(record, compute_entropy), grad, lora_acc)
 
 
 @on_first_argument_device
-def forward_frozen_record(
-    hidden,
-    weight,
-    targets,
-    bias,
-    transform,
-    compute_entropy,
-    config,
-    token_chunk=None,
-    vocab_chunk=None,
-    gemm_dtype=None,
-    lora=None,
-):
+def forward_frozen_record(head, compute_entropy, config, token_chunk=None, vocab_chunk=None, gemm_dtype=None):
     """``forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope [N]
-    fp32, lora_acc [N, r] fp32 or None without ``lora``), unfinished (acc = sum_{v != y} e_v s'_v W_v against the
+    fp32, lora_acc [N, r] fp32 or None without LoRA), unfinished (acc = sum_{v != y} e_v s'_v W_v against the
     record's max; lora_acc the same over lora_weight), for softmax_stats.finish_frozen_grad and
     softmax_stats.finish, or for a caller that merges them with other rows' first (a vocab-parallel head's
     shards). V >= 1."""
+    hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device

@@ -20,11 +20,12 @@ def on_device(tensor):
 
 
 def on_first_argument_device(wrapper):
-    """Decorator: run ``wrapper`` (its first argument a tensor) ``on_device`` of that tensor."""
+    """Decorator: run ``wrapper`` ``on_device`` of its first argument: a tensor, or a record (operands.HeadOperands)
+    whose first field is one."""
 
     @functools.wraps(wrapper)
     def run(first, *args, **kwargs):
-        with on_device(first):
+        with on_device(first if isinstance(first, torch.Tensor) else first[0]):
             return wrapper(first, *args, **kwargs)
 
     return run

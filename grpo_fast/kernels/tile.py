@@ -124,13 +124,32 @@ def lora_tile(ptr, offs_rows, row_mask, r0, R, DOT_FP32: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
-                    v_mask, D, R,
-                    stride_hn, stride_hd, stride_wv, stride_wd,
-                    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_FP32: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_R: tl.constexpr):  # fmt: skip
+def _raw_logit_tile(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    offs_n,
+    offs_v,
+    n_mask,
+    v_mask,
+    D,
+    R,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """u = H W^T + L B^T (HAS_LORA) + b for one tile, fp32."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -152,14 +171,41 @@ def _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weig
             h = h.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-    return _lora_and_bias(acc, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask, R,
-                          HAS_BIAS, HAS_LORA, DOT_FP32, LORA_DOT_PRECISION, BLOCK_R)  # fmt: skip
+    return _lora_and_bias(
+        acc,
+        bias_ptr,
+        lora_hidden_ptr,
+        lora_weight_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        R,
+        HAS_BIAS,
+        HAS_LORA,
+        DOT_FP32,
+        LORA_DOT_PRECISION,
+        BLOCK_R,
+    )
 
 
 @triton.jit
-def _lora_and_bias(acc, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask, R,
-                   HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_FP32: tl.constexpr,
-                   LORA_DOT_PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def _lora_and_bias(
+    acc,
+    bias_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    offs_n,
+    offs_v,
+    n_mask,
+    v_mask,
+    R,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """acc + L B^T (HAS_LORA: the second K-loop, [h | l] . [W | B] in one accumulator) + b (HAS_BIAS)."""
     if HAS_LORA:
         for r0 in range(0, R, BLOCK_R):
@@ -172,12 +218,31 @@ def _lora_and_bias(acc, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs
 
 
 @triton.jit
-def raw_logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
-                      stride_hn, stride_wv,
-                      HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_TMA: tl.constexpr,
-                      DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_R: tl.constexpr):  # fmt: skip
+def raw_logit_tile_at(
+    hidden,
+    weight,
+    bias_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    n0,
+    v0,
+    N,
+    V,
+    D,
+    R,
+    stride_hn,
+    stride_wv,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """u = H W^T + L B^T (HAS_LORA) + b for rows [n0, n0 + BLOCK_N) < N and columns [v0, v0 + BLOCK_V) < V, fp32.
 
     ``hidden`` and ``weight`` are tensor descriptors with USE_TMA (Hopper's copy engine: blocks [BLOCK_N, BLOCK_D]
@@ -195,43 +260,172 @@ def raw_logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr
                 h = h.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(h, w.T, acc, input_precision=DOT_PRECISION)
-        acc = _lora_and_bias(acc, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask, R,
-                             HAS_BIAS, HAS_LORA, DOT_FP32, LORA_DOT_PRECISION, BLOCK_R)  # fmt: skip
+        acc = _lora_and_bias(
+            acc,
+            bias_ptr,
+            lora_hidden_ptr,
+            lora_weight_ptr,
+            offs_n,
+            offs_v,
+            n_mask,
+            v_mask,
+            R,
+            HAS_BIAS,
+            HAS_LORA,
+            DOT_FP32,
+            LORA_DOT_PRECISION,
+            BLOCK_R,
+        )
     else:  # one return, after both branches: triton 3.6 compiles the code after a constexpr branch's return
-        acc = _raw_logit_tile(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
-                              v_mask, D, R, stride_hn, 1, stride_wv, 1, HAS_BIAS, HAS_LORA, DOT_FP32, DOT_PRECISION,
-                              LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+        acc = _raw_logit_tile(
+            hidden,
+            weight,
+            bias_ptr,
+            lora_hidden_ptr,
+            lora_weight_ptr,
+            offs_n,
+            offs_v,
+            n_mask,
+            v_mask,
+            D,
+            R,
+            stride_hn,
+            1,
+            stride_wv,
+            1,
+            HAS_BIAS,
+            HAS_LORA,
+            DOT_FP32,
+            DOT_PRECISION,
+            LORA_DOT_PRECISION,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            BLOCK_R,
+        )
     return acc
 
 
 @triton.jit
-def logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
-                  stride_hn, stride_wv, inv_temperature, logit_scale, softcap,
-                  HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
-                  DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  LORA_DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def logit_tile_at(
+    hidden,
+    weight,
+    bias_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    n0,
+    v0,
+    N,
+    V,
+    D,
+    R,
+    stride_hn,
+    stride_wv,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """The transformed logits z of the tile at (n0, v0) (-inf past the vocabulary) and dz/du (transform_and_slope):
     ``raw_logit_tile_at``'s u through the logit transform."""
-    u = raw_logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
-                          stride_hn, stride_wv, HAS_BIAS, HAS_LORA, USE_TMA, DOT_FP32, DOT_PRECISION,
-                          LORA_DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+    u = raw_logit_tile_at(
+        hidden,
+        weight,
+        bias_ptr,
+        lora_hidden_ptr,
+        lora_weight_ptr,
+        n0,
+        v0,
+        N,
+        V,
+        D,
+        R,
+        stride_hn,
+        stride_wv,
+        HAS_BIAS,
+        HAS_LORA,
+        USE_TMA,
+        DOT_FP32,
+        DOT_PRECISION,
+        LORA_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        BLOCK_R,
+    )
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
     offs_v = v0 + tl.arange(0, BLOCK_V)
     return tl.where((offs_v < V)[None, :], z, float("-inf")), slope
 
 
 @triton.jit
-def logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask, v_mask,
-               D, R, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature, logit_scale, softcap,
-               HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def logit_tile(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    offs_n,
+    offs_v,
+    n_mask,
+    v_mask,
+    D,
+    R,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """The transformed logits z of one tile (-inf past the vocabulary) and dz/du (see transform_and_slope)."""
-    u = _raw_logit_tile(hidden_ptr, weight_ptr, bias_ptr, lora_hidden_ptr, lora_weight_ptr, offs_n, offs_v, n_mask,
-                        v_mask, D, R, stride_hn, stride_hd, stride_wv, stride_wd,
-                        HAS_BIAS, HAS_LORA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                        BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+    u = _raw_logit_tile(
+        hidden_ptr,
+        weight_ptr,
+        bias_ptr,
+        lora_hidden_ptr,
+        lora_weight_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        D,
+        R,
+        stride_hn,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        HAS_BIAS,
+        HAS_LORA,
+        DOT_FP32,
+        DOT_PRECISION,
+        LORA_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        BLOCK_R,
+    )
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
     return tl.where(v_mask[None, :], z, float("-inf")), slope
 
@@ -263,13 +457,47 @@ def row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GR
 
 
 @triton.jit
-def tile_grad(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, targets_ptr, lse_ptr,
-              nontarget_mass_ptr, mean_logit_ptr, mean_minus_target_ptr, grad_logp, grad_entropy, n0, v0, offs_n,
-              offs_v, n_mask, v_mask, N, V, D, R, stride_hn, stride_wv, inv_temperature, logit_scale, softcap,
-              HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              ENTROPY_GRAD: tl.constexpr, USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, LORA_DOT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def tile_grad(
+    hidden,
+    weight,
+    bias_ptr,
+    lora_hidden_ptr,
+    lora_weight_ptr,
+    targets_ptr,
+    lse_ptr,
+    nontarget_mass_ptr,
+    mean_logit_ptr,
+    mean_minus_target_ptr,
+    grad_logp,
+    grad_entropy,
+    n0,
+    v0,
+    offs_n,
+    offs_v,
+    n_mask,
+    v_mask,
+    N,
+    V,
+    D,
+    R,
+    stride_hn,
+    stride_wv,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LORA_DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """g = dL/du for one tile (rows ``offs_n`` from n0, columns ``offs_v`` from v0), from the recomputed logits
     (``logit_tile_at``: ``hidden`` and ``weight`` are tensor descriptors with USE_TMA) and the forward's per-token
     values (module docstring). ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
@@ -277,10 +505,35 @@ def tile_grad(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, target
     # rows past the batch: lse +inf makes their p exactly 0 (with 0 their exp(z) overflows, and 0 x inf is a NaN in db)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
     nontarget_mass = tl.load(nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
-    z, slope = logit_tile_at(hidden, weight, bias_ptr, lora_hidden_ptr, lora_weight_ptr, n0, v0, N, V, D, R,
-                             stride_hn, stride_wv, inv_temperature, logit_scale, softcap, HAS_BIAS, HAS_LORA,
-                             HAS_SOFTCAP, USE_TMA, DOT_FP32, DOT_PRECISION, LORA_DOT_PRECISION,
-                             BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_R)  # fmt: skip
+    z, slope = logit_tile_at(
+        hidden,
+        weight,
+        bias_ptr,
+        lora_hidden_ptr,
+        lora_weight_ptr,
+        n0,
+        v0,
+        N,
+        V,
+        D,
+        R,
+        stride_hn,
+        stride_wv,
+        inv_temperature,
+        logit_scale,
+        softcap,
+        HAS_BIAS,
+        HAS_LORA,
+        HAS_SOFTCAP,
+        USE_TMA,
+        DOT_FP32,
+        DOT_PRECISION,
+        LORA_DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_D,
+        BLOCK_R,
+    )
     p = tl.exp(z - lse[:, None])
     is_target = offs_v[None, :] == targets[:, None]
     dz = -grad_logp[:, None] * p

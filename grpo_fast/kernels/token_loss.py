@@ -79,9 +79,22 @@ def _maximum(x, y):
 
 
 @triton.jit
-def _row_sums(logp_ptr, old_ptr, sampler_ptr, mask_ptr, iw_ptr, row, T,
-              SEQUENCE: tl.constexpr, HAS_OLD: tl.constexpr, GAMMA_WEIGHTED: tl.constexpr, TERM_IW: tl.constexpr,
-              IW_PER_TOKEN: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+def _row_sums(
+    logp_ptr,
+    old_ptr,
+    sampler_ptr,
+    mask_ptr,
+    iw_ptr,
+    row,
+    T,
+    SEQUENCE: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    GAMMA_WEIGHTED: tl.constexpr,
+    TERM_IW: tl.constexpr,
+    IW_PER_TOKEN: tl.constexpr,
+    OFF_POLICY_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """Pass 1 over a row: its token count, the sum of log-ratios (GSPO), phi's log W (unclamped) and the summed
     KL(sampler || policy) for the off-policy mask. TERM_IW: importance weights that enter the term (log W)."""
     count = 0.0
@@ -147,11 +160,27 @@ def _importance_ratio(
 
 
 @triton.jit
-def _policy_weight(iw_ptr, entropy_ptr, row, offs, in_row, m, active, adv, iw_row, sampler_kl,
-                   off_policy_threshold, entropy_threshold,
-                   IW_IN_TERM: tl.constexpr, HAS_IW: tl.constexpr, IW_PER_TOKEN: tl.constexpr,
-                   HAS_ENTROPY: tl.constexpr, OFF_POLICY_MASK: tl.constexpr, ENTROPY_MASK: tl.constexpr,
-                   BLOCK_T: tl.constexpr):  # fmt: skip
+def _policy_weight(
+    iw_ptr,
+    entropy_ptr,
+    row,
+    offs,
+    in_row,
+    m,
+    active,
+    adv,
+    iw_row,
+    sampler_kl,
+    off_policy_threshold,
+    entropy_threshold,
+    IW_IN_TERM: tl.constexpr,
+    HAS_IW: tl.constexpr,
+    IW_PER_TOKEN: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    OFF_POLICY_MASK: tl.constexpr,
+    ENTROPY_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """(weight, bonus, entropy): the policy term's multiplier (importance weights unless IW_IN_TERM, the off-policy and
     top-entropy masks; 0 at padding), the entropy bonus's token mask, and the token entropies (0 at padding)."""
     weight = tl.full((BLOCK_T,), 1.0, tl.float32)

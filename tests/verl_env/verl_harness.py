@@ -20,9 +20,17 @@ def _keep_hidden_states(backbone, args, output):
 
 
 def tiny_qwen2(tied, dtype=torch.float32, seed=0, vocab_size=VOCAB):
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                         attn_implementation="sdpa", attention_dropout=0.0)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        attn_implementation="sdpa",
+        attention_dropout=0.0,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     # a random init with logits of order 1: a real softmax, not a near-uniform one
