@@ -213,3 +213,17 @@ def mypy_errors(tmp_path, source):
         text=True,
     )
     return [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": error: " in line], result
+
+
+def tiny_generator_config():
+    """A tied 2-layer Qwen2Config of width 32 over the byte tokenizer's vocabulary (its EOS and padding ids, no BOS),
+    for tests that generate."""
+    from gsm8k.tokenizer import byte_tokenizer
+    from transformers import Qwen2Config
+
+    tok = byte_tokenizer()
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    return Qwen2Config(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=512, **shape, **special)

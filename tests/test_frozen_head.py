@@ -312,21 +312,16 @@ def _frozen_forward_calls(monkeypatch):
     return calls
 
 
+def _loss_inputs(x):
+    """A ``_loss_batch``'s (targets, advantages, mask) and keywords (old and reference log-probs, beta)."""
+    return (x["targets"], x["adv"], x["mask"]), dict(old_logprobs=x["old"], ref_logprobs=x["ref"], beta=0.04)
+
+
 def _loss_grad_hidden(x, weight_requires_grad, backend, **kw):
     hidden = x["hidden"].clone().requires_grad_()
     weight = x["weight"].clone().requires_grad_(weight_requires_grad)
-    loss, metrics = grpo_fast.loss(
-        hidden,
-        weight,
-        x["targets"],
-        x["adv"],
-        x["mask"],
-        old_logprobs=x["old"],
-        ref_logprobs=x["ref"],
-        beta=0.04,
-        backend=backend,
-        **kw,
-    )
+    labels, keywords = _loss_inputs(x)
+    loss, metrics = grpo_fast.loss(hidden, weight, *labels, backend=backend, **keywords, **kw)
     loss.backward()
     return loss, metrics, hidden.grad
 
@@ -353,18 +348,8 @@ def test_loss_with_a_frozen_weight_equals_the_recompute_path_and_the_reference(b
         torch.testing.assert_close(frozen_metrics[name], metrics[name], rtol=1e-6, atol=1e-7, equal_nan=True)
     assert_grad_close(frozen_dh, dh.float().to(dtype), dtype, "frozen vs recompute")
     hidden = x["hidden"].to(F64).requires_grad_()
-    ref_loss, _ = reference.loss(
-        hidden,
-        x["weight"].to(F64),
-        x["targets"],
-        x["adv"],
-        x["mask"],
-        old_logprobs=x["old"],
-        ref_logprobs=x["ref"],
-        beta=0.04,
-        compute_dtype=F64,
-        **loss_kw,
-    )
+    labels, keywords = _loss_inputs(x)
+    ref_loss, _ = reference.loss(hidden, x["weight"].to(F64), *labels, compute_dtype=F64, **keywords, **loss_kw)
     ref_loss.backward()
     assert_grad_close(frozen_dh, hidden.grad.float(), dtype, "frozen vs fp64 spec")
 

@@ -32,6 +32,11 @@ def _mode(backend):
     return "fused" if backend == "triton-fused" else "chunked"
 
 
+def _head_choice(backend):
+    """The backend and backward_mode keywords of a BACKENDS entry."""
+    return dict(backend=_impl(backend), backward_mode=_mode(backend))
+
+
 def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_mask=None, **transform):
     """grpo_fast.logprobs_and_entropy vs the fp64 reference: outputs, and the gradients of
     sum(grad_logp * logp + grad_entropy * entropy) (either may be None: that output gets no gradient)."""
@@ -51,8 +56,7 @@ def _check(backend, dtype, h, w, b, y, *, grad_logp, grad_entropy, completion_ma
                 y,
                 bias=leaves[2],
                 completion_mask=completion_mask,
-                backend=_impl(impl),
-                backward_mode=_mode(impl),
+                **_head_choice(impl),
                 **transform,
             )
         total = sum((c * x).sum() for c, x in ((grad_logp, logp), (grad_entropy, ent)) if c is not None)
@@ -185,13 +189,7 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend, device):
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
     mask = torch.zeros(2, 4, dtype=torch.bool, device=dev)
     logp, ent = grpo_fast.logprobs_and_entropy(
-        leaves[0],
-        leaves[1],
-        y,
-        bias=leaves[2],
-        completion_mask=mask,
-        backend=_impl(backend),
-        backward_mode=_mode(backend),
+        leaves[0], leaves[1], y, bias=leaves[2], completion_mask=mask, **_head_choice(backend)
     )
     (logp.sum() + ent.sum()).backward()
     assert torch.count_nonzero(logp) == 0 and torch.count_nonzero(ent) == 0
@@ -203,7 +201,7 @@ def test_all_rows_masked_gives_zeros_and_zero_gradients(backend, device):
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does(backend, device):
     h, w, _, y = head_inputs(2, 4, 20, 77, torch.float32, bias=False, device=backend_device(backend, device))
     h.requires_grad_()
-    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, backend=_impl(backend), backward_mode=_mode(backend))
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, **_head_choice(backend))
     (logp.sum() + 0.1 * ent.sum()).backward()
     assert w.grad is None
     h2 = h.detach().clone().requires_grad_()
@@ -224,9 +222,7 @@ def test_extreme_logits_and_minus_inf_bias_give_no_nan(backend, softcap, device)
     bias[::7] = 0.0
     y = (y // 7) * 7
     h.requires_grad_()
-    logp, ent = grpo_fast.logprobs_and_entropy(
-        h, w, y, bias=bias, softcap=softcap, backend=_impl(backend), backward_mode=_mode(backend)
-    )
+    logp, ent = grpo_fast.logprobs_and_entropy(h, w, y, bias=bias, softcap=softcap, **_head_choice(backend))
     (logp.sum() + ent.sum()).backward()
     h2 = h.detach().clone().requires_grad_()
     ref_logp, ref_ent = reference.logprobs_and_entropy(h2, w, y, bias, softcap=softcap, compute_dtype=F64)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gsm8k import rollout
 from gsm8k.tokenizer import byte_tokenizer
+from helpers import tiny_generator_config
 
 import grpo_fast
 from grpo_fast import reference
@@ -13,24 +14,11 @@ from grpo_fast.grpo_loss.advantages import group_advantages
 from grpo_fast.integrations.hidden_states import completion_hidden_states
 
 
-def tiny_model(vocab=259, seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_model(seed=0):
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        eos_token_id=256,
-        pad_token_id=257,
-        bos_token_id=None,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(tiny_generator_config()).eval()
 
 
 # ------------------------------------------------------------------------------------------ completion mask

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from gsm8k.tokenizer import byte_tokenizer
-from helpers import out_of_range_cases, parser_actions
+from helpers import out_of_range_cases, parser_actions, tiny_generator_config
 from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "train_gsm8k.py"
@@ -42,7 +42,7 @@ def letters_reward(prompts, completions, answer, **kwargs):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     root = tmp_path_factory.mktemp("gsm8k_e2e")
     data = root / "data"
@@ -52,56 +52,25 @@ def setup(tmp_path_factory):
             for q, a in QUESTIONS:
                 f.write(json.dumps({"question": q, "answer": f"Some steps.\n#### {a}"}) + "\n")
     tok = byte_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    Qwen2ForCausalLM(tiny_generator_config()).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     return root, load_script()
 
 
 def base_args(root, out, *extra):
-    # the GPU recipe's defaults (gradient checkpointing, no priming) at toy sizes
-    return [
-        "--preset",
-        "gpu",
-        "--model",
-        str(root / "model"),
-        "--data",
-        str(root / "data"),
-        "--output-dir",
-        str(out),
-        "--prompts-per-step",
-        "2",
-        "--num-generations",
-        "3",
-        "--max-completion-length",
-        "8",
-        "--micro-batch-size",
-        "4",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--max-grad-norm",
-        "1.0",
-        "--eval-samples",
-        "0",
-        "--seed",
-        "0",
-        *extra,
-    ]
+    """The GPU recipe's defaults (gradient checkpointing, no priming) at toy sizes, on ``setup``'s files."""
+    files = ["--model", str(root / "model"), "--data", str(root / "data"), "--output-dir", str(out)]
+    toy = (
+        "--prompts-per-step 2 --num-generations 3 --max-completion-length 8 --micro-batch-size 4 --warmup-ratio 0 "
+        "--lr 1e-2 --max-grad-norm 1.0 --eval-samples 0 --seed 0"
+    ).split()
+    return ["--preset", "gpu", *files, *toy, *extra]
+
+
+def one_step_args(root, out, lora_r, *extra):
+    """``base_args`` for one step with LoRA of rank ``lora_r`` (0: none)."""
+    return base_args(root, out, "--max-steps", "1", "--lora-r", str(lora_r), *extra)
 
 
 def read_metrics(out):
@@ -230,18 +199,7 @@ def test_eager_and_fused_losses_agree(setup, monkeypatch):
     for name in ("fused", "eager"):
         out = root / f"loss-{name}"
         script.main(
-            base_args(
-                root,
-                out,
-                "--max-steps",
-                "1",
-                "--lora-r",
-                "0",
-                "--loss",
-                name,
-                "--memory-report",
-                str(root / "memory.jsonl"),
-            ),
+            one_step_args(root, out, 0, "--loss", name, "--memory-report", str(root / "memory.jsonl")),
             reward_funcs={"letters": letters_reward},
         )
         losses[name] = read_metrics(out)[0]
@@ -284,9 +242,7 @@ def test_completion_prefix_reaches_prompt_ids_and_rewards_and_one_shot_prompts(s
     monkeypatch.setattr(script.rollout, "generate", spy_generate)
     out = root / "prefix"
     result = script.main(
-        base_args(
-            root, out, "--max-steps", "1", "--lora-r", "0", "--one-shot", "--completion-prefix", "<reasoning>\\n"
-        ),
+        one_step_args(root, out, 0, "--one-shot", "--completion-prefix", "<reasoning>\\n"),
         reward_funcs={"r": recording_reward},
     )
     assert result["status"] == "ok"
@@ -311,23 +267,7 @@ def test_shared_prompt_path_equals_the_plain_one(setup, monkeypatch):
     for flag in ("--gradient-checkpointing", "--no-gradient-checkpointing"):
         out = root / f"share{flag}"
         script.main(
-            base_args(
-                root,
-                out,
-                "--max-steps",
-                "1",
-                "--lora-r",
-                "4",
-                "--beta",
-                "0.1",
-                "--lr",
-                "5e-2",
-                "--num-iterations",
-                "2",
-                "--save-every",
-                "0",
-                flag,
-            ),
+            one_step_args(root, out, 4, *"--beta 0.1 --lr 5e-2 --num-iterations 2 --save-every 0".split(), flag),
             reward_funcs={"letters": letters_reward},
         )
         rows[flag] = read_metrics(out)
@@ -485,22 +425,8 @@ def test_a_bad_number_from_the_command_line_exits_2_with_one_line():
 
 
 def one_step(root, out, *extra):
-    return base_args(
-        root,
-        out,
-        "--max-steps",
-        "1",
-        "--lora-r",
-        "0",
-        "--num-generations",
-        "2",
-        "--prompts-per-step",
-        "1",
-        "--no-gradient-checkpointing",
-        "--save-every",
-        "0",
-        *extra,
-    )
+    small = "--num-generations 2 --prompts-per-step 1 --no-gradient-checkpointing --save-every 0".split()
+    return one_step_args(root, out, 0, *small, *extra)
 
 
 @pytest.mark.slow

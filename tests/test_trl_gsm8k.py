@@ -17,6 +17,18 @@ from trl_pairs import trl_kernel_forbidden
 SCRIPT = Path(__file__).parents[1] / "examples" / "trl_gsm8k.py"
 REWARDS = ("xmlcount_reward", "soft_format_reward", "strict_format_reward", "int_reward", "correctness_reward")
 
+# the CPU recipe at toy sizes: no one-shot example, 2 completions of 8 tokens, 4 a generation
+TOY_RUN = (
+    "--no-one-shot --num-generations 2 --max-completion-length 8 --per-device-train-batch-size 2 "
+    "--generation-batch-size 4 --learning-rate 1e-3"
+).split()
+
+
+def offline_argv(tmp_path, out, *flags):
+    """The script's arguments for the CPU preset on ``offline_data_and_model``'s files, writing to ``out``."""
+    files = ("--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--output-dir", str(out))
+    return ["--preset", "cpu", *files, *flags]
+
 
 def load_script():
     spec = importlib.util.spec_from_file_location("trl_gsm8k", SCRIPT)
@@ -53,31 +65,7 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
     with trl_kernel_forbidden():
         # the CPU recipe (no warm-up, no checkpoints) at toy sizes
         trainer = script.main(
-            [
-                "--preset",
-                "cpu",
-                "--model",
-                str(tmp_path / "model"),
-                "--data",
-                str(tmp_path / "data"),
-                "--no-one-shot",
-                "--output-dir",
-                str(tmp_path / "out"),
-                "--max-steps",
-                "2",
-                "--num-generations",
-                "2",
-                "--max-completion-length",
-                "8",
-                "--per-device-train-batch-size",
-                "2",
-                "--gradient-accumulation-steps",
-                "1",
-                "--generation-batch-size",
-                "4",
-                "--learning-rate",
-                "1e-3",
-            ]
+            offline_argv(tmp_path, tmp_path / "out", *TOY_RUN, "--max-steps", "2", "--gradient-accumulation-steps", "1")
         )
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
@@ -112,18 +100,7 @@ def test_two_steps_offline(tmp_path, monkeypatch, capsys):
 
     # a second run into the same folder is refused before anything slow, and the first run's files stay
     with pytest.raises(SystemExit) as exit_info:
-        script.main(
-            [
-                "--preset",
-                "cpu",
-                "--model",
-                str(tmp_path / "model"),
-                "--data",
-                str(tmp_path / "data"),
-                "--output-dir",
-                str(out),
-            ]
-        )
+        script.main(offline_argv(tmp_path, out))
     assert exit_info.value.code == 2 and "holds an earlier run (metrics.jsonl, metrics.png, model/)" in str(
         exit_info.value
     )
@@ -147,31 +124,7 @@ def test_a_failed_run_keeps_only_its_finished_steps_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(script, "xmlcount_reward", fails_in_the_second_generation)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="reward server down"):
-        script.main(
-            [
-                "--preset",
-                "cpu",
-                "--model",
-                str(tmp_path / "model"),
-                "--data",
-                str(tmp_path / "data"),
-                "--no-one-shot",
-                "--output-dir",
-                str(out),
-                "--max-steps",
-                "4",
-                "--num-generations",
-                "2",
-                "--max-completion-length",
-                "8",
-                "--per-device-train-batch-size",
-                "2",
-                "--generation-batch-size",
-                "4",
-                "--learning-rate",
-                "1e-3",
-            ]
-        )
+        script.main(offline_argv(tmp_path, out, *TOY_RUN, "--max-steps", "4"))
     assert sorted(p.name for p in out.iterdir()) == ["FAILED.txt", "metrics.jsonl"]
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     assert "stopped after 2 finished step(s): RuntimeError: reward server down" in (out / "FAILED.txt").read_text()

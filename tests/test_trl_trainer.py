@@ -47,6 +47,12 @@ from grpo_fast.trl import GRPOTrainer, RLOOTrainer
 LOGGED = dict(logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5, max_steps=2)
 
 
+def offline_trainer_parts(args, **kwargs):
+    """A trainer's keywords for a fresh tiny Qwen2, the token reward, the tiny prompt set and the byte tokenizer."""
+    parts = dict(model=tiny_qwen2(), reward_funcs=[token_reward], args=args, train_dataset=tiny_prompt_dataset())
+    return dict(parts, processing_class=byte_tokenizer(), **kwargs)
+
+
 def runs(model, args, trainer_classes=(trl.GRPOTrainer, GRPOTrainer), **kwargs):
     """TRL's run and grpo_fast's (with TRL's kernel forbidden) of the same model (a path, or copied)."""
     theirs_cls, ours_cls = trainer_classes
@@ -109,14 +115,7 @@ def test_lora_on_lm_head_against_trl_trainer_on_the_eager_head(monkeypatch):
     )
     args = grpo_config(beta=0.04, loss_type="dapo", temperature=0.9, **LOGGED)
     with pytest.raises(ValueError, match="PEFT adapter to `lm_head` is not supported"):
-        trl.GRPOTrainer(
-            model=tiny_qwen2(),
-            reward_funcs=[token_reward],
-            args=args,
-            peft_config=lora,
-            train_dataset=tiny_prompt_dataset(),
-            processing_class=byte_tokenizer(),
-        )
+        trl.GRPOTrainer(**offline_trainer_parts(args, peft_config=lora))
     with monkeypatch.context() as patch:
         patch.setattr(trl_grpo_trainer, "BaseTunerLayer", type("NoTunerLayer", (), {}))
         patch.setattr(trl_grpo_trainer, "add_fused_lm_head", eager_lm_head)
@@ -147,15 +146,7 @@ def test_trainers_take_lora_on_lm_head_and_refuse_what_the_head_cannot_apply(tmp
         max_completion_length=4,
         save_strategy="no",
     )
-    build = functools.partial(
-        trainer_cls,
-        model=tiny_qwen2(),
-        reward_funcs=[token_reward],
-        args=args,
-        peft_config=lora,
-        train_dataset=tiny_prompt_dataset(),
-        processing_class=byte_tokenizer(),
-    )
+    build = functools.partial(trainer_cls, **offline_trainer_parts(args, peft_config=lora))
     if lm_head_dora:
         with pytest.raises(NotImplementedError, match="DoraLinearVariant"):
             build()
@@ -199,23 +190,9 @@ def test_softcapped_tied_gemma2():
 def test_rloo_trainer(tmp_path):
     """RLOOTrainer shares the head: same comparison, with its reference model (beta != 0)."""
     path = save_model(tiny_qwen2(), tmp_path / "qwen2")
-    args = trl.RLOOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        bf16=False,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        beta=0.04,
-        gradient_accumulation_steps=2,
-        num_iterations=2,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        **LOGGED,
-    )
+    # RLOO's own steps_per_generation (None: the accumulation steps)
+    accumulation = dict(gradient_accumulation_steps=2, steps_per_generation=None)
+    args = grpo_config(config_class=trl.RLOOConfig, beta=0.04, num_iterations=2, **accumulation, **LOGGED)
     ours, theirs = runs(path, args, trainer_classes=(trl.RLOOTrainer, RLOOTrainer))
     assert_runs_match(ours, theirs)
 

@@ -55,70 +55,32 @@ def _special_ids(vocab_size):
 
 
 # ----------------------------------------------------------------------------------------------- models
-def tiny_qwen2_config(
-    vocab_size=BYTE_VOCAB_SIZE,
-    hidden_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    **overrides,
-):
-    """A ``Qwen2Config`` small enough for CPU tests; dropout off, untied embeddings, eager attention."""
+def _tiny_config(config_class, vocab_size, **fields):
+    """A transformers config of ``config_class`` small enough for CPU tests: dropout off, no KV cache, eager
+    attention, the byte tokenizer's special ids; ``fields`` set the rest (and may override these)."""
+    defaults = dict(max_position_embeddings=256, attention_dropout=0.0, use_cache=False)
+    config = config_class(vocab_size=vocab_size, **{**defaults, **_special_ids(vocab_size), **fields})
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny_qwen2_config(vocab_size=BYTE_VOCAB_SIZE, **overrides):
+    """A ``Qwen2Config`` small enough for CPU tests: 2 layers of width 48, 4 heads over 2 KV heads, untied."""
     from transformers import Qwen2Config
 
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        use_cache=False,
-        **_special_ids(vocab_size),
-    )
-    kw.update(overrides)
-    config = Qwen2Config(**kw)
-    config._attn_implementation = "eager"
-    return config
+    shape = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    fields = dict(intermediate_size=96, tie_word_embeddings=False)
+    return _tiny_config(Qwen2Config, vocab_size, **{**shape, **fields, **overrides})
 
 
-def tiny_gemma2_config(
-    vocab_size=BYTE_VOCAB_SIZE,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    intermediate_size=64,
-    final_logit_softcapping=30.0,
-    **overrides,
-):
-    """A ``Gemma2Config`` small enough for CPU tests, with Gemma 2's final logit softcap (30.0 by default)."""
+def tiny_gemma2_config(vocab_size=BYTE_VOCAB_SIZE, **overrides):
+    """A ``Gemma2Config`` small enough for CPU tests, with Gemma 2's final logit softcap (30.0 by default) and its
+    tied embeddings."""
     from transformers import Gemma2Config
 
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-        final_logit_softcapping=final_logit_softcapping,
-        sliding_window=64,
-        use_cache=False,
-        **_special_ids(vocab_size),
-    )
-    kw.update(overrides)
-    config = Gemma2Config(**kw)
-    config._attn_implementation = "eager"
-    return config
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    fields = dict(intermediate_size=64, final_logit_softcapping=30.0, sliding_window=64)
+    return _tiny_config(Gemma2Config, vocab_size, **{**shape, **fields, **overrides})
 
 
 def _causal_lm(config, seed, dtype):
@@ -162,13 +124,20 @@ def length_reward(completions, **kwargs):
 
 # ----------------------------------------------------------------------------------------------- config, trainer
 def grpo_config(
-    output_dir=None, *, per_device_train_batch_size=4, num_generations=2, max_completion_length=8, **overrides
+    output_dir=None,
+    *,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=8,
+    config_class=None,
+    **overrides,
 ):
     """A ``GRPOConfig`` for one CPU process in fp32: nothing reported, saved or logged, no gradient accumulation,
     ``steps_per_generation`` 1 (so the dapo/cispo/vespo normaliser is exactly ``num_items_in_batch``).
 
     ``per_device_train_batch_size`` must be a multiple of ``num_generations``. Any ``GRPOConfig`` field can be
     overridden; ``output_dir`` defaults to a fresh temporary directory (nothing is written there).
+    ``config_class``: another trainer's config with these fields (``trl.RLOOConfig``); default ``GRPOConfig``.
     """
     from trl import GRPOConfig
 
@@ -194,7 +163,7 @@ def grpo_config(
         max_steps=1,
     )
     kw.update(overrides)
-    return GRPOConfig(**kw)
+    return (config_class or GRPOConfig)(**kw)
 
 
 def build_trainer(
