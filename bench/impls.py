@@ -88,6 +88,27 @@ register(
     )
 )
 
+
+def _completion_head_impl(mode, completion_outputs):
+    """A bench function of (inputs x, weight w) from a peer's head over the completion tokens,
+    ``completion_outputs(x, w, with_entropy)`` -> (logp, entropy or None) [B, T]: the log-probs without autograd
+    (mode "logprobs"), else TRL's GRPO loss on them (``reference.token_loss``)."""
+    if mode == "logprobs":
+
+        def logprobs(x, w):
+            with torch.no_grad():
+                return completion_outputs(x, w, False)[0]
+
+        return logprobs
+
+    def loss(x, w):
+        logp, entropy = completion_outputs(x, w, True)
+        labels = dict(old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch)
+        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy, **labels)
+
+    return loss
+
+
 # ----------------------------------------------------------------------------------------------- torch.compile
 _COMPILED = {}
 
@@ -216,36 +237,17 @@ def _build_trl(mode, options):
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE  # the vocabulary tile add_fused_lm_head passes
 
-    def completion_outputs(x, w, outputs):
+    def completion_outputs(x, w, with_entropy):
         """ChunkedLogProbFunction on the completion tokens, each requested output scattered back to [B, T] with
-        zeros at the padding (add_fused_lm_head's masked_scatter)."""
+        zeros at the padding (add_fused_lm_head's masked_scatter); the reference model's head asks for the log-probs
+        only (add_fused_lm_head's default outputs), the policy's for the entropy too (the trainer's metric)."""
+        outputs = ("log_probs", "entropy") if with_entropy else ("log_probs",)
         per_token = ChunkedLogProbFunction.apply(
             x.hidden[x.mask], w, None, x.targets[x.mask], x.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs
-        )  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads)
+        )  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads); the temperature: applied in the head
         return [None if t is None else t.new_zeros(x.mask.shape).masked_scatter(x.mask, t) for t in per_token[:2]]
 
-    if mode == "logprobs":
-
-        def logprobs(x, w):  # the reference model's head: add_fused_lm_head's default outputs
-            with torch.no_grad():
-                return completion_outputs(x, w, ("log_probs",))[0]
-
-        return logprobs
-
-    def loss(x, w):  # the policy's head computes the entropy too (the trainer's `entropy` metric)
-        logp, entropy = completion_outputs(x, w, ("log_probs", "entropy"))  # the temperature: applied in the head
-        return reference.token_loss(
-            logp,
-            x.advantages,
-            x.mask,
-            x.options,
-            entropy=entropy,
-            old_logprobs=x.old_logprobs,
-            ref_logprobs=x.ref_logprobs,
-            num_items_in_batch=x.num_items_in_batch,
-        )
-
-    return loss
+    return _completion_head_impl(mode, completion_outputs)
 
 
 register(
@@ -301,32 +303,11 @@ def _verl_head(backend):
 def _build_verl(mode, options, backend):
     head = _verl_head(backend)
 
-    def completion_outputs(x, w):
+    def completion_outputs(x, w, with_entropy):
         logp, entropy = head(x.hidden[x.mask], w, x.targets[x.mask], x.temperature)
         return [t.float().new_zeros(x.mask.shape).masked_scatter(x.mask, t.float()) for t in (logp, entropy)]
 
-    if mode == "logprobs":
-
-        def logprobs(x, w):
-            with torch.no_grad():
-                return completion_outputs(x, w)[0]
-
-        return logprobs
-
-    def loss(x, w):
-        logp, entropy = completion_outputs(x, w)
-        return reference.token_loss(
-            logp,
-            x.advantages,
-            x.mask,
-            x.options,
-            entropy=entropy,
-            old_logprobs=x.old_logprobs,
-            ref_logprobs=x.ref_logprobs,
-            num_items_in_batch=x.num_items_in_batch,
-        )
-
-    return loss
+    return _completion_head_impl(mode, completion_outputs)
 
 
 register(
@@ -344,6 +325,50 @@ register(
         "verl 0.9's Triton backend (linear_cross_entropy on the completion tokens) + TRL's GRPO loss",
         lambda mode, options: _build_verl(mode, options, "triton"),
         unavailable=_verl_triton_unavailable,
+    )
+)
+
+# ----------------------------------------------------------------------------------------------- CCE
+# Cut Cross-Entropy (cut-cross-entropy 25.1, Apple): linear_cross_entropy's "cce" kernels (the log-sum-exp of each
+# row in one Triton sweep, the target logit by an indexed dot, a backward that skips gradient blocks below its
+# filter_eps, its default) on the completion tokens, with reduction "none": logp = -loss. It takes no temperature:
+# the hidden states are divided by it (z = (h / tau) W^T), and it returns no entropy (the loss's entropy metric is
+# then absent). CUDA only.
+
+
+def _cce_unavailable(device):
+    if torch.device(device).type != "cuda":
+        return "CCE's kernels need CUDA"
+    return _import_failure("cut-cross-entropy", ("cut_cross_entropy",))
+
+
+def _build_cce(mode, options):
+    from cut_cross_entropy import linear_cross_entropy
+
+    def completion_outputs(x, w, with_entropy):
+        hidden = x.hidden[x.mask] if x.temperature == 1.0 else x.hidden[x.mask] / x.temperature
+        logp = -linear_cross_entropy(hidden, w, x.targets[x.mask], reduction="none").float()
+        return [logp.new_zeros(x.mask.shape).masked_scatter(x.mask, logp), None]
+
+    return _completion_head_impl(mode, completion_outputs)
+
+
+register(
+    Impl(
+        "cce",
+        "Cut Cross-Entropy 25.1 (linear_cross_entropy, reduction none, on the completion tokens) + TRL's GRPO loss",
+        _build_cce,
+        unavailable=_cce_unavailable,
+    )
+)
+register(
+    Impl(
+        "cce_frozen",
+        "Cut Cross-Entropy 25.1, lm_head frozen (LoRA: no dW)",
+        _build_cce,
+        modes=("fwdbwd",),
+        frozen=True,
+        unavailable=_cce_unavailable,
     )
 )
 
@@ -406,6 +431,8 @@ DEFAULT_GPU = (
     "grpo_fast_frozen",
     "trl_frozen",
     "grpo_fast_frozen_recompute",
+    "cce",
+    "cce_frozen",
 )
 DEFAULT_CPU = (
     "eager",

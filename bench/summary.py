@@ -24,6 +24,7 @@ NAMES = {
     "trl": "TRL 1.16 fused head",
     "liger": "Liger-Kernel 0.8.5",
     "verl_torch": "verl 0.9 torch head",
+    "cce": "Cut Cross-Entropy 25.1",
     "trl_frozen": "TRL 1.16 fused head",
     "grpo_fast": "grpo_fast",
     "grpo_fast_frozen": "grpo_fast",
@@ -34,6 +35,7 @@ COLORS = {
     "trl_frozen": "#1f77b4",
     "liger": "#9467bd",
     "verl_torch": "#2ca02c",
+    "cce": "#ff7f0e",
     "grpo_fast": "#d62728",
     "grpo_fast_frozen": "#d62728",
 }

@@ -396,3 +396,36 @@ def test_an_interrupted_run_writes_what_was_measured_and_exits_130(tmp_path, cap
         lambda point_done: ["a", "b"], write, lambda doc, path: 1 / 0, lambda doc: "md", paths, no_plot=False, tag="t"
     ) == dict(records=["a", "b"], complete=True)
     assert "[t] plot failed: ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_cce_row_scores_the_completion_tokens_through_linear_cross_entropy(monkeypatch):
+    """The CCE row (CUDA only: unavailable elsewhere, with the reason) reads logp = -linear_cross_entropy(h / tau,
+    W, y, reduction="none") at the completion tokens, zeros at the padding, and feeds TRL's loss: here through a
+    stand-in of cut_cross_entropy's function (the fp32 cross-entropy of the full logits), against the eager row."""
+    import types
+
+    import torch
+
+    from bench.impls import IMPLS
+    from bench.inputs import make_inputs
+
+    assert IMPLS["cce"].unavailable("cpu") == "CCE's kernels need CUDA"
+    calls = []
+
+    def linear_cross_entropy(e, c, targets, reduction="mean"):
+        calls.append((e.shape, reduction))
+        return torch.nn.functional.cross_entropy(e.float() @ c.float().T, targets, reduction=reduction)
+
+    monkeypatch.setitem(
+        sys.modules, "cut_cross_entropy", types.SimpleNamespace(linear_cross_entropy=linear_cross_entropy)
+    )
+    x = make_inputs(24, 150, 3, 7, torch.float32, "cpu", scenario="padded")
+    x.temperature = 0.7
+    logp = IMPLS["cce"].build("logprobs", {})(x, x.weight)
+    expected = IMPLS["eager"].build("logprobs", {})(x, x.weight) * x.mask
+    assert calls == [((int(x.mask.sum()), 24), "none")]
+    torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-6)
+    assert (logp[~x.mask] == 0).all()
+    loss, _ = IMPLS["cce"].build("fwdbwd", {})(x, x.weight)
+    eager_loss, _ = IMPLS["eager"].build("fwdbwd", {})(x, x.weight)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
