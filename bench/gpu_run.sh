@@ -40,7 +40,8 @@ import torch, triton, grpo_fast, grpo_fast.kernels
 print('torch', torch.__version__, 'triton', triton.__version__, 'grpo_fast', grpo_fast.__file__)
 print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')
 import importlib, importlib.metadata as m
-for dist, modules in (('liger-kernel', ('liger_kernel.chunked_loss',)), ('trl', ('trl.kernels', 'trl.trainer.utils'))):
+for dist, modules in (('liger-kernel', ('liger_kernel.chunked_loss',)), ('trl', ('trl.kernels', 'trl.trainer.utils')),
+                      ('cut-cross-entropy', ('cut_cross_entropy',))):
     try:
         for module in modules:
             importlib.import_module(module)
