@@ -46,7 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from grpo_fast.grpo_loss.options import LossOptions  # noqa: E402
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
-from grpo_fast.kernels import backward, forward, forward_frozen, token_loss  # noqa: E402
+from grpo_fast.kernels import backward, forward, forward_frozen, token_loss, tuning  # noqa: E402
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, finish  # noqa: E402
@@ -416,6 +416,22 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     return out + [("div bwd", bwd[0])]
 
 
+def tuning_launches(arch):
+    """The forward's launch at each tuning candidate beyond the fixed table's (kernels.tuning.record_candidates:
+    what GRPO_FAST_TUNE=1 may time and choose), bf16, with the narrow epilogue and with a soft-cap's wide one."""
+    out = []
+    for softcap in (None, 30.0):
+        hidden, weight, targets, _, _, _ = _inputs(torch.bfloat16)
+        transform = LogitTransform(softcap=softcap)
+        head = HeadOperands(hidden, weight, targets, None, transform)
+        for cfg in tuning.record_candidates(torch.bfloat16, arch, softcap is not None)[1:]:
+            with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel"):
+                forward.forward_record(head, True, cfg)
+            name = f"fwd tuning {tuning.config_name(cfg)}{' +softcap' if softcap else ''}"
+            out.append((name, launches[0]))
+    return out
+
+
 def all_launches(arch):
     """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
@@ -434,6 +450,7 @@ def all_launches(arch):
     out += [
         (name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(dtype, **kw)) for name, dtype, kw in FROZEN_VARIANTS
     ]
+    out += [(name, "fwd", "bf16", launch) for name, launch in tuning_launches(arch)]
     out += [
         (f"{family} {name[4:]}", family, TRITON_TYPES[dtype], launch)
         for name, dtype, kw in DIVERGENCE_VARIANTS

@@ -20,7 +20,7 @@ from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels import softmax_stats, tuning
 
 
 class TritonBackend:
@@ -56,10 +56,12 @@ class TritonBackend:
         return kforward.forward_record(head, compute_entropy, self._record_config(head))
 
     def _record_config(self, head):
-        """The forward's tile for these operands' device, dtype and epilogue."""
-        has_softcap = head.transform.softcap is not None
-        wide = kconfig.wide_record_epilogue(has_softcap, head.bias is not None, head.lora is not None)
-        return kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
+        """The forward's tile for these operands' device, dtype and epilogue (``kernels.tuning``: the fixed table's,
+        or the timed choice with GRPO_FAST_TUNE=1)."""
+        wide = kconfig.wide_record_epilogue(
+            head.transform.softcap is not None, head.bias is not None, head.lora is not None
+        )
+        return tuning.record_config(head, wide, lambda config: kforward.forward_record(head, True, config))
 
     def frozen_head_available(self, hidden):
         """Where cuBLAS can return fp32 from bf16 (``kernels.forward_frozen.available``)."""

@@ -220,6 +220,12 @@ def _device_props(device):
     )
 
 
+def compiled_arch(device: torch.device) -> int | None:
+    """The compute capability (10 x major + minor) the kernels compile for on ``device``; None where they do not
+    compile (the interpreter, a CPU)."""
+    return _device_props(device)[2] if _compiled(device) else None
+
+
 def forward_config(device: torch.device, dtype: torch.dtype, wide_epilogue: bool = False) -> TileRecordConfig:
     """The layer-1 forward's configuration on ``device`` (the interpreter's small tiles on a CPU: 2 tiles a patch,
     groups of 2 token blocks, so that the tests' shapes have partial patches and groups). ``wide_epilogue``: a
