@@ -201,6 +201,26 @@ def _matmul_tflops(n, dtype, device, cuda):
     return 2 * n**3 / (median(times) * 1e-3) / 1e12
 
 
+def bare_product_ms(hidden_rows, weight, device, piece=8192):
+    """cuBLAS's bare logits product over these rows, ``hidden_rows @ weight.T`` in the input dtype (no softmax, no
+    gradient), as the median ms of a few warm runs: the floor a head's one vocabulary sweep is measured against. In
+    pieces of ``piece`` rows into one reused output (at most piece x V: the whole [n, V] need not fit). CUDA only
+    (None elsewhere: a CPU's product of these sizes takes seconds and says nothing of a GPU's)."""
+    if torch.device(device).type != "cuda" or hidden_rows.shape[0] == 0:
+        return None
+    n, V = hidden_rows.shape[0], weight.shape[0]
+    out = torch.empty((min(n, piece), V), dtype=hidden_rows.dtype, device=device)
+    weight_t = weight.detach().T
+
+    def product():
+        for r0 in range(0, n, piece):
+            r1 = min(r0 + piece, n)
+            torch.mm(hidden_rows[r0:r1], weight_t, out=out[: r1 - r0])
+
+    times, _ = time_runs(product, lambda: None, device, warmup=2, reps=10, min_reps=3, max_seconds=2.0)
+    return median(times)
+
+
 def _addmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 

@@ -131,8 +131,9 @@ def at_start(device):
 
 
 def derive(records, matmul_tflops):
-    """Adds TFLOP/s, % of the measured matmul throughput, the ratios to eager (same shape, N, scenario and mode) and,
-    for a padded batch, the ratios to the same implementation on the dense batch of the same shape, N and mode."""
+    """Adds TFLOP/s, % of the measured matmul throughput, the ratios to eager (same shape, N, scenario and mode), the
+    time in units of the point's bare cuBLAS product (``product_ms``, CUDA) and, for a padded batch, the ratios to
+    the same implementation on the dense batch of the same shape, N and mode."""
     ok_records = {(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"]): r for r in records if r["status"] == "ok"}
     for r in records:
         r.setdefault("median_ms", None)
@@ -145,6 +146,8 @@ def derive(records, matmul_tflops):
         r["pct_of_matmul_peak"] = 100.0 * r["tflops"] / matmul_tflops if ok and matmul_tflops else None
         e = ok_records.get((r["shape"], r["N"], r["scenario"], r["mode"], "eager"))
         r["ratio_time_vs_eager"], r["ratio_mem_vs_eager"] = _ratios(r, e) if ok else (None, None)
+        product = r.get("product_ms")
+        r["ratio_time_vs_product"] = r["median_ms"] / product if ok and product else None
         d = ok_records.get((r["shape"], r["N"], "dense", r["mode"], r["impl"])) if r["scenario"] != "dense" else None
         r["ratio_time_vs_dense"], r["ratio_mem_vs_dense"] = _ratios(r, d) if ok else (None, None)
     return records
@@ -436,7 +439,9 @@ def markdown(doc) -> str:
         "- TFLOP/s count the work's floor for every implementation, on the completion tokens n: 2nDV (log-probs), "
         "8nDV (fwd+bwd with recompute), 4nDV (frozen lm_head: no dW, d logp / dh built in the forward); "
         "`matmul / 2NDV`: the matmul FLOPs each ran, counted on a CPU; `x eager` is the ratio to eager (which "
-        "computes dW) at the same point; peak MiB is the memory above the inputs, gradients included",
+        "computes dW) at the same point; `x product` the time in units of cuBLAS's bare H W^T over the same "
+        "completion tokens in the input dtype, measured at the same point (CUDA; a log-prob pass's floor is 1, a "
+        "trained head's 3 or 4); peak MiB is the memory above the inputs, gradients included",
         "- precision (`err` columns), at the input dtype, against grpo_fast.reference with fp64 logits (row-chunked) "
         "on the completion tokens: loss |error|; dH, dW: max |error| / max |truth|; logp: max |error| in nats. "
         "Beyond the guard's tolerances an implementation is `wrong` and not timed; `oom` ran out of memory",
@@ -457,9 +462,9 @@ def markdown(doc) -> str:
         lines += [
             f"## {MODE_TITLES[mode]}",
             "",
-            "| shape | N | batch | implementation | status | median ms | x eager | peak MiB | mem x eager "
+            "| shape | N | batch | implementation | status | median ms | x eager | x product | peak MiB | mem x eager "
             "| TFLOP/s | % matmul | matmul / 2NDV | " + " | ".join(title for _, title in columns) + " |",
-            "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+            "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
             + " ---: |" * len(columns),
         ]
         for r in rows:
@@ -467,7 +472,8 @@ def markdown(doc) -> str:
             errors = " | ".join(_fmt(r["errors"].get(key), ".1e") for key, _ in columns)
             lines.append(
                 f"| {r['shape']} | {r['N']} | {_batch(r)} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
-                f"| {_fmt(r['ratio_time_vs_eager'], '.3f')} | {_fmt(_mib(r['peak_mem_bytes']), '.1f')} "
+                f"| {_fmt(r['ratio_time_vs_eager'], '.3f')} | {_fmt(r.get('ratio_time_vs_product'), '.2f')} "
+                f"| {_fmt(_mib(r['peak_mem_bytes']), '.1f')} "
                 f"| {_fmt(r['ratio_mem_vs_eager'], '.3f')} | {_fmt(r['tflops'], '.3g')} "
                 f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_fmt(_sweeps(r), '.2f')} | {errors} |"
             )

@@ -172,6 +172,9 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
             if setup_failure:
                 x = ref = None
                 measure.cleanup(opts.device)
+            else:  # the same point's floor: cuBLAS's bare product over the completion tokens (CUDA)
+                with torch.no_grad():
+                    point["product_ms"] = measure.bare_product_ms(x.hidden.detach()[x.mask], x.weight, opts.device)
         for mode, impl in jobs:
             rec = dict(
                 point,

@@ -429,3 +429,23 @@ def test_cce_row_scores_the_completion_tokens_through_linear_cross_entropy(monke
     loss, _ = IMPLS["cce"].build("fwdbwd", {})(x, x.weight)
     eager_loss, _ = IMPLS["eager"].build("fwdbwd", {})(x, x.weight)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_times_are_also_given_in_units_of_the_points_bare_product():
+    """``x product``: a record's time over its point's cuBLAS product (``product_ms``, measured on CUDA only)."""
+    import torch
+
+    from bench.measure import bare_product_ms
+    from bench.report import derive
+
+    point = dict(shape="s", D=4, V=8, N=16, scenario="dense", mode="logprobs", status="ok", flops=1.0)
+    records = derive(
+        [
+            dict(point, impl="eager", median_ms=20.0, product_ms=None),
+            dict(point, impl="x", median_ms=14.0, product_ms=11.6),
+        ],
+        None,
+    )
+    assert records[0]["ratio_time_vs_product"] is None
+    assert records[1]["ratio_time_vs_product"] == 14.0 / 11.6
+    assert bare_product_ms(torch.ones(3, 4), torch.ones(8, 4), "cpu") is None
