@@ -429,6 +429,39 @@ class PhaseMemory:
         self.step[f"time/{name}_s"] = self.step.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
 
 
+class HeadTime:
+    """The loss head's own time inside ``policy_fwd_bwd``: its forward (the loss call) and its backward (from the
+    loss's gradient to the hidden states'), summed over a step's micro-batches into ``memory.step["time/head_s"]``.
+    On CUDA by events read at the phase's end (no sync of its own); on a CPU, where each op runs as it is called,
+    by the clock."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans = []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def spans_of(self, start, loss, hidden):
+        """The forward's span from ``start`` (``mark()`` before the loss call) to now, and hooks that time the
+        backward from ``loss``'s gradient to ``hidden``'s."""
+        self.spans.append((start, self.mark()))
+        if loss.requires_grad and hidden.requires_grad:
+            backward = {}
+            loss.register_hook(lambda grad: backward.__setitem__("start", self.mark()))
+            hidden.register_hook(lambda grad: self.spans.append((backward["start"], self.mark())))
+
+    def seconds(self):
+        """The spans' total (s) since the last call, after the device has finished them (the phase synchronised)."""
+        total = sum(start.elapsed_time(end) / 1e3 if self.cuda else end - start for start, end in self.spans)
+        self.spans = []
+        return total
+
+
 # ------------------------------------------------------------------------------------------ eval
 def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
     """Greedy accuracy (correctness reward > 0), strict / soft format rates and the mean weighted reward."""
@@ -706,6 +739,7 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         return out
 
     memory = PhaseMemory(device)
+    head_time = HeadTime(device)
     status = "ok"
     if start_step < args.max_steps:
         print(
@@ -787,6 +821,8 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
                         part = batch.select(slice(i, i + mb))
                         T = part.completion_ids.shape[1]
                         weight, hidden = weight_and_hidden(part)
+
+                        head_start = head_time.mark()
                         loss, metrics = loss_fn(
                             hidden,
                             weight,
@@ -801,12 +837,14 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
                         )
                         if args.loss_type not in NUM_ITEMS_LOSS_TYPES:  # per-micro-batch means: average them
                             loss = loss / n_micro
+                        head_time.spans_of(head_start, loss, hidden)
                         loss.backward()
                         total_loss += loss.item() / args.num_iterations
                         tokens = float(part.completion_mask.sum())  # token metrics: token-weighted means
                         for key, value in metrics.items():
                             sums[key] = sums.get(key, 0.0) + float(value) * tokens
                         del loss, hidden, metrics
+                memory.step["time/head_s"] = memory.step.get("time/head_s", 0.0) + head_time.seconds()
                 with memory("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                     lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses

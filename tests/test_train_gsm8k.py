@@ -205,6 +205,8 @@ def test_eager_and_fused_losses_agree(setup, monkeypatch):
         losses[name] = read_metrics(out)[0]
     for key in ("loss", "kl", "entropy", "reward"):
         assert losses["fused"][key] == pytest.approx(losses["eager"][key], rel=1e-4, abs=1e-6), key
+    for row in losses.values():  # the head's own forward and backward, a part of the phase that holds them
+        assert 0 < row["time/head_s"] < row["time/policy_fwd_bwd_s"]
     reports = [json.loads(line) for line in (root / "memory.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in reports] == ["fused", "eager"] and all(r["status"] == "ok" for r in reports)
     assert reports[0]["completion_tokens"] <= 8 and reports[0]["device"] == "cpu"

@@ -25,6 +25,12 @@
 #   --no-divergence           without the divergence benchmark [DIVERGENCE=0]
 #   --memory-limit S          time limit of the memory step, both recipes together [MEMORY_LIMIT] (default none)
 #   --no-memory               without the memory step [MEMORY=0]
+#   --recipe-steps N          the GPU recipe's training steps to run (0: none) [RECIPE_STEPS] (default 2; 0 with
+#                             --quick): examples/train_gsm8k.py --preset gpu on random Qwen2.5-1.5B weights with
+#                             LoRA, --max-memory-gb 24, full-length completions; examples/step_report.py then tables
+#                             each step's time by phase, the loss head's share and the peak beside the memory step's
+#                             estimate (recipe.md)
+#   --recipe-limit S          time limit of the recipe step [RECIPE_LIMIT] (default none)
 #   --total S                 the whole run ends within S: each step gets at most the time left [TOTAL_LIMIT]
 #                             (default none; 480 with --quick)
 #   --quick                   a short check [QUICK=1]: the kernel tests only (KERNEL_TESTS in this script), their
@@ -73,7 +79,8 @@ while [ $# -gt 0 ]; do
     --no-divergence) DIVERGENCE=0 ;;
     --no-memory) MEMORY=0 ;;
     --out | --tests-limit | --workers | --bench | --bench-budget | --bench-args | --divergence-budget | \
-      --divergence-args | --memory-limit | --total | --first-tier | --wheels | --commit)
+      --divergence-args | --memory-limit | --recipe-steps | --recipe-limit | --total | --first-tier | --wheels | \
+      --commit)
       [ $# -ge 2 ] || fail_usage "$1 needs a value"
       case "$1" in
         --out) OUT="$2" ;;
@@ -85,6 +92,8 @@ while [ $# -gt 0 ]; do
         --divergence-budget) DIVERGENCE_BUDGET="$2" ;;
         --divergence-args) DIVERGENCE_ARGS="$2" ;;
         --memory-limit) MEMORY_LIMIT="$2" ;;
+        --recipe-steps) RECIPE_STEPS="$2" ;;
+        --recipe-limit) RECIPE_LIMIT="$2" ;;
         --total) TOTAL_LIMIT="$2" ;;
         --first-tier) FIRST_TIER="$2" ;;
         --wheels) WHEELS="$2" ;;
@@ -102,6 +111,7 @@ if [ "$QUICK" = 1 ]; then
   TOTAL_LIMIT="${TOTAL_LIMIT:-480}" WORKERS="${WORKERS:-auto}" TESTS_LIMIT="${TESTS_LIMIT:-110}"
   BENCH_BUDGET="${BENCH_BUDGET:-75}" DIVERGENCE_BUDGET="${DIVERGENCE_BUDGET:-40}" MEMORY_LIMIT="${MEMORY_LIMIT:-50}"
   DIVERGENCE_ARGS="${DIVERGENCE_ARGS:---tokens 4096,16384}" FIRST_TIER="${FIRST_TIER:-not slow}"
+  RECIPE_STEPS="${RECIPE_STEPS:-0}"
   [ ${#PYTEST_ARGS[@]} -gt 0 ] || PYTEST_ARGS=("${KERNEL_TESTS[@]}")
 fi
 OUT="${OUT:-$REPO/bench/results/gpu-checklist-$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -109,11 +119,13 @@ BENCH_MODE="${BENCH_MODE:-quick}"
 DIVERGENCE="${DIVERGENCE:-1}" MEMORY="${MEMORY:-1}" DIVERGENCE_BUDGET="${DIVERGENCE_BUDGET:-120}"
 TESTS_LIMIT="${TESTS_LIMIT:-}" BENCH_BUDGET="${BENCH_BUDGET:-}" MEMORY_LIMIT="${MEMORY_LIMIT:-}"
 TOTAL_LIMIT="${TOTAL_LIMIT:-}" WORKERS="${WORKERS:-1}" WHEELS="${WHEELS:-.whl}"
+RECIPE_STEPS="${RECIPE_STEPS:-2}" RECIPE_LIMIT="${RECIPE_LIMIT:-}"
 case "$BENCH_MODE" in
   quick | full | none) ;;
   *) fail_usage "--bench takes quick, full or none, not '$BENCH_MODE'" ;;
 esac
-for value in "$TESTS_LIMIT" "$BENCH_BUDGET" "$DIVERGENCE_BUDGET" "$MEMORY_LIMIT" "$TOTAL_LIMIT"; do
+[[ "$RECIPE_STEPS" =~ ^[0-9]+$ ]] || fail_usage "--recipe-steps takes a whole number, not '$RECIPE_STEPS'"
+for value in "$TESTS_LIMIT" "$BENCH_BUDGET" "$DIVERGENCE_BUDGET" "$MEMORY_LIMIT" "$RECIPE_LIMIT" "$TOTAL_LIMIT"; do
   [[ -z "$value" || "$value" =~ ^[0-9]+$ ]] || fail_usage "a time is a whole number of seconds, not '$value'"
 done
 [[ "$WORKERS" =~ ^([0-9]+|auto)$ ]] || fail_usage "--workers takes a number or auto, not '$WORKERS'"
@@ -236,6 +248,30 @@ elif [ "$MEMORY" != 0 ]; then
   done
 fi
 
+recipe_rc="not run"
+if [ "$RECIPE_STEPS" -gt 0 ] && ! python3 -c "import transformers, peft" 2>/dev/null; then
+  recipe_rc="not run (transformers or peft missing)"
+elif [ "$RECIPE_STEPS" -gt 0 ]; then
+  limit="$(capped "$RECIPE_LIMIT")"
+  if [ -n "$limit" ] && [ "$limit" -le 30 ]; then
+    recipe_rc="$NO_TIME"
+  else
+    echo "== $(date -u +%FT%TZ) the GPU recipe: $RECIPE_STEPS steps, Qwen2.5-1.5B LoRA, 24 GB"
+    rm -rf "$OUT/recipe"
+    time_limit "$limit" python3 examples/train_gsm8k.py --preset gpu --random-init --config-from qwen2.5-1.5b \
+      --lora-r 16 --max-memory-gb 24 --force-full-length --max-steps "$RECIPE_STEPS" --eval-samples 0 \
+      --save-every 0 --output-dir "$OUT/recipe" --memory-report "$OUT/recipe-memory.jsonl" 2>&1 \
+      | tee "$OUT/recipe.log"
+    recipe_rc=${PIPESTATUS[0]}
+    if [ -f "$OUT/recipe/metrics.jsonl" ]; then
+      estimate=()
+      [ -f "$OUT/memory-qwen2.5-1.5b-lora.json" ] && estimate=(--estimate "$OUT/memory-qwen2.5-1.5b-lora.json")
+      python3 examples/step_report.py "$OUT/recipe" --memory-report "$OUT/recipe-memory.jsonl" "${estimate[@]}" \
+        --out "$OUT/recipe.md"
+    fi
+  fi
+fi
+
 slow_rc="not run"
 if [ "$QUICK" = 1 ] && [ "$FIRST_TIER" = "not slow" ]; then
   limit="$(time_left)"
@@ -278,6 +314,9 @@ failures() { grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$1" | tail -n 40;
   echo
   echo "memory (estimate beside the measured peak: memory-<recipe>.md): $(exit_of "$memory_rc")"
   for f in "$OUT"/memory-*.md; do [ -f "$f" ] && { echo; sed -n '/^| |/,/^$/p' "$f"; }; done
+  echo
+  echo "the GPU recipe, $RECIPE_STEPS steps (recipe.md): $(exit_of "$recipe_rc")"
+  [ -f "$OUT/recipe.md" ] && { echo; tail -n +3 "$OUT/recipe.md"; }
 } > "$OUT/checklist.md"
 cat "$OUT/checklist.md"
 echo "== results in $OUT after $SECONDS s"
@@ -288,4 +327,4 @@ slow_ok() {
   ok "$slow_rc" || [ "$slow_rc" = "$NO_TIME" ] \
     || { [ "$slow_rc" = 124 ] && ! grep -q -E "^(FAILED|ERROR)" "$OUT/pytest-slow.log"; }
 }
-ok "$tests_rc" && slow_ok && ok "$bench_rc" && ok "$divergence_rc" && ok "$memory_rc"
+ok "$tests_rc" && slow_ok && ok "$bench_rc" && ok "$divergence_rc" && ok "$memory_rc" && ok "$recipe_rc"
