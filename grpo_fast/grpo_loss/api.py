@@ -20,12 +20,15 @@ from grpo_fast.grpo_loss.options import (
     LossOptions,
 )
 from grpo_fast.grpo_loss.options import check_number as _number
+from grpo_fast.head import backends as head_backends
 from grpo_fast.head import inputs
+from grpo_fast.head import ops as head_ops
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.head.vocab_parallel import VocabShard
+from grpo_fast.kernels.operands import HeadOperands
 
 
 class Metrics(dict):
@@ -116,7 +119,9 @@ def loss(
         softcap: the model's logit soft-cap, or None.
         logit_scale: the model's logit scale.
         options: the loss options as one LossOptions, under the option keywords; None: TRL's defaults.
-        head_path: layer 1's path, as in ``logprobs_and_entropy`` (the entropy bonus takes the general path).
+        head_path: layer 1's path, as in ``logprobs_and_entropy`` (the entropy bonus takes the general path);
+            "auto" with a trained weight and token-local options (``LossOptions.token_local``) on the Triton backend,
+            bf16 or fp32, without LoRA: both layers in three vocabulary sweeps (the gradients formed in the forward).
         backward_mode: layer 1's Triton backward, as in ``logprobs_and_entropy``.
         lora: LoRA on the lm_head (HeadLora), or None.
         vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
@@ -175,13 +180,20 @@ def loss(
         prepared = _prepared(logp, entropy, batch, options)
         total, metrics = _token_loss(prepared, options, backend)
         return _add_distillation(total, metrics, div, distillation[0], prepared, options)
+    rows = inputs.scored_rows(completion_mask, checks)
+    if shard is None and options.token_local:
+        trained = _trained_head(
+            hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options
+        )
+        if trained is not None:
+            return trained
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = logprobs_and_entropy_rows(
         hidden,
         weight,
         targets,
         bias,
-        inputs.scored_rows(completion_mask, checks),
+        rows,
         transform,
         backend,
         head_path if options.entropy_coef == 0.0 else "general",
@@ -190,6 +202,29 @@ def loss(
         lora,
     )
     return _token_loss(_prepared(logp, entropy, batch, options), options, backend)
+
+
+def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options):
+    """Both layers in one op with the three-sweep trained head (``ops.trained_head_loss``) where it is taken
+    (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics)."""
+    B, T = targets.shape
+    grad = torch.is_grad_enabled()
+    needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
+    if not head_backends.takes_trained_head(needs, hidden, backend, head_path, lora is not None):
+        return None
+    h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
+    if h.shape[0] == 0:  # every row masked: the general path's empty case
+        return None
+    operands = head_ops.LinearOpOperands.of(HeadOperands(h, w, y, b, transform), backend.name)
+    positions = rows.order if rows.order is not None else torch.arange(B * T, device=hidden.device)
+    placeholder = torch.zeros(0, dtype=torch.float32, device=hidden.device)  # the op makes the [B, T] log-probs
+    prepared = _prepared(placeholder, None, batch, options)
+    total, metric_values, logp, entropy = ops.trained_head_loss(
+        operands, positions, rows.keep, prepared, options, backend.name
+    )
+    metrics = Metrics(zip(metric_names(options, True), metric_values.detach().unbind(0)))
+    metrics.logprobs, metrics.entropies = logp.detach(), entropy.detach()
+    return total, metrics
 
 
 def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel):

@@ -15,9 +15,11 @@ import torch
 from grpo_fast.grpo_loss import torch_twin
 from grpo_fast.grpo_loss.metrics import RowValues, loss_metrics, metric_names
 from grpo_fast.grpo_loss.options import LossOptions
-from grpo_fast.head.ops import inline_function, runs_inline
+from grpo_fast.head import backends as head_backends
+from grpo_fast.head.ops import LinearOpOperands, custom_op, inline_function, op_schema, runs_inline
 from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.kernels.loss_statistics import SLOTS
+from grpo_fast.kernels.operands import HeadGrads
 from grpo_fast.kernels.token_loss import TokenLossInputs
 
 FP32 = torch.float32
@@ -169,14 +171,9 @@ def device_entropy_quantile(entropy, mask, top_entropy_quantile):
     return torch.where(count > 0, threshold, torch.inf)
 
 
-def _layer2(token_loss_impl, batch: PreparedBatch, options: LossOptions):
-    """The op's outputs by ``token_loss_impl`` (a TOKEN_LOSS value): the normaliser and the entropy quantile on the
-    device, then the loss, the entropy bonus and the metrics from its per-sequence statistics.
-
-    Returns:
-        (loss [], metrics [M] in ``metric_names``' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an
-        entropy bonus), in logp's dtype.
-    """
+def _token_inputs(batch: PreparedBatch, options: LossOptions):
+    """(TokenLossInputs, the normaliser's reciprocal as a logp-dtype scalar, the entropy threshold or None): what
+    the token kernel and its twin take, on the device (no host read)."""
     logp, mask = batch.logp, batch.mask
     denominator = options.denominator(logp.shape[0], mask.sum(), batch.num_items_in_batch)
     # a number is written to the device (torch.full: a fill, not a copy from host memory), never read back
@@ -203,12 +200,30 @@ def _layer2(token_loss_impl, batch: PreparedBatch, options: LossOptions):
         importance_weights=batch.importance_weights,
         entropy=batch.entropy,
     )
-    grad_logp, bonus_mask, stats = token_loss_impl(
-        inputs, options, scale=scale.to(logp.dtype), entropy_threshold=threshold
-    )
+    return inputs, scale.to(logp.dtype), threshold
+
+
+def token_gradient(batch: PreparedBatch, options: LossOptions, backend: str):
+    """dL/dlogp [B, T] fp32 of the loss ``token_loss`` computes (the token kernel's or its twin's gradient, without
+    the loss's sums or the metrics); no autograd. For a caller that forms a head's gradients while the logits are
+    in hand (``LossOptions.token_local``: each token's value reads no other token's log-prob)."""
+    inputs, scale, threshold = _token_inputs(batch, options)
+    return TOKEN_LOSS[backend](inputs, options, scale=scale, entropy_threshold=threshold)[0]
+
+
+def _layer2(token_loss_impl, batch: PreparedBatch, options: LossOptions):
+    """The op's outputs by ``token_loss_impl`` (a TOKEN_LOSS value): the normaliser and the entropy quantile on the
+    device, then the loss, the entropy bonus and the metrics from its per-sequence statistics.
+
+    Returns:
+        (loss [], metrics [M] in ``metric_names``' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an
+        entropy bonus), in logp's dtype.
+    """
+    inputs, scale, threshold = _token_inputs(batch, options)
+    grad_logp, bonus_mask, stats = token_loss_impl(inputs, options, scale=scale, entropy_threshold=threshold)
     rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
     policy_loss = rows["loss"].values.sum()
-    total, grad_entropy = policy_loss, torch.empty(0, dtype=FP32, device=logp.device)
+    total, grad_entropy = policy_loss, torch.empty(0, dtype=FP32, device=batch.logp.device)
     if options.entropy_coef != 0.0:
         # loss -= entropy_coef * (mean entropy over the bonus tokens): dL/dentropy = -entropy_coef * e_t / count
         bonus_scale = -options.entropy_coef / rows["bonus_count"].values.sum().clamp(min=1.0)
@@ -252,3 +267,156 @@ def workspace_bytes(batch_shape, backend="triton"):
     if backend == "torch":
         return torch_twin.TEMPORARIES * B * T * 4
     return B * len(SLOTS) * 4 + B * T * 4
+
+
+# ----------------------------------------------------------------------------------------------- the trained head
+# grpo_fast::trained_head_loss: both layers in one op for a trained lm_head whose loss is token-local
+# (``LossOptions.token_local``): layer 1's three-sweep forward (``kernels.forward_frozen.forward_trained_head``)
+# forms dH, dW and db while each token chunk's logits are in hand, from dL/dlogp of the chunk's tokens
+# (``token_gradient`` over the batch, the tokens not yet computed at 0: no other token's value enters theirs); then
+# layer 2 once over the whole batch for the loss and the metrics. The backward only scales the gradients by the
+# loss's gradient. Its inputs: LinearOpOperands' fields (the scored rows), the rows' flat positions in [B x T]
+# (``positions``) and which of them are scored (``keep``, None: all), PreparedBatch's tensors but the log-probs and
+# the entropy, the options' JSON and the token loss's backend.
+_BATCH_FIELDS = PreparedBatch._fields[2:]
+
+
+def _trained_head_schema():
+    hints = typing.get_type_hints(PreparedBatch)
+    batch = [f"Tensor{'?' if type(None) in typing.get_args(hints[name]) else ''} {name}" for name in _BATCH_FIELDS]
+    after = ", ".join(["Tensor positions", "Tensor? keep", *batch, "str options_json", "str token_backend"])
+    return op_schema(LinearOpOperands, "", after, "(" + ", ".join(["Tensor"] * 7) + ")")
+
+
+def _trained_head_arguments(arguments):
+    """(LinearOpOperands, positions, keep, PreparedBatch with empty log-probs and no entropy, options, backend)."""
+    count = len(LinearOpOperands._fields)
+    operands = LinearOpOperands(*arguments[:count])
+    positions, keep, *tensors, encoded_options, token_backend = arguments[count:]
+    mask = tensors[_BATCH_FIELDS.index("mask")]
+    logp = torch.zeros(mask.shape, dtype=FP32, device=mask.device)
+    batch = PreparedBatch(logp, None, *tensors)
+    return operands, positions, keep, batch, LossOptions(**json.loads(encoded_options)), token_backend
+
+
+def _trained_head_loss(*arguments):
+    """(loss [], metrics [M], logp [B, T], entropy [B, T], dH [N, D], dW [V, D], db [V] or empty), fp32: the loss
+    and metrics of ``token_loss`` on the scored rows' log-probs and entropies, and its gradients."""
+    operands, positions, keep, batch, options, token_backend = _trained_head_arguments(arguments)
+    head = operands.head()
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    flat_logp = batch.logp.view(-1)
+
+    def scored(values, n0, n1):
+        return values if keep is None else torch.where(keep[n0:n1], values, 0.0)
+
+    def coefficients(n0, n1, logp, entropy):
+        rows = positions[n0:n1]
+        flat_logp.index_copy_(0, rows, scored(logp, n0, n1))
+        return token_gradient(batch, options, token_backend).view(-1).index_select(0, rows)
+
+    dev = hidden.device
+    grads = HeadGrads(
+        torch.empty(hidden.shape, dtype=FP32, device=dev),
+        torch.zeros(weight.shape, dtype=FP32, device=dev),
+        torch.zeros(weight.shape[0], dtype=FP32, device=dev) if bias is not None else None,
+    )
+    backend = head_backends.BACKENDS[operands.backend]
+    logp, entropy, _ = backend.forward_trained_head(head, coefficients, grads)
+    N = hidden.shape[0]
+    flat_logp.index_copy_(0, positions, scored(logp, 0, N))
+    flat_entropy = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(entropy, 0, N))
+    batch = batch._replace(entropy=flat_entropy.view(batch.logp.shape))
+    loss, metrics, _, _ = _layer2(TOKEN_LOSS[token_backend], batch, options)
+    db = grads.bias if grads.bias is not None else torch.empty(0, dtype=FP32, device=dev)
+    return loss, metrics, batch.logp, batch.entropy, grads.hidden, grads.weight, db
+
+
+_trained_head_loss_op = custom_op("trained_head_loss", _trained_head_loss, _trained_head_schema())
+
+
+@_trained_head_loss_op.register_fake
+def _(*arguments):
+    operands, _, _, batch, options, _ = _trained_head_arguments(arguments)
+    hidden, weight, logp = operands.hidden, operands.weight, batch.logp
+    return (
+        logp.new_empty((), dtype=FP32),
+        logp.new_empty(len(metric_names(options, True)), dtype=FP32),
+        torch.empty_like(logp),
+        torch.empty_like(logp),
+        hidden.new_empty(hidden.shape, dtype=FP32),
+        weight.new_empty(weight.shape, dtype=FP32),
+        weight.new_empty(weight.shape[0] if operands.bias is not None else 0, dtype=FP32),
+    )
+
+
+def _trained_head_setup_context(ctx, inputs, output):
+    operands = LinearOpOperands(*inputs[: len(LinearOpOperands._fields)])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*output[4:])
+    ctx.dtypes = (
+        operands.hidden.dtype,
+        operands.weight.dtype,
+        operands.bias.dtype if operands.bias is not None else None,
+    )
+
+
+def _trained_head_backward(ctx, grad_loss, *_):
+    """The gradients formed in the forward times the loss's gradient, each in its input's dtype (a row slab at a
+    time: the fp32 product never exists whole beside the saved dW)."""
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    others = (None,) * (len(ctx.needs_input_grad) - 4)
+    if grad_loss is None:
+        return (None,) * len(ctx.needs_input_grad)
+
+    def scaled(grad, dtype, need):
+        if not need:
+            return None
+        out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+        for r0 in range(0, grad.shape[0], 8192):
+            out[r0 : r0 + 8192] = grad[r0 : r0 + 8192] * grad_loss
+        return out
+
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+    return (
+        scaled(grad_hidden, hidden_dtype, need_h),
+        scaled(grad_weight, weight_dtype, need_w),
+        None,
+        scaled(grad_bias, bias_dtype, need_b and grad_bias.numel() > 0),
+    ) + others
+
+
+_trained_head_loss_op.register_autograd(_trained_head_backward, setup_context=_trained_head_setup_context)
+_TRAINED_HEAD_INLINE = inline_function(_trained_head_loss, _trained_head_setup_context, _trained_head_backward)
+
+
+def trained_head_loss(operands, positions, keep, batch: PreparedBatch, options: LossOptions, token_backend: str):
+    """``grpo_fast::trained_head_loss`` (loss, metrics [M], logp [B, T], entropy [B, T]), differentiable in the
+    head's hidden rows, weight and bias (through the gradients it formed). ``operands``: a LinearOpOperands of the
+    scored rows; ``positions`` [N] int64 their flat indices in [B x T]; ``keep`` [N] bool or None (a device
+    partition's scored rows); ``batch``: the prepared batch (its log-probs and entropy are not read)."""
+    arguments = (*operands, positions, keep, *batch[2:], options_json(options), token_backend)
+    run = _TRAINED_HEAD_INLINE.apply if runs_inline(arguments) else _trained_head_loss_op
+    return run(*arguments)[:4]
+
+
+def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, backend="triton"):
+    """The bytes ``grpo_fast::trained_head_loss`` allocates besides its outputs, for a memory estimate: the
+    three-sweep head's fp32 logits of one token chunk over the vocabulary, J (N x D fp32), its 8 N fp32 of state and
+    one chunk's GEMM operand, and the token loss's own (``workspace_bytes``) with the [B, T] dL/dlogp it returns.
+
+    Args:
+        hidden_shape: (N, D), the scored rows.
+        vocab_size: V.
+        dtype: the head's dtype.
+        batch_shape: (B, T).
+        backend: the token loss's ("triton" or "torch").
+    """
+    from grpo_fast.kernels import forward_frozen as kfrozen
+
+    N, D = hidden_shape
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    chunk = kfrozen.trained_chunk_size(N, vocab_size, D, itemsize)
+    head = chunk * vocab_size * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
+    return head + workspace_bytes(batch_shape, backend) + batch_shape[0] * batch_shape[1] * 4

@@ -305,6 +305,21 @@ class LossOptions:
         return LOSS_TYPE_RECORDS[self.loss_type]
 
     @property
+    def token_local(self) -> bool:
+        """The loss's dL/dlogp of a token reads no other token's log-prob or entropy (only its own values and the
+        batch's normalisers, which the mask gives) and the entropy takes no gradient: not GSPO's sequence ratio,
+        VESPO's sequence weight (``PolicyTerm.gamma_weighted``), the top-entropy mask, the off-policy mask (a
+        sequence's mean KL) or the entropy bonus. A trained head can then form its gradients while each token's
+        logits are in hand (the three-sweep head)."""
+        return not (
+            self.sequence_level
+            or self.loss_type_record.policy_term.gamma_weighted
+            or self.entropy_mask
+            or self.off_policy_mask_threshold is not None
+            or self.entropy_coef != 0.0
+        )
+
+    @property
     def entropy_mask(self) -> bool:
         """Only the top ``top_entropy_quantile`` of tokens by entropy carry the policy loss."""
         return self.top_entropy_quantile < 1.0

@@ -29,6 +29,7 @@ class TritonBackend:
 
     name = "triton"
     backward_modes = kconfig.BACKWARD_MODES
+    trained_head = True  # forward_trained_head
 
     def runs_on(self, device):
         """CUDA tensors, or any device under Triton's interpreter (TRITON_INTERPRET=1 before importing grpo_fast)."""
@@ -73,6 +74,12 @@ class TritonBackend:
     def forward_frozen_record(self, head):
         return kfrozen.forward_frozen_record(head, True, kconfig.frozen_head_config(head.hidden.device))[:3]
 
+    def forward_trained_head(self, head, coefficients, grads):
+        """The three-sweep trained head (``kernels.forward_frozen.forward_trained_head``): (logp, entropy,
+        BackwardStats), dH / dW / db of the loss whose dL/dlogp ``coefficients`` gives into ``grads``."""
+        config = kconfig.frozen_head_config(head.hidden.device)
+        return kfrozen.forward_trained_head(head, True, config, coefficients, grads)
+
     def grad_hidden_buffer(self, hidden, backward_mode):
         """dH's fp32 buffer for ``backward``: the chunked backward's GEMMs write it once (fp32 output, never a K = V
         reduction rounded to the input dtype); the fused one accumulates into zeros."""
@@ -93,6 +100,7 @@ class TorchBackend:
 
     name = "torch"
     backward_modes = ("chunked",)
+    trained_head = False  # no forward_trained_head: the recompute path
 
     def runs_on(self, device):
         return True
@@ -190,6 +198,27 @@ def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_
         and not need_b
         and not lora_weight_grad
         and hidden.shape[0] > 0
+        and backend.frozen_head_available(hidden)
+    )
+
+
+# the input dtypes of the three-sweep trained head: its operand f H is rounded to the GEMM dtype, whose exponent range
+# must be fp32's (bf16's is; fp16's is not)
+TRAINED_HEAD_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def takes_trained_head(needs_input_grad, hidden, backend, head_path, has_lora):
+    """The three-sweep trained head is taken, for a caller that knows dL/dlogp token by token
+    (``LossOptions.token_local``): head_path "auto", the weight needs a gradient, no LoRA, a bf16 or fp32 head, rows
+    to compute, and a backend that has it where its GEMMs run (the frozen head's)."""
+    need_w = needs_input_grad[1]
+    return (
+        head_path == "auto"
+        and need_w
+        and not has_lora
+        and hidden.dtype in TRAINED_HEAD_DTYPES
+        and hidden.shape[0] > 0
+        and backend.trained_head
         and backend.frozen_head_available(hidden)
     )
 

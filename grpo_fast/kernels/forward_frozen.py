@@ -239,12 +239,16 @@ def forward_frozen_head(head, compute_entropy, config, token_chunk=None, vocab_c
 
 
 @on_first_argument_device
-def forward_frozen_record(head, compute_entropy, config, token_chunk=None, vocab_chunk=None, gemm_dtype=None):
+def forward_frozen_record(
+    head, compute_entropy, config, token_chunk=None, vocab_chunk=None, gemm_dtype=None, chunk_done=None
+):
     """``forward_frozen_head`` up to "finish": (record softmax_stats.SoftmaxStats, acc [N, D] fp32, target slope [N]
     fp32, lora_acc [N, r] fp32 or None without LoRA), unfinished (acc = sum_{v != y} e_v s'_v W_v against the
     record's max; lora_acc the same over lora_weight), for softmax_stats.finish_frozen_grad and
     softmax_stats.finish, or for a caller that merges them with other rows' first (a vocab-parallel head's
-    shards). V >= 1."""
+    shards). V >= 1. ``chunk_done(n0, n1, p, state)``, with one vocabulary chunk (``vocab_chunk`` = V): called
+    after each token chunk with its P' [n1 - n0, V] (2^k e s', the target column 0, in the GEMM dtype) and its
+    final state [STATE_ROWS, n1 - n0] (the record's fields first, then the target slope, the rescale and 2^-k)."""
     hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
@@ -316,4 +320,67 @@ def forward_frozen_record(head, compute_entropy, config, token_chunk=None, vocab
         acc.mul_(unscale[n0:n1, None])  # P''s power of two out, exactly
         if lora is not None:
             lora_grad[n0:n1].mul_(unscale[n0:n1, None])
+        if chunk_done is not None:
+            chunk_done(n0, n1, p, chunk_state)
     return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope, lora_grad
+
+
+def trained_chunk_size(N, V, D, weight_bytes_per_entry):
+    """Tokens per chunk of ``forward_trained_head``: its fp32 logits over the whole vocabulary (chunk x V) about the
+    size of W (V x D; 467 MB at the Qwen2.5-1.5B head in bf16: 768 tokens), a multiple of 16, at least 16."""
+    return min(N, max(16, (D * weight_bytes_per_entry // 4) // 16 * 16))
+
+
+def forward_trained_head(head, compute_entropy, config, coefficients, grads, token_chunk=None, gemm_dtype=None):
+    """The trained head in three vocabulary GEMM sweeps, for a loss whose dL/dlogp is known token by token as soon
+    as the token's log-prob is (``coefficients``): (logp, entropy, softmax_stats.BackwardStats) as ``forward``'s,
+    and the gradients of that loss in ``grads`` (an operands.HeadGrads: hidden written, weight and bias added to).
+    bf16 or fp32 inputs.
+
+    Per token chunk (``trained_chunk_size``) the frozen head's sweep over the whole vocabulary: u = H W^T (1), the
+    record and P' = 2^k e s' over u, J's accumulator P' W (2); then the chunk's log-probs, c =
+    ``coefficients(n0, n1, logp, entropy)`` [n1 - n0] fp32 (dL/dlogp of those tokens), and with g = c (onehot - p) s'
+    = f P' off the target column (f = -c 2^-k / S) and c s'_y R / S on it:
+        dW += P'^T (f H) (3),   dW[y] += c s'_y (R / S) h,   db += P'^T f,   db[y] += c s'_y R / S,
+    the operands f H and f rounded to the GEMM dtype once (bf16 has fp32's exponent range: nothing there flushes to
+    zero; fp16's does not, hence no fp16), and dH = c J (J the frozen head's, exact on confident tokens). Nothing
+    is recomputed: three sweeps against the recompute path's four. No LoRA
+    (``head.lora`` None) and no entropy gradient (dL/dentropy is not part of g).
+
+    Memory: the u buffer (chunk x V fp32), J (N x D fp32), 8 N fp32 of state, one chunk's operand (chunk x D); the
+    fp32 dH, dW and db are the caller's (``grads``).
+    """
+    hidden, weight, targets, _, _, lora = head
+    if lora is not None:
+        raise ValueError("forward_trained_head takes no LoRA operands")
+    N, D = hidden.shape
+    V = weight.shape[0]
+    chunk = token_chunk or trained_chunk_size(N, V, D, weight.element_size())
+    coefficient_rows = torch.zeros(N, dtype=torch.float32, device=hidden.device)
+
+    def chunk_done(n0, n1, p, state):
+        record = softmax_stats.SoftmaxStats(*state[:5])
+        logp, entropy, _ = softmax_stats.finish(record, compute_entropy)
+        c = coefficients(n0, n1, logp, entropy).float()
+        coefficient_rows[n0:n1] = c
+        if grads.weight is None and grads.bias is None:
+            return
+        sumexp, rest, target_slope, unscale = state[1], state[2], state[5], state[7]
+        factor = -(c / sumexp) * unscale  # g = factor P' off the target column
+        target_g = c * (rest / sumexp) * target_slope  # g at the target column, never 1 - p_y by cancellation
+        rows = hidden[n0:n1].float()
+        y = targets[n0:n1]
+        if grads.weight is not None:
+            mm_fp32(p.T, (rows * factor[:, None]).to(p.dtype), grads.weight, accumulate=True)
+            grads.weight.index_add_(0, y, rows * target_g[:, None])
+        if grads.bias is not None:
+            mm_fp32(p.T, factor[:, None].to(p.dtype), grads.bias[:, None], accumulate=True)
+            grads.bias.index_add_(0, y, target_g)
+
+    record, acc, target_slope, _ = forward_frozen_record(
+        head, compute_entropy, config, chunk, V, gemm_dtype, chunk_done=chunk_done
+    )
+    if grads.hidden is not None:
+        jacobian = softmax_stats.finish_frozen_grad(acc, record, target_slope, weight, targets)
+        torch.mul(jacobian, coefficient_rows[:, None], out=grads.hidden)
+    return softmax_stats.finish(record, compute_entropy)

@@ -199,6 +199,12 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
         from grpo_fast.grpo_loss import ops as loss_ops
 
         return loss_ops.workspace_bytes(tuple(bound["logp"].shape), backend=bound["backend"])
+    if op == "trained_head_loss":
+        from grpo_fast.grpo_loss import ops as loss_ops
+
+        hidden = bound["hidden"]
+        shape = (tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype, tuple(bound["mask"].shape))
+        return loss_ops.trained_head_workspace_bytes(*shape, backend=bound["token_backend"])
     from grpo_fast.head import ops as head_ops
 
     hidden = bound["hidden"]
