@@ -44,6 +44,12 @@ def register(impl: Impl) -> Impl:
     return impl
 
 
+def register_with_frozen(name, label, frozen_label, build, unavailable, note=""):
+    """A peer's head and its frozen twin ``<name>_frozen`` (the lm_head frozen, LoRA's case: fwd+bwd only)."""
+    register(Impl(name, label, build, unavailable=unavailable, note=note))
+    register(Impl(f"{name}_frozen", frozen_label, build, modes=("fwdbwd",), frozen=True, unavailable=unavailable))
+
+
 # ----------------------------------------------------------------------------------------------- eager
 # The eager baseline computes the logits as a training step does: the lm_head matmul in the input dtype (bf16 on
 # tensor cores), then fp32 for the log-softmax (grpo_fast.reference with fp32_matmul=False).
@@ -198,24 +204,13 @@ def _build_liger(mode, options):
     return loss
 
 
-register(
-    Impl(
-        "liger",
-        "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)",
-        _build_liger,
-        unavailable=_liger_unavailable,
-        note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public one)",
-    )
-)
-register(
-    Impl(
-        "liger_frozen",
-        "Liger-Kernel, lm_head frozen (no dW)",
-        _build_liger,
-        modes=("fwdbwd",),
-        frozen=True,
-        unavailable=_liger_unavailable,
-    )
+register_with_frozen(
+    "liger",
+    "Liger-Kernel LigerFusedLinearGRPOLoss (chunk_size=1)",
+    "Liger-Kernel, lm_head frozen (no dW)",
+    _build_liger,
+    _liger_unavailable,
+    note="logprobs mode: LigerFusedLinearPPOBase.chunk_forward (internal; Liger has no public one)",
 )
 
 # ----------------------------------------------------------------------------------------------- TRL's fused head
@@ -250,23 +245,12 @@ def _build_trl(mode, options):
     return _completion_head_impl(mode, completion_outputs)
 
 
-register(
-    Impl(
-        "trl",
-        "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction on the completion tokens) + TRL's GRPO loss",
-        _build_trl,
-        unavailable=_trl_unavailable,
-    )
-)
-register(
-    Impl(
-        "trl_frozen",
-        "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
-        _build_trl,
-        modes=("fwdbwd",),
-        frozen=True,
-        unavailable=_trl_unavailable,
-    )
+register_with_frozen(
+    "trl",
+    "TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction on the completion tokens) + TRL's GRPO loss",
+    "TRL 1.16's fused head, lm_head frozen (LoRA: no dW; its backward recomputes the tiles)",
+    _build_trl,
+    _trl_unavailable,
 )
 
 # ----------------------------------------------------------------------------------------------- verl
@@ -353,23 +337,12 @@ def _build_cce(mode, options):
     return _completion_head_impl(mode, completion_outputs)
 
 
-register(
-    Impl(
-        "cce",
-        "Cut Cross-Entropy 25.1 (linear_cross_entropy, reduction none, on the completion tokens) + TRL's GRPO loss",
-        _build_cce,
-        unavailable=_cce_unavailable,
-    )
-)
-register(
-    Impl(
-        "cce_frozen",
-        "Cut Cross-Entropy 25.1, lm_head frozen (LoRA: no dW)",
-        _build_cce,
-        modes=("fwdbwd",),
-        frozen=True,
-        unavailable=_cce_unavailable,
-    )
+register_with_frozen(
+    "cce",
+    "Cut Cross-Entropy 25.1 (linear_cross_entropy, reduction none, on the completion tokens) + TRL's GRPO loss",
+    "Cut Cross-Entropy 25.1, lm_head frozen (LoRA: no dW)",
+    _build_cce,
+    _cce_unavailable,
 )
 
 # ----------------------------------------------------------------------------------------------- grpo_fast
