@@ -13,6 +13,7 @@ mask to do so, eager PyTorch computes every position as a plain training step do
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,8 +110,7 @@ def _completion_head_impl(mode, completion_outputs):
 
     def loss(x, w):
         logp, entropy = completion_outputs(x, w, True)
-        labels = dict(old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs, num_items_in_batch=x.num_items_in_batch)
-        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy, **labels)
+        return reference.token_loss(logp, x.advantages, x.mask, x.options, entropy=entropy, **x.logprob_keywords())
 
     return loss
 
@@ -294,23 +294,19 @@ def _build_verl(mode, options, backend):
     return _completion_head_impl(mode, completion_outputs)
 
 
-register(
-    Impl(
-        "verl_torch",
-        "verl 0.9's torch backend (FusedLinearForPPO on the completion tokens) + TRL's GRPO loss",
-        lambda mode, options: _build_verl(mode, options, "torch"),
-        unavailable=_verl_unavailable,
+# its Triton backend (impl_backend=triton: verl.utils.kernel's linear_cross_entropy) is CUDA only
+for _backend, _label, _unavailable in (
+    ("torch", "verl 0.9's torch backend (FusedLinearForPPO", _verl_unavailable),
+    ("triton", "verl 0.9's Triton backend (linear_cross_entropy", _verl_triton_unavailable),
+):
+    register(
+        Impl(
+            f"verl_{_backend}",
+            f"{_label} on the completion tokens) + TRL's GRPO loss",
+            functools.partial(_build_verl, backend=_backend),
+            unavailable=_unavailable,
+        )
     )
-)
-# verl's Triton backend (impl_backend=triton: verl.utils.kernel's linear_cross_entropy), CUDA only
-register(
-    Impl(
-        "verl_triton",
-        "verl 0.9's Triton backend (linear_cross_entropy on the completion tokens) + TRL's GRPO loss",
-        lambda mode, options: _build_verl(mode, options, "triton"),
-        unavailable=_verl_triton_unavailable,
-    )
-)
 
 # ----------------------------------------------------------------------------------------------- CCE
 # Cut Cross-Entropy (cut-cross-entropy 25.1, Apple): linear_cross_entropy's "cce" kernels (the log-sum-exp of each
@@ -357,9 +353,7 @@ def _build_grpo_fast(mode, options, head_path="auto"):
             x.targets,
             x.advantages,
             x.mask,
-            old_logprobs=x.old_logprobs,
-            ref_logprobs=x.ref_logprobs,
-            num_items_in_batch=x.num_items_in_batch,
+            **x.logprob_keywords(),
             temperature=x.temperature,
             options=x.options,
             head_path=head_path,

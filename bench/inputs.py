@@ -82,6 +82,12 @@ class Inputs:
     options = LOSS_OPTIONS
     temperature = TEMPERATURE
 
+    def logprob_keywords(self):
+        """The per-token inputs every loss takes by keyword: the old and reference log-probs, num_items_in_batch."""
+        return dict(
+            old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs, num_items_in_batch=self.num_items_in_batch
+        )
+
     def reset_grads(self):
         self.hidden.grad = None
         self.weight.grad = None
@@ -177,15 +183,7 @@ def reference_fwdbwd(x: Inputs) -> Reference:
     temperature = x.temperature
     D = x.D
     logp = x.true_logprobs.float().requires_grad_()
-    loss, _ = reference.token_loss(
-        logp,
-        x.advantages,
-        x.mask,
-        x.options,
-        old_logprobs=x.old_logprobs,
-        ref_logprobs=x.ref_logprobs,
-        num_items_in_batch=x.num_items_in_batch,
-    )
+    loss, _ = reference.token_loss(logp, x.advantages, x.mask, x.options, **x.logprob_keywords())
     (coef,) = torch.autograd.grad(loss, logp)
     h, t, c = x.hidden.detach().reshape(-1, D), x.targets.reshape(-1), coef.double().reshape(-1)
     w64 = x.weight.detach().double().requires_grad_()
