@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import typing
 from typing import NamedTuple
 
 import torch
@@ -16,7 +15,15 @@ from grpo_fast.grpo_loss import torch_twin
 from grpo_fast.grpo_loss.metrics import RowValues, loss_metrics, metric_names
 from grpo_fast.grpo_loss.options import LossOptions
 from grpo_fast.head import backends as head_backends
-from grpo_fast.head.ops import LinearOpOperands, custom_op, inline_function, op_schema, runs_inline
+from grpo_fast.head.ops import (
+    LinearOpOperands,
+    custom_op,
+    inline_function,
+    op_schema,
+    runs_inline,
+    schema_fields,
+)
+from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.kernels.loss_statistics import SLOTS
 from grpo_fast.kernels.operands import HeadGrads
@@ -58,9 +65,7 @@ class PreparedBatch(NamedTuple):
 def _schema():
     """The op's schema: PreparedBatch's tensors (``Tensor?`` where None is allowed), the options' JSON and the
     backend's name; it returns (loss [], metrics [M], dL/dlogp [B, T], dL/dentropy [B, T] or empty)."""
-    hints = typing.get_type_hints(PreparedBatch)
-    tensors = [f"Tensor{'?' if type(None) in typing.get_args(hints[name]) else ''} {name}" for name in hints]
-    return f"({', '.join(tensors)}, str options_json, str backend) -> (Tensor, Tensor, Tensor, Tensor)"
+    return op_schema(PreparedBatch, "", "str options_json, str backend", "(Tensor, Tensor, Tensor, Tensor)")
 
 
 def options_json(options: LossOptions) -> str:
@@ -282,9 +287,8 @@ _BATCH_FIELDS = PreparedBatch._fields[2:]
 
 
 def _trained_head_schema():
-    hints = typing.get_type_hints(PreparedBatch)
-    batch = [f"Tensor{'?' if type(None) in typing.get_args(hints[name]) else ''} {name}" for name in _BATCH_FIELDS]
-    after = ", ".join(["Tensor positions", "Tensor? keep", *batch, "str options_json", "str token_backend"])
+    batch = schema_fields(PreparedBatch, _BATCH_FIELDS)
+    after = ", ".join(["Tensor positions", "Tensor? keep", batch, "str options_json", "str token_backend"])
     return op_schema(LinearOpOperands, "", after, "(" + ", ".join(["Tensor"] * 7) + ")")
 
 
@@ -413,8 +417,6 @@ def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, b
         batch_shape: (B, T).
         backend: the token loss's ("triton" or "torch").
     """
-    from grpo_fast.kernels import forward_frozen as kfrozen
-
     N, D = hidden_shape
     itemsize = torch.empty(0, dtype=dtype).element_size()
     chunk = kfrozen.trained_chunk_size(N, vocab_size, D, itemsize)

@@ -81,16 +81,23 @@ class LinearOpOperands(NamedTuple):
 _SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", str: "str", bool: "bool", torch.dtype: "ScalarType"}
 
 
-def op_schema(record: type, before: str, after: str, returns: str) -> str:
-    """A custom op's schema whose arguments are ``before``, the fields of ``record`` (a NamedTuple of annotated
-    tensors, numbers, strings and dtypes, optional as ``X | None``), then ``after`` (schema text, "" for none),
-    returning ``returns``."""
+def schema_fields(record: type, names=None) -> str:
+    """Schema text of the fields of ``record`` (a NamedTuple of annotated tensors, numbers, strings and dtypes,
+    optional as ``X | None``), or of those of them in ``names``, in the record's order."""
     fields = []
     for name, hint in typing.get_type_hints(record).items():
+        if names is not None and name not in names:
+            continue
         optional = type(None) in typing.get_args(hint)
         base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
         fields.append(f"{_SCHEMA_TYPES[base]}{'?' if optional else ''} {name}")
-    arguments = ", ".join(part for part in (before, ", ".join(fields), after) if part)
+    return ", ".join(fields)
+
+
+def op_schema(record: type, before: str, after: str, returns: str) -> str:
+    """A custom op's schema whose arguments are ``before``, the fields of ``record`` (``schema_fields``), then
+    ``after`` (schema text, "" for none), returning ``returns``."""
+    arguments = ", ".join(part for part in (before, schema_fields(record), after) if part)
     return f"({arguments}) -> {returns}"
 
 
