@@ -1,7 +1,8 @@
 """A NaN is never hidden: a non-finite value that reaches a scored token gives a non-finite loss on both backends
 (torch on CPU, and the Triton kernels on the ``device`` fixture: the interpreter, or compiled on a CUDA GPU), every
 loss type and importance-sampling level, through
-grpo_fast.token_loss (layer 2) and grpo_fast.loss (layer 1 too: the general path, the frozen-head path, no grad);
+grpo_fast.token_loss (layer 2) and grpo_fast.loss (layer 1 too: the general path, the three-sweep trained head, the
+frozen-head path, no grad);
 a NaN at a masked token changes nothing (those tokens are never read).
 """
 
@@ -116,14 +117,18 @@ def test_token_loss_a_nan_at_a_masked_token_changes_nothing(loss_type, level, ba
     assert torch.equal(loss, clean) and torch.equal(grad, clean_grad)
 
 
-PATHS = ("general", "frozen head", "no grad")
+# "trained": a trained weight with head_path "auto", the three-sweep head where the options are token-local (the
+# Triton backend), the general path elsewhere; "general": the recompute path, asked for
+PATHS = ("general", "trained", "frozen head", "no grad")
 
 
 def _loss(batch, backend, path, **kw):
     hidden = batch["hidden"].clone().requires_grad_(path != "no grad")
-    weight = batch["weight"].clone().requires_grad_(path == "general")
+    weight = batch["weight"].clone().requires_grad_(path in ("general", "trained"))
     targets, advantages, mask = batch["targets"], batch["advantages"], batch["mask"]
     kw.update(old_logprobs=batch["old"], ref_logprobs=batch["ref"], backend=backend)
+    if path == "general":
+        kw.update(head_path="general")
     with torch.set_grad_enabled(path != "no grad"):
         loss, _ = grpo_fast.loss(hidden, weight, targets, advantages, mask, **kw)
     if path != "no grad":

@@ -290,3 +290,28 @@ def test_fake_tensors_and_the_memory_estimate_see_the_op():
     assert chunk == 768
     total = loss_ops.trained_head_workspace_bytes((N, D), V, torch.bfloat16, (16, 1024))
     assert chunk * V * 4 + N * D * 4 < total < chunk * V * 4 + N * D * 4 + 2**24
+
+
+@pytest.mark.slow
+def test_a_compiled_step_is_one_graph_with_the_eager_loss_and_gradients(trained_calls):
+    """torch.compile(fullgraph=True) of a step through the three-sweep head (the op is one node): the eager step's
+    loss and gradients, the head taken in both."""
+    x = _batch(torch.float32, True)
+
+    def step(hidden, weight, bias):
+        labels = (x["targets"], x["adv"], x["mask"])
+        loss, _ = grpo_fast.loss(
+            hidden, weight, *labels, bias=bias, old_logprobs=x["old"], backend="triton", check_values=False
+        )
+        loss.backward()
+        return loss.detach()
+
+    results = []
+    # the backward inside the compiled step, as tests/test_compile.py runs it
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+            leaves = [x[name].clone().requires_grad_() for name in ("hidden", "weight", "bias")]
+            results.append((fn(*leaves), *(leaf.grad for leaf in leaves)))
+    assert trained_calls == [1, 1]
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
