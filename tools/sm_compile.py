@@ -380,17 +380,18 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     student = ModelHead(hs, ws, bs, LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5))
     teacher = ModelHead(ht, wt, bt, LogitTransform(0.7, softcap, 1.0))
     out = []
-    with recording(kdivergence, "_sweep_kernel") as sweeps:
+    with recording(kdivergence, "_sweep_kernel") as sweeps, recording(kdivergence, "_merge_splits_kernel") as merges:
         sweep = kdivergence.records(
             student,
             teacher,
             beta,
             targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
-            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch]),
+            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch], arch),
         )
         finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
     # the record sweep, then the JSD sweep (where 0 < beta < 1): one kernel, two modes
     out += [("div jsd" if launch.kwargs["JSD"] else "div fwd", launch) for launch in sweeps]
+    out += [("div merge", merges[0])]
     saved = torch.zeros(len(SAVED_FIELDS), N)
     argmax = torch.zeros(2, N, dtype=torch.int64)
     layer1_term = None
@@ -410,7 +411,7 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
             argmax,
             beta,
             (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None),
-            config=kdivergence.gpu_backward_config(dtype, layer1 is not None),
+            config=kdivergence.gpu_backward_config(dtype, layer1 is not None, arch),
             layer1=layer1_term,
         )
     return out + [("div bwd", bwd[0])]

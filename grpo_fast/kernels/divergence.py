@@ -3,8 +3,10 @@ grpo_fast.kernels.divergence_records (which has their algebra), no [N, V] buffer
 
 * ``_sweep_kernel``, program (i, k): both models' BLOCK_N x BLOCK_V logit tiles (two K-loops, fp32 accumulators)
   over vocabulary split k, in one of two modes. The record sweep folds them into one record per model per split
-  (and, for the combined GRPO + distillation head, gathers the student's logit at each target); ``records`` merges
-  the splits. The JSD sweep: the generalized JSD's second sweep over the finished records, summed over the splits.
+  (and, for the combined GRPO + distillation head, gathers the student's logit at each target);
+  ``_merge_splits_kernel`` folds a row's split records in order (one launch). The JSD sweep: the generalized JSD's
+  second sweep over the finished records, summed over the splits. On sm_90 the tiles come through tensor descriptors
+  (the copy engine; ``USE_TMA``), elsewhere through pointers.
 * ``_backward_kernel``: recomputes both tiles for a chunk of tokens and writes g = c d div / d z_s dz_s/du (c the
   upstream dL/d div; fp32 for fp32 inputs, else scaled by an exact power of two and rounded to the input dtype) and
   adds its column sums to db; cuBLAS does dH = g W_s and dW_s += g^T H_s with fp32 outputs. With p = softmax(z):
@@ -16,6 +18,9 @@ grpo_fast.kernels.divergence_records (which has their algebra), no [N, V] buffer
   r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v - r_a), the sum from the JSD sweep. The combined head's backward
   adds layer 1's logit gradient to g (its softmax is p_s: one normaliser).
 The argmax indices travel as fp32 in the split records (exact: V <= config.MAX_VOCAB < 2^24).
+
+Memory: the split records, 14 or 15 fields x splits x N fp32 (splits: ``num_vocab_splits``, a few waves' worth), the
+merged ones 15 x N; the backward's g, chunk x V in the student's dtype. No tensor of size N x V.
 """
 
 import math
@@ -26,13 +31,15 @@ import triton
 import triton.language as tl
 
 from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled, _device_props
-from .divergence_records import JsdSweep, Record, finish, merge
+from .divergence_records import JsdSweep, Record, finish
 from .gemm import chunk_size, mm_fp32
-from .launch import on_device, on_first_argument_device
-from .tile import gemm_scale, gradient_tile, logit_tile, row_coefficients, to_gemm
+from .launch import on_device, on_first_argument_device, tensor_descriptors_fit, tile_operand
+from .tile import gemm_scale, gradient_tile, logit_tile_at, row_coefficients, to_gemm
 
 # the fields of one model's record in the split buffer, in Record's order
 RECORD_FIELDS = len(Record._fields)
+# the rows of one program of the splits' merge (memory-bound: 15 loads a row and split)
+MERGE_BLOCK_N = 128
 
 
 # the most waves the record sweep's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill
@@ -66,66 +73,93 @@ def num_vocab_splits(N, V, config):
     return triton.cdiv(V, vocab_per_split), vocab_per_split
 
 
-def gpu_forward_config(dtype: torch.dtype, sm_count: int) -> ForwardConfig:
-    """The compiled sweep kernel's launch (both modes): two logit tiles live at once, so half the log-prob forward's
-    vocabulary width (no register spills on sm_90 / 89 / 80).
+# The record sweep's tiles per architecture (bf16 / fp16; fp32 takes SWEEP_FP32_TILES). Two logit tiles (student and
+# teacher) and both records' epilogue live at once. sm_90: 128 x 64 x 64 on 8 warps (two warpgroups, each a 64 x 64
+# wgmma; 64-row tiles gave each warpgroup 64 x 32), 3 stages, the tiles through the copy engine: 248 registers, no
+# spill; 128 columns spill 900 bytes, and so do 128 rows through pointers (184). sm_80 / sm_89 (mma.sync): 64 x 64 x 64,
+# the tile 128 rows spill at (150-270 bytes); the same tile on sm_90 where the tensors do not fit the copy engine.
+SWEEP_TILES = {
+    90: dict(block_n=128, block_v=64, block_d=64, num_warps=8, num_stages=3, use_tma=True),
+    80: dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2, use_tma=False),
+}
+# IEEE fp32 products on the FMA units: 8 warps keep both tiles' registers in bounds
+SWEEP_FP32_TILES = dict(block_n=32, block_v=64, block_d=32, num_warps=8, num_stages=2, use_tma=False)
 
-    Args:
-        dtype: the student's dtype.
-        sm_count: the GPU's multiprocessors (the programs of one wave).
 
-    Returns:
-        The ForwardConfig.
-    """
+def gpu_forward_config(
+    dtype: torch.dtype, sm_count: int, arch: int = 90, descriptors_fit: bool = True
+) -> ForwardConfig:
+    """The compiled sweep kernel's launch (both modes) on a GPU of ``sm_count`` multiprocessors (the programs of one
+    wave) and compute capability ``arch`` (10 major + minor): SWEEP_TILES' row of the nearest arch at or below it (the
+    sm_89 cards, ~100 KiB of shared memory a block, take sm_80's), the pointer tiles where the tensors do not fit the
+    copy engine (``descriptors_fit`` false), SWEEP_FP32_TILES for an fp32 ``dtype``."""
     if dtype == torch.float32:
-        # IEEE fp32 products on the FMA units: 8 warps keep both tiles' registers in bounds
-        tiles = dict(block_n=32, block_v=64, block_d=32, num_warps=8, num_stages=2)
+        tiles = SWEEP_FP32_TILES
     else:
-        tiles = dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2)
+        known = [a for a in sorted(SWEEP_TILES) if a <= arch] or [min(SWEEP_TILES)]
+        tiles = SWEEP_TILES[80 if arch in (86, 87, 89) or arch >= 120 else known[-1]]
+        if tiles["use_tma"] and not descriptors_fit:
+            tiles = SWEEP_TILES[80]
     return ForwardConfig(**tiles, dot_fp32=False, target_programs=sm_count)
 
 
-def gpu_backward_config(dtype: torch.dtype, layer1: bool = False) -> BackwardConfig:
-    """The compiled backward's launch: both tiles and the gradient's epilogue live at once.
+# The backward's g tiles per architecture (bf16 / fp16): both logit tiles and the gradient's epilogue live at once.
+# sm_90: 128 x 64 x 64 on 8 warps through the copy engine, as the record sweep; elsewhere (and where the tensors do not
+# fit the copy engine) 64 x 64 x 64 through pointers, 32 columns for the combined head (layer 1's term: no spills).
+G_TILES = {
+    90: dict(block_n=128, block_v=64, block_d=64, num_warps=8, num_stages=3, use_tma=True),
+    80: dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2, use_tma=False),
+}
+G_FP32_TILES = dict(block_n=32, block_v=32, block_d=32, num_warps=4, num_stages=2, use_tma=False)
 
-    Args:
-        dtype: the student's dtype.
-        layer1: the combined head's backward, whose half-precision epilogue also holds layer 1's term (a narrower
-            vocabulary tile: no spills).
 
-    Returns:
-        The BackwardConfig.
-    """
+def gpu_backward_config(
+    dtype: torch.dtype, layer1: bool = False, arch: int = 90, descriptors_fit: bool = True
+) -> BackwardConfig:
+    """The compiled backward's launch on a GPU of compute capability ``arch``: G_TILES' row of the nearest arch at or
+    below it (sm_89 cards take sm_80's), the pointer tiles where the tensors do not fit the copy engine
+    (``descriptors_fit`` false), G_FP32_TILES for an fp32 ``dtype``; ``layer1``: the combined head's backward, whose
+    half-precision epilogue also holds layer 1's term."""
     if dtype == torch.float32:
-        tiles = dict(block_n=32, block_v=32, block_d=32, num_warps=4, num_stages=2)
+        tiles = dict(G_FP32_TILES)
     else:
-        tiles = dict(block_n=64, block_v=32 if layer1 else 64, block_d=64, num_warps=8, num_stages=2)
+        known = [a for a in sorted(G_TILES) if a <= arch] or [min(G_TILES)]
+        tiles = dict(G_TILES[80 if arch in (86, 87, 89) or arch >= 120 else known[-1]])
+        if tiles["use_tma"] and not descriptors_fit:
+            tiles = dict(G_TILES[80])
+        if layer1 and not tiles["use_tma"]:
+            tiles["block_v"] = 32
     return BackwardConfig(**tiles, dot_fp32=False, group_v=1)
 
 
-def forward_config(device: torch.device, dtype: torch.dtype) -> ForwardConfig:
-    """The sweep kernel's launch on ``device`` for a student of ``dtype`` (the interpreter's small tiles on a CPU)."""
+def forward_config(device: torch.device, dtype: torch.dtype, descriptors_fit: bool = True) -> ForwardConfig:
+    """The sweep kernel's launch on ``device`` for a student of ``dtype`` (the interpreter's small tiles on a CPU);
+    ``descriptors_fit``: whether both models' tensors can be read through tensor descriptors."""
     if not _compiled(device):
         return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
-    return gpu_forward_config(dtype, _device_props(device)[0])
+    sm_count, _, arch = _device_props(device)
+    return gpu_forward_config(dtype, sm_count, arch, descriptors_fit)
 
 
-def backward_config(device: torch.device, dtype: torch.dtype, layer1: bool = False) -> BackwardConfig:
-    """The backward kernel's launch on ``device`` for a student of ``dtype`` (``layer1``: the combined head's)."""
+def backward_config(
+    device: torch.device, dtype: torch.dtype, layer1: bool = False, descriptors_fit: bool = True
+) -> BackwardConfig:
+    """The backward kernel's launch on ``device`` for a student of ``dtype`` (``layer1``: the combined head's;
+    ``descriptors_fit``: whether both models' tensors can be read through tensor descriptors)."""
     if not _compiled(device):
         return BackwardConfig(**_INTERPRETER_TILES, group_v=1)
-    return gpu_backward_config(dtype, layer1)
+    return gpu_backward_config(dtype, layer1, _device_props(device)[2], descriptors_fit)
 
 
 @triton.jit
 def _model_tile(
-    hidden_ptr,
-    weight_ptr,
+    hidden,
+    weight,
     bias_ptr,
-    offs_n,
-    offs_v,
-    n_mask,
-    v_mask,
+    n0,
+    v0,
+    N,
+    V,
     D,
     stride_hn,
     stride_wv,
@@ -134,35 +168,36 @@ def _model_tile(
     softcap,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One model's transformed logits (-inf past the vocabulary) and dz/du: tile.logit_tile without LoRA."""
-    return logit_tile(
-        hidden_ptr,
-        weight_ptr,
+    """One model's transformed logits at (n0, v0) (-inf past the vocabulary) and dz/du: tile.logit_tile_at without
+    LoRA (``hidden`` and ``weight`` tensor descriptors with USE_TMA, else pointers)."""
+    return logit_tile_at(
+        hidden,
+        weight,
         bias_ptr,
-        hidden_ptr,
-        weight_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
+        bias_ptr,
+        bias_ptr,
+        n0,
+        v0,
+        N,
+        V,
         D,
         0,
         stride_hn,
-        1,
         stride_wv,
-        1,
         inv_temperature,
         logit_scale,
         softcap,
         HAS_BIAS,
         False,
         HAS_SOFTCAP,
+        USE_TMA,
         DOT_FP32,
         DOT_PRECISION,
         DOT_PRECISION,
@@ -175,16 +210,16 @@ def _model_tile(
 
 @triton.jit
 def _pair_tiles(
-    hs_ptr,
-    ws_ptr,
+    hs,
+    ws,
     bs_ptr,
-    ht_ptr,
-    wt_ptr,
+    ht,
+    wt,
     bt_ptr,
-    offs_n,
-    n_mask,
+    n0,
     v0,
-    v_end,
+    N,
+    V,
     Ds,
     Dt,
     stride_hs,
@@ -200,6 +235,7 @@ def _pair_tiles(
     T_HAS_BIAS: tl.constexpr,
     S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_FP32: tl.constexpr,
     S_DOT_PRECISION: tl.constexpr,
     T_DOT_PRECISION: tl.constexpr,
@@ -207,18 +243,16 @@ def _pair_tiles(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The vocabulary tile at v0 (entries from v_end on masked): its indices, both models' transformed logits (two
-    K-loops) and the student's slope dz/du."""
-    offs_v = v0 + tl.arange(0, BLOCK_V)
-    v_mask = offs_v < v_end
+    """The tile at (n0, v0): its vocabulary indices, both models' transformed logits (two K-loops; -inf from V on)
+    and the student's slope dz/du."""
     zs, slope = _model_tile(
-        hs_ptr,
-        ws_ptr,
+        hs,
+        ws,
         bs_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
+        n0,
+        v0,
+        N,
+        V,
         Ds,
         stride_hs,
         stride_ws,
@@ -227,6 +261,7 @@ def _pair_tiles(
         s_softcap,
         S_HAS_BIAS,
         S_HAS_SOFTCAP,
+        USE_TMA,
         DOT_FP32,
         S_DOT_PRECISION,
         BLOCK_N,
@@ -234,13 +269,13 @@ def _pair_tiles(
         BLOCK_D,
     )
     zt, _ = _model_tile(
-        ht_ptr,
-        wt_ptr,
+        ht,
+        wt,
         bt_ptr,
-        offs_n,
-        offs_v,
-        n_mask,
-        v_mask,
+        n0,
+        v0,
+        N,
+        V,
         Dt,
         stride_ht,
         stride_wt,
@@ -249,13 +284,14 @@ def _pair_tiles(
         t_softcap,
         T_HAS_BIAS,
         T_HAS_SOFTCAP,
+        USE_TMA,
         DOT_FP32,
         T_DOT_PRECISION,
         BLOCK_N,
         BLOCK_V,
         BLOCK_D,
     )
-    return offs_v, zs, slope, zt
+    return v0 + tl.arange(0, BLOCK_V), zs, slope, zt
 
 
 @triton.jit
@@ -341,6 +377,49 @@ def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
 
 
 @triton.jit
+def _load_record(ptr, stride_field, mask):
+    """A record's seven fields at ptr, stride_field apart (``_store_record``'s layout)."""
+    return (
+        tl.load(ptr, mask=mask, other=0.0),
+        tl.load(ptr + stride_field, mask=mask, other=0.0),
+        tl.load(ptr + 2 * stride_field, mask=mask, other=0.0),
+        tl.load(ptr + 3 * stride_field, mask=mask, other=0.0),
+        tl.load(ptr + 4 * stride_field, mask=mask, other=0.0),
+        tl.load(ptr + 5 * stride_field, mask=mask, other=0.0),
+        tl.load(ptr + 6 * stride_field, mask=mask, other=0.0),
+    )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    split_ptr, out_ptr, N, num_splits, stride_field, WITH_TARGET: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Both models' records of a block of rows folded over the record sweep's splits, the lower vocabulary first (it
+    wins ties, as in divergence_records.merge): split_ptr [fields, num_splits, N] (fields stride_field apart), out_ptr
+    [fields, N]; with WITH_TARGET the target-logit field summed (one split holds each target, the others add 0)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    first = split_ptr + offs_n
+    sm, sa, sr, sc, so, sz, su = _load_record(first, stride_field, mask)
+    tm, ta, tr, tc, to, tz, tu = _load_record(first + 7 * stride_field, stride_field, mask)
+    if WITH_TARGET:
+        target_logit = tl.load(first + 14 * stride_field, mask=mask, other=0.0)
+    for k in range(1, num_splits):
+        split = first + k * N
+        m, a, r, c, o, z, u = _load_record(split, stride_field, mask)
+        sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
+        m, a, r, c, o, z, u = _load_record(split + 7 * stride_field, stride_field, mask)
+        tm, ta, tr, tc, to, tz, tu = _merge(tm, ta, tr, tc, to, tz, tu, m, a, r, c, o, z, u)
+        if WITH_TARGET:
+            target_logit += tl.load(split + 14 * stride_field, mask=mask, other=0.0)
+    out = out_ptr + offs_n
+    _store_record(out, N, mask, sm, sa, sr, sc, so, sz, su)
+    _store_record(out + 7 * N, N, mask, tm, ta, tr, tc, to, tz, tu)
+    if WITH_TARGET:
+        tl.store(out + 14 * N, target_logit, mask=mask)
+
+
+@triton.jit
 def _log_probs(z, offs_v, row_max, log_sumexp, top_index):
     """log p = (z - m) - log S of a tile (exactly -log S at the argmax), and the argmax mask."""
     top = offs_v[None, :] == top_index[:, None]
@@ -365,11 +444,11 @@ def _log_mixture(log_ps, log_pt, shared_top, s_rest_mass, t_rest_mass, beta, log
 
 @triton.jit
 def _sweep_kernel(
-    hs_ptr,
-    ws_ptr,
+    hs,
+    ws,
     bs_ptr,
-    ht_ptr,
-    wt_ptr,
+    ht,
+    wt,
     bt_ptr,
     out_ptr,
     targets_ptr,
@@ -399,6 +478,7 @@ def _sweep_kernel(
     T_HAS_BIAS: tl.constexpr,
     S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_FP32: tl.constexpr,
     S_DOT_PRECISION: tl.constexpr,
     T_DOT_PRECISION: tl.constexpr,
@@ -434,16 +514,16 @@ def _sweep_kernel(
             targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v, zs, _, zt = _pair_tiles(
-            hs_ptr,
-            ws_ptr,
+            hs,
+            ws,
             bs_ptr,
-            ht_ptr,
-            wt_ptr,
+            ht,
+            wt,
             bt_ptr,
-            offs_n,
-            n_mask,
+            pid_n * BLOCK_N,
             v0,
-            v_end,
+            N,
+            V,
             Ds,
             Dt,
             stride_hs,
@@ -459,6 +539,7 @@ def _sweep_kernel(
             T_HAS_BIAS,
             S_HAS_SOFTCAP,
             T_HAS_SOFTCAP,
+            USE_TMA,
             DOT_FP32,
             S_DOT_PRECISION,
             T_DOT_PRECISION,
@@ -498,11 +579,11 @@ def _sweep_kernel(
 
 @triton.jit
 def _backward_kernel(
-    hs_ptr,
-    ws_ptr,
+    hs,
+    ws,
     bs_ptr,
-    ht_ptr,
-    wt_ptr,
+    ht,
+    wt,
     bt_ptr,
     saved_ptr,
     argmax_ptr,
@@ -539,6 +620,7 @@ def _backward_kernel(
     T_HAS_BIAS: tl.constexpr,
     S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -579,15 +661,15 @@ def _backward_kernel(
         saved_ptr, argmax_ptr, stride_saved, N_ALL, offs_n, n_mask
     )
     _, zs, slope, zt = _pair_tiles(
-        hs_ptr,
-        ws_ptr,
+        hs,
+        ws,
         bs_ptr,
-        ht_ptr,
-        wt_ptr,
+        ht,
+        wt,
         bt_ptr,
-        offs_n,
-        n_mask,
+        pid_n * BLOCK_N,
         pid_v * BLOCK_V,
+        N,
         V,
         Ds,
         Dt,
@@ -604,6 +686,7 @@ def _backward_kernel(
         T_HAS_BIAS,
         S_HAS_SOFTCAP,
         T_HAS_SOFTCAP,
+        USE_TMA,
         DOT_FP32,
         S_DOT_PRECISION,
         T_DOT_PRECISION,
@@ -727,39 +810,46 @@ def records(student, teacher, beta, config=None, offset=0, targets=None):
     if N == 0 or V == 0:
         raise ValueError(f"the divergence kernels need tokens and weight rows, got N = {N}, V = {V}")
     dev = student.hidden.device
-    config = config or forward_config(dev, student.hidden.dtype)
+    descriptors_fit = tensor_descriptors_fit(student.hidden, student.weight, teacher.hidden, teacher.weight)
+    config = config or forward_config(dev, student.hidden.dtype, descriptors_fit)
     num_splits, vocab_per_split = num_vocab_splits(N, V, config)
     grid = (triton.cdiv(N, config.block_n), num_splits)
-    pointers = (*_pointers(student), *_pointers(teacher))
-    shared = dict(N=N, V=V, vocab_per_split=vocab_per_split, **_shared_arguments(student, teacher, beta, config))
+    use_tma = config.use_tma and descriptors_fit
+    pointers = (*_tile_operands(student, use_tma, config), *_tile_operands(teacher, use_tma, config))
+    shared = dict(
+        N=N, V=V, vocab_per_split=vocab_per_split, USE_TMA=use_tma, **_shared_arguments(student, teacher, beta, config)
+    )
+    with_target = targets is not None
     with on_device(student.hidden):
-        split_records = torch.empty(
-            (2 * RECORD_FIELDS + (targets is not None), num_splits, N), dtype=torch.float32, device=dev
-        )
+        split_records = torch.empty((2 * RECORD_FIELDS + with_target, num_splits, N), dtype=torch.float32, device=dev)
         # the record sweep reads no saved values: split_records stands in for their pointers
         _sweep_kernel[grid](
             *pointers,
             split_records,
-            targets if targets is not None else split_records,
+            targets if with_target else split_records,
             split_records,
             split_records,
             stride_out=split_records.stride(0),
             stride_saved=0,
             JSD=False,
-            WITH_TARGET=targets is not None,
+            WITH_TARGET=with_target,
             **shared,
         )
-        merged = []
-        for fields in (split_records[:RECORD_FIELDS], split_records[RECORD_FIELDS : 2 * RECORD_FIELDS]):
-            per_split = [
-                Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0) for f in fields.unbind(1)
-            ]
-            run = per_split[0]
-            for split in per_split[1:]:
-                run = merge(run, split)
-            merged.append(run)
-        # one split holds each target: the others' zeros add exactly
-        target_logit = split_records[2 * RECORD_FIELDS].sum(0) if targets is not None else None
+        fields = torch.empty((2 * RECORD_FIELDS + with_target, N), dtype=torch.float32, device=dev)
+        _merge_splits_kernel[(triton.cdiv(N, MERGE_BLOCK_N),)](
+            split_records,
+            fields,
+            N,
+            num_splits,
+            split_records.stride(0),
+            WITH_TARGET=with_target,
+            BLOCK_N=MERGE_BLOCK_N,
+        )
+        student_record, teacher_record = (
+            Record(f[0], f[1].to(torch.int64) + offset, f[2], f[3], f[4], f[5], f[6] > 0)
+            for f in (fields[:RECORD_FIELDS], fields[RECORD_FIELDS : 2 * RECORD_FIELDS])
+        )
+        target_logit = fields[2 * RECORD_FIELDS] if with_target else None
 
     def jsd_sweep(student_finished, teacher_finished, top_log_ratio):
         with on_device(student.hidden):
@@ -784,7 +874,7 @@ def records(student, teacher, beta, config=None, offset=0, targets=None):
             jsd, excess = out.sum(1).unbind(0)
         return jsd, excess
 
-    return SweepRecords(*merged, jsd_sweep, target_logit)
+    return SweepRecords(student_record, teacher_record, jsd_sweep, target_logit)
 
 
 @on_first_argument_device
@@ -808,7 +898,8 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
     N, Ds = student.hidden.shape
     V = student.weight.shape[0]
     dev = student.hidden.device
-    config = config or backward_config(dev, student.hidden.dtype, layer1 is not None)
+    descriptors_fit = tensor_descriptors_fit(student.hidden, student.weight, teacher.hidden, teacher.weight)
+    config = config or backward_config(dev, student.hidden.dtype, layer1 is not None, descriptors_fit)
     chunk = chunk_size(N, Ds)
     g = torch.empty((chunk, V), dtype=student.hidden.dtype, device=dev)
     scaled = student.hidden.dtype != torch.float32
@@ -822,18 +913,21 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
     else:
         coefficient_max = saved  # a placeholder: SCALE_G is off
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
-    student_hidden, student_weight, student_bias = _pointers(student)
-    teacher_hidden, teacher_weight, teacher_bias = _pointers(teacher)
-    shared = _shared_arguments(student, teacher, beta, config)
+    use_tma = config.use_tma and descriptors_fit
+    student_weight, teacher_weight = (
+        tile_operand(w, use_tma, config.block_v, config.block_d) for w in (student.weight, teacher.weight)
+    )
+    student_bias, teacher_bias = _pointers(student)[2], _pointers(teacher)[2]
+    shared = dict(USE_TMA=use_tma, **_shared_arguments(student, teacher, beta, config))
     argmax = local_argmax(argmax, offset, V)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
         grid = (triton.cdiv(n1 - n0, config.block_n), triton.cdiv(V, config.block_v))
         _backward_kernel[grid](
-            student_hidden[n0:n1],
+            tile_operand(student.hidden[n0:n1], use_tma, config.block_n, config.block_d),
             student_weight,
             student_bias,
-            teacher_hidden[n0:n1],
+            tile_operand(teacher.hidden[n0:n1], use_tma, config.block_n, config.block_d),
             teacher_weight,
             teacher_bias,
             saved[:, n0:],
@@ -865,6 +959,16 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
             mm_fp32(g_rows.T, student.hidden[n0:n1], grad_weight, accumulate=True)
     if scaled and grad_weight is not None:
         grad_weight.mul_(g_unscale)
+
+
+def _tile_operands(model, use_tma, config):
+    """``_pointers``, the hidden states and weight as tensor descriptors of the config's blocks with ``use_tma``."""
+    hidden, weight, bias = _pointers(model)
+    return (
+        tile_operand(hidden, use_tma, config.block_n, config.block_d),
+        tile_operand(weight, use_tma, config.block_v, config.block_d),
+        bias,
+    )
 
 
 def _pointers(model):
