@@ -248,6 +248,38 @@ def test_taken_only_where_the_loss_and_the_inputs_allow_it(case, trained_calls):
     assert trained_calls == [1]
 
 
+def test_the_chunk_is_the_callers_choice(monkeypatch):
+    """``trained_head_chunk`` sets the head's tokens per chunk (the same loss and gradients in chunks of 4 as in the
+    default's one chunk); a value that is not a positive int, or one for a call the three-sweep head does not run,
+    is refused."""
+    chunks = []
+    real = kfrozen.forward_trained_head
+
+    def spy(*args, **kwargs):
+        chunks.append(args[5] if len(args) > 5 else kwargs.get("token_chunk"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kfrozen, "forward_trained_head", spy)
+    x = _batch(torch.float32, True)
+    default = _loss(x, "auto", loss_type="dapo")
+    chunked = _loss(x, "auto", loss_type="dapo", trained_head_chunk=4)
+    assert chunks == [None, 4]
+    torch.testing.assert_close(chunked[0], default[0], rtol=1e-6, atol=1e-7)
+    for name in default[2]:
+        torch.testing.assert_close(chunked[2][name], default[2][name], rtol=1e-5, atol=1e-7)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            _loss(x, "auto", trained_head_chunk=bad)
+    for kw, name in (
+        (dict(head_path="general"), "head_path"),
+        (dict(lora=(torch.randn(4, 24), torch.randn(150, 4), 0.5)), "lora"),
+        (dict(importance_sampling_level="sequence"), "token-local"),
+    ):
+        head_path = kw.pop("head_path", "auto")
+        with pytest.raises(ValueError, match=name):
+            _loss(x, head_path, trained_head_chunk=64, **kw)
+
+
 @pytest.mark.slow
 def test_three_vocabulary_sweeps_against_the_recompute_paths_four():
     # B 4, T 64, D 64, V 4096, a trained weight: u = H W^T, J's P' W and dW's P'^T (f H), against 2 N D V each

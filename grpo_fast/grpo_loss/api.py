@@ -78,6 +78,7 @@ def loss(
     options: LossOptions | None = None,
     head_path: str = "auto",
     backward_mode: str = "chunked",
+    trained_head_chunk: int | None = None,
     lora: HeadLora | tuple | None = None,
     vocab_parallel: VocabShard | None = None,
     backend: str = "auto",
@@ -123,6 +124,11 @@ def loss(
             "auto" with a trained weight and token-local options (``LossOptions.token_local``) on the Triton backend,
             bf16 or fp32, without LoRA: both layers in three vocabulary sweeps (the gradients formed in the forward).
         backward_mode: layer 1's Triton backward, as in ``logprobs_and_entropy``.
+        trained_head_chunk: tokens per chunk of the three-sweep trained head (a positive int): its fp32 logits of
+            one chunk over the vocabulary, chunk x V x 4 bytes, are its largest buffer. None: the chunk whose logits
+            are about the weight's size (768 tokens at Qwen2.5-1.5B's bf16 head, 467 MB). Only where the three-sweep
+            head can run: not with ``head_path="general"``, LoRA, ``vocab_parallel``, a teacher or options that are
+            not token-local.
         lora: LoRA on the lm_head (HeadLora), or None.
         vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
         backend: "auto", "triton" or "torch", for both layers.
@@ -171,6 +177,7 @@ def loss(
     backend = inputs.resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = inputs.layer1_choices(head_path, backward_mode, backend)
+    _check_trained_head_chunk(trained_head_chunk, head_path, lora, shard, teacher, options)
     if distillation is not None:
         _check_teacher(teacher, hidden, weight, shard)
         rows = inputs.scored_rows(completion_mask, checks)
@@ -183,7 +190,7 @@ def loss(
     rows = inputs.scored_rows(completion_mask, checks)
     if shard is None and options.token_local:
         trained = _trained_head(
-            hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options
+            hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, trained_head_chunk
         )
         if trained is not None:
             return trained
@@ -204,7 +211,7 @@ def loss(
     return _token_loss(_prepared(logp, entropy, batch, options), options, backend)
 
 
-def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options):
+def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, chunk):
     """Both layers in one op with the three-sweep trained head (``ops.trained_head_loss``) where it is taken
     (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics)."""
     B, T = targets.shape
@@ -220,11 +227,29 @@ def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_
     placeholder = torch.zeros(0, dtype=torch.float32, device=hidden.device)  # the op makes the [B, T] log-probs
     prepared = _prepared(placeholder, None, batch, options)
     total, metric_values, logp, entropy = ops.trained_head_loss(
-        operands, positions, rows.keep, prepared, options, backend.name
+        operands, positions, rows.keep, prepared, options, backend.name, chunk
     )
     metrics = Metrics(zip(metric_names(options, True), metric_values.detach().unbind(0)))
     metrics.logprobs, metrics.entropies = logp.detach(), entropy.detach()
     return total, metrics
+
+
+def _check_trained_head_chunk(chunk, head_path, lora, shard, teacher, options):
+    """``trained_head_chunk``: None, or a positive int for a call the three-sweep head can run (``loss``)."""
+    if chunk is None:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"trained_head_chunk must be a positive int (tokens per chunk) or None, got {chunk!r}")
+    conflicts = [
+        (head_path == "general", 'head_path="general"'),
+        (lora is not None, "lora"),
+        (shard is not None, "vocab_parallel"),
+        (teacher is not None, "a teacher"),
+        (not options.token_local, "options that are not token-local (LossOptions.token_local)"),
+    ]
+    for conflict, name in conflicts:
+        if conflict:
+            raise ValueError(f"trained_head_chunk sizes the three-sweep trained head, which {name} does not run")
 
 
 def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel):

@@ -288,25 +288,29 @@ _BATCH_FIELDS = PreparedBatch._fields[2:]
 
 def _trained_head_schema():
     batch = schema_fields(PreparedBatch, _BATCH_FIELDS)
-    after = ", ".join(["Tensor positions", "Tensor? keep", batch, "str options_json", "str token_backend"])
+    after = ", ".join(
+        ["Tensor positions", "Tensor? keep", batch, "str options_json", "str token_backend", "int token_chunk"]
+    )
     return op_schema(LinearOpOperands, "", after, "(" + ", ".join(["Tensor"] * 7) + ")")
 
 
 def _trained_head_arguments(arguments):
-    """(LinearOpOperands, positions, keep, PreparedBatch with empty log-probs and no entropy, options, backend)."""
+    """(LinearOpOperands, positions, keep, PreparedBatch with empty log-probs and no entropy, options, backend,
+    tokens per chunk (0: the default))."""
     count = len(LinearOpOperands._fields)
     operands = LinearOpOperands(*arguments[:count])
-    positions, keep, *tensors, encoded_options, token_backend = arguments[count:]
+    positions, keep, *tensors, encoded_options, token_backend, token_chunk = arguments[count:]
     mask = tensors[_BATCH_FIELDS.index("mask")]
     logp = torch.zeros(mask.shape, dtype=FP32, device=mask.device)
     batch = PreparedBatch(logp, None, *tensors)
-    return operands, positions, keep, batch, LossOptions(**json.loads(encoded_options)), token_backend
+    options = LossOptions(**json.loads(encoded_options))
+    return operands, positions, keep, batch, options, token_backend, token_chunk
 
 
 def _trained_head_loss(*arguments):
     """(loss [], metrics [M], logp [B, T], entropy [B, T], dH [N, D], dW [V, D], db [V] or empty), fp32: the loss
     and metrics of ``token_loss`` on the scored rows' log-probs and entropies, and its gradients."""
-    operands, positions, keep, batch, options, token_backend = _trained_head_arguments(arguments)
+    operands, positions, keep, batch, options, token_backend, token_chunk = _trained_head_arguments(arguments)
     head = operands.head()
     hidden, weight, bias = head.hidden, head.weight, head.bias
     flat_logp = batch.logp.view(-1)
@@ -326,7 +330,7 @@ def _trained_head_loss(*arguments):
         torch.zeros(weight.shape[0], dtype=FP32, device=dev) if bias is not None else None,
     )
     backend = head_backends.BACKENDS[operands.backend]
-    logp, entropy, _ = backend.forward_trained_head(head, coefficients, grads)
+    logp, entropy, _ = backend.forward_trained_head(head, coefficients, grads, token_chunk or None)
     N = hidden.shape[0]
     flat_logp.index_copy_(0, positions, scored(logp, 0, N))
     flat_entropy = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(entropy, 0, N))
@@ -341,7 +345,7 @@ _trained_head_loss_op = custom_op("trained_head_loss", _trained_head_loss, _trai
 
 @_trained_head_loss_op.register_fake
 def _(*arguments):
-    operands, _, _, batch, options, _ = _trained_head_arguments(arguments)
+    operands, _, _, batch, options, _, _ = _trained_head_arguments(arguments)
     hidden, weight, logp = operands.hidden, operands.weight, batch.logp
     return (
         logp.new_empty((), dtype=FP32),
@@ -395,17 +399,26 @@ _trained_head_loss_op.register_autograd(_trained_head_backward, setup_context=_t
 _TRAINED_HEAD_INLINE = inline_function(_trained_head_loss, _trained_head_setup_context, _trained_head_backward)
 
 
-def trained_head_loss(operands, positions, keep, batch: PreparedBatch, options: LossOptions, token_backend: str):
+def trained_head_loss(
+    operands,
+    positions,
+    keep,
+    batch: PreparedBatch,
+    options: LossOptions,
+    token_backend: str,
+    token_chunk: int | None = None,
+):
     """``grpo_fast::trained_head_loss`` (loss, metrics [M], logp [B, T], entropy [B, T]), differentiable in the
     head's hidden rows, weight and bias (through the gradients it formed). ``operands``: a LinearOpOperands of the
     scored rows; ``positions`` [N] int64 their flat indices in [B x T]; ``keep`` [N] bool or None (a device
-    partition's scored rows); ``batch``: the prepared batch (its log-probs and entropy are not read)."""
-    arguments = (*operands, positions, keep, *batch[2:], options_json(options), token_backend)
+    partition's scored rows); ``batch``: the prepared batch (its log-probs and entropy are not read); ``token_chunk``:
+    tokens per chunk (None: ``kernels.forward_frozen.trained_chunk_size``'s)."""
+    arguments = (*operands, positions, keep, *batch[2:], options_json(options), token_backend, token_chunk or 0)
     run = _TRAINED_HEAD_INLINE.apply if runs_inline(arguments) else _trained_head_loss_op
     return run(*arguments)[:4]
 
 
-def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, backend="triton"):
+def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, backend="triton", token_chunk=None):
     """The bytes ``grpo_fast::trained_head_loss`` allocates besides its outputs, for a memory estimate: the
     three-sweep head's fp32 logits of one token chunk over the vocabulary, J (N x D fp32), its 8 N fp32 of state and
     one chunk's GEMM operand, and the token loss's own (``workspace_bytes``) with the [B, T] dL/dlogp it returns.
@@ -416,9 +429,10 @@ def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, b
         dtype: the head's dtype.
         batch_shape: (B, T).
         backend: the token loss's ("triton" or "torch").
+        token_chunk: the head's tokens per chunk (None: the default).
     """
     N, D = hidden_shape
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    chunk = kfrozen.trained_chunk_size(N, vocab_size, D, itemsize)
+    chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, vocab_size, D, itemsize))
     head = chunk * vocab_size * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
     return head + workspace_bytes(batch_shape, backend) + batch_shape[0] * batch_shape[1] * 4

@@ -74,11 +74,12 @@ class TritonBackend:
     def forward_frozen_record(self, head):
         return kfrozen.forward_frozen_record(head, True, kconfig.frozen_head_config(head.hidden.device))[:3]
 
-    def forward_trained_head(self, head, coefficients, grads):
+    def forward_trained_head(self, head, coefficients, grads, token_chunk=None):
         """The three-sweep trained head (``kernels.forward_frozen.forward_trained_head``): (logp, entropy,
-        BackwardStats), dH / dW / db of the loss whose dL/dlogp ``coefficients`` gives into ``grads``."""
+        BackwardStats), dH / dW / db of the loss whose dL/dlogp ``coefficients`` gives into ``grads``, in chunks of
+        ``token_chunk`` tokens (None: the default)."""
         config = kconfig.frozen_head_config(head.hidden.device)
-        return kfrozen.forward_trained_head(head, True, config, coefficients, grads)
+        return kfrozen.forward_trained_head(head, True, config, coefficients, grads, token_chunk)
 
     def grad_hidden_buffer(self, hidden, backward_mode):
         """dH's fp32 buffer for ``backward``: the chunked backward's GEMMs write it once (fp32 output, never a K = V

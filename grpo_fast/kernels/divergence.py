@@ -39,7 +39,7 @@ from .tile import gemm_scale, gradient_tile, logit_tile_at, row_coefficients, to
 # the fields of one model's record in the split buffer, in Record's order
 RECORD_FIELDS = len(Record._fields)
 # the rows of one program of the splits' merge (memory-bound: 15 loads a row and split)
-MERGE_BLOCK_N = 128
+MERGE_BLOCK_N = 64
 
 
 # the most waves the record sweep's vocabulary split adds to the unsplit launch's (num_vocab_splits): more splits fill

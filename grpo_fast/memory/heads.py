@@ -204,7 +204,9 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
 
         hidden = bound["hidden"]
         shape = (tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype, tuple(bound["mask"].shape))
-        return loss_ops.trained_head_workspace_bytes(*shape, backend=bound["token_backend"])
+        return loss_ops.trained_head_workspace_bytes(
+            *shape, backend=bound["token_backend"], token_chunk=bound["token_chunk"]
+        )
     from grpo_fast.head import ops as head_ops
 
     hidden = bound["hidden"]
