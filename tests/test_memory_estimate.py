@@ -318,6 +318,40 @@ def test_package_estimates_without_trl(lora_report, tmp_path):
             assert report["heads"][head][key] == beside_trl["heads"][head][key], (head, key)
 
 
+def test_package_command_takes_the_peers_heads(lora_report, tmp_path):
+    """python -m grpo_fast.memory --peer-heads bench.memory_peers:peer_heads from the checkout: TRL's fused head
+    beside eager's and grpo_fast's, each to the byte of the example's run of the same recipe (its preset's beta)."""
+    out = tmp_path / "peers"
+    argv = TINY + ["--lora-r", "4", "--beta", "0.04", "--peer-heads", command.TRL_PEER_HEADS, "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "grpo_fast.memory", *argv], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert list(report["heads"]) == ["eager", "trl", "grpo_fast"]
+    example_report, _ = lora_report
+    for head in ("eager", "trl", "grpo_fast"):
+        for key in ("peak_bytes", "categories_bytes", "loss_head_peak_bytes"):
+            assert report["heads"][head][key] == example_report["heads"][head][key], (head, key)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("bench.memory_peers", "expected MODULE:FUNCTION"),
+        ("no_such_module_here:heads", "No module named 'no_such_module_here'"),
+        ("bench.memory_peers:no_such_function", "no_such_function"),
+        ("bench.memory_peers:TrlHead", "TrlHead() raised TypeError"),
+        ("bench.memory_peers:trl_gpu_path", "must return {name: LossHead subclass}"),
+    ],
+)
+def test_peer_heads_errors(spec, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        command.parse_args(["--peer-heads", spec, "--quiet"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m grpo_fast.memory: error: --peer-heads ") and message in err, err
+
+
 def test_package_default_recipe():
     recipe = command.recipe_from_args(command.parse_args(["--quiet"]))
     assert recipe == memory.DEFAULT_RECIPE

@@ -16,6 +16,7 @@ estimate meets the card. Building the model needs transformers (and PEFT for LoR
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import shlex
 import sys
@@ -127,11 +128,17 @@ def main(
     """
     args = command.parse_args(argv, recipes=recipes, heads=heads, prog=prog)
     recipe = command.recipe_from_args(args, recipes, prog)
-    chosen = {name: (HEADS if heads is None else heads)[name] for name in args.heads}
+    chosen = args.head_classes
     command.check_packages(prog, recipe, chosen)
     line = " ".join([prog] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     if not args.quiet:
         print(f"memory: {recipe.describe()}; heads {', '.join(chosen)}", file=sys.stderr, flush=True)
+        if args.peer_heads is None and "trl" not in chosen and importlib.util.find_spec("trl") is not None:
+            print(
+                f"memory: trl imports here; --peer-heads {command.TRL_PEER_HEADS} (from a grpo_fast checkout) puts "
+                "TRL's fused head beside these",
+                file=sys.stderr,
+            )
     result = estimate(recipe, chosen, gpu=command.gpu_from_args(args), progress=not args.quiet, measure=args.measure)
     written = report.to_json(result, line)
     text = report.markdown(written)

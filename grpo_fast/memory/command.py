@@ -58,7 +58,10 @@ def parse_args(
     ``recipes``: the ``--recipe`` choices, the first the default (None: no ``--recipe``, DEFAULT_RECIPE);
     ``heads``: the ``--heads`` choices (None: HEADS); ``prog``: how the command is run. ``heads`` in the result is
     a list of names."""
-    heads = HEADS if heads is None else heads
+    heads = dict(HEADS if heads is None else heads)
+    if peers := peer_heads(prog, argv):  # between the others and the last, the product's, as the report orders them
+        *others, last = heads.items()
+        heads = {**dict(others), **peers, last[0]: last[1]}
     p = argparse.ArgumentParser(
         prog=prog,
         description="One GRPO training step's peak GPU memory, estimated on a CPU over fake tensors, for each loss "
@@ -85,6 +88,13 @@ def parse_args(
     p.add_argument("--beta", type=float, default=None, help="KL coefficient (0: no reference log-probs)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--heads", default=",".join(heads), help=f"comma-separated, of {', '.join(heads)}")
+    p.add_argument(
+        "--peer-heads",
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="more heads beside these: FUNCTION() of MODULE returns them as {name: LossHead subclass} (from a "
+        f"grpo_fast checkout, {TRL_PEER_HEADS} adds TRL's fused head)",
+    )
     g = p.add_argument_group(
         f"the card (by default the {RTX_4090.name}): its memory is what must fit, its architecture sizes grpo_fast's "
         "workspaces"
@@ -114,7 +124,39 @@ def parse_args(
         cli.fail(prog, f"--heads {','.join(args.heads)}: expected distinct names among {', '.join(heads)}")
     if args.measure and not torch.cuda.is_available():
         cli.fail(prog, "--measure runs the step on a CUDA GPU, and torch sees none here; leave it out to estimate")
+    args.head_classes = {name: heads[name] for name in args.heads}
     return args
+
+
+# the peers' heads of a grpo_fast checkout (bench/memory_peers.py: TRL's fused head as it runs on a GPU)
+TRL_PEER_HEADS = "bench.memory_peers:peer_heads"
+
+
+def peer_heads(prog: str, argv) -> dict[str, type[LossHead]]:
+    """The heads ``--peer-heads MODULE:FUNCTION`` names (none without the flag): FUNCTION() of MODULE, a mapping of
+    names to LossHead subclasses. One line on stderr and exit status 2 for a malformed value, a module or function
+    that is not there, or a result that is not such a mapping."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--peer-heads", default=None)
+    spec = pre.parse_known_args(argv)[0].peer_heads
+    if spec is None:
+        return {}
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        cli.fail(prog, f"--peer-heads {spec}: expected MODULE:FUNCTION, e.g. {TRL_PEER_HEADS}")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as e:
+        cli.fail(prog, f"--peer-heads {spec}: {e} (run from the checkout that holds {module_name})")
+    try:
+        found = function() if callable(function) else None
+    except Exception as e:  # noqa: BLE001 - a plug-in's failure is the command line's error, in one line
+        cli.fail(prog, f"--peer-heads {spec}: {function_name}() raised {type(e).__name__}: {e}")
+    if not isinstance(found, Mapping) or not all(
+        isinstance(name, str) and isinstance(head, type) and issubclass(head, LossHead) for name, head in found.items()
+    ):
+        cli.fail(prog, f"--peer-heads {spec}: {function_name}() must return {{name: LossHead subclass}}")
+    return dict(found)
 
 
 def gpu_from_args(args) -> Gpu:
