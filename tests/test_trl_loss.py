@@ -577,8 +577,8 @@ def test_vespo_with_sampler_weights_that_are_not_1_at_padding(trainer, batch, ro
 # ----------------------------------------------------------------------------------------------- defaults, errors
 # grpo_fast.loss keywords that are not GRPOConfig options: per-batch tensors, the logit transform a model's config
 # carries (TRL reads softcap / logit scale from it), the head's LoRA adapter (TRL reads it from the PEFT model), the
-# precomputed top-entropy threshold, the backend and layer 1's path and backward, the distillation teacher and its
-# coefficient and beta (DistillationConfig's names, not GRPOConfig's)
+# precomputed top-entropy threshold, the backend and layer 1's path, backward and trained-head chunk, the
+# distillation teacher and its coefficient and beta (DistillationConfig's names, not GRPOConfig's)
 GRPO_FAST_ONLY_KEYWORDS = {
     "bias",
     "old_logprobs",
@@ -594,6 +594,7 @@ GRPO_FAST_ONLY_KEYWORDS = {
     "options",
     "head_path",
     "backward_mode",
+    "trained_head_chunk",
     "vocab_parallel",
     "lora",
     "check_values",

@@ -305,14 +305,17 @@ def _split_range(split, vocab_per_split, V):
 def _load_saved(saved_ptr, argmax_ptr, stride_saved, stride_argmax, offs_n, n_mask):
     """A token block's divergence_records.SAVED_FIELDS (8 rows) and both argmax indices."""
     fields = saved_ptr + offs_n
+    s_max, s_log_sumexp, s_rest_mass, t_max, t_log_sumexp, t_rest_mass, reference = _load_rows(
+        fields, stride_saved, n_mask
+    )
     return (
-        tl.load(fields, mask=n_mask, other=0.0),
-        tl.load(fields + stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 2 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 3 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 4 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 5 * stride_saved, mask=n_mask, other=0.0),
-        tl.load(fields + 6 * stride_saved, mask=n_mask, other=0.0),
+        s_max,
+        s_log_sumexp,
+        s_rest_mass,
+        t_max,
+        t_log_sumexp,
+        t_rest_mass,
+        reference,
         tl.load(fields + 7 * stride_saved, mask=n_mask, other=0.0),
         tl.load(argmax_ptr + offs_n, mask=n_mask, other=-1),
         tl.load(argmax_ptr + stride_argmax + offs_n, mask=n_mask, other=-1),
@@ -377,8 +380,9 @@ def _store_record(ptr, stride_field, mask, m, a, r, c, o, z, u):
 
 
 @triton.jit
-def _load_record(ptr, stride_field, mask):
-    """A record's seven fields at ptr, stride_field apart (``_store_record``'s layout)."""
+def _load_rows(ptr, stride_field, mask):
+    """Seven fp32 rows at ptr, stride_field apart (a record in ``_store_record``'s layout; the saved values' first
+    seven), 0 where masked."""
     return (
         tl.load(ptr, mask=mask, other=0.0),
         tl.load(ptr + stride_field, mask=mask, other=0.0),
@@ -400,15 +404,15 @@ def _merge_splits_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
     first = split_ptr + offs_n
-    sm, sa, sr, sc, so, sz, su = _load_record(first, stride_field, mask)
-    tm, ta, tr, tc, to, tz, tu = _load_record(first + 7 * stride_field, stride_field, mask)
+    sm, sa, sr, sc, so, sz, su = _load_rows(first, stride_field, mask)
+    tm, ta, tr, tc, to, tz, tu = _load_rows(first + 7 * stride_field, stride_field, mask)
     if WITH_TARGET:
         target_logit = tl.load(first + 14 * stride_field, mask=mask, other=0.0)
     for k in range(1, num_splits):
         split = first + k * N
-        m, a, r, c, o, z, u = _load_record(split, stride_field, mask)
+        m, a, r, c, o, z, u = _load_rows(split, stride_field, mask)
         sm, sa, sr, sc, so, sz, su = _merge(sm, sa, sr, sc, so, sz, su, m, a, r, c, o, z, u)
-        m, a, r, c, o, z, u = _load_record(split + 7 * stride_field, stride_field, mask)
+        m, a, r, c, o, z, u = _load_rows(split + 7 * stride_field, stride_field, mask)
         tm, ta, tr, tc, to, tz, tu = _merge(tm, ta, tr, tc, to, tz, tu, m, a, r, c, o, z, u)
         if WITH_TARGET:
             target_logit += tl.load(split + 14 * stride_field, mask=mask, other=0.0)
