@@ -1,6 +1,6 @@
 """Every kernel compiles for sm_90 (H100/H200), sm_89 (RTX 4090) and sm_80 (A100) with the GPU launch configuration,
-fits the card's shared memory and spills no registers; no atomic costs a memory fence; Hopper's forward and chunked
-backward read their tiles through the copy engine. No GPU needed: see tools/sm_compile.py."""
+fits the card's shared memory and spills no registers; no atomic costs a memory fence; Hopper's forward, chunked
+backward and divergence kernels read their tiles through the copy engine. No GPU needed: see tools/sm_compile.py."""
 
 import json
 import os
@@ -17,11 +17,12 @@ ARCHS = (90, 89, 80)
 
 # sm_compile's launches per arch, counted from its variant lists: layer 1's five kernels (forward, its merge, chunked
 # backward, fused backward, fused backward with a frozen W) for bf16, fp16, fp32 and each LAYER1_EXTRA; the frozen-head
-# forward's and the GRPO token kernel's variants; the divergence head's forward and backward per variant, plus the
-# JSD sweep where 0 < beta < 1 (run in a process of its own: sm_compile refuses the interpreter conftest turns on)
+# forward's and the GRPO token kernel's variants; the divergence head's record sweep, its splits' merge and its backward
+# per variant, plus the JSD sweep where 0 < beta < 1 (run in a process of its own: sm_compile refuses the interpreter
+# conftest turns on)
 _COUNT_VARIANTS = (
     "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
-    "div = sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
+    "div = sum(3 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
     "base = 5 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div\n"
     "print(*(f'{arch}:{base + len(s.tuning_launches(arch))}' for arch in s.SMEM_LIMIT))\n"
 )
@@ -82,12 +83,12 @@ def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     # bf16/fp16 logit tiles must use the tensor cores (Hopper's wgmma, else mma.sync); the fp32 path asks for IEEE
-    # fp32 products, which only the FMA units give; the GRPO token kernel and the frozen-head forward's tile kernel
-    # (its two GEMMs are cuBLAS's) have no dot
+    # fp32 products, which only the FMA units give; the GRPO token kernel, the frozen-head forward's tile kernel (its
+    # two GEMMs are cuBLAS's) and the merges of records have no dot
     rows, _ = compiled
     expected = "wgmma" if arch >= 90 else "mma"
     for r in (r for r in rows if r["arch"] == arch):
-        if r["kernel"].startswith(("token_loss", "fwd frozen", "fwd merge")) or " fp32" in r["kernel"]:
+        if r["kernel"].startswith(("token_loss", "fwd frozen", "fwd merge", "div merge")) or " fp32" in r["kernel"]:
             assert r["tensor_cores"] == "none", r["kernel"]
         else:
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])
@@ -133,12 +134,14 @@ def test_no_atomic_costs_a_memory_fence(compiled, arch):
 
 @pytest.mark.slow
 def test_hopper_reads_the_forwards_and_chunked_backwards_tiles_through_the_copy_engine(compiled):
-    # bf16 / fp16 on sm_90: the forward and the chunked backward take tensor descriptors (TMA); nothing else does
+    # bf16 / fp16 on sm_90: the forward, the chunked backward and the divergence head's sweeps and g kernel take
+    # tensor descriptors (TMA); nothing else does
     rows, _ = compiled
+    described_families = ("fwd", "bwd chunked", "div fwd", "div jsd", "div bwd")
     for r in rows:
         described = r["descriptors"] > 0
         half = " fp32" not in r["kernel"]
-        assert described == (r["arch"] >= 90 and half and r["family"] in ("fwd", "bwd chunked")), r["kernel"]
+        assert described == (r["arch"] >= 90 and half and r["family"] in described_families), r["kernel"]
 
 
 def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_counts_ctas_per_sm():
