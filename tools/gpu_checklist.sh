@@ -31,6 +31,10 @@
 #                             each step's time by phase, the loss head's share and the peak beside the memory step's
 #                             estimate (recipe.md)
 #   --recipe-limit S          time limit of the recipe step [RECIPE_LIMIT] (default none)
+#   --tune                    also time the tile candidates [TUNE=1] (default off): tools/gpu_tune.py for layer 1's
+#                             forward at Qwen2.5-1.5B's head and for the divergence head (student D 896, teacher
+#                             1536, 4096 tokens), each beside cuBLAS's products (tune-*.json, tune.log)
+#   --tune-limit S            time limit of the tune step [TUNE_LIMIT] (default 240)
 #   --total S                 the whole run ends within S: each step gets at most the time left [TOTAL_LIMIT]
 #                             (default none; 480 with --quick)
 #   --quick                   a short check [QUICK=1]: the kernel tests only (KERNEL_TESTS in this script), their
@@ -52,10 +56,11 @@
 #
 # Writes into the results folder: checklist.md (the versions, each step's exit, the failed tests, the memory tables),
 # environment.json, pytest.log and pytest.xml (JUnit; with --quick also pytest-slow.log / .xml), the benchmark's
-# files and bench.log, divergence.log and its files, memory-<recipe>.{json,md,png}. The memory step: both committed
-# recipes' steps (bench/results/memory-4090-*) estimated over fake tensors and measured on this GPU (python
-# examples/memory_gsm8k.py --measure: torch.cuda.max_memory_allocated / reserved of the same step, random weights); it
-# needs transformers and peft, and includes TRL's head where trl imports. Exit status 0 when every step that ran passed
+# files and bench.log, divergence.log and its files, tune.log and tune-*.json (--tune),
+# memory-<recipe>.{json,md,png}. The memory step: both committed recipes' steps (bench/results/memory-4090-*)
+# estimated over fake tensors and measured on this GPU (python examples/memory_gsm8k.py --measure:
+# torch.cuda.max_memory_allocated / reserved of the same step, random weights); it needs transformers and peft, and
+# includes TRL's head where trl imports. Exit status 0 when every step that ran passed
 # (--quick's slow tier, which has the time left: when no test failed before its time ran out).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -78,6 +83,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1 ;;
     --no-divergence) DIVERGENCE=0 ;;
     --no-memory) MEMORY=0 ;;
+    --tune) TUNE=1 ;;
     --out | --tests-limit | --workers | --bench | --bench-budget | --bench-args | --divergence-budget | \
       --divergence-args | --memory-limit | --recipe-steps | --recipe-limit | --total | --first-tier | --wheels | \
       --commit)
@@ -93,6 +99,7 @@ while [ $# -gt 0 ]; do
         --divergence-args) DIVERGENCE_ARGS="$2" ;;
         --memory-limit) MEMORY_LIMIT="$2" ;;
         --recipe-steps) RECIPE_STEPS="$2" ;;
+        --tune-limit) TUNE_LIMIT="$2" ;;
         --recipe-limit) RECIPE_LIMIT="$2" ;;
         --total) TOTAL_LIMIT="$2" ;;
         --first-tier) FIRST_TIER="$2" ;;
@@ -120,12 +127,14 @@ DIVERGENCE="${DIVERGENCE:-1}" MEMORY="${MEMORY:-1}" DIVERGENCE_BUDGET="${DIVERGE
 TESTS_LIMIT="${TESTS_LIMIT:-}" BENCH_BUDGET="${BENCH_BUDGET:-}" MEMORY_LIMIT="${MEMORY_LIMIT:-}"
 TOTAL_LIMIT="${TOTAL_LIMIT:-}" WORKERS="${WORKERS:-1}" WHEELS="${WHEELS:-.whl}"
 RECIPE_STEPS="${RECIPE_STEPS:-2}" RECIPE_LIMIT="${RECIPE_LIMIT:-}"
+TUNE="${TUNE:-0}" TUNE_LIMIT="${TUNE_LIMIT:-240}"
 case "$BENCH_MODE" in
   quick | full | none) ;;
   *) fail_usage "--bench takes quick, full or none, not '$BENCH_MODE'" ;;
 esac
 [[ "$RECIPE_STEPS" =~ ^[0-9]+$ ]] || fail_usage "--recipe-steps takes a whole number, not '$RECIPE_STEPS'"
-for value in "$TESTS_LIMIT" "$BENCH_BUDGET" "$DIVERGENCE_BUDGET" "$MEMORY_LIMIT" "$RECIPE_LIMIT" "$TOTAL_LIMIT"; do
+for value in "$TESTS_LIMIT" "$BENCH_BUDGET" "$DIVERGENCE_BUDGET" "$MEMORY_LIMIT" "$RECIPE_LIMIT" "$TOTAL_LIMIT" \
+  "$TUNE_LIMIT"; do
   [[ -z "$value" || "$value" =~ ^[0-9]+$ ]] || fail_usage "a time is a whole number of seconds, not '$value'"
 done
 [[ "$WORKERS" =~ ^([0-9]+|auto)$ ]] || fail_usage "--workers takes a number or auto, not '$WORKERS'"
@@ -229,6 +238,22 @@ if [ "$DIVERGENCE" != 0 ]; then
   fi
 fi
 
+tune_rc="not run"
+if [ "$TUNE" != 0 ] && [ "$(capped "$TUNE_LIMIT")" -le 20 ]; then
+  tune_rc="$NO_TIME"
+elif [ "$TUNE" != 0 ]; then
+  limit="$(capped "$TUNE_LIMIT")"
+  echo "== $(date -u +%FT%TZ) tools/gpu_tune.py: layer 1's forward, the divergence head"
+  {
+    time_limit "$((limit / 2))" python3 tools/gpu_tune.py --out "$OUT/tune-logprobs.json"
+    first=$?
+    time_limit "$((limit / 2))" python3 tools/gpu_tune.py --head divergence --out "$OUT/tune-divergence.json"
+    second=$?
+    exit $((first > second ? first : second))
+  } 2>&1 | tee "$OUT/tune.log"
+  tune_rc=${PIPESTATUS[0]}
+fi
+
 memory_rc="not run"
 if [ "$MEMORY" != 0 ] && ! python3 -c "import transformers, peft" 2>/dev/null; then
   memory_rc="not run (transformers or peft missing)"
@@ -312,6 +337,9 @@ failures() { grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$1" | tail -n 40;
   echo
   echo "python -m bench.divergence: $(exit_of "$divergence_rc")"
   echo
+  echo "tools/gpu_tune.py, the tile candidates (tune.log): $(exit_of "$tune_rc")"
+  [ -f "$OUT/tune.log" ] && { echo; echo '```'; cat "$OUT/tune.log"; echo '```'; }
+  echo
   echo "memory (estimate beside the measured peak: memory-<recipe>.md): $(exit_of "$memory_rc")"
   for f in "$OUT"/memory-*.md; do [ -f "$f" ] && { echo; sed -n '/^| |/,/^$/p' "$f"; }; done
   echo
@@ -327,4 +355,5 @@ slow_ok() {
   ok "$slow_rc" || [ "$slow_rc" = "$NO_TIME" ] \
     || { [ "$slow_rc" = 124 ] && ! grep -q -E "^(FAILED|ERROR)" "$OUT/pytest-slow.log"; }
 }
-ok "$tests_rc" && slow_ok && ok "$bench_rc" && ok "$divergence_rc" && ok "$memory_rc" && ok "$recipe_rc"
+ok "$tests_rc" && slow_ok && ok "$bench_rc" && ok "$divergence_rc" && ok "$tune_rc" && ok "$memory_rc" \
+  && ok "$recipe_rc"

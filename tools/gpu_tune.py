@@ -1,11 +1,17 @@
-"""Launch configurations of the layer-1 forward on a CUDA GPU: each candidate tile timed at one head shape, its
-log-probs checked against the default configuration's, beside cuBLAS's product of the same shape (the floor a
-GEMM-bound kernel approaches). Data for kernels/config.py's RECORD_TILES; the benchmark (bench/) makes the claims.
+"""Launch configurations on a CUDA GPU: each candidate tile timed at one head shape, its output checked against the
+default configuration's, beside cuBLAS's product of the same shape (the floor a GEMM-bound kernel approaches). Data for
+the tile tables (kernels/config.py's RECORD_TILES, kernels/divergence.py's SWEEP_TILES and G_TILES); the benchmark
+(bench/) makes the claims.
 
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --shape 1536x151936 --tokens 16384 --out tune.json
+    TRITON_INTERPRET=0 python3 tools/gpu_tune.py --head divergence --shape 896x151936 --teacher-dim 1536 \
+        --tokens 4096 --out tune-divergence.json
 
-Prints one row per configuration (median ms over warm runs, TFLOP/s of the 2NDV product, max |logp - default's|);
-a configuration that fails to compile or run is recorded with its error.
+Layer 1's forward (``--head logprobs``): one row per configuration (median ms over warm runs, TFLOP/s of the 2NDV
+product, max |logp - default's|). The divergence head (``--head divergence``, beta 1): per configuration the record
+sweep (both models' 2NV(Ds + Dt)) and the g kernel of the backward (the same products recomputed, dH and dW left
+out), each against cuBLAS's products of both models; the error is the divergence's, max |div - default's|. A
+configuration that fails to compile or run is recorded with its error.
 """
 
 import argparse
@@ -21,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
 from grpo_fast.kernels import config as kconfig  # noqa: E402
+from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
 from grpo_fast.kernels import forward as kforward  # noqa: E402
+from grpo_fast.kernels.divergence_records import ModelHead, finish  # noqa: E402
 from grpo_fast.kernels.operands import HeadOperands  # noqa: E402
 
 # (block_n, block_v, block_d, num_warps, num_stages, group_n, use_tma): the default's neighbours and the usual GEMM
@@ -37,18 +45,123 @@ CANDIDATES = [
     (128, 128, 32, 4, 4, 8, False),
     (64, 128, 64, 4, 4, 8, False),
 ]
+# the divergence head's (block_n, block_v, block_d, num_warps, num_stages, use_tma), for the record sweep and the g
+# kernel alike: the sm_90 table's tile, its neighbours, and the 64-row tile through pointers (sm_80's)
+DIVERGENCE_CANDIDATES = [
+    (128, 64, 64, 8, 3, True),
+    (128, 64, 64, 8, 4, True),
+    (128, 64, 32, 8, 4, True),
+    (64, 128, 64, 4, 3, True),
+    (64, 64, 64, 8, 2, False),
+    (64, 64, 64, 4, 3, False),
+]
+
+
+def median_ms(run):
+    """The median time of ``run()`` over warm runs, in ms (triton.testing.do_bench)."""
+    return triton.testing.do_bench(run, return_mode="median")
+
+
+def _cublas_ms(pairs, V, dtype, bench):
+    """cuBLAS's products of each (hidden, weight) pair in [N, 32768] pieces (what a chunked head computes)."""
+    N = pairs[0][0].shape[0]
+    product = torch.empty(N, 32768, device=pairs[0][0].device, dtype=dtype)
+    return bench(
+        lambda: [
+            torch.mm(hidden, weight[v0 : v0 + 32768].T, out=product[:, : min(32768, V - v0)])
+            for hidden, weight in pairs
+            for v0 in range(0, V, 32768)
+        ]
+    )
+
+
+def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
+    """The divergence head's rows (module docstring) on ``device`` of compute capability ``arch``, timed by
+    ``bench``."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    hs, ht = (torch.randn(N, d, device=dev, generator=g).to(dtype) for d in (Ds, Dt))
+    ws, wt = ((torch.randn(V, d, device=dev, generator=g) * 0.02).to(dtype) for d in (Ds, Dt))
+    student, teacher = ModelHead(hs, ws, None, LogitTransform()), ModelHead(ht, wt, None, LogitTransform())
+    flops = 2 * N * V * (Ds + Dt)
+    cublas = _cublas_ms([(hs, ws), (ht, wt)], V, dtype, bench)
+    rows = [
+        dict(config="cuBLAS mm of both models", sweep_ms=cublas, g_ms=cublas, tflops=flops / cublas / 1e9, err=None)
+    ]
+    reference = kdivergence.forward(student, teacher, 1.0)
+    saved, argmax = reference[2], reference[3]
+    grad = torch.full((N,), 1.0 / N, device=dev)
+    grads = (None, None, None)  # the g kernel alone: no dH, dW
+    default_sweep = kdivergence.forward_config(dev, dtype)
+    default_g = kdivergence.backward_config(dev, dtype)
+    for bn, bv, bd, warps, stages, tma in DIVERGENCE_CANDIDATES:
+        if tma and arch < 90:
+            continue
+        tile = dict(block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages, use_tma=tma)
+        sweep_cfg = dataclasses.replace(default_sweep, **tile)
+        g_cfg = dataclasses.replace(default_g, **tile)
+        name = f"{bn}x{bv}x{bd} w{warps} s{stages}{' tma' if tma else ''}"
+        name += " (sweep default)" if sweep_cfg == default_sweep else ""
+        name += " (g default)" if g_cfg == default_g else ""
+
+        def sweep(cfg=sweep_cfg):
+            out = kdivergence.records(student, teacher, 1.0, config=cfg)
+            return finish(out.student, out.teacher, 1.0, out.jsd_sweep)[0]
+
+        def g_kernel(cfg=g_cfg):
+            kdivergence.backward(grad, student, teacher, saved, argmax, 1.0, grads, config=cfg)
+
+        try:
+            err = float((sweep() - reference[0]).abs().max())
+            sweep_ms = bench(sweep)
+            g_ms = bench(g_kernel)
+            rows.append(dict(config=name, sweep_ms=sweep_ms, g_ms=g_ms, tflops=flops / sweep_ms / 1e9, err=err))
+        except Exception as e:  # a tile that does not fit: recorded, the others still run
+            rows.append(
+                dict(config=name, sweep_ms=None, g_ms=None, tflops=None, err=f"{type(e).__name__}: {str(e)[:120]}")
+            )
+    return rows
+
+
+def print_divergence_rows(rows, N, Ds, Dt, V):
+    """``divergence_rows``' rows, one line each."""
+    print(
+        f"divergence head (beta 1), bf16, N {N}, student D {Ds}, teacher D {Dt}, V {V}, {torch.cuda.get_device_name()}"
+    )
+    for r in rows:
+        ms = "-"
+        if r["sweep_ms"] is not None:
+            ms = f"sweep {r['sweep_ms']:.2f} ms ({r['tflops']:.0f} TFLOP/s), g {r['g_ms']:.2f} ms"
+        print(f"  {r['config']:<44} {ms:<46} {'' if r['err'] is None else r['err']}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="1536x151936", help="DxV of the head (Qwen2.5-1.5B's)")
-    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--head", choices=("logprobs", "divergence"), default="logprobs", help="which kernels to time")
+    p.add_argument(
+        "--shape",
+        default=None,
+        help="DxV of the (student's) head (default: Qwen2.5-1.5B's 1536x151936; "
+        "with --head divergence Qwen2.5-0.5B's 896x151936)",
+    )
+    p.add_argument("--teacher-dim", type=int, default=1536, help="the teacher's D (--head divergence)")
+    p.add_argument("--tokens", type=int, default=None, help="N (default 16384; 4096 with --head divergence)")
     p.add_argument("--out", default=None, help="a JSON file for the rows")
     args = p.parse_args()
     if not torch.cuda.is_available() or kconfig.interpreting():
         sys.exit("a CUDA GPU with the kernels compiled (TRITON_INTERPRET unset)")
-    D, V = map(int, args.shape.split("x"))
-    N, dev, dtype = args.tokens, torch.device("cuda"), torch.bfloat16
+    divergence = args.head == "divergence"
+    D, V = map(int, (args.shape or ("896x151936" if divergence else "1536x151936")).split("x"))
+    N, dev, dtype = args.tokens or (4096 if divergence else 16384), torch.device("cuda"), torch.bfloat16
+    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+    if divergence:
+        rows = divergence_rows(N, D, args.teacher_dim, V, dtype, arch)
+        print_divergence_rows(rows, N, D, args.teacher_dim, V)
+        if args.out:
+            with open(args.out, "w") as f:
+                meta = dict(device=torch.cuda.get_device_name(), head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V)
+                json.dump(dict(meta, rows=rows), f, indent=1)
+        return
     g = torch.Generator(device=dev).manual_seed(0)
     hidden = torch.randn(N, D, device=dev, generator=g).to(dtype)
     weight = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dtype)
@@ -68,7 +181,6 @@ def main():
     rows.append(dict(config="cuBLAS mm, 32768-column pieces", ms=ms, tflops=flops / ms / 1e9, err=None))
     default = kconfig.forward_config(dev, dtype)
     reference = kforward.forward(head, True, default)[0]
-    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
     for bn, bv, bd, warps, stages, group, tma in CANDIDATES:
         if tma and arch < 90:
             continue

@@ -1,0 +1,29 @@
+"""tools/gpu_tune.py's divergence rows, run on a CPU by Triton's interpreter with a counting timer: every candidate
+tile (the copy engine's too) gives the default configuration's divergence, and each is timed as the GPU run would
+time it (the record sweep and the g kernel), beside cuBLAS's products."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+
+import gpu_tune  # noqa: E402
+
+
+def test_divergence_rows_time_every_candidate_and_agree():
+    timed = []
+
+    def bench(run):
+        run()
+        timed.append(run)
+        return 1.0
+
+    rows = gpu_tune.divergence_rows(40, 16, 32, 300, torch.float32, 90, device="cpu", bench=bench)
+    assert [r["config"] for r in rows][0] == "cuBLAS mm of both models"
+    assert len(rows) == 1 + len(gpu_tune.DIVERGENCE_CANDIDATES)
+    assert len(timed) == 1 + 2 * len(gpu_tune.DIVERGENCE_CANDIDATES)
+    for r in rows[1:]:
+        assert r["sweep_ms"] == r["g_ms"] == 1.0, r
+        assert r["err"] < 1e-5, r
