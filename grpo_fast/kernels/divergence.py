@@ -76,8 +76,8 @@ def num_vocab_splits(N, V, config):
 # The record sweep's tiles per architecture (bf16 / fp16; fp32 takes SWEEP_FP32_TILES). Two logit tiles (student and
 # teacher) and both records' epilogue live at once. sm_90: 128 x 64 x 64 on 8 warps (two warpgroups, each a 64 x 64
 # wgmma; 64-row tiles gave each warpgroup 64 x 32), 3 stages, the tiles through the copy engine: 248 registers, no
-# spill; 128 columns spill 900 bytes, and so do 128 rows through pointers (184). sm_80 / sm_89 (mma.sync): 64 x 64 x 64,
-# the tile 128 rows spill at (150-270 bytes); the same tile on sm_90 where the tensors do not fit the copy engine.
+# spill (sm_compile); 128 columns spill 900 bytes, 128 rows through pointers 184. sm_80 / sm_89 (mma.sync) keep
+# 64 x 64 x 64, where 128 rows spill 150-270 bytes; sm_90 takes it too where the tensors do not fit the copy engine.
 SWEEP_TILES = {
     90: dict(block_n=128, block_v=64, block_d=64, num_warps=8, num_stages=3, use_tma=True),
     80: dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2, use_tma=False),
@@ -516,6 +516,7 @@ def _sweep_kernel(
         target_logit = empty
         if WITH_TARGET:
             targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
+    # a split is whole tiles (num_vocab_splits): the tiles' own mask at V is the split's
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v, zs, _, zt = _pair_tiles(
             hs,
