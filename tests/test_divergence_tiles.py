@@ -111,3 +111,25 @@ def test_backward_tile_paths_match_fp64(beta, use_tma, device):
     for name, actual, e in zip(("d hidden", "d weight", "d bias"), grads, expected):
         err = ((actual.cpu().double() - e).abs().max() / e.abs().max()).item()
         assert err < 1e-5, f"{name}: {err:.2e}"
+
+
+def test_launch_tables_by_arch_epilogue_and_operands():
+    """The compiled launches the tables give: sm_90 reads by descriptor (128 rows; the g kernel 128 columns for a
+    plain KL's narrow epilogue), sm_89 / sm_80 and tensors the copy engine cannot read take the 64 x 64 pointer
+    tiles (32 columns for the combined head's g)."""
+    bf16 = torch.bfloat16
+    sweep = kdivergence.gpu_forward_config(bf16, 132, 90)
+    assert (sweep.block_n, sweep.block_v, sweep.use_tma) == (128, 64, True)
+    for arch, fits in ((89, True), (80, True), (90, False)):
+        assert not kdivergence.gpu_forward_config(bf16, 128, arch, fits).use_tma
+    narrow = kdivergence.narrow_g_epilogue(1.0, softcap=False, bias=False, layer1=False)
+    assert narrow and not kdivergence.narrow_g_epilogue(0.5, softcap=False, bias=False, layer1=False)
+    plain = dict(softcap=False, bias=False, layer1=False)
+    assert not any(kdivergence.narrow_g_epilogue(0.0, **{**plain, flag: True}) for flag in plain)
+    g = kdivergence.gpu_backward_config(bf16, arch=90, narrow_epilogue=True)
+    assert (g.block_n, g.block_v, g.use_tma) == (128, 128, True)
+    assert kdivergence.gpu_backward_config(bf16, arch=90).block_v == 64
+    for arch, fits in ((89, True), (90, False)):
+        g = kdivergence.gpu_backward_config(bf16, arch=arch, descriptors_fit=fits, narrow_epilogue=True)
+        assert (g.block_v, g.use_tma) == (64, False)
+        assert kdivergence.gpu_backward_config(bf16, layer1=True, arch=arch, descriptors_fit=fits).block_v == 32

@@ -352,6 +352,8 @@ DIVERGENCE_VARIANTS = tuple(
     for d in (torch.bfloat16, torch.float16, torch.float32)
     for b in (0.0, 0.5)
 ) + (
+    # the reverse KL without a soft-cap or a bias: the g kernel's narrow epilogue (128 columns on sm_90)
+    ("div bf16 beta=1", torch.bfloat16, dict(beta=1.0)),
     ("div bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
     ("div fp32 beta=1 +bias +softcap", torch.float32, dict(beta=1.0, bias=True, softcap=30.0)),
     # the combined GRPO + distillation head (grpo_fast.distillation.teacher): the forward's target gather, layer 1's
@@ -411,7 +413,12 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
             argmax,
             beta,
             (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None),
-            config=kdivergence.gpu_backward_config(dtype, layer1 is not None, arch),
+            config=kdivergence.gpu_backward_config(
+                dtype,
+                layer1 is not None,
+                arch,
+                narrow_epilogue=kdivergence.narrow_g_epilogue(beta, softcap is not None, bias, layer1 is not None),
+            ),
             layer1=layer1_term,
         )
     return out + [("div bwd", bwd[0])]

@@ -104,22 +104,35 @@ def gpu_forward_config(
 
 
 # The backward's g tiles per architecture (bf16 / fp16): both logit tiles and the gradient's epilogue live at once.
-# sm_90: 128 x 64 x 64 on 8 warps through the copy engine, as the record sweep; elsewhere (and where the tensors do not
-# fit the copy engine) 64 x 64 x 64 through pointers, 32 columns for the combined head (layer 1's term: no spills).
+# sm_90: 128 x 64 x 64 on 8 warps through the copy engine, as the record sweep, and 128 columns for a narrow epilogue
+# (``narrow_g_epilogue``: 238-255 registers, no spill; the JSD's mixture, a soft-cap, a bias or layer 1's term spill
+# 16-1000 bytes there); elsewhere (and where the tensors do not fit the copy engine) 64 x 64 x 64 through pointers,
+# 32 columns for the combined head (layer 1's term: no spills).
 G_TILES = {
     90: dict(block_n=128, block_v=64, block_d=64, num_warps=8, num_stages=3, use_tma=True),
     80: dict(block_n=64, block_v=64, block_d=64, num_warps=8, num_stages=2, use_tma=False),
 }
 G_FP32_TILES = dict(block_n=32, block_v=32, block_d=32, num_warps=4, num_stages=2, use_tma=False)
+NARROW_G_BLOCK_V = 128
+
+
+def narrow_g_epilogue(beta: float, softcap: bool, bias: bool, layer1: bool) -> bool:
+    """Whether the g kernel's epilogue is a narrow one (``gpu_backward_config``): a plain KL (beta 0 or 1), no
+    soft-cap and no bias on either model, no layer-1 term."""
+    return beta in (0.0, 1.0) and not (softcap or bias or layer1)
 
 
 def gpu_backward_config(
-    dtype: torch.dtype, layer1: bool = False, arch: int = 90, descriptors_fit: bool = True
+    dtype: torch.dtype,
+    layer1: bool = False,
+    arch: int = 90,
+    descriptors_fit: bool = True,
+    narrow_epilogue: bool = False,
 ) -> BackwardConfig:
     """The compiled backward's launch on a GPU of compute capability ``arch``: G_TILES' row of the nearest arch at or
     below it (sm_89 cards take sm_80's), the pointer tiles where the tensors do not fit the copy engine
     (``descriptors_fit`` false), G_FP32_TILES for an fp32 ``dtype``; ``layer1``: the combined head's backward, whose
-    half-precision epilogue also holds layer 1's term."""
+    half-precision epilogue also holds layer 1's term; ``narrow_epilogue``: ``narrow_g_epilogue``'s."""
     if dtype == torch.float32:
         tiles = dict(G_FP32_TILES)
     else:
@@ -129,6 +142,8 @@ def gpu_backward_config(
             tiles = dict(G_TILES[80])
         if layer1 and not tiles["use_tma"]:
             tiles["block_v"] = 32
+        if narrow_epilogue and not layer1 and tiles["use_tma"]:
+            tiles["block_v"] = NARROW_G_BLOCK_V
     return BackwardConfig(**tiles, dot_fp32=False, group_v=1)
 
 
@@ -142,13 +157,18 @@ def forward_config(device: torch.device, dtype: torch.dtype, descriptors_fit: bo
 
 
 def backward_config(
-    device: torch.device, dtype: torch.dtype, layer1: bool = False, descriptors_fit: bool = True
+    device: torch.device,
+    dtype: torch.dtype,
+    layer1: bool = False,
+    descriptors_fit: bool = True,
+    narrow_epilogue: bool = False,
 ) -> BackwardConfig:
     """The backward kernel's launch on ``device`` for a student of ``dtype`` (``layer1``: the combined head's;
-    ``descriptors_fit``: whether both models' tensors can be read through tensor descriptors)."""
+    ``descriptors_fit``: whether both models' tensors can be read through tensor descriptors; ``narrow_epilogue``:
+    ``narrow_g_epilogue``'s)."""
     if not _compiled(device):
         return BackwardConfig(**_INTERPRETER_TILES, group_v=1)
-    return gpu_backward_config(dtype, layer1, _device_props(device)[2], descriptors_fit)
+    return gpu_backward_config(dtype, layer1, _device_props(device)[2], descriptors_fit, narrow_epilogue)
 
 
 @triton.jit
@@ -904,7 +924,11 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
     V = student.weight.shape[0]
     dev = student.hidden.device
     descriptors_fit = tensor_descriptors_fit(student.hidden, student.weight, teacher.hidden, teacher.weight)
-    config = config or backward_config(dev, student.hidden.dtype, layer1 is not None, descriptors_fit)
+    if config is None:
+        softcap = student.transform.softcap is not None or teacher.transform.softcap is not None
+        bias = student.bias is not None or teacher.bias is not None
+        narrow = narrow_g_epilogue(beta, softcap, bias, layer1 is not None)
+        config = backward_config(dev, student.hidden.dtype, layer1 is not None, descriptors_fit, narrow)
     chunk = chunk_size(N, Ds)
     g = torch.empty((chunk, V), dtype=student.hidden.dtype, device=dev)
     scaled = student.hidden.dtype != torch.float32
