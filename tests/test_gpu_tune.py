@@ -27,3 +27,25 @@ def test_divergence_rows_time_every_candidate_and_agree():
     for r in rows[1:]:
         assert r["sweep_ms"] == r["g_ms"] == 1.0, r
         assert r["err"] < 1e-5, r
+
+
+def test_trained_rows_time_every_chunk_and_the_recompute_path():
+    """The three-sweep head at each chunk and the recompute path: timed, their peaks taken, each dW the default's."""
+    timed = []
+
+    def bench(run):
+        run()
+        timed.append(run)
+        return 2.0
+
+    chunks = (None, 16, 32, 64)  # 64: more than N, left out
+    rows = gpu_tune.trained_rows(
+        48, 16, 200, torch.float32, device="cpu", bench=bench, peak=lambda run: run() or 3 * 2**20, chunks=chunks
+    )
+    names = [r["config"] for r in rows]
+    assert names[0].startswith("cuBLAS") and rows[0]["ms"] == 6.0  # three products at 2 ms
+    assert names[1:] == ["chunk default", "chunk 16", "chunk 32", "recompute path (head_path general)"]
+    assert len(timed) == len(rows)
+    for r in rows[1:]:
+        assert r["ms"] == 2.0 and r["peak_mib"] == 3.0, r
+        assert r["err"] < 1e-5, r  # every chunk and the recompute path: the default chunk's dW

@@ -123,7 +123,7 @@ def _batch(dtype, bias, seed=3, device="cpu"):
     return {name: x.to(device) if x is not None else None for name, x in batch.items()}
 
 
-def _loss(x, head_path, trained_calls=None, check_values=True, **kw):
+def _loss(x, head_path, trained_calls=None, check_values=True, backend="triton", **kw):
     leaves = {name: x[name].clone().requires_grad_() for name in ("hidden", "weight")}
     leaves["bias"] = x["bias"].clone().requires_grad_() if x["bias"] is not None else None
     loss, metrics = grpo_fast.loss(
@@ -136,7 +136,7 @@ def _loss(x, head_path, trained_calls=None, check_values=True, **kw):
         old_logprobs=x["old"],
         ref_logprobs=x["ref"],
         head_path=head_path,
-        backend="triton",
+        backend=backend,
         check_values=check_values,
         **kw,
     )
@@ -271,6 +271,7 @@ def test_the_chunk_is_the_callers_choice(monkeypatch):
         with pytest.raises(ValueError, match="positive int"):
             _loss(x, "auto", trained_head_chunk=bad)
     for kw, name in (
+        (dict(backend="torch"), "torch backend"),
         (dict(head_path="general"), "head_path"),
         (dict(lora=(torch.randn(4, 24), torch.randn(150, 4), 0.5)), "lora"),
         (dict(importance_sampling_level="sequence"), "token-local"),
@@ -278,6 +279,12 @@ def test_the_chunk_is_the_callers_choice(monkeypatch):
         head_path = kw.pop("head_path", "auto")
         with pytest.raises(ValueError, match=name):
             _loss(x, head_path, trained_head_chunk=64, **kw)
+    with pytest.raises(ValueError, match="float16 inputs"):
+        _loss(
+            {**x, "hidden": x["hidden"].half(), "weight": x["weight"].half(), "bias": None},
+            "auto",
+            trained_head_chunk=64,
+        )
 
 
 @pytest.mark.slow

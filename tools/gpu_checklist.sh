@@ -32,9 +32,10 @@
 #                             estimate (recipe.md)
 #   --recipe-limit S          time limit of the recipe step [RECIPE_LIMIT] (default none)
 #   --tune                    also time the tile candidates [TUNE=1] (default off): tools/gpu_tune.py for layer 1's
-#                             forward at Qwen2.5-1.5B's head and for the divergence head (student D 896, teacher
-#                             1536, 4096 tokens), each beside cuBLAS's products (tune-*.json, tune.log)
-#   --tune-limit S            time limit of the tune step [TUNE_LIMIT] (default 240)
+#                             forward and the trained head's chunk at Qwen2.5-1.5B's head, and for the divergence
+#                             head (student D 896, teacher 1536, 4096 tokens), each beside cuBLAS's products
+#                             (tune-*.json, tune.log)
+#   --tune-limit S            time limit of the tune step, its three runs together [TUNE_LIMIT] (default 300)
 #   --total S                 the whole run ends within S: each step gets at most the time left [TOTAL_LIMIT]
 #                             (default none; 480 with --quick)
 #   --quick                   a short check [QUICK=1]: the kernel tests only (KERNEL_TESTS in this script), their
@@ -127,7 +128,7 @@ DIVERGENCE="${DIVERGENCE:-1}" MEMORY="${MEMORY:-1}" DIVERGENCE_BUDGET="${DIVERGE
 TESTS_LIMIT="${TESTS_LIMIT:-}" BENCH_BUDGET="${BENCH_BUDGET:-}" MEMORY_LIMIT="${MEMORY_LIMIT:-}"
 TOTAL_LIMIT="${TOTAL_LIMIT:-}" WORKERS="${WORKERS:-1}" WHEELS="${WHEELS:-.whl}"
 RECIPE_STEPS="${RECIPE_STEPS:-2}" RECIPE_LIMIT="${RECIPE_LIMIT:-}"
-TUNE="${TUNE:-0}" TUNE_LIMIT="${TUNE_LIMIT:-240}"
+TUNE="${TUNE:-0}" TUNE_LIMIT="${TUNE_LIMIT:-300}"
 case "$BENCH_MODE" in
   quick | full | none) ;;
   *) fail_usage "--bench takes quick, full or none, not '$BENCH_MODE'" ;;
@@ -243,13 +244,15 @@ if [ "$TUNE" != 0 ] && [ "$(capped "$TUNE_LIMIT")" -le 20 ]; then
   tune_rc="$NO_TIME"
 elif [ "$TUNE" != 0 ]; then
   limit="$(capped "$TUNE_LIMIT")"
-  echo "== $(date -u +%FT%TZ) tools/gpu_tune.py: layer 1's forward, the divergence head"
+  echo "== $(date -u +%FT%TZ) tools/gpu_tune.py: layer 1's forward, the trained head's chunk, the divergence head"
   {
-    time_limit "$((limit / 2))" python3 tools/gpu_tune.py --out "$OUT/tune-logprobs.json"
-    first=$?
-    time_limit "$((limit / 2))" python3 tools/gpu_tune.py --head divergence --out "$OUT/tune-divergence.json"
-    second=$?
-    exit $((first > second ? first : second))
+    worst=0
+    for head in logprobs trained divergence; do
+      time_limit "$((limit / 3))" python3 tools/gpu_tune.py --head "$head" --out "$OUT/tune-$head.json"
+      rc=$?
+      [ "$rc" -gt "$worst" ] && worst=$rc
+    done
+    exit "$worst"
   } 2>&1 | tee "$OUT/tune.log"
   tune_rc=${PIPESTATUS[0]}
 fi

@@ -6,12 +6,16 @@ the tile tables (kernels/config.py's RECORD_TILES, kernels/divergence.py's SWEEP
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --shape 1536x151936 --tokens 16384 --out tune.json
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --head divergence --shape 896x151936 --teacher-dim 1536 \
         --tokens 4096 --out tune-divergence.json
+    TRITON_INTERPRET=0 python3 tools/gpu_tune.py --head trained --out tune-trained.json
 
 Layer 1's forward (``--head logprobs``): one row per configuration (median ms over warm runs, TFLOP/s of the 2NDV
 product, max |logp - default's|). The divergence head (``--head divergence``, beta 1): per configuration the record
 sweep (both models' 2NV(Ds + Dt)) and the g kernel of the backward (the same products recomputed, dH and dW left
-out), each against cuBLAS's products of both models; the error is the divergence's, max |div - default's|. A
-configuration that fails to compile or run is recorded with its error.
+out), each against cuBLAS's products of both models; the error is the divergence's, max |div - default's|. The
+trained head (``--head trained``): ``grpo_fast.loss``'s forward and backward with a trained weight (dapo, token-local:
+the three-sweep head) per ``trained_head_chunk`` and the recompute path (``head_path="general"``), each with its peak
+memory above the inputs and its dW against the default chunk's, beside three of cuBLAS's products. A configuration
+that fails to compile or run is recorded with its error.
 """
 
 import argparse
@@ -123,6 +127,72 @@ def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
     return rows
 
 
+# the trained head's tokens per chunk to time (None: the default, trained_chunk_size's)
+TRAINED_CHUNKS = (None, 256, 512, 1024, 1536, 2048)
+
+
+def cuda_peak_bytes(run):
+    """The bytes ``run()`` allocates at its peak above what was allocated before it (CUDA)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def trained_rows(N, D, V, dtype, device="cuda", bench=median_ms, peak=cuda_peak_bytes, chunks=TRAINED_CHUNKS):
+    """The trained head's rows (module docstring) on ``device`` for the tokens per chunk ``chunks`` (those up to N),
+    timed by ``bench``, its peak by ``peak``."""
+    import grpo_fast
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, T = (N // 1024, 1024) if N % 1024 == 0 else (1, N)
+    hidden = torch.randn(B, T, D, device=dev, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (B, T), device=dev, generator=g)
+    advantages = torch.randn(B, device=dev, generator=g)
+    mask = torch.ones(B, T, device=dev)
+    cublas = _cublas_ms([(hidden.detach().view(N, D), weight.detach())], V, dtype, bench)
+    rows = [dict(config="cuBLAS mm x 3 (the three sweeps' floor)", ms=3 * cublas, peak_mib=None, err=None)]
+
+    def step(**kw):
+        hidden.grad = weight.grad = None
+        loss = grpo_fast.loss(
+            hidden, weight, targets, advantages, mask, loss_type="dapo", backend="triton", check_values=False, **kw
+        )
+        loss[0].backward()
+
+    step()
+    expected = weight.grad.float().clone()
+    chunks = [chunk for chunk in chunks if chunk is None or chunk <= N]
+    cases = [(f"chunk {chunk or 'default'}", dict(trained_head_chunk=chunk)) for chunk in chunks]
+    cases.append(("recompute path (head_path general)", dict(head_path="general")))
+    for name, kw in cases:
+        try:
+
+            def run(kw=kw):
+                step(**kw)
+
+            run()
+            err = float((weight.grad.float() - expected).abs().max() / expected.abs().max())
+            rows.append(dict(config=name, ms=bench(run), peak_mib=peak(run) / 2**20, err=err))
+        except Exception as e:  # a chunk that does not fit: recorded, the others still run
+            rows.append(dict(config=name, ms=None, peak_mib=None, err=f"{type(e).__name__}: {str(e)[:120]}"))
+    return rows
+
+
+def print_trained_rows(rows, N, D, V):
+    """``trained_rows``' rows, one line each."""
+    print(f"trained head (dapo, fwd + bwd), bf16, N {N}, D {D}, V {V}, {torch.cuda.get_device_name()}")
+    for r in rows:
+        ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms"
+        peak = "" if r["peak_mib"] is None else f"peak {r['peak_mib']:.0f} MiB"
+        err = "" if r["err"] is None else (f"dW {r['err']:.1e}" if isinstance(r["err"], float) else r["err"])
+        print(f"  {r['config']:<40} {ms:<12} {peak:<16} {err}")
+
+
 def print_divergence_rows(rows, N, Ds, Dt, V):
     """``divergence_rows``' rows, one line each."""
     print(
@@ -137,7 +207,9 @@ def print_divergence_rows(rows, N, Ds, Dt, V):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--head", choices=("logprobs", "divergence"), default="logprobs", help="which kernels to time")
+    p.add_argument(
+        "--head", choices=("logprobs", "divergence", "trained"), default="logprobs", help="which kernels to time"
+    )
     p.add_argument(
         "--shape",
         default=None,
@@ -160,6 +232,14 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 meta = dict(device=torch.cuda.get_device_name(), head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V)
+                json.dump(dict(meta, rows=rows), f, indent=1)
+        return
+    if args.head == "trained":
+        rows = trained_rows(N, D, V, dtype)
+        print_trained_rows(rows, N, D, V)
+        if args.out:
+            with open(args.out, "w") as f:
+                meta = dict(device=torch.cuda.get_device_name(), head="trained", N=N, D=D, V=V)
                 json.dump(dict(meta, rows=rows), f, indent=1)
         return
     g = torch.Generator(device=dev).manual_seed(0)

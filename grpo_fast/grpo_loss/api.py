@@ -127,8 +127,8 @@ def loss(
         trained_head_chunk: tokens per chunk of the three-sweep trained head (a positive int): its fp32 logits of
             one chunk over the vocabulary, chunk x V x 4 bytes, are its largest buffer. None: the chunk whose logits
             are about the weight's size (768 tokens at Qwen2.5-1.5B's bf16 head, 467 MB). Only where the three-sweep
-            head can run: not with ``head_path="general"``, LoRA, ``vocab_parallel``, a teacher or options that are
-            not token-local.
+            head can run: the Triton backend, bf16 or fp32, not with ``head_path="general"``, LoRA,
+            ``vocab_parallel``, a teacher or options that are not token-local.
         lora: LoRA on the lm_head (HeadLora), or None.
         vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
         backend: "auto", "triton" or "torch", for both layers.
@@ -177,7 +177,7 @@ def loss(
     backend = inputs.resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = inputs.layer1_choices(head_path, backward_mode, backend)
-    _check_trained_head_chunk(trained_head_chunk, head_path, lora, shard, teacher, options)
+    _check_trained_head_chunk(trained_head_chunk, hidden.dtype, backend, head_path, lora, shard, teacher, options)
     if distillation is not None:
         _check_teacher(teacher, hidden, weight, shard)
         rows = inputs.scored_rows(completion_mask, checks)
@@ -234,13 +234,16 @@ def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_
     return total, metrics
 
 
-def _check_trained_head_chunk(chunk, head_path, lora, shard, teacher, options):
-    """``trained_head_chunk``: None, or a positive int for a call the three-sweep head can run (``loss``)."""
+def _check_trained_head_chunk(chunk, dtype, backend, head_path, lora, shard, teacher, options):
+    """``trained_head_chunk``: None, or a positive int for a call the three-sweep head can run (``loss``; a frozen
+    weight or no gradient at all runs no head that forms gradients, and the chunk has nothing to size)."""
     if chunk is None:
         return
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"trained_head_chunk must be a positive int (tokens per chunk) or None, got {chunk!r}")
     conflicts = [
+        (not backend.trained_head, f"the {backend.name} backend"),
+        (dtype not in head_backends.TRAINED_HEAD_DTYPES, f"{str(dtype).removeprefix('torch.')} inputs"),
         (head_path == "general", 'head_path="general"'),
         (lora is not None, "lora"),
         (shard is not None, "vocab_parallel"),
