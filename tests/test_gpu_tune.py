@@ -1,6 +1,7 @@
-"""tools/gpu_tune.py's divergence rows, run on a CPU by Triton's interpreter with a counting timer: every candidate
+"""tools/gpu_tune.py's rows, run on a CPU by Triton's interpreter with a counting timer: every divergence candidate
 tile (the copy engine's too) gives the default configuration's divergence, and each is timed as the GPU run would
-time it (the record sweep and the g kernel), beside cuBLAS's products."""
+time it (the record sweep and the g kernel), beside cuBLAS's products; every trained-head chunk and the recompute
+path give the default chunk's dW."""
 
 import os
 import sys
@@ -12,14 +13,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import gpu_tune  # noqa: E402
 
 
-def test_divergence_rows_time_every_candidate_and_agree():
+def counting_timer(ms):
+    """(a timer that runs what it times once and says ``ms``, the list of what it timed)."""
     timed = []
 
     def bench(run):
         run()
         timed.append(run)
-        return 1.0
+        return ms
 
+    return bench, timed
+
+
+def test_divergence_rows_time_every_candidate_and_agree():
+    bench, timed = counting_timer(1.0)
     rows = gpu_tune.divergence_rows(40, 16, 32, 300, torch.float32, 90, device="cpu", bench=bench)
     assert [r["config"] for r in rows][0] == "cuBLAS mm of both models"
     assert len(rows) == 1 + len(gpu_tune.DIVERGENCE_CANDIDATES)
@@ -31,13 +38,7 @@ def test_divergence_rows_time_every_candidate_and_agree():
 
 def test_trained_rows_time_every_chunk_and_the_recompute_path():
     """The three-sweep head at each chunk and the recompute path: timed, their peaks taken, each dW the default's."""
-    timed = []
-
-    def bench(run):
-        run()
-        timed.append(run)
-        return 2.0
-
+    bench, timed = counting_timer(2.0)
     chunks = (None, 16, 32, 64)  # 64: more than N, left out
     rows = gpu_tune.trained_rows(
         48, 16, 200, torch.float32, device="cpu", bench=bench, peak=lambda run: run() or 3 * 2**20, chunks=chunks
