@@ -334,6 +334,18 @@ def test_package_command_takes_the_peers_heads(lora_report, tmp_path):
             assert report["heads"][head][key] == example_report["heads"][head][key], (head, key)
 
 
+def test_where_trl_imports_the_command_says_how_to_add_its_head(capsys, monkeypatch):
+    """Without --quiet and without --peer-heads, the package command names the flag where trl imports, and says
+    nothing of it where trl does not (a module set to None in sys.modules: no crash)."""
+    argv = [a for a in TINY if a != "--quiet"] + ["--lora-r", "0", "--heads", "grpo_fast"]
+    hint = f"--peer-heads {command.TRL_PEER_HEADS}"
+    memory.main(argv)
+    assert hint in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "trl", None)
+    memory.main(argv)
+    assert hint not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [

@@ -133,7 +133,7 @@ def main(
     line = " ".join([prog] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     if not args.quiet:
         print(f"memory: {recipe.describe()}; heads {', '.join(chosen)}", file=sys.stderr, flush=True)
-        if args.peer_heads is None and "trl" not in chosen and importlib.util.find_spec("trl") is not None:
+        if args.peer_heads is None and "trl" not in chosen and _findable("trl"):
             print(
                 f"memory: trl imports here; --peer-heads {command.TRL_PEER_HEADS} (from a grpo_fast checkout) puts "
                 "TRL's fused head beside these",
@@ -151,3 +151,12 @@ def main(
         print(f"wrote {out}.json, {out}.md, {out}.png", file=sys.stderr)
     print(text)
     return written
+
+
+def _findable(package: str) -> bool:
+    """Whether ``package`` could be imported here, without importing it (False where a finder refuses it, e.g. a
+    module set to None in sys.modules)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
