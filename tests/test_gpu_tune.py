@@ -1,7 +1,7 @@
-"""tools/gpu_tune.py's rows, run on a CPU by Triton's interpreter with a counting timer: every divergence candidate
-tile (the copy engine's too) gives the default configuration's divergence, and each is timed as the GPU run would
-time it (the record sweep and the g kernel), beside cuBLAS's products; every trained-head chunk and the recompute
-path give the default chunk's dW."""
+"""tools/gpu_tune.py's rows, run on a CPU by Triton's interpreter with a counting timer, each timed as the GPU run
+would time it, beside cuBLAS's products: every forward candidate tile gives the default configuration's log-probs,
+every divergence candidate tile (the copy engine's too) its divergence (the record sweep and the g kernel timed),
+every trained-head chunk and the recompute path the default chunk's dW."""
 
 import os
 import sys
@@ -50,3 +50,12 @@ def test_trained_rows_time_every_chunk_and_the_recompute_path():
     for r in rows[1:]:
         assert r["ms"] == 2.0 and r["peak_mib"] == 3.0, r
         assert r["err"] < 1e-5, r  # every chunk and the recompute path: the default chunk's dW
+
+
+def test_logprobs_rows_time_every_candidate_and_agree():
+    bench, timed = counting_timer(1.0)
+    rows = gpu_tune.logprobs_rows(40, 16, 300, torch.float32, 90, device="cpu", bench=bench)
+    assert rows[0]["config"] == "cuBLAS mm, 32768-column pieces"
+    assert len(rows) == len(timed) == 1 + len(gpu_tune.CANDIDATES)
+    for r in rows[1:]:
+        assert r["ms"] == 1.0 and r["err"] < 1e-5, r  # every tile: the default configuration's log-probs

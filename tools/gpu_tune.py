@@ -79,6 +79,53 @@ def _cublas_ms(pairs, V, dtype, bench):
     )
 
 
+def logprobs_rows(N, D, V, dtype, arch, device="cuda", bench=median_ms):
+    """Layer 1's forward rows (module docstring) on ``device`` of compute capability ``arch``, timed by ``bench``."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = torch.randn(N, D, device=dev, generator=g).to(dtype)
+    weight = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dtype)
+    targets = torch.randint(0, V, (N,), device=dev, generator=g)
+    head = HeadOperands(hidden, weight, targets, None, LogitTransform())
+    flops = 2 * N * D * V
+    # cuBLAS: the same 2NDV in [N, 32768] pieces (what a chunked head computes; no softmax)
+    ms = _cublas_ms([(hidden, weight)], V, dtype, bench)
+    rows = [dict(config="cuBLAS mm, 32768-column pieces", ms=ms, tflops=flops / ms / 1e9, err=None)]
+    default = kconfig.forward_config(dev, dtype)
+    reference = kforward.forward(head, True, default)[0]
+    for bn, bv, bd, warps, stages, group, tma in CANDIDATES:
+        if tma and arch < 90:
+            continue
+        tile = dict(block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages, group_n=group)
+        cfg = dataclasses.replace(default, **tile, use_tma=tma)
+        name = f"{bn}x{bv}x{bd} w{warps} s{stages} g{group}{' tma' if tma else ''}" + (
+            " (default)" if cfg == default else ""
+        )
+        try:
+            logp = kforward.forward(head, True, cfg)[0]
+            err = float((logp - reference).abs().max())
+            ms = bench(lambda cfg=cfg: kforward.forward(head, True, cfg))
+            rows.append(dict(config=name, ms=ms, tflops=flops / ms / 1e9, err=err))
+        except Exception as e:  # a tile that does not fit: recorded, the others still run
+            rows.append(dict(config=name, ms=None, tflops=None, err=f"{type(e).__name__}: {str(e)[:120]}"))
+    return rows
+
+
+def print_logprobs_rows(rows, N, D, V):
+    """``logprobs_rows``' rows, one line each."""
+    print(f"forward (logp + entropy), bf16, N {N}, D {D}, V {V}, {torch.cuda.get_device_name()}")
+    for r in rows:
+        ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s"
+        print(f"  {r['config']:<34} {ms:<26} {'' if r['err'] is None else r['err']}")
+
+
+def write_rows(path, meta, rows):
+    """The rows and what they were measured at (``meta``, the device added) as JSON at ``path`` (None: not written)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), **meta, rows=rows), f, indent=1)
+
+
 def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
     """The divergence head's rows (module docstring) on ``device`` of compute capability ``arch``, timed by
     ``bench``."""
@@ -224,68 +271,20 @@ def main():
         sys.exit("a CUDA GPU with the kernels compiled (TRITON_INTERPRET unset)")
     divergence = args.head == "divergence"
     D, V = map(int, (args.shape or ("896x151936" if divergence else "1536x151936")).split("x"))
-    N, dev, dtype = args.tokens or (4096 if divergence else 16384), torch.device("cuda"), torch.bfloat16
+    N, dtype = args.tokens or (4096 if divergence else 16384), torch.bfloat16
     arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
     if divergence:
         rows = divergence_rows(N, D, args.teacher_dim, V, dtype, arch)
         print_divergence_rows(rows, N, D, args.teacher_dim, V)
-        if args.out:
-            with open(args.out, "w") as f:
-                meta = dict(device=torch.cuda.get_device_name(), head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V)
-                json.dump(dict(meta, rows=rows), f, indent=1)
-        return
-    if args.head == "trained":
+        write_rows(args.out, dict(head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V), rows)
+    elif args.head == "trained":
         rows = trained_rows(N, D, V, dtype)
         print_trained_rows(rows, N, D, V)
-        if args.out:
-            with open(args.out, "w") as f:
-                meta = dict(device=torch.cuda.get_device_name(), head="trained", N=N, D=D, V=V)
-                json.dump(dict(meta, rows=rows), f, indent=1)
-        return
-    g = torch.Generator(device=dev).manual_seed(0)
-    hidden = torch.randn(N, D, device=dev, generator=g).to(dtype)
-    weight = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dtype)
-    targets = torch.randint(0, V, (N,), device=dev, generator=g)
-    head = HeadOperands(hidden, weight, targets, None, LogitTransform())
-    flops = 2 * N * D * V
-    rows = []
-    product = torch.empty(N, 32768, device=dev, dtype=dtype)
-    # cuBLAS: the same 2NDV in [N, 32768] pieces (what a chunked head computes; no softmax)
-    ms = triton.testing.do_bench(
-        lambda: [
-            torch.mm(hidden, weight[v0 : v0 + 32768].T, out=product[:, : min(32768, V - v0)])
-            for v0 in range(0, V, 32768)
-        ],
-        return_mode="median",
-    )
-    rows.append(dict(config="cuBLAS mm, 32768-column pieces", ms=ms, tflops=flops / ms / 1e9, err=None))
-    default = kconfig.forward_config(dev, dtype)
-    reference = kforward.forward(head, True, default)[0]
-    for bn, bv, bd, warps, stages, group, tma in CANDIDATES:
-        if tma and arch < 90:
-            continue
-        tile = dict(block_n=bn, block_v=bv, block_d=bd, num_warps=warps, num_stages=stages, group_n=group)
-        cfg = dataclasses.replace(default, **tile, use_tma=tma)
-        name = f"{bn}x{bv}x{bd} w{warps} s{stages} g{group}{' tma' if tma else ''}" + (
-            " (default)" if cfg == default else ""
-        )
-        try:
-            logp = kforward.forward(head, True, cfg)[0]
-            err = float((logp - reference).abs().max())
-            ms = triton.testing.do_bench(
-                lambda cfg=cfg: kforward.forward(head, True, cfg),
-                return_mode="median",
-            )
-            rows.append(dict(config=name, ms=ms, tflops=flops / ms / 1e9, err=err))
-        except Exception as e:  # a tile that does not fit: recorded, the others still run
-            rows.append(dict(config=name, ms=None, tflops=None, err=f"{type(e).__name__}: {str(e)[:120]}"))
-    print(f"forward (logp + entropy), bf16, N {N}, D {D}, V {V}, {torch.cuda.get_device_name()}")
-    for r in rows:
-        ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s"
-        print(f"  {r['config']:<34} {ms:<26} {'' if r['err'] is None else r['err']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), N=N, D=D, V=V, rows=rows), f, indent=1)
+        write_rows(args.out, dict(head="trained", N=N, D=D, V=V), rows)
+    else:
+        rows = logprobs_rows(N, D, V, dtype, arch)
+        print_logprobs_rows(rows, N, D, V)
+        write_rows(args.out, dict(N=N, D=D, V=V), rows)
 
 
 if __name__ == "__main__":
