@@ -86,8 +86,8 @@ while [ $# -gt 0 ]; do
     --no-memory) MEMORY=0 ;;
     --tune) TUNE=1 ;;
     --out | --tests-limit | --workers | --bench | --bench-budget | --bench-args | --divergence-budget | \
-      --divergence-args | --memory-limit | --recipe-steps | --recipe-limit | --total | --first-tier | --wheels | \
-      --commit)
+      --divergence-args | --memory-limit | --recipe-steps | --recipe-limit | --tune-limit | --total | --first-tier | \
+      --wheels | --commit)
       [ $# -ge 2 ] || fail_usage "$1 needs a value"
       case "$1" in
         --out) OUT="$2" ;;
