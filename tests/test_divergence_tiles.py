@@ -122,10 +122,20 @@ def test_launch_tables_by_arch_epilogue_and_operands():
     assert (sweep.block_n, sweep.block_v, sweep.use_tma) == (128, 64, True)
     for arch, fits in ((89, True), (80, True), (90, False)):
         assert not kdivergence.gpu_forward_config(bf16, 128, arch, fits).use_tma
-    narrow = kdivergence.narrow_g_epilogue(1.0, softcap=False, bias=False, layer1=False)
-    assert narrow and not kdivergence.narrow_g_epilogue(0.5, softcap=False, bias=False, layer1=False)
-    plain = dict(softcap=False, bias=False, layer1=False)
-    assert not any(kdivergence.narrow_g_epilogue(0.0, **{**plain, flag: True}) for flag in plain)
+    hs, ws, bs, ht, wt, _ = _pair(4, 16, 32, 64, bf16, "cpu")
+    plain, capped = LogitTransform(0.7, None, 1.0), LogitTransform(0.7, 3.0, 1.0)
+    student, teacher = ModelHead(hs, ws, None, plain), ModelHead(ht, wt, None, plain)
+    assert kdivergence.narrow_g_epilogue(student, teacher, 1.0, False)
+    assert kdivergence.narrow_g_epilogue(student, teacher, 0.0, False)
+    for s, t, beta, layer1 in (
+        (student, teacher, 0.5, False),  # the JSD's mixture
+        (student, teacher, 1.0, True),  # layer 1's term
+        (student._replace(transform=capped), teacher, 1.0, False),
+        (student, teacher._replace(transform=capped), 0.0, False),
+        (student._replace(bias=bs), teacher, 1.0, False),
+        (student, teacher._replace(bias=bs), 1.0, False),
+    ):
+        assert not kdivergence.narrow_g_epilogue(s, t, beta, layer1)
     g = kdivergence.gpu_backward_config(bf16, arch=90, narrow_epilogue=True)
     assert (g.block_n, g.block_v, g.use_tma) == (128, 128, True)
     assert kdivergence.gpu_backward_config(bf16, arch=90).block_v == 64

@@ -417,7 +417,7 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
                 dtype,
                 layer1 is not None,
                 arch,
-                narrow_epilogue=kdivergence.narrow_g_epilogue(beta, softcap is not None, bias, layer1 is not None),
+                narrow_epilogue=kdivergence.narrow_g_epilogue(student, teacher, beta, layer1 is not None),
             ),
             layer1=layer1_term,
         )

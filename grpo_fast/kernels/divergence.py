@@ -116,9 +116,11 @@ G_FP32_TILES = dict(block_n=32, block_v=32, block_d=32, num_warps=4, num_stages=
 NARROW_G_BLOCK_V = 128
 
 
-def narrow_g_epilogue(beta: float, softcap: bool, bias: bool, layer1: bool) -> bool:
-    """Whether the g kernel's epilogue is a narrow one (``gpu_backward_config``): a plain KL (beta 0 or 1), no
-    soft-cap and no bias on either model, no layer-1 term."""
+def narrow_g_epilogue(student, teacher, beta: float, layer1: bool) -> bool:
+    """Whether the g kernel's epilogue for these ModelHeads is a narrow one (``gpu_backward_config``): a plain KL
+    (beta 0 or 1), no soft-cap and no bias on either model, no layer-1 term."""
+    softcap = student.transform.softcap is not None or teacher.transform.softcap is not None
+    bias = student.bias is not None or teacher.bias is not None
     return beta in (0.0, 1.0) and not (softcap or bias or layer1)
 
 
@@ -925,9 +927,7 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
     dev = student.hidden.device
     descriptors_fit = tensor_descriptors_fit(student.hidden, student.weight, teacher.hidden, teacher.weight)
     if config is None:
-        softcap = student.transform.softcap is not None or teacher.transform.softcap is not None
-        bias = student.bias is not None or teacher.bias is not None
-        narrow = narrow_g_epilogue(beta, softcap, bias, layer1 is not None)
+        narrow = narrow_g_epilogue(student, teacher, beta, layer1 is not None)
         config = backward_config(dev, student.hidden.dtype, layer1 is not None, descriptors_fit, narrow)
     chunk = chunk_size(N, Ds)
     g = torch.empty((chunk, V), dtype=student.hidden.dtype, device=dev)
