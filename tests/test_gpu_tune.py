@@ -34,6 +34,7 @@ def test_divergence_rows_time_every_candidate_and_agree():
     for r in rows[1:]:
         assert r["sweep_ms"] == r["g_ms"] == 1.0, r
         assert r["err"] < 1e-5, r
+    assert all(gpu_tune.divergence_line(r).startswith(r["config"]) for r in rows)
 
 
 def test_trained_rows_time_every_chunk_and_the_recompute_path():
@@ -50,6 +51,7 @@ def test_trained_rows_time_every_chunk_and_the_recompute_path():
     for r in rows[1:]:
         assert r["ms"] == 2.0 and r["peak_mib"] == 3.0, r
         assert r["err"] < 1e-5, r  # every chunk and the recompute path: the default chunk's dW
+    assert all(gpu_tune.trained_line(r).startswith(r["config"]) for r in rows)
 
 
 def test_logprobs_rows_time_every_candidate_and_agree():
@@ -59,3 +61,4 @@ def test_logprobs_rows_time_every_candidate_and_agree():
     assert len(rows) == len(timed) == 1 + len(gpu_tune.CANDIDATES)
     for r in rows[1:]:
         assert r["ms"] == 1.0 and r["err"] < 1e-5, r  # every tile: the default configuration's log-probs
+    assert all(gpu_tune.logprobs_line(r).startswith(r["config"]) for r in rows)

@@ -61,6 +61,11 @@ DIVERGENCE_CANDIDATES = [
 ]
 
 
+def failed_row(name, error, *fields):
+    """The row of a configuration that failed to compile or run: its measured ``fields`` None, the error named."""
+    return dict(config=name, **dict.fromkeys(fields), err=f"{type(error).__name__}: {str(error)[:120]}")
+
+
 def median_ms(run):
     """The median time of ``run()`` over warm runs, in ms (triton.testing.do_bench)."""
     return triton.testing.do_bench(run, return_mode="median")
@@ -107,16 +112,30 @@ def logprobs_rows(N, D, V, dtype, arch, device="cuda", bench=median_ms):
             ms = bench(lambda cfg=cfg: kforward.forward(head, True, cfg))
             rows.append(dict(config=name, ms=ms, tflops=flops / ms / 1e9, err=err))
         except Exception as e:  # a tile that does not fit: recorded, the others still run
-            rows.append(dict(config=name, ms=None, tflops=None, err=f"{type(e).__name__}: {str(e)[:120]}"))
+            rows.append(failed_row(name, e, "ms", "tflops"))
     return rows
 
 
-def print_logprobs_rows(rows, N, D, V):
-    """``logprobs_rows``' rows, one line each."""
-    print(f"forward (logp + entropy), bf16, N {N}, D {D}, V {V}, {torch.cuda.get_device_name()}")
-    for r in rows:
-        ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s"
-        print(f"  {r['config']:<34} {ms:<26} {'' if r['err'] is None else r['err']}")
+def logprobs_line(r):
+    """A ``logprobs_rows`` row as one line."""
+    ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s"
+    return f"{r['config']:<34} {ms:<26} {'' if r['err'] is None else r['err']}"
+
+
+def divergence_line(r):
+    """A ``divergence_rows`` row as one line."""
+    ms = "-"
+    if r["sweep_ms"] is not None:
+        ms = f"sweep {r['sweep_ms']:.2f} ms ({r['tflops']:.0f} TFLOP/s), g {r['g_ms']:.2f} ms"
+    return f"{r['config']:<44} {ms:<46} {'' if r['err'] is None else r['err']}"
+
+
+def trained_line(r):
+    """A ``trained_rows`` row as one line."""
+    ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms"
+    peak = "" if r["peak_mib"] is None else f"peak {r['peak_mib']:.0f} MiB"
+    err = "" if r["err"] is None else (f"dW {r['err']:.1e}" if isinstance(r["err"], float) else r["err"])
+    return f"{r['config']:<40} {ms:<12} {peak:<16} {err}"
 
 
 def write_rows(path, meta, rows):
@@ -168,9 +187,7 @@ def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
             g_ms = bench(g_kernel)
             rows.append(dict(config=name, sweep_ms=sweep_ms, g_ms=g_ms, tflops=flops / sweep_ms / 1e9, err=err))
         except Exception as e:  # a tile that does not fit: recorded, the others still run
-            rows.append(
-                dict(config=name, sweep_ms=None, g_ms=None, tflops=None, err=f"{type(e).__name__}: {str(e)[:120]}")
-            )
+            rows.append(failed_row(name, e, "sweep_ms", "g_ms", "tflops"))
     return rows
 
 
@@ -226,30 +243,8 @@ def trained_rows(N, D, V, dtype, device="cuda", bench=median_ms, peak=cuda_peak_
             err = float((weight.grad.float() - expected).abs().max() / expected.abs().max())
             rows.append(dict(config=name, ms=bench(run), peak_mib=peak(run) / 2**20, err=err))
         except Exception as e:  # a chunk that does not fit: recorded, the others still run
-            rows.append(dict(config=name, ms=None, peak_mib=None, err=f"{type(e).__name__}: {str(e)[:120]}"))
+            rows.append(failed_row(name, e, "ms", "peak_mib"))
     return rows
-
-
-def print_trained_rows(rows, N, D, V):
-    """``trained_rows``' rows, one line each."""
-    print(f"trained head (dapo, fwd + bwd), bf16, N {N}, D {D}, V {V}, {torch.cuda.get_device_name()}")
-    for r in rows:
-        ms = "-" if r["ms"] is None else f"{r['ms']:.2f} ms"
-        peak = "" if r["peak_mib"] is None else f"peak {r['peak_mib']:.0f} MiB"
-        err = "" if r["err"] is None else (f"dW {r['err']:.1e}" if isinstance(r["err"], float) else r["err"])
-        print(f"  {r['config']:<40} {ms:<12} {peak:<16} {err}")
-
-
-def print_divergence_rows(rows, N, Ds, Dt, V):
-    """``divergence_rows``' rows, one line each."""
-    print(
-        f"divergence head (beta 1), bf16, N {N}, student D {Ds}, teacher D {Dt}, V {V}, {torch.cuda.get_device_name()}"
-    )
-    for r in rows:
-        ms = "-"
-        if r["sweep_ms"] is not None:
-            ms = f"sweep {r['sweep_ms']:.2f} ms ({r['tflops']:.0f} TFLOP/s), g {r['g_ms']:.2f} ms"
-        print(f"  {r['config']:<44} {ms:<46} {'' if r['err'] is None else r['err']}")
 
 
 def main():
@@ -274,17 +269,19 @@ def main():
     N, dtype = args.tokens or (4096 if divergence else 16384), torch.bfloat16
     arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
     if divergence:
-        rows = divergence_rows(N, D, args.teacher_dim, V, dtype, arch)
-        print_divergence_rows(rows, N, D, args.teacher_dim, V)
-        write_rows(args.out, dict(head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V), rows)
+        rows, line = divergence_rows(N, D, args.teacher_dim, V, dtype, arch), divergence_line
+        title = f"divergence head (beta 1), bf16, N {N}, student D {D}, teacher D {args.teacher_dim}, V {V}"
+        meta = dict(head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V)
     elif args.head == "trained":
-        rows = trained_rows(N, D, V, dtype)
-        print_trained_rows(rows, N, D, V)
-        write_rows(args.out, dict(head="trained", N=N, D=D, V=V), rows)
+        rows, line = trained_rows(N, D, V, dtype), trained_line
+        title, meta = f"trained head (dapo, fwd + bwd), bf16, N {N}, D {D}, V {V}", dict(head="trained", N=N, D=D, V=V)
     else:
-        rows = logprobs_rows(N, D, V, dtype, arch)
-        print_logprobs_rows(rows, N, D, V)
-        write_rows(args.out, dict(N=N, D=D, V=V), rows)
+        rows, line = logprobs_rows(N, D, V, dtype, arch), logprobs_line
+        title, meta = f"forward (logp + entropy), bf16, N {N}, D {D}, V {V}", dict(N=N, D=D, V=V)
+    print(f"{title}, {torch.cuda.get_device_name()}")
+    for r in rows:
+        print(f"  {line(r)}")
+    write_rows(args.out, meta, rows)
 
 
 if __name__ == "__main__":
