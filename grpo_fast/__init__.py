@@ -10,6 +10,8 @@ shard = grpo_fast.VocabShard(group, offset, vocab_size)   # a vocab-parallel hea
 lora = grpo_fast.HeadLora(a, b, scaling, dropout)         # LoRA on the lm_head (PEFT's lora_A/B weights): lora=lora
 div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
                            beta=0.5)                      # on-policy distillation (TRL's DistillationTrainer)
+loss, div, entropy = grpo_fast.distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                                 completion_mask)   # its loss, the gradients formed in the forward
 loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, teacher_weight),
                                distillation_coef=0.1)     # RL and distillation in one call
 
@@ -24,7 +26,7 @@ The package's parts, one folder each (imports run down this list, never up; the 
 """
 
 from grpo_fast import reference
-from grpo_fast.distillation.api import DivergenceKeywords, divergence, divergence_and_entropy
+from grpo_fast.distillation.api import DivergenceKeywords, distillation_loss, divergence, divergence_and_entropy
 from grpo_fast.distillation.teacher import Teacher
 from grpo_fast.grpo_loss.api import Metrics, loss, sampling_importance_weights, token_loss
 from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
@@ -48,6 +50,7 @@ __all__ = [
     "reference",
     "divergence",
     "divergence_and_entropy",
+    "distillation_loss",
     "DivergenceKeywords",
     "Teacher",
 ]

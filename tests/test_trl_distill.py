@@ -26,6 +26,7 @@ from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_
 
 import grpo_fast
 from grpo_fast.distillation import torch_twin
+from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.trl import DistillationConfig, DistillationTrainer
 
 TEACHER = dict(seed=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -276,8 +277,9 @@ def test_trl_module_is_untouched():
 
 
 def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
-    """LoRA on the attention (random B, so the adapter matters): the student's head is frozen, grpo_fast takes its
-    frozen-head path (d divergence / dh built in the forward) and the adapters' gradients equal TRL's."""
+    """LoRA on the attention (random B, so the adapter matters): the student's head is frozen, grpo_fast builds
+    d divergence / dh alone in the forward (the Triton backend's fused loss, or the torch backend's frozen-head
+    path) and the adapters' gradients equal TRL's."""
     student, teacher = tiny_pair()
     lora = LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"
@@ -288,13 +290,18 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
         ours = build(DistillationTrainer, student, teacher, args, peft_config=lora)
     inputs = generation_batch(theirs)
     seen = []
-    forward = torch_twin.forward
+    forward, fused = torch_twin.forward, kdivergence.loss_gradients
 
-    def spy(*args, frozen_head=False, **kwargs):  # the frozen-head forward runs the torch twin's on every backend
+    def spy_forward(*args, frozen_head=False, **kwargs):
         seen.append(frozen_head)
         return forward(*args, frozen_head=frozen_head, **kwargs)
 
-    monkeypatch.setattr(torch_twin, "forward", spy)
+    def spy_fused(student, teacher, beta, weights, grads, *args):
+        seen.append(tuple(grad is not None for grad in grads) == (True, False, False))
+        return fused(student, teacher, beta, weights, grads, *args)
+
+    monkeypatch.setattr(torch_twin, "forward", spy_forward)
+    monkeypatch.setattr(kdivergence, "loss_gradients", spy_fused)
     loss, grads, entropy = loss_gradients_entropy(ours, inputs, forbid_trl_head=True)
     ref_loss, ref_grads, ref_entropy = loss_gradients_entropy(theirs, inputs, forbid_trl_head=False)
     assert seen == [True]

@@ -16,6 +16,7 @@ gradient. The entropy is the student's, detached (TRL's head marks it non-differ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
@@ -26,6 +27,7 @@ from grpo_fast.distillation import parallel
 from grpo_fast.head.inputs import (
     FLOAT_DTYPES,
     BackendName,
+    Rows,
     ValueChecks,
     check_head,
     check_mask,
@@ -96,6 +98,93 @@ def _scored(model, rows, detach=False):
     if detach:
         hidden, weight, bias = (x.detach() if x is not None else None for x in (hidden, weight, bias))
     return ModelHead(hidden, weight, bias, LogitTransform.from_floats(*model.transform.as_floats()))
+
+
+# ----------------------------------------------------------------------------------------------- one checked call
+@dataclass(frozen=True)
+class _Call:
+    """A checked call of the public functions: both models' scored rows and what the path takes."""
+
+    student: ModelHead  # the scored rows [N, Ds], the weight and bias contiguous
+    teacher: ModelHead  # detached
+    shard: VocabShard | None
+    backend: str  # the resolved backend's name
+    rows: Rows
+    shape: tuple[int, int]  # (B, T)
+    beta: float
+    head_path: str
+    frozen_head: bool  # only the student's hidden states need a gradient, on the "auto" path
+    student_gemm_dtype: torch.dtype | None
+
+
+def _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, keywords):
+    """Every check of a call (``_checked``'s, the keywords' and the scored rows' one host read), and its _Call;
+    ``keywords``: divergence_and_entropy's, its defaults where absent."""
+    unknown = sorted(set(keywords) - set(_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s) {unknown}; the divergence takes {sorted(_KEYWORDS)}")
+    k = {**_KEYWORDS, **keywords}
+    student, teacher, shard = parallel.resolve_pair(
+        ModelHead(
+            student_hidden,
+            student_weight,
+            k["student_bias"],
+            LogitTransform(k["temperature"], k["student_softcap"], k["student_logit_scale"]),
+        ),
+        ModelHead(
+            teacher_hidden,
+            teacher_weight,
+            k["teacher_bias"],
+            LogitTransform(k["temperature"], k["teacher_softcap"], k["teacher_logit_scale"]),
+        ),
+        k["vocab_parallel"],
+    )
+    gemm_dtype = k["student_gemm_dtype"]
+    if gemm_dtype is not None and gemm_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {gemm_dtype!r}")
+    checks = ValueChecks(k["check_values"], student.hidden, teacher.hidden, completion_mask)
+    beta = k["beta"]
+    backend_name = _checked(student, teacher, completion_mask, beta, k["backend"], checks, sharded=shard is not None)
+    head_path = k["head_path"]
+    if head_path not in HEAD_PATHS:
+        raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
+    frozen_head = (
+        head_path == "auto"
+        and torch.is_grad_enabled()
+        and student.hidden.requires_grad
+        and not student.weight.requires_grad
+        and not (student.bias is not None and student.bias.requires_grad)
+    )
+    shape = tuple(student.hidden.shape[:2])
+    rows = scored_rows(completion_mask, checks)
+    if shard is not None and gemm_dtype is not None:
+        # vocab-parallel heads: a differentiable cast of both (the op casts inside, with fp32 gradients)
+        student = student._replace(hidden=student.hidden.to(gemm_dtype), weight=student.weight.to(gemm_dtype))
+    student, teacher = _scored(student, rows), _scored(teacher, rows, detach=True)
+    return _Call(student, teacher, shard, backend_name, rows, shape, float(beta), head_path, frozen_head, gemm_dtype)
+
+
+def _operands(call):
+    """The divergence ops' OpOperands of a call on whole heads."""
+    dtype = call.student_gemm_dtype or call.student.hidden.dtype
+    return divergence_ops.OpOperands.from_heads(call.student, call.teacher, call.beta, call.backend, dtype)
+
+
+def _per_token(call):
+    """(divergence [N], entropy [N]) of the scored rows, the divergence differentiable."""
+    if call.shard is not None:
+        return parallel.VocabParallelDivergence.apply(
+            *call.student[:3],
+            *call.teacher[:3],
+            call.beta,
+            call.student.transform,
+            call.teacher.transform,
+            call.shard,
+            call.frozen_head,
+            call.backend,
+        )
+    div, entropy, _, _, _ = divergence_ops.divergence_forward(_operands(call), call.frozen_head)
+    return div, entropy
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -191,59 +280,21 @@ def divergence_and_entropy(
             temperature, soft-cap or logit scale, an unknown ``backend`` or ``head_path``, sizes the Triton
             kernels cannot index, or vocab-parallel heads that are not sharded alike.
     """
-    student, teacher, shard = parallel.resolve_pair(
-        ModelHead(
-            student_hidden,
-            student_weight,
-            student_bias,
-            LogitTransform(temperature, student_softcap, student_logit_scale),
-        ),
-        ModelHead(
-            teacher_hidden,
-            teacher_weight,
-            teacher_bias,
-            LogitTransform(temperature, teacher_softcap, teacher_logit_scale),
-        ),
-        vocab_parallel,
+    call = _checked_call(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        completion_mask,
+        {name: value for name, value in locals().items() if name in _KEYWORDS},
     )
-    if student_gemm_dtype is not None and student_gemm_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {student_gemm_dtype!r}")
-    checks = ValueChecks(check_values, student.hidden, teacher.hidden, completion_mask)
-    backend_name = _checked(student, teacher, completion_mask, beta, backend, checks, sharded=shard is not None)
-    if head_path not in HEAD_PATHS:
-        raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
-    frozen_head = (
-        head_path == "auto"
-        and torch.is_grad_enabled()
-        and student.hidden.requires_grad
-        and not student.weight.requires_grad
-        and not (student.bias is not None and student.bias.requires_grad)
-    )
-    B, T = student.hidden.shape[:2]
-    rows = scored_rows(completion_mask, checks)
-    if shard is not None and student_gemm_dtype is not None:
-        # vocab-parallel heads: a differentiable cast of both (the op casts inside, with fp32 gradients)
-        student = student._replace(
-            hidden=student.hidden.to(student_gemm_dtype), weight=student.weight.to(student_gemm_dtype)
-        )
-    student, teacher = _scored(student, rows), _scored(teacher, rows, detach=True)
-    if shard is not None:
-        div, entropy = parallel.VocabParallelDivergence.apply(
-            *student[:3],
-            *teacher[:3],
-            float(beta),
-            student.transform,
-            teacher.transform,
-            shard,
-            frozen_head,
-            backend_name,
-        )
-    else:
-        operands = divergence_ops.OpOperands.from_heads(
-            student, teacher, beta, backend_name, student_gemm_dtype or student.hidden.dtype
-        )
-        div, entropy, _, _, _ = divergence_ops.divergence_forward(operands, frozen_head)
-    return scatter_rows(div, rows, (B, T)), scatter_rows(entropy, rows, (B, T)).detach()
+    div, entropy = _per_token(call)
+    B, T = call.shape
+    return scatter_rows(div, call.rows, (B, T)), scatter_rows(entropy, call.rows, (B, T)).detach()
+
+
+# divergence_and_entropy's keywords and their defaults: the one place they are written is its signature
+_KEYWORDS = dict(divergence_and_entropy.__kwdefaults__)
 
 
 def divergence(
@@ -274,3 +325,99 @@ def divergence(
     return divergence_and_entropy(
         student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, **keywords
     )[0]
+
+
+def distillation_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    token_chunk: int | None = None,
+    **keywords: Unpack[DivergenceKeywords],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL 1.16's distillation loss: the divergence summed over the scored tokens, divided by ``num_items_in_batch``
+    or by their count (``DistillationTrainer``'s ``_chunked_divergence_loss``), in the fewest vocabulary sweeps.
+
+    Its dL/d divergence is known before the forward, so the forward forms the student's gradients while each token
+    chunk's logits are in hand: both models' logits of a chunk once (cuBLAS, fp32 products), their records, the
+    divergence and g, then dH and dW; the backward only scales them. Three student sweeps and one teacher sweep,
+    where ``divergence(...)`` then a reduction takes four and two (five and three for the JSD). Only the gradients
+    asked for are formed (a frozen student head: dH alone). The torch backend, vocab-parallel heads and
+    ``head_path="general"`` compute it as ``divergence_and_entropy`` then the same sum.
+
+    Args:
+        student_hidden: [B, T, Ds] float32, bfloat16 or float16.
+        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype.
+        teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
+        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
+        completion_mask: [B, T] bool or 0/1: the tokens scored; None: every token.
+        num_items_in_batch: the divisor, a number > 0 or a one-element tensor (the gradient-accumulation window's
+            token count); None: the scored tokens' count (at least 1).
+        token_chunk: tokens per gradient GEMM (a positive int): the buffers are token_chunk x V x (2 + 4) bytes (g in
+            the student's dtype, both models' fp32 logits for half of it). None: half the student's width rounded
+            down to 128 (384 at Qwen2.5-0.5B's Ds 896). Only where the fused loss runs (the Triton backend, whole
+            heads, ``head_path="auto"``).
+        **keywords: ``divergence_and_entropy``'s keywords (DivergenceKeywords), with its defaults.
+
+    Returns:
+        loss: the differentiable float32 scalar.
+        divergence: [B, T] float32, detached: the per-token divergence (zeros off the mask).
+        entropy: [B, T] float32, detached: the student's entropy.
+
+    Raises:
+        TypeError: as ``divergence_and_entropy``; ``num_items_in_batch`` a tensor of more than one element.
+        ValueError: as ``divergence_and_entropy``; ``num_items_in_batch`` not a positive number (a tensor's value
+            is not read: no host synchronisation); ``token_chunk`` not a positive int, or given where it sizes
+            nothing (the torch backend, vocab-parallel heads, ``head_path="general"``).
+    """
+    if token_chunk is not None and (
+        isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1
+    ):
+        raise ValueError(f"token_chunk must be a positive int (tokens per gradient GEMM) or None, got {token_chunk!r}")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise TypeError(
+                "num_items_in_batch must be a number or a one-element tensor, got shape "
+                f"{tuple(num_items_in_batch.shape)}"
+            )
+    elif num_items_in_batch is not None:
+        check_number("num_items_in_batch", num_items_in_batch, lambda v: v > 0, "a positive number of tokens")
+    call = _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, keywords)
+    weights = _token_weights(call, completion_mask, num_items_in_batch)
+    fused = call.shard is None and call.head_path == "auto" and call.backend == "triton"
+    if token_chunk is not None and not fused:
+        raise ValueError(
+            "token_chunk sizes the fused loss, which the torch backend, vocab-parallel heads and "
+            "head_path='general' do not run"
+        )
+    if fused:
+        grad = torch.is_grad_enabled()
+        needs = tuple(grad and x is not None and x.requires_grad for x in call.student[:3])
+        loss, div, entropy = divergence_ops.divergence_loss(_operands(call), weights, needs, token_chunk)
+    else:
+        div, entropy = _per_token(call)
+        loss = (weights * div).sum()
+        div = div.detach()
+    B, T = call.shape
+    return loss, scatter_rows(div, call.rows, (B, T)), scatter_rows(entropy, call.rows, (B, T)).detach()
+
+
+def _token_weights(call, completion_mask, num_items_in_batch):
+    """dL/d div of each scored row [N] fp32: 1 / num_items_in_batch, or 1 / the scored tokens' count (at least 1);
+    0 on a device partition's padding rows. No host read."""
+    hidden = call.student.hidden
+    if call.rows.keep is not None:
+        count = call.rows.count.float()
+    else:
+        count = torch.tensor(float(hidden.shape[0]), device=hidden.device)
+    if num_items_in_batch is None:
+        divisor = count.clamp(min=1.0)
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        divisor = num_items_in_batch.to(device=hidden.device, dtype=torch.float32).reshape(1)
+    else:
+        divisor = torch.tensor(float(num_items_in_batch), device=hidden.device)
+    weights = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device) / divisor
+    return torch.where(call.rows.keep, weights, 0.0) if call.rows.keep is not None else weights

@@ -5,6 +5,7 @@ built from it, the gradient buffers and the backward ops' fake outputs.
 The forward op returns the divergence, the student's entropy and what the backward reads (both models' finished
 records, the argmax indices; on the frozen-head path J = d divergence / d student_hidden); the backward op recomputes
 both models' tiles and returns the student's dH, dW, db. The teacher never gets a gradient; the entropy is detached.
+``grpo_fast::divergence_loss`` is the scalar loss sum_n weights_n div_n with its gradients formed in its forward.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.distillation import torch_twin
-from grpo_fast.head.ops import custom_op, inline_function, op_schema, runs_inline
+from grpo_fast.head.ops import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead
@@ -237,3 +238,94 @@ def divergence_forward(operands, frozen_head):
     """
     args = (*operands, frozen_head)
     return _FORWARD_INLINE.apply(*args) if runs_inline(args) else _forward_op(*args)
+
+
+# ----------------------------------------------------------------------------------------------- the loss op
+# grpo_fast::divergence_loss: L = sum_n weights_n div_n (TRL's DistillationTrainer loss: the divergence summed over the
+# scored tokens over a normaliser), whose dL/d div (the weights) is known before the forward: the forward forms the
+# student's gradients (kernels.divergence.loss_gradients: three student sweeps and one teacher sweep, none recomputed)
+# and the backward only scales them by the loss's gradient.
+_LOSS_ARGUMENTS = "Tensor weights, bool need_hidden, bool need_weight, bool need_bias, int token_chunk"
+
+
+def _loss_impl(*arguments):
+    """grpo_fast::divergence_loss: (OpOperands' fields, weights [N], need_hidden, need_weight, need_bias,
+    token_chunk (0: the default)) -> (loss [], divergence [N], the student's entropy [N], dH [N, Ds], dW [V, Ds],
+    db [V]), fp32; a gradient not wanted is empty. The torch backend (and no scored row) runs the torch twin's
+    forward and backward with the weights as dL/d div."""
+    *operands, weights, need_hidden, need_weight, need_bias, token_chunk = arguments
+    operands = OpOperands(*operands)
+    hidden, weight, bias = operands[:3]
+    grads = gradient_buffers(hidden, weight, bias, (need_hidden, need_weight, need_bias))
+    weights = weights.float().contiguous()
+    student, teacher = operands.model_heads()
+    if operands.backend == "triton" and hidden.shape[0] > 0:
+        div, entropy = kdivergence.loss_gradients(student, teacher, operands.beta, weights, grads, token_chunk or None)
+    else:
+        div, entropy, saved, argmax = torch_twin.forward(student, teacher, operands.beta)[:4]
+        if hidden.shape[0] > 0 and any(grad is not None for grad in grads):
+            torch_twin.backward(weights, student, teacher, saved, argmax, operands.beta, grads)
+    formed = (grad if grad is not None else hidden.new_empty(0, dtype=torch.float32) for grad in grads)
+    return ((weights * div).sum(), div, entropy, *formed)
+
+
+_loss_op = custom_op(
+    "divergence_loss", _loss_impl, op_schema(OpOperands, "", _LOSS_ARGUMENTS, "(" + ", ".join(["Tensor"] * 6) + ")")
+)
+
+
+@_loss_op.register_fake
+def _(*arguments):
+    *operands, _weights, need_hidden, need_weight, need_bias, _token_chunk = arguments
+    hidden, weight, bias = operands[:3]
+    per_token = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        per_token,
+        torch.empty_like(per_token),
+        hidden.new_empty(hidden.shape if need_hidden else (0,), dtype=torch.float32),
+        weight.new_empty(weight.shape if need_weight else (0,), dtype=torch.float32),
+        weight.new_empty(weight.shape[0] if need_bias and bias is not None else 0, dtype=torch.float32),
+    )
+
+
+def _loss_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*output[3:])
+    ctx.dtypes = tuple(x.dtype if x is not None else None for x in inputs[:3])
+    need_hidden, need_weight, need_bias = inputs[-4:-1]
+    ctx.formed = (need_hidden, need_weight, need_bias and inputs[2] is not None)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _loss_backward(ctx, grad_loss, *_):
+    """The gradients formed in the forward times the loss's gradient, each in its input's dtype."""
+    no_grads = (None,) * len(ctx.needs_input_grad)
+    if grad_loss is None:
+        return no_grads
+    wanted = zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3], ctx.formed, strict=True)
+    grads = tuple(
+        scaled_gradient(grad, grad_loss, dtype) if need and formed else None for grad, dtype, need, formed in wanted
+    )
+    return grads + no_grads[3:]
+
+
+_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+_LOSS_INLINE = inline_function(_loss_impl, _loss_setup_context, _loss_backward)
+
+
+def divergence_loss(operands, weights, needs, token_chunk=None):
+    """grpo_fast::divergence_loss, differentiable with respect to the student's hidden states, weight and bias
+    (through the gradients its forward formed).
+
+    Args:
+        operands: the OpOperands.
+        weights: [N] fp32 dL/d div of each scored row (no gradient flows to them).
+        needs: (need_hidden, need_weight, need_bias): the gradients to form.
+        token_chunk: tokens per gradient GEMM (None: ``kernels.divergence.loss_chunk_rows``'s).
+
+    Returns:
+        (loss [], divergence [N], entropy [N]) fp32; the last two detached.
+    """
+    args = (*operands, weights.detach(), *needs, token_chunk or 0)
+    return (_LOSS_INLINE.apply if runs_inline(args) else _loss_op)(*args)[:3]

@@ -21,6 +21,7 @@ from grpo_fast.head.ops import (
     inline_function,
     op_schema,
     runs_inline,
+    scaled_gradient,
     schema_fields,
 )
 from grpo_fast.kernels import forward_frozen as kfrozen
@@ -378,12 +379,7 @@ def _trained_head_backward(ctx, grad_loss, *_):
         return (None,) * len(ctx.needs_input_grad)
 
     def scaled(grad, dtype, need):
-        if not need:
-            return None
-        out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-        for r0 in range(0, grad.shape[0], 8192):
-            out[r0 : r0 + 8192] = grad[r0 : r0 + 8192] * grad_loss
-        return out
+        return scaled_gradient(grad, grad_loss, dtype) if need else None
 
     need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
     hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes

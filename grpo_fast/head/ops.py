@@ -336,6 +336,15 @@ def inline_function(impl, setup_context, backward):
 _LINEAR_INLINE = inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
 
 
+def scaled_gradient(grad, scale, dtype, rows=8192):
+    """``grad`` (fp32, formed in a forward) times the loss's gradient ``scale`` (a scalar tensor), in ``dtype``: a
+    slab of rows at a time, so that the fp32 product never exists whole beside ``grad``."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    for r0 in range(0, grad.shape[0], rows):
+        out[r0 : r0 + rows] = grad[r0 : r0 + rows] * scale
+    return out
+
+
 def runs_inline(args):
     """Run the implementation in Python rather than as the op: a TorchDispatchMode over real tensors (a FLOP or
     allocation counter, a host-sync counter) then sees the kernels' own torch ops, which an op's caller never

@@ -410,7 +410,8 @@ def divergence_loss(
     teacher_final_logit_softcapping=None,
     temperature=1.0,
 ):
-    """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.divergence_and_entropy``.
+    """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.distillation_loss`` (the student's gradients
+    formed in the forward).
 
     Each model computes in its own precision (the autocast dtype, else its hidden states'; the biases as they are:
     TRL adds them in fp32); only the tokens where ``completion_mask`` is nonzero are computed. A DTensor head is
@@ -441,8 +442,8 @@ def divergence_loss(
         num_valid: the scored tokens' count, an int64 scalar tensor.
 
     Raises:
-        TypeError: as ``grpo_fast.divergence_and_entropy``.
-        ValueError: as ``grpo_fast.divergence_and_entropy``.
+        TypeError: as ``grpo_fast.distillation_loss``.
+        ValueError: as ``grpo_fast.distillation_loss``.
     """
     student_weight, student_bias = _whole(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
@@ -453,12 +454,13 @@ def divergence_loss(
     if student_weight.dtype != student_hidden_states.dtype:
         student_hidden_states, student_weight = student.cast(student_hidden_states), student.cast(student_weight)
     with autocast_off(student_hidden_states):
-        divergence, entropy = grpo_fast.divergence_and_entropy(
+        loss, _, entropy = grpo_fast.distillation_loss(
             student_hidden_states,
             student_weight,
             teacher.cast(teacher_hidden_states),
             teacher.cast(teacher_weight),
             valid,
+            num_items_in_batch=num_items_in_batch,
             beta=beta,
             temperature=temperature,
             student_bias=student_bias,
@@ -469,15 +471,7 @@ def divergence_loss(
             teacher_logit_scale=teacher_logit_scale,
             student_gemm_dtype=student.dtype,
         )
-    num_valid = valid.sum()
-    loss = divergence.sum()
-    if num_items_in_batch is None:
-        loss = loss / num_valid.clamp(min=1)
-    else:
-        loss = loss / (
-            num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
-        )
-    return loss, entropy.detach().sum(), num_valid
+    return loss, entropy.sum(), valid.sum()
 
 
 class DistillationTrainer(trl.DistillationTrainer):

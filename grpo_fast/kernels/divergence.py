@@ -34,7 +34,7 @@ from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled
 from .divergence_records import JsdSweep, Record, finish
 from .gemm import chunk_size, mm_fp32
 from .launch import on_device, on_first_argument_device, tensor_descriptors_fit, tile_operand
-from .tile import gemm_scale, gradient_tile, logit_tile_at, row_coefficients, to_gemm
+from .tile import gemm_scale, gradient_tile, logit_tile_at, row_coefficients, stored_logit_tile_at, to_gemm
 
 # the fields of one model's record in the split buffer, in Record's order
 RECORD_FIELDS = len(Record._fields)
@@ -191,6 +191,7 @@ def _model_tile(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     USE_TMA: tl.constexpr,
+    LOGITS_IN_MEMORY: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -198,36 +199,56 @@ def _model_tile(
     BLOCK_D: tl.constexpr,
 ):
     """One model's transformed logits at (n0, v0) (-inf past the vocabulary) and dz/du: tile.logit_tile_at without
-    LoRA (``hidden`` and ``weight`` tensor descriptors with USE_TMA, else pointers)."""
-    return logit_tile_at(
-        hidden,
-        weight,
-        bias_ptr,
-        bias_ptr,
-        bias_ptr,
-        n0,
-        v0,
-        N,
-        V,
-        D,
-        0,
-        stride_hn,
-        stride_wv,
-        inv_temperature,
-        logit_scale,
-        softcap,
-        HAS_BIAS,
-        False,
-        HAS_SOFTCAP,
-        USE_TMA,
-        DOT_FP32,
-        DOT_PRECISION,
-        DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_V,
-        BLOCK_D,
-        16,
-    )
+    LoRA (``hidden`` and ``weight`` tensor descriptors with USE_TMA, else pointers), or with LOGITS_IN_MEMORY
+    tile.stored_logit_tile_at (``hidden`` the fp32 products H W^T, rows ``stride_hn`` apart; ``weight`` unread)."""
+    if LOGITS_IN_MEMORY:
+        z, slope = stored_logit_tile_at(
+            hidden,
+            bias_ptr,
+            n0,
+            v0,
+            N,
+            V,
+            stride_hn,
+            inv_temperature,
+            logit_scale,
+            softcap,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            BLOCK_N,
+            BLOCK_V,
+        )
+    else:  # one return, after both branches (triton 3.6 compiles the code after a constexpr branch's return)
+        z, slope = logit_tile_at(
+            hidden,
+            weight,
+            bias_ptr,
+            bias_ptr,
+            bias_ptr,
+            n0,
+            v0,
+            N,
+            V,
+            D,
+            0,
+            stride_hn,
+            stride_wv,
+            inv_temperature,
+            logit_scale,
+            softcap,
+            HAS_BIAS,
+            False,
+            HAS_SOFTCAP,
+            USE_TMA,
+            DOT_FP32,
+            DOT_PRECISION,
+            DOT_PRECISION,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            16,
+        )
+    return z, slope
 
 
 @triton.jit
@@ -258,6 +279,7 @@ def _pair_tiles(
     S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr,
     USE_TMA: tl.constexpr,
+    LOGITS_IN_MEMORY: tl.constexpr,
     DOT_FP32: tl.constexpr,
     S_DOT_PRECISION: tl.constexpr,
     T_DOT_PRECISION: tl.constexpr,
@@ -284,6 +306,7 @@ def _pair_tiles(
         S_HAS_BIAS,
         S_HAS_SOFTCAP,
         USE_TMA,
+        LOGITS_IN_MEMORY,
         DOT_FP32,
         S_DOT_PRECISION,
         BLOCK_N,
@@ -307,6 +330,7 @@ def _pair_tiles(
         T_HAS_BIAS,
         T_HAS_SOFTCAP,
         USE_TMA,
+        LOGITS_IN_MEMORY,
         DOT_FP32,
         T_DOT_PRECISION,
         BLOCK_N,
@@ -505,6 +529,7 @@ def _sweep_kernel(
     S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr,
     USE_TMA: tl.constexpr,
+    LOGITS_IN_MEMORY: tl.constexpr,
     DOT_FP32: tl.constexpr,
     S_DOT_PRECISION: tl.constexpr,
     T_DOT_PRECISION: tl.constexpr,
@@ -567,6 +592,7 @@ def _sweep_kernel(
             S_HAS_SOFTCAP,
             T_HAS_SOFTCAP,
             USE_TMA,
+            LOGITS_IN_MEMORY,
             DOT_FP32,
             S_DOT_PRECISION,
             T_DOT_PRECISION,
@@ -648,6 +674,7 @@ def _backward_kernel(
     S_HAS_SOFTCAP: tl.constexpr,
     T_HAS_SOFTCAP: tl.constexpr,
     USE_TMA: tl.constexpr,
+    LOGITS_IN_MEMORY: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     SCALE_G: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -714,6 +741,7 @@ def _backward_kernel(
         S_HAS_SOFTCAP,
         T_HAS_SOFTCAP,
         USE_TMA,
+        LOGITS_IN_MEMORY,
         DOT_FP32,
         S_DOT_PRECISION,
         T_DOT_PRECISION,
@@ -836,18 +864,24 @@ def records(student, teacher, beta, config=None, offset=0, targets=None):
     V = student.weight.shape[0]
     if N == 0 or V == 0:
         raise ValueError(f"the divergence kernels need tokens and weight rows, got N = {N}, V = {V}")
-    dev = student.hidden.device
     descriptors_fit = tensor_descriptors_fit(student.hidden, student.weight, teacher.hidden, teacher.weight)
-    config = config or forward_config(dev, student.hidden.dtype, descriptors_fit)
-    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
-    grid = (triton.cdiv(N, config.block_n), num_splits)
+    config = config or forward_config(student.hidden.device, student.hidden.dtype, descriptors_fit)
     use_tma = config.use_tma and descriptors_fit
     pointers = (*_tile_operands(student, use_tma, config), *_tile_operands(teacher, use_tma, config))
-    shared = dict(
-        N=N, V=V, vocab_per_split=vocab_per_split, USE_TMA=use_tma, **_shared_arguments(student, teacher, beta, config)
-    )
+    arguments = dict(USE_TMA=use_tma, **_shared_arguments(student, teacher, beta, config))
+    return _sweep_records(pointers, arguments, N, V, config, student.hidden, offset, targets)
+
+
+def _sweep_records(pointers, arguments, N, V, config, like, offset=0, targets=None):
+    """``records``' launches: the record sweep over N tokens and V weight rows, the splits' merge and the JSD sweep's
+    closure, from the sweep kernel's six operands (``pointers``) and its other arguments but the sizes; ``like``: a
+    tensor on the device."""
+    dev = like.device
+    num_splits, vocab_per_split = num_vocab_splits(N, V, config)
+    grid = (triton.cdiv(N, config.block_n), num_splits)
+    shared = dict(N=N, V=V, vocab_per_split=vocab_per_split, **arguments)
     with_target = targets is not None
-    with on_device(student.hidden):
+    with on_device(like):
         split_records = torch.empty((2 * RECORD_FIELDS + with_target, num_splits, N), dtype=torch.float32, device=dev)
         # the record sweep reads no saved values: split_records stands in for their pointers
         _sweep_kernel[grid](
@@ -879,7 +913,7 @@ def records(student, teacher, beta, config=None, offset=0, targets=None):
         target_logit = fields[2 * RECORD_FIELDS] if with_target else None
 
     def jsd_sweep(student_finished, teacher_finished, top_log_ratio):
-        with on_device(student.hidden):
+        with on_device(like):
             saved = torch.stack(
                 [*student_finished[:3], *teacher_finished[:3], top_log_ratio, torch.zeros_like(top_log_ratio)]
             )
@@ -990,6 +1024,138 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
         grad_weight.mul_(g_unscale)
 
 
+# The sweeps over products in memory (``loss_gradients``): no dot, memory-bound (two fp32 tiles in, the records or g
+# out), one table for every arch and dtype: 32 x 128 on 8 warps (16 elements of each tile a thread)
+STORED_TILES = dict(block_n=32, block_v=128, block_d=16, num_warps=8, num_stages=2)
+
+
+def stored_configs(device: torch.device) -> tuple[ForwardConfig, BackwardConfig]:
+    """The record sweep's and the g kernel's launches over products in memory on ``device`` (the interpreter's small
+    tiles on a CPU)."""
+    if not _compiled(device):
+        return ForwardConfig(**_INTERPRETER_TILES, target_programs=8), BackwardConfig(**_INTERPRETER_TILES, group_v=1)
+    tiles = dict(STORED_TILES, dot_fp32=False)
+    return ForwardConfig(**tiles, target_programs=_device_props(device)[0]), BackwardConfig(**tiles, group_v=1)
+
+
+def loss_chunk_rows(N: int, Ds: int) -> int:
+    """Tokens per gradient GEMM of ``loss_gradients`` (the logits are formed for half of them at a time): half the
+    student's width rounded down to 128 (384 at Qwen2.5-0.5B's Ds 896), at least 32, at most N. Its buffers, rows x V
+    x (2 + 4) bytes of g and the two models' fp32 logits, stay within 1.25x the unfused head's peak (dW's fp32
+    V x Ds x 4 and a g chunk of Ds x V x 2); fewer rows add dW's fp32 accumulator traffic (V x Ds x 8 bytes a
+    GEMM)."""
+    return min(N, max(32, (Ds // 2) // 128 * 128))
+
+
+@on_first_argument_device
+def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, configs=None):
+    """The divergence and its loss's gradients in one pass: the student's three GEMM sweeps and the teacher's one
+    (against ``forward`` + ``backward``'s recompute: four and two), for the loss L = sum_n weights_n div_n, whose
+    dL/d div is known before the forward (``weights``).
+
+    Per chunk of rows (``token_chunk``, ``loss_chunk_rows``'s by default) and per half of it: cuBLAS forms both
+    models' fp32 products u = H W^T (1), the record sweep and the JSD sweep read them (``LOGITS_IN_MEMORY``: the
+    same kernels and formulas as ``records``, the tiles from memory), ``finish`` gives the rows' divergence, and the
+    g kernel writes g = weights_n d div / d u_s into the chunk's g rows (scaled and rounded to the student's dtype
+    as ``backward``'s); then dH = g W_s (2) and dW += g^T H_s (3) on cuBLAS with fp32 outputs, db from the g
+    kernel's column sums. Where no gradient is wanted (``grads`` all None) no g is formed.
+
+    Memory: g, rows x V in the student's dtype; both models' fp32 products, rows / 2 x V each; the merged records
+    of rows / 2 tokens; the fp32 gradients are the caller's.
+
+    Args:
+        student: the student's ModelHead over N > 0 tokens (rows contiguous), V > 0 weight rows.
+        teacher: the teacher's ModelHead over the same tokens and weight rows.
+        beta: in [0, 1].
+        weights: [N] fp32 dL/d div of each token, contiguous.
+        grads: (grad_hidden [N, Ds], written; grad_weight [V, Ds] and grad_bias [V], zero on entry, accumulated),
+            fp32, each None where not wanted.
+        token_chunk: rows per gradient GEMM (None: ``loss_chunk_rows``'s).
+        configs: (ForwardConfig, BackwardConfig) of the sweeps (None: ``stored_configs``').
+
+    Returns:
+        (divergence [N] fp32, the student's entropy [N] fp32).
+    """
+    grad_hidden, grad_weight, grad_bias = grads
+    N, Ds = student.hidden.shape
+    V = student.weight.shape[0]
+    if N == 0 or V == 0:
+        raise ValueError(f"the divergence kernels need tokens and weight rows, got N = {N}, V = {V}")
+    dev, dtype = student.hidden.device, student.hidden.dtype
+    sweep_config, g_config = configs or stored_configs(dev)
+    rows = min(N, token_chunk or loss_chunk_rows(N, Ds))
+    half = (rows + 1) // 2
+    products = [torch.empty((half, V), dtype=torch.float32, device=dev) for _ in range(2)]
+    want_g = any(grad is not None for grad in grads)
+    g = torch.empty((rows, V), dtype=dtype, device=dev) if want_g else None
+    scaled = dtype != torch.float32
+    coefficient_max = weights.abs().amax().reshape(1) if scaled and want_g else weights  # weights: a placeholder
+    g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
+    divergence = torch.empty(N, dtype=torch.float32, device=dev)
+    entropy = torch.empty(N, dtype=torch.float32, device=dev)
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        for n0 in range(r0, r1, half):
+            n1 = min(n0 + half, r1)
+            zs, zt = (z[: n1 - n0] for z in products)
+            mm_fp32(student.hidden[n0:n1], student.weight.T, zs, accumulate=False)
+            mm_fp32(teacher.hidden[n0:n1], teacher.weight.T, zt, accumulate=False)
+            pointers = (zs, zs, _pointers(student)[2], zt, zt, _pointers(teacher)[2])
+
+            def arguments(config, zs=zs, zt=zt):
+                shared = _shared_arguments(student, teacher, beta, config)
+                return {
+                    **shared,
+                    "USE_TMA": False,
+                    "LOGITS_IN_MEMORY": True,
+                    "stride_hs": zs.stride(0),
+                    "stride_ht": zt.stride(0),
+                }
+
+            sweep = _sweep_records(pointers, arguments(sweep_config), n1 - n0, V, sweep_config, zs)
+            div, ent, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
+            divergence[n0:n1], entropy[n0:n1] = div, ent
+            if not want_g:
+                continue
+            g_rows = g[n0 - r0 : n1 - r0]
+            grid = (triton.cdiv(n1 - n0, g_config.block_n), triton.cdiv(V, g_config.block_v))
+            with on_device(zs):
+                _backward_kernel[grid](
+                    *pointers,
+                    saved,
+                    local_argmax(argmax, 0, V),
+                    weights[n0:n1],
+                    g_rows,
+                    grad_bias if grad_bias is not None else saved,
+                    coefficient_max,
+                    g_unscale,
+                    *_layer1_rows(None, n0, n1, placeholder=saved),
+                    N=n1 - n0,
+                    V=V,
+                    N_ALL=n1 - n0,
+                    stride_saved=saved.stride(0),
+                    stride_g=g_rows.stride(0),
+                    MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
+                    COMPUTE_DB=grad_bias is not None,
+                    SCALE_G=scaled,
+                    LAYER1=False,
+                    ENTROPY_GRAD=False,
+                    **arguments(g_config),
+                )
+        if not want_g:
+            continue
+        g_chunk = g[: r1 - r0]
+        if grad_hidden is not None:
+            mm_fp32(g_chunk, student.weight, grad_hidden[r0:r1], accumulate=False)
+            if scaled:
+                grad_hidden[r0:r1].mul_(g_unscale)
+        if grad_weight is not None:
+            mm_fp32(g_chunk.T, student.hidden[r0:r1], grad_weight, accumulate=True)
+    if scaled and grad_weight is not None:
+        grad_weight.mul_(g_unscale)
+    return divergence, entropy
+
+
 def _tile_operands(model, use_tma, config):
     """``_pointers``, the hidden states and weight as tensor descriptors of the config's blocks with ``use_tma``."""
     hidden, weight, bias = _pointers(model)
@@ -1038,6 +1204,7 @@ def _shared_arguments(student, teacher, beta, config):
         T_HAS_BIAS=teacher.bias is not None,
         S_HAS_SOFTCAP=student.transform.softcap is not None,
         T_HAS_SOFTCAP=teacher.transform.softcap is not None,
+        LOGITS_IN_MEMORY=False,
         DOT_FP32=config.dot_fp32,
         S_DOT_PRECISION=config.dot_precision(student.hidden.dtype),
         T_DOT_PRECISION=config.dot_precision(teacher.hidden.dtype),

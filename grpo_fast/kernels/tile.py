@@ -1,6 +1,6 @@
 """Tile helpers: the device functions the layer-1 kernels share: the logit transform (value and slope), one logit
-tile (through tensor descriptors or pointers), a token block's gradient coefficients, and one tile of the general
-path's gradient.
+tile (through tensor descriptors or pointers, or read from a GEMM's output in memory), a token block's gradient
+coefficients, and one tile of the general path's gradient.
 
     u[i, j] = h_i . W_j + l_i . B_j + b_j          (fp32 accumulation over D in BLOCK_D steps, then with HAS_LORA
                                                     over r in BLOCK_R steps into the same accumulator)
@@ -366,6 +366,36 @@ def logit_tile_at(
     z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
     offs_v = v0 + tl.arange(0, BLOCK_V)
     return tl.where((offs_v < V)[None, :], z, float("-inf")), slope
+
+
+@triton.jit
+def stored_logit_tile_at(
+    logits,
+    bias_ptr,
+    n0,
+    v0,
+    N,
+    V,
+    stride_n,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """``logit_tile_at``'s (z, dz/du) from products already in memory: ``logits`` the fp32 H W^T of rows < N (row
+    stride ``stride_n``, a GEMM's output), the bias added here as the dot's tiles add it."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V
+    mask = (offs_n < N)[:, None] & v_mask[None, :]
+    u = tl.load(logits + offs_n[:, None].to(tl.int64) * stride_n + offs_v[None, :], mask=mask, other=0.0)
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+    z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
+    return tl.where(v_mask[None, :], z, float("-inf")), slope
 
 
 @triton.jit
