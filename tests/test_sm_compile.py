@@ -18,11 +18,12 @@ ARCHS = (90, 89, 80)
 # sm_compile's launches per arch, counted from its variant lists: layer 1's five kernels (forward, its merge, chunked
 # backward, fused backward, fused backward with a frozen W) for bf16, fp16, fp32 and each LAYER1_EXTRA; the frozen-head
 # forward's and the GRPO token kernel's variants; the divergence head's record sweep, its splits' merge and its backward
-# per variant, plus the JSD sweep where 0 < beta < 1 (run in a process of its own: sm_compile refuses the interpreter
-# conftest turns on)
+# per variant, plus the JSD sweep where 0 < beta < 1; the fused distillation loss's record sweep and g kernel per
+# variant, plus its JSD sweep (run in a process of its own: sm_compile refuses the interpreter conftest turns on)
 _COUNT_VARIANTS = (
     "import sys; sys.path.insert(0, 'tools'); import sm_compile as s\n"
     "div = sum(3 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
+    "div += sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.STORED_VARIANTS)\n"
     "base = 5 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div\n"
     "print(*(f'{arch}:{base + len(s.tuning_launches(arch))}' for arch in s.SMEM_LIMIT))\n"
 )
@@ -83,12 +84,13 @@ def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     # bf16/fp16 logit tiles must use the tensor cores (Hopper's wgmma, else mma.sync); the fp32 path asks for IEEE
-    # fp32 products, which only the FMA units give; the GRPO token kernel, the frozen-head forward's tile kernel (its
-    # two GEMMs are cuBLAS's) and the merges of records have no dot
+    # fp32 products, which only the FMA units give; the GRPO token kernel, the frozen-head forward's tile kernel and
+    # the fused distillation loss's sweeps (their GEMMs are cuBLAS's) and the merges of records have no dot
     rows, _ = compiled
     expected = "wgmma" if arch >= 90 else "mma"
+    no_dot = ("token_loss", "fwd frozen", "fwd merge", "div merge", "div stored")
     for r in (r for r in rows if r["arch"] == arch):
-        if r["kernel"].startswith(("token_loss", "fwd frozen", "fwd merge", "div merge")) or " fp32" in r["kernel"]:
+        if r["kernel"].startswith(no_dot) or " fp32" in r["kernel"]:
             assert r["tensor_cores"] == "none", r["kernel"]
         else:
             assert r["tensor_cores"] == expected, (r["kernel"], r["tensor_cores"])

@@ -424,6 +424,42 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     return out + [("div bwd", bwd[0])]
 
 
+# the fused distillation loss (kernels.divergence.loss_gradients): the record sweep, the JSD sweep and the g kernel
+# reading both models' products from memory (no dot), per dtype and mode, and with biases and soft-caps
+STORED_VARIANTS = (
+    ("div stored bf16 beta=1", torch.bfloat16, dict(beta=1.0)),
+    ("div stored bf16 beta=0.5", torch.bfloat16, dict(beta=0.5)),
+    ("div stored fp16 beta=0", torch.float16, dict(beta=0.0)),
+    ("div stored bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
+    ("div stored fp32 beta=0.5 +bias +softcap", torch.float32, dict(beta=0.5, bias=True, softcap=30.0)),
+)
+
+
+def stored_launches(arch, dtype, beta, bias=False, softcap=None):
+    """The fused loss's launches for one variant: "div stored fwd" (the record sweep), "div stored jsd" (where
+    0 < beta < 1) and "div stored bwd" (the g kernel), at divergence_launches' shapes, one chunk."""
+    gen = torch.Generator().manual_seed(0)
+    N, Ds, Dt, V = 48, 896, 1536, 4096
+    hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
+    ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
+    bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
+    student = ModelHead(hs, ws, bs, LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5))
+    teacher = ModelHead(ht, wt, bt, LogitTransform(0.7, softcap, 1.0))
+    grads = (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None)
+    with (
+        recording(kdivergence, "_sweep_kernel") as sweeps,
+        recording(kdivergence, "_merge_splits_kernel"),
+        recording(kdivergence, "_backward_kernel") as bwd,
+    ):
+        kdivergence.loss_gradients(
+            student, teacher, beta, torch.ones(N), grads, N, kdivergence.gpu_stored_configs(SM_COUNT[arch])
+        )
+    first_half = sweeps[: 1 + (0.0 < beta < 1.0)]  # the chunk's two halves launch alike
+    return [("div stored jsd" if launch.kwargs["JSD"] else "div stored fwd", launch) for launch in first_half] + [
+        ("div stored bwd", bwd[0])
+    ]
+
+
 def tuning_launches(arch):
     """The forward's launch at each tuning candidate beyond the fixed table's (kernels.tuning.record_candidates:
     what GRPO_FAST_TUNE=1 may time and choose), bf16, with the narrow epilogue and with a soft-cap's wide one."""
@@ -463,6 +499,11 @@ def all_launches(arch):
         (f"{family} {name[4:]}", family, TRITON_TYPES[dtype], launch)
         for name, dtype, kw in DIVERGENCE_VARIANTS
         for family, launch in divergence_launches(arch, dtype, **kw)
+    ]
+    out += [
+        (f"{family} {name[11:]}", family, TRITON_TYPES[dtype], launch)
+        for name, dtype, kw in STORED_VARIANTS
+        for family, launch in stored_launches(arch, dtype, **kw)
     ]
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 

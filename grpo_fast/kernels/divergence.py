@@ -1025,17 +1025,24 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
 
 
 # The sweeps over products in memory (``loss_gradients``): no dot, memory-bound (two fp32 tiles in, the records or g
-# out), one table for every arch and dtype: 32 x 128 on 8 warps (16 elements of each tile a thread)
-STORED_TILES = dict(block_n=32, block_v=128, block_d=16, num_warps=8, num_stages=2)
+# out), one table for every arch and dtype: 16 x 128 on 4 warps, 16 elements of each tile a thread. sm_compile (sm_90,
+# bf16): the record sweep 168 registers, 3 CTAs (12 warps) an SM, about 48 KiB of loads in flight with the next tile's;
+# the g kernel 56-110 registers, 4-9 CTAs. 32 x 128 on 8 warps: the same registers a thread, one CTA (8 warps).
+STORED_TILES = dict(block_n=16, block_v=128, block_d=16, num_warps=4, num_stages=2)
+
+
+def gpu_stored_configs(sm_count: int) -> tuple[ForwardConfig, BackwardConfig]:
+    """The compiled record sweep's and g kernel's launches over products in memory (STORED_TILES) on a GPU of
+    ``sm_count`` multiprocessors."""
+    tiles = dict(STORED_TILES, dot_fp32=False)
+    return ForwardConfig(**tiles, target_programs=sm_count), BackwardConfig(**tiles, group_v=1)
 
 
 def stored_configs(device: torch.device) -> tuple[ForwardConfig, BackwardConfig]:
-    """The record sweep's and the g kernel's launches over products in memory on ``device`` (the interpreter's small
-    tiles on a CPU)."""
+    """``gpu_stored_configs`` on ``device`` (the interpreter's small tiles on a CPU)."""
     if not _compiled(device):
         return ForwardConfig(**_INTERPRETER_TILES, target_programs=8), BackwardConfig(**_INTERPRETER_TILES, group_v=1)
-    tiles = dict(STORED_TILES, dot_fp32=False)
-    return ForwardConfig(**tiles, target_programs=_device_props(device)[0]), BackwardConfig(**tiles, group_v=1)
+    return gpu_stored_configs(_device_props(device)[0])
 
 
 def loss_chunk_rows(N: int, Ds: int) -> int:
