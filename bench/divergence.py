@@ -224,6 +224,14 @@ def _grpo_fast(pair, beta, backend):
     )[0]
 
 
+def _grpo_fast_loss(pair, beta, backend):
+    import grpo_fast
+
+    return grpo_fast.distillation_loss(
+        pair.student_hidden, pair.student_weight, pair.teacher_hidden, pair.teacher_weight, beta=beta, backend=backend
+    )[0]
+
+
 def _liger_unavailable(device):
     if torch.device(device).type != "cuda":  # decided before importing it (liger_kernel.transformers: transformers)
         return (
@@ -266,6 +274,13 @@ IMPLS = {
             unavailable=_liger_unavailable,
         ),
         Impl("grpo_fast", "grpo_fast.divergence (Triton on CUDA; the chunked torch twin on a CPU)", _grpo_fast),
+        Impl(
+            "grpo_fast_loss",
+            "grpo_fast.distillation_loss: the mean divergence as one loss (TRL's DistillationTrainer's), the "
+            "student's gradients formed in the forward (a scalar: no per-token divergence)",
+            _grpo_fast_loss,
+            per_token=False,
+        ),
     )
 }
 
@@ -803,7 +818,7 @@ def parse_args(argv=None):
         default=128,
         help="N of the precision points: both batches, every beta, against the fp64 truth (128; 0: none)",
     )
-    p.add_argument("--impls", default="eager,trl,liger,grpo_fast", help=f"of {', '.join(IMPLS)} (all)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"of {', '.join(IMPLS)} (all)")
     p.add_argument("--untimed-impls", default="", help="implementations run at the precision points only (none)")
     p.add_argument("--mode", default="both", choices=("fwdbwd", "forward", "both"))
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")

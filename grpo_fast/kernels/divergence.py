@@ -18,9 +18,14 @@ grpo_fast.kernels.divergence_records (which has their algebra), no [N, V] buffer
   r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v - r_a), the sum from the JSD sweep. The combined head's backward
   adds layer 1's logit gradient to g (its softmax is p_s: one normaliser).
 The argmax indices travel as fp32 in the split records (exact: V <= config.MAX_VOCAB < 2^24).
+* ``loss_gradients`` (a loss whose dL/d div is known before the forward): per token chunk cuBLAS forms both models'
+  fp32 products once, and the same three kernels read them from memory (``LOGITS_IN_MEMORY``, no dot): the records,
+  the JSD sweep, g; then cuBLAS dH and dW. Three student sweeps and one teacher sweep, against ``forward`` +
+  ``backward``'s four and two (five and three for the JSD).
 
 Memory: the split records, 14 or 15 fields x splits x N fp32 (splits: ``num_vocab_splits``, a few waves' worth), the
-merged ones 15 x N; the backward's g, chunk x V in the student's dtype. No tensor of size N x V.
+merged ones 15 x N; the backward's g, chunk x V in the student's dtype; ``loss_gradients``' g (rows x V in the
+student's dtype) and both models' fp32 products of half the rows. No tensor of size N x V.
 """
 
 import math
