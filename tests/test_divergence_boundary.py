@@ -130,3 +130,79 @@ def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend, device)
             for eager, comp in zip(*results, strict=True):
                 torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+# ----------------------------------------------------------------------------------------------- distillation_loss
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_distillation_loss_reads_the_host_once_with_the_checks_none_without(backend, monkeypatch, device):
+    x = _pair(device=backend_device(backend, device))
+
+    def step(check_values):
+        x["student_hidden"].grad = x["student_weight"].grad = None
+        loss, _, _ = grpo_fast.distillation_loss(**x, beta=0.5, backend=backend, check_values=check_values)
+        loss.backward()
+        return loss.detach(), x["student_hidden"].grad.clone(), x["student_weight"].grad.clone()
+
+    on, syncs = count_syncs(lambda: step(True), monkeypatch)
+    off, syncs_off = count_syncs(lambda: step(False), monkeypatch)
+    if backend == "triton":
+        assert syncs == ["Tensor.tolist"]
+        assert syncs_off == []
+    else:
+        assert syncs.count("Tensor.tolist") == 1
+    for a, b in zip(off, on, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert torch.isfinite(on[0]) and (on[1][~x["completion_mask"]] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen_head"])
+def test_distillation_loss_on_fake_and_meta_tensors(backend, frozen, device):
+    def run(x):
+        x["student_weight"].requires_grad_(not frozen)
+        loss, div, entropy = grpo_fast.distillation_loss(**x, beta=1.0, backend=backend, num_items_in_batch=20)
+        assert loss.shape == () and div.shape == entropy.shape == (3, 9) and loss.dtype == torch.float32
+        loss.backward()
+        assert x["student_hidden"].grad.shape == (3, 9, DS)
+        assert (x["student_weight"].grad is None) == frozen
+        return loss
+
+    dev = backend_device(backend, device)
+    with FakeTensorMode():
+        run(_pair(device=dev))
+    if dev.type == "cpu":
+        assert run(_pair(device="meta")).device.type == "meta"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compiled_distillation_loss_is_one_graph_equal_to_eager(backend, device):
+    dev = backend_device(backend, device)
+    g = torch.Generator().manual_seed(2)
+    student_weight = (torch.randn(V, DS, generator=g) * 0.3).to(dev).requires_grad_()
+    teacher_weight = (torch.randn(V, DT, generator=g) * 0.3).to(dev)
+
+    def step(student_hidden, teacher_hidden, mask):
+        loss, _, _ = grpo_fast.distillation_loss(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=0.5, backend=backend
+        )
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+        for B, T in [(2, 5), (3, 7), (4, 6)]:
+            inputs = (
+                torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
+                torch.randn(B, T, DT, generator=g).to(dev),
+                (torch.rand(B, T, generator=g) > 0.3).to(dev),
+            )
+            results = []
+            for fn in (step, compiled):
+                inputs[0].grad = student_weight.grad = None
+                results.append((fn(*inputs), inputs[0].grad.clone(), student_weight.grad.clone()))
+            for eager, comp in zip(*results, strict=True):
+                torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -386,7 +386,7 @@ def distillation_loss(
     elif num_items_in_batch is not None:
         check_number("num_items_in_batch", num_items_in_batch, lambda v: v > 0, "a positive number of tokens")
     call = _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, keywords)
-    weights = _token_weights(call, completion_mask, num_items_in_batch)
+    weights = _token_weights(call, num_items_in_batch)
     fused = call.shard is None and call.head_path == "auto" and call.backend == "triton"
     if token_chunk is not None and not fused:
         raise ValueError(
@@ -405,19 +405,16 @@ def distillation_loss(
     return loss, scatter_rows(div, call.rows, (B, T)), scatter_rows(entropy, call.rows, (B, T)).detach()
 
 
-def _token_weights(call, completion_mask, num_items_in_batch):
+def _token_weights(call, num_items_in_batch):
     """dL/d div of each scored row [N] fp32: 1 / num_items_in_batch, or 1 / the scored tokens' count (at least 1);
     0 on a device partition's padding rows. No host read."""
     hidden = call.student.hidden
-    if call.rows.keep is not None:
-        count = call.rows.count.float()
+    ones = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        weights = ones / num_items_in_batch.to(device=hidden.device, dtype=torch.float32).reshape(1)
+    elif num_items_in_batch is not None:
+        weights = ones / float(num_items_in_batch)
     else:
-        count = torch.tensor(float(hidden.shape[0]), device=hidden.device)
-    if num_items_in_batch is None:
-        divisor = count.clamp(min=1.0)
-    elif isinstance(num_items_in_batch, torch.Tensor):
-        divisor = num_items_in_batch.to(device=hidden.device, dtype=torch.float32).reshape(1)
-    else:
-        divisor = torch.tensor(float(num_items_in_batch), device=hidden.device)
-    weights = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device) / divisor
+        count = call.rows.count.float() if call.rows.keep is not None else ones.sum()
+        weights = ones / count.clamp(min=1.0)
     return torch.where(call.rows.keep, weights, 0.0) if call.rows.keep is not None else weights

@@ -338,7 +338,10 @@ _LINEAR_INLINE = inline_function(_linear_logprobs, _linear_setup_context, _linea
 
 def scaled_gradient(grad, scale, dtype, rows=8192):
     """``grad`` (fp32, formed in a forward) times the loss's gradient ``scale`` (a scalar tensor), in ``dtype``: a
-    slab of rows at a time, so that the fp32 product never exists whole beside ``grad``."""
+    slab of rows at a time, so that the fp32 product never exists whole beside ``grad`` (one product when compiled:
+    a loop over a dynamic size would specialise the graph on it, and the compiler fuses the product and the cast)."""
+    if torch.compiler.is_compiling():
+        return (grad * scale).to(dtype)
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     for r0 in range(0, grad.shape[0], rows):
         out[r0 : r0 + rows] = grad[r0 : r0 + rows] * scale
