@@ -365,3 +365,103 @@ def test_compiles_to_one_graph():
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-7)
     for a, e in zip(_grads(compiled[0], leaves), _grads(eager[0], leaves)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------- the fused path
+def _spied_fused(monkeypatch):
+    """The calls of kernels.divergence.loss_gradients (the fused path: both models' logits once per chunk) made,
+    each as whether it had a layer-1 term."""
+    from grpo_fast.kernels import divergence as kdivergence
+
+    calls, fused = [], kdivergence.loss_gradients
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("layer1") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(kdivergence, "loss_gradients", spy)
+    return calls
+
+
+FUSED_CASES = {  # token-local options (LossOptions.token_local): the fused path takes them
+    "grpo-softcap": CASES["grpo-softcap"],
+    "dapo-num-items-is": CASES["dapo-num-items-is"],
+    "dr_grpo-kl": CASES["dr_grpo-kl"],
+}
+
+
+@pytest.mark.parametrize("distillation_beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_path_matches_the_fp64_spec(dtype, case, distillation_beta, monkeypatch, device):
+    """A trained head with token-local options on the Triton backend takes the fused path (the student's three
+    sweeps and the teacher's one; chunks of 4 tokens here, logits of 2 at a time): the loss, every metric and every
+    student gradient against reference.loss_with_teacher in fp64 on the same rounded inputs."""
+    calls = _spied_fused(monkeypatch)
+    batch = _batch(dtype=dtype, seed=3, V=131, device=device)
+    kw = _options(batch, case)
+    loss, metrics, grads = _combined(batch, distillation_beta, dict(kw, trained_head_chunk=4), backend="triton")
+    assert calls and all(calls)
+    t = batch["teacher"]
+    h, w, b = (x.detach().float().requires_grad_() for x in (batch["hidden"], batch["weight"], batch["bias"]))
+    spec_kw = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    spec, spec_metrics = reference.loss_with_teacher(
+        h.cpu(),
+        w.cpu(),
+        batch["targets"].cpu(),
+        batch["advantages"].cpu(),
+        batch["mask"].cpu(),
+        t.hidden.float().cpu(),
+        t.weight.float().cpu(),
+        bias=b.cpu(),
+        distillation_coef=COEF,
+        distillation_beta=distillation_beta,
+        teacher_bias=t.bias.float().cpu(),
+        teacher_softcap=t.softcap,
+        teacher_logit_scale=t.logit_scale,
+        compute_dtype=F64,
+        **spec_kw,
+    )
+    spec_grads = torch.autograd.grad(spec, (h, w, b))
+    torch.testing.assert_close(loss.cpu(), spec.float(), rtol=1e-4, atol=1e-5)
+    assert set(metrics) == set(spec_metrics)
+    for k in spec_metrics:
+        torch.testing.assert_close(
+            metrics[k].cpu(), spec_metrics[k].float(), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"metric {k}: {m}"
+        )
+    for name, a, e in zip(("hidden", "weight", "bias"), grads, spec_grads):
+        assert_grad_close(a, e, dtype, f"d{name}")
+
+
+def test_the_fused_path_is_taken_only_where_it_computes_the_same_loss(monkeypatch, device):
+    """Not for options that are not token-local (the entropy bonus, sequence-level importance sampling), a frozen
+    student head, fp16 or the torch backend: those keep the combined head."""
+    calls = _spied_fused(monkeypatch)
+    for case in ("bnpo-entropy-bonus", "grpo-sequence-level"):
+        batch = _batch(device=device)
+        _combined(batch, 1.0, _options(batch, case), backend="triton")
+    batch = _batch(dtype=torch.float16, device=device)
+    _combined(batch, 1.0, _options(batch, "grpo-softcap"), backend="triton")
+    batch = _batch()
+    _combined(batch, 1.0, _options(batch, "grpo-softcap"), backend="torch")
+    batch = _batch(device=device)
+    h = batch["hidden"].detach().clone().requires_grad_()
+    total, _ = grpo_fast.loss(
+        h, batch["weight"], batch["targets"], batch["advantages"], batch["mask"], bias=batch["bias"],
+        teacher=batch["teacher"], distillation_coef=COEF, backend="triton", **_options(batch, "grpo-softcap"),
+    )  # fmt: skip
+    total.backward()
+    assert calls == []
+
+
+@pytest.mark.interpreter_only
+@pytest.mark.parametrize("distillation_beta", [1.0, 0.5])
+def test_the_fused_path_projects_the_student_three_times_and_the_teacher_once(distillation_beta):
+    """Its matmul FLOPs (FlopCounterMode; the op runs inline under it): the student's product, dH and dW and the
+    teacher's product, 2 N V (3 Ds + Dt), against the combined head's 2 N V (4 Ds + 2 Dt) (JSD: 5 Ds + 3 Dt)."""
+    batch = _batch()
+    batch["mask"][:] = True
+    kw = dict(loss_type="grpo", old_logprobs=batch["old"])
+    N, V, Ds = batch["mask"].numel(), batch["weight"].shape[0], batch["weight"].shape[1]
+    fused = matmul_flops(lambda: _combined(batch, distillation_beta, kw, backend="triton"))
+    assert fused == 2 * N * V * (3 * Ds + DT)

@@ -260,7 +260,9 @@ def _loss_impl(*arguments):
     weights = weights.float().contiguous()
     student, teacher = operands.model_heads()
     if operands.backend == "triton" and hidden.shape[0] > 0:
-        div, entropy = kdivergence.loss_gradients(student, teacher, operands.beta, weights, grads, token_chunk or None)
+        div, entropy, _ = kdivergence.loss_gradients(
+            student, teacher, operands.beta, weights, grads, token_chunk or None
+        )
     else:
         div, entropy, saved, argmax = torch_twin.forward(student, teacher, operands.beta)[:4]
         if hidden.shape[0] > 0 and any(grad is not None for grad in grads):

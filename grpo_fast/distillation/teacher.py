@@ -43,6 +43,7 @@ from grpo_fast.kernels.divergence_records import (
     ModelHead,
     empty_record,
     finish,
+    layer1_record,
     merge,
     tile_record,
     unpack_saved,
@@ -120,29 +121,6 @@ def forward(student, targets, teacher, beta):
             torch.zeros((2, 0), dtype=torch.int64, device=dev),
         )
     return tuple(torch.cat(parts, dim=-1) for parts in zip(*outputs, strict=True))
-
-
-def layer1_record(student, targets, target_logit):
-    """Layer 1's merged record from the divergence's student record and the student's logit at each target.
-
-    The max, zsum and rest (argmax kept out) are the same sums; the rest without the target is the record's rest
-    where the target is the argmax (its logit is then the max, exactly), else (1 - e_y) + rest, e_y = exp(z_y - m)
-    <= 1, p_y <= 1/2: no cancellation either way.
-
-    Args:
-        student: the student's Record over the whole vocabulary, [N].
-        targets: [N] int64 target ids.
-        target_logit: [N] fp32 the student's logit at each target.
-
-    Returns:
-        The SoftmaxStats, [N] each.
-    """
-    has_max = (student.max > float("-inf")).float()
-    pivot = torch.where(torch.isinf(student.max), 0.0, student.max)
-    top = targets == student.argmax
-    target_logit = torch.where(top, student.max, target_logit)
-    rest = torch.where(top, student.rest, (has_max - torch.exp(target_logit - pivot)) + student.rest)
-    return softmax_stats.SoftmaxStats(student.max, has_max + student.rest, rest, student.zsum, target_logit)
 
 
 def triton_forward(student, targets, teacher, beta):

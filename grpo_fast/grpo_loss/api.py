@@ -122,13 +122,16 @@ def loss(
         options: the loss options as one LossOptions, under the option keywords; None: TRL's defaults.
         head_path: layer 1's path, as in ``logprobs_and_entropy`` (the entropy bonus takes the general path);
             "auto" with a trained weight and token-local options (``LossOptions.token_local``) on the Triton backend,
-            bf16 or fp32, without LoRA: both layers in three vocabulary sweeps (the gradients formed in the forward).
+            bf16 or fp32, without LoRA: both layers in three vocabulary sweeps (the gradients formed in the forward;
+            with a teacher, its logits once per chunk beside the student's: one teacher sweep).
         backward_mode: layer 1's Triton backward, as in ``logprobs_and_entropy``.
         trained_head_chunk: tokens per chunk of the three-sweep trained head (a positive int): its fp32 logits of
             one chunk over the vocabulary, chunk x V x 4 bytes, are its largest buffer. None: the chunk whose logits
-            are about the weight's size (768 tokens at Qwen2.5-1.5B's bf16 head, 467 MB). Only where the three-sweep
-            head can run: the Triton backend, bf16 or fp32, not with ``head_path="general"``, LoRA,
-            ``vocab_parallel``, a teacher or options that are not token-local.
+            are about the weight's size (768 tokens at Qwen2.5-1.5B's bf16 head, 467 MB). With a teacher: tokens per
+            gradient GEMM, chunk x V x (2 + 4) bytes (g in the student's dtype, both models' fp32 logits of half
+            the chunk; None: half the student's width rounded down to 128). Only where the three-sweep head can
+            run: the Triton backend, bf16 or fp32, not with ``head_path="general"``, LoRA, ``vocab_parallel`` or
+            options that are not token-local.
         lora: LoRA on the lm_head (HeadLora), or None.
         vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
         backend: "auto", "triton" or "torch", for both layers.
@@ -177,10 +180,28 @@ def loss(
     backend = inputs.resolve_backend(backend, hidden.device)
     backend.check_sizes(B * T, weight.shape[0])
     head_path = inputs.layer1_choices(head_path, backward_mode, backend)
-    _check_trained_head_chunk(trained_head_chunk, hidden.dtype, backend, head_path, lora, shard, teacher, options)
+    _check_trained_head_chunk(trained_head_chunk, hidden.dtype, backend, head_path, lora, shard, options)
     if distillation is not None:
         _check_teacher(teacher, hidden, weight, shard)
         rows = inputs.scored_rows(completion_mask, checks)
+        if options.token_local:
+            fused = _trained_head(
+                hidden,
+                weight,
+                targets,
+                bias,
+                rows,
+                transform,
+                backend,
+                head_path,
+                lora,
+                batch,
+                options,
+                trained_head_chunk,
+                _teacher_operands(teacher, rows, distillation),
+            )
+            if fused is not None:
+                return fused
         logp, entropy, div = _with_teacher(
             hidden, weight, targets, bias, teacher, rows, transform, distillation[1], backend
         )
@@ -211,9 +232,13 @@ def loss(
     return _token_loss(_prepared(logp, entropy, batch, options), options, backend)
 
 
-def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, chunk):
+def _trained_head(
+    hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, chunk, teacher=None
+):
     """Both layers in one op with the three-sweep trained head (``ops.trained_head_loss``) where it is taken
-    (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics)."""
+    (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics). ``teacher``: an
+    ops.TeacherOperands of the scored rows (RL and distillation in one call: both models' logits of a chunk once,
+    the divergence's gradient in the same g), or None."""
     B, T = targets.shape
     grad = torch.is_grad_enabled()
     needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
@@ -226,15 +251,31 @@ def _trained_head(hidden, weight, targets, bias, rows, transform, backend, head_
     positions = rows.order if rows.order is not None else torch.arange(B * T, device=hidden.device)
     placeholder = torch.zeros(0, dtype=torch.float32, device=hidden.device)  # the op makes the [B, T] log-probs
     prepared = _prepared(placeholder, None, batch, options)
-    total, metric_values, logp, entropy = ops.trained_head_loss(
-        operands, positions, rows.keep, prepared, options, backend.name, chunk
+    total, metric_values, logp, entropy, div = ops.trained_head_loss(
+        operands, positions, rows.keep, prepared, options, backend.name, chunk, teacher
     )
     metrics = Metrics(zip(metric_names(options, True), metric_values.detach().unbind(0)))
     metrics.logprobs, metrics.entropies = logp.detach(), entropy.detach()
+    if teacher is not None:
+        _distillation_metric(metrics, div, prepared.mask)
     return total, metrics
 
 
-def _check_trained_head_chunk(chunk, dtype, backend, head_path, lora, shard, teacher, options):
+def _teacher_operands(teacher, rows, distillation):
+    """The trained head op's TeacherOperands: the teacher's scored rows (inputs.Rows) and head, (coef, beta)."""
+    hidden = inputs.row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows)
+    bias = teacher.bias.contiguous() if teacher.bias is not None else None
+    return ops.TeacherOperands(
+        hidden.contiguous(),
+        teacher.weight.contiguous(),
+        bias,
+        None if teacher.softcap is None else float(teacher.softcap),
+        float(teacher.logit_scale),
+        *distillation,
+    )
+
+
+def _check_trained_head_chunk(chunk, dtype, backend, head_path, lora, shard, options):
     """``trained_head_chunk``: None, or a positive int for a call the three-sweep head can run (``loss``; a frozen
     weight or no gradient at all runs no head that forms gradients, and the chunk has nothing to size)."""
     if chunk is None:
@@ -247,7 +288,6 @@ def _check_trained_head_chunk(chunk, dtype, backend, head_path, lora, shard, tea
         (head_path == "general", 'head_path="general"'),
         (lora is not None, "lora"),
         (shard is not None, "vocab_parallel"),
-        (teacher is not None, "a teacher"),
         (not options.token_local, "options that are not token-local (LossOptions.token_local)"),
     ]
     for conflict, name in conflicts:
@@ -352,11 +392,16 @@ def _add_distillation(total, metrics, div, coef, prepared, options):
     gains coef * divergence before the loss type's reduction), metrics["distillation_loss"] the mean divergence over
     the scored tokens (TRL's SDPO trainer logs that mean under this name); ``prepared``: the batch as layer 2 took it
     (``_prepared``)."""
-    mask = prepared.mask.bool()
     total = total + coef * options.aggregate(div, prepared.mask, prepared.num_items_in_batch)
+    _distillation_metric(metrics, div, prepared.mask)
+    return total, metrics
+
+
+def _distillation_metric(metrics, div, mask):
+    """metrics["distillation_loss"]: the mean divergence [B, T] over the scored tokens (``mask``), detached."""
+    mask = mask.bool()
     with torch.no_grad():
         metrics["distillation_loss"] = torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1).float()
-    return total, metrics
 
 
 def token_loss(

@@ -24,8 +24,11 @@ from grpo_fast.head.ops import (
     scaled_gradient,
     schema_fields,
 )
+from grpo_fast.head.transform import LogitTransform
+from grpo_fast.kernels import divergence as kdivergence
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as token_kernel
+from grpo_fast.kernels.divergence_records import ModelHead
 from grpo_fast.kernels.loss_statistics import SLOTS
 from grpo_fast.kernels.operands import HeadGrads
 from grpo_fast.kernels.token_loss import TokenLossInputs
@@ -283,35 +286,71 @@ def workspace_bytes(batch_shape, backend="triton"):
 # layer 2 once over the whole batch for the loss and the metrics. The backward only scales the gradients by the
 # loss's gradient. Its inputs: LinearOpOperands' fields (the scored rows), the rows' flat positions in [B x T]
 # (``positions``) and which of them are scored (``keep``, None: all), PreparedBatch's tensors but the log-probs and
-# the entropy, the options' JSON and the token loss's backend.
+# the entropy, the options' JSON and the token loss's backend; with a teacher (RL and distillation in one call,
+# ``TeacherOperands``) the divergence's gradients join layer 1's in the same g (``kernels.divergence.loss_gradients``:
+# both models' logits of a chunk once, the student's three sweeps and the teacher's one).
 _BATCH_FIELDS = PreparedBatch._fields[2:]
+
+
+class TeacherOperands(NamedTuple):
+    """The teacher and the divergence's numbers as the trained head op's schema takes them: every tensor None
+    without a teacher.
+
+    Attributes:
+        teacher_hidden: [N, Dt] the teacher's scored rows.
+        teacher_weight: [V, Dt] its head, teacher_hidden's dtype.
+        teacher_bias: [V] or None.
+        teacher_softcap: its soft-cap, or None.
+        teacher_logit_scale: its logit scale.
+        distillation_coef: the divergence's weight in the per-token loss.
+        distillation_beta: the divergence's beta.
+    """
+
+    teacher_hidden: torch.Tensor | None = None
+    teacher_weight: torch.Tensor | None = None
+    teacher_bias: torch.Tensor | None = None
+    teacher_softcap: float | None = None
+    teacher_logit_scale: float = 1.0
+    distillation_coef: float = 0.0
+    distillation_beta: float = 1.0
 
 
 def _trained_head_schema():
     batch = schema_fields(PreparedBatch, _BATCH_FIELDS)
     after = ", ".join(
-        ["Tensor positions", "Tensor? keep", batch, "str options_json", "str token_backend", "int token_chunk"]
+        [
+            "Tensor positions",
+            "Tensor? keep",
+            batch,
+            "str options_json",
+            "str token_backend",
+            "int token_chunk",
+            schema_fields(TeacherOperands),
+        ]
     )
-    return op_schema(LinearOpOperands, "", after, "(" + ", ".join(["Tensor"] * 7) + ")")
+    return op_schema(LinearOpOperands, "", after, "(" + ", ".join(["Tensor"] * 8) + ")")
 
 
 def _trained_head_arguments(arguments):
     """(LinearOpOperands, positions, keep, PreparedBatch with empty log-probs and no entropy, options, backend,
-    tokens per chunk (0: the default))."""
+    tokens per chunk (0: the default), TeacherOperands)."""
     count = len(LinearOpOperands._fields)
     operands = LinearOpOperands(*arguments[:count])
-    positions, keep, *tensors, encoded_options, token_backend, token_chunk = arguments[count:]
+    teacher_count = len(TeacherOperands._fields)
+    teacher = TeacherOperands(*arguments[len(arguments) - teacher_count :])
+    positions, keep, *tensors, encoded_options, token_backend, token_chunk = arguments[count:-teacher_count]
     mask = tensors[_BATCH_FIELDS.index("mask")]
     logp = torch.zeros(mask.shape, dtype=FP32, device=mask.device)
     batch = PreparedBatch(logp, None, *tensors)
     options = LossOptions(**json.loads(encoded_options))
-    return operands, positions, keep, batch, options, token_backend, token_chunk
+    return operands, positions, keep, batch, options, token_backend, token_chunk, teacher
 
 
 def _trained_head_loss(*arguments):
-    """(loss [], metrics [M], logp [B, T], entropy [B, T], dH [N, D], dW [V, D], db [V] or empty), fp32: the loss
-    and metrics of ``token_loss`` on the scored rows' log-probs and entropies, and its gradients."""
-    operands, positions, keep, batch, options, token_backend, token_chunk = _trained_head_arguments(arguments)
+    """(loss [], metrics [M], logp [B, T], entropy [B, T], dH [N, D], dW [V, D], db [V] or empty, divergence [B, T]
+    or empty), fp32: the loss and metrics of ``token_loss`` on the scored rows' log-probs and entropies (with a
+    teacher, plus distillation_coef times the loss type's reduction of the divergence), and its gradients."""
+    operands, positions, keep, batch, options, token_backend, token_chunk, teacher = _trained_head_arguments(arguments)
     head = operands.head()
     hidden, weight, bias = head.hidden, head.weight, head.bias
     flat_logp = batch.logp.view(-1)
@@ -330,15 +369,37 @@ def _trained_head_loss(*arguments):
         torch.zeros(weight.shape, dtype=FP32, device=dev),
         torch.zeros(weight.shape[0], dtype=FP32, device=dev) if bias is not None else None,
     )
-    backend = head_backends.BACKENDS[operands.backend]
-    logp, entropy, _ = backend.forward_trained_head(head, coefficients, grads, token_chunk or None)
     N = hidden.shape[0]
+    divergence = torch.empty(0, dtype=FP32, device=dev)
+    if teacher.teacher_hidden is None:
+        backend = head_backends.BACKENDS[operands.backend]
+        logp, entropy, _ = backend.forward_trained_head(head, coefficients, grads, token_chunk or None)
+    else:
+        transform = LogitTransform.from_floats(
+            head.transform.temperature, teacher.teacher_softcap, teacher.teacher_logit_scale
+        )
+        teacher_head = ModelHead(teacher.teacher_hidden, teacher.teacher_weight, teacher.teacher_bias, transform)
+        token_weights = options.aggregate_weights(batch.mask, batch.num_items_in_batch).view(-1)
+        div_weights = teacher.distillation_coef * scored(token_weights.index_select(0, positions), 0, N)
+        div, entropy, logp = kdivergence.loss_gradients(
+            ModelHead(hidden, weight, bias, head.transform),
+            teacher_head,
+            teacher.distillation_beta,
+            div_weights.contiguous(),
+            grads[:3],
+            token_chunk or None,
+            layer1=kdivergence.LossLayer1(head.targets, coefficients),
+        )
+        flat_div = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(div, 0, N))
+        divergence = flat_div.view(batch.logp.shape)
     flat_logp.index_copy_(0, positions, scored(logp, 0, N))
     flat_entropy = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(entropy, 0, N))
     batch = batch._replace(entropy=flat_entropy.view(batch.logp.shape))
     loss, metrics, _, _ = _layer2(TOKEN_LOSS[token_backend], batch, options)
+    if teacher.teacher_hidden is not None:
+        loss = loss + teacher.distillation_coef * options.aggregate(divergence, batch.mask, batch.num_items_in_batch)
     db = grads.bias if grads.bias is not None else torch.empty(0, dtype=FP32, device=dev)
-    return loss, metrics, batch.logp, batch.entropy, grads.hidden, grads.weight, db
+    return loss, metrics, batch.logp, batch.entropy, grads.hidden, grads.weight, db, divergence
 
 
 _trained_head_loss_op = custom_op("trained_head_loss", _trained_head_loss, _trained_head_schema())
@@ -346,7 +407,7 @@ _trained_head_loss_op = custom_op("trained_head_loss", _trained_head_loss, _trai
 
 @_trained_head_loss_op.register_fake
 def _(*arguments):
-    operands, _, _, batch, options, _, _ = _trained_head_arguments(arguments)
+    operands, _, _, batch, options, _, _, teacher = _trained_head_arguments(arguments)
     hidden, weight, logp = operands.hidden, operands.weight, batch.logp
     return (
         logp.new_empty((), dtype=FP32),
@@ -356,13 +417,14 @@ def _(*arguments):
         hidden.new_empty(hidden.shape, dtype=FP32),
         weight.new_empty(weight.shape, dtype=FP32),
         weight.new_empty(weight.shape[0] if operands.bias is not None else 0, dtype=FP32),
+        logp.new_empty(logp.shape if teacher.teacher_hidden is not None else (0,), dtype=FP32),
     )
 
 
 def _trained_head_setup_context(ctx, inputs, output):
     operands = LinearOpOperands(*inputs[: len(LinearOpOperands._fields)])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*output[4:])
+    ctx.save_for_backward(*output[4:7])
     ctx.dtypes = (
         operands.hidden.dtype,
         operands.weight.dtype,
@@ -403,15 +465,29 @@ def trained_head_loss(
     options: LossOptions,
     token_backend: str,
     token_chunk: int | None = None,
+    teacher: TeacherOperands | None = None,
 ):
-    """``grpo_fast::trained_head_loss`` (loss, metrics [M], logp [B, T], entropy [B, T]), differentiable in the
-    head's hidden rows, weight and bias (through the gradients it formed). ``operands``: a LinearOpOperands of the
-    scored rows; ``positions`` [N] int64 their flat indices in [B x T]; ``keep`` [N] bool or None (a device
-    partition's scored rows); ``batch``: the prepared batch (its log-probs and entropy are not read); ``token_chunk``:
-    tokens per chunk (None: ``kernels.forward_frozen.trained_chunk_size``'s)."""
-    arguments = (*operands, positions, keep, *batch[2:], options_json(options), token_backend, token_chunk or 0)
+    """``grpo_fast::trained_head_loss`` (loss, metrics [M], logp [B, T], entropy [B, T], divergence [B, T] or
+    empty), differentiable in the head's hidden rows, weight and bias (through the gradients it formed).
+    ``operands``: a LinearOpOperands of the scored rows; ``positions`` [N] int64 their flat indices in [B x T];
+    ``keep`` [N] bool or None (a device partition's scored rows); ``batch``: the prepared batch (its log-probs and
+    entropy are not read); ``token_chunk``: tokens per chunk (None: ``kernels.forward_frozen.trained_chunk_size``'s,
+    or with a teacher ``kernels.divergence.loss_chunk_rows``'); ``teacher``: RL and distillation in one call (the
+    divergence detached), or None."""
+    teacher = teacher or TeacherOperands()
+    arguments = (
+        *operands,
+        positions,
+        keep,
+        *batch[2:],
+        options_json(options),
+        token_backend,
+        token_chunk or 0,
+        *teacher,
+    )
     run = _TRAINED_HEAD_INLINE.apply if runs_inline(arguments) else _trained_head_loss_op
-    return run(*arguments)[:4]
+    out = run(*arguments)
+    return (*out[:4], out[7].detach())
 
 
 def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, backend="triton", token_chunk=None):

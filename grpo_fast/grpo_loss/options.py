@@ -360,7 +360,7 @@ class LossOptions:
     ) -> torch.Tensor:
         """The loss type's reduction of a per-token loss to the loss (TRL's, at one process without gradient
         accumulation): each row's masked sum (divided by its token count with the record's ``row_mean``), summed,
-        over ``denominator``.
+        over ``denominator``: the sum of the masked values times ``aggregate_weights``.
 
         Masked tokens are selected out, not multiplied by 0 as TRL does: a NaN there (in a sequence without tokens,
         whose advantage may be anything) changes nothing, as in the token kernel.
@@ -376,11 +376,27 @@ class LossOptions:
         Raises:
             ValueError: the record's normaliser is unknown (``denominator``).
         """
-        mask = mask.to(per_token_loss.dtype)
-        per_row = per_token_loss.where(mask.bool(), 0.0).sum(-1)
+        weights = self.aggregate_weights(mask, num_items_in_batch).to(per_token_loss.dtype)
+        return (per_token_loss.where(mask.bool(), 0.0) * weights).sum()
+
+    def aggregate_weights(
+        self, mask: torch.Tensor, num_items_in_batch: float | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each token's weight in ``aggregate`` (its derivative: the reduction is linear), [B, T] fp32: the mask,
+        over the row's token count with the record's ``row_mean``, over ``denominator``; 0 off the mask.
+
+        Args:
+            mask: the completion mask [B, T] (bool or 0 / 1).
+            num_items_in_batch: as ``aggregate``'s.
+
+        Returns:
+            [B, T] fp32 weights on the mask's device.
+        """
+        mask = mask.float()
+        weights = mask / self.denominator(mask.size(0), mask.sum(), num_items_in_batch)
         if self.loss_type_record.row_mean:
-            per_row = per_row / mask.sum(-1).clamp(min=1.0)
-        return per_row.sum() / self.denominator(per_token_loss.size(0), mask.sum(), num_items_in_batch)
+            weights = weights / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        return weights
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod

@@ -35,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import softmax_stats
 from .config import _INTERPRETER_TILES, BackwardConfig, ForwardConfig, _compiled, _device_props
-from .divergence_records import JsdSweep, Record, finish
+from .divergence_records import JsdSweep, Record, finish, layer1_record
 from .gemm import chunk_size, mm_fp32
 from .launch import on_device, on_first_argument_device, tensor_descriptors_fit, tile_operand
 from .tile import gemm_scale, gradient_tile, logit_tile_at, row_coefficients, stored_logit_tile_at, to_gemm
@@ -1059,18 +1060,31 @@ def loss_chunk_rows(N: int, Ds: int) -> int:
     return min(N, max(32, (Ds // 2) // 128 * 128))
 
 
+class LossLayer1(NamedTuple):
+    """The combined GRPO + distillation loss's layer-1 term for ``loss_gradients``."""
+
+    targets: torch.Tensor  # [N] int64 target ids
+    # (n0, n1, logp [n1 - n0], entropy [n1 - n0]) -> dL/dlogp of those tokens [n1 - n0] fp32: the layer-2 gradient
+    # of a loss whose token values read no other token's log-prob (called once per chunk, in order)
+    coefficients: object
+
+
 @on_first_argument_device
-def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, configs=None):
+def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, configs=None, layer1=None):
     """The divergence and its loss's gradients in one pass: the student's three GEMM sweeps and the teacher's one
     (against ``forward`` + ``backward``'s recompute: four and two), for the loss L = sum_n weights_n div_n, whose
-    dL/d div is known before the forward (``weights``).
+    dL/d div is known before the forward (``weights``), plus with ``layer1`` a layer-2 loss of the student's
+    log-probs whose dL/dlogp is known token by token as soon as the token's log-prob is (the combined head's: the
+    record sweep also gathers the student's logit at each target, layer 1's record follows from the student's
+    (``divergence_records.layer1_record``), and g gains layer 1's term).
 
     Per chunk of rows (``token_chunk``, ``loss_chunk_rows``'s by default) and per half of it: cuBLAS forms both
     models' fp32 products u = H W^T (1), the record sweep and the JSD sweep read them (``LOGITS_IN_MEMORY``: the
     same kernels and formulas as ``records``, the tiles from memory), ``finish`` gives the rows' divergence, and the
-    g kernel writes g = weights_n d div / d u_s into the chunk's g rows (scaled and rounded to the student's dtype
-    as ``backward``'s); then dH = g W_s (2) and dW += g^T H_s (3) on cuBLAS with fp32 outputs, db from the g
-    kernel's column sums. Where no gradient is wanted (``grads`` all None) no g is formed.
+    g kernel writes g = weights_n d div / d u_s into the chunk's g rows, rounded to the student's dtype (fp16's: first
+    scaled by an exact power of two from the weights' bound, as ``backward``'s; bf16 has fp32's exponent range); then
+    dH = g W_s (2) and dW += g^T H_s (3) on cuBLAS with fp32 outputs, db from the g kernel's column sums. Where no
+    gradient is wanted (``grads`` all None) no g is formed.
 
     Memory: g, rows x V in the student's dtype; both models' fp32 products, rows / 2 x V each; the merged records
     of rows / 2 tokens; the fp32 gradients are the caller's.
@@ -1084,9 +1098,15 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
             fp32, each None where not wanted.
         token_chunk: rows per gradient GEMM (None: ``loss_chunk_rows``'s).
         configs: (ForwardConfig, BackwardConfig) of the sweeps (None: ``stored_configs``').
+        layer1: a LossLayer1, or None (bf16 or fp32 only: its dL/dlogp comes chunk by chunk, so no scale for fp16's
+            range can be chosen before the first g).
 
     Returns:
-        (divergence [N] fp32, the student's entropy [N] fp32).
+        (divergence [N] fp32, the student's entropy [N] fp32 (with ``layer1`` by layer 1's record, as the log-probs),
+        its log-probs [N] fp32 or None without ``layer1``).
+
+    Raises:
+        ValueError: no token or no weight row; ``layer1`` with fp16 inputs.
     """
     grad_hidden, grad_weight, grad_bias = grads
     N, Ds = student.hidden.shape
@@ -1094,17 +1114,20 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
     if N == 0 or V == 0:
         raise ValueError(f"the divergence kernels need tokens and weight rows, got N = {N}, V = {V}")
     dev, dtype = student.hidden.device, student.hidden.dtype
+    scaled = dtype == torch.float16
+    if layer1 is not None and scaled:
+        raise ValueError("loss_gradients with a layer-1 term takes bf16 or fp32 inputs, not fp16")
     sweep_config, g_config = configs or stored_configs(dev)
     rows = min(N, token_chunk or loss_chunk_rows(N, Ds))
     half = (rows + 1) // 2
     products = [torch.empty((half, V), dtype=torch.float32, device=dev) for _ in range(2)]
     want_g = any(grad is not None for grad in grads)
     g = torch.empty((rows, V), dtype=dtype, device=dev) if want_g else None
-    scaled = dtype != torch.float32
     coefficient_max = weights.abs().amax().reshape(1) if scaled and want_g else weights  # weights: a placeholder
     g_unscale = torch.ones(1, dtype=torch.float32, device=dev)
     divergence = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
+    logp = torch.empty(N, dtype=torch.float32, device=dev) if layer1 is not None else None
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
         for n0 in range(r0, r1, half):
@@ -1124,9 +1147,16 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
                     "stride_ht": zt.stride(0),
                 }
 
-            sweep = _sweep_records(pointers, arguments(sweep_config), n1 - n0, V, sweep_config, zs)
+            targets = layer1.targets[n0:n1] if layer1 is not None else None
+            sweep = _sweep_records(pointers, arguments(sweep_config), n1 - n0, V, sweep_config, zs, targets=targets)
             div, ent, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
             divergence[n0:n1], entropy[n0:n1] = div, ent
+            layer1_term = None
+            if layer1 is not None:
+                record = layer1_record(sweep.student, targets, sweep.target_logit)
+                logp[n0:n1], entropy[n0:n1], stats = softmax_stats.finish(record, True)
+                grad_logp = layer1.coefficients(n0, n1, logp[n0:n1], entropy[n0:n1]).float().contiguous()
+                layer1_term = Layer1Gradient(targets, torch.stack(tuple(stats)), grad_logp, None)
             if not want_g:
                 continue
             g_rows = g[n0 - r0 : n1 - r0]
@@ -1141,7 +1171,7 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
                     grad_bias if grad_bias is not None else saved,
                     coefficient_max,
                     g_unscale,
-                    *_layer1_rows(None, n0, n1, placeholder=saved),
+                    *_layer1_rows(layer1_term, 0, n1 - n0, placeholder=saved),
                     N=n1 - n0,
                     V=V,
                     N_ALL=n1 - n0,
@@ -1150,7 +1180,7 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
                     MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
                     COMPUTE_DB=grad_bias is not None,
                     SCALE_G=scaled,
-                    LAYER1=False,
+                    LAYER1=layer1_term is not None,
                     ENTROPY_GRAD=False,
                     **arguments(g_config),
                 )
@@ -1165,7 +1195,7 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
             mm_fp32(g_chunk.T, student.hidden[r0:r1], grad_weight, accumulate=True)
     if scaled and grad_weight is not None:
         grad_weight.mul_(g_unscale)
-    return divergence, entropy
+    return divergence, entropy, logp
 
 
 def _tile_operands(model, use_tma, config):

@@ -1,5 +1,6 @@
 """The divergence head's per-token records, in plain torch: one model's mergeable record over a set of vocabulary
-entries, its merge, and the outputs and saved values finished from both models' merged records. The Triton sweep
+entries, its merge, the outputs and saved values finished from both models' merged records, and layer 1's record
+taken from the student's (``layer1_record``: the combined GRPO + distillation head). The Triton sweep
 kernel builds the same records in registers (its wrapper merges the vocabulary splits here), the torch twin merges
 its chunks with them, a vocab-parallel head its ranks.
 
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+
+from .softmax_stats import SoftmaxStats
 
 # the per-token values the forward saves for the backward, one [len(SAVED_FIELDS), N] fp32 tensor in this order; the
 # last two: beta = 1: g_a and C_s / S_s; the JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: zeros. Beside it, both
@@ -224,3 +227,26 @@ def _top_log_ratio(student, teacher, teacher_at_student_top, beta):
     shared = student.argmax == teacher.argmax
     log_m = torch.where(shared, torch.log1p(-((1.0 - beta) * student.rest_mass + beta * teacher.rest_mass)), log_m)
     return log_ps - log_m
+
+
+def layer1_record(student, targets, target_logit):
+    """Layer 1's merged record from the divergence's student record and the student's logit at each target.
+
+    The max, zsum and rest (argmax kept out) are the same sums; the rest without the target is the record's rest
+    where the target is the argmax (its logit is then the max, exactly), else (1 - e_y) + rest, e_y = exp(z_y - m)
+    <= 1, p_y <= 1/2: no cancellation either way.
+
+    Args:
+        student: the student's Record over the whole vocabulary, [N].
+        targets: [N] int64 target ids.
+        target_logit: [N] fp32 the student's logit at each target.
+
+    Returns:
+        The softmax_stats.SoftmaxStats, [N] each.
+    """
+    has_max = (student.max > float("-inf")).float()
+    pivot = torch.where(torch.isinf(student.max), 0.0, student.max)
+    top = targets == student.argmax
+    target_logit = torch.where(top, student.max, target_logit)
+    rest = torch.where(top, student.rest, (has_max - torch.exp(target_logit - pivot)) + student.rest)
+    return SoftmaxStats(student.max, has_max + student.rest, rest, student.zsum, target_logit)
