@@ -432,12 +432,16 @@ STORED_VARIANTS = (
     ("div stored fp16 beta=0", torch.float16, dict(beta=0.0)),
     ("div stored bf16 beta=1 +bias +softcap", torch.bfloat16, dict(beta=1.0, bias=True, softcap=30.0)),
     ("div stored fp32 beta=0.5 +bias +softcap", torch.float32, dict(beta=0.5, bias=True, softcap=30.0)),
+    # RL and distillation in one call: the record sweep gathers the target logit, g carries layer 1's term
+    ("div stored bf16 beta=1 +loss", torch.bfloat16, dict(beta=1.0, layer1=True)),
+    ("div stored bf16 beta=0.5 +loss", torch.bfloat16, dict(beta=0.5, layer1=True)),
 )
 
 
-def stored_launches(arch, dtype, beta, bias=False, softcap=None):
+def stored_launches(arch, dtype, beta, bias=False, softcap=None, layer1=False):
     """The fused loss's launches for one variant: "div stored fwd" (the record sweep), "div stored jsd" (where
-    0 < beta < 1) and "div stored bwd" (the g kernel), at divergence_launches' shapes, one chunk."""
+    0 < beta < 1) and "div stored bwd" (the g kernel), at divergence_launches' shapes, one chunk; ``layer1``: with
+    the GRPO loss's term (the target gather, layer 1's gradient in g)."""
     gen = torch.Generator().manual_seed(0)
     N, Ds, Dt, V = 48, 896, 1536, 4096
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
@@ -452,7 +456,16 @@ def stored_launches(arch, dtype, beta, bias=False, softcap=None):
         recording(kdivergence, "_backward_kernel") as bwd,
     ):
         kdivergence.loss_gradients(
-            student, teacher, beta, torch.ones(N), grads, N, kdivergence.gpu_stored_configs(SM_COUNT[arch])
+            student,
+            teacher,
+            beta,
+            torch.ones(N),
+            grads,
+            N,
+            kdivergence.gpu_stored_configs(SM_COUNT[arch]),
+            kdivergence.LossLayer1(torch.zeros(N, dtype=torch.int64), lambda n0, n1, *_: torch.ones(n1 - n0))
+            if layer1
+            else None,
         )
     first_half = sweeps[: 1 + (0.0 < beta < 1.0)]  # the chunk's two halves launch alike
     return [("div stored jsd" if launch.kwargs["JSD"] else "div stored fwd", launch) for launch in first_half] + [
