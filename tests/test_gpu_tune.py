@@ -62,3 +62,31 @@ def test_logprobs_rows_time_every_candidate_and_agree():
     for r in rows[1:]:
         assert r["ms"] == 1.0 and r["err"] < 1e-5, r  # every tile: the default configuration's log-probs
     assert all(gpu_tune.logprobs_line(r).startswith(r["config"]) for r in rows)
+
+
+def test_distillation_rows_time_every_tile_chunk_and_the_per_token_head():
+    """The fused distillation loss at each sweep tile and chunk and the per-token head then a sum: timed, their peaks
+    taken, each dW the default's; the table's tile is restored after each."""
+    from grpo_fast.kernels import divergence as kdivergence
+
+    bench, timed = counting_timer(2.0)
+    table = dict(kdivergence.STORED_TILES)
+    tiles = [(16, 128, 4, 2), (8, 64, 4, 2)]
+    rows = gpu_tune.distillation_rows(
+        40, 16, 24, 200, torch.float32, device="cpu", bench=bench, peak=lambda run: run() or 3 * 2**20,
+        tiles=tiles, chunks=(None, 16, 64),
+    )  # fmt: skip
+    names = [r["config"] for r in rows]
+    assert names[0].startswith("cuBLAS") and rows[0]["ms"] == 8.0  # three student and one teacher product at 2 ms
+    assert names[1:] == [
+        "tile 16x128 w4 s2",
+        "tile 8x64 w4 s2",
+        "chunk 16",  # 64: more than N, left out
+        "per-token head + sum (head_path general)",
+    ]
+    assert len(timed) == len(rows) + 1  # the two cuBLAS products timed apart
+    for r in rows[1:]:
+        assert r["ms"] == 2.0 and r["peak_mib"] == 3.0, r
+        assert r["err"] < 1e-5, r
+    assert kdivergence.STORED_TILES == table
+    assert all(gpu_tune.trained_line(r).startswith(r["config"]) for r in rows)

@@ -33,9 +33,9 @@
 #   --recipe-limit S          time limit of the recipe step [RECIPE_LIMIT] (default none)
 #   --tune                    also time the tile candidates [TUNE=1] (default off): tools/gpu_tune.py for layer 1's
 #                             forward and the trained head's chunk at Qwen2.5-1.5B's head, and for the divergence
-#                             head (student D 896, teacher 1536, 4096 tokens), each beside cuBLAS's products
-#                             (tune-*.json, tune.log)
-#   --tune-limit S            time limit of the tune step, its three runs together [TUNE_LIMIT] (default 300)
+#                             head and the fused distillation loss (student D 896, teacher 1536, 4096 tokens), each
+#                             beside cuBLAS's products (tune-*.json, tune.log)
+#   --tune-limit S            time limit of the tune step, its four runs together [TUNE_LIMIT] (default 300)
 #   --total S                 the whole run ends within S: each step gets at most the time left [TOTAL_LIMIT]
 #                             (default none; 480 with --quick)
 #   --quick                   a short check [QUICK=1]: the kernel tests only (KERNEL_TESTS in this script), their
@@ -244,11 +244,12 @@ if [ "$TUNE" != 0 ] && [ "$(capped "$TUNE_LIMIT")" -le 20 ]; then
   tune_rc="$NO_TIME"
 elif [ "$TUNE" != 0 ]; then
   limit="$(capped "$TUNE_LIMIT")"
-  echo "== $(date -u +%FT%TZ) tools/gpu_tune.py: layer 1's forward, the trained head's chunk, the divergence head"
+  echo "== $(date -u +%FT%TZ) tools/gpu_tune.py: layer 1's forward, the trained head's chunk, the divergence head," \
+    "the fused distillation loss"
   {
     worst=0
-    for head in logprobs trained divergence; do
-      time_limit "$((limit / 3))" python3 tools/gpu_tune.py --head "$head" --out "$OUT/tune-$head.json"
+    for head in logprobs trained divergence distillation; do
+      time_limit "$((limit / 4))" python3 tools/gpu_tune.py --head "$head" --out "$OUT/tune-$head.json"
       rc=$?
       [ "$rc" -gt "$worst" ] && worst=$rc
     done

@@ -1,12 +1,13 @@
 """Launch configurations on a CUDA GPU: each candidate tile timed at one head shape, its output checked against the
 default configuration's, beside cuBLAS's product of the same shape (the floor a GEMM-bound kernel approaches). Data for
-the tile tables (kernels/config.py's RECORD_TILES, kernels/divergence.py's SWEEP_TILES and G_TILES); the benchmark
-(bench/) makes the claims.
+the tile tables (kernels/config.py's RECORD_TILES, kernels/divergence.py's SWEEP_TILES, G_TILES and STORED_TILES);
+the benchmark (bench/) makes the claims.
 
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --shape 1536x151936 --tokens 16384 --out tune.json
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --head divergence --shape 896x151936 --teacher-dim 1536 \
         --tokens 4096 --out tune-divergence.json
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --head trained --out tune-trained.json
+    TRITON_INTERPRET=0 python3 tools/gpu_tune.py --head distillation --out tune-distillation.json
 
 Layer 1's forward (``--head logprobs``): one row per configuration (median ms over warm runs, TFLOP/s of the 2NDV
 product, max |logp - default's|). The divergence head (``--head divergence``, beta 1): per configuration the record
@@ -14,8 +15,11 @@ sweep (both models' 2NV(Ds + Dt)) and the g kernel of the backward (the same pro
 out), each against cuBLAS's products of both models; the error is the divergence's, max |div - default's|. The
 trained head (``--head trained``): ``grpo_fast.loss``'s forward and backward with a trained weight (dapo, token-local:
 the three-sweep head) per ``trained_head_chunk`` and the recompute path (``head_path="general"``), each with its peak
-memory above the inputs and its dW against the default chunk's, beside three of cuBLAS's products. A configuration
-that fails to compile or run is recorded with its error.
+memory above the inputs and its dW against the default chunk's, beside three of cuBLAS's products. The fused
+distillation loss (``--head distillation``, beta 1, the divergence head's shape): ``grpo_fast.distillation_loss``'s
+forward and backward per tile of its sweeps over products in memory and per ``token_chunk``, and the per-token head
+then a sum, each with its peak and its dW against the default's, beside cuBLAS's three student and one teacher
+products. A configuration that fails to compile or run is recorded with its error.
 """
 
 import argparse
@@ -247,10 +251,79 @@ def trained_rows(N, D, V, dtype, device="cuda", bench=median_ms, peak=cuda_peak_
     return rows
 
 
+# the fused distillation loss's sweeps over products in memory: (block_n, block_v, num_warps, num_stages), the table's
+# tile first (kernels/divergence.py's STORED_TILES), and its tokens per gradient GEMM (None: loss_chunk_rows')
+STORED_CANDIDATES = [(16, 128, 4, 2), (32, 128, 8, 2), (16, 256, 8, 2), (8, 256, 4, 2), (32, 64, 4, 3)]
+DISTILLATION_CHUNKS = (None, 256, 768, 1024)
+
+
+def distillation_rows(
+    N,
+    Ds,
+    Dt,
+    V,
+    dtype,
+    device="cuda",
+    bench=median_ms,
+    peak=cuda_peak_bytes,
+    tiles=STORED_CANDIDATES,
+    chunks=DISTILLATION_CHUNKS,
+):
+    """The fused distillation loss's rows (module docstring) on ``device``: ``grpo_fast.distillation_loss``'s forward
+    and backward (beta 1) per sweep tile (``tiles``, at the default chunk) and per tokens per gradient GEMM
+    (``chunks``, those up to N, at the table's tile), and the per-token head then a sum (``head_path="general"``),
+    each timed by ``bench``, its peak by ``peak`` and its dW against the default's."""
+    import grpo_fast
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    hs = torch.randn(1, N, Ds, device=dev, generator=g).to(dtype).requires_grad_()
+    ws = (torch.randn(V, Ds, device=dev, generator=g) * 0.02).to(dtype).requires_grad_()
+    ht = torch.randn(1, N, Dt, device=dev, generator=g).to(dtype)
+    wt = (torch.randn(V, Dt, device=dev, generator=g) * 0.02).to(dtype)
+    student = _cublas_ms([(hs.detach()[0], ws.detach())], V, dtype, bench)
+    teacher = _cublas_ms([(ht[0], wt)], V, dtype, bench)
+    rows = [
+        dict(config="cuBLAS mm: 3 student + 1 teacher (the floor)", ms=3 * student + teacher, peak_mib=None, err=None)
+    ]
+
+    def step(**kw):
+        hs.grad = ws.grad = None
+        grpo_fast.distillation_loss(hs, ws, ht, wt, beta=1.0, backend="triton", check_values=False, **kw)[0].backward()
+
+    step()
+    expected = ws.grad.float().clone()
+    table = dict(kdivergence.STORED_TILES)
+    cases = [
+        (f"tile {bn}x{bv} w{warps} s{stages}", dict(block_n=bn, block_v=bv, num_warps=warps, num_stages=stages), {})
+        for bn, bv, warps, stages in tiles
+    ]
+    cases += [(f"chunk {chunk or 'default'}", {}, dict(token_chunk=chunk)) for chunk in chunks[1:] if chunk <= N]
+    cases.append(("per-token head + sum (head_path general)", {}, dict(head_path="general")))
+    for name, tile, kw in cases:
+        kdivergence.STORED_TILES = dict(table, **tile)
+        try:
+
+            def run(kw=kw):
+                step(**kw)
+
+            run()
+            err = float((ws.grad.float() - expected).abs().max() / expected.abs().max())
+            rows.append(dict(config=name, ms=bench(run), peak_mib=peak(run) / 2**20, err=err))
+        except Exception as e:  # a tile that does not compile, a chunk that does not fit: recorded
+            rows.append(failed_row(name, e, "ms", "peak_mib"))
+        finally:
+            kdivergence.STORED_TILES = table
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--head", choices=("logprobs", "divergence", "trained"), default="logprobs", help="which kernels to time"
+        "--head",
+        choices=("logprobs", "divergence", "trained", "distillation"),
+        default="logprobs",
+        help="which kernels to time",
     )
     p.add_argument(
         "--shape",
@@ -264,11 +337,17 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available() or kconfig.interpreting():
         sys.exit("a CUDA GPU with the kernels compiled (TRITON_INTERPRET unset)")
-    divergence = args.head == "divergence"
+    divergence = args.head in ("divergence", "distillation")
     D, V = map(int, (args.shape or ("896x151936" if divergence else "1536x151936")).split("x"))
     N, dtype = args.tokens or (4096 if divergence else 16384), torch.bfloat16
     arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
-    if divergence:
+    if args.head == "distillation":
+        rows, line = distillation_rows(N, D, args.teacher_dim, V, dtype), trained_line
+        title = (
+            f"distillation loss (beta 1, fwd + bwd), bf16, N {N}, student D {D}, teacher D {args.teacher_dim}, V {V}"
+        )
+        meta = dict(head="distillation", N=N, Ds=D, Dt=args.teacher_dim, V=V)
+    elif divergence:
         rows, line = divergence_rows(N, D, args.teacher_dim, V, dtype, arch), divergence_line
         title = f"divergence head (beta 1), bf16, N {N}, student D {D}, teacher D {args.teacher_dim}, V {V}"
         meta = dict(head="divergence", N=N, Ds=D, Dt=args.teacher_dim, V=V)
