@@ -434,8 +434,8 @@ def test_the_fused_path_matches_the_fp64_spec(dtype, case, distillation_beta, mo
 
 
 def test_the_fused_path_is_taken_only_where_it_computes_the_same_loss(monkeypatch, device):
-    """Not for options that are not token-local (the entropy bonus, sequence-level importance sampling), a frozen
-    student head, fp16 or the torch backend: those keep the combined head."""
+    """Not for options that are not token-local (the entropy bonus, sequence-level importance sampling), fp16 or
+    the torch backend: those keep the combined head."""
     calls = _spied_fused(monkeypatch)
     for case in ("bnpo-entropy-bonus", "grpo-sequence-level"):
         batch = _batch(device=device)
@@ -444,14 +444,31 @@ def test_the_fused_path_is_taken_only_where_it_computes_the_same_loss(monkeypatc
     _combined(batch, 1.0, _options(batch, "grpo-softcap"), backend="triton")
     batch = _batch()
     _combined(batch, 1.0, _options(batch, "grpo-softcap"), backend="torch")
-    batch = _batch(device=device)
-    h = batch["hidden"].detach().clone().requires_grad_()
-    total, _ = grpo_fast.loss(
-        h, batch["weight"], batch["targets"], batch["advantages"], batch["mask"], bias=batch["bias"],
-        teacher=batch["teacher"], distillation_coef=COEF, backend="triton", **_options(batch, "grpo-softcap"),
-    )  # fmt: skip
-    total.backward()
     assert calls == []
+
+
+@pytest.mark.parametrize("distillation_beta", [1.0, 0.5])
+def test_a_frozen_student_head_forms_dh_alone_on_the_fused_path(distillation_beta, monkeypatch, device):
+    """Only the hidden states need a gradient (LoRA elsewhere, a frozen lm_head): the fused path forms dH alone
+    (the student's two sweeps and the teacher's one), equal to the combined head's (the torch twin) on the same
+    inputs; the weight and bias get none."""
+    calls = _spied_fused(monkeypatch)
+    results = []
+    for backend in ("triton", "torch"):
+        batch = _batch(seed=4, device=backend_device(backend, device))
+        h = batch["hidden"].detach().clone().requires_grad_()
+        total, metrics = grpo_fast.loss(
+            h, batch["weight"], batch["targets"], batch["advantages"], batch["mask"], bias=batch["bias"],
+            teacher=batch["teacher"], distillation_coef=COEF, distillation_beta=distillation_beta, backend=backend,
+            **_options(batch, "grpo-softcap"),
+        )  # fmt: skip
+        total.backward()
+        results.append((total.detach().cpu(), metrics["distillation_loss"].cpu(), h.grad.cpu()))
+    assert calls == [True]
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-7)
+    scale = results[1][2].abs().max().item()
+    torch.testing.assert_close(results[0][2], results[1][2], rtol=1e-4, atol=1e-5 * scale)
 
 
 @pytest.mark.interpreter_only

@@ -242,7 +242,7 @@ def _trained_head(
     B, T = targets.shape
     grad = torch.is_grad_enabled()
     needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
-    if not head_backends.takes_trained_head(needs, hidden, backend, head_path, lora is not None):
+    if not head_backends.takes_trained_head(needs, hidden, backend, head_path, lora is not None, teacher is not None):
         return None
     h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
     if h.shape[0] == 0:  # every row masked: the general path's empty case
@@ -252,7 +252,7 @@ def _trained_head(
     placeholder = torch.zeros(0, dtype=torch.float32, device=hidden.device)  # the op makes the [B, T] log-probs
     prepared = _prepared(placeholder, None, batch, options)
     total, metric_values, logp, entropy, div = ops.trained_head_loss(
-        operands, positions, rows.keep, prepared, options, backend.name, chunk, teacher
+        operands, positions, rows.keep, prepared, options, backend.name, chunk, teacher, needs[1] or needs[3]
     )
     metrics = Metrics(zip(metric_names(options, True), metric_values.detach().unbind(0)))
     metrics.logprobs, metrics.entropies = logp.detach(), entropy.detach()

@@ -325,6 +325,7 @@ def _trained_head_schema():
             "str options_json",
             "str token_backend",
             "int token_chunk",
+            "bool need_weight",
             schema_fields(TeacherOperands),
         ]
     )
@@ -333,24 +334,28 @@ def _trained_head_schema():
 
 def _trained_head_arguments(arguments):
     """(LinearOpOperands, positions, keep, PreparedBatch with empty log-probs and no entropy, options, backend,
-    tokens per chunk (0: the default), TeacherOperands)."""
+    tokens per chunk (0: the default), whether dW and db are formed, TeacherOperands)."""
     count = len(LinearOpOperands._fields)
     operands = LinearOpOperands(*arguments[:count])
     teacher_count = len(TeacherOperands._fields)
     teacher = TeacherOperands(*arguments[len(arguments) - teacher_count :])
-    positions, keep, *tensors, encoded_options, token_backend, token_chunk = arguments[count:-teacher_count]
+    positions, keep, *tensors, encoded_options, token_backend, token_chunk, need_weight = arguments[
+        count:-teacher_count
+    ]
     mask = tensors[_BATCH_FIELDS.index("mask")]
     logp = torch.zeros(mask.shape, dtype=FP32, device=mask.device)
     batch = PreparedBatch(logp, None, *tensors)
     options = LossOptions(**json.loads(encoded_options))
-    return operands, positions, keep, batch, options, token_backend, token_chunk, teacher
+    return operands, positions, keep, batch, options, token_backend, token_chunk, need_weight, teacher
 
 
 def _trained_head_loss(*arguments):
     """(loss [], metrics [M], logp [B, T], entropy [B, T], dH [N, D], dW [V, D], db [V] or empty, divergence [B, T]
     or empty), fp32: the loss and metrics of ``token_loss`` on the scored rows' log-probs and entropies (with a
     teacher, plus distillation_coef times the loss type's reduction of the divergence), and its gradients."""
-    operands, positions, keep, batch, options, token_backend, token_chunk, teacher = _trained_head_arguments(arguments)
+    operands, positions, keep, batch, options, token_backend, token_chunk, need_weight, teacher = (
+        _trained_head_arguments(arguments)
+    )
     head = operands.head()
     hidden, weight, bias = head.hidden, head.weight, head.bias
     flat_logp = batch.logp.view(-1)
@@ -366,8 +371,8 @@ def _trained_head_loss(*arguments):
     dev = hidden.device
     grads = HeadGrads(
         torch.empty(hidden.shape, dtype=FP32, device=dev),
-        torch.zeros(weight.shape, dtype=FP32, device=dev),
-        torch.zeros(weight.shape[0], dtype=FP32, device=dev) if bias is not None else None,
+        torch.zeros(weight.shape, dtype=FP32, device=dev) if need_weight else None,
+        torch.zeros(weight.shape[0], dtype=FP32, device=dev) if need_weight and bias is not None else None,
     )
     N = hidden.shape[0]
     divergence = torch.empty(0, dtype=FP32, device=dev)
@@ -398,8 +403,8 @@ def _trained_head_loss(*arguments):
     loss, metrics, _, _ = _layer2(TOKEN_LOSS[token_backend], batch, options)
     if teacher.teacher_hidden is not None:
         loss = loss + teacher.distillation_coef * options.aggregate(divergence, batch.mask, batch.num_items_in_batch)
-    db = grads.bias if grads.bias is not None else torch.empty(0, dtype=FP32, device=dev)
-    return loss, metrics, batch.logp, batch.entropy, grads.hidden, grads.weight, db, divergence
+    dw, db = (grad if grad is not None else torch.empty(0, dtype=FP32, device=dev) for grad in grads[1:3])
+    return loss, metrics, batch.logp, batch.entropy, grads.hidden, dw, db, divergence
 
 
 _trained_head_loss_op = custom_op("trained_head_loss", _trained_head_loss, _trained_head_schema())
@@ -407,7 +412,7 @@ _trained_head_loss_op = custom_op("trained_head_loss", _trained_head_loss, _trai
 
 @_trained_head_loss_op.register_fake
 def _(*arguments):
-    operands, _, _, batch, options, _, _, teacher = _trained_head_arguments(arguments)
+    operands, _, _, batch, options, _, _, need_weight, teacher = _trained_head_arguments(arguments)
     hidden, weight, logp = operands.hidden, operands.weight, batch.logp
     return (
         logp.new_empty((), dtype=FP32),
@@ -415,8 +420,8 @@ def _(*arguments):
         torch.empty_like(logp),
         torch.empty_like(logp),
         hidden.new_empty(hidden.shape, dtype=FP32),
-        weight.new_empty(weight.shape, dtype=FP32),
-        weight.new_empty(weight.shape[0] if operands.bias is not None else 0, dtype=FP32),
+        weight.new_empty(weight.shape if need_weight else (0,), dtype=FP32),
+        weight.new_empty(weight.shape[0] if need_weight and operands.bias is not None else 0, dtype=FP32),
         logp.new_empty(logp.shape if teacher.teacher_hidden is not None else (0,), dtype=FP32),
     )
 
@@ -466,6 +471,7 @@ def trained_head_loss(
     token_backend: str,
     token_chunk: int | None = None,
     teacher: TeacherOperands | None = None,
+    need_weight: bool = True,
 ):
     """``grpo_fast::trained_head_loss`` (loss, metrics [M], logp [B, T], entropy [B, T], divergence [B, T] or
     empty), differentiable in the head's hidden rows, weight and bias (through the gradients it formed).
@@ -473,7 +479,7 @@ def trained_head_loss(
     ``keep`` [N] bool or None (a device partition's scored rows); ``batch``: the prepared batch (its log-probs and
     entropy are not read); ``token_chunk``: tokens per chunk (None: ``kernels.forward_frozen.trained_chunk_size``'s,
     or with a teacher ``kernels.divergence.loss_chunk_rows``'); ``teacher``: RL and distillation in one call (the
-    divergence detached), or None."""
+    divergence detached), or None; ``need_weight``: form dW and db (false: a frozen head, dH alone)."""
     teacher = teacher or TeacherOperands()
     arguments = (
         *operands,
@@ -483,6 +489,7 @@ def trained_head_loss(
         options_json(options),
         token_backend,
         token_chunk or 0,
+        need_weight,
         *teacher,
     )
     run = _TRAINED_HEAD_INLINE.apply if runs_inline(arguments) else _trained_head_loss_op

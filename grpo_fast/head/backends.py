@@ -208,14 +208,15 @@ def takes_frozen_head(needs_input_grad, hidden, backend, head_path, lora_weight_
 TRAINED_HEAD_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def takes_trained_head(needs_input_grad, hidden, backend, head_path, has_lora):
+def takes_trained_head(needs_input_grad, hidden, backend, head_path, has_lora, frozen_weight=False):
     """The three-sweep trained head is taken, for a caller that knows dL/dlogp token by token
-    (``LossOptions.token_local``): head_path "auto", the weight needs a gradient, no LoRA, a bf16 or fp32 head, rows
-    to compute, and a backend that has it where its GEMMs run (the frozen head's)."""
-    need_w = needs_input_grad[1]
+    (``LossOptions.token_local``): head_path "auto", the weight needs a gradient (or, with ``frozen_weight``, the
+    hidden states do: RL and distillation in one call, whose fused path then forms dH alone), no LoRA, a bf16 or fp32
+    head, rows to compute, and a backend that has it where its GEMMs run (the frozen head's)."""
+    need_h, need_w = needs_input_grad[:2]
     return (
         head_path == "auto"
-        and need_w
+        and (need_w or (frozen_weight and need_h))
         and not has_lora
         and hidden.dtype in TRAINED_HEAD_DTYPES
         and hidden.shape[0] > 0
