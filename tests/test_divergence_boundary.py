@@ -89,6 +89,28 @@ def test_fake_and_meta_tensors_run_forward_and_backward(backend, frozen, device)
         assert meta.device.type == "meta"
 
 
+def _compiled_equals_eager(step, student_weight, g, dev):
+    """``step(student_hidden, teacher_hidden, mask)`` (a loss, its backward) compiled with fullgraph=True and
+    dynamic shapes equals eager at three (B, T): the loss, d student_hidden and d student_weight; one graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+        for B, T in [(2, 5), (3, 7), (4, 6)]:
+            inputs = (
+                torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
+                torch.randn(B, T, DT, generator=g).to(dev),
+                (torch.rand(B, T, generator=g) > 0.3).to(dev),
+            )
+            results = []
+            for fn in (step, compiled):
+                inputs[0].grad = student_weight.grad = None
+                results.append((fn(*inputs), inputs[0].grad.clone(), student_weight.grad.clone()))
+            for eager, comp in zip(*results, strict=True):
+                torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend, device):
@@ -112,24 +134,7 @@ def test_compiled_distillation_step_is_one_graph_equal_to_eager(backend, device)
         loss.backward()
         return loss.detach()
 
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
-        for B, T in [(2, 5), (3, 7), (4, 6)]:
-            mask = torch.rand(B, T, generator=g) > 0.3
-            inputs = (
-                torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
-                torch.randn(B, T, DT, generator=g).to(dev),
-                mask.to(dev),
-            )
-            results = []
-            for fn in (step, compiled):
-                inputs[0].grad = student_weight.grad = None
-                results.append((fn(*inputs), inputs[0].grad.clone(), student_weight.grad.clone()))
-            for eager, comp in zip(*results, strict=True):
-                torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 1
+    _compiled_equals_eager(step, student_weight, g, dev)
 
 
 # ----------------------------------------------------------------------------------------------- distillation_loss
@@ -189,20 +194,4 @@ def test_compiled_distillation_loss_is_one_graph_equal_to_eager(backend, device)
         loss.backward()
         return loss.detach()
 
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
-        for B, T in [(2, 5), (3, 7), (4, 6)]:
-            inputs = (
-                torch.randn(B, T, DS, generator=g).to(dev).requires_grad_(),
-                torch.randn(B, T, DT, generator=g).to(dev),
-                (torch.rand(B, T, generator=g) > 0.3).to(dev),
-            )
-            results = []
-            for fn in (step, compiled):
-                inputs[0].grad = student_weight.grad = None
-                results.append((fn(*inputs), inputs[0].grad.clone(), student_weight.grad.clone()))
-            for eager, comp in zip(*results, strict=True):
-                torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 1
+    _compiled_equals_eager(step, student_weight, g, dev)

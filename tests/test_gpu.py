@@ -216,6 +216,41 @@ def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     assert _max_rel(leaf.grad, ref_leaf.grad) < GPU_TOL[dtype]
 
 
+def _graph_replays(step, batches, trained):
+    """``step(*batch)`` (a forward and backward) captured in a CUDA graph on the first batch (warmed up on a side
+    stream: Triton's compilation, cuBLAS's handles), then replayed on each later batch's values copied into its
+    static tensors, and run eagerly on a copy: per later batch (replayed output, replayed gradients of the leaves
+    ``trained`` (indices into the batch), eager output, eager gradients)."""
+    static = [x.clone() for x in batches[0]]
+    leaves = [static[i].requires_grad_() for i in trained]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for leaf in leaves:
+                leaf.grad = None
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for leaf in leaves:
+            leaf.grad = None
+        static_out = step(*static)
+    static_grads = [leaf.grad for leaf in leaves]
+    out = []
+    for batch in batches[1:]:
+        with torch.no_grad():
+            for dst, src in zip(static, batch):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = [x.clone() for x in batch]
+        eager_leaves = [eager[i].requires_grad_() for i in trained]
+        eager_out = step(*eager)
+        out.append((static_out, static_grads, eager_out, [leaf.grad for leaf in eager_leaves]))
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("frozen_weight", [False, True])
 def test_loss_step_in_a_cuda_graph_equals_eager(dtype, frozen_weight):
@@ -236,42 +271,17 @@ def test_loss_step_in_a_cuda_graph_equals_eager(dtype, frozen_weight):
         loss.backward()
         return loss, metrics
 
-    static = [x.clone() for x in batches[0]]
-    leaves = [static[i].requires_grad_() for i in trained]
-    side = torch.cuda.Stream()  # warm-up (Triton's compilation, cuBLAS handles) off the capturing stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for leaf in leaves:
-                leaf.grad = None
-            step(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for leaf in leaves:
-            leaf.grad = None
-        static_loss, static_metrics = step(*static)
-    static_grads = [leaf.grad for leaf in leaves]
-
     grad_tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for batch in batches[1:]:
-        with torch.no_grad():
-            for dst, src in zip(static, batch):
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = [x.clone() for x in batch]
-        eager_leaves = [eager[i].requires_grad_() for i in trained]
-        loss, metrics = step(*eager)
+    for (static_loss, static_metrics), static_grads, (loss, metrics), grads in _graph_replays(step, batches, trained):
         torch.testing.assert_close(static_loss.detach(), loss.detach(), rtol=1e-5, atol=1e-6)
         assert sorted(static_metrics) == sorted(metrics)
         for name in metrics:
             torch.testing.assert_close(
                 static_metrics[name].detach(), metrics[name].detach(), rtol=1e-5, atol=1e-6, msg=name
             )
-        for name, got, leaf in zip(("hidden", "weight", "bias"), static_grads, eager_leaves):
+        for name, got, expected in zip(("hidden", "weight", "bias"), static_grads, grads):
             assert got.dtype == dtype, name
-            assert _max_rel(got, leaf.grad) <= grad_tol, name
+            assert _max_rel(got, expected) <= grad_tol, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -465,31 +475,7 @@ def test_distillation_loss_step_in_a_cuda_graph_equals_eager(dtype):
         loss.backward()
         return loss
 
-    static = [x.clone() for x in batches[0]]
-    leaves = [static[i].requires_grad_() for i in (0, 1, 2)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for leaf in leaves:
-                leaf.grad = None
-            step(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for leaf in leaves:
-            leaf.grad = None
-        static_loss = step(*static)
-    static_grads = [leaf.grad for leaf in leaves]
-    for batch in batches[1:]:
-        with torch.no_grad():
-            for dst, src in zip(static, batch):
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = [x.clone() for x in batch]
-        eager_leaves = [eager[i].requires_grad_() for i in (0, 1, 2)]
-        loss = step(*eager)
+    for static_loss, static_grads, loss, grads in _graph_replays(step, batches, (0, 1, 2)):
         torch.testing.assert_close(static_loss.detach(), loss.detach(), rtol=1e-5, atol=1e-6)
-        for got, leaf in zip(static_grads, eager_leaves):
-            assert _max_rel(got, leaf.grad) <= (1e-5 if dtype == torch.float32 else 1e-2)
+        for got, expected in zip(static_grads, grads):
+            assert _max_rel(got, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)

@@ -369,18 +369,25 @@ DIVERGENCE_VARIANTS = tuple(
 )
 
 
-def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None):
-    """The divergence head's launches for one variant: the sweep kernel's record sweep ("div fwd") and JSD sweep
-    ("div jsd", where 0 < beta < 1), the backward. The teacher is wider than the student (Qwen2.5-1.5B's D 1536
-    over the stand-in's 896, Qwen2.5-0.5B's). ``layer1``: the combined head's variant ("logp": layer 1's log-prob
-    term, "entropy": and the entropy's)."""
+def _pair_heads(dtype, bias, softcap):
+    """The divergence launches' student and teacher ModelHeads: 48 tokens, the teacher wider than the student
+    (Qwen2.5-1.5B's D 1536 over Qwen2.5-0.5B's 896), V 4096; biases and a soft-cap where asked."""
     gen = torch.Generator().manual_seed(0)
     N, Ds, Dt, V = 48, 896, 1536, 4096
     hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
     ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
     bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
     student = ModelHead(hs, ws, bs, LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5))
-    teacher = ModelHead(ht, wt, bt, LogitTransform(0.7, softcap, 1.0))
+    return student, ModelHead(ht, wt, bt, LogitTransform(0.7, softcap, 1.0))
+
+
+def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None):
+    """The divergence head's launches for one variant: the sweep kernel's record sweep ("div fwd") and JSD sweep
+    ("div jsd", where 0 < beta < 1), the backward. The teacher is wider than the student (Qwen2.5-1.5B's D 1536
+    over the stand-in's 896, Qwen2.5-0.5B's). ``layer1``: the combined head's variant ("logp": layer 1's log-prob
+    term, "entropy": and the entropy's)."""
+    student, teacher = _pair_heads(dtype, bias, softcap)
+    N, Ds, V = student.hidden.shape[0], student.hidden.shape[1], student.weight.shape[0]
     out = []
     with recording(kdivergence, "_sweep_kernel") as sweeps, recording(kdivergence, "_merge_splits_kernel") as merges:
         sweep = kdivergence.records(
@@ -442,13 +449,8 @@ def stored_launches(arch, dtype, beta, bias=False, softcap=None, layer1=False):
     """The fused loss's launches for one variant: "div stored fwd" (the record sweep), "div stored jsd" (where
     0 < beta < 1) and "div stored bwd" (the g kernel), at divergence_launches' shapes, one chunk; ``layer1``: with
     the GRPO loss's term (the target gather, layer 1's gradient in g)."""
-    gen = torch.Generator().manual_seed(0)
-    N, Ds, Dt, V = 48, 896, 1536, 4096
-    hs, ht = torch.randn(N, Ds, generator=gen).to(dtype), torch.randn(N, Dt, generator=gen).to(dtype)
-    ws, wt = torch.randn(V, Ds, generator=gen).to(dtype), torch.randn(V, Dt, generator=gen).to(dtype)
-    bs, bt = (torch.randn(V, generator=gen).to(dtype) for _ in range(2)) if bias else (None, None)
-    student = ModelHead(hs, ws, bs, LogitTransform(0.7, softcap, 1.0 if softcap is None else 0.5))
-    teacher = ModelHead(ht, wt, bt, LogitTransform(0.7, softcap, 1.0))
+    student, teacher = _pair_heads(dtype, bias, softcap)
+    N, Ds, V = student.hidden.shape[0], student.hidden.shape[1], student.weight.shape[0]
     grads = (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None)
     with (
         recording(kdivergence, "_sweep_kernel") as sweeps,

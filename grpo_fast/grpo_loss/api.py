@@ -183,38 +183,32 @@ def loss(
     _check_trained_head_chunk(trained_head_chunk, hidden.dtype, backend, head_path, lora, shard, options)
     if distillation is not None:
         _check_teacher(teacher, hidden, weight, shard)
-        rows = inputs.scored_rows(completion_mask, checks)
-        if options.token_local:
-            fused = _trained_head(
-                hidden,
-                weight,
-                targets,
-                bias,
-                rows,
-                transform,
-                backend,
-                head_path,
-                lora,
-                batch,
-                options,
-                trained_head_chunk,
-                _teacher_operands(teacher, rows, distillation),
-            )
-            if fused is not None:
-                return fused
+    rows = inputs.scored_rows(completion_mask, checks)
+    if shard is None and options.token_local:
+        fused = _trained_head(
+            hidden,
+            weight,
+            targets,
+            bias,
+            rows,
+            transform,
+            backend,
+            head_path,
+            lora,
+            batch,
+            options,
+            trained_head_chunk,
+            (teacher, distillation) if distillation is not None else None,
+        )
+        if fused is not None:
+            return fused
+    if distillation is not None:
         logp, entropy, div = _with_teacher(
             hidden, weight, targets, bias, teacher, rows, transform, distillation[1], backend
         )
         prepared = _prepared(logp, entropy, batch, options)
         total, metrics = _token_loss(prepared, options, backend)
         return _add_distillation(total, metrics, div, distillation[0], prepared, options)
-    rows = inputs.scored_rows(completion_mask, checks)
-    if shard is None and options.token_local:
-        trained = _trained_head(
-            hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, trained_head_chunk
-        )
-        if trained is not None:
-            return trained
     # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
     logp, entropy = logprobs_and_entropy_rows(
         hidden,
@@ -236,9 +230,9 @@ def _trained_head(
     hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, chunk, teacher=None
 ):
     """Both layers in one op with the three-sweep trained head (``ops.trained_head_loss``) where it is taken
-    (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics). ``teacher``: an
-    ops.TeacherOperands of the scored rows (RL and distillation in one call: both models' logits of a chunk once,
-    the divergence's gradient in the same g), or None."""
+    (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics). ``teacher``: (the
+    Teacher, (distillation_coef, distillation_beta)) for RL and distillation in one call (both models' logits of a
+    chunk once, the divergence's gradient in the same g), or None."""
     B, T = targets.shape
     grad = torch.is_grad_enabled()
     needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
@@ -251,8 +245,9 @@ def _trained_head(
     positions = rows.order if rows.order is not None else torch.arange(B * T, device=hidden.device)
     placeholder = torch.zeros(0, dtype=torch.float32, device=hidden.device)  # the op makes the [B, T] log-probs
     prepared = _prepared(placeholder, None, batch, options)
+    teacher_rows = _teacher_operands(*teacher, rows) if teacher is not None else None
     total, metric_values, logp, entropy, div = ops.trained_head_loss(
-        operands, positions, rows.keep, prepared, options, backend.name, chunk, teacher, needs[1] or needs[3]
+        operands, positions, rows.keep, prepared, options, backend.name, chunk, teacher_rows, needs[1] or needs[3]
     )
     metrics = Metrics(zip(metric_names(options, True), metric_values.detach().unbind(0)))
     metrics.logprobs, metrics.entropies = logp.detach(), entropy.detach()
@@ -261,7 +256,7 @@ def _trained_head(
     return total, metrics
 
 
-def _teacher_operands(teacher, rows, distillation):
+def _teacher_operands(teacher, distillation, rows):
     """The trained head op's TeacherOperands: the teacher's scored rows (inputs.Rows) and head, (coef, beta)."""
     hidden = inputs.row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows)
     bias = teacher.bias.contiguous() if teacher.bias is not None else None
