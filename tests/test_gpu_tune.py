@@ -71,7 +71,7 @@ def test_distillation_rows_time_every_tile_chunk_and_the_per_token_head():
 
     bench, timed = counting_timer(2.0)
     table = dict(kdivergence.STORED_TILES)
-    tiles = [(16, 128, 4, 2), (8, 64, 4, 2)]
+    tiles = [(8, 128, 4, 2), (8, 64, 4, 2)]
     rows = gpu_tune.distillation_rows(
         40, 16, 24, 200, torch.float32, device="cpu", bench=bench, peak=lambda run: run() or 3 * 2**20,
         tiles=tiles, chunks=(None, 16, 64),
@@ -79,7 +79,7 @@ def test_distillation_rows_time_every_tile_chunk_and_the_per_token_head():
     names = [r["config"] for r in rows]
     assert names[0].startswith("cuBLAS") and rows[0]["ms"] == 8.0  # three student and one teacher product at 2 ms
     assert names[1:] == [
-        "tile 16x128 w4 s2",
+        "tile 8x128 w4 s2",
         "tile 8x64 w4 s2",
         "chunk 16",  # 64: more than N, left out
         "per-token head + sum (head_path general)",

@@ -253,7 +253,7 @@ def trained_rows(N, D, V, dtype, device="cuda", bench=median_ms, peak=cuda_peak_
 
 # the fused distillation loss's sweeps over products in memory: (block_n, block_v, num_warps, num_stages), the table's
 # tile first (kernels/divergence.py's STORED_TILES), and its tokens per gradient GEMM (None: loss_chunk_rows')
-STORED_CANDIDATES = [(16, 128, 4, 2), (32, 128, 8, 2), (16, 256, 8, 2), (8, 256, 4, 2), (32, 64, 4, 3)]
+STORED_CANDIDATES = [(8, 128, 4, 2), (16, 128, 8, 2), (16, 64, 4, 2), (8, 256, 8, 2), (8, 128, 4, 3)]
 DISTILLATION_CHUNKS = (None, 256, 768, 1024)
 
 

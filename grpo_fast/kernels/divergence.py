@@ -1031,10 +1031,11 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
 
 
 # The sweeps over products in memory (``loss_gradients``): no dot, memory-bound (two fp32 tiles in, the records or g
-# out), one table for every arch and dtype: 16 x 128 on 4 warps, 16 elements of each tile a thread. sm_compile (sm_90,
-# bf16): the record sweep 168 registers, 3 CTAs (12 warps) an SM, about 48 KiB of loads in flight with the next tile's;
-# the g kernel 56-110 registers, 4-9 CTAs. 32 x 128 on 8 warps: the same registers a thread, one CTA (8 warps).
-STORED_TILES = dict(block_n=16, block_v=128, block_d=16, num_warps=4, num_stages=2)
+# out), one table for every arch and dtype: 8 x 128 on 4 warps, 8 elements of each tile a thread. sm_compile (sm_90,
+# triton 3.9): the record sweep 127 registers with a bias and a soft-cap too, 4 CTAs (16 warps) an SM; the g kernel
+# 38-89 registers, 5-12 CTAs; no spill. 16 x 128 on 4 warps: 168 registers, and with a bias and a soft-cap 255 and an
+# 8-byte stack spill; 32 x 128 on 8 warps: one CTA an SM.
+STORED_TILES = dict(block_n=8, block_v=128, block_d=16, num_warps=4, num_stages=2)
 
 
 def gpu_stored_configs(sm_count: int) -> tuple[ForwardConfig, BackwardConfig]:
