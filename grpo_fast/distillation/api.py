@@ -1,5 +1,6 @@
-"""The student-teacher divergence head of on-policy distillation: ``grpo_fast.divergence`` and
-``grpo_fast.divergence_and_entropy``, TRL 1.16's DistillationTrainer semantics without either model's logits.
+"""The student-teacher divergence head of on-policy distillation: ``grpo_fast.divergence``,
+``grpo_fast.divergence_and_entropy`` and ``grpo_fast.distillation_loss`` (TRL's loss, its gradients formed in the
+forward), TRL 1.16's DistillationTrainer semantics without either model's logits.
 
     div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask,
                                beta=0.5, temperature=0.9)          # [B, T] fp32, differentiable (student only)
