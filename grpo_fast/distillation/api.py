@@ -358,9 +358,9 @@ def distillation_loss(
         num_items_in_batch: the divisor, a number > 0 or a one-element tensor (the gradient-accumulation window's
             token count); None: the scored tokens' count (at least 1).
         token_chunk: tokens per gradient GEMM (a positive int): the buffers are token_chunk x V x (2 + 4) bytes (g in
-            the student's dtype, both models' fp32 logits for half of it). None: half the student's width rounded
-            down to 128 (384 at Qwen2.5-0.5B's Ds 896). Only where the fused loss runs (the Triton backend, whole
-            heads, ``head_path="auto"``).
+            the student's dtype, 4 + 4 from fp32; both models' fp32 logits for half of it). None: half the student's
+            width rounded down to 128 (384 at Qwen2.5-0.5B's Ds 896). Only where the fused loss runs (the Triton
+            backend, whole heads, ``head_path="auto"``).
         **keywords: ``divergence_and_entropy``'s keywords (DivergenceKeywords), with its defaults.
 
     Returns:

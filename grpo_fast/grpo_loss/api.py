@@ -128,10 +128,10 @@ def loss(
         trained_head_chunk: tokens per chunk of the three-sweep trained head (a positive int): its fp32 logits of
             one chunk over the vocabulary, chunk x V x 4 bytes, are its largest buffer. None: the chunk whose logits
             are about the weight's size (768 tokens at Qwen2.5-1.5B's bf16 head, 467 MB). With a teacher: tokens per
-            gradient GEMM, chunk x V x (2 + 4) bytes (g in the student's dtype, both models' fp32 logits of half
-            the chunk; None: half the student's width rounded down to 128). Only where the three-sweep head can
-            run: the Triton backend, bf16 or fp32, not with ``head_path="general"``, LoRA, ``vocab_parallel`` or
-            options that are not token-local.
+            gradient GEMM, chunk x V x (2 + 4) bytes (g in the student's dtype, 4 + 4 from fp32; both models' fp32
+            logits of half the chunk; None: half the student's width rounded down to 128). Only where the
+            three-sweep head can run: the Triton backend, bf16 or fp32, not with ``head_path="general"``, LoRA,
+            ``vocab_parallel`` or options that are not token-local.
         lora: LoRA on the lm_head (HeadLora), or None.
         vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
         backend: "auto", "triton" or "torch", for both layers.

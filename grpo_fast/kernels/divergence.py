@@ -1055,9 +1055,9 @@ def stored_configs(device: torch.device) -> tuple[ForwardConfig, BackwardConfig]
 def loss_chunk_rows(N: int, Ds: int) -> int:
     """Tokens per gradient GEMM of ``loss_gradients`` (the logits are formed for half of them at a time): half the
     student's width rounded down to 128 (384 at Qwen2.5-0.5B's Ds 896), at least 32, at most N. Its buffers, rows x V
-    x (2 + 4) bytes of g and the two models' fp32 logits, stay within 1.25x the unfused head's peak (dW's fp32
-    V x Ds x 4 and a g chunk of Ds x V x 2); fewer rows add dW's fp32 accumulator traffic (V x Ds x 8 bytes a
-    GEMM)."""
+    x (2 + 4) bytes of g and the two models' fp32 logits (4 + 4 from fp32 inputs), stay within 1.25x the unfused
+    head's peak (dW's fp32 V x Ds x 4 and a g chunk of Ds x V in the student's dtype); fewer rows add dW's fp32
+    accumulator traffic (V x Ds x 8 bytes a GEMM)."""
     return min(N, max(32, (Ds // 2) // 128 * 128))
 
 
