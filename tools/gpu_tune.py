@@ -199,6 +199,18 @@ def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
 TRAINED_CHUNKS = (None, 256, 512, 1024, 1536, 2048)
 
 
+def step_row(name, run, grad, expected, bench, peak):
+    """The row of a forward-and-backward step ``run``: run once, its weight gradient (``grad()``) against
+    ``expected`` (relative to its largest entry), then timed by ``bench`` and its peak taken by ``peak``; a step
+    that fails to compile or run (a tile, a chunk that does not fit) is recorded with its error."""
+    try:
+        run()
+        err = float((grad().float() - expected).abs().max() / expected.abs().max())
+        return dict(config=name, ms=bench(run), peak_mib=peak(run) / 2**20, err=err)
+    except Exception as e:  # noqa: BLE001 - every failure is a row; the other cases still run
+        return failed_row(name, e, "ms", "peak_mib")
+
+
 def cuda_peak_bytes(run):
     """The bytes ``run()`` allocates at its peak above what was allocated before it (CUDA)."""
     torch.cuda.synchronize()
@@ -238,16 +250,7 @@ def trained_rows(N, D, V, dtype, device="cuda", bench=median_ms, peak=cuda_peak_
     cases = [(f"chunk {chunk or 'default'}", dict(trained_head_chunk=chunk)) for chunk in chunks]
     cases.append(("recompute path (head_path general)", dict(head_path="general")))
     for name, kw in cases:
-        try:
-
-            def run(kw=kw):
-                step(**kw)
-
-            run()
-            err = float((weight.grad.float() - expected).abs().max() / expected.abs().max())
-            rows.append(dict(config=name, ms=bench(run), peak_mib=peak(run) / 2**20, err=err))
-        except Exception as e:  # a chunk that does not fit: recorded, the others still run
-            rows.append(failed_row(name, e, "ms", "peak_mib"))
+        rows.append(step_row(name, lambda kw=kw: step(**kw), lambda: weight.grad, expected, bench, peak))
     return rows
 
 
@@ -303,15 +306,7 @@ def distillation_rows(
     for name, tile, kw in cases:
         kdivergence.STORED_TILES = dict(table, **tile)
         try:
-
-            def run(kw=kw):
-                step(**kw)
-
-            run()
-            err = float((ws.grad.float() - expected).abs().max() / expected.abs().max())
-            rows.append(dict(config=name, ms=bench(run), peak_mib=peak(run) / 2**20, err=err))
-        except Exception as e:  # a tile that does not compile, a chunk that does not fit: recorded
-            rows.append(failed_row(name, e, "ms", "peak_mib"))
+            rows.append(step_row(name, lambda kw=kw: step(**kw), lambda: ws.grad, expected, bench, peak))
         finally:
             kdivergence.STORED_TILES = table
     return rows
