@@ -39,7 +39,7 @@ from grpo_fast.head.inputs import (
     scatter_rows,
     scored_rows,
 )
-from grpo_fast.head.transform import LogitTransform, check_number
+from grpo_fast.head.transform import LogitTransform, check_chunk, check_number
 from grpo_fast.head.vocab_parallel import VocabShard
 from grpo_fast.kernels.config import HEAD_PATHS, HeadPath
 from grpo_fast.kernels.divergence_records import ModelHead
@@ -374,10 +374,7 @@ def distillation_loss(
             is not read: no host synchronisation); ``token_chunk`` not a positive int, or given where it sizes
             nothing (the torch backend, vocab-parallel heads, ``head_path="general"``).
     """
-    if token_chunk is not None and (
-        isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1
-    ):
-        raise ValueError(f"token_chunk must be a positive int (tokens per gradient GEMM) or None, got {token_chunk!r}")
+    check_chunk("token_chunk", token_chunk, "tokens per gradient GEMM")
     if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
             raise TypeError(

@@ -26,7 +26,7 @@ from grpo_fast.head import ops as head_ops
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.lora import HeadLora
-from grpo_fast.head.transform import LogitTransform
+from grpo_fast.head.transform import LogitTransform, check_chunk
 from grpo_fast.head.vocab_parallel import VocabShard
 from grpo_fast.kernels.operands import HeadOperands
 
@@ -273,10 +273,9 @@ def _teacher_operands(teacher, distillation, rows):
 def _check_trained_head_chunk(chunk, dtype, backend, head_path, lora, shard, options):
     """``trained_head_chunk``: None, or a positive int for a call the three-sweep head can run (``loss``; a frozen
     weight or no gradient at all runs no head that forms gradients, and the chunk has nothing to size)."""
+    check_chunk("trained_head_chunk", chunk, "tokens per chunk")
     if chunk is None:
         return
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"trained_head_chunk must be a positive int (tokens per chunk) or None, got {chunk!r}")
     conflicts = [
         (not backend.trained_head, f"the {backend.name} backend"),
         (dtype not in head_backends.TRAINED_HEAD_DTYPES, f"{str(dtype).removeprefix('torch.')} inputs"),

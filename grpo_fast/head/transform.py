@@ -22,6 +22,12 @@ def check_number(name, x, condition=lambda v: True, expected="a finite number"):
         raise ValueError(f"{name} must be {expected}, got {x!r}")
 
 
+def check_chunk(name, x, unit):
+    """x must be None or a positive int (not a bool): a number of ``unit`` (a token chunk's size)."""
+    if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+        raise ValueError(f"{name} must be a positive int ({unit}) or None, got {x!r}")
+
+
 @dataclass(frozen=True)
 class LogitTransform:
     """z = softcap * tanh(logit_scale * (h . W + b) / softcap) / temperature, TRL 1.16's order (no tanh: softcap None).

@@ -961,7 +961,7 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
         offset: the weights' row v is vocabulary entry offset + v (a vocab-parallel shard).
         layer1: the combined head's layer-1 term (a whole head, offset 0), or None.
     """
-    grad_hidden, grad_weight, grad_bias = grads
+    _, grad_weight, grad_bias = grads
     N, Ds = student.hidden.shape
     V = student.weight.shape[0]
     dev = student.hidden.device
@@ -1012,22 +1012,34 @@ def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, conf
             N_ALL=N,
             stride_saved=saved.stride(0),
             stride_g=g.stride(0),
-            MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
+            MODE=_g_mode(beta),
             COMPUTE_DB=grad_bias is not None,
             SCALE_G=scaled,
             LAYER1=layer1 is not None,
             ENTROPY_GRAD=layer1 is not None and layer1.grad_entropy is not None,
             **shared,
         )
-        g_rows = g[: n1 - n0]
-        if grad_hidden is not None:
-            mm_fp32(g_rows, student.weight, grad_hidden[n0:n1], accumulate=False)
-            if scaled:
-                grad_hidden[n0:n1].mul_(g_unscale)
-        if grad_weight is not None:
-            mm_fp32(g_rows.T, student.hidden[n0:n1], grad_weight, accumulate=True)
+        _student_gradients(g[: n1 - n0], student, n0, n1, grads, g_unscale if scaled else None)
     if scaled and grad_weight is not None:
         grad_weight.mul_(g_unscale)
+
+
+def _g_mode(beta):
+    """The g kernel's MODE: 0 the forward KL, 1 the reverse KL, 2 the JSD."""
+    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+
+
+def _student_gradients(g_rows, student, n0, n1, grads, g_unscale):
+    """cuBLAS's products of the g rows of tokens [n0, n1), fp32 outputs: dH of those rows written (times
+    ``g_unscale``, g's power-of-two scale undone, where it is not None) and dW accumulated (its scale undone by the
+    caller once, after the last chunk)."""
+    grad_hidden, grad_weight, _ = grads
+    if grad_hidden is not None:
+        mm_fp32(g_rows, student.weight, grad_hidden[n0:n1], accumulate=False)
+        if g_unscale is not None:
+            grad_hidden[n0:n1].mul_(g_unscale)
+    if grad_weight is not None:
+        mm_fp32(g_rows.T, student.hidden[n0:n1], grad_weight, accumulate=True)
 
 
 # The sweeps over products in memory (``loss_gradients``): no dot, memory-bound (two fp32 tiles in, the records or g
@@ -1109,7 +1121,7 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
     Raises:
         ValueError: no token or no weight row; ``layer1`` with fp16 inputs.
     """
-    grad_hidden, grad_weight, grad_bias = grads
+    _, grad_weight, grad_bias = grads
     N, Ds = student.hidden.shape
     V = student.weight.shape[0]
     if N == 0 or V == 0:
@@ -1129,6 +1141,12 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
     divergence = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
     logp = torch.empty(N, dtype=torch.float32, device=dev) if layer1 is not None else None
+    # the kernels read both products (rows V apart; a chunk's rows are the buffers' first ones, N masks the rest)
+    pointers = (products[0], products[0], _pointers(student)[2], products[1], products[1], _pointers(teacher)[2])
+    stored = dict(USE_TMA=False, LOGITS_IN_MEMORY=True, stride_hs=V, stride_ht=V)
+    sweep_arguments, g_arguments = (
+        {**_shared_arguments(student, teacher, beta, config), **stored} for config in (sweep_config, g_config)
+    )
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
         for n0 in range(r0, r1, half):
@@ -1136,20 +1154,8 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
             zs, zt = (z[: n1 - n0] for z in products)
             mm_fp32(student.hidden[n0:n1], student.weight.T, zs, accumulate=False)
             mm_fp32(teacher.hidden[n0:n1], teacher.weight.T, zt, accumulate=False)
-            pointers = (zs, zs, _pointers(student)[2], zt, zt, _pointers(teacher)[2])
-
-            def arguments(config, zs=zs, zt=zt):
-                shared = _shared_arguments(student, teacher, beta, config)
-                return {
-                    **shared,
-                    "USE_TMA": False,
-                    "LOGITS_IN_MEMORY": True,
-                    "stride_hs": zs.stride(0),
-                    "stride_ht": zt.stride(0),
-                }
-
             targets = layer1.targets[n0:n1] if layer1 is not None else None
-            sweep = _sweep_records(pointers, arguments(sweep_config), n1 - n0, V, sweep_config, zs, targets=targets)
+            sweep = _sweep_records(pointers, sweep_arguments, n1 - n0, V, sweep_config, zs, targets=targets)
             div, ent, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
             divergence[n0:n1], entropy[n0:n1] = div, ent
             layer1_term = None
@@ -1178,22 +1184,15 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
                     N_ALL=n1 - n0,
                     stride_saved=saved.stride(0),
                     stride_g=g_rows.stride(0),
-                    MODE=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
+                    MODE=_g_mode(beta),
                     COMPUTE_DB=grad_bias is not None,
                     SCALE_G=scaled,
                     LAYER1=layer1_term is not None,
                     ENTROPY_GRAD=False,
-                    **arguments(g_config),
+                    **g_arguments,
                 )
-        if not want_g:
-            continue
-        g_chunk = g[: r1 - r0]
-        if grad_hidden is not None:
-            mm_fp32(g_chunk, student.weight, grad_hidden[r0:r1], accumulate=False)
-            if scaled:
-                grad_hidden[r0:r1].mul_(g_unscale)
-        if grad_weight is not None:
-            mm_fp32(g_chunk.T, student.hidden[r0:r1], grad_weight, accumulate=True)
+        if want_g:
+            _student_gradients(g[: r1 - r0], student, r0, r1, grads, g_unscale if scaled else None)
     if scaled and grad_weight is not None:
         grad_weight.mul_(g_unscale)
     return divergence, entropy, logp
