@@ -77,6 +77,17 @@ def run_loss(fn, batch, requires=("hidden", "weight", "bias"), **kwargs):
     return loss.detach(), {k: v for k, v in metrics.items()}, grads
 
 
+def assert_close_to_scale(actual, expected, rtol, name=""):
+    """max |actual - expected| <= rtol * max |expected|: two computations of one quantity whose sums run in another
+    order (another chunking, row selection, GEMM, fused or not; another CPU) agree to the rounding of the quantity's
+    scale. An entry that cancels to near zero (a gradient, a divergence) keeps an error of that scale, not a
+    fraction of itself, so an element-wise rtol on it fails on other machines."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, f"{name}: {actual} vs {expected}"
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    err, scale = (a - e).abs().max().item(), e.abs().max().item()
+    assert err <= rtol * scale, f"{name}: max error {err:.3g} vs {rtol:g} x max |expected| {scale:.3g}"
+
+
 def matmul_flops(fn):
     """The matmul FLOPs torch counts while fn() runs (FlopCounterMode; grpo_fast's CPU paths use out= GEMMs, which
     it counts, never in-place addmm_, which it does not)."""

@@ -5,7 +5,7 @@ per-token head it replaces, and in its sweep count."""
 
 import pytest
 import torch
-from helpers import matmul_flops
+from helpers import assert_close_to_scale, matmul_flops
 from test_divergence import BETAS, TRANSFORMS, confident_pair, on, pair_inputs, spec_grads
 
 import grpo_fast
@@ -139,10 +139,12 @@ def test_equals_the_per_token_head(dtype, beta, device):
     expected = per_token.sum() / mask.sum()
     expected.backward()
     assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item())
-    assert torch.allclose(div, per_token.detach(), rtol=1e-6, atol=1e-7)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    for a, e in zip(fused_leaves[:3], leaves[:3]):
-        assert ((a.grad.double() - e.grad.double()).abs().max() / e.grad.double().abs().max()).item() <= tol
+    # of the largest entry: a divergence near 0 and a gradient entry (db sums g over tokens) that cancel keep the
+    # rounding of the terms, whose sums the two paths run in another order (fp32: each path within 1.1e-6 of fp64)
+    assert_close_to_scale(div, per_token.detach(), 1e-6, "divergence")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, e in zip(("dH", "dW", "db"), fused_leaves[:3], leaves[:3]):
+        assert_close_to_scale(a.grad, e.grad, tol, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -177,8 +179,9 @@ def test_device_partition_without_host_reads(backend, device):
         loss, div, _ = _loss(leaves, mask.to(dev)[None], 0.5, {}, backend=backend, check_values=check_values)
         loss.backward()
         results.append((loss.detach(), div, *(leaf.grad for leaf in leaves[:3])))
+    # another row selection, so dW and db sum the rows in another order: to the rounding of each one's scale
     for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+        assert_close_to_scale(a, b, 1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -254,5 +257,7 @@ def test_general_path_is_the_per_token_sum(device):
         loss, _, _ = _loss(leaves, None, 0.5, {}, backend="triton", head_path=head_path)
         loss.backward()
         results.append((loss.detach(), *(leaf.grad for leaf in leaves[:3])))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-9)
+    # the two paths sum the vocabulary and the tokens in another order (and another CPU in yet another): a gradient
+    # entry near zero keeps an error of the gradient's scale, so each is compared relative to its largest entry
+    for name, a, b in zip(("loss", "dH", "dW", "db"), *results):
+        assert_close_to_scale(a, b, 1e-5, name)

@@ -349,7 +349,7 @@ def test_realistic_gradient_scale(backend, beta, device):
     precision (the Triton backward scales g by an exact power of two before rounding it for the GEMMs)."""
     from grpo_fast.distillation import torch_twin
     from grpo_fast.head.transform import LogitTransform
-    from grpo_fast.kernels import divergence as kdivergence
+    from grpo_fast.kernels import divergence_gradient, divergence_sweep
     from grpo_fast.kernels.divergence_records import ModelHead
 
     kw = TRANSFORMS["softcap-scale"]
@@ -357,12 +357,13 @@ def test_realistic_gradient_scale(backend, beta, device):
     grad_div = torch.full((21,), 1e-5)
     expected = spec_grads(tuple(x.to(F64) for x in inputs), beta, kw, grad_div=grad_div.to(F64))
     hs, ws, bs, ht, wt, bt = on(backend, device, inputs)
-    module = kdivergence if backend == "triton" else torch_twin
+    triton = (divergence_sweep.forward, divergence_gradient.backward)
+    forward, backward = triton if backend == "triton" else (torch_twin.forward, torch_twin.backward)
     student = ModelHead(hs, ws, bs, LogitTransform(kw["temperature"], kw["student_softcap"], kw["student_logit_scale"]))
     teacher = ModelHead(ht, wt, bt, LogitTransform(kw["temperature"], kw["teacher_softcap"], kw["teacher_logit_scale"]))
-    saved, argmax = module.forward(student, teacher, beta)[2:4]
+    saved, argmax = forward(student, teacher, beta)[2:4]
     grads = tuple(torch.zeros(x.shape, device=hs.device) for x in (hs, ws, bs))
-    module.backward(grad_div.to(hs.device), student, teacher, saved, argmax, beta, grads)
+    backward(grad_div.to(hs.device), student, teacher, saved, argmax, beta, grads)
     for name, a, e in zip(("d hidden", "d weight", "d bias"), grads, expected[2:]):
         err = ((a.cpu().double() - e).abs().max() / e.abs().max()).item()
         assert err <= GRAD_TOL[torch.float16], f"{name}: {err:.3g}"

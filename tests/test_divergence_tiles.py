@@ -1,4 +1,4 @@
-"""The divergence head's record sweep (kernels/divergence.py) at the launch level: every path of its launch (pointers
+"""The divergence head's record sweep (kernels/divergence_sweep.py) at the launch level: every path of its launch (pointers
 or tensor descriptors, one vocabulary split or many, merged by the splits' merge kernel, the student's target logit
 gathered or not) against both models' records of the whole fp64 logits (divergence_records.tile_record), and the
 divergences finished from them against the fp64 spec.
@@ -14,8 +14,9 @@ import torch
 
 from grpo_fast import reference
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import divergence as kdivergence
-from grpo_fast.kernels.divergence_records import ModelHead, finish, tile_record
+from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels import divergence_gradient, divergence_sweep
+from grpo_fast.kernels.divergence_records import ModelHead, divergence_of, finish, tile_record
 
 F64 = torch.float64
 # (use_tma, programs a wave): the wave sets the vocabulary splits (1: a single split at these shapes; 64: many)
@@ -43,10 +44,10 @@ def test_records_match_fp64(dtype, use_tma, wave, device):
     student_transform, teacher_transform = LogitTransform(0.7, 3.0, 0.8), LogitTransform(0.7, None, 1.25)
     student = ModelHead(hs, ws, bs, student_transform)
     teacher = ModelHead(ht, wt, None, teacher_transform)
-    config = dataclasses.replace(kdivergence.forward_config(device, dtype), use_tma=use_tma, target_programs=wave)
-    splits, _ = kdivergence.num_vocab_splits(N, V, config)
+    config = dataclasses.replace(kconfig.sweep_config(device, dtype), use_tma=use_tma, target_programs=wave)
+    splits, _ = divergence_sweep.num_vocab_splits(N, V, config)
     assert (splits == 1) == (wave == 1), splits
-    sweep = kdivergence.records(student, teacher, 1.0, config=config, targets=targets)
+    sweep = divergence_sweep.records(student, teacher, 1.0, config=config, targets=targets)
 
     zs = reference.logits(hs.cpu(), ws.cpu(), bs.cpu(), compute_dtype=F64, transform=student_transform)
     zt = reference.logits(ht.cpu(), wt.cpu(), None, compute_dtype=F64, transform=teacher_transform)
@@ -61,7 +62,7 @@ def test_records_match_fp64(dtype, use_tma, wave, device):
     assert (sweep.target_logit.cpu().double() - target_logit).abs().max().item() < 2e-5
 
     for beta in (0.0, 1.0, 0.5):
-        sweep = kdivergence.records(student, teacher, beta, config=config)
+        sweep = divergence_sweep.records(student, teacher, beta, config=config)
         div = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)[0]
         expected = reference.divergence_and_entropy(
             hs.cpu().double()[None],
@@ -90,11 +91,11 @@ def test_backward_tile_paths_match_fp64(beta, use_tma, device):
     hs, ws, bs, ht, wt, _ = _pair(N, Ds, Dt, V, torch.float32, device, seed=1)
     transform = LogitTransform(0.7, None, 1.0)
     student, teacher = ModelHead(hs, ws, bs, transform), ModelHead(ht, wt, None, transform)
-    saved, argmax = kdivergence.forward(student, teacher, beta)[2:4]
+    saved, argmax = divergence_sweep.forward(student, teacher, beta)[2:4]
     grad_div = torch.linspace(0.5, 1.5, N, device=device)
-    config = dataclasses.replace(kdivergence.backward_config(device, torch.float32), use_tma=use_tma)
+    config = dataclasses.replace(kconfig.g_config(device, torch.float32), use_tma=use_tma)
     grads = (torch.zeros(N, Ds, device=device), torch.zeros(V, Ds, device=device), torch.zeros(V, device=device))
-    kdivergence.backward(grad_div, student, teacher, saved, argmax, beta, grads, config=config)
+    divergence_gradient.backward(grad_div, student, teacher, saved, argmax, beta, grads, config=config)
 
     leaves = [x.cpu().double().requires_grad_() for x in (hs, ws, bs)]
     div = reference.divergence_and_entropy(
@@ -118,15 +119,15 @@ def test_launch_tables_by_arch_epilogue_and_operands():
     plain KL's narrow epilogue), sm_89 / sm_80 and tensors the copy engine cannot read take the 64 x 64 pointer
     tiles (32 columns for the combined head's g)."""
     bf16 = torch.bfloat16
-    sweep = kdivergence.gpu_forward_config(bf16, 132, 90)
+    sweep = kconfig.gpu_sweep_config(bf16, 132, 90)
     assert (sweep.block_n, sweep.block_v, sweep.use_tma) == (128, 64, True)
     for arch, fits in ((89, True), (80, True), (90, False)):
-        assert not kdivergence.gpu_forward_config(bf16, 128, arch, fits).use_tma
+        assert not kconfig.gpu_sweep_config(bf16, 128, arch, fits).use_tma
     hs, ws, bs, ht, wt, _ = _pair(4, 16, 32, 64, bf16, "cpu")
     plain, capped = LogitTransform(0.7, None, 1.0), LogitTransform(0.7, 3.0, 1.0)
     student, teacher = ModelHead(hs, ws, None, plain), ModelHead(ht, wt, None, plain)
-    assert kdivergence.narrow_g_epilogue(student, teacher, 1.0, False)
-    assert kdivergence.narrow_g_epilogue(student, teacher, 0.0, False)
+    assert kconfig.narrow_g_epilogue(student, teacher, divergence_of(1.0), False)
+    assert kconfig.narrow_g_epilogue(student, teacher, divergence_of(0.0), False)
     for s, t, beta, layer1 in (
         (student, teacher, 0.5, False),  # the JSD's mixture
         (student, teacher, 1.0, True),  # layer 1's term
@@ -135,11 +136,11 @@ def test_launch_tables_by_arch_epilogue_and_operands():
         (student._replace(bias=bs), teacher, 1.0, False),
         (student, teacher._replace(bias=bs), 1.0, False),
     ):
-        assert not kdivergence.narrow_g_epilogue(s, t, beta, layer1)
-    g = kdivergence.gpu_backward_config(bf16, arch=90, narrow_epilogue=True)
+        assert not kconfig.narrow_g_epilogue(s, t, divergence_of(beta), layer1)
+    g = kconfig.gpu_g_config(bf16, arch=90, narrow_epilogue=True)
     assert (g.block_n, g.block_v, g.use_tma) == (128, 128, True)
-    assert kdivergence.gpu_backward_config(bf16, arch=90).block_v == 64
+    assert kconfig.gpu_g_config(bf16, arch=90).block_v == 64
     for arch, fits in ((89, True), (90, False)):
-        g = kdivergence.gpu_backward_config(bf16, arch=arch, descriptors_fit=fits, narrow_epilogue=True)
+        g = kconfig.gpu_g_config(bf16, arch=arch, descriptors_fit=fits, narrow_epilogue=True)
         assert (g.block_v, g.use_tma) == (64, False)
-        assert kdivergence.gpu_backward_config(bf16, layer1=True, arch=arch, descriptors_fit=fits).block_v == 32
+        assert kconfig.gpu_g_config(bf16, layer1=True, arch=arch, descriptors_fit=fits).block_v == 32

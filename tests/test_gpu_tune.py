@@ -67,10 +67,10 @@ def test_logprobs_rows_time_every_candidate_and_agree():
 def test_distillation_rows_time_every_tile_chunk_and_the_per_token_head():
     """The fused distillation loss at each sweep tile and chunk and the per-token head then a sum: timed, their peaks
     taken, each dW the default's; the table's tile is restored after each."""
-    from grpo_fast.kernels import divergence as kdivergence
+    from grpo_fast.kernels import tiles as ktiles
 
     bench, timed = counting_timer(2.0)
-    table = dict(kdivergence.STORED_TILES)
+    table = ktiles.STORED
     tiles = [(8, 128, 4, 2), (8, 64, 4, 2)]
     rows = gpu_tune.distillation_rows(
         40, 16, 24, 200, torch.float32, device="cpu", bench=bench, peak=lambda run: run() or 3 * 2**20,
@@ -88,5 +88,5 @@ def test_distillation_rows_time_every_tile_chunk_and_the_per_token_head():
     for r in rows[1:]:
         assert r["ms"] == 2.0 and r["peak_mib"] == 3.0, r
         assert r["err"] < 1e-5, r
-    assert kdivergence.STORED_TILES == table
+    assert ktiles.STORED == table
     assert all(gpu_tune.trained_line(r).startswith(r["config"]) for r in rows)

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import grpo_fast
 from grpo_fast.grpo_loss.options import LossOptions
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import backward, divergence, forward, forward_frozen, launch, token_loss
+from grpo_fast.kernels import backward, divergence_sweep, forward, forward_frozen, launch, tiles, token_loss
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 from grpo_fast.kernels.softmax_stats import BackwardStats
@@ -88,7 +88,7 @@ def _every_other_wrapper(device):
     stats = BackwardStats(per_token, per_token, per_token, per_token)
     for mode, run in (("chunked", backward.backward_chunked), ("fused", backward.backward_fused)):
         grads = HeadGrads(torch.zeros_like(hidden), torch.zeros_like(weight))
-        run(head, stats, per_token, per_token, grads, kconfig.gpu_backward_config(torch.float32, mode, 232448, arch=90))
+        run(head, stats, per_token, per_token, grads, kconfig.gpu_backward_config(torch.float32, mode, 90))
     forward_frozen.forward_frozen_record(head, True, kconfig.gpu_frozen_head_config())
     logp = torch.zeros(2, 3, device=device)
     token_loss.token_loss(
@@ -157,9 +157,10 @@ def test_the_forward_takes_rows_in_launches_whose_partials_fit_their_budget(comp
 
 
 def test_the_gpu_forward_tiles_follow_the_architecture():
-    for arch, expected in ((90, 90), (100, 90), (80, 80), (86, 89), (89, 89), (75, 80), (120, 89)):
+    classes = ((90, "sm90"), (100, "sm100"), (80, "sm80"), (86, "sm89"), (89, "sm89"), (75, "sm80"), (120, "sm120"))
+    for arch, expected in classes:
         cfg = kconfig.gpu_record_config(torch.bfloat16, arch)
-        table = dict(kconfig.RECORD_TILES[expected])
+        table = tiles.RECORD.rows[expected].fields()
         if not kconfig.COLUMNS_256:  # a compiler that spills the 256-column tile: 128 columns
             table["block_v"] = min(table["block_v"], 128)
         assert {k: getattr(cfg, k) for k in table} == table, arch
@@ -170,7 +171,7 @@ def test_the_gpu_forward_tiles_follow_the_architecture():
 
 def _fill(N, V, cfg):
     """(splits, the share of the GPU's program slots the launch's waves fill)."""
-    splits, _ = divergence.num_vocab_splits(N, V, cfg)
+    splits, _ = divergence_sweep.num_vocab_splits(N, V, cfg)
     programs = -(-N // cfg.block_n) * splits
     return splits, programs / (-(-programs // cfg.target_programs) * cfg.target_programs)
 

@@ -369,17 +369,17 @@ def test_compiles_to_one_graph():
 
 # ----------------------------------------------------------------------------------------------- the fused path
 def _spied_fused(monkeypatch):
-    """The calls of kernels.divergence.loss_gradients (the fused path: both models' logits once per chunk) made,
+    """The calls of kernels.divergence_loss.loss_gradients (the fused path: both models' logits once per chunk) made,
     each as whether it had a layer-1 term."""
-    from grpo_fast.kernels import divergence as kdivergence
+    from grpo_fast.kernels import divergence_loss
 
-    calls, fused = [], kdivergence.loss_gradients
+    calls, fused = [], divergence_loss.loss_gradients
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("layer1") is not None)
         return fused(*args, **kwargs)
 
-    monkeypatch.setattr(kdivergence, "loss_gradients", spy)
+    monkeypatch.setattr(divergence_loss, "loss_gradients", spy)
     return calls
 
 

@@ -26,7 +26,7 @@ from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_
 
 import grpo_fast
 from grpo_fast.distillation import torch_twin
-from grpo_fast.kernels import divergence as kdivergence
+from grpo_fast.kernels import divergence_loss
 from grpo_fast.trl import DistillationConfig, DistillationTrainer
 
 TEACHER = dict(seed=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -290,7 +290,7 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
         ours = build(DistillationTrainer, student, teacher, args, peft_config=lora)
     inputs = generation_batch(theirs)
     seen = []
-    forward, fused = torch_twin.forward, kdivergence.loss_gradients
+    forward, fused = torch_twin.forward, divergence_loss.loss_gradients
 
     def spy_forward(*args, frozen_head=False, **kwargs):
         seen.append(frozen_head)
@@ -301,7 +301,7 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
         return fused(student, teacher, beta, weights, grads, *args)
 
     monkeypatch.setattr(torch_twin, "forward", spy_forward)
-    monkeypatch.setattr(kdivergence, "loss_gradients", spy_fused)
+    monkeypatch.setattr(divergence_loss, "loss_gradients", spy_fused)
     loss, grads, entropy = loss_gradients_entropy(ours, inputs, forbid_trl_head=True)
     ref_loss, ref_grads, ref_entropy = loss_gradients_entropy(theirs, inputs, forbid_trl_head=False)
     assert seen == [True]

@@ -1,6 +1,6 @@
 """Launch configurations on a CUDA GPU: each candidate tile timed at one head shape, its output checked against the
 default configuration's, beside cuBLAS's product of the same shape (the floor a GEMM-bound kernel approaches). Data for
-the tile tables (kernels/config.py's RECORD_TILES, kernels/divergence.py's SWEEP_TILES, G_TILES and STORED_TILES);
+the tile tables (kernels/tiles.py: RECORD, SWEEP, G and STORED);
 the benchmark (bench/) makes the claims.
 
     TRITON_INTERPRET=0 python3 tools/gpu_tune.py --shape 1536x151936 --tokens 16384 --out tune.json
@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
 from grpo_fast.kernels import config as kconfig  # noqa: E402
-from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
+from grpo_fast.kernels import divergence_gradient, divergence_sweep  # noqa: E402
 from grpo_fast.kernels import forward as kforward  # noqa: E402
+from grpo_fast.kernels import tiles as ktiles  # noqa: E402
 from grpo_fast.kernels.divergence_records import ModelHead, finish  # noqa: E402
 from grpo_fast.kernels.operands import HeadOperands  # noqa: E402
 
@@ -162,12 +163,12 @@ def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
     rows = [
         dict(config="cuBLAS mm of both models", sweep_ms=cublas, g_ms=cublas, tflops=flops / cublas / 1e9, err=None)
     ]
-    reference = kdivergence.forward(student, teacher, 1.0)
+    reference = divergence_sweep.forward(student, teacher, 1.0)
     saved, argmax = reference[2], reference[3]
     grad = torch.full((N,), 1.0 / N, device=dev)
     grads = (None, None, None)  # the g kernel alone: no dH, dW
-    default_sweep = kdivergence.forward_config(dev, dtype)
-    default_g = kdivergence.backward_config(dev, dtype)
+    default_sweep = kconfig.sweep_config(dev, dtype)
+    default_g = kconfig.g_config(dev, dtype)
     for bn, bv, bd, warps, stages, tma in DIVERGENCE_CANDIDATES:
         if tma and arch < 90:
             continue
@@ -179,11 +180,11 @@ def divergence_rows(N, Ds, Dt, V, dtype, arch, device="cuda", bench=median_ms):
         name += " (g default)" if g_cfg == default_g else ""
 
         def sweep(cfg=sweep_cfg):
-            out = kdivergence.records(student, teacher, 1.0, config=cfg)
+            out = divergence_sweep.records(student, teacher, 1.0, config=cfg)
             return finish(out.student, out.teacher, 1.0, out.jsd_sweep)[0]
 
         def g_kernel(cfg=g_cfg):
-            kdivergence.backward(grad, student, teacher, saved, argmax, 1.0, grads, config=cfg)
+            divergence_gradient.backward(grad, student, teacher, saved, argmax, 1.0, grads, config=cfg)
 
         try:
             err = float((sweep() - reference[0]).abs().max())
@@ -255,7 +256,7 @@ def trained_rows(N, D, V, dtype, device="cuda", bench=median_ms, peak=cuda_peak_
 
 
 # the fused distillation loss's sweeps over products in memory: (block_n, block_v, num_warps, num_stages), the table's
-# tile first (kernels/divergence.py's STORED_TILES), and its tokens per gradient GEMM (None: loss_chunk_rows')
+# tile first (kernels/tiles.py's STORED), and its tokens per gradient GEMM (None: loss_chunk_rows')
 STORED_CANDIDATES = [(8, 128, 4, 2), (16, 128, 8, 2), (16, 64, 4, 2), (8, 256, 8, 2), (8, 128, 4, 3)]
 DISTILLATION_CHUNKS = (None, 256, 768, 1024)
 
@@ -296,7 +297,8 @@ def distillation_rows(
 
     step()
     expected = ws.grad.float().clone()
-    table = dict(kdivergence.STORED_TILES)
+    table = ktiles.STORED
+    row = table.rows["sm90"]
     cases = [
         (f"tile {bn}x{bv} w{warps} s{stages}", dict(block_n=bn, block_v=bv, num_warps=warps, num_stages=stages), {})
         for bn, bv, warps, stages in tiles
@@ -304,11 +306,11 @@ def distillation_rows(
     cases += [(f"chunk {chunk or 'default'}", {}, dict(token_chunk=chunk)) for chunk in chunks[1:] if chunk <= N]
     cases.append(("per-token head + sum (head_path general)", {}, dict(head_path="general")))
     for name, tile, kw in cases:
-        kdivergence.STORED_TILES = dict(table, **tile)
+        ktiles.STORED = dataclasses.replace(table, rows=ktiles.every_class(dataclasses.replace(row, **tile)))
         try:
             rows.append(step_row(name, lambda kw=kw: step(**kw), lambda: ws.grad, expected, bench, peak))
         finally:
-            kdivergence.STORED_TILES = table
+            ktiles.STORED = table
     return rows
 
 

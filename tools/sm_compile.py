@@ -1,11 +1,13 @@
-"""Compile every Triton kernel for real GPUs without having one: sm_90 (H100/H200), sm_89 (RTX 4090), sm_80 (A100).
+"""Compile every Triton kernel for real GPUs without having one: one card of every architecture class of the tile
+tables (grpo_fast/kernels/tiles.py: sm_80 A100, sm_89 RTX 4090, sm_90 H100/H200, sm_100 B200, sm_120 RTX 5090).
 
 Why: CI has no GPU. The interpreter checks the numbers, not the compiler: a kernel can pass every interpreter
 test and still fail to compile for a GPU, ask for more shared memory than the card has (a launch-time
 "out of resource"), or spill registers. This script runs the kernel wrappers with the GPU launch configuration
 on small CPU stand-in tensors, records each launch instead of running it, compiles the recorded launch with
 Triton's own compiler and the ptxas shipped in the triton wheel, and reads the cubin's resource use with the
-cuobjdump shipped beside it: registers, shared memory, the CTAs per SM those allow (``ctas_per_sm``) and, from the
+cuobjdump shipped beside it: registers, shared memory, the CTAs per SM those allow (``ctas_per_sm``, from the class's
+facts in tiles.ARCH_CLASSES), the tensor-core instruction (``tensor_core_instruction``) and, from the
 SASS, the memory fences (MEMBAR, GPU and CTA scope) and the global atomics (value-returning ATOM, reductions RED).
 Nothing runs on a device and no numbers are checked here (tests/test_gpu.py does that).
 It exits non-zero when any variant fails to compile, asks for more shared memory than the card has, or spills
@@ -16,7 +18,7 @@ divisibility hint, ints equal to 1 become constants. The stand-in shapes use rea
 the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is cut to 4096, which changes no
 compiled code (V only enters as a loop bound and a mask).
 
-    TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 90 89 80] [--json rows.json]   # one line per kernel variant
+    TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 80 89 90 100 120] [--json rows.json]   # a line a variant
 
 It runs with every declared Triton (pyproject.toml: 3.6 to 3.9; .ci/run compiles with both ends). Triton 3.6's
 compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --allow-spill for it, and says which).
@@ -24,6 +26,7 @@ compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --al
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -46,22 +49,27 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from grpo_fast.grpo_loss.options import LossOptions  # noqa: E402
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
-from grpo_fast.kernels import backward, forward, forward_frozen, token_loss, tuning  # noqa: E402
+from grpo_fast.kernels import (  # noqa: E402
+    backward,
+    divergence_gradient,
+    divergence_loss,
+    divergence_sweep,
+    forward,
+    forward_frozen,
+    tiles,
+    token_loss,
+    tuning,
+)
 from grpo_fast.kernels import config as kconfig  # noqa: E402
-from grpo_fast.kernels import divergence as kdivergence  # noqa: E402
-from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, finish  # noqa: E402
+from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, divergence_of, finish  # noqa: E402
 from grpo_fast.kernels.operands import HeadGrads, HeadOperands  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 
-# Largest dynamic shared memory one block may opt in to, in bytes (CUDA programming guide, compute capabilities).
-SMEM_LIMIT = {90: 232448, 89: 101376, 86: 101376, 80: 166912}
-SM_COUNT = {90: 132, 89: 128, 86: 82, 80: 108}
-# Per SM (CUDA programming guide, compute capabilities; occupancy calculator): shared memory, resident warps and CTAs,
-# registers (allocated per warp in units of 256, i.e. per thread rounded up to 8, in 4 sub-partitions of 16384), and
-# the 1 KiB of shared memory the system reserves per CTA (sm_80 on).
-SMEM_PER_SM = {90: 228 * 1024, 89: 100 * 1024, 86: 100 * 1024, 80: 164 * 1024}
-MAX_WARPS_PER_SM = {90: 64, 89: 48, 86: 48, 80: 64}
-MAX_CTAS_PER_SM = {90: 32, 89: 24, 86: 16, 80: 32}
+# The architectures compiled: each class's reference card's capability (tiles.ARCH_CLASSES), and its facts (shared
+# memory a block and an SM, resident warps and CTAs, the SMs of a launch's wave)
+CLASSES = {c.capability: c for c in tiles.ARCH_CLASSES.values()}
+# Registers are allocated per warp in units of 256 (per thread rounded up to 8) in 4 sub-partitions of 16384, and the
+# system reserves 1 KiB of shared memory per CTA (sm_80 on): the occupancy calculator's rules on every class.
 REGS_PER_SUBPARTITION, SUBPARTITIONS, REG_UNIT_PER_WARP, SMEM_RESERVED_PER_CTA = 16384, 4, 256, 1024
 TRITON_TYPES = {
     torch.bfloat16: "bf16",
@@ -149,9 +157,10 @@ def ctas_per_sm(arch, regs, shared, num_warps):
     """The CTAs of this kernel one SM holds at once: the least that its registers, shared memory, warps allow."""
     regs_per_warp = -(-regs * 32 // REG_UNIT_PER_WARP) * REG_UNIT_PER_WARP
     by_regs = (REGS_PER_SUBPARTITION // regs_per_warp) * SUBPARTITIONS // num_warps
-    by_smem = SMEM_PER_SM[arch] // (shared + SMEM_RESERVED_PER_CTA)
-    by_warps = MAX_WARPS_PER_SM[arch] // num_warps
-    return min(by_regs, by_smem, by_warps, MAX_CTAS_PER_SM[arch])
+    card = CLASSES[arch]
+    by_smem = card.smem_per_sm // (shared + SMEM_RESERVED_PER_CTA)
+    by_warps = card.max_warps_per_sm // num_warps
+    return min(by_regs, by_smem, by_warps, card.max_ctas_per_sm)
 
 
 def sass_memory_ops(cubin):
@@ -178,7 +187,10 @@ def sass_memory_ops(cubin):
 
 
 def tensor_core_instruction(ptx):
-    """'wgmma' (Hopper warpgroup MMA), 'mma' (Ampere/Ada mma.sync) or 'none': how the kernel's tl.dot runs."""
+    """'tcgen05' (Blackwell's fifth-generation MMA, its accumulator in tensor memory), 'wgmma' (Hopper warpgroup
+    MMA), 'mma' (mma.sync: Ampere, Ada, consumer Blackwell) or 'none': how the kernel's tl.dot runs."""
+    if re.search(r"\btcgen05\.mma", ptx):
+        return "tcgen05"
     if re.search(r"\bwgmma\.mma_async", ptx):
         return "wgmma"
     return "mma" if re.search(r"\bmma\.sync\.aligned", ptx) else "none"
@@ -226,14 +238,14 @@ def layer1_launches(
         forward.forward(HeadOperands(hidden, weight, targets, b, transform, lora), entropy, cfg, row_counts)
     out += [("fwd", launches[0]), ("fwd merge", merges[0])]
     wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.head.backends chooses
-    cfg = kconfig.gpu_backward_config(dtype, "chunked", SMEM_LIMIT[arch], wide_epilogue, arch, lora is not None)
+    cfg = kconfig.gpu_backward_config(dtype, "chunked", arch, wide_epilogue, lora is not None)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
         grads = HeadGrads(torch.empty(hidden.shape), torch.zeros(V, D), grad_bias, *grad_lora)
         head = HeadOperands(hidden, weight, targets, b, transform, lora)
         backward.backward_chunked(head, stats, grad_logp, grad_entropy, grads, cfg)
     out += [("bwd chunked", launches[0])]
-    cfg = kconfig.gpu_backward_config(dtype, "fused", SMEM_LIMIT[arch], wide_epilogue, arch)
+    cfg = kconfig.gpu_backward_config(dtype, "fused", arch, wide_epilogue)
     for name, grad_weight in (("bwd fused", torch.zeros(V, D)), ("bwd fused, frozen W", None)):
         with recording(backward, "_backward_kernel") as launches:
             grads = HeadGrads(torch.zeros(hidden.shape), grad_weight, grad_bias, *grad_lora)
@@ -242,13 +254,13 @@ def layer1_launches(
     return out
 
 
-def frozen_launch(dtype, bias=False, softcap=None, entropy=True):
+def frozen_launch(arch, dtype, bias=False, softcap=None, entropy=True):
     """The frozen-head forward's tile kernel (the stand-in's 48 tokens x 4096 entries are one chunk: one launch)."""
     hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
     transform = LogitTransform(temperature=0.7, softcap=softcap, logit_scale=1.0 if softcap is None else 0.5)
     with recording(forward_frozen, "_frozen_chunk_kernel") as launches:
         head = HeadOperands(hidden, weight, targets, b, transform)
-        forward_frozen.forward_frozen_head(head, entropy, kconfig.gpu_frozen_head_config())
+        forward_frozen.forward_frozen_head(head, entropy, kconfig.gpu_frozen_head_config(arch))
     return launches[0]
 
 
@@ -345,8 +357,9 @@ LAYER1_EXTRA = (
 )
 
 
-# the divergence head (kernels/divergence.py): per dtype, the forward KL (one sweep + the backward), the JSD (its
-# second sweep, its backward's mixture) and the reverse KL with biases and soft-caps on both models
+# the divergence head (kernels/divergence_sweep.py, divergence_gradient.py): per dtype, the forward KL (one sweep +
+# the backward), the JSD (its second sweep, its backward's mixture) and the reverse KL with biases and soft-caps on both
+# models
 DIVERGENCE_VARIANTS = tuple(
     (f"div {TRITON_TYPES[d]} beta={b}", d, dict(beta=b))
     for d in (torch.bfloat16, torch.float16, torch.float32)
@@ -389,13 +402,16 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     student, teacher = _pair_heads(dtype, bias, softcap)
     N, Ds, V = student.hidden.shape[0], student.hidden.shape[1], student.weight.shape[0]
     out = []
-    with recording(kdivergence, "_sweep_kernel") as sweeps, recording(kdivergence, "_merge_splits_kernel") as merges:
-        sweep = kdivergence.records(
+    with (
+        recording(divergence_sweep, "_sweep_kernel") as sweeps,
+        recording(divergence_sweep, "_merge_splits_kernel") as merges,
+    ):
+        sweep = divergence_sweep.records(
             student,
             teacher,
             beta,
             targets=torch.zeros(N, dtype=torch.int64) if layer1 else None,
-            config=kdivergence.gpu_forward_config(dtype, SM_COUNT[arch], arch),
+            config=kconfig.gpu_sweep_config(dtype, CLASSES[arch].sm_count, arch),
         )
         finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)  # the JSD's sweep, where 0 < beta < 1
     # the record sweep, then the JSD sweep (where 0 < beta < 1): one kernel, two modes
@@ -405,14 +421,14 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     argmax = torch.zeros(2, N, dtype=torch.int64)
     layer1_term = None
     if layer1:
-        layer1_term = kdivergence.Layer1Gradient(
+        layer1_term = divergence_gradient.Layer1Gradient(
             torch.zeros(N, dtype=torch.int64),
             torch.zeros(len(BackwardStats._fields), N),
             torch.ones(N),
             torch.ones(N) if layer1 == "entropy" else None,
         )
-    with recording(kdivergence, "_backward_kernel") as bwd:
-        kdivergence.backward(
+    with recording(divergence_gradient, "_g_kernel") as bwd:
+        divergence_gradient.backward(
             torch.ones(N),
             student,
             teacher,
@@ -420,18 +436,18 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
             argmax,
             beta,
             (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None),
-            config=kdivergence.gpu_backward_config(
+            config=kconfig.gpu_g_config(
                 dtype,
                 layer1 is not None,
                 arch,
-                narrow_epilogue=kdivergence.narrow_g_epilogue(student, teacher, beta, layer1 is not None),
+                narrow_epilogue=kconfig.narrow_g_epilogue(student, teacher, divergence_of(beta), layer1 is not None),
             ),
             layer1=layer1_term,
         )
     return out + [("div bwd", bwd[0])]
 
 
-# the fused distillation loss (kernels.divergence.loss_gradients): the record sweep, the JSD sweep and the g kernel
+# the fused distillation loss (kernels.divergence_loss.loss_gradients): the record sweep, the JSD sweep and the g kernel
 # reading both models' products from memory (no dot), per dtype and mode, and with biases and soft-caps
 STORED_VARIANTS = (
     ("div stored bf16 beta=1", torch.bfloat16, dict(beta=1.0)),
@@ -453,19 +469,19 @@ def stored_launches(arch, dtype, beta, bias=False, softcap=None, layer1=False):
     N, Ds, V = student.hidden.shape[0], student.hidden.shape[1], student.weight.shape[0]
     grads = (torch.empty(N, Ds), torch.zeros(V, Ds), torch.zeros(V) if bias else None)
     with (
-        recording(kdivergence, "_sweep_kernel") as sweeps,
-        recording(kdivergence, "_merge_splits_kernel"),
-        recording(kdivergence, "_backward_kernel") as bwd,
+        recording(divergence_sweep, "_sweep_kernel") as sweeps,
+        recording(divergence_sweep, "_merge_splits_kernel"),
+        recording(divergence_gradient, "_g_kernel") as bwd,
     ):
-        kdivergence.loss_gradients(
+        divergence_loss.loss_gradients(
             student,
             teacher,
             beta,
             torch.ones(N),
             grads,
             N,
-            kdivergence.gpu_stored_configs(SM_COUNT[arch]),
-            kdivergence.LossLayer1(torch.zeros(N, dtype=torch.int64), lambda n0, n1, *_: torch.ones(n1 - n0))
+            kconfig.gpu_stored_configs(CLASSES[arch].sm_count, arch),
+            divergence_loss.LossLayer1(torch.zeros(N, dtype=torch.int64), lambda n0, n1, *_: torch.ones(n1 - n0))
             if layer1
             else None,
         )
@@ -507,7 +523,8 @@ def all_launches(arch):
             for name, launch in layer1_launches(arch, dtype, **kw)
         ]
     out += [
-        (name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(dtype, **kw)) for name, dtype, kw in FROZEN_VARIANTS
+        (name, "fwd frozen", TRITON_TYPES[dtype], frozen_launch(arch, dtype, **kw))
+        for name, dtype, kw in FROZEN_VARIANTS
     ]
     out += [(name, "fwd", "bf16", launch) for name, launch in tuning_launches(arch)]
     out += [
@@ -523,52 +540,83 @@ def all_launches(arch):
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 
-def compile_all(archs):
-    """[{arch, kernel, family, dtype, REG, SHARED (static + dynamic, bytes), LOCAL, STACK, smem_limit, ctas_per_sm,
-    MEMBAR_GPU, MEMBAR_CTA, ATOM, RED (sass_memory_ops), tensor_cores, error}]."""
+def compiled_row(arch, launch):
+    """One launch compiled for ``arch``: {REG, SHARED (static + dynamic, bytes), LOCAL, STACK, ctas_per_sm,
+    MEMBAR_GPU, MEMBAR_CTA, ATOM, RED (sass_memory_ops), tensor_cores}, or {error}."""
+    signature, constexprs, attrs, options = specialise(launch)
+    try:
+        compiled = triton.compile(
+            ASTSource(launch.kernel, signature, constexprs, attrs),
+            target=GPUTarget("cuda", arch, 32),
+            options=options,
+        )
+    except Exception as e:  # noqa: BLE001 - every compiler failure is a result to report
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    usage = resource_usage(compiled.asm["cubin"])
+    row = dict(
+        tensor_cores=tensor_core_instruction(compiled.asm["ptx"]),
+        REG=usage["REG"],
+        LOCAL=usage["LOCAL"],
+        STACK=usage["STACK"],
+        SHARED=usage["SHARED"] + compiled.metadata.shared,
+    )
+    row["ctas_per_sm"] = ctas_per_sm(arch, row["REG"], row["SHARED"], options["num_warps"])
+    return row | sass_memory_ops(compiled.asm["cubin"])
+
+
+def _specialisation(arch, launch):
+    """What the compiler sees of a launch: two launches alike in it compile to the same code."""
+    signature, constexprs, attrs, options = specialise(launch)
+    return (
+        arch,
+        launch.kernel.fn,
+        *(tuple(sorted((k, repr(v)) for k, v in d.items())) for d in (signature, constexprs, attrs, options)),
+    )
+
+
+_PENDING = []  # (arch, launch) of each distinct specialisation, for the worker processes (forked: inherited)
+
+
+def _compile_pending(i):
+    return compiled_row(*_PENDING[i])
+
+
+def compile_all(archs, jobs=None):
+    """[{arch, kernel, family, dtype, num_warps, num_stages, smem_limit, descriptors, error, and compiled_row's}]: a
+    row a variant, each distinct specialisation compiled once, by ``jobs`` processes (default: one a core)."""
+    variants = [(arch, *variant) for arch in archs for variant in all_launches(arch)]
+    keys = [_specialisation(arch, launch) for arch, _, _, _, launch in variants]
+    distinct = list(dict.fromkeys(keys))
+    _PENDING[:] = [next(v for v, k in zip(variants, keys) if k == key)[::4] for key in distinct]
+    jobs = jobs or os.cpu_count() or 1
+    if jobs > 1 and len(_PENDING) > 1:
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(_PENDING))) as pool:
+            results = dict(zip(distinct, pool.map(_compile_pending, range(len(_PENDING)), chunksize=1)))
+    else:
+        results = {key: _compile_pending(i) for i, key in enumerate(distinct)}
     rows = []
-    for arch in archs:
-        for name, family, dtype, launch in all_launches(arch):
-            signature, constexprs, attrs, options = specialise(launch)
-            row = {
-                "descriptors": sum(v.startswith("tensordesc") for v in signature.values()),
-                "arch": arch,
-                "kernel": name,
-                "family": family,
-                "dtype": dtype,
-                "num_warps": options["num_warps"],
-                "num_stages": options["num_stages"],
-                "smem_limit": SMEM_LIMIT[arch],
-                "error": None,
-            }
-            try:
-                compiled = triton.compile(
-                    ASTSource(launch.kernel, signature, constexprs, attrs),
-                    target=GPUTarget("cuda", arch, 32),
-                    options=options,
-                )
-            except Exception as e:  # noqa: BLE001 - every compiler failure is a result to report
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                rows.append(row)
-                continue
-            usage = resource_usage(compiled.asm["cubin"])
-            row["tensor_cores"] = tensor_core_instruction(compiled.asm["ptx"])
-            row.update(
-                REG=usage["REG"],
-                LOCAL=usage["LOCAL"],
-                STACK=usage["STACK"],
-                SHARED=usage["SHARED"] + compiled.metadata.shared,
-            )
-            row["ctas_per_sm"] = ctas_per_sm(arch, row["REG"], row["SHARED"], row["num_warps"])
-            row.update(sass_memory_ops(compiled.asm["cubin"]))
-            rows.append(row)
+    for (arch, name, family, dtype, launch), key in zip(variants, keys):
+        signature, _, _, options = specialise(launch)
+        row = {
+            "descriptors": sum(v.startswith("tensordesc") for v in signature.values()),
+            "arch": arch,
+            "kernel": name,
+            "family": family,
+            "dtype": dtype,
+            "num_warps": options["num_warps"],
+            "num_stages": options["num_stages"],
+            "smem_limit": CLASSES[arch].smem_per_block,
+            "error": None,
+        }
+        rows.append(row | results[key])
     return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[90, 89, 80], choices=sorted(SMEM_LIMIT))
+    parser.add_argument("--arch", type=int, nargs="+", default=list(CLASSES), choices=list(CLASSES))
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
+    parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: one a core)")
     parser.add_argument(
         "--allow-spill",
         type=int,
@@ -578,7 +626,7 @@ def main(argv=None):
         "Triton's compiler (.ci/run's lowest declared Triton); default 0",
     )
     args = parser.parse_args(argv)
-    rows = compile_all(args.arch)
+    rows = compile_all(args.arch, args.jobs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -17,7 +17,9 @@ import torch
 from grpo_fast.distillation import torch_twin
 from grpo_fast.head.ops import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import divergence as kdivergence
+from grpo_fast.kernels import divergence_gradient
+from grpo_fast.kernels import divergence_loss as fused_loss
+from grpo_fast.kernels import divergence_sweep
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead
 
 
@@ -138,7 +140,7 @@ def _forward(*arguments):
     if frozen_head:
         return torch_twin.forward(student, teacher, operands.beta, frozen_head=True)
     if operands.backend == "triton" and student.hidden.shape[0] > 0:
-        out = kdivergence.forward(student, teacher, operands.beta)
+        out = divergence_sweep.forward(student, teacher, operands.beta)
     else:  # the torch twin, also for no scored rows on either backend (nothing to launch)
         out = torch_twin.forward(student, teacher, operands.beta)[:4]
     return (*out, student.hidden.new_empty(0, dtype=torch.float32))
@@ -175,7 +177,7 @@ def _backward_impl(*arguments):
     grads = gradient_buffers(*operands[:3], arguments[-3:])
     if operands.student_hidden.shape[0] > 0:
         student, teacher = operands.model_heads()
-        sweep = kdivergence.backward if operands.backend == "triton" else torch_twin.backward
+        sweep = divergence_gradient.backward if operands.backend == "triton" else torch_twin.backward
         sweep(grad_divergence.float().contiguous(), student, teacher, saved, argmax, operands.beta, grads)
     return gradients_out(grads, *operands[:3])
 
@@ -260,7 +262,7 @@ def _loss_impl(*arguments):
     weights = weights.float().contiguous()
     student, teacher = operands.model_heads()
     if operands.backend == "triton" and hidden.shape[0] > 0:
-        div, entropy, _ = kdivergence.loss_gradients(
+        div, entropy, _ = fused_loss.loss_gradients(
             student, teacher, operands.beta, weights, grads, token_chunk or None
         )
     else:

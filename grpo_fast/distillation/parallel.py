@@ -26,7 +26,8 @@ import torch.distributed as dist
 from grpo_fast.distillation import torch_twin
 from grpo_fast.head.torch_twin import CHUNK_N
 from grpo_fast.head.vocab_parallel import VocabShard, resolve
-from grpo_fast.kernels import divergence as kdivergence
+from grpo_fast.kernels import divergence_gradient
+from grpo_fast.kernels import divergence_sweep
 from grpo_fast.kernels import divergence_records
 from grpo_fast.kernels.divergence_records import ModelHead, Record
 
@@ -149,7 +150,7 @@ def forward(
         equal on every rank.
     """
     if backend == "triton" and not frozen_head and student.weight.shape[0] > 0:
-        sweep = kdivergence.records(student, teacher, beta, offset=shard.offset)
+        sweep = divergence_sweep.records(student, teacher, beta, offset=shard.offset)
         local, local_jsd, frozen = (sweep.student, sweep.teacher), sweep.jsd_sweep, None
     else:
         local, local_jsd, frozen = _torch_records(student, teacher, beta, shard, frozen_head)
@@ -325,7 +326,7 @@ class VocabParallelDivergence(torch.autograd.Function):
         if student.hidden.shape[0] > 0 and grad_divergence is not None:
             # a shard of no rows has nothing to recompute (its part of dH is 0): the twin's loops run empty
             triton_shard = ctx.backend == "triton" and student.weight.shape[0] > 0
-            sweep = kdivergence.backward if triton_shard else torch_twin.backward
+            sweep = divergence_gradient.backward if triton_shard else torch_twin.backward
             grads = (grad_hidden, grad_weight, grad_bias)
             c = grad_divergence.float().contiguous()
             sweep(c, student, teacher, saved, argmax, ctx.beta, grads, offset=ctx.shard.offset)

@@ -36,7 +36,8 @@ from grpo_fast.distillation.ops import (
 from grpo_fast.head import ops
 from grpo_fast.head import torch_twin as layer1_twin
 from grpo_fast.head.torch_twin import CHUNK_N, CHUNK_V, add_tile_gradients
-from grpo_fast.kernels import divergence as kdivergence
+from grpo_fast.kernels import divergence_gradient
+from grpo_fast.kernels import divergence_sweep
 from grpo_fast.kernels import softmax_stats
 from grpo_fast.kernels.divergence_records import (
     SAVED_FIELDS,
@@ -129,7 +130,7 @@ def triton_forward(student, targets, teacher, beta):
     torch twin (nothing to launch)."""
     if student.hidden.shape[0] == 0:
         return forward(student, targets, teacher, beta)
-    sweep = kdivergence.records(student, teacher, beta, targets=targets)
+    sweep = divergence_sweep.records(student, teacher, beta, targets=targets)
     logp, entropy, layer1 = softmax_stats.finish(layer1_record(sweep.student, targets, sweep.target_logit), True)
     div, _, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
     return logp, entropy, div, torch.stack(tuple(layer1)), saved, argmax
@@ -225,8 +226,8 @@ def _backward_impl(*arguments):
     grad_logp, grad_divergence = grad_logp.float().contiguous(), grad_divergence.float().contiguous()
     grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
     if student.hidden.shape[0] > 0 and operands.backend == "triton":
-        layer1_term = kdivergence.Layer1Gradient(targets, layer1.contiguous(), grad_logp, grad_entropy)
-        kdivergence.backward(
+        layer1_term = divergence_gradient.Layer1Gradient(targets, layer1.contiguous(), grad_logp, grad_entropy)
+        divergence_gradient.backward(
             grad_divergence, student, teacher, saved, argmax, operands.beta, student_grads, layer1=layer1_term
         )
     elif student.hidden.shape[0] > 0:

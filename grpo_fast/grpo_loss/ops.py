@@ -25,7 +25,7 @@ from grpo_fast.head.ops import (
     schema_fields,
 )
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import divergence as kdivergence
+from grpo_fast.kernels import divergence_loss
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as token_kernel
 from grpo_fast.kernels.divergence_records import ModelHead
@@ -386,14 +386,14 @@ def _trained_head_loss(*arguments):
         teacher_head = ModelHead(teacher.teacher_hidden, teacher.teacher_weight, teacher.teacher_bias, transform)
         token_weights = options.aggregate_weights(batch.mask, batch.num_items_in_batch).view(-1)
         div_weights = teacher.distillation_coef * scored(token_weights.index_select(0, positions), 0, N)
-        div, entropy, logp = kdivergence.loss_gradients(
+        div, entropy, logp = divergence_loss.loss_gradients(
             ModelHead(hidden, weight, bias, head.transform),
             teacher_head,
             teacher.distillation_beta,
             div_weights.contiguous(),
             grads[:3],
             token_chunk or None,
-            layer1=kdivergence.LossLayer1(head.targets, coefficients),
+            layer1=divergence_loss.LossLayer1(head.targets, coefficients),
         )
         flat_div = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(div, 0, N))
         divergence = flat_div.view(batch.logp.shape)

@@ -1,19 +1,19 @@
-"""What the linear log-probs kernels share: the caller's choices (head path, backward mode), one
-launch-configuration type per kernel family, the configurations per GPU architecture, and the sizes the kernels can
-index.
+"""What the kernels share: the caller's choices (head path, backward mode), one launch-configuration type per kernel
+family, each family's configuration on a device (built from ``tiles``' table row of its architecture class and the
+family's rules), and the sizes the kernels can index.
 
-Each GPU configuration compiles for its architecture within the card's shared memory (the sm_compile tool checks
-every variant for sm_90 / sm_89 / sm_80 in CI); the sm_90 tiles of the forward and of the chunked backward are the
-fastest measured on an H200 (the timings are in the documentation's "How it works"), the others are argued from the
-compiled code.
+The interpreter (and a CPU device) takes small tiles everywhere; a compiled CUDA device takes its class's row
+(``tiles.arch_class`` of its compute capability: the one place an architecture is classified).
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
 import triton
+
+from . import tiles
 
 # the layer-1 path: "auto" takes the frozen-head path (J = d logp / d hidden built in the forward, two vocabulary
 # sweeps) when only ``hidden`` needs a gradient; "general" always takes the recompute path (three sweeps with a
@@ -22,7 +22,8 @@ HeadPath = Literal["auto", "general"]
 HEAD_PATHS = get_args(HeadPath)
 # the Triton backward: "chunked" (a Triton kernel writes g per token chunk, cuBLAS does the two gradient GEMMs) or
 # "fused" (one kernel, fp32 atomics, no g buffer); the torch backend has only "chunked"
-BACKWARD_MODES = ("chunked", "fused")
+BackwardMode = Literal["chunked", "fused"]
+BACKWARD_MODES = get_args(BackwardMode)
 
 
 def interpreting() -> bool:
@@ -108,10 +109,6 @@ MAX_VOCAB = MAX_GRID_AXIS_1 * 64
 MAX_ROWS = 2**31 - 1
 
 
-def _compiled(device) -> bool:
-    return not interpreting() and device.type == "cuda"
-
-
 # the interpreter (and a CPU device): small blocks keep its numpy tiles cheap; shapes in tests are not block multiples
 _INTERPRETER_TILES = dict(block_n=16, block_v=32, block_d=16, num_warps=4, num_stages=1, dot_fp32=True)
 
@@ -120,17 +117,7 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 # the input dtypes every kernel takes (the API checks them)
 FLOAT_DTYPES = tuple(DTYPE_NAMES)
 
-# The forward's tiles per architecture (bf16 / fp16; fp32 takes FP32_TILES everywhere). sm_90: 128 x 256 x 64 tiles on
-# 8 warps (two warpgroups, each a 64 x 256 wgmma), 3 stages, the copy engine: 14.0-14.3 ms for Qwen2.5-1.5B's head
-# at 16k tokens on an H200, 1.2x cuBLAS's bare product, where 128 x 128 took 18.8 and 256 x 128 14.7. sm_80 (A100,
-# 163 KiB of shared memory a block): 128 x 128 through pointers (mma.sync; 128 x 256 spills 24 bytes there, and
-# nothing has measured it). sm_89 (RTX 4090, 99 KiB): a 128 x 128 tile, 4 stages of 64-wide K steps (64 KiB): one CTA
-# an SM (240 registers a thread), so the pipeline's depth is what hides the loads' latency.
-RECORD_TILES = {
-    90: dict(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, use_tma=True),
-    80: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3, use_tma=False),
-    89: dict(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4, use_tma=False),
-}
+# ----------------------------------------------------------------------------------------------- layer 1
 # a soft-cap's tanh and slope, LoRA's second K loop or a bias keep more values alive per logit: a 256-column tile then
 # spills (hundreds of bytes on sm_80 and sm_90 for the first two, 40 for a bias), so these variants take 128 columns
 WIDE_EPILOGUE_BLOCK_V = 128
@@ -146,86 +133,124 @@ def wide_record_epilogue(has_softcap: bool, has_bias: bool, has_lora: bool) -> b
 # not compiled here, so they take the tile known not to spill)
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 COLUMNS_256 = TRITON_VERSION == (3, 6)
-# IEEE fp32 products run on the FMA units, not the tensor cores: short K steps keep registers in bounds
-FP32_TILES = dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2, use_tma=False)
 # 8 token blocks a group (the programs resident at once share their W tiles), one tile a program: measured on the
 # H200 (16 token blocks: the same time; 2 or 4 tiles a program: 4-14 % slower)
 RECORD_GROUP_N = 8
+# the fused backward with dW runs in groups of 8 vocabulary tiles: the resident programs (1 or 2 per SM: sm_compile)
+# spread over 8 vocabulary tiles x 17 to 33 token blocks, so each dW row block takes ~1/8 of the concurrent atomic
+# adds, each dH one a few
+BACKWARD_GROUP_V = 8
+
+
+def record_columns(block_v: int, wide_epilogue: bool) -> int:
+    """The forward's columns within its row's: at most WIDE_EPILOGUE_BLOCK_V for a wide epilogue or a Triton that
+    spills the 256-column tile (COLUMNS_256)."""
+    return min(block_v, WIDE_EPILOGUE_BLOCK_V) if wide_epilogue or not COLUMNS_256 else block_v
 
 
 def gpu_record_config(dtype: torch.dtype, arch: int, wide_epilogue: bool = False) -> TileRecordConfig:
-    """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90); an arch not in
-    RECORD_TILES takes the nearest lower one's (sm_100 sm_90's), one of ~100 KiB of shared memory a block sm_89's
-    (sm_86, sm_87; sm_120 and later, the consumer Blackwell cards).
-    ``wide_epilogue``: a soft-cap, LoRA or a bias (WIDE_EPILOGUE_BLOCK_V)."""
-    if dtype == torch.float32:
-        tiles = dict(FP32_TILES)
-    else:
-        known = [a for a in sorted(RECORD_TILES) if a <= arch] or [min(RECORD_TILES)]
-        tiles = dict(RECORD_TILES[89 if arch in (86, 87, 89) or arch >= 120 else known[-1]])
-        if wide_epilogue or not COLUMNS_256:
-            tiles["block_v"] = min(tiles["block_v"], WIDE_EPILOGUE_BLOCK_V)
-    return TileRecordConfig(**tiles, dot_fp32=False, tiles=1, group_n=RECORD_GROUP_N)
+    """The compiled forward's configuration on a device of compute capability ``arch`` (90: sm_90): ``tiles.RECORD``'s
+    row of its class, at most ``record_columns`` wide. ``wide_epilogue``: a soft-cap, LoRA or a bias."""
+    row = tiles.RECORD.row(dtype, arch)
+    if dtype != torch.float32:
+        row = replace(row, block_v=record_columns(row.block_v, wide_epilogue))
+    return TileRecordConfig(**row.fields(), dot_fp32=False, tiles=1, group_n=RECORD_GROUP_N)
 
 
 def gpu_backward_config(
-    dtype: torch.dtype,
-    mode: str,
-    smem_per_block: int,
-    wide_epilogue: bool = False,
-    arch: int = 80,
-    lora: bool = False,
+    dtype: torch.dtype, mode: str, arch: int, wide_epilogue: bool = False, lora: bool = False
 ) -> BackwardConfig:
-    """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device of compute capability
-    ``arch`` with ``smem_per_block`` bytes of shared memory per block. ``wide_epilogue``: the tile gradient also has
-    a soft-cap slope or an entropy term (more live values per logit); ``lora``: the logits have LoRA's K loop."""
-    big_smem = smem_per_block >= 160 * 1024  # A100 / H100 class; an RTX 4090 has 99 KiB per block
-    if dtype == torch.float32:
-        tiles = (
-            dict(block_n=32, block_v=64, block_d=16, num_warps=4, num_stages=2)
-            if mode == "fused"
-            else dict(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=2)
-        )
-    elif mode == "chunked" and arch >= 90 and big_smem:
-        # Hopper: the forward's 128 x 256 tile through the copy engine (on an H200 the chunked backward of
-        # Qwen2.5-1.5B's head at 16k tokens took 41.5 ms with it, 45.0 with 128 x 128, both through pointers); Triton
-        # versions other than 3.6 and LoRA (184 bytes of spill at 256) keep 128 x 128, the wider epilogue (its extra
-        # live values per logit) 128 x 64
-        block_v = 64 if wide_epilogue else 256 if COLUMNS_256 and not lora else 128
-        tiles = dict(block_n=128, block_v=block_v, block_d=64, num_warps=8, num_stages=3)
-        return BackwardConfig(**tiles, dot_fp32=False, group_v=8, use_tma=True)
-    elif mode == "chunked":
-        # a 128 x 128 tile with the soft-cap slope and the entropy term needs all 255 registers and spills on sm_8x
-        tiles = dict(block_n=128, block_v=64 if wide_epilogue else 128, block_d=64, num_warps=8, num_stages=3)
-    else:
-        # the fused backward also stages W and H tiles for its two gradient products
-        tiles = dict(block_n=64, block_v=128, block_d=32, num_warps=8, num_stages=3 if big_smem else 2)
-    # 8 vocabulary tiles a group: the resident programs (1 or 2 per SM: sm_compile) spread over 8 vocabulary tiles
-    # x 17 to 33 token blocks, so each dW row block takes ~1/8 of the concurrent atomic adds, each dH one a few
-    return BackwardConfig(**tiles, dot_fp32=False, group_v=8)
+    """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device of compute capability ``arch``:
+    ``tiles.CHUNKED_BACKWARD``'s or ``tiles.FUSED_BACKWARD``'s row of its class. ``wide_epilogue``: the tile gradient
+    also has a soft-cap slope or an entropy term (more live values per logit: 64 columns in the chunked mode);
+    ``lora``: the logits have LoRA's K loop (a copy-engine row: 128 columns, 184 bytes of spill at 256)."""
+    table = tiles.CHUNKED_BACKWARD if mode == "chunked" else tiles.FUSED_BACKWARD
+    row = table.row(dtype, arch)
+    if mode == "chunked" and dtype != torch.float32:
+        if wide_epilogue:
+            row = replace(row, block_v=64)
+        elif row.use_tma and (lora or not COLUMNS_256):
+            row = replace(row, block_v=min(row.block_v, 128))
+    return BackwardConfig(**row.fields(), dot_fp32=False, group_v=BACKWARD_GROUP_V)
 
 
-def gpu_frozen_head_config() -> FrozenHeadConfig:
-    """The compiled frozen-head tile kernel's configuration (the same for every card and dtype): few rows per
-    program, so that one token chunk fills the GPU (1536 rows / 2 = 768 programs)."""
-    return FrozenHeadConfig(block_n=2, block_v=512, num_warps=4, num_stages=1, gemm_fp32=False)
+def gpu_frozen_head_config(arch: int = 90) -> FrozenHeadConfig:
+    """The compiled frozen-head tile kernel's configuration (``tiles.FROZEN_HEAD``: the same on every card and
+    dtype)."""
+    row = tiles.FROZEN_HEAD.row(torch.bfloat16, arch)
+    return FrozenHeadConfig(
+        block_n=row.block_n, block_v=row.block_v, num_warps=row.num_warps, num_stages=row.num_stages, gemm_fp32=False
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the divergence head
+# the g kernel's columns for a narrow epilogue on a copy-engine row (narrow_g_epilogue), and for the combined head's
+# on a pointer row (layer 1's term: no spills at 32)
+NARROW_G_BLOCK_V = 128
+LAYER1_POINTER_G_BLOCK_V = 32
+
+
+def narrow_g_epilogue(student, teacher, divergence, layer1: bool) -> bool:
+    """Whether the g kernel's epilogue for these ModelHeads is a narrow one (``gpu_g_config``): a divergence without
+    a mixture (divergence_records.Divergence.mixture false: the forward or the reverse KL), no soft-cap and no bias
+    on either model, no layer-1 term."""
+    softcap = student.transform.softcap is not None or teacher.transform.softcap is not None
+    bias = student.bias is not None or teacher.bias is not None
+    return not (divergence.mixture or softcap or bias or layer1)
+
+
+def gpu_sweep_config(dtype: torch.dtype, sm_count: int, arch: int = 90, descriptors_fit: bool = True) -> ForwardConfig:
+    """The compiled sweep kernel's launch (the record sweep and the JSD sweep) on a GPU of ``sm_count``
+    multiprocessors (the programs of one wave) and compute capability ``arch``: ``tiles.SWEEP``'s row of its class,
+    its pointer row where the tensors do not fit the copy engine (``descriptors_fit`` false)."""
+    row = tiles.SWEEP.row(dtype, arch, descriptors_fit)
+    return ForwardConfig(**row.fields(), dot_fp32=False, target_programs=sm_count)
+
+
+def gpu_g_config(
+    dtype: torch.dtype,
+    layer1: bool = False,
+    arch: int = 90,
+    descriptors_fit: bool = True,
+    narrow_epilogue: bool = False,
+) -> BackwardConfig:
+    """The compiled g kernel's launch on a GPU of compute capability ``arch``: ``tiles.G``'s row of its class, its
+    pointer row where the tensors do not fit the copy engine; ``layer1``: the combined head's backward, whose
+    half-precision epilogue also holds layer 1's term (LAYER1_POINTER_G_BLOCK_V columns on a pointer row);
+    ``narrow_epilogue``: ``narrow_g_epilogue``'s (NARROW_G_BLOCK_V columns on a copy-engine row)."""
+    row = tiles.G.row(dtype, arch, descriptors_fit)
+    if dtype != torch.float32:
+        if layer1 and not row.use_tma:
+            row = replace(row, block_v=LAYER1_POINTER_G_BLOCK_V)
+        if narrow_epilogue and not layer1 and row.use_tma:
+            row = replace(row, block_v=NARROW_G_BLOCK_V)
+    return BackwardConfig(**row.fields(), dot_fp32=False, group_v=1)
+
+
+def gpu_stored_configs(sm_count: int, arch: int = 90) -> tuple[ForwardConfig, BackwardConfig]:
+    """The compiled record sweep's and g kernel's launches over products in memory (``tiles.STORED``) on a GPU of
+    ``sm_count`` multiprocessors."""
+    row = tiles.STORED.row(torch.bfloat16, arch).fields()
+    return ForwardConfig(**row, dot_fp32=False, target_programs=sm_count), BackwardConfig(
+        **row, dot_fp32=False, group_v=1
+    )
+
+
+# ----------------------------------------------------------------------------------------------- on a device
+def _compiled(device) -> bool:
+    return not interpreting() and device.type == "cuda"
 
 
 def _device_props(device):
-    """(SM count, shared memory per block, arch as 10 major + minor) of a CUDA device."""
+    """(SM count, arch as 10 major + minor) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
-    # shared_memory_per_block_optin: the most one block may ask for (227 KiB on H100, 99 KiB on an RTX 4090)
-    return (
-        props.multi_processor_count,
-        getattr(props, "shared_memory_per_block_optin", 0) or 101376,
-        10 * props.major + props.minor,
-    )
+    return props.multi_processor_count, 10 * props.major + props.minor
 
 
 def compiled_arch(device: torch.device) -> int | None:
     """The compute capability (10 x major + minor) the kernels compile for on ``device``; None where they do not
     compile (the interpreter, a CPU)."""
-    return _device_props(device)[2] if _compiled(device) else None
+    return _device_props(device)[1] if _compiled(device) else None
 
 
 def forward_config(device: torch.device, dtype: torch.dtype, wide_epilogue: bool = False) -> TileRecordConfig:
@@ -234,20 +259,52 @@ def forward_config(device: torch.device, dtype: torch.dtype, wide_epilogue: bool
     soft-cap, LoRA or a bias."""
     if not _compiled(device):
         return TileRecordConfig(**_INTERPRETER_TILES, tiles=2, group_n=2, use_tma=False)
-    return gpu_record_config(dtype, _device_props(device)[2], wide_epilogue)
+    return gpu_record_config(dtype, compiled_arch(device), wide_epilogue)
 
 
 def backward_config(
     device: torch.device, dtype: torch.dtype, mode: str, wide_epilogue: bool = False, lora: bool = False
 ) -> BackwardConfig:
+    """Layer 1's backward configuration on ``device`` for ``mode`` (``gpu_backward_config``'s)."""
     if not _compiled(device):
         # groups of 2 vocabulary tiles: the tests' shapes have partial groups
         return BackwardConfig(**_INTERPRETER_TILES, group_v=2)
-    _, smem_per_block, arch = _device_props(device)
-    return gpu_backward_config(dtype, mode, smem_per_block, wide_epilogue, arch, lora)
+    return gpu_backward_config(dtype, mode, compiled_arch(device), wide_epilogue, lora)
 
 
 def frozen_head_config(device: torch.device) -> FrozenHeadConfig:
+    """The frozen-head tile kernel's configuration on ``device`` (the interpreter: fp32 GEMMs, small tiles)."""
     if not _compiled(device):
         return FrozenHeadConfig(block_n=16, block_v=32, num_warps=4, num_stages=1, gemm_fp32=True)
-    return gpu_frozen_head_config()
+    return gpu_frozen_head_config(compiled_arch(device))
+
+
+def sweep_config(device: torch.device, dtype: torch.dtype, descriptors_fit: bool = True) -> ForwardConfig:
+    """The divergence sweep kernel's launch on ``device`` for a student of ``dtype`` (``gpu_sweep_config``'s; the
+    interpreter's small tiles on a CPU); ``descriptors_fit``: whether both models' tensors can be read through tensor
+    descriptors."""
+    if not _compiled(device):
+        return ForwardConfig(**_INTERPRETER_TILES, target_programs=8)
+    sm_count, arch = _device_props(device)
+    return gpu_sweep_config(dtype, sm_count, arch, descriptors_fit)
+
+
+def g_config(
+    device: torch.device,
+    dtype: torch.dtype,
+    layer1: bool = False,
+    descriptors_fit: bool = True,
+    narrow_epilogue: bool = False,
+) -> BackwardConfig:
+    """The divergence g kernel's launch on ``device`` for a student of ``dtype`` (``gpu_g_config``'s)."""
+    if not _compiled(device):
+        return BackwardConfig(**_INTERPRETER_TILES, group_v=1)
+    return gpu_g_config(dtype, layer1, compiled_arch(device), descriptors_fit, narrow_epilogue)
+
+
+def stored_configs(device: torch.device) -> tuple[ForwardConfig, BackwardConfig]:
+    """``gpu_stored_configs`` on ``device`` (the interpreter's small tiles on a CPU)."""
+    if not _compiled(device):
+        return ForwardConfig(**_INTERPRETER_TILES, target_programs=8), BackwardConfig(**_INTERPRETER_TILES, group_v=1)
+    sm_count, arch = _device_props(device)
+    return gpu_stored_configs(sm_count, arch)

@@ -1,6 +1,7 @@
-"""The divergence head's per-token records, in plain torch: one model's mergeable record over a set of vocabulary
-entries, its merge, the outputs and saved values finished from both models' merged records, and layer 1's record
-taken from the student's (``layer1_record``: the combined GRPO + distillation head). The Triton sweep
+"""The divergence head's divergences and per-token records, in plain torch: the ``Divergence`` records (what varies
+between the divergences, read by the kernels as a constexpr MODE), one model's mergeable record over a set of
+vocabulary entries, its merge, the outputs and saved values finished from both models' merged records, and layer 1's
+record taken from the student's (``layer1_record``: the combined GRPO + distillation head). The Triton sweep
 kernel builds the same records in registers (its wrapper merges the vocabulary splits here), the torch twin merges
 its chunks with them, a vocab-parallel head its ranks.
 
@@ -28,11 +29,47 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
 from .softmax_stats import SoftmaxStats
+
+DivergenceName = Literal["forward_kl", "reverse_kl", "jsd"]
+DIVERGENCE_NAMES: tuple[str, ...] = get_args(DivergenceName)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One divergence of the head: its name and the facts its readers need besides its formula. Its formula stands
+    once per implementation, each dispatching on the record and raising on one it does not know: ``finish`` (the
+    outputs from the records), the Triton g formula (``divergence_tile.logit_gradient``, by ``mode``), the torch
+    twin's (``backends.divergence_twin.logit_grad``); the spec's is grpo_fast.reference.divergence_and_entropy's.
+
+    Attributes:
+        name: one of DIVERGENCE_NAMES (grpo_fast.reference's terms: KL(p_t || p_s), KL(p_s || p_t), the generalized
+            JSD beta KL(p_t || m) + (1 - beta) KL(p_s || m)).
+        mode: the kernels' constexpr MODE: which g formula the g kernel compiles.
+        mixture: it compares each model with the mixture m = (1 - beta) p_s + beta p_t, which needs both models'
+            final normalisers: a second sweep over the vocabulary (the JSD sweep) after the records.
+    """
+
+    name: DivergenceName
+    mode: int
+    mixture: bool = False
+
+
+FORWARD_KL = Divergence("forward_kl", 0)  # TRL's beta 0: KL(p_t || p_s)
+REVERSE_KL = Divergence("reverse_kl", 1)  # TRL's beta 1 (its default): KL(p_s || p_t)
+JSD = Divergence("jsd", 2, mixture=True)  # TRL's 0 < beta < 1
+DIVERGENCES = {d.name: d for d in (FORWARD_KL, REVERSE_KL, JSD)}
+
+
+def divergence_of(beta: float) -> Divergence:
+    """The divergence TRL's ``beta`` (in [0, 1]) selects: 0 the forward KL, 1 the reverse KL, between the JSD."""
+    return FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else JSD
+
 
 # the per-token values the forward saves for the backward, one [len(SAVED_FIELDS), N] fp32 tensor in this order; the
 # last two: beta = 1: g_a and C_s / S_s; the JSD: r_a and sum_v p_s (r_v - r_a); beta = 0: zeros. Beside it, both
@@ -178,7 +215,7 @@ def finish(
         student: the student's Record over the whole vocabulary, [n].
         teacher: the teacher's, [n].
         beta: in [0, 1]: 0 the forward KL, 1 the reverse KL, between the generalized JSD.
-        jsd_sweep: the JSD's second sweep (called for 0 < beta < 1 only).
+        jsd_sweep: the JSD's second sweep (called for a divergence with a mixture only).
 
     Returns:
         (divergence [n] fp32 (+inf where unsupported), the student's entropy [n] fp32, saved
@@ -187,17 +224,20 @@ def finish(
     student_finished, student_sumexp = _finished(student)
     teacher_finished, teacher_sumexp = _finished(teacher)
     entropy = student_finished.log_sumexp - student.zsum / student_sumexp
-    if beta == 0.0:
+    divergence = divergence_of(beta)
+    if divergence == FORWARD_KL:
         div = (teacher.cross / teacher_sumexp - teacher_finished.log_sumexp) + (student.max - teacher.other)
         div = torch.where(teacher.unsupported, float("inf"), div + student_finished.log_sumexp)
         reference = excess = torch.zeros_like(div)  # the backward reads only the records
-    elif beta == 1.0:
+    elif divergence == REVERSE_KL:
         div = (student.cross / student_sumexp - student_finished.log_sumexp) + (teacher.max - student.other)
         div = torch.where(student.unsupported, float("inf"), div + teacher_finished.log_sumexp)
         reference, excess = student.max - student.other, student.cross / student_sumexp
-    else:
+    elif divergence == JSD:
         reference = _top_log_ratio(student_finished, teacher_finished, student.other, beta)
         div, excess = jsd_sweep(student_finished, teacher_finished, reference)
+    else:
+        raise ValueError(f"finish has no formula for the divergence {divergence.name!r}")
     return (
         div,
         entropy,

@@ -1,5 +1,5 @@
 """The forward's tile timed on first use and cached on disk: a choice among a few candidates per card, for users
-whose shapes or card the fixed table (``config.RECORD_TILES``) was not measured on. Off by default.
+whose shapes or card the fixed table (``tiles.RECORD``) was not measured on. Off by default.
 
 ``GRPO_FAST_TUNE=1`` turns it on. The first Triton forward of a (card, Triton version, dtype, epilogue, D, V, token
 bucket) then times ``record_candidates`` on its own inputs (CUDA events, the median of a few warm runs each),
@@ -24,21 +24,14 @@ from dataclasses import asdict, replace
 
 import torch
 
-from .config import RECORD_TILES, TRITON_VERSION, TileRecordConfig, compiled_arch, forward_config, gpu_record_config
+from . import tiles
+from .config import TRITON_VERSION, TileRecordConfig, compiled_arch, forward_config, gpu_record_config
 
 ENV_TUNE = "GRPO_FAST_TUNE"
 ENV_CACHE_DIR = "GRPO_FAST_CACHE_DIR"
 CACHE_FILE = "forward-tiles.json"
 WARMUP, REPS = 1, 5
 MIN_BUCKET = 1024
-
-# the candidates beside the fixed table's tile, per architecture (RECORD_TILES' keys), as changes to it: deeper or
-# shallower pipelines, the transposed tile, and narrower tiles for shapes where the grid is small (few tokens)
-_VARIANTS = {
-    90: (dict(num_stages=4), dict(block_v=128, num_stages=4), dict(block_n=64, num_warps=4, num_stages=4)),
-    80: (dict(num_stages=4), dict(block_v=64, num_warps=4, num_stages=4), dict(block_n=64, num_warps=4, num_stages=4)),
-    89: (dict(num_stages=3), dict(block_v=64, num_warps=4), dict(block_n=64, num_warps=4)),
-}
 
 
 def enabled() -> bool:
@@ -53,16 +46,14 @@ def cache_path() -> str:
 
 
 def record_candidates(dtype: torch.dtype, arch: int, wide_epilogue: bool = False) -> list[TileRecordConfig]:
-    """The fixed table's configuration first, then its variants for this architecture (none for fp32, whose FMA
-    tiles are one), each kept within the table's rules (128 columns for a wide epilogue or a Triton that spills at
-    256); no configuration twice."""
+    """The fixed table's configuration first, then its variants for this architecture's class
+    (``tiles.RECORD_VARIANTS``; none for fp32, whose FMA tiles are one), each kept within the table's rules (128
+    columns for a wide epilogue or a Triton that spills at 256); no configuration twice."""
     default = gpu_record_config(dtype, arch, wide_epilogue)
     if dtype == torch.float32:
         return [default]
-    known = [a for a in sorted(RECORD_TILES) if a <= arch] or [min(RECORD_TILES)]
-    family = 89 if arch in (86, 87, 89) or arch >= 120 else known[-1]
     out = [default]
-    for change in _VARIANTS[family]:
+    for change in tiles.RECORD_VARIANTS[tiles.arch_class(arch).name]:
         candidate = replace(default, **change)
         if candidate.block_v > default.block_v:  # the table's column limit holds for every candidate
             candidate = replace(candidate, block_v=default.block_v)
