@@ -32,7 +32,7 @@ from grpo_fast.grpo_loss.api import Metrics, loss, sampling_importance_weights, 
 from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
 from grpo_fast.head.api import logprobs, logprobs_and_entropy
 from grpo_fast.head.lora import HeadLora
-from grpo_fast.head.vocab_parallel import VocabShard
+from grpo_fast.head.shard import VocabShard
 
 __all__ = [
     "loss",

@@ -82,7 +82,8 @@ def assert_close_to_scale(actual, expected, rtol, name=""):
     order (another chunking, row selection, GEMM, fused or not; another CPU) agree to the rounding of the quantity's
     scale. An entry that cancels to near zero (a gradient, a divergence) keeps an error of that scale, not a
     fraction of itself, so an element-wise rtol on it fails on other machines."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, f"{name}: {actual} vs {expected}"
+    what = f"{name}: {actual.dtype} {tuple(actual.shape)} vs {expected.dtype} {tuple(expected.shape)}"
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     err, scale = (a - e).abs().max().item(), e.abs().max().item()
     assert err <= rtol * scale, f"{name}: max error {err:.3g} vs {rtol:g} x max |expected| {scale:.3g}"

@@ -246,7 +246,7 @@ GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.fixture(autouse=True)
 def _small_torch_chunks(monkeypatch):
     """The torch twin's chunks smaller than the test shapes, so that its records merge over tokens and vocabulary."""
-    from grpo_fast.distillation import torch_twin
+    from grpo_fast.backends import divergence_twin as torch_twin
 
     monkeypatch.setattr(torch_twin, "CHUNK_N", 16)
     monkeypatch.setattr(torch_twin, "CHUNK_V", 48)
@@ -347,7 +347,7 @@ def test_realistic_gradient_scale(backend, beta, device):
     """dL/d divergence of 1 / tokens (1e-5: TRL's mean over a large batch) from fp16 inputs: the student gradients
     in the backward's fp32 buffers (before the cast to fp16, whose subnormals would hold them) keep fp16's relative
     precision (the Triton backward scales g by an exact power of two before rounding it for the GEMMs)."""
-    from grpo_fast.distillation import torch_twin
+    from grpo_fast.backends import divergence_twin as torch_twin
     from grpo_fast.head.transform import LogitTransform
     from grpo_fast.kernels import divergence_gradient, divergence_sweep
     from grpo_fast.kernels.divergence_records import ModelHead
@@ -606,7 +606,7 @@ def test_vocabulary_sweep_flops(beta):
     against 2 N V (4 Ds + 3 Dt))."""
     from helpers import matmul_flops
 
-    from grpo_fast.distillation import torch_twin
+    from grpo_fast.backends import divergence_twin as torch_twin
     from grpo_fast.head.transform import LogitTransform
     from grpo_fast.kernels.divergence_records import ModelHead
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 from conftest import backend_device
+from helpers import assert_close_to_scale
 from test_host_syncs import count_syncs
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -53,9 +54,10 @@ def test_one_host_read_with_the_checks_none_without(backend, beta, monkeypatch, 
     # the device partition (padding rows zeroed, computed, then dropped) gives the exact selection's numbers
     mask = x["completion_mask"]
     assert torch.isfinite(div).all() and (div[~mask] == 0).all() and (div_off[~mask] == 0).all()
-    torch.testing.assert_close(div_off, div, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(grad_h_off, grad_h, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(grad_w_off, grad_w, rtol=1e-5, atol=1e-7)
+    # (to the rounding of each one's scale: dW sums other rows, the GEMMs get other shapes, entries near 0 cancel)
+    assert_close_to_scale(div_off, div, 1e-6, "divergence")
+    assert_close_to_scale(grad_h_off, grad_h, 1e-5, "d hidden")
+    assert_close_to_scale(grad_w_off, grad_w, 1e-5, "d weight")
     assert (grad_h[~mask] == 0).all()
     # and the spec's (the torch backend on CPU copies, leaves as they are)
     x_cpu = {k: v.detach().cpu().requires_grad_(v.requires_grad) for k, v in x.items()}
@@ -155,8 +157,8 @@ def test_distillation_loss_reads_the_host_once_with_the_checks_none_without(back
         assert syncs_off == []
     else:
         assert syncs.count("Tensor.tolist") == 1
-    for a, b in zip(off, on, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for name, a, b in zip(("loss", "d hidden", "d weight"), off, on, strict=True):  # other rows: to each one's scale
+        assert_close_to_scale(a, b, 1e-5, name)
     assert torch.isfinite(on[0]) and (on[1][~x["completion_mask"]] == 0).all()
 
 

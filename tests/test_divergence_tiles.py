@@ -1,7 +1,7 @@
-"""The divergence head's record sweep (kernels/divergence_sweep.py) at the launch level: every path of its launch (pointers
-or tensor descriptors, one vocabulary split or many, merged by the splits' merge kernel, the student's target logit
-gathered or not) against both models' records of the whole fp64 logits (divergence_records.tile_record), and the
-divergences finished from them against the fp64 spec.
+"""The divergence head's record sweep (kernels/divergence_sweep.py) at the launch level: every path of its launch
+(pointers or tensor descriptors, one vocabulary split or many, merged by the splits' merge kernel, the student's
+target logit gathered or not) against both models' records of the whole fp64 logits (divergence_records.tile_record),
+and the divergences finished from them against the fp64 spec.
 
 The interpreter runs the descriptor path as well as the pointer path, so both are checked here on a CPU; on a GPU the
 launch configuration is the card's (the divergence tests run it compiled).

@@ -128,8 +128,9 @@ def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from grpo_fast.backends.resolver import TORCH
     from grpo_fast.grpo_loss import ops as loss_ops
-    from grpo_fast.kernels.token_loss import TokenLossInputs
+    from grpo_fast.kernels.operands import TokenLossInputs
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self):
@@ -168,7 +169,7 @@ def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
         options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, **every_option)
         mode = LiveBytes()
         with mode:
-            grad_logp, _, _ = loss_ops.TOKEN_LOSS["torch"](
+            grad_logp, _, _ = TORCH.token_loss(
                 TokenLossInputs(logp, advantages, mask, old, ref, sampler, iw, entropy),
                 options,
                 scale=torch.tensor(0.01),

@@ -1,6 +1,6 @@
 """The frozen-head forward (a frozen lm_head: only dH needed): J = d logp / d h built in the forward, dH = c J.
 
-Both paths: the chunked torch one (grpo_fast.head.torch_twin.forward_frozen_head) and the Triton one
+Both paths: the chunked torch one (grpo_fast.backends.head_twin.forward_frozen_head) and the Triton one
 (grpo_fast.kernels.forward_frozen, through Triton's interpreter on CPU, compiled on a CUDA GPU: the ``device``
 fixture; the torch path on CPU), against the
 fp64 reference's autograd (J = d(sum logp)/dh, dH = d(sum c logp)/dh); the forward's outputs against today's
@@ -22,8 +22,9 @@ from helpers import matmul_flops
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.head import backends, torch_twin
+from grpo_fast.backends import head_twin as torch_twin
 from grpo_fast.head import ops as head_ops
+from grpo_fast.head import paths as backends
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
@@ -249,7 +250,7 @@ def test_frozen_forward_and_backward_do_two_vocabulary_gemms():
     assert matmul_flops(through_autograd) / one_gemm <= 2.2
 
 
-# ------------------------------------------------------------------ through grpo_fast.head.backends and grpo_fast.loss
+# ------------------------------------------------------------------ through grpo_fast.head.paths and grpo_fast.loss
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])

@@ -182,7 +182,7 @@ def test_trl_options_on_gpu_match_reference(dtype, options):
 def test_frozen_head_on_gpu_matches_reference(dtype, transform):
     # a frozen weight and bias, no entropy bonus: the forward builds d logp / dh (kernels/forward_frozen.py: cuBLAS
     # with fp32 output, the tile kernel, cuBLAS into fp32 J) and dH = c J; several token and vocabulary chunks
-    from grpo_fast.head import backends
+    from grpo_fast.head import paths as backends
     from grpo_fast.kernels import forward_frozen
 
     D = 264
@@ -350,8 +350,8 @@ def _layer1_matches_reference_in_token_chunks(
     against the fp32 reference computed one token chunk at a time (N x V logits would not fit): log-probs,
     entropies and every gradient of sum(c logp + e entropy); ``frozen``: the weight and bias frozen, a loss on the
     log-probs only, and the frozen-head path must be the one taken."""
-    from grpo_fast.head import backends
     from grpo_fast.head import ops as head_ops
+    from grpo_fast.head import paths as backends
     from grpo_fast.head.transform import LogitTransform
 
     transform = dict(temperature=0.7, softcap=30.0)

@@ -23,7 +23,7 @@ import triton.language as tl
 from test_confident_tokens import confident_batch
 
 from grpo_fast import reference
-from grpo_fast.head import backends
+from grpo_fast.backends.resolver import TRITON
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
@@ -103,7 +103,7 @@ def _kernel_grads(h, w, b, y, transform, stats, grad_logp, grad_entropy, mode):
     device = h.device
     grad_logp = grad_logp.to(device)
     grad_entropy = grad_entropy.to(device) if grad_entropy is not None else None
-    grad_hidden = backends.TRITON.grad_hidden_buffer(h, mode)
+    grad_hidden = TRITON.grad_hidden_buffer(h, mode)
     grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=device)
     grad_bias = torch.zeros(w.shape[0], dtype=torch.float32, device=device)
     backward = kbackward.backward_chunked if mode == "chunked" else kbackward.backward_fused

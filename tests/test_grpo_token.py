@@ -5,7 +5,7 @@ Every loss type x importance level x on/off-policy x KL on/off (bias-corrected o
 advantages, plus delta, epsilon_high, importance weights of every shape, the off-policy mask (with NaN sampler
 log-probs), the top-entropy mask, the entropy bonus, fully masked rows, ties on the clip boundary and
 num_items_in_batch, on both backends. The kernel runs on the ``device`` fixture (the interpreter on CPU, compiled on a
-CUDA GPU), the torch twin (grpo_fast.grpo_loss.torch_twin) on CPU; the inputs are drawn on CPU and moved there.
+CUDA GPU), the torch twin (grpo_fast.backends.token_loss_twin) on CPU; the inputs are drawn on CPU and moved there.
 """
 
 import itertools
@@ -17,9 +17,10 @@ from conftest import backend_device
 
 import grpo_fast
 from grpo_fast import reference
+from grpo_fast.backends import resolver
 from grpo_fast.grpo_loss import ops as loss_ops
 from grpo_fast.grpo_loss.metrics import metric_names
-from grpo_fast.kernels.token_loss import TokenLossInputs
+from grpo_fast.kernels.operands import TokenLossInputs
 
 LOSS_TYPES = reference.LOSS_TYPES
 BACKENDS = ("triton", "torch")
@@ -284,10 +285,10 @@ def test_torch_twin_returns_the_kernels_statistics(loss_type, level, per_token_a
     every_option.update(top_entropy_quantile=0.6, entropy_coef=0.01)
     options = grpo_fast.LossOptions(loss_type=loss_type, importance_sampling_level=level, **every_option)
     out = {}
-    for name, token_loss in loss_ops.TOKEN_LOSS.items():
+    for name, backend in resolver.BACKENDS.items():
         dev = backend_device(name, device)
         tensors = [x.to(dev).float().contiguous() for x in (logp, adv, mask, old, ref, sampler, iw, entropy)]
-        out[name] = token_loss(
+        out[name] = backend.token_loss(
             TokenLossInputs(*tensors),
             options,
             scale=torch.full((), 1 / 17, device=dev),
@@ -372,7 +373,7 @@ def test_torch_layer2_equals_the_spec_in_fp64(loss_type, level, per_token_adv, c
         num_items_in_batch=torch.tensor(float(num_items), dtype=torch.float64) if num_items is not None else None,
         entropy_threshold=None,
     )
-    loss, metric_values, grad_logp, grad_entropy = loss_ops._layer2(loss_ops.TOKEN_LOSS["torch"], batch, options)
+    loss, metric_values, grad_logp, grad_entropy = loss_ops._layer2(resolver.TORCH, batch, options)
     assert loss.dtype == grad_logp.dtype == torch.float64
     torch.testing.assert_close(loss, spec_loss.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad_logp, leaf.grad, rtol=1e-10, atol=1e-13)

@@ -28,8 +28,8 @@ import triton
 from conftest import assert_grad_close
 
 from grpo_fast import reference
-from grpo_fast.head import backends
 from grpo_fast.head import ops as head_ops
+from grpo_fast.head import paths as backends
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig

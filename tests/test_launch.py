@@ -19,7 +19,7 @@ from grpo_fast.grpo_loss.options import LossOptions
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import backward, divergence_sweep, forward, forward_frozen, launch, tiles, token_loss
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands, TokenLossInputs
 from grpo_fast.kernels.softmax_stats import BackwardStats
 
 # every Triton kernel and the cuBLAS helper, by the module that calls it
@@ -92,7 +92,7 @@ def _every_other_wrapper(device):
     forward_frozen.forward_frozen_record(head, True, kconfig.gpu_frozen_head_config())
     logp = torch.zeros(2, 3, device=device)
     token_loss.token_loss(
-        token_loss.TokenLossInputs(logp, torch.zeros(2, device=device), logp, logp, logp, None, None, logp),
+        TokenLossInputs(logp, torch.zeros(2, device=device), logp, logp, logp, None, None, logp),
         LossOptions(loss_type="grpo", beta=0.04),
         scale=1.0,
         entropy_threshold=None,

@@ -1,5 +1,8 @@
 """The package's import graph keeps its shape: parts import down, never up; no circle; kernels/ imports nothing of
-the package; no module borrows another part's private names; the spec stands apart from the product.
+the package; no module borrows another part's private names; the spec stands apart from the product. And the rules
+that keep each choice in one place: only the backends launch kernels; one module classifies a GPU architecture
+(kernels/tiles.py); one compares a backend's name (backends/resolver.py); no file of the package grows past 800
+lines.
 
 The graph is read from the source (every ``import`` and ``from ... import`` of grpo_fast, at module level or inside
 a function alike), not by importing it.
@@ -12,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_fast"
 # the parts, lowest first: a module may import its own part and the parts before it, never one after it
-PARTS = ("kernels", "head", "distillation", "grpo_loss", "integrations", "memory")
+PARTS = ("kernels", "backends", "head", "distillation", "grpo_loss", "integrations", "memory")
 # the spec may read the option record and the logit transform (plain records), no formula of the product
 SPEC = "reference"
 SPEC_MAY_IMPORT = {"grpo_fast.grpo_loss.options", "grpo_fast.head.transform"}
@@ -20,10 +23,19 @@ SPEC_MAY_IMPORT = {"grpo_fast.grpo_loss.options", "grpo_fast.head.transform"}
 # integrations): they may import anything
 PUBLIC_ENTRIES = {"grpo_fast", "grpo_fast.trl", "grpo_fast.verl"}
 # the longest chain of imports inside one part, and through the whole package: a few modules a part, stacked as the
-# parts are (kernels 3: backward -> tile -> config; head 5: api -> vocab_parallel -> ops -> backends -> torch_twin;
-# memory 4, its __main__ included), never a detour through another part's internals
+# parts are (kernels 5: divergence_loss -> divergence_gradient -> divergence_tile -> tile -> launch; backends 4:
+# resolver -> torch_backend -> divergence_twin -> head_twin; head 4: api -> vocab_parallel -> ops -> boundary; memory
+# 4 to grpo_loss, its __main__ included), never a detour through another part's internals: memory 4, grpo_loss 2
+# (api -> call), head 3, backends 2 (resolver -> triton_backend), kernels 5
 MAX_PART_DEPTH = 5
-MAX_DEPTH = 12
+MAX_DEPTH = 16
+# the one module that maps a compute capability to its tiles, and the one that turns a backend's name into the backend
+ARCH_CLASSIFIER = "grpo_fast.kernels.tiles"
+BACKEND_RESOLVER = "grpo_fast.backends.resolver"
+BACKEND_NAMES = {"auto", "triton", "torch"}
+# a name that holds a compute capability (or its major part)
+ARCH_NAMES = {"arch", "capability", "compute_capability", "major", "cc"}
+MAX_FILE_LINES = 800
 
 
 def _module_name(path):
@@ -190,3 +202,89 @@ def test_the_import_depth_follows_from_the_parts():
         inside = {m: {t for t in ts if _part(t) == part} for m, ts in edges.items() if _part(m) == part}
         deepest, depth = _longest_chain(inside)
         assert depth <= MAX_PART_DEPTH, f"{deepest}: {depth} modules deep inside {part}/"
+
+
+def _compares(tree):
+    """Every comparison of values in the module (not an identity test: ``is None``): (line, its operands' nodes)."""
+    return [
+        (node.lineno, [node.left, *node.comparators])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and not all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+    ]
+
+
+def _names_in(node):
+    """The identifiers a node reads (names and attributes)."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def test_one_module_classifies_an_architecture():
+    # a card's row is tiles.arch_class's to choose: nowhere else is a compute capability compared
+    wrong = []
+    for module, path in MODULES.items():
+        if module == ARCH_CLASSIFIER:
+            continue
+        for line, operands in _compares(ast.parse(path.read_text())):
+            if any(_names_in(x) & ARCH_NAMES for x in operands):
+                wrong.append(f"{module}:{line} compares a compute capability")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_backend_name_is_compared_outside_the_resolver():
+    # the resolver turns a name into the backend object, whose methods and flags the parts ask instead
+    wrong = []
+    for module, path in MODULES.items():
+        if module == BACKEND_RESOLVER:
+            continue
+        for line, operands in _compares(ast.parse(path.read_text())):
+            strings = {x.value for x in operands if isinstance(x, ast.Constant) and isinstance(x.value, str)}
+            tuples = {
+                e.value
+                for x in operands
+                if isinstance(x, (ast.Tuple, ast.List, ast.Set))
+                for e in x.elts
+                if isinstance(e, ast.Constant)
+            }
+            named_backend = any("backend" in name for x in operands for name in _names_in(x))
+            if (strings | tuples) & BACKEND_NAMES and named_backend:
+                wrong.append(f"{module}:{line} compares a backend's name")
+    assert not wrong, "\n".join(wrong)
+
+
+def _launchers():
+    """The kernels modules that launch Triton kernels: those that define a @triton.jit function, and those that import
+    one of them."""
+    jit = {
+        module for module, path in MODULES.items() if _part(module) == "kernels" and "@triton.jit" in path.read_text()
+    }
+    launchers, grew = set(jit), True
+    while grew:
+        grew = False
+        for module, imports in GRAPH.items():
+            if _part(module) == "kernels" and module not in launchers and launchers & set(imports):
+                launchers.add(module)
+                grew = True
+    return launchers
+
+
+def test_only_the_backends_launch_kernels():
+    # a part above asks its backend (grpo_fast.backends.protocol.Backend); nothing calls a kernel around it
+    launchers = _launchers()
+    assert {"grpo_fast.kernels.forward", "grpo_fast.kernels.divergence_loss"} <= launchers  # the rule reads them
+    wrong = [
+        f"{module}:{uses[0][0]} imports {target}"
+        for module, imports in GRAPH.items()
+        if _part(module) not in ("kernels", "backends")
+        for target, uses in imports.items()
+        if target in launchers
+    ]
+    assert not wrong, "\n".join(wrong)
+    # layer 2's ops reach every computation through the backend: not one kernels module, records included
+    assert not [t for t in GRAPH["grpo_fast.grpo_loss.ops"] if _part(t) == "kernels"]
+
+
+def test_no_file_of_the_package_is_over_800_lines():
+    long = {module: n for module, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, long

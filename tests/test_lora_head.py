@@ -123,13 +123,13 @@ def test_frozen_adapter_takes_the_frozen_head_path_and_an_entropy_gradient_still
     # only hidden trains: the forward builds J and J_l; an entropy gradient after all goes through the general
     # path's entropy term (lora term included)
     taken = []
-    real = grpo_fast.head.backends.takes_frozen_head
+    real = grpo_fast.head.paths.takes_frozen_head
 
     def spy(*args):
         taken.append(real(*args))
         return taken[-1]
 
-    monkeypatch.setattr(grpo_fast.head.backends, "takes_frozen_head", spy)
+    monkeypatch.setattr(grpo_fast.head.paths, "takes_frozen_head", spy)
     inputs = lora_inputs(1, 7, 40, 157, 4, torch.float32, torch.float32, device)
     _check(backend, inputs, ("hidden",), entropy_grad=True, softcap=3.0)
     _check(backend, inputs, ("hidden", "b"), entropy_grad=False)

@@ -7,7 +7,7 @@ dtypes it takes; three vocabulary sweeps; and taken exactly where the options an
 import pytest
 import torch
 from conftest import assert_grad_close, backend_device
-from helpers import matmul_flops
+from helpers import assert_close_to_scale, matmul_flops
 
 import grpo_fast
 from grpo_fast import reference
@@ -202,8 +202,8 @@ def test_without_value_checks_the_rows_are_a_device_partition_and_the_result_the
     assert trained_calls == [1, 1]
     torch.testing.assert_close(unchecked[0], checked[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(unchecked[1].logprobs, checked[1].logprobs, rtol=0, atol=1e-6)
-    for name in checked[2]:
-        torch.testing.assert_close(unchecked[2][name], checked[2][name], rtol=1e-6, atol=1e-7)
+    for name in checked[2]:  # dW sums other rows (padding): to the rounding of the gradient's scale
+        assert_close_to_scale(unchecked[2][name], checked[2][name], 1e-5, name)
 
 
 @pytest.mark.parametrize(
@@ -265,8 +265,8 @@ def test_the_chunk_is_the_callers_choice(monkeypatch):
     chunked = _loss(x, "auto", loss_type="dapo", trained_head_chunk=4)
     assert chunks == [None, 4]
     torch.testing.assert_close(chunked[0], default[0], rtol=1e-6, atol=1e-7)
-    for name in default[2]:
-        torch.testing.assert_close(chunked[2][name], default[2][name], rtol=1e-5, atol=1e-7)
+    for name in default[2]:  # dW summed chunk by chunk: to the rounding of the gradient's scale
+        assert_close_to_scale(chunked[2][name], default[2][name], 1e-5, name)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="positive int"):
             _loss(x, "auto", trained_head_chunk=bad)

@@ -25,7 +25,7 @@ from trl_harness import _PROMPTS, byte_tokenizer, tiny_prompt_dataset, tiny_qwen
 from trl_pairs import TIMING_KEYS, assert_close, assert_tensors_close, autograd_function_forbidden
 
 import grpo_fast
-from grpo_fast.distillation import torch_twin
+from grpo_fast.backends import divergence_twin
 from grpo_fast.kernels import divergence_loss
 from grpo_fast.trl import DistillationConfig, DistillationTrainer
 
@@ -290,17 +290,17 @@ def test_peft_student_with_a_frozen_head_matches_trl(tmp_path, monkeypatch):
         ours = build(DistillationTrainer, student, teacher, args, peft_config=lora)
     inputs = generation_batch(theirs)
     seen = []
-    forward, fused = torch_twin.forward, divergence_loss.loss_gradients
+    forward, fused = divergence_twin.forward, divergence_loss.loss_gradients
 
     def spy_forward(*args, frozen_head=False, **kwargs):
         seen.append(frozen_head)
         return forward(*args, frozen_head=frozen_head, **kwargs)
 
-    def spy_fused(student, teacher, beta, weights, grads, *args):
+    def spy_fused(student, teacher, beta, weights, grads, *args, **kwargs):
         seen.append(tuple(grad is not None for grad in grads) == (True, False, False))
-        return fused(student, teacher, beta, weights, grads, *args)
+        return fused(student, teacher, beta, weights, grads, *args, **kwargs)
 
-    monkeypatch.setattr(torch_twin, "forward", spy_forward)
+    monkeypatch.setattr(divergence_twin, "forward", spy_forward)
     monkeypatch.setattr(divergence_loss, "loss_gradients", spy_fused)
     loss, grads, entropy = loss_gradients_entropy(ours, inputs, forbid_trl_head=True)
     ref_loss, ref_grads, ref_entropy = loss_gradients_entropy(theirs, inputs, forbid_trl_head=False)

@@ -441,9 +441,9 @@ def test_head_path_follows_the_adapter(monkeypatch, adapter_trains):
     """A trainable head adapter needs its weight's gradient: the general path; a frozen one (and a frozen base head)
     takes the frozen-head path, which also builds the adapter's hidden-side gradient. Both exact."""
     taken = []
-    real = grpo_fast.head.backends.takes_frozen_head
+    real = grpo_fast.head.paths.takes_frozen_head
     monkeypatch.setattr(
-        grpo_fast.head.backends, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
+        grpo_fast.head.paths, "takes_frozen_head", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
     )
     model = lora_on_head()
     if not adapter_trains:

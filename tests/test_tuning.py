@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from grpo_fast.head import backends
+from grpo_fast.backends.resolver import TRITON
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
@@ -141,11 +141,11 @@ def test_on_a_compiled_card_the_backend_times_once_and_then_reads_the_cache(cach
 
     monkeypatch.setattr(kforward, "forward_record", forward_record)
     monkeypatch.setattr(tuning, "cuda_milliseconds", timer)
-    logp, _, _ = backends.TRITON.forward(head, True)
+    logp, _, _ = TRITON.forward(head, True)
     assert timed == candidates and launched[-1] == chosen  # the call itself ran at the chosen tile
     key = tuning.cache_key(80, torch.bfloat16, False, 8, 16, 64)
     assert json.loads((cache_dir / tuning.CACHE_FILE).read_text())[key]["config"]["block_v"] == chosen.block_v
-    backends.TRITON.forward(head, True)
+    TRITON.forward(head, True)
     assert len(timed) == len(candidates) and launched[-1] == chosen
     reference = torch.log_softmax(head.hidden.float() @ head.weight.float().T, -1).gather(1, head.targets[:, None])
     torch.testing.assert_close(logp, reference.squeeze(1), rtol=1e-5, atol=1e-5)

@@ -173,7 +173,7 @@ class PathCalls:
     NAMES = ("head_forward_frozen_head", "head_forward_frozen_record")
 
     def __enter__(self):
-        from grpo_fast.head import backends as head_backends
+        from grpo_fast.head import paths as head_backends
 
         self.calls, self._saved = dict.fromkeys(self.NAMES, 0), {}
         for name in self.NAMES:
@@ -187,7 +187,7 @@ class PathCalls:
         return self
 
     def __exit__(self, *exc):
-        from grpo_fast.head import backends as head_backends
+        from grpo_fast.head import paths as head_backends
 
         for name, real in self._saved.items():
             setattr(head_backends, name, real)
@@ -556,7 +556,7 @@ def test_backward_mode_reaches_the_shards_backward(one_rank_group, monkeypatch):
     """The public ``backward_mode`` is the mode of layer 1's backward on the shard, and the result is the plain
     head's."""
     import grpo_fast
-    from grpo_fast.head import backends as head_backends
+    from grpo_fast.head import paths as head_backends
 
     modes = []
     real_backward = head_backends.head_backward

@@ -62,7 +62,7 @@ from grpo_fast.kernels import (  # noqa: E402
 )
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, divergence_of, finish  # noqa: E402
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands  # noqa: E402
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands, Layer1Gradient, LossLayer1, TokenLossInputs  # noqa: E402
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 
 # The architectures compiled: each class's reference card's capability (tiles.ARCH_CLASSES), and its facts (shared
@@ -237,7 +237,7 @@ def layer1_launches(
         row_counts = torch.tensor([hidden.shape[0] // 2], dtype=torch.int32) if row_count else None
         forward.forward(HeadOperands(hidden, weight, targets, b, transform, lora), entropy, cfg, row_counts)
     out += [("fwd", launches[0]), ("fwd merge", merges[0])]
-    wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.head.backends chooses
+    wide_epilogue = softcap is not None or entropy_grad  # as grpo_fast.backends.triton_backend chooses
     cfg = kconfig.gpu_backward_config(dtype, "chunked", arch, wide_epilogue, lora is not None)
     grad_bias = torch.zeros(V) if bias else None
     with recording(backward, "_backward_kernel") as launches:
@@ -335,7 +335,7 @@ def token_loss_launches():
         options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl="bias-corrected" in name, **options)
         old_logprobs = None if inputs.get("on_policy") else old
         sampling = sampler if inputs.get("off_policy") else None
-        batch = token_loss.TokenLossInputs(logp, adv, mask, old_logprobs, ref, sampling, torch.rand(B, T), entropy)
+        batch = TokenLossInputs(logp, adv, mask, old_logprobs, ref, sampling, torch.rand(B, T), entropy)
         threshold = 1.5 if inputs.get("entropy_mask") else None
         with recording(token_loss, "_token_loss_kernel") as launches:
             token_loss.token_loss(batch, options, scale=0.25, entropy_threshold=threshold)
@@ -421,7 +421,7 @@ def divergence_launches(arch, dtype, beta, bias=False, softcap=None, layer1=None
     argmax = torch.zeros(2, N, dtype=torch.int64)
     layer1_term = None
     if layer1:
-        layer1_term = divergence_gradient.Layer1Gradient(
+        layer1_term = Layer1Gradient(
             torch.zeros(N, dtype=torch.int64),
             torch.zeros(len(BackwardStats._fields), N),
             torch.ones(N),
@@ -481,9 +481,7 @@ def stored_launches(arch, dtype, beta, bias=False, softcap=None, layer1=False):
             grads,
             N,
             kconfig.gpu_stored_configs(CLASSES[arch].sm_count, arch),
-            divergence_loss.LossLayer1(torch.zeros(N, dtype=torch.int64), lambda n0, n1, *_: torch.ones(n1 - n0))
-            if layer1
-            else None,
+            LossLayer1(torch.zeros(N, dtype=torch.int64), lambda n0, n1, *_: torch.ones(n1 - n0)) if layer1 else None,
         )
     first_half = sweeps[: 1 + (0.0 < beta < 1.0)]  # the chunk's two halves launch alike
     return [("div stored jsd" if launch.kwargs["JSD"] else "div stored fwd", launch) for launch in first_half] + [

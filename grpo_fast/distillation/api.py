@@ -23,32 +23,31 @@ from typing import TypedDict
 import torch
 from typing_extensions import Unpack
 
+from grpo_fast.backends.protocol import Backend, BackendName, ModelHead
+from grpo_fast.backends.resolver import resolve
 from grpo_fast.distillation import ops as divergence_ops
 from grpo_fast.distillation import parallel
 from grpo_fast.head.inputs import (
     FLOAT_DTYPES,
-    BackendName,
     Rows,
     ValueChecks,
     check_head,
     check_mask,
     check_same_device,
     check_tensor,
-    resolve_backend,
     row_values,
     scatter_rows,
     scored_rows,
 )
+from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.transform import LogitTransform, check_chunk, check_number
-from grpo_fast.head.vocab_parallel import VocabShard
 from grpo_fast.kernels.config import HEAD_PATHS, HeadPath
-from grpo_fast.kernels.divergence_records import ModelHead
 
 
 # ----------------------------------------------------------------------------------------------- checks
 def _checked(student, teacher, completion_mask, beta, backend, checks, sharded):
     """Every check of the public functions, with named errors (those that read values go to ``checks``, read once
-    with the scored-row count: inputs.scored_rows); returns the resolved backend's name. ``student`` and ``teacher``
+    with the scored-row count: inputs.scored_rows); returns the resolved backend. ``student`` and ``teacher``
     are the public arguments as ModelHeads, their transforms not yet checked; ``sharded``: the weights are this
     rank's rows of vocab-parallel heads, which may hold none."""
     B, T, _, V = check_head(("student_hidden", "student_weight", "student_bias"), *student[:3], sharded)
@@ -85,9 +84,9 @@ def _checked(student, teacher, completion_mask, beta, backend, checks, sharded):
             )
     for name, transform in named:
         check_number(f"{name}_logit_scale", transform.logit_scale, lambda v: v != 0, "a finite non-zero number")
-    backend = resolve_backend(backend, student.hidden.device)
+    backend = resolve(backend, student.hidden.device)
     backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
-    return backend.name  # the ops' schema takes the name; the divergence has kernels of its own on each backend
+    return backend
 
 
 def _scored(model, rows, detach=False):
@@ -109,7 +108,7 @@ class _Call:
     student: ModelHead  # the scored rows [N, Ds], the weight and bias contiguous
     teacher: ModelHead  # detached
     shard: VocabShard | None
-    backend: str  # the resolved backend's name
+    backend: Backend
     rows: Rows
     shape: tuple[int, int]  # (B, T)
     beta: float
@@ -145,7 +144,7 @@ def _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight
         raise TypeError(f"student_gemm_dtype must be None, float32, bfloat16 or float16, got {gemm_dtype!r}")
     checks = ValueChecks(k["check_values"], student.hidden, teacher.hidden, completion_mask)
     beta = k["beta"]
-    backend_name = _checked(student, teacher, completion_mask, beta, k["backend"], checks, sharded=shard is not None)
+    backend = _checked(student, teacher, completion_mask, beta, k["backend"], checks, sharded=shard is not None)
     head_path = k["head_path"]
     if head_path not in HEAD_PATHS:
         raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {head_path!r}")
@@ -162,13 +161,13 @@ def _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight
         # vocab-parallel heads: a differentiable cast of both (the op casts inside, with fp32 gradients)
         student = student._replace(hidden=student.hidden.to(gemm_dtype), weight=student.weight.to(gemm_dtype))
     student, teacher = _scored(student, rows), _scored(teacher, rows, detach=True)
-    return _Call(student, teacher, shard, backend_name, rows, shape, float(beta), head_path, frozen_head, gemm_dtype)
+    return _Call(student, teacher, shard, backend, rows, shape, float(beta), head_path, frozen_head, gemm_dtype)
 
 
 def _operands(call):
     """The divergence ops' OpOperands of a call on whole heads."""
     dtype = call.student_gemm_dtype or call.student.hidden.dtype
-    return divergence_ops.OpOperands.from_heads(call.student, call.teacher, call.beta, call.backend, dtype)
+    return divergence_ops.OpOperands.from_heads(call.student, call.teacher, call.beta, call.backend.name, dtype)
 
 
 def _per_token(call):
@@ -182,7 +181,7 @@ def _per_token(call):
             call.teacher.transform,
             call.shard,
             call.frozen_head,
-            call.backend,
+            call.backend.name,
         )
     div, entropy, _, _, _ = divergence_ops.divergence_forward(_operands(call), call.frozen_head)
     return div, entropy
@@ -287,7 +286,21 @@ def divergence_and_entropy(
         teacher_hidden,
         teacher_weight,
         completion_mask,
-        {name: value for name, value in locals().items() if name in _KEYWORDS},
+        dict(
+            beta=beta,
+            temperature=temperature,
+            student_bias=student_bias,
+            teacher_bias=teacher_bias,
+            student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
+            backend=backend,
+            head_path=head_path,
+            check_values=check_values,
+            vocab_parallel=vocab_parallel,
+            student_gemm_dtype=student_gemm_dtype,
+        ),
     )
     div, entropy = _per_token(call)
     B, T = call.shape
@@ -385,7 +398,7 @@ def distillation_loss(
         check_number("num_items_in_batch", num_items_in_batch, lambda v: v > 0, "a positive number of tokens")
     call = _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, keywords)
     weights = _token_weights(call, num_items_in_batch)
-    fused = call.shard is None and call.head_path == "auto" and call.backend == "triton"
+    fused = call.shard is None and call.head_path == "auto" and call.backend.three_sweep_heads
     if token_chunk is not None and not fused:
         raise ValueError(
             "token_chunk sizes the fused loss, which the torch backend, vocab-parallel heads and "

@@ -14,12 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.distillation import torch_twin
-from grpo_fast.head.ops import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
+from grpo_fast.backends.resolver import named
+from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import divergence_gradient
-from grpo_fast.kernels import divergence_loss as fused_loss
-from grpo_fast.kernels import divergence_sweep
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead
 
 
@@ -133,17 +130,12 @@ def _forward(*arguments):
     """grpo_fast::divergence_forward: (OpOperands' fields, frozen_head) -> (divergence [N] fp32, the student's entropy
     [N] fp32, saved [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64, J [N, Ds] fp32): the last three for the
     backward; J = d divergence / d student_hidden with ``frozen_head`` (the backward is then dH = c J, no sweep),
-    else empty. The frozen-head forward is the torch twin's algorithm on every backend (cuBLAS GEMMs on a GPU)."""
+    else empty (the backend's ``divergence_forward``)."""
     *operands, frozen_head = arguments
     operands = OpOperands(*operands)
     student, teacher = operands.model_heads()
-    if frozen_head:
-        return torch_twin.forward(student, teacher, operands.beta, frozen_head=True)
-    if operands.backend == "triton" and student.hidden.shape[0] > 0:
-        out = divergence_sweep.forward(student, teacher, operands.beta)
-    else:  # the torch twin, also for no scored rows on either backend (nothing to launch)
-        out = torch_twin.forward(student, teacher, operands.beta)[:4]
-    return (*out, student.hidden.new_empty(0, dtype=torch.float32))
+    *out, grad = named(operands.backend).divergence_forward(student, teacher, operands.beta, frozen_head)
+    return (*out, grad if grad is not None else student.hidden.new_empty(0, dtype=torch.float32))
 
 
 _forward_op = custom_op(
@@ -177,8 +169,9 @@ def _backward_impl(*arguments):
     grads = gradient_buffers(*operands[:3], arguments[-3:])
     if operands.student_hidden.shape[0] > 0:
         student, teacher = operands.model_heads()
-        sweep = divergence_gradient.backward if operands.backend == "triton" else torch_twin.backward
-        sweep(grad_divergence.float().contiguous(), student, teacher, saved, argmax, operands.beta, grads)
+        named(operands.backend).divergence_backward(
+            grad_divergence.float().contiguous(), student, teacher, saved, argmax, operands.beta, grads
+        )
     return gradients_out(grads, *operands[:3])
 
 
@@ -253,22 +246,15 @@ _LOSS_ARGUMENTS = "Tensor weights, bool need_hidden, bool need_weight, bool need
 def _loss_impl(*arguments):
     """grpo_fast::divergence_loss: (OpOperands' fields, weights [N], need_hidden, need_weight, need_bias,
     token_chunk (0: the default)) -> (loss [], divergence [N], the student's entropy [N], dH [N, Ds], dW [V, Ds],
-    db [V]), fp32; a gradient not wanted is empty. The torch backend (and no scored row) runs the torch twin's
-    forward and backward with the weights as dL/d div."""
+    db [V]), fp32; a gradient not wanted is empty: the backend's ``divergence_loss``."""
     *operands, weights, need_hidden, need_weight, need_bias, token_chunk = arguments
     operands = OpOperands(*operands)
     hidden, weight, bias = operands[:3]
     grads = gradient_buffers(hidden, weight, bias, (need_hidden, need_weight, need_bias))
     weights = weights.float().contiguous()
     student, teacher = operands.model_heads()
-    if operands.backend == "triton" and hidden.shape[0] > 0:
-        div, entropy, _ = fused_loss.loss_gradients(
-            student, teacher, operands.beta, weights, grads, token_chunk or None
-        )
-    else:
-        div, entropy, saved, argmax = torch_twin.forward(student, teacher, operands.beta)[:4]
-        if hidden.shape[0] > 0 and any(grad is not None for grad in grads):
-            torch_twin.backward(weights, student, teacher, saved, argmax, operands.beta, grads)
+    backend = named(operands.backend)
+    div, entropy, _ = backend.divergence_loss(student, teacher, operands.beta, weights, grads, token_chunk or None)
     formed = (grad if grad is not None else hidden.new_empty(0, dtype=torch.float32) for grad in grads)
     return ((weights * div).sum(), div, entropy, *formed)
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from grpo_fast.distillation import torch_twin
-from grpo_fast.head.torch_twin import CHUNK_N
-from grpo_fast.head.vocab_parallel import VocabShard, resolve
-from grpo_fast.kernels import divergence_gradient
-from grpo_fast.kernels import divergence_sweep
+from grpo_fast.backends.divergence_twin import CHUNK_N, FrozenHead
+from grpo_fast.backends.resolver import named
+from grpo_fast.head.shard import VocabShard, resolve
 from grpo_fast.kernels import divergence_records
-from grpo_fast.kernels.divergence_records import ModelHead, Record
+from grpo_fast.kernels.divergence_records import FORWARD_KL, JSD, REVERSE_KL, ModelHead, Record
 
 _NO_ARGMAX = torch.iinfo(torch.int64).max
 
@@ -141,19 +139,13 @@ def forward(
         beta: in [0, 1].
         shard: this rank's VocabShard (offset and group).
         frozen_head: also build J = d divergence / d student.hidden (one more all-reduce, N x Ds fp32).
-        backend: "triton": this rank's records and JSD sums by the Triton kernels, except on the frozen-head path
-            (the torch twin's algorithm on every backend, as unsharded) and on a shard of no rows (nothing to
-            compute); "torch": the torch twin.
+        backend: the resolved backend's name: its ``divergence_records`` over this rank's rows.
 
     Returns:
         (divergence [N] fp32, entropy [N] fp32, saved [8, N] fp32, argmax [2, N] int64, J [N, Ds] fp32 or None),
         equal on every rank.
     """
-    if backend == "triton" and not frozen_head and student.weight.shape[0] > 0:
-        sweep = divergence_sweep.records(student, teacher, beta, offset=shard.offset)
-        local, local_jsd, frozen = (sweep.student, sweep.teacher), sweep.jsd_sweep, None
-    else:
-        local, local_jsd, frozen = _torch_records(student, teacher, beta, shard, frozen_head)
+    local, local_jsd, frozen = named(backend).divergence_records(student, teacher, beta, shard.offset, frozen_head)
     merged_s, merged_t = merge_over_group(*local, shard.group)
 
     def jsd_sweep(student_finished, teacher_finished, top_log_ratio):
@@ -179,59 +171,12 @@ def forward(
     return (*out, grad)
 
 
-def _torch_records(student, teacher, beta, shard, frozen_head):
-    """The torch twin's part of ``forward`` on this rank's rows, by token chunks.
-
-    Returns:
-        (local, local_jsd, frozen): this rank's (student, teacher) Records [N]; its JSD sweep, (finished student,
-        finished teacher, r_a) -> (JSD, sum_v p_s (r_v - r_a)) [N] over its rows; the chunks' FrozenHead
-        accumulators (Nones without ``frozen_head``).
-    """
-    N, dev = student.hidden.shape[0], student.hidden.device
-    starts = range(0, N, CHUNK_N)
-    frozen = [
-        torch_twin.FrozenHead(beta, min(CHUNK_N, N - n0), student.weight, shard.offset) if frozen_head else None
-        for n0 in starts
-    ]
-    chunks = [
-        torch_twin.records(
-            student.tokens(n0, n0 + CHUNK_N), teacher.tokens(n0, n0 + CHUNK_N), offset=shard.offset, frozen=acc
-        )
-        for n0, acc in zip(starts, frozen, strict=True)
-    ]
-    local = tuple(_cat_records([c[k] for c in chunks], N, dev) for k in (0, 1))
-
-    def local_jsd(student_finished, teacher_finished, top_log_ratio):
-        parts = [
-            torch_twin.jsd_sweep(
-                student.tokens(n0, n0 + CHUNK_N),
-                teacher.tokens(n0, n0 + CHUNK_N),
-                beta,
-                divergence_records.Finished(*(x[n0 : n0 + CHUNK_N] for x in student_finished)),
-                divergence_records.Finished(*(x[n0 : n0 + CHUNK_N] for x in teacher_finished)),
-                top_log_ratio[n0 : n0 + CHUNK_N],
-                frozen=acc,
-                offset=shard.offset,
-            )
-            for n0, acc in zip(starts, frozen, strict=True)
-        ]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-    return local, local_jsd, frozen
-
-
 def _rescale(local_max, merged_max):
     """exp(m_r - m): a rank's sums against the merged max (0 for an empty record)."""
     return torch.exp(local_max - divergence_records.pivot(merged_max))
 
 
-def _cat_records(parts, n, device):
-    if not parts:
-        return divergence_records.empty_record(n, device)
-    return Record(*(torch.cat(fields) for fields in zip(*parts, strict=True)))
-
-
-def frozen_grad(acc: torch_twin.FrozenHead, records: tuple[Record, ...], saved: torch.Tensor) -> torch.Tensor:
+def frozen_grad(acc: FrozenHead, records: tuple[Record, ...], saved: torch.Tensor) -> torch.Tensor:
     """This rank's part of J = d divergence / d student_hidden; the ranks' parts sum to J.
 
     The JSD's sums were taken in the second sweep with the global normalisers: its part is FrozenHead.finish as it
@@ -250,9 +195,9 @@ def frozen_grad(acc: torch_twin.FrozenHead, records: tuple[Record, ...], saved: 
         [n, Ds] fp32.
     """
     local_s, local_t, student, teacher = records
-    if acc.beta not in (0.0, 1.0):
+    if acc.divergence == JSD:
         return acc.finish(student, teacher, saved)
-    if acc.beta == 1.0:
+    if acc.divergence == REVERSE_KL:
         scale = _rescale(local_s.max, student.max)
         shift = (local_s.max - local_s.other) - (student.max - student.other)
         acc.second = divergence_records.zero_where(
@@ -260,6 +205,8 @@ def frozen_grad(acc: torch_twin.FrozenHead, records: tuple[Record, ...], saved: 
         )
         acc.first = acc.first * scale[:, None]
         return acc.finish(student, teacher, saved)
+    if acc.divergence != FORWARD_KL:
+        raise ValueError(f"frozen_grad has no re-expression for the divergence {acc.divergence.name!r}")
     for k, (mine, merged) in enumerate(((local_s, student), (local_t, teacher))):
         owner = (mine.argmax == merged.argmax) & (mine.max == merged.max)
         moved = torch.where(~owner & (mine.max > float("-inf")), acc.slope_top[k], 0.0)
@@ -324,12 +271,11 @@ class VocabParallelDivergence(torch.autograd.Function):
         grad_weight = torch.zeros(student.weight.shape, dtype=torch.float32, device=dev) if need_w else None
         grad_bias = torch.zeros(student.weight.shape[0], dtype=torch.float32, device=dev) if need_b else None
         if student.hidden.shape[0] > 0 and grad_divergence is not None:
-            # a shard of no rows has nothing to recompute (its part of dH is 0): the twin's loops run empty
-            triton_shard = ctx.backend == "triton" and student.weight.shape[0] > 0
-            sweep = divergence_gradient.backward if triton_shard else torch_twin.backward
             grads = (grad_hidden, grad_weight, grad_bias)
             c = grad_divergence.float().contiguous()
-            sweep(c, student, teacher, saved, argmax, ctx.beta, grads, offset=ctx.shard.offset)
+            named(ctx.backend).divergence_backward(
+                c, student, teacher, saved, argmax, ctx.beta, grads, ctx.shard.offset
+            )
             if need_h:
                 dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
         return (

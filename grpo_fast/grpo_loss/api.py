@@ -4,15 +4,14 @@ divergence), ``token_loss`` (layer 2 on given log-probs) and ``sampling_importan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from typing_extensions import Unpack
 
-from grpo_fast.distillation import teacher as teacher_head
-from grpo_fast.distillation.teacher import Teacher
-from grpo_fast.grpo_loss import ops
-from grpo_fast.grpo_loss.metrics import metric_names
+from grpo_fast.backends.protocol import BackendName
+from grpo_fast.backends.resolver import resolve
+from grpo_fast.distillation.teacher import Distillation, Teacher
+from grpo_fast.grpo_loss.call import LossBatch, LossCall, token_loss_metrics
+from grpo_fast.grpo_loss.metrics import Metrics
 from grpo_fast.grpo_loss.options import (
     IMPORTANCE_SAMPLING_MODES,
     ImportanceSamplingMode,
@@ -20,42 +19,13 @@ from grpo_fast.grpo_loss.options import (
     LossOptions,
 )
 from grpo_fast.grpo_loss.options import check_number as _number
-from grpo_fast.head import backends as head_backends
 from grpo_fast.head import inputs
-from grpo_fast.head import ops as head_ops
-from grpo_fast.head import vocab_parallel as vocab_parallel_head
-from grpo_fast.head.api import logprobs_and_entropy_rows
+from grpo_fast.head.inputs import HeadCall
 from grpo_fast.head.lora import HeadLora
-from grpo_fast.head.transform import LogitTransform, check_chunk
-from grpo_fast.head.vocab_parallel import VocabShard
-from grpo_fast.kernels.operands import HeadOperands
+from grpo_fast.head.shard import VocabShard
+from grpo_fast.kernels.config import BackwardMode, HeadPath
 
-
-class Metrics(dict):
-    """The metrics of ``loss`` and ``token_loss``: detached float32 scalars under TRL's names.
-
-    Attributes:
-        logprobs: [B, T] float32, detached: the policy's per-token log-probs (zeros where the mask is 0).
-        entropies: [B, T] float32, detached, or None when no entropy was computed.
-    """
-
-    logprobs: torch.Tensor
-    entropies: torch.Tensor
-
-
-# ----------------------------------------------------------------------------------------------- layer 2
-@dataclass(frozen=True)
-class _LossBatch:
-    """Layer 2's per-batch inputs besides the log-probs, as the caller gave them; checked once by _check_batch."""
-
-    advantages: torch.Tensor
-    completion_mask: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    sampling_logprobs: torch.Tensor | None = None
-    importance_weights: torch.Tensor | None = None
-    num_items_in_batch: float | torch.Tensor | None = None
-    entropy_threshold: float | None = None
+__all__ = ["Metrics", "loss", "sampling_importance_weights", "token_loss"]
 
 
 def loss(
@@ -76,12 +46,12 @@ def loss(
     softcap: float | None = None,
     logit_scale: float = 1.0,
     options: LossOptions | None = None,
-    head_path: str = "auto",
-    backward_mode: str = "chunked",
+    head_path: HeadPath = "auto",
+    backward_mode: BackwardMode = "chunked",
     trained_head_chunk: int | None = None,
     lora: HeadLora | tuple | None = None,
     vocab_parallel: VocabShard | None = None,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_values: bool = True,
     teacher: Teacher | None = None,
     distillation_coef: float | None = None,
@@ -160,13 +130,24 @@ def loss(
             shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``.
     """
     options = LossOptions.resolve(options, option_keywords, "loss")
-    distillation = _checked_distillation(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
-    hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
-    checks = inputs.ValueChecks(check_values, hidden, targets, completion_mask)
-    B, T, _, _ = inputs.check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
-    lora = inputs.checked_lora(lora, hidden, weight, shard)
-    transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
-    batch = _LossBatch(
+    distillation = Distillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
+    head = HeadCall.check(
+        hidden,
+        weight,
+        targets,
+        completion_mask,
+        bias=bias,
+        temperature=temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        lora=lora,
+        vocab_parallel=vocab_parallel,
+        backend=backend,
+        check_values=check_values,
+        head_path=head_path,
+        backward_mode=backward_mode,
+    )
+    batch = LossBatch(
         advantages,
         completion_mask,
         old_logprobs,
@@ -176,226 +157,7 @@ def loss(
         num_items_in_batch,
         entropy_threshold,
     )
-    _check_batch(batch, (B, T), hidden.device, "hidden", options, checks)
-    backend = inputs.resolve_backend(backend, hidden.device)
-    backend.check_sizes(B * T, weight.shape[0])
-    head_path = inputs.layer1_choices(head_path, backward_mode, backend)
-    _check_trained_head_chunk(trained_head_chunk, hidden.dtype, backend, head_path, lora, shard, options)
-    if distillation is not None:
-        _check_teacher(teacher, hidden, weight, shard)
-    rows = inputs.scored_rows(completion_mask, checks)
-    if shard is None and options.token_local:
-        fused = _trained_head(
-            hidden,
-            weight,
-            targets,
-            bias,
-            rows,
-            transform,
-            backend,
-            head_path,
-            lora,
-            batch,
-            options,
-            trained_head_chunk,
-            (teacher, distillation) if distillation is not None else None,
-        )
-        if fused is not None:
-            return fused
-    if distillation is not None:
-        logp, entropy, div = _with_teacher(
-            hidden, weight, targets, bias, teacher, rows, transform, distillation[1], backend
-        )
-        prepared = _prepared(logp, entropy, batch, options)
-        total, metrics = _token_loss(prepared, options, backend)
-        return _add_distillation(total, metrics, div, distillation[0], prepared, options)
-    # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
-    logp, entropy = logprobs_and_entropy_rows(
-        hidden,
-        weight,
-        targets,
-        bias,
-        rows,
-        transform,
-        backend,
-        head_path if options.entropy_coef == 0.0 else "general",
-        backward_mode,
-        shard,
-        lora,
-    )
-    return _token_loss(_prepared(logp, entropy, batch, options), options, backend)
-
-
-def _trained_head(
-    hidden, weight, targets, bias, rows, transform, backend, head_path, lora, batch, options, chunk, teacher=None
-):
-    """Both layers in one op with the three-sweep trained head (``ops.trained_head_loss``) where it is taken
-    (``backends.takes_trained_head``; the options are token-local), else None: (loss, Metrics). ``teacher``: (the
-    Teacher, (distillation_coef, distillation_beta)) for RL and distillation in one call (both models' logits of a
-    chunk once, the divergence's gradient in the same g), or None."""
-    B, T = targets.shape
-    grad = torch.is_grad_enabled()
-    needs = [grad and x is not None and x.requires_grad for x in (hidden, weight, targets, bias)]
-    if not head_backends.takes_trained_head(needs, hidden, backend, head_path, lora is not None, teacher is not None):
-        return None
-    h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
-    if h.shape[0] == 0:  # every row masked: the general path's empty case
-        return None
-    operands = head_ops.LinearOpOperands.of(HeadOperands(h, w, y, b, transform), backend.name)
-    positions = rows.order if rows.order is not None else torch.arange(B * T, device=hidden.device)
-    placeholder = torch.zeros(0, dtype=torch.float32, device=hidden.device)  # the op makes the [B, T] log-probs
-    prepared = _prepared(placeholder, None, batch, options)
-    teacher_rows = _teacher_operands(*teacher, rows) if teacher is not None else None
-    total, metric_values, logp, entropy, div = ops.trained_head_loss(
-        operands, positions, rows.keep, prepared, options, backend.name, chunk, teacher_rows, needs[1] or needs[3]
-    )
-    metrics = Metrics(zip(metric_names(options, True), metric_values.detach().unbind(0)))
-    metrics.logprobs, metrics.entropies = logp.detach(), entropy.detach()
-    if teacher is not None:
-        _distillation_metric(metrics, div, prepared.mask)
-    return total, metrics
-
-
-def _teacher_operands(teacher, distillation, rows):
-    """The trained head op's TeacherOperands: the teacher's scored rows (inputs.Rows) and head, (coef, beta)."""
-    hidden = inputs.row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows)
-    bias = teacher.bias.contiguous() if teacher.bias is not None else None
-    return ops.TeacherOperands(
-        hidden.contiguous(),
-        teacher.weight.contiguous(),
-        bias,
-        None if teacher.softcap is None else float(teacher.softcap),
-        float(teacher.logit_scale),
-        *distillation,
-    )
-
-
-def _check_trained_head_chunk(chunk, dtype, backend, head_path, lora, shard, options):
-    """``trained_head_chunk``: None, or a positive int for a call the three-sweep head can run (``loss``; a frozen
-    weight or no gradient at all runs no head that forms gradients, and the chunk has nothing to size)."""
-    check_chunk("trained_head_chunk", chunk, "tokens per chunk")
-    if chunk is None:
-        return
-    conflicts = [
-        (not backend.trained_head, f"the {backend.name} backend"),
-        (dtype not in head_backends.TRAINED_HEAD_DTYPES, f"{str(dtype).removeprefix('torch.')} inputs"),
-        (head_path == "general", 'head_path="general"'),
-        (lora is not None, "lora"),
-        (shard is not None, "vocab_parallel"),
-        (not options.token_local, "options that are not token-local (LossOptions.token_local)"),
-    ]
-    for conflict, name in conflicts:
-        if conflict:
-            raise ValueError(f"trained_head_chunk sizes the three-sweep trained head, which {name} does not run")
-
-
-def _checked_distillation(teacher, coef, distillation_beta, lora, vocab_parallel):
-    """(coef, beta) of a call with a teacher, checked, or None without one (then neither may be given)."""
-    if teacher is None:
-        for name, value in (("distillation_coef", coef), ("distillation_beta", distillation_beta)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} is given but teacher is None: pass teacher=grpo_fast.Teacher(hidden, "
-                    "weight, ...) for the divergence it weighs"
-                )
-        return None
-    if not isinstance(teacher, Teacher):
-        raise TypeError(
-            f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale), got "
-            f"{type(teacher).__name__}"
-        )
-    if coef is None:
-        raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
-    _number("distillation_coef", coef)
-    distillation_beta = 1.0 if distillation_beta is None else distillation_beta
-    _number(
-        "distillation_beta",
-        distillation_beta,
-        lambda v: 0.0 <= v <= 1.0,
-        "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
-    )
-    if lora is not None:
-        raise ValueError(
-            "lora with a teacher is not supported: the combined head has no LoRA operand (call "
-            "grpo_fast.loss and grpo_fast.divergence separately)"
-        )
-    if vocab_parallel is not None:
-        raise ValueError(
-            "vocab_parallel with a teacher is not supported: the combined head runs on one process "
-            "(call grpo_fast.loss and grpo_fast.divergence separately)"
-        )
-    return float(coef), float(distillation_beta)
-
-
-def _check_teacher(teacher, hidden, weight, shard):
-    """The teacher's tensors and numbers against the student's ``hidden`` [B, T, Ds] and ``weight`` [V, Ds], on a
-    head (``shard``: vocab-parallel) the combined head supports."""
-    if shard is not None:
-        raise ValueError(
-            "a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
-            "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)"
-        )
-    B, T, _ = hidden.shape
-    Bt, Tt, _, Vt = inputs.check_head(
-        ("teacher.hidden", "teacher.weight", "teacher.bias"), teacher.hidden, teacher.weight, teacher.bias
-    )
-    if (Bt, Tt) != (B, T):
-        raise ValueError(
-            f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's), got "
-            f"{tuple(teacher.hidden.shape)}"
-        )
-    if Vt != weight.shape[0]:
-        raise ValueError(
-            f"weight has V = {weight.shape[0]} rows but teacher.weight has V = {Vt}: the vocabularies must match"
-        )
-    inputs.check_same_device(
-        [("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight), ("teacher.bias", teacher.bias)],
-        hidden.device,
-        "hidden",
-    )
-    if teacher.softcap is not None:
-        _number("teacher.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
-    _number("teacher.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
-
-
-def _with_teacher(hidden, weight, targets, bias, teacher, rows, transform, distillation_beta, backend):
-    """Layer 1 with the teacher's divergence: (logp, entropy, divergence) [B, T] fp32."""
-    B, T = targets.shape
-    h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
-    ht = inputs.row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows)
-    wt, bt = teacher.weight, teacher.bias
-    teacher_transform = LogitTransform.from_floats(transform.temperature, teacher.softcap, teacher.logit_scale)
-    out = teacher_head.logprobs_entropy_divergence(
-        h,
-        w,
-        y,
-        b,
-        ht.contiguous(),
-        wt.contiguous(),
-        bt.contiguous() if bt is not None else None,
-        distillation_beta,
-        transform,
-        teacher_transform,
-        backend.name,
-    )
-    return tuple(inputs.scatter_rows(x, rows, (B, T)) for x in out)
-
-
-def _add_distillation(total, metrics, div, coef, prepared, options):
-    """GRPO's loss and metrics plus the distillation term: loss + coef * aggregate(divergence) (the per-token loss
-    gains coef * divergence before the loss type's reduction), metrics["distillation_loss"] the mean divergence over
-    the scored tokens (TRL's SDPO trainer logs that mean under this name); ``prepared``: the batch as layer 2 took it
-    (``_prepared``)."""
-    total = total + coef * options.aggregate(div, prepared.mask, prepared.num_items_in_batch)
-    _distillation_metric(metrics, div, prepared.mask)
-    return total, metrics
-
-
-def _distillation_metric(metrics, div, mask):
-    """metrics["distillation_loss"]: the mean divergence [B, T] over the scored tokens (``mask``), detached."""
-    mask = mask.bool()
-    with torch.no_grad():
-        metrics["distillation_loss"] = torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1).float()
+    return LossCall.check(head, batch, options, trained_head_chunk, distillation).run()
 
 
 def token_loss(
@@ -411,7 +173,7 @@ def token_loss(
     num_items_in_batch: float | torch.Tensor | None = None,
     entropy_threshold: float | torch.Tensor | None = None,
     options: LossOptions | None = None,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_values: bool = True,
     **option_keywords: Unpack[LossOptionKeywords],
 ) -> tuple[torch.Tensor, Metrics]:
@@ -455,7 +217,7 @@ def token_loss(
     if logprobs.dim() != 2 or logprobs.numel() == 0:
         raise ValueError(f"logprobs must have shape [B, T] with B, T > 0, got {tuple(logprobs.shape)}")
     B, T = logprobs.shape
-    batch = _LossBatch(
+    batch = LossBatch(
         advantages,
         completion_mask,
         old_logprobs,
@@ -466,7 +228,7 @@ def token_loss(
         entropy_threshold,
     )
     checks = inputs.ValueChecks(check_values, logprobs, completion_mask)
-    _check_batch(batch, (B, T), logprobs.device, "logprobs", options, checks)
+    batch.check((B, T), logprobs.device, "logprobs", options, checks)
     inputs.check_mask(completion_mask, (B, T), checks)
     checks.read()
     if entropy is not None:
@@ -478,122 +240,8 @@ def token_loss(
             "top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropy [B, T] "
             "(grpo_fast.logprobs_and_entropy gives it with its gradient)"
         )
-    prepared = _prepared(logprobs, entropy, batch, options)
-    return _token_loss(prepared, options, inputs.resolve_backend(backend, logprobs.device))
-
-
-def _check_batch(batch, shape, device, device_of, options, checks):
-    """Checks of layer 2's per-batch inputs against each other and the options, named after the argument at fault
-    (``device`` is the argument ``device_of``'s; value checks to ``checks``); the mask itself is checked by the caller
-    (once: it costs a pass over it)."""
-    B, T = shape
-    inputs.check_tensor("advantages", batch.advantages)
-    inputs.check_tensor("completion_mask", batch.completion_mask)
-    inputs.check_same_device(
-        [("advantages", batch.advantages), ("completion_mask", batch.completion_mask)]
-        + [(name, getattr(batch, name)) for name in _LOGPROB_INPUTS + ("importance_weights",)],
-        device,
-        device_of,
-    )
-    if options.beta != 0.0 and batch.ref_logprobs is None:
-        raise ValueError(
-            "beta != 0 needs ref_logprobs [B, T] (the reference model's log-probs, e.g. from grpo_fast.logprobs)"
-        )
-    if batch.entropy_threshold is not None:
-        _number("entropy_threshold", batch.entropy_threshold)
-        if not options.entropy_mask:
-            raise ValueError(
-                "entropy_threshold is only used with top_entropy_quantile < 1 (it is the quantile's "
-                "value over every process's masked entropies)"
-            )
-    inputs.check_float_tensor("advantages", batch.advantages)
-    inputs.check_shape("advantages", batch.advantages, [(B,), (B, T)], lambda: f"[B] = [{B}] or [B, T] = [{B}, {T}]")
-    for name in _LOGPROB_INPUTS:
-        x = getattr(batch, name)
-        if x is not None:
-            inputs.check_float_tensor(name, x)
-            inputs.check_shape(name, x, [shape], lambda: f"[B, T] = [{B}, {T}]")
-    if batch.sampling_logprobs is not None and options.off_policy_mask_threshold is None:
-        raise ValueError(
-            "sampling_logprobs is only used by the off-policy mask: set off_policy_mask_threshold "
-            "(for the sampler's importance weights, pass grpo_fast.sampling_importance_weights(...) "
-            "as importance_weights)"
-        )
-    iw = batch.importance_weights
-    if iw is not None:
-        inputs.check_float_tensor("importance_weights", iw)
-        inputs.check_shape(
-            "importance_weights", iw, [(B,), (B, 1), (B, T)], lambda: f"[B] = [{B}], [B, 1] or [B, T] = [{B}, {T}]"
-        )
-        if options.loss_type_record.policy_term.importance_weights_in_term and iw.shape != (B, T):
-            raise ValueError(
-                f"loss_type={options.loss_type!r} takes per-token importance_weights [B, T] (TRL's "
-                f"token_truncate or token_mask modes), got shape {tuple(iw.shape)}: TRL rejects VESPO "
-                "with sequence-level importance sampling"
-            )
-    n_items = batch.num_items_in_batch
-    if n_items is None:
-        return
-    if not isinstance(n_items, torch.Tensor):
-        _number("num_items_in_batch", n_items, lambda v: v >= 0, "a number >= 0")
-    elif n_items.numel() != 1:
-        raise ValueError(
-            f"num_items_in_batch must be a number or a one-element tensor, got shape {tuple(n_items.shape)}"
-        )
-    elif checks.run:
-        # the count as the check's second value, in micro-units: the message shows it to 1e-6
-        checks.add(
-            [n_items.reshape(()) < 0, (n_items.reshape(()).double() * 1e6).round()],
-            lambda _, micro: ValueError(f"num_items_in_batch must be >= 0, got {micro / 1e6}"),
-        )
-
-
-_LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
-
-
-def _prepared(logprobs, entropy, batch, options):
-    """The batch as layer 2 computes on it (an ``ops.PreparedBatch``): detached fp32 contiguous tensors but the
-    log-probs and entropy (fp32, their gradient flowing), [B, 1] weights as [B], no reference log-probs without a KL
-    term, num_items_in_batch and entropy_threshold fp32 scalar tensors on the log-probs' device (a number is written
-    there, not read back)."""
-    device = logprobs.device
-
-    def fp32(x):
-        return x.detach().float().contiguous() if x is not None else None
-
-    iw = fp32(batch.importance_weights)
-    if iw is not None and iw.dim() == 2 and iw.shape[1] == 1 and batch.completion_mask.shape[1] != 1:
-        iw = iw.squeeze(1)  # [B, 1]: one weight per sequence
-
-    def scalar(x):
-        if x is None:
-            return None
-        if isinstance(x, torch.Tensor):
-            return x.detach().reshape(()).to(device=device, dtype=torch.float32)
-        return torch.full((), float(x), dtype=torch.float32, device=device)
-
-    return ops.PreparedBatch(
-        logp=logprobs.float(),
-        entropy=entropy.float() if entropy is not None else None,
-        advantages=fp32(batch.advantages),
-        mask=batch.completion_mask.to(torch.float32).contiguous(),
-        old_logprobs=fp32(batch.old_logprobs),
-        ref_logprobs=fp32(batch.ref_logprobs) if options.beta != 0.0 else None,
-        sampling_logprobs=fp32(batch.sampling_logprobs),
-        importance_weights=iw,
-        num_items_in_batch=scalar(batch.num_items_in_batch),
-        entropy_threshold=scalar(batch.entropy_threshold),
-    )
-
-
-def _token_loss(prepared, options, backend):
-    """Layer 2 on checked, prepared inputs (``_prepared``): the token-loss op by ``backend``'s token loss (the token
-    kernel or its torch twin); the metrics a Metrics dict of fp32 device scalars."""
-    total, metric_values, _, _ = ops.token_loss(prepared, options, backend.name)
-    metrics = Metrics(zip(metric_names(options, prepared.entropy is not None), metric_values.detach().unbind(0)))
-    metrics.logprobs = prepared.logp.detach()
-    metrics.entropies = prepared.entropy.detach() if prepared.entropy is not None else None
-    return total, metrics
+    prepared = batch.prepared(logprobs, entropy, options)
+    return token_loss_metrics(prepared, options, resolve(backend, logprobs.device))
 
 
 def sampling_importance_weights(

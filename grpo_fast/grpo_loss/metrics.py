@@ -23,6 +23,31 @@ import torch
 from grpo_fast.grpo_loss.options import Metric
 
 
+class Metrics(dict):
+    """The metrics of ``loss`` and ``token_loss``: detached float32 scalars under TRL's names.
+
+    Attributes:
+        logprobs: [B, T] float32, detached: the policy's per-token log-probs (zeros where the mask is 0).
+        entropies: [B, T] float32, detached, or None when no entropy was computed.
+    """
+
+    logprobs: torch.Tensor
+    entropies: torch.Tensor
+
+    @classmethod
+    def of(cls, names, values: torch.Tensor) -> Metrics:
+        """The metrics from an op's values.
+
+        Args:
+            names: the metrics' names, in ``metric_names``' order.
+            values: [M] float32, the op's values in that order.
+
+        Returns:
+            The Metrics, each value a detached scalar.
+        """
+        return cls(zip(names, values.detach().unbind(0)))
+
+
 @dataclass(frozen=True)
 class RowValues:
     """One statistic, one value per sequence [B] fp32: masked sums of a per-token quantity, or (``per_sequence``) the

@@ -1,6 +1,7 @@
 """Layer 2's torch.library custom op, ``grpo_fast::token_loss``: the GRPO loss, its metrics, dL/dlogp and dL/dentropy
-from prepared per-token inputs, by the token kernel or its torch twin, with a fake implementation and a registered
-autograd formula. The loss options travel as their JSON (``options_json``); nothing is read on the host.
+from prepared per-token inputs, by the backend's token loss (the token kernel or its torch twin), with a fake
+implementation and a registered autograd formula; and the trained head's op (both layers, three sweeps). The loss
+options travel as their JSON (``options_json``), the backend as its name; nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -11,31 +12,15 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.grpo_loss import torch_twin
+from grpo_fast.backends.protocol import HeadGrads, LossLayer1, ModelHead, TokenLossInputs
+from grpo_fast.backends.resolver import named
 from grpo_fast.grpo_loss.metrics import RowValues, loss_metrics, metric_names
 from grpo_fast.grpo_loss.options import LossOptions
-from grpo_fast.head import backends as head_backends
-from grpo_fast.head.ops import (
-    LinearOpOperands,
-    custom_op,
-    inline_function,
-    op_schema,
-    runs_inline,
-    scaled_gradient,
-    schema_fields,
-)
+from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline, scaled_gradient, schema_fields
+from grpo_fast.head.ops import LinearOpOperands
 from grpo_fast.head.transform import LogitTransform
-from grpo_fast.kernels import divergence_loss
-from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels import token_loss as token_kernel
-from grpo_fast.kernels.divergence_records import ModelHead
-from grpo_fast.kernels.loss_statistics import SLOTS
-from grpo_fast.kernels.operands import HeadGrads
-from grpo_fast.kernels.token_loss import TokenLossInputs
 
 FP32 = torch.float32
-# layer 2 by backend name: the token kernel's launcher, or its torch twin (the same arguments and returns)
-TOKEN_LOSS = {"triton": token_kernel.token_loss, "torch": torch_twin.token_loss}
 
 
 class PreparedBatch(NamedTuple):
@@ -108,9 +93,9 @@ def _unpacked(arguments):
 
 
 def _token_loss(*arguments):
-    """The op's implementation: ``_layer2`` by the backend's token loss."""
+    """The op's implementation: ``_layer2`` by the named backend's token loss."""
     batch, options, backend = _unpacked(arguments)
-    return _layer2(TOKEN_LOSS[backend], batch, options)
+    return _layer2(named(backend), batch, options)
 
 
 _token_loss_op = torch.library.custom_op("grpo_fast::token_loss", _token_loss, mutates_args=(), schema=_schema())
@@ -212,24 +197,24 @@ def _token_inputs(batch: PreparedBatch, options: LossOptions):
     return inputs, scale.to(logp.dtype), threshold
 
 
-def token_gradient(batch: PreparedBatch, options: LossOptions, backend: str):
-    """dL/dlogp [B, T] fp32 of the loss ``token_loss`` computes (the token kernel's or its twin's gradient, without
-    the loss's sums or the metrics); no autograd. For a caller that forms a head's gradients while the logits are
-    in hand (``LossOptions.token_local``: each token's value reads no other token's log-prob)."""
+def token_gradient(batch: PreparedBatch, options: LossOptions, backend):
+    """dL/dlogp [B, T] fp32 of the loss ``token_loss`` computes (the backend's token loss's gradient, without the
+    loss's sums or the metrics); no autograd. For a caller that forms a head's gradients while the logits are in hand
+    (``LossOptions.token_local``: each token's value reads no other token's log-prob)."""
     inputs, scale, threshold = _token_inputs(batch, options)
-    return TOKEN_LOSS[backend](inputs, options, scale=scale, entropy_threshold=threshold)[0]
+    return backend.token_loss(inputs, options, scale=scale, entropy_threshold=threshold)[0]
 
 
-def _layer2(token_loss_impl, batch: PreparedBatch, options: LossOptions):
-    """The op's outputs by ``token_loss_impl`` (a TOKEN_LOSS value): the normaliser and the entropy quantile on the
-    device, then the loss, the entropy bonus and the metrics from its per-sequence statistics.
+def _layer2(backend, batch: PreparedBatch, options: LossOptions):
+    """The op's outputs by ``backend``'s token loss: the normaliser and the entropy quantile on the device, then the
+    loss, the entropy bonus and the metrics from its per-sequence statistics.
 
     Returns:
         (loss [], metrics [M] in ``metric_names``' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty without an
         entropy bonus), in logp's dtype.
     """
     inputs, scale, threshold = _token_inputs(batch, options)
-    grad_logp, bonus_mask, stats = token_loss_impl(inputs, options, scale=scale, entropy_threshold=threshold)
+    grad_logp, bonus_mask, stats = backend.token_loss(inputs, options, scale=scale, entropy_threshold=threshold)
     rows = {name: RowValues(values, per_sequence) for name, (values, per_sequence) in stats.items()}
     policy_loss = rows["loss"].values.sum()
     total, grad_entropy = policy_loss, torch.empty(0, dtype=FP32, device=batch.logp.device)
@@ -252,7 +237,7 @@ def token_loss(batch: PreparedBatch, options: LossOptions, backend: str):
     Args:
         batch: the prepared inputs (PreparedBatch).
         options: the loss options.
-        backend: "triton" (the token kernel) or "torch" (its twin).
+        backend: a resolved backend's name ("triton": the token kernel; "torch": its twin).
 
     Returns:
         (loss [], metrics [M] in ``metric_names``' order, dL/dlogp [B, T], dL/dentropy [B, T] or empty), fp32.
@@ -262,32 +247,26 @@ def token_loss(batch: PreparedBatch, options: LossOptions, backend: str):
 
 
 def workspace_bytes(batch_shape, backend="triton"):
-    """The bytes the token loss allocates besides its outputs, for a memory estimate over fake tensors.
+    """The bytes the token loss allocates besides its outputs, for a memory estimate over fake tensors: the named
+    backend's ``token_loss_workspace_bytes``.
 
     Args:
         batch_shape: (B, T).
-        backend: "triton" or "torch".
-
-    Returns:
-        The kernel's B x len(SLOTS) fp32 statistics and its B x T fp32 bonus mask (an upper bound: it exists only
-        with an entropy bonus); the torch twin's ``TEMPORARIES`` fp32 [B, T] tensors.
+        backend: a resolved backend's name.
     """
-    B, T = batch_shape
-    if backend == "torch":
-        return torch_twin.TEMPORARIES * B * T * 4
-    return B * len(SLOTS) * 4 + B * T * 4
+    return named(backend).token_loss_workspace_bytes(tuple(batch_shape))
 
 
 # ----------------------------------------------------------------------------------------------- the trained head
 # grpo_fast::trained_head_loss: both layers in one op for a trained lm_head whose loss is token-local
-# (``LossOptions.token_local``): layer 1's three-sweep forward (``kernels.forward_frozen.forward_trained_head``)
+# (``LossOptions.token_local``): layer 1's three-sweep forward (the backend's ``forward_trained_head``)
 # forms dH, dW and db while each token chunk's logits are in hand, from dL/dlogp of the chunk's tokens
 # (``token_gradient`` over the batch, the tokens not yet computed at 0: no other token's value enters theirs); then
 # layer 2 once over the whole batch for the loss and the metrics. The backward only scales the gradients by the
 # loss's gradient. Its inputs: LinearOpOperands' fields (the scored rows), the rows' flat positions in [B x T]
 # (``positions``) and which of them are scored (``keep``, None: all), PreparedBatch's tensors but the log-probs and
 # the entropy, the options' JSON and the token loss's backend; with a teacher (RL and distillation in one call,
-# ``TeacherOperands``) the divergence's gradients join layer 1's in the same g (``kernels.divergence.loss_gradients``:
+# ``TeacherOperands``) the divergence's gradients join layer 1's in the same g (the backend's ``divergence_loss``:
 # both models' logits of a chunk once, the student's three sweeps and the teacher's one).
 _BATCH_FIELDS = PreparedBatch._fields[2:]
 
@@ -366,7 +345,7 @@ def _trained_head_loss(*arguments):
     def coefficients(n0, n1, logp, entropy):
         rows = positions[n0:n1]
         flat_logp.index_copy_(0, rows, scored(logp, n0, n1))
-        return token_gradient(batch, options, token_backend).view(-1).index_select(0, rows)
+        return token_gradient(batch, options, named(token_backend)).view(-1).index_select(0, rows)
 
     dev = hidden.device
     grads = HeadGrads(
@@ -376,8 +355,8 @@ def _trained_head_loss(*arguments):
     )
     N = hidden.shape[0]
     divergence = torch.empty(0, dtype=FP32, device=dev)
+    backend = named(operands.backend)
     if teacher.teacher_hidden is None:
-        backend = head_backends.BACKENDS[operands.backend]
         logp, entropy, _ = backend.forward_trained_head(head, coefficients, grads, token_chunk or None)
     else:
         transform = LogitTransform.from_floats(
@@ -386,21 +365,21 @@ def _trained_head_loss(*arguments):
         teacher_head = ModelHead(teacher.teacher_hidden, teacher.teacher_weight, teacher.teacher_bias, transform)
         token_weights = options.aggregate_weights(batch.mask, batch.num_items_in_batch).view(-1)
         div_weights = teacher.distillation_coef * scored(token_weights.index_select(0, positions), 0, N)
-        div, entropy, logp = divergence_loss.loss_gradients(
+        div, entropy, logp = backend.divergence_loss(
             ModelHead(hidden, weight, bias, head.transform),
             teacher_head,
             teacher.distillation_beta,
             div_weights.contiguous(),
             grads[:3],
             token_chunk or None,
-            layer1=divergence_loss.LossLayer1(head.targets, coefficients),
+            layer1=LossLayer1(head.targets, coefficients),
         )
         flat_div = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(div, 0, N))
         divergence = flat_div.view(batch.logp.shape)
     flat_logp.index_copy_(0, positions, scored(logp, 0, N))
     flat_entropy = torch.zeros_like(flat_logp).index_copy_(0, positions, scored(entropy, 0, N))
     batch = batch._replace(entropy=flat_entropy.view(batch.logp.shape))
-    loss, metrics, _, _ = _layer2(TOKEN_LOSS[token_backend], batch, options)
+    loss, metrics, _, _ = _layer2(named(token_backend), batch, options)
     if teacher.teacher_hidden is not None:
         loss = loss + teacher.distillation_coef * options.aggregate(divergence, batch.mask, batch.num_items_in_batch)
     dw, db = (grad if grad is not None else torch.empty(0, dtype=FP32, device=dev) for grad in grads[1:3])
@@ -477,9 +456,9 @@ def trained_head_loss(
     empty), differentiable in the head's hidden rows, weight and bias (through the gradients it formed).
     ``operands``: a LinearOpOperands of the scored rows; ``positions`` [N] int64 their flat indices in [B x T];
     ``keep`` [N] bool or None (a device partition's scored rows); ``batch``: the prepared batch (its log-probs and
-    entropy are not read); ``token_chunk``: tokens per chunk (None: ``kernels.forward_frozen.trained_chunk_size``'s,
-    or with a teacher ``kernels.divergence.loss_chunk_rows``'); ``teacher``: RL and distillation in one call (the
-    divergence detached), or None; ``need_weight``: form dW and db (false: a frozen head, dH alone)."""
+    entropy are not read); ``token_chunk``: tokens per chunk (None: the backend's default); ``teacher``: RL and
+    distillation in one call (the divergence detached), or None; ``need_weight``: form dW and db (false: a frozen
+    head, dH alone)."""
     teacher = teacher or TeacherOperands()
     arguments = (
         *operands,
@@ -499,19 +478,17 @@ def trained_head_loss(
 
 def trained_head_workspace_bytes(hidden_shape, vocab_size, dtype, batch_shape, backend="triton", token_chunk=None):
     """The bytes ``grpo_fast::trained_head_loss`` allocates besides its outputs, for a memory estimate: the
-    three-sweep head's fp32 logits of one token chunk over the vocabulary, J (N x D fp32), its 8 N fp32 of state and
-    one chunk's GEMM operand, and the token loss's own (``workspace_bytes``) with the [B, T] dL/dlogp it returns.
+    backend's three-sweep head's (``trained_head_workspace_bytes``: one token chunk's fp32 logits over the vocabulary,
+    J, its state and one chunk's GEMM operand), and the token loss's own (``workspace_bytes``) with the [B, T]
+    dL/dlogp it returns.
 
     Args:
         hidden_shape: (N, D), the scored rows.
         vocab_size: V.
         dtype: the head's dtype.
         batch_shape: (B, T).
-        backend: the token loss's ("triton" or "torch").
+        backend: the op's backend's name (the head's and the token loss's).
         token_chunk: the head's tokens per chunk (None: the default).
     """
-    N, D = hidden_shape
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, vocab_size, D, itemsize))
-    head = chunk * vocab_size * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
+    head = named(backend).trained_head_workspace_bytes(tuple(hidden_shape), vocab_size, dtype, token_chunk)
     return head + workspace_bytes(batch_shape, backend) + batch_shape[0] * batch_shape[1] * 4

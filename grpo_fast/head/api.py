@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from grpo_fast.backends.protocol import BackendName
 from grpo_fast.head import inputs, ops
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.lora import HeadLora
-from grpo_fast.head.transform import LogitTransform
-from grpo_fast.head.vocab_parallel import VocabShard
-from grpo_fast.kernels.operands import HeadOperands
+from grpo_fast.head.shard import VocabShard
+from grpo_fast.kernels.config import BackwardMode, HeadPath
 
 
 def logprobs(
@@ -31,7 +31,7 @@ def logprobs(
     completion_mask: torch.Tensor | None = None,
     lora: HeadLora | tuple | None = None,
     vocab_parallel: VocabShard | None = None,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_values: bool = True,
 ) -> torch.Tensor:
     """Per-token log-probs of ``targets`` for the reference and old policies, without gradients.
@@ -60,24 +60,31 @@ def logprobs(
         TypeError: as ``logprobs_and_entropy``, for the arguments both take.
         ValueError: as ``logprobs_and_entropy``, for the arguments both take.
     """
-    hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
-    checks = inputs.ValueChecks(check_values, hidden, targets, completion_mask)
-    B, T, _, _ = inputs.check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
-    lora = inputs.checked_lora(lora, hidden, weight, shard)
-    transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
-    backend = inputs.resolve_backend(backend, hidden.device)
-    backend.check_sizes(B * T, weight.shape[0])
+    call = inputs.HeadCall.check(
+        hidden,
+        weight,
+        targets,
+        completion_mask,
+        bias=bias,
+        temperature=temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        lora=lora,
+        vocab_parallel=vocab_parallel,
+        backend=backend,
+        check_values=check_values,
+    )
     with torch.no_grad():
-        rows = inputs.scored_rows(completion_mask, checks)
-        h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
-        if shard is not None:
-            if h.shape[0] == 0:
-                return torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-            logp = vocab_parallel_head.logprobs(h, w, y, b, transform, backend, shard)
+        rows = call.rows()
+        head = call.operands(rows)
+        if call.shard is not None:
+            if head.hidden.shape[0] == 0:
+                return torch.zeros(call.shape, dtype=torch.float32, device=hidden.device)
+            logp = vocab_parallel_head.logprobs(head, call.backend, call.shard)
         else:
-            head = HeadOperands(h, w, y, b, transform, inputs.lora_operands(lora, hidden, rows))
-            logp = ops.linear_logprobs(ops.LinearOpOperands.of(head, backend.name), False, False, rows.count)[0]
-        return inputs.scatter_rows(logp, rows, (B, T))
+            operands = ops.LinearOpOperands.of(head, call.backend.name)
+            logp = ops.linear_logprobs(operands, False, False, rows.count)[0]
+        return call.scattered(logp, rows)
 
 
 def logprobs_and_entropy(
@@ -91,11 +98,11 @@ def logprobs_and_entropy(
     logit_scale: float = 1.0,
     completion_mask: torch.Tensor | None = None,
     entropy_grad: bool = False,
-    head_path: str = "auto",
-    backward_mode: str = "chunked",
+    head_path: HeadPath = "auto",
+    backward_mode: BackwardMode = "chunked",
     lora: HeadLora | tuple | None = None,
     vocab_parallel: VocabShard | None = None,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropies, both differentiable, without full-vocab logits.
@@ -145,36 +152,39 @@ def logprobs_and_entropy(
             unknown ``backend``, ``head_path`` or ``backward_mode`` or one that cannot run here, sizes the Triton
             kernels cannot index, or LoRA on a vocab-parallel head.
     """
-    hidden, weight, bias, shard = vocab_parallel_head.resolve(hidden, weight, bias, vocab_parallel)
-    checks = inputs.ValueChecks(check_values, hidden, targets, completion_mask)
-    B, T, _, _ = inputs.check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
-    lora = inputs.checked_lora(lora, hidden, weight, shard)
-    transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
     if not isinstance(entropy_grad, bool):
         raise TypeError(f"entropy_grad must be a bool, got {entropy_grad!r}")
-    backend = inputs.resolve_backend(backend, hidden.device)
-    backend.check_sizes(B * T, weight.shape[0])
-    head_path = inputs.layer1_choices(head_path, backward_mode, backend)
-    rows = inputs.scored_rows(completion_mask, checks)
-    path = "general" if entropy_grad else head_path
-    return logprobs_and_entropy_rows(
-        hidden, weight, targets, bias, rows, transform, backend, path, backward_mode, shard, lora
+    call = inputs.HeadCall.check(
+        hidden,
+        weight,
+        targets,
+        completion_mask,
+        bias=bias,
+        temperature=temperature,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        lora=lora,
+        vocab_parallel=vocab_parallel,
+        backend=backend,
+        check_values=check_values,
+        head_path=head_path,
+        backward_mode=backward_mode,
     )
+    return logprobs_and_entropy_rows(call, call.rows(), "general" if entropy_grad else call.head_path)
 
 
-def logprobs_and_entropy_rows(
-    hidden, weight, targets, bias, rows, transform, backend, head_path, backward_mode, shard=None, lora=None
-):
-    """Layer 1 with autograd. ``head_path`` "auto": with a frozen weight and bias, build d logp / d hidden in the
-    forward (two vocabulary sweeps instead of three; ops.linear_logprobs_path), for callers whose entropy will
-    usually get no gradient; "general": the recompute path."""
-    B, T = targets.shape
-    h, w, y, b = inputs.flat_inputs(hidden, weight, targets, bias, rows)
-    if shard is not None:  # the same choice of path, over the shards (grpo_fast.head.vocab_parallel)
+def logprobs_and_entropy_rows(call: inputs.HeadCall, rows: inputs.Rows, head_path: HeadPath):
+    """Layer 1 with autograd on a checked call's scored ``rows``: (logp, entropy) [B, T] fp32. ``head_path`` "auto":
+    with a frozen weight and bias, build d logp / d hidden in the forward (two vocabulary sweeps instead of three;
+    ops.linear_logprobs_path), for callers whose entropy will usually get no gradient; "general": the recompute
+    path. A vocab-parallel head makes the same choice over its shards (grpo_fast.head.vocab_parallel)."""
+    head = call.operands(rows)
+    if call.shard is not None:
         logp, entropy = vocab_parallel_head.linear_logprobs(
-            h, w, y, b, transform, backend, shard, head_path, backward_mode
+            head, call.backend, call.shard, head_path, call.backward_mode
         )
     else:
-        head = HeadOperands(h, w, y, b, transform, inputs.lora_operands(lora, hidden, rows))
-        logp, entropy = ops.linear_logprobs_path(head, backend, head_path, backward_mode, row_count=rows.count)
-    return inputs.scatter_rows(logp, rows, (B, T)), inputs.scatter_rows(entropy, rows, (B, T))
+        logp, entropy = ops.linear_logprobs_path(
+            head, call.backend, head_path, call.backward_mode, row_count=rows.count
+        )
+    return call.scattered(logp, rows), call.scattered(entropy, rows)

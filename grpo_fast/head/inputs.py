@@ -11,18 +11,19 @@ nothing is read: the rows are a stable partition of all B x T rows by the mask (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from grpo_fast.head import backends
+from grpo_fast.backends.protocol import Backend, HeadOperands
+from grpo_fast.backends.resolver import resolve
 from grpo_fast.head import lora as head_lora
+from grpo_fast.head import shard as head_shard
+from grpo_fast.head.lora import HeadLora
+from grpo_fast.head.shard import VocabShard
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels.config import FLOAT_DTYPES
-
-BackendName = Literal["auto", "triton", "torch"]
-BACKEND_NAMES = get_args(BackendName)
+from grpo_fast.kernels.config import FLOAT_DTYPES, BackwardMode, HeadPath
 
 
 def check_tensor(name, x):
@@ -125,18 +126,6 @@ def check_mask(mask, shape, checks):
             [~((mask == 0) | (mask == 1)).all()],
             lambda _: ValueError("completion_mask must be bool or hold only 0 and 1"),
         )
-
-
-def resolve_backend(backend, device):
-    """The public ``backend=`` string as the backend object (backends.TRITON or backends.TORCH), chosen once here."""
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    if backend == "auto":
-        return backends.TRITON if backends.TRITON.runs_on(device) else backends.TORCH
-    chosen = backends.BACKENDS[backend]
-    if not chosen.runs_on(device):
-        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before importing grpo_fast")
-    return chosen
 
 
 def layer1_choices(head_path, backward_mode, backend):
@@ -294,3 +283,87 @@ def check_head(names, hidden, weight, bias, sharded=False):
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"{bias_name} must have shape [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     return (*hidden.shape, weight.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------- one checked call
+@dataclass(frozen=True)
+class HeadCall:
+    """A checked call of layer 1 (``logprobs``, ``logprobs_and_entropy``, ``loss``): the tensors as the head computes
+    on them (a vocab-parallel head's local rows), the caller's choices resolved, and the value checks, not yet read
+    (``rows`` reads them, with whatever a caller added to them, in its one host synchronisation)."""
+
+    hidden: torch.Tensor  # [B, T, D]
+    weight: torch.Tensor  # [V, D], or this rank's rows of a vocab-parallel head
+    targets: torch.Tensor  # [B, T]
+    bias: torch.Tensor | None
+    completion_mask: torch.Tensor | None  # [B, T], or None: every token
+    transform: LogitTransform
+    lora: HeadLora | None
+    shard: VocabShard | None
+    backend: Backend
+    head_path: HeadPath
+    backward_mode: BackwardMode
+    checks: ValueChecks
+
+    @classmethod
+    def check(
+        cls,
+        hidden,
+        weight,
+        targets,
+        completion_mask,
+        *,
+        bias,
+        temperature,
+        softcap,
+        logit_scale,
+        lora,
+        vocab_parallel,
+        backend,
+        check_values,
+        head_path="auto",
+        backward_mode="chunked",
+    ) -> HeadCall:
+        """Every check of layer 1's arguments (named errors before any value is read; the value checks queued),
+        its backend resolved."""
+        hidden, weight, bias, shard = head_shard.resolve(hidden, weight, bias, vocab_parallel)
+        checks = ValueChecks(check_values, hidden, targets, completion_mask)
+        B, T, _, _ = check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
+        lora = checked_lora(lora, hidden, weight, shard)
+        transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
+        resolved = resolve(backend, hidden.device)
+        resolved.check_sizes(B * T, weight.shape[0])
+        head_path = layer1_choices(head_path, backward_mode, resolved)
+        return cls(
+            hidden,
+            weight,
+            targets,
+            bias,
+            completion_mask,
+            transform,
+            lora,
+            shard,
+            resolved,
+            head_path,
+            backward_mode,
+            checks,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, T)."""
+        return tuple(self.targets.shape)
+
+    def rows(self) -> Rows:
+        """The scored rows, the value checks read (``scored_rows``: the call's one host synchronisation)."""
+        return scored_rows(self.completion_mask, self.checks)
+
+    def operands(self, rows: Rows) -> HeadOperands:
+        """Layer 1's operands of the scored ``rows``: [N, D] hidden rows, [N] targets, the weight and bias as the
+        kernels read them, the transform and LoRA's operand pair."""
+        h, w, y, b = flat_inputs(self.hidden, self.weight, self.targets, self.bias, rows)
+        return HeadOperands(h, w, y, b, self.transform, lora_operands(self.lora, self.hidden, rows))
+
+    def scattered(self, values: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Per-token values of ``rows`` as [B, T], exact zeros elsewhere (``scatter_rows``)."""
+        return scatter_rows(values, rows, self.shape)

@@ -1,10 +1,9 @@
 """Layer 1's torch.library custom ops: the forward (general or frozen-head) with its registered autograd formula,
 and the backward; ``linear_logprobs_path`` chooses the path and calls the forward op.
 
-torch.compile traces each op as one node (no graph break, no guard on a value); FakeTensorMode and meta tensors run
-the fake implementations, which read no value. Schemas take tensors and numbers only: the logit transform travels
-as its three floats (``LogitTransform.as_floats``), the backend, head path and backward mode as strings and flags;
-optional tensors are ``Tensor?``, and an output that a path does not produce is an empty tensor (shape [0]).
+The boundary is ``head.boundary``'s (one node under torch.compile, fake implementations for fake and meta tensors);
+the logit transform travels as its three floats (``LogitTransform.as_floats``), the backend, head path and backward
+mode as strings and flags.
 
 ``custom_op``, not ``triton_op``: the implementations are Python around Triton launches and cuBLAS GEMMs, whose
 launch configurations are chosen from sizes at call time, plus a chunked-torch twin on any device; an opaque
@@ -15,20 +14,18 @@ launch configurations are chosen from sizes at call time, plus a chunked-torch t
 
 from __future__ import annotations
 
-import typing
 from typing import NamedTuple
 
 import torch
 
-from grpo_fast.head import backends
-from grpo_fast.head.backends import ONE_PROCESS, as_backend
+from grpo_fast.backends.protocol import BackwardStats, HeadGrads, HeadOperands
+from grpo_fast.backends.resolver import named
+from grpo_fast.head import paths
+from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline
+from grpo_fast.head.paths import ONE_PROCESS
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import forward as kforward
-from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels import gemm
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands
-from grpo_fast.kernels.softmax_stats import BackwardStats
+from grpo_fast.kernels.config import BackwardMode, HeadPath
 
 FP32 = torch.float32
 
@@ -44,7 +41,7 @@ class LinearOpOperands(NamedTuple):
         lora_hidden: [N, r] LoRA's first operand, or None.
         lora_weight: [V, r] LoRA's second operand, or None (both or neither).
         temperature, softcap, logit_scale: the logit transform (``LogitTransform.as_floats``).
-        backend: a backend's name (``backends.BACKENDS``).
+        backend: a resolved backend's name (``grpo_fast.backends.resolver.named``).
         backward_mode: one of config.BACKWARD_MODES (the forward op does not read it; the autograd formula does).
     """
 
@@ -75,35 +72,6 @@ class LinearOpOperands(NamedTuple):
     def with_tensors(self, convert) -> LinearOpOperands:
         """The same operands with ``convert`` applied to each tensor (a fake-tensor mode's ``from_tensor``)."""
         return type(self)(*(convert(x) if isinstance(x, torch.Tensor) else x for x in self))
-
-
-# a custom op's schema type of each annotation of an operand record and of the ops' other arguments
-_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", str: "str", bool: "bool", torch.dtype: "ScalarType"}
-
-
-def schema_fields(record: type, names=None) -> str:
-    """Schema text of the fields of ``record`` (a NamedTuple of annotated tensors, numbers, strings and dtypes,
-    optional as ``X | None``), or of those of them in ``names``, in the record's order."""
-    fields = []
-    for name, hint in typing.get_type_hints(record).items():
-        if names is not None and name not in names:
-            continue
-        optional = type(None) in typing.get_args(hint)
-        base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
-        fields.append(f"{_SCHEMA_TYPES[base]}{'?' if optional else ''} {name}")
-    return ", ".join(fields)
-
-
-def op_schema(record: type, before: str, after: str, returns: str) -> str:
-    """A custom op's schema whose arguments are ``before``, the fields of ``record`` (``schema_fields``), then
-    ``after`` (schema text, "" for none), returning ``returns``."""
-    arguments = ", ".join(part for part in (before, schema_fields(record), after) if part)
-    return f"({arguments}) -> {returns}"
-
-
-def custom_op(name: str, impl, schema: str):
-    """``impl`` as the custom op ``grpo_fast::<name>`` of ``schema``, mutating none of its arguments."""
-    return torch.library.custom_op(f"grpo_fast::{name}", impl, mutates_args=(), schema=schema)
 
 
 def _nothing(like):
@@ -138,11 +106,11 @@ def _linear_logprobs(*arguments):
 
 
 def _head_forward(reduce, *arguments):
-    """``_linear_logprobs`` with a reduce step (backends.OneProcess or vocab_parallel.GroupReduce)."""
+    """``_linear_logprobs`` with a reduce step (paths.OneProcess or vocab_parallel.GroupReduce)."""
     *operands, compute_entropy, frozen_head, row_count = arguments
     operands = LinearOpOperands(*operands)
     head = operands.head()
-    backend = backends.BACKENDS[operands.backend]
+    backend = named(operands.backend)
     hidden = head.hidden
     if hidden.shape[0] == 0:
         empty = torch.zeros(0, dtype=FP32, device=hidden.device)
@@ -271,7 +239,7 @@ def _linear_logprobs_backward(*arguments):
     lse, nontarget_mass, mean_logit, mean_minus_target, grad_logp, grad_entropy, *operands, needs = arguments
     operands = LinearOpOperands(*operands)
     head = operands.head()
-    backend = backends.BACKENDS[operands.backend]
+    backend = named(operands.backend)
     hidden, weight = head.hidden, head.weight
     need_h, need_w, need_b, need_lh, need_lw = needs
 
@@ -289,7 +257,7 @@ def _linear_logprobs_backward(*arguments):
         grads.hidden.zero_()  # no tiles to launch (an empty vocab-parallel shard: torch's chunking can leave one)
     elif hidden.shape[0] > 0 and weight.shape[0] > 0 and any(needs):
         stats = BackwardStats(lse, nontarget_mass, _given(mean_logit), _given(mean_minus_target))
-        backends.head_backward(head, stats, grad_logp, grad_entropy, grads, backend, operands.backward_mode)
+        paths.head_backward(head, stats, grad_logp, grad_entropy, grads, backend, operands.backward_mode)
     return tuple(_or_nothing(g, hidden) for g in grads)
 
 
@@ -318,51 +286,7 @@ def _(*arguments):
 
 
 # ----------------------------------------------------------------------------------------------- calls
-def inline_function(impl, setup_context, backward):
-    """The op's implementation and autograd formula as a torch.autograd.Function, for ``runs_inline``."""
-
-    def forward(ctx, *args):
-        output = impl(*args)
-        setup_context(ctx, args, output)
-        return output
-
-    return type(
-        f"Inline_{impl.__name__.strip('_')}",
-        (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
-    )
-
-
 _LINEAR_INLINE = inline_function(_linear_logprobs, _linear_setup_context, _linear_backward)
-
-
-def scaled_gradient(grad, scale, dtype, rows=8192):
-    """``grad`` (fp32, formed in a forward) times the loss's gradient ``scale`` (a scalar tensor), in ``dtype``: a
-    slab of rows at a time, so that the fp32 product never exists whole beside ``grad`` (one product when compiled:
-    a loop over a dynamic size would specialise the graph on it, and the compiler fuses the product and the cast)."""
-    if torch.compiler.is_compiling():
-        return (grad * scale).to(dtype)
-    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-    for r0 in range(0, grad.shape[0], rows):
-        out[r0 : r0 + rows] = grad[r0 : r0 + rows] * scale
-    return out
-
-
-def runs_inline(args):
-    """Run the implementation in Python rather than as the op: a TorchDispatchMode over real tensors (a FLOP or
-    allocation counter, a host-sync counter) then sees the kernels' own torch ops, which an op's caller never
-    sees (a mode is not active inside the op it intercepts). torch.compile, FakeTensorMode and meta tensors
-    always get the op (one node; the fake implementation)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    if torch.compiler.is_compiling():
-        return False
-    tensors = [x for x in args if isinstance(x, torch.Tensor)]
-    if any(x.device.type == "meta" or is_fake(x) for x in tensors):
-        return False
-    modes = _get_current_dispatch_mode_stack()
-    return bool(modes) and not any(isinstance(mode, FakeTensorMode) for mode in modes)
 
 
 class _LinearLogprobsWithReduce(torch.autograd.Function):
@@ -403,7 +327,14 @@ def linear_logprobs_backward(
     return _linear_logprobs_backward(*args) if runs_inline(args) else _linear_logprobs_backward_op(*args)
 
 
-def linear_logprobs_path(head, backend, head_path, backward_mode, reduce=ONE_PROCESS, row_count=None):
+def linear_logprobs_path(
+    head: HeadOperands,
+    backend,
+    head_path: HeadPath,
+    backward_mode: BackwardMode,
+    reduce=ONE_PROCESS,
+    row_count: torch.Tensor | None = None,
+):
     """A HeadOperands (hidden [N, D], weight [V, D], targets [N], bias [V] | None, transform, LoRA's pair
     (lora_hidden [N, r], lora_weight [V, r]) | None), a backend, head_path and backward_mode -> logp [N] fp32,
     entropy [N] fp32, through the custom op linear_logprobs, whose registered autograd formula is the head's one
@@ -433,11 +364,11 @@ def linear_logprobs_path(head, backend, head_path, backward_mode, reduce=ONE_PRO
         raise ValueError(f"head_path must be one of {kconfig.HEAD_PATHS}, got {head_path!r}")
     if backward_mode not in kconfig.BACKWARD_MODES:
         raise ValueError(f"backward_mode must be one of {kconfig.BACKWARD_MODES}, got {backward_mode!r}")
-    backend = as_backend(backend)
+    backend = named(backend)
     grad = torch.is_grad_enabled()
     needs = [grad and x is not None and x.requires_grad for x in head[:4]]
     lora_weight_grad = grad and head.lora is not None and head.lora[1].requires_grad
-    frozen_head = backends.takes_frozen_head(needs, head.hidden, backend, head_path, lora_weight_grad)
+    frozen_head = paths.takes_frozen_head(needs, head.hidden, backend, head_path, lora_weight_grad)
     operands = LinearOpOperands.of(head, backend.name, backward_mode)
     outputs = linear_logprobs(operands, True, frozen_head, row_count, reduce=reduce)
     return outputs[0], outputs[1]
@@ -445,44 +376,24 @@ def linear_logprobs_path(head, backend, head_path, backward_mode, reduce=ONE_PRO
 
 # ----------------------------------------------------------------------------------------------- workspace
 def workspace_bytes(
-    op,
-    hidden_shape,
-    vocab_size,
-    dtype,
+    op: str,
+    hidden_shape: tuple[int, int],
+    vocab_size: int,
+    dtype: torch.dtype,
     *,
-    backend="triton",
-    frozen_head=False,
-    backward_mode="chunked",
-    device_type="cuda",
-    compute_capability=None,
-):
+    backend: str = "triton",
+    frozen_head: bool = False,
+    backward_mode: BackwardMode = "chunked",
+    device_type: str = "cuda",
+    compute_capability: int | None = None,
+) -> int:
     """The bytes a layer-1 op's implementation allocates besides its outputs (its peak extra memory, for a memory
-    estimate over fake tensors, whose fake implementations allocate the outputs only), by the launchers' formulas.
+    estimate over fake tensors, whose fake implementations allocate the outputs only): the backend's
+    ``workspace_bytes`` (grpo_fast.backends).
 
-    ``op``: "linear_logprobs" (hidden_shape [N, D]; the forward's partial and merged records, or the frozen head's
-    8 x N fp32 state, fp32 u buffer of one token chunk x vocabulary chunk and its finishing copy of W_y's rows) or
-    "linear_logprobs_backward" (the chunked backward's g, one token chunk x V in the input dtype; the dW
-    accumulator's fp32 copy is an output; the fused one allocates nothing more). The torch backend (an estimate, not
-    a launcher's formula): CHUNK_N x CHUNK_V fp32 tiles, about four alive at once. ``compute_capability`` (10 x
-    major + minor): the card the forward's launch is sized for, one this machine need not have; None: the
-    ``device_type`` device's."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    N, D = hidden_shape
-    V = vocab_size
-    if backend == "torch":
-        from grpo_fast.head import torch_twin
-
-        return 4 * min(N, torch_twin.CHUNK_N) * min(V, torch_twin.CHUNK_V) * 4
-    if op == "linear_logprobs":
-        if frozen_head:
-            chunk = gemm.chunk_size(N, D)
-            vchunk = kfrozen.vocab_chunk_size(V, D, chunk, itemsize)
-            return kfrozen.STATE_ROWS * N * 4 + chunk * vchunk * 4 + min(N, 1024) * D * 4
-        if compute_capability is not None:
-            config = kconfig.gpu_record_config(dtype, compute_capability)
-        else:
-            config = kconfig.forward_config(torch.device(device_type), dtype)
-        return kforward.workspace_bytes(N, V, True, config)
-    if op == "linear_logprobs_backward":
-        return gemm.chunk_size(N, D) * V * itemsize if backward_mode == "chunked" else 0
-    raise ValueError(f"op must be 'linear_logprobs' or 'linear_logprobs_backward', got {op!r}")
+    ``op``: "linear_logprobs" (hidden_shape [N, D]) or "linear_logprobs_backward"; ``backend``: a resolved backend's
+    name; ``compute_capability`` (10 x major + minor): the card the forward's launch is sized for, one this machine
+    need not have; None: the ``device_type`` device's."""
+    return named(backend).workspace_bytes(
+        op, hidden_shape, vocab_size, dtype, frozen_head, backward_mode, device_type, compute_capability
+    )

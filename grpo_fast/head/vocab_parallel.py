@@ -28,145 +28,22 @@ again (skip Megatron's ``copy_to_tensor_model_parallel_region`` for the head's i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from grpo_fast.head import backends, ops
+from grpo_fast.head import ops, paths
+from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels import softmax_stats
 from grpo_fast.kernels.operands import HeadOperands
 from grpo_fast.kernels.softmax_stats import SoftmaxStats
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """This rank's part of a vocab-parallel head: rows [offset, offset + weight.shape[0]) of a [vocab_size, D] head.
-
-    Megatron: ``VocabShard(get_tensor_model_parallel_group(), vocab_start_index, padded_vocab_size)``. Checked
-    when a function takes it (``vocab_parallel=``): offset and vocab_size ints (else TypeError), the rows inside
-    [0, vocab_size) and torch.distributed initialised (else ValueError).
-
-    Attributes:
-        group: the ``torch.distributed`` process group the vocabulary is split over; None: the default group.
-        offset: the first vocabulary row this rank holds.
-        vocab_size: V, the whole head's rows over every rank.
-    """
-
-    group: dist.ProcessGroup | None
-    offset: int
-    vocab_size: int
-
-
-def _int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"vocab_parallel.{name} must be an int, got {type(value).__name__}")
-    return value
-
-
-def _check_shard(shard, rows):
-    _int("offset", shard.offset)
-    _int("vocab_size", shard.vocab_size)
-    if shard.vocab_size <= 0 or shard.offset < 0 or shard.offset + rows > shard.vocab_size:
-        raise ValueError(
-            f"vocab_parallel: this rank's weight rows [offset, offset + {rows}) = [{shard.offset}, "
-            f"{shard.offset + rows}) must lie in [0, vocab_size) = [0, {shard.vocab_size})"
-        )
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "vocab_parallel needs torch.distributed initialised (init_process_group) on every rank of its group"
-        )
-
-
-def _is_dtensor(x):
-    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
-
-
-def resolve(hidden, weight, bias, vocab_parallel):
-    """The public API's entry: (hidden, weight, bias, shard) as layer 1 computes on them.
-
-    A DTensor weight sharded on dim 0 is recognised (its local rows, bias rows and group); a plain weight with
-    ``vocab_parallel=VocabShard(...)`` is Megatron's layout; a plain weight alone gives shard None (not parallel).
-    Local tensors come from ``to_local()``, which is differentiable: the DTensor's gradient is the local one, with the
-    DTensor's placements."""
-    if _is_dtensor(weight):
-        if vocab_parallel is not None:
-            raise ValueError(
-                "vocab_parallel is for a plain [V_local, D] weight shard: a DTensor weight carries its "
-                "own sharding, pass it alone"
-            )
-        return _from_dtensor(hidden, weight, bias)
-    if _is_dtensor(bias):
-        raise ValueError(
-            "bias is a DTensor but weight is not: pass both as DTensors sharded on dim 0, or both as "
-            "this rank's rows with vocab_parallel=VocabShard(...)"
-        )
-    if _is_dtensor(hidden):
-        hidden = _replicated_local("hidden", hidden)
-    if vocab_parallel is None:
-        return hidden, weight, bias, None
-    if not isinstance(vocab_parallel, VocabShard):
-        raise TypeError(
-            f"vocab_parallel must be a grpo_fast.VocabShard(group, offset, vocab_size), got "
-            f"{type(vocab_parallel).__name__}"
-        )
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        _check_shard(vocab_parallel, weight.shape[0])
-    return hidden, weight, bias, vocab_parallel
-
-
-def is_vocab_sharded(weight):
-    """True for a DTensor weight that this module computes on as it is: Shard(0) on one mesh dimension, Replicate on
-    any other."""
-    if not _is_dtensor(weight):
-        return False
-    sharded = [p for p in weight.placements if not p.is_replicate()]
-    return len(sharded) == 1 and sharded[0].is_shard(0)
-
-
-def _replicated_local(name, x):
-    if not all(p.is_replicate() for p in x.placements):
-        raise ValueError(
-            f"{name} is a DTensor with placements {tuple(x.placements)}: the vocab-parallel head takes "
-            "replicated hidden states (every rank the same tokens); pass a plain tensor or a Replicate "
-            "DTensor"
-        )
-    return x.to_local()
-
-
-def _from_dtensor(hidden, weight, bias):
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    placements = tuple(weight.placements)
-    if not is_vocab_sharded(weight):
-        raise ValueError(
-            f"weight is a DTensor with placements {placements}: grpo_fast takes a head sharded by "
-            "vocabulary (Shard(0) on one mesh dimension, Replicate on any other); gather another "
-            "layout with weight.full_tensor()"
-        )
-    mesh_dim = next(dim for dim, p in enumerate(placements) if not p.is_replicate())
-    if bias is not None and (
-        not _is_dtensor(bias) or tuple(bias.placements) != placements or bias.device_mesh != weight.device_mesh
-    ):
-        raise ValueError(
-            f"weight is a DTensor sharded on dim 0: bias must be None or a DTensor on the same mesh "
-            f"with the same placements {placements}"
-        )
-    if _is_dtensor(hidden):
-        hidden = _replicated_local("hidden", hidden)
-    mesh = weight.device_mesh
-    _, global_offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
-    shard = VocabShard(mesh.get_group(mesh_dim), int(global_offset[0]), int(weight.shape[0]))
-    local_bias = None if bias is None else bias.to_local()
-    return hidden, weight.to_local(), local_bias, shard
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The adapter: the only code that knows layer 1's internals. A shard's forward is layer 1's unfinished per-token
-# record over its rows (backends.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
+# record over its rows (paths.head_forward_record: max, sum of exp, the non-target sum, the z-sum, the target
 # logit; softmax_stats.SoftmaxStats); the ranks' records are merged by softmax_stats' one merge (``merge_records``)
 # and finished by softmax_stats.finish, as one process finishes its own record; the frozen-head path's acc
-# (backends.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The shard's backward is
+# (paths.head_forward_frozen_record) is finished by softmax_stats.finish_frozen_grad. The shard's backward is
 # layer 1's own (the head's one backward, in head.ops) with the finished GLOBAL BackwardStats,
 # its dH summed by ``GroupReduce.sum_grad_hidden``; its target column reads the carried 1 - p_y and mean - z_y only
 # on the target's owner (the other ranks pass target -1, a column no kernel matches: no target term there).
@@ -188,7 +65,7 @@ def merge_records(record, compute_entropy, group):
 
 
 class GroupReduce:
-    """The head's reduce step over a vocab-parallel group (``backends.OneProcess``'s counterpart, which the head's
+    """The head's reduce step over a vocab-parallel group (``paths.OneProcess``'s counterpart, which the head's
     one implementation in ``head.ops`` takes): each rank's forward stops at its unfinished record, the records
     merge over the group (``merge_records``) and are finished as one process finishes its own; J and dH are summed
     over the group. No LoRA (the public API rejects it with a vocab-parallel head)."""
@@ -200,7 +77,7 @@ class GroupReduce:
         """(logp, entropy or None, BackwardStats of the whole vocabulary), [N] fp32, on every rank. ``row_count`` is
         not read: a padding row's placeholder record would not merge over the ranks as a real one does. ``head``'s
         targets are this rank's columns (``local_targets``)."""
-        record = backends.head_forward_record(head, compute_entropy, backend)
+        record = paths.head_forward_record(head, compute_entropy, backend)
         return softmax_stats.finish(merge_records(record, compute_entropy, self.group), compute_entropy)
 
     def frozen_forward(self, head, backend):
@@ -210,7 +87,7 @@ class GroupReduce:
         records merge as in ``forward``; acc is rescaled to the global max by the record's own factor exp(m_r - m)
         and finished with the GLOBAL R and S (softmax_stats.finish_frozen_grad: the target's s'_y R W_y only on its
         owner), so that the ranks' parts sum to J: one all-reduce (sum) of N x D fp32."""
-        record, acc, target_slope = backends.head_forward_frozen_record(head, backend)
+        record, acc, target_slope = paths.head_forward_frozen_record(head, backend)
         merged = merge_records(record, True, self.group)
         acc.mul_(softmax_stats.rescale(record.max, merged.max)[:, None])
         grad = softmax_stats.finish_frozen_grad(acc, merged, target_slope, head.weight, head.targets)
@@ -234,19 +111,20 @@ def local_targets(targets, shard, rows):
     return torch.where((local >= 0) & (local < rows), local, torch.full_like(local, -1))
 
 
-def logprobs(hidden, weight, targets, bias, transform, backend, shard):
-    """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives)."""
-    head = HeadOperands(hidden, weight, local_targets(targets, shard, weight.shape[0]), bias, transform)
+def logprobs(head: HeadOperands, backend, shard: VocabShard) -> torch.Tensor:
+    """No-grad log-probs [N] fp32 of a vocab-parallel head (16 N bytes through collectives); ``head``'s weight and
+    bias are this rank's rows, its targets global vocabulary indices."""
+    head = head._replace(targets=local_targets(head.targets, shard, head.weight.shape[0]))
     operands = ops.LinearOpOperands.of(head, backend.name)
     return ops.linear_logprobs(operands, False, False, reduce=GroupReduce(shard.group))[0]
 
 
-def linear_logprobs(hidden, weight, targets, bias, transform, backend, shard, head_path, backward_mode):
+def linear_logprobs(head: HeadOperands, backend, shard: VocabShard, head_path, backward_mode):
     """(logp, entropy) [N] fp32 of a vocab-parallel head, equal on every rank to the unsharded head's, both
     differentiable: dH (whole on every rank), this rank's dW and db rows (local). The single-process head's autograd
     path (ops.linear_logprobs_path: the same choice of path, the same backward, entropy fallback and empty case)
     with this group's reduce step: the frozen head ("auto", only hidden needs a gradient) builds J in the forward
     (one N x D all-reduce there) and its backward is dH = grad_logp J, with no collective; the general path
-    all-reduces dH in the backward. N = 0 on every rank: empty outputs, no collective."""
-    head = HeadOperands(hidden, weight, local_targets(targets, shard, weight.shape[0]), bias, transform)
+    all-reduces dH in the backward. N = 0 on every rank: empty outputs, no collective. ``head`` as ``logprobs``'."""
+    head = head._replace(targets=local_targets(head.targets, shard, head.weight.shape[0]))
     return ops.linear_logprobs_path(head, backend, head_path, backward_mode, reduce=GroupReduce(shard.group))

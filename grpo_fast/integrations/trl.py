@@ -44,7 +44,7 @@ from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
 
 import grpo_fast  # noqa: E402
-from grpo_fast.head import vocab_parallel as vocab_parallel_head  # noqa: E402
+from grpo_fast.head import shard as head_shard  # noqa: E402
 from grpo_fast.head.lora import lora_hidden  # noqa: E402
 from grpo_fast.head.transform import LogitTransform  # noqa: E402
 
@@ -187,7 +187,7 @@ def _head_parameters(lm_head):
     with fsdp_unit_gathered(lm_head) as (weight, bias):
         # a head split by vocabulary (tensor parallelism: every rank of its group sees the same tokens) stays split:
         # grpo_fast computes on each rank's rows (head.vocab_parallel); any other layout is gathered, as TRL does
-        if isinstance(weight, DTensor) and not vocab_parallel_head.is_vocab_sharded(weight):
+        if isinstance(weight, DTensor) and not head_shard.is_vocab_sharded(weight):
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
         yield weight, bias

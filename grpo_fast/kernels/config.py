@@ -6,7 +6,6 @@ The interpreter (and a CPU device) takes small tiles everywhere; a compiled CUDA
 (``tiles.arch_class`` of its compute capability: the one place an architecture is classified).
 """
 
-import os
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
@@ -14,6 +13,7 @@ import torch
 import triton
 
 from . import tiles
+from .launch import interpreting
 
 # the layer-1 path: "auto" takes the frozen-head path (J = d logp / d hidden built in the forward, two vocabulary
 # sweeps) when only ``hidden`` needs a gradient; "general" always takes the recompute path (three sweeps with a
@@ -24,11 +24,6 @@ HEAD_PATHS = get_args(HeadPath)
 # "fused" (one kernel, fp32 atomics, no g buffer); the torch backend has only "chunked"
 BackwardMode = Literal["chunked", "fused"]
 BACKWARD_MODES = get_args(BackwardMode)
-
-
-def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1), as the CI tests do."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _dot_precision(dtype, dot_fp32):

@@ -190,15 +190,6 @@ def _g_kernel(
     tl.store(g_ptrs, to_gemm(g * g_scale, g_ptr.dtype.element_ty), mask=g_mask)
 
 
-class Layer1Gradient(NamedTuple):
-    """The combined head's layer-1 term, which ``backward`` adds to g."""
-
-    targets: torch.Tensor  # [N] int64 target ids, rows of the weights
-    stats: torch.Tensor  # [4, N] fp32: softmax_stats.BackwardStats' rows
-    grad_logp: torch.Tensor  # [N] fp32: dL/dlogp
-    grad_entropy: torch.Tensor | None  # [N] fp32 dL/dentropy, or None: the entropy has no gradient
-
-
 @on_first_argument_device
 def backward(grad_divergence, student, teacher, saved, argmax, beta, grads, config=None, offset=0, layer1=None):
     """The student's gradients by the g kernel (g per token chunk) and cuBLAS (dH, dW).

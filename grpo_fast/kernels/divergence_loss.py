@@ -9,18 +9,17 @@ Memory: g, rows x V in the student's dtype; both models' fp32 products, rows / 2
 rows / 2 tokens. No tensor of size N x V.
 """
 
-from typing import NamedTuple
-
 import torch
 
 from . import softmax_stats
 from .config import stored_configs
-from .divergence_gradient import GScale, Layer1Gradient, launch_g, student_gradients
+from .divergence_gradient import GScale, launch_g, student_gradients
 from .divergence_records import finish, layer1_record
 from .divergence_sweep import sweep_records
 from .divergence_tile import local_argmax, pointers, shared_arguments
 from .gemm import mm_fp32
 from .launch import on_device, on_first_argument_device
+from .operands import Layer1Gradient
 
 
 def loss_chunk_rows(N: int, Ds: int) -> int:
@@ -30,15 +29,6 @@ def loss_chunk_rows(N: int, Ds: int) -> int:
     head's peak (dW's fp32 V x Ds x 4 and a g chunk of Ds x V in the student's dtype); fewer rows add dW's fp32
     accumulator traffic (V x Ds x 8 bytes a GEMM)."""
     return min(N, max(32, (Ds // 2) // 128 * 128))
-
-
-class LossLayer1(NamedTuple):
-    """The combined GRPO + distillation loss's layer-1 term for ``loss_gradients``."""
-
-    targets: torch.Tensor  # [N] int64 target ids
-    # (n0, n1, logp [n1 - n0], entropy [n1 - n0]) -> dL/dlogp of those tokens [n1 - n0] fp32: the layer-2 gradient
-    # of a loss whose token values read no other token's log-prob (called once per chunk, in order)
-    coefficients: object
 
 
 @on_first_argument_device

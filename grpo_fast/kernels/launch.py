@@ -1,5 +1,6 @@
-"""The device every kernel wrapper runs on (its first tensor argument's), and the tensor-descriptor operands of the
-kernels that read their tiles through Hopper's copy engine (TMA).
+"""Where the kernels run: compiled or under Triton's interpreter (``interpreting``), the device every kernel wrapper
+runs on (its first tensor argument's), and the tensor-descriptor operands of the kernels that read their tiles
+through Hopper's copy engine (TMA).
 
 Triton launches on the current CUDA device, not on its arguments' device, and nothing else in grpo_fast sets it: a head
 on cuda:1 (``device_map="auto"`` over two GPUs puts lm_head on the last one) launched while cuda:0 is current crashes or
@@ -10,8 +11,14 @@ around them alike; the public functions check before that that all tensors share
 
 import contextlib
 import functools
+import os
 
 import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1), as the CI tests do."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def on_device(tensor):

@@ -1,5 +1,8 @@
-"""Layer 1's operands and gradient buffers as two records: what every layer-1 function (the kernels' launchers, the
-torch twin, the backends, the reduce steps) takes in place of the same list of arguments."""
+"""The kernels' operand records: what every implementation of a computation (the kernels' launchers, the torch
+twins, the backends, the reduce steps) takes in place of the same list of arguments. Layer 1's operands and gradient
+buffers (``HeadOperands``, ``HeadGrads``), layer 2's prepared batch (``TokenLossInputs``), and the combined GRPO +
+distillation head's layer-1 term in the divergence head's backward (``Layer1Gradient``) and fused loss
+(``LossLayer1``). The divergence head's own records are ``divergence_records``'."""
 
 from __future__ import annotations
 
@@ -43,3 +46,45 @@ class HeadGrads(NamedTuple):
     bias: torch.Tensor | None = None
     lora_hidden: torch.Tensor | None = None
     lora_weight: torch.Tensor | None = None
+
+
+class TokenLossInputs(NamedTuple):
+    """Layer 2's prepared per-batch tensors: fp32, contiguous, on one device, a sequence a row.
+
+    Attributes:
+        logp: the policy's log-probs [B, T].
+        advantages: [B] or [B, T].
+        mask: the completion mask [B, T], 0 / 1.
+        old: the old policy's log-probs [B, T], or None (on-policy: the ratio is 1, its gradient flows).
+        ref: the reference log-probs [B, T], or None without a KL term.
+        sampler: the off-policy mask's sampler log-probs [B, T] (NaN: not scored), or None without that mask.
+        importance_weights: [B] or [B, T], or None.
+        entropy: the token entropies [B, T], or None.
+    """
+
+    logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    sampler: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+
+class Layer1Gradient(NamedTuple):
+    """The combined head's layer-1 term, which ``divergence_gradient.backward`` adds to g."""
+
+    targets: torch.Tensor  # [N] int64 target ids, rows of the weights
+    stats: torch.Tensor  # [4, N] fp32: softmax_stats.BackwardStats' rows
+    grad_logp: torch.Tensor  # [N] fp32: dL/dlogp
+    grad_entropy: torch.Tensor | None  # [N] fp32 dL/dentropy, or None: the entropy has no gradient
+
+
+class LossLayer1(NamedTuple):
+    """The combined GRPO + distillation loss's layer-1 term for ``divergence_loss.loss_gradients``."""
+
+    targets: torch.Tensor  # [N] int64 target ids
+    # (n0, n1, logp [n1 - n0], entropy [n1 - n0]) -> dL/dlogp of those tokens [n1 - n0] fp32: the layer-2 gradient
+    # of a loss whose token values read no other token's log-prob (called once per chunk, in order)
+    coefficients: object

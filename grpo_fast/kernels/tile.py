@@ -29,7 +29,7 @@ bf16 tl.dot is wrong in triton 3.9); on a GPU they stay in the input dtype for t
 import triton
 import triton.language as tl
 
-from .config import interpreting
+from .launch import interpreting
 
 # gemm_scale puts the bound at 2^GRAD_SCALE_EXP..2^(GRAD_SCALE_EXP + 1): the largest value then stays far below fp16's
 # 65504 (the backward's g is at most its bound times ln V + 1 < 17, its entropy term's largest factor) while the

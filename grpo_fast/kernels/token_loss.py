@@ -25,7 +25,6 @@ Masked tokens contribute exactly zero, whatever their values; a NaN at a scored 
 """
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -494,30 +493,6 @@ def _token_loss_kernel(
         tl.store(stats + STAT_PHI, 0.0)
     tl.store(stats + STAT_BONUS_COUNT, bonus_count)
     tl.store(stats + STAT_BONUS_ENTROPY, bonus_entropy)
-
-
-class TokenLossInputs(NamedTuple):
-    """Layer 2's prepared per-batch tensors: fp32, contiguous, on one device, a sequence a row.
-
-    Attributes:
-        logp: the policy's log-probs [B, T].
-        advantages: [B] or [B, T].
-        mask: the completion mask [B, T], 0 / 1.
-        old: the old policy's log-probs [B, T], or None (on-policy: the ratio is 1, its gradient flows).
-        ref: the reference log-probs [B, T], or None without a KL term.
-        sampler: the off-policy mask's sampler log-probs [B, T] (NaN: not scored), or None without that mask.
-        importance_weights: [B] or [B, T], or None.
-        entropy: the token entropies [B, T], or None.
-    """
-
-    logp: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    old: torch.Tensor | None
-    ref: torch.Tensor | None
-    sampler: torch.Tensor | None
-    importance_weights: torch.Tensor | None
-    entropy: torch.Tensor | None
 
 
 def _device_scalar(x, like):

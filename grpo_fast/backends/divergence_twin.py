@@ -2,9 +2,12 @@
 accumulation, never an [N, V] tensor.
 
 The forward folds both models' logit chunks [CHUNK_N, CHUNK_V] into the records of
-grpo_fast.kernels.divergence_records (which has their algebra) and finishes them there; for 0 < beta < 1 a second
-sweep sums the generalized JSD. The backward recomputes both models' chunks and forms the logit gradient of
-grpo_fast.kernels.divergence's formulas, then dH = g W_s, dW_s = g^T H_s, db_s = sum_n g. With a frozen student head
+grpo_fast.kernels.divergence_records (which has their algebra) and finishes them there; for a divergence with a
+mixture (the generalized JSD) a second sweep sums it. The backward recomputes both models' chunks and forms the
+logit gradient of grpo_fast.kernels.divergence_tile's formulas (``logit_grad``), then dH = g W_s, dW_s = g^T H_s,
+db_s = sum_n g. A vocab-parallel shard's records (``shard_records``) and the combined GRPO + distillation head
+(``combined_forward``, ``combined_backward``: layer 1's record and gradient from the same student tiles) are here
+too. With a frozen student head
 (only the hidden states need a gradient) the forward also folds J = d divergence / d h_s (``FrozenHead``), so that
 the backward is dH = c J with no vocabulary sweep: one sweep of the teacher fewer than a recomputing backward.
 """
@@ -15,9 +18,17 @@ import math
 
 import torch
 
-from grpo_fast.head.torch_twin import CHUNK_N, CHUNK_V, add_tile_gradients
+from grpo_fast.backends import head_twin
+from grpo_fast.backends.head_twin import CHUNK_N, CHUNK_V, add_tile_gradients
+from grpo_fast.kernels import softmax_stats
 from grpo_fast.kernels.divergence_records import (
+    FORWARD_KL,
+    JSD,
+    REVERSE_KL,
     SAVED_FIELDS,
+    Finished,
+    Record,
+    divergence_of,
     empty_record,
     finish,
     merge,
@@ -27,6 +38,7 @@ from grpo_fast.kernels.divergence_records import (
     unpack_saved,
     zero_where,
 )
+from grpo_fast.kernels.softmax_stats import BackwardStats
 
 
 def logit_tile(model, v0, v1, slope=False):
@@ -138,6 +150,7 @@ class FrozenHead:
 
     def __init__(self, beta, n, weight, offset=0):
         self.beta, self.weight, self.offset = beta, weight, offset  # the weight's row v: vocabulary entry offset + v
+        self.divergence = divergence_of(beta)
         zeros = torch.zeros((n, weight.shape[1]), dtype=torch.float32, device=weight.device)
         self.first, self.second = zeros, zeros.clone()  # beta 0: A_s, A_t; beta 1: B0, B1; JSD: J0, J1
         self.slope_top = [torch.zeros(n, device=weight.device), torch.zeros(n, device=weight.device)]
@@ -153,7 +166,7 @@ class FrozenHead:
         """Fold one vocabulary chunk [v0, v1) (the student's tile and slope, the teacher's tile) before the records
         merge it (beta 0 and 1; the JSD accumulates in its second sweep)."""
         w = self.weight[v0:v1].float()
-        if self.beta == 0.0:
+        if self.divergence == FORWARD_KL:
             for k, (run, tile) in enumerate(((run_s, tile_s), (run_t, tile_t))):
                 z = zs if k == 0 else zt
                 wins = tile.max > run.max
@@ -174,7 +187,7 @@ class FrozenHead:
                 acc.mul_(rescale[:, None]).add_(moved[:, None] * self.rows(run.argmax))
                 torch.addmm(acc, e * slope, w, out=acc)
                 self.slope_top[k] = torch.where(wins, slope_at, self.slope_top[k])
-        elif self.beta == 1.0:
+        elif self.divergence == REVERSE_KL:
             wins = tile_s.max > run_s.max
             merged_pivot = pivot(torch.maximum(run_s.max, tile_s.max))
             rescale = torch.exp(run_s.max - merged_pivot)
@@ -197,7 +210,7 @@ class FrozenHead:
 
     def finish(self, run_s, run_t, saved):
         """J [n, Ds] fp32 from the accumulators and the merged records (FrozenHead's docstring)."""
-        if self.beta == 0.0:
+        if self.divergence == FORWARD_KL:
             sumexp_s, sumexp_t = sumexp(run_s), sumexp(run_t)
             grad = self.first / sumexp_s[:, None] - self.second / sumexp_t[:, None]
             shared = run_s.argmax == run_t.argmax
@@ -207,7 +220,7 @@ class FrozenHead:
             return grad + top_s[:, None] * self.rows(run_s.argmax) - top_t[:, None] * self.rows(run_t.argmax)
         excess = saved[7]
         grad = self.second - excess[:, None] * self.first
-        if self.beta == 1.0:
+        if self.divergence == REVERSE_KL:
             return grad / sumexp(run_s)[:, None]
         return (1.0 - self.beta) * grad
 
@@ -268,17 +281,20 @@ def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
     log_ps, top_s = _log_probs(zs, student, v0)
     log_pt, top_t = _log_probs(zt, teacher, v0)
     ps = log_ps.exp()
-    if beta == 0.0:
+    divergence = divergence_of(beta)
+    if divergence == FORWARD_KL:
         grad = ps - log_pt.exp()
         # p_s - p_t at a shared argmax: q_t - q_s, both carried (1 - p there would cancel)
         return torch.where(top_s & top_t, (teacher.rest_mass - student.rest_mass)[:, None], grad)
-    if beta == 1.0:
+    if divergence == REVERSE_KL:
         # l_v - l_a = g_v - g_a, g = z_s - z_t
         relative = (zs - zt) - reference[:, None]
         scale = 1.0
-    else:
+    elif divergence == JSD:
         relative = (log_ps - _log_mixture(log_ps, log_pt, top_s & top_t, student, teacher, beta)) - reference[:, None]
         scale = 1.0 - beta
+    else:
+        raise ValueError(f"the torch twin has no gradient formula for the divergence {divergence.name!r}")
     relative = torch.where(top_s, 0.0, relative)
     return zero_where(ps == 0, scale * ps * (relative - excess[:, None]))
 
@@ -329,3 +345,153 @@ def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
     log_m = torch.logaddexp(log_ps + math.log1p(-beta), log_pt + math.log(beta))
     at_top = torch.log1p(-((1.0 - beta) * student.rest_mass + beta * teacher.rest_mass))
     return torch.where(shared_top, at_top[:, None], log_m)
+
+
+def loss(student, teacher, beta, weights, grads):
+    """The loss sum_n weights_n div_n's gradients into ``grads`` (as ``backward``'s) by ``forward`` then ``backward``
+    with ``weights`` as dL/d div: (divergence [N], the student's entropy [N])."""
+    div, entropy, saved, argmax, _ = forward(student, teacher, beta)
+    if student.hidden.shape[0] > 0 and any(grad is not None for grad in grads):
+        backward(weights, student, teacher, saved, argmax, beta, grads)
+    return div, entropy
+
+
+# ----------------------------------------------------------------------------------------------- a shard's records
+def shard_records(student, teacher, beta, offset, frozen_head=False):
+    """Both models' records over a vocab-parallel shard's weight rows (vocabulary entries offset + v), by token
+    chunks, and their JSD sweep; with ``frozen_head`` the chunks' FrozenHead accumulators too.
+
+    Returns:
+        (local, local_jsd, frozen): this rank's (student, teacher) Records [N]; its JSD sweep, (finished student,
+        finished teacher, r_a) -> (JSD, sum_v p_s (r_v - r_a)) [N] over its rows; the chunks' FrozenHead
+        accumulators (Nones without ``frozen_head``).
+    """
+    N, dev = student.hidden.shape[0], student.hidden.device
+    starts = range(0, N, CHUNK_N)
+    frozen = [FrozenHead(beta, min(CHUNK_N, N - n0), student.weight, offset) if frozen_head else None for n0 in starts]
+    chunks = [
+        records(student.tokens(n0, n0 + CHUNK_N), teacher.tokens(n0, n0 + CHUNK_N), offset=offset, frozen=acc)
+        for n0, acc in zip(starts, frozen, strict=True)
+    ]
+    local = tuple(_cat_records([c[k] for c in chunks], N, dev) for k in (0, 1))
+
+    def local_jsd(student_finished, teacher_finished, top_log_ratio):
+        parts = [
+            jsd_sweep(
+                student.tokens(n0, n0 + CHUNK_N),
+                teacher.tokens(n0, n0 + CHUNK_N),
+                beta,
+                Finished(*(x[n0 : n0 + CHUNK_N] for x in student_finished)),
+                Finished(*(x[n0 : n0 + CHUNK_N] for x in teacher_finished)),
+                top_log_ratio[n0 : n0 + CHUNK_N],
+                frozen=acc,
+                offset=offset,
+            )
+            for n0, acc in zip(starts, frozen, strict=True)
+        ]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    return local, local_jsd, frozen
+
+
+def _cat_records(parts, n, device):
+    if not parts:
+        return empty_record(n, device)
+    return Record(*(torch.cat(fields) for fields in zip(*parts, strict=True)))
+
+
+# ----------------------------------------------------------------------------------------------- the combined head
+def combined_forward(student, targets, teacher, beta):
+    """The combined GRPO + distillation head's forward (grpo_fast.distillation.teacher), token chunk by token chunk:
+    each student tile once, for layer 1's record and the divergence's.
+
+    Args:
+        student: the student's ModelHead over N >= 0 scored tokens.
+        targets: [N] int64 target ids.
+        teacher: the teacher's ModelHead, over the same tokens and vocabulary.
+        beta: the divergence's beta, in [0, 1].
+
+    Returns:
+        (logp, entropy, divergence [N] fp32, layer1 [4, N] fp32 (softmax_stats.BackwardStats' rows), saved
+        [len(SAVED_FIELDS), N] fp32, argmax [2, N] int64): the last three for ``combined_backward``.
+    """
+    N = student.hidden.shape[0]
+    dev = student.hidden.device
+    outputs = []
+    for n0 in range(0, N, CHUNK_N):
+        n1 = min(n0 + CHUNK_N, N)
+        chunk_s, chunk_t, tgt = student.tokens(n0, n1), teacher.tokens(n0, n1), targets[n0:n1]
+        nothing = torch.zeros(n1 - n0, device=dev)
+        run = softmax_stats.SoftmaxStats(
+            torch.full((n1 - n0,), float("-inf"), device=dev), nothing, nothing, nothing, nothing
+        )
+        run_s = run_t = empty_record(n1 - n0, dev)
+        for v0 in range(0, student.weight.shape[0], CHUNK_V):
+            v1 = min(v0 + CHUNK_V, student.weight.shape[0])
+            zs = logit_tile(chunk_s, v0, v1)  # the student's tile, once for both records
+            zt = logit_tile(chunk_t, v0, v1)
+            run = softmax_stats.merge(softmax_stats.stack(run, softmax_stats.record(zs, tgt - v0)[0]))
+            run_s, run_t = merge(run_s, tile_record(zs, zt, v0)), merge(run_t, tile_record(zt, zs, v0))
+        logp, entropy, layer1 = softmax_stats.finish(run, True)
+
+        def chunk_jsd(student_finished, teacher_finished, top_log_ratio, chunk_s=chunk_s, chunk_t=chunk_t):
+            return jsd_sweep(chunk_s, chunk_t, beta, student_finished, teacher_finished, top_log_ratio)
+
+        div, _, saved, argmax = finish(run_s, run_t, beta, chunk_jsd)
+        outputs.append((logp, entropy, div, torch.stack(tuple(layer1)), saved, argmax))
+    if not outputs:
+        empty = torch.zeros(0, device=dev)
+        return (
+            empty,
+            empty,
+            empty,
+            torch.zeros((len(BackwardStats._fields), 0), device=dev),
+            torch.zeros((len(SAVED_FIELDS), 0), device=dev),
+            torch.zeros((2, 0), dtype=torch.int64, device=dev),
+        )
+    return tuple(torch.cat(parts, dim=-1) for parts in zip(*outputs, strict=True))
+
+
+def combined_backward(grads, student, targets, teacher, layer1, saved, argmax, beta, student_grads):
+    """The combined head's backward: the student's gradients, recomputing each student tile once (with the teacher's
+    where the divergence has a gradient) and forming
+        dL/dz_s = grad_logp (onehot(y) - p_s) + grad_entropy dH/dz_s + grad_div d div / dz_s
+    (layer 1's target column from the carried 1 - p_y and mean - z_y), times the transform's slope.
+
+    Args:
+        grads: (dL/dlogp, dL/dentropy, dL/d divergence), [N] fp32 each.
+        student: the student's ModelHead over N tokens.
+        targets: [N] int64 target ids.
+        teacher: the teacher's ModelHead, over the same tokens and vocabulary.
+        layer1: [len(BackwardStats._fields), N] fp32, the forward's layer-1 values.
+        saved: [len(SAVED_FIELDS), N] fp32, the forward's divergence values.
+        argmax: [2, N] int64, the forward's argmax indices.
+        beta: the divergence's beta.
+        student_grads: the fp32 buffers (grad_hidden [N, Ds], grad_weight [V, Ds], grad_bias [V]), zero on entry,
+            each None where not wanted.
+    """
+    grad_logp, grad_entropy, grad_divergence = grads
+    N, V = student.hidden.shape[0], student.weight.shape[0]
+    stats = softmax_stats.BackwardStats(*layer1)
+    for n0 in range(0, N, CHUNK_N):
+        n1 = min(n0 + CHUNK_N, N)
+        c, e, d = grad_logp[n0:n1], grad_entropy[n0:n1], grad_divergence[n0:n1]
+        with_div = bool((d != 0).any())
+        if not (with_div or bool((c != 0).any()) or bool((e != 0).any())):
+            continue  # rows without a gradient (masked): exactly zero
+        chunk_s, chunk_t, tgt = student.tokens(n0, n1), teacher.tokens(n0, n1), targets[n0:n1]
+        lse = stats.lse[n0:n1]
+        target_dz = c * stats.nontarget_mass[n0:n1]
+        student_finished, teacher_finished, reference, excess = unpack_saved(saved[:, n0:n1], argmax[:, n0:n1])
+        for v0 in range(0, V, CHUNK_V):
+            v1 = min(v0 + CHUNK_V, V)
+            zs, slope = logit_tile(chunk_s, v0, v1, slope=True)
+            g = head_twin.logit_grad(
+                zs, tgt - v0, c, e, lse, target_dz, stats.mean_logit[n0:n1], stats.mean_minus_target[n0:n1]
+            )
+            if with_div:
+                zt = logit_tile(chunk_t, v0, v1)
+                div_grad = logit_grad(zs, zt, student_finished, teacher_finished, reference, excess, beta, v0)
+                g += d[:, None] * div_grad
+            g.mul_(slope)
+            add_tile_gradients(g, chunk_s.hidden, student.weight, slice(n0, n1), slice(v0, v1), *student_grads)

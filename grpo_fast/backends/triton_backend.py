@@ -1,0 +1,182 @@
+"""The Triton backend: ``protocol.Backend`` by the kernels of ``grpo_fast.kernels`` (and cuBLAS GEMMs around them),
+each launch configured here from the device and dtype (``kernels.config``, ``kernels.tuning``). CUDA tensors, or any
+device under Triton's interpreter (TRITON_INTERPRET=1 before importing grpo_fast).
+
+Where no kernel has anything to launch (no scored token, a vocab-parallel shard of no rows) and on the divergence
+head's frozen-head path (no kernel of its own: the torch twin's algorithm, its GEMMs on cuBLAS), the methods run the
+torch twin's code, as ``torch_backend`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_fast.backends import divergence_twin
+from grpo_fast.kernels import backward as kbackward
+from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels import divergence_gradient, divergence_loss, divergence_sweep, gemm, softmax_stats, tuning
+from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels import token_loss as ktoken_loss
+from grpo_fast.kernels.divergence_records import finish, layer1_record
+from grpo_fast.kernels.loss_statistics import SLOTS
+from grpo_fast.kernels.operands import Layer1Gradient
+
+
+class TritonBackend:
+    """``protocol.Backend`` by the Triton kernels (module docstring)."""
+
+    name = "triton"
+    backward_modes = kconfig.BACKWARD_MODES
+    three_sweep_heads = True
+
+    def runs_on(self, device):
+        """CUDA tensors, or any device under Triton's interpreter (TRITON_INTERPRET=1 before importing grpo_fast)."""
+        return device.type == "cuda" or kconfig.interpreting()
+
+    def check_sizes(self, tokens, vocab_size):
+        """Sizes the kernels cannot index (``kernels.config``: MAX_VOCAB, MAX_ROWS) are an error here, not a failed
+        launch."""
+        if vocab_size > kconfig.MAX_VOCAB:
+            raise ValueError(
+                f"weight has V = {vocab_size} rows; the Triton kernels take at most {kconfig.MAX_VOCAB} "
+                "(the backward's grid of vocabulary tiles): split the head over ranks (vocab_parallel) "
+                "or use backend='torch'"
+            )
+        if tokens > kconfig.MAX_ROWS:
+            raise ValueError(
+                f"{tokens} tokens in one call; the Triton kernels take at most {kconfig.MAX_ROWS}: split the batch"
+            )
+
+    # ------------------------------------------------------------------------------------------- layer 1
+    def forward(self, head, compute_entropy, row_count=None):
+        """``row_count``: the kernel computes no block wholly past it (``kernels.forward.forward_record``)."""
+        return kforward.forward(head, compute_entropy, self._record_config(head), row_count)
+
+    def forward_record(self, head, compute_entropy):
+        return kforward.forward_record(head, compute_entropy, self._record_config(head))
+
+    def _record_config(self, head):
+        """The forward's tile for these operands' device, dtype and epilogue (``kernels.tuning``: the fixed table's,
+        or the timed choice with GRPO_FAST_TUNE=1)."""
+        wide = kconfig.wide_record_epilogue(
+            head.transform.softcap is not None, head.bias is not None, head.lora is not None
+        )
+        return tuning.record_config(head, wide, lambda config: kforward.forward_record(head, True, config))
+
+    def frozen_head_available(self, hidden):
+        """Where cuBLAS can return fp32 from bf16 (``kernels.forward_frozen.available``)."""
+        return kfrozen.available(hidden)
+
+    def forward_frozen_head(self, head):
+        return kfrozen.forward_frozen_head(head, True, kconfig.frozen_head_config(head.hidden.device))
+
+    def forward_frozen_record(self, head):
+        return kfrozen.forward_frozen_record(head, True, kconfig.frozen_head_config(head.hidden.device))[:3]
+
+    def forward_trained_head(self, head, coefficients, grads, token_chunk=None):
+        """``kernels.forward_frozen.forward_trained_head``: three vocabulary sweeps."""
+        config = kconfig.frozen_head_config(head.hidden.device)
+        return kfrozen.forward_trained_head(head, True, config, coefficients, grads, token_chunk)
+
+    def grad_hidden_buffer(self, hidden, backward_mode):
+        """The chunked backward's GEMMs write dH once (fp32 output, never a K = V reduction rounded to the input
+        dtype); the fused one accumulates into zeros."""
+        if backward_mode == "chunked":
+            return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+
+    def backward(self, head, stats, grad_logp, grad_entropy, grads, backward_mode):
+        wide_epilogue = head.transform.softcap is not None or grad_entropy is not None
+        hidden, has_lora = head.hidden, head.lora is not None
+        cfg = kconfig.backward_config(hidden.device, hidden.dtype, backward_mode, wide_epilogue, has_lora)
+        run = kbackward.backward_chunked if backward_mode == "chunked" else kbackward.backward_fused
+        run(head, stats, grad_logp, grad_entropy, grads, cfg)
+
+    def workspace_bytes(
+        self, op, hidden_shape, vocab_size, dtype, frozen_head, backward_mode, device_type, compute_capability
+    ):
+        """By the launchers' formulas: the forward's partial and merged records (its launch sized for
+        ``compute_capability``, None: the ``device_type`` device's), or the frozen head's state, u buffer of one token
+        chunk x vocabulary chunk and its finishing copy of W_y's rows; the chunked backward's g, one token chunk x V
+        in the input dtype (the fused one allocates nothing more)."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        (N, D), V = hidden_shape, vocab_size
+        if op == "linear_logprobs":
+            if frozen_head:
+                chunk = gemm.chunk_size(N, D)
+                vchunk = kfrozen.vocab_chunk_size(V, D, chunk, itemsize)
+                return kfrozen.STATE_ROWS * N * 4 + chunk * vchunk * 4 + min(N, 1024) * D * 4
+            if compute_capability is not None:
+                config = kconfig.gpu_record_config(dtype, compute_capability)
+            else:
+                config = kconfig.forward_config(torch.device(device_type), dtype)
+            return kforward.workspace_bytes(N, V, True, config)
+        if op == "linear_logprobs_backward":
+            return gemm.chunk_size(N, D) * V * itemsize if backward_mode == "chunked" else 0
+        raise ValueError(f"op must be 'linear_logprobs' or 'linear_logprobs_backward', got {op!r}")
+
+    def trained_head_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
+        """The three-sweep head's fp32 logits of one token chunk over the vocabulary, J (N x D fp32), its state and
+        one chunk's GEMM operand."""
+        (N, D), V = hidden_shape, vocab_size
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, V, D, itemsize))
+        return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
+
+    # ------------------------------------------------------------------------------------------- layer 2
+    def token_loss(self, inputs, options, *, scale, entropy_threshold):
+        """The token kernel (``kernels.token_loss``)."""
+        return ktoken_loss.token_loss(inputs, options, scale=scale, entropy_threshold=entropy_threshold)
+
+    def token_loss_workspace_bytes(self, batch_shape):
+        """The kernel's B x len(SLOTS) fp32 statistics and its B x T fp32 bonus mask (an upper bound: it exists only
+        with an entropy bonus)."""
+        B, T = batch_shape
+        return B * len(SLOTS) * 4 + B * T * 4
+
+    # ------------------------------------------------------------------------------------------- the divergence head
+    def divergence_forward(self, student, teacher, beta, frozen_head=False):
+        """The record sweep (``kernels.divergence_sweep``); the frozen-head path and no scored row: the twin's."""
+        if frozen_head or student.hidden.shape[0] == 0:
+            return divergence_twin.forward(student, teacher, beta, frozen_head)
+        return (*divergence_sweep.forward(student, teacher, beta), None)
+
+    def divergence_records(self, student, teacher, beta, offset, frozen_head=False):
+        """The record sweep over the shard's rows; the frozen-head path and a shard of no rows: the twin's."""
+        if frozen_head or student.weight.shape[0] == 0:
+            return divergence_twin.shard_records(student, teacher, beta, offset, frozen_head)
+        sweep = divergence_sweep.records(student, teacher, beta, offset=offset)
+        return (sweep.student, sweep.teacher), sweep.jsd_sweep, None
+
+    def divergence_backward(self, grad_divergence, student, teacher, saved, argmax, beta, grads, offset=0):
+        """The g kernel and cuBLAS (``kernels.divergence_gradient``); a shard of no rows has nothing to recompute
+        (its part of dH is 0: the twin's loops run empty)."""
+        if student.weight.shape[0] == 0:
+            return divergence_twin.backward(grad_divergence, student, teacher, saved, argmax, beta, grads, offset)
+        divergence_gradient.backward(grad_divergence, student, teacher, saved, argmax, beta, grads, offset=offset)
+
+    def divergence_loss(self, student, teacher, beta, weights, grads, token_chunk=None, layer1=None):
+        """``kernels.divergence_loss.loss_gradients``: three student sweeps and one teacher sweep; no scored row: the
+        twin's."""
+        if student.hidden.shape[0] == 0 and layer1 is None:
+            return (*divergence_twin.loss(student, teacher, beta, weights, grads), None)
+        return divergence_loss.loss_gradients(student, teacher, beta, weights, grads, token_chunk, layer1=layer1)
+
+    def combined_forward(self, student, targets, teacher, beta):
+        """The record sweep, which also gathers the student's logit at each target; layer 1's record is then
+        ``layer1_record``'s. No scored token: the twin's (nothing to launch)."""
+        if student.hidden.shape[0] == 0:
+            return divergence_twin.combined_forward(student, targets, teacher, beta)
+        sweep = divergence_sweep.records(student, teacher, beta, targets=targets)
+        logp, entropy, layer1 = softmax_stats.finish(layer1_record(sweep.student, targets, sweep.target_logit), True)
+        div, _, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
+        return logp, entropy, div, torch.stack(tuple(layer1)), saved, argmax
+
+    def combined_backward(self, grads, student, targets, teacher, layer1, saved, argmax, beta, student_grads):
+        """The g kernel with layer 1's term (its softmax is p_s: one normaliser)."""
+        grad_logp, grad_entropy, grad_divergence = grads
+        layer1_term = Layer1Gradient(targets, layer1.contiguous(), grad_logp, grad_entropy)
+        divergence_gradient.backward(
+            grad_divergence, student, teacher, saved, argmax, beta, student_grads, layer1=layer1_term
+        )
