@@ -2,9 +2,9 @@
 
 Two objects implement it (``resolver``): the Triton backend (``triton_backend``: the kernels of ``grpo_fast.kernels``,
 cuBLAS around them, each launch configured from the device and dtype) and the torch backend (``torch_backend``: the
-chunked-torch twins here, on any device). A public function resolves its ``backend=`` once (``resolver.resolve``);
-the custom ops' schemas carry the backend's name, which ``resolver.named`` turns back into the object; nothing else
-compares a backend's name, and no part above calls a kernel but through these methods.
+chunked-torch twins here, on any device). A public function resolves its ``backend=`` once
+(``resolver.resolve_backend``); the custom ops' schemas carry the backend's name, which ``resolver.named`` turns back
+into the object; nothing else compares a backend's name, and no part above calls a kernel but through these methods.
 
 The methods, by the part that calls them:
 * layer 1 (``grpo_fast.head``): the forward and its record (a vocab-parallel shard's), the frozen-head forward and

@@ -13,7 +13,7 @@ TRITON, TORCH = TritonBackend(), TorchBackend()
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (TRITON, TORCH)}
 
 
-def resolve(backend: str, device: torch.device) -> Backend:
+def resolve_backend(backend: str, device: torch.device) -> Backend:
     """The public ``backend=`` string as the backend object, for tensors on ``device``: "auto" takes the Triton
     backend where it runs (CUDA tensors, or any under TRITON_INTERPRET=1), else the torch backend.
 

@@ -24,7 +24,7 @@ import torch
 from typing_extensions import Unpack
 
 from grpo_fast.backends.protocol import Backend, BackendName, ModelHead
-from grpo_fast.backends.resolver import resolve
+from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation import ops as divergence_ops
 from grpo_fast.distillation import parallel
 from grpo_fast.head.inputs import (
@@ -84,7 +84,7 @@ def _checked(student, teacher, completion_mask, beta, backend, checks, sharded):
             )
     for name, transform in named:
         check_number(f"{name}_logit_scale", transform.logit_scale, lambda v: v != 0, "a finite non-zero number")
-    backend = resolve(backend, student.hidden.device)
+    backend = resolve_backend(backend, student.hidden.device)
     backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
     return backend
 

@@ -8,7 +8,7 @@ import torch
 from typing_extensions import Unpack
 
 from grpo_fast.backends.protocol import BackendName
-from grpo_fast.backends.resolver import resolve
+from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation.teacher import Distillation, Teacher
 from grpo_fast.grpo_loss.call import LossBatch, LossCall, token_loss_metrics
 from grpo_fast.grpo_loss.metrics import Metrics
@@ -241,7 +241,7 @@ def token_loss(
             "(grpo_fast.logprobs_and_entropy gives it with its gradient)"
         )
     prepared = batch.prepared(logprobs, entropy, options)
-    return token_loss_metrics(prepared, options, resolve(backend, logprobs.device))
+    return token_loss_metrics(prepared, options, resolve_backend(backend, logprobs.device))
 
 
 def sampling_importance_weights(

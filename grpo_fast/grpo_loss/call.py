@@ -172,7 +172,6 @@ class LossCall:
     options: LossOptions
     trained_head_chunk: int | None
     distillation: Distillation | None
-    rows: Rows
 
     @classmethod
     def check(
@@ -184,22 +183,24 @@ class LossCall:
         distillation: Distillation | None,
     ) -> LossCall:
         """Every check of a call beyond layer 1's (``head``'s): the batch against the options, the trained head's
-        chunk, the teacher against the student; then the scored rows, every value check read at once."""
+        chunk, the teacher against the student (the value checks queued on ``head.checks``)."""
         batch.check(head.shape, head.hidden.device, "hidden", options, head.checks)
         _check_trained_head_chunk(trained_head_chunk, head, options)
         if distillation is not None:
             distillation.check_against(head)
-        return cls(head, batch, options, trained_head_chunk, distillation, head.rows())
+        return cls(head, batch, options, trained_head_chunk, distillation)
 
     def run(self) -> tuple[torch.Tensor, Metrics]:
-        """(loss, Metrics) by the path the call takes (module docstring)."""
+        """(loss, Metrics): the scored rows, every value check read at once (the call's one host synchronisation),
+        then the path the call takes (module docstring)."""
+        rows = self.head.rows()
         if self.head.shard is None and self.options.token_local:
-            fused = self._trained_head()
+            fused = self._trained_head(rows)
             if fused is not None:
                 return fused
         head, options = self.head, self.options
         if self.distillation is not None:
-            logp, entropy, div = self.distillation.logprobs_entropy_divergence(head, self.rows)
+            logp, entropy, div = self.distillation.logprobs_entropy_divergence(head, rows)
             prepared = self.batch.prepared(logp, entropy, options)
             total, metrics = token_loss_metrics(prepared, options, head.backend)
             # the per-token loss gains coef * divergence before the loss type's reduction (a linear one)
@@ -208,15 +209,15 @@ class LossCall:
             return total, metrics
         # the entropy trains only through the entropy bonus: without one, a frozen head takes the two-sweep path
         head_path = head.head_path if options.entropy_coef == 0.0 else "general"
-        logp, entropy = logprobs_and_entropy_rows(head, self.rows, head_path)
+        logp, entropy = logprobs_and_entropy_rows(head, rows, head_path)
         return token_loss_metrics(self.batch.prepared(logp, entropy, options), options, head.backend)
 
-    def _trained_head(self):
+    def _trained_head(self, rows: Rows):
         """Both layers in one op with the three-sweep trained head (``ops.trained_head_loss``) where it is taken
         (``paths.takes_trained_head``; the options are token-local), else None: (loss, Metrics). With a teacher: RL
         and distillation in one call (both models' logits of a chunk once, the divergence's gradient in the same
         g)."""
-        head, rows, options, teacher = self.head, self.rows, self.options, self.distillation
+        head, options, teacher = self.head, self.options, self.distillation
         grad = torch.is_grad_enabled()
         needs = [
             grad and x is not None and x.requires_grad for x in (head.hidden, head.weight, head.targets, head.bias)

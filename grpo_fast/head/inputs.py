@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from grpo_fast.backends.protocol import Backend, HeadOperands
-from grpo_fast.backends.resolver import resolve
+from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.head import lora as head_lora
 from grpo_fast.head import shard as head_shard
 from grpo_fast.head.lora import HeadLora
@@ -331,7 +331,7 @@ class HeadCall:
         B, T, _, _ = check_linear(hidden, weight, targets, bias, completion_mask, checks, shard)
         lora = checked_lora(lora, hidden, weight, shard)
         transform = LogitTransform.from_keywords(temperature, softcap, logit_scale)
-        resolved = resolve(backend, hidden.device)
+        resolved = resolve_backend(backend, hidden.device)
         resolved.check_sizes(B * T, weight.shape[0])
         head_path = layer1_choices(head_path, backward_mode, resolved)
         return cls(
