@@ -100,6 +100,12 @@ def pytest_configure(config):
         "slow: whole-training, multi-process, benchmark and compile runs, and the parametrized cases "
         "beyond a covering subset; deselect with -m 'not slow' for the fast tier",
     )
+    # under the interpreter the kernels are numpy: a NaN or an inf formed in a kernel (0 x inf, inf - inf, log 0, even
+    # in a masked lane that a tl.where drops afterwards) warns there, and is an error here: the kernels form none,
+    # one compiler change away from a wrong answer. A test that feeds non-finite values on purpose says so
+    # (helpers.non_finite_inputs).
+    if _kernel_device().type == "cpu":
+        config.addinivalue_line("filterwarnings", "error::RuntimeWarning")
     # with -n, the tests of one file go to one worker (xdist's --dist loadfile), so a module's fixtures (a benchmark
     # run, the offline compiles, a trainer pair) are built once; an explicit --dist is kept. Set here rather than in
     # pyproject's addopts: an environment without pytest-xdist (verl's) would refuse the option.

@@ -157,15 +157,16 @@ def gpu_backward_config(
 ) -> BackwardConfig:
     """The compiled backward's configuration for ``mode`` (BACKWARD_MODES) on a device of compute capability ``arch``:
     ``tiles.CHUNKED_BACKWARD``'s or ``tiles.FUSED_BACKWARD``'s row of its class. ``wide_epilogue``: the tile gradient
-    also has a soft-cap slope or an entropy term (more live values per logit: 64 columns in the chunked mode);
-    ``lora``: the logits have LoRA's K loop (a copy-engine row: 128 columns, 184 bytes of spill at 256)."""
-    table = tiles.CHUNKED_BACKWARD if mode == "chunked" else tiles.FUSED_BACKWARD
-    row = table.row(dtype, arch)
-    if mode == "chunked" and dtype != torch.float32:
-        if wide_epilogue:
-            row = replace(row, block_v=64)
-        elif row.use_tma and (lora or not COLUMNS_256):
-            row = replace(row, block_v=min(row.block_v, 128))
+    also has a soft-cap slope or an entropy term (more live values per logit: the chunked mode's "wide" row);
+    ``lora``: the logits have LoRA's K loop (its "lora" row); a Triton other than 3.6 takes at most 128 columns on a
+    copy-engine row (COLUMNS_256)."""
+    if mode == "fused":
+        return BackwardConfig(
+            **tiles.FUSED_BACKWARD.row(dtype, arch).fields(), dot_fp32=False, group_v=BACKWARD_GROUP_V
+        )
+    row = tiles.CHUNKED_BACKWARD.row(dtype, arch, "wide" if wide_epilogue else "lora" if lora else None)
+    if row.use_tma and not COLUMNS_256:
+        row = replace(row, block_v=min(row.block_v, WIDE_EPILOGUE_BLOCK_V))
     return BackwardConfig(**row.fields(), dot_fp32=False, group_v=BACKWARD_GROUP_V)
 
 
@@ -198,7 +199,7 @@ def gpu_sweep_config(dtype: torch.dtype, sm_count: int, arch: int = 90, descript
     """The compiled sweep kernel's launch (the record sweep and the JSD sweep) on a GPU of ``sm_count``
     multiprocessors (the programs of one wave) and compute capability ``arch``: ``tiles.SWEEP``'s row of its class,
     its pointer row where the tensors do not fit the copy engine (``descriptors_fit`` false)."""
-    row = tiles.SWEEP.row(dtype, arch, descriptors_fit)
+    row = tiles.SWEEP.row(dtype, arch, None if descriptors_fit else "pointer")
     return ForwardConfig(**row.fields(), dot_fp32=False, target_programs=sm_count)
 
 
@@ -213,7 +214,7 @@ def gpu_g_config(
     pointer row where the tensors do not fit the copy engine; ``layer1``: the combined head's backward, whose
     half-precision epilogue also holds layer 1's term (LAYER1_POINTER_G_BLOCK_V columns on a pointer row);
     ``narrow_epilogue``: ``narrow_g_epilogue``'s (NARROW_G_BLOCK_V columns on a copy-engine row)."""
-    row = tiles.G.row(dtype, arch, descriptors_fit)
+    row = tiles.G.row(dtype, arch, None if descriptors_fit else "pointer")
     if dtype != torch.float32:
         if layer1 and not row.use_tma:
             row = replace(row, block_v=LAYER1_POINTER_G_BLOCK_V)

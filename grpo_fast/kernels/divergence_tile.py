@@ -234,10 +234,23 @@ def tile_record(z, z_other, offs_v, BIG: tl.constexpr):
     top = offs_v[None, :] == top_index[:, None]
     e = tl.where(top, 0.0, e)
     other = tl.sum(tl.where(top, z_other, 0.0), axis=1)
-    gap_at_max = row_max - other
-    cross = tl.sum(tl.where(e == 0.0, 0.0, e * ((z - z_other) - gap_at_max[:, None])), axis=1)
-    zsum = tl.sum(tl.where(e == 0.0, 0.0, e * (z - pivot[:, None])), axis=1)
+    # g_v - g_a = (z_v - z_other,v) - (max - other) on the entries of mass whose other logit is finite (an entry the
+    # other model gives no mass flags the record unsupported: its KL is +inf, its terms are left out); no difference
+    # of two -inf is formed (past the vocabulary both are), and an empty row's gap is 0
+    mass = e != 0.0  # a NaN logit is mass: it reaches the sums
+    live = mass & (z_other != float("-inf"))
+    gap_at_max = pivot - tl.where(row_max == float("-inf"), 0.0, other)
+    relative = tl.where(live, live_difference(z, z_other, live) - gap_at_max[:, None], 0.0)
+    cross = tl.sum(e * relative, axis=1)
+    zsum = tl.sum(e * tl.where(mass, z - pivot[:, None], 0.0), axis=1)
     return row_max, top_index.to(tl.float32), tl.sum(e, axis=1), cross, other, zsum, unsupported
+
+
+@triton.jit
+def live_difference(x, y, live):
+    """x - y on the ``live`` lanes, 0 elsewhere, formed of the live lanes' values only: the difference of two -inf
+    (a lane past the vocabulary, an entry of no mass) is never computed."""
+    return tl.where(live, x, 0.0) - tl.where(live, y, 0.0)
 
 
 @triton.jit
@@ -254,9 +267,13 @@ def merge_records(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
     pivot = tl.where(wm == float("-inf"), 0.0, wm)
     scale = tl.exp(lm - pivot)
     lose_sumexp = tl.where(lm > float("-inf"), 1.0, 0.0) + lr
-    gap_shift = (lm - lo) - (wm - wo)
-    cross = tl.where(scale == 0.0, 0.0, scale * (lc + gap_shift * lose_sumexp))
-    zsum = tl.where(scale == 0.0, 0.0, scale * (lz + (lm - pivot) * lose_sumexp))
+    # an empty loser (max -inf) or one too far below to count adds nothing: its shifts (-inf there) are replaced
+    # before they multiply its sum of exp (0 there), so that no 0 x inf is formed
+    nothing = scale == 0.0
+    gap_shift = tl.where(nothing, 0.0, (lm - lo) - (wm - wo))
+    max_shift = tl.where(nothing, 0.0, lm - pivot)
+    cross = tl.where(nothing, 0.0, scale * (lc + gap_shift * lose_sumexp))
+    zsum = tl.where(nothing, 0.0, scale * (lz + max_shift * lose_sumexp))
     return (
         wm,
         tl.where(second, a2, a1),
@@ -309,12 +326,15 @@ def log_mixture(log_ps, log_pt, shared_top, s_rest_mass, t_rest_mass, beta, log_
     b = log_pt + log_beta
     top = tl.maximum(a, b)
     top = tl.where(top == float("-inf"), 0.0, top)
-    log_m = top + tl.log(tl.exp(a - top) + tl.exp(b - top))
+    m_scaled = tl.exp(a - top) + tl.exp(b - top)
+    # an entry neither model gives mass (past the vocabulary): log m = -inf, without a log of 0
+    log_m = tl.where(m_scaled == 0.0, float("-inf"), top + tl.log(tl.where(m_scaled == 0.0, 1.0, m_scaled)))
     # log1p(-x) for the carried x = 1 - m at a shared argmax (1e-6 where both models are sure): log(1 - x) would
-    # lose x's digits; log(u) x / (1 - u), u = 1 - x rounded, is exact to fp32 (Goldberg's log1p)
+    # lose x's digits; log(u) x / (1 - u), u = 1 - x rounded, is exact to fp32 (Goldberg's log1p); u = 1: -x, and
+    # no 0 / 0 formed
     x = (1.0 - beta) * s_rest_mass + beta * t_rest_mass
     u = 1.0 - x
-    at_top = tl.where(u == 1.0, -x, tl.log(u) * x / (1.0 - u))
+    at_top = tl.where(u == 1.0, -x, tl.log(u) * x / tl.where(u == 1.0, 1.0, 1.0 - u))
     return tl.where(shared_top, at_top[:, None], log_m)
 
 
@@ -342,15 +362,16 @@ def logit_gradient(
         # p_s - p_t; at a shared argmax q_t - q_s from the carried rests
         dz = tl.where(top_s & top_t, (t_rest_mass - s_rest_mass)[:, None], ps - tl.exp(log_pt))
     else:
+        live = ps != 0.0  # the student's entries of mass (a NaN is one): no difference of two -inf elsewhere
         if MODE == 1:
-            relative = (zs - zt) - reference[:, None]
+            relative = live_difference(zs, zt, live) - reference[:, None]
             weight = 1.0
         else:
             log_m = log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
-            relative = (log_ps - log_m) - reference[:, None]
+            relative = live_difference(log_ps, log_m, live) - reference[:, None]
             weight = 1.0 - beta
-        relative = tl.where(top_s, 0.0, relative)
-        dz = tl.where(ps == 0.0, 0.0, weight * ps * (relative - excess[:, None]))
+        relative = tl.where(top_s | ~live, 0.0, relative)
+        dz = weight * ps * (relative - tl.where(live, excess[:, None], 0.0))
     return dz, ps
 
 
@@ -379,11 +400,12 @@ def jsd_terms(
     log_m = log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
     ps = tl.exp(log_ps)
     pt = tl.exp(log_pt)
-    log_ratio = log_ps - log_m
-    kl_s = tl.where(ps == 0.0, 0.0, ps * log_ratio)
-    kl_t = tl.where(pt == 0.0, 0.0, pt * (log_pt - log_m))
+    # each model's log-ratio to the mixture on its own entries of mass (m > 0 there); 0 elsewhere, never -inf - -inf
+    log_ratio = live_difference(log_ps, log_m, ps != 0.0)
+    kl_s = ps * log_ratio
+    kl_t = pt * live_difference(log_pt, log_m, pt != 0.0)
     jsd = tl.sum(beta * kl_t + (1.0 - beta) * kl_s, axis=1)
-    excess = tl.sum(tl.where((ps == 0.0) | top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
+    excess = tl.sum(tl.where(top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
     return jsd, excess
 
 

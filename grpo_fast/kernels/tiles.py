@@ -19,14 +19,17 @@ rows (and the rules of each family: a wider epilogue takes fewer columns, tensor
 the pointer row); ``tuning`` times each class's candidates around them.
 
 Measured or argued: the sm90 rows of layer 1's forward and chunked backward are the fastest measured on an H200 (the
-timings are in the documentation's "How it works"). Every other row is argued from the compiled code, not measured:
-the sm100 and sm120 rows from tools/sm_compile.py's compile for sm_100 (tcgen05 MMA, the copy engine, 227 KiB of
-shared memory a block) and sm_120 (mma.sync, ~99 KiB a block) with triton 3.6 and 3.9: every variant without a spill.
+timings are in the documentation's "How it works"). Every other row is ARGUED from the compiled code, NOT MEASURED on
+its card: the sm100 rows from tools/sm_compile.py's compile for sm_100 (tcgen05 MMA with its accumulator in tensor
+memory, the copy engine, 227 KiB of shared memory a block) and the sm120 rows from its compile for sm_120 (mma.sync,
+~99 KiB a block; the same code for sm_121), with triton 3.6 and 3.9: every variant fits, none spills on 3.9, and 3.6
+spills at most the 16 bytes it spills on sm_90 too (.ci/run's allowance). The comment above each table says why each
+row is what it is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 import torch
@@ -114,25 +117,29 @@ class TileTable:
     Attributes:
         family: what launches them.
         rows: a Tiles per architecture class (every class), for bf16 / fp16 inputs.
-        fp32: the row of fp32 inputs, on every card.
-        pointer_rows: where a class's row reads through the copy engine, the row it takes when the tensors do not
-            fit it (``launch.tensor_descriptors_fit``); absent: the same tile through pointers.
+        fp32: the row of fp32 inputs (IEEE fp32 products on the FMA units), on every class but those that
+            ``variants["fp32"]`` names.
+        variants: per variant, the row of each class whose row differs from its plain one, e.g. "fp32"; "pointer":
+            where the plain row reads through the copy engine and the tensors do not fit it
+            (``launch.tensor_descriptors_fit``; a class not named takes its plain tile through pointers); a family's
+            own ("wide": a wider epilogue, "lora": LoRA's second K loop).
     """
 
     family: str
     rows: dict[str, Tiles]
     fp32: Tiles
-    pointer_rows: dict[str, Tiles] | None = None
+    variants: dict[str, dict[str, Tiles]] = field(default_factory=dict)
 
-    def row(self, dtype: torch.dtype, capability: int, descriptors_fit: bool = True) -> Tiles:
-        """The tile of ``dtype`` inputs on a card of compute ``capability``."""
-        if dtype == torch.float32:
-            return self.fp32
+    def row(self, dtype: torch.dtype, capability: int, variant: str | None = None) -> Tiles:
+        """The tile of ``dtype`` inputs on a card of compute ``capability``, in ``variant`` (None: the plain one)."""
         name = arch_class(capability).name
+        if dtype == torch.float32:
+            return self.variants.get("fp32", {}).get(name, self.fp32)
         tiles = self.rows[name]
-        if tiles.use_tma and not descriptors_fit:
-            return (self.pointer_rows or {}).get(name, replace(tiles, use_tma=False))
-        return tiles
+        if variant == "pointer" and not tiles.use_tma:
+            return tiles
+        default = replace(tiles, use_tma=False) if variant == "pointer" else tiles
+        return self.variants.get(variant, {}).get(name, default) if variant is not None else tiles
 
 
 def every_class(tiles: Tiles) -> dict[str, Tiles]:
@@ -144,10 +151,11 @@ def every_class(tiles: Tiles) -> dict[str, Tiles]:
 # The forward (kernels.forward): sm90 128 x 256 x 64 on 8 warps (two warpgroups, each a 64 x 256 wgmma), 3 stages,
 # the copy engine: 14.0-14.3 ms for Qwen2.5-1.5B's head at 16k tokens on an H200, 1.2x cuBLAS's bare product, where
 # 128 x 128 took 18.8 and 256 x 128 14.7. sm80 (A100, 163 KiB a block): 128 x 128 through pointers (mma.sync;
-# 128 x 256 spills 24 bytes there). sm89 (RTX 4090, 99 KiB): 128 x 128, 4 stages of 64-wide K steps (64 KiB): one CTA
-# an SM (240 registers a thread), so the pipeline's depth is what hides the loads' latency. sm100: the sm90 tile on
-# tcgen05 (the accumulator in tensor memory: 141 registers, 96 KiB of shared memory, no spill). sm120: sm89's tile
-# (mma.sync, 99 KiB a block) through the copy engine, which the card has (172 registers, 64 KiB, no spill).
+# 128 x 256 spills 24 bytes there). sm89 (RTX 4090, 99 KiB): 128 x 128, 4 stages of 64-wide K steps: one CTA an SM
+# (240 registers a thread), so the pipeline's depth is what hides the loads' latency. sm100: sm90's tile on tcgen05
+# (the accumulator in tensor memory: 208 registers, 97 KiB of shared memory, no spill; 145 KiB at 256 columns on
+# triton 3.6). sm120: sm89's (mma.sync; 236-255 registers, 97 KiB of its 99; the copy engine compiles there too, at
+# 65 KiB, but gains no CTA an SM at 8 warps and spills 8 bytes on triton 3.6).
 # Columns: a soft-cap, LoRA or a bias (the wide epilogue), and a Triton other than 3.6, take at most 128
 # (config.WIDE_EPILOGUE_BLOCK_V, config.COLUMNS_256).
 RECORD = TileTable(
@@ -161,34 +169,50 @@ RECORD = TileTable(
     },
     fp32=Tiles(64, 64, 32, 4, 2),
 )
-# The chunked backward's g tiles (kernels.backward): sm90 the forward's 128 x 256 through the copy engine (41.5 ms on
-# an H200 for Qwen2.5-1.5B's head at 16k tokens, 45.0 with 128 x 128); LoRA and a Triton other than 3.6 take 128
-# columns, the wide epilogue (a soft-cap slope, an entropy term) 64 (config.gpu_backward_config). sm80 / sm89 128 x 128
-# through pointers (the wide epilogue 64: 128 x 128 with both terms needs all 255 registers and spills on sm_8x).
-# sm100 as sm90; sm120 as sm89.
+# The chunked backward's g tiles (kernels.backward). sm90: the forward's 128 x 256 through the copy engine (41.5 ms
+# on an H200 for Qwen2.5-1.5B's head at 16k tokens, 45.0 with 128 x 128); LoRA (184 bytes of spill at 256) and a
+# Triton other than 3.6 (config.COLUMNS_256) take 128 columns, the wide epilogue (a soft-cap slope, an entropy term:
+# more live values a logit) 64. sm80 / sm89: 128 x 128 through pointers, the wide epilogue 64 (128 x 128 with both
+# terms needs all 255 registers and spills on sm_8x). sm100: 128 columns on every Triton (256 spill 160 bytes with a
+# bias on 3.6, 56 with fp32 LoRA adapters on 3.9), LoRA 64, the wide epilogue 32 (64 spills 8 bytes with a soft-cap
+# on 3.9): 221-255 registers, no spill. sm120: K steps of 32 (64 spill 24-40 bytes: consumer Blackwell runs none of
+# the sm_8x prefetch pass), 254 registers, 65 KiB.
 CHUNKED_BACKWARD = TileTable(
     "layer 1's chunked backward (kernels.backward)",
     {
         "sm80": Tiles(128, 128, 64, 8, 3),
         "sm89": Tiles(128, 128, 64, 8, 3),
         "sm90": Tiles(128, 256, 64, 8, 3, use_tma=True),
-        "sm100": Tiles(128, 256, 64, 8, 3, use_tma=True),
-        "sm120": Tiles(128, 128, 64, 8, 3),
+        "sm100": Tiles(128, 128, 64, 8, 3, use_tma=True),
+        "sm120": Tiles(128, 128, 32, 8, 3),
     },
     fp32=Tiles(64, 64, 32, 4, 2),
+    variants={
+        "wide": {
+            "sm80": Tiles(128, 64, 64, 8, 3),
+            "sm89": Tiles(128, 64, 64, 8, 3),
+            "sm90": Tiles(128, 64, 64, 8, 3, use_tma=True),
+            "sm100": Tiles(128, 32, 64, 8, 3, use_tma=True),
+            "sm120": Tiles(128, 64, 32, 8, 3),
+        },
+        "lora": {"sm90": Tiles(128, 128, 64, 8, 3, use_tma=True), "sm100": Tiles(128, 64, 64, 8, 3, use_tma=True)},
+    },
 )
 # The fused backward (one kernel, fp32 atomics): it also stages W and H tiles for its two gradient products, 3 stages
-# where a block has ~160 KiB of shared memory or more, 2 on the ~100 KiB cards.
+# where a block has ~160 KiB of shared memory or more, 2 on the ~100 KiB cards. sm100: 2 stages (3 spill 32 bytes
+# with fp32 LoRA adapters on 3.9), fp32 on 8 warps (4 spill 16 bytes). sm120: 64 columns (128 spill 8 bytes at 2 or 3
+# stages), fp32 on 8 warps.
 FUSED_BACKWARD = TileTable(
     "layer 1's fused backward (kernels.backward)",
     {
         "sm80": Tiles(64, 128, 32, 8, 3),
         "sm89": Tiles(64, 128, 32, 8, 2),
         "sm90": Tiles(64, 128, 32, 8, 3),
-        "sm100": Tiles(64, 128, 32, 8, 3),
-        "sm120": Tiles(64, 128, 32, 8, 2),
+        "sm100": Tiles(64, 128, 32, 8, 2),
+        "sm120": Tiles(64, 64, 32, 8, 2),
     },
     fp32=Tiles(32, 64, 16, 4, 2),
+    variants={"fp32": {"sm100": Tiles(32, 64, 16, 8, 2), "sm120": Tiles(32, 64, 16, 8, 2)}},
 )
 # The frozen-head forward's tile kernel (kernels.forward_frozen; no dot: BLOCK_N rows x BLOCK_V columns of its u
 # buffer a step): few rows a program, so that one token chunk fills the GPU (1536 rows / 2 = 768 programs).
@@ -202,26 +226,29 @@ FROZEN_HEAD = TileTable(
 # The record sweep and the JSD sweep (kernels.divergence_sweep): two logit tiles (student and teacher) and both
 # records' epilogue live at once. sm90: 128 x 64 x 64 on 8 warps (two warpgroups, each a 64 x 64 wgmma; 64-row tiles
 # gave each warpgroup 64 x 32), 3 stages, the copy engine: 248 registers, no spill; 128 columns spill 900 bytes, 128
-# rows through pointers 184. sm80 / sm89 (mma.sync) 64 x 64 x 64, where 128 rows spill 150-270 bytes; sm90 takes it
-# too where the tensors do not fit the copy engine. sm100: sm90's tile on tcgen05. sm120: sm89's.
+# rows through pointers 184. sm80 / sm89 (mma.sync): 64 x 64 x 64, where 128 rows spill 150-270 bytes; sm90 takes it
+# where the tensors do not fit the copy engine. sm100: 64 rows through the copy engine (128 rows spill 128-272 bytes on
+# 3.9 at any stages, K step or warps): 185 registers, 49 KiB. sm120: sm89's tile at 3 stages (2 spill 16 bytes on 3.9),
+# 245-255 registers.
 SWEEP = TileTable(
     "the divergence head's record and JSD sweeps (kernels.divergence_sweep)",
     {
         "sm80": Tiles(64, 64, 64, 8, 2),
         "sm89": Tiles(64, 64, 64, 8, 2),
         "sm90": Tiles(128, 64, 64, 8, 3, use_tma=True),
-        "sm100": Tiles(128, 64, 64, 8, 3, use_tma=True),
-        "sm120": Tiles(64, 64, 64, 8, 2),
+        "sm100": Tiles(64, 64, 64, 8, 3, use_tma=True),
+        "sm120": Tiles(64, 64, 64, 8, 3),
     },
     # IEEE fp32 products on the FMA units: 8 warps keep both tiles' registers in bounds
     fp32=Tiles(32, 64, 32, 8, 2),
-    pointer_rows={"sm90": Tiles(64, 64, 64, 8, 2), "sm100": Tiles(64, 64, 64, 8, 2)},
+    variants={"pointer": {"sm90": Tiles(64, 64, 64, 8, 2), "sm100": Tiles(64, 64, 64, 8, 2)}},
 )
 # The backward's g tiles (kernels.divergence_gradient): both logit tiles and the gradient's epilogue live at once.
 # sm90: 128 x 64 x 64 on 8 warps through the copy engine, as the record sweep, and 128 columns for a narrow epilogue
 # (config.narrow_g_epilogue: 238-255 registers, no spill; the JSD's mixture, a soft-cap, a bias or layer 1's term
 # spill 16-1000 bytes there); elsewhere (and where the tensors do not fit the copy engine) 64 x 64 x 64 through
-# pointers, 32 columns for the combined head (layer 1's term: no spills). sm100 as sm90, sm120 as sm89.
+# pointers, 32 columns for the combined head (layer 1's term: no spills). sm100 as sm90 (229-255 registers, no
+# spill), sm120 as sm89 (174-180 registers).
 G = TileTable(
     "the divergence head's g kernel (kernels.divergence_gradient)",
     {
@@ -232,13 +259,13 @@ G = TileTable(
         "sm120": Tiles(64, 64, 64, 8, 2),
     },
     fp32=Tiles(32, 32, 32, 4, 2),
-    pointer_rows={"sm90": Tiles(64, 64, 64, 8, 2), "sm100": Tiles(64, 64, 64, 8, 2)},
+    variants={"pointer": {"sm90": Tiles(64, 64, 64, 8, 2), "sm100": Tiles(64, 64, 64, 8, 2)}},
 )
 # The sweeps over products in memory (kernels.divergence_loss: no dot, memory-bound: two fp32 tiles in, the records
 # or g out), the same on every card: 8 x 128 on 4 warps, 8 elements of each tile a thread. sm_compile (sm_90, triton
 # 3.9): the record sweep 127 registers with a bias and a soft-cap too, 4 CTAs (16 warps) an SM; the g kernel 38-89
-# registers, 5-12 CTAs; no spill. 16 x 128 on 4 warps: 168 registers, and with a bias and a soft-cap 255 and an 8-byte
-# stack spill; 32 x 128 on 8 warps: one CTA an SM.
+# registers, 5-12 CTAs; no spill (likewise on sm_100 and sm_120). 16 x 128 on 4 warps: 168 registers, and with a bias
+# and a soft-cap 255 and an 8-byte stack spill; 32 x 128 on 8 warps: one CTA an SM.
 STORED = TileTable(
     "the fused distillation loss's sweeps over products in memory (kernels.divergence_loss)",
     every_class(Tiles(8, 128, 16, 4, 2)),
