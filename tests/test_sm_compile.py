@@ -1,6 +1,8 @@
-"""Every kernel compiles for sm_90 (H100/H200), sm_89 (RTX 4090) and sm_80 (A100) with the GPU launch configuration,
-fits the card's shared memory and spills no registers; no atomic costs a memory fence; Hopper's forward, chunked
-backward and divergence kernels read their tiles through the copy engine. No GPU needed: see tools/sm_compile.py."""
+"""Every kernel compiles for one card of every architecture class of the tile tables (sm_80 A100, sm_89 RTX 4090,
+sm_90 H100/H200, sm_100 B200, sm_120 RTX 5090) with the GPU launch configuration, fits the card's shared memory and
+spills no registers; half-precision dots run on the class's tensor-core instruction; no atomic costs a memory fence;
+the kernels whose table row reads through the copy engine do, and no others. No GPU needed: see
+tools/sm_compile.py."""
 
 import json
 import os
@@ -10,9 +12,23 @@ import sys
 import pytest
 import triton
 
+from grpo_fast.kernels import tiles
+
 HERE = os.path.dirname(__file__)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-ARCHS = (90, 89, 80)
+# each class's reference card (tiles.ARCH_CLASSES: what sm_compile compiles), and how its half-precision dots run:
+# Hopper's warpgroup MMA, Blackwell's tcgen05 (the accumulator in tensor memory), mma.sync elsewhere (consumer
+# Blackwell included)
+ARCHS = tuple(c.capability for c in tiles.ARCH_CLASSES.values())
+TENSOR_CORES = {80: "mma", 89: "mma", 90: "wgmma", 100: "tcgen05", 120: "mma"}
+# the kernel families read from a table whose row may read through the copy engine
+DESCRIBED_FAMILIES = {
+    "fwd": tiles.RECORD,
+    "bwd chunked": tiles.CHUNKED_BACKWARD,
+    "div fwd": tiles.SWEEP,
+    "div jsd": tiles.SWEEP,
+    "div bwd": tiles.G,
+}
 
 
 # sm_compile's launches per arch, counted from its variant lists: layer 1's five kernels (forward, its merge, chunked
@@ -25,7 +41,7 @@ _COUNT_VARIANTS = (
     "div = sum(3 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
     "div += sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.STORED_VARIANTS)\n"
     "base = 5 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div\n"
-    "print(*(f'{arch}:{base + len(s.tuning_launches(arch))}' for arch in s.SMEM_LIMIT))\n"
+    "print(*(f'{arch}:{base + len(s.tuning_launches(arch))}' for arch in s.CLASSES))\n"
 )
 
 
@@ -87,7 +103,7 @@ def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     # fp32 products, which only the FMA units give; the GRPO token kernel, the frozen-head forward's tile kernel and
     # the fused distillation loss's sweeps (their GEMMs are cuBLAS's) and the merges of records have no dot
     rows, _ = compiled
-    expected = "wgmma" if arch >= 90 else "mma"
+    expected = TENSOR_CORES[arch]
     no_dot = ("token_loss", "fwd frozen", "fwd merge", "div merge", "div stored")
     for r in (r for r in rows if r["arch"] == arch):
         if r["kernel"].startswith(no_dot) or " fp32" in r["kernel"]:
@@ -123,27 +139,30 @@ def _verdicts_hold(code):
 def test_no_atomic_costs_a_memory_fence(compiled, arch):
     # an acq_rel atomic (tl.atomic_add's default) compiles to a GPU-scope MEMBAR, a value-returning ATOM and an L1
     # invalidation each (24 per D step in the fused backward on sm_89); a relaxed one whose value is unused to a
-    # plain reduction RED. Hopper's CTA-scope MEMBARs sit beside the async-proxy fence that hands a shared memory
-    # tile to wgmma, not beside the atomics: none may appear on the other archs.
+    # plain reduction RED. The CTA-scope MEMBARs of Hopper and datacenter Blackwell sit beside the async-proxy fence
+    # that hands a shared memory tile to wgmma / tcgen05, not beside the atomics: none may appear where the dots run
+    # on mma.sync.
     rows, _ = compiled
     for r in (r for r in rows if r["arch"] == arch):
         assert r["MEMBAR_GPU"] == 0 and r["ATOM"] == 0, (r["kernel"], r["MEMBAR_GPU"], r["ATOM"])
-        if arch < 90:
+        if TENSOR_CORES[arch] == "mma":
             assert r["MEMBAR_CTA"] == 0, (r["kernel"], r["MEMBAR_CTA"])
         if r["family"].startswith("bwd fused"):
             assert r["RED"] > 0, r["kernel"]  # dH (and dW) are reductions: the SASS was read
 
 
 @pytest.mark.slow
-def test_hopper_reads_the_forwards_and_chunked_backwards_tiles_through_the_copy_engine(compiled):
-    # bf16 / fp16 on sm_90: the forward, the chunked backward and the divergence head's sweeps and g kernel take
-    # tensor descriptors (TMA); nothing else does
+def test_the_rows_of_the_copy_engine_read_through_it(compiled):
+    # bf16 / fp16 where the class's row reads through the copy engine (sm_90's and sm_100's forward, chunked backward,
+    # divergence sweeps and g kernel): tensor descriptors (TMA); nothing else does
     rows, _ = compiled
-    described_families = ("fwd", "bwd chunked", "div fwd", "div jsd", "div bwd")
+    assert TENSOR_CORES.keys() == set(ARCHS)
     for r in rows:
         described = r["descriptors"] > 0
         half = " fp32" not in r["kernel"]
-        assert described == (r["arch"] >= 90 and half and r["family"] in described_families), r["kernel"]
+        table = DESCRIBED_FAMILIES.get(r["family"])
+        row_reads_by_descriptor = table is not None and table.rows[tiles.arch_class(r["arch"]).name].use_tma
+        assert described == (half and row_reads_by_descriptor), r["kernel"]
 
 
 def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_counts_ctas_per_sm():

@@ -23,6 +23,7 @@ import triton.language as tl
 from .config import sweep_config
 from .divergence_records import JsdSweep, Record, finish
 from .divergence_tile import (
+    PAST_VOCAB_LOGIT,
     jsd_terms,
     load_rows,
     load_saved,
@@ -168,7 +169,9 @@ def _sweep_kernel(
         excess = tl.zeros((BLOCK_N,), tl.float32)
     else:
         empty = tl.zeros((BLOCK_N,), tl.float32)
-        no_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        # the running records start empty at a finite max (divergence_tile's module docstring): the first tile's
+        # record wins their merge, which scales their finite shifts by 0
+        no_max = tl.full((BLOCK_N,), PAST_VOCAB_LOGIT, tl.float32)
         sm, sa, sr, sc, so, sz, su = no_max, empty, empty, empty, empty, empty, empty
         tm, ta, tr, tc, to, tz, tu = no_max, empty, empty, empty, empty, empty, empty
         target_logit = empty

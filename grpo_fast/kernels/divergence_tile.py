@@ -12,9 +12,12 @@ Where the student is confident and the teacher is not, l_a and KL agree to O(q):
 l_v - KL = (l_v - l_a) - C_s / S_s with l_v - l_a = g_v - g_a (0 at the argmax, exactly), and
 r_v - KL(p_s || m) = (r_v - r_a) - sum_v p_s (r_v - r_a), the sum from the JSD sweep.
 
-No NaN is formed in a masked lane (past the vocabulary, where both logits are -inf; an entry of no mass): the
-difference of two -inf and 0 x inf are never computed, not computed then masked, so that the interpreter's numpy
-raises nothing and a compiler's reordering cannot let one through.
+No NaN is formed in a lane the kernels drop: past the vocabulary both models' logits are one finite stand-in far
+below every logit (``PAST_VOCAB_LOGIT``: no mass, differences of 0), and the record sweep's running records start
+at that max rather than -inf (their first merge then scales a finite shift by 0), so that the interpreter's numpy
+warns of nothing and a compiler's reordering cannot let a NaN through; the row-wide terms (a JSD's log1p at a shared
+argmax, an unsupported row's infinite reference) are guarded where they are formed. Only -inf among the inputs' own
+logits (a padded vocabulary's -inf bias, an entry one model gives no mass) forms one in a dropped lane.
 """
 
 import math
@@ -26,6 +29,10 @@ import triton.language as tl
 from .divergence_records import divergence_of
 from .launch import tile_operand
 from .tile import logit_tile_at, stored_logit_tile_at
+
+# the logit of an entry past the vocabulary in a pair of tiles: exp of it less any row's max is exactly 0 (the
+# entry has no mass), and it is the same in both models' tiles (their difference is 0)
+PAST_VOCAB_LOGIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -142,8 +149,8 @@ def pair_tiles(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The tile at (n0, v0): its vocabulary indices, both models' transformed logits (two K-loops; -inf from V on)
-    and the student's slope dz/du."""
+    """The tile at (n0, v0): its vocabulary indices, both models' transformed logits (two K-loops; PAST_VOCAB_LOGIT
+    from V on) and the student's slope dz/du."""
     zs, slope = model_tile(
         hs,
         ws,
@@ -192,7 +199,12 @@ def pair_tiles(
         BLOCK_V,
         BLOCK_D,
     )
-    return v0 + tl.arange(0, BLOCK_V), zs, slope, zt
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    # past the vocabulary both models' logits are one finite stand-in far below every logit (the tiles give -inf):
+    # an entry of no mass whose differences (z_s - z_t, log p_s - log m) are finite, so that no -inf - -inf or
+    # 0 x inf is formed in a lane the kernels drop
+    past = (offs_v >= V)[None, :]
+    return offs_v, tl.where(past, PAST_VOCAB_LOGIT, zs), slope, tl.where(past, PAST_VOCAB_LOGIT, zt)
 
 
 @triton.jit
@@ -234,23 +246,10 @@ def tile_record(z, z_other, offs_v, BIG: tl.constexpr):
     top = offs_v[None, :] == top_index[:, None]
     e = tl.where(top, 0.0, e)
     other = tl.sum(tl.where(top, z_other, 0.0), axis=1)
-    # g_v - g_a = (z_v - z_other,v) - (max - other) on the entries of mass whose other logit is finite (an entry the
-    # other model gives no mass flags the record unsupported: its KL is +inf, its terms are left out); no difference
-    # of two -inf is formed (past the vocabulary both are), and an empty row's gap is 0
-    mass = e != 0.0  # a NaN logit is mass: it reaches the sums
-    live = mass & (z_other != float("-inf"))
-    gap_at_max = pivot - tl.where(row_max == float("-inf"), 0.0, other)
-    relative = tl.where(live, live_difference(z, z_other, live) - gap_at_max[:, None], 0.0)
-    cross = tl.sum(e * relative, axis=1)
-    zsum = tl.sum(e * tl.where(mass, z - pivot[:, None], 0.0), axis=1)
+    gap_at_max = row_max - other
+    cross = tl.sum(tl.where(e == 0.0, 0.0, e * ((z - z_other) - gap_at_max[:, None])), axis=1)
+    zsum = tl.sum(tl.where(e == 0.0, 0.0, e * (z - pivot[:, None])), axis=1)
     return row_max, top_index.to(tl.float32), tl.sum(e, axis=1), cross, other, zsum, unsupported
-
-
-@triton.jit
-def live_difference(x, y, live):
-    """x - y on the ``live`` lanes, 0 elsewhere, formed of the live lanes' values only: the difference of two -inf
-    (a lane past the vocabulary, an entry of no mass) is never computed."""
-    return tl.where(live, x, 0.0) - tl.where(live, y, 0.0)
 
 
 @triton.jit
@@ -267,13 +266,9 @@ def merge_records(m1, a1, r1, c1, o1, z1, u1, m2, a2, r2, c2, o2, z2, u2):
     pivot = tl.where(wm == float("-inf"), 0.0, wm)
     scale = tl.exp(lm - pivot)
     lose_sumexp = tl.where(lm > float("-inf"), 1.0, 0.0) + lr
-    # an empty loser (max -inf) or one too far below to count adds nothing: its shifts (-inf there) are replaced
-    # before they multiply its sum of exp (0 there), so that no 0 x inf is formed
-    nothing = scale == 0.0
-    gap_shift = tl.where(nothing, 0.0, (lm - lo) - (wm - wo))
-    max_shift = tl.where(nothing, 0.0, lm - pivot)
-    cross = tl.where(nothing, 0.0, scale * (lc + gap_shift * lose_sumexp))
-    zsum = tl.where(nothing, 0.0, scale * (lz + max_shift * lose_sumexp))
+    gap_shift = (lm - lo) - (wm - wo)
+    cross = tl.where(scale == 0.0, 0.0, scale * (lc + gap_shift * lose_sumexp))
+    zsum = tl.where(scale == 0.0, 0.0, scale * (lz + (lm - pivot) * lose_sumexp))
     return (
         wm,
         tl.where(second, a2, a1),
@@ -326,15 +321,13 @@ def log_mixture(log_ps, log_pt, shared_top, s_rest_mass, t_rest_mass, beta, log_
     b = log_pt + log_beta
     top = tl.maximum(a, b)
     top = tl.where(top == float("-inf"), 0.0, top)
-    m_scaled = tl.exp(a - top) + tl.exp(b - top)
-    # an entry neither model gives mass (past the vocabulary): log m = -inf, without a log of 0
-    log_m = tl.where(m_scaled == 0.0, float("-inf"), top + tl.log(tl.where(m_scaled == 0.0, 1.0, m_scaled)))
+    log_m = top + tl.log(tl.exp(a - top) + tl.exp(b - top))
     # log1p(-x) for the carried x = 1 - m at a shared argmax (1e-6 where both models are sure): log(1 - x) would
-    # lose x's digits; log(u) x / (1 - u), u = 1 - x rounded, is exact to fp32 (Goldberg's log1p); u = 1: -x, and
-    # no 0 / 0 formed
+    # lose x's digits; log(u) x / (1 - u), u = 1 - x rounded, is exact to fp32 (Goldberg's log1p); u = 1: -x (1 - u
+    # is then at least 2^-24, or 0: its floor keeps 0 / 0 from forming)
     x = (1.0 - beta) * s_rest_mass + beta * t_rest_mass
     u = 1.0 - x
-    at_top = tl.where(u == 1.0, -x, tl.log(u) * x / tl.where(u == 1.0, 1.0, 1.0 - u))
+    at_top = tl.where(u == 1.0, -x, tl.log(u) * (x / tl.maximum(1.0 - u, 1.0e-30)))
     return tl.where(shared_top, at_top[:, None], log_m)
 
 
@@ -362,16 +355,19 @@ def logit_gradient(
         # p_s - p_t; at a shared argmax q_t - q_s from the carried rests
         dz = tl.where(top_s & top_t, (t_rest_mass - s_rest_mass)[:, None], ps - tl.exp(log_pt))
     else:
-        live = ps != 0.0  # the student's entries of mass (a NaN is one): no difference of two -inf elsewhere
+        # an unsupported row's infinite reference and excess (its KL is +inf, its gradient no number) taken as 0:
+        # no difference of two infinities
+        reference = tl.where(tl.abs(reference) == float("inf"), 0.0, reference)
+        excess = tl.where(tl.abs(excess) == float("inf"), 0.0, excess)
         if MODE == 1:
-            relative = live_difference(zs, zt, live) - reference[:, None]
+            relative = (zs - zt) - reference[:, None]
             weight = 1.0
         else:
             log_m = log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
-            relative = live_difference(log_ps, log_m, live) - reference[:, None]
+            relative = (log_ps - log_m) - reference[:, None]
             weight = 1.0 - beta
-        relative = tl.where(top_s | ~live, 0.0, relative)
-        dz = weight * ps * (relative - tl.where(live, excess[:, None], 0.0))
+        relative = tl.where(top_s, 0.0, relative)
+        dz = tl.where(ps == 0.0, 0.0, weight * ps * (relative - excess[:, None]))
     return dz, ps
 
 
@@ -400,12 +396,11 @@ def jsd_terms(
     log_m = log_mixture(log_ps, log_pt, top_s & top_t, s_rest_mass, t_rest_mass, beta, log_1m_beta, log_beta)
     ps = tl.exp(log_ps)
     pt = tl.exp(log_pt)
-    # each model's log-ratio to the mixture on its own entries of mass (m > 0 there); 0 elsewhere, never -inf - -inf
-    log_ratio = live_difference(log_ps, log_m, ps != 0.0)
-    kl_s = ps * log_ratio
-    kl_t = pt * live_difference(log_pt, log_m, pt != 0.0)
+    log_ratio = log_ps - log_m
+    kl_s = tl.where(ps == 0.0, 0.0, ps * log_ratio)
+    kl_t = tl.where(pt == 0.0, 0.0, pt * (log_pt - log_m))
     jsd = tl.sum(beta * kl_t + (1.0 - beta) * kl_s, axis=1)
-    excess = tl.sum(tl.where(top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
+    excess = tl.sum(tl.where((ps == 0.0) | top_s, 0.0, ps * (log_ratio - top_log_ratio[:, None])), axis=1)
     return jsd, excess
 
 

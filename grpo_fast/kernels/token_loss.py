@@ -122,7 +122,9 @@ def _row_sums(
             if TERM_IW:
                 if IW_PER_TOKEN:
                     iw = tl.load(iw_ptr + row + offs, mask=in_row, other=1.0)
-                    log_iw = _minimum(_maximum(tl.log(iw), LOG_RATIO_FLOOR), LOG_RATIO_CAP)  # clamp(log w, ..)
+                    # clamp(log w, ..); a zero weight (a masked ratio) is the floor itself, without a log of 0
+                    log_iw = _minimum(_maximum(tl.log(tl.where(iw == 0.0, 1.0, iw)), LOG_RATIO_FLOOR), LOG_RATIO_CAP)
+                    log_iw = tl.where(iw == 0.0, LOG_RATIO_FLOOR, log_iw)
                     # every position, padding included: TRL's sum (its ratios are 1 there but for odd clips)
                     log_w += tl.sum(tl.where(in_row, log_iw, 0.0), axis=0)
         if OFF_POLICY_MASK:
