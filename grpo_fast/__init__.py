@@ -15,11 +15,13 @@ loss, div, entropy = grpo_fast.distillation_loss(student_hidden, student_weight,
 loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, teacher_weight),
                                distillation_coef=0.1)     # RL and distillation in one call
 
-The package's parts, one folder each (imports run down this list, never up; the spec stands apart):
+The package's parts, one folder each (each imports only the parts below it in kernels < backends < head <
+distillation < grpo_loss < integrations < memory; the spec stands apart):
     head/          layer 1: log-probs and entropies from hidden states, no [tokens, vocab] logits
     grpo_loss/     layer 2: the GRPO loss, its options and metrics; ``loss`` runs both layers
     distillation/  the student-teacher divergence head; RL with distillation in one call
-    kernels/       the Triton kernels and their launch configurations (import nothing of the package)
+    backends/      one protocol, two implementations: the Triton kernels and their chunked-torch twins
+    kernels/       the Triton kernels, their tile tables and launch configurations (import nothing of the package)
     integrations/  TRL's trainers and verl's backend (public as grpo_fast.trl, grpo_fast.verl)
     memory/        one GRPO step's peak GPU memory, estimated on a CPU (python -m grpo_fast.memory)
     reference.py   the spec: every formula in plain eager PyTorch, independent of the product

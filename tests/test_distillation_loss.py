@@ -1,5 +1,5 @@
 """grpo_fast.distillation_loss: TRL 1.16's distillation loss (the divergence summed over the scored tokens over a
-normaliser) with the student's gradients formed in the forward (kernels.divergence.loss_gradients on the Triton
+normaliser) with the student's gradients formed in the forward (kernels.divergence_loss.loss_gradients on the Triton
 backend: both models' logits of a token chunk once, from GEMM outputs in memory), against the fp64 spec, against the
 per-token head it replaces, and in its sweep count."""
 

@@ -263,7 +263,8 @@ def jsd_sweep(student, teacher, beta, student_finished, teacher_finished, top_lo
 
 
 def logit_grad(zs, zt, student, teacher, reference, excess, beta, v0):
-    """d divergence / d z_s of one tile (grpo_fast.kernels.divergence's formulas), from the forward's saved values.
+    """d divergence / d z_s of one tile (grpo_fast.kernels.divergence_tile.logit_gradient's formulas), from the
+    forward's saved values.
 
     Args:
         zs: [n, c] fp32 the student's transformed logits.

@@ -1,2 +1,2 @@
 """The divergence head of on-policy distillation: the student-teacher divergence from both models' hidden states
-(API, custom ops, torch twin, vocab-parallel), and RL with distillation in one call (``teacher``)."""
+(API, custom ops, vocab-parallel), and RL with distillation in one call (``teacher``)."""

@@ -238,7 +238,7 @@ def divergence_forward(operands, frozen_head):
 # ----------------------------------------------------------------------------------------------- the loss op
 # grpo_fast::divergence_loss: L = sum_n weights_n div_n (TRL's DistillationTrainer loss: the divergence summed over the
 # scored tokens over a normaliser), whose dL/d div (the weights) is known before the forward: the forward forms the
-# student's gradients (kernels.divergence.loss_gradients: three student sweeps and one teacher sweep, none recomputed)
+# student's gradients (the backend's divergence_loss: three student sweeps and one teacher sweep, none recomputed)
 # and the backward only scales them by the loss's gradient.
 _LOSS_ARGUMENTS = "Tensor weights, bool need_hidden, bool need_weight, bool need_bias, int token_chunk"
 
@@ -312,7 +312,8 @@ def divergence_loss(operands, weights, needs, token_chunk=None):
         operands: the OpOperands.
         weights: [N] fp32 dL/d div of each scored row (no gradient flows to them).
         needs: (need_hidden, need_weight, need_bias): the gradients to form.
-        token_chunk: tokens per gradient GEMM (None: ``kernels.divergence.loss_chunk_rows``'s).
+        token_chunk: tokens per gradient GEMM (None: the backend's default, the Triton backend's
+            ``kernels.divergence_loss.loss_chunk_rows``).
 
     Returns:
         (loss [], divergence [N], entropy [N]) fp32; the last two detached.

@@ -1,2 +1,2 @@
-"""Layer 2, the GRPO loss: the loss options and loss-type records, the token loss (its op and torch twin), its
-metrics, and ``loss``, which runs both layers in one call."""
+"""Layer 2, the GRPO loss: the loss options and loss-type records, the token loss's op, its metrics, and ``loss``,
+which checks its arguments into one call record and runs both layers."""

@@ -65,10 +65,10 @@ class TileRecordConfig(_DotTileConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardConfig(_DotTileConfig):
-    """The divergence head's record sweep (``kernels.divergence``): logit tiles; the vocabulary is split so that the
-    programs fill whole waves of ``target_programs``, the programs the GPU holds at once
-    (``divergence.num_vocab_splits``); ``use_tma``: H and W tiles through tensor descriptors (sm_90 and later), where
-    the tensors allow it."""
+    """The divergence head's record sweep (``kernels.divergence_sweep``): logit tiles; the vocabulary is split so that
+    the programs fill whole waves of ``target_programs``, the programs the GPU holds at once
+    (``divergence_sweep.num_vocab_splits``); ``use_tma``: H and W tiles through tensor descriptors (sm_90 and later),
+    where the tensors allow it."""
 
     target_programs: int
     use_tma: bool = False

@@ -350,6 +350,7 @@ def logit_gradient(
 ):
     """d div / d z_s of a tile for the divergence of constexpr MODE (divergence_records.Divergence.mode; the module
     docstring has the formulas), and p_s; ``reference`` and ``excess`` the saved values (SAVED_FIELDS)."""
+    tl.static_assert(MODE < 3, "logit_gradient has the formulas of MODE 0 (forward KL), 1 (reverse KL), 2 (JSD)")
     ps = tl.exp(log_ps)
     if MODE == 0:
         # p_s - p_t; at a shared argmax q_t - q_s from the carried rests

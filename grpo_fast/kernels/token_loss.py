@@ -507,7 +507,7 @@ def _device_scalar(x, like):
 def token_loss(inputs, options, *, scale, entropy_threshold):
     """Layer 2 on prepared inputs: dL/dlogp, the entropy bonus's token mask and the per-sequence statistics.
 
-    One program per sequence. The torch twin (``grpo_fast.grpo_loss.torch_twin.token_loss``) takes the same
+    One program per sequence. The torch twin (``grpo_fast.backends.token_loss_twin.token_loss``) takes the same
     arguments and returns the same values.
 
     Args:
