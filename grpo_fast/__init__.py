@@ -5,6 +5,7 @@ logp = grpo_fast.logprobs(hidden, weight, targets)        # reference / old poli
 logp, entropy = grpo_fast.logprobs_and_entropy(hidden, weight, targets)   # both differentiable
 loss, metrics = grpo_fast.token_loss(logprobs, advantages, completion_mask, ...)  # layer 2 alone
 weights = grpo_fast.sampling_importance_weights(old_logprobs, sampling_logprobs, completion_mask)
+out = grpo_fast.sampler_logprobs(hidden, weight, targets, top_p=0.9)  # over vLLM's kept set too (processed mode)
 options = grpo_fast.LossOptions(loss_type="dapo", beta=0.04)   # TRL's GRPOConfig names; options=options
 shard = grpo_fast.VocabShard(group, offset, vocab_size)   # a vocab-parallel head's rows here: vocab_parallel=shard
 lora = grpo_fast.HeadLora(a, b, scaling, dropout)         # LoRA on the lm_head (PEFT's lora_A/B weights): lora=lora
@@ -16,8 +17,9 @@ loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, te
                                distillation_coef=0.1)     # RL and distillation in one call
 
 The package's parts, one folder each (each imports only the parts below it in kernels < backends < head <
-distillation < grpo_loss < integrations < memory; the spec stands apart):
+sampler < distillation < grpo_loss < integrations < memory; the spec stands apart):
     head/          layer 1: log-probs and entropies from hidden states, no [tokens, vocab] logits
+    sampler/       log-probs over a truncating sampler's kept set (top-k / top-p / min-p, or replayed sets)
     grpo_loss/     layer 2: the GRPO loss, its options and metrics; ``loss`` runs both layers
     distillation/  the student-teacher divergence head; RL with distillation in one call
     backends/      one protocol, two implementations: the Triton kernels and their chunked-torch twins
@@ -35,6 +37,8 @@ from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOp
 from grpo_fast.head.api import logprobs, logprobs_and_entropy
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
+from grpo_fast.sampler.api import SamplerLogprobs, sampler_logprobs
+from grpo_fast.sampler.replay import pack_kept_ids
 
 __all__ = [
     "loss",
@@ -42,6 +46,9 @@ __all__ = [
     "logprobs_and_entropy",
     "token_loss",
     "sampling_importance_weights",
+    "sampler_logprobs",
+    "SamplerLogprobs",
+    "pack_kept_ids",
     "Metrics",
     "LossOptions",
     "LossOptionKeywords",

@@ -127,6 +127,74 @@ def logprobs(hidden, weight, targets, bias=None, temperature=1.0, **head):
         return logprobs_and_entropy(hidden, weight, targets, bias, temperature, **head)[0]
 
 
+def kept_mask(z, top_k=0, top_p=1.0, min_p=0.0):
+    """The entries a sampler with vLLM 0.32's rules may draw from, for logits ``z`` [..., V] already divided by the
+    temperature: bool [..., V].
+
+    In vLLM's order: min-p keeps v where p_v >= min_p * max_u p_u (p = softmax(z)); top-k keeps the survivors whose
+    logit is at least the k-th largest surviving one (every entry tied with the k-th is kept, as vLLM's CPU path
+    does); top-p, over the survivors' renormalised distribution q, keeps v where the mass of the survivors with a
+    logit strictly above z_v is below ``top_p`` (the top entry always; entries tied at the threshold all kept, where
+    vLLM's sort keeps an order-dependent part of them). Every rule keeps the largest logits, so the kept set is
+    {v : z_v >= tau} for one threshold tau a row. ``min_p`` 0, ``top_k`` 0 or -1 and ``top_p`` 1 disable a rule.
+    """
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p > 0:
+        p = torch.softmax(z, dim=-1)
+        keep &= p >= min_p * p.amax(dim=-1, keepdim=True)
+    if 0 < top_k < z.shape[-1]:
+        kth = z.masked_fill(~keep, -math.inf).topk(top_k, dim=-1).values[..., -1:]
+        keep &= z >= kth
+    if top_p < 1:
+        q = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1)
+        values, order = z.masked_fill(~keep, -math.inf).sort(dim=-1, descending=True)
+        q_sorted = q.gather(-1, order)
+        above = q_sorted.cumsum(-1) - q_sorted  # mass ranked above each entry of the sorted row
+        # ties: an entry's mass strictly above is the one at the first entry of its tie group
+        index = torch.arange(z.shape[-1], device=z.device).expand_as(values)
+        first = torch.ones_like(values, dtype=torch.bool)
+        first[..., 1:] = values[..., 1:] != values[..., :-1]
+        group_start = torch.where(first, index, 0).cummax(dim=-1).values
+        strictly_above = above.gather(-1, group_start)
+        keep &= torch.zeros_like(keep).scatter(-1, order, strictly_above < top_p)
+    return keep
+
+
+def sampler_logprobs(
+    hidden, weight, targets, bias=None, temperature=1.0, *, top_k=0, top_p=1.0, min_p=0.0, kept_ids=None, **head
+):
+    """Each target's log-prob over the whole vocabulary and over the sampler's kept set, and their difference.
+
+    logp = z_y - logsumexp_v(z_v) (``logprobs``), support_logp = z_y - logsumexp_{v kept}(z_v) (what vLLM's
+    ``processed_logprobs`` returns), log_kept_mass = logp - support_logp = log sum_{v kept} p_v <= 0. The kept set is
+    ``kept_mask`` of the logits z (temperature included) under the sampling parameters, or the replayed ``kept_ids``
+    [..., K] (-1: no entry). A target outside its kept set (the sampler could not have drawn it) gets NaN support.
+
+    Args:
+        hidden, weight, targets, bias, temperature, **head: as ``logprobs_and_entropy``.
+        top_k, top_p, min_p: the sampling parameters (``kept_mask``).
+        kept_ids: [..., K] integer kept sets, -1 filling, or None.
+
+    Returns:
+        (logp, support_logp, log_kept_mass), fp32 with the shape of ``targets``; logp and support_logp
+        differentiable.
+    """
+    z = logits(hidden, weight, bias, temperature, **head)
+    if kept_ids is None:
+        keep = kept_mask(z.detach(), top_k, top_p, min_p)
+    else:
+        # the filling (-1) goes to a column past the vocabulary, dropped after
+        columns = torch.where(kept_ids >= 0, kept_ids, z.shape[-1]).long()
+        keep = torch.zeros((*z.shape[:-1], z.shape[-1] + 1), dtype=torch.bool, device=z.device)
+        keep = keep.scatter(-1, columns, True)[..., :-1]
+    target = z.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
+    logp = target - torch.logsumexp(z, dim=-1)
+    support = target - torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)
+    drawable = keep.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
+    support = torch.where(drawable, support, math.nan)
+    return logp.float(), support.float(), (logp - support).float()
+
+
 def sampling_importance_weights(
     old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_max=3.0, clip_min=None
 ):

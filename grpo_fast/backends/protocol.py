@@ -8,7 +8,8 @@ into the object; nothing else compares a backend's name, and no part above calls
 
 The methods, by the part that calls them:
 * layer 1 (``grpo_fast.head``): the forward and its record (a vocab-parallel shard's), the frozen-head forward and
-  record, the three-sweep trained head, the backward, and what each allocates (``workspace_bytes``);
+  record, the three-sweep trained head, the backward, and what each allocates (``workspace_bytes``); the sampler's
+  kept set and its log-sum-exp, forward and backward (``grpo_fast.sampler``);
 * layer 2 (``grpo_fast.grpo_loss``): the token loss, and its workspace;
 * the divergence head (``grpo_fast.distillation``, ``grpo_fast.loss(teacher=...)``): its forward (and its frozen-head
   forward), a shard's records, its backward, the loss with its gradients formed in the forward (with layer 1's term:
@@ -26,7 +27,15 @@ import torch
 
 from grpo_fast.kernels.config import BackwardMode
 from grpo_fast.kernels.divergence_records import ModelHead
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands, Layer1Gradient, LossLayer1, TokenLossInputs
+from grpo_fast.kernels.operands import (
+    HeadGrads,
+    HeadOperands,
+    Layer1Gradient,
+    LossLayer1,
+    SamplerSupport,
+    SupportRecord,
+    TokenLossInputs,
+)
 from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
 
 # the public ``backend=`` choice: "auto" resolves to "triton" where it runs (CUDA tensors, or any under
@@ -44,7 +53,9 @@ __all__ = [
     "Layer1Gradient",
     "LossLayer1",
     "ModelHead",
+    "SamplerSupport",
     "SoftmaxStats",
+    "SupportRecord",
     "TokenLossInputs",
 ]
 
@@ -129,6 +140,16 @@ class Backend(Protocol):
         self, hidden_shape: tuple[int, int], vocab_size: int, dtype: torch.dtype, token_chunk: int | None
     ) -> int:
         """What ``forward_trained_head`` allocates besides its outputs and ``grads``."""
+        ...
+
+    def support_forward(self, head: HeadOperands, support: SamplerSupport) -> SupportRecord:
+        """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``)."""
+        ...
+
+    def support_backward(
+        self, head: HeadOperands, support: SamplerSupport, record: SupportRecord, grad_support, grads: HeadGrads
+    ) -> None:
+        """Accumulate the support log-prob's gradients (dL/ds [N]) into ``grads``."""
         ...
 
     # ------------------------------------------------------------------------------------------- layer 2

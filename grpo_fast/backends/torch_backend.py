@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast.backends import divergence_twin, head_twin, token_loss_twin
+from grpo_fast.backends import divergence_twin, head_twin, support_twin, token_loss_twin
 
 
 class TorchBackend:
@@ -61,6 +61,12 @@ class TorchBackend:
     def trained_head_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
         """0: no three-sweep trained head here."""
         return 0
+
+    def support_forward(self, head, support):
+        return support_twin.forward(head, support)
+
+    def support_backward(self, head, support, record, grad_support, grads):
+        support_twin.backward(head, support, record, grad_support, grads)
 
     # ------------------------------------------------------------------------------------------- layer 2
     def token_loss(self, inputs, options, *, scale, entropy_threshold):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast.backends import divergence_twin
+from grpo_fast.backends import divergence_twin, support_twin
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import divergence_gradient, divergence_loss, divergence_sweep, gemm, softmax_stats, tuning
@@ -123,6 +123,14 @@ class TritonBackend:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, V, D, itemsize))
         return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
+
+    def support_forward(self, head, support):
+        """The chunked-torch twin's (``support_twin``): the kept set's selection has no kernel yet; its rows of
+        logits come from cuBLAS one byte-budgeted chunk at a time, replayed sets from a gather of their rows."""
+        return support_twin.forward(head, support)
+
+    def support_backward(self, head, support, record, grad_support, grads):
+        support_twin.backward(head, support, record, grad_support, grads)
 
     # ------------------------------------------------------------------------------------------- layer 2
     def token_loss(self, inputs, options, *, scale, entropy_threshold):

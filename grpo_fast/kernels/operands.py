@@ -88,3 +88,35 @@ class LossLayer1(NamedTuple):
     # (n0, n1, logp [n1 - n0], entropy [n1 - n0]) -> dL/dlogp of those tokens [n1 - n0] fp32: the layer-2 gradient
     # of a loss whose token values read no other token's log-prob (called once per chunk, in order)
     coefficients: object
+
+
+class SamplerSupport(NamedTuple):
+    """The set a sampler draws each token from: its parameters (vLLM 0.32's rules, ``grpo_fast.sampler``) or the
+    replayed sets.
+
+    Attributes:
+        top_k: keep the k largest logits (every one tied with the k-th too); 0: no top-k.
+        top_p: keep an entry while the survivors' mass ranked strictly above it is below top_p; 1.0: no top-p.
+        min_p: keep p_v >= min_p * max p; 0.0: no min-p.
+        kept_ids: None, or [N, K] int64 replayed kept sets (-1 filling), which replace the three parameters.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    kept_ids: torch.Tensor | None = None
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the kept set can be smaller than the vocabulary (else the support's log-probs are the log-probs)."""
+        return self.kept_ids is not None or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+class SupportRecord(NamedTuple):
+    """What the support's forward leaves for its backward, [N] fp32 each: the target's logit, the log-sum-exp over
+    the kept set, and (with the parameters) the kept set's threshold tau, the set being {v : z_v >= tau}; with
+    replayed sets, an empty tensor."""
+
+    target_logit: torch.Tensor
+    kept_lse: torch.Tensor
+    threshold: torch.Tensor
