@@ -32,7 +32,7 @@ sampler < distillation < grpo_loss < integrations < memory; the spec stands apar
 from grpo_fast import reference
 from grpo_fast.distillation.api import DivergenceKeywords, distillation_loss, divergence, divergence_and_entropy
 from grpo_fast.distillation.teacher import Teacher
-from grpo_fast.grpo_loss.api import Metrics, loss, sampling_importance_weights, token_loss
+from grpo_fast.grpo_loss.api import Metrics, SamplingCorrection, loss, sampling_importance_weights, token_loss
 from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOptionKeywords, LossOptions
 from grpo_fast.head.api import logprobs, logprobs_and_entropy
 from grpo_fast.head.lora import HeadLora
@@ -49,6 +49,7 @@ __all__ = [
     "sampler_logprobs",
     "SamplerLogprobs",
     "pack_kept_ids",
+    "SamplingCorrection",
     "Metrics",
     "LossOptions",
     "LossOptionKeywords",

@@ -49,10 +49,10 @@ def _threshold_gap(z, keep):
     return (low - high).min().item()
 
 
-def _case(rule, dtype, device, shape=(2, 7, 40, 157), temperature=0.8, seed=0, **transform):
+def _case(rule, dtype, device, shape=(2, 7, 40, 157), temperature=0.8, first_seed=0, **transform):
     B, T, D, V = shape
     params = {k: v for k, v in RULES[rule].items() if k != "replay"}
-    for seed in range(seed, seed + 100, 10):  # the first seed whose data keep every logit off its threshold
+    for seed in range(first_seed, first_seed + 100, 10):  # the first seed whose data keep every logit off its threshold
         h, w, b, _ = head_inputs(B, T, D, V, dtype, scale=0.4, device=device, seed=seed)
         z = _z(h, w, b, temperature, **transform)
         keep = reference.kept_mask(z, **(params or dict(top_p=0.7)))

@@ -10,22 +10,22 @@ from typing_extensions import Unpack
 from grpo_fast.backends.protocol import BackendName
 from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation.teacher import Distillation, Teacher
+from grpo_fast.grpo_loss import sampling
 from grpo_fast.grpo_loss.call import LossBatch, LossCall, token_loss_metrics
 from grpo_fast.grpo_loss.metrics import Metrics
 from grpo_fast.grpo_loss.options import (
-    IMPORTANCE_SAMPLING_MODES,
     ImportanceSamplingMode,
     LossOptionKeywords,
     LossOptions,
 )
-from grpo_fast.grpo_loss.options import check_number as _number
+from grpo_fast.grpo_loss.sampling import SamplingCorrection
 from grpo_fast.head import inputs
 from grpo_fast.head.inputs import HeadCall
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
 
-__all__ = ["Metrics", "loss", "sampling_importance_weights", "token_loss"]
+__all__ = ["Metrics", "SamplingCorrection", "loss", "sampling_importance_weights", "token_loss"]
 
 
 def loss(
@@ -40,6 +40,7 @@ def loss(
     ref_logprobs: torch.Tensor | None = None,
     sampling_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    sampling_correction: SamplingCorrection | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     entropy_threshold: float | torch.Tensor | None = None,
     temperature: float = 1.0,
@@ -82,6 +83,9 @@ def loss(
             only with ``off_policy_mask_threshold``.
         importance_weights: [B, T], [B, 1] or [B] float, the sampler correction (e.g.
             ``sampling_importance_weights``); vespo takes [B, T] only.
+        sampling_correction: a [SamplingCorrection][grpo_fast.SamplingCorrection] (the sampler's log-probs and
+            its top-k / top-p / min-p or kept sets): the importance weights computed in the call over the sampler's
+            support, exp(old_support - sampling), instead of ``importance_weights``; or None.
         num_items_in_batch: a number >= 0 or a one-element tensor: the normaliser of dapo, cispo and vespo (the
             token count of the whole gradient-accumulation window); None: the mask's sum.
         entropy_threshold: the entropy at ``top_entropy_quantile``, precomputed over every process; only with
@@ -127,7 +131,9 @@ def loss(
             ``off_policy_mask_threshold``, ``entropy_threshold`` without ``top_entropy_quantile < 1``, vespo
             with importance weights that are not [B, T], ``num_items_in_batch`` < 0; ``distillation_coef`` or
             ``distillation_beta`` without a teacher, a teacher without ``distillation_coef``, a teacher whose
-            shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``.
+            shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``;
+            ``sampling_correction`` with ``importance_weights``, or with ``old_logprobs`` but no
+            ``old_support_logprobs``, or with bad sampling parameters.
     """
     options = LossOptions.resolve(options, option_keywords, "loss")
     distillation = Distillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
@@ -157,7 +163,10 @@ def loss(
         num_items_in_batch,
         entropy_threshold,
     )
-    return LossCall.check(head, batch, options, trained_head_chunk, distillation).run()
+    correction = None
+    if sampling_correction is not None:
+        correction = SamplingCorrection.checked(sampling_correction, head, old_logprobs, importance_weights, options)
+    return LossCall.check(head, batch, options, trained_head_chunk, distillation, correction).run()
 
 
 def token_loss(
@@ -258,7 +267,10 @@ def sampling_importance_weights(
     (``vllm_importance_sampling_clip_max=3.0``, ``vllm_importance_sampling_clip_min=None``).
 
     Args:
-        old_logprobs: [B, T] float: the training policy's log-probs before the update.
+        old_logprobs: [B, T] float: the training policy's log-probs before the update; where the sampler truncates
+            (top-k, top-p, min-p) and its log-probs are renormalised over its kept set (vLLM's
+            ``processed_logprobs``), the policy's over the same set (``sampler_logprobs(...).support_logprobs``),
+            else the ratio is the kept mass even for one model ([the sampler's support](../sampler-support.md)).
         sampling_logprobs: [B, T] float: the sampler's log-probs; NaN where it could not score a token (no
             correction there).
         completion_mask: [B, T] bool or 0/1.
@@ -276,8 +288,7 @@ def sampling_importance_weights(
         ValueError: an unknown ``mode``, a shape that does not match, tensors on different devices, a mask value
             other than 0/1, a non-finite bound, ``clip_min >= clip_max``, or a ``*_truncate`` mode without a bound.
     """
-    if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
+    sampling.check_mode(mode, clip_max, clip_min)
     for name, x in (("old_logprobs", old_logprobs), ("sampling_logprobs", sampling_logprobs)):
         inputs.check_float_tensor(name, x)
         if x.dim() != 2:
@@ -297,26 +308,4 @@ def sampling_importance_weights(
     checks = inputs.ValueChecks(True, old_logprobs, completion_mask)
     inputs.check_mask(completion_mask, tuple(old_logprobs.shape), checks)
     checks.read()
-    for name, x in (("clip_max", clip_max), ("clip_min", clip_min)):
-        if x is not None:
-            _number(name, x)
-    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
-        raise ValueError(f"clip_min ({clip_min}) must be less than clip_max ({clip_max})")
-    if mode.endswith("truncate") and clip_min is None and clip_max is None:
-        raise ValueError(f"mode={mode!r} needs clip_min or clip_max")
-    # a token the sampler could not score (NaN) and a masked one carry no correction: a log-ratio of 0 (TRL's
-    # nan_to_num of the masked difference)
-    log_ratio = old_logprobs.detach().float() - sampling_logprobs.detach().float()
-    log_ratio = torch.nan_to_num(torch.where(completion_mask.bool(), log_ratio, 0.0), nan=0.0)
-    level, action = mode.split("_")  # TRL's modes: ("token" | "sequence") _ ("truncate" | "mask")
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True)
-    ratio = log_ratio.exp()
-    if action == "truncate":
-        return ratio.clamp(min=clip_min, max=clip_max)
-    outside = torch.zeros_like(ratio, dtype=torch.bool)
-    if clip_min is not None:
-        outside |= ratio < clip_min
-    if clip_max is not None:
-        outside |= ratio > clip_max
-    return torch.where(outside, 0.0, ratio)
+    return sampling.importance_weights(old_logprobs, sampling_logprobs, completion_mask, mode, clip_max, clip_min)

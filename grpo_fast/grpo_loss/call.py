@@ -7,7 +7,7 @@ layer 2. ``token_loss`` (layer 2 alone) shares ``LossBatch`` and ``token_loss_me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +16,7 @@ from grpo_fast.grpo_loss import ops
 from grpo_fast.grpo_loss.metrics import Metrics, metric_names
 from grpo_fast.grpo_loss.ops import PreparedBatch
 from grpo_fast.grpo_loss.options import LossOptions
+from grpo_fast.grpo_loss.sampling import CheckedCorrection
 from grpo_fast.head import paths
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import (
@@ -172,6 +173,7 @@ class LossCall:
     options: LossOptions
     trained_head_chunk: int | None
     distillation: Distillation | None
+    correction: CheckedCorrection | None = None
 
     @classmethod
     def check(
@@ -181,6 +183,7 @@ class LossCall:
         options: LossOptions,
         trained_head_chunk: int | None,
         distillation: Distillation | None,
+        correction: CheckedCorrection | None = None,
     ) -> LossCall:
         """Every check of a call beyond layer 1's (``head``'s): the batch against the options, the trained head's
         chunk, the teacher against the student (the value checks queued on ``head.checks``)."""
@@ -188,12 +191,18 @@ class LossCall:
         _check_trained_head_chunk(trained_head_chunk, head, options)
         if distillation is not None:
             distillation.check_against(head)
-        return cls(head, batch, options, trained_head_chunk, distillation)
+        return cls(head, batch, options, trained_head_chunk, distillation, correction)
 
     def run(self) -> tuple[torch.Tensor, Metrics]:
         """(loss, Metrics): the scored rows, every value check read at once (the call's one host synchronisation),
         then the path the call takes (module docstring)."""
         rows = self.head.rows()
+        if self.correction is not None:  # the sampler's weights, over its support (grpo_loss.sampling)
+            weights = self.correction.weights(rows, self.batch.completion_mask)
+            return replace(self, batch=replace(self.batch, importance_weights=weights), correction=None)._run(rows)
+        return self._run(rows)
+
+    def _run(self, rows: Rows) -> tuple[torch.Tensor, Metrics]:
         if self.head.shard is None and self.options.token_local:
             fused = self._trained_head(rows)
             if fused is not None:

@@ -11,7 +11,6 @@ from grpo_fast.head import api as head_api
 from grpo_fast.head import inputs
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
-from grpo_fast.sampler import ops
 from grpo_fast.sampler.call import SamplerCall
 
 
@@ -123,19 +122,5 @@ def sampler_logprobs(
     logp = head_api.logprobs_and_entropy_rows(call.head, rows, call.head.head_path)[0]
     if not call.support.truncates:
         return SamplerLogprobs(logp, logp, torch.zeros_like(logp))
-    support, drawable = ops.support_logprobs(call.head.operands(rows), call.head.backend, call.rows_support(rows))
-    if call.support.kept_ids is None and call.head.checks.run:
-        _check_drawable(drawable, rows)
-    support = call.head.scattered(support, rows)
+    support = call.support_logprobs(rows)
     return SamplerLogprobs(logp, support, logp - support)
-
-
-def _check_drawable(drawable, rows):
-    """The parameters' kept set is known after the forward: its check is a second host read."""
-    if rows.keep is not None:
-        drawable = drawable | ~rows.keep
-    if not bool(drawable.all()):
-        raise ValueError(
-            "a target is not in the kept set its sampling parameters give (the sampler could not have drawn it): "
-            "its support log-prob is undefined"
-        )

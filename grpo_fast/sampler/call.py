@@ -11,6 +11,7 @@ import torch
 from grpo_fast.backends.protocol import SamplerSupport
 from grpo_fast.head import inputs
 from grpo_fast.head.inputs import HeadCall, Rows
+from grpo_fast.sampler import ops
 
 
 def check_sampling_parameters(top_k, top_p, min_p) -> SamplerSupport:
@@ -94,6 +95,22 @@ class SamplerCall:
                 "(top_k / top_p / min_p and kept_ids need a whole head)"
             )
         return cls(head, support)
+
+    def support_logprobs(self, rows: Rows) -> torch.Tensor:
+        """[B, T] fp32 support log-probs of the scored ``rows`` (read), differentiable; exact zeros elsewhere. With the
+        parameters and the checks on, a target outside its kept set raises (the call's second host read)."""
+        if not self.support.truncates:
+            raise ValueError("support_logprobs of an untruncated sampler: they are the log-probs")
+        support, drawable = ops.support_logprobs(self.head.operands(rows), self.head.backend, self.rows_support(rows))
+        if self.support.kept_ids is None and self.head.checks.run:
+            if rows.keep is not None:
+                drawable = drawable | ~rows.keep
+            if not bool(drawable.all()):
+                raise ValueError(
+                    "a target is not in the kept set its sampling parameters give (the sampler could not have drawn "
+                    "it): its support log-prob is undefined"
+                )
+        return self.head.scattered(support, rows)
 
     def rows_support(self, rows: Rows) -> SamplerSupport:
         """The support of the scored ``rows``: replayed sets gathered as [N, K] int64 (padding rows' entries 0)."""
