@@ -9,8 +9,9 @@ L = log sum_{z_v >= tau} exp(z_v). Its gradient: ds/dz_v = [v = y] - [z_v >= tau
 Two ways to the kept set:
 * the sampling parameters (``kept_threshold``): each chunk of token rows holds its whole rows of logits (fp32,
   [rows, V]; rows from a byte budget, so the buffer does not grow with the tokens) and applies the rules in vLLM's
-  order, min-p on p / max p = exp(z - max z), top-k on the k-th largest survivor, top-p on the survivors' masses
-  sorted, summed in fp64 from the top; the backward recomputes the rows (one more GEMM sweep each way);
+  order, min-p on p / max p = exp(z - max z), top-k on the k-th largest survivor (``topk``), top-p on the
+  survivors' masses sorted and summed in fp64 from the top, over each row's largest 64 logits where the cut lies
+  among them, else 1024, else the whole row; the backward recomputes the rows (one more GEMM sweep each way);
 * the replayed sets (``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone, a gather of K weight
   rows a token (O(N K D) work, no vocabulary sweep), and in the backward dH = g W_kept, dW and db scattered into the
   kept rows.
@@ -26,6 +27,9 @@ from grpo_fast.kernels.operands import HeadGrads, HeadOperands, SamplerSupport, 
 
 # the fp32 bytes of one chunk's logit rows (and as much again for the temporaries): at V = 152k, 220 rows a chunk
 ROW_BUDGET_BYTES = 1 << 27
+# top-p's candidates a row: its largest 64 logits hold top_p of the mass in most rows of a language model; the
+# rows where they do not try 1024, then the whole row sorted
+CANDIDATES = (64, 1024)
 # the bytes of one chunk's gathered kept weight rows ([rows, K, D] fp32)
 GATHER_BUDGET_BYTES = 1 << 26
 
@@ -57,19 +61,37 @@ def kept_threshold(z, support: SamplerSupport):
         kth = z.masked_fill(~keep, -math.inf).topk(support.top_k, dim=-1).values[:, -1:]
         keep &= z >= kth
     if support.top_p < 1:
-        values, _ = z.masked_fill(~keep, -math.inf).sort(dim=-1, descending=True)
-        mass = torch.exp(values - top).double()
+        return _top_p_threshold(z.masked_fill(~keep, -math.inf), top, support.top_p)
+    return torch.where(keep, z, math.inf).amin(dim=-1)
+
+
+def _top_p_threshold(z, top, top_p):
+    """tau of top-p over the survivors z (-inf: removed) of rows whose largest logit is ``top``: the candidates
+    are each row's largest CANDIDATES[i] logits, tried in turn until some candidate falls out of the kept set
+    (every entry above it is a candidate, so the cut lies among them); the whole row sorted last."""
+    V = z.shape[-1]
+    total = torch.exp(z - top).double().sum(-1, keepdim=True)
+    tau = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    pending = torch.arange(z.shape[0], device=z.device)
+    for count in CANDIDATES + (V,):
+        rows = z[pending]
+        values = rows.topk(min(count, V), dim=-1).values if count < V else rows.sort(dim=-1, descending=True)[0]
+        mass = torch.exp(values - top[pending]).double()
         above = mass.cumsum(-1) - mass  # the survivors' mass ranked above each sorted entry, unnormalised
         # an entry tied with the one before it has the mass strictly above of its tie group's first entry
         first = torch.ones_like(values, dtype=torch.bool)
         first[:, 1:] = values[:, 1:] != values[:, :-1]
-        index = torch.arange(V, device=z.device).expand_as(values)
+        index = torch.arange(values.shape[-1], device=z.device).expand_as(values)
         strictly_above = above.gather(-1, torch.where(first, index, 0).cummax(dim=-1).values)
-        kept_sorted = strictly_above < support.top_p * mass.sum(-1, keepdim=True)
-        # the last sorted entry kept (the top one always is): its logit is the threshold
-        last = kept_sorted.sum(-1, keepdim=True).clamp(min=1) - 1
-        return values.gather(-1, last).squeeze(-1)
-    return torch.where(keep, z, math.inf).amin(dim=-1)
+        kept = strictly_above < top_p * total[pending]
+        # the last kept candidate (the top one always is): its logit is the threshold
+        last = kept.sum(-1, keepdim=True).clamp(min=1) - 1
+        done = ~kept.all(-1) if count < V else torch.ones_like(kept[:, 0])
+        tau[pending[done]] = values.gather(-1, last).squeeze(-1)[done]
+        pending = pending[~done]
+        if pending.numel() == 0:
+            break
+    return tau
 
 
 def forward(head: HeadOperands, support: SamplerSupport) -> SupportRecord:

@@ -13,9 +13,11 @@ with another TRL raises ``ImportError``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
+import logging
 import sys
 import types
 
@@ -59,6 +61,8 @@ __all__ = [
     "FusedCausalLMOutput",
     "TRL_VERSIONS",
 ]
+
+_log = logging.getLogger(__name__)
 
 # the per-token fields of FusedCausalLMOutput that a caller can request
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -148,21 +152,28 @@ def add_fused_lm_head(
                 h, w, b = precision.cast(hidden), precision.cast(weight), precision.cast(bias)
                 if lora is not None and is_deepspeed_zero3_enabled():  # the backward must not read released params
                     lora = dataclasses.replace(lora, a=lora.a.clone(), b=lora.b.clone())
-                log_probs, entropy = grpo_fast.logprobs_and_entropy(
-                    h,
-                    w,
-                    labels,
-                    bias=b,
-                    temperature=temperature,
-                    **transform,
-                    completion_mask=mask,
-                    entropy_grad=entropy_grad,
-                    lora=lora,
-                )
+                task = _HEAD_TASK.get()
+                if task is not None:  # a grpo_fast GRPOTrainer's pass (_SamplerSupport, _FusedLoss)
+                    log_probs, entropy = task.compute(h, w, b, lora, labels, mask, temperature, transform)
+                else:
+                    log_probs, entropy = grpo_fast.logprobs_and_entropy(
+                        h,
+                        w,
+                        labels,
+                        bias=b,
+                        temperature=temperature,
+                        **transform,
+                        completion_mask=mask,
+                        entropy_grad=entropy_grad,
+                        lora=lora,
+                    )
                 if extras and isinstance(w, DTensor):  # the no-grad extras read the whole head
                     w, b = w.full_tensor(), None if b is None else b.full_tensor()
                 extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, **transform, names=extras)
-        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        if isinstance(task, _FusedLoss):  # the GRPO loss, its gradients from grpo_fast.loss
+            loss = task.loss
+        else:
+            loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
 
         aux_loss = None
         if kwargs.get("output_router_logits"):
@@ -262,6 +273,121 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
     return load_balancing_loss_func(backbone_outputs.router_logits, num_experts, num_experts_per_tok, attention_mask)
 
 
+# ---------------------------------------------------------------------------------------------- the trainer's passes
+# What the next fused-head call computes instead of its log-probs and entropies: set by grpo_fast's GRPOTrainer around
+# one of TRL's scoring passes (``_get_per_token_logps_and_entropies``), None everywhere else (TRL's protocol)
+_HEAD_TASK: contextvars.ContextVar = contextvars.ContextVar("grpo_fast_trl_head_task", default=None)
+
+
+def _completion_columns(tensor, width, like):
+    """``tensor`` [B, T] (the last T positions) written into zeros shaped as ``like`` [B, width] (fp32), or None."""
+    if tensor is None:
+        return None
+    out = torch.zeros(like.shape[0], width, dtype=torch.float32, device=tensor.device)
+    out[:, width - tensor.shape[1] :] = tensor
+    return out
+
+
+@dataclasses.dataclass
+class _SamplerSupport:
+    """The old policy's pass under the vLLM importance-sampling correction: each target's log-prob renormalised over
+    the sampler's kept set (``grpo_fast.sampler_logprobs``: logits / temperature, then min_p, top_k, top_p as vLLM
+    applies them) is the head's ``log_probs``, what TRL's correction subtracts vLLM's ``processed_logprobs`` from; the
+    whole vocabulary's log-probs (the loss's old log-probs) are kept in ``logprobs``, one [B, L] tensor a call."""
+
+    top_k: int
+    top_p: float
+    min_p: float
+    logprobs: list = dataclasses.field(default_factory=list)
+
+    def compute(self, h, w, b, lora, labels, mask, temperature, transform):
+        out = grpo_fast.sampler_logprobs(
+            h,
+            w,
+            labels,
+            mask,
+            temperature=temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            bias=b,
+            lora=lora,
+            **transform,
+        )
+        self.logprobs.append(out.logprobs)
+        return out.support_logprobs, None
+
+    def finish(self, logits_to_keep):
+        """The whole vocabulary's old log-probs [B, logits_to_keep], as TRL slices its own."""
+        if not self.logprobs:
+            raise RuntimeError("grpo_fast.trl: the old policy's pass did not reach grpo_fast's fused head")
+        return torch.cat([chunk[:, -logits_to_keep:] for chunk in self.logprobs], dim=0)
+
+
+@dataclasses.dataclass
+class _FusedLoss:
+    """The policy's pass of TRL's ``_compute_loss`` with token-local options: the head computes TRL's loss by
+    ``grpo_fast.loss`` on the completion's columns (the three-sweep trained head where it runs: the gradients formed
+    in the forward) into ``loss``, and returns the detached log-probs and entropies, from which TRL's own code then
+    computes its metrics (and the loss's value). ``loss`` is TRL's at one process without gradient accumulation; the
+    trainer scales it as TRL scales its own."""
+
+    completion_mask: torch.Tensor  # [B, T]: TRL's mask (completion_mask x tool_mask)
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    num_items_in_batch: torch.Tensor | None
+    options: grpo_fast.LossOptions
+    loss: torch.Tensor | None = None
+
+    def compute(self, h, w, b, lora, labels, mask, temperature, transform):
+        if self.loss is not None:
+            raise RuntimeError("grpo_fast.trl: the loss's pass scored more than one batch")
+        T = self.completion_mask.shape[1]
+        device = h.device
+
+        def here(x):
+            return None if x is None else x.to(device)
+
+        self.loss, metrics = grpo_fast.loss(
+            h[:, -T:],
+            w,
+            labels[:, -T:],
+            here(self.advantages),
+            here(self.completion_mask),
+            bias=b,
+            old_logprobs=here(self.old_logprobs),
+            ref_logprobs=here(self.ref_logprobs),
+            importance_weights=here(self.importance_weights),
+            num_items_in_batch=here(self.num_items_in_batch),
+            temperature=temperature,
+            options=self.options,
+            lora=lora,
+            **transform,
+        )
+        width = labels.shape[1]
+        return _completion_columns(metrics.logprobs, width, labels), _completion_columns(
+            metrics.entropies, width, labels
+        )
+
+
+def _vllm_truncation(trainer) -> dict | None:
+    """The sampler's ``top_k``, ``top_p`` and ``min_p`` as TRL hands them to vLLM (the config's, under
+    ``generation_kwargs``), when at least one truncates the distribution; None when none does."""
+    params = {"top_k": trainer.top_k, "top_p": trainer.top_p, "min_p": trainer.min_p}
+    overrides = getattr(trainer.args, "generation_kwargs", None) or {}
+    params.update({name: overrides[name] for name in params if overrides.get(name) is not None})
+    top_k = int(params["top_k"] or 0)
+    params = dict(
+        top_k=max(top_k, 0),
+        top_p=1.0 if params["top_p"] is None else float(params["top_p"]),
+        min_p=float(params["min_p"] or 0.0),
+    )
+    truncates = params["top_k"] > 0 or params["top_p"] < 1.0 or params["min_p"] > 0.0
+    return params if truncates else None
+
+
 # ---------------------------------------------------------------------------------------------- the trainers
 def _with_module_names(function, **names):
     """``function`` (a TRL trainer's method) as a new function with the same code, defaults and closure, whose global
@@ -350,22 +476,183 @@ class _GRPOFastHead:
 class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with grpo_fast's fused head on the policy and the reference model.
 
-    Same constructor, same ``GRPOConfig``, same loss; only the per-token log-probs and entropies are computed by
-    grpo_fast. The entropy is differentiated only with an entropy bonus (``entropy_coef != 0`` or
-    ``use_adaptive_entropy``); without one a frozen lm_head takes the frozen-head path.
+    Same constructor, same ``GRPOConfig``, same loss, logs and metrics. The per-token log-probs and entropies are
+    computed by grpo_fast; with token-local options (``grpo_fast.LossOptions.token_local``: token-level importance
+    sampling, no VESPO, no top-entropy mask, off-policy mask or entropy bonus) the loss itself is
+    ``grpo_fast.loss`` (the three-sweep trained head: the head's gradients formed in the forward), scaled as TRL
+    scales its own, with TRL's metrics; other options keep TRL's loss code over grpo_fast's log-probs. The entropy is
+    differentiated only with an entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``); without one a
+    frozen lm_head takes the frozen-head path.
+
+    The vLLM importance-sampling correction (``use_vllm`` with ``vllm_importance_sampling_correction``), when the
+    config truncates sampling (``top_k``, ``top_p`` or ``min_p``, also through ``generation_kwargs``): vLLM returns
+    each token's log-prob renormalised over the tokens it could draw (``processed_logprobs``), and TRL 1.16 divides
+    by it the old policy's log-prob over the whole vocabulary, so its ratio carries each token's kept mass (below 1).
+    Here the old policy's log-prob in the ratio is renormalised over the same kept set
+    (``grpo_fast.sampler_logprobs``), like with like; the loss's old log-probs stay the whole vocabulary's. The
+    trainer logs once which correction it applies ([with TRL](../trl.md#the-correction-over-the-samplers-support)).
 
     Args:
         *args: TRL's ``GRPOTrainer`` arguments.
+        sampler_support: compute the vLLM importance-sampling ratio over the sampler's support when sampling
+            truncates (the default); False: TRL 1.16's ratio (old log-probs over the whole vocabulary), for parity
+            with TRL. Without truncation the two are the same.
         **kwargs: TRL's ``GRPOTrainer`` keywords.
 
     Raises:
+        TypeError: ``sampler_support`` not a bool.
         RuntimeError: the constructor patched no model with the fused head (a TRL whose constructor no longer
             calls ``add_fused_lm_head``).
     """
 
     @functools.wraps(trl.GRPOTrainer.__init__)
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, sampler_support: bool = True, **kwargs):
+        if not isinstance(sampler_support, bool):
+            raise TypeError(f"GRPOTrainer: sampler_support must be a bool, got {sampler_support!r}")
+        self.sampler_support = sampler_support
+        self._next_head_task = None
+        self._importance_sampling_said = False
         self._trl_init_with_grpo_fast_head(trl.GRPOTrainer, args, kwargs)
+
+    # ------------------------------------------------------------------------------ one scoring pass, redirected
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """TRL's scoring pass; the first one after a task was set (``_next_head_task``) runs with it in the head."""
+        task, self._next_head_task = getattr(self, "_next_head_task", None), None
+        if task is None:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        token = _HEAD_TASK.set(task)
+        try:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        finally:
+            _HEAD_TASK.reset(token)
+
+    # ------------------------------------------------------------------------------ the correction's support
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, with the vLLM correction's old log-probs over the sampler's kept set when sampling truncates
+        (``sampler_support``): the old policy's pass (TRL's first scoring pass here) returns them to TRL's ratio code,
+        and the whole vocabulary's replace them in the output (the loss's old log-probs)."""
+        support = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            truncation = _vllm_truncation(self)
+            over_support = getattr(self, "sampler_support", True) and truncation is not None
+            self._say_importance_sampling(truncation, over_support)
+            if over_support:
+                support = _SamplerSupport(**truncation)
+        self._next_head_task = support
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._next_head_task = None
+        if support is not None:
+            output["old_per_token_logps"] = support.finish(output["completion_ids"].shape[1])
+        return output
+
+    def _say_importance_sampling(self, truncation, over_support):
+        """Once per trainer, on the main process: which vLLM importance-sampling correction it applies."""
+        if getattr(self, "_importance_sampling_said", False):
+            return
+        self._importance_sampling_said = True
+        if not self.accelerator.is_main_process:
+            return
+        if truncation is None:
+            _log.info(
+                "grpo_fast.trl.GRPOTrainer: sampling does not truncate (top_k, top_p, min_p off): the vLLM "
+                "importance-sampling correction is TRL 1.16's exp(old - sampling) over the whole vocabulary"
+            )
+            return
+        sampling = ", ".join(f"{name}={value}" for name, value in truncation.items())
+        if over_support:
+            _log.warning(
+                f"grpo_fast.trl.GRPOTrainer: sampling truncates ({sampling}): the vLLM importance-sampling ratio is "
+                "computed over the sampler's support (the old log-prob renormalised over the kept set, as vLLM's "
+                "processed_logprobs are), where TRL 1.16's is biased by each token's kept mass; "
+                "GRPOTrainer(..., sampler_support=False) gives TRL's"
+            )
+        else:
+            _log.warning(
+                f"grpo_fast.trl.GRPOTrainer: sampling truncates ({sampling}) and sampler_support=False: the vLLM "
+                "importance-sampling ratio is TRL 1.16's, old log-probs over the whole vocabulary against vLLM's "
+                "renormalised ones (each token's ratio scaled by its kept mass)"
+            )
+
+    # ------------------------------------------------------------------------------ the loss by grpo_fast.loss
+    def _compute_loss(self, model, inputs):
+        """TRL's ``_compute_loss``; with token-local options, its gradient is ``grpo_fast.loss``'s (the policy's pass
+        computes it in the head, ``_FusedLoss``) and TRL's code computes the metrics and the loss's value from the
+        detached log-probs and entropies that pass returns."""
+        task = self._fused_loss_task(inputs)
+        if task is None:
+            return super()._compute_loss(model, inputs)
+        self._next_head_task = task
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._next_head_task = None
+        if task.loss is None:
+            raise RuntimeError("grpo_fast.trl: the policy's pass did not reach grpo_fast's fused head")
+        fused = task.loss * self._fused_loss_scale()
+        return loss + (fused - fused.detach())
+
+    def _fused_loss_task(self, inputs):
+        """A ``_FusedLoss`` for TRL's options and this batch, or None where TRL's code keeps the loss: no gradient
+        (evaluation), options that are not token-local, or options grpo_fast refuses."""
+        if not torch.is_grad_enabled() or self._entropy_bonus_enabled:
+            return None
+        try:
+            options = grpo_fast.LossOptions(
+                loss_type=self.loss_type,
+                beta=self.beta,
+                epsilon=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+                delta=self.args.delta,
+                importance_sampling_level=self.importance_sampling_level,
+                max_completion_length=self.max_completion_length,
+                sapo_temperature_pos=self.args.sapo_temperature_pos,
+                sapo_temperature_neg=self.args.sapo_temperature_neg,
+                use_bias_correction_kl=self.args.use_bias_correction_kl,
+                off_policy_mask_threshold=self.off_policy_mask_threshold,
+                top_entropy_quantile=self.top_entropy_quantile,
+            )
+        except (TypeError, ValueError):
+            return None
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        if not options.token_local or (self.beta != 0.0 and ref is None):
+            return None
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        correction = self.use_vllm and self.vllm_importance_sampling_correction
+        return _FusedLoss(
+            completion_mask=mask,
+            advantages=inputs["advantages"],
+            old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=ref,
+            importance_weights=inputs["importance_sampling_ratio"] if correction else None,
+            num_items_in_batch=inputs["num_items_in_batch"]
+            if self.loss_type in grpo_fast.NUM_ITEMS_LOSS_TYPES
+            else None,
+            options=options,
+        )
+
+    def _fused_loss_scale(self):
+        """grpo_fast.loss's value (one process, no accumulation) to TRL's: dapo, cispo and vespo divide by
+        ``num_items_in_batch`` / processes x accumulation steps / ``steps_per_generation`` in training (by
+        ``num_items_in_batch`` / processes in evaluation), the other types divide by the accumulation steps."""
+        train = self.model.training
+        if self.loss_type in grpo_fast.NUM_ITEMS_LOSS_TYPES:
+            scale = float(self.accelerator.num_processes)
+            if train:
+                scale = scale * self.args.steps_per_generation / self.current_gradient_accumulation_steps
+            return scale
+        return 1.0 / self.current_gradient_accumulation_steps if train else 1.0
+
+
+GRPOTrainer.__init__.__signature__ = inspect.signature(trl.GRPOTrainer.__init__).replace(
+    parameters=[
+        *inspect.signature(trl.GRPOTrainer.__init__).parameters.values(),
+        inspect.Parameter("sampler_support", inspect.Parameter.KEYWORD_ONLY, default=True, annotation=bool),
+    ]
+)
 
 
 class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
