@@ -56,6 +56,7 @@ from grpo_fast.kernels import (  # noqa: E402
     divergence_sweep,
     forward,
     forward_frozen,
+    kept_set,
     tiles,
     token_loss,
     tuning,
@@ -505,6 +506,33 @@ def tuning_launches(arch):
     return out
 
 
+# the replayed kept sets' kernels (kernels.kept_set): (family, launcher, its kernel's name)
+KEPT_SET_KERNELS = (
+    ("kept dot", kept_set.kept_dot, "_kept_dot_kernel"),
+    ("kept grad rows", kept_set.kept_grad_rows, "_kept_grad_rows_kernel"),
+    ("kept grad table", kept_set.kept_grad_table, "_kept_grad_table_kernel"),
+)
+
+
+def kept_set_launches():
+    """[(variant, family, dtype name, Launch)] of the replayed kept sets' three kernels, bf16 and fp32 operands."""
+    N, K, E, V = 8, 40, 1536, 4096
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x, y = torch.randn(N, E).to(dtype), torch.randn(V, E).to(dtype)
+        ids, g = torch.randint(0, V, (N, K)), torch.randn(N, K)
+        arguments = {
+            "kept dot": (x, y, ids, torch.zeros(N, K)),
+            "kept grad rows": (g, y, ids, torch.zeros(N, E)),
+            "kept grad table": (g, x, ids, torch.zeros(V, E)),
+        }
+        for family, launcher, kernel in KEPT_SET_KERNELS:
+            with recording(kept_set, kernel) as launches:
+                launcher(*arguments[family])
+            out.append((f"{family} {TRITON_TYPES[dtype]}", family, TRITON_TYPES[dtype], launches[0]))
+    return out
+
+
 def all_launches(arch):
     """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
@@ -535,6 +563,7 @@ def all_launches(arch):
         for name, dtype, kw in STORED_VARIANTS
         for family, launch in stored_launches(arch, dtype, **kw)
     ]
+    out += kept_set_launches()
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 

@@ -20,6 +20,8 @@ Two ways to the kept set:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -97,7 +99,7 @@ def _top_p_threshold(z, top, top_p):
 def forward(head: HeadOperands, support: SamplerSupport) -> SupportRecord:
     """The support's record of every row of ``head`` (module docstring)."""
     if support.kept_ids is not None:
-        return _replayed_forward(head, support.kept_ids)
+        return replayed_forward(head, support.kept_ids)
     hidden, weight, targets = head.hidden, head.weight, head.targets
     N, V = hidden.shape[0], weight.shape[0]
     rows = _rows_per_chunk(4 * V, ROW_BUDGET_BYTES)
@@ -117,7 +119,7 @@ def backward(head: HeadOperands, support: SamplerSupport, record: SupportRecord,
     """Accumulate the support log-prob's gradients (``grad_support`` = dL/ds [N]) into ``grads`` (fp32 buffers, each
     None where not wanted), as ``head_twin.backward`` does for the log-prob."""
     if support.kept_ids is not None:
-        return _replayed_backward(head, support.kept_ids, record, grad_support, grads)
+        return replayed_backward(head, support.kept_ids, record, grad_support, grads)
     from grpo_fast.backends.head_twin import add_tile_gradients
 
     hidden, weight, targets, _, _, lora = head
@@ -141,66 +143,88 @@ def backward(head: HeadOperands, support: SamplerSupport, record: SupportRecord,
     return None
 
 
-def _kept_logits(head, kept_ids, n0, n1, slope=False):
-    """The logits of the kept entries of rows n0:n1, fp32 [n, K] (-inf in the filling), and the gathered weight
-    rows [n, K, D] (fp32), LoRA rows [n, K, r] or None, the kept ids clamped to >= 0 and their validity."""
+class KeptDots(NamedTuple):
+    """The three products of replayed kept sets (``kernels.kept_set``'s contract): ``logits(x, y, ids, out)`` adds
+    x[n] . y[ids[n, j]] into out [N, K]; ``grad_rows(g, y, ids, out)`` adds sum_j g[n, j] y[ids[n, j]] into out
+    [N, E]; ``grad_table(g, x, ids, out)`` adds g[n, j] x[n] into out[ids[n, j]]. fp32 out, -1 ids off."""
+
+    logits: Callable
+    grad_rows: Callable
+    grad_table: Callable
+
+
+def _gathered(y, ids, n0, n1):
+    return y[ids[n0:n1].clamp(min=0)].float(), (ids[n0:n1] >= 0)
+
+
+def _chunks(ids, width):
+    N, K = ids.shape
+    rows = _rows_per_chunk(4 * K * width, GATHER_BUDGET_BYTES)
+    return ((n0, min(n0 + rows, N)) for n0 in range(0, N, rows))
+
+
+def _torch_logits(x, y, ids, out):
+    for n0, n1 in _chunks(ids, y.shape[1]):
+        rows, valid = _gathered(y, ids, n0, n1)
+        out[n0:n1] += torch.einsum("ne,nke->nk", x[n0:n1].float(), rows) * valid
+    return out
+
+
+def _torch_grad_rows(g, y, ids, out):
+    for n0, n1 in _chunks(ids, y.shape[1]):
+        rows, valid = _gathered(y, ids, n0, n1)
+        out[n0:n1] += torch.einsum("nk,nke->ne", g[n0:n1] * valid, rows)
+    return out
+
+
+def _torch_grad_table(g, x, ids, out):
+    for n0, n1 in _chunks(ids, x.shape[1]):
+        valid = ids[n0:n1] >= 0
+        terms = (g[n0:n1] * valid)[:, :, None] * x[n0:n1].float()[:, None, :]
+        out.index_add_(0, ids[n0:n1].clamp(min=0).reshape(-1), terms.reshape(-1, x.shape[1]))
+    return out
+
+
+TORCH_DOTS = KeptDots(_torch_logits, _torch_grad_rows, _torch_grad_table)
+
+
+def _kept_logits(head, kept_ids, dots, slope=False):
+    """The logits of every row's kept entries, fp32 [N, K] (-inf in the filling), and dz/du with ``slope``."""
     hidden, weight, _, bias, transform, lora = head
-    ids = kept_ids[n0:n1]
-    valid = ids >= 0
-    safe = ids.clamp(min=0)
-    rows = weight[safe].float()
-    u = torch.einsum("nd,nkd->nk", hidden[n0:n1].float(), rows)
-    lora_rows = None
+    u = torch.zeros(kept_ids.shape, dtype=torch.float32, device=hidden.device)
+    dots.logits(hidden, weight, kept_ids, u)
     if lora is not None:
-        lora_rows = lora[1][safe].float()
-        u += torch.einsum("nr,nkr->nk", lora[0][n0:n1].float(), lora_rows)
+        dots.logits(lora[0], lora[1], kept_ids, u)
     if bias is not None:
-        u += bias[safe].float()
-    z = transform.apply(u, slope=slope)
-    if slope:
-        z, dz_du = z
-    z = z.masked_fill(~valid, -math.inf)
-    return (z, dz_du if slope else None), rows, lora_rows, safe, valid
+        u += bias.float()[kept_ids.clamp(min=0)]
+    z, dz_du = transform.apply(u, slope=True)
+    z = z.masked_fill(kept_ids < 0, -math.inf)
+    return (z, dz_du) if slope else z
 
 
-def _replayed_forward(head, kept_ids):
-    hidden, targets = head.hidden, head.targets
-    N, K, D = hidden.shape[0], kept_ids.shape[1], hidden.shape[1]
-    rows = _rows_per_chunk(4 * K * D, GATHER_BUDGET_BYTES)
-    target_logit, kept_lse = torch.empty(N, device=hidden.device), torch.empty(N, device=hidden.device)
-    for n0 in range(0, N, rows):
-        n1 = min(n0 + rows, N)
-        (z, _), *_ = _kept_logits(head, kept_ids, n0, n1)
-        kept_lse[n0:n1] = torch.logsumexp(z, dim=-1)
-        at_target = kept_ids[n0:n1] == targets[n0:n1, None]
-        # the target's kept entry (-inf where the set lacks it: the caller's check, or NaN support)
-        target_logit[n0:n1] = z.masked_fill(~at_target, -math.inf).amax(dim=-1)
-    return SupportRecord(target_logit, kept_lse, torch.empty(0, device=hidden.device))
+def replayed_forward(head, kept_ids, dots=TORCH_DOTS):
+    """The support's record with replayed kept sets (``kept_ids`` [N, K] int64), their logits by ``dots``."""
+    z = _kept_logits(head, kept_ids, dots)
+    at_target = kept_ids == head.targets[:, None]
+    # the target's kept entry (-inf where the set lacks it: the caller's check, or NaN support)
+    target_logit = z.masked_fill(~at_target, -math.inf).amax(dim=-1)
+    return SupportRecord(target_logit, torch.logsumexp(z, dim=-1), torch.empty(0, device=z.device))
 
 
-def _replayed_backward(head, kept_ids, record, grad_support, grads):
+def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DOTS):
+    """``backward`` with replayed kept sets: g = dL/du over the kept entries, then ``dots``' gradients."""
     hidden, weight, targets, _, _, lora = head
-    N, K, D = hidden.shape[0], kept_ids.shape[1], hidden.shape[1]
-    rows = _rows_per_chunk(4 * K * D, GATHER_BUDGET_BYTES)
-    for n0 in range(0, N, rows):
-        n1 = min(n0 + rows, N)
-        c = grad_support[n0:n1]
-        if not bool((c != 0).any()):
-            continue
-        (z, dz_du), w_rows, lora_rows, safe, valid = _kept_logits(head, kept_ids, n0, n1, slope=True)
-        p = torch.exp(z - record.kept_lse[n0:n1, None]).masked_fill_(~valid, 0.0)
-        g = (kept_ids[n0:n1] == targets[n0:n1, None]).float().sub_(p).mul_(c[:, None]).mul_(dz_du)
-        g = g.masked_fill_(~valid, 0.0)
-        flat_ids, flat_g = safe[valid], g[valid]
-        if grads.hidden is not None:
-            grads.hidden[n0:n1] += torch.einsum("nk,nkd->nd", g, w_rows)
-        if grads.weight is not None:
-            h = hidden[n0:n1].float()
-            grads.weight.index_add_(0, flat_ids, (g[:, :, None] * h[:, None, :])[valid])
-        if grads.bias is not None:
-            grads.bias.index_add_(0, flat_ids, flat_g)
-        if grads.lora_hidden is not None:
-            grads.lora_hidden[n0:n1] += torch.einsum("nk,nkr->nr", g, lora_rows)
-        if grads.lora_weight is not None:
-            grads.lora_weight.index_add_(0, flat_ids, (g[:, :, None] * lora[0][n0:n1].float()[:, None, :])[valid])
-    return None
+    z, dz_du = _kept_logits(head, kept_ids, dots, slope=True)
+    p = torch.exp(z - record.kept_lse[:, None])  # 0 in the filling (z = -inf)
+    g = (kept_ids == targets[:, None]).float().sub_(p).mul_(grad_support[:, None]).mul_(dz_du)
+    g = g.masked_fill_(kept_ids < 0, 0.0).contiguous()
+    if grads.hidden is not None:
+        dots.grad_rows(g, weight, kept_ids, grads.hidden)
+    if grads.weight is not None:
+        dots.grad_table(g, hidden, kept_ids, grads.weight)
+    if grads.bias is not None:
+        grads.bias.index_add_(0, kept_ids.clamp(min=0).reshape(-1), g.reshape(-1))
+    if grads.lora_hidden is not None:
+        dots.grad_rows(g, lora[1], kept_ids, grads.lora_hidden)
+    if grads.lora_weight is not None:
+        dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)

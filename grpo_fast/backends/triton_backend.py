@@ -14,13 +14,24 @@ import torch
 from grpo_fast.backends import divergence_twin, support_twin
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
-from grpo_fast.kernels import divergence_gradient, divergence_loss, divergence_sweep, gemm, softmax_stats, tuning
+from grpo_fast.kernels import (
+    divergence_gradient,
+    divergence_loss,
+    divergence_sweep,
+    gemm,
+    kept_set,
+    softmax_stats,
+    tuning,
+)
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as ktoken_loss
 from grpo_fast.kernels.divergence_records import finish, layer1_record
 from grpo_fast.kernels.loss_statistics import SLOTS
 from grpo_fast.kernels.operands import Layer1Gradient
+
+# replayed kept sets' three products (support_twin.KeptDots)
+KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_rows, kept_set.kept_grad_table)
 
 
 class TritonBackend:
@@ -125,12 +136,18 @@ class TritonBackend:
         return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
 
     def support_forward(self, head, support):
-        """The chunked-torch twin's (``support_twin``): the kept set's selection has no kernel yet; its rows of
-        logits come from cuBLAS one byte-budgeted chunk at a time, replayed sets from a gather of their rows."""
+        """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters:
+        the chunked-torch twin's selection (``support_twin``; its rows of logits from cuBLAS, one byte-budgeted
+        chunk at a time): the selection has no kernel yet."""
+        if support.kept_ids is not None:
+            return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS)
         return support_twin.forward(head, support)
 
     def support_backward(self, head, support, record, grad_support, grads):
-        support_twin.backward(head, support, record, grad_support, grads)
+        if support.kept_ids is not None:
+            support_twin.replayed_backward(head, support.kept_ids, record, grad_support, grads, KEPT_SET_KERNELS)
+        else:
+            support_twin.backward(head, support, record, grad_support, grads)
 
     # ------------------------------------------------------------------------------------------- layer 2
     def token_loss(self, inputs, options, *, scale, entropy_threshold):

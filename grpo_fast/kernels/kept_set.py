@@ -1,0 +1,200 @@
+"""Replayed kept sets: the logits of the K entries a sampler kept for each token, and their gradients, without a
+vocabulary sweep (``grpo_fast.sampler_logprobs(kept_ids=...)``).
+
+Math. For token n with kept ids k_1..k_K (-1: no entry) and an operand pair (x [N, E], y [V, E]), the raw logit of
+its j-th kept entry is u[n, j] = x[n] . y[k_j]: the head's pair (hidden, weight) and LoRA's (lora_hidden,
+lora_weight) each add theirs (``kept_dot``); the bias and the transform are elementwise on [N, K] around it. From
+g = dL/du [N, K]: dx[n] = sum_j g[n, j] y[k_j] (``kept_grad_rows``) and dy[k_j] += g[n, j] x[n]
+(``kept_grad_table``, fp32 atomics: the order of the adds, and so dy's last bits, vary from run to run).
+
+Work and memory. Each kernel reads, for each kept entry, one row of y (E elements) and the token's x: O(N K E), in
+place of the O(N V E) of a vocabulary sweep; the filling (-1) is masked off and read from nowhere, so the cost is
+that of the entries kept, whatever K the sets are padded to. Memory-bound (a multiply and an add per element read,
+no tensor-core dot: a gathered row is shared by no other token of the tile), fp32 accumulation; the only buffers are
+the [N, K] fp32 logits and gradients.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from grpo_fast.kernels.launch import on_first_argument_device
+
+BLOCK_K = 16
+BLOCK_E = 128
+NUM_WARPS = 4
+
+
+@triton.jit
+def _kept_dot_kernel(
+    x_ptr,
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    K,
+    E,
+    stride_x,
+    stride_y,
+    stride_ids,
+    stride_out,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_set = slots < K
+    ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+    live = ids >= 0
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for e0 in range(0, E, BLOCK_E):
+        cols = e0 + tl.arange(0, BLOCK_E)
+        in_cols = cols < E
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
+        y = tl.load(
+            y_ptr + ids[:, None] * stride_y + cols[None, :], mask=live[:, None] & in_cols[None, :], other=0.0
+        ).to(tl.float32)
+        acc += tl.sum(y * x[None, :], axis=1)
+    out = out_ptr + row.to(tl.int64) * stride_out + slots
+    acc += tl.load(out, mask=in_set, other=0.0)
+    tl.store(out, acc, mask=in_set)
+
+
+@triton.jit
+def _kept_grad_rows_kernel(
+    g_ptr,
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    K,
+    E,
+    stride_g,
+    stride_y,
+    stride_ids,
+    stride_out,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    in_cols = cols < E
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        in_set = slots < K
+        ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+        live = ids >= 0
+        g = tl.load(g_ptr + row.to(tl.int64) * stride_g + slots, mask=live, other=0.0)
+        y = tl.load(
+            y_ptr + ids[:, None] * stride_y + cols[None, :], mask=live[:, None] & in_cols[None, :], other=0.0
+        ).to(tl.float32)
+        acc += tl.sum(y * g[:, None], axis=0)
+    out = out_ptr + row.to(tl.int64) * stride_out + cols
+    tl.store(out, tl.load(out, mask=in_cols, other=0.0) + acc, mask=in_cols)
+
+
+@triton.jit
+def _kept_grad_table_kernel(
+    g_ptr,
+    x_ptr,
+    ids_ptr,
+    out_ptr,
+    K,
+    E,
+    stride_g,
+    stride_x,
+    stride_ids,
+    stride_out,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_set = slots < K
+    ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+    g = tl.load(g_ptr + row.to(tl.int64) * stride_g + slots, mask=in_set, other=0.0)
+    live = (ids >= 0) & (g != 0.0)
+    for e0 in range(0, E, BLOCK_E):
+        cols = e0 + tl.arange(0, BLOCK_E)
+        in_cols = cols < E
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
+        tl.atomic_add(
+            out_ptr + ids[:, None] * stride_out + cols[None, :],
+            g[:, None] * x[None, :],
+            mask=live[:, None] & in_cols[None, :],
+        )
+
+
+def _grid_over_slots(ids):
+    return (ids.shape[0], triton.cdiv(ids.shape[1], BLOCK_K))
+
+
+@on_first_argument_device
+def kept_dot(x, y, ids, out):
+    """out [N, K] fp32 += x[n] . y[ids[n, j]] (x [N, E], y [V, E] rows contiguous; ids [N, K] int64, -1 off)."""
+    if ids.shape[0] and ids.shape[1]:
+        _kept_dot_kernel[_grid_over_slots(ids)](
+            x,
+            y,
+            ids,
+            out,
+            ids.shape[1],
+            x.shape[1],
+            x.stride(0),
+            y.stride(0),
+            ids.stride(0),
+            out.stride(0),
+            BLOCK_K=BLOCK_K,
+            BLOCK_E=BLOCK_E,
+            num_warps=NUM_WARPS,
+        )
+    return out
+
+
+@on_first_argument_device
+def kept_grad_rows(g, y, ids, out):
+    """out [N, E] fp32 += sum_j g[n, j] y[ids[n, j]] (g [N, K] fp32)."""
+    if ids.shape[0] and ids.shape[1]:
+        grid = (ids.shape[0], triton.cdiv(y.shape[1], BLOCK_E))
+        _kept_grad_rows_kernel[grid](
+            g,
+            y,
+            ids,
+            out,
+            ids.shape[1],
+            y.shape[1],
+            g.stride(0),
+            y.stride(0),
+            ids.stride(0),
+            out.stride(0),
+            BLOCK_K=BLOCK_K,
+            BLOCK_E=BLOCK_E,
+            num_warps=NUM_WARPS,
+        )
+    return out
+
+
+@on_first_argument_device
+def kept_grad_table(g, x, ids, out):
+    """out [V, E] fp32, out[ids[n, j]] += g[n, j] x[n] (fp32 atomics; g [N, K] fp32, x [N, E])."""
+    if ids.shape[0] and ids.shape[1]:
+        _kept_grad_table_kernel[_grid_over_slots(ids)](
+            g,
+            x,
+            ids,
+            out,
+            ids.shape[1],
+            x.shape[1],
+            g.stride(0),
+            x.stride(0),
+            ids.stride(0),
+            out.stride(0),
+            BLOCK_K=BLOCK_K,
+            BLOCK_E=BLOCK_E,
+            num_warps=NUM_WARPS,
+        )
+    return out
+
+
+def empty_logits(ids):
+    """The [N, K] fp32 zeros ``kept_dot`` adds into."""
+    return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
