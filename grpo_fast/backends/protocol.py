@@ -143,13 +143,21 @@ class Backend(Protocol):
         ...
 
     def support_forward(self, head: HeadOperands, support: SamplerSupport) -> SupportRecord:
-        """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``)."""
+        """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``); with
+        the sampling parameters also the log-prob's, from the same rows of logits."""
         ...
 
     def support_backward(
-        self, head: HeadOperands, support: SamplerSupport, record: SupportRecord, grad_support, grads: HeadGrads
+        self,
+        head: HeadOperands,
+        support: SamplerSupport,
+        record: SupportRecord,
+        grad_logp,
+        grad_support,
+        grads: HeadGrads,
     ) -> None:
-        """Accumulate the support log-prob's gradients (dL/ds [N]) into ``grads``."""
+        """Accumulate dL/dlogp's (the parameters' path; replayed sets leave the log-prob to layer 1) and dL/ds's
+        gradients ([N] fp32 each, or None) into ``grads``."""
         ...
 
     # ------------------------------------------------------------------------------------------- layer 2

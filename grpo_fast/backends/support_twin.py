@@ -1,20 +1,25 @@
-"""The sampler's kept set and the log-sum-exp over it (``grpo_fast.sampler_logprobs``' support), in chunked
-PyTorch, on any device; both backends run it until the selection has kernels of its own.
+"""The sampler's kept set and the log-sum-exps over it and over the vocabulary (``grpo_fast.sampler_logprobs``),
+in chunked PyTorch on any device; the Triton backend runs the parameters' path here too (its selection has no kernel
+yet) and fills the replayed sets' products with ``kernels.kept_set``.
 
-Math. The kept set of a row is {v : z_v >= tau} (every rule of ``SamplerSupport`` keeps the largest logits, ties
-with the last kept one included), and the support's log-prob of the target y is s = z_y - L with
-L = log sum_{z_v >= tau} exp(z_v). Its gradient: ds/dz_v = [v = y] - [z_v >= tau] exp(z_v - L), tau held fixed
-(the set is piecewise constant in the logits).
+Math. The kept set of a row is {v : z_v >= tau} (every rule of ``SamplerSupport`` keeps the largest logits, ties with
+the last kept one included); the support's log-prob of the target y is s = z_y - L, L = log sum_{z_v >= tau}
+exp(z_v), the log-prob logp = z_y - lse. Gradients (tau held fixed: the set is piecewise constant in the logits):
+dz_v = c [v = y] - c p_v + d [v = y] - d [z_v >= tau] q_v, with c = dL/dlogp, d = dL/ds, p = exp(z - lse), q =
+exp(z - L); the target's column is c (1 - p_y) + d (1 - q_y), both carried from the forward as sums over the other
+entries, never formed by cancellation (a confident token's gradient exact relative to its size).
 
 Two ways to the kept set:
-* the sampling parameters (``kept_threshold``): each chunk of token rows holds its whole rows of logits (fp32,
-  [rows, V]; rows from a byte budget, so the buffer does not grow with the tokens) and applies the rules in vLLM's
-  order, min-p on p / max p = exp(z - max z), top-k on the k-th largest survivor (``topk``), top-p on the
-  survivors' masses sorted and summed in fp64 from the top, over each row's largest 64 logits where the cut lies
-  among them, else 1024, else the whole row; the backward recomputes the rows (one more GEMM sweep each way);
-* the replayed sets (``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone, a gather of K weight
-  rows a token (O(N K D) work, no vocabulary sweep), and in the backward dH = g W_kept, dW and db scattered into the
-  kept rows.
+* the sampling parameters (``parameter_forward``): each chunk of token rows holds its whole rows of logits in fp32
+  ([rows, V], rows from a byte budget: the buffer does not grow with the tokens), written by ``gemm.mm_fp32``
+  (cuBLAS with an fp32 output from bf16 operands on a GPU), and applies the rules in vLLM's order: min-p on
+  p / max p = exp(z - max z), top-k on the k-th largest survivor (``topk``), top-p on the survivors' masses sorted
+  and summed in fp64 from the top, over each row's largest 64 logits where the cut lies among them, else 1024, else
+  the whole row. The same rows give both log-sum-exps: one GEMM sweep forward for both outputs, one recompute in the
+  backward for both gradients (then dH = g W and dW = g^T H, two more);
+* the replayed sets (``replayed_forward``, ``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone
+  (``KeptDots``: a gather of K weight rows a token, O(N K D), no vocabulary sweep), the log-prob left to layer 1's
+  own op.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_fast.kernels import gemm
 from grpo_fast.kernels.operands import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
 
 # the fp32 bytes of one chunk's logit rows (and as much again for the temporaries): at V = 152k, 220 rows a chunk
@@ -38,17 +44,6 @@ GATHER_BUDGET_BYTES = 1 << 26
 
 def _rows_per_chunk(bytes_per_row, budget):
     return max(1, budget // max(1, bytes_per_row))
-
-
-def _row_logits(head, n0, n1, slope=False):
-    """The whole rows n0:n1 of the logits, fp32 [n, V] (and dz/du with ``slope``)."""
-    hidden, weight, _, bias, transform, lora = head
-    u = hidden[n0:n1].float() @ weight.float().T
-    if lora is not None:
-        u += lora[0][n0:n1].float() @ lora[1].float().T
-    if bias is not None:
-        u += bias.float()
-    return transform.apply(u, slope=slope)
 
 
 def kept_threshold(z, support: SamplerSupport):
@@ -96,51 +91,90 @@ def _top_p_threshold(z, top, top_p):
     return tau
 
 
-def forward(head: HeadOperands, support: SamplerSupport) -> SupportRecord:
-    """The support's record of every row of ``head`` (module docstring)."""
-    if support.kept_ids is not None:
-        return replayed_forward(head, support.kept_ids)
-    hidden, weight, targets = head.hidden, head.weight, head.targets
-    N, V = hidden.shape[0], weight.shape[0]
+def _row_logits(head, n0, n1, slope=False):
+    """The whole rows n0:n1 of the logits, fp32 [n, V] (and dz/du with ``slope``), by ``gemm.mm_fp32``."""
+    hidden, weight, _, bias, transform, lora = head
+    u = torch.empty((n1 - n0, weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    gemm.mm_fp32(hidden[n0:n1], weight.T, u, accumulate=False)
+    if lora is not None:
+        gemm.mm_fp32(lora[0][n0:n1], lora[1].T, u, accumulate=True)
+    if bias is not None:
+        u += bias.float()
+    return transform.apply(u, slope=slope)
+
+
+def _nontarget_mass(z, lse, target, kept=None):
+    """sum over the row's other (kept) entries of exp(z - lse): 1 - p_y without cancellation."""
+    p = torch.exp(z - lse[:, None])
+    if kept is not None:
+        p = p.masked_fill_(~kept, 0.0)
+    return p.scatter_(1, target[:, None], 0.0).sum(-1)
+
+
+def _rows(head):
+    N, V = head.hidden.shape[0], head.weight.shape[0]
     rows = _rows_per_chunk(4 * V, ROW_BUDGET_BYTES)
-    target_logit, kept_lse, threshold = (torch.empty(N, device=hidden.device) for _ in range(3))
-    for n0 in range(0, N, rows):
-        n1 = min(n0 + rows, N)
+    return ((n0, min(n0 + rows, N)) for n0 in range(0, N, rows))
+
+
+def parameter_forward(head: HeadOperands, support: SamplerSupport) -> SupportRecord:
+    """Both log-sum-exps of every row of ``head`` under the sampling parameters (module docstring)."""
+    N, V = head.hidden.shape[0], head.weight.shape[0]
+    record = SupportRecord(*(torch.empty(N, device=head.hidden.device) for _ in SupportRecord._fields))
+    for n0, n1 in _rows(head):
         z = _row_logits(head, n0, n1)
+        target = head.targets[n0:n1].clamp(0, V - 1)
         tau = kept_threshold(z, support)
-        kept = z.masked_fill(z < tau[:, None], -math.inf)
-        threshold[n0:n1] = tau
-        kept_lse[n0:n1] = torch.logsumexp(kept, dim=-1)
-        target_logit[n0:n1] = z.gather(-1, targets[n0:n1, None].clamp(0, V - 1)).squeeze(-1)
-    return SupportRecord(target_logit, kept_lse, threshold)
+        kept = z >= tau[:, None]
+        lse = torch.logsumexp(z, dim=-1)
+        kept_lse = torch.logsumexp(z.masked_fill(~kept, -math.inf), dim=-1)
+        record.target_logit[n0:n1] = z.gather(-1, target[:, None]).squeeze(-1)
+        record.kept_lse[n0:n1] = kept_lse
+        record.kept_nontarget_mass[n0:n1] = _nontarget_mass(z, kept_lse, target, kept)
+        record.threshold[n0:n1] = tau
+        record.lse[n0:n1] = lse
+        record.nontarget_mass[n0:n1] = _nontarget_mass(z, lse, target)
+    return record
 
 
-def backward(head: HeadOperands, support: SamplerSupport, record: SupportRecord, grad_support, grads: HeadGrads):
-    """Accumulate the support log-prob's gradients (``grad_support`` = dL/ds [N]) into ``grads`` (fp32 buffers, each
-    None where not wanted), as ``head_twin.backward`` does for the log-prob."""
-    if support.kept_ids is not None:
-        return replayed_backward(head, support.kept_ids, record, grad_support, grads)
-    from grpo_fast.backends.head_twin import add_tile_gradients
+def _products(g, like):
+    """g (fp32) as the GEMMs read it: in the weight's dtype where cuBLAS multiplies half operands into fp32 (the
+    chunked backward's rounding), else fp32."""
+    return g.to(like.dtype) if gemm.half_operands_on_cublas(g, like, like) else g
 
+
+def parameter_backward(head, record, grad_logp, grad_support, grads: HeadGrads):
+    """Accumulate both log-probs' gradients (``grad_logp`` = dL/dlogp, ``grad_support`` = dL/ds, [N] fp32; None:
+    no gradient) into ``grads`` (fp32 buffers, each None where not wanted): one recompute of each chunk's rows."""
     hidden, weight, targets, _, _, lora = head
-    N, V = hidden.shape[0], weight.shape[0]
-    rows = _rows_per_chunk(4 * V, ROW_BUDGET_BYTES)
-    for n0 in range(0, N, rows):
-        n1 = min(n0 + rows, N)
-        c = grad_support[n0:n1]
-        if not bool((c != 0).any()):
-            continue  # rows without a gradient (masked): exactly zero
+    V = weight.shape[0]
+    for n0, n1 in _rows(head):
         z, dz_du = _row_logits(head, n0, n1, slope=True)
-        p = torch.exp(z - record.kept_lse[n0:n1, None]).masked_fill_(z < record.threshold[n0:n1, None], 0.0)
-        g = p.mul_(-c[:, None])
-        g.scatter_add_(1, targets[n0:n1, None].clamp(0, V - 1), c[:, None])
+        target = targets[n0:n1].clamp(0, V - 1)[:, None]
+        g = torch.zeros_like(z)
+        column = torch.zeros(n1 - n0, device=z.device)
+        if grad_logp is not None:
+            c = grad_logp[n0:n1]
+            g -= torch.exp(z - record.lse[n0:n1, None]) * c[:, None]
+            column += c * record.nontarget_mass[n0:n1]
+        if grad_support is not None:
+            d = grad_support[n0:n1]
+            q = torch.exp(z - record.kept_lse[n0:n1, None]).masked_fill_(z < record.threshold[n0:n1, None], 0.0)
+            g -= q * d[:, None]
+            column += d * record.kept_nontarget_mass[n0:n1]
+        g.scatter_(1, target, column[:, None])
         g.mul_(dz_du)
-        add_tile_gradients(g, hidden[n0:n1], weight, slice(n0, n1), slice(0, V), grads.hidden, grads.weight, grads.bias)
-        if grads.lora_hidden is not None:
-            grads.lora_hidden[n0:n1] += g @ lora[1].float()
-        if grads.lora_weight is not None:
-            grads.lora_weight.add_(g.T @ lora[0][n0:n1].float())
-    return None
+        a = _products(g, weight)
+        if grads.hidden is not None:
+            gemm.mm_fp32(a, weight, grads.hidden[n0:n1], accumulate=True)
+        if grads.weight is not None:
+            gemm.mm_fp32(a.T, hidden[n0:n1], grads.weight, accumulate=True)
+        if grads.bias is not None:
+            grads.bias.add_(g.sum(0))
+        if lora is not None and grads.lora_hidden is not None:
+            gemm.mm_fp32(_products(g, lora[1]), lora[1], grads.lora_hidden[n0:n1], accumulate=True)
+        if lora is not None and grads.lora_weight is not None:
+            gemm.mm_fp32(_products(g, lora[0]).T, lora[0][n0:n1], grads.lora_weight, accumulate=True)
 
 
 class KeptDots(NamedTuple):
@@ -208,15 +242,19 @@ def replayed_forward(head, kept_ids, dots=TORCH_DOTS):
     at_target = kept_ids == head.targets[:, None]
     # the target's kept entry (-inf where the set lacks it: the caller's check, or NaN support)
     target_logit = z.masked_fill(~at_target, -math.inf).amax(dim=-1)
-    return SupportRecord(target_logit, torch.logsumexp(z, dim=-1), torch.empty(0, device=z.device))
+    kept_lse = torch.logsumexp(z, dim=-1)
+    rest = torch.exp(z - kept_lse[:, None]).masked_fill_(at_target, 0.0).sum(-1)  # 1 - q_y, carried
+    return SupportRecord(target_logit, kept_lse, rest, *(torch.empty(0, device=z.device) for _ in range(3)))
 
 
 def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DOTS):
     """``backward`` with replayed kept sets: g = dL/du over the kept entries, then ``dots``' gradients."""
     hidden, weight, targets, _, _, lora = head
     z, dz_du = _kept_logits(head, kept_ids, dots, slope=True)
-    p = torch.exp(z - record.kept_lse[:, None])  # 0 in the filling (z = -inf)
-    g = (kept_ids == targets[:, None]).float().sub_(p).mul_(grad_support[:, None]).mul_(dz_du)
+    at_target = kept_ids == targets[:, None]
+    q = torch.exp(z - record.kept_lse[:, None])  # 0 in the filling (z = -inf)
+    # the target's column d (1 - q_y), carried; the others -d q_v
+    g = torch.where(at_target, record.kept_nontarget_mass[:, None], -q).mul_(grad_support[:, None]).mul_(dz_du)
     g = g.masked_fill_(kept_ids < 0, 0.0).contiguous()
     if grads.hidden is not None:
         dots.grad_rows(g, weight, kept_ids, grads.hidden)
@@ -228,3 +266,19 @@ def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DO
         dots.grad_rows(g, lora[1], kept_ids, grads.lora_hidden)
     if grads.lora_weight is not None:
         dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)
+
+
+def forward(head: HeadOperands, support: SamplerSupport, dots: KeptDots = TORCH_DOTS) -> SupportRecord:
+    """The support's record of ``head``'s rows: replayed sets' by ``dots``, else the parameters'."""
+    if support.kept_ids is not None:
+        return replayed_forward(head, support.kept_ids, dots)
+    return parameter_forward(head, support)
+
+
+def backward(head, support, record, grad_logp, grad_support, grads, dots: KeptDots = TORCH_DOTS):
+    """The gradients of the log-probs the record's path computed (replayed sets: the support's alone)."""
+    if support.kept_ids is not None:
+        if grad_support is not None:
+            replayed_backward(head, support.kept_ids, record, grad_support, grads, dots)
+    else:
+        parameter_backward(head, record, grad_logp, grad_support, grads)

@@ -65,8 +65,8 @@ class TorchBackend:
     def support_forward(self, head, support):
         return support_twin.forward(head, support)
 
-    def support_backward(self, head, support, record, grad_support, grads):
-        support_twin.backward(head, support, record, grad_support, grads)
+    def support_backward(self, head, support, record, grad_logp, grad_support, grads):
+        support_twin.backward(head, support, record, grad_logp, grad_support, grads)
 
     # ------------------------------------------------------------------------------------------- layer 2
     def token_loss(self, inputs, options, *, scale, entropy_threshold):

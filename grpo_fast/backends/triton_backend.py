@@ -139,15 +139,10 @@ class TritonBackend:
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters:
         the chunked-torch twin's selection (``support_twin``; its rows of logits from cuBLAS, one byte-budgeted
         chunk at a time): the selection has no kernel yet."""
-        if support.kept_ids is not None:
-            return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS)
-        return support_twin.forward(head, support)
+        return support_twin.forward(head, support, KEPT_SET_KERNELS)
 
-    def support_backward(self, head, support, record, grad_support, grads):
-        if support.kept_ids is not None:
-            support_twin.replayed_backward(head, support.kept_ids, record, grad_support, grads, KEPT_SET_KERNELS)
-        else:
-            support_twin.backward(head, support, record, grad_support, grads)
+    def support_backward(self, head, support, record, grad_logp, grad_support, grads):
+        support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)
 
     # ------------------------------------------------------------------------------------------- layer 2
     def token_loss(self, inputs, options, *, scale, entropy_threshold):

@@ -123,5 +123,5 @@ class CheckedCorrection:
         old = c.old_support_logprobs
         if old is None:
             with torch.no_grad():
-                old = self.sampler.support_logprobs(rows)
+                old = self.sampler.logprobs(rows)[1]
         return importance_weights(old, c.sampling_logprobs, completion_mask, c.mode, c.clip_max, c.clip_min)

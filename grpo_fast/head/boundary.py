@@ -15,7 +15,14 @@ import typing
 import torch
 
 # a custom op's schema type of each annotation of an operand record and of the ops' other arguments
-_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", str: "str", bool: "bool", torch.dtype: "ScalarType"}
+_SCHEMA_TYPES = {
+    torch.Tensor: "Tensor",
+    float: "float",
+    int: "int",
+    str: "str",
+    bool: "bool",
+    torch.dtype: "ScalarType",
+}
 
 
 def schema_fields(record: type, names=None) -> str:

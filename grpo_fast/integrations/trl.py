@@ -172,8 +172,9 @@ def add_fused_lm_head(
                 extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, **transform, names=extras)
         if isinstance(task, _FusedLoss):  # the GRPO loss, its gradients from grpo_fast.loss
             loss = task.loss
-        else:
-            loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        else:  # TRL's, from the whole vocabulary's log-probs
+            scored = task.logprobs[-1] if isinstance(task, _SamplerSupport) else log_probs
+            loss = -scored.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
 
         aux_loss = None
         if kwargs.get("output_router_logits"):
@@ -313,6 +314,7 @@ class _SamplerSupport:
             bias=b,
             lora=lora,
             **transform,
+            check_values=False,  # a target the old policy's kept set lacks: NaN, which TRL's correction counts as 1
         )
         self.logprobs.append(out.logprobs)
         return out.support_logprobs, None

@@ -113,10 +113,21 @@ class SamplerSupport(NamedTuple):
 
 
 class SupportRecord(NamedTuple):
-    """What the support's forward leaves for its backward, [N] fp32 each: the target's logit, the log-sum-exp over
-    the kept set, and (with the parameters) the kept set's threshold tau, the set being {v : z_v >= tau}; with
-    replayed sets, an empty tensor."""
+    """What the support's forward leaves for its backward, [N] fp32 each (an empty tensor where a path has none).
+
+    Attributes:
+        target_logit: z_y (-inf where a replayed set lacks the target).
+        kept_lse: log sum_{v kept} exp(z_v).
+        kept_nontarget_mass: sum_{v kept, v != y} exp(z_v - kept_lse) = 1 - q_y, the support's target column
+            carried exactly (never 1 - q_y by cancellation).
+        threshold: with the parameters, tau: the kept set is {v : z_v >= tau}.
+        lse: with the parameters, log sum_v exp(z_v) over the vocabulary (the log-prob's; the same rows' logits).
+        nontarget_mass: with the parameters, 1 - p_y, carried.
+    """
 
     target_logit: torch.Tensor
     kept_lse: torch.Tensor
+    kept_nontarget_mass: torch.Tensor
     threshold: torch.Tensor
+    lse: torch.Tensor
+    nontarget_mass: torch.Tensor

@@ -7,7 +7,6 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.backends.protocol import BackendName
-from grpo_fast.head import api as head_api
 from grpo_fast.head import inputs
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
@@ -118,9 +117,7 @@ def sampler_logprobs(
         min_p,
         kept_ids,
     )
-    rows = call.head.rows()
-    logp = head_api.logprobs_and_entropy_rows(call.head, rows, call.head.head_path)[0]
-    if not call.support.truncates:
+    logp, support = call.logprobs(call.head.rows())
+    if support is logp:  # untruncated
         return SamplerLogprobs(logp, logp, torch.zeros_like(logp))
-    support = call.support_logprobs(rows)
     return SamplerLogprobs(logp, support, logp - support)

@@ -10,6 +10,7 @@ import torch
 
 from grpo_fast.backends.protocol import SamplerSupport
 from grpo_fast.head import inputs
+from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import HeadCall, Rows
 from grpo_fast.sampler import ops
 
@@ -96,21 +97,28 @@ class SamplerCall:
             )
         return cls(head, support)
 
-    def support_logprobs(self, rows: Rows) -> torch.Tensor:
-        """[B, T] fp32 support log-probs of the scored ``rows`` (read), differentiable; exact zeros elsewhere. With the
-        parameters and the checks on, a target outside its kept set raises (the call's second host read)."""
+    def logprobs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, support) [B, T] fp32 of the scored ``rows`` (read), differentiable, exact zeros elsewhere: with the
+        sampling parameters both from one op (the same rows of logits); replayed sets' log-prob from layer 1's op.
+        With the parameters and the checks on, a target outside its kept set raises (the call's second host read)."""
+        head = self.head
         if not self.support.truncates:
-            raise ValueError("support_logprobs of an untruncated sampler: they are the log-probs")
-        support, drawable = ops.support_logprobs(self.head.operands(rows), self.head.backend, self.rows_support(rows))
-        if self.support.kept_ids is None and self.head.checks.run:
-            if rows.keep is not None:
-                drawable = drawable | ~rows.keep
-            if not bool(drawable.all()):
-                raise ValueError(
-                    "a target is not in the kept set its sampling parameters give (the sampler could not have drawn "
-                    "it): its support log-prob is undefined"
-                )
-        return self.head.scattered(support, rows)
+            logp = logprobs_and_entropy_rows(head, rows, head.head_path)[0]
+            return logp, logp
+        logp, support, drawable = ops.sampler_support(head.operands(rows), head.backend.name, self.rows_support(rows))
+        if self.support.kept_ids is not None:
+            logp = logprobs_and_entropy_rows(head, rows, head.head_path)[0]
+        else:
+            logp = head.scattered(logp, rows)
+            if head.checks.run:
+                if rows.keep is not None:
+                    drawable = drawable | ~rows.keep
+                if not bool(drawable.all()):
+                    raise ValueError(
+                        "a target is not in the kept set its sampling parameters give (the sampler could not have "
+                        "drawn it): its support log-prob is undefined"
+                    )
+        return logp, head.scattered(support, rows)
 
     def rows_support(self, rows: Rows) -> SamplerSupport:
         """The support of the scored ``rows``: replayed sets gathered as [N, K] int64 (padding rows' entries 0)."""

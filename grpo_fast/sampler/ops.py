@@ -1,58 +1,187 @@
-"""The support log-prob's autograd formula around the backend's forward and backward (``Backend.support_forward``,
-``support_backward``): s = z_y - log sum_{v kept} exp(z_v), its gradient reaching hidden, weight, bias and LoRA's
-operand pair. A target outside its kept set has NaN support, and NaN gradients: never a number that hides it."""
+"""The sampler's support as torch.library custom ops: ``grpo_fast::sampler_support`` (the forward: the support's
+log-prob, with the sampling parameters the log-prob too, from the same rows of logits) and its backward op, with the
+autograd formula registered between them (``head.boundary``: one node under torch.compile, fake implementations for
+fake and meta tensors).
+
+The backend computes (``Backend.support_forward`` / ``support_backward``); the ops carry its name, the logit
+transform's floats and the sampling parameters. A target outside its kept set has NaN support and NaN gradients:
+never a number that hides it.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import Backend, HeadGrads, HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.backends.resolver import named
+from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline
+from grpo_fast.head.transform import LogitTransform
+
+FP32 = torch.float32
+# the forward's outputs: the log-probs, whether each target is in its kept set, then the SupportRecord
+_RECORD = len(SupportRecord._fields)
 
 
-class _SupportLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, support, transform, targets, hidden, weight, bias, lora_hidden, lora_weight):
-        lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
-        head = HeadOperands(hidden, weight, targets, bias, transform, lora)
-        record = backend.support_forward(head, support)
-        if support.kept_ids is None:
-            drawable = record.target_logit >= record.threshold
-        else:
-            drawable = record.target_logit > -math.inf
-        ctx.backend, ctx.support, ctx.transform = backend, support, transform
-        ctx.save_for_backward(targets, hidden, weight, bias, lora_hidden, lora_weight, *record, drawable)
-        ctx.mark_non_differentiable(drawable)
-        return torch.where(drawable, record.target_logit - record.kept_lse, math.nan), drawable
+class SamplerOpOperands(NamedTuple):
+    """The support ops' operands as their schemas take them (the scored rows of ``sampler_logprobs``).
 
-    @staticmethod
-    def backward(ctx, grad_support, _):
-        targets, hidden, weight, bias, lora_hidden, lora_weight, *fields, drawable = ctx.saved_tensors
-        record = SupportRecord(*fields)
-        needs = ctx.needs_input_grad[4:9]
+    Attributes:
+        hidden, weight, targets, bias, lora_hidden, lora_weight: layer 1's (``ops.LinearOpOperands``).
+        kept_ids: [N, K] int64 replayed kept sets, or None: the sampling parameters.
+        temperature, softcap, logit_scale: the logit transform.
+        top_k, top_p, min_p: the sampling parameters (``SamplerSupport``).
+        backend: a resolved backend's name.
+    """
 
-        def buffer(x, need):
-            return torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need and x is not None else None
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    bias: torch.Tensor | None
+    lora_hidden: torch.Tensor | None
+    lora_weight: torch.Tensor | None
+    kept_ids: torch.Tensor | None
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+    top_k: int
+    top_p: float
+    min_p: float
+    backend: str
 
-        grads = HeadGrads(
-            *(buffer(x, need) for x, need in zip((hidden, weight, bias, lora_hidden, lora_weight), needs))
-        )
-        lora = (lora_hidden, lora_weight) if lora_hidden is not None else None
-        head = HeadOperands(hidden, weight, targets, bias, ctx.transform, lora)
+    @classmethod
+    def of(cls, head: HeadOperands, support: SamplerSupport, backend: str) -> SamplerOpOperands:
+        lora = head.lora if head.lora is not None else (None, None)
+        transform = head.transform.as_floats()
+        return cls(*head[:4], *lora, support.kept_ids, *transform, *support[:3], backend)
+
+    def head(self) -> HeadOperands:
+        lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
+        transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
+        return HeadOperands(self.hidden, self.weight, self.targets, self.bias, transform, lora)
+
+    def support(self) -> SamplerSupport:
+        return SamplerSupport(self.top_k, self.top_p, self.min_p, self.kept_ids)
+
+
+def _sampler_support(*operands):
+    """(logp, support, drawable, *SupportRecord), [N] each: logp and the record's threshold, lse and
+    nontarget_mass empty with replayed sets (layer 1's op gives their log-prob)."""
+    operands = SamplerOpOperands(*operands)
+    record = named(operands.backend).support_forward(operands.head(), operands.support())
+    replayed = operands.kept_ids is not None
+    drawable = record.target_logit > -math.inf if replayed else record.target_logit >= record.threshold
+    support = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
+    logp = record.target_logit[:0].clone() if replayed else record.target_logit - record.lse
+    return (logp, support, drawable, *record)
+
+
+_sampler_support_op = custom_op(
+    "sampler_support",
+    _sampler_support,
+    op_schema(SamplerOpOperands, "", "", "(" + ", ".join(["Tensor"] * (3 + _RECORD)) + ")"),
+)
+
+
+@_sampler_support_op.register_fake
+def _(*operands):
+    operands = SamplerOpOperands(*operands)
+    N = operands.hidden.shape[0]
+    replayed = operands.kept_ids is not None
+
+    def per_token(computed=True, dtype=FP32):
+        return operands.hidden.new_empty((N,) if computed else (0,), dtype=dtype)
+
+    # the record: target_logit, kept_lse, kept_nontarget_mass, then threshold, lse, nontarget_mass (parameters)
+    record = [per_token() for _ in range(3)] + [per_token(not replayed) for _ in range(3)]
+    return (per_token(not replayed), per_token(), per_token(dtype=torch.bool), *record)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    operands = SamplerOpOperands(*inputs)
+    tensors = [x if isinstance(x, torch.Tensor) else None for x in operands]
+    ctx.save_for_backward(*tensors, output[2], *output[3:])
+    ctx.numbers = [x if not isinstance(x, torch.Tensor) else None for x in operands]
+
+
+def _backward(ctx, grad_logp, grad_support, *_):
+    saved = ctx.saved_tensors
+    count = len(SamplerOpOperands._fields)
+    operands = SamplerOpOperands(*(t if n is None else n for t, n in zip(saved[:count], ctx.numbers)))
+    drawable, record = saved[count], saved[count + 1 :]
+    if grad_support is not None:
         # a row whose support gets no gradient (masked, padding) stays exactly zero, drawable or not
-        coefficient = torch.where(drawable | (grad_support == 0), grad_support.float(), math.nan)
-        ctx.backend.support_backward(head, ctx.support, record, coefficient, grads)
-        out = [
-            g.to(x.dtype) if g is not None else None
-            for g, x in zip(grads, (hidden, weight, bias, lora_hidden, lora_weight))
-        ]
-        return (None, None, None, None, *out)
-
-
-def support_logprobs(head: HeadOperands, backend: Backend, support: SamplerSupport):
-    """([N] fp32 support log-probs of ``head``'s rows, differentiable; [N] bool: the target is in its kept set)."""
-    lora_hidden, lora_weight = head.lora if head.lora is not None else (None, None)
-    return _SupportLogprobs.apply(
-        backend, support, head.transform, head.targets, head.hidden, head.weight, head.bias, lora_hidden, lora_weight
+        grad_support = torch.where(drawable | (grad_support == 0), grad_support.float(), math.nan)
+    if grad_logp is not None:
+        grad_logp = grad_logp.float()
+    needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 3, 4, 5))
+    grads = sampler_support_backward(operands, record, grad_logp, grad_support, needs)
+    hidden_grad, weight_grad, bias_grad, lora_hidden_grad, lora_weight_grad = (
+        g if g is not None and g.numel() else None for g in grads
     )
+    return (hidden_grad, weight_grad, None, bias_grad, lora_hidden_grad, lora_weight_grad) + (None,) * (count - 6)
+
+
+def _sampler_support_backward(*arguments):
+    """(dH, dW, db, d lora_hidden, d lora_weight) in their operands' dtypes (empty where not needed): the support's
+    (and with the parameters the log-prob's) gradients from dL/dlogp and dL/ds ([N] fp32, or None)."""
+    *operands, target_logit, kept_lse, kept_rest, threshold, lse, rest, grad_logp, grad_support = arguments[:-5]
+    needs = arguments[-5:]
+    operands = SamplerOpOperands(*operands)
+    record = SupportRecord(target_logit, kept_lse, kept_rest, threshold, lse, rest)
+    sources = (operands.hidden, operands.weight, operands.bias, operands.lora_hidden, operands.lora_weight)
+    grads = HeadGrads(
+        *(
+            torch.zeros(x.shape, dtype=FP32, device=x.device) if need and x is not None else None
+            for x, need in zip(sources, needs)
+        )
+    )
+    named(operands.backend).support_backward(
+        operands.head(), operands.support(), record, grad_logp, grad_support, grads
+    )
+    return tuple(g.to(x.dtype) if g is not None else operands.hidden.new_empty(0) for g, x in zip(grads, sources))
+
+
+_sampler_support_backward_op = custom_op(
+    "sampler_support_backward",
+    _sampler_support_backward,
+    op_schema(
+        SamplerOpOperands,
+        "",
+        ", ".join(f"Tensor {name}" for name in SupportRecord._fields)
+        + ", Tensor? grad_logp, Tensor? grad_support, bool need_hidden, bool need_weight, bool need_bias, "
+        "bool need_lora_hidden, bool need_lora_weight",
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+    ),
+)
+
+
+@_sampler_support_backward_op.register_fake
+def _(*arguments):
+    operands = SamplerOpOperands(*arguments[: len(SamplerOpOperands._fields)])
+    needs = arguments[-5:]
+    sources = (operands.hidden, operands.weight, operands.bias, operands.lora_hidden, operands.lora_weight)
+    return tuple(
+        x.new_empty(x.shape) if need and x is not None else operands.hidden.new_empty(0)
+        for x, need in zip(sources, needs)
+    )
+
+
+def sampler_support_backward(operands, record, grad_logp, grad_support, needs):
+    args = (*operands, *record, grad_logp, grad_support, *needs)
+    return _sampler_support_backward(*args) if runs_inline(args) else _sampler_support_backward_op(*args)
+
+
+_sampler_support_op.register_autograd(_backward, setup_context=_setup_context)
+_INLINE = inline_function(_sampler_support, _setup_context, _backward)
+
+
+def sampler_support(head: HeadOperands, backend: str, support: SamplerSupport):
+    """(logp, support, drawable) [N] of ``head``'s rows, logp and support differentiable (logp empty with replayed
+    sets: layer 1's op computes it)."""
+    args = tuple(SamplerOpOperands.of(head, support, backend))
+    outputs = _INLINE.apply(*args) if runs_inline(args) else _sampler_support_op(*args)
+    return outputs[:3]
