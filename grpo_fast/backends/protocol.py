@@ -142,9 +142,12 @@ class Backend(Protocol):
         """What ``forward_trained_head`` allocates besides its outputs and ``grads``."""
         ...
 
-    def support_forward(self, head: HeadOperands, support: SamplerSupport) -> SupportRecord:
+    def support_forward(
+        self, head: HeadOperands, support: SamplerSupport, vocab_size: int | None = None, reduce=None
+    ) -> SupportRecord:
         """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``); with
-        the sampling parameters also the log-prob's, from the same rows of logits."""
+        the sampling parameters also the log-prob's, from the same rows of logits. A vocab-parallel shard's: the
+        whole head's ``vocab_size`` and its group's ``reduce`` (``support_twin.OneProcess``'s methods)."""
         ...
 
     def support_backward(

@@ -46,94 +46,184 @@ def _rows_per_chunk(bytes_per_row, budget):
     return max(1, budget // max(1, bytes_per_row))
 
 
-def kept_threshold(z, support: SamplerSupport):
-    """tau [n] fp32 of rows of logits ``z`` [n, V] under the sampling parameters (module docstring): the smallest
-    kept logit; the kept set is {v : z_v >= tau}."""
+class OneProcess:
+    """The reduce steps of a whole head (every entry on this process): identities. A vocab-parallel head's
+    (``grpo_fast.sampler.vocab_parallel``) reduce over its group: [n] maxima, minima and sums, candidates gathered
+    along the last dimension; ``complete_rows``: whether a row's whole logits may be gathered (else top-p's last
+    resort is a bisection whose traffic grows with the tokens only)."""
+
+    complete_rows = True
+
+    def max(self, x):
+        return x
+
+    def min(self, x):
+        return x
+
+    def sum(self, x):
+        return x
+
+    def gather(self, x):
+        return x
+
+
+ONE_PROCESS = OneProcess()
+
+
+def _largest(z, count):
+    """[n, count] each row's largest ``count`` logits, descending, padded with -inf past a shard's rows (every rank
+    gathers the same shape)."""
+    values = z.topk(min(count, z.shape[-1]), dim=-1).values
+    if values.shape[-1] < count:
+        values = torch.cat([values, values.new_full((z.shape[0], count - values.shape[-1]), -math.inf)], dim=-1)
+    return values
+
+
+def _row_max(z):
+    """[n] the rows' largest logits (-inf for a shard without rows)."""
+    return z.amax(dim=-1) if z.shape[-1] else z.new_full(z.shape[:1], -math.inf)
+
+
+def kept_threshold(z, support: SamplerSupport, top, vocab_size, reduce=ONE_PROCESS):
+    """tau [n] fp32 of rows of logits ``z`` [n, V_local] under the sampling parameters (module docstring): the
+    smallest kept logit; the kept set is {v : z_v >= tau}. ``top`` [n]: the rows' largest logits (over every
+    shard); ``vocab_size``: the whole head's rows."""
     keep = torch.ones_like(z, dtype=torch.bool)
-    top = z.amax(dim=-1, keepdim=True)
     if support.min_p > 0:
-        keep &= torch.exp(z - top) >= support.min_p  # p_v / max p, in vLLM's fp32 softmax's terms
-    V = z.shape[-1]
-    if 0 < support.top_k < V:
-        kth = z.masked_fill(~keep, -math.inf).topk(support.top_k, dim=-1).values[:, -1:]
+        keep &= torch.exp(z - top[:, None]) >= support.min_p  # p_v / max p, in vLLM's fp32 softmax's terms
+    if 0 < support.top_k < vocab_size:
+        local = _largest(z.masked_fill(~keep, -math.inf), support.top_k)
+        kth = reduce.gather(local).topk(support.top_k, dim=-1).values[:, -1:]
         keep &= z >= kth
     if support.top_p < 1:
-        return _top_p_threshold(z.masked_fill(~keep, -math.inf), top, support.top_p)
-    return torch.where(keep, z, math.inf).amin(dim=-1)
+        return _top_p_threshold(z.masked_fill(~keep, -math.inf), top, support.top_p, reduce)
+    return reduce.min(torch.where(keep, z, math.inf).amin(dim=-1) if z.shape[-1] else top.new_full(top.shape, math.inf))
 
 
-def _top_p_threshold(z, top, top_p):
-    """tau of top-p over the survivors z (-inf: removed) of rows whose largest logit is ``top``: the candidates
-    are each row's largest CANDIDATES[i] logits, tried in turn until some candidate falls out of the kept set
-    (every entry above it is a candidate, so the cut lies among them); the whole row sorted last."""
+def _strictly_above(values, top):
+    """The survivors' mass (fp64, unnormalised) ranked strictly above each entry of rows ``values`` sorted
+    descending: an entry tied with the one before it has its tie group's first entry's."""
+    mass = torch.exp(values - top[:, None]).double()
+    above = mass.cumsum(-1) - mass
+    first = torch.ones_like(values, dtype=torch.bool)
+    first[:, 1:] = values[:, 1:] != values[:, :-1]
+    index = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    return above.gather(-1, torch.where(first, index, 0).cummax(dim=-1).values)
+
+
+def _top_p_threshold(z, top, top_p, reduce):
+    """tau of top-p over the survivors z (-inf: removed) of rows whose largest logit is ``top``.
+
+    Candidates: each row's largest CANDIDATES[i] logits on every shard, merged. Every entry above the largest
+    shard's last candidate f is a candidate, so once some candidate at or above f falls out of the kept set, the
+    cut lies among the candidates and tau is the last kept one. Rows it does not resolve try the next count; then
+    the whole row where it is in hand (``reduce.complete_rows``), else ``_bisected_threshold``."""
     V = z.shape[-1]
-    total = torch.exp(z - top).double().sum(-1, keepdim=True)
+    total = reduce.sum(torch.exp(z - top[:, None]).double().sum(-1))
     tau = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
     pending = torch.arange(z.shape[0], device=z.device)
-    for count in CANDIDATES + (V,):
+    counts = CANDIDATES + ((V,) if reduce.complete_rows else ())
+    for count in counts:
         rows = z[pending]
-        values = rows.topk(min(count, V), dim=-1).values if count < V else rows.sort(dim=-1, descending=True)[0]
-        mass = torch.exp(values - top[pending]).double()
-        above = mass.cumsum(-1) - mass  # the survivors' mass ranked above each sorted entry, unnormalised
-        # an entry tied with the one before it has the mass strictly above of its tie group's first entry
-        first = torch.ones_like(values, dtype=torch.bool)
-        first[:, 1:] = values[:, 1:] != values[:, :-1]
-        index = torch.arange(values.shape[-1], device=z.device).expand_as(values)
-        strictly_above = above.gather(-1, torch.where(first, index, 0).cummax(dim=-1).values)
-        kept = strictly_above < top_p * total[pending]
-        # the last kept candidate (the top one always is): its logit is the threshold
-        last = kept.sum(-1, keepdim=True).clamp(min=1) - 1
-        done = ~kept.all(-1) if count < V else torch.ones_like(kept[:, 0])
-        tau[pending[done]] = values.gather(-1, last).squeeze(-1)[done]
-        pending = pending[~done]
+        local = _largest(rows, min(count, V) if reduce.complete_rows else count)
+        floor = reduce.max(local[:, -1] if V > count else rows.new_full(rows.shape[:1], -math.inf))
+        values = reduce.gather(local).sort(dim=-1, descending=True).values
+        kept = _strictly_above(values, top[pending]) < top_p * total[pending, None]
+        resolved = ((~kept) & (values >= floor[:, None])).any(-1) | (floor == -math.inf)
+        last = kept.sum(-1, keepdim=True).clamp(min=1) - 1  # the top candidate is always kept
+        tau[pending[resolved]] = values.gather(-1, last).squeeze(-1)[resolved]
+        pending = pending[~resolved]
         if pending.numel() == 0:
-            break
+            return tau
+    tau[pending] = _bisected_threshold(z[pending], top[pending], top_p * total[pending], reduce)
     return tau
+
+
+def _order_keys(z):
+    """int64 keys ordered as z's fp32 values (the sign bit's flip for negative ones)."""
+    bits = z.contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _bisected_threshold(z, top, bound, reduce):
+    """tau of top-p by bisection over fp32's ordered keys: the least key x whose mass strictly above, summed over
+    the shards, is below ``bound`` (= top_p times the survivors' mass), then the least logit at or above it. 33
+    steps of one all-reduce of [n] each: the traffic grows with the tokens, never with the vocabulary."""
+    keys = _order_keys(z)
+    mass = torch.exp(z - top[:, None]).double()
+    low = torch.full_like(top, -(2**31) - 1, dtype=torch.int64)  # below every key: the whole mass above it
+    high = _order_keys(top)  # no mass strictly above the top logit
+    for _ in range(33):
+        middle = (low + high) // 2
+        above = reduce.sum(torch.where(keys > middle[:, None], mass, 0.0).sum(-1))
+        low, high = torch.where(above < bound, low, middle), torch.where(above < bound, middle, high)
+    return reduce.min(torch.where(keys >= high[:, None], z, math.inf).amin(dim=-1))
 
 
 def _row_logits(head, n0, n1, slope=False):
     """The whole rows n0:n1 of the logits, fp32 [n, V] (and dz/du with ``slope``), by ``gemm.mm_fp32``."""
     hidden, weight, _, bias, transform, lora = head
     u = torch.empty((n1 - n0, weight.shape[0]), dtype=torch.float32, device=hidden.device)
-    gemm.mm_fp32(hidden[n0:n1], weight.T, u, accumulate=False)
-    if lora is not None:
-        gemm.mm_fp32(lora[0][n0:n1], lora[1].T, u, accumulate=True)
+    if weight.shape[0]:
+        gemm.mm_fp32(hidden[n0:n1], weight.T, u, accumulate=False)
+        if lora is not None:
+            gemm.mm_fp32(lora[0][n0:n1], lora[1].T, u, accumulate=True)
     if bias is not None:
         u += bias.float()
     return transform.apply(u, slope=slope)
 
 
-def _nontarget_mass(z, lse, target, kept=None):
-    """sum over the row's other (kept) entries of exp(z - lse): 1 - p_y without cancellation."""
-    p = torch.exp(z - lse[:, None])
-    if kept is not None:
-        p = p.masked_fill_(~kept, 0.0)
-    return p.scatter_(1, target[:, None], 0.0).sum(-1)
+def _target_entries(z, target):
+    """[n] the target's logit where this shard holds it (target in [0, V_local)), else -inf; and that mask."""
+    owned = (target >= 0) & (target < z.shape[-1])
+    picked = z.gather(-1, target.clamp(0, max(z.shape[-1] - 1, 0))[:, None]).squeeze(-1) if z.shape[-1] else None
+    return (
+        torch.where(owned, picked, -math.inf)
+        if picked is not None
+        else target.new_full(target.shape, -math.inf, dtype=z.dtype)
+    ), owned
+
+
+def _log_sum_exp(z, keep, top, target, owned, reduce):
+    """(log sum exp(z) over ``keep`` (None: every entry), and 1 - the target's share, carried) over every shard,
+    against the rows' global max ``top`` (a kept entry's: the row's largest kept logit is the top one)."""
+    e = torch.exp(z - top[:, None])
+    if keep is not None:
+        e = e.masked_fill(~keep, 0.0)
+    total = e.sum(-1)
+    if z.shape[-1]:
+        e = e.scatter(1, target.clamp(0, z.shape[-1] - 1)[:, None], 0.0)
+        rest = torch.where(owned, e.sum(-1), total)
+    else:
+        rest = total
+    total, rest = reduce.sum(torch.stack([total, rest])).unbind(0)
+    return top + torch.log(total), rest / total
 
 
 def _rows(head):
     N, V = head.hidden.shape[0], head.weight.shape[0]
-    rows = _rows_per_chunk(4 * V, ROW_BUDGET_BYTES)
+    rows = _rows_per_chunk(4 * max(V, 1), ROW_BUDGET_BYTES)
     return ((n0, min(n0 + rows, N)) for n0 in range(0, N, rows))
 
 
-def parameter_forward(head: HeadOperands, support: SamplerSupport) -> SupportRecord:
-    """Both log-sum-exps of every row of ``head`` under the sampling parameters (module docstring)."""
-    N, V = head.hidden.shape[0], head.weight.shape[0]
+def parameter_forward(head: HeadOperands, support: SamplerSupport, vocab_size=None, reduce=ONE_PROCESS):
+    """Both log-sum-exps of every row of ``head`` under the sampling parameters (module docstring). A shard's
+    (``reduce`` its group's): its rows of the head, ``vocab_size`` the whole head's, its targets local (-1: another
+    shard's)."""
+    N = head.hidden.shape[0]
+    vocab_size = head.weight.shape[0] if vocab_size is None else vocab_size
     record = SupportRecord(*(torch.empty(N, device=head.hidden.device) for _ in SupportRecord._fields))
     for n0, n1 in _rows(head):
         z = _row_logits(head, n0, n1)
-        target = head.targets[n0:n1].clamp(0, V - 1)
-        tau = kept_threshold(z, support)
+        target = head.targets[n0:n1]
+        top = reduce.max(_row_max(z))
+        tau = kept_threshold(z, support, top, vocab_size, reduce)
         kept = z >= tau[:, None]
-        lse = torch.logsumexp(z, dim=-1)
-        kept_lse = torch.logsumexp(z.masked_fill(~kept, -math.inf), dim=-1)
-        record.target_logit[n0:n1] = z.gather(-1, target[:, None]).squeeze(-1)
-        record.kept_lse[n0:n1] = kept_lse
-        record.kept_nontarget_mass[n0:n1] = _nontarget_mass(z, kept_lse, target, kept)
+        picked, owned = _target_entries(z, target)
+        record.target_logit[n0:n1] = reduce.max(picked)
+        record.lse[n0:n1], record.nontarget_mass[n0:n1] = _log_sum_exp(z, None, top, target, owned, reduce)
+        record.kept_lse[n0:n1], record.kept_nontarget_mass[n0:n1] = _log_sum_exp(z, kept, top, target, owned, reduce)
         record.threshold[n0:n1] = tau
-        record.lse[n0:n1] = lse
-        record.nontarget_mass[n0:n1] = _nontarget_mass(z, lse, target)
     return record
 
 
@@ -145,11 +235,15 @@ def _products(g, like):
 
 def parameter_backward(head, record, grad_logp, grad_support, grads: HeadGrads):
     """Accumulate both log-probs' gradients (``grad_logp`` = dL/dlogp, ``grad_support`` = dL/ds, [N] fp32; None:
-    no gradient) into ``grads`` (fp32 buffers, each None where not wanted): one recompute of each chunk's rows."""
+    no gradient) into ``grads`` (fp32 buffers, each None where not wanted): one recompute of each chunk's rows. A
+    shard's: its rows' dW and db, its part of dH (the caller sums dH over the group)."""
     hidden, weight, targets, _, _, lora = head
     V = weight.shape[0]
+    if V == 0:  # a shard without rows: no gradient of its own
+        return
     for n0, n1 in _rows(head):
         z, dz_du = _row_logits(head, n0, n1, slope=True)
+        owned = ((targets[n0:n1] >= 0) & (targets[n0:n1] < V))[:, None]
         target = targets[n0:n1].clamp(0, V - 1)[:, None]
         g = torch.zeros_like(z)
         column = torch.zeros(n1 - n0, device=z.device)
@@ -162,7 +256,8 @@ def parameter_backward(head, record, grad_logp, grad_support, grads: HeadGrads):
             q = torch.exp(z - record.kept_lse[n0:n1, None]).masked_fill_(z < record.threshold[n0:n1, None], 0.0)
             g -= q * d[:, None]
             column += d * record.kept_nontarget_mass[n0:n1]
-        g.scatter_(1, target, column[:, None])
+        # the target's column, carried, where this shard holds the target
+        g.scatter_(1, target, torch.where(owned, column[:, None], g.gather(1, target)))
         g.mul_(dz_du)
         a = _products(g, weight)
         if grads.hidden is not None:
@@ -226,6 +321,9 @@ def _kept_logits(head, kept_ids, dots, slope=False):
     """The logits of every row's kept entries, fp32 [N, K] (-inf in the filling), and dz/du with ``slope``."""
     hidden, weight, _, bias, transform, lora = head
     u = torch.zeros(kept_ids.shape, dtype=torch.float32, device=hidden.device)
+    if weight.shape[0] == 0:  # a shard without rows: none of the kept entries here
+        z = u.fill_(-math.inf)
+        return (z, 1.0) if slope else z
     dots.logits(hidden, weight, kept_ids, u)
     if lora is not None:
         dots.logits(lora[0], lora[1], kept_ids, u)
@@ -236,22 +334,28 @@ def _kept_logits(head, kept_ids, dots, slope=False):
     return (z, dz_du) if slope else z
 
 
-def replayed_forward(head, kept_ids, dots=TORCH_DOTS):
-    """The support's record with replayed kept sets (``kept_ids`` [N, K] int64), their logits by ``dots``."""
+def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
+    """The support's record with replayed kept sets (``kept_ids`` [N, K] int64, this shard's columns: -1 where
+    another shard's or no entry), their logits by ``dots``."""
     z = _kept_logits(head, kept_ids, dots)
-    at_target = kept_ids == head.targets[:, None]
-    # the target's kept entry (-inf where the set lacks it: the caller's check, or NaN support)
-    target_logit = z.masked_fill(~at_target, -math.inf).amax(dim=-1)
-    kept_lse = torch.logsumexp(z, dim=-1)
-    rest = torch.exp(z - kept_lse[:, None]).masked_fill_(at_target, 0.0).sum(-1)  # 1 - q_y, carried
-    return SupportRecord(target_logit, kept_lse, rest, *(torch.empty(0, device=z.device) for _ in range(3)))
+    at_target = (kept_ids == head.targets[:, None]) & (kept_ids >= 0)
+    # the target's kept entry (-inf where no set holds it: the caller's check, or NaN support)
+    target_logit = reduce.max(z.masked_fill(~at_target, -math.inf).amax(dim=-1))
+    top = reduce.max(_row_max(z))
+    top = torch.where(top == -math.inf, 0.0, top)  # a row without kept entries: empty sums, not NaN
+    e = torch.exp(z - top[:, None])
+    total, rest = reduce.sum(torch.stack([e.sum(-1), e.masked_fill(at_target, 0.0).sum(-1)])).unbind(0)
+    kept_lse = top + torch.log(total)
+    return SupportRecord(target_logit, kept_lse, rest / total, *(torch.empty(0, device=z.device) for _ in range(3)))
 
 
 def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DOTS):
     """``backward`` with replayed kept sets: g = dL/du over the kept entries, then ``dots``' gradients."""
     hidden, weight, targets, _, _, lora = head
+    if weight.shape[0] == 0:  # a shard without rows: no gradient of its own
+        return
     z, dz_du = _kept_logits(head, kept_ids, dots, slope=True)
-    at_target = kept_ids == targets[:, None]
+    at_target = (kept_ids == targets[:, None]) & (kept_ids >= 0)
     q = torch.exp(z - record.kept_lse[:, None])  # 0 in the filling (z = -inf)
     # the target's column d (1 - q_y), carried; the others -d q_v
     g = torch.where(at_target, record.kept_nontarget_mass[:, None], -q).mul_(grad_support[:, None]).mul_(dz_du)
@@ -268,11 +372,14 @@ def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DO
         dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)
 
 
-def forward(head: HeadOperands, support: SamplerSupport, dots: KeptDots = TORCH_DOTS) -> SupportRecord:
-    """The support's record of ``head``'s rows: replayed sets' by ``dots``, else the parameters'."""
+def forward(
+    head: HeadOperands, support: SamplerSupport, dots: KeptDots = TORCH_DOTS, vocab_size=None, reduce=ONE_PROCESS
+) -> SupportRecord:
+    """The support's record of ``head``'s rows: replayed sets' by ``dots``, else the parameters'; a shard's with
+    its group's ``reduce`` and the whole head's ``vocab_size``."""
     if support.kept_ids is not None:
-        return replayed_forward(head, support.kept_ids, dots)
-    return parameter_forward(head, support)
+        return replayed_forward(head, support.kept_ids, dots, reduce)
+    return parameter_forward(head, support, vocab_size, reduce)
 
 
 def backward(head, support, record, grad_logp, grad_support, grads, dots: KeptDots = TORCH_DOTS):

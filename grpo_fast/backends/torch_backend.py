@@ -62,8 +62,8 @@ class TorchBackend:
         """0: no three-sweep trained head here."""
         return 0
 
-    def support_forward(self, head, support):
-        return support_twin.forward(head, support)
+    def support_forward(self, head, support, vocab_size=None, reduce=None):
+        return support_twin.forward(head, support, vocab_size=vocab_size, reduce=reduce or support_twin.ONE_PROCESS)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads)

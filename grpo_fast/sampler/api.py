@@ -77,7 +77,8 @@ def sampler_logprobs(
         softcap: the logit soft-cap, or None.
         logit_scale: multiplies the raw logits.
         lora: LoRA on the head (a HeadLora or tuple), or None.
-        vocab_parallel: this rank's VocabShard, or None (untruncated only, for now).
+        vocab_parallel: this rank's VocabShard, or None ([vocab-parallel](../vocab-parallel.md): the kept set
+            over every shard, no row of logits gathered).
         backend: "auto", "triton" or "torch".
         check_values: read the value checks on the host: those of ``logprobs``, and for ``kept_ids`` ids in
             [-1, V), no id twice in a set and each target in its set (one synchronisation); with the sampling
@@ -94,8 +95,7 @@ def sampler_logprobs(
             integer tensor.
         ValueError: as ``logprobs_and_entropy``; top_k < -1, top_p outside (0, 1], min_p outside [0, 1], both
             kept_ids and the parameters, kept_ids of a shape other than [B, T, K], (with ``check_values``) a kept id
-            outside [0, V), an id twice in a set, a target outside its kept set; a truncating sampler on a
-            vocab-parallel head.
+            outside [0, V), an id twice in a set, a target outside its kept set.
     """
     call = SamplerCall.check(
         inputs.HeadCall.check(

@@ -12,7 +12,7 @@ from grpo_fast.backends.protocol import SamplerSupport
 from grpo_fast.head import inputs
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import HeadCall, Rows
-from grpo_fast.sampler import ops
+from grpo_fast.sampler import ops, vocab_parallel
 
 
 def check_sampling_parameters(top_k, top_p, min_p) -> SamplerSupport:
@@ -90,11 +90,6 @@ class SamplerCall:
             vocab_size = head.weight.shape[0] if head.shard is None else head.shard.vocab_size
             check_kept_ids(kept_ids, head, vocab_size)
             support = support._replace(kept_ids=kept_ids)
-        if head.shard is not None and support.truncates:
-            raise ValueError(
-                "sampler_logprobs of a vocab-parallel head: the kept set across shards is not implemented yet "
-                "(top_k / top_p / min_p and kept_ids need a whole head)"
-            )
         return cls(head, support)
 
     def logprobs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +100,11 @@ class SamplerCall:
         if not self.support.truncates:
             logp = logprobs_and_entropy_rows(head, rows, head.head_path)[0]
             return logp, logp
-        logp, support, drawable = ops.sampler_support(head.operands(rows), head.backend.name, self.rows_support(rows))
+        operands, kept = head.operands(rows), self.rows_support(rows)
+        if head.shard is not None:
+            logp, support, drawable = vocab_parallel.sampler_support(operands, head.backend, kept, head.shard)
+        else:
+            logp, support, drawable = ops.sampler_support(operands, head.backend.name, kept)
         if self.support.kept_ids is not None:
             logp = logprobs_and_entropy_rows(head, rows, head.head_path)[0]
         else:
