@@ -26,9 +26,10 @@ PUBLIC_ENTRIES = {"grpo_fast", "grpo_fast.trl", "grpo_fast.verl"}
 # parts are (kernels 5: divergence_loss -> divergence_gradient -> divergence_tile -> tile -> launch; backends 4:
 # resolver -> torch_backend -> divergence_twin -> head_twin; head 4: api -> vocab_parallel -> ops -> boundary; memory
 # 4 to grpo_loss, its __main__ included), never a detour through another part's internals: memory 4, grpo_loss 2
-# (api -> call), head 3, backends 2 (resolver -> triton_backend), kernels 5
+# (api -> call), head 3, backends 2 (resolver -> triton_backend), kernels 5; the sampler's part between head and
+# grpo_loss adds one level to loss's chain (grpo_loss.api -> grpo_loss.sampling -> sampler.call -> head.api)
 MAX_PART_DEPTH = 5
-MAX_DEPTH = 16
+MAX_DEPTH = 17
 # the one module that maps a compute capability to its tiles, and the one that turns a backend's name into the backend
 ARCH_CLASSIFIER = "grpo_fast.kernels.tiles"
 BACKEND_RESOLVER = "grpo_fast.backends.resolver"

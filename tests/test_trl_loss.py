@@ -601,6 +601,7 @@ GRPO_FAST_ONLY_KEYWORDS = {
     "teacher",
     "distillation_coef",
     "distillation_beta",
+    "sampling_correction",
 }
 
 

@@ -163,10 +163,11 @@ def loss(
         num_items_in_batch,
         entropy_threshold,
     )
-    correction = None
+    weights_of = None
     if sampling_correction is not None:
         correction = SamplingCorrection.checked(sampling_correction, head, old_logprobs, importance_weights, options)
-    return LossCall.check(head, batch, options, trained_head_chunk, distillation, correction).run()
+        weights_of = correction.weights
+    return LossCall.check(head, batch, options, trained_head_chunk, distillation, weights_of).run()
 
 
 def token_loss(

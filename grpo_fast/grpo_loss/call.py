@@ -7,6 +7,7 @@ layer 2. ``token_loss`` (layer 2 alone) shares ``LossBatch`` and ``token_loss_me
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,7 +17,6 @@ from grpo_fast.grpo_loss import ops
 from grpo_fast.grpo_loss.metrics import Metrics, metric_names
 from grpo_fast.grpo_loss.ops import PreparedBatch
 from grpo_fast.grpo_loss.options import LossOptions
-from grpo_fast.grpo_loss.sampling import CheckedCorrection
 from grpo_fast.head import paths
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import (
@@ -173,7 +173,9 @@ class LossCall:
     options: LossOptions
     trained_head_chunk: int | None
     distillation: Distillation | None
-    correction: CheckedCorrection | None = None
+    # the sampler's importance weights of the read rows, computed in the call (grpo_loss.sampling's
+    # CheckedCorrection.weights), or None
+    importance_weights_of: Callable[[Rows, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def check(
@@ -183,7 +185,7 @@ class LossCall:
         options: LossOptions,
         trained_head_chunk: int | None,
         distillation: Distillation | None,
-        correction: CheckedCorrection | None = None,
+        importance_weights_of: Callable[[Rows, torch.Tensor], torch.Tensor] | None = None,
     ) -> LossCall:
         """Every check of a call beyond layer 1's (``head``'s): the batch against the options, the trained head's
         chunk, the teacher against the student (the value checks queued on ``head.checks``)."""
@@ -191,15 +193,16 @@ class LossCall:
         _check_trained_head_chunk(trained_head_chunk, head, options)
         if distillation is not None:
             distillation.check_against(head)
-        return cls(head, batch, options, trained_head_chunk, distillation, correction)
+        return cls(head, batch, options, trained_head_chunk, distillation, importance_weights_of)
 
     def run(self) -> tuple[torch.Tensor, Metrics]:
         """(loss, Metrics): the scored rows, every value check read at once (the call's one host synchronisation),
         then the path the call takes (module docstring)."""
         rows = self.head.rows()
-        if self.correction is not None:  # the sampler's weights, over its support (grpo_loss.sampling)
-            weights = self.correction.weights(rows, self.batch.completion_mask)
-            return replace(self, batch=replace(self.batch, importance_weights=weights), correction=None)._run(rows)
+        if self.importance_weights_of is not None:  # the sampler's weights, over its support (grpo_loss.sampling)
+            weights = self.importance_weights_of(rows, self.batch.completion_mask)
+            batch = replace(self.batch, importance_weights=weights)
+            return replace(self, batch=batch, importance_weights_of=None)._run(rows)
         return self._run(rows)
 
     def _run(self, rows: Rows) -> tuple[torch.Tensor, Metrics]:

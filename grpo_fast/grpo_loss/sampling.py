@@ -63,13 +63,16 @@ class SamplingCorrection:
     Attributes:
         sampling_logprobs: [B, T] the sampler's log-probs of the sampled tokens (vLLM's ``processed_logprobs``; NaN
             where it gave none: no correction there).
-        top_k, top_p, min_p: the sampler's parameters (vLLM's and TRL's names and defaults), or
-        kept_ids: [B, T, K] its replayed kept sets (``pack_kept_ids``), instead.
+        top_k: the sampler's top-k (vLLM's and TRL's name; 0 or -1: none).
+        top_p: its top-p (1.0: none).
+        min_p: its min-p (0.0: none).
+        kept_ids: [B, T, K] its replayed kept sets (``pack_kept_ids``), instead of the three parameters.
         old_support_logprobs: [B, T] the old policy's support log-probs (``sampler_logprobs(...).support_logprobs``
             at generation); required with ``loss``'s ``old_logprobs``. None and on-policy: the policy's own, computed
             in the call (detached).
-        mode, clip_max, clip_min: TRL's ``vllm_importance_sampling_mode`` and bounds
-            (``sampling_importance_weights``).
+        mode: TRL's ``vllm_importance_sampling_mode`` (``sampling_importance_weights``).
+        clip_max: the upper bound, or None.
+        clip_min: the lower bound, or None.
     """
 
     sampling_logprobs: torch.Tensor
@@ -83,7 +86,22 @@ class SamplingCorrection:
     clip_min: float | None = None
 
     def checked(self, head: HeadCall, old_logprobs, importance_weights, options) -> CheckedCorrection:
-        """Every check against ``loss``'s call (the value checks queued on ``head.checks``)."""
+        """Every check against ``loss``'s call (the value checks queued on ``head.checks``).
+
+        Args:
+            head: the call's checked layer 1.
+            old_logprobs: ``loss``'s old_logprobs, or None.
+            importance_weights: ``loss``'s importance_weights, or None.
+            options: the call's LossOptions.
+
+        Returns:
+            The CheckedCorrection, whose ``weights`` the call reads once its rows are read.
+
+        Raises:
+            TypeError: not a SamplingCorrection; log-probs that are not float tensors.
+            ValueError: with importance_weights; old_logprobs without old_support_logprobs; a bad mode or bound; a
+                sequence mode for a loss type that takes per-token weights; shapes; bad sampling parameters.
+        """
         if not isinstance(self, SamplingCorrection):
             raise TypeError(f"sampling_correction must be a grpo_fast.SamplingCorrection, got {type(self).__name__}")
         if importance_weights is not None:

@@ -171,7 +171,7 @@ def add_fused_lm_head(
                     w, b = w.full_tensor(), None if b is None else b.full_tensor()
                 extra = _extra_outputs(h, w, b, lora, labels, mask, temperature, **transform, names=extras)
         if isinstance(task, _FusedLoss):  # the GRPO loss, its gradients from grpo_fast.loss
-            loss = task.loss
+            loss = task.head_loss
         else:  # TRL's, from the whole vocabulary's log-probs
             scored = task.logprobs[-1] if isinstance(task, _SamplerSupport) else log_probs
             loss = -scored.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
@@ -280,12 +280,12 @@ def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
 _HEAD_TASK: contextvars.ContextVar = contextvars.ContextVar("grpo_fast_trl_head_task", default=None)
 
 
-def _completion_columns(tensor, width, like):
-    """``tensor`` [B, T] (the last T positions) written into zeros shaped as ``like`` [B, width] (fp32), or None."""
+def _completion_columns(tensor, like):
+    """``tensor`` [B, T] written into the last T columns of fp32 zeros shaped as ``like`` [B, L]; None for None."""
     if tensor is None:
         return None
-    out = torch.zeros(like.shape[0], width, dtype=torch.float32, device=tensor.device)
-    out[:, width - tensor.shape[1] :] = tensor
+    out = torch.zeros(like.shape, dtype=torch.float32, device=tensor.device)
+    out[:, like.shape[1] - tensor.shape[1] :] = tensor
     return out
 
 
@@ -330,9 +330,11 @@ class _SamplerSupport:
 class _FusedLoss:
     """The policy's pass of TRL's ``_compute_loss`` with token-local options: the head computes TRL's loss by
     ``grpo_fast.loss`` on the completion's columns (the three-sweep trained head where it runs: the gradients formed
-    in the forward) into ``loss``, and returns the detached log-probs and entropies, from which TRL's own code then
-    computes its metrics (and the loss's value). ``loss`` is TRL's at one process without gradient accumulation; the
-    trainer scales it as TRL scales its own."""
+    in the forward) and returns the detached log-probs and entropies, from which TRL's own code then computes its
+    metrics (and the loss's value). The loss, TRL's at one process without gradient accumulation (the trainer scales
+    it as TRL scales its own), is the head's output's ``loss`` (``head_loss``); the trainer takes it from the output as
+    the model's wrappers return it (``loss``): DDP, FSDP2 and DeepSpeed ZeRO-3 prepare the backward (ZeRO-3 gathers
+    the parameters there) through hooks on the forward's outputs."""
 
     completion_mask: torch.Tensor  # [B, T]: TRL's mask (completion_mask x tool_mask)
     advantages: torch.Tensor
@@ -341,10 +343,11 @@ class _FusedLoss:
     importance_weights: torch.Tensor | None
     num_items_in_batch: torch.Tensor | None
     options: grpo_fast.LossOptions
+    head_loss: torch.Tensor | None = None
     loss: torch.Tensor | None = None
 
     def compute(self, h, w, b, lora, labels, mask, temperature, transform):
-        if self.loss is not None:
+        if self.head_loss is not None:
             raise RuntimeError("grpo_fast.trl: the loss's pass scored more than one batch")
         T = self.completion_mask.shape[1]
         device = h.device
@@ -352,7 +355,7 @@ class _FusedLoss:
         def here(x):
             return None if x is None else x.to(device)
 
-        self.loss, metrics = grpo_fast.loss(
+        self.head_loss, metrics = grpo_fast.loss(
             h[:, -T:],
             w,
             labels[:, -T:],
@@ -368,10 +371,20 @@ class _FusedLoss:
             lora=lora,
             **transform,
         )
-        width = labels.shape[1]
-        return _completion_columns(metrics.logprobs, width, labels), _completion_columns(
-            metrics.entropies, width, labels
-        )
+        return _completion_columns(metrics.logprobs, labels), _completion_columns(metrics.entropies, labels)
+
+
+class _OutputsKept:
+    """``model`` as TRL's scoring pass calls it (TRL 1.16 only calls it), keeping each output as the model's wrappers
+    return it."""
+
+    def __init__(self, model):
+        self.model, self.outputs = model, []
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        self.outputs.append(out)
+        return out
 
 
 def _vllm_truncation(trainer) -> dict | None:
@@ -522,11 +535,17 @@ class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
         task, self._next_head_task = getattr(self, "_next_head_task", None), None
         if task is None:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        kept = _OutputsKept(model)
         token = _HEAD_TASK.set(task)
         try:
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            result = super()._get_per_token_logps_and_entropies(kept, *args, **kwargs)
         finally:
             _HEAD_TASK.reset(token)
+        if isinstance(task, _FusedLoss):
+            if len(kept.outputs) != 1 or task.head_loss is None:
+                raise RuntimeError("grpo_fast.trl: the loss's pass did not score its batch in one fused-head call")
+            task.loss = kept.outputs[0].loss
+        return result
 
     # ------------------------------------------------------------------------------ the correction's support
     def _generate_and_score_completions(self, inputs):
