@@ -262,14 +262,27 @@ def test_replayed_sets_equal_the_parameters(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_confident_tokens(backend, device):
-    # logits of ~40 apart: the kept mass is 1 - 1e-17; its log and the gradients exact relative to their size
+@pytest.mark.parametrize("replayed", [False, True], ids=["parameters", "replayed"])
+def test_confident_tokens(backend, replayed, device):
+    # logits of ~40 apart: the kept mass is 1 - 1e-17; its log and the gradients exact relative to their size (the
+    # target's column 1 - p_y and 1 - q_y carried: formed as 1 - p they would cancel to 0)
     dev = backend_device(backend, device)
     h, w, b, _ = head_inputs(2, 5, 32, 90, torch.float32, scale=3.0, device=dev)
-    y = _z(h, w, b, 1.0).argmax(-1)
-    coefficients = (torch.ones(y.shape, device=dev), -torch.ones(y.shape, device=dev))
-    (logp, support, log_mass), _ = _check(backend, torch.float32, h, w, b, y, coefficients, top_p=0.95)
+    z = _z(h, w, b, 1.0)
+    y = z.argmax(-1)
+    params = dict(top_p=0.95)
+    if replayed:  # the two most likely entries: q_y is 1 - 1e-17 too
+        params = dict(kept_ids=z.topk(2, dim=-1).indices)
+    coefficients = (torch.zeros(y.shape, device=dev), torch.ones(y.shape, device=dev))  # the support alone
+    (_, _, log_mass), grads = _check(backend, torch.float32, h, w, b, y, coefficients, **params)
     assert bool((log_mass <= 0).all())
+    # each token's dL/dh = (1 - q_y) (W_y - E_q[W]) exact relative to its own size, the confident ones' too (1e-6
+    # of the others': formed as 1 - q_y by cancellation, their error would be 1e-7 / 1e-6 of their size)
+    (_, ref_grads) = _run(_spec, h, w, b, y, coefficients, **params)
+    row_error = (grads[0] - ref_grads[0].float()).abs().amax(-1)
+    row_size = ref_grads[0].abs().amax(-1).float()
+    assert row_size.min().item() < 1e-4 * row_size.max().item()  # the case holds confident tokens
+    assert bool((row_error <= 1e-4 * row_size).all()), (row_error / row_size).max()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

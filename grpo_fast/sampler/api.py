@@ -22,7 +22,8 @@ class SamplerLogprobs(NamedTuple):
         support_logprobs: the same renormalised over the kept set: z_y - log sum_{v kept} exp(z_v), what vLLM's
             ``processed_logprobs`` returns for a sampled token (NaN where the target is not in its kept set and
             ``check_values`` is False).
-        log_kept_mass: logprobs - support_logprobs, the log of the kept set's probability mass (<= 0).
+        log_kept_mass: logprobs - support_logprobs, the log of the kept set's probability mass (<= 0: clamped at 0
+            where the kept set holds all but a rounding error of the mass).
     """
 
     logprobs: torch.Tensor
@@ -120,4 +121,6 @@ def sampler_logprobs(
     logp, support = call.logprobs(call.head.rows())
     if support is logp:  # untruncated
         return SamplerLogprobs(logp, logp, torch.zeros_like(logp))
-    return SamplerLogprobs(logp, support, logp - support)
+    # log S <= 0; where S rounds to 1, the two log-probs' own rounding (a few ulp of the logits) must not make it
+    # positive
+    return SamplerLogprobs(logp, support, torch.clamp(logp - support, max=0.0))
