@@ -139,9 +139,7 @@ class TritonBackend:
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters:
         the chunked-torch twin's selection (``support_twin``; its rows of logits from cuBLAS, one byte-budgeted
         chunk at a time): the selection has no kernel yet."""
-        return support_twin.forward(
-            head, support, KEPT_SET_KERNELS, vocab_size, reduce or support_twin.ONE_PROCESS
-        )
+        return support_twin.forward(head, support, KEPT_SET_KERNELS, vocab_size, reduce or support_twin.ONE_PROCESS)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)

@@ -103,6 +103,4 @@ def sampler_support(head: HeadOperands, backend, support: SamplerSupport, shard:
     if support.kept_ids is not None:
         support = support._replace(kept_ids=local_kept_ids(support.kept_ids, shard, rows))
     targets = local_targets(head.targets, shard, rows)
-    return _ShardSupport.apply(
-        backend, support, shard, head.transform, targets, head.hidden, head.weight, head.bias
-    )
+    return _ShardSupport.apply(backend, support, shard, head.transform, targets, head.hidden, head.weight, head.bias)
