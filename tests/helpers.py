@@ -250,3 +250,22 @@ def tiny_generator_config():
     )
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     return Qwen2Config(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=512, **shape, **special)
+
+
+def run_suite_in_environment(python, folder, request, timeout, *extra):
+    """pytest on ``folder`` (relative to the checkout) in another environment's ``python``, with this session's ``-m``
+    expression (``pytest`` runs them all, ``pytest -m "not slow"`` their fast tier); fails with its output unless it
+    passed."""
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning", *extra, folder]
+    markexpr = request.config.getoption("markexpr")
+    if markexpr:
+        command += ["-m", markexpr]
+    run = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    print(f"{python}: {summary}")
+    sys.stdout.flush()
+    assert run.returncode == 0, f"{folder} failed in {python}:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary

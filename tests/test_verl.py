@@ -10,14 +10,10 @@ collected by this session directly and this test skips.
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_suite_in_environment
 
-ROOT = Path(__file__).resolve().parent.parent
 VERL_PYTHON = os.environ.get("GRPO_FAST_VERL_PYTHON")
 TIMEOUT_S = 40 * 60
 
@@ -35,23 +31,4 @@ TIMEOUT_S = 40 * 60
 )
 def test_verl_environment(request):
     assert VERL_PYTHON, "CI=true but GRPO_FAST_VERL_PYTHON is not set: .ci/run builds verl's environment and sets it"
-    command = [
-        VERL_PYTHON,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore::UserWarning",
-        "tests/verl_env",
-    ]
-    markexpr = request.config.getoption("markexpr")
-    if markexpr:
-        command += ["-m", markexpr]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    print(f"{VERL_PYTHON}: {summary}")
-    sys.stdout.flush()
-    assert run.returncode == 0, f"tests/verl_env failed in {VERL_PYTHON}:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+    run_suite_in_environment(VERL_PYTHON, "tests/verl_env", request, TIMEOUT_S)

@@ -11,14 +11,10 @@ environment, tests/vllm_env is collected by this session directly and this test 
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_suite_in_environment
 
-ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("GRPO_FAST_VLLM_PYTHON")
 TIMEOUT_S = 30 * 60
 
@@ -36,27 +32,6 @@ TIMEOUT_S = 30 * 60
 )
 def test_vllm_environment(request):
     assert VLLM_PYTHON, "CI=true but GRPO_FAST_VLLM_PYTHON is not set: .ci/run builds vLLM's environment and sets it"
-    command = [
-        VLLM_PYTHON,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore::UserWarning",
-        # vLLM's and torch's loggers write where they write, not into pytest's records (torch's trace logger would
-        # record every compile at DEBUG into a failure's report)
-        "-p",
-        "no:logging",
-        "tests/vllm_env",
-    ]
-    markexpr = request.config.getoption("markexpr")
-    if markexpr:
-        command += ["-m", markexpr]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    print(f"{VLLM_PYTHON}: {summary}")
-    sys.stdout.flush()
-    assert run.returncode == 0, f"tests/vllm_env failed in {VLLM_PYTHON}:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+    # vLLM's and torch's loggers write where they write, not into pytest's records (torch's trace logger would
+    # record every compile at DEBUG into a failure's report)
+    run_suite_in_environment(VLLM_PYTHON, "tests/vllm_env", request, TIMEOUT_S, "-p", "no:logging")

@@ -14,7 +14,6 @@ no tensor-core dot: a gathered row is shared by no other token of the tile), fp3
 the [N, K] fp32 logits and gradients.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -124,77 +123,34 @@ def _kept_grad_table_kernel(
         )
 
 
-def _grid_over_slots(ids):
+def _launch(kernel, grid, a, b, ids, out, E):
+    """One kernel of the family on (a, b, ids, out): the three share their arguments' order and meaning (a: the
+    per-token operand, b: the per-vocabulary one, E: the width of their rows)."""
+    if ids.shape[0] and ids.shape[1]:
+        strides = (a.stride(0), b.stride(0), ids.stride(0), out.stride(0))
+        kernel[grid](a, b, ids, out, ids.shape[1], E, *strides, BLOCK_K=BLOCK_K, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS)
+    return out
+
+
+def _slots(ids):
+    """The grid over each token's kept slots, BLOCK_K a program."""
     return (ids.shape[0], triton.cdiv(ids.shape[1], BLOCK_K))
 
 
 @on_first_argument_device
 def kept_dot(x, y, ids, out):
     """out [N, K] fp32 += x[n] . y[ids[n, j]] (x [N, E], y [V, E] rows contiguous; ids [N, K] int64, -1 off)."""
-    if ids.shape[0] and ids.shape[1]:
-        _kept_dot_kernel[_grid_over_slots(ids)](
-            x,
-            y,
-            ids,
-            out,
-            ids.shape[1],
-            x.shape[1],
-            x.stride(0),
-            y.stride(0),
-            ids.stride(0),
-            out.stride(0),
-            BLOCK_K=BLOCK_K,
-            BLOCK_E=BLOCK_E,
-            num_warps=NUM_WARPS,
-        )
-    return out
+    return _launch(_kept_dot_kernel, _slots(ids), x, y, ids, out, x.shape[1])
 
 
 @on_first_argument_device
 def kept_grad_rows(g, y, ids, out):
     """out [N, E] fp32 += sum_j g[n, j] y[ids[n, j]] (g [N, K] fp32)."""
-    if ids.shape[0] and ids.shape[1]:
-        grid = (ids.shape[0], triton.cdiv(y.shape[1], BLOCK_E))
-        _kept_grad_rows_kernel[grid](
-            g,
-            y,
-            ids,
-            out,
-            ids.shape[1],
-            y.shape[1],
-            g.stride(0),
-            y.stride(0),
-            ids.stride(0),
-            out.stride(0),
-            BLOCK_K=BLOCK_K,
-            BLOCK_E=BLOCK_E,
-            num_warps=NUM_WARPS,
-        )
-    return out
+    grid = (ids.shape[0], triton.cdiv(y.shape[1], BLOCK_E))
+    return _launch(_kept_grad_rows_kernel, grid, g, y, ids, out, y.shape[1])
 
 
 @on_first_argument_device
 def kept_grad_table(g, x, ids, out):
     """out [V, E] fp32, out[ids[n, j]] += g[n, j] x[n] (fp32 atomics; g [N, K] fp32, x [N, E])."""
-    if ids.shape[0] and ids.shape[1]:
-        _kept_grad_table_kernel[_grid_over_slots(ids)](
-            g,
-            x,
-            ids,
-            out,
-            ids.shape[1],
-            x.shape[1],
-            g.stride(0),
-            x.stride(0),
-            ids.stride(0),
-            out.stride(0),
-            BLOCK_K=BLOCK_K,
-            BLOCK_E=BLOCK_E,
-            num_warps=NUM_WARPS,
-        )
-    return out
-
-
-def empty_logits(ids):
-    """The [N, K] fp32 zeros ``kept_dot`` adds into."""
-    return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    return _launch(_kept_grad_table_kernel, _slots(ids), g, x, ids, out, x.shape[1])
