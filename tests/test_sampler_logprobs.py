@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from conftest import assert_grad_close, backend_device
-from helpers import head_inputs, randn
+from helpers import head_inputs, non_finite_inputs, randn
 
 import grpo_fast
 from grpo_fast import reference
@@ -369,3 +369,22 @@ def test_pack_kept_ids():
         grpo_fast.pack_kept_ids(kept, length=1)
     with pytest.raises(ValueError, match="kept ids must be >= 0"):
         grpo_fast.pack_kept_ids([[[1, -3]]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rule", ["top_p", "replayed"])
+def test_a_nan_reaches_its_row_only(backend, rule, device):
+    # a NaN hidden state: NaN log-probs at its token, never an error that calls it a target outside its set, and the
+    # other tokens as without it
+    dev = backend_device(backend, device)
+    h, w, b, y, params = _case(rule, torch.float32, dev)
+    clean = grpo_fast.sampler_logprobs(h, w, y, bias=b, temperature=0.8, backend=backend, **params)
+    h = h.clone()
+    h[1, 2, 5] = float("nan")
+    with non_finite_inputs():
+        out = grpo_fast.sampler_logprobs(h, w, y, bias=b, temperature=0.8, backend=backend, **params)
+    nan = torch.zeros_like(y, dtype=torch.bool)
+    nan[1, 2] = True
+    for x, c in zip(out, clean):
+        assert bool(x[nan].isnan().all())
+        assert torch.equal(x[~nan], c[~nan])

@@ -66,13 +66,21 @@ class SamplerOpOperands(NamedTuple):
         return SamplerSupport(self.top_k, self.top_p, self.min_p, self.kept_ids)
 
 
+def drawable_targets(record: SupportRecord, replayed: bool) -> torch.Tensor:
+    """[N] bool: the target is in its kept set (a replayed set holds it; its logit is at or above the threshold). A
+    NaN logit counts as drawable: its NaN then reaches the outputs as what it is, not as a target outside its set."""
+    if replayed:
+        return record.target_logit != -math.inf
+    return ~(record.target_logit < record.threshold)
+
+
 def _sampler_support(*operands):
     """(logp, support, drawable, *SupportRecord), [N] each: logp and the record's threshold, lse and
     nontarget_mass empty with replayed sets (layer 1's op gives their log-prob)."""
     operands = SamplerOpOperands(*operands)
     record = named(operands.backend).support_forward(operands.head(), operands.support())
     replayed = operands.kept_ids is not None
-    drawable = record.target_logit > -math.inf if replayed else record.target_logit >= record.threshold
+    drawable = drawable_targets(record, replayed)
     support = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
     logp = record.target_logit[:0].clone() if replayed else record.target_logit - record.lse
     return (logp, support, drawable, *record)

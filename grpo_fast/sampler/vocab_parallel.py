@@ -23,6 +23,7 @@ import torch.distributed as dist
 from grpo_fast.backends.protocol import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.vocab_parallel import local_targets
+from grpo_fast.sampler.ops import drawable_targets
 
 
 class GroupReduce:
@@ -65,7 +66,7 @@ class _ShardSupport(torch.autograd.Function):
         head = HeadOperands(hidden, weight, targets, bias, transform, None)
         record = backend.support_forward(head, support, shard.vocab_size, GroupReduce(shard.group))
         replayed = support.kept_ids is not None
-        drawable = record.target_logit > -math.inf if replayed else record.target_logit >= record.threshold
+        drawable = drawable_targets(record, replayed)
         support_logp = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
         logp = record.target_logit[:0].clone() if replayed else record.target_logit - record.lse
         ctx.backend, ctx.support, ctx.shard, ctx.transform = backend, support, shard, transform
