@@ -6,7 +6,8 @@ head and Liger-Kernel, on dense and padded batches.
 
 Modules: shapes (the named lm_head shapes and token counts), impls (the registry of implementations),
 inputs (the batches and the chunked fp64 truth), completion_lengths (the padded batch's GSM8K lengths),
-measure (timers, peak memory, matmul throughput), runner (the sweep), report (JSON, Markdown, goals, plot),
+measure (timers, peak memory, matmul throughput), runner (the sweep), report (JSON, Markdown, goals, plot), sampler
+(the sampler mode: grpo_fast.sampler_logprobs beside the plain log-prob pass, issue 45),
 summary (the top-level README's picture from committed results: python -m bench.summary).
 See bench/README.md.
 """

@@ -5,6 +5,7 @@ peak memory and precision against fp64, on dense and padded batches.
     python -m bench                                           # the full sweep
     python -m bench --shapes qwen2.5-1.5b --tokens 16384 --impls eager,trl,liger,grpo_fast --mode fwdbwd
     python -m bench --shapes 64x2000 --tokens 512 --device cpu --dtype float32 --scenarios padded
+    python -m bench --mode sampler --shapes qwen2.5-1.5b --tokens 4k,16k    # grpo_fast.sampler_logprobs (issue 45)
 
 Writes <out>/<device>-<date>[-quick].json, .md and .png (see bench/README.md); <out> is runs/bench/ in the
 repository (ignored by git) unless --out names another folder (--out bench/results: results to commit).
@@ -23,6 +24,7 @@ import torch
 from bench import THREAD_POLICY, completion_lengths, measure, report, runner
 from bench import impls as impl_registry
 from bench.inputs import LOSS_CONFIG, SCENARIOS
+from bench.sampler import SAMPLER_MODES, sampler_meta
 from bench.shapes import (
     CPU_FULL_SHAPES,
     CPU_QUICK_SHAPES,
@@ -48,6 +50,16 @@ DTYPES = {
     "fp16": torch.float16,
     "float32": torch.float32,
     "fp32": torch.float32,
+}
+
+
+# --mode's choices: the record modes each runs
+MODE_CHOICES = {
+    "fwdbwd": ["fwdbwd"],
+    "logprobs": ["logprobs"],
+    "both": ["fwdbwd", "logprobs"],
+    "sampler": list(SAMPLER_MODES),
+    "all": ["fwdbwd", "logprobs", *SAMPLER_MODES],
 }
 
 
@@ -89,7 +101,14 @@ def parse_args(argv=None):
         + ", ".join(impl_registry.IMPLS)
         + f" (default GPU {','.join(impl_registry.DEFAULT_GPU)}; CPU {','.join(impl_registry.DEFAULT_CPU)})",
     )
-    p.add_argument("--mode", choices=("fwdbwd", "logprobs", "both"), default="both")
+    p.add_argument(
+        "--mode",
+        choices=tuple(MODE_CHOICES),
+        default="both",
+        help="fwdbwd (the GRPO loss, forward + backward), logprobs (no grad), both (those two), sampler "
+        "(grpo_fast.sampler_logprobs beside the plain log-prob pass, no-grad and forward + backward, on a batch of "
+        "drawable targets: bench/sampler.py), all (the three) (default both)",
+    )
     p.add_argument(
         "--scenarios",
         default=",".join(SCENARIOS),
@@ -152,8 +171,13 @@ def build_options(args):
         tokens = list(GPU_QUICK_TOKENS if args.quick else GPU_TOKENS)
     else:
         tokens = list(CPU_QUICK_TOKENS if args.quick else CPU_TOKENS)
+    modes = MODE_CHOICES[args.mode]
     impls = impl_registry.resolve(_csv(args.impls), device)
-    modes = ["fwdbwd", "logprobs"] if args.mode == "both" else [args.mode]
+    if not args.impls and any(m in SAMPLER_MODES for m in modes):
+        # the sampler mode's rows beside the defaults, and only the implementations that run in a chosen mode
+        impls = [
+            i for i in impls + impl_registry.resolve(impl_registry.DEFAULT_SAMPLER, device) if set(i.modes) & set(modes)
+        ]
     scenarios = _csv(args.scenarios)
     for scenario in scenarios:
         if scenario not in SCENARIOS:
@@ -232,6 +256,8 @@ def main(argv=None):
     )
     if not cuda:
         meta["banner"] = report.CPU_BANNER
+    if any(m in SAMPLER_MODES for m in opts.modes):
+        meta["sampler"] = sampler_meta()
 
     def write(records, complete):
         report.derive(records, peak)

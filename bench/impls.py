@@ -5,6 +5,9 @@ An Impl builds, for a mode, a function of (inputs, weight):
                    backward on it, so the timed region is forward + backward (gradients of hidden and weight).
   mode "logprobs": returns the per-token log-probs [B, T] of the targets, without autograd (only the completion
                    tokens' are checked: an implementation that skips the padding may leave anything there).
+  mode "sampler":  the same on the sampler mode's batch (bench/sampler.py: drawable targets, replayed kept sets),
+                   or a grpo_fast.SamplerLogprobs (the sampler_logprobs rows).
+  mode "sampler_fwdbwd": that batch's loss sum c logp (+ d support_logp for the sampler_logprobs rows).
 ``weight`` is inputs.weight (requires grad) or, for a frozen Impl, inputs.weight_frozen (the same storage, no
 grad: the LoRA case, no dW). Every implementation gets the same batch, completion mask (inputs.mask) and loss
 configuration (inputs.options, .temperature, .num_items_in_batch); those that can skip the padding are given the
@@ -21,9 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 import grpo_fast
+from bench import sampler
 from grpo_fast import reference
 
 MODES = ("fwdbwd", "logprobs")
+# the sampler mode's (bench/sampler.py): no-grad (the old policy's pass) and forward + backward, on its own batch
+SAMPLER_MODES = sampler.SAMPLER_MODES
 
 
 @dataclass
@@ -242,6 +248,10 @@ def _build_trl(mode, options):
         )  # no soft-cap, logit scale 1 (Qwen2.5's, Llama's heads); the temperature: applied in the head
         return [None if t is None else t.new_zeros(x.mask.shape).masked_scatter(x.mask, t) for t in per_token[:2]]
 
+    if mode == "sampler":
+        mode = "logprobs"
+    elif mode == "sampler_fwdbwd":  # the log-probs alone (the reference model's outputs), with their gradient
+        return lambda x, w: sampler.plain_loss(completion_outputs(x, w, False)[0], x)
     return _completion_head_impl(mode, completion_outputs)
 
 
@@ -252,6 +262,7 @@ register_with_frozen(
     _build_trl,
     _trl_unavailable,
 )
+IMPLS["trl"].modes = MODES + SAMPLER_MODES  # the sampler mode's peer: its log-prob pass (and its gradient)
 
 # ----------------------------------------------------------------------------------------------- verl
 # verl 0.9's fused heads. Its torch backend (fused_kernel_options.impl_backend=torch): FusedLinearForPPO, chunks of
@@ -346,6 +357,13 @@ register_with_frozen(
 
 def _build_grpo_fast(mode, options, head_path="auto"):
     backend = options.get("backend", "auto")
+    if mode == "sampler_fwdbwd":  # the plain log-prob pass with its gradient: the sampler rows' baseline
+        return lambda x, w: sampler.plain_loss(
+            grpo_fast.logprobs_and_entropy(
+                x.hidden, w, x.targets, temperature=x.temperature, completion_mask=x.mask, backend=backend
+            )[0],
+            x,
+        )
     if mode == "fwdbwd":
         return lambda x, w: grpo_fast.loss(
             x.hidden,
@@ -369,7 +387,17 @@ def _build_grpo_fast_general_path(mode, options):
     return _build_grpo_fast(mode, options, head_path="general")
 
 
-register(Impl("grpo_fast", "grpo_fast (Triton on CUDA; chunked torch on a CPU)", _build_grpo_fast))
+register(
+    Impl(
+        "grpo_fast",
+        "grpo_fast (Triton on CUDA; chunked torch on a CPU)",
+        _build_grpo_fast,
+        modes=MODES + SAMPLER_MODES,
+    )
+)
+# the sampler mode's rows: grpo_fast.sampler_logprobs with the sampling parameters or replayed kept sets
+for _name in sampler.VARIANTS:
+    register(Impl(_name, sampler.LABELS[_name], sampler.build_variant(_name), modes=SAMPLER_MODES))
 register(
     Impl(
         "grpo_fast_frozen",
@@ -410,6 +438,8 @@ DEFAULT_CPU = (
     "trl_frozen",  # torch.compile on a CPU: ask
     "grpo_fast_frozen_recompute",
 )
+# the sampler mode's (with the plain pass's grpo_fast and trl rows from the defaults above)
+DEFAULT_SAMPLER = tuple(sampler.VARIANTS)
 
 
 def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:
@@ -417,8 +447,9 @@ def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:
     forward + backward with the logits recomputed: 8NDV (forward, recompute, dH, dW); a frozen lm_head: 4NDV (the
     logits and d logp / dh = P' W built in the forward, grpo_fast_frozen's two sweeps; a recomputing backward does
     6NDV). Padding is no part of the work: an implementation that computes it does more. Each record also holds the
-    matmul FLOPs the implementation did run, counted (``matmul_flops``, CPU runs: see runner.count_matmul_flops)."""
-    if mode == "logprobs":
+    matmul FLOPs the implementation did run, counted (``matmul_flops``, CPU runs: see runner.count_matmul_flops). The
+    sampler mode's floors are the plain pass's: 2NDV no-grad, 8NDV forward + backward."""
+    if mode in ("logprobs", "sampler"):
         return 2 * N * D * V
     return (4 if frozen else 8) * N * D * V
 

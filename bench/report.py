@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from bench import sampler
+from bench.sampler import SAMPLER_MODES
 from bench.shapes import GOAL_SHAPE, GOAL_TOKENS
 
 SCHEMA_VERSION = 2  # 2: scenarios (dense, padded), the fp64 truth, flops on the completion tokens
@@ -65,7 +67,7 @@ def device_info(device) -> dict:
 def git_commit() -> dict:
     """The commit (BENCH_COMMIT overrides: for a copy of the tree without its .git, e.g. on a GPU machine)."""
     if os.environ.get("BENCH_COMMIT"):
-        return dict(commit=os.environ["BENCH_COMMIT"], commit_dirty=None)
+        return dict(commit=os.environ["BENCH_COMMIT"], commit_short=os.environ["BENCH_COMMIT"][:7], commit_dirty=None)
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(
@@ -81,7 +83,10 @@ def git_commit() -> dict:
             ).stdout.strip()
             != ""
         )
-        return dict(commit=commit or "unknown", commit_dirty=dirty)
+        short = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        return dict(commit=commit or "unknown", commit_short=short or None, commit_dirty=dirty)
     except Exception:  # noqa: BLE001
         return dict(commit="unknown", commit_dirty=None)
 
@@ -150,6 +155,10 @@ def derive(records, matmul_tflops):
         r["ratio_time_vs_product"] = r["median_ms"] / product if ok and product else None
         d = ok_records.get((r["shape"], r["N"], "dense", r["mode"], r["impl"])) if r["scenario"] != "dense" else None
         r["ratio_time_vs_dense"], r["ratio_mem_vs_dense"] = _ratios(r, d) if ok else (None, None)
+        if r["mode"] in SAMPLER_MODES:  # against the plain log-prob pass and TRL's head, same point and mode
+            for peer, impl in (("plain", "grpo_fast"), ("trl", "trl")):
+                other = ok_records.get((r["shape"], r["N"], r["scenario"], r["mode"], impl))
+                r[f"ratio_time_vs_{peer}"], r[f"ratio_mem_vs_{peer}"] = _ratios(r, other) if ok else (None, None)
     return records
 
 
@@ -328,8 +337,17 @@ def _batch(r):
     return "dense" if r["scenario"] == "dense" else f"{r['scenario']} {100 * r['fill']:.0f}%"
 
 
-MODES_ORDER = ("fwdbwd", "logprobs")
-MODE_TITLES = {"fwdbwd": "Forward + backward (loss, dH, dW)", "logprobs": "Log-probs, no grad (reference / old policy)"}
+MODES_ORDER = ("fwdbwd", "logprobs", *SAMPLER_MODES)
+MODE_TITLES = {
+    "fwdbwd": "Forward + backward (loss, dH, dW)",
+    "logprobs": "Log-probs, no grad (reference / old policy)",
+    "sampler": "Sampler log-probs, no grad (the old policy's pass: grpo_fast.sampler_logprobs)",
+    "sampler_fwdbwd": "Sampler log-probs, forward + backward (d/dH, d/dW of sum c logp + d support)",
+}
+# the plot's short name of each mode
+MODE_SHORT = {"fwdbwd": "fwd+bwd", "logprobs": "log-probs", "sampler": "sampler", "sampler_fwdbwd": "sampler fwd+bwd"}
+# the modes of the generic tables (the sampler modes have their own section: sampler_markdown)
+GENERIC_MODES = ("fwdbwd", "logprobs")
 
 
 def display_order(doc):
@@ -414,7 +432,9 @@ def markdown(doc) -> str:
         ]
     v = m["versions"]
     lines += [
-        f"- date: {m['date']}; commit `{m['commit']}`" + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
+        f"- date: {m['date']}; commit `{m['commit']}`"
+        + (f" (`{m['commit_short']}`)" if m.get("commit_short") else "")
+        + (" (uncommitted changes)" if m.get("commit_dirty") else ""),
         f"- torch {v['torch']}, triton {v.get('triton')}, trl {v.get('trl') or 'not installed'}, "
         f"liger-kernel {v.get('liger_kernel') or 'not installed'}, python {v['python']}"
         + (f", CUDA {m['cuda_version']}" if m.get("cuda_version") else ""),
@@ -446,15 +466,20 @@ def markdown(doc) -> str:
         "on the completion tokens: loss |error|; dH, dW: max |error| / max |truth|; logp: max |error| in nats. "
         "Beyond the guard's tolerances an implementation is `wrong` and not timed; `oom` ran out of memory",
         "",
-        f"## Goals (Qwen2.5-1.5B shape, N = {GOAL_TOKENS} tokens, fwd+bwd)",
-        "",
-        "| goal | target | measured | result | note |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for g in doc.get("goals", []):
-        lines.append(f"| {g['goal']} | {g['target']} | {g['measured'] or ''} | **{g['result']}** | {g['note']} |")
-    lines += ["", "## Summary", "", *summary_markdown(doc), ""]
-    for mode in MODES_ORDER:
+    generic = any(r["mode"] in GENERIC_MODES for r in records) or not records
+    if generic:  # the goals are the loss head's (fwd+bwd): a run of the sampler mode alone has none to show
+        lines += [
+            f"## Goals (Qwen2.5-1.5B shape, N = {GOAL_TOKENS} tokens, fwd+bwd)",
+            "",
+            "| goal | target | measured | result | note |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for g in doc.get("goals", []):
+            lines.append(f"| {g['goal']} | {g['target']} | {g['measured'] or ''} | **{g['result']}** | {g['note']} |")
+        lines += ["", "## Summary", "", *summary_markdown(doc), ""]
+    lines += sampler_markdown(doc, records)
+    for mode in GENERIC_MODES:
         rows = [r for r in records if r["mode"] == mode]
         if not rows:
             continue
@@ -478,7 +503,11 @@ def markdown(doc) -> str:
                 f"| {_fmt(r['pct_of_matmul_peak'], '.1f')} | {_fmt(_sweeps(r), '.2f')} | {errors} |"
             )
         lines.append("")
-    padded = [r for r in records if r["scenario"] != "dense" and r["status"] not in ("unavailable", "skipped")]
+    padded = [
+        r
+        for r in records
+        if r["scenario"] != "dense" and r["status"] not in ("unavailable", "skipped") and r["mode"] in GENERIC_MODES
+    ]
     if padded:
         dense = {(r["shape"], r["N"], r["mode"], r["impl"]): r for r in records if r["scenario"] == "dense"}
         lines += [
@@ -520,6 +549,85 @@ def markdown(doc) -> str:
     return "\n".join(lines)
 
 
+SAMPLER_ERROR_COLUMNS = {
+    "sampler": (("logprobs_max_abs_err", "logp err"), ("support_max_abs_err", "support err")),
+    "sampler_fwdbwd": ERROR_COLUMNS["fwdbwd"],
+}
+
+
+def sampler_markdown(doc, records) -> list[str]:
+    """The sampler mode's section: issue 45's targets, then a table per mode (no grad, forward + backward) with each
+    row's time and memory against the plain log-prob pass (grpo_fast), TRL's head and cuBLAS's product measured in the
+    same run, its precision against the fp64 spec and its kept sets."""
+    rows = [r for r in records if r["mode"] in SAMPLER_MODES]
+    if not rows:
+        return []
+    s = doc["meta"].get("sampler") or {}
+    lines = [
+        "## Sampler log-probs: grpo_fast.sampler_logprobs (issue 45)",
+        "",
+        "`grpo_fast` is the plain log-prob pass (`grpo_fast.logprobs`; forward + backward: `logprobs_and_entropy`'s "
+        "log-probs), `trl` TRL 1.16's head's log-prob pass, the `sampler_*` rows `grpo_fast.sampler_logprobs` with "
+        "the sampling parameters (the parameters' path: each chunk of token rows' whole fp32 logits) or replayed "
+        "`kept_ids` (the K kept entries' logits, the full log-prob by the plain op), all on one batch whose targets "
+        "every rule could have drawn"
+        + (f" ({s['targets']})" if s.get("targets") else "")
+        + (f"; replayed sets: {s['replayed_sets']}" if s.get("replayed_sets") else "")
+        + ". `x plain`, `x trl`: the time (`mem x`: the peak memory) over the plain pass's and TRL's at the same "
+        "point and mode; `x product`: over cuBLAS's bare H W^T at the point (CUDA; a log-prob pass's floor is 1); "
+        "`x dense`: a padded batch's time over the dense one's. Forward + backward differentiates "
+        + (s.get("loss") or "sum c logp + d support")
+        + ". Precision against the fp64 spec (`reference.logits`, `reference.kept_mask`, the support's formula): "
+        "`support err` over the certain tokens; `uncertain`: tokens whose fp64 kept set a rounding of the logits "
+        "could change"
+        + (f" ({s['uncertain_tokens']})" if s.get("uncertain_tokens") else "")
+        + "; `kept`: the kept sets' median / largest size (a replayed set: its entries).",
+        "",
+        "### Targets (issue 45: the no-grad pass's time over the plain log-prob pass's, same run)",
+        "",
+        "| shape | N | batch | implementation | target | measured | result | note |",
+        "| --- | ---: | --- | --- | ---: | ---: | --- | --- |",
+    ]
+    by_key = {(r["shape"], r["N"], r["scenario"], r["mode"], r["impl"]): r for r in rows}
+    for t in sampler.target_rows(doc):
+        r = by_key.get((t["shape"], t["N"], t["scenario"], "sampler", t["impl"]), {"scenario": t["scenario"]})
+        batch = _batch(r) if "fill" in r else t["scenario"]
+        lines.append(
+            f"| {t['shape']} | {t['N']} | {batch} | {t['impl']} | <= {t['target']:.2f}x "
+            f"| {_fmt(t['measured'], '.3f')}{'x' if t['measured'] is not None else ''} | **{t['result']}** "
+            f"| {t['note']} |"
+        )
+    lines.append("")
+    for mode in SAMPLER_MODES:
+        mode_rows = [r for r in rows if r["mode"] == mode]
+        if not mode_rows:
+            continue
+        columns = SAMPLER_ERROR_COLUMNS[mode]
+        lines += [
+            f"### {MODE_TITLES[mode]}",
+            "",
+            "| shape | N | batch | implementation | status | median ms | x plain | x trl | x product | x dense "
+            "| peak MiB | mem x plain | mem x trl | matmul / 2NDV | "
+            + " | ".join(title for _, title in columns)
+            + " | uncertain | kept |",
+            "| --- | ---: | --- | --- | --- |" + " ---: |" * (9 + len(columns)) + " ---: | ---: |",
+        ]
+        for r in mode_rows:
+            status = r["status"] if r["status"] == "ok" else f"**{r['status'].upper()}**"
+            errors = " | ".join(_fmt(r["errors"].get(key), ".1e") for key, _ in columns)
+            kept = f"{r['kept_set_median']:.0f} / {r['kept_set_max']}" if r.get("kept_set_max") is not None else ""
+            lines.append(
+                f"| {r['shape']} | {r['N']} | {_batch(r)} | {r['impl']} | {status} | {_fmt(r['median_ms'], '.3f')} "
+                f"| {_fmt(r.get('ratio_time_vs_plain'), '.3f')} | {_fmt(r.get('ratio_time_vs_trl'), '.3f')} "
+                f"| {_fmt(r.get('ratio_time_vs_product'), '.2f')} | {_fmt(r.get('ratio_time_vs_dense'), '.3f')} "
+                f"| {_fmt(_mib(r['peak_mem_bytes']), '.1f')} | {_fmt(r.get('ratio_mem_vs_plain'), '.3f')} "
+                f"| {_fmt(r.get('ratio_mem_vs_trl'), '.3f')} | {_fmt(_sweeps(r), '.2f')} | {errors} "
+                f"| {_fmt(r.get('uncertain_tokens'), 'd')} | {kept} |"
+            )
+        lines.append("")
+    return lines
+
+
 def _plot_value(r, kind):
     """The number a plot panel shows for record r, or None: time and memory of a timed run, the error of a checked
     one (a precision panel)."""
@@ -536,6 +644,7 @@ PANEL_LABELS = {
     "mem": "peak MiB above inputs",
     "logprobs_max_abs_err": "max |logp - fp64| (nats)",
     "grad_hidden_rel_err": "dH: max |err| / max |dH|",
+    "support_max_abs_err": "max |support logp - fp64| (nats)",
 }
 
 
@@ -558,7 +667,12 @@ def plot(doc, path):
     if not modes or not shapes:
         return None
     panels = [(mode, kind) for mode in modes for kind in ("time", "mem")]
-    panels.append(("logprobs", "logprobs_max_abs_err") if "logprobs" in modes else ("fwdbwd", "grad_hidden_rel_err"))
+    if "logprobs" in modes:
+        panels.append(("logprobs", "logprobs_max_abs_err"))
+    elif "fwdbwd" in modes:
+        panels.append(("fwdbwd", "grad_hidden_rel_err"))
+    if "sampler" in modes:
+        panels.append(("sampler", "support_max_abs_err"))
     colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(impls)}
     scenarios = list(dict.fromkeys(r["scenario"] for r in records))
     nrows = len(panels)
@@ -613,7 +727,7 @@ def plot(doc, path):
                     ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
             ax.grid(True, which="both", alpha=0.3)
             ax.set_xlabel("positions N = B x T")
-            ax.set_ylabel(f"{'fwd+bwd' if mode == 'fwdbwd' else 'log-probs'}: {PANEL_LABELS[kind]}", fontsize=8)
+            ax.set_ylabel(f"{MODE_SHORT[mode]}: {PANEL_LABELS[kind]}", fontsize=8)
             if row == 0:
                 ax.set_title(shape)
     plotted = [i for i in impls if any(r["impl"] == i and r["status"] in ("ok", "wrong", "oom") for r in records)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench import measure
+from bench import sampler as sampler_mode
 from bench.impls import Impl, flops
 from bench.inputs import SCENARIOS, check_fwdbwd, check_logprobs, completion_lengths_of, make_inputs, reference_fwdbwd
 from bench.shapes import GOAL_SHAPE, GOAL_TOKENS, batch_of
@@ -23,7 +24,7 @@ class Options:
     shapes: list  # [(name, D, V)]
     tokens: list  # [N]
     impls: list  # [Impl]
-    modes: list  # ["fwdbwd", "logprobs"]
+    modes: list  # of "fwdbwd", "logprobs", "sampler", "sampler_fwdbwd"
     device: str
     dtype: torch.dtype
     reps: int = 10
@@ -65,23 +66,29 @@ def _run_fwdbwd(fn, x, w):
     return loss
 
 
+# the modes whose runs are forward + backward (the others run without autograd)
+FWDBWD_MODES = ("fwdbwd", "sampler_fwdbwd")
+
+
 def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
-    """Guard, then time one implementation on one batch. Returns the record's measured fields."""
+    """Guard, then time one implementation on one batch. Returns the record's measured fields. The sampler modes'
+    ``x`` is their batch (bench.sampler.SamplerInputs) and ``ref`` the row's reference there."""
     device = opts.device
-    w = x.weight_frozen if (impl.frozen or mode == "logprobs") else x.weight
+    fwdbwd = mode in FWDBWD_MODES
+    w = x.weight_frozen if (impl.frozen or not fwdbwd) else x.weight
     rec = {}
     failure = None
     try:
         fn = impl.build(mode, dict(opts.impl_options, backend=opts.backend))
         x.reset_grads()
         with measure.count_matmul_flops(device) as counted:  # the guard's run: untimed
-            if mode == "fwdbwd":
+            if fwdbwd:
                 loss = _run_fwdbwd(fn, x, w)
             else:
                 logp = fn(x, w)
         if counted:
             rec["matmul_flops"] = counted[0]
-        if mode == "fwdbwd":
+        if fwdbwd:
             ok, errors = check_fwdbwd(
                 float(loss.detach()),
                 x.hidden.grad,
@@ -91,6 +98,9 @@ def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
                 impl.frozen,
             )
             del loss
+        elif mode == "sampler":
+            ok, errors = sampler_mode.check(logp, x, impl.name, x.hidden.dtype)
+            del logp
         else:
             ok, errors = check_logprobs(logp, x, x.hidden.dtype)
             del logp
@@ -99,7 +109,7 @@ def bench_one(impl: Impl, mode: str, x, ref, opts: Options) -> dict:
         if not ok:
             rec.update(status="wrong", reason="differs from the reference beyond the tolerance: not timed")
         else:
-            call = (lambda: _run_fwdbwd(fn, x, w)) if mode == "fwdbwd" else (lambda: fn(x, w))
+            call = (lambda: _run_fwdbwd(fn, x, w)) if fwdbwd else (lambda: fn(x, w))
             warmup, cpu_peak = opts.warmup, None
             if torch.device(device).type != "cuda":  # the CPU's peak: one warm-up run under the profiler
                 cpu_peak = measure.cpu_peak_bytes(call, x.reset_grads)
@@ -157,20 +167,24 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
         jobs = [(m, i) for m in opts.modes for i in opts.impls if m in i.modes]
         point = dict(shape=name, D=D, V=V, N=N, B=B, T=T, scenario=scenario, active_tokens=active, fill=active / N)
         point_records = []
-        x, ref, setup_failure = None, None, None
+        x, ref, xs, setup_failure = None, None, None, None
         over = time.perf_counter() - t_start > opts.time_budget
         if not over:
             try:
                 x = make_inputs(D, V, B, T, opts.dtype, opts.device, opts.seed, scenario)
                 if "fwdbwd" in opts.modes:
                     ref = reference_fwdbwd(x)
+                if any(m in sampler_mode.SAMPLER_MODES for m in opts.modes):  # its batch: drawable targets
+                    xs = sampler_mode.make_inputs(
+                        x, [i.name for i in opts.impls], "sampler_fwdbwd" in opts.modes, opts.seed
+                    )
             except Exception as e:  # noqa: BLE001
                 setup_failure = (
                     "oom" if measure.is_oom(e) else "error",
                     f"batch or guard reference failed: {_first_line(e)}",
                 )
             if setup_failure:
-                x = ref = None
+                x = ref = xs = None
                 measure.cleanup(opts.device)
             else:  # the same point's floor: cuBLAS's bare product over the completion tokens (CUDA)
                 with torch.no_grad():
@@ -195,6 +209,10 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
                 why = unavailable[impl.name]
                 if why:
                     rec.update(status="unavailable", reason=why)
+                elif mode in sampler_mode.SAMPLER_MODES:
+                    rec.update(xs.stats(impl.name))
+                    key = sampler_mode.reference_key(impl.name)
+                    rec.update(bench_one(impl, mode, xs, xs.references.get(key), opts))
                 else:
                     rec.update(bench_one(impl, mode, x, ref, opts))
             point_records.append(rec)
@@ -208,7 +226,7 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
                     + (f" ({rec['reason']})" if rec.get("reason") and rec["status"] != "unavailable" else ""),
                     flush=True,
                 )
-        del x, ref
+        del x, ref, xs
         measure.cleanup(opts.device)
         records.extend(point_records)
         if on_point_done:

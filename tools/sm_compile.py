@@ -56,6 +56,7 @@ from grpo_fast.kernels import (  # noqa: E402
     divergence_sweep,
     forward,
     forward_frozen,
+    kept_rows,
     kept_set,
     tiles,
     token_loss,
@@ -533,6 +534,21 @@ def kept_set_launches():
     return out
 
 
+def kept_rows_launches():
+    """[(variant, family, dtype name, Launch)] of the sampling parameters' row sweeps (kernels.kept_rows) over fp32
+    rows of logits: the record with 0 and 64 candidates, the kept sums."""
+    n, V = 8, 151936
+    z, targets = torch.randn(n, V), torch.randint(0, V, (n,))
+    out = []
+    for candidates in (0, kept_rows.MAX_CANDIDATES):
+        with recording(kept_rows, "_row_records_kernel") as launches:
+            kept_rows.row_records(z, targets, candidates)
+        out.append((f"kept rows record c{candidates}", "kept rows record", "fp32", launches[0]))
+    with recording(kept_rows, "_kept_sums_kernel") as launches:
+        kept_rows.kept_sums(z, targets, torch.zeros(n), torch.zeros(n))
+    return out + [("kept rows sums", "kept rows sums", "fp32", launches[0])]
+
+
 def all_launches(arch):
     """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
@@ -563,7 +579,7 @@ def all_launches(arch):
         for name, dtype, kw in STORED_VARIANTS
         for family, launch in stored_launches(arch, dtype, **kw)
     ]
-    out += kept_set_launches()
+    out += kept_set_launches() + kept_rows_launches()
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 

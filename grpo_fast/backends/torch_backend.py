@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast.backends import divergence_twin, head_twin, support_twin, token_loss_twin
+from grpo_fast.backends import divergence_twin, head_twin, support_rows, support_twin, token_loss_twin
 
 
 class TorchBackend:
@@ -63,7 +63,10 @@ class TorchBackend:
         return 0
 
     def support_forward(self, head, support, vocab_size=None, reduce=None):
-        return support_twin.forward(head, support, vocab_size=vocab_size, reduce=reduce or support_twin.ONE_PROCESS)
+        reduce = reduce or support_twin.ONE_PROCESS
+        if support.kept_ids is None:
+            return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)
+        return support_twin.forward(head, support, vocab_size=vocab_size, reduce=reduce)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast.backends import divergence_twin, support_twin
+from grpo_fast.backends import divergence_twin, support_rows, support_twin
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import (
@@ -19,6 +19,7 @@ from grpo_fast.kernels import (
     divergence_loss,
     divergence_sweep,
     gemm,
+    kept_rows,
     kept_set,
     softmax_stats,
     tuning,
@@ -30,6 +31,8 @@ from grpo_fast.kernels.divergence_records import finish, layer1_record
 from grpo_fast.kernels.loss_statistics import SLOTS
 from grpo_fast.kernels.operands import Layer1Gradient
 
+# the sampling parameters' row sweeps (support_rows.RowSweeps)
+KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
 # replayed kept sets' three products (support_twin.KeptDots)
 KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_rows, kept_set.kept_grad_table)
 
@@ -137,9 +140,11 @@ class TritonBackend:
 
     def support_forward(self, head, support, vocab_size=None, reduce=None):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters:
-        the chunked-torch twin's selection (``support_twin``; its rows of logits from cuBLAS, one byte-budgeted
-        chunk at a time): the selection has no kernel yet."""
-        return support_twin.forward(head, support, KEPT_SET_KERNELS, vocab_size, reduce or support_twin.ONE_PROCESS)
+        each chunk's rows of logits from cuBLAS, then ``kernels.kept_rows``' row sweeps (``support_rows``)."""
+        reduce = reduce or support_twin.ONE_PROCESS
+        if support.kept_ids is None:
+            return support_rows.parameter_forward(head, support, vocab_size, reduce, KEPT_ROW_KERNELS)
+        return support_twin.forward(head, support, KEPT_SET_KERNELS, vocab_size, reduce)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)

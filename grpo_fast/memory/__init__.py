@@ -2,12 +2,14 @@
 
     python -m grpo_fast.memory              # DEFAULT_RECIPE (Qwen2.5-1.5B-Instruct, LoRA r 16) against a 24 GB card
     python -m grpo_fast.memory --model qwen2.5-0.5b --lora-r 0 --gpu-name L4 --gpu-memory-gib 22.49 --gpu-sms 58
+    python -m grpo_fast.memory --sampler both --top-p 0.95     # beside them, grpo_fast with sampler_logprobs
     result = grpo_fast.memory.estimate(recipe, heads)                  # the same from Python
 
 One micro-batch's forward and backward and the optimizer step run over fake tensors (shapes and dtypes, no data)
 while torch's memory tracker accounts every tensor by category: weights, gradients, optimizer state, activations
 and the loss head's own tensors. The loss heads are compared in the same step: eager PyTorch's full logits and
-grpo_fast's fused head are built in; another (a peer's) is a ``LossHead`` subclass passed in ``heads``. Every head
+grpo_fast's fused head are built in, grpo_fast with ``sampler_logprobs`` (``sampler_head``: the old policy's pass
+and / or the training pass) on request; another (a peer's) is a ``LossHead`` subclass passed in ``heads``. Every head
 feeds its log-probs to grpo_fast's token loss. The generation phase's key / value cache follows from the shape.
 What the tracker cannot see (the CUDA context, the allocator's fragmentation) is an allowance added before the
 estimate meets the card. Building the model needs transformers (and PEFT for LoRA), imported when an estimate runs.
@@ -15,6 +17,7 @@ estimate meets the card. Building the model needs transformers (and PEFT for LoR
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -29,6 +32,7 @@ from grpo_fast.memory import command, report
 from grpo_fast.memory.heads import HEADS, Batch, EagerHead, GrpoFastHead, LossHead
 from grpo_fast.memory.recipe import DEFAULT_RECIPE, MODELS, RTX_4090, Gpu, ModelShape, Recipe, kv_cache_bytes
 from grpo_fast.memory.report import ALLOWANCE, CATEGORIES
+from grpo_fast.memory.sampler import SamplerHead, SamplerSettings, sampler_head
 from grpo_fast.memory.step import estimate_step, generation_phase, measure_step
 
 __all__ = [
@@ -40,6 +44,9 @@ __all__ = [
     "LossHead",
     "EagerHead",
     "GrpoFastHead",
+    "SamplerHead",
+    "SamplerSettings",
+    "sampler_head",
     "Batch",
     "DEFAULT_RECIPE",
     "MODELS",
@@ -93,6 +100,8 @@ def estimate(
         if measure:
             results[name]["measured"] = measure_step(recipe, head, log)
         results[name] |= {"label": head.label, "description": head.description}
+        if isinstance(getattr(head, "settings", None), SamplerSettings):  # sampler_logprobs' head: its sampler
+            results[name]["sampler"] = dataclasses.asdict(head.settings) | {"passes": list(head.settings.passes)}
     packages = ["transformers"] + ["peft"] * (recipe.lora_r > 0) + [p for head in heads.values() for p in head.packages]
     versions = {"torch": torch.__version__}
     versions |= {name: importlib.import_module(name).__version__ for name in dict.fromkeys(packages)}

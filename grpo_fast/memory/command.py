@@ -12,6 +12,7 @@ import torch
 from grpo_fast.memory import cli
 from grpo_fast.memory.heads import HEADS, LossHead
 from grpo_fast.memory.recipe import DEFAULT_RECIPE, MODELS, RTX_4090, Gpu, Recipe
+from grpo_fast.memory.sampler import SamplerHead, SamplerSettings, sampler_head
 
 PROG = "python -m grpo_fast.memory"
 RANGES = {
@@ -31,7 +32,14 @@ RANGES = {
     "beta": cli.Range(0.0),
     "gpu_memory_gib": cli.Range(0.0, low_open=True),
     "gpu_compute_capability": cli.Range(30, 999),
+    "top_k": cli.Range(1, 2**24),
+    "top_p": cli.Range(0.0, 1.0, low_open=True),
+    "min_p": cli.Range(0.0, 1.0),
+    "kept_k": cli.Range(1, 2**24),
 }
+# the head --sampler adds (grpo_fast.memory.sampler), after the others
+SAMPLER_HEAD = "grpo_fast_sampler"
+SAMPLER_FLAGS = ("top_k", "top_p", "min_p", "kept_k")
 SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
 RECIPE_FLAGS = (
     "micro_batch_size",
@@ -62,6 +70,8 @@ def parse_args(
     if peers := peer_heads(prog, argv):  # between the others and the last, the product's, as the report orders them
         *others, last = heads.items()
         heads = {**dict(others), **peers, last[0]: last[1]}
+    if _given(argv, "--sampler"):  # its class, with the sampler's settings, once they are parsed and checked
+        heads[SAMPLER_HEAD] = SamplerHead
     p = argparse.ArgumentParser(
         prog=prog,
         description="One GRPO training step's peak GPU memory, estimated on a CPU over fake tensors, for each loss "
@@ -107,6 +117,26 @@ def parse_args(
         default=None,
         help=f"10 x major + minor [{RTX_4090.compute_capability}]",
     )
+    g = p.add_argument_group(
+        f"grpo_fast.sampler_logprobs (issue 45): --sampler adds the head {SAMPLER_HEAD}, grpo_fast with the support's "
+        "log-probs of a truncating sampler (its ops' chunk buffers by grpo_fast.memory.sampler's model)"
+    )
+    g.add_argument(
+        "--sampler",
+        choices=("old", "train", "both"),
+        default=None,
+        help="where sampler_logprobs runs: the old policy's no-grad pass (one micro-batch, after the update: the "
+        "estimate accounts it beside the step), the training pass (both log-probs differentiated) or both",
+    )
+    g.add_argument("--top-k", type=int, default=None, help="the sampler's top_k")
+    g.add_argument("--top-p", type=float, default=None, help="the sampler's top_p")
+    g.add_argument("--min-p", type=float, default=None, help="the sampler's min_p")
+    g.add_argument(
+        "--kept-k",
+        type=int,
+        default=None,
+        help="replayed kept sets of K entries (kept_ids [B, T, K], a rollout input) instead of the parameters",
+    )
     p.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png (default: print the table)")
     p.add_argument(
         "--measure",
@@ -124,8 +154,38 @@ def parse_args(
         cli.fail(prog, f"--heads {','.join(args.heads)}: expected distinct names among {', '.join(heads)}")
     if args.measure and not torch.cuda.is_available():
         cli.fail(prog, "--measure runs the step on a CUDA GPU, and torch sees none here; leave it out to estimate")
+    if args.sampler is not None:
+        heads[SAMPLER_HEAD] = sampler_head(sampler_settings(args, prog))
+    else:
+        for dest in SAMPLER_FLAGS:
+            if getattr(args, dest) is not None:
+                cli.fail(prog, f"{cli.flag(dest)} describes the sampler of --sampler's head: give --sampler too")
     args.head_classes = {name: heads[name] for name in args.heads}
     return args
+
+
+def _given(argv, flag: str) -> bool:
+    """Whether the command line holds ``flag`` (with its value, either form), before it is parsed."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument(flag, default=None)
+    return pre.parse_known_args(argv)[0].__dict__[flag.lstrip("-").replace("-", "_")] is not None
+
+
+def sampler_settings(args, prog: str = PROG) -> SamplerSettings:
+    """The sampler of ``--sampler``'s head: its passes, and its sampling parameters or replayed kept sets; one line
+    on stderr and exit status 2 for none of them, or both kinds."""
+    passes = ("old", "train") if args.sampler == "both" else (args.sampler,)
+    parameters = {dest: getattr(args, dest) for dest in ("top_k", "top_p", "min_p") if getattr(args, dest) is not None}
+    parameters = {k: v for k, v in parameters.items() if v != {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[k]}
+    if args.kept_k is not None and parameters:
+        cli.fail(prog, "--kept-k replays kept sets, --top-k / --top-p / --min-p describe the parameters: give one")
+    if args.kept_k is None and not parameters:
+        cli.fail(
+            prog,
+            f"--sampler {args.sampler}: the sampler truncates by --top-k, --top-p (< 1) or --min-p (> 0), or replays "
+            "sets of --kept-k entries; give one",
+        )
+    return SamplerSettings(**parameters, kept=args.kept_k or 0, passes=passes)
 
 
 # the peers' heads of a grpo_fast checkout (bench/memory_peers.py: TRL's fused head as it runs on a GPU)

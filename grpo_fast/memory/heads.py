@@ -30,6 +30,7 @@ class Batch:
         mask: [B, T] completion mask.
         ref_logprobs: [B, T] float32 with a KL term, else None.
         num_items: the rollout's completion tokens (DAPO's normaliser), a 0-dim tensor.
+        kept_ids: [B, T, K] int64 the sampler's replayed kept sets (a head with ``kept_width`` K > 0), else None.
     """
 
     targets: torch.Tensor
@@ -37,6 +38,7 @@ class Batch:
     mask: torch.Tensor
     ref_logprobs: torch.Tensor | None
     num_items: torch.Tensor
+    kept_ids: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -68,6 +70,12 @@ class LossHead(nn.Module):
     description = "a loss head"
     # the packages besides torch it runs on (the report gives their versions)
     packages: tuple[str, ...] = ()
+    # the estimate also accounts the old policy's no-grad pass (``forward`` with ``in_old_policy_pass`` set returns
+    # its log-probs): grpo_fast.memory.sampler's head
+    old_policy_pass = False
+    in_old_policy_pass = False
+    # K of the replayed kept sets [B, T, K] the batch carries for the head (0: none)
+    kept_width = 0
 
     def __init__(self, recipe: Recipe, batch: Batch):
         super().__init__()
@@ -195,6 +203,10 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
         return 0
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
+    if op in ("sampler_support", "sampler_support_backward"):
+        from grpo_fast.memory import sampler
+
+        return sampler.workspace_of(op, bound)
     if op == "token_loss":
         from grpo_fast.grpo_loss import ops as loss_ops
 

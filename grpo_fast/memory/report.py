@@ -150,6 +150,16 @@ def markdown(report: dict) -> str:
             lambda h: ("yes" if h["fits"] else "**no**") + f", margin {h['margin_gib']:+.2f}",
         ),
     ]
+    if any("old_policy_pass" in h for h in heads):  # the sampler head's passes, each with its own peak
+
+        def passes(key, h):
+            part = h.get(key) or (h if key == "training_pass" and "old_policy_pass" in h else None)
+            return f"{gib(part['peak_bytes']):.2f} ({part['peak_in']})" if part else ""
+
+        rows += [
+            ("old policy's pass (no grad): peak", lambda h: passes("old_policy_pass", h)),
+            ("training step: peak", lambda h: passes("training_pass", h)),
+        ]
     if all("measured" in h for h in heads):
         device = heads[0]["measured"]["device"]
         rows += [
@@ -184,6 +194,16 @@ def markdown(report: dict) -> str:
         ctx=ALLOWANCE["cuda_context_gib"],
         frag=round(100 * ALLOWANCE["fragmentation_fraction"]),
     )
+    if any(h.get("sampler") for h in heads):
+        from grpo_fast.memory import sampler
+
+        text += SAMPLER_NOTE.format(
+            rules=sampler.FORWARD_BUFFERS["top_k"],
+            top_p=sampler.FORWARD_BUFFERS["top_p"],
+            backward=sampler.BACKWARD_BUFFERS + sampler.HALF_COPY_BUFFERS,
+            replayed_forward=sampler.REPLAYED_FORWARD,
+            replayed_backward=sampler.REPLAYED_BACKWARD,
+        )
     paragraphs = text.split("\n\n")
     lines += ["\n\n".join([paragraphs[0]] + [textwrap.fill(p, width=116) for p in paragraphs[1:]])]
     return "\n".join(lines) + "\n"
@@ -217,6 +237,21 @@ process: the generation phase above; a colocated vLLM would take its gpu_memory_
 display's framebuffer on a desktop card (a few hundred MiB), and the prompt prefill's transients during generation
 (each distinct prompt runs once: {prompts} x {prompt_length} tokens). The estimate is to be checked against
 torch.cuda.max_memory_allocated / max_memory_reserved on a GPU: tools/gpu_checklist.sh does it (MEMORY=1).
+"""
+
+
+SAMPLER_NOTE = """
+grpo_fast.sampler_logprobs (the sampler head): its custom ops allocate their outputs over fake tensors, and the tracker
+adds their real implementations' buffers by grpo_fast.memory.sampler's model (support_twin's chunked torch code, which
+the Triton backend runs for the sampling parameters): with the parameters, one chunk of r = min(N, 2^27 / 4V) token
+rows' whole fp32 logits [r, V] and the rules' temporaries of that shape ({rules:g} such buffers for top-k and min-p,
+{top_p:g} for top-p's worst case: rows whose 1024 largest logits do not hold top_p, sorted whole), {backward:g} in the
+backward (with the logits' gradient in the weight's half dtype), constant in the tokens past r rows; with replayed
+kept sets, [N, K] fp32 logits and gradients ({replayed_forward:g} and {replayed_backward:g} of them) beside the plain
+layer-1 op's own; and the backward's fp32 gradients (dH [N, D], and dW [V, D] where the lm_head trains). The buffer
+counts are measured on a CPU (tests/test_memory_sampler.py); the GPU's sort workspaces are not in them. The old
+policy's pass runs one micro-batch without autograd after the update (the optimizer state held, no gradients): its
+peak is accounted on its own and the head's peak is the larger of its two passes'.
 """
 
 

@@ -234,7 +234,7 @@ class Step:
             self.batch.advantages,
             self.batch.mask,
             self.batch.num_items,
-        ] + ([self.batch.ref_logprobs] if self.batch.ref_logprobs is not None else [])
+        ] + [t for t in (self.batch.ref_logprobs, self.batch.kept_ids) if t is not None]
 
     def forward_backward(self) -> None:
         """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
@@ -247,6 +247,27 @@ class Step:
             )
             self.head(hidden, self.model.get_output_embeddings().weight).backward()
 
+    def old_policy_pass(self) -> None:
+        """The old policy's pass over the micro-batch (TRL's scoring of a rollout, batch by batch, before its
+        updates): completion_hidden_states and the head's log-probs without autograd."""
+        from grpo_fast.integrations.hidden_states import completion_hidden_states
+
+        self.head.in_old_policy_pass = True
+        try:
+            with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
+                with torch.no_grad():
+                    hidden = completion_hidden_states(
+                        self.model,
+                        self.prompt_ids,
+                        self.prompt_mask,
+                        self.batch.targets,
+                        self.batch.mask,
+                        share_prompts=False,
+                    )
+                    self.head(hidden, self.model.get_output_embeddings().weight)
+        finally:
+            self.head.in_old_policy_pass = False
+
     def update(self) -> None:
         """The update: gradient clipping, AdamW, gradients freed."""
         torch.nn.utils.clip_grad_norm_(self.trainable, self.recipe.max_grad_norm, foreach=True)
@@ -254,7 +275,7 @@ class Step:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="cpu") -> Step:
+def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="cpu", *, gradients: bool = True) -> Step:
     """The steady state of a training loop before a micro-batch: the optimizer state of an earlier update, the
     gradients of an earlier micro-batch of this one (it accumulates into them); the micro-batch's inputs at full
     length.
@@ -264,6 +285,8 @@ def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="c
         head: the loss head's class.
         fake_mode: a ``FakeTensorMode`` to build over; None: real tensors on ``device``.
         device: where real tensors are built.
+        gradients: keep an earlier micro-batch's gradients (False: freed, as after an update's zero_grad: the old
+            policy's pass).
 
     Returns:
         The step, ready for ``forward_backward``.
@@ -285,12 +308,15 @@ def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="c
         for p in trainable:
             p.grad = torch.zeros_like(p)
         optimizer.step()
+        if not gradients:
+            optimizer.zero_grad(set_to_none=True)
         batch = Batch(
             targets=torch.randint(0, V, (B, T)),
             advantages=torch.randn(B),
             mask=torch.ones(B, T, dtype=torch.long),
             ref_logprobs=-torch.rand(B, T) if recipe.beta != 0.0 else None,
             num_items=torch.tensor(recipe.prompts_per_step * recipe.num_generations * T),
+            kept_ids=torch.randint(0, V, (B, T, head.kept_width)) if head.kept_width else None,
         )
         prompt_ids, prompt_mask = torch.randint(0, V, (B, P)), torch.ones(B, P, dtype=torch.long)
     return Step(recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch, head(recipe, batch))
@@ -298,7 +324,10 @@ def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="c
 
 def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> dict:
     """The step's peak over fake tensors with loss head ``head``: bytes by category at the peak, where it is, and
-    the loss head's own peak; one micro-batch's forward and backward, then the update.
+    the loss head's own peak; one micro-batch's forward and backward, then the update. A head with an old policy's
+    pass (``old_policy_pass``): that pass too (``estimate_old_policy_pass``, under ``old_policy_pass``), and where its
+    peak is the larger, the peak's numbers are its (the training pass's under ``training_pass``); the loss head's
+    own peak is the larger of the two passes'.
 
     Args:
         recipe: the step's sizes.
@@ -313,13 +342,54 @@ def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> d
     Raises:
         RuntimeError: the categories do not sum to the tracker's peak.
     """
+    log = log or (lambda message: None)
+
+    def run(step, tracker):
+        step.forward_backward()
+        tracker.phase = "optimizer step"
+        step.update()
+
+    result = _tracked(recipe, head, gpu, log, run, gradients=True, what="step")
+    if head.old_policy_pass:
+        old = estimate_old_policy_pass(recipe, head, gpu, log)
+        result["old_policy_pass"] = old
+        if old["peak_bytes"] > result["peak_bytes"]:  # the step's peak is the old policy's pass
+            keys = ("peak_bytes", "categories_bytes", "peak_in", "loss_head_peak_bytes", "tracker_raw_peak_bytes")
+            result["training_pass"] = {key: result[key] for key in keys}
+            result |= {key: old[key] for key in keys}
+        result["loss_head_peak_bytes"] = max(result["loss_head_peak_bytes"], old["loss_head_peak_bytes"])
+    return result
+
+
+def estimate_old_policy_pass(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> dict:
+    """The old policy's pass over one micro-batch, over fake tensors: the model's forward and the head's log-probs
+    without autograd, after an update (the optimizer state held, no gradients), by category as ``estimate_step``.
+
+    Args:
+        recipe: the step's sizes.
+        head: the loss head's class (its ``forward`` with ``in_old_policy_pass`` set).
+        gpu: the card grpo_fast's ops size their workspaces for.
+        log: called with a progress message; None: silent.
+
+    Returns:
+        The pass's peak by category and in all, where it is, the loss head's own peak and the tracker's raw peak.
+    """
+    result = _tracked(
+        recipe, head, gpu, log or (lambda message: None), lambda step, tracker: step.old_policy_pass(), False, "pass"
+    )
+    result["peak_in"] = f"old-policy pass: {result['peak_in'].replace(' forward', '')}"
+    keys = ("peak_bytes", "categories_bytes", "peak_in", "loss_head_peak_bytes", "tracker_raw_peak_bytes")
+    return {key: result[key] for key in keys}
+
+
+def _tracked(recipe, head, gpu, log, run, gradients, what) -> dict:
+    """``run(step, tracker)`` over fake tensors under the step tracker; the peak's bytes by category."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    log = log or (lambda message: None)
     fake = FakeTensorMode()
     start = time.perf_counter()
-    step = prepare_step(recipe, head, fake)
-    log(f"built on fake tensors in {time.perf_counter() - start:.0f} s; running the step")
+    step = prepare_step(recipe, head, fake, gradients=gradients)
+    log(f"built on fake tensors in {time.perf_counter() - start:.0f} s; running the {what}")
     StepTracker, RefType = _mem_tracker_class()
     tracker = StepTracker(step.head, lambda func, args, kwargs: workspace_bytes(func, args, kwargs, gpu))
     tracker.track_external(
@@ -328,10 +398,8 @@ def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> d
     optimizer_state = tracker.get_tracker_snapshot()[torch.device("cpu")][RefType.OPT]
     start = time.perf_counter()
     with fake, tracker:
-        step.forward_backward()
-        tracker.phase = "optimizer step"
-        step.update()
-    log(f"step accounted in {time.perf_counter() - start:.0f} s")
+        run(step, tracker)
+    log(f"{what} accounted in {time.perf_counter() - start:.0f} s")
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     reference_bytes = 0
     if step.reference is not None:

@@ -1,0 +1,257 @@
+"""``grpo_fast.sampler_logprobs`` (issue 45) in a step's estimate: a loss head that runs it in the old policy's pass
+(no grad) and / or the training pass, and the memory model of its custom ops' workspace on a GPU.
+
+    heads = {"grpo_fast": memory.GrpoFastHead, "grpo_fast_sampler": sampler_head(SamplerSettings(top_p=0.9))}
+    memory.estimate(recipe, heads)       # or: python -m grpo_fast.memory --sampler both --top-p 0.9
+
+The memory model (``support_workspace_bytes``): over fake tensors the ops ``grpo_fast::sampler_support`` and
+``grpo_fast::sampler_support_backward`` allocate their outputs only; their real implementations
+(``grpo_fast.backends.support_twin``) allocate besides them:
+
+* the sampling parameters' path: one chunk of token rows' whole logits at a time, fp32 [r, V] with r = min(N,
+  max(1, ROW_BUDGET_BYTES // 4V)) (cuBLAS writes them: ``gemm.mm_fp32``), and the rules' temporaries of the same
+  shape: ``FORWARD_BUFFERS`` such buffers at the forward's peak (top-p's worst case: rows whose 1024 largest logits do
+  not hold top_p, each sorted whole, with its fp64 masses and int64 indices), ``BACKWARD_BUFFERS`` in the backward
+  (the recompute, the gradient of the logits, the exp temporaries; on a GPU also the gradient's copy in the weight's
+  half dtype that cuBLAS reads); the buffer does not grow with the tokens past r rows;
+* replayed kept sets (``kept_ids`` [N, K]): [N, K] fp32 logits and gradients, ``REPLAYED_FORWARD`` /
+  ``REPLAYED_BACKWARD`` of them (Triton's kernels write in place), linear in N; the full log-prob is layer 1's op,
+  whose own workspace the estimate already adds;
+* the backward's fp32 gradients of the operands it differentiates (dH [N, D], and dW [V, D] where the lm_head
+  trains), cast to their dtypes at the end.
+
+The buffer counts are measured on a CPU (the torch backend's chunked path, fp32; replayed sets with in-place
+products, as Triton's kernels), each at its largest over one chunk and several (the previous chunk's buffers still
+held while the next one's are made): tests/test_memory_sampler.py measures them and checks the model stays at or
+above them, within 35 %. A GPU's sort workspaces and the Triton backend's own row kernels are not measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo_fast.backends import support_twin
+from grpo_fast.memory.heads import GrpoFastHead, LossHead
+
+# [r, V] fp32 buffers at the peak of the parameters' path, by rule (their largest when several apply)
+FORWARD_BUFFERS = {"top_k": 4.5, "min_p": 4.5, "top_p": 16.0}
+BACKWARD_BUFFERS = 6.25
+# on a GPU with half weights, the backward's GEMMs read the logits' gradient in the weight's dtype: half a buffer
+HALF_COPY_BUFFERS = 0.5
+# [N, K] fp32 buffers of replayed kept sets
+REPLAYED_FORWARD = 3.5
+REPLAYED_BACKWARD = 4.5
+PASSES = ("old", "train")
+
+
+def chunk_rows(tokens: int, vocab_size: int) -> int:
+    """The token rows of one chunk of the parameters' path (``support_twin``'s byte budget), at most the tokens."""
+    return min(tokens, max(1, support_twin.ROW_BUDGET_BYTES // (4 * max(vocab_size, 1))))
+
+
+def rules(top_k: int, top_p: float, min_p: float) -> list[str]:
+    """The rules a set of sampling parameters applies."""
+    return [name for name, on in (("top_k", top_k > 0), ("top_p", top_p < 1.0), ("min_p", min_p > 0.0)) if on]
+
+
+def support_workspace_bytes(
+    op: str,
+    tokens: int,
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    *,
+    kept: int = 0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    need_hidden: bool = True,
+    need_weight: bool = True,
+    need_bias: bool = False,
+    lora_rank: int = 0,
+    device_type: str = "cuda",
+) -> int:
+    """The bytes a sampler op's implementation allocates besides its outputs (module docstring).
+
+    Args:
+        op: "sampler_support" (the forward) or "sampler_support_backward".
+        tokens: N, the scored rows.
+        hidden_size: D.
+        vocab_size: V, the lm_head's rows (a shard's on a vocab-parallel head).
+        dtype: the hidden states' and weight's dtype.
+        kept: K of replayed kept sets, 0: the sampling parameters.
+        top_k, top_p, min_p: the sampling parameters.
+        need_hidden, need_weight, need_bias: the backward's gradients.
+        lora_rank: the rank of LoRA on the head (0: none); its gradients' fp32 buffers.
+        device_type: "cuda" (the GPU's: the gradient's half copy) or "cpu".
+
+    Returns:
+        The workspace's bytes.
+    """
+    N, D, V = tokens, hidden_size, vocab_size
+    if N == 0:
+        return 0
+    if kept:
+        per_token = N * kept * 4
+        chunk = per_token * (REPLAYED_FORWARD if op == "sampler_support" else REPLAYED_BACKWARD)
+    else:
+        buffer = chunk_rows(N, V) * V * 4
+        if op == "sampler_support":
+            chunk = buffer * max(
+                [FORWARD_BUFFERS[r] for r in rules(top_k, top_p, min_p)] or [min(FORWARD_BUFFERS.values())]
+            )
+        else:
+            half = device_type == "cuda" and torch.empty(0, dtype=dtype).element_size() < 4
+            chunk = buffer * (BACKWARD_BUFFERS + (HALF_COPY_BUFFERS if half else 0.0))
+    if op == "sampler_support":
+        return math.ceil(chunk)
+    if op != "sampler_support_backward":
+        raise ValueError(f"op must be 'sampler_support' or 'sampler_support_backward', got {op!r}")
+    grads = 4 * (need_hidden * N * D + need_weight * V * D + need_bias * V + lora_rank * (N + V))
+    return math.ceil(chunk) + grads
+
+
+def workspace_of(op: str, bound: dict, device_type: str = "cuda") -> int:
+    """``support_workspace_bytes`` of a sampler op's bound arguments (the op's schema names: ``heads.workspace_bytes``
+    hands them over)."""
+    hidden, weight, kept_ids = bound["hidden"], bound["weight"], bound.get("kept_ids")
+    lora_weight = bound.get("lora_weight")
+    backward = op == "sampler_support_backward"
+    return support_workspace_bytes(
+        op,
+        hidden.shape[0],
+        hidden.shape[1],
+        weight.shape[0],
+        hidden.dtype,
+        kept=kept_ids.shape[1] if kept_ids is not None else 0,
+        top_k=bound["top_k"],
+        top_p=bound["top_p"],
+        min_p=bound["min_p"],
+        need_hidden=bool(bound.get("need_hidden", False)) if backward else False,
+        need_weight=bool(bound.get("need_weight", False)) if backward else False,
+        need_bias=bool(bound.get("need_bias", False)) if backward else False,
+        lora_rank=lora_weight.shape[1] if backward and lora_weight is not None and bound.get("need_lora_hidden") else 0,
+        device_type=device_type,
+    )
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The sampler a head's ``sampler_logprobs`` follows, and where it runs.
+
+    Attributes:
+        top_k, top_p, min_p: vLLM's sampling parameters (0, 1.0, 0.0: off).
+        kept: K of replayed kept sets (``kept_ids`` [B, T, K], a rollout input), instead of the parameters; 0: none.
+        passes: where it runs: "old" (the old policy's pass: no grad, one micro-batch, after the update), "train" (the
+            training pass: both log-probs differentiated, the loss on the full-vocabulary one), or both.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    kept: int = 0
+    passes: tuple = PASSES
+
+    def __post_init__(self):
+        if not self.passes or any(p not in PASSES for p in self.passes):
+            raise ValueError(f"passes must be among {PASSES}, got {self.passes!r}")
+        if bool(self.kept) == bool(rules(self.top_k, self.top_p, self.min_p)):
+            raise ValueError("a sampler is replayed kept sets (kept > 0) or sampling parameters that truncate, one")
+
+    def keywords(self, kept_ids=None) -> dict:
+        """``sampler_logprobs``' keywords."""
+        if self.kept:
+            return dict(kept_ids=kept_ids)
+        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+
+    def describe(self) -> str:
+        """The sampler in a few words (the head's label)."""
+        if self.kept:
+            kind = f"replayed kept_ids K={self.kept}"
+        else:
+            kind = ", ".join(
+                f"{name} {value:g}"
+                for name, value, on in (
+                    ("top_k", self.top_k, self.top_k > 0),
+                    ("top_p", self.top_p, self.top_p < 1.0),
+                    ("min_p", self.min_p, self.min_p > 0.0),
+                )
+                if on
+            )
+        where = {("old",): "old-policy pass", ("train",): "training pass"}.get(tuple(self.passes), "both passes")
+        return f"{kind}; {where}"
+
+
+class SamplerHead(LossHead):
+    """grpo_fast with ``sampler_logprobs`` (its Triton path): in the training pass (``"train"`` in the settings'
+    passes) its two log-probs differentiated and the loss on the full-vocabulary one; else ``grpo_fast.loss`` as
+    ``GrpoFastHead``. ``"old"`` in the passes: the estimate also accounts the old policy's pass (``old_policy``).
+    A subclass sets ``settings`` (``sampler_head``)."""
+
+    settings = SamplerSettings(top_p=0.9)
+    old_policy_pass = True
+    kept_width = 0
+    label = "grpo_fast + sampler_logprobs"
+    description = "grpo_fast with sampler_logprobs"
+
+    def _sampler_logprobs(self, hidden, weight):
+        from grpo_fast.sampler.api import sampler_logprobs
+
+        return sampler_logprobs(
+            hidden,
+            weight,
+            self.batch.targets,
+            self.batch.mask,
+            temperature=self.recipe.temperature,
+            backend="triton",
+            check_values=False,  # no host reads: fake tensors hold no values
+            **self.settings.keywords(self.batch.kept_ids),
+        )
+
+    def forward(self, hidden, weight):
+        """The micro-batch's loss (LossHead.forward); in the old policy's pass (``old_policy``), the no-grad
+        log-probs."""
+        if self.in_old_policy_pass:
+            return self._sampler_logprobs(hidden, weight).support_logprobs
+        if "train" not in self.settings.passes:
+            return GrpoFastHead.forward(self, hidden, weight)
+        out = self._sampler_logprobs(hidden, weight)
+        # the loss's value on the full-vocabulary log-prob; the support's gradient flows too (both differentiated)
+        support = out.support_logprobs
+        return self.token_loss(out.logprobs + (support - support.detach()))
+
+
+def sampler_head(settings: SamplerSettings) -> type[LossHead]:
+    """A ``SamplerHead`` class with these settings (a ``--heads`` choice, an ``estimate``'s head).
+
+    Args:
+        settings: the sampler and the passes it runs in.
+
+    Returns:
+        The LossHead subclass.
+    """
+    old = "old" in settings.passes
+    return type(
+        "SamplerHead",
+        (SamplerHead,),
+        {
+            "settings": settings,
+            "old_policy_pass": old,
+            "kept_width": settings.kept,
+            "label": f"grpo_fast + sampler_logprobs ({settings.describe()})",
+            "description": (
+                f"grpo_fast's Triton path with sampler_logprobs ({settings.describe()}: "
+                + ("the old policy's no-grad pass of one micro-batch after the update" if old else "")
+                + ("; " if old and "train" in settings.passes else "")
+                + (
+                    "the training pass with both its log-probs differentiated"
+                    if "train" in settings.passes
+                    else "; the training pass grpo_fast.loss's"
+                )
+                + ")"
+            ),
+        },
+    )
