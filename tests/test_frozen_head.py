@@ -29,6 +29,7 @@ from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels import forward_frozen as kfrozen
+from grpo_fast.kernels import gemm
 from grpo_fast.kernels.operands import HeadGrads, HeadOperands
 
 F64 = torch.float64
@@ -273,12 +274,15 @@ def test_linear_logprobs_frozen_path_matches_the_reference(backend, dtype, entro
 
 @pytest.mark.interpreter_only  # FlopCounterMode counts the CPU path's fp32 GEMMs
 def test_triton_path_host_gemms_are_two_vocabulary_sweeps():
-    # the Triton path's cuBLAS / torch GEMMs (its Triton kernel has no dot), on a shape the interpreter runs quickly
-    N, D, V = 32, 32, 512
+    # the Triton path's cuBLAS / torch GEMMs (its Triton kernel has no dot), on a shape the interpreter runs quickly;
+    # the token-row products run in blocks of gemm.TOKEN_GEMM_ROWS rows (a call's last block padded, its padding
+    # counted too): token chunks of whole blocks, so the count is the sweeps' own
+    block = gemm.token_gemm_rows(torch.device("cpu"))  # _inputs' device
+    N, D, V = 2 * block, 32, 512
     h, w, b, y, _ = _inputs(N, D, V, torch.float32)
     cfg = kconfig.frozen_head_config(h.device)
     head = HeadOperands(h, w, y, b, LogitTransform())
-    flops = matmul_flops(lambda: kfrozen.forward_frozen_head(head, True, cfg, token_chunk=16, vocab_chunk=128))
+    flops = matmul_flops(lambda: kfrozen.forward_frozen_head(head, True, cfg, token_chunk=block, vocab_chunk=128))
     assert flops == 2 * (2 * N * D * V)
 
 

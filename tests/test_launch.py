@@ -28,8 +28,9 @@ CALLS = (
     (forward, "_merge_parts_kernel"),
     (backward, "_backward_kernel"),
     (backward, "mm_fp32"),
+    (backward, "mm_token_rows"),
     (forward_frozen, "_frozen_chunk_kernel"),
-    (forward_frozen, "mm_fp32"),
+    (forward_frozen, "mm_token_rows"),
     (token_loss, "_token_loss_kernel"),
 )
 

@@ -27,9 +27,10 @@ PUBLIC_ENTRIES = {"grpo_fast", "grpo_fast.trl", "grpo_fast.verl"}
 # resolver -> torch_backend -> divergence_twin -> head_twin; head 4: api -> vocab_parallel -> ops -> boundary; memory
 # 4 to grpo_loss, its __main__ included), never a detour through another part's internals: memory 4, grpo_loss 2
 # (api -> call), head 3, backends 2 (resolver -> triton_backend), kernels 5; the sampler's part between head and
-# grpo_loss adds one level to loss's chain (grpo_loss.api -> grpo_loss.sampling -> sampler.call -> head.api)
-MAX_PART_DEPTH = 5
-MAX_DEPTH = 17
+# grpo_loss adds one level to loss's chain (grpo_loss.api -> grpo_loss.sampling -> sampler.call -> head.vocab_parallel),
+# the memory estimate's sampler head one more (memory 6: __main__ -> memory -> command -> sampler -> heads -> recipe)
+MAX_PART_DEPTH = 6
+MAX_DEPTH = 18
 # the one module that maps a compute capability to its tiles, and the one that turns a backend's name into the backend
 ARCH_CLASSIFIER = "grpo_fast.kernels.tiles"
 BACKEND_RESOLVER = "grpo_fast.backends.resolver"

@@ -234,7 +234,7 @@ def test_fewer_student_sweeps_than_the_separate_calls(distillation_beta):
     """The matmul FLOPs (FlopCounterMode; the ops run inline under it) of forward + backward: the combined call
     projects the student once per sweep for both terms and does one dH and one dW, so it saves the separate calls'
     layer-1 forward and recompute projections and their dH and dW: four student GEMMs, 4 * 2 N V Ds."""
-    batch = _batch()
+    batch = _batch(B=4, T=16)  # 64 tokens: whole blocks of token rows (gemm.mm_token_rows pads a last partial one)
     batch["mask"][:] = True
     kw = dict(loss_type="grpo", old_logprobs=batch["old"])
     N, V, Ds = batch["mask"].numel(), batch["weight"].shape[0], batch["weight"].shape[1]
@@ -476,7 +476,7 @@ def test_a_frozen_student_head_forms_dh_alone_on_the_fused_path(distillation_bet
 def test_the_fused_path_projects_the_student_three_times_and_the_teacher_once(distillation_beta):
     """Its matmul FLOPs (FlopCounterMode; the op runs inline under it): the student's product, dH and dW and the
     teacher's product, 2 N V (3 Ds + Dt), against the combined head's 2 N V (4 Ds + 2 Dt) (JSD: 5 Ds + 3 Dt)."""
-    batch = _batch()
+    batch = _batch(B=4, T=16)  # 64 tokens: whole blocks of token rows (gemm.mm_token_rows pads a last partial one)
     batch["mask"][:] = True
     kw = dict(loss_type="grpo", old_logprobs=batch["old"])
     N, V, Ds = batch["mask"].numel(), batch["weight"].shape[0], batch["weight"].shape[1]

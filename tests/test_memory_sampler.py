@@ -14,7 +14,7 @@ from grpo_fast.backends.resolver import named
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels.operands import HeadGrads, HeadOperands, SamplerSupport
 from grpo_fast.memory import command
-from grpo_fast.memory import sampler as msampler
+from grpo_fast.memory import support_workspace as sw
 
 ROOT = Path(__file__).resolve().parents[1]
 F32 = torch.float32
@@ -67,7 +67,7 @@ def test_model_covers_the_chunked_twins_buffers(monkeypatch):
     torch_backend = named("torch")
     monkeypatch.setattr(support_twin, "ROW_BUDGET_BYTES", 1 << 22)
     N, D, Vs = 192, 32, 16384
-    r = msampler.chunk_rows(N, Vs)
+    r = sw.chunk_rows(N, Vs)
     assert r == 64 and N == 3 * r
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, D, generator=g)
@@ -77,7 +77,7 @@ def test_model_covers_the_chunked_twins_buffers(monkeypatch):
     record_bytes = 6 * N * 4  # the forward's outputs
 
     def model(op, **kw):
-        return msampler.support_workspace_bytes(
+        return sw.support_workspace_bytes(
             op, N, D, Vs, F32, need_hidden=False, need_weight=False, device_type="cpu", **kw
         )
 
@@ -111,30 +111,28 @@ def test_model_grows_with_the_tokens_by_per_token_terms_only():
     """Past one chunk of rows the parameters' path holds the same buffers at any N; the backward adds dH's fp32 rows
     (and dW once); replayed sets grow by K entries a token: nothing of N x V."""
     D, Vq = 1536, 151936
-    r = msampler.chunk_rows(10**9, Vq)
+    r = sw.chunk_rows(10**9, Vq)
     assert r == 2**27 // (4 * Vq) == 220
     for params in (dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05), dict(kept=64), dict(kept=1024)):
         for op in ("sampler_support", "sampler_support_backward"):
-            sizes = [
-                msampler.support_workspace_bytes(op, N, D, Vq, torch.bfloat16, **params) for N in (r, 4 * r, 64 * r)
-            ]
+            sizes = [sw.support_workspace_bytes(op, N, D, Vq, torch.bfloat16, **params) for N in (r, 4 * r, 64 * r)]
             per_token = (sizes[2] - sizes[1]) / (60 * r)
             assert per_token == pytest.approx((sizes[1] - sizes[0]) / (3 * r)), (params, op)  # linear in N
             expected = 4 * D * (op == "sampler_support_backward")
             if "kept" in params:
-                count = msampler.REPLAYED_FORWARD if op == "sampler_support" else msampler.REPLAYED_BACKWARD
+                count = sw.REPLAYED_FORWARD if op == "sampler_support" else sw.REPLAYED_BACKWARD
                 expected += 4 * params["kept"] * count
             assert per_token == pytest.approx(expected), (params, op)
             assert per_token < Vq / 4  # not a row of logits a token
     # the old policy's pass at Qwen2.5's head: 16 buffers of 220 x 151936 fp32 for top-p's worst case (2 GiB), 4.5
     # for top-k, whatever the tokens
-    top_p = msampler.support_workspace_bytes("sampler_support", 4096, D, Vq, torch.bfloat16, top_p=0.9)
+    top_p = sw.support_workspace_bytes("sampler_support", 4096, D, Vq, torch.bfloat16, top_p=0.9)
     assert top_p == 16 * 220 * Vq * 4
-    top_k = msampler.support_workspace_bytes("sampler_support", 4096, D, Vq, torch.bfloat16, top_k=50)
+    top_k = sw.support_workspace_bytes("sampler_support", 4096, D, Vq, torch.bfloat16, top_k=50)
     assert top_k == 4.5 * 220 * Vq * 4
     # a trained lm_head: the backward's fp32 dW [V, D] (LoRA's frozen head: none)
-    trained = msampler.support_workspace_bytes("sampler_support_backward", 4096, D, Vq, torch.bfloat16, top_k=50)
-    frozen = msampler.support_workspace_bytes(
+    trained = sw.support_workspace_bytes("sampler_support_backward", 4096, D, Vq, torch.bfloat16, top_k=50)
+    frozen = sw.support_workspace_bytes(
         "sampler_support_backward", 4096, D, Vq, torch.bfloat16, top_k=50, need_weight=False
     )
     assert trained - frozen == 4 * Vq * D
@@ -161,7 +159,7 @@ def test_sampler_head_estimate_is_plausible(estimates):
     assert head["sampler"] == dict(top_k=0, top_p=0.9, min_p=0.0, kept=0, passes=["old", "train"])
     assert head["label"] == "grpo_fast + sampler_logprobs (top_p 0.9; both passes)"
     N, r = 2 * 512, 256
-    buffers = msampler.FORWARD_BUFFERS["top_p"] * r * V * 4  # the forward's 16 [256, V] fp32 buffers: 2 GiB
+    buffers = sw.FORWARD_BUFFERS["top_p"] * r * V * 4  # the forward's 16 [256, V] fp32 buffers: 2 GiB
     # the head's own peak: the buffers (a fixed 2 GiB, more than this short batch's [N, V] fp32 logits) and
     # per-token tensors (a few KiB a token at D = 64)
     assert buffers <= head["loss_head_peak_bytes"] <= buffers + 4096 * N

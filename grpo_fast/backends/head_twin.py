@@ -16,11 +16,17 @@ d lora_weight = g^T lora_hidden (fp32 accumulators).
 
 The frozen head (``kernels.forward_frozen``'s math): ``forward_frozen_head`` also accumulates J = d logp / dh online
 with the record, so that the backward is dH = grad_logp J: two vocabulary GEMMs in all instead of three.
+
+Batch invariance (docs/batch-invariance.md): every product whose rows are tokens (the logits, J's accumulator, dH,
+LoRA's alike) runs in blocks of ``gemm.TOKEN_GEMM_ROWS`` rows (``gemm.mm_token_rows``), so a token's values do not
+depend on how many tokens share its chunk; CHUNK_N is a multiple of every device's block (only a call's last block
+pads). The vocabulary's products (dW = g^T H) sum over tokens and stay one call a tile.
 """
 
 import torch
 
 from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.gemm import mm_token_rows, padded_rows
 from grpo_fast.kernels.softmax_stats import SoftmaxStats
 
 CHUNK_N = 1024
@@ -31,9 +37,12 @@ def _logit_tile(head, n0, n1, v0, v1, slope=False):
     """z = transform(h W^T + l B^T + b) for one tile of ``head``'s logits, fp32 (l B^T: LoRA's pair, if any); with
     ``slope`` also dz/du (a tile, or a number without a soft-cap)."""
     hidden, weight, _, bias, transform, lora = head
-    u = hidden[n0:n1].float() @ weight[v0:v1].float().T
+    # in blocks of token rows (gemm.mm_token_rows), u holding the last block's padding rows
+    u = torch.empty((padded_rows(n1 - n0, hidden.device), v1 - v0), dtype=torch.float32, device=hidden.device)
+    mm_token_rows(hidden[n0:n1].float(), weight[v0:v1].float().T, u, accumulate=False, rows=n1 - n0)
     if lora is not None:
-        u += lora[0][n0:n1].float() @ lora[1][v0:v1].float().T
+        mm_token_rows(lora[0][n0:n1].float(), lora[1][v0:v1].float().T, u, accumulate=True, rows=n1 - n0)
+    u = u[: n1 - n0]
     if bias is not None:
         u += bias[v0:v1].float()
     return transform.apply(u, slope=slope)
@@ -115,11 +124,10 @@ def _forward(head, compute_entropy, frozen_head):
                     local = (tgt - v0).clamp(0, v1 - v0 - 1)
                     target_slope += torch.where(in_tile, dz_du.gather(1, local[:, None]).squeeze(1), 0.0)
                 e.mul_(dz_du).mul_(torch.exp(chunk.max - new_pivot)[:, None])
-                # torch.addmm with out=, not addmm_: the same in-place product, and FlopCounterMode counts it
                 rescale = torch.exp(run.max - new_pivot)[:, None]
-                torch.addmm(acc.mul_(rescale), e, weight[v0:v1].float(), out=acc)
+                mm_token_rows(e, weight[v0:v1].float(), acc.mul_(rescale), accumulate=True)
                 if lora is not None:
-                    torch.addmm(lora_acc.mul_(rescale), e, lora[1][v0:v1].float(), out=lora_acc)
+                    mm_token_rows(e, lora[1][v0:v1].float(), lora_acc.mul_(rescale), accumulate=True)
             run = softmax_stats.merge(softmax_stats.stack(run, chunk))
         records.append(run)
     if frozen_head and transform.softcap is None:
@@ -166,9 +174,11 @@ def backward(head, stats, grad_logp, grad_entropy, grads):
                 stats.mean_minus_target[n0:n1] if e is not None else None,
             )
             g.mul_(dz_du)
-            add_tile_gradients(g, h, weight, slice(n0, n1), slice(v0, v1), grads.hidden, grads.weight, grads.bias)
+            if grads.hidden is not None:  # dH in blocks of token rows; add_tile_gradients then dW and db
+                mm_token_rows(g, weight[v0:v1].float(), grads.hidden[n0:n1], accumulate=True)
+            add_tile_gradients(g, h, weight, slice(n0, n1), slice(v0, v1), None, grads.weight, grads.bias)
             if grads.lora_hidden is not None:
-                grads.lora_hidden[n0:n1] += g @ lora[1][v0:v1].float()
+                mm_token_rows(g, lora[1][v0:v1].float(), grads.lora_hidden[n0:n1], accumulate=True)
             if grads.lora_weight is not None:
                 grads.lora_weight[v0:v1] += g.T @ lora[0][n0:n1].float()
 

@@ -1,6 +1,6 @@
 """The sampler's kept set and the log-sum-exps over it and over the vocabulary (``grpo_fast.sampler_logprobs``),
-in chunked PyTorch on any device; the Triton backend runs the parameters' path here too (its selection has no kernel
-yet) and fills the replayed sets' products with ``kernels.kept_set``.
+in chunked PyTorch on any device: the rows of logits, the selection and the backward that both backends share, and
+the replayed sets' path (whose products the Triton backend fills with ``kernels.kept_set``).
 
 Math. The kept set of a row is {v : z_v >= tau} (every rule of ``SamplerSupport`` keeps the largest logits, ties with
 the last kept one included); the support's log-prob of the target y is s = z_y - L, L = log sum_{z_v >= tau}
@@ -10,13 +10,15 @@ exp(z - L); the target's column is c (1 - p_y) + d (1 - q_y), both carried from 
 entries, never formed by cancellation (a confident token's gradient exact relative to its size).
 
 Two ways to the kept set:
-* the sampling parameters (``parameter_forward``): each chunk of token rows holds its whole rows of logits in fp32
-  ([rows, V], rows from a byte budget: the buffer does not grow with the tokens), written by ``gemm.mm_fp32``
-  (cuBLAS with an fp32 output from bf16 operands on a GPU), and applies the rules in vLLM's order: min-p on
+* the sampling parameters (``support_rows.parameter_forward``, over this module's rows and selection): each chunk of
+  token rows holds its whole rows of logits in fp32 ([rows, V], rows from a byte budget, a multiple of
+  ``gemm.token_gemm_rows`` where it holds one: the buffer does not grow with the tokens), written by
+  ``gemm.mm_token_rows`` (cuBLAS with an fp32 output from bf16 operands on a GPU, in blocks of token rows: a row's
+  logits whatever N). The selection here (``kept_threshold``) applies the rules in vLLM's order: min-p on
   p / max p = exp(z - max z), top-k on the k-th largest survivor (``topk``), top-p on the survivors' masses sorted
   and summed in fp64 from the top, over each row's largest 64 logits where the cut lies among them, else 1024, else
-  the whole row. The same rows give both log-sum-exps: one GEMM sweep forward for both outputs, one recompute in the
-  backward for both gradients (then dH = g W and dW = g^T H, two more);
+  the whole row (a vocab-parallel shard: a bisection). One GEMM sweep forward for both outputs, one recompute in the
+  backward for both gradients (``parameter_backward``: then dH = g W and dW = g^T H, two more);
 * the replayed sets (``replayed_forward``, ``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone
   (``KeptDots``: a gather of K weight rows a token, O(N K D), no vocabulary sweep), the log-prob left to layer 1's
   own op.
@@ -31,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.kernels import gemm
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.kernels.operands import HeadGrads, SamplerSupport, SupportRecord
 
 # the fp32 bytes of one chunk's logit rows (and as much again for the temporaries): at V = 152k, 220 rows a chunk
 ROW_BUDGET_BYTES = 1 << 27
@@ -161,70 +163,30 @@ def _bisected_threshold(z, top, bound, reduce):
 
 
 def _row_logits(head, n0, n1, slope=False):
-    """The whole rows n0:n1 of the logits, fp32 [n, V] (and dz/du with ``slope``), by ``gemm.mm_fp32``."""
+    """The whole rows n0:n1 of the logits, fp32 [n, V] (and dz/du with ``slope``), by ``gemm.mm_token_rows`` (its
+    last block's padding rows in the buffer's own)."""
     hidden, weight, _, bias, transform, lora = head
-    u = torch.empty((n1 - n0, weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    n = n1 - n0
+    u = torch.empty((gemm.padded_rows(n, hidden.device), weight.shape[0]), dtype=torch.float32, device=hidden.device)
     if weight.shape[0]:
-        gemm.mm_fp32(hidden[n0:n1], weight.T, u, accumulate=False)
+        gemm.mm_token_rows(hidden[n0:n1], weight.T, u, accumulate=False, rows=n)
         if lora is not None:
-            gemm.mm_fp32(lora[0][n0:n1], lora[1].T, u, accumulate=True)
+            gemm.mm_token_rows(lora[0][n0:n1], lora[1].T, u, accumulate=True, rows=n)
+    u = u[:n]
     if bias is not None:
         u += bias.float()
     return transform.apply(u, slope=slope)
 
 
-def _target_entries(z, target):
-    """[n] the target's logit where this shard holds it (target in [0, V_local)), else -inf; and that mask."""
-    owned = (target >= 0) & (target < z.shape[-1])
-    picked = z.gather(-1, target.clamp(0, max(z.shape[-1] - 1, 0))[:, None]).squeeze(-1) if z.shape[-1] else None
-    return (
-        torch.where(owned, picked, -math.inf)
-        if picked is not None
-        else target.new_full(target.shape, -math.inf, dtype=z.dtype)
-    ), owned
-
-
-def _log_sum_exp(z, keep, top, target, owned, reduce):
-    """(log sum exp(z) over ``keep`` (None: every entry), and 1 - the target's share, carried) over every shard,
-    against the rows' global max ``top`` (a kept entry's: the row's largest kept logit is the top one)."""
-    e = torch.exp(z - top[:, None])
-    if keep is not None:
-        e = e.masked_fill(~keep, 0.0)
-    total = e.sum(-1)
-    if z.shape[-1]:
-        e = e.scatter(1, target.clamp(0, z.shape[-1] - 1)[:, None], 0.0)
-        rest = torch.where(owned, e.sum(-1), total)
-    else:
-        rest = total
-    total, rest = reduce.sum(torch.stack([total, rest])).unbind(0)
-    return top + torch.log(total), rest / total
-
-
 def _rows(head):
+    """The chunks (n0, n1) of the parameters' path: the budget's rows, a multiple of the token-row GEMM's block
+    where the budget holds one (only a call's last chunk then pads a block; a smaller budget pads every chunk)."""
     N, V = head.hidden.shape[0], head.weight.shape[0]
     rows = _rows_per_chunk(4 * max(V, 1), ROW_BUDGET_BYTES)
+    block = gemm.token_gemm_rows(head.hidden.device)
+    if rows >= block:
+        rows -= rows % block
     return ((n0, min(n0 + rows, N)) for n0 in range(0, N, rows))
-
-
-def parameter_forward(head: HeadOperands, support: SamplerSupport, vocab_size=None, reduce=ONE_PROCESS):
-    """Both log-sum-exps of every row of ``head`` under the sampling parameters (module docstring). A shard's
-    (``reduce`` its group's): its rows of the head, ``vocab_size`` the whole head's, its targets local (-1: another
-    shard's)."""
-    N = head.hidden.shape[0]
-    vocab_size = head.weight.shape[0] if vocab_size is None else vocab_size
-    record = SupportRecord(*(torch.empty(N, device=head.hidden.device) for _ in SupportRecord._fields))
-    for n0, n1 in _rows(head):
-        z = _row_logits(head, n0, n1)
-        target = head.targets[n0:n1]
-        top = reduce.max(_row_max(z))
-        tau = kept_threshold(z, support, top, vocab_size, reduce)
-        kept = z >= tau[:, None]
-        picked, owned = _target_entries(z, target)
-        record.target_logit[n0:n1] = reduce.max(picked)
-        record.lse[n0:n1], record.nontarget_mass[n0:n1] = _log_sum_exp(z, None, top, target, owned, reduce)
-        record.kept_lse[n0:n1], record.kept_nontarget_mass[n0:n1] = _log_sum_exp(z, kept, top, target, owned, reduce)
-        record.threshold[n0:n1] = tau
-    return record
 
 
 def _products(g, like):
@@ -242,10 +204,13 @@ def parameter_backward(head, record, grad_logp, grad_support, grads: HeadGrads):
     if V == 0:  # a shard without rows: no gradient of its own
         return
     for n0, n1 in _rows(head):
+        n = n1 - n0
         z, dz_du = _row_logits(head, n0, n1, slope=True)
         owned = ((targets[n0:n1] >= 0) & (targets[n0:n1] < V))[:, None]
         target = targets[n0:n1].clamp(0, V - 1)[:, None]
-        g = torch.zeros_like(z)
+        # g with the last block's padding rows (zero) for dH's blocks of token rows (gemm.mm_token_rows)
+        g_rows = torch.zeros((gemm.padded_rows(n, z.device), V), dtype=z.dtype, device=z.device)
+        g = g_rows[:n]
         column = torch.zeros(n1 - n0, device=z.device)
         if grad_logp is not None:
             c = grad_logp[n0:n1]
@@ -259,15 +224,15 @@ def parameter_backward(head, record, grad_logp, grad_support, grads: HeadGrads):
         # the target's column, carried, where this shard holds the target
         g.scatter_(1, target, torch.where(owned, column[:, None], g.gather(1, target)))
         g.mul_(dz_du)
-        a = _products(g, weight)
+        a = _products(g_rows, weight)
         if grads.hidden is not None:
-            gemm.mm_fp32(a, weight, grads.hidden[n0:n1], accumulate=True)
-        if grads.weight is not None:
-            gemm.mm_fp32(a.T, hidden[n0:n1], grads.weight, accumulate=True)
+            gemm.mm_token_rows(a, weight, grads.hidden[n0:n1], accumulate=True, rows=n)
+        if grads.weight is not None:  # the vocabulary's rows: a sum over the tokens, one call
+            gemm.mm_fp32(a[:n].T, hidden[n0:n1], grads.weight, accumulate=True)
         if grads.bias is not None:
             grads.bias.add_(g.sum(0))
         if lora is not None and grads.lora_hidden is not None:
-            gemm.mm_fp32(_products(g, lora[1]), lora[1], grads.lora_hidden[n0:n1], accumulate=True)
+            gemm.mm_token_rows(_products(g_rows, lora[1]), lora[1], grads.lora_hidden[n0:n1], accumulate=True, rows=n)
         if lora is not None and grads.lora_weight is not None:
             gemm.mm_fp32(_products(g, lora[0]).T, lora[0][n0:n1], grads.lora_weight, accumulate=True)
 
@@ -370,16 +335,6 @@ def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DO
         dots.grad_rows(g, lora[1], kept_ids, grads.lora_hidden)
     if grads.lora_weight is not None:
         dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)
-
-
-def forward(
-    head: HeadOperands, support: SamplerSupport, dots: KeptDots = TORCH_DOTS, vocab_size=None, reduce=ONE_PROCESS
-) -> SupportRecord:
-    """The support's record of ``head``'s rows: replayed sets' by ``dots``, else the parameters'; a shard's with
-    its group's ``reduce`` and the whole head's ``vocab_size``."""
-    if support.kept_ids is not None:
-        return replayed_forward(head, support.kept_ids, dots, reduce)
-    return parameter_forward(head, support, vocab_size, reduce)
 
 
 def backward(head, support, record, grad_logp, grad_support, grads, dots: KeptDots = TORCH_DOTS):

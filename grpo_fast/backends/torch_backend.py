@@ -66,7 +66,7 @@ class TorchBackend:
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)
-        return support_twin.forward(head, support, vocab_size=vocab_size, reduce=reduce)
+        return support_twin.replayed_forward(head, support.kept_ids, reduce=reduce)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads)

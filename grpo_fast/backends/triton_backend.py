@@ -144,7 +144,7 @@ class TritonBackend:
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, KEPT_ROW_KERNELS)
-        return support_twin.forward(head, support, KEPT_SET_KERNELS, vocab_size, reduce)
+        return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)

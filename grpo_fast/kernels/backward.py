@@ -11,7 +11,8 @@ tensor cores, and the fp32 products by 2^-k (``tile.gemm_scale``); fp32 g is nei
 Two modes (config.BACKWARD_MODES, the caller's choice):
 * chunked (the default, ``backward_chunked``): the kernel writes g for a chunk of at most D tokens in the input dtype
   (one power of two for the whole call, from a device bound: no host read), and cuBLAS does dH[chunk] = g W (written
-  once) and dW += g^T H[chunk] as fp32-output GEMMs (``gemm.mm_fp32``: never a K = V reduction rounded to bf16). On
+  once, in blocks of ``gemm.TOKEN_GEMM_ROWS`` token rows: a row's dH whatever N, ``gemm.mm_token_rows``) and
+  dW += g^T H[chunk] as fp32-output GEMMs (``gemm.mm_fp32``: never a K = V reduction rounded to bf16). On
   sm_90 the kernel reads its H and W tiles through tensor descriptors (the copy engine; 128 x 256 tiles under triton
   3.6, config.gpu_backward_config). Memory: one chunk of g (chunk x V, at most the size of W), the fp32 dW
   accumulator (only when the weight needs a gradient; one fp32 slab more where cuBLAS cannot accumulate in fp32 from
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import chunk_size, mm_fp32
+from .gemm import chunk_size, mm_fp32, mm_token_rows
 from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
 from .operands import HeadGrads
 from .tile import gemm_scale, gradient_tile, lora_kernel_args, lora_tile, row_coefficients, tile_grad, to_gemm
@@ -319,6 +320,9 @@ def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config):
     N, D = hidden.shape
     V = weight.shape[0]
     chunk = chunk_size(N, D)
+    # dH = g W runs in blocks of gemm.TOKEN_GEMM_ROWS token rows (gemm.mm_token_rows: a row's dH whatever N); a
+    # chunk of whole blocks (gemm.chunk_size from D = 256 on) holds the last chunk's padding rows itself (the rows an
+    # earlier chunk left there), a single shorter chunk pads one block in a temporary
     g = torch.empty((chunk, V), dtype=hidden.dtype, device=hidden.device)
     # (gradient of the rows operand, of the columns operand, rows operand, columns operand): the base head's, and
     # LoRA's with its adapters in g's dtype (the GEMM operands)
@@ -344,10 +348,11 @@ def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config):
             coefficient_max,
             g_unscale,
         )
-        g_rows = g[: n1 - n0]
+        rows = n1 - n0
+        g_rows = g[:rows]
         for grad_rows, grad_columns, rows_operand, columns_operand in operand_pairs:
-            if grad_rows is not None:  # dH = g W (LoRA: dl = g B), written per chunk
-                mm_fp32(g_rows, columns_operand, grad_rows[n0:n1], accumulate=False)
+            if grad_rows is not None:  # dH = g W (LoRA: dl = g B), written per chunk, in blocks of token rows
+                mm_token_rows(g, columns_operand, grad_rows[n0:n1], accumulate=False, rows=rows)
                 if scaled:
                     grad_rows[n0:n1].mul_(g_unscale)
             if grad_columns is not None:  # dW += g^T H (LoRA: dB += g^T l), in g's scaled units until the end

@@ -10,7 +10,9 @@ Math, for token n, u_nv = h_n . W_v (+ b_v), the transform of ``tile`` (soft-cap
     J_n  = s'_ny W_y - sum_v p_nv s'_nv W_v = (s'_ny R_n W_y - sum_{v != y} e_nv s'_nv W_v) / S_n,
 with e_nv = exp(z_nv - m_n), S_n = sum_v e_nv, R_n = sum_{v != y} e_nv: 1 - p_ny = R_n / S_n is a sum of positive
 terms, never a difference, so J stays exact where the model is sure of its token. Per token chunk (at most
-``gemm.chunk_size(N, D)`` rows) and vocabulary chunk [v0, v1): u = H_chunk W[v0:v1]^T (fp32, cuBLAS); then
+``gemm.chunk_size(N, D)`` rows) and vocabulary chunk [v0, v1) (``vocab_chunk_size`` from ``gemm.chunk_rows(D)``: the
+same split of a row's vocabulary at any N): u = H_chunk W[v0:v1]^T (fp32, cuBLAS; both GEMMs in blocks of
+``gemm.TOKEN_GEMM_ROWS`` token rows, ``gemm.mm_token_rows``: a row's products whatever N); then
 ``_frozen_chunk_kernel`` in two passes over the chunk's tiles: the row max and largest non-target z (the new pivot,
 rescale = exp(m - m_new), P''s power of two), then e = exp(z - m_new), the record's sums (softmax_stats' merge) and
 P' = 2^k e s' with the target column zeroed, written over u in the GEMM dtype; then J_chunk = J_chunk rescale
@@ -23,10 +25,11 @@ two 2^k (``tile.gemm_scale``) from the bound on the row's P' so far (on a confid
 ~1e-6, below fp16's smallest normal); a chunk that moves k folds 2^(k_new - k_old) into the rescale (at most 1).
 fp32 inputs keep fp32 P'. Under TRITON_INTERPRET=1 or on a CPU device every GEMM runs on fp32 operands.
 
-Memory: J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536); the u buffer, chunk x vocabulary chunk fp32,
-about the size of W (``vocab_chunk_size``: 467 MB at the Qwen2.5-1.5B head); 8 x N fp32 of state. P' lies over the u
-tile it came from (a program's stores reach only entries it has already read). No tensor of N x V exists. Taken
-where ``available``: CUDA with torch >= 2.8 (cuBLAS's out_dtype) or fp32 inputs, a CPU device, the interpreter.
+Memory: J, N x D fp32 (kept for the backward: 100 MB at N 16k, D 1536); the u buffer, chunk (in whole blocks of
+token rows: the last block's padding) x vocabulary chunk fp32, about the size of W (``vocab_chunk_size``: 467 MB at
+the Qwen2.5-1.5B head); 8 x N fp32 of state. P' lies over the u tile it came from (a program's stores reach only
+entries it has already read). No tensor of N x V exists. Taken where ``available``: CUDA with torch >= 2.8
+(cuBLAS's out_dtype) or fp32 inputs, a CPU device, the interpreter.
 """
 
 import torch
@@ -34,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import softmax_stats
-from .gemm import OUT_DTYPE_GEMM, chunk_size, mm_fp32
+from .gemm import OUT_DTYPE_GEMM, chunk_rows, chunk_size, mm_fp32, mm_token_rows, padded_rows, token_chunk_rows
 from .launch import on_first_argument_device
 from .tile import GRAD_SCALE_CEILING, gemm_scale, to_gemm, transform_and_slope
 
@@ -256,7 +259,8 @@ def forward_frozen_record(
     if gemm_dtype is None:
         gemm_dtype = torch.float32 if config.gemm_fp32 else hidden.dtype
     chunk = min(N, token_chunk or chunk_size(N, D))
-    vchunk = min(V, vocab_chunk or vocab_chunk_size(V, D, chunk, weight.element_size()))
+    # the vocabulary's split orders a row's reduction: sized from the chunk of any N (or the caller's), never this N
+    vchunk = min(V, vocab_chunk or vocab_chunk_size(V, D, token_chunk or chunk_rows(D), weight.element_size()))
     bias = bias.contiguous() if bias is not None else None
     targets = targets.contiguous()
 
@@ -269,7 +273,8 @@ def forward_frozen_record(
         lora_hidden, lora_weight = lora
         lora_grad = torch.empty((N, lora_weight.shape[1]), dtype=torch.float32, device=dev)
         lora_weight_p = lora_weight.to(gemm_dtype)  # the P' B GEMM's operand: P''s dtype
-    u_buffer = torch.empty(chunk * vchunk, dtype=torch.float32, device=dev)
+    # u with its last block's padding rows (gemm.mm_token_rows): no temporary of a block x vchunk
+    u_buffer = torch.empty(padded_rows(chunk, dev) * vchunk, dtype=torch.float32, device=dev)
     inv_temperature, logit_scale, softcap = transform.kernel_scalars()
     if transform.softcap is None:
         target_slope.fill_(logit_scale * inv_temperature)
@@ -281,10 +286,12 @@ def forward_frozen_record(
         for v0 in range(0, V, vchunk):
             v1 = min(v0 + vchunk, V)
             cols = v1 - v0
-            u = u_buffer[: rows * cols].view(rows, cols)
-            mm_fp32(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False)
+            # the token rows' products in blocks of gemm.TOKEN_GEMM_ROWS (a row's products whatever N): u's rows
+            # past ``rows`` are the last block's, zero (zero rows of H), and so are P''s there
+            u = u_buffer[: padded_rows(rows, dev) * cols].view(-1, cols)
+            mm_token_rows(hidden[n0:n1], weight[v0:v1].T, u, accumulate=False, rows=rows)
             if lora is not None:
-                mm_fp32(lora_hidden[n0:n1], lora_weight[v0:v1].T, u, accumulate=True)
+                mm_token_rows(lora_hidden[n0:n1], lora_weight[v0:v1].T, u, accumulate=True, rows=rows)
             # P' over u: in place (fp32), or the first half of each u row's bytes (bf16 / fp16, row stride 2 cols)
             p = u if gemm_dtype == torch.float32 else u.view(gemm_dtype)[:, :cols]
             _frozen_chunk_kernel[(triton.cdiv(rows, config.block_n),)](
@@ -312,23 +319,24 @@ def forward_frozen_record(
             )
             if v0 > 0:
                 acc.mul_(rescale[n0:n1, None])
-            mm_fp32(p, weight[v0:v1], acc, accumulate=v0 > 0)
+            mm_token_rows(p, weight[v0:v1], acc, accumulate=v0 > 0, rows=rows)
             if lora is not None:
                 if v0 > 0:
                     lora_grad[n0:n1].mul_(rescale[n0:n1, None])
-                mm_fp32(p, lora_weight_p[v0:v1], lora_grad[n0:n1], accumulate=v0 > 0)
+                mm_token_rows(p, lora_weight_p[v0:v1], lora_grad[n0:n1], accumulate=v0 > 0, rows=rows)
         acc.mul_(unscale[n0:n1, None])  # P''s power of two out, exactly
         if lora is not None:
             lora_grad[n0:n1].mul_(unscale[n0:n1, None])
         if chunk_done is not None:
-            chunk_done(n0, n1, p, chunk_state)
+            chunk_done(n0, n1, p[:rows], chunk_state)
     return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope, lora_grad
 
 
 def trained_chunk_size(N, V, D, weight_bytes_per_entry):
     """Tokens per chunk of ``forward_trained_head``: its fp32 logits over the whole vocabulary (chunk x V) about the
-    size of W (V x D; 467 MB at the Qwen2.5-1.5B head in bf16: 768 tokens), a multiple of 16, at least 16."""
-    return min(N, max(16, (D * weight_bytes_per_entry // 4) // 16 * 16))
+    size of W (V x D; 467 MB at the Qwen2.5-1.5B head in bf16: 768 tokens), a multiple of gemm.TOKEN_CHUNK_ALIGN
+    (``gemm.token_chunk_rows``: only a call's last chunk pads a block of its token-row products)."""
+    return min(N, token_chunk_rows(D * weight_bytes_per_entry // 4))
 
 
 def forward_trained_head(head, compute_entropy, config, coefficients, grads, token_chunk=None, gemm_dtype=None):

@@ -10,8 +10,11 @@ launch (a card with less shared memory than its tile needs) is recorded as faile
 
 Nothing is timed where timing cannot run or would change the call: under torch.compile's tracing, on fake or meta
 tensors, during CUDA-graph capture, on the interpreter; the cache's choice or the fixed table's is taken there.
-The timing synchronises the device (once per key and process, only with tuning on); every candidate computes the
-same records (the same fp32 products over D; only the merge order of the vocabulary's patches differs).
+The timing synchronises the device (once per key and process, only with tuning on). The choice is made per token
+bucket, so two calls of different N may run different candidates: every candidate reduces a row as the table's tile
+does (its patches of ``block_v x tiles`` columns, its K steps of ``block_d``; ``record_candidates`` drops the
+variants that do not), and computes the same records bit for bit (docs/batch-invariance.md); they differ in
+``block_n``, warps and stages, which only group rows and order independent programs.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def cache_path() -> str:
 def record_candidates(dtype: torch.dtype, arch: int, wide_epilogue: bool = False) -> list[TileRecordConfig]:
     """The fixed table's configuration first, then its variants for this architecture's class
     (``tiles.RECORD_VARIANTS``; none for fp32, whose FMA tiles are one), each kept within the table's rules (128
-    columns for a wide epilogue or a Triton that spills at 256); no configuration twice."""
+    columns for a wide epilogue or a Triton that spills at 256); no configuration twice; none that reduces a row
+    otherwise than the table's tile (another ``block_v x tiles`` patch or ``block_d`` step: a narrower tile merges
+    a row's vocabulary in other pieces, so a row's log-prob would change with the token bucket)."""
     default = gpu_record_config(dtype, arch, wide_epilogue)
     if dtype == torch.float32:
         return [default]
@@ -57,9 +62,17 @@ def record_candidates(dtype: torch.dtype, arch: int, wide_epilogue: bool = False
         candidate = replace(default, **change)
         if candidate.block_v > default.block_v:  # the table's column limit holds for every candidate
             candidate = replace(candidate, block_v=default.block_v)
+        if _row_reduction(candidate) != _row_reduction(default):
+            continue
         if candidate not in out:
             out.append(candidate)
     return out
+
+
+def _row_reduction(config: TileRecordConfig) -> tuple[int, int]:
+    """What orders a row's reduction in the forward's tile: its patch of the vocabulary (block_v x tiles columns,
+    merged in patch order) and its K step over D (block_d)."""
+    return config.block_v * config.tiles, config.block_d
 
 
 def token_bucket(n: int) -> int:
@@ -130,10 +143,11 @@ def cuda_milliseconds(run) -> float:
 def choose(key: str, candidates: list[TileRecordConfig], run, cache: TileCache, timer=None):
     """The cached configuration of ``key``, else the fastest of ``candidates`` by ``timer(lambda: run(config))``
     (default ``cuda_milliseconds``; a candidate that raises is recorded as failed), written to ``cache``; the first
-    candidate when all fail."""
+    candidate when all fail. A cached choice that is not a candidate (written by a version that timed tiles which
+    reduce a row otherwise) is timed again."""
     timer = timer or cuda_milliseconds
     cached = cache.get(key)
-    if cached is not None:
+    if cached in candidates:
         return cached
     times = {}
     for config in candidates:
@@ -180,7 +194,7 @@ def tuned_record_config(default: TileRecordConfig, candidates, key: str, run, te
     if cache is None:
         cache = _PROCESS_CACHES[path] = TileCache(path)
     cached = cache.get(key)
-    if cached is not None:
+    if cached in candidates:  # not another version's tile of another row reduction
         return cached
     if not can_time(tensor):
         return default

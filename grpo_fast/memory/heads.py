@@ -204,9 +204,9 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
     if op in ("sampler_support", "sampler_support_backward"):
-        from grpo_fast.memory import sampler
+        from grpo_fast.memory import support_workspace
 
-        return sampler.workspace_of(op, bound)
+        return support_workspace.workspace_of(op, bound)
     if op == "token_loss":
         from grpo_fast.grpo_loss import ops as loss_ops
 

@@ -195,7 +195,7 @@ def markdown(report: dict) -> str:
         frag=round(100 * ALLOWANCE["fragmentation_fraction"]),
     )
     if any(h.get("sampler") for h in heads):
-        from grpo_fast.memory import sampler
+        from grpo_fast.memory import support_workspace as sampler
 
         text += SAMPLER_NOTE.format(
             rules=sampler.FORWARD_BUFFERS["top_k"],
