@@ -41,6 +41,7 @@ _COUNT_VARIANTS = (
     "div = sum(3 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
     "div += sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.STORED_VARIANTS)\n"
     "base = 5 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div\n"
+    "base += len(s.kept_set_launches()) + len(s.kept_rows_launches())\n"
     "print(*(f'{arch}:{base + len(s.tuning_launches(arch))}' for arch in s.CLASSES))\n"
 )
 
@@ -101,10 +102,11 @@ def test_compiles_fits_shared_memory_and_does_not_spill(compiled, arch):
 def test_half_precision_dots_run_on_tensor_cores(compiled, arch):
     # bf16/fp16 logit tiles must use the tensor cores (Hopper's wgmma, else mma.sync); the fp32 path asks for IEEE
     # fp32 products, which only the FMA units give; the GRPO token kernel, the frozen-head forward's tile kernel and
-    # the fused distillation loss's sweeps (their GEMMs are cuBLAS's) and the merges of records have no dot
+    # the fused distillation loss's sweeps (their GEMMs are cuBLAS's), the merges of records, and the sampler's kept
+    # sets and row sweeps (a gathered row is shared by no other token: a multiply and a sum, no dot) have no dot
     rows, _ = compiled
     expected = TENSOR_CORES[arch]
-    no_dot = ("token_loss", "fwd frozen", "fwd merge", "div merge", "div stored")
+    no_dot = ("token_loss", "fwd frozen", "fwd merge", "div merge", "div stored", "kept ")
     for r in (r for r in rows if r["arch"] == arch):
         if r["kernel"].startswith(no_dot) or " fp32" in r["kernel"]:
             assert r["tensor_cores"] == "none", r["kernel"]

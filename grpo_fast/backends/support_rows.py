@@ -37,26 +37,32 @@ class RowSweeps(NamedTuple):
     kept_sums: Callable
 
 
+def _without_target(e, total, targets):
+    """[n] the rows' sums of ``e`` [n, V_local] over every entry but the target's (a sum over the others, never
+    total - e_y: a confident token's would cancel); ``total`` where this shard does not hold the target."""
+    V = e.shape[-1]
+    if V == 0:  # a shard without rows
+        return total
+    owned = (targets >= 0) & (targets < V)
+    return torch.where(owned, e.scatter(1, targets.clamp(0, V - 1)[:, None], 0.0).sum(-1), total)
+
+
 def _torch_records(z, targets, candidates):
     n, V = z.shape
-    owned = (targets >= 0) & (targets < V)
     m = z.amax(dim=-1) if V else z.new_full((n,), -math.inf)
     e = torch.exp(z - torch.where(m == -math.inf, 0.0, m)[:, None])
     s = e.sum(-1)
+    owned = (targets >= 0) & (targets < V)
     at = targets.clamp(0, max(V - 1, 0))[:, None]
     target = torch.where(owned, z.gather(-1, at).squeeze(-1), -math.inf) if V else z.new_full((n,), -math.inf)
-    # the non-target sum as a sum over the others (never s - e_y: a confident token's would cancel)
-    rest = torch.where(owned, e.scatter(1, at, 0.0).sum(-1), s) if V else s
     top = support_twin._largest(z, candidates) if candidates else None
-    return torch.stack([m, s, rest, target], dim=-1), top
+    return torch.stack([m, s, _without_target(e, s, targets), target], dim=-1), top
 
 
 def _torch_kept_sums(z, targets, floor, pivot):
     e = torch.where(z >= floor[:, None], torch.exp(z - torch.where(pivot == -math.inf, 0.0, pivot)[:, None]), 0.0)
     total = e.sum(-1)
-    owned = (targets >= 0) & (targets < z.shape[-1])
-    rest = torch.where(owned, e.scatter(1, targets.clamp(0, max(z.shape[-1] - 1, 0))[:, None], 0.0).sum(-1), total)
-    return torch.stack([total, rest], dim=-1)
+    return torch.stack([total, _without_target(e, total, targets)], dim=-1)
 
 
 TORCH_ROW_SWEEPS = RowSweeps(_torch_records, _torch_kept_sums)
