@@ -25,6 +25,12 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _kept_ids(ids_ptr, row, slots, in_set, stride_ids):
+    """A token's kept ids at ``slots`` as int64, -1 (no entry) past the set's width."""
+    return tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+
+
+@triton.jit
 def _kept_dot_kernel(
     x_ptr,
     y_ptr,
@@ -42,7 +48,7 @@ def _kept_dot_kernel(
     row = tl.program_id(0)
     slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_set = slots < K
-    ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+    ids = _kept_ids(ids_ptr, row, slots, in_set, stride_ids)
     live = ids >= 0
     acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for e0 in range(0, E, BLOCK_E):
@@ -80,7 +86,7 @@ def _kept_grad_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_set = slots < K
-        ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+        ids = _kept_ids(ids_ptr, row, slots, in_set, stride_ids)
         live = ids >= 0
         g = tl.load(g_ptr + row.to(tl.int64) * stride_g + slots, mask=live, other=0.0)
         y = tl.load(
@@ -109,17 +115,19 @@ def _kept_grad_table_kernel(
     row = tl.program_id(0)
     slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_set = slots < K
-    ids = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + slots, mask=in_set, other=-1).to(tl.int64)
+    ids = _kept_ids(ids_ptr, row, slots, in_set, stride_ids)
     g = tl.load(g_ptr + row.to(tl.int64) * stride_g + slots, mask=in_set, other=0.0)
     live = (ids >= 0) & (g != 0.0)
     for e0 in range(0, E, BLOCK_E):
         cols = e0 + tl.arange(0, BLOCK_E)
         in_cols = cols < E
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
+        # relaxed: the adds need no ordering (an acq_rel atomic costs a GPU-scope fence and a value return each)
         tl.atomic_add(
             out_ptr + ids[:, None] * stride_out + cols[None, :],
             g[:, None] * x[None, :],
             mask=live[:, None] & in_cols[None, :],
+            sem="relaxed",
         )
 
 

@@ -74,16 +74,40 @@ def drawable_targets(record: SupportRecord, replayed: bool) -> torch.Tensor:
     return ~(record.target_logit < record.threshold)
 
 
-def _sampler_support(*operands):
-    """(logp, support, drawable, *SupportRecord), [N] each: logp and the record's threshold, lse and
-    nontarget_mass empty with replayed sets (layer 1's op gives their log-prob)."""
-    operands = SamplerOpOperands(*operands)
-    record = named(operands.backend).support_forward(operands.head(), operands.support())
-    replayed = operands.kept_ids is not None
+def support_outputs(record: SupportRecord, replayed: bool):
+    """(logp, support, drawable) [N] of a support's record: support NaN where the target is not drawable; logp
+    empty with replayed sets (layer 1's op gives their log-prob)."""
     drawable = drawable_targets(record, replayed)
     support = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
     logp = record.target_logit[:0].clone() if replayed else record.target_logit - record.lse
-    return (logp, support, drawable, *record)
+    return logp, support, drawable
+
+
+def masked_support_gradient(grad_support, drawable):
+    """dL/ds as fp32, NaN where the target is not drawable (never a number that hides it); a row whose support gets
+    no gradient (masked, padding) stays exactly zero, drawable or not. None stays None."""
+    if grad_support is None:
+        return None
+    return torch.where(drawable | (grad_support == 0), grad_support.float(), math.nan)
+
+
+def gradient_buffers(sources, needs) -> HeadGrads:
+    """The fp32 zero buffers of the operands' gradients ``support_backward`` accumulates into (None where not
+    needed or absent)."""
+    return HeadGrads(
+        *(
+            torch.zeros(x.shape, dtype=FP32, device=x.device) if need and x is not None else None
+            for x, need in zip(sources, needs)
+        )
+    )
+
+
+def _sampler_support(*operands):
+    """(logp, support, drawable, *SupportRecord), [N] each (``support_outputs``; the record's threshold, lse and
+    nontarget_mass empty with replayed sets)."""
+    operands = SamplerOpOperands(*operands)
+    record = named(operands.backend).support_forward(operands.head(), operands.support())
+    return (*support_outputs(record, operands.kept_ids is not None), *record)
 
 
 _sampler_support_op = custom_op(
@@ -120,9 +144,7 @@ def _backward(ctx, grad_logp, grad_support, *_):
     count = len(SamplerOpOperands._fields)
     operands = SamplerOpOperands(*(t if n is None else n for t, n in zip(saved[:count], ctx.numbers)))
     drawable, record = saved[count], saved[count + 1 :]
-    if grad_support is not None:
-        # a row whose support gets no gradient (masked, padding) stays exactly zero, drawable or not
-        grad_support = torch.where(drawable | (grad_support == 0), grad_support.float(), math.nan)
+    grad_support = masked_support_gradient(grad_support, drawable)
     if grad_logp is not None:
         grad_logp = grad_logp.float()
     needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 3, 4, 5))
@@ -141,12 +163,7 @@ def _sampler_support_backward(*arguments):
     operands = SamplerOpOperands(*operands)
     record = SupportRecord(target_logit, kept_lse, kept_rest, threshold, lse, rest)
     sources = (operands.hidden, operands.weight, operands.bias, operands.lora_hidden, operands.lora_weight)
-    grads = HeadGrads(
-        *(
-            torch.zeros(x.shape, dtype=FP32, device=x.device) if need and x is not None else None
-            for x, need in zip(sources, needs)
-        )
-    )
+    grads = gradient_buffers(sources, needs)
     named(operands.backend).support_backward(
         operands.head(), operands.support(), record, grad_logp, grad_support, grads
     )

@@ -15,15 +15,13 @@ parameters or kept sets, and upstream gradients.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from grpo_fast.backends.protocol import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.backends.protocol import HeadOperands, SamplerSupport, SupportRecord
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.vocab_parallel import local_targets
-from grpo_fast.sampler.ops import drawable_targets
+from grpo_fast.sampler.ops import gradient_buffers, masked_support_gradient, support_outputs
 
 
 class GroupReduce:
@@ -65,10 +63,7 @@ class _ShardSupport(torch.autograd.Function):
     def forward(ctx, backend, support, shard, transform, targets, hidden, weight, bias):
         head = HeadOperands(hidden, weight, targets, bias, transform, None)
         record = backend.support_forward(head, support, shard.vocab_size, GroupReduce(shard.group))
-        replayed = support.kept_ids is not None
-        drawable = drawable_targets(record, replayed)
-        support_logp = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
-        logp = record.target_logit[:0].clone() if replayed else record.target_logit - record.lse
+        logp, support_logp, drawable = support_outputs(record, support.kept_ids is not None)
         ctx.backend, ctx.support, ctx.shard, ctx.transform = backend, support, shard, transform
         ctx.save_for_backward(targets, hidden, weight, bias, drawable, *record)
         ctx.mark_non_differentiable(drawable)
@@ -78,17 +73,10 @@ class _ShardSupport(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_support, _):
         targets, hidden, weight, bias, drawable, *fields = ctx.saved_tensors
-        if grad_support is not None:
-            grad_support = torch.where(drawable | (grad_support == 0), grad_support.float(), math.nan)
+        grad_support = masked_support_gradient(grad_support, drawable)
         if grad_logp is not None and grad_logp.numel() == 0:
             grad_logp = None
-        needs = ctx.needs_input_grad[5:8]
-        grads = HeadGrads(
-            *(
-                torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need and x is not None else None
-                for x, need in zip((hidden, weight, bias), needs)
-            )
-        )
+        grads = gradient_buffers((hidden, weight, bias), ctx.needs_input_grad[5:8])
         head = HeadOperands(hidden, weight, targets, bias, ctx.transform, None)
         ctx.backend.support_backward(head, ctx.support, SupportRecord(*fields), grad_logp, grad_support, grads)
         if grads.hidden is not None:
