@@ -44,9 +44,10 @@ VARIANTS = {
     "sampler_kept1024": dict(kept=1024),
 }
 LABELS = {
-    "sampler_top_k": "grpo_fast.sampler_logprobs, top_k=50 (parameters' path: fp32 rows of logits by cuBLAS)",
-    "sampler_top_p": "grpo_fast.sampler_logprobs, top_p=0.9 (parameters' path)",
-    "sampler_min_p": "grpo_fast.sampler_logprobs, min_p=0.05 (parameters' path)",
+    "sampler_top_k": "grpo_fast.sampler_logprobs, top_k=50 (no grad: the record sweep's tile candidates; fwd+bwd and "
+    "the rows they do not resolve: fp32 rows of logits by cuBLAS)",
+    "sampler_top_p": "grpo_fast.sampler_logprobs, top_p=0.9 (parameters' paths, as top_k's)",
+    "sampler_min_p": "grpo_fast.sampler_logprobs, min_p=0.05 (parameters' paths, as top_k's)",
     "sampler_kept64": "grpo_fast.sampler_logprobs, replayed kept_ids K=64 (gathered rows + the plain op)",
     "sampler_kept1024": "grpo_fast.sampler_logprobs, replayed kept_ids K=1024",
 }

@@ -175,6 +175,65 @@ TRANSFORMS = {
 }
 
 
+@pytest.fixture
+def tile_selections(monkeypatch):
+    """The rows ``support_tiles`` resolved from the tile candidates and those it passed to the rows' path."""
+    from grpo_fast.backends import support_tiles
+
+    counts = dict(resolved=0, passed=0)
+    select = support_tiles._select
+
+    def counted(*args):
+        out = select(*args)
+        counts["resolved"] += int(out[3].sum())
+        counts["passed"] += int((~out[3]).sum())
+        return out
+
+    monkeypatch.setattr(support_tiles, "_select", counted)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule", ["top_k", "top_p", "min_p", "all-three"])
+def test_without_gradients_from_the_tile_candidates(dtype, rule, tile_selections, device):
+    # no gradient: the Triton backend's record sweep keeps each tile's 3 largest distinct logits and counts; the rows
+    # they resolve are the spec's, the others go to the rows' path (the same numbers), and a row's values do not
+    # depend on which way its neighbours went
+    dev = backend_device("triton", device)
+    h, w, b, y, params = _case(rule, dtype, dev, shape=(2, 9, 40, 331))
+    ref = _spec(h, w, y, b, temperature=0.8, **params)
+    with torch.no_grad():
+        out = grpo_fast.sampler_logprobs(h, w, y, bias=b, temperature=0.8, backend="triton", **params)
+    for name, x, r in zip(("logprobs", "support", "mass"), out, ref):
+        torch.testing.assert_close(x, r.float(), rtol=1e-5, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert tile_selections["resolved"] > 0
+    # the same rows with gradients take the rows' path: equal within fp32's rounding of the two GEMMs
+    with_grad = grpo_fast.sampler_logprobs(h, w.clone().requires_grad_(), y, bias=b, temperature=0.8, **params)
+    for x, g in zip(out, with_grad):
+        torch.testing.assert_close(x, g.detach(), rtol=0, atol=1e-5)
+
+
+def test_rows_the_tile_candidates_cannot_show_take_the_rows_path(tile_selections, device):
+    # a bias puts each row's 6 largest logits in the first vocabulary tile: its 3 candidates cannot show top_k=5's
+    # threshold (the 4th largest there is above it), so those rows go to the rows' path; the others are resolved
+    dev = backend_device("triton", device)
+    h, w, b, y = head_inputs(2, 6, 24, 200, torch.float32, scale=0.2, device=dev)
+    b = b.clone()
+    b[:6] = torch.arange(20.0, 14.0, -1.0, device=dev)
+    on_top = torch.zeros(2, 6, dtype=torch.bool, device=dev)
+    on_top[0] = True  # row 0's tokens: the bias's six on top; row 1's: no bias
+    h = torch.where(on_top[..., None], h, h * 40.0)  # row 1's own logits dwarf the bias
+    y = torch.where(on_top, 2, _z(h, w, b, 1.0).argmax(-1))
+    for params in (dict(top_k=5), dict(top_p=0.999), dict(min_p=1e-8)):
+        tile_selections.update(resolved=0, passed=0)
+        with torch.no_grad():
+            out = grpo_fast.sampler_logprobs(h, w, y, bias=b, backend="triton", **params)
+        ref = _spec(h, w, y, b, **params)
+        for x, r in zip(out, ref):
+            torch.testing.assert_close(x, r.float(), rtol=1e-5, atol=2e-5)
+        assert tile_selections["passed"] >= 6, params
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @pytest.mark.parametrize("rule", ["top_p", "replayed"])

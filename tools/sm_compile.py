@@ -25,6 +25,7 @@ compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --al
 """
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -549,6 +550,27 @@ def kept_rows_launches():
     return out + [("kept rows sums", "kept rows sums", "fp32", launches[0])]
 
 
+def tile_candidate_launches(arch):
+    """[(variant, family, dtype name, Launch)] of the forward with tile candidates (the sampler's pass without
+    gradients, backends.support_tiles: no entropy, the log-prob pass's tile), bf16 with and without a bias (the
+    wide epilogue's tile), fp32."""
+    out = []
+    for label, dtype, bias in (
+        ("bf16", torch.bfloat16, False),
+        ("bf16 +bias", torch.bfloat16, True),
+        ("fp32", torch.float32, False),
+    ):
+        hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
+        head = HeadOperands(hidden, weight, targets, b, LogitTransform(temperature=0.7))
+        cfg = kconfig.gpu_record_config(dtype, arch, kconfig.wide_record_epilogue(False, bias, False))
+        if dtype == torch.float32:  # as triton_backend.support_record_config
+            cfg = dataclasses.replace(cfg, num_warps=8)
+        with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel"):
+            forward.forward_record(head, False, cfg, tile_candidates=lambda *_: None)
+        out.append((f"fwd candidates {label}", "fwd candidates", TRITON_TYPES[dtype], launches[0]))
+    return out
+
+
 def all_launches(arch):
     """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
@@ -579,7 +601,7 @@ def all_launches(arch):
         for name, dtype, kw in STORED_VARIANTS
         for family, launch in stored_launches(arch, dtype, **kw)
     ]
-    out += kept_set_launches() + kept_rows_launches()
+    out += kept_set_launches() + kept_rows_launches() + tile_candidate_launches(arch)
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 

@@ -143,11 +143,17 @@ class Backend(Protocol):
         ...
 
     def support_forward(
-        self, head: HeadOperands, support: SamplerSupport, vocab_size: int | None = None, reduce=None
+        self,
+        head: HeadOperands,
+        support: SamplerSupport,
+        vocab_size: int | None = None,
+        reduce=None,
+        differentiable: bool = True,
     ) -> SupportRecord:
         """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``); with
         the sampling parameters also the log-prob's, from the same rows of logits. A vocab-parallel shard's: the
-        whole head's ``vocab_size`` and its group's ``reduce`` (``support_twin.OneProcess``'s methods)."""
+        whole head's ``vocab_size`` and its group's ``reduce`` (``support_twin.OneProcess``'s methods).
+        ``differentiable``: a backward may follow (its recompute's arithmetic must give the forward's kept set)."""
         ...
 
     def support_backward(

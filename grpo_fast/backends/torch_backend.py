@@ -62,7 +62,7 @@ class TorchBackend:
         """0: no three-sweep trained head here."""
         return 0
 
-    def support_forward(self, head, support, vocab_size=None, reduce=None):
+    def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)

@@ -9,9 +9,11 @@ torch twin's code, as ``torch_backend`` does.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from grpo_fast.backends import divergence_twin, support_rows, support_twin
+from grpo_fast.backends import divergence_twin, support_rows, support_tiles, support_twin
 from grpo_fast.kernels import backward as kbackward
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import (
@@ -35,6 +37,17 @@ from grpo_fast.kernels.operands import Layer1Gradient
 KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
 # replayed kept sets' three products (support_twin.KeptDots)
 KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_rows, kept_set.kept_grad_table)
+
+
+def support_record_config(head):
+    """The record sweep with tile candidates: the log-prob pass's table tile (``tools/sm_compile.py``: the candidates'
+    rounds compile in it without a spill; fp32's 64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton
+    3.6 and 3.9); the timed choice is not taken: its candidates were timed without the rounds."""
+    wide = kconfig.wide_record_epilogue(
+        head.transform.softcap is not None, head.bias is not None, head.lora is not None
+    )
+    config = kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
+    return replace(config, num_warps=8) if head.hidden.dtype == torch.float32 else config
 
 
 class TritonBackend:
@@ -138,13 +151,21 @@ class TritonBackend:
         chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, V, D, itemsize))
         return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
 
-    def support_forward(self, head, support, vocab_size=None, reduce=None):
-        """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters:
-        each chunk's rows of logits from cuBLAS, then ``kernels.kept_rows``' row sweeps (``support_rows``)."""
+    def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
+        """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters
+        without gradients: the log-prob's record sweep with its tiles' candidates (``support_tiles``); otherwise, and
+        for the rows those do not resolve, each chunk's rows of logits from cuBLAS, then ``kernels.kept_rows``' row
+        sweeps (``support_rows``)."""
         reduce = reduce or support_twin.ONE_PROCESS
-        if support.kept_ids is None:
-            return support_rows.parameter_forward(head, support, vocab_size, reduce, KEPT_ROW_KERNELS)
-        return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
+        if support.kept_ids is not None:
+            return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
+
+        def rows_forward(rows_head, rows_support):
+            return support_rows.parameter_forward(rows_head, rows_support, vocab_size, reduce, KEPT_ROW_KERNELS)
+
+        if support_tiles.serves(support, reduce, differentiable) and head.hidden.shape[0] and head.weight.shape[0]:
+            return support_tiles.parameter_forward(head, support, support_record_config(head), rows_forward)
+        return rows_forward(head, support)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)

@@ -34,6 +34,25 @@ PADDING_LOGIT = tl.constexpr(1e30)
 # the most bytes the partial records of one launch take: the rows of a launch are chosen to fit (at Qwen2.5's
 # V = 151936 in 256-column tiles, 4096 rows with the entropy)
 PARTS_BYTES = 32 * 2**20
+# the distinct logits a tile keeps a row for the sampler's kept set (``forward_record``'s ``tile_candidates``): with
+# 3, a row's 64 largest logits spread over 1187 tiles (V = 151936, 128 columns) put 4 in one tile with probability
+# ~4e-4 if placed at random; such a row's candidates do not show its cut, and its caller takes another path
+TILE_CANDIDATES = 3
+
+
+@triton.jit
+def _store_tile_candidates(z, out, n_mask, stride_field, CANDIDATES: tl.constexpr):
+    """A tile's CANDIDATES largest distinct logits a row, descending, each with how many of the tile's logits equal
+    it (fields 2c, 2c + 1), then the largest logit they leave out (field 2 CANDIDATES). A round removes every logit
+    equal to its value, so ties are counted, never dropped; past a row's last distinct value a round finds -inf."""
+    rest = z
+    for c in tl.static_range(CANDIDATES):
+        top = tl.max(rest, axis=1)
+        hit = rest >= top[:, None]
+        tl.store(out + (2 * c) * stride_field, top, mask=n_mask)
+        tl.store(out + (2 * c + 1) * stride_field, tl.sum(hit.to(tl.float32), axis=1), mask=n_mask)
+        rest = tl.where(hit, float("-inf"), rest)
+    tl.store(out + (2 * CANDIDATES) * stride_field, tl.max(rest, axis=1), mask=n_mask)
 
 
 @triton.jit
@@ -45,6 +64,7 @@ def _tile_records_kernel(
     parts_ptr,
     target_logit_ptr,
     row_count_ptr,
+    candidates_ptr,
     lora_hidden_ptr,
     lora_weight_ptr,
     N,
@@ -55,6 +75,7 @@ def _tile_records_kernel(
     stride_hn,
     stride_wv,
     stride_field,
+    stride_candidate_field,
     inv_temperature,
     logit_scale,
     softcap,
@@ -73,6 +94,7 @@ def _tile_records_kernel(
     BLOCK_R: tl.constexpr,
     TILES: tl.constexpr,
     GROUP_N: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):
     patches = tl.cdiv(V, TILES * BLOCK_V)
     pid = tl.program_id(0)
@@ -153,6 +175,10 @@ def _tile_records_kernel(
             run_rest = run_rest * rescale + tl.sum(e, axis=1)
             target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             run_max = new_max
+            if CANDIDATES > 0:
+                _store_tile_candidates(
+                    z, candidates_ptr + (patch * TILES + t) * N + offs_n, n_mask, stride_candidate_field, CANDIDATES
+                )
     tl.store(out, run_max, mask=n_mask)
     tl.store(out + stride_field, run_rest, mask=n_mask)
     if COMPUTE_ENTROPY:
@@ -224,40 +250,59 @@ def forward(head, compute_entropy, config, row_count=None):
     return softmax_stats.finish(forward_record(head, compute_entropy, config, row_count), compute_entropy)
 
 
-def parts_shape(N, V, compute_entropy, config):
+def parts_shape(N, V, compute_entropy, config, candidates=False):
     """(fields, patches, rows) of one launch's partial records (fp32): 2 fields (m, R) or 3 (Zr with the entropy),
-    one record a patch of ``config.tiles`` vocabulary tiles, the rows a launch takes (their records within
-    PARTS_BYTES, a multiple of BLOCK_N, at least one block)."""
+    one record a patch of ``config.tiles`` vocabulary tiles, the rows a launch takes (their records, and with
+    ``candidates`` their tiles' candidates, within PARTS_BYTES, a multiple of BLOCK_N, at least one block)."""
     patches = triton.cdiv(V, config.block_v * config.tiles)
     fields = 3 if compute_entropy else 2
-    rows = PARTS_BYTES // (fields * patches * 4) // config.block_n * config.block_n
+    row_bytes = fields * patches * 4 + (candidate_fields() * triton.cdiv(V, config.block_v) * 4 if candidates else 0)
+    rows = PARTS_BYTES // row_bytes // config.block_n * config.block_n
     return fields, patches, min(N, max(config.block_n, rows))
 
 
-def workspace_bytes(N, V, compute_entropy, config):
-    """The bytes ``forward_record`` allocates besides the finished outputs: the partial records of one launch, the
-    target logits and the merged record (5 + 1 fields of N fp32)."""
+def candidate_fields():
+    """The fp32 fields of a tile's candidates (``_store_tile_candidates``): a value and a count each, the rest's max."""
+    return 2 * TILE_CANDIDATES + 1
+
+
+def workspace_bytes(N, V, compute_entropy, config, candidates=False):
+    """The bytes ``forward_record`` allocates besides the finished outputs: the partial records of one launch (and
+    with ``candidates`` its tiles' candidates), the target logits and the merged record (5 + 1 fields of N fp32)."""
     if N == 0:
         return 0
-    fields, patches, rows = parts_shape(N, V, compute_entropy, config)
-    return fields * patches * rows * 4 + 6 * N * 4
+    fields, patches, rows = parts_shape(N, V, compute_entropy, config, candidates)
+    tiles = triton.cdiv(V, config.block_v) if candidates else 0
+    return (fields * patches + candidate_fields() * tiles) * rows * 4 + 6 * N * 4
 
 
 @on_first_argument_device
-def forward_record(head, compute_entropy, config, row_count=None):
+def forward_record(head, compute_entropy, config, row_count=None, tile_candidates=None):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1);
     ``forward`` finishes it. zsum is 0 without ``compute_entropy``. A target outside [0, V) (a vocab-parallel shard
     that does not hold it) leaves the record's target 0 and its rest equal to its sumexp. ``row_count``: None, or a
     [1] int32 device tensor: rows from it on are padding (zeros, no gradient), and the blocks wholly past it compute
-    no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0)."""
+    no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0).
+
+    ``tile_candidates``: None, or a callable of (n0, n1, candidates, record) called once a launch's rows n0:n1 are
+    merged: candidates [candidate_fields(), tiles, n1 - n0] fp32 (each vocabulary tile's ``_store_tile_candidates``
+    a row; the buffer is the next launch's), record [5, n1 - n0] (the SoftmaxStats fields of those rows). No
+    ``row_count`` with it."""
     hidden, weight, targets, bias, transform, lora = head
+    if tile_candidates is not None and row_count is not None:
+        raise ValueError("forward_record takes tile_candidates or row_count, not both")
     N, D = hidden.shape
     V = weight.shape[0]
     record = torch.empty((5, N), dtype=torch.float32, device=hidden.device)
     if N == 0:
         return softmax_stats.SoftmaxStats(*record.unbind(0))
-    fields, patches, chunk = parts_shape(N, V, compute_entropy, config)
+    with_candidates = tile_candidates is not None
+    fields, patches, chunk = parts_shape(N, V, compute_entropy, config, with_candidates)
     parts = torch.empty((fields, patches, chunk), dtype=torch.float32, device=hidden.device)
+    tiles = triton.cdiv(V, config.block_v) if with_candidates else 0
+    candidates = torch.empty(
+        candidate_fields() * tiles * chunk if with_candidates else 0, dtype=torch.float32, device=hidden.device
+    )
     target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
     use_tma = config.use_tma and tensor_descriptors_fit(hidden, weight)
     w = tile_operand(weight, use_tma, config.block_v, config.block_d)
@@ -271,6 +316,10 @@ def forward_record(head, compute_entropy, config, row_count=None):
 
         # the last launch's partials: the first of the buffer's elements, laid out for its rows
         part_rows = parts if rows == chunk else parts.view(-1)[: fields * patches * rows].view(fields, patches, rows)
+        # laid out for its rows too: tile t's field f of row n at (f * tiles + t) * rows + n
+        candidate_rows = None
+        if with_candidates:
+            candidate_rows = candidates[: candidate_fields() * tiles * rows].view(candidate_fields(), tiles, rows)
         lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
         _tile_records_kernel[(triton.cdiv(rows, config.block_n) * patches,)](
             tile_operand(part(hidden), use_tma, config.block_n, config.block_d),
@@ -280,6 +329,7 @@ def forward_record(head, compute_entropy, config, row_count=None):
             part_rows,
             part(target_logit),
             row_count if row_count is not None else targets,
+            candidate_rows if with_candidates else targets,
             N=rows,
             V=V,
             D=D,
@@ -287,6 +337,7 @@ def forward_record(head, compute_entropy, config, row_count=None):
             stride_hn=hidden.stride(0),
             stride_wv=weight.stride(0),
             stride_field=part_rows.stride(0),
+            stride_candidate_field=candidate_rows.stride(0) if with_candidates else 0,
             inv_temperature=inv_temperature,
             logit_scale=logit_scale,
             softcap=softcap,
@@ -303,6 +354,7 @@ def forward_record(head, compute_entropy, config, row_count=None):
             BLOCK_D=config.block_d,
             TILES=config.tiles,
             GROUP_N=config.group_n,
+            CANDIDATES=TILE_CANDIDATES if with_candidates else 0,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -321,4 +373,6 @@ def forward_record(head, compute_entropy, config, row_count=None):
             BLOCK=merge_block,
             num_warps=4,
         )
+        if with_candidates:
+            tile_candidates(n0, n0 + rows, candidate_rows, part(record, 1))
     return softmax_stats.SoftmaxStats(*record.unbind(0))

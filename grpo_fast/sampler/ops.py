@@ -33,6 +33,7 @@ class SamplerOpOperands(NamedTuple):
         kept_ids: [N, K] int64 replayed kept sets, or None: the sampling parameters.
         temperature, softcap, logit_scale: the logit transform.
         top_k, top_p, min_p: the sampling parameters (``SamplerSupport``).
+        differentiable: a backward may follow (``Backend.support_forward``'s).
         backend: a resolved backend's name.
     """
 
@@ -49,13 +50,16 @@ class SamplerOpOperands(NamedTuple):
     top_k: int
     top_p: float
     min_p: float
+    differentiable: bool
     backend: str
 
     @classmethod
     def of(cls, head: HeadOperands, support: SamplerSupport, backend: str) -> SamplerOpOperands:
         lora = head.lora if head.lora is not None else (None, None)
         transform = head.transform.as_floats()
-        return cls(*head[:4], *lora, support.kept_ids, *transform, *support[:3], backend)
+        tensors = (head.hidden, head.weight, head.bias, *lora)
+        differentiable = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+        return cls(*head[:4], *lora, support.kept_ids, *transform, *support[:3], differentiable, backend)
 
     def head(self) -> HeadOperands:
         lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
@@ -106,7 +110,9 @@ def _sampler_support(*operands):
     """(logp, support, drawable, *SupportRecord), [N] each (``support_outputs``; the record's threshold, lse and
     nontarget_mass empty with replayed sets)."""
     operands = SamplerOpOperands(*operands)
-    record = named(operands.backend).support_forward(operands.head(), operands.support())
+    record = named(operands.backend).support_forward(
+        operands.head(), operands.support(), differentiable=operands.differentiable
+    )
     return (*support_outputs(record, operands.kept_ids is not None), *record)
 
 
