@@ -24,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import on_first_argument_device
+from grpo_fast.kernels.launch import interpreting, on_first_argument_device
 
 BLOCK_V = 1024
+# under the interpreter (numpy): tl.topk's bitonic network over 1024 entries took ~3 s a row, over 128 a tenth of it
+INTERPRETER_BLOCK_V = 128
 NUM_WARPS = 4
 # the most candidates the record keeps a row (a power of two): top-k up to it takes no other selection
 MAX_CANDIDATES = 64
@@ -92,6 +94,10 @@ def _kept_sums_kernel(z_ptr, targets_ptr, floor_ptr, pivot_ptr, sums_ptr, V, str
     tl.store(sums_ptr + row.to(tl.int64) * 2 + 1, rest)
 
 
+def _block_v():
+    return INTERPRETER_BLOCK_V if interpreting() else BLOCK_V
+
+
 @on_first_argument_device
 def row_records(z, targets, candidates):
     """(records [n, 4] fp32: max, sum exp(z - max), its non-target part, the target's logit (-inf where ``targets``
@@ -102,7 +108,7 @@ def row_records(z, targets, candidates):
     top = torch.empty((n, max(candidates, 1)), dtype=torch.float32, device=z.device)
     if n:
         _row_records_kernel[(n,)](
-            z, targets, records, top, V, z.stride(0), CANDIDATES=candidates, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS
+            z, targets, records, top, V, z.stride(0), CANDIDATES=candidates, BLOCK_V=_block_v(), num_warps=NUM_WARPS
         )
     return records, (top if candidates else None)
 
@@ -121,7 +127,7 @@ def kept_sums(z, targets, floor, pivot):
             sums,
             V,
             z.stride(0),
-            BLOCK_V=BLOCK_V,
+            BLOCK_V=_block_v(),
             num_warps=NUM_WARPS,
         )
     return sums
