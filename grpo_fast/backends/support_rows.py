@@ -142,10 +142,17 @@ def parameter_forward(head: HeadOperands, support: SamplerSupport, vocab_size, r
         else:
             tau = _threshold(z, targets, support, top, s, candidates, vocab_size, reduce, sweeps)
         kept, kept_rest = _sums(sweeps, z, targets, tau, top, reduce)
-        record.target_logit[n0:n1] = target_logit
-        record.lse[n0:n1] = top + torch.log(s)
-        record.nontarget_mass[n0:n1] = rest / s
-        record.kept_lse[n0:n1] = top + torch.log(kept)
-        record.kept_nontarget_mass[n0:n1] = kept_rest / kept
-        record.threshold[n0:n1] = tau
+        fill_record(record, slice(n0, n1), target_logit, top, (s, rest), tau, (kept, kept_rest))
     return record
+
+
+def fill_record(record: SupportRecord, rows, target_logit, top, sums, tau, kept_sums):
+    """``record``'s ``rows`` from the rows' max ``top``, their sums against it (``sums``: sum exp(z - top) and its
+    non-target part; ``kept_sums``: the same over {z >= tau}), z_y and tau."""
+    (s, rest), (kept, kept_rest) = sums, kept_sums
+    record.target_logit[rows] = target_logit
+    record.lse[rows] = top + torch.log(s)
+    record.nontarget_mass[rows] = rest / s
+    record.kept_lse[rows] = top + torch.log(kept)
+    record.kept_nontarget_mass[rows] = kept_rest / kept
+    record.threshold[rows] = tau

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from grpo_fast.backends import support_twin
+from grpo_fast.backends import support_rows, support_twin
 from grpo_fast.kernels import forward as kforward
 from grpo_fast.kernels.operands import HeadOperands, SamplerSupport, SupportRecord
 
@@ -62,12 +62,7 @@ def parameter_forward(head: HeadOperands, support: SamplerSupport, config, rows_
     def select(n0, n1, candidates, stats):
         m, s, rest, _, target_logit = stats.unbind(0)
         tau, kept, kept_rest, resolved[n0:n1] = _select(candidates, m, s, target_logit, support, V)
-        record.target_logit[n0:n1] = target_logit
-        record.lse[n0:n1] = m + torch.log(s)
-        record.nontarget_mass[n0:n1] = rest / s
-        record.kept_lse[n0:n1] = m + torch.log(kept)
-        record.kept_nontarget_mass[n0:n1] = kept_rest / kept
-        record.threshold[n0:n1] = tau
+        support_rows.fill_record(record, slice(n0, n1), target_logit, m, (s, rest), tau, (kept, kept_rest))
 
     kforward.forward_record(head, False, config, tile_candidates=select)
     pending = (~resolved).nonzero().squeeze(-1)
