@@ -24,6 +24,7 @@ TENSOR_CORES = {80: "mma", 89: "mma", 90: "wgmma", 100: "tcgen05", 120: "mma"}
 # the kernel families read from a table whose row may read through the copy engine
 DESCRIBED_FAMILIES = {
     "fwd": tiles.RECORD,
+    "fwd candidates": tiles.RECORD,  # the sampler's pass without gradients: the forward's own tile
     "bwd chunked": tiles.CHUNKED_BACKWARD,
     "div fwd": tiles.SWEEP,
     "div jsd": tiles.SWEEP,

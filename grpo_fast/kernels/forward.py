@@ -300,9 +300,9 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
     fields, patches, chunk = parts_shape(N, V, compute_entropy, config, with_candidates)
     parts = torch.empty((fields, patches, chunk), dtype=torch.float32, device=hidden.device)
     tiles = triton.cdiv(V, config.block_v) if with_candidates else 0
-    candidates = torch.empty(
-        candidate_fields() * tiles * chunk if with_candidates else 0, dtype=torch.float32, device=hidden.device
-    )
+    candidates = None  # with tile_candidates: one launch's, laid out per launch below
+    if with_candidates:
+        candidates = torch.empty(candidate_fields() * tiles * chunk, dtype=torch.float32, device=hidden.device)
     target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
     use_tma = config.use_tma and tensor_descriptors_fit(hidden, weight)
     w = tile_operand(weight, use_tma, config.block_v, config.block_d)
