@@ -46,6 +46,8 @@ PATHS = {
     "loss": ("logprobs", "entropy", "dH"),  # metrics.logprobs / .entropies; a trained weight, dapo (token-local)
     "loss_frozen_head": ("logprobs", "entropy", "dH"),
     "sampler_top": ("logprobs", "support_logprobs", "log_kept_mass", "dH"),  # top_k and top_p
+    # the same without gradients: the Triton backend's record sweep with tile candidates (backends.support_tiles)
+    "sampler_top_no_grad": ("logprobs", "support_logprobs", "log_kept_mass"),
     "sampler_replay": ("logprobs", "support_logprobs", "log_kept_mass", "dH"),  # replayed kept_ids
 }
 # (name, rows: "probe", "masked" or another sequence's index, T, check_values, row-grouping sizes at their smallest)
@@ -117,7 +119,7 @@ def _context(probe, others, rows, length, top1=None):
 
 def _run(path, backend, batch, weight, bias, device, check_values, small_chunks):
     """The path's per-token outputs [B, length] and dH [B, length, D], fp32 on the CPU."""
-    hidden = batch["hidden"].to(device).requires_grad_(path != "logprobs")
+    hidden = batch["hidden"].to(device).requires_grad_(path not in ("logprobs", "sampler_top_no_grad"))
     trained = path in ("general", "loss", "sampler_top", "sampler_replay")
     w, b = (x.to(device).requires_grad_(trained) for x in (weight, bias))
     y, mask = batch["targets"].to(device), batch["mask"].to(device)
@@ -148,10 +150,12 @@ def _run(path, backend, batch, weight, bias, device, check_values, small_chunks)
         )
         out.update(logprobs=metrics.logprobs, entropy=metrics.entropies)
     else:
-        top = dict(top_k=TOP_K, top_p=TOP_P) if path == "sampler_top" else dict(kept_ids=batch["kept"].to(device))
+        replayed = path == "sampler_replay"
+        top = dict(kept_ids=batch["kept"].to(device)) if replayed else dict(top_k=TOP_K, top_p=TOP_P)
         result = grpo_fast.sampler_logprobs(hidden, w, y, mask, **common, **top)
         out.update(zip(("logprobs", "support_logprobs", "log_kept_mass"), result))
-        objective = (result.support_logprobs * grad_logp).sum()
+        if hidden.requires_grad:
+            objective = (result.support_logprobs * grad_logp).sum()
     if objective is not None:
         objective.backward()
         out["dH"] = hidden.grad
