@@ -77,18 +77,9 @@ def _rows_of(head: HeadOperands, index) -> HeadOperands:
     return head._replace(hidden=head.hidden[index].contiguous(), targets=head.targets[index].contiguous(), lora=lora)
 
 
-def _mass_at_or_above(values, counts, m, floor):
-    """[n] sum of c exp(v - m) over the entries v >= floor (fp32)."""
-    return torch.where(values >= floor[:, None], counts * torch.exp(values - m[:, None]), 0.0).sum(-1)
-
-
-def _strictly_above(listed, mass):
-    """The mass (fp64) ranked strictly above each entry of ``listed`` (sorted descending): a tie group's first's."""
-    above = mass.cumsum(-1) - mass
-    first = torch.ones_like(listed, dtype=torch.bool)
-    first[:, 1:] = listed[:, 1:] != listed[:, :-1]
-    index = torch.arange(listed.shape[-1], device=listed.device).expand_as(listed)
-    return above.gather(-1, torch.where(first, index, 0).cummax(dim=-1).values)
+def _mass_at_or_above(values, weights, floor):
+    """[n] sum of ``weights`` over the entries v >= floor."""
+    return torch.where(values >= floor[:, None], weights, 0.0).sum(-1)
 
 
 def _at(x, index):
@@ -105,6 +96,7 @@ def _select(candidates, m, s, target_logit, support: SamplerSupport, vocab_size)
     listed, index = values.topk(min(LISTED, values.shape[-1]), dim=-1)
     listed_counts = counts.gather(-1, index)
     L = listed.shape[-1]
+    e = torch.exp(values - m[:, None])  # each candidate's exp(v - m), once
     resolved = torch.isfinite(m) & torch.isfinite(s) & ~torch.isnan(target_logit)
     floor = torch.full_like(m, -math.inf)
     if support.min_p > 0:
@@ -117,10 +109,10 @@ def _select(candidates, m, s, target_logit, support: SamplerSupport, vocab_size)
     if support.top_p < 1:
         cut = floor > -math.inf
         resolved &= ~cut | (beyond < floor)
-        total = torch.where(cut, _mass_at_or_above(values, counts, m, floor).double(), s.double())
+        total = torch.where(cut, _mass_at_or_above(values, counts * e, floor).double(), s.double())
         survivors = listed >= floor[:, None]
         mass = torch.where(survivors, listed_counts.double() * torch.exp(listed - m[:, None]).double(), 0.0)
-        kept = survivors & (_strictly_above(listed, mass) < support.top_p * total[:, None])
+        kept = survivors & (support_twin.mass_strictly_above(listed, mass) < support.top_p * total[:, None])
         j = kept.sum(-1)
         out = j.clamp(max=L - 1)
         falls_out = (j < L) & _at(survivors, out) & (beyond <= _at(listed, out))
@@ -130,6 +122,6 @@ def _select(candidates, m, s, target_logit, support: SamplerSupport, vocab_size)
     resolved &= beyond < tau
     first = values == target_logit[:, None]
     first &= first.cumsum(-1) == 1
-    kept = _mass_at_or_above(values, counts, m, tau)
-    kept_rest = _mass_at_or_above(values, counts - first.float(), m, tau)
+    kept = _mass_at_or_above(values, counts * e, tau)
+    kept_rest = _mass_at_or_above(values, (counts - first.float()) * e, tau)
     return tau, kept, kept_rest, resolved

@@ -105,7 +105,11 @@ def kept_threshold(z, support: SamplerSupport, top, vocab_size, reduce=ONE_PROCE
 def _strictly_above(values, top):
     """The survivors' mass (fp64, unnormalised) ranked strictly above each entry of rows ``values`` sorted
     descending: an entry tied with the one before it has its tie group's first entry's."""
-    mass = torch.exp(values - top[:, None]).double()
+    return mass_strictly_above(values, torch.exp(values - top[:, None]).double())
+
+
+def mass_strictly_above(values, mass):
+    """``_strictly_above`` of rows ``values`` sorted descending whose entries carry ``mass`` (fp64) each."""
     above = mass.cumsum(-1) - mass
     first = torch.ones_like(values, dtype=torch.bool)
     first[:, 1:] = values[:, 1:] != values[:, :-1]
