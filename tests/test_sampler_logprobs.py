@@ -311,6 +311,11 @@ def test_lora_gradients(backend, rule, device):
     torch.testing.assert_close(support, ref_support.float(), rtol=1e-5, atol=2e-5)
     assert_grad_close(da, ref_da.float(), torch.float32, "lora a")
     assert_grad_close(db, ref_db.float(), torch.float32, "lora b")
+    # without gradients (the Triton backend: the record sweep's tile candidates, LoRA in its tiles)
+    with torch.no_grad():
+        lora = grpo_fast.HeadLora(a, lb, 2.0)
+        out = grpo_fast.sampler_logprobs(h, w, y, bias=b, lora=lora, backend=backend, **params)
+    torch.testing.assert_close(out[1], ref_support.float(), rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
