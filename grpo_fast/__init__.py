@@ -13,15 +13,18 @@ div = grpo_fast.divergence(student_hidden, student_weight, teacher_hidden, teach
                            beta=0.5)                      # on-policy distillation (TRL's DistillationTrainer)
 loss, div, entropy = grpo_fast.distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
                                                  completion_mask)   # its loss, the gradients formed in the forward
+teacher = grpo_fast.ServedTeacher(topk_ids, topk_logprobs)   # a teacher served as top-k log-probs (TRL's async)
+loss, div, entropy = grpo_fast.served_distillation_loss(hidden, weight, teacher, completion_mask)
 loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, teacher_weight),
                                distillation_coef=0.1)     # RL and distillation in one call
 
 The package's parts, one folder each (each imports only the parts below it in kernels < backends < head <
-sampler < distillation < grpo_loss < integrations < memory; the spec stands apart):
+sampler < distillation < served < grpo_loss < integrations < memory; the spec stands apart):
     head/          layer 1: log-probs and entropies from hidden states, no [tokens, vocab] logits
     sampler/       log-probs over a truncating sampler's kept set (top-k / top-p / min-p, or replayed sets)
     grpo_loss/     layer 2: the GRPO loss, its options and metrics; ``loss`` runs both layers
     distillation/  the student-teacher divergence head; RL with distillation in one call
+    served/        distillation from a teacher served as top-k log-probs (TRL's experimental trainers)
     backends/      one protocol, two implementations: the Triton kernels and their chunked-torch twins
     kernels/       the Triton kernels, their tile tables and launch configurations (import nothing of the package)
     integrations/  TRL's trainers and verl's backend (public as grpo_fast.trl, grpo_fast.verl)
@@ -39,6 +42,8 @@ from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.sampler.api import SamplerLogprobs, sampler_logprobs
 from grpo_fast.sampler.replay import pack_kept_ids
+from grpo_fast.served.api import ServedKeywords, served_distillation_loss, served_divergence_and_entropy
+from grpo_fast.served.teacher import ServedTeacher
 
 __all__ = [
     "loss",
@@ -63,5 +68,9 @@ __all__ = [
     "distillation_loss",
     "DivergenceKeywords",
     "Teacher",
+    "ServedTeacher",
+    "served_divergence_and_entropy",
+    "served_distillation_loss",
+    "ServedKeywords",
 ]
 __version__ = "0.1.0"

@@ -672,3 +672,108 @@ def loss_with_teacher(
     total = total + distillation_coef * aggregate(div, completion_mask, options, kwargs.get("num_items_in_batch"))
     metrics["distillation_loss"] = (torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1)).detach().float()
     return total, metrics
+
+
+# ----------------------------------------------------------------------------------------------- served teachers
+# A teacher served as top-k log-probs (TRL 1.16's trl.experimental AsyncDistillationTrainer; ServerDistillationTrainer
+# alike): per token its ids (-1: none) and log-probs. The support at beta = 0 is the listed ids; at beta != 0 the
+# teacher's top-1 (entry 0) and the sampled token (once where they coincide; the sampled token's teacher log-prob read
+# from the list, absent: not in the support); at beta = 1 the sampled token alone. Each side's log-probs over the
+# support either get a tail bucket, log(1 - sum exp) with the sum's log clamped to <= -1e-7, or are renormalised over
+# it; then forward KL / reverse KL / generalized JSD summed over the entries. A token without any support entry: 0.
+def _served_support(ids, logprobs, targets, beta):
+    """(ids [..., S], teacher log-probs [..., S], valid [..., S]) of the support (the section's comment)."""
+    listed = ids >= 0
+    if beta == 0.0:
+        return ids, logprobs, listed
+    hit = listed & (ids == targets[..., None])
+    found = hit.any(-1)
+    sampled_lp = (logprobs * hit).sum(-1)  # the one listed entry equal to the sampled token
+    if beta == 1.0:
+        return targets[..., None], sampled_lp[..., None], found[..., None]
+    distinct = found & (targets != ids[..., 0])
+    return (
+        torch.stack([ids[..., 0], targets], -1),
+        torch.stack([logprobs[..., 0], sampled_lp], -1),
+        torch.stack([listed[..., 0], distinct], -1),
+    )
+
+
+def _served_side(log_p, valid, add_tail_bucket):
+    """One side's log-probs over the support's entries (and the tail bucket), -inf off ``valid``."""
+    log_p = log_p.masked_fill(~valid, -math.inf)
+    if add_tail_bucket:
+        mass_log = torch.logsumexp(log_p, -1, keepdim=True).clamp(max=-1e-7)
+        return torch.cat([log_p, torch.log1p(-torch.exp(mass_log))], -1)
+    return log_p - torch.logsumexp(log_p, -1, keepdim=True)
+
+
+def _served_terms(log_ps, log_pt, beta):
+    """The divergence summed over the entries (an entry absent on a side adds 0)."""
+    ps, pt = log_ps.exp(), log_pt.exp()
+    if beta == 0.0:
+        return _expected_log_ratio(pt, log_pt, log_ps)
+    if beta == 1.0:
+        return _expected_log_ratio(ps, log_ps, log_pt)
+    log_m = torch.log(((1.0 - beta) * ps + beta * pt).clamp(min=torch.finfo(torch.float32).tiny))
+    return beta * _expected_log_ratio(pt, log_pt, log_m) + (1.0 - beta) * _expected_log_ratio(ps, log_ps, log_m)
+
+
+def served_divergence_and_entropy(
+    student_hidden,
+    student_weight,
+    teacher_ids,
+    teacher_logprobs,
+    completion_mask=None,
+    *,
+    targets=None,
+    beta=0.0,
+    temperature=1.0,
+    add_tail_bucket=True,
+    student_bias=None,
+    student_softcap=None,
+    student_logit_scale=1.0,
+    compute_dtype=torch.float32,
+):
+    """Per-token divergence from a served teacher's top-k ``teacher_ids`` / ``teacher_logprobs`` [B, T, K], and the
+    student's entropy, [B, T] in ``compute_dtype`` from the student's full logits (the section's comment); the
+    divergence differentiable. ``targets`` [B, T]: the sampled tokens (read at beta != 0)."""
+    z = _transformed_logits(
+        student_hidden,
+        student_weight,
+        student_bias,
+        temperature,
+        student_softcap,
+        student_logit_scale,
+        compute_dtype,
+    )
+    log_ps_full = F.log_softmax(z, dim=-1)
+    if targets is None:
+        targets = torch.zeros(teacher_ids.shape[:2], dtype=torch.int64, device=teacher_ids.device)
+    ids, log_pt, valid = _served_support(teacher_ids.long(), teacher_logprobs.to(compute_dtype), targets.long(), beta)
+    log_ps = log_ps_full.gather(-1, ids.clamp(min=0))
+    any_entry = valid.any(-1)
+    keep = valid | ~any_entry[..., None]  # a token without entries: a dummy entry, its result dropped below
+    student = _served_side(log_ps, keep, add_tail_bucket)
+    teacher = _served_side(log_pt.masked_fill(~valid, 0.0), keep, add_tail_bucket)
+    div = _served_terms(student, teacher, beta)
+    div = torch.where(any_entry, div, 0.0)
+    entropy = -_expected_log_ratio(log_ps_full.exp(), log_ps_full, torch.zeros_like(log_ps_full))
+    if completion_mask is not None:
+        scored = completion_mask.bool()
+        div, entropy = div.masked_fill(~scored, 0.0), entropy.masked_fill(~scored, 0.0)
+    return div, entropy
+
+
+def served_distillation_loss(
+    student_hidden, student_weight, teacher_ids, teacher_logprobs, completion_mask=None, num_items_in_batch=None, **kw
+):
+    """The served divergence summed over the scored tokens over ``num_items_in_batch``, or over their count (at
+    least 1): (loss, divergence, entropy)."""
+    div, entropy = served_divergence_and_entropy(
+        student_hidden, student_weight, teacher_ids, teacher_logprobs, completion_mask, **kw
+    )
+    if num_items_in_batch is None:
+        count = div.numel() if completion_mask is None else completion_mask.bool().sum()
+        num_items_in_batch = max(int(count), 1)
+    return div.sum() / num_items_in_batch, div.detach(), entropy.detach()

@@ -9,7 +9,8 @@ into the object; nothing else compares a backend's name, and no part above calls
 The methods, by the part that calls them:
 * layer 1 (``grpo_fast.head``): the forward and its record (a vocab-parallel shard's), the frozen-head forward and
   record, the three-sweep trained head, the backward, and what each allocates (``workspace_bytes``); the sampler's
-  kept set and its log-sum-exp, forward and backward (``grpo_fast.sampler``);
+  kept set and its log-sum-exp, forward and backward (``grpo_fast.sampler``); the logits at given ids, forward
+  and backward (``grpo_fast.served``);
 * layer 2 (``grpo_fast.grpo_loss``): the token loss, and its workspace;
 * the divergence head (``grpo_fast.distillation``, ``grpo_fast.loss(teacher=...)``): its forward (and its frozen-head
   forward), a shard's records, its backward, the loss with its gradients formed in the forward (with layer 1's term:
@@ -140,6 +141,15 @@ class Backend(Protocol):
         self, hidden_shape: tuple[int, int], vocab_size: int, dtype: torch.dtype, token_chunk: int | None
     ) -> int:
         """What ``forward_trained_head`` allocates besides its outputs and ``grads``."""
+        ...
+
+    def gathered_logits(self, head: HeadOperands, ids: torch.Tensor) -> torch.Tensor:
+        """The logits z of each row at ``ids`` [N, K] int64 (-1: no entry), fp32 [N, K] (-inf at -1): a gather of K
+        weight rows a token, O(N K D), no vocabulary sweep (``grpo_fast.served``' student side)."""
+        ...
+
+    def gathered_backward(self, head: HeadOperands, ids: torch.Tensor, grad_logits: torch.Tensor, grads: HeadGrads):
+        """Accumulate the gradients of ``gathered_logits`` from dL/dz ``grad_logits`` [N, K] fp32 into ``grads``."""
         ...
 
     def support_forward(

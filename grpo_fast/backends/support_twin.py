@@ -286,8 +286,9 @@ def _torch_grad_table(g, x, ids, out):
 TORCH_DOTS = KeptDots(_torch_logits, _torch_grad_rows, _torch_grad_table)
 
 
-def _kept_logits(head, kept_ids, dots, slope=False):
-    """The logits of every row's kept entries, fp32 [N, K] (-inf in the filling), and dz/du with ``slope``."""
+def kept_logits(head, kept_ids, dots=TORCH_DOTS, slope=False):
+    """The logits z of every row's entries ``kept_ids`` [N, K] (int64, -1: none), fp32 [N, K] (-inf at -1), and with
+    ``slope`` dz/du (u: the raw logit; the transform's derivative), by ``dots``."""
     hidden, weight, _, bias, transform, lora = head
     u = torch.zeros(kept_ids.shape, dtype=torch.float32, device=hidden.device)
     if weight.shape[0] == 0:  # a shard without rows: none of the kept entries here
@@ -303,10 +304,31 @@ def _kept_logits(head, kept_ids, dots, slope=False):
     return (z, dz_du) if slope else z
 
 
+def kept_backward(head, kept_ids, grad_logits, grads: HeadGrads, dots=TORCH_DOTS, slope=None):
+    """Accumulate the gradients of the logits at ``kept_ids`` [N, K] into ``grads``: ``grad_logits`` [N, K] fp32 is
+    dL/dz there (ignored at -1), times dz/du (``slope``: ``kept_logits``' where the caller has it, else recomputed),
+    by ``dots``."""
+    hidden, weight, _, _, _, lora = head
+    if weight.shape[0] == 0:  # a shard without rows: no gradient of its own
+        return
+    dz_du = slope if slope is not None else kept_logits(head, kept_ids, dots, slope=True)[1]
+    g = (grad_logits * dz_du).masked_fill_(kept_ids < 0, 0.0).contiguous()
+    if grads.hidden is not None:
+        dots.grad_rows(g, weight, kept_ids, grads.hidden)
+    if grads.weight is not None:
+        dots.grad_table(g, hidden, kept_ids, grads.weight)
+    if grads.bias is not None:
+        grads.bias.index_add_(0, kept_ids.clamp(min=0).reshape(-1), g.reshape(-1))
+    if grads.lora_hidden is not None:
+        dots.grad_rows(g, lora[1], kept_ids, grads.lora_hidden)
+    if grads.lora_weight is not None:
+        dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)
+
+
 def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
     """The support's record with replayed kept sets (``kept_ids`` [N, K] int64, this shard's columns: -1 where
     another shard's or no entry), their logits by ``dots``."""
-    z = _kept_logits(head, kept_ids, dots)
+    z = kept_logits(head, kept_ids, dots)
     at_target = (kept_ids == head.targets[:, None]) & (kept_ids >= 0)
     # the target's kept entry (-inf where no set holds it: the caller's check, or NaN support)
     target_logit = reduce.max(z.masked_fill(~at_target, -math.inf).amax(dim=-1))
@@ -319,26 +341,15 @@ def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
 
 
 def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DOTS):
-    """``backward`` with replayed kept sets: g = dL/du over the kept entries, then ``dots``' gradients."""
-    hidden, weight, targets, _, _, lora = head
-    if weight.shape[0] == 0:  # a shard without rows: no gradient of its own
+    """``backward`` with replayed kept sets: dL/dz over the kept entries, then ``kept_backward``."""
+    if head.weight.shape[0] == 0:  # a shard without rows: no gradient of its own
         return
-    z, dz_du = _kept_logits(head, kept_ids, dots, slope=True)
-    at_target = (kept_ids == targets[:, None]) & (kept_ids >= 0)
+    z, dz_du = kept_logits(head, kept_ids, dots, slope=True)
+    at_target = (kept_ids == head.targets[:, None]) & (kept_ids >= 0)
     q = torch.exp(z - record.kept_lse[:, None])  # 0 in the filling (z = -inf)
     # the target's column d (1 - q_y), carried; the others -d q_v
-    g = torch.where(at_target, record.kept_nontarget_mass[:, None], -q).mul_(grad_support[:, None]).mul_(dz_du)
-    g = g.masked_fill_(kept_ids < 0, 0.0).contiguous()
-    if grads.hidden is not None:
-        dots.grad_rows(g, weight, kept_ids, grads.hidden)
-    if grads.weight is not None:
-        dots.grad_table(g, hidden, kept_ids, grads.weight)
-    if grads.bias is not None:
-        grads.bias.index_add_(0, kept_ids.clamp(min=0).reshape(-1), g.reshape(-1))
-    if grads.lora_hidden is not None:
-        dots.grad_rows(g, lora[1], kept_ids, grads.lora_hidden)
-    if grads.lora_weight is not None:
-        dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)
+    grad_logits = torch.where(at_target, record.kept_nontarget_mass[:, None], -q).mul_(grad_support[:, None])
+    kept_backward(head, kept_ids, grad_logits, grads, dots, dz_du)
 
 
 def backward(head, support, record, grad_logp, grad_support, grads, dots: KeptDots = TORCH_DOTS):

@@ -62,6 +62,12 @@ class TorchBackend:
         """0: no three-sweep trained head here."""
         return 0
 
+    def gathered_logits(self, head, ids):
+        return support_twin.kept_logits(head, ids)
+
+    def gathered_backward(self, head, ids, grad_logits, grads):
+        support_twin.kept_backward(head, ids, grad_logits, grads)
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:

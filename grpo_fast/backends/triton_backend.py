@@ -151,6 +151,13 @@ class TritonBackend:
         chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, V, D, itemsize))
         return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
 
+    def gathered_logits(self, head, ids):
+        """``kernels.kept_set``'s gathers (the replayed kept sets' products)."""
+        return support_twin.kept_logits(head, ids, KEPT_SET_KERNELS)
+
+    def gathered_backward(self, head, ids, grad_logits, grads):
+        support_twin.kept_backward(head, ids, grad_logits, grads, KEPT_SET_KERNELS)
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters
         without gradients: the log-prob's record sweep with its tiles' candidates (``support_tiles``); otherwise, and

@@ -388,16 +388,9 @@ def distillation_loss(
             nothing (the torch backend, vocab-parallel heads, ``head_path="general"``).
     """
     check_chunk("token_chunk", token_chunk, "tokens per gradient GEMM")
-    if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
-            raise TypeError(
-                "num_items_in_batch must be a number or a one-element tensor, got shape "
-                f"{tuple(num_items_in_batch.shape)}"
-            )
-    elif num_items_in_batch is not None:
-        check_number("num_items_in_batch", num_items_in_batch, lambda v: v > 0, "a positive number of tokens")
+    check_num_items_in_batch(num_items_in_batch)
     call = _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, keywords)
-    weights = _token_weights(call, num_items_in_batch)
+    weights = token_weights(call.rows, call.student.hidden, num_items_in_batch)
     fused = call.shard is None and call.head_path == "auto" and call.backend.three_sweep_heads
     if token_chunk is not None and not fused:
         raise ValueError(
@@ -416,16 +409,28 @@ def distillation_loss(
     return loss, scatter_rows(div, call.rows, (B, T)), scatter_rows(entropy, call.rows, (B, T)).detach()
 
 
-def _token_weights(call, num_items_in_batch):
-    """dL/d div of each scored row [N] fp32: 1 / num_items_in_batch, or 1 / the scored tokens' count (at least 1);
-    0 on a device partition's padding rows. No host read."""
-    hidden = call.student.hidden
-    ones = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+def check_num_items_in_batch(num_items_in_batch):
+    """A distillation loss's divisor: None, a number > 0 or a one-element tensor (its value not read)."""
     if isinstance(num_items_in_batch, torch.Tensor):
-        weights = ones / num_items_in_batch.to(device=hidden.device, dtype=torch.float32).reshape(1)
+        if num_items_in_batch.numel() != 1:
+            raise TypeError(
+                "num_items_in_batch must be a number or a one-element tensor, got shape "
+                f"{tuple(num_items_in_batch.shape)}"
+            )
+    elif num_items_in_batch is not None:
+        check_number("num_items_in_batch", num_items_in_batch, lambda v: v > 0, "a positive number of tokens")
+
+
+def token_weights(rows, like, num_items_in_batch):
+    """dL/d div of each scored row [N] fp32 (``rows``; ``like``: any tensor of those N rows, on their device): 1 /
+    num_items_in_batch, or 1 / the scored tokens' count (at least 1); 0 on a device partition's padding rows. No host
+    read."""
+    ones = torch.ones(like.shape[0], dtype=torch.float32, device=like.device)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        weights = ones / num_items_in_batch.to(device=like.device, dtype=torch.float32).reshape(1)
     elif num_items_in_batch is not None:
         weights = ones / float(num_items_in_batch)
     else:
-        count = call.rows.count.float() if call.rows.keep is not None else ones.sum()
+        count = rows.count.float() if rows.keep is not None else ones.sum()
         weights = ones / count.clamp(min=1.0)
-    return torch.where(call.rows.keep, weights, 0.0) if call.rows.keep is not None else weights
+    return torch.where(rows.keep, weights, 0.0) if rows.keep is not None else weights

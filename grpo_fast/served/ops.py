@@ -1,0 +1,161 @@
+"""The served-teacher loss with a trained student head as one custom op, ``grpo_fast::served_trained_loss``: its
+gradients formed in the forward, in the three vocabulary sweeps of layer 1's trained head (``forward_trained_head``:
+the logits once, J = d logp / d hidden, dW), against four for the log-prob head with a backward.
+
+Per token chunk, once its log-sum-exp is known (the trained head's record, at an anchor a: lse = z_a - logp_a, z_a
+gathered), the chunk's divergence and its gradients with respect to the gathered logits and to logp_a follow from the
+[chunk, K + 1] formulas (``served.teacher.divergence_and_gradients``): dL/dlogp_a is the trained head's
+coefficient (its dense part -c p and its anchor column), dL/dz at the K ids the sparse part, added afterwards through
+the gathered rows (``Backend.gathered_backward``). The op's backward scales the formed gradients by the loss's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands
+from grpo_fast.backends.resolver import named
+from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
+from grpo_fast.head.transform import LogitTransform
+from grpo_fast.served import teacher as served_teacher
+
+FP32 = torch.float32
+
+
+class ServedLossOperands(NamedTuple):
+    """The op's operands (the scored rows).
+
+    Attributes:
+        hidden, weight, bias: the student's head ([N, D], [V, D], [V] or None), bf16 or fp32.
+        anchors: [N] int64: each row's anchor id (its support's first valid entry; 0 where it has none).
+        temperature, softcap, logit_scale: the student's logit transform.
+        ids, teacher, valid: the support (``served.teacher.Support``), [N, K'] each.
+        weights: [N] fp32 dL/d divergence of each row.
+        beta, add_tail_bucket: the divergence.
+        token_chunk: tokens per chunk of the trained head (0: its default).
+        need_weight: form dW and db (else dH alone).
+        backend: a resolved backend's name (one with ``three_sweep_heads``).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    anchors: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+    ids: torch.Tensor
+    teacher: torch.Tensor
+    valid: torch.Tensor
+    weights: torch.Tensor
+    beta: float
+    add_tail_bucket: bool
+    token_chunk: int
+    need_weight: bool
+    backend: str
+
+    def head(self) -> HeadOperands:
+        transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
+        return HeadOperands(self.hidden, self.weight, self.anchors, self.bias, transform)
+
+
+def _served_trained_loss(*operands):
+    """(loss [], divergence [N], entropy [N], dH [N, D], dW [V, D] or empty, db [V] or empty), fp32."""
+    operands = ServedLossOperands(*operands)
+    head = operands.head()
+    backend = named(operands.backend)
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    dev = hidden.device
+    support = served_teacher.Support(operands.ids, operands.teacher, operands.valid)
+    logits = backend.gathered_logits(head, support.ids)
+    first = support.valid.int().argmax(-1, keepdim=True)
+    signal = support.valid.any(-1)
+    sparse = torch.zeros_like(logits)
+    divergence = torch.zeros(hidden.shape[0], dtype=FP32, device=dev)
+
+    def coefficients(n0, n1, logp, entropy):
+        rows = served_teacher.Support(*(x[n0:n1] for x in support))
+        z = logits[n0:n1]
+        lse = torch.where(signal[n0:n1], z.gather(-1, first[n0:n1])[:, 0] - logp.float(), 0.0)
+        div, grad_z, grad_lse = served_teacher.divergence_and_gradients(
+            z, lse, rows, operands.beta, operands.add_tail_bucket
+        )
+        weights = operands.weights[n0:n1]
+        divergence[n0:n1] = div
+        # lse = z_a - logp_a: dL/dlogp_a = -dL/dlse, and z_a's column takes dL/dlse
+        sparse[n0:n1] = (grad_z * weights[:, None]).scatter_add_(1, first[n0:n1], (grad_lse * weights)[:, None])
+        return -grad_lse * weights
+
+    grads = HeadGrads(
+        torch.empty(hidden.shape, dtype=FP32, device=dev),
+        torch.zeros(weight.shape, dtype=FP32, device=dev) if operands.need_weight else None,
+        torch.zeros(weight.shape[0], dtype=FP32, device=dev) if operands.need_weight and bias is not None else None,
+    )
+    _, entropy, _ = backend.forward_trained_head(head, coefficients, grads, operands.token_chunk or None)
+    backend.gathered_backward(head, support.ids, sparse, grads)
+    loss = (operands.weights * divergence).sum()
+    dw, db = (grad if grad is not None else torch.empty(0, dtype=FP32, device=dev) for grad in grads[1:3])
+    return loss, divergence, entropy, grads.hidden, dw, db
+
+
+_served_trained_loss_op = custom_op(
+    "served_trained_loss",
+    _served_trained_loss,
+    op_schema(ServedLossOperands, "", "", "(" + ", ".join(["Tensor"] * 6) + ")"),
+)
+
+
+@_served_trained_loss_op.register_fake
+def _(*operands):
+    operands = ServedLossOperands(*operands)
+    hidden, weight = operands.hidden, operands.weight
+    N = hidden.shape[0]
+    return (
+        hidden.new_empty((), dtype=FP32),
+        hidden.new_empty(N, dtype=FP32),
+        hidden.new_empty(N, dtype=FP32),
+        hidden.new_empty(hidden.shape, dtype=FP32),
+        weight.new_empty(weight.shape if operands.need_weight else (0,), dtype=FP32),
+        weight.new_empty(weight.shape[0] if operands.need_weight and operands.bias is not None else 0, dtype=FP32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    operands = ServedLossOperands(*inputs)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*output[3:6])
+    bias_dtype = operands.bias.dtype if operands.bias is not None else None
+    ctx.dtypes = (operands.hidden.dtype, operands.weight.dtype, bias_dtype)
+
+
+def _backward(ctx, grad_loss, *_):
+    """The gradients formed in the forward times the loss's gradient, each in its input's dtype."""
+    count = len(ctx.needs_input_grad)
+    if grad_loss is None:
+        return (None,) * count
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+
+    def scaled(grad, dtype, need):
+        return scaled_gradient(grad, grad_loss, dtype) if need and grad.numel() else None
+
+    return (
+        scaled(grad_hidden, hidden_dtype, need_h),
+        scaled(grad_weight, weight_dtype, need_w),
+        None,
+        scaled(grad_bias, bias_dtype, need_b),
+    ) + (None,) * (count - 4)
+
+
+_served_trained_loss_op.register_autograd(_backward, setup_context=_setup_context)
+_INLINE = inline_function(_served_trained_loss, _setup_context, _backward)
+
+
+def served_trained_loss(operands: ServedLossOperands):
+    """(loss, divergence [N], entropy [N]): the op's, the loss differentiable in hidden, weight and bias."""
+    args = tuple(operands)
+    out = _INLINE.apply(*args) if runs_inline(args) else _served_trained_loss_op(*args)
+    return out[0], out[1].detach(), out[2].detach()
