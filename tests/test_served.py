@@ -53,6 +53,7 @@ def _served_batch(B=3, T=5, D=24, V=61, K=6, dtype=torch.float32, seed=0, device
         logprobs=lps.float().to(**to),
         targets=targets.to(**to),
         mask=mask.to(**to),
+        teacher_logits=teacher_logits.to(**to),
     )
 
 
@@ -394,7 +395,6 @@ def test_trained_head_loss_matches_the_spec(dtype, beta, tail, device):
     the fp64 spec, token chunks smaller than the rows (several chunks)."""
     batch = _served_batch(dtype=dtype, device=device)
     head = dict(temperature=0.8, student_softcap=4.0)
-    spec_loss, spec_div, spec_entropy = (None, None, None)
     div, entropy, leaves = _spec(batch, beta, tail, **head)
     spec_loss = div.sum() / batch["mask"].sum()
     spec_loss.backward()
@@ -459,3 +459,38 @@ def test_written_out_gradients_equal_autograd(beta, tail):
     torch.testing.assert_close(ours, div.detach())
     torch.testing.assert_close(our_z, grad_z)
     torch.testing.assert_close(our_lse, grad_lse if grad_lse is not None else torch.zeros_like(our_lse))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_teacher_served_at_another_temperature(backend, device):
+    """Log-probs taken at temperature 1 (vLLM's prompt log-probs), a divergence at 0.7: without a tail bucket the
+    teacher at 0.7 over its ids follows exactly (the spec given the teacher's own log-probs at 0.7); with one, an
+    error naming the way out."""
+    batch = _served_batch(device=backend_device(backend, device))
+    ids = batch["ids"]
+    at_07 = (batch["teacher_logits"] / 0.7).log_softmax(-1).gather(-1, ids.clamp(min=0))
+    at_07 = torch.where(ids >= 0, at_07, 0.0)
+    truth, _ = reference.served_divergence_and_entropy(
+        batch["hidden"].to(F64), batch["weight"].to(F64), ids, at_07, batch["mask"], temperature=0.7,
+        add_tail_bucket=False, student_bias=batch["bias"].to(F64), compute_dtype=F64,
+    )  # fmt: skip
+    teacher = grpo_fast.ServedTeacher(ids, batch["logprobs"], add_tail_bucket=False, temperature=1.0)
+    got, _ = grpo_fast.served_divergence_and_entropy(
+        batch["hidden"], batch["weight"], teacher, batch["mask"], temperature=0.7, student_bias=batch["bias"],
+        backend=backend,
+    )  # fmt: skip
+    torch.testing.assert_close(got, truth.float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="a tail bucket needs the teacher's mass outside its ids"):
+        grpo_fast.served_divergence_and_entropy(
+            batch["hidden"], batch["weight"], teacher._replace(add_tail_bucket=True), temperature=0.7
+        )
+    # at its own temperature the record is as without one
+    same = grpo_fast.served_divergence_and_entropy(
+        batch["hidden"], batch["weight"], teacher._replace(temperature=0.7), batch["mask"], temperature=0.7,
+        student_bias=batch["bias"], backend=backend,
+    )[0]  # fmt: skip
+    plain = grpo_fast.served_divergence_and_entropy(
+        batch["hidden"], batch["weight"], teacher._replace(temperature=None), batch["mask"], temperature=0.7,
+        student_bias=batch["bias"], backend=backend,
+    )[0]  # fmt: skip
+    assert torch.equal(same, plain)

@@ -52,6 +52,15 @@ def _check_teacher(teacher, call: inputs.HeadCall, beta, targets_given):
     inputs.check_float_tensor("teacher.logprobs", logprobs)
     if not isinstance(teacher.add_tail_bucket, bool):
         raise TypeError(f"teacher.add_tail_bucket must be a bool, got {teacher.add_tail_bucket!r}")
+    if teacher.temperature is not None:
+        check_number("teacher.temperature", teacher.temperature, lambda v: v > 0, "None or a positive number")
+        if teacher.add_tail_bucket and float(teacher.temperature) != call.transform.temperature:
+            raise ValueError(
+                f"teacher.temperature {teacher.temperature} differs from the divergence's temperature "
+                f"{call.transform.temperature}: a tail bucket needs the teacher's mass outside its ids at the "
+                "divergence's temperature, which top-k log-probs do not carry (add_tail_bucket=False renormalises "
+                "over the ids, exact at any temperature; or serve the teacher at the divergence's temperature)"
+            )
     B, T = call.shape
     if ids.dim() != 3 or tuple(ids.shape[:2]) != (B, T) or ids.shape[2] == 0:
         raise ValueError(f"teacher.ids must have shape [B, T, K] = [{B}, {T}, K] with K >= 1, got {tuple(ids.shape)}")
@@ -188,6 +197,10 @@ class _ServedCall:
         logprobs = inputs.row_values(teacher.logprobs.reshape(-1, K), rows)
         support = served_teacher.support(ids, logprobs, head.targets, beta)
         support = support._replace(ids=support.ids.contiguous())
+        if teacher.temperature is not None and float(teacher.temperature) != call.transform.temperature:
+            # log p at T_s, times T_s / T and renormalised over the support (no tail bucket): p at T there
+            ratio = float(teacher.temperature) / call.transform.temperature
+            support = support._replace(teacher=support.teacher * ratio)
         return cls(call, rows, head, support, beta, teacher.add_tail_bucket)
 
     def anchors(self):

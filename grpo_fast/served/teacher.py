@@ -49,11 +49,17 @@ class ServedTeacher(NamedTuple):
             log-probs at the divergence's temperature); read only where ids >= 0.
         add_tail_bucket: append the mass outside the support as one more entry on both sides (TRL's
             ``add_tail_bucket``, default True); False: both distributions renormalised over the support.
+        temperature: the temperature ``logprobs`` were taken at; None: the divergence's (TRL's assumption). vLLM
+            0.32's prompt log-probs are at 1 whatever the request says (they skip its sampling processors): then
+            1.0, and without a tail bucket the teacher at the divergence's temperature T over the support follows
+            exactly (log-probs times 1 / T, renormalised); a tail bucket needs the whole vocabulary's normaliser at
+            T, which a top-k list does not carry (an error).
     """
 
     ids: torch.Tensor
     logprobs: torch.Tensor
     add_tail_bucket: bool = True
+    temperature: float | None = None
 
 
 class Support(NamedTuple):
