@@ -42,6 +42,7 @@ from trl_pairs import (
 )
 
 import grpo_fast.trl
+from grpo_fast.integrations.hf import with_module_names
 from grpo_fast.trl import GRPOTrainer, RLOOTrainer
 
 LOGGED = dict(logging_strategy="steps", logging_steps=1, optim="sgd", learning_rate=0.5, max_steps=2)
@@ -239,7 +240,7 @@ def test_a_constructor_that_no_longer_reads_the_name_fails_loudly():
         return None
 
     with pytest.raises(RuntimeError, match=r"no longer reads \['add_fused_lm_head'\]"):
-        grpo_fast.trl._with_module_names(constructor_without_the_call, add_fused_lm_head=None)
+        with_module_names(constructor_without_the_call, grpo_fast.trl.TRL_VERSIONS, add_fused_lm_head=None)
 
 
 def test_a_constructor_that_patched_no_model_fails_loudly():

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import sys
+import types
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -211,3 +213,30 @@ def lm_head_lora_adapter(lm_head):
     if lm_head.fan_in_fan_out:
         raise NotImplementedError(f"{_UNSUPPORTED}: fan_in_fan_out=True (a [D, V] base weight)")
     return adapter
+
+
+def with_module_names(function, release_range: str, **names):
+    """``function`` (a trainer's method) as a new function with the same code, defaults and closure, whose global
+    ``names`` resolve to the values given and every other global name to its module's value at this call. The
+    library's module is left as it is: other callers (its own trainers, other threads) see its names. Each name must
+    be one that the code (or a function nested in it) reads, so a release that moves the call fails here, loudly
+    (``release_range``: the versions the tests run, for the message)."""
+    read = set(function.__code__.co_names)
+    for const in function.__code__.co_consts:
+        if isinstance(const, types.CodeType):
+            read |= set(const.co_names)
+    unread = sorted(set(names) - read)
+    if unread:
+        raise RuntimeError(
+            f"grpo_fast: {function.__qualname__} ({function.__module__}) no longer reads {unread}; "
+            f"this release is outside {release_range}"
+        )
+    rebound = types.FunctionType(
+        function.__code__,
+        {**function.__globals__, **names},
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(rebound, function)

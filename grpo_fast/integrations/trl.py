@@ -31,6 +31,7 @@ from grpo_fast.integrations.hf import (
     lm_head_lora,
     lm_head_lora_adapter,
     logit_transform_of,
+    with_module_names,
 )
 
 _TRL_LOW, _TRL_END = "1.16", "1.17"
@@ -404,32 +405,6 @@ def _vllm_truncation(trainer) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------- the trainers
-def _with_module_names(function, **names):
-    """``function`` (a TRL trainer's method) as a new function with the same code, defaults and closure, whose global
-    ``names`` resolve to the values given and every other global name to its module's value at this call. TRL's
-    module is left as it is: other callers (TRL's own trainers, other threads) see TRL's names. Each name must be one
-    that the code (or a function nested in it) reads, so a TRL release that moves the call fails here, loudly."""
-    read = set(function.__code__.co_names)
-    for const in function.__code__.co_consts:
-        if isinstance(const, types.CodeType):
-            read |= set(const.co_names)
-    unread = sorted(set(names) - read)
-    if unread:
-        raise RuntimeError(
-            f"grpo_fast.trl: {function.__qualname__} ({function.__module__}) no longer reads {unread}; "
-            f"this TRL release is outside {TRL_VERSIONS}"
-        )
-    rebound = types.FunctionType(
-        function.__code__,
-        {**function.__globals__, **names},
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    rebound.__kwdefaults__ = function.__kwdefaults__
-    return functools.update_wrapper(rebound, function)
-
-
 def _lm_head_adapter_check(cast_lm_head_to_fp32: bool):
     """What a grpo_fast trainer's constructor reads as PEFT's ``BaseTunerLayer``, for its isinstance checks on the
     lm_head: TRL refuses a PEFT adapter there (its head would ignore it); an lm_head that grpo_fast's head applies
@@ -476,8 +451,9 @@ class _GRPOFastHead:
             add_fused_lm_head(model, *head_args, **head_kwargs, entropy_grad=self._head_entropy_grad())
             patched.append(model)
 
-        trl_init = _with_module_names(
+        trl_init = with_module_names(
             trl_class.__init__,
+            TRL_VERSIONS,
             add_fused_lm_head=head,
             BaseTunerLayer=_lm_head_adapter_check(bool(getattr(config, "cast_lm_head_to_fp32", False))),
         )
@@ -693,102 +669,17 @@ class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
 
 
 # ---------------------------------------------------------------------------------------------- distillation
-def _whole(weight, bias, dtype):
-    """A head's weight and bias as TRL 1.16's distillation loss takes them: a DTensor gathered (``full_tensor()``, its
-    weight in ``dtype``, the hidden states'), anything else as it is."""
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor().to(dtype)
-        bias = None if bias is None else bias.full_tensor()
-    return weight, bias
+# the distillation trainers (grpo_fast.integrations.trl_distillation, which reads this module's names above);
+# TRL's experimental served-teacher trainer (trl_served) is imported on first use: TRL warns on every import of
+# trl.experimental
+from grpo_fast.integrations.trl_distillation import DistillationTrainer, divergence_loss  # noqa: E402, F401
+
+_EXPERIMENTAL = ("AsyncDistillationTrainer", "AsyncDistillationConfig", "served_jsd_loss")
 
 
-def divergence_loss(
-    student_hidden_states,
-    teacher_hidden_states,
-    student_lm_head_weight,
-    teacher_lm_head_weight,
-    completion_mask,
-    beta,
-    num_items_in_batch=None,
-    student_lm_head_bias=None,
-    teacher_lm_head_bias=None,
-    student_logit_scale=1.0,
-    teacher_logit_scale=1.0,
-    student_final_logit_softcapping=None,
-    teacher_final_logit_softcapping=None,
-    temperature=1.0,
-):
-    """TRL 1.16's ``_chunked_divergence_loss``, computed by ``grpo_fast.distillation_loss`` (the student's gradients
-    formed in the forward).
+def __getattr__(name):
+    if name in _EXPERIMENTAL:
+        from grpo_fast.integrations import trl_served
 
-    Each model computes in its own precision (the autocast dtype, else its hidden states'; the biases as they are:
-    TRL adds them in fp32); only the tokens where ``completion_mask`` is nonzero are computed. A DTensor head is
-    gathered whole, as TRL gathers it (an lm_head that is an FSDP2 unit of its own then gets each rank's unreduced
-    gradient, as in TRL).
-
-    Args:
-        student_hidden_states: [B, T, Ds] float: the student's last hidden states.
-        teacher_hidden_states: [B, T, Dt] float: the teacher's.
-        student_lm_head_weight: [V, Ds] (or a DTensor).
-        teacher_lm_head_weight: [V, Dt] (or a DTensor).
-        completion_mask: [B, T]: nonzero at the tokens scored.
-        beta: in [0, 1]: 0 forward KL, 1 reverse KL, between the generalized JSD.
-        num_items_in_batch: the gradient-accumulation window's token count (a number or a scalar tensor); None:
-            the scored tokens' count (at least 1).
-        student_lm_head_bias: [V] or None.
-        teacher_lm_head_bias: [V] or None.
-        student_logit_scale: multiplies the student's raw logits.
-        teacher_logit_scale: multiplies the teacher's raw logits.
-        student_final_logit_softcapping: the student's soft-cap, or None.
-        teacher_final_logit_softcapping: the teacher's soft-cap, or None.
-        temperature: divides both models' logits.
-
-    Returns:
-        loss: the divergence summed over the scored tokens, divided by ``num_items_in_batch`` or their count; a
-            differentiable float32 scalar.
-        entropy_sum: the student's entropy summed over the scored tokens, detached.
-        num_valid: the scored tokens' count, an int64 scalar tensor.
-
-    Raises:
-        TypeError: as ``grpo_fast.distillation_loss``.
-        ValueError: as ``grpo_fast.distillation_loss``.
-    """
-    student_weight, student_bias = _whole(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
-    teacher_weight, teacher_bias = _whole(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
-    student, teacher = head_precision(student_hidden_states), head_precision(teacher_hidden_states)
-    valid = completion_mask != 0
-    # the student's GEMMs in its compute dtype, its gradients in its own (TRL casts its fp32 accumulators to them):
-    # the op rounds an autocast student for the GEMMs alone; a weight of another dtype is cast to the hidden states'
-    if student_weight.dtype != student_hidden_states.dtype:
-        student_hidden_states, student_weight = student.cast(student_hidden_states), student.cast(student_weight)
-    with autocast_off(student_hidden_states):
-        loss, _, entropy = grpo_fast.distillation_loss(
-            student_hidden_states,
-            student_weight,
-            teacher.cast(teacher_hidden_states),
-            teacher.cast(teacher_weight),
-            valid,
-            num_items_in_batch=num_items_in_batch,
-            beta=beta,
-            temperature=temperature,
-            student_bias=student_bias,
-            teacher_bias=teacher_bias,
-            student_softcap=student_final_logit_softcapping,
-            teacher_softcap=teacher_final_logit_softcapping,
-            student_logit_scale=student_logit_scale,
-            teacher_logit_scale=teacher_logit_scale,
-            student_gemm_dtype=student.dtype,
-        )
-    return loss, entropy.sum(), valid.sum()
-
-
-class DistillationTrainer(trl.DistillationTrainer):
-    """TRL's ``DistillationTrainer`` with grpo_fast's divergence head.
-
-    Same constructor, same ``DistillationConfig``, same loss, metrics and reductions; only the per-token divergence
-    and the student's entropy are computed by grpo_fast (``divergence_loss``, bound as TRL's
-    ``_chunked_divergence_loss`` in TRL's ``_compute_loss``). A frozen student head (PEFT with LoRA elsewhere)
-    takes grpo_fast's frozen-head path; TRL's constructor refuses a PEFT adapter on the lm_head, as here.
-    """
-
-    _compute_loss = _with_module_names(trl.DistillationTrainer._compute_loss, _chunked_divergence_loss=divergence_loss)
+        return getattr(trl_served, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,7 +37,12 @@ LOGPROB_SLACK = 1e-4
 MASS_SLACK = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _check_teacher(teacher, call: inputs.HeadCall, beta, targets_given):
+# the support of a token: TRL's rule by beta (the listed ids at beta 0, the teacher's top-1 and the sampled token
+# otherwise), or the listed ids whatever beta
+SUPPORTS = ("trl", "listed")
+
+
+def _check_teacher(teacher, call: inputs.HeadCall, narrows, targets_given):
     """Named errors for ``teacher`` (a ServedTeacher) against the student's call; its value checks queued on the
     call's checks (read with the scored rows, one host synchronisation)."""
     if not isinstance(teacher, ServedTeacher):
@@ -70,10 +75,10 @@ def _check_teacher(teacher, call: inputs.HeadCall, beta, targets_given):
         )
     device = call.hidden.device
     inputs.check_same_device([("teacher.ids", ids), ("teacher.logprobs", logprobs)], device, "student_hidden")
-    if beta != 0.0 and not targets_given:
+    if narrows and not targets_given:
         raise ValueError(
             "targets (the sampled tokens) are needed for beta != 0: the support is then the teacher's top-1 and "
-            "the sampled token"
+            "the sampled token (support='listed': the listed ids, whatever beta)"
         )
     checks = call.checks
     if not checks.run:
@@ -114,7 +119,7 @@ def _check_teacher(teacher, call: inputs.HeadCall, beta, targets_given):
     ordered = ids.sort(dim=-1).values
     repeated = scored & ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1)
     checks.add([repeated.any()], lambda _: ValueError("teacher.ids holds an id twice in one token's list"))
-    if beta != 0.0:
+    if narrows:
         # the teacher's top-1 is read as entry 0: the lists must be rank-sorted (a server's prompt_logprobs, sorted
         # by rank, as TRL's client parses them)
         unsorted = listed & (lp > lp[..., :1]) | (scored & (ids[..., 0] < 0) & (ids >= 0).any(-1))[..., None]
@@ -139,6 +144,7 @@ class ServedKeywords(TypedDict, total=False):
     backend: BackendName
     head_path: HeadPath
     check_values: bool
+    support: str
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,9 @@ class _ServedCall:
             "sampled token)",
         )
         beta = float(beta)
+        if k["support"] not in SUPPORTS:
+            raise ValueError(f"support must be one of {SUPPORTS}, got {k['support']!r}")
+        narrows = beta != 0.0 and k["support"] == "trl"
         targets = k["targets"]
         if targets is None:
             inputs.check_tensor("student_hidden", student_hidden)
@@ -187,7 +196,7 @@ class _ServedCall:
             check_values=k["check_values"],
             head_path=k["head_path"],
         )
-        _check_teacher(teacher, call, beta, k["targets"] is not None)
+        _check_teacher(teacher, call, narrows, k["targets"] is not None)
         rows = call.rows()
         head = call.operands(rows)
         K = teacher.ids.shape[-1]
@@ -195,7 +204,7 @@ class _ServedCall:
         if rows.keep is not None:  # a device partition's padding rows: no teacher entries
             ids = torch.where(rows.keep[:, None], ids, -1)
         logprobs = inputs.row_values(teacher.logprobs.reshape(-1, K), rows)
-        support = served_teacher.support(ids, logprobs, head.targets, beta)
+        support = served_teacher.support(ids, logprobs, head.targets, beta if narrows else 0.0)
         support = support._replace(ids=support.ids.contiguous())
         if teacher.temperature is not None and float(teacher.temperature) != call.transform.temperature:
             # log p at T_s, times T_s / T and renormalised over the support (no tail bucket): p at T there
@@ -264,6 +273,7 @@ def served_divergence_and_entropy(
     backend: BackendName = "auto",
     head_path: HeadPath = "auto",
     check_values: bool = True,
+    support: str = "trl",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token divergence between a student head and a teacher served as top-k log-probs, and the student's
     entropy, without the student's logits.
@@ -293,6 +303,8 @@ def served_divergence_and_entropy(
         check_values: read the value checks on the host in one synchronisation: those of ``logprobs`` (targets,
             mask), and teacher ids in [-1, V), each once in a token's list, log-probs at most 0, their mass at most
             1, rank-sorted lists at beta != 0. False: nothing is read.
+        support: "trl": TRL's support by beta (above); "listed": the listed ids whatever beta (a wider support for
+            the reverse KL and the JSD, where the listed ids hold the student's mass; targets unread).
 
     Returns:
         divergence: [B, T] float32, differentiable with respect to the student's hidden states, weight, bias and LoRA.
@@ -302,7 +314,8 @@ def served_divergence_and_entropy(
         TypeError: as ``logprobs_and_entropy``; a teacher that is not a ServedTeacher, integer ids or float log-probs
             of another dtype, a keyword it does not take.
         ValueError: as ``logprobs_and_entropy``; teacher tensors of a shape other than [B, T, K], a beta outside
-            [0, 1], beta != 0 without targets, and (with ``check_values``) the value checks above.
+            [0, 1], beta != 0 without targets (TRL's support), an unknown ``support``, a teacher temperature other
+            than the divergence's with a tail bucket, and (with ``check_values``) the value checks above.
     """
     served = _ServedCall.check(
         student_hidden,
@@ -320,6 +333,7 @@ def served_divergence_and_entropy(
             backend=backend,
             head_path=head_path,
             check_values=check_values,
+            support=support,
         ),
     )
     div, entropy = served.per_token()
