@@ -494,3 +494,42 @@ def test_a_teacher_served_at_another_temperature(backend, device):
         student_bias=batch["bias"], backend=backend,
     )[0]  # fmt: skip
     assert torch.equal(same, plain)
+
+
+# ----------------------------------------------------------------------------------------------- RL in the same call
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_loss_with_a_served_teacher_is_the_two_calls(backend, loss_type, beta, device):
+    """``grpo_fast.loss(..., teacher=ServedTeacher(...), distillation_coef=c)`` is ``loss`` without the teacher plus
+    c times the loss type's reduction of the served divergence (``targets`` the sampled tokens), its gradients too,
+    and reports the mean divergence as ``distillation_loss``."""
+    batch = _served_batch(device=backend_device(backend, device))
+    g = torch.Generator().manual_seed(4)
+    advantages = torch.randn(batch["hidden"].shape[0], generator=g).to(batch["hidden"].device)
+    teacher = grpo_fast.ServedTeacher(batch["ids"], batch["logprobs"])
+    kw = dict(loss_type=loss_type, backend=backend, bias=batch["bias"])
+
+    def leaves():
+        return batch["hidden"].clone().requires_grad_(), batch["weight"].clone().requires_grad_()
+
+    h1, w1 = leaves()
+    combined, metrics = grpo_fast.loss(
+        h1, w1, batch["targets"], advantages, batch["mask"], teacher=teacher, distillation_coef=0.3,
+        distillation_beta=beta, **kw,
+    )  # fmt: skip
+    combined.backward()
+    h2, w2 = leaves()
+    alone, _ = grpo_fast.loss(h2, w2, batch["targets"], advantages, batch["mask"], **kw)
+    div, _ = grpo_fast.served_divergence_and_entropy(
+        h2, w2, teacher, batch["mask"], targets=batch["targets"], beta=beta, student_bias=batch["bias"],
+        backend=backend,
+    )  # fmt: skip
+    options = grpo_fast.LossOptions(loss_type=loss_type)
+    separate = alone + 0.3 * reference.aggregate(div, batch["mask"], options)
+    separate.backward()
+    assert combined.item() == pytest.approx(separate.item(), rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    mask = batch["mask"]
+    assert metrics["distillation_loss"].item() == pytest.approx((div.detach() * mask).sum().item() / mask.sum().item())

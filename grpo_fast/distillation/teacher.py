@@ -86,8 +86,8 @@ class Distillation:
             return None
         if not isinstance(teacher, Teacher):
             raise TypeError(
-                f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale), got "
-                f"{type(teacher).__name__}"
+                f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale) or a "
+                f"grpo_fast.ServedTeacher(ids, logprobs), got {type(teacher).__name__}"
             )
         if coef is None:
             raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")

@@ -24,6 +24,8 @@ from grpo_fast.head.inputs import HeadCall
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
+from grpo_fast.served.api import ServedDistillation
+from grpo_fast.served.teacher import ServedTeacher
 
 __all__ = ["Metrics", "SamplingCorrection", "loss", "sampling_importance_weights", "token_loss"]
 
@@ -54,7 +56,7 @@ def loss(
     vocab_parallel: VocabShard | None = None,
     backend: BackendName = "auto",
     check_values: bool = True,
-    teacher: Teacher | None = None,
+    teacher: Teacher | ServedTeacher | None = None,
     distillation_coef: float | None = None,
     distillation_beta: float | None = None,
     **option_keywords: Unpack[LossOptionKeywords],
@@ -110,10 +112,13 @@ def loss(
         vocab_parallel: a VocabShard for a weight that holds this rank's rows, or None.
         backend: "auto", "triton" or "torch", for both layers.
         check_values: one host read of the value checks (also num_items_in_batch >= 0); False: none.
-        teacher: a Teacher (its hidden states [B, T, Dt] and head, the student's vocabulary), or None.
+        teacher: a Teacher (its hidden states [B, T, Dt] and head, the student's vocabulary), a ServedTeacher
+            (its top-k log-probs at each token: ``served_divergence_and_entropy``'s divergence, ``targets`` the
+            sampled tokens; its own vocabulary sweep beside layer 1's), or None.
         distillation_coef: the divergence's weight in the per-token loss; required with ``teacher``, only with it.
         distillation_beta: the divergence's beta (0: forward KL, 1: reverse KL, between: the generalized JSD;
-            TRL's DistillationConfig.beta); None: 1.0. Only with ``teacher``.
+            TRL's DistillationConfig.beta); None: 1.0 (a ServedTeacher: 0.0, TRL's AsyncDistillationConfig's).
+            Only with ``teacher``.
         **option_keywords: the loss options by name, TRL's ``GRPOConfig`` keywords (LossOptionKeywords): they
             apply on top of ``options``.
 
@@ -136,7 +141,10 @@ def loss(
             ``old_support_logprobs``, or with bad sampling parameters.
     """
     options = LossOptions.resolve(options, option_keywords, "loss")
-    distillation = Distillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
+    if isinstance(teacher, ServedTeacher):
+        distillation = ServedDistillation.check(teacher, distillation_coef, distillation_beta, vocab_parallel)
+    else:
+        distillation = Distillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     head = HeadCall.check(
         hidden,
         weight,

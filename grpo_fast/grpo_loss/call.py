@@ -230,6 +230,8 @@ class LossCall:
         and distillation in one call (both models' logits of a chunk once, the divergence's gradient in the same
         g)."""
         head, options, teacher = self.head, self.options, self.distillation
+        if teacher is not None and not isinstance(teacher, Distillation):
+            return None  # a served teacher: its own head beside layer 1's (served.api.ServedDistillation)
         grad = torch.is_grad_enabled()
         needs = [
             grad and x is not None and x.requires_grad for x in (head.hidden, head.weight, head.targets, head.bias)

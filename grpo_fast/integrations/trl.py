@@ -23,33 +23,30 @@ import types
 
 from packaging.version import Version
 
+# TRL's version checked first (an ImportError naming the range), then TRL's names
+from grpo_fast.integrations.trl_version import TRL_VERSIONS, trl
+
+# isort: split
+import torch
+import transformers
+from torch.distributed.tensor import DTensor
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from trl import DistillationConfig, GRPOConfig, RLOOConfig
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+import grpo_fast
+from grpo_fast.head import shard as head_shard
+from grpo_fast.head.lora import lora_hidden
+from grpo_fast.head.transform import LogitTransform
 from grpo_fast.integrations.hf import (
     autocast_off,
     fsdp_unit_gathered,
     head_precision,
-    import_pinned,
     lm_head_lora,
     lm_head_lora_adapter,
     logit_transform_of,
     with_module_names,
 )
-
-_TRL_LOW, _TRL_END = "1.16", "1.17"
-TRL_VERSIONS = f">={_TRL_LOW},<{_TRL_END}"
-
-trl = import_pinned("trl", _TRL_LOW, _TRL_END)
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled  # noqa: E402
-from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
-from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx  # noqa: E402
-
-import grpo_fast  # noqa: E402
-from grpo_fast.head import shard as head_shard  # noqa: E402
-from grpo_fast.head.lora import lora_hidden  # noqa: E402
-from grpo_fast.head.transform import LogitTransform  # noqa: E402
 
 __all__ = [
     "add_fused_lm_head",
@@ -669,9 +666,8 @@ class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
 
 
 # ---------------------------------------------------------------------------------------------- distillation
-# the distillation trainers (grpo_fast.integrations.trl_distillation, which reads this module's names above);
-# TRL's experimental served-teacher trainer (trl_served) is imported on first use: TRL warns on every import of
-# trl.experimental
+# the distillation trainers (grpo_fast.integrations.trl_distillation); TRL's experimental served-teacher trainer
+# (trl_served) is imported on first use: TRL warns on every import of trl.experimental
 from grpo_fast.integrations.trl_distillation import DistillationTrainer, divergence_loss  # noqa: E402, F401
 
 _EXPERIMENTAL = ("AsyncDistillationTrainer", "AsyncDistillationConfig", "served_jsd_loss")

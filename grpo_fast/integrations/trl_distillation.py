@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 import grpo_fast
 from grpo_fast.integrations.hf import autocast_off, head_precision, with_module_names
-from grpo_fast.integrations.trl import TRL_VERSIONS, trl
+from grpo_fast.integrations.trl_version import TRL_VERSIONS, trl
 
 
 def _whole(weight, bias, dtype):

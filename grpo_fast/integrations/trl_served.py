@@ -18,10 +18,10 @@ import torch
 
 import grpo_fast
 from grpo_fast.integrations.hf import with_module_names
-from grpo_fast.integrations.trl import TRL_VERSIONS
+from grpo_fast.integrations.trl_version import TRL_VERSIONS
 from grpo_fast.served import teacher as served_teacher
 
-# after grpo_fast.integrations.trl, which checks TRL's version
+# after grpo_fast.integrations.trl_version, which checks TRL's version
 _trl_async = importlib.import_module("trl.experimental.async_distillation")
 AsyncDistillationConfig = _trl_async.AsyncDistillationConfig
 TRLAsyncDistillationTrainer = _trl_async.AsyncDistillationTrainer

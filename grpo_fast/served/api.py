@@ -23,6 +23,7 @@ from typing_extensions import Unpack
 from grpo_fast.backends.protocol import BackendName, HeadOperands
 from grpo_fast.distillation.api import check_num_items_in_batch, token_weights
 from grpo_fast.head import inputs, ops, paths
+from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.gathered import gathered_logits
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.transform import check_chunk, check_number
@@ -197,7 +198,12 @@ class _ServedCall:
             head_path=k["head_path"],
         )
         _check_teacher(teacher, call, narrows, k["targets"] is not None)
-        rows = call.rows()
+        return cls.of(call, call.rows(), teacher, beta, narrows)
+
+    @classmethod
+    def of(cls, call: inputs.HeadCall, rows: inputs.Rows, teacher: ServedTeacher, beta, narrows) -> _ServedCall:
+        """The served divergence of a checked call's scored ``rows`` (the teacher checked against it, its value
+        checks read with the rows); ``narrows``: TRL's support at beta != 0 (else the listed ids)."""
         head = call.operands(rows)
         K = teacher.ids.shape[-1]
         ids = inputs.row_values(teacher.ids.reshape(-1, K), rows).to(torch.int64)
@@ -401,6 +407,48 @@ def served_distillation_loss(
         loss, div, entropy = fused
     call, rows = served.call, served.rows
     return loss, call.scattered(div, rows), call.scattered(entropy, rows)
+
+
+@dataclass(frozen=True)
+class ServedDistillation:
+    """``grpo_fast.loss(..., teacher=ServedTeacher(...))``'s checked teacher: the per-token loss gains ``coef``
+    times the served divergence (TRL's support by ``beta``, the loss's targets the sampled tokens), from the
+    student's log-prob head beside layer 1's (its own vocabulary sweep: not one head as ``Teacher``'s)."""
+
+    teacher: ServedTeacher
+    coef: float
+    beta: float
+
+    @classmethod
+    def check(cls, teacher, coef, beta, vocab_parallel) -> ServedDistillation:
+        if coef is None:
+            raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
+        check_number("distillation_coef", coef)
+        beta = 0.0 if beta is None else beta
+        check_number(
+            "distillation_beta",
+            beta,
+            lambda v: 0.0 <= v <= 1.0,
+            "a number in [0, 1] (0: forward KL over the teacher's top-k, 1: reverse KL at the sampled token)",
+        )
+        if vocab_parallel is not None:
+            raise ValueError(
+                "vocab_parallel with a served teacher is not supported yet (call grpo_fast.loss and "
+                "grpo_fast.served_divergence_and_entropy separately on one process)"
+            )
+        return cls(teacher, float(coef), float(beta))
+
+    def check_against(self, head: inputs.HeadCall) -> None:
+        """The teacher against the student's checked call (its value checks queued with the call's)."""
+        if head.shard is not None:
+            raise ValueError("a vocab-parallel head (a sharded DTensor weight) with a served teacher is not supported")
+        _check_teacher(self.teacher, head, self.beta != 0.0, True)
+
+    def logprobs_entropy_divergence(self, head: inputs.HeadCall, rows: inputs.Rows):
+        """(logp, entropy, divergence) [B, T] fp32 of the call's scored ``rows``, differentiable."""
+        logp, entropy = logprobs_and_entropy_rows(head, rows, head.head_path)
+        div, _ = _ServedCall.of(head, rows, self.teacher, self.beta, self.beta != 0.0).per_token()
+        return logp, entropy, head.scattered(div, rows)
 
 
 __all__ = ["ServedKeywords", "ServedTeacher", "served_distillation_loss", "served_divergence_and_entropy"]
