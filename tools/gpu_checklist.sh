@@ -239,6 +239,18 @@ if [ "$DIVERGENCE" != 0 ]; then
   fi
 fi
 
+# the served-teacher loss (bench/served.py): with the divergence bench, at its default point (N 4096, K 8 and 256)
+served_rc="not run"
+if [ "$DIVERGENCE" != 0 ]; then
+  limit="$(capped 300)"
+  served_rc="$NO_TIME"
+  if [ "$limit" -gt 60 ]; then
+    echo "== $(date -u +%FT%TZ) python -m bench.served"
+    time_limit "$limit" python3 -m bench.served --out "$OUT" --no-progress 2>&1 | tee "$OUT/served.log"
+    served_rc=${PIPESTATUS[0]}
+  fi
+fi
+
 tune_rc="not run"
 if [ "$TUNE" != 0 ] && [ "$(capped "$TUNE_LIMIT")" -le 20 ]; then
   tune_rc="$NO_TIME"
@@ -341,6 +353,8 @@ failures() { grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$1" | tail -n 40;
   echo
   echo "python -m bench.divergence: $(exit_of "$divergence_rc")"
   echo
+  echo "python -m bench.served (served.md): $(exit_of "$served_rc")"
+  echo
   echo "tools/gpu_tune.py, the tile candidates (tune.log): $(exit_of "$tune_rc")"
   [ -f "$OUT/tune.log" ] && { echo; echo '```'; cat "$OUT/tune.log"; echo '```'; }
   echo
@@ -359,5 +373,5 @@ slow_ok() {
   ok "$slow_rc" || [ "$slow_rc" = "$NO_TIME" ] \
     || { [ "$slow_rc" = 124 ] && ! grep -q -E "^(FAILED|ERROR)" "$OUT/pytest-slow.log"; }
 }
-ok "$tests_rc" && slow_ok && ok "$bench_rc" && ok "$divergence_rc" && ok "$tune_rc" && ok "$memory_rc" \
+ok "$tests_rc" && slow_ok && ok "$bench_rc" && ok "$divergence_rc" && ok "$served_rc" && ok "$tune_rc" && ok "$memory_rc" \
   && ok "$recipe_rc"
