@@ -23,13 +23,16 @@ from typing_extensions import Unpack
 from grpo_fast.backends.protocol import BackendName, HeadOperands
 from grpo_fast.distillation.api import check_num_items_in_batch, token_weights
 from grpo_fast.head import inputs, ops, paths
+from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.gathered import gathered_logits
 from grpo_fast.head.lora import HeadLora
+from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.transform import check_chunk, check_number
 from grpo_fast.kernels.config import HeadPath
 from grpo_fast.served import ops as served_ops
 from grpo_fast.served import teacher as served_teacher
+from grpo_fast.served import vocab_parallel as served_vocab_parallel
 from grpo_fast.served.teacher import ServedTeacher
 
 # a teacher's log-prob may round above 0 by this much (a near-certain token from a server's fp32 log-softmax)
@@ -84,7 +87,7 @@ def _check_teacher(teacher, call: inputs.HeadCall, narrows, targets_given):
     checks = call.checks
     if not checks.run:
         return
-    V = call.weight.shape[0]
+    V = call.weight.shape[0] if call.shard is None else call.shard.vocab_size
     scored = (
         torch.ones((B, T), dtype=torch.bool, device=device)
         if call.completion_mask is None
@@ -146,6 +149,7 @@ class ServedKeywords(TypedDict, total=False):
     head_path: HeadPath
     check_values: bool
     support: str
+    vocab_parallel: VocabShard | None
 
 
 @dataclass(frozen=True)
@@ -192,11 +196,13 @@ class _ServedCall:
             softcap=k["student_softcap"],
             logit_scale=k["student_logit_scale"],
             lora=k["lora"],
-            vocab_parallel=None,
+            vocab_parallel=k["vocab_parallel"],
             backend=k["backend"],
             check_values=k["check_values"],
             head_path=k["head_path"],
         )
+        if call.shard is not None and call.lora is not None:
+            raise ValueError("lora with vocab_parallel is not supported by the served divergence")
         _check_teacher(teacher, call, narrows, k["targets"] is not None)
         return cls.of(call, call.rows(), teacher, beta, narrows)
 
@@ -229,14 +235,23 @@ class _ServedCall:
         """(divergence [N], entropy [N]) of the scored rows, the divergence differentiable (autograd through the
         gathered logits' op and layer 1's)."""
         call, head, support = self.call, self.head, self.support
-        student_logits = gathered_logits(head, support.ids, call.backend.name)
+        if call.shard is not None:
+            student_logits = served_vocab_parallel.gathered_logits(head, support.ids, call.backend, call.shard)
+        else:
+            student_logits = gathered_logits(head, support.ids, call.backend.name)
         # the row's log-sum-exp as z_a - logp_a at an anchor a in the support: layer 1's log-prob there, its logit
         # gathered above; d lse = p (the anchor's columns cancel), a likely token so that p_a is not a rounding
         # error beside 1
         anchor, first = self.anchors()
-        logp_anchor, entropy = ops.linear_logprobs_path(
-            head._replace(targets=anchor), call.backend, call.head_path, call.backward_mode, row_count=self.rows.count
-        )
+        at_anchor = head._replace(targets=anchor)
+        if call.shard is not None:
+            logp_anchor, entropy = vocab_parallel_head.linear_logprobs(
+                at_anchor, call.backend, call.shard, call.head_path, call.backward_mode
+            )
+        else:
+            logp_anchor, entropy = ops.linear_logprobs_path(
+                at_anchor, call.backend, call.head_path, call.backward_mode, row_count=self.rows.count
+            )
         lse = None
         if self.add_tail_bucket:
             lse = torch.where(support.valid.any(-1), student_logits.gather(-1, first)[:, 0] - logp_anchor, 0.0)
@@ -251,7 +266,9 @@ class _ServedCall:
         call, head = self.call, self.head
         grad = torch.is_grad_enabled()
         needs = [grad and x is not None and x.requires_grad for x in head[:4]]
-        if not paths.takes_trained_head(needs, head.hidden, call.backend, call.head_path, head.lora is not None):
+        if call.shard is not None or not paths.takes_trained_head(
+            needs, head.hidden, call.backend, call.head_path, head.lora is not None
+        ):
             return None
         anchor, _ = self.anchors()
         transform = head.transform.as_floats()
@@ -280,6 +297,7 @@ def served_divergence_and_entropy(
     head_path: HeadPath = "auto",
     check_values: bool = True,
     support: str = "trl",
+    vocab_parallel: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token divergence between a student head and a teacher served as top-k log-probs, and the student's
     entropy, without the student's logits.
@@ -311,6 +329,9 @@ def served_divergence_and_entropy(
             1, rank-sorted lists at beta != 0. False: nothing is read.
         support: "trl": TRL's support by beta (above); "listed": the listed ids whatever beta (a wider support for
             the reverse KL and the JSD, where the listed ids hold the student's mass; targets unread).
+        vocab_parallel: this rank's VocabShard when the weight (and bias) hold this rank's rows, or None
+            ([vocab-parallel](../vocab-parallel.md): the ids gathered on their owners, one all-reduce of [N, K]; no
+            LoRA). Every rank passes the same hidden states and teacher and gets the whole result.
 
     Returns:
         divergence: [B, T] float32, differentiable with respect to the student's hidden states, weight, bias and LoRA.
@@ -340,6 +361,7 @@ def served_divergence_and_entropy(
             head_path=head_path,
             check_values=check_values,
             support=support,
+            vocab_parallel=vocab_parallel,
         ),
     )
     div, entropy = served.per_token()
