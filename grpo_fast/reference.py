@@ -688,7 +688,7 @@ def _served_support(ids, logprobs, targets, beta):
         return ids, logprobs, listed
     hit = listed & (ids == targets[..., None])
     found = hit.any(-1)
-    sampled_lp = (logprobs * hit).sum(-1)  # the one listed entry equal to the sampled token
+    sampled_lp = torch.where(hit, logprobs, 0.0).sum(-1)  # the one listed entry equal to the sampled token
     if beta == 1.0:
         return targets[..., None], sampled_lp[..., None], found[..., None]
     distinct = found & (targets != ids[..., 0])
@@ -750,7 +750,8 @@ def served_divergence_and_entropy(
     log_ps_full = F.log_softmax(z, dim=-1)
     if targets is None:
         targets = torch.zeros(teacher_ids.shape[:2], dtype=torch.int64, device=teacher_ids.device)
-    ids, log_pt, valid = _served_support(teacher_ids.long(), teacher_logprobs.to(compute_dtype), targets.long(), beta)
+    listed_lp = torch.where(teacher_ids >= 0, teacher_logprobs.to(compute_dtype), 0.0)  # read where listed only
+    ids, log_pt, valid = _served_support(teacher_ids.long(), listed_lp, targets.long(), beta)
     log_ps = log_ps_full.gather(-1, ids.clamp(min=0))
     any_entry = valid.any(-1)
     keep = valid | ~any_entry[..., None]  # a token without entries: a dummy entry, its result dropped below

@@ -533,3 +533,17 @@ def test_loss_with_a_served_teacher_is_the_two_calls(backend, loss_type, beta, d
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
     mask = batch["mask"]
     assert metrics["distillation_loss"].item() == pytest.approx((div.detach() * mask).sum().item() / mask.sum().item())
+
+
+def test_unlisted_entries_are_never_read():
+    """What a record holds where its ids are -1 (TRL pads with -inf) changes nothing, in the spec and the product."""
+    batch = _served_batch(bias=False)
+    padded = torch.where(batch["ids"] >= 0, batch["logprobs"], -math.inf)
+    for beta in (0.0, 0.5):
+        args = (batch["hidden"], batch["weight"])
+        kw = dict(targets=batch["targets"], beta=beta)
+        spec = [reference.served_divergence_and_entropy(*args, batch["ids"], lp, batch["mask"], **kw)[0]
+                for lp in (batch["logprobs"], padded)]  # fmt: skip
+        ours = [grpo_fast.served_divergence_and_entropy(*args, grpo_fast.ServedTeacher(batch["ids"], lp), batch["mask"],
+                                                        **kw)[0] for lp in (batch["logprobs"], padded)]  # fmt: skip
+        assert torch.equal(spec[0], spec[1]) and torch.equal(ours[0], ours[1]) and spec[0].isfinite().all()
