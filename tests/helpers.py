@@ -137,13 +137,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def _then_exit(rank, fn, *args):
+    """``fn(rank, *args)``, then the process ends at once (``os._exit(0)``) once it returned: a rank's results are
+    written by then, and the interpreter's teardown of gloo's and DeepSpeed's C++ threads could abort the process
+    after its work ("terminate called without an active exception", SIGABRT) and fail a run that succeeded. An
+    exception still propagates (torch reports it to the parent)."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(fn, world, out_dir, timeout, *args):
     """``fn(rank, port, out_dir, *args)`` on ``world`` spawned ranks (TRITON_INTERPRET and sys.path reach the children
     from this process); a rank's exception is raised here, a run past ``timeout`` seconds is killed and fails the
     test."""
     import torch.multiprocessing as mp
 
-    ranks = mp.start_processes(fn, args=(free_port(), out_dir) + args, nprocs=world, start_method="spawn", join=False)
+    ranks = mp.start_processes(
+        _then_exit, args=(fn, free_port(), out_dir) + args, nprocs=world, start_method="spawn", join=False
+    )
     deadline = time.monotonic() + timeout
     while not ranks.join(timeout=5):  # re-raises a rank's exception
         if time.monotonic() > deadline:

@@ -587,9 +587,11 @@ def test_import_outside_the_tested_trl_versions_says_which_work(monkeypatch, ins
         monkeypatch.setitem(sys.modules, "trl", None)  # as if not installed
     else:
         monkeypatch.setattr(trl, "__version__", installed)
-    # the public name and the module it stands for (grpo_fast/trl.py makes them one)
+    # the public name, the module it stands for (grpo_fast/trl.py makes them one) and the integration's modules that
+    # hold TRL (the pin itself in trl_version)
     monkeypatch.delitem(sys.modules, "grpo_fast.trl")
-    monkeypatch.delitem(sys.modules, "grpo_fast.integrations.trl")
+    for name in ("trl", "trl_version", "trl_distillation", "trl_served"):
+        monkeypatch.delitem(sys.modules, f"grpo_fast.integrations.{name}", raising=False)
     with pytest.raises(ImportError, match=r"trl>=1\.16,<1\.17"):
         importlib.import_module("grpo_fast.trl")
     monkeypatch.undo()

@@ -304,15 +304,16 @@ def kept_logits(head, kept_ids, dots=TORCH_DOTS, slope=False):
     return (z, dz_du) if slope else z
 
 
-def kept_backward(head, kept_ids, grad_logits, grads: HeadGrads, dots=TORCH_DOTS, slope=None):
+def kept_backward(head, kept_ids, grad_logits, grads: HeadGrads, dots=TORCH_DOTS, slope=None, owned=False):
     """Accumulate the gradients of the logits at ``kept_ids`` [N, K] into ``grads``: ``grad_logits`` [N, K] fp32 is
     dL/dz there (ignored at -1), times dz/du (``slope``: ``kept_logits``' where the caller has it, else recomputed),
-    by ``dots``."""
+    by ``dots``. ``owned``: the caller's temporary, scaled in place (no second [N, K] buffer)."""
     hidden, weight, _, _, _, lora = head
     if weight.shape[0] == 0:  # a shard without rows: no gradient of its own
         return
     dz_du = slope if slope is not None else kept_logits(head, kept_ids, dots, slope=True)[1]
-    g = (grad_logits * dz_du).masked_fill_(kept_ids < 0, 0.0).contiguous()
+    g = grad_logits.mul_(dz_du) if owned else grad_logits * dz_du
+    g = g.masked_fill_(kept_ids < 0, 0.0).contiguous()
     if grads.hidden is not None:
         dots.grad_rows(g, weight, kept_ids, grads.hidden)
     if grads.weight is not None:
@@ -349,7 +350,7 @@ def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DO
     q = torch.exp(z - record.kept_lse[:, None])  # 0 in the filling (z = -inf)
     # the target's column d (1 - q_y), carried; the others -d q_v
     grad_logits = torch.where(at_target, record.kept_nontarget_mass[:, None], -q).mul_(grad_support[:, None])
-    kept_backward(head, kept_ids, grad_logits, grads, dots, dz_du)
+    kept_backward(head, kept_ids, grad_logits, grads, dots, dz_du, owned=True)
 
 
 def backward(head, support, record, grad_logp, grad_support, grads, dots: KeptDots = TORCH_DOTS):
