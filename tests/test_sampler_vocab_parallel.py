@@ -61,7 +61,7 @@ def _call(hidden, weight, bias, targets, mask, kept_ids, backend, params, **shar
     return out, (h.grad, w.grad, b.grad)
 
 
-def _rank(rank, port, out_dir, world, V, names, backends):
+def _rank(rank, port, out_dir, world, V, names, backends, triton_names=None):
     with gloo_group(rank, world, port):
         import torch.distributed as dist
 
@@ -72,6 +72,8 @@ def _rank(rank, port, out_dir, world, V, names, backends):
             scale, params = CASES[name]
             hidden, weight, bias, targets, mask, kept_ids = _inputs(V, scale)
             for backend in backends:
+                if backend == "triton" and triton_names is not None and name not in triton_names:
+                    continue
                 whole, whole_grads = _call(hidden, weight, bias, targets, mask, kept_ids, backend, params)
                 shard = grpo_fast.VocabShard(dist.group.WORLD, edges[rank], V)
                 with CollectiveBytes() as counted:
@@ -90,21 +92,29 @@ def _rank(rank, port, out_dir, world, V, names, backends):
         torch.save((errors, traffic), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _spawn(tmp_path, world, V, names, backends=("torch", "triton")):
-    spawn_ranks(_rank, world, str(tmp_path), TIMEOUT_S, world, V, names, backends)
+def _spawn(tmp_path, world, V, names, backends=("torch", "triton"), triton_names=None):
+    spawn_ranks(_rank, world, str(tmp_path), TIMEOUT_S, world, V, names, backends, triton_names)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-# the fast tier: one rule of each path (the candidates, the bisection, replayed sets); the rest in the slow one
+# the fast tier: one rule of each path (the candidates, the bisection, replayed sets), the Triton kernels (under the
+# interpreter: minutes) on the candidates' path only; the rest, and the Triton kernels on every rule, in the slow one
 FAST = ["top_p", "top_p-bisected", "kept_ids"]
+FAST_TRITON = ["top_p"]
 
 
 @pytest.mark.parametrize(
-    "names", [FAST, pytest.param([n for n in CASES if n not in FAST], marks=pytest.mark.slow)], ids=["fast", "rest"]
+    "names, backends, triton_names",
+    [
+        (FAST, ("torch", "triton"), FAST_TRITON),
+        pytest.param([n for n in CASES if n not in FAST], ("torch", "triton"), None, marks=pytest.mark.slow),
+        pytest.param([n for n in FAST if n not in FAST_TRITON], ("triton",), None, marks=pytest.mark.slow),
+    ],
+    ids=["fast", "rest", "fast-rules-triton"],
 )
-def test_two_ranks_equal_one_process(tmp_path, names):
+def test_two_ranks_equal_one_process(tmp_path, names, backends, triton_names):
     V = 2 * 1100 + 7  # each shard's rows past 1024 candidates: the flat case is bisected
-    results = _spawn(tmp_path, 2, V, names)
+    results = _spawn(tmp_path, 2, V, names, backends, triton_names)
     for errors, _ in results:
         assert max(errors.values()) <= ATOL, errors
 
