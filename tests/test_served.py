@@ -547,3 +547,24 @@ def test_unlisted_entries_are_never_read():
         ours = [grpo_fast.served_divergence_and_entropy(*args, grpo_fast.ServedTeacher(batch["ids"], lp), batch["mask"],
                                                         **kw)[0] for lp in (batch["logprobs"], padded)]  # fmt: skip
         assert torch.equal(spec[0], spec[1]) and torch.equal(ours[0], ours[1]) and spec[0].isfinite().all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tail", [True, False])
+def test_one_listed_id(backend, tail, device):
+    """K = 1 (a server's top-1, TRL's ServerDistillationTrainer default): the spec's values and gradients."""
+    batch = _served_batch(K=2, device=backend_device(backend, device))
+    batch["ids"], batch["logprobs"] = batch["ids"][..., :1].contiguous(), batch["logprobs"][..., :1].contiguous()
+    div, _, leaves = _spec(batch, 0.0, tail)
+    div.sum().backward()
+    ours = {k: batch[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    got, _ = grpo_fast.served_divergence_and_entropy(
+        ours["hidden"], ours["weight"], grpo_fast.ServedTeacher(batch["ids"], batch["logprobs"], tail), batch["mask"],
+        student_bias=ours["bias"], backend=backend,
+    )  # fmt: skip
+    got.sum().backward()
+    torch.testing.assert_close(got, div.float().to(got.device), rtol=1e-5, atol=1e-5)
+    if not tail:
+        assert (got == 0).all()  # one entry renormalised: both sides certain
+    for name in ("hidden", "weight", "bias"):
+        assert_grad_close(ours[name].grad, leaves[name].grad.float(), torch.float32, name)
