@@ -568,3 +568,18 @@ def test_one_listed_id(backend, tail, device):
         assert (got == 0).all()  # one entry renormalised: both sides certain
     for name in ("hidden", "weight", "bias"):
         assert_grad_close(ours[name].grad, leaves[name].grad.float(), torch.float32, name)
+
+
+def test_the_loss_takes_the_keywords_of_the_per_token_function():
+    """One list of keywords for both functions: ServedKeywords names served_divergence_and_entropy's keyword-only
+    parameters, each with its type (an IDE and a type checker see them on served_distillation_loss)."""
+    import inspect
+    import typing
+
+    from grpo_fast.served.api import ServedKeywords
+
+    signature = inspect.signature(grpo_fast.served_divergence_and_entropy)
+    keywords = [name for name, p in signature.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    hints = typing.get_type_hints(grpo_fast.served_divergence_and_entropy)
+    assert typing.get_type_hints(ServedKeywords) == {name: hints[name] for name in keywords}
+    assert list(ServedKeywords.__annotations__) == keywords

@@ -15,7 +15,7 @@ whose frozen-head path (only the hidden states need a gradient) builds d lse / d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Literal, TypedDict, get_args
 
 import torch
 from typing_extensions import Unpack
@@ -43,7 +43,8 @@ MASS_SLACK = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 # the support of a token: TRL's rule by beta (the listed ids at beta 0, the teacher's top-1 and the sampled token
 # otherwise), or the listed ids whatever beta
-SUPPORTS = ("trl", "listed")
+ServedSupport = Literal["trl", "listed"]
+SUPPORTS: tuple[str, ...] = get_args(ServedSupport)
 
 
 def _check_teacher(teacher, call: inputs.HeadCall, narrows, targets_given):
@@ -148,7 +149,7 @@ class ServedKeywords(TypedDict, total=False):
     backend: BackendName
     head_path: HeadPath
     check_values: bool
-    support: str
+    support: ServedSupport
     vocab_parallel: VocabShard | None
 
 
@@ -296,7 +297,7 @@ def served_divergence_and_entropy(
     backend: BackendName = "auto",
     head_path: HeadPath = "auto",
     check_values: bool = True,
-    support: str = "trl",
+    support: ServedSupport = "trl",
     vocab_parallel: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token divergence between a student head and a teacher served as top-k log-probs, and the student's
