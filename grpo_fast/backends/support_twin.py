@@ -306,11 +306,14 @@ def kept_logits(head, kept_ids, dots=TORCH_DOTS, slope=False):
 
 def kept_backward(head, kept_ids, grad_logits, grads: HeadGrads, dots=TORCH_DOTS, slope=None, owned=False):
     """Accumulate the gradients of the logits at ``kept_ids`` [N, K] into ``grads``: ``grad_logits`` [N, K] fp32 is
-    dL/dz there (ignored at -1), times dz/du (``slope``: ``kept_logits``' where the caller has it, else recomputed),
+    dL/dz there (ignored at -1), times dz/du (``slope``: ``kept_logits``' where the caller has it; else the transform's
+    constant, or recomputed by a gather with a soft-cap),
     by ``dots``. ``owned``: the caller's temporary, scaled in place (no second [N, K] buffer)."""
     hidden, weight, _, _, _, lora = head
     if weight.shape[0] == 0:  # a shard without rows: no gradient of its own
         return
+    if slope is None and head.transform.softcap is None:  # dz/du a constant: no gather to recompute u
+        slope = head.transform.apply(grad_logits.new_zeros(()), slope=True)[1]
     dz_du = slope if slope is not None else kept_logits(head, kept_ids, dots, slope=True)[1]
     g = grad_logits.mul_(dz_du) if owned else grad_logits * dz_du
     g = g.masked_fill_(kept_ids < 0, 0.0).contiguous()
