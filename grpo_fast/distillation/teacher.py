@@ -63,6 +63,17 @@ class Teacher:
     logit_scale: float = 1.0
 
 
+def check_coef_and_beta(coef, beta, default_beta, beta_meaning) -> tuple[float, float]:
+    """``loss``'s ``distillation_coef`` (required with a teacher) and ``distillation_beta`` (None: ``default_beta``)
+    checked, as floats; ``beta_meaning`` says what 0 and 1 are in its error."""
+    if coef is None:
+        raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
+    check_number("distillation_coef", coef)
+    beta = default_beta if beta is None else beta
+    check_number("distillation_beta", beta, lambda v: 0.0 <= v <= 1.0, f"a number in [0, 1] ({beta_meaning})")
+    return float(coef), float(beta)
+
+
 @dataclass(frozen=True)
 class Distillation:
     """A call's teacher, checked (``grpo_fast.loss(..., teacher=...)``): the Teacher, the divergence's weight in the
@@ -89,15 +100,8 @@ class Distillation:
                 f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale) or a "
                 f"grpo_fast.ServedTeacher(ids, logprobs), got {type(teacher).__name__}"
             )
-        if coef is None:
-            raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
-        check_number("distillation_coef", coef)
-        beta = 1.0 if beta is None else beta
-        check_number(
-            "distillation_beta",
-            beta,
-            lambda v: 0.0 <= v <= 1.0,
-            "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
+        coef, beta = check_coef_and_beta(
+            coef, beta, 1.0, "0: forward KL(teacher || student), 1: reverse KL(student || teacher)"
         )
         if lora is not None:
             raise ValueError(
@@ -109,7 +113,7 @@ class Distillation:
                 "vocab_parallel with a teacher is not supported: the combined head runs on one process "
                 "(call grpo_fast.loss and grpo_fast.divergence separately)"
             )
-        return cls(teacher, float(coef), float(beta))
+        return cls(teacher, coef, beta)
 
     def check_against(self, head: HeadCall) -> None:
         """The teacher's tensors and numbers against the student's checked call (hidden [B, T, Ds], weight

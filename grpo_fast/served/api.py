@@ -22,6 +22,7 @@ from typing_extensions import Unpack
 
 from grpo_fast.backends.protocol import BackendName, HeadOperands
 from grpo_fast.distillation.api import check_num_items_in_batch, token_weights
+from grpo_fast.distillation.teacher import check_coef_and_beta
 from grpo_fast.head import inputs, ops, paths
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
@@ -444,22 +445,15 @@ class ServedDistillation:
 
     @classmethod
     def check(cls, teacher, coef, beta, vocab_parallel) -> ServedDistillation:
-        if coef is None:
-            raise ValueError("teacher needs distillation_coef: the weight of the per-token divergence in the loss")
-        check_number("distillation_coef", coef)
-        beta = 0.0 if beta is None else beta
-        check_number(
-            "distillation_beta",
-            beta,
-            lambda v: 0.0 <= v <= 1.0,
-            "a number in [0, 1] (0: forward KL over the teacher's top-k, 1: reverse KL at the sampled token)",
+        coef, beta = check_coef_and_beta(
+            coef, beta, 0.0, "0: forward KL over the teacher's top-k, 1: reverse KL at the sampled token"
         )
         if vocab_parallel is not None:
             raise ValueError(
                 "vocab_parallel with a served teacher is not supported yet (call grpo_fast.loss and "
                 "grpo_fast.served_divergence_and_entropy separately on one process)"
             )
-        return cls(teacher, float(coef), float(beta))
+        return cls(teacher, coef, beta)
 
     def check_against(self, head: inputs.HeadCall) -> None:
         """The teacher against the student's checked call (its value checks queued with the call's)."""

@@ -110,33 +110,48 @@ def _renormalised(x, valid, signal):
     return x - torch.logsumexp(x, dim=-1, keepdim=True)
 
 
-def _entry_terms(log_ps, log_pt, valid, beta):
-    """Each entry's divergence term [N, K'] (module docstring), 0 where not ``valid``."""
+def _masked(log_ps, log_pt, valid):
+    """(log_ps, log_pt, p_s, p_t) [N, K'], each 0 where not ``valid`` (no -inf reaches a product)."""
     log_ps = torch.where(valid, log_ps, 0.0)
     log_pt = torch.where(valid, log_pt, 0.0)
-    ps = torch.where(valid, log_ps.exp(), 0.0)
-    pt = torch.where(valid, log_pt.exp(), 0.0)
+    return log_ps, log_pt, torch.where(valid, log_ps.exp(), 0.0), torch.where(valid, log_pt.exp(), 0.0)
+
+
+def _log_mixture(ps, pt, valid, beta):
+    """(log m, m) of the JSD's mixture m = (1 - beta) p_s + beta p_t, log m at least log of fp32's smallest normal."""
+    mixture = (1.0 - beta) * ps + beta * pt
+    return torch.where(valid, torch.log(mixture.clamp(min=FP32_TINY)), 0.0), mixture
+
+
+def _entry_terms(log_ps, log_pt, valid, beta):
+    """Each entry's divergence term [N, K'] (module docstring), 0 where not ``valid``."""
+    log_ps, log_pt, ps, pt = _masked(log_ps, log_pt, valid)
     if beta == 0.0:
         return pt * (log_pt - log_ps)
     if beta == 1.0:
         return ps * (log_ps - log_pt)
-    mixture = (1.0 - beta) * ps + beta * pt
-    log_m = torch.where(valid, torch.log(mixture.clamp(min=FP32_TINY)), 0.0)
+    log_m, _ = _log_mixture(ps, pt, valid, beta)
     return beta * pt * (log_pt - log_m) + (1.0 - beta) * ps * (log_ps - log_m)
+
+
+def _side(x, rows: Support, signal, add_tail_bucket):
+    """One side's log-probs over the support's entries [N, K'] (+1 with the tail bucket): ``x`` the side's log-probs
+    (the tail bucket) or logits (renormalised)."""
+    return _with_tail(x, rows.valid, signal) if add_tail_bucket else _renormalised(x, rows.valid, signal)
+
+
+def _entries(rows: Support, signal, add_tail_bucket):
+    """Which entries of a side count: the support's, and with the tail bucket the bucket wherever a row has one."""
+    return torch.cat([rows.valid, signal[:, None]], dim=-1) if add_tail_bucket else rows.valid
 
 
 def _sides(student_logits, lse, rows: Support, add_tail_bucket):
     """(log_ps, log_pt, valid, signal): both sides over the support (with the tail bucket, or renormalised)."""
     signal = rows.valid.any(-1)
-    if add_tail_bucket:
-        log_ps = _with_tail(student_logits - lse[:, None], rows.valid, signal)
-        log_pt = _with_tail(rows.teacher, rows.valid, signal)
-        valid = torch.cat([rows.valid, signal[:, None]], dim=-1)
-    else:
-        log_ps = _renormalised(student_logits, rows.valid, signal)
-        log_pt = _renormalised(rows.teacher, rows.valid, signal)
-        valid = rows.valid
-    return log_ps, log_pt, valid, signal
+    student = student_logits - lse[:, None] if add_tail_bucket else student_logits
+    log_ps = _side(student, rows, signal, add_tail_bucket)
+    log_pt = _side(rows.teacher, rows, signal, add_tail_bucket)
+    return log_ps, log_pt, _entries(rows, signal, add_tail_bucket), signal
 
 
 def divergence(student_logits, lse, rows: Support, beta, add_tail_bucket):
@@ -150,27 +165,19 @@ def teacher_entropy(rows: Support, add_tail_bucket):
     """The teacher's entropy over the support (with its tail bucket, or renormalised) [N] fp32: TRL's
     ``teacher_entropy`` metric; 0 for a token without any teacher entry."""
     signal = rows.valid.any(-1)
-    if add_tail_bucket:
-        log_pt = _with_tail(rows.teacher, rows.valid, signal)
-        valid = torch.cat([rows.valid, signal[:, None]], dim=-1)
-    else:
-        log_pt, valid = _renormalised(rows.teacher, rows.valid, signal), rows.valid
-    log_pt = torch.where(valid, log_pt, 0.0)
+    valid = _entries(rows, signal, add_tail_bucket)
+    log_pt = torch.where(valid, _side(rows.teacher, rows, signal, add_tail_bucket), 0.0)
     return torch.where(signal, -(log_pt.exp() * log_pt).masked_fill(~valid, 0.0).sum(-1), 0.0)
 
 
 def _entry_gradient(log_ps, log_pt, valid, beta):
     """G = dD / d log p_s of each entry [N, K'] (module docstring), 0 where not ``valid``."""
-    log_ps = torch.where(valid, log_ps, 0.0)
-    log_pt = torch.where(valid, log_pt, 0.0)
-    ps = torch.where(valid, log_ps.exp(), 0.0)
-    pt = torch.where(valid, log_pt.exp(), 0.0)
+    log_ps, log_pt, ps, pt = _masked(log_ps, log_pt, valid)
     if beta == 0.0:
         return -pt
     if beta == 1.0:
         return torch.where(valid, ps * (log_ps - log_pt + 1.0), 0.0)
-    mixture = (1.0 - beta) * ps + beta * pt
-    log_m = torch.where(valid, torch.log(mixture.clamp(min=FP32_TINY)), 0.0)
+    log_m, mixture = _log_mixture(ps, pt, valid, beta)
     clamped = mixture < FP32_TINY  # log m held at the clamp: no gradient through it
     return (1.0 - beta) * ps * (log_ps - log_m + torch.where(clamped, 1.0, 0.0))
 
