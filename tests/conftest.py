@@ -6,8 +6,12 @@ import sys
 
 import torch
 
-# the examples' own package (examples/gsm8k), as the example scripts import it
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+# the examples' own package (examples/gsm8k), as the example scripts import it, and the repository root (bench/, tools/:
+# `pytest` puts no working directory on sys.path, and a test module must not depend on another having added it)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "examples"))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 # before any triton.jit runs (the test modules import grpo_fast after this file); TRITON_INTERPRET=1 set by hand
 # keeps a CUDA machine on the interpreter
