@@ -15,16 +15,19 @@ loss, div, entropy = grpo_fast.distillation_loss(student_hidden, student_weight,
                                                  completion_mask)   # its loss, the gradients formed in the forward
 teacher = grpo_fast.ServedTeacher(topk_ids, topk_logprobs)   # a teacher served as top-k log-probs (TRL's async)
 loss, div, entropy = grpo_fast.served_distillation_loss(hidden, weight, teacher, completion_mask)
+teachers = grpo_fast.Teachers([teacher_a, teacher_b], teacher_index)   # each row's teacher (MOPD)
+loss, div, entropy = grpo_fast.multi_teacher_distillation_loss(hidden, weight, teachers, completion_mask)
 loss, metrics = grpo_fast.loss(..., teacher=grpo_fast.Teacher(teacher_hidden, teacher_weight),
                                distillation_coef=0.1)     # RL and distillation in one call
 
 The package's parts, one folder each (each imports only the parts below it in kernels < backends < head <
-sampler < distillation < served < grpo_loss < integrations < memory; the spec stands apart):
+sampler < distillation < served < multi_teacher < grpo_loss < integrations < memory; the spec stands apart):
     head/          layer 1: log-probs and entropies from hidden states, no [tokens, vocab] logits
     sampler/       log-probs over a truncating sampler's kept set (top-k / top-p / min-p, or replayed sets)
     grpo_loss/     layer 2: the GRPO loss, its options and metrics; ``loss`` runs both layers
     distillation/  the student-teacher divergence head; RL with distillation in one call
     served/        distillation from a teacher served as top-k log-probs (TRL's experimental trainers)
+    multi_teacher/ several teachers in one call, each row routed to one (MOPD), in-process or served
     backends/      one protocol, two implementations: the Triton kernels and their chunked-torch twins
     kernels/       the Triton kernels, their tile tables and launch configurations (import nothing of the package)
     integrations/  TRL's trainers and verl's backend (public as grpo_fast.trl, grpo_fast.verl)
@@ -42,6 +45,7 @@ from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.sampler.api import SamplerLogprobs, sampler_logprobs
 from grpo_fast.sampler.replay import pack_kept_ids
+from grpo_fast.multi_teacher.api import Teachers, multi_teacher_distillation_loss, teacher_metrics
 from grpo_fast.served.api import ServedKeywords, served_distillation_loss, served_divergence_and_entropy
 from grpo_fast.served.teacher import ServedTeacher
 
@@ -72,5 +76,8 @@ __all__ = [
     "served_divergence_and_entropy",
     "served_distillation_loss",
     "ServedKeywords",
+    "Teachers",
+    "multi_teacher_distillation_loss",
+    "teacher_metrics",
 ]
 __version__ = "0.1.0"

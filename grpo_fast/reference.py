@@ -653,21 +653,11 @@ def loss_with_teacher(
         **kwargs,
     )
     div = divergence(
-        hidden,
-        weight,
-        teacher_hidden,
-        teacher_weight,
-        completion_mask,
-        beta=distillation_beta,
-        temperature=temperature,
-        student_bias=bias,
-        teacher_bias=teacher_bias,
-        student_softcap=softcap,
-        teacher_softcap=teacher_softcap,
-        student_logit_scale=logit_scale,
-        teacher_logit_scale=teacher_logit_scale,
+        hidden, weight, teacher_hidden, teacher_weight, completion_mask, beta=distillation_beta,
+        temperature=temperature, student_bias=bias, teacher_bias=teacher_bias, student_softcap=softcap,
+        teacher_softcap=teacher_softcap, student_logit_scale=logit_scale, teacher_logit_scale=teacher_logit_scale,
         compute_dtype=compute_dtype,
-    )
+    )  # fmt: skip
     mask = completion_mask.bool()
     total = total + distillation_coef * aggregate(div, completion_mask, options, kwargs.get("num_items_in_batch"))
     metrics["distillation_loss"] = (torch.where(mask, div, 0.0).sum() / mask.sum().clamp(min=1)).detach().float()
@@ -778,3 +768,33 @@ def served_distillation_loss(
         count = div.numel() if completion_mask is None else completion_mask.bool().sum()
         num_items_in_batch = max(int(count), 1)
     return div.sum() / num_items_in_batch, div.detach(), entropy.detach()
+
+
+# ----------------------------------------------------------------------------------------------- several teachers
+# Multi-teacher on-policy distillation (MOPD): row b's tokens are scored by teachers[teacher_index[b]] alone (the dense
+# divergence above for a teacher's hidden states and head, the served one for its top-k lists), the loss their sum
+# over every scored token over num_items_in_batch or the scored tokens' count: TRL's reduction, whatever the routing.
+def multi_teacher_distillation_loss(student_hidden, student_weight, teachers, teacher_index, completion_mask=None,
+                                    num_items_in_batch=None, *, beta, targets=None, **student):  # fmt: skip
+    """(loss, divergence [B, T], entropy [B, T]) of MOPD. ``teachers``: dicts, each an in-process teacher's
+    ``hidden`` [B_i, T, D_i], ``weight`` and optional ``bias``, ``softcap``, ``logit_scale``, or a served one's
+    ``ids``, ``logprobs`` [B_i, T, K_i], optional ``add_tail_bucket``; B_i its rows by ``teacher_index`` [B], in order.
+    ``student``: the divergences' temperature, student_bias, student_softcap, student_logit_scale, compute_dtype."""
+    dtype = student.get("compute_dtype", torch.float32)
+    div = entropy = torch.zeros(student_hidden.shape[:2], dtype=dtype, device=student_hidden.device)
+    for i, t in enumerate(teachers):
+        rows = (teacher_index == i).nonzero()[:, 0]
+        mask = completion_mask[rows] if completion_mask is not None else None
+        if rows.numel() and "hidden" in t:
+            d, e = divergence_and_entropy(student_hidden[rows], student_weight, t["hidden"], t["weight"], mask,
+                                          beta=beta, teacher_bias=t.get("bias"), teacher_softcap=t.get("softcap"),
+                                          teacher_logit_scale=t.get("logit_scale", 1.0), **student)  # fmt: skip
+        elif rows.numel():
+            d, e = served_divergence_and_entropy(student_hidden[rows], student_weight, t["ids"], t["logprobs"], mask,
+                                                 targets=targets[rows] if targets is not None else None, beta=beta,
+                                                 add_tail_bucket=t.get("add_tail_bucket", True), **student)  # fmt: skip
+        if rows.numel():
+            div, entropy = div.index_copy(0, rows, d), entropy.index_copy(0, rows, e.detach())
+    if num_items_in_batch is None:
+        num_items_in_batch = max(int(div.numel() if completion_mask is None else completion_mask.bool().sum()), 1)
+    return div.sum() / num_items_in_batch, div.detach(), entropy

@@ -28,6 +28,7 @@ from grpo_fast.kernels.divergence_records import (
     SAVED_FIELDS,
     Finished,
     Record,
+    TeacherSegments,
     divergence_of,
     empty_record,
     finish,
@@ -350,7 +351,23 @@ def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
 
 def loss(student, teacher, beta, weights, grads):
     """The loss sum_n weights_n div_n's gradients into ``grads`` (as ``backward``'s) by ``forward`` then ``backward``
-    with ``weights`` as dL/d div: (divergence [N], the student's entropy [N])."""
+    with ``weights`` as dL/d div: (divergence [N], the student's entropy [N]). ``teacher``: a ModelHead, or
+    TeacherSegments (several teachers, each over a range of the tokens: a teacher at a time, dW and db accumulated in
+    the same buffers)."""
+    if isinstance(teacher, TeacherSegments):
+        grad_hidden, grad_weight, grad_bias = grads
+        parts = [
+            loss(
+                student.tokens(a, b),
+                head.tokens(first, first + b - a),
+                beta,
+                weights[a:b],
+                (grad_hidden[a:b] if grad_hidden is not None else None, grad_weight, grad_bias),
+            )
+            for a, b, head, first in teacher.overlapping(0, student.hidden.shape[0])
+        ]
+        empty = student.hidden.new_zeros(0, dtype=torch.float32)
+        return tuple(torch.cat([part[k] for part in parts]) if parts else empty for k in (0, 1))
     div, entropy, saved, argmax, _ = forward(student, teacher, beta)
     if student.hidden.shape[0] > 0 and any(grad is not None for grad in grads):
         backward(weights, student, teacher, saved, argmax, beta, grads)

@@ -279,7 +279,9 @@ def _(*arguments):
     )
 
 
-def _loss_setup_context(ctx, inputs, output):
+def loss_setup_context(ctx, inputs, output):
+    """The loss ops' (this one's, ``multi_teacher.ops``'): the formed gradients saved, the student's dtypes, which
+    gradients were formed (the schemas end in need_hidden, need_weight, need_bias, token_chunk)."""
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[3:])
     ctx.dtypes = tuple(x.dtype if x is not None else None for x in inputs[:3])
@@ -288,7 +290,7 @@ def _loss_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _loss_backward(ctx, grad_loss, *_):
+def loss_backward(ctx, grad_loss, *_):
     """The gradients formed in the forward times the loss's gradient, each in its input's dtype."""
     no_grads = (None,) * len(ctx.needs_input_grad)
     if grad_loss is None:
@@ -300,8 +302,8 @@ def _loss_backward(ctx, grad_loss, *_):
     return grads + no_grads[3:]
 
 
-_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
-_LOSS_INLINE = inline_function(_loss_impl, _loss_setup_context, _loss_backward)
+_loss_op.register_autograd(loss_backward, setup_context=loss_setup_context)
+_LOSS_INLINE = inline_function(_loss_impl, loss_setup_context, loss_backward)
 
 
 def divergence_loss(operands, weights, needs, token_chunk=None):

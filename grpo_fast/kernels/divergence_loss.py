@@ -14,7 +14,7 @@ import torch
 from . import softmax_stats
 from .config import stored_configs
 from .divergence_gradient import GScale, launch_g, student_gradients
-from .divergence_records import finish, layer1_record
+from .divergence_records import TeacherSegments, finish, layer1_record
 from .divergence_sweep import sweep_records
 from .divergence_tile import local_argmax, pointers, shared_arguments
 from .gemm import mm_fp32
@@ -53,7 +53,8 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
 
     Args:
         student: the student's ModelHead over N > 0 tokens (rows contiguous), V > 0 weight rows.
-        teacher: the teacher's ModelHead over the same tokens and weight rows.
+        teacher: the teacher's ModelHead over the same tokens and weight rows, or TeacherSegments: several
+            teachers, each over a range of them.
         beta: in [0, 1].
         weights: [N] fp32 dL/d div of each token, contiguous.
         grads: (grad_hidden [N, Ds], written; grad_weight [V, Ds] and grad_bias [V], zero on entry, accumulated),
@@ -89,6 +90,11 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
     divergence = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
     logp = torch.empty(N, dtype=torch.float32, device=dev) if layer1 is not None else None
+    segments = teacher if isinstance(teacher, TeacherSegments) else None
+    if segments is not None:
+        if segments.starts[-1] != N:
+            raise ValueError(f"the teachers' segments cover {segments.starts[-1]} tokens, the student's {N}")
+        teacher = segments.kernel_head(student)
     # the kernels read both products (rows V apart; a chunk's rows are the buffers' first ones, N masks the rest)
     operands = (products[0], products[0], pointers(student)[2], products[1], products[1], pointers(teacher)[2])
     stored = dict(USE_TMA=False, LOGITS_IN_MEMORY=True, stride_hs=V, stride_ht=V)
@@ -101,7 +107,10 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
             n1 = min(n0 + half, r1)
             zs, zt = (z[: n1 - n0] for z in products)
             mm_fp32(student.hidden[n0:n1], student.weight.T, zs, accumulate=False)
-            mm_fp32(teacher.hidden[n0:n1], teacher.weight.T, zt, accumulate=False)
+            if segments is not None:
+                segments.products(n0, n1, zt)
+            else:
+                mm_fp32(teacher.hidden[n0:n1], teacher.weight.T, zt, accumulate=False)
             targets = layer1.targets[n0:n1] if layer1 is not None else None
             sweep = sweep_records(operands, sweep_arguments, n1 - n0, V, sweep_config, zs, targets=targets)
             div, ent, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)

@@ -27,6 +27,7 @@ log p_X = (z_X - m_X) - log S_X, and log m = log1p(-((1 - beta) q_s + beta q_t))
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
+from .gemm import mm_fp32
 from .softmax_stats import SoftmaxStats
 
 DivergenceName = Literal["forward_kl", "reverse_kl", "jsd"]
@@ -104,6 +106,47 @@ class ModelHead(NamedTuple):
     def tokens(self, start: int, stop: int) -> ModelHead:
         """The same head over the tokens [start, stop) only."""
         return self._replace(hidden=self.hidden[start:stop])
+
+
+class TeacherSegments(NamedTuple):
+    """Several teachers over consecutive row ranges of one call's tokens (multi-teacher distillation, rows routed
+    by teacher and sorted by it): ``heads[i]`` scores the tokens [starts[i], starts[i + 1]) (its hidden states hold
+    exactly those rows), each with its own width, bias, soft-cap and logit scale; one temperature, ``temperature``.
+
+    The fused loss forms a chunk's teacher product a segment at a time (one cuBLAS call per teacher in the chunk,
+    into the one fp32 buffer) with each teacher's bias, logit scale and soft-cap applied there
+    (``products``), so the record, JSD and g kernels run once per chunk as for one teacher, with the temperature
+    alone as the teacher's transform.
+    """
+
+    starts: tuple[int, ...]  # len(heads) + 1 row offsets, the first 0, the last the token count
+    heads: tuple[ModelHead, ...]
+    temperature: float
+
+    def overlapping(self, n0: int, n1: int):
+        """(a, b, head, first) for each teacher scoring tokens of [n0, n1): its tokens [a, b) there, ``first`` the
+        row of its hidden states that holds token a."""
+        for i, head in enumerate(self.heads):
+            a, b = max(n0, self.starts[i]), min(n1, self.starts[i + 1])
+            if a < b:
+                yield a, b, head, a - self.starts[i]
+
+    def products(self, n0: int, n1: int, out: torch.Tensor) -> None:
+        """out[: n1 - n0] = each token's teacher logits before the temperature (fp32: cuBLAS's product, the bias,
+        the logit scale and soft-cap as ``LogitTransform.apply``'s)."""
+        for a, b, head, first in self.overlapping(n0, n1):
+            part = out[a - n0 : b - n0]
+            mm_fp32(head.hidden[first : first + b - a], head.weight.T, part, accumulate=False)
+            if head.bias is not None:
+                part += head.bias.float()
+            if head.transform.softcap is not None or float(head.transform.logit_scale) != 1.0:
+                part.copy_(dataclasses.replace(head.transform, temperature=1.0).apply(part))
+
+    def kernel_head(self, like: ModelHead) -> ModelHead:
+        """The teacher as the kernels see it with its logits in memory: no bias, the temperature alone (``like``:
+        any head, for the shapes the kernels' arguments name but never read)."""
+        transform = dataclasses.replace(like.transform, temperature=self.temperature, softcap=None, logit_scale=1.0)
+        return ModelHead(like.hidden, like.weight, None, transform)
 
 
 class Record(NamedTuple):

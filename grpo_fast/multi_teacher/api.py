@@ -1,0 +1,435 @@
+"""Multi-teacher on-policy distillation (MOPD, TRL 1.16's ``AsyncDistillationTrainer`` with several teacher servers):
+each completion is scored by one teacher, chosen by a per-row index; the teachers may be in-process (``Teacher``:
+hidden states and head, each its own width) or served (``ServedTeacher``: top-k log-probs), or both.
+
+    teachers = grpo_fast.Teachers([grpo_fast.Teacher(math_hidden, math_weight), grpo_fast.Teacher(code_hidden,
+                                   code_weight)], teacher_index)           # teacher_index [B]: each row's teacher
+    loss, div, entropy = grpo_fast.multi_teacher_distillation_loss(hidden, weight, teachers, completion_mask)
+    metrics = grpo_fast.teacher_metrics(teachers, div, completion_mask)  # teacher_jsd/<name>, ...
+
+A teacher's tensors hold its own rows only ([B_i, T, ...], B_i its rows' count, in the batch's order), as a
+trainer computes them: one forward of each teacher over its completions. The loss is the sum over every scored
+token of its divergence from its own teacher, over ``num_items_in_batch`` (or the scored tokens' count): TRL's
+reduction, whatever the routing. The in-process teachers share one fused op (``multi_teacher.ops``: the student's
+three sweeps over all their rows, each chunk's teacher products a teacher at a time, one dW accumulator); the served
+teachers one served loss over their rows (their top-k lists gathered into one [B, T, K_max] record, -1 padded).
+Routing reads each teacher's row and token counts on the host: one synchronisation, with the index's range check
+(under torch.compile the call runs eagerly: a graph break; fake and meta tensors get an error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpo_fast.backends.resolver import resolve_backend
+from grpo_fast.distillation.api import check_num_items_in_batch
+from grpo_fast.distillation.teacher import Teacher
+from grpo_fast.head.inputs import (
+    check_float_tensor,
+    check_head,
+    check_mask,
+    check_same_device,
+    check_tensor,
+    has_data,
+)
+from grpo_fast.head.transform import check_chunk, check_number
+from grpo_fast.multi_teacher import ops
+from grpo_fast.served.api import ServedSupport, served_distillation_loss
+from grpo_fast.served.teacher import ServedTeacher
+
+
+@dataclass(frozen=True)
+class Teachers:
+    """Several teachers and each row's: MOPD's routing.
+
+    Attributes:
+        teachers: the teachers, each a ``Teacher`` (hidden [B_i, T, D_i], weight [V, D_i], bias, softcap,
+            logit_scale) or a ``ServedTeacher`` (ids and log-probs [B_i, T, K_i]); B_i is the number of rows
+            ``teacher_index`` gives it, its rows in the batch's order.
+        teacher_index: [B] integer: each row's teacher, an index into ``teachers`` (TRL's ``teacher_id_idx``).
+        names: each teacher's name in ``teacher_metrics``' keys (TRL's ``teacher_id``: its server URL); None:
+            "0", "1", ...
+    """
+
+    teachers: Sequence[Teacher | ServedTeacher]
+    teacher_index: torch.Tensor
+    names: Sequence[str] | None = None
+
+    def teacher_names(self) -> list[str]:
+        """Each teacher's name in the metrics' keys.
+
+        Returns:
+            ``names`` as strings, or each teacher's index.
+        """
+        return [str(i) for i in range(len(self.teachers))] if self.names is None else [str(n) for n in self.names]
+
+
+def _check_teachers(teachers, B, device):
+    """The Teachers record's own checks (no value read): the list, the index's type and shape, the names."""
+    if not isinstance(teachers, Teachers):
+        raise TypeError(
+            f"teachers must be a grpo_fast.Teachers(teachers, teacher_index), got {type(teachers).__name__}"
+        )
+    listed = teachers.teachers
+    if isinstance(listed, (Teacher, ServedTeacher)) or not isinstance(listed, Sequence) or len(listed) == 0:
+        raise TypeError("teachers.teachers must be a non-empty list of grpo_fast.Teacher or grpo_fast.ServedTeacher")
+    for i, teacher in enumerate(listed):
+        if not isinstance(teacher, (Teacher, ServedTeacher)):
+            raise TypeError(
+                f"teachers.teachers[{i}] must be a grpo_fast.Teacher or a grpo_fast.ServedTeacher, got "
+                f"{type(teacher).__name__}"
+            )
+    index = check_tensor("teachers.teacher_index", teachers.teacher_index)
+    if index.dtype.is_floating_point or index.dtype == torch.bool or index.is_complex():
+        raise TypeError(f"teachers.teacher_index must be an integer tensor, got {index.dtype}")
+    if tuple(index.shape) != (B,):
+        raise ValueError(
+            f"teachers.teacher_index must have shape [B] = [{B}] (one teacher a row), got {tuple(index.shape)}"
+        )
+    check_same_device([("teachers.teacher_index", index)], device, "student_hidden")
+    if teachers.names is not None:
+        names = teachers.names
+        if isinstance(names, str) or len(names) != len(listed) or len(set(map(str, names))) != len(names):
+            raise ValueError(f"teachers.names must be {len(listed)} distinct names (one a teacher), got {names!r}")
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """A batch's rows routed to their teachers: the counts read on the host and the device indices."""
+
+    row_counts: list[int]  # [teachers] rows of each
+    token_counts: list[int]  # [teachers] scored tokens of each
+    flat_teacher: torch.Tensor  # [B T] each flat row's teacher
+    scored: torch.Tensor  # [B T] bool
+    local_flat: torch.Tensor  # [B T] each flat row's row in its teacher's own [B_i T] rows
+    batch_order: torch.Tensor  # [B] the rows sorted by teacher (stable)
+
+    @classmethod
+    def read(cls, index, completion_mask, n, T):
+        index = index.long()
+        B = index.shape[0]
+        dev = index.device
+        scored = (
+            completion_mask.reshape(-1).bool()
+            if completion_mask is not None
+            else torch.ones(B * T, dtype=torch.bool, device=dev)
+        )
+        bad = ((index < 0) | (index >= n)).any()
+        safe = index.clamp(0, n - 1)
+        flat_teacher = safe.repeat_interleave(T)
+        row_counts = torch.bincount(safe, minlength=n)
+        token_counts = torch.bincount(flat_teacher, weights=scored.float(), minlength=n).long()
+        values = [bad.long().reshape(1), index.min().reshape(1), index.max().reshape(1), row_counts, token_counts]
+        if completion_mask is not None and completion_mask.dtype != torch.bool:
+            values.append((~((completion_mask == 0) | (completion_mask == 1)).all()).long().reshape(1))
+        read = torch.cat(values).tolist()  # the call's one host synchronisation
+        if read[0]:
+            raise ValueError(
+                f"teachers.teacher_index must be in [0, {n}) (one of the {n} teachers), got values in "
+                f"[{read[1]}, {read[2]}]"
+            )
+        if len(read) > 3 + 2 * n and read[-1]:
+            raise ValueError("completion_mask must be bool or hold only 0 and 1")
+        # each row's rank among its teacher's rows: where its teacher's own tensors hold it
+        rank = (torch.nn.functional.one_hot(safe, n).cumsum(0) - 1).gather(1, safe[:, None])[:, 0]
+        local_flat = rank.repeat_interleave(T) * T + torch.arange(B * T, device=dev) % T
+        batch_order = torch.argsort(safe, stable=True)
+        return cls(read[3 : 3 + n], read[3 + n : 3 + 2 * n], flat_teacher, scored, local_flat, batch_order)
+
+    def scored_rows_of(self, chosen: list[int], n: int) -> torch.Tensor:
+        """The scored flat rows of the teachers ``chosen``, grouped by teacher in index order, each group in the
+        batch's order."""
+        pick = torch.zeros(n, dtype=torch.bool, device=self.scored.device)
+        pick[chosen] = True
+        keep = self.scored & pick[self.flat_teacher]
+        key = torch.where(keep, self.flat_teacher, n)
+        total = sum(self.token_counts[i] for i in chosen)
+        return torch.argsort(key, stable=True)[:total]
+
+    def batch_rows_of(self, i: int) -> torch.Tensor:
+        """Teacher i's rows of the batch, in its order."""
+        start = sum(self.row_counts[:i])
+        return self.batch_order[start : start + self.row_counts[i]]
+
+
+def _check_teacher_shapes(teachers, routing, T, V, student_dtype_device):
+    """Each teacher's tensors against its row count, the student's T and V, and device."""
+    device = student_dtype_device
+    for i, teacher in enumerate(teachers.teachers):
+        B_i = routing.row_counts[i]
+        name = f"teachers.teachers[{i}]"
+        if isinstance(teacher, Teacher):
+            names = (f"{name}.hidden", f"{name}.weight", f"{name}.bias")
+            if teacher.hidden.dim() == 3 and teacher.hidden.shape[0] == 0 and B_i == 0:
+                continue  # a teacher with no row this batch: nothing to check against
+            Bt, Tt, _, Vt = check_head(names, teacher.hidden, teacher.weight, teacher.bias)
+            if (Bt, Tt) != (B_i, T):
+                raise ValueError(
+                    f"{name}.hidden must have shape [B_i, T, D] with [B_i, T] = {[B_i, T]} (its rows by "
+                    f"teacher_index, the student's T), got {tuple(teacher.hidden.shape)}"
+                )
+            if Vt != V:
+                raise ValueError(
+                    f"student_weight has V = {V} rows but {name}.weight has V = {Vt}: the vocabularies must match"
+                )
+            check_same_device(
+                [(names[0], teacher.hidden), (names[1], teacher.weight), (names[2], teacher.bias)],
+                device,
+                "student_hidden",
+            )
+            if teacher.softcap is not None:
+                check_number(
+                    f"{name}.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)"
+                )
+            check_number(f"{name}.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
+        else:
+            for field in ("ids", "logprobs"):
+                x = check_tensor(f"{name}.{field}", getattr(teacher, field))
+                if x.dim() != 3 or tuple(x.shape[:2]) != (B_i, T):
+                    raise ValueError(
+                        f"{name}.{field} must have shape [B_i, T, K] with [B_i, T] = {[B_i, T]} (its rows by "
+                        f"teacher_index, the student's T), got {tuple(x.shape)}"
+                    )
+                check_same_device([(f"{name}.{field}", x)], device, "student_hidden")
+            if teacher.ids.shape != teacher.logprobs.shape:
+                raise ValueError(
+                    f"{name}.ids and {name}.logprobs must have the same shape, got "
+                    f"{tuple(teacher.ids.shape)} and {tuple(teacher.logprobs.shape)}"
+                )
+
+
+def _served_record(teachers, served, routing, B, T, device):
+    """The served teachers' lists as one ServedTeacher [B, T, K_max] (-1 padded; rows of other teachers empty)."""
+    first = teachers.teachers[served[0]]
+    for i in served[1:]:
+        other = teachers.teachers[i]
+        if other.add_tail_bucket != first.add_tail_bucket or other.temperature != first.temperature:
+            raise ValueError(
+                "the served teachers must share add_tail_bucket and temperature (one served divergence for their "
+                f"rows): teachers.teachers[{served[0]}] and [{i}] differ"
+            )
+    K = max(teachers.teachers[i].ids.shape[-1] for i in served)
+    ids = torch.full((B, T, K), -1, dtype=torch.int64, device=device)
+    logprobs = torch.zeros((B, T, K), dtype=torch.float32, device=device)
+    for i in served:
+        teacher, rows = teachers.teachers[i], routing.batch_rows_of(i)
+        K_i = teacher.ids.shape[-1]
+        ids[rows, :, :K_i] = teacher.ids.long()
+        logprobs[rows, :, :K_i] = teacher.logprobs.float()
+    return ServedTeacher(ids, logprobs, first.add_tail_bucket, first.temperature)
+
+
+# the routing reads counts on the host and sizes tensors by them: under torch.compile the call runs eagerly (a graph
+# break), its fused op as everywhere
+@torch.compiler.disable
+def multi_teacher_distillation_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teachers: Teachers,
+    completion_mask: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    beta: float | None = None,
+    temperature: float = 1.0,
+    targets: torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+    student_softcap: float | None = None,
+    student_logit_scale: float = 1.0,
+    backend: str = "auto",
+    support: ServedSupport = "trl",
+    token_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distillation loss with each row scored by its own teacher (MOPD): the divergence of every scored token
+    from its row's teacher, summed, over ``num_items_in_batch`` or the scored tokens' count.
+
+    In-process teachers take ``distillation_loss``' divergence (``beta``: 0 forward KL, 1 reverse KL, between the
+    generalized JSD), served ones ``served_distillation_loss``' (TRL's support by beta, the tail bucket). A token's
+    divergence and its gradient are those of its teacher's one-teacher call, whatever the other rows' teachers;
+    the in-process teachers run in one fused op (the student's three sweeps over their rows, the teachers' products
+    a teacher at a time in each chunk), the served ones in one served loss.
+
+    Args:
+        student_hidden: [B, T, D] float32, bfloat16 or float16.
+        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype.
+        teachers: the ``Teachers`` (the list and each row's index).
+        completion_mask: [B, T] bool or 0/1: the tokens scored (and counted); None: every token.
+        num_items_in_batch: the divisor, a number > 0 or a one-element tensor; None: the scored tokens' count (at
+            least 1).
+        beta: in [0, 1]; None: 1.0 (``distillation_loss``' default) when every teacher is in-process, 0.0
+            (``served_distillation_loss``') when every one is served; required when they mix.
+        temperature: divides every model's logits (> 0).
+        targets: [B, T] the sampled tokens: read by served teachers at beta != 0 (TRL's support holds them).
+        student_bias: [V] in student_hidden's dtype, or None.
+        student_softcap: the student's soft-cap (> 0), or None.
+        student_logit_scale: multiplies the student's raw logits (non-zero).
+        backend: "auto", "triton" or "torch".
+        support: the served teachers' support ("trl" or "listed", as ``served_divergence_and_entropy``'s).
+        token_chunk: tokens per gradient GEMM of the in-process teachers' fused loss (None: its default).
+
+    Returns:
+        loss: the differentiable float32 scalar.
+        divergence: [B, T] float32, detached: each token's divergence from its teacher (zeros off the mask).
+        entropy: [B, T] float32, detached: the student's entropy.
+
+    Raises:
+        TypeError: a ``teachers`` that is not a Teachers of Teacher / ServedTeacher records, an index that is not an
+            integer tensor, a tensor argument's dtype, as the one-teacher functions.
+        ValueError: an index outside [0, len(teachers)) or not of shape [B], a teacher's tensors not of its rows'
+            count or not of the student's T, V or device, no beta where in-process and served teachers mix, served
+            teachers with different tail buckets or temperatures, and the one-teacher functions' errors.
+    """
+    check_float_tensor("student_hidden", student_hidden)
+    if student_hidden.dim() != 3 or 0 in student_hidden.shape:
+        raise ValueError(
+            f"student_hidden must have shape [B, T, D] with B, T, D > 0, got {tuple(student_hidden.shape)}"
+        )
+    B, T, _ = student_hidden.shape
+    _check_teachers(teachers, B, student_hidden.device)
+    check_head(("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias)
+    V = student_weight.shape[0]
+    check_chunk("token_chunk", token_chunk, "tokens per gradient GEMM")
+    check_num_items_in_batch(num_items_in_batch)
+    if completion_mask is not None:
+        check_mask(completion_mask, (B, T), _NoChecks())
+        check_same_device([("completion_mask", completion_mask)], student_hidden.device, "student_hidden")
+    listed = list(teachers.teachers)
+    dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
+    served = [i for i, t in enumerate(listed) if isinstance(t, ServedTeacher)]
+    if beta is None:
+        if dense and served:
+            raise ValueError(
+                "beta is required when in-process and served teachers mix (their defaults differ: "
+                "distillation_loss' 1.0, served_distillation_loss' 0.0)"
+            )
+        beta = 1.0 if dense else 0.0
+    check_number("beta", beta, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1] (0: forward KL, 1: reverse KL)")
+    check_number("temperature", temperature, lambda v: v > 0, "a positive number")
+    if not has_data(student_hidden, teachers.teacher_index):
+        raise ValueError(
+            "multi_teacher_distillation_loss routes rows by reading teacher_index on the host: it takes tensors "
+            "with data (not fake or meta tensors)"
+        )
+    routing = _Routing.read(teachers.teacher_index, completion_mask, len(listed), T)
+    _check_teacher_shapes(teachers, routing, T, V, student_hidden.device)
+    total = sum(routing.token_counts)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        divisor = num_items_in_batch.to(device=student_hidden.device, dtype=torch.float32).reshape(())
+    else:
+        divisor = float(num_items_in_batch) if num_items_in_batch is not None else float(max(total, 1))
+    loss = student_hidden.new_zeros((), dtype=torch.float32)
+    div = torch.zeros(B * T, dtype=torch.float32, device=student_hidden.device)
+    entropy = torch.zeros_like(div)
+    dense_tokens = sum(routing.token_counts[i] for i in dense)
+    if dense_tokens:
+        part_loss, order, part_div, part_entropy = _dense_loss(
+            student_hidden, student_weight, student_bias, teachers, dense, routing, divisor,
+            (beta, temperature, student_softcap, student_logit_scale), backend, token_chunk,
+        )  # fmt: skip
+        loss = loss + part_loss
+        div = div.index_copy(0, order, part_div)
+        entropy = entropy.index_copy(0, order, part_entropy)
+    elif token_chunk is not None:
+        raise ValueError("token_chunk sizes the in-process teachers' fused loss, and no row has one")
+    if served and sum(routing.token_counts[i] for i in served):
+        record = _served_record(teachers, served, routing, B, T, student_hidden.device)
+        pick = torch.zeros(len(listed), dtype=torch.bool, device=student_hidden.device)
+        pick[served] = True
+        served_mask = (routing.scored & pick[routing.flat_teacher]).view(B, T)
+        part_loss, part_div, part_entropy = served_distillation_loss(
+            student_hidden, student_weight, record, served_mask,
+            num_items_in_batch=divisor,
+            targets=targets, beta=beta, temperature=temperature, student_bias=student_bias,
+            student_softcap=student_softcap, student_logit_scale=student_logit_scale, backend=backend, support=support,
+        )  # fmt: skip
+        loss = loss + part_loss
+        div = div + part_div.reshape(-1)
+        entropy = entropy + part_entropy.reshape(-1)
+    return loss, div.view(B, T), entropy.view(B, T)
+
+
+class _NoChecks:
+    """The mask's 0/1 check is read with the routing's counts (``_Routing.read``), not queued."""
+
+    run = False
+
+
+def _dense_loss(
+    student_hidden, student_weight, student_bias, teachers, dense, routing, divisor, numbers, backend, token_chunk
+):
+    """The in-process teachers' part: (loss, the flat rows [N], their divergence [N], entropy [N])."""
+    beta, temperature, student_softcap, student_logit_scale = numbers
+    backend = resolve_backend(backend, student_hidden.device)
+    order = routing.scored_rows_of(dense, len(teachers.teachers))
+    D = student_hidden.shape[-1]
+    hidden = student_hidden.reshape(-1, D).index_select(0, order)
+    backend.check_sizes(hidden.shape[0], student_weight.shape[0])
+    teacher_hidden, weights_, biases, softcaps, scales, starts = [], [], [], [], [], [0]
+    at = 0
+    for i in dense:
+        count = routing.token_counts[i]
+        if count == 0:
+            continue
+        teacher = teachers.teachers[i]
+        rows = routing.local_flat.index_select(0, order[at : at + count])
+        teacher_hidden.append(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]).index_select(0, rows).detach())
+        weights_.append(teacher.weight.detach().contiguous())
+        biases.append(teacher.bias.detach().contiguous() if teacher.bias is not None else None)
+        softcaps.append(float(teacher.softcap) if teacher.softcap is not None else 0.0)
+        scales.append(float(teacher.logit_scale))
+        at += count
+        starts.append(at)
+    operands = ops.RoutedOperands(
+        hidden, student_weight.contiguous(), student_bias.contiguous() if student_bias is not None else None,
+        teacher_hidden, weights_, biases, starts, float(beta), float(temperature),
+        None if student_softcap is None else float(student_softcap), float(student_logit_scale), softcaps, scales,
+        backend.name,
+    )  # fmt: skip
+    grad = torch.is_grad_enabled()
+    needs = tuple(grad and x is not None and x.requires_grad for x in (student_hidden, student_weight, student_bias))
+    weights = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device) / divisor
+    loss, div, entropy = ops.routed_divergence_loss(operands, weights, needs, token_chunk)
+    return loss, order, div, entropy
+
+
+def teacher_metrics(
+    teachers: Teachers, divergence: torch.Tensor, completion_mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """TRL 1.16's per-teacher MOPD metrics of a batch: ``teacher_token_frac/<name>`` (the teacher's share of the
+    scored tokens), ``teacher_jsd/<name>`` (its tokens' mean divergence; NaN without tokens: TRL's), each a 0-dim
+    fp32 tensor on the divergence's device (no host synchronisation).
+
+    Args:
+        teachers: the call's ``Teachers``.
+        divergence: [B, T] the per-token divergence (``multi_teacher_distillation_loss``' second output).
+        completion_mask: [B, T] the scored tokens; None: every token.
+
+    Returns:
+        {name: value}, two entries a teacher.
+    """
+    if not isinstance(teachers, Teachers):
+        raise TypeError(f"teachers must be a grpo_fast.Teachers, got {type(teachers).__name__}")
+    check_tensor("divergence", divergence)
+    if divergence.dim() != 2:
+        raise ValueError(f"divergence must have shape [B, T], got {tuple(divergence.shape)}")
+    B, T = divergence.shape
+    _check_teachers(teachers, B, divergence.device)
+    n = len(teachers.teachers)
+    mask = torch.ones_like(divergence) if completion_mask is None else completion_mask.to(divergence.device).float()
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"completion_mask must have shape [B, T] = {[B, T]}, got {tuple(mask.shape)}")
+    onehot = torch.nn.functional.one_hot(teachers.teacher_index.long().clamp(0, n - 1), n).float()  # [B, n]
+    counts = mask.sum(1) @ onehot
+    sums = (divergence.detach().float() * mask).sum(1) @ onehot
+    share = counts / counts.sum().clamp(min=1.0)
+    mean = torch.where(counts > 0, sums / counts.clamp(min=1.0), float("nan"))
+    metrics = {}
+    for i, name in enumerate(teachers.teacher_names()):
+        metrics[f"teacher_token_frac/{name}"] = share[i]
+        metrics[f"teacher_jsd/{name}"] = mean[i]
+    return metrics
+
+
+__all__ = ["Teachers", "multi_teacher_distillation_loss", "teacher_metrics"]
