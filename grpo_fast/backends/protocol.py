@@ -27,7 +27,7 @@ from typing import Literal, Protocol, get_args
 import torch
 
 from grpo_fast.kernels.config import BackwardMode
-from grpo_fast.kernels.divergence_records import ModelHead
+from grpo_fast.kernels.divergence_records import ModelHead, TeacherSegments
 from grpo_fast.kernels.operands import (
     HeadGrads,
     HeadOperands,
@@ -220,7 +220,7 @@ class Backend(Protocol):
     def divergence_loss(
         self,
         student: ModelHead,
-        teacher: ModelHead,
+        teacher: ModelHead | TeacherSegments,
         beta: float,
         weights: torch.Tensor,
         grads: tuple,
@@ -229,7 +229,8 @@ class Backend(Protocol):
     ):
         """The loss sum_n weights_n div_n's gradients into ``grads``, formed in the forward: (divergence [N], the
         student's entropy [N], its log-probs [N] with ``layer1`` (layer 1's term: ``three_sweep_heads`` backends
-        only), else None)."""
+        only), else None). ``teacher``: one teacher over all N tokens, or TeacherSegments (several, each over a range
+        of them; no ``layer1``)."""
         ...
 
     def combined_forward(self, student: ModelHead, targets: torch.Tensor, teacher: ModelHead, beta: float):
