@@ -670,7 +670,13 @@ class RLOOTrainer(_GRPOFastHead, trl.RLOOTrainer):
 # (trl_served) is imported on first use: TRL warns on every import of trl.experimental
 from grpo_fast.integrations.trl_distillation import DistillationTrainer, divergence_loss  # noqa: E402, F401
 
-_EXPERIMENTAL = ("AsyncDistillationTrainer", "AsyncDistillationConfig", "served_jsd_loss")
+_EXPERIMENTAL = (
+    "AsyncDistillationTrainer",
+    "AsyncDistillationConfig",
+    "ServerDistillationTrainer",
+    "ServerDistillationConfig",
+    "served_jsd_loss",
+)
 
 
 def __getattr__(name):

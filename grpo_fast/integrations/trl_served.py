@@ -1,8 +1,10 @@
 """TRL 1.16's experimental served-teacher distillation with grpo_fast's head: ``AsyncDistillationTrainer`` (TRL's,
-its ``_chunked_jsd_loss`` computed by ``grpo_fast.served_distillation_loss``), public as ``grpo_fast.trl``'s and
-imported on first use (TRL warns on every import of ``trl.experimental``).
+its ``_chunked_jsd_loss`` computed by ``grpo_fast.served_distillation_loss``) and ``ServerDistillationTrainer``
+(TRL's, its ``compute_loss`` taking the student's last hidden states instead of its ``[B, T, V]`` logits), public
+as ``grpo_fast.trl``'s and imported on first use (TRL warns on every import of ``trl.experimental``).
 
     from grpo_fast.trl import AsyncDistillationConfig, AsyncDistillationTrainer
+    from grpo_fast.trl import ServerDistillationConfig, ServerDistillationTrainer
 
 TRL's trainer projects its valid positions' hidden states through the lm_head in fp32 chunks of 256 tokens under
 activation checkpointing (four vocabulary sweeps, a [256, V] fp32 buffer) and gathers the student's log-probs at the
@@ -17,7 +19,7 @@ import importlib
 import torch
 
 import grpo_fast
-from grpo_fast.integrations.hf import with_module_names
+from grpo_fast.integrations.hf import logit_transform_of, with_module_names
 from grpo_fast.integrations.trl_version import TRL_VERSIONS
 from grpo_fast.served import teacher as served_teacher
 
@@ -25,8 +27,17 @@ from grpo_fast.served import teacher as served_teacher
 _trl_async = importlib.import_module("trl.experimental.async_distillation")
 AsyncDistillationConfig = _trl_async.AsyncDistillationConfig
 TRLAsyncDistillationTrainer = _trl_async.AsyncDistillationTrainer
+_trl_server = importlib.import_module("trl.experimental.server_distillation")
+ServerDistillationConfig = _trl_server.ServerDistillationConfig
+TRLServerDistillationTrainer = _trl_server.ServerDistillationTrainer
 
-__all__ = ["AsyncDistillationConfig", "AsyncDistillationTrainer", "served_jsd_loss"]
+__all__ = [
+    "AsyncDistillationConfig",
+    "AsyncDistillationTrainer",
+    "ServerDistillationConfig",
+    "ServerDistillationTrainer",
+    "served_jsd_loss",
+]
 
 
 def served_jsd_loss(
@@ -110,3 +121,102 @@ class AsyncDistillationTrainer(TRLAsyncDistillationTrainer):
     _compute_loss = with_module_names(
         TRLAsyncDistillationTrainer._compute_loss, TRL_VERSIONS, _chunked_jsd_loss=served_jsd_loss
     )
+
+
+def server_teacher(teacher_result, labels, beta):
+    """TRL 1.16's ``ServerDistillationTrainer`` teacher records as a ``ServedTeacher``'s ids and log-probs [B, T, K]
+    (TRL's support then follows from ``served_distillation_loss``' rules): at beta 0 the top-k lists, their -inf
+    entries unlisted; at 0 < beta < 1 (TRL's top-1 server path) the teacher's top-1 and the sampled token's log-prob
+    (``actual_logprobs``), the sampled token listed where it is not the top-1; at beta 1 the sampled token's alone. TRL's errors for a required position
+    the server left without a log-prob.
+
+    Args:
+        teacher_result: TRL's ``_get_teacher_token_logprobs_from_server`` dict (``actual_logprobs`` [B, T],
+            ``topk_logprobs`` and ``topk_token_ids`` [B, T, K]).
+        labels: [B, T] the completion's tokens, -100 where not scored (TRL's trimmed labels).
+        beta: TRL's ``beta``.
+
+    Returns:
+        (ids [B, T, K'] int64, -1 filling; log-probs [B, T, K'] fp32).
+
+    Raises:
+        ValueError: TRL's, a scored position without the sampled token's log-prob (beta != 0) or without the
+            teacher's top-1 (0 < beta < 1).
+    """
+    topk_lps, topk_ids = teacher_result["topk_logprobs"], teacher_result["topk_token_ids"]
+    required = labels != -100
+    if beta == 0:
+        listed = torch.isfinite(topk_lps) & required[..., None]
+        return torch.where(listed, topk_ids, -1), torch.where(listed, topk_lps, 0.0).float()
+    actual = teacher_result["actual_logprobs"]
+    for missing, what, needed in (
+        (required & ~torch.isfinite(actual), "actual-token logprobs for required reverse-KL", True),
+        (required & ~torch.isfinite(topk_lps[..., 0]), "top-1 logprobs for required forward-KL", beta < 1),
+    ):
+        if needed and missing.any():  # TRL's messages
+            raise ValueError(f"Teacher server is missing {what} positions: {int(missing.sum())}/{int(required.sum())}.")
+    sampled = labels.clamp(min=0)
+    if beta == 1:  # the sampled token alone (TRL reads no top-1 then)
+        ids = torch.where(required, sampled, -1)[..., None]
+        return ids, torch.where(ids >= 0, actual[..., None], 0.0).float()
+    top1 = torch.where(required & torch.isfinite(topk_lps[..., 0]), topk_ids[..., 0], -1)
+    second = torch.where(required & (sampled != top1), sampled, -1)
+    ids = torch.stack([top1, second], -1)
+    logprobs = torch.stack([topk_lps[..., 0], actual], -1)
+    return ids, torch.where(ids >= 0, logprobs, 0.0).float()
+
+
+class ServerDistillationTrainer(TRLServerDistillationTrainer):
+    """TRL's experimental ``ServerDistillationTrainer`` with grpo_fast's served-teacher head.
+
+    Same constructor, ``ServerDistillationConfig``, teacher client and loss; ``compute_loss`` takes the student's
+    last hidden states (TRL's ``_get_last_hidden_state``) where TRL takes ``model(...).logits`` (the whole
+    ``[B, T, V]`` logits, then a full-vocabulary log-softmax), and computes TRL's sparse divergence over the same
+    window with ``served_distillation_loss`` (its batch mean over the scored tokens, divided by the accumulation
+    steps as TRL's). ``return_outputs=True`` (the model's outputs asked for) runs TRL's own.
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        unwrapped = self.accelerator.unwrap_model(model)
+        loss = self._forward_redirection(model, unwrapped, self._served_loss, unwrapped, inputs)
+        if self.model.training:
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss
+
+    def _served_loss(self, unwrapped, inputs):
+        """TRL's loss on ``inputs`` from the student's hidden states: TRL's sequence layout, teacher request and
+        window, then ``served_distillation_loss``."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        completion_labels = torch.where(completion_mask.bool(), completion_ids, -100)
+        labels = torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1)
+        inputs = {
+            **inputs,
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "prompt_attention_mask": prompt_mask,
+        }
+        prompt_length = self._compute_prompt_length(inputs)
+        teacher_result = self._get_teacher_token_logprobs_from_server(inputs, prompt_length)
+        window = teacher_result["actual_logprobs"].shape[1]
+        labels = labels[:, prompt_length : prompt_length + window]
+        hidden = self._get_last_hidden_state(unwrapped, input_ids, attention_mask, input_ids.shape[1] - prompt_length)
+        lm_head = unwrapped.get_output_embeddings()
+        hidden = hidden[:, :window].to(lm_head.weight.device)
+        ids, logprobs = server_teacher(teacher_result, labels.to(hidden.device), self.beta)
+        transform = logit_transform_of(unwrapped.config.get_text_config())
+        weight = lm_head.weight
+        if weight.dtype != hidden.dtype:  # the model's own head computes in its weight's dtype
+            hidden = hidden.to(weight.dtype)
+        loss, _, _ = grpo_fast.served_distillation_loss(
+            hidden, weight, grpo_fast.ServedTeacher(ids, logprobs, self.loss_add_tail), labels != -100,
+            targets=labels.clamp(min=0), beta=self.beta, temperature=self.temperature,
+            student_bias=lm_head.bias, student_softcap=transform["softcap"],
+            student_logit_scale=transform["logit_scale"],
+        )  # fmt: skip
+        return loss
