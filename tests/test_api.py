@@ -211,7 +211,7 @@ BAD_INPUTS = [
     (dict(head_path="frozen"), ValueError, "head_path must be one of"),
     (dict(backward_mode="atomic"), ValueError, "backward_mode must be one of"),
     (dict(backward_mode="fused", backend="torch"), ValueError, "backward_mode='fused' is a Triton backward"),
-    (dict(epsilon_low=0.2), TypeError, "unexpected keyword argument"),
+    (dict(epsilon_low=0.2), TypeError, r"loss\(\) got an unexpected keyword argument 'epsilon_low'"),
 ]
 
 

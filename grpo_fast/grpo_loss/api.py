@@ -21,6 +21,7 @@ from grpo_fast.grpo_loss.options import (
 from grpo_fast.grpo_loss.sampling import SamplingCorrection
 from grpo_fast.head import inputs
 from grpo_fast.head.inputs import HeadCall
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
@@ -30,6 +31,7 @@ from grpo_fast.served.teacher import ServedTeacher
 __all__ = ["Metrics", "SamplingCorrection", "loss", "sampling_importance_weights", "token_loss"]
 
 
+@takes_keywords(LossOptionKeywords, "the loss options")
 def loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -178,6 +180,7 @@ def loss(
     return LossCall.check(head, batch, options, trained_head_chunk, distillation, weights_of).run()
 
 
+@takes_keywords(LossOptionKeywords, "the loss options")
 def token_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -262,6 +265,7 @@ def token_loss(
     return token_loss_metrics(prepared, options, resolve_backend(backend, logprobs.device))
 
 
+@takes_keywords()
 def sampling_importance_weights(
     old_logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,

@@ -18,11 +18,11 @@ The per-batch inputs (old / reference / sampler log-probs, importance weights, `
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict, get_args
 
+from grpo_fast.head.keywords import unexpected_keywords
 from grpo_fast.head.transform import check_number
 from grpo_fast.kernels.loss_statistics import STATISTICS
 
@@ -420,18 +420,9 @@ class LossOptions:
         if options is not None and not isinstance(options, LossOptions):
             raise TypeError(f"options must be a grpo_fast.LossOptions, got {type(options).__name__}")
         keywords = keywords or {}
-        unknown = sorted(set(keywords) - set(FIELD_NAMES))
+        unknown = set(keywords) - set(FIELD_NAMES)
         if unknown:
-            hints = [
-                f"{name!r} (did you mean {close[0]!r}?)"
-                if (close := difflib.get_close_matches(name, FIELD_NAMES, 1))
-                else repr(name)
-                for name in unknown
-            ]
-            raise TypeError(
-                f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; the loss options are "
-                f"{', '.join(FIELD_NAMES)}"
-            )
+            raise unexpected_keywords(caller, unknown, (), ("the loss options", FIELD_NAMES))
         base = options if options is not None else cls()
         return dataclasses.replace(base, **keywords) if keywords else base
 

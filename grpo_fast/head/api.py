@@ -14,11 +14,13 @@ import torch
 from grpo_fast.backends.protocol import BackendName
 from grpo_fast.head import inputs, ops
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
 
 
+@takes_keywords()
 def logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -87,6 +89,7 @@ def logprobs(
         return call.scattered(logp, rows)
 
 
+@takes_keywords()
 def logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

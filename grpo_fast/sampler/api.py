@@ -8,6 +8,7 @@ import torch
 
 from grpo_fast.backends.protocol import BackendName
 from grpo_fast.head import inputs
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.sampler.call import SamplerCall
@@ -31,6 +32,7 @@ class SamplerLogprobs(NamedTuple):
     log_kept_mass: torch.Tensor
 
 
+@takes_keywords()
 def sampler_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
