@@ -260,7 +260,7 @@ def divergence_and_entropy(
             sweep; "general": always recompute in the backward.
         check_values: read the mask's 0/1 check with the scored-row count in one host synchronisation; False
             reads nothing on the host (the rows are then a device partition, padding zeroed).
-        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when both weights hold this rank's rows (the same
+        vocab_parallel: a ``grpo_fast.VocabShard`` when both weights hold this rank's rows (the same
             ranges); None: whole heads, or DTensor weights.
         student_gemm_dtype: float32, bfloat16 or float16: the student's hidden states and weight are rounded to it
             for the GEMMs (autocast's dtype over an fp32 model, as TRL's head computes) and their gradients still

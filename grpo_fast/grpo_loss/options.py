@@ -208,7 +208,7 @@ def _at_least_one(count):
 class LossOptions:
     """TRL 1.16.0 ``GRPOConfig``'s loss options, with its names and defaults, checked once.
 
-    [Loss options](../options.md) says what each computes; ``loss`` and ``token_loss`` take the same names as
+    docs/options.md says what each computes; ``loss`` and ``token_loss`` take the same names as
     keywords.
 
     Attributes:
@@ -445,7 +445,7 @@ class LossOptions:
 class LossOptionKeywords(TypedDict, total=False):
     """The loss options as keywords of ``grpo_fast.loss`` and ``token_loss`` (``**option_keywords:
     Unpack[LossOptionKeywords]``, PEP 692): an IDE and a type checker see each name and type. Each is the
-    [LossOptions][grpo_fast.LossOptions] field of that name (its meaning; its default, TRL's); a keyword left out
+    ``grpo_fast.LossOptions`` field of that name (its meaning; its default, TRL's); a keyword left out
     keeps the default, or the value in the call's ``options``."""
 
     loss_type: LossTypeName

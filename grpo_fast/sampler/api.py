@@ -80,7 +80,7 @@ def sampler_logprobs(
         softcap: the logit soft-cap, or None.
         logit_scale: multiplies the raw logits.
         lora: LoRA on the head (a HeadLora or tuple), or None.
-        vocab_parallel: this rank's VocabShard, or None ([vocab-parallel](../vocab-parallel.md): the kept set
+        vocab_parallel: this rank's VocabShard, or None (docs/vocab-parallel.md: the kept set
             over every shard, no row of logits gathered).
         backend: "auto", "triton" or "torch".
         check_values: read the value checks on the host: those of ``logprobs``, and for ``kept_ids`` ids in

@@ -332,7 +332,7 @@ def served_divergence_and_entropy(
         support: "trl": TRL's support by beta (above); "listed": the listed ids whatever beta (a wider support for
             the reverse KL and the JSD, where the listed ids hold the student's mass; targets unread).
         vocab_parallel: this rank's VocabShard when the weight (and bias) hold this rank's rows, or None
-            ([vocab-parallel](../vocab-parallel.md): the ids gathered on their owners, one all-reduce of [N, K]; no
+            (docs/vocab-parallel.md: the ids gathered on their owners, one all-reduce of [N, K]; no
             LoRA). Every rank passes the same hidden states and teacher and gets the whole result.
 
     Returns:
