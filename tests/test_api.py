@@ -164,7 +164,13 @@ def _good(**override):
 
 BAD_INPUTS = [
     (dict(hidden=torch.randn(6, 8)), ValueError, "hidden must have shape"),
-    (dict(weight=torch.randn(11, 9)), ValueError, "weight must have shape"),
+    (
+        dict(weight=torch.randn(11, 9)),
+        ValueError,
+        r"hidden has D = 8 but weight has shape \(11, 9\): hidden's last dimension must equal weight's second",
+    ),
+    (dict(weight=torch.randn(11)), ValueError, r"weight must have shape \[V, D\]"),
+    (dict(weight=torch.randn(0, 8)), ValueError, "weight must have V > 0 rows"),
     (dict(weight=torch.randn(11, 8, dtype=torch.float64)), TypeError, "weight must be float32"),
     (dict(weight=torch.randn(11, 8).bfloat16()), TypeError, "differs from hidden dtype"),
     (dict(targets=torch.zeros(2, 4, dtype=torch.long)), ValueError, "targets must have shape"),
@@ -211,7 +217,7 @@ BAD_INPUTS = [
     (dict(head_path="frozen"), ValueError, "head_path must be one of"),
     (dict(backward_mode="atomic"), ValueError, "backward_mode must be one of"),
     (dict(backward_mode="fused", backend="torch"), ValueError, "backward_mode='fused' is a Triton backward"),
-    (dict(epsilon_low=0.2), TypeError, "unexpected keyword argument"),
+    (dict(epsilon_low=0.2), TypeError, r"loss\(\) got an unexpected keyword argument 'epsilon_low'"),
 ]
 
 

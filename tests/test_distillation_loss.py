@@ -241,7 +241,7 @@ def test_named_errors():
         grpo_fast.distillation_loss(*args, num_items_in_batch=0)
     with pytest.raises(TypeError, match="one-element tensor"):
         grpo_fast.distillation_loss(*args, num_items_in_batch=torch.ones(2))
-    with pytest.raises(TypeError, match="unknown keyword"):
+    with pytest.raises(TypeError, match=r"distillation_loss\(\) got an unexpected keyword argument 'bta' \(did"):
         grpo_fast.distillation_loss(*args, bta=0.5)
     with pytest.raises(ValueError, match="beta"):
         grpo_fast.distillation_loss(*args, beta=1.5)

@@ -488,7 +488,11 @@ def test_named_errors():
         grpo_fast.divergence(hs, ws, ht, wt[:30])
     with pytest.raises(TypeError, match="teacher_weight dtype"):
         grpo_fast.divergence(hs, ws, ht, wt.half())
-    with pytest.raises(ValueError, match="student_weight must have shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"student_hidden has D = 8 but student_weight has shape \(31, 7\): student_hidden's last dimension "
+        "must equal student_weight's second",
+    ):
         grpo_fast.divergence(hs, ws[:, :7], ht, wt)
     with pytest.raises(ValueError, match="teacher_hidden's"):
         grpo_fast.divergence(hs, ws, ht[:, :2], wt)

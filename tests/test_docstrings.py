@@ -12,7 +12,10 @@ are checked without TRL or verl; it comes with the docs extra and is listed in t
 from __future__ import annotations
 
 import ast
+import importlib.util
+import inspect
 import logging
+import re
 import textwrap
 from pathlib import Path
 
@@ -187,3 +190,58 @@ def test_docstring_documents_the_signature(path, caplog):
         assert has_returns, f"{path} returns a value: its docstring needs a Returns section"
     else:
         assert not has_returns, f"{path} returns nothing but documents Returns"
+
+
+# mkdocs markup: a cross-reference [title][identifier] or a link [title](target)
+MARKUP = re.compile(r"\[[^\]\n]*\]\[[\w.]*\]|\[[^\]\n]*\]\([^)\s]*\)")
+
+
+def _plain_references():
+    """docs/plain_references.py, the reference's griffe extension (mkdocs.yml), as a module."""
+    spec = importlib.util.spec_from_file_location("plain_references", ROOT / "docs" / "plain_references.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docstrings_are_plain_text():
+    """help() and an IDE show a docstring as written: no mkdocs markup in any docstring of the package (the site
+    links the plain ``grpo_fast.X`` and docs/page.md: docs/plain_references.py), nor in what help() shows of the
+    public names and their methods."""
+    marked = [
+        f"{obj.path}: {MARKUP.search(obj.docstring.value)[0]}"
+        for obj in _plain_references().objects(PACKAGE)
+        if obj.docstring is not None and MARKUP.search(obj.docstring.value)
+    ]
+    import grpo_fast
+
+    for name in grpo_fast.__all__:
+        public = getattr(grpo_fast, name)
+        for obj in [public, *(vars(public).values() if inspect.isclass(public) else ())]:
+            doc = inspect.getdoc(obj) if callable(obj) or obj is public else None
+            if doc and MARKUP.search(doc):
+                marked.append(f"grpo_fast.{name}: {MARKUP.search(doc)[0]}")
+    assert not marked, "mkdocs markup in docstrings:\n" + "\n".join(marked)
+
+
+def test_the_reference_links_the_names_and_pages_docstrings_give():
+    """The extension over the package as mkdocs loads it: every ``grpo_fast.X`` a docstring names is an object of
+    the package and every docs/page.md a page (else it raises), and both become links."""
+    extension = _plain_references()
+    package = griffe.load(
+        "grpo_fast",
+        search_paths=[str(ROOT)],
+        allow_inspection=False,
+        extensions=griffe.load_extensions(extension.PlainReferences),
+    )
+    loss = package["grpo_loss.api.loss"].docstring.value
+    assert '<autoref identifier="grpo_fast.LossOptions" optional><code>grpo_fast.LossOptions</code></autoref>' in loss
+    assert "[docs/options.md#metrics](../options.md#metrics)" in loss
+    collection = package.modules_collection
+    with pytest.raises(ValueError, match="names grpo_fast.no_such_name, which is no object of the package"):
+        extension.linked("``grpo_fast.no_such_name``", collection, "here")
+    with pytest.raises(ValueError, match="names docs/no-such-page.md, which is no page of the site"):
+        extension.linked("docs/no-such-page.md", collection, "here")
+    assert extension.linked("see bench/docs/x.md and ``docs/x.md``", collection, "here") == (
+        "see bench/docs/x.md and ``docs/x.md``"
+    )

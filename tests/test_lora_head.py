@@ -213,8 +213,12 @@ def test_named_errors(device):
             lp(h, w, y, lora=lora)
 
     fails(ValueError, "rank mismatch", (a, b[:, :3], 1.0))
-    fails(ValueError, r"lora.a must have shape \[r, D\] with D = 16", (a[:, :15], b, 1.0))
-    fails(ValueError, r"lora.b must have shape \[V, r\] with V = 20", (a, b[:19], 1.0))
+    fails(
+        ValueError, r"hidden has D = 16 but lora.a has shape \(4, 15\): lora.a's second dimension", (a[:, :15], b, 1.0)
+    )
+    fails(
+        ValueError, r"weight has V = 20 rows but lora.b has shape \(19, 4\): lora.b's first dimension", (a, b[:19], 1.0)
+    )
     fails(TypeError, "share a dtype", (a, b.half(), 1.0))
     fails(TypeError, "float32, bfloat16 or float16", (a.long(), b.long(), 1.0))
     fails(TypeError, "float32, bfloat16 or float16", (a.double(), b.double(), 1.0))

@@ -93,7 +93,7 @@ def token_loss(inputs, options, *, scale, entropy_threshold):
     """Layer 2 on prepared inputs: the token kernel's launcher's arguments and returns, in torch.
 
     Args:
-        inputs: a ``grpo_fast.kernels.token_loss.TokenLossInputs`` (fp32 here; any float dtype: it computes in
+        inputs: a ``grpo_fast.kernels.operands.TokenLossInputs`` (fp32 here; any float dtype: it computes in
             logp's).
         options: the loss options (a ``grpo_fast.LossOptions``); its ``loss_type_record`` gives the family of
             per-token term and its facts.

@@ -17,6 +17,7 @@ gradient. The entropy is the student's, detached (TRL's head marks it non-differ
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -39,6 +40,7 @@ from grpo_fast.head.inputs import (
     scatter_rows,
     scored_rows,
 )
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.transform import LogitTransform, check_chunk, check_number
 from grpo_fast.kernels.config import HEAD_PATHS, HeadPath
@@ -118,11 +120,8 @@ class _Call:
 
 
 def _checked_call(student_hidden, student_weight, teacher_hidden, teacher_weight, completion_mask, keywords):
-    """Every check of a call (``_checked``'s, the keywords' and the scored rows' one host read), and its _Call;
-    ``keywords``: divergence_and_entropy's, its defaults where absent."""
-    unknown = sorted(set(keywords) - set(_KEYWORDS))
-    if unknown:
-        raise TypeError(f"unknown keyword argument(s) {unknown}; the divergence takes {sorted(_KEYWORDS)}")
+    """Every check of a call (``_checked``'s and the scored rows' one host read), and its _Call; ``keywords``:
+    divergence_and_entropy's (the public functions take no other: ``takes_keywords``), its defaults where absent."""
     k = {**_KEYWORDS, **keywords}
     student, teacher, shard = parallel.resolve_pair(
         ModelHead(
@@ -208,6 +207,7 @@ class DivergenceKeywords(TypedDict, total=False):
     student_gemm_dtype: torch.dtype | None
 
 
+@takes_keywords()
 def divergence_and_entropy(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -260,7 +260,7 @@ def divergence_and_entropy(
             sweep; "general": always recompute in the backward.
         check_values: read the mask's 0/1 check with the scored-row count in one host synchronisation; False
             reads nothing on the host (the rows are then a device partition, padding zeroed).
-        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when both weights hold this rank's rows (the same
+        vocab_parallel: a ``grpo_fast.VocabShard`` when both weights hold this rank's rows (the same
             ranges); None: whole heads, or DTensor weights.
         student_gemm_dtype: float32, bfloat16 or float16: the student's hidden states and weight are rounded to it
             for the GEMMs (autocast's dtype over an fp32 model, as TRL's head computes) and their gradients still
@@ -308,9 +308,10 @@ def divergence_and_entropy(
 
 
 # divergence_and_entropy's keywords and their defaults: the one place they are written is its signature
-_KEYWORDS = dict(divergence_and_entropy.__kwdefaults__)
+_KEYWORDS = dict(inspect.unwrap(divergence_and_entropy).__kwdefaults__)
 
 
+@takes_keywords(DivergenceKeywords, "divergence_and_entropy's keywords")
 def divergence(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -341,6 +342,7 @@ def divergence(
     )[0]
 
 
+@takes_keywords(DivergenceKeywords, "divergence_and_entropy's keywords")
 def distillation_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,

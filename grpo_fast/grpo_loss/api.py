@@ -21,6 +21,7 @@ from grpo_fast.grpo_loss.options import (
 from grpo_fast.grpo_loss.sampling import SamplingCorrection
 from grpo_fast.head import inputs
 from grpo_fast.head.inputs import HeadCall
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
@@ -30,6 +31,7 @@ from grpo_fast.served.teacher import ServedTeacher
 __all__ = ["Metrics", "SamplingCorrection", "loss", "sampling_importance_weights", "token_loss"]
 
 
+@takes_keywords(LossOptionKeywords, "the loss options")
 def loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -66,8 +68,8 @@ def loss(
     Layer 1 (``logprobs_and_entropy``) then layer 2 (``token_loss``) over the tokens with completion_mask 1; a
     vocab-parallel head gives every rank the unsharded loss and metrics. The loss options are TRL's
     ``GRPOConfig`` keywords with its defaults, by name (``**option_keywords``, typed by
-    [LossOptionKeywords][grpo_fast.LossOptionKeywords]) or as one object (``options``);
-    [LossOptions][grpo_fast.LossOptions] documents each ([loss options](../options.md)). With a ``teacher``: RL and
+    ``grpo_fast.LossOptionKeywords``) or as one object (``options``);
+    ``grpo_fast.LossOptions`` documents each (docs/options.md). With a ``teacher``: RL and
     distillation in one call; the per-token loss gains ``distillation_coef`` times the divergence from the teacher
     (``grpo_fast.divergence``) before the loss type's reduction, computed from the same student tiles as the
     log-probs, and ``metrics["distillation_loss"]`` is its mean over the scored tokens.
@@ -85,7 +87,7 @@ def loss(
             only with ``off_policy_mask_threshold``.
         importance_weights: [B, T], [B, 1] or [B] float, the sampler correction (e.g.
             ``sampling_importance_weights``); vespo takes [B, T] only.
-        sampling_correction: a [SamplingCorrection][grpo_fast.SamplingCorrection] (the sampler's log-probs and
+        sampling_correction: a ``grpo_fast.SamplingCorrection`` (the sampler's log-probs and
             its top-k / top-p / min-p or kept sets): the importance weights computed in the call over the sampler's
             support, exp(old_support - sampling), instead of ``importance_weights``; or None.
         num_items_in_batch: a number >= 0 or a one-element tensor: the normaliser of dapo, cispo and vespo (the
@@ -125,7 +127,7 @@ def loss(
     Returns:
         loss: the differentiable float32 scalar loss.
         metrics: detached float32 scalars under TRL's names, with the per-token ``logprobs`` and ``entropies``
-            [B, T] as attributes ([metrics](../options.md#metrics)).
+            [B, T] as attributes (docs/options.md#metrics).
 
     Raises:
         TypeError: as ``logprobs_and_entropy`` for the arguments both take, ``options`` not a LossOptions, an
@@ -178,6 +180,7 @@ def loss(
     return LossCall.check(head, batch, options, trained_head_chunk, distillation, weights_of).run()
 
 
+@takes_keywords(LossOptionKeywords, "the loss options")
 def token_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -198,8 +201,8 @@ def token_loss(
     """Layer 2 alone: the GRPO loss and metrics from per-token log-probs that carry the gradient.
 
     For callers that already have the policy's log-probs; the per-batch inputs are ``loss``'s. The loss options,
-    by name or as one object, are ``loss``'s: [LossOptions][grpo_fast.LossOptions] documents each
-    ([loss options](../options.md)).
+    by name or as one object, are ``loss``'s: ``grpo_fast.LossOptions`` documents each
+    (docs/options.md).
 
     Args:
         logprobs: [B, T] float: the policy's log-probs of the sampled tokens; the loss's gradient flows to them.
@@ -262,6 +265,7 @@ def token_loss(
     return token_loss_metrics(prepared, options, resolve_backend(backend, logprobs.device))
 
 
+@takes_keywords()
 def sampling_importance_weights(
     old_logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,
@@ -279,7 +283,7 @@ def sampling_importance_weights(
         old_logprobs: [B, T] float: the training policy's log-probs before the update; where the sampler truncates
             (top-k, top-p, min-p) and its log-probs are renormalised over its kept set (vLLM's
             ``processed_logprobs``), the policy's over the same set (``sampler_logprobs(...).support_logprobs``),
-            else the ratio is the kept mass even for one model ([the sampler's support](../sampler-support.md)).
+            else the ratio is the kept mass even for one model (docs/sampler-support.md).
         sampling_logprobs: [B, T] float: the sampler's log-probs; NaN where it could not score a token (no
             correction there).
         completion_mask: [B, T] bool or 0/1.

@@ -18,11 +18,11 @@ The per-batch inputs (old / reference / sampler log-probs, importance weights, `
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict, get_args
 
+from grpo_fast.head.keywords import unexpected_keywords
 from grpo_fast.head.transform import check_number
 from grpo_fast.kernels.loss_statistics import STATISTICS
 
@@ -208,7 +208,7 @@ def _at_least_one(count):
 class LossOptions:
     """TRL 1.16.0 ``GRPOConfig``'s loss options, with its names and defaults, checked once.
 
-    [Loss options](../options.md) says what each computes; ``loss`` and ``token_loss`` take the same names as
+    docs/options.md says what each computes; ``loss`` and ``token_loss`` take the same names as
     keywords.
 
     Attributes:
@@ -420,18 +420,9 @@ class LossOptions:
         if options is not None and not isinstance(options, LossOptions):
             raise TypeError(f"options must be a grpo_fast.LossOptions, got {type(options).__name__}")
         keywords = keywords or {}
-        unknown = sorted(set(keywords) - set(FIELD_NAMES))
+        unknown = set(keywords) - set(FIELD_NAMES)
         if unknown:
-            hints = [
-                f"{name!r} (did you mean {close[0]!r}?)"
-                if (close := difflib.get_close_matches(name, FIELD_NAMES, 1))
-                else repr(name)
-                for name in unknown
-            ]
-            raise TypeError(
-                f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; the loss options are "
-                f"{', '.join(FIELD_NAMES)}"
-            )
+            raise unexpected_keywords(caller, unknown, (), ("the loss options", FIELD_NAMES))
         base = options if options is not None else cls()
         return dataclasses.replace(base, **keywords) if keywords else base
 
@@ -454,7 +445,7 @@ class LossOptions:
 class LossOptionKeywords(TypedDict, total=False):
     """The loss options as keywords of ``grpo_fast.loss`` and ``token_loss`` (``**option_keywords:
     Unpack[LossOptionKeywords]``, PEP 692): an IDE and a type checker see each name and type. Each is the
-    [LossOptions][grpo_fast.LossOptions] field of that name (its meaning; its default, TRL's); a keyword left out
+    ``grpo_fast.LossOptions`` field of that name (its meaning; its default, TRL's); a keyword left out
     keeps the default, or the value in the call's ``options``."""
 
     loss_type: LossTypeName

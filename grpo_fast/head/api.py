@@ -14,11 +14,13 @@ import torch
 from grpo_fast.backends.protocol import BackendName
 from grpo_fast.head import inputs, ops
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
 
 
+@takes_keywords()
 def logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -87,6 +89,7 @@ def logprobs(
         return call.scattered(logp, rows)
 
 
+@takes_keywords()
 def logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -111,7 +114,7 @@ def logprobs_and_entropy(
     order). Gradients reach hidden, weight, bias and the LoRA adapters through both outputs; no tensor of size
     V x tokens exists in the forward or the backward, and every gradient is exact whichever path is taken. A
     vocab-parallel head gives every rank the unsharded outputs and gradients, dW and db rows local
-    ([vocab-parallel lm_head](../vocab-parallel.md)).
+    (docs/vocab-parallel.md).
 
     Args:
         hidden: [B, T, D] float32, bfloat16 or float16: the last hidden states; hidden[b, t] predicts
@@ -131,9 +134,9 @@ def logprobs_and_entropy(
             vocabulary sweeps in all instead of three); "general": always the recompute path.
         backward_mode: the Triton backward: "chunked" (g per token chunk and two GEMMs) or "fused" (one kernel,
             fp32 atomics); the torch backend has "chunked" only.
-        lora: LoRA on the lm_head: a [HeadLora][grpo_fast.HeadLora] or a tuple (a, b, scaling[, dropout]);
+        lora: LoRA on the lm_head: a ``grpo_fast.HeadLora`` or a tuple (a, b, scaling[, dropout]);
             None: none.
-        vocab_parallel: a [VocabShard][grpo_fast.VocabShard] when ``weight`` holds this rank's rows of a
+        vocab_parallel: a ``grpo_fast.VocabShard`` when ``weight`` holds this rank's rows of a
             vocab-parallel head; None: a whole head, or a DTensor weight that carries its own sharding.
         backend: "auto" (Triton for CUDA tensors and under TRITON_INTERPRET=1, else torch), "triton" or "torch".
         check_values: read the value checks (targets in range where the mask is 1, the mask 0/1) in one host

@@ -154,9 +154,7 @@ def check_linear(hidden, weight, targets, bias, completion_mask, checks, shard=N
     B, T, D = hidden.shape
     if B == 0 or T == 0 or D == 0:
         raise ValueError(f"hidden must be non-empty, got shape {tuple(hidden.shape)}")
-    check_float_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and shard is None):
-        raise ValueError(f"weight must have shape [V, D] with D = {D}, got {tuple(weight.shape)}")
+    check_weight(("hidden", "weight"), hidden, weight, sharded=shard is not None)
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: cast one of them")
     V = weight.shape[0] if shard is None else shard.vocab_size
@@ -260,6 +258,23 @@ def scatter_rows(values, rows, shape):
     return values.new_zeros(shape[0] * shape[1]).index_copy(0, rows.order, values).view(shape)
 
 
+def check_weight(names, hidden, weight, sharded):
+    """A float ``weight`` [V, D] whose D is the last dimension of ``hidden`` (already checked [B, T, D]) and V > 0 (a
+    vocab-parallel shard may hold no row); ``names``: (hidden's, weight's) in the errors, a wrong D named on both."""
+    hidden_name, weight_name = names
+    check_float_tensor(weight_name, weight)
+    if weight.dim() != 2:
+        raise ValueError(f"{weight_name} must have shape [V, D] (the lm_head's), got {tuple(weight.shape)}")
+    D = hidden.shape[-1]
+    if weight.shape[1] != D:
+        raise ValueError(
+            f"{hidden_name} has D = {D} but {weight_name} has shape {tuple(weight.shape)}: {hidden_name}'s last "
+            f"dimension must equal {weight_name}'s second"
+        )
+    if weight.shape[0] == 0 and not sharded:
+        raise ValueError(f"{weight_name} must have V > 0 rows, got shape {tuple(weight.shape)}")
+
+
 def check_head(names, hidden, weight, bias, sharded=False):
     """One model's hidden [B, T, D], weight [V, D] (hidden's dtype; a vocab-parallel shard may hold no row) and bias
     [V] | None, named ``names`` (hidden's, weight's, bias's) in the errors; returns (B, T, D, V). The divergence
@@ -268,12 +283,7 @@ def check_head(names, hidden, weight, bias, sharded=False):
     check_float_tensor(hidden_name, hidden)
     if hidden.dim() != 3 or 0 in hidden.shape:
         raise ValueError(f"{hidden_name} must have shape [B, T, D] with B, T, D > 0, got {tuple(hidden.shape)}")
-    D = hidden.shape[2]
-    check_float_tensor(weight_name, weight)
-    if weight.dim() != 2 or weight.shape[1] != D or (weight.shape[0] == 0 and not sharded):
-        raise ValueError(
-            f"{weight_name} must have shape [V, D] with D = {D} ({hidden_name}'s) and V > 0, got {tuple(weight.shape)}"
-        )
+    check_weight((hidden_name, weight_name), hidden, weight, sharded)
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: cast one of them"

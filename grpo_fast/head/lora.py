@@ -98,9 +98,15 @@ def check_against_head(lora, hidden, weight, vocab_parallel):
         raise ValueError("lora= with a vocab-parallel head is not supported yet: gather the head or use one process")
     D, V = hidden.shape[-1], weight.shape[0]
     if lora.a.shape[1] != D:
-        raise ValueError(f"lora.a must have shape [r, D] with D = {D} (hidden's), got {tuple(lora.a.shape)}")
+        raise ValueError(
+            f"hidden has D = {D} but lora.a has shape {tuple(lora.a.shape)}: lora.a's second dimension must equal "
+            "hidden's last"
+        )
     if lora.b.shape[0] != V:
-        raise ValueError(f"lora.b must have shape [V, r] with V = {V} (weight's rows), got {tuple(lora.b.shape)}")
+        raise ValueError(
+            f"weight has V = {V} rows but lora.b has shape {tuple(lora.b.shape)}: lora.b's first dimension must "
+            "equal weight's"
+        )
     if lora.a.device != hidden.device:
         raise ValueError(
             f"lora.a is on {lora.a.device} but hidden is on {hidden.device}: all tensors must share a device"

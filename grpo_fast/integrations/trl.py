@@ -4,7 +4,7 @@
 
 ``add_fused_lm_head`` is TRL 1.16's fused-head protocol on grpo_fast's kernels; ``GRPOTrainer``, ``RLOOTrainer``
 and ``DistillationTrainer`` are TRL's classes with grpo_fast's heads. How the head computes (dtypes, LoRA on the
-lm_head, sharded heads) and how the trainers get it: [with TRL](../trl.md#the-head).
+lm_head, sharded heads) and how the trainers get it: docs/trl.md#the-head.
 
 TRL versions: ``TRL_VERSIONS``, the range the tests run (``pip install "grpo_fast[trl]"``); importing this module
 with another TRL raises ``ImportError``.
@@ -81,7 +81,7 @@ def add_fused_lm_head(
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` without building the
     [tokens, vocab] logits; without ``fused_lm_head=True`` the forward is the model's own. Add the head before
-    wrapping the model with PEFT. How it computes (dtypes, LoRA, sharded heads): [with TRL](../trl.md#the-head).
+    wrapping the model with PEFT. How it computes (dtypes, LoRA, sharded heads): docs/trl.md#the-head.
 
     Args:
         model: a transformers causal LM (a text config with an output embedding over its backbone).
@@ -478,7 +478,7 @@ class GRPOTrainer(_GRPOFastHead, trl.GRPOTrainer):
     by it the old policy's log-prob over the whole vocabulary, so its ratio carries each token's kept mass (below 1).
     Here the old policy's log-prob in the ratio is renormalised over the same kept set
     (``grpo_fast.sampler_logprobs``), like with like; the loss's old log-probs stay the whole vocabulary's. The
-    trainer logs once which correction it applies ([with TRL](../trl.md#the-correction-over-the-samplers-support)).
+    trainer logs once which correction it applies (docs/trl.md#the-correction-over-the-samplers-support).
 
     Args:
         *args: TRL's ``GRPOTrainer`` arguments.

@@ -6,7 +6,7 @@
 
 verl imports this module at ``import verl`` (an entry point of the group ``verl.plugins``); importing it wraps
 verl's ``patch_forward_with_backends`` and ``EngineRegistry.new`` so that ``impl_backend=grpo_fast`` runs
-``forward``, below, and an engine that would not is refused. What it does and how: [with verl](../verl.md#how-it-works).
+``forward``, below, and an engine that would not is refused. What it does and how: docs/verl.md#how-it-works.
 
 verl versions: ``VERL_VERSIONS`` (the range the tests run); another version raises ``ImportError``. A failure to
 load is logged as an error before it is raised: verl itself logs a failing plugin at debug level only.
@@ -118,7 +118,7 @@ def forward(
     """verl's fused-kernel forward (``dense_common``'s contract) with grpo_fast's head, set as the model's forward.
 
     The backbone runs as verl runs it; every position is scored except, in the padded [B, T] layout, those whose
-    attention mask is 0 (their outputs are zeros). [With verl](../verl.md#how-it-works) says how.
+    attention mask is 0 (their outputs are zeros). docs/verl.md#how-it-works says how.
 
     Args:
         input_ids: [B, T] or [1, nnz] token ids; rolled by one as the targets when neither ``shift_labels`` nor

@@ -84,7 +84,7 @@ class Recipe:
 
     Attributes:
         model: the shape's name (a ``MODELS`` key, or one marked as overridden).
-        shape: the model's [ModelShape][grpo_fast.memory.ModelShape].
+        shape: the model's ``grpo_fast.memory.ModelShape``.
         lora_r: the LoRA rank; 0: every parameter trains.
         lora_alpha: LoRA's alpha.
         micro_batch_size: completions per forward / backward.

@@ -8,6 +8,7 @@ import torch
 
 from grpo_fast.backends.protocol import BackendName
 from grpo_fast.head import inputs
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.sampler.call import SamplerCall
@@ -31,6 +32,7 @@ class SamplerLogprobs(NamedTuple):
     log_kept_mass: torch.Tensor
 
 
+@takes_keywords()
 def sampler_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -78,7 +80,7 @@ def sampler_logprobs(
         softcap: the logit soft-cap, or None.
         logit_scale: multiplies the raw logits.
         lora: LoRA on the head (a HeadLora or tuple), or None.
-        vocab_parallel: this rank's VocabShard, or None ([vocab-parallel](../vocab-parallel.md): the kept set
+        vocab_parallel: this rank's VocabShard, or None (docs/vocab-parallel.md: the kept set
             over every shard, no row of logits gathered).
         backend: "auto", "triton" or "torch".
         check_values: read the value checks on the host: those of ``logprobs``, and for ``kept_ids`` ids in

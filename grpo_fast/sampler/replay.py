@@ -7,7 +7,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from grpo_fast.head.keywords import takes_keywords
 
+
+@takes_keywords()
 def pack_kept_ids(
     kept: Iterable[Iterable[Iterable[int] | Mapping]],
     length: int | None = None,

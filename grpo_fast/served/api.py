@@ -14,6 +14,7 @@ whose frozen-head path (only the hidden states need a gradient) builds d lse / d
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Literal, TypedDict, get_args
 
@@ -27,6 +28,7 @@ from grpo_fast.head import inputs, ops, paths
 from grpo_fast.head import vocab_parallel as vocab_parallel_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.gathered import gathered_logits
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.transform import check_chunk, check_number
@@ -167,9 +169,6 @@ class _ServedCall:
 
     @classmethod
     def check(cls, student_hidden, student_weight, teacher, completion_mask, keywords) -> _ServedCall:
-        unknown = sorted(set(keywords) - set(_KEYWORDS))
-        if unknown:
-            raise TypeError(f"unknown keyword argument(s) {unknown}; the served divergence takes {sorted(_KEYWORDS)}")
         k = {**_KEYWORDS, **keywords}
         beta = k["beta"]
         check_number(
@@ -282,6 +281,7 @@ class _ServedCall:
         return served_ops.served_trained_loss(operands)
 
 
+@takes_keywords()
 def served_divergence_and_entropy(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -332,7 +332,7 @@ def served_divergence_and_entropy(
         support: "trl": TRL's support by beta (above); "listed": the listed ids whatever beta (a wider support for
             the reverse KL and the JSD, where the listed ids hold the student's mass; targets unread).
         vocab_parallel: this rank's VocabShard when the weight (and bias) hold this rank's rows, or None
-            ([vocab-parallel](../vocab-parallel.md): the ids gathered on their owners, one all-reduce of [N, K]; no
+            (docs/vocab-parallel.md: the ids gathered on their owners, one all-reduce of [N, K]; no
             LoRA). Every rank passes the same hidden states and teacher and gets the whole result.
 
     Returns:
@@ -371,9 +371,10 @@ def served_divergence_and_entropy(
 
 
 # served_divergence_and_entropy's keywords and their defaults: the one place they are written is its signature
-_KEYWORDS = dict(served_divergence_and_entropy.__kwdefaults__)
+_KEYWORDS = dict(inspect.unwrap(served_divergence_and_entropy).__kwdefaults__)
 
 
+@takes_keywords(ServedKeywords, "served_divergence_and_entropy's keywords")
 def served_distillation_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
