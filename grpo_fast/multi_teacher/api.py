@@ -35,6 +35,7 @@ from grpo_fast.head.inputs import (
     check_tensor,
     has_data,
 )
+from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.transform import check_chunk, check_number
 from grpo_fast.multi_teacher import ops
 from grpo_fast.served.api import ServedSupport, served_distillation_loss
@@ -224,6 +225,7 @@ def _served_record(teachers, served, routing, B, T, device):
 
 # the routing reads counts on the host and sizes tensors by them: under torch.compile the call runs eagerly (a graph
 # break), its fused op as everywhere
+@takes_keywords()
 @torch.compiler.disable
 def multi_teacher_distillation_loss(
     student_hidden: torch.Tensor,
@@ -394,6 +396,7 @@ def _dense_loss(
     return loss, order, div, entropy
 
 
+@takes_keywords()
 def teacher_metrics(
     teachers: Teachers, divergence: torch.Tensor, completion_mask: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
