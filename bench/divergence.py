@@ -232,6 +232,19 @@ def _grpo_fast_loss(pair, beta, backend):
     )[0]
 
 
+def _grpo_fast_mopd(pair, beta, backend):
+    import grpo_fast
+
+    # two teachers (the same head twice), the rows alternating between them: every token chunk holds both
+    # ([1, N, D] rows -> N rows of one token each)
+    student, teacher = pair.student_hidden[0][:, None], pair.teacher_hidden[0][:, None]
+    index = torch.arange(student.shape[0], device=student.device) % 2
+    teachers = grpo_fast.Teachers([grpo_fast.Teacher(teacher[i::2], pair.teacher_weight) for i in (0, 1)], index)
+    return grpo_fast.multi_teacher_distillation_loss(
+        student, pair.student_weight, teachers, beta=beta, backend=backend
+    )[0]
+
+
 def _liger_unavailable(device):
     if torch.device(device).type != "cuda":  # decided before importing it (liger_kernel.transformers: transformers)
         return (
@@ -279,6 +292,14 @@ IMPLS = {
             "grpo_fast.distillation_loss: the mean divergence as one loss (TRL's DistillationTrainer's), the "
             "student's gradients formed in the forward (a scalar: no per-token divergence)",
             _grpo_fast_loss,
+            per_token=False,
+        ),
+        Impl(
+            "grpo_fast_mopd",
+            "grpo_fast.multi_teacher_distillation_loss: grpo_fast_loss's loss with the rows routed alternately to two "
+            "copies of the teacher (every token chunk holds both: one fused op, the teachers' products a teacher at "
+            "a time)",
+            _grpo_fast_mopd,
             per_token=False,
         ),
     )

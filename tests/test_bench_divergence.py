@@ -69,10 +69,10 @@ def test_files_and_report(run):
         "dW rel err",
     ):
         assert f"| {column} |" in header
-    # a row per implementation that ran (eager, trl, grpo_fast, grpo_fast_loss) and point: precision (N 32: ordinary
-    # and confident, betas 1 and 0.5), timed (N 48, ordinary, betas 1 and 0.5)
+    # a row per implementation that ran (eager, trl, grpo_fast, grpo_fast_loss, grpo_fast_mopd) and point: precision
+    # (N 32: ordinary and confident, betas 1 and 0.5), timed (N 48, ordinary, betas 1 and 0.5)
     rows = [line for line in md.splitlines() if line.startswith("| ordinary |") or line.startswith("| confident |")]
-    assert len(rows) == 4 * (4 + 2)
+    assert len(rows) == 5 * (4 + 2)
 
 
 def test_statuses_and_measurements(run):
@@ -85,7 +85,7 @@ def test_statuses_and_measurements(run):
         assert r["peak_mem_bytes"] > 0
         if r["timed"]:
             assert r["N"] == 48 and r["median_ms"] > 0 and len(r["times_ms"]) == 1 and r["errors"] == {}
-        elif r["impl"] == "grpo_fast_loss":  # a scalar loss: its error, no per-token one
+        elif r["impl"] in ("grpo_fast_loss", "grpo_fast_mopd"):  # a scalar loss: its error, no per-token one
             assert r["N"] == 32 and "median_ms" not in r and "div_rel_err" not in r["errors"]
             assert r["errors"]["loss_abs_err"] is not None
         else:  # a precision point: untimed, against the fp64 truth
@@ -110,6 +110,11 @@ def test_sweeps_counted_per_model(run):
         for mode in ("fwdbwd", "forward"):
             trl, ours = (_record(doc, "ordinary", beta, mode, impl, timed=True) for impl in ("trl", "grpo_fast"))
             assert ours["sweeps_student"] <= trl["sweeps_student"] and ours["sweeps_teacher"] <= trl["sweeps_teacher"]
+        # the loss with two teachers, each over its rows: the one teacher's sweeps
+        one, two = (
+            _record(doc, "ordinary", beta, "fwdbwd", impl, timed=True) for impl in ("grpo_fast_loss", "grpo_fast_mopd")
+        )
+        assert (two["sweeps_student"], two["sweeps_teacher"]) == (one["sweeps_student"], one["sweeps_teacher"])
 
 
 def test_precision_numbers_are_real(run):
@@ -124,10 +129,11 @@ def test_precision_numbers_are_real(run):
         # the gradients come back in bf16: its rounding, 2^-9 of the largest entry, and no more than a few of it
         assert 1e-4 < ours["grad_hidden_rel_err"] < 1e-2 and 1e-4 < ours["grad_weight_rel_err"] < 1e-2
         # the loss of grpo_fast.distillation_loss: fp32 accumulation's, its gradients as the per-token head's
-        loss = _record(doc, "ordinary", beta, "fwdbwd", "grpo_fast_loss")["errors"]
-        assert loss["loss_abs_err"] < 1e-5
-        for name in ("grad_hidden_rel_err", "grad_weight_rel_err"):
-            assert loss[name] == pytest.approx(ours[name], rel=0.05)
+        for impl in ("grpo_fast_loss", "grpo_fast_mopd"):  # two copies of the teacher: the same loss
+            loss = _record(doc, "ordinary", beta, "fwdbwd", impl)["errors"]
+            assert loss["loss_abs_err"] < 1e-5
+            for name in ("grad_hidden_rel_err", "grad_weight_rel_err"):
+                assert loss[name] == pytest.approx(ours[name], rel=0.05)
     # confident tokens (1 - p ~ 1e-6 in both models): TRL's head and eager form 1 - p by subtraction
     ours, trl, eager = (
         _record(doc, "confident", 1.0, "fwdbwd", impl)["errors"] for impl in ("grpo_fast", "trl", "eager")
