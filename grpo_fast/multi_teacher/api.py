@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation.api import check_num_items_in_batch
@@ -290,6 +291,11 @@ def multi_teacher_distillation_loss(
         )
     B, T, _ = student_hidden.shape
     _check_teachers(teachers, B, student_hidden.device)
+    if isinstance(student_weight, DTensor):
+        raise ValueError(
+            "a vocab-parallel student head (a sharded DTensor weight) is not supported by "
+            "multi_teacher_distillation_loss yet: call distillation_loss / served_distillation_loss per teacher"
+        )
     check_head(("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias)
     V = student_weight.shape[0]
     check_chunk("token_chunk", token_chunk, "tokens per gradient GEMM")
