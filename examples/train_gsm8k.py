@@ -21,7 +21,9 @@ Outputs in ``--output-dir``: metrics.jsonl (one line per step), samples.jsonl (o
 metrics.png, summary.json (eval before / after), checkpoint-<step>/ (model or LoRA adapter + trainer_state.pt).
 A run never writes over another: the folder must be new or empty, unless ``--overwrite`` (the earlier run's
 outputs are deleted first) or ``--resume`` (the run continues). A run that fails leaves no plot or summary, and
-only the logs of its finished steps, beside FAILED.txt; the last line printed lists what the run wrote. Every
+only the logs of its finished steps, beside FAILED.txt; the last lines printed say what the run learned (the evals
+before and after) and what it did not, then list what it wrote. Progress bars redraw only on a terminal: in a file or
+a pipe each phase is one line. Every
 numeric flag is checked before anything slow (``--help`` says what each accepts): a one-line error, exit status 2.
 ``--memory-report FILE`` appends the peak GPU memory of each phase to FILE (see examples/README.md).
 """
@@ -619,8 +621,8 @@ def what_was_learned(summary, rows, args):
         if args.model == models.SMOLLM2 and not args.random_init:
             out.append(
                 "what it did not learn: correct answers. A 135M model gets GSM8K's arithmetic wrong before and after "
-                "training; a few steps teach it the format, not the maths. The recipe that trains accuracy is the "
-                f"GPU one (--preset gpu on a CUDA GPU: {PRESETS['gpu']['model']} with LoRA, "
+                "training: what GRPO teaches it here is the answer format, not the maths. The recipe that trains "
+                f"accuracy is the GPU one (--preset gpu on a CUDA GPU: {PRESETS['gpu']['model']} with LoRA, "
                 f"{PRESETS['gpu']['max_steps']} steps of {PRESETS['gpu']['prompts_per_step']} questions x "
                 f"{PRESETS['gpu']['num_generations']} completions, the GRPO demo's sizes)"
             )

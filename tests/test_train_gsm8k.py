@@ -518,8 +518,8 @@ def test_the_cpu_runs_last_lines_say_what_it_learned_and_what_a_135m_model_canno
         "  training reward 0.131 at step 1 -> 1.324 at step 8",
         "  soft format: its regex without re.DOTALL (--one-line-format) never matches multi-line reasoning",
         "what it did not learn: correct answers. A 135M model gets GSM8K's arithmetic wrong before and after "
-        "training; a few steps teach it the format, not the maths. The recipe that trains accuracy is the GPU one "
-        "(--preset gpu on a CUDA GPU: Qwen/Qwen2.5-1.5B-Instruct with LoRA, 300 steps of 4 questions x 16 "
+        "training: what GRPO teaches it here is the answer format, not the maths. The recipe that trains accuracy is "
+        "the GPU one (--preset gpu on a CUDA GPU: Qwen/Qwen2.5-1.5B-Instruct with LoRA, 300 steps of 4 questions x 16 "
         "completions, the GRPO demo's sizes)",
     ]
     # another model that learned answers too; and a run without evals
