@@ -21,7 +21,9 @@ Outputs in ``--output-dir``: metrics.jsonl (one line per step), samples.jsonl (o
 metrics.png, summary.json (eval before / after), checkpoint-<step>/ (model or LoRA adapter + trainer_state.pt).
 A run never writes over another: the folder must be new or empty, unless ``--overwrite`` (the earlier run's
 outputs are deleted first) or ``--resume`` (the run continues). A run that fails leaves no plot or summary, and
-only the logs of its finished steps, beside FAILED.txt; the last line printed lists what the run wrote. Every
+only the logs of its finished steps, beside FAILED.txt; the last lines printed say what the run learned (the evals
+before and after) and what it did not, then list what it wrote. Progress bars redraw only on a terminal: in a file or
+a pipe each phase is one line. Every
 numeric flag is checked before anything slow (``--help`` says what each accepts): a one-line error, exit status 2.
 ``--memory-report FILE`` appends the peak GPU memory of each phase to FILE (see examples/README.md).
 """
@@ -44,12 +46,12 @@ import math
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
-from gsm8k import cli, data, models, plots, rollout
-from gsm8k.rewards import DEFAULT_REWARDS, correctness_reward, soft_format_reward, strict_format_reward
-from tqdm.auto import tqdm
+from gsm8k import cli, data, models, plots, progress, rollout
+from gsm8k.rewards import DEFAULT_REWARDS, ONE_LINE_REWARDS, correctness_reward
 
 import grpo_fast
 from grpo_fast import NUM_ITEMS_LOSS_TYPES
@@ -214,6 +216,12 @@ def parse_args(argv=None):
         default=None,
         help="name=weight,... over " + ",".join(DEFAULT_REWARDS) + " (default: all 1.0)",
     )
+    r.add_argument(
+        "--one-line-format",
+        action="store_true",
+        help="the format rewards' regexes without re.DOTALL (gsm8k.rewards.ONE_LINE_REWARDS): the reasoning and the "
+        "answer each on one line, so the soft format never matches the demo's own layout; the committed CPU run's",
+    )
     r.add_argument("--scale-rewards", choices=list(SCALE_REWARDS), default="group")
     r.add_argument("--loss-type", default="dapo", choices=list(grpo_fast.LOSS_TYPES))
     r.add_argument("--beta", type=float, default=None, help="[0.04 / 0] KL coefficient (0: no reference model)")
@@ -310,8 +318,15 @@ def print_plan(args, source, device, dtype):
         f"  eval     {evals}",
         f"  outputs  {args.output_dir}/: metrics.jsonl, metrics.png, samples.jsonl, summary.json; {saves}",
     ]
+    if args.one_line_format:
+        lines.append(
+            "  rewards  format regexes without re.DOTALL (--one-line-format): reasoning and answer on one line"
+        )
     if args.preset == "cpu" and not args.changed and not args.random_init:
-        lines.append("  time     about 6 minutes on 2 free CPU cores (up to 20 while other processes load them)")
+        lines.append(
+            "  time     6 min on 2 free CPU cores, 10 to 22 while other processes load them; after the first step "
+            "the run estimates the rest from this machine's speed"
+        )
     lines.append(
         f"  choose otherwise: --model (hub id, local folder, {models.SMOLLM2}), --data (folder, "
         f"{data.HUB_ID}), --max-steps, --num-generations, ...; --preset {other} for the other recipe; "
@@ -362,12 +377,18 @@ def grpo_fast_byte_tokenizer():
     return byte_tokenizer()
 
 
-def reward_functions(spec, functions=None):
+def format_rewards(one_line_format):
+    """The demo's five rewards, their format regexes with re.DOTALL (the demo's) or without (``--one-line-format``)."""
+    return ONE_LINE_REWARDS if one_line_format else DEFAULT_REWARDS
+
+
+def reward_functions(spec, functions=None, one_line_format=False):
     """{name: (function, weight)} from '--reward-weights name=w,...' (unnamed rewards keep weight 1.0).
 
-    ``functions``: {name: callable} to use instead of the demo's five (gsm8k.rewards.DEFAULT_REWARDS).
+    ``functions``: {name: callable} to use instead of the demo's five (gsm8k.rewards.DEFAULT_REWARDS, or
+    ONE_LINE_REWARDS with ``one_line_format``).
     """
-    functions = DEFAULT_REWARDS if functions is None else functions
+    functions = format_rewards(one_line_format) if functions is None else functions
     weights = {name: 1.0 for name in functions}
     for item in filter(None, (spec or "").split(",")):
         name, _, value = item.partition("=")
@@ -467,8 +488,9 @@ def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
     """Greedy accuracy (correctness reward > 0), strict / soft format rates and the mean weighted reward."""
     correct = strict = soft = 0
     total_reward = 0.0
+    formats = format_rewards(args.one_line_format)
     batches = range(0, len(examples), args.eval_batch_size)
-    for i in tqdm(batches, desc=f"{desc} ({len(examples)} questions)", unit="batch", leave=False, dynamic_ncols=True):
+    for i in progress.bar(batches, desc=f"{desc} ({len(examples)} questions)", unit="batch"):
         batch = examples[i : i + args.eval_batch_size]
         out = rollout.generate(
             model,
@@ -489,8 +511,8 @@ def evaluate(model, tokenizer, examples, args, rewards, desc="eval"):
         completions = [[{"role": "assistant", "content": t}] for t in texts]
         prompts = [e["prompt"] for e in batch]
         correct += sum(r > 0 for r in correctness_reward(prompts, texts, answers))
-        strict += sum(r > 0 for r in strict_format_reward(prompts, texts))
-        soft += sum(r > 0 for r in soft_format_reward(prompts, texts))
+        strict += sum(r > 0 for r in formats["strict_format"](prompts, texts))
+        soft += sum(r > 0 for r in formats["soft_format"](prompts, texts))
         total_reward += sum(w * sum(fn(prompts, completions, answers)) for fn, w in rewards.values())
     n = max(len(examples), 1)
     return {
@@ -543,6 +565,75 @@ def find_checkpoint(args, out_dir):
     return found[-1].parent
 
 
+# ------------------------------------------------------------------------------------------ time, the ending
+def time_left(step_seconds, steps_left, eval_after, eval_seconds=None):
+    """The run's time left in words ("" when nothing is left): ``steps_left`` steps at the mean of this run's
+    ``step_seconds`` so far, then (``eval_after``) the eval after training, as long as the eval before took
+    (``eval_seconds``; unknown on a resumed run, which then counts the steps alone and says so)."""
+    if steps_left <= 0 and not eval_after:
+        return ""
+    seconds = steps_left * sum(step_seconds) / len(step_seconds)
+    if eval_after and eval_seconds is None:
+        return f"{progress.duration(seconds)} + the eval"
+    return progress.duration(seconds + (eval_seconds or 0.0))
+
+
+def what_was_learned(summary, rows, args):
+    """The run's last lines before the list of its outputs: what the evals before and after training (or, without
+    them, the training rewards) show was learned and what was not, and, for the CPU recipe's 135M model, that
+    accuracy is beyond it here and which recipe trains it."""
+    lines = []
+    before, after = summary.get("eval_before"), summary.get("eval_after")
+    if rows:
+        first, last = rows[0], rows[-1]
+        lines.append(
+            f"training reward {first['reward']:.3f} at step {first['step']} -> {last['reward']:.3f} at step "
+            f"{last['step']}"
+        )
+    if not (before and after):
+        return ["what this run learned: " + (lines[0] if lines else "no step ran")] + [
+            "  (no eval before and after training: --eval-samples N for one)"
+        ]
+
+    def count(result, key):
+        return f"{round(result[key] * result['n'])}/{result['n']}"
+
+    rose = {key: after[key] > before[key] for key in ("strict_format", "soft_format", "accuracy")}
+    learned = [
+        what
+        for what, rising in (
+            ("the answer format", rose["strict_format"] or rose["soft_format"]),
+            ("correct answers", rose["accuracy"]),
+        )
+        if rising
+    ]
+    out = [
+        f"what this run learned: {' and '.join(learned) if learned else 'nothing the eval measures'}",
+        f"  greedy answers to {after['n']} test questions, before -> after training: strict format "
+        f"{count(before, 'strict_format')} -> {count(after, 'strict_format')}, soft format "
+        f"{count(before, 'soft_format')} -> {count(after, 'soft_format')}, correct {count(before, 'accuracy')} -> "
+        f"{count(after, 'accuracy')}; mean reward {before['reward']:.3f} -> {after['reward']:.3f}",
+        *(f"  {line}" for line in lines),
+    ]
+    if args.one_line_format:
+        out.append("  soft format: its regex without re.DOTALL (--one-line-format) never matches multi-line reasoning")
+    if not rose["accuracy"] and after["accuracy"] < 1:
+        if args.model == models.SMOLLM2 and not args.random_init:
+            out.append(
+                "what it did not learn: correct answers. A 135M model gets GSM8K's arithmetic wrong before and after "
+                "training: what GRPO teaches it here is the answer format, not the maths. The recipe that trains "
+                f"accuracy is the GPU one (--preset gpu on a CUDA GPU: {PRESETS['gpu']['model']} with LoRA, "
+                f"{PRESETS['gpu']['max_steps']} steps of {PRESETS['gpu']['prompts_per_step']} questions x "
+                f"{PRESETS['gpu']['num_generations']} completions, the GRPO demo's sizes)"
+            )
+        else:
+            out.append(
+                f"what it did not learn: correct answers (accuracy {before['accuracy']:.3f} -> "
+                f"{after['accuracy']:.3f}); more steps (--max-steps) or a larger model (--model)"
+            )
+    return out
+
+
 # ------------------------------------------------------------------------------------------ plot
 def plot_panels(rows):
     """The plot's six panels (gsm8k.plots): the KL where it is logged, else the learning rate."""
@@ -568,7 +659,7 @@ def main(argv=None, reward_funcs=None):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )
-    rewards = reward_functions(args.reward_weights, reward_funcs)
+    rewards = reward_functions(args.reward_weights, reward_funcs, args.one_line_format)
     source, tokenizer_source = cli.check_inputs(  # before anything slow
         PROG,
         None if args.random_init and args.config_from else args.model,
@@ -597,9 +688,10 @@ def main(argv=None, reward_funcs=None):
     test = test if args.eval_samples < 0 else test[: args.eval_samples]
     outputs.create()
     try:
-        return train_and_evaluate(
-            args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train, test
-        )
+        with progress.library_bars_off():  # off a terminal: transformers' loading and saving bars too
+            return train_and_evaluate(
+                args, outputs, checkpoint, source, tokenizer_source, device, dtype, rewards, train, test
+            )
     except BaseException as e:  # an error or Ctrl-C: nothing that looks like a result stays
         outputs.failed(e, outputs.steps)
         raise
@@ -634,16 +726,18 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=0.0,
-                target_modules=models.LORA_TARGETS,
-                task_type="CAUSAL_LM",
-            ),
-        )
+        with warnings.catch_warnings():  # peft reads the attribute transformers renamed: not ours to fix
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=args.lora_r,
+                    lora_alpha=args.lora_alpha,
+                    lora_dropout=0.0,
+                    target_modules=models.LORA_TARGETS,
+                    task_type="CAUSAL_LM",
+                ),
+            )
         if checkpoint is not None:
             set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
     model.train()
@@ -687,8 +781,11 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         summary["eval_before"] = state["eval_before"]
     elif checkpoint is not None and (out_dir / "summary.json").exists():  # a checkpoint from before they did
         summary = {k: v for k, v in json.loads((out_dir / "summary.json").read_text()).items() if k == "eval_before"}
+    eval_seconds = None  # the eval before training's time: the eval after it will take about as long
     if test and checkpoint is None:
+        t_eval = time.perf_counter()
         summary["eval_before"] = evaluate(model, tokenizer, test, args, rewards, "eval before training")
+        eval_seconds = time.perf_counter() - t_eval
         print("eval before training:", json.dumps(summary["eval_before"]), flush=True)
 
     # metrics.jsonl: on resume keep the lines of the steps the checkpoint holds
@@ -724,14 +821,14 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
             )
 
     def micro_batches(B, desc):
-        return tqdm(range(0, B, mb), desc=desc, unit="micro-batch", leave=False, dynamic_ncols=True)
+        return progress.bar(range(0, B, mb), desc=desc, unit="micro-batch")
 
-    def batch_logprobs(full, policy):
+    def batch_logprobs(full, policy, step):
         """Per-token log-probs [B, T] of the whole generation batch, micro-batch by micro-batch, no grad."""
         out = torch.zeros(full.completion_ids.shape, dtype=torch.float32, device=device)
         with torch.no_grad():
             B = full.completion_ids.shape[0]
-            for i in micro_batches(B, "old policy log-probs" if policy else "reference log-probs"):
+            for i in micro_batches(B, f"step {step + 1}: " + ("old policy" if policy else "reference") + " log-probs"):
                 part = full.select(slice(i, i + mb))
                 weight, hidden = weight_and_hidden(part, policy)
                 T = part.completion_ids.shape[1]
@@ -753,14 +850,15 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
             ),
             flush=True,
         )
-    bar = tqdm(
+    bar = progress.bar(
         range(start_step, args.max_steps),
         initial=start_step,
         total=args.max_steps,
         desc="GRPO steps",
         unit="step",
-        dynamic_ncols=True,
+        leave=True,
     )
+    step_seconds = []  # this run's steps, for the time left
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -805,8 +903,8 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
 
             # 3. old and reference log-probs (no grad, no logits)
             with memory("logprobs"):
-                old_logprobs = batch_logprobs(batch, policy=True) if args.num_iterations > 1 else None
-                ref_logprobs = batch_logprobs(batch, policy=False) if args.beta != 0.0 else None
+                old_logprobs = batch_logprobs(batch, True, step) if args.num_iterations > 1 else None
+                ref_logprobs = batch_logprobs(batch, False, step) if args.beta != 0.0 else None
 
             # 4. num_iterations optimizer steps over the batch, micro-batch by micro-batch
             num_items = batch.completion_mask.sum()
@@ -893,12 +991,24 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
             outputs.written["metrics.jsonl"] = outputs.written["samples.jsonl"] = (
                 f"steps 1-{step + 1}" if step else "step 1"
             )
-            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{total_loss:.4f}")
+            step_seconds.append(row["step_time_s"])
+            left = time_left(step_seconds, args.max_steps - step - 1, bool(test), eval_seconds)
+            bar.set_postfix(
+                reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}", loss=f"{total_loss:.4f}", left=left
+            )
             bar.write(
                 f"step {step + 1}/{args.max_steps}: reward {row['reward']:.3f} ("
                 + ", ".join(f"{name} {v.mean().item():.2f}" for name, v in per_function.items())
                 + f"), completion length {row['completion_length']:.0f}, loss {total_loss:.4f}, lr {lr:.2g}, "
                 f"{row['step_time_s']:.0f} s"
+                + (f"; about {left} left" if left else "")
+                + (
+                    f" ({args.max_steps - step - 1} more step{'' if step + 2 == args.max_steps else 's'}"
+                    f"{' and the eval after training' if test else ''} "
+                    "at this machine's speed)"
+                    if len(step_seconds) == 1 and left
+                    else ""
+                )
             )
             if args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.max_steps):
                 saved = save_checkpoint(
@@ -934,6 +1044,7 @@ def train_and_evaluate(args, outputs, checkpoint, source, tokenizer_source, devi
         print("eval after training:", json.dumps(summary["eval_after"]), flush=True)
     if summary:
         outputs.path("summary.json", "eval before and after").write_text(json.dumps(summary, indent=2))
+    print("\n".join(what_was_learned(summary, rows, args)), flush=True)
     outputs.finish()
     return {"status": status, "output_dir": str(out_dir), "summary": summary}
 

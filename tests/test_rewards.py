@@ -6,10 +6,13 @@ import pytest
 from gsm8k import data
 from gsm8k.rewards import (
     DEFAULT_REWARDS,
+    ONE_LINE_REWARDS,
     correctness_reward,
     count_xml,
     extract_xml_answer,
     int_reward,
+    one_line_soft_format_reward,
+    one_line_strict_format_reward,
     same_answer,
     soft_format_reward,
     strict_format_reward,
@@ -56,8 +59,26 @@ def test_perfect_completion_gets_every_reward():
     assert int_reward(None, comps, ["72"]) == [0.5]
     assert strict_format_reward(None, comps, ["72"]) == [0.5]
     assert xmlcount_reward(None, comps, ["72"]) == [0.5]
-    # the demo's soft regex has no re.DOTALL: multi-line reasoning does not match it
-    assert soft_format_reward(None, comps, ["72"]) == [0.0]
+    assert soft_format_reward(None, comps, ["72"]) == [0.5]  # re.DOTALL, as the demo: the newlines match
+
+
+def test_format_rewards_match_across_lines_and_the_one_line_variant_does_not():
+    multi_line = "<reasoning>\n48 + 24\n= 72\n</reasoning>\n<answer>\n72\n</answer>\n"
+    comps = [PERFECT, multi_line, ONE_LINE, PLAIN]
+    assert strict_format_reward(None, comps) == [0.5, 0.5, 0.0, 0.0]
+    assert soft_format_reward(None, comps) == [0.5, 0.5, 0.5, 0.0]
+    # without re.DOTALL: the strict format only with one-line reasoning, the soft one never after a newline
+    assert one_line_strict_format_reward(None, comps) == [0.5, 0.0, 0.0, 0.0]
+    assert one_line_soft_format_reward(None, comps) == [0.0, 0.0, 0.5, 0.0]
+    assert one_line_soft_format_reward.__name__ == "one_line_soft_format_reward"  # TRL logs rewards by name
+    assert list(ONE_LINE_REWARDS) == list(DEFAULT_REWARDS)
+    assert [f.__name__ for f in ONE_LINE_REWARDS.values()] == [
+        "xmlcount_reward",
+        "one_line_soft_format_reward",
+        "one_line_strict_format_reward",
+        "int_reward",
+        "correctness_reward",
+    ]
 
 
 def test_one_line_format_gets_soft_only():
@@ -100,7 +121,7 @@ def test_default_rewards_have_trl_signature():
             *(f(prompts=prompts, completions=comps, answer=["72", "72"], extra=1) for f in DEFAULT_REWARDS.values())
         )
     ]
-    assert totals == pytest.approx([2.0 + 0.5 + 0.5 + 0.0 + 0.5, 0.0])
+    assert totals == pytest.approx([2.0 + 0.5 + 0.5 + 0.5 + 0.5, 0.0])
 
 
 def test_load_local_jsonl(tmp_path):

@@ -2,6 +2,9 @@
 and the generic GRPO pieces (grpo_fast.grpo_loss.advantages: group advantages;
 grpo_fast.integrations.hidden_states: completion hidden states)."""
 
+import inspect
+import io
+
 import pytest
 import torch
 from gsm8k import rollout
@@ -147,11 +150,16 @@ def test_generation_progress_counts_finished_rows_and_tokens(capsys):
     assert progress.bar.n == 3
 
 
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal (bars redraw on it)."""
+
+    def isatty(self):
+        return True
+
+
 def test_generation_progress_redraws_the_token_counter_while_no_sequence_finishes():
     """The token counter moves on screen while every row is still sampling (no finished sequence moves the bar)."""
-    import io
-
-    screen = io.StringIO()
+    screen = Terminal()
     progress = rollout.GenerationProgress(2, 50, [9], desc="t", refresh_s=0.0, file=screen)
     progress.put(torch.tensor([[1, 2], [1, 2]]))
     for _ in range(3):
@@ -159,13 +167,72 @@ def test_generation_progress_redraws_the_token_counter_while_no_sequence_finishe
     assert progress.bar.n == 0 and "token 3/50" in screen.getvalue()
     progress.put(torch.tensor([9, 5]))
     assert progress.bar.n == 1 and "token 4/50" in screen.getvalue()
-    quiet = io.StringIO()  # redraws are rate-limited: none within refresh_s of the last
+    quiet = Terminal()  # redraws are rate-limited: none within refresh_s of the last
     progress = rollout.GenerationProgress(2, 50, [9], desc="t", refresh_s=3600.0, file=quiet)
     progress.put(torch.tensor([[1, 2], [1, 2]]))
     for _ in range(3):
         progress.put(torch.tensor([5, 5]))
     assert "token 3/50" not in quiet.getvalue()
     progress.end()
+
+
+def test_generation_progress_off_a_terminal_is_one_line_at_the_end():
+    log = io.StringIO()  # a file or a pipe: no redraws, one line when sampling ends
+    progress = rollout.GenerationProgress(2, 50, [9], desc="step 1: sampling", refresh_s=0.0, file=log)
+    progress.put(torch.tensor([[1, 2], [1, 2]]))
+    for token in ([5, 5], [9, 5], [9, 5]):
+        progress.put(torch.tensor(token))
+    assert log.getvalue() == ""
+    progress.end()
+    line = log.getvalue()
+    assert line.count("\n") == 1 and "\r" not in line
+    assert line.startswith("step 1: sampling: 2/2 seq in 0 s, token 3/50, ") and line.endswith(" tokens/s\n")
+    assert progress.tokens == 5  # 2 + 2 + 1: row 0 stopped at its EOS
+
+
+def test_generate_and_hidden_states_pass_the_cache_by_the_models_own_keyword():
+    """A prompt's key / value cache goes to generate and to the decoder under the keyword the model's forward takes
+    (transformers 5.24 warns on ``past_key_values`` once it takes ``cache``): no deprecation warning, same values."""
+    import logging
+    import warnings
+
+    from grpo_fast.integrations.hidden_states import cache_keyword, decoder_of
+
+    model, tok = tiny_model(), byte_tokenizer()
+    keyword = cache_keyword(decoder_of(model))
+    from transformers import Qwen2Model
+
+    assert keyword == ("cache" if "cache" in inspect.signature(Qwen2Model.forward).parameters else "past_key_values")
+    prompts = [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "2+2, please?"}]]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.manual_seed(0)
+            batch = rollout.generate(model, tok, prompts, num_generations=3, max_completion_length=6)
+            hidden = completion_hidden_states(
+                model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                share_prompts=True,
+            )
+    finally:
+        hf_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
+    torch.manual_seed(0)
+    unshared = rollout.generate(model, tok, prompts, num_generations=3, max_completion_length=6, share_prompts=False)
+    assert torch.equal(batch.completion_ids, unshared.completion_ids)
+    plain = completion_hidden_states(
+        model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+    )
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(hidden[mask], plain[mask], rtol=1e-5, atol=1e-5)
 
 
 def test_generate_with_progress_and_show_generation_progress():

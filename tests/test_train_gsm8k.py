@@ -7,7 +7,9 @@ Nothing is downloaded: the model is a local folder, the data local files or the 
 import importlib.util
 import json
 import math
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -488,3 +490,93 @@ def test_a_run_never_destroys_another_and_says_what_it_wrote(setup, monkeypatch,
     assert sorted(p.name for p in half.iterdir()) == ["FAILED.txt", "metrics.jsonl", "samples.jsonl"]
     assert [r["step"] for r in read_metrics(half)] == [1]
     assert "stopped after 1 finished step(s): RuntimeError: gone" in (half / "FAILED.txt").read_text()
+
+
+def test_time_left_is_the_mean_step_of_this_run_times_the_steps_left_plus_the_eval():
+    script = load_script()
+    assert script.time_left([30.0, 40.0], 6, True, 50.0) == "4 min 20 s"  # 6 x 35 s + 50 s
+    assert script.time_left([30.0], 0, True, 50.0) == "50 s"  # the eval after training alone
+    assert script.time_left([30.0], 2, False) == "1 min 00 s"
+    assert script.time_left([30.0], 0, False) == ""  # nothing left
+    assert script.time_left([30.0], 3, True, None) == "1 min 30 s + the eval"  # a resumed run: no eval timed
+
+
+COMMITTED_CPU_RUN = SCRIPT.parent / "results" / "smollm2-135m-cpu"
+
+
+def test_the_cpu_runs_last_lines_say_what_it_learned_and_what_a_135m_model_cannot():
+    """The committed CPU run's summary (scored with --one-line-format): the format rose, accuracy stayed at 0, and
+    the ending says so, with the recipe that trains accuracy, in place of a bare 0.0 -> 0.0."""
+    script = load_script()
+    summary = json.loads((COMMITTED_CPU_RUN / "summary.json").read_text())
+    rows = read_metrics(COMMITTED_CPU_RUN)
+    args = script.parse_args(["--preset", "cpu", "--one-line-format"])
+    assert script.what_was_learned(summary, rows, args) == [
+        "what this run learned: the answer format",
+        "  greedy answers to 8 test questions, before -> after training: strict format 1/8 -> 7/8, soft format "
+        "0/8 -> 0/8, correct 0/8 -> 0/8; mean reward 0.297 -> 1.328",
+        "  training reward 0.131 at step 1 -> 1.324 at step 8",
+        "  soft format: its regex without re.DOTALL (--one-line-format) never matches multi-line reasoning",
+        "what it did not learn: correct answers. A 135M model gets GSM8K's arithmetic wrong before and after "
+        "training: what GRPO teaches it here is the answer format, not the maths. The recipe that trains accuracy is "
+        "the GPU one (--preset gpu on a CUDA GPU: Qwen/Qwen2.5-1.5B-Instruct with LoRA, 300 steps of 4 questions x 16 "
+        "completions, the GRPO demo's sizes)",
+    ]
+    # another model that learned answers too; and a run without evals
+    other = script.parse_args(["--preset", "cpu", "--model", "some/model"])
+    better = {**summary, "eval_after": {**summary["eval_after"], "accuracy": 0.25}}
+    lines = script.what_was_learned(better, rows, other)
+    assert lines[0] == "what this run learned: the answer format and correct answers" and len(lines) == 3
+    assert "correct 0/8 -> 2/8" in lines[1]
+    assert script.what_was_learned({}, rows[:1], other) == [
+        "what this run learned: training reward 0.131 at step 1 -> 0.131 at step 1",
+        "  (no eval before and after training: --eval-samples N for one)",
+    ]
+
+
+@pytest.mark.slow
+def test_off_a_terminal_each_phase_is_one_line_and_the_run_ends_with_what_it_learned(setup, monkeypatch, capfd):
+    """stderr a file (as under pytest): no redrawn bar, one line per phase, no library warning; stdout gives the time
+    left after each step and ends with what was learned, then what the run wrote."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, script = setup
+    out = root / "piped"
+    argv = base_args(root, out, "--max-steps", "2", "--lora-r", "4", "--eval-samples", "2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert script.main(argv, reward_funcs={"letters": letters_reward})["status"] == "ok"
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    stdout, stderr = capfd.readouterr()
+    assert "\r" not in stderr and "Warning" not in stderr and "deprecated" not in stderr
+    # each line: "<phase>: <done>/<total> <unit> in <time>[, <postfix>]"
+    phases = [re.sub(r" in \d+ s(, .*)?$", "", line) for line in stderr.splitlines()]
+    assert phases == [
+        "eval before training batch 1/1: 2/2 seq",
+        "eval before training (2 questions): 1/1 batch",
+        "step 1: sampling: 6/6 seq",
+        "step 1: reference log-probs: 2/2 micro-batch",
+        "step 1: forward / backward: 2/2 micro-batch",
+        "step 2: sampling: 6/6 seq",
+        "step 2: reference log-probs: 2/2 micro-batch",
+        "step 2: forward / backward: 2/2 micro-batch",
+        "GRPO steps: 2/2 step",
+        "eval after training batch 1/1: 2/2 seq",
+        "eval after training (2 questions): 1/1 batch",
+    ]
+    assert re.search(r"\nGRPO steps: 2/2 step in \d+ s, reward=[\d.]+, acc=0.00, loss=-?[\d.]+, left=\d+ s\n", stderr)
+    lines = stdout.strip().splitlines()
+    step1 = next(line for line in lines if line.startswith("step 1/2: "))
+    assert " s; about " in step1 and step1.endswith(
+        " left (1 more step and the eval after training at this machine's speed)"
+    )
+    assert next(line for line in lines if line.startswith("step 2/2: ")).endswith(" left")  # the eval after training
+    ending = [re.sub(r"\d+(\.\d+)?", "N", line) for line in lines[-5:-1]]
+    assert ending == [
+        "what this run learned: nothing the eval measures",
+        "  greedy answers to N test questions, before -> after training: strict format N/N -> N/N, soft format "
+        "N/N -> N/N, correct N/N -> N/N; mean reward N -> N",
+        "  training reward N at step N -> N at step N",
+        "what it did not learn: correct answers (accuracy N -> N); more steps (--max-steps) or a larger model "
+        "(--model)",
+    ]
+    assert lines[-1].startswith(f"done: this run wrote {out}/: metrics.jsonl (steps 1-2), samples.jsonl (steps 1-2)")

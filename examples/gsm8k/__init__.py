@@ -11,6 +11,7 @@
 - ``tokenizer``: an offline byte-level ChatML tokenizer (random-init runs, tests)
 - ``cli``: what the two example scripts share: presets, numeric ranges, one-line input errors, the run's output folder
 - ``plots``: the examples' training plot from a metrics.jsonl
+- ``progress``: progress bars that redraw only on a terminal (a line per phase in a file or a pipe)
 - ``callbacks``: transformers callbacks for the TRL example: the metrics file, a per-step bar naming the phase
   (imports transformers)
 

@@ -12,8 +12,12 @@ either a string or a conversational completion ``[{"role": "assistant", "content
 | ``soft_format_reward``       | 0.5 for ``<reasoning>.*?</reasoning>\\s*<answer>.*?</answer>`` at the start |
 | ``xmlcount_reward``          | 0.125 per well-placed tag, minus 0.001 per character after the answer  |
 
-As in the demo, the format regexes use ``re.match`` without ``re.DOTALL``: ``.`` does not match a newline, so
-the reasoning and the answer must each be on one line for the format rewards.
+As in the demo, the format regexes are matched with ``re.match(pattern, text, flags=re.DOTALL)``: ``.`` matches a
+newline too, so the reasoning and the answer may span lines. Without ``re.DOTALL`` the soft format could never
+match the answer format the demo's system prompt asks for (``<reasoning>`` then a newline); ``ONE_LINE_REWARDS``
+has the patterns without it (``one_line_soft_format_reward``, ``one_line_strict_format_reward``: the reasoning and
+the answer each on one line; ``train_gsm8k.py --one-line-format``), with which the committed CPU run in
+``examples/results/smollm2-135m-cpu/`` was scored.
 
 One change from the demo, on purpose: the answer is compared **as a number** when both sides parse as one
 (after removing commas, a leading ``$`` and surrounding spaces), so ``"18.0"``, ``"$18"`` and ``"18"`` all
@@ -34,13 +38,18 @@ __all__ = [
     "int_reward",
     "strict_format_reward",
     "soft_format_reward",
+    "one_line_strict_format_reward",
+    "one_line_soft_format_reward",
     "xmlcount_reward",
     "DEFAULT_REWARDS",
+    "ONE_LINE_REWARDS",
     "with_completion_prefix",
 ]
 
-STRICT_FORMAT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n$")
-SOFT_FORMAT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>")
+STRICT_PATTERN = r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n$"
+SOFT_PATTERN = r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>"
+STRICT_FORMAT, SOFT_FORMAT = re.compile(STRICT_PATTERN, re.DOTALL), re.compile(SOFT_PATTERN, re.DOTALL)
+ONE_LINE_STRICT_FORMAT, ONE_LINE_SOFT_FORMAT = re.compile(STRICT_PATTERN), re.compile(SOFT_PATTERN)
 
 
 def completion_text(completion) -> str:
@@ -113,6 +122,17 @@ def soft_format_reward(prompts, completions, answer=None, **kwargs) -> list[floa
     return [0.5 if SOFT_FORMAT.match(completion_text(c)) else 0.0 for c in completions]
 
 
+def one_line_strict_format_reward(prompts, completions, answer=None, **kwargs) -> list[float]:
+    """``strict_format_reward`` without ``re.DOTALL``: the reasoning and the answer each on one line."""
+    return [0.5 if ONE_LINE_STRICT_FORMAT.match(completion_text(c)) else 0.0 for c in completions]
+
+
+def one_line_soft_format_reward(prompts, completions, answer=None, **kwargs) -> list[float]:
+    """``soft_format_reward`` without ``re.DOTALL``: no newline inside the reasoning or the answer, so
+    ``<reasoning>`` followed by a newline, the demo's own answer format, never matches."""
+    return [0.5 if ONE_LINE_SOFT_FORMAT.match(completion_text(c)) else 0.0 for c in completions]
+
+
 def xmlcount_reward(prompts, completions, answer=None, **kwargs) -> list[float]:
     """``count_xml`` of each completion."""
     return [count_xml(completion_text(c)) for c in completions]
@@ -125,6 +145,12 @@ DEFAULT_REWARDS = {
     "strict_format": strict_format_reward,
     "int": int_reward,
     "correctness": correctness_reward,
+}
+# the same with the format patterns matched without re.DOTALL (train_gsm8k.py --one-line-format)
+ONE_LINE_REWARDS = {
+    **DEFAULT_REWARDS,
+    "soft_format": one_line_soft_format_reward,
+    "strict_format": one_line_strict_format_reward,
 }
 
 

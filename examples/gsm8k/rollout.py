@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gsm8k import progress
+
 __all__ = [
     "Rollout",
     "eos_token_ids",
@@ -115,17 +117,16 @@ class GenerationProgress:
 
     ``generate`` calls ``put`` with the prompt ids first, then with each step's new token of every row; a row is
     finished at its first ``eos_ids`` token. Rows go on being padded after that; only unfinished rows count as
-    tokens. The bar is redrawn at least every ``refresh_s`` seconds while tokens come, also when no sequence
-    finished (tqdm redraws only on a count that moved).
+    tokens. On a terminal the bar is redrawn at least every ``refresh_s`` seconds while tokens come, also when no
+    sequence finished (tqdm redraws only on a count that moved); anywhere else (``file``, default stderr, is a file
+    or a pipe) one line at the end says the same (``gsm8k.progress.bar``).
     """
 
     def __init__(
         self, num_sequences, max_new_tokens, eos_ids, desc="generation", leave=False, refresh_s=0.5, file=None
     ):
-        from tqdm.auto import tqdm
-
         self.max_new_tokens, self.eos_ids = max_new_tokens, torch.as_tensor(list(eos_ids))
-        self.bar = tqdm(total=num_sequences, desc=desc, unit="seq", leave=leave, dynamic_ncols=True, file=file)
+        self.bar = progress.bar(total=num_sequences, desc=desc, unit="seq", leave=leave, file=file)
         self.prompt_seen, self.done, self.steps, self.tokens = False, None, 0, 0
         self.start = self.drawn = time.perf_counter()
         self.refresh_s = refresh_s
@@ -220,8 +221,10 @@ def generate(
     was_training = model.training
     model.eval()
     try:
+        from grpo_fast.integrations.hidden_states import cache_keyword, decoder_of
+
         if share_prompts and num_generations > 1 and prompt_ids.shape[1] > 1:
-            kwargs["past_key_values"] = prompt_cache(
+            kwargs[cache_keyword(decoder_of(model))] = prompt_cache(
                 model, prompt_ids[::num_generations, :-1], prompt_mask[::num_generations, :-1], num_generations
             )
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
@@ -233,8 +236,9 @@ def generate(
 
 def prompt_cache(model, prompt_ids, prompt_mask, repeats):
     """The key / value cache of the (left-padded) prompts, each row repeated ``repeats`` times, for
-    ``model.generate(past_key_values=...)``: generate then runs only the tokens after it."""
-    from grpo_fast.integrations.hidden_states import decoder_of
+    ``model.generate(cache=...)`` (or ``past_key_values=``: ``hidden_states.cache_keyword``): generate then runs
+    only the tokens after it."""
+    from grpo_fast.integrations.hidden_states import decoder_of, output_cache
 
     out = decoder_of(model)(
         input_ids=prompt_ids,
@@ -242,7 +246,7 @@ def prompt_cache(model, prompt_ids, prompt_mask, repeats):
         position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
     )
-    cache = out.past_key_values
+    cache = output_cache(out)
     cache.batch_repeat_interleave(repeats)
     return cache
 

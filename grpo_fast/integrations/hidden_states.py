@@ -11,15 +11,36 @@ Rows are ordered prompt by prompt: rows ``i * G .. i * G + G - 1`` are the G com
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-__all__ = ["decoder_of", "completion_hidden_states", "prompt_groups", "shared_prompt_hidden_states"]
+__all__ = [
+    "decoder_of",
+    "cache_keyword",
+    "output_cache",
+    "completion_hidden_states",
+    "prompt_groups",
+    "shared_prompt_hidden_states",
+]
 
 
 def decoder_of(model):
     """The transformer body (``model.model`` of a ``*ForCausalLM``, through a peft wrapper): no lm_head."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(base, base.base_model_prefix)
+
+
+def cache_keyword(decoder) -> str:
+    """The keyword that hands ``decoder`` (and its model's ``generate``) a key / value cache: ``cache`` where its
+    forward takes it (newer transformers renamed it; 5.24 warns on the old name), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def output_cache(out):
+    """The key / value cache of a decoder's output (``cache`` or ``past_key_values``, as ``cache_keyword``)."""
+    fields = getattr(out, "__dataclass_fields__", {})
+    return getattr(out, "cache" if "cache" in fields else "past_key_values")
 
 
 def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, share_prompts=False):
@@ -74,7 +95,7 @@ def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, 
         position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
     )
-    cache = out.past_key_values
+    cache = output_cache(out)
     if cache is None or cache.get_seq_length() != prompt_ids.shape[1]:  # e.g. gradient checkpointing drops it
         return None
     last = out.last_hidden_state[:, -1:][group]  # the prompt's last position predicts completion token 0
@@ -88,7 +109,7 @@ def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, 
         input_ids=completion_ids[:, :-1],
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_keyword(decoder): cache},
     )
     return torch.cat([last, rest.last_hidden_state], 1)
