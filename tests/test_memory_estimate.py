@@ -112,7 +112,7 @@ def test_eager_head_holds_the_logits_and_grpo_fast_never_does(lora_report):
     # eager: the fp32 log-softmax it saves and its gradient are alive together in its backward, at the step's peak
     assert eager["loss_head_peak_bytes"] >= 2 * logits_fp32
     assert eager["peak_in"] == "loss head backward"
-    assert eager["categories_bytes"]["loss head"] == eager["loss_head_peak_bytes"]
+    assert eager["categories_bytes"]["loss head buffers"] == eager["loss_head_peak_bytes"]
     # grpo_fast: not even one bf16 [N, V] tensor at its own peak (its frozen-head workspace included)
     assert 0 < fused["loss_head_peak_bytes"] < N * V * 2
     # TRL as on a GPU: its [min(N, 4096), 32768] bf16 tile, allocated whatever the vocabulary, and no fp32 copy of
@@ -157,11 +157,14 @@ def test_kv_cache_arithmetic():
     qwen = memory.MODELS["qwen2.5-1.5b"]
     assert memory.kv_cache_bytes(qwen, 64, 1298, 2) == 28 * 2 * 2 * 128 * 64 * 1298 * 2 == 2_381_840_384
     recipe = example.RECIPES["qwen2.5-1.5b-lora"]
-    step = {"categories_bytes": {"weights": 10, "reference weights": 0}, "optimizer_state_bytes": 7}
+    step = {
+        "categories_bytes": {"weights": 10, "reference weights": 0, "teacher weights": 5},
+        "optimizer_state_bytes": 7,
+    }
     generation = generation_phase(recipe, step)
     assert (generation["sequences"], generation["tokens"]) == (64, 1298)
     assert generation["parts_bytes"]["kv cache"] == 2_381_840_384
-    assert generation["total_bytes"] == 2_381_840_384 + 17
+    assert generation["total_bytes"] == 2_381_840_384 + 22  # a distillation teacher's weights stay on the card too
     assert memory.kv_cache_bytes(memory.MODELS["qwen2.5-0.5b"], 3, 5, 4) == 24 * 2 * 2 * 64 * 3 * 5 * 4
 
 
