@@ -72,10 +72,10 @@ def parse_args(
     if peers := peer_heads(prog, argv):  # between the others and the last, the product's, as the report orders them
         *others, last = heads.items()
         heads = {**dict(others), **peers, last[0]: last[1]}
-    default_heads = list(heads)
-    heads |= DISTILLATION_HEADS
     if _given(argv, "--sampler"):  # its class, with the sampler's settings, once they are parsed and checked
         heads[SAMPLER_HEAD] = SamplerHead
+    default_heads = list(heads)
+    heads |= DISTILLATION_HEADS
     p = argparse.ArgumentParser(
         prog=prog,
         description="One GRPO training step's peak GPU memory, estimated on a CPU over fake tensors, for each loss "

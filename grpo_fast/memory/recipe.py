@@ -83,13 +83,13 @@ class ModelShape:
         values = {field: int(getattr(config, name)) for field, name in names.items()}
         kv_heads = getattr(config, "num_key_value_heads", None) or values["num_heads"]
         head_dim = getattr(config, "head_dim", None)
+        own_head_dim = head_dim and head_dim != values["hidden_size"] // values["num_heads"]
         return cls(
             **values,
             num_kv_heads=int(kv_heads),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             config_path=str(file.resolve()),
-            explicit_head_dim=int(head_dim) if head_dim and head_dim != values["hidden_size"] // values["num_heads"]
-            else None,
+            explicit_head_dim=int(head_dim) if own_head_dim else None,
         )
 
     def config(self):

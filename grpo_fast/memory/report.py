@@ -310,7 +310,18 @@ def plot(report: dict, path) -> None:
     colors = dict(
         zip(
             CATEGORIES + ("kv cache", "allowance"),
-            ["#4c72b0", "#8172b3", "#da8bc3", "#dd8452", "#55a868", "#a1c9a4", "#c44e52", "#937860", "#64b5cd", "#dddddd"],
+            [
+                "#4c72b0",
+                "#8172b3",
+                "#da8bc3",
+                "#dd8452",
+                "#55a868",
+                "#a1c9a4",
+                "#c44e52",
+                "#937860",
+                "#64b5cd",
+                "#dddddd",
+            ],
         )
     )
     stacks = [dict(h["categories_bytes"]) | {"allowance": h["allowance_gib"] * GIB} for h in heads]

@@ -198,11 +198,12 @@ def _mem_tracker_class():
 
 
 class Models:
-    """The recipe's models, each built once and shared by every head's step: the policy, the KL term's frozen copy
-    (``Recipe.reference_copy``), a distillation teacher. Over fake tensors building one takes seconds (transformers'
-    modules, PEFT's adapters), as long as a head's step at small sizes; a step leaves the models as it found them (its
-    optimizer, gradients and inputs are its own, freed by the update), so the heads' estimates do not depend on
-    their order. On a GPU (``fake_mode`` None) each step builds its own: a real model's memory is what is measured.
+    """The recipe's models, each built once and shared by every head's step: the policy and its optimizer with the
+    state of an earlier update, the KL term's frozen copy (``Recipe.reference_copy``), a distillation teacher. Over
+    fake tensors building the policy takes seconds (transformers' modules, PEFT's adapters) and the optimizer's first
+    update a few more; a step leaves them as it found them (its gradients and inputs are its own, freed by the update;
+    the optimizer's state keeps its tensors), so the heads' estimates do not depend on their order. On a GPU
+    (``fake_mode`` None) each step builds its own: a real model's memory is what is measured.
 
     Args:
         recipe: the step's sizes.
@@ -215,6 +216,7 @@ class Models:
         self._built = {}
 
     def _model(self, role: str, make):
+        """``make()``'s result, once per role over fake tensors; on a device, a new one each call."""
         if self.fake_mode is None:
             return make()
         if role not in self._built:
@@ -236,20 +238,43 @@ class Models:
             ).requires_grad_(False),
         )
 
+    def optimizer(self, trainable: list) -> torch.optim.Optimizer:
+        """AdamW over the policy's ``trainable`` parameters with the state of an earlier update, no gradients (built
+        under the models' fake mode or device, as ``prepare_step`` calls it)."""
+
+        def make():
+            # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, other temporaries)
+            optimizer = torch.optim.AdamW(
+                trainable,
+                lr=self.recipe.lr,
+                betas=self.recipe.betas,
+                weight_decay=self.recipe.weight_decay,
+                foreach=True,
+            )
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return optimizer
+
+        return self._model("optimizer", make)
+
     def teacher(self) -> nn.Module:
         """The distillation teacher: ``Recipe.teacher_shape``, frozen, in eval mode (TRL's DistillationTrainer's)."""
         return self._model(
             "teacher",
-            lambda: build_model(
-                self.recipe,
-                self.fake_mode,
-                device=self.device,
-                lora=False,
-                checkpointing=False,
-                shape=self.recipe.teacher_shape,
-            )
-            .requires_grad_(False)
-            .eval(),
+            lambda: (
+                build_model(
+                    self.recipe,
+                    self.fake_mode,
+                    device=self.device,
+                    lora=False,
+                    checkpointing=False,
+                    shape=self.recipe.teacher_shape,
+                )
+                .requires_grad_(False)
+                .eval()
+            ),
         )
 
 
@@ -387,15 +412,10 @@ def prepare_step(
     B, P, T = recipe.micro_batch_size, recipe.prompt_length, recipe.completion_length
     V = recipe.shape.vocab_size
     with fake_mode if fake_mode is not None else torch.device(device):
-        # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, with other temporaries)
-        optimizer = torch.optim.AdamW(
-            trainable, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay, foreach=True
-        )
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        if not gradients:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer = models.optimizer(trainable)
+        if gradients:
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
         batch = Batch(
             targets=torch.randint(0, V, (B, T)),
             advantages=torch.randn(B),
