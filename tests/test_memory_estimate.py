@@ -470,6 +470,10 @@ def test_unknown_model_is_one_line_naming_the_presets_and_a_local_config(capsys,
     with pytest.raises(SystemExit):
         command.recipe_from_args(command.parse_args(["--model", str(tmp_path), "--quiet"]))
     assert "transformers cannot read it" in capsys.readouterr().err
+    _write_config(tmp_path, "t5")
+    with pytest.raises(SystemExit):  # an encoder-decoder: no causal LM to build
+        command.recipe_from_args(command.parse_args(["--model", str(tmp_path), "--quiet"]))
+    assert "a t5 config, which transformers builds no causal LM of" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a folder without a config.json
         command.recipe_from_args(command.parse_args(["--model", str(tmp_path / "x"), "--quiet"]))
     assert "not a preset" in capsys.readouterr().err

@@ -55,7 +55,8 @@ class ModelShape:
             Its ModelShape, ``config_path`` the file.
 
         Raises:
-            ValueError: no config.json there, one transformers cannot read, or one without a decoder's sizes.
+            ValueError: no config.json there, one transformers cannot read, of a model that is no causal LM, or
+                without a decoder's sizes.
         """
         from pathlib import Path
 
@@ -70,6 +71,10 @@ class ModelShape:
         except Exception as e:  # noqa: BLE001 - transformers' errors for a malformed or unknown config vary
             raise ValueError(f"{file}: transformers cannot read it ({type(e).__name__}: {e})") from None
         config = getattr(config, "text_config", None) or config
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ValueError(f"{file}: a {config.model_type} config, which transformers builds no causal LM of")
         names = {
             "hidden_size": "hidden_size",
             "intermediate_size": "intermediate_size",
