@@ -236,6 +236,12 @@ def test_every_numeric_flag_out_of_range_is_one_line(capsys):
         assert capsys.readouterr().err == f"python -m grpo_fast.memory: error: {message}\n", dest
 
 
+def test_every_flag_says_what_it_is():
+    """--help describes every flag (--lora-alpha, --gradient-checkpointing had none)."""
+    actions = parser_actions(command.parse_args, ["--quiet"])
+    assert [dest for dest, action in actions.items() if not action.help] == []
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

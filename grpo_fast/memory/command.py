@@ -111,7 +111,12 @@ def parse_args(
         help="LoRA's alpha (the adapters' scale alpha / r; it changes no tensor's size, the report records it)",
     )
     p.add_argument("--beta", type=float, default=None, help="KL coefficient (0: no reference log-probs)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep each layer's input only and recompute its activations in the backward",
+    )
     p.add_argument(
         "--heads",
         default=",".join(default_heads),
