@@ -333,7 +333,7 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
     if op in ("gathered_logits", "gathered_logits_backward"):
         return 0  # K weight rows gathered into [N, K] logits and their gradient scattered back: outputs only
     if op == "divergence_loss":
-        return _divergence_loss_workspace(bound, bound["token_chunk"])
+        return _divergence_loss_workspace(bound, bound["backend"], bound["token_chunk"])
     if op == "served_trained_loss":
         hidden = bound["hidden"]
         head = _backend(bound["backend"]).trained_head_workspace_bytes(
@@ -360,7 +360,7 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
         if bound.get("teacher_hidden") is not None:  # RL and distillation in one call: the divergence loss's buffers
             B, T = bound["mask"].shape
             return (
-                _divergence_loss_workspace(bound, bound["token_chunk"])
+                _divergence_loss_workspace(bound, bound["token_backend"], bound["token_chunk"])
                 + loss_ops.workspace_bytes((B, T), backend=bound["token_backend"])
                 + B * T * 4
             )
@@ -395,13 +395,12 @@ def _backend(name: str):
     return named(name)
 
 
-def _divergence_loss_workspace(bound: dict, token_chunk: int) -> int:
-    """The divergence loss's chunk buffers (``kernels.divergence_loss.loss_workspace_bytes``) for an op's bound
+def _divergence_loss_workspace(bound: dict, backend: str, token_chunk: int) -> int:
+    """The divergence loss's chunk buffers (the backend's ``divergence_loss_workspace_bytes``) for an op's bound
     arguments: the student's rows under ``student_hidden`` or ``hidden``, its head under ``student_weight`` or
     ``weight``; its gradients are always formed here (the step's student trains)."""
-    from grpo_fast.kernels.divergence_loss import loss_workspace_bytes
-
     hidden = bound.get("student_hidden", bound.get("hidden"))
     weight = bound.get("student_weight", bound.get("weight"))
-    N, Ds = hidden.shape
-    return loss_workspace_bytes(N, Ds, weight.shape[0], hidden.element_size(), token_chunk or None)
+    return _backend(backend).divergence_loss_workspace_bytes(
+        tuple(hidden.shape), weight.shape[0], hidden.dtype, token_chunk or None
+    )
