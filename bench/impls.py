@@ -41,6 +41,9 @@ class Impl:
     frozen: bool = False
     unavailable: Callable = field(default=lambda device: None)  # unavailable(device) -> reason or None
     note: str = ""
+    # head(mode, inputs, options) -> the name of the head it runs there (a HEAD_SWEEPS key), or None where the bench
+    # does not know its sweeps (its TFLOP/s then count the floor, ``flops``)
+    head: Callable | None = None
 
 
 IMPLS: dict[str, Impl] = {}
@@ -387,12 +390,35 @@ def _build_grpo_fast_general_path(mode, options):
     return _build_grpo_fast(mode, options, head_path="general")
 
 
+def _grpo_fast_head(mode, x, options, head_path="auto", frozen=False):
+    """The layer-1 head grpo_fast's loss (fwdbwd) or log-prob pass runs on these inputs, by the decisions its calls
+    make (grpo_fast.head.paths): "log-prob pass"; with a frozen lm_head "frozen" (d logp / dh built in the forward)
+    or "frozen recompute" (head_path="general"); with a trained one "three-sweep" (the gradients formed in the
+    forward: the Triton backend, bf16 or fp32, a token-local loss) or "recompute" (the torch backend, fp16,
+    head_path="general"). None for the sampler modes (their floors are the plain pass's)."""
+    if mode == "logprobs":
+        return "log-prob pass"
+    if mode != "fwdbwd":
+        return None
+    from grpo_fast.backends.resolver import resolve_backend
+    from grpo_fast.head import paths
+
+    hidden = x.hidden.detach().reshape(-1, x.hidden.shape[-1])
+    backend = resolve_backend(options.get("backend", "auto"), hidden.device)
+    if frozen:
+        frozen_path = paths.takes_frozen_head((True, False, False, False), hidden, backend, head_path)
+        return "frozen" if frozen_path else "frozen recompute"
+    three = x.options.token_local and paths.takes_trained_head((True, True), hidden, backend, head_path, False)
+    return "three-sweep" if three else "recompute"
+
+
 register(
     Impl(
         "grpo_fast",
         "grpo_fast (Triton on CUDA; chunked torch on a CPU)",
         _build_grpo_fast,
         modes=MODES + SAMPLER_MODES,
+        head=_grpo_fast_head,
     )
 )
 # the sampler mode's rows: grpo_fast.sampler_logprobs with the sampling parameters or replayed kept sets
@@ -405,6 +431,7 @@ register(
         _build_grpo_fast,
         modes=("fwdbwd",),
         frozen=True,
+        head=functools.partial(_grpo_fast_head, frozen=True),
     )
 )
 register(
@@ -414,6 +441,7 @@ register(
         _build_grpo_fast_general_path,
         modes=("fwdbwd",),
         frozen=True,
+        head=functools.partial(_grpo_fast_head, head_path="general", frozen=True),
     )
 )
 
@@ -442,8 +470,26 @@ DEFAULT_CPU = (
 DEFAULT_SAMPLER = tuple(sampler.VARIANTS)
 
 
+# the vocabulary sweeps (matmul work of 2 N D V each: one product of the N completion tokens' hidden states with the
+# lm_head) of each of grpo_fast's heads, forward + backward in fwdbwd: a log-prob pass 1; a frozen head 2 (the
+# logits, d logp / dh); the three-sweep head 3 (the logits, dH, dW, all in the forward); a frozen head's general path
+# 3 (the logits, their recompute, dH); the recompute head 4 (the logits, their recompute, dH, dW)
+HEAD_SWEEPS = {"log-prob pass": 1, "frozen": 2, "three-sweep": 3, "frozen recompute": 3, "recompute": 4}
+
+
+def work(impl: Impl, mode: str, x, options: dict, N: int, D: int, V: int) -> tuple[str | None, int]:
+    """(the head the row runs, the matmul work its TFLOP/s count) for N completion tokens: the head's sweeps
+    (``HEAD_SWEEPS``) where the implementation declares its head (grpo_fast's rows), else (None, the floor:
+    ``flops``)."""
+    head = impl.head(mode, x, options) if impl.head is not None and x is not None else None
+    if head is None:
+        return None, flops(mode, impl.frozen, N, D, V)
+    return head, HEAD_SWEEPS[head] * 2 * N * D * V
+
+
 def flops(mode: str, frozen: bool, N: int, D: int, V: int) -> int:
-    """The work's floor for N completion tokens, the same for every implementation: 2NDV for the forward matmul;
+    """The work's floor for N completion tokens, what a row whose head the bench does not know counts (``work``):
+    2NDV for the forward matmul;
     forward + backward with the logits recomputed: 8NDV (forward, recompute, dH, dW); a frozen lm_head: 4NDV (the
     logits and d logp / dh = P' W built in the forward, grpo_fast_frozen's two sweeps; a recomputing backward does
     6NDV). Padding is no part of the work: an implementation that computes it does more. Each record also holds the

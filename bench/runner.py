@@ -14,7 +14,7 @@ import torch
 
 from bench import measure
 from bench import sampler as sampler_mode
-from bench.impls import Impl, flops
+from bench.impls import Impl, work
 from bench.inputs import SCENARIOS, check_fwdbwd, check_logprobs, completion_lengths_of, make_inputs, reference_fwdbwd
 from bench.shapes import GOAL_SHAPE, GOAL_TOKENS, batch_of
 
@@ -190,13 +190,10 @@ def _sweep(opts, points, unavailable, bar, on_point_done):
                 with torch.no_grad():
                     point["product_ms"] = measure.bare_product_ms(x.hidden.detach()[x.mask], x.weight, opts.device)
         for mode, impl in jobs:
+            inputs = xs if mode in sampler_mode.SAMPLER_MODES else x
+            head, work_flops = work(impl, mode, inputs, dict(opts.impl_options, backend=opts.backend), active, D, V)
             rec = dict(
-                point,
-                mode=mode,
-                impl=impl.name,
-                label=impl.label,
-                frozen=impl.frozen,
-                flops=flops(mode, impl.frozen, active, D, V),
+                point, mode=mode, impl=impl.name, label=impl.label, frozen=impl.frozen, head=head, flops=work_flops
             )
             where = f"{name} N={N} {scenario} {mode} {impl.name}"
             if bar:

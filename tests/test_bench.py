@@ -16,7 +16,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from bench import measure
+from bench.impls import HEAD_SWEEPS, IMPLS, work
+from bench.inputs import make_inputs
 from grpo_fast.kernels.gemm import padded_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,8 +199,12 @@ def test_quick_mode_writes_a_well_formed_results_file(cpu_runs):
         assert r["times_ms"] and all(t > 0 for t in r["times_ms"])
         assert math.isclose(r["median_ms"], statistics.median(r["times_ms"]))
         assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] > 0
-        factor = 2 if r["mode"] == "logprobs" else (4 if r["frozen"] else 8)
-        assert r["flops"] == factor * r["active_tokens"] * r["D"] * r["V"]  # the work: completion tokens only
+        # the work, on the completion tokens only: grpo_fast's rows the sweeps of the head that ran, the others the
+        # floor (2nDV log-probs, 8nDV fwd+bwd, 4nDV frozen)
+        assert r["head"] == CPU_HEADS.get((r["mode"], r["impl"])), (r["mode"], r["impl"], r["head"])
+        floor = 2 if r["mode"] == "logprobs" else (4 if r["frozen"] else 8)
+        factor = 2 * HEAD_SWEEPS[r["head"]] if r["head"] else floor
+        assert r["flops"] == factor * r["active_tokens"] * r["D"] * r["V"]
         # the matmul FLOPs each ran (counted on a CPU), in vocabulary sweeps of the completion tokens: the frozen head
         # builds d logp / dh in the forward (two sweeps); its general path and TRL's head recompute (three)
         sweeps = r["matmul_flops"] / (2 * r["active_tokens"] * r["D"] * r["V"])
@@ -333,6 +341,47 @@ GOALS = textwrap.dedent("""
     out["cpu"] = report.evaluate_goals(dict(device_type="cpu"), report.derive(pass_all, 800.0))
     print(json.dumps(out))
 """)
+
+
+# the heads grpo_fast's rows run on a CPU (the torch backend): no three-sweep head there
+CPU_HEADS = {
+    ("fwdbwd", "grpo_fast"): "recompute",
+    ("fwdbwd", "grpo_fast_frozen"): "frozen",
+    ("fwdbwd", "grpo_fast_frozen_recompute"): "frozen recompute",
+    ("logprobs", "grpo_fast"): "log-prob pass",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_tflops_count_the_sweeps_of_the_head_that_ran(dtype):
+    """Each grpo_fast row's work is its head's sweeps, the head named as grpo_fast's own path choice names it (the
+    Triton backend's trained head: three sweeps, 6nDV; fp16 or the torch backend: the recompute, 8nDV); on the torch
+    backend the counted matmul FLOPs are those sweeps exactly (a dense batch of whole row blocks); a peer's row counts
+    the floor and names no head."""
+    D, V, B, T = 32, 512, 2, 64
+    N = B * T
+    x = make_inputs(D, V, B, T, dtype, "cpu", 0, "dense")
+    trained = "three-sweep" if dtype == torch.float32 else "recompute"  # the three-sweep head: bf16 or fp32
+    cases = [
+        ("grpo_fast", "fwdbwd", "triton", trained),  # the Triton backend, under TRITON_INTERPRET on a CPU
+        *((impl, mode, "torch", head) for (mode, impl), head in CPU_HEADS.items()),
+        ("trl", "fwdbwd", "torch", None),
+        ("eager", "logprobs", "torch", None),
+    ]
+    for name, mode, backend, head in cases:
+        impl = IMPLS[name]
+        got, work_flops = work(impl, mode, x, {"backend": backend}, N, D, V)
+        assert got == head, (name, mode, backend)
+        floor = 2 if mode == "logprobs" else (4 if impl.frozen else 8)
+        assert work_flops == (2 * HEAD_SWEEPS[head] if head else floor) * N * D * V, (name, mode)
+        if head and backend == "torch" and dtype == torch.float32:
+            fn = impl.build(mode, {"backend": backend})
+            x.reset_grads()
+            with measure.count_matmul_flops("cpu") as counted:
+                out = fn(x, x.weight_frozen if impl.frozen else x.weight)
+                if mode == "fwdbwd":
+                    (out[0] if isinstance(out, tuple) else out).backward()
+            assert counted[0] == work_flops, (name, mode, counted[0] / (2 * N * D * V))
 
 
 def test_goals_are_evaluated_honestly():

@@ -119,6 +119,45 @@ def test_workspace_bytes_is_what_the_kernels_allocate():
     assert g_bytes == min(N, D) * V * 2 and g_bytes in mode.sizes
 
 
+def test_divergence_loss_workspace_is_what_its_kernels_allocate():
+    """The Triton backend's divergence_loss_workspace_bytes (the memory estimator's model of the fused distillation
+    loss's buffers) against the allocations a dispatch mode sees in the real implementation: both models' fp32
+    products of half a chunk and the chunk's g in the student's dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_fast.backends.resolver import named
+    from grpo_fast.kernels.divergence_loss import loss_chunk_rows
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default):
+                self.sizes.append(out.numel() * out.element_size())
+            return out
+
+    N, Ds, Dt, V = 80, 32, 48, 300
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(N, Ds, generator=g).bfloat16().requires_grad_()
+    student_weight = (torch.randn(V, Ds, generator=g) * 0.2).bfloat16().requires_grad_()
+    teacher = torch.randn(N, Dt, generator=g).bfloat16()
+    teacher_weight = (torch.randn(V, Dt, generator=g) * 0.2).bfloat16()
+    mode = Allocations()
+    with mode:
+        grpo_fast.distillation_loss(
+            student[None], student_weight, teacher[None], teacher_weight, backend="triton", beta=0.5
+        )
+    rows = loss_chunk_rows(N, Ds)
+    assert rows == 32 < N  # the default chunk: several of them
+    buffers = [(rows + 1) // 2 * V * 4] * 2 + [rows * V * 2]
+    assert all(mode.sizes.count(size) >= buffers.count(size) for size in buffers), mode.sizes
+    assert named("triton").divergence_loss_workspace_bytes((N, Ds), V, torch.bfloat16, None) == sum(buffers)
+    assert named("torch").divergence_loss_workspace_bytes((N, Ds), V, torch.bfloat16, None) == 0  # no fused loss
+
+
 @pytest.mark.parametrize("loss_type", grpo_fast.LOSS_TYPES)
 def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
     """head_ops.workspace_bytes("token_loss", backend="torch") is at least the peak of the torch layer 2's live

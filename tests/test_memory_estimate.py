@@ -112,7 +112,7 @@ def test_eager_head_holds_the_logits_and_grpo_fast_never_does(lora_report):
     # eager: the fp32 log-softmax it saves and its gradient are alive together in its backward, at the step's peak
     assert eager["loss_head_peak_bytes"] >= 2 * logits_fp32
     assert eager["peak_in"] == "loss head backward"
-    assert eager["categories_bytes"]["loss head"] == eager["loss_head_peak_bytes"]
+    assert eager["categories_bytes"]["loss head buffers"] == eager["loss_head_peak_bytes"]
     # grpo_fast: not even one bf16 [N, V] tensor at its own peak (its frozen-head workspace included)
     assert 0 < fused["loss_head_peak_bytes"] < N * V * 2
     # TRL as on a GPU: its [min(N, 4096), 32768] bf16 tile, allocated whatever the vocabulary, and no fp32 copy of
@@ -157,11 +157,14 @@ def test_kv_cache_arithmetic():
     qwen = memory.MODELS["qwen2.5-1.5b"]
     assert memory.kv_cache_bytes(qwen, 64, 1298, 2) == 28 * 2 * 2 * 128 * 64 * 1298 * 2 == 2_381_840_384
     recipe = example.RECIPES["qwen2.5-1.5b-lora"]
-    step = {"categories_bytes": {"weights": 10, "reference weights": 0}, "optimizer_state_bytes": 7}
+    step = {
+        "categories_bytes": {"weights": 10, "reference weights": 0, "teacher weights": 5},
+        "optimizer_state_bytes": 7,
+    }
     generation = generation_phase(recipe, step)
     assert (generation["sequences"], generation["tokens"]) == (64, 1298)
     assert generation["parts_bytes"]["kv cache"] == 2_381_840_384
-    assert generation["total_bytes"] == 2_381_840_384 + 17
+    assert generation["total_bytes"] == 2_381_840_384 + 22  # a distillation teacher's weights stay on the card too
     assert memory.kv_cache_bytes(memory.MODELS["qwen2.5-0.5b"], 3, 5, 4) == 24 * 2 * 2 * 64 * 3 * 5 * 4
 
 
@@ -231,6 +234,12 @@ def test_every_numeric_flag_out_of_range_is_one_line(capsys):
             command.parse_args(argv + ["--quiet"])
         assert raised.value.code == 2, dest
         assert capsys.readouterr().err == f"python -m grpo_fast.memory: error: {message}\n", dest
+
+
+def test_every_flag_says_what_it_is():
+    """--help describes every flag (--lora-alpha, --gradient-checkpointing had none)."""
+    actions = parser_actions(command.parse_args, ["--quiet"])
+    assert [dest for dest, action in actions.items() if not action.help] == []
 
 
 @pytest.mark.parametrize(
@@ -403,3 +412,149 @@ def test_report_for_another_card(lora_report, tmp_path):
     assert "sized for the test card's sm_80" in " ".join(text.split())  # in a wrapped paragraph
     assert "4090" not in text
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------------------------- the model's input
+TINY_SHAPE_FLAGS = TINY[: TINY.index("--micro-batch-size")]
+TINY_RUN = TINY[TINY.index("--micro-batch-size") :]
+
+
+def _write_config(folder: Path, model_type: str) -> Path:
+    """A tiny decoder's config.json of ``model_type`` (transformers' own config class writes it), TINY's sizes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=D,
+        intermediate_size=FFN,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(folder)
+    return folder / "config.json"
+
+
+@pytest.mark.parametrize("as_folder", [False, True], ids=["config.json", "folder"])
+def test_model_from_a_local_config(tmp_path, as_folder):
+    """--model takes a config.json or its folder: its sizes, and the model built from its own architecture (Llama:
+    no q / k / v biases, an untied head), counted to the parameter by hand."""
+    path = _write_config(tmp_path, "llama")
+    report = memory.main(
+        ["--model", str(tmp_path if as_folder else path), "--lora-r", "0", "--heads", "grpo_fast"] + TINY_RUN
+    )
+    assert report["recipe"]["shape"] | {"config_path": None} == {
+        "hidden_size": D,
+        "intermediate_size": FFN,
+        "num_layers": L,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "vocab_size": V,
+        "tie_word_embeddings": False,
+        "config_path": None,
+        "explicit_head_dim": None,
+    }
+    assert report["recipe"]["shape"]["config_path"] == str(path.resolve())
+    layer = 2 * D * D + 2 * D * KV_DIM + 3 * D * FFN + 2 * D  # Llama: q, k, v, o without biases; the MLP; 2 norms
+    step = report["heads"]["grpo_fast"]
+    assert step["parameters"] == 2 * V * D + L * layer + D  # embeddings and an untied head
+
+
+def test_unknown_model_is_one_line_naming_the_presets_and_a_local_config(capsys, tmp_path):
+    with pytest.raises(SystemExit) as raised:
+        command.recipe_from_args(command.parse_args(["--model", "Qwen/Qwen3-4B", "--quiet"]))
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "python -m grpo_fast.memory: error: Qwen/Qwen3-4B: not a preset (qwen2.5-0.5b, qwen2.5-1.5b) nor a local "
+        "config.json or folder holding one (the estimator reads no hub: download the model's config.json and pass "
+        "its path)\n"
+    )
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        command.recipe_from_args(command.parse_args(["--model", str(tmp_path), "--quiet"]))
+    assert "transformers cannot read it" in capsys.readouterr().err
+    _write_config(tmp_path, "t5")
+    with pytest.raises(SystemExit):  # an encoder-decoder: no causal LM to build
+        command.recipe_from_args(command.parse_args(["--model", str(tmp_path), "--quiet"]))
+    assert "a t5 config, which transformers builds no causal LM of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a folder without a config.json
+        command.recipe_from_args(command.parse_args(["--model", str(tmp_path / "x"), "--quiet"]))
+    assert "not a preset" in capsys.readouterr().err
+
+
+def test_teacher_flags_need_their_heads_and_the_students_vocabulary(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        command.parse_args(["--teacher-top-k", "4", "--quiet"])
+    assert "--teacher-top-k describes the teacher of --heads served_distillation" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        command.parse_args(["--teacher-model", "qwen2.5-0.5b", "--heads", "served_distillation", "--quiet"])
+    assert "--teacher-model describes the teacher of --heads distillation,rl_distillation" in capsys.readouterr().err
+    argv = TINY + ["--heads", "distillation", "--teacher-model", "qwen2.5-0.5b"]
+    with pytest.raises(SystemExit):
+        command.recipe_from_args(command.parse_args(argv))
+    assert "--teacher-model qwen2.5-0.5b: vocabulary 151936, the student's is 32768" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- distillation heads
+@pytest.fixture(scope="module")
+def distillation_report():
+    """The three distillation heads beside grpo_fast's on the tiny LoRA recipe, the teacher of the student's shape."""
+    return memory.main(TINY + ["--lora-r", "4", "--heads", "grpo_fast," + ",".join(memory.DISTILLATION_HEADS)])
+
+
+def test_distillation_heads_hold_their_teacher_and_buffers(distillation_report):
+    from grpo_fast.kernels.divergence_loss import loss_chunk_rows
+
+    heads = distillation_report["heads"]
+    assert list(heads) == ["grpo_fast", "distillation", "rl_distillation", "served_distillation"]
+    N = B * T
+    teacher = base_parameters() * 2 + rope_buffer_bytes()  # the base model in bf16, no adapters
+    for name in ("distillation", "rl_distillation"):
+        step = heads[name]
+        assert step["categories_bytes"]["teacher weights"] == teacher, name
+        assert sum(step["categories_bytes"].values()) == step["peak_bytes"], name
+        # the fused loss's chunk buffers (both models' fp32 products of half a chunk, g in bf16) and dH fp32 at least
+        rows = loss_chunk_rows(N, D)
+        assert step["loss_head_peak_bytes"] >= 2 * (rows // 2) * V * 4 + rows * V * 2 + N * D * 4, name
+        assert step["loss_head_peak_bytes"] < N * V * 2, name  # never one bf16 [N, V] tensor
+        assert step["peak_bytes"] > heads["grpo_fast"]["peak_bytes"] + teacher, name
+    served = heads["served_distillation"]
+    assert served["categories_bytes"]["teacher weights"] == 0  # a served teacher: its top-k only
+    assert 0 < served["loss_head_peak_bytes"] < N * V * 2
+    K = memory.DEFAULT_RECIPE.teacher_top_k
+    assert served["peak_bytes"] >= heads["grpo_fast"]["peak_bytes"] + N * K * (8 + 4)  # ids int64, log-probs fp32
+    generation = distillation_report["generation"]
+    assert generation["parts_bytes"]["teacher weights"] == teacher  # the teacher stays on the card while generating
+
+
+def test_models_are_built_once_per_estimate(monkeypatch):
+    from grpo_fast.memory import step as step_module
+
+    built = []
+    real = step_module.build_model
+    monkeypatch.setattr(step_module, "build_model", lambda *a, **k: built.append(k.get("shape")) or real(*a, **k))
+    memory.main(TINY + ["--lora-r", "4", "--beta", "0.04", "--heads", "eager,grpo_fast,distillation,rl_distillation"])
+    assert len(built) == 2  # the policy once, the teacher once (LoRA's reference is the base model: no copy)
+
+
+# ----------------------------------------------------------------------------------------------- the printed report
+def test_default_output_is_the_table_and_three_lines(lora_report, capsys):
+    memory.main(TINY + ["--lora-r", "4", "--heads", "eager,grpo_fast"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    table = [i for i, line in enumerate(lines) if line.startswith("|")]
+    assert table == list(range(table[0], table[-1] + 1))  # one table
+    after = [line for line in lines[table[-1] + 1 :] if line.strip()]
+    assert len(after) == 3, after
+    assert after[0].startswith("**RTX 4090 (23.99 GiB): fits with every head.**")
+    assert after[2].startswith("--explain: ")
+    assert "What is estimated, what is not" not in text
+    assert "| the peak falls in | loss head backward |" in text
+    assert "| model activations held at the peak |" in text and "| activations |" not in text
+    memory.main(TINY + ["--lora-r", "4", "--heads", "eager,grpo_fast", "--explain"])
+    explained = capsys.readouterr().out
+    assert "What is estimated, what is not" in explained and "--explain: " not in explained
+    assert explained.count("\n") > 2 * text.count("\n")

@@ -359,7 +359,7 @@ failures() { grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$1" | tail -n 40;
   [ -f "$OUT/tune.log" ] && { echo; echo '```'; cat "$OUT/tune.log"; echo '```'; }
   echo
   echo "memory (estimate beside the measured peak: memory-<recipe>.md): $(exit_of "$memory_rc")"
-  for f in "$OUT"/memory-*.md; do [ -f "$f" ] && { echo; sed -n '/^| |/,/^$/p' "$f"; }; done
+  for f in "$OUT"/memory-*.md; do [ -f "$f" ] && { echo; sed -n '/^| GiB |/,/^$/p' "$f"; }; done
   echo
   echo "the GPU recipe, $RECIPE_STEPS steps (recipe.md): $(exit_of "$recipe_rc")"
   [ -f "$OUT/recipe.md" ] && { echo; tail -n +3 "$OUT/recipe.md"; }

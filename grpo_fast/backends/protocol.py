@@ -143,6 +143,13 @@ class Backend(Protocol):
         """What ``forward_trained_head`` allocates besides its outputs and ``grads``."""
         ...
 
+    def divergence_loss_workspace_bytes(
+        self, hidden_shape: tuple[int, int], vocab_size: int, dtype: torch.dtype, token_chunk: int | None
+    ) -> int:
+        """What ``divergence_loss`` allocates besides its outputs and ``grads`` (the student's [N, Ds] rows, its
+        gradients formed)."""
+        ...
+
     def gathered_logits(self, head: HeadOperands, ids: torch.Tensor) -> torch.Tensor:
         """The logits z of each row at ``ids`` [N, K] int64 (-1: no entry), fp32 [N, K] (-inf at -1): a gather of K
         weight rows a token, O(N K D), no vocabulary sweep (``grpo_fast.served``' student side)."""

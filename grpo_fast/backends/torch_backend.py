@@ -62,6 +62,10 @@ class TorchBackend:
         """0: no three-sweep trained head here."""
         return 0
 
+    def divergence_loss_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
+        """0: the fused divergence loss (a three-sweep head) does not run here."""
+        return 0
+
     def gathered_logits(self, head, ids):
         return support_twin.kept_logits(head, ids)
 

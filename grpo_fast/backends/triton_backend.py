@@ -151,6 +151,11 @@ class TritonBackend:
         chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, V, D, itemsize))
         return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
 
+    def divergence_loss_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
+        """``kernels.divergence_loss.loss_workspace_bytes``: a chunk's two fp32 products and its g."""
+        (N, D), itemsize = hidden_shape, torch.empty(0, dtype=dtype).element_size()
+        return divergence_loss.loss_workspace_bytes(N, D, vocab_size, itemsize, token_chunk)
+
     def gathered_logits(self, head, ids):
         """``kernels.kept_set``'s gathers (the replayed kept sets' products)."""
         return support_twin.kept_logits(head, ids, KEPT_SET_KERNELS)

@@ -31,6 +31,15 @@ def loss_chunk_rows(N: int, Ds: int) -> int:
     return min(N, max(32, (Ds // 2) // 128 * 128))
 
 
+def loss_workspace_bytes(N: int, Ds: int, V: int, itemsize: int, token_chunk=None, want_g: bool = True) -> int:
+    """The bytes ``loss_gradients`` allocates besides its outputs, for a memory estimate: both models' fp32 products
+    of half a chunk [rows / 2, V] each and the chunk's g [rows, V] in the student's dtype (``itemsize`` bytes; none
+    where no gradient is wanted), rows = ``token_chunk`` or ``loss_chunk_rows``'s, at most N."""
+    rows = min(N, token_chunk or loss_chunk_rows(N, Ds))
+    half = (rows + 1) // 2
+    return 2 * half * V * 4 + (rows * V * itemsize if want_g else 0)
+
+
 @on_first_argument_device
 def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, configs=None, layer1=None):
     """The divergence and its loss's gradients in one pass: the student's three GEMM sweeps and the teacher's one

@@ -3,14 +3,17 @@
     python -m grpo_fast.memory              # DEFAULT_RECIPE (Qwen2.5-1.5B-Instruct, LoRA r 16) against a 24 GB card
     python -m grpo_fast.memory --model qwen2.5-0.5b --lora-r 0 --gpu-name L4 --gpu-memory-gib 22.49 --gpu-sms 58
     python -m grpo_fast.memory --sampler both --top-p 0.95     # beside them, grpo_fast with sampler_logprobs
+    python -m grpo_fast.memory --model ./Qwen3-4B/config.json  # a local config.json (or its folder), no hub
+    python -m grpo_fast.memory --heads distillation,rl_distillation,served_distillation --explain
     result = grpo_fast.memory.estimate(recipe, heads)                  # the same from Python
 
 One micro-batch's forward and backward and the optimizer step run over fake tensors (shapes and dtypes, no data)
-while torch's memory tracker accounts every tensor by category: weights, gradients, optimizer state, activations
-and the loss head's own tensors. The loss heads are compared in the same step: eager PyTorch's full logits and
-grpo_fast's fused head are built in, grpo_fast with ``sampler_logprobs`` (``sampler_head``: the old policy's pass
-and / or the training pass) on request; another (a peer's) is a ``LossHead`` subclass passed in ``heads``. Every head
-feeds its log-probs to grpo_fast's token loss. The generation phase's key / value cache follows from the shape.
+while torch's memory tracker accounts every tensor by category: weights, gradients, optimizer state, the model's
+activations and the loss head's own buffers. The loss heads are compared in the same step, over models built once
+and shared: eager PyTorch's full logits and grpo_fast's fused head by default; grpo_fast's distillation heads
+(``DISTILLATION_HEADS``) and grpo_fast with ``sampler_logprobs`` (``sampler_head``: the old policy's pass and / or the
+training pass) on request; another (a peer's) is a ``LossHead`` subclass passed in ``heads``. Every GRPO head feeds
+its log-probs to grpo_fast's token loss. The generation phase's key / value cache follows from the shape.
 What the tracker cannot see (the CUDA context, the allocator's fragmentation) is an allowance added before the
 estimate meets the card. Building the model needs transformers (and PEFT for LoRA), imported when an estimate runs.
 """
@@ -29,11 +32,21 @@ from pathlib import Path
 import torch
 
 from grpo_fast.memory import command, report
-from grpo_fast.memory.heads import HEADS, Batch, EagerHead, GrpoFastHead, LossHead
+from grpo_fast.memory.heads import (
+    DISTILLATION_HEADS,
+    HEADS,
+    Batch,
+    DistillationHead,
+    EagerHead,
+    GrpoFastHead,
+    LossHead,
+    RlDistillationHead,
+    ServedDistillationHead,
+)
 from grpo_fast.memory.recipe import DEFAULT_RECIPE, MODELS, RTX_4090, Gpu, ModelShape, Recipe, kv_cache_bytes
 from grpo_fast.memory.report import ALLOWANCE, CATEGORIES
 from grpo_fast.memory.sampler import SamplerHead, SamplerSettings, sampler_head
-from grpo_fast.memory.step import estimate_step, generation_phase, measure_step
+from grpo_fast.memory.step import estimate_step, fake_models, generation_phase, measure_step
 
 __all__ = [
     "estimate",
@@ -44,6 +57,9 @@ __all__ = [
     "LossHead",
     "EagerHead",
     "GrpoFastHead",
+    "DistillationHead",
+    "RlDistillationHead",
+    "ServedDistillationHead",
     "SamplerHead",
     "SamplerSettings",
     "sampler_head",
@@ -52,6 +68,7 @@ __all__ = [
     "MODELS",
     "RTX_4090",
     "HEADS",
+    "DISTILLATION_HEADS",
     "ALLOWANCE",
     "CATEGORIES",
     "kv_cache_bytes",
@@ -89,14 +106,16 @@ def estimate(
     """
     heads = dict(HEADS if heads is None else heads)
     results = {}
+    models = fake_models(recipe)  # built once, on the first head that needs each, and shared by all
     for i, (name, head) in enumerate(heads.items()):
 
         def log(message, i=i, name=name):
             if progress:
                 print(f"memory: [{i + 1}/{len(heads)}] {name}: {message}", file=sys.stderr, flush=True)
 
-        log(f"building {recipe.model} ({recipe.shape.num_layers} layers) on the meta device")
-        results[name] = estimate_step(recipe, head, gpu, log)
+        if i == 0:
+            log(f"building {recipe.model} ({recipe.shape.num_layers} layers) on the meta device, once for every head")
+        results[name] = estimate_step(recipe, head, gpu, log, models)
         if measure:
             results[name]["measured"] = measure_step(recipe, head, log)
         results[name] |= {"label": head.label, "description": head.description}
@@ -105,7 +124,10 @@ def estimate(
     packages = ["transformers"] + ["peft"] * (recipe.lora_r > 0) + [p for head in heads.values() for p in head.packages]
     versions = {"torch": torch.__version__}
     versions |= {name: importlib.import_module(name).__version__ for name in dict.fromkeys(packages)}
-    generation = generation_phase(recipe, next(iter(results.values())))
+    # the rollout holds every model the training holds (a distillation head's teacher too): the heads' largest
+    weights = ("weights", "reference weights", "teacher weights")
+    held = max(results.values(), key=lambda step: sum(step["categories_bytes"][k] for k in weights))
+    generation = generation_phase(recipe, held)
     return {"recipe": recipe, "gpu": gpu, "heads": results, "generation": generation, "versions": versions}
 
 
@@ -116,7 +138,8 @@ def main(
     heads: Mapping[str, type[LossHead]] | None = None,
     prog: str = command.PROG,
 ) -> dict:
-    """``python -m grpo_fast.memory``: estimate, print the report's table, write ``--out``'s files (.json, .md, .png).
+    """``python -m grpo_fast.memory``: estimate, print the report's table and its verdict (``--explain``: the whole
+    report), write ``--out``'s files (.json, .md, .png).
 
     ``recipes`` and ``heads`` are how a script offers its own: its recipes under ``--recipe``, another head (a
     peer's) beside the built-in ones under ``--heads``.
@@ -150,15 +173,14 @@ def main(
             )
     result = estimate(recipe, chosen, gpu=command.gpu_from_args(args), progress=not args.quiet, measure=args.measure)
     written = report.to_json(result, line)
-    text = report.markdown(written)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{out}.json").write_text(json.dumps(written, indent=1) + "\n")
-        Path(f"{out}.md").write_text(text)
+        Path(f"{out}.md").write_text(report.markdown(written, explain=True))
         report.plot(written, f"{out}.png")
         print(f"wrote {out}.json, {out}.md, {out}.png", file=sys.stderr)
-    print(text)
+    print(report.markdown(written, explain=args.explain))
     return written
 
 

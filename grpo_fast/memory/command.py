@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 import importlib
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
 from grpo_fast.memory import cli
-from grpo_fast.memory.heads import HEADS, LossHead
-from grpo_fast.memory.recipe import DEFAULT_RECIPE, MODELS, RTX_4090, Gpu, Recipe
+from grpo_fast.memory.heads import DISTILLATION_HEADS, HEADS, LossHead
+from grpo_fast.memory.recipe import DEFAULT_RECIPE, MODELS, RTX_4090, Gpu, ModelShape, Recipe
 from grpo_fast.memory.sampler import SamplerHead, SamplerSettings, sampler_head
 
 PROG = "python -m grpo_fast.memory"
@@ -36,6 +37,7 @@ RANGES = {
     "top_p": cli.Range(0.0, 1.0, low_open=True),
     "min_p": cli.Range(0.0, 1.0),
     "kept_k": cli.Range(1, 2**24),
+    "teacher_top_k": cli.Range(1, 2**24),
 }
 # the head --sampler adds (grpo_fast.memory.sampler), after the others
 SAMPLER_HEAD = "grpo_fast_sampler"
@@ -64,14 +66,16 @@ def parse_args(
     """The command line's arguments, checked: one line on stderr and exit status 2 for an argument out of range,
     unknown or repeated heads, or ``--measure`` without a CUDA GPU (argparse itself exits on a malformed flag).
     ``recipes``: the ``--recipe`` choices, the first the default (None: no ``--recipe``, DEFAULT_RECIPE);
-    ``heads``: the ``--heads`` choices (None: HEADS); ``prog``: how the command is run. ``heads`` in the result is
-    a list of names."""
+    ``heads``: the ``--heads`` choices, all of them the default (None: HEADS, the default, and DISTILLATION_HEADS on
+    request); ``prog``: how the command is run. ``heads`` in the result is a list of names."""
     heads = dict(HEADS if heads is None else heads)
     if peers := peer_heads(prog, argv):  # between the others and the last, the product's, as the report orders them
         *others, last = heads.items()
         heads = {**dict(others), **peers, last[0]: last[1]}
     if _given(argv, "--sampler"):  # its class, with the sampler's settings, once they are parsed and checked
         heads[SAMPLER_HEAD] = SamplerHead
+    default_heads = list(heads)
+    heads |= DISTILLATION_HEADS
     p = argparse.ArgumentParser(
         prog=prog,
         description="One GRPO training step's peak GPU memory, estimated on a CPU over fake tensors, for each loss "
@@ -85,7 +89,13 @@ def parse_args(
             default=next(iter(recipes)),
             help="the step to estimate (the flags below override its values)",
         )
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help="another published shape")
+    p.add_argument(
+        "--model",
+        metavar="NAME_OR_PATH",
+        default=None,
+        help=f"the model: a preset ({', '.join(sorted(MODELS))}), or a local config.json or a folder holding one (its "
+        "architecture and sizes; read without reaching a hub)",
+    )
     for dest in SHAPE_FLAGS:
         p.add_argument(cli.flag(dest), type=int, default=None, help=f"the model's {dest}")
     p.add_argument("--micro-batch-size", type=int, default=None, help="completions per forward / backward")
@@ -94,10 +104,24 @@ def parse_args(
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per rollout")
     p.add_argument("--num-generations", type=int, default=None, help="completions per prompt")
     p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (0: every parameter trains)")
-    p.add_argument("--lora-alpha", type=int, default=None)
+    p.add_argument(
+        "--lora-alpha",
+        type=int,
+        default=None,
+        help="LoRA's alpha (the adapters' scale alpha / r; it changes no tensor's size, the report records it)",
+    )
     p.add_argument("--beta", type=float, default=None, help="KL coefficient (0: no reference log-probs)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--heads", default=",".join(heads), help=f"comma-separated, of {', '.join(heads)}")
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep each layer's input only and recompute its activations in the backward",
+    )
+    p.add_argument(
+        "--heads",
+        default=",".join(default_heads),
+        help=f"comma-separated, of {', '.join(heads)} (default: {', '.join(default_heads)})",
+    )
     p.add_argument(
         "--peer-heads",
         metavar="MODULE:FUNCTION",
@@ -137,7 +161,30 @@ def parse_args(
         default=None,
         help="replayed kept sets of K entries (kept_ids [B, T, K], a rollout input) instead of the parameters",
     )
+    g = p.add_argument_group(
+        "the distillation heads (--heads " + ",".join(DISTILLATION_HEADS) + "): distillation_loss and RL with "
+        "distillation in one loss call against a teacher model in the process, served_distillation_loss against a "
+        "served teacher's top-k log-probs"
+    )
+    g.add_argument(
+        "--teacher-model",
+        metavar="NAME_OR_PATH",
+        default=None,
+        help="the teacher in the process, as --model takes it (default: the student's shape)",
+    )
+    g.add_argument(
+        "--teacher-top-k",
+        type=int,
+        default=None,
+        help=f"K, the served teacher's log-probs a token (TRL's teacher_top_k) [{DEFAULT_RECIPE.teacher_top_k}]",
+    )
     p.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png (default: print the table)")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="after the table, what each row counts, the versions and what the estimate leaves out (the .md of "
+        "--out always holds them)",
+    )
     p.add_argument(
         "--measure",
         action="store_true",
@@ -161,6 +208,10 @@ def parse_args(
             if getattr(args, dest) is not None:
                 cli.fail(prog, f"{cli.flag(dest)} describes the sampler of --sampler's head: give --sampler too")
     args.head_classes = {name: heads[name] for name in args.heads}
+    for dest, kind in (("teacher_model", "model"), ("teacher_top_k", "served")):
+        if getattr(args, dest) is not None and not any(h.teacher == kind for h in args.head_classes.values()):
+            users = ",".join(name for name, h in heads.items() if h.teacher == kind)
+            cli.fail(prog, f"{cli.flag(dest)} describes the teacher of --heads {users}: give one of them")
     return args
 
 
@@ -234,24 +285,61 @@ def recipe_from_args(args, recipes: Mapping[str, Recipe] | None = None, prog: st
     applied on top; one line on stderr and exit status 2 for a shape whose heads do not divide the hidden size or
     each other, or an odd head dim."""
     recipe = recipes[args.recipe] if recipes else DEFAULT_RECIPE
-    shape = MODELS[args.model] if args.model else recipe.shape
+    named = model_shape(args.model, prog) if args.model else recipe.shape
     shape = dataclasses.replace(
-        shape, **{dest: getattr(args, dest) for dest in SHAPE_FLAGS if getattr(args, dest) is not None}
+        named, **{dest: getattr(args, dest) for dest in SHAPE_FLAGS if getattr(args, dest) is not None}
     )
-    if shape.hidden_size % shape.num_heads:
+    check_shape(shape, prog)
+    name = args.model or recipe.model
+    teacher = {}
+    if args.teacher_model:
+        teacher_shape = check_shape(model_shape(args.teacher_model, prog), prog)
+        if teacher_shape.vocab_size != shape.vocab_size:
+            cli.fail(
+                prog,
+                f"--teacher-model {args.teacher_model}: vocabulary {teacher_shape.vocab_size}, the student's is "
+                f"{shape.vocab_size} (the divergence compares the two heads' distributions token by token)",
+            )
+        teacher = dict(teacher=teacher_shape, teacher_model=args.teacher_model)
+    if args.teacher_top_k is not None:
+        teacher["teacher_top_k"] = args.teacher_top_k
+    return dataclasses.replace(
+        recipe,
+        shape=shape,
+        model=name + (" (shape overridden)" if shape != named else ""),
+        **teacher,
+        **{f: getattr(args, f) for f in RECIPE_FLAGS if getattr(args, f) is not None},
+    )
+
+
+def model_shape(name_or_path: str, prog: str = PROG):
+    """``--model``'s (or ``--teacher-model``'s) shape: a preset's (MODELS), or a local config.json's (a path to it
+    or to a folder holding it; never a hub's). One line on stderr and exit status 2 for anything else."""
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        cli.fail(
+            prog,
+            f"{name_or_path}: not a preset ({', '.join(sorted(MODELS))}) nor a local config.json or folder holding "
+            "one (the estimator reads no hub: download the model's config.json and pass its path)",
+        )
+    try:
+        return ModelShape.from_config_file(path)
+    except ValueError as e:
+        cli.fail(prog, str(e))
+
+
+def check_shape(shape, prog: str = PROG):
+    """``shape``, or one line on stderr and exit status 2 where its heads do not divide the hidden size or each
+    other, or its head dim is odd."""
+    if shape.explicit_head_dim is None and shape.hidden_size % shape.num_heads:
         cli.fail(prog, f"hidden size {shape.hidden_size} is not a multiple of the {shape.num_heads} attention heads")
     if shape.num_heads % shape.num_kv_heads:
         cli.fail(prog, f"{shape.num_heads} attention heads are not a multiple of the {shape.num_kv_heads} kv heads")
     if shape.head_dim % 2:
         cli.fail(prog, f"head dim {shape.head_dim} (hidden size / heads) is odd: rotary embeddings need it even")
-    changed = shape != (MODELS[args.model] if args.model else recipe.shape)
-    name = args.model or recipe.model
-    return dataclasses.replace(
-        recipe,
-        shape=shape,
-        model=name + (" (shape overridden)" if changed else ""),
-        **{f: getattr(args, f) for f in RECIPE_FLAGS if getattr(args, f) is not None},
-    )
+    return shape
 
 
 def check_packages(prog: str, recipe: Recipe, heads: Mapping[str, type[LossHead]]) -> None:

@@ -3,7 +3,10 @@
 A head takes the model's last hidden states of the completion tokens and the lm_head's weight, and gives the
 micro-batch's GRPO loss. Every head scores its log-probs with the loss the product runs (``grpo_fast.token_loss``,
 or ``grpo_fast.loss`` for both layers), so heads differ in their log-probs only. Built in: eager PyTorch's full
-logits and grpo_fast's fused head; another head (a peer's) is a ``LossHead`` subclass handed to the estimate.
+logits and grpo_fast's fused head (``HEADS``, the default comparison); grpo_fast's distillation heads
+(``DISTILLATION_HEADS``: ``distillation_loss`` against a teacher model in the process, RL and distillation in one
+``loss`` call, ``served_distillation_loss`` against a served teacher's top-k log-probs), on request; another head (a
+peer's) is a ``LossHead`` subclass handed to the estimate.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from grpo_fast.distillation import api as distillation_api
+from grpo_fast.distillation.teacher import Teacher
 from grpo_fast.grpo_loss import api as loss_api
 from grpo_fast.grpo_loss.options import LossOptions
 from grpo_fast.memory.recipe import Gpu, Recipe
+from grpo_fast.served import api as served_api
+from grpo_fast.served.teacher import ServedTeacher
 
 
 @dataclass
@@ -31,6 +38,11 @@ class Batch:
         ref_logprobs: [B, T] float32 with a KL term, else None.
         num_items: the rollout's completion tokens (DAPO's normaliser), a 0-dim tensor.
         kept_ids: [B, T, K] int64 the sampler's replayed kept sets (a head with ``kept_width`` K > 0), else None.
+        teacher_ids: [B, T, K] int64 a served teacher's top-k ids (a head with ``teacher == "served"``), else None.
+        teacher_logprobs: [B, T, K] float32 their log-probs, else None.
+        teacher_hidden: [B, T, Dt] the teacher model's completion hidden states (a head with ``teacher == "model"``),
+            set by the step's teacher forward, else None.
+        teacher_weight: [V, Dt] the teacher's lm_head weight, set with them, else None.
     """
 
     targets: torch.Tensor
@@ -39,6 +51,10 @@ class Batch:
     ref_logprobs: torch.Tensor | None
     num_items: torch.Tensor
     kept_ids: torch.Tensor | None = None
+    teacher_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_hidden: torch.Tensor | None = None
+    teacher_weight: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -76,6 +92,10 @@ class LossHead(nn.Module):
     in_old_policy_pass = False
     # K of the replayed kept sets [B, T, K] the batch carries for the head (0: none)
     kept_width = 0
+    # the teacher the head distils from: None; "model", a teacher model in the process (the step builds it, runs its
+    # forward without gradients and hands its hidden states and lm_head to the head through the batch); "served", a
+    # served teacher's top-k log-probs ([B, T, K] rollout inputs, K the recipe's teacher_top_k)
+    teacher: str | None = None
 
     def __init__(self, recipe: Recipe, batch: Batch):
         super().__init__()
@@ -191,8 +211,115 @@ class GrpoFastHead(LossHead):
         return value
 
 
-# the heads grpo_fast itself provides, by the name the command line takes
+# the divergence's weight in RL + distillation's per-token loss: TRL's GRPO has no such coefficient, and its value
+# changes no tensor's size (any number > 0 gives the same estimate)
+DISTILLATION_COEF = 1.0
+
+
+class DistillationHead(LossHead):
+    """``grpo_fast.distillation_loss`` on its Triton path: the student's divergence from a teacher model run in the
+    process (its hidden states and lm_head), TRL's DistillationTrainer's loss (beta 1, its default), the gradients
+    formed in the forward. The batch's RL inputs are unused: the loss is the divergence alone.
+
+    Args:
+        recipe: the step's sizes.
+        batch: the micro-batch's inputs.
+    """
+
+    label = "grpo_fast.distillation_loss"
+    description = (
+        "grpo_fast.distillation_loss's Triton path against a teacher model in the process (its forward without "
+        "gradients, then both heads' logits chunk by chunk)"
+    )
+    teacher = "model"
+
+    def forward(self, hidden, weight):
+        """The micro-batch's loss (LossHead.forward)."""
+        value, _, _ = distillation_api.distillation_loss(
+            hidden,
+            weight,
+            self.batch.teacher_hidden,
+            self.batch.teacher_weight,
+            self.batch.mask,
+            num_items_in_batch=self.batch.num_items,
+            temperature=self.recipe.temperature,
+            backend="triton",
+        )
+        return value
+
+
+class RlDistillationHead(LossHead):
+    """``grpo_fast.loss(..., teacher=grpo_fast.Teacher(hidden, weight))``: RL and distillation in one call on its
+    Triton path, the teacher a model in the process (``DISTILLATION_COEF``: its weight).
+
+    Args:
+        recipe: the step's sizes.
+        batch: the micro-batch's inputs.
+    """
+
+    label = "grpo_fast.loss + teacher"
+    description = "grpo_fast.loss's Triton path with teacher=grpo_fast.Teacher (RL and distillation in one call)"
+    teacher = "model"
+
+    def forward(self, hidden, weight):
+        """The micro-batch's loss (LossHead.forward)."""
+        value, _ = loss_api.loss(
+            hidden,
+            weight,
+            self.batch.targets,
+            self.batch.advantages,
+            self.batch.mask,
+            ref_logprobs=self.batch.ref_logprobs,
+            options=self.options(),
+            temperature=self.recipe.temperature,
+            num_items_in_batch=self.batch.num_items,
+            backend="triton",
+            teacher=Teacher(self.batch.teacher_hidden, self.batch.teacher_weight),
+            distillation_coef=DISTILLATION_COEF,
+        )
+        return value
+
+
+class ServedDistillationHead(LossHead):
+    """``grpo_fast.served_distillation_loss`` on its Triton path: the divergence from a served teacher's top-k
+    log-probs (``grpo_fast.ServedTeacher``, the recipe's teacher_top_k entries a token; TRL's async trainer's
+    forward KL, beta 0), no teacher model in the process.
+
+    Args:
+        recipe: the step's sizes.
+        batch: the micro-batch's inputs.
+    """
+
+    label = "grpo_fast.served_distillation_loss"
+    description = (
+        "grpo_fast.served_distillation_loss's Triton path against a served teacher's top-k log-probs (no teacher "
+        "model in the process)"
+    )
+    teacher = "served"
+
+    def forward(self, hidden, weight):
+        """The micro-batch's loss (LossHead.forward)."""
+        value, _, _ = served_api.served_distillation_loss(
+            hidden,
+            weight,
+            ServedTeacher(self.batch.teacher_ids, self.batch.teacher_logprobs),
+            self.batch.mask,
+            num_items_in_batch=self.batch.num_items,
+            targets=self.batch.targets,
+            temperature=self.recipe.temperature,
+            backend="triton",
+        )
+        return value
+
+
+# the heads grpo_fast itself provides, by the name the command line takes: the default comparison, and the
+# distillation heads on request (--heads)
 HEADS = {"eager": EagerHead, "grpo_fast": GrpoFastHead}
+DISTILLATION_HEADS = {
+    "distillation": DistillationHead,
+    "rl_distillation": RlDistillationHead,
+    "served_distillation": ServedDistillationHead,
+}
 
 
 def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
@@ -203,6 +330,21 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
         return 0
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
     op = schema.name.split("::", 1)[1]
+    if op in ("gathered_logits", "gathered_logits_backward"):
+        return 0  # K weight rows gathered into [N, K] logits and their gradient scattered back: outputs only
+    if op == "divergence_loss":
+        return _divergence_loss_workspace(bound, bound["backend"], bound["token_chunk"])
+    if op == "served_trained_loss":
+        hidden = bound["hidden"]
+        head = _backend(bound["backend"]).trained_head_workspace_bytes(
+            tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype, bound["token_chunk"] or None
+        )
+        return head + 2 * bound["ids"].numel() * 4  # the gathered logits [N, K'] and their sparse gradient, fp32
+    if op in UNMODELLED_OPS:
+        raise NotImplementedError(
+            f"grpo_fast::{op} has no workspace model here (the estimate would leave its buffers out): the memory "
+            "estimator's heads run the fused distillation paths (grpo_fast::divergence_loss, trained_head_loss)"
+        )
     if op in ("sampler_support", "sampler_support_backward"):
         from grpo_fast.memory import support_workspace
 
@@ -215,6 +357,13 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
         from grpo_fast.grpo_loss import ops as loss_ops
 
         hidden = bound["hidden"]
+        if bound.get("teacher_hidden") is not None:  # RL and distillation in one call: the divergence loss's buffers
+            B, T = bound["mask"].shape
+            return (
+                _divergence_loss_workspace(bound, bound["token_backend"], bound["token_chunk"])
+                + loss_ops.workspace_bytes((B, T), backend=bound["token_backend"])
+                + B * T * 4
+            )
         shape = (tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype, tuple(bound["mask"].shape))
         return loss_ops.trained_head_workspace_bytes(
             *shape, backend=bound["token_backend"], token_chunk=bound["token_chunk"]
@@ -232,4 +381,26 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
         backward_mode=bound["backward_mode"],
         device_type="cuda",
         compute_capability=gpu.compute_capability,
+    )
+
+
+# grpo_fast's ops whose real implementations' buffers no model here gives (the divergence's general path, the
+# combined RL + distillation head's general path): an estimate that runs one stops rather than leave them out
+UNMODELLED_OPS = ("divergence_forward", "divergence_backward", "loss_head_forward", "loss_head_backward")
+
+
+def _backend(name: str):
+    from grpo_fast.backends.resolver import named
+
+    return named(name)
+
+
+def _divergence_loss_workspace(bound: dict, backend: str, token_chunk: int) -> int:
+    """The divergence loss's chunk buffers (the backend's ``divergence_loss_workspace_bytes``) for an op's bound
+    arguments: the student's rows under ``student_hidden`` or ``hidden``, its head under ``student_weight`` or
+    ``weight``; its gradients are always formed here (the step's student trains)."""
+    hidden = bound.get("student_hidden", bound.get("hidden"))
+    weight = bound.get("student_weight", bound.get("weight"))
+    return _backend(backend).divergence_loss_workspace_bytes(
+        tuple(hidden.shape), weight.shape[0], hidden.dtype, token_chunk or None
     )

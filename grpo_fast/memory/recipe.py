@@ -22,6 +22,10 @@ class ModelShape:
         num_kv_heads: key / value heads (grouped-query attention).
         vocab_size: V, the lm_head's rows.
         tie_word_embeddings: the lm_head shares the input embedding's weight.
+        config_path: a local config.json the shape was read from (``from_config_file``): the model is built from
+            it, its architecture and every other setting with these numbers; None: a Qwen2 config.
+        explicit_head_dim: the config's own head_dim where it sets one apart from hidden_size / num_heads (Qwen3's),
+            else None.
     """
 
     hidden_size: int
@@ -31,18 +35,88 @@ class ModelShape:
     num_kv_heads: int
     vocab_size: int
     tie_word_embeddings: bool = True
+    config_path: str | None = None
+    explicit_head_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
-        """hidden_size / num_heads."""
-        return self.hidden_size // self.num_heads
+        """The config's head_dim, else hidden_size / num_heads."""
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
 
-    def config(self):
-        """transformers' Qwen2Config with these numbers (Qwen2.5's rope base, RMS epsilon and context).
+    @classmethod
+    def from_config_file(cls, path) -> ModelShape:
+        """The shape of a local ``config.json`` (a path to it, or to a folder holding it), read by transformers'
+        AutoConfig without reaching a hub.
+
+        Args:
+            path: the file or folder.
 
         Returns:
-            A ``transformers.Qwen2Config`` with SDPA attention and no cache.
+            Its ModelShape, ``config_path`` the file.
+
+        Raises:
+            ValueError: no config.json there, one transformers cannot read, of a model that is no causal LM, or
+                without a decoder's sizes.
         """
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        file = Path(path)
+        file = file / "config.json" if file.is_dir() else file
+        if not file.is_file():
+            raise ValueError(f"{path}: no config.json there")
+        try:
+            config = AutoConfig.from_pretrained(str(file), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - transformers' errors for a malformed or unknown config vary
+            raise ValueError(f"{file}: transformers cannot read it ({type(e).__name__}: {e})") from None
+        config = getattr(config, "text_config", None) or config
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ValueError(f"{file}: a {config.model_type} config, which transformers builds no causal LM of")
+        names = {
+            "hidden_size": "hidden_size",
+            "intermediate_size": "intermediate_size",
+            "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads",
+            "vocab_size": "vocab_size",
+        }
+        missing = [name for name in names.values() if getattr(config, name, None) is None]
+        if missing:
+            raise ValueError(f"{file}: a decoder's config needs {', '.join(missing)}")
+        values = {field: int(getattr(config, name)) for field, name in names.items()}
+        kv_heads = getattr(config, "num_key_value_heads", None) or values["num_heads"]
+        head_dim = getattr(config, "head_dim", None)
+        own_head_dim = head_dim and head_dim != values["hidden_size"] // values["num_heads"]
+        return cls(
+            **values,
+            num_kv_heads=int(kv_heads),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            config_path=str(file.resolve()),
+            explicit_head_dim=int(head_dim) if own_head_dim else None,
+        )
+
+    def config(self):
+        """transformers' config with these numbers: ``config_path``'s (its architecture and other settings), else a
+        Qwen2Config (Qwen2.5's rope base, RMS epsilon and context).
+
+        Returns:
+            A ``transformers.PretrainedConfig`` with SDPA attention and no cache.
+        """
+        if self.config_path is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.config_path, local_files_only=True)
+            config = getattr(config, "text_config", None) or config
+            config.hidden_size, config.intermediate_size = self.hidden_size, self.intermediate_size
+            config.num_hidden_layers, config.num_attention_heads = self.num_layers, self.num_heads
+            config.num_key_value_heads, config.vocab_size = self.num_kv_heads, self.vocab_size
+            config.tie_word_embeddings, config.use_cache = self.tie_word_embeddings, False
+            if self.explicit_head_dim is not None:
+                config.head_dim = self.explicit_head_dim
+            config._attn_implementation = "sdpa"
+            return config
         from transformers import Qwen2Config
 
         config = Qwen2Config(
@@ -102,6 +176,10 @@ class Recipe:
         betas: AdamW's betas.
         max_grad_norm: the gradient clipping norm.
         lora_targets: the modules LoRA adapts (PEFT's ``target_modules``).
+        teacher: the distillation heads' teacher model's shape (a model in the process: its weights and forward
+            without gradients), or None: the student's shape.
+        teacher_model: the teacher's name (as ``model``), or None: the student's.
+        teacher_top_k: K, a served teacher's log-probs a token (TRL's ``teacher_top_k``).
     """
 
     model: str
@@ -123,6 +201,14 @@ class Recipe:
     betas: tuple = (0.9, 0.99)
     max_grad_norm: float = 0.1
     lora_targets: tuple = DECODER_PROJECTIONS
+    teacher: ModelShape | None = None
+    teacher_model: str | None = None
+    teacher_top_k: int = 8
+
+    @property
+    def teacher_shape(self) -> ModelShape:
+        """The teacher model's shape: ``teacher``, else the student's."""
+        return self.teacher or self.shape
 
     @property
     def completion_tokens(self) -> int:
@@ -147,6 +233,7 @@ class Recipe:
             f"tokens), gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, beta {self.beta:g}"
             f"{' (a reference copy of the weights)' if self.reference_copy else ''}; rollout "
             f"{self.prompts_per_step} x {self.num_generations} completions"
+            + (f"; teacher {self.teacher_model}" if self.teacher is not None else "")
         )
 
 

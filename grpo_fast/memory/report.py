@@ -19,12 +19,26 @@ ALLOWANCE = {
 CATEGORIES = (
     "weights",
     "reference weights",
+    "teacher weights",
     "gradients",
     "optimizer state",
     "optimizer step temporaries",
-    "activations",
-    "loss head",
+    "model activations",
+    "loss head buffers",
 )
+# each category's row in the table: what it holds at the step's peak (a head whose peak falls in the model's
+# backward holds the model's activations there, checkpoints and the layer being recomputed; one whose peak falls in
+# the head holds its own buffers on top of the checkpoints)
+ROWS = {
+    "weights": "weights",
+    "reference weights": "reference weights (the KL term's copy)",
+    "teacher weights": "teacher weights",
+    "gradients": "gradients",
+    "optimizer state": "optimizer state",
+    "optimizer step temporaries": "optimizer step temporaries",
+    "model activations": "model activations held at the peak",
+    "loss head buffers": "loss head's buffers held at the peak",
+}
 
 
 def gib(n_bytes: int) -> float:
@@ -62,6 +76,8 @@ def to_json(result: dict, command: str) -> dict:
     def plain(value):
         if isinstance(value, torch.dtype):
             return str(value).removeprefix("torch.")
+        if dataclasses.is_dataclass(value):
+            return dataclasses.asdict(value)
         return list(value) if isinstance(value, tuple) else value
 
     out = {
@@ -105,44 +121,46 @@ def answer(report: dict) -> str:
 _PACKAGE_NAMES = {"transformers": "transformers", "peft": "PEFT", "trl": "TRL"}
 
 
-def markdown(report: dict) -> str:
-    """The report as the .md file writes it: the verdict, the table by category and what the estimate leaves out.
-    ``report``: ``to_json``'s."""
+def markdown(report: dict, explain: bool = True) -> str:
+    """The report as the .md file writes it: the table by category at each head's peak, then three lines (the
+    verdict, the generation phase, where to read more); with ``explain``, also the command that regenerates it, the
+    versions and what the estimate counts and leaves out. ``report``: ``to_json``'s."""
     r = report["recipe"]
     card = report["card"]
-    versions = ", ".join(
-        f"{_PACKAGE_NAMES.get(name, name)} {version}" for name, version in report["versions"].items() if name != "torch"
-    )
-    lines = [
-        f"# Peak GPU memory of one GRPO step: {r['description']}",
-        "",
-        "Regenerate (CPU, no GPU, no hub; about a minute a head):",
-        "",
-        "```",
-        report["command"],
-        "```",
-        "",
-        (
-            f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
-            f"({versions}); GiB (2^30 bytes). The card: {card['name']}, {card['gib']:.2f} GiB "
-            f"({card['gib'] * 1024:.0f} MiB)."
-        ),
-        "",
-        answer(report),
-        "",
-        "| | " + " | ".join(h["label"] for h in report["heads"].values()) + " |",
-        "|---|" + "---:|" * len(report["heads"]),
-    ]
     heads = list(report["heads"].values())
+    lines = [f"# Peak GPU memory of one GRPO step: {r['description']}", ""]
+    if explain:
+        versions = ", ".join(
+            f"{_PACKAGE_NAMES.get(name, name)} {version}"
+            for name, version in report["versions"].items()
+            if name != "torch"
+        )
+        lines += [
+            "Regenerate (CPU, no GPU, no hub; tens of seconds a head):",
+            "",
+            "```",
+            report["command"],
+            "```",
+            "",
+            (
+                f"Estimated with torch {report['versions']['torch']}'s memory tracker over fake tensors "
+                f"({versions}); GiB (2^30 bytes). The card: {card['name']}, {card['gib']:.2f} GiB "
+                f"({card['gib'] * 1024:.0f} MiB)."
+            ),
+            "",
+        ]
+    lines += [
+        "| GiB | " + " | ".join(h["label"] for h in heads) + " |",
+        "|---|" + "---:|" * len(heads),
+        "| the peak falls in | " + " | ".join(h["peak_in"] for h in heads) + " |",
+    ]
     for category in CATEGORIES:
-        if any(h["categories_bytes"][category] for h in heads):
-            lines.append(
-                f"| {category} | " + " | ".join(f"{gib(h['categories_bytes'][category]):.2f}" for h in heads) + " |"
-            )
+        if any(h["categories_bytes"].get(category, 0) for h in heads):
+            cells = " | ".join(f"{gib(h['categories_bytes'].get(category, 0)):.2f}" for h in heads)
+            lines.append(f"| {ROWS[category]} | {cells} |")
     rows = [
         ("**estimated peak**", lambda h: f"**{h['peak_gib']:.2f}**"),
-        ("peak during", lambda h: h["peak_in"]),
-        ("loss head's own peak", lambda h: f"{gib(h['loss_head_peak_bytes']):.2f}"),
+        ("loss head's buffers at its own peak", lambda h: f"{gib(h['loss_head_peak_bytes']):.2f}"),
         ("+ allowance (not tracked)", lambda h: f"{h['allowance_gib']:.2f}"),
         ("= expected on the card", lambda h: f"{h['with_allowance_gib']:.2f}"),
         (
@@ -171,17 +189,32 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cell(h) for h in heads) + " |")
     g = report["generation"]
     parts = g["parts_bytes"]
+    weights = parts["weights"] + parts["reference weights"] + parts.get("teacher weights", 0)
     lines += [
         "",
+        answer(report),
+        "",
         (
-            f"Generation phase (HF generate, {g['sequences']} sequences x {g['tokens']} tokens, key / value "
-            f"cache {gib(parts['kv cache']):.2f} GiB = {r['shape']['num_layers']} layers x 2 x "
-            f"{r['shape']['num_kv_heads']} kv heads x {r['shape']['hidden_size'] // r['shape']['num_heads']} x "
-            f"{g['sequences']} x {g['tokens']} tokens x {2 if r['dtype'] in ('bfloat16', 'float16') else 4} bytes): "
-            f"weights {gib(parts['weights'] + parts['reference weights']):.2f} + optimizer state "
-            f"{gib(parts['optimizer state']):.2f} + cache = **{g['peak_gib']:.2f} GiB**, with the allowance "
+            f"Generation phase (HF generate, {g['sequences']} sequences x {g['tokens']} tokens): weights "
+            f"{gib(weights):.2f} + optimizer state {gib(parts['optimizer state']):.2f} + key / value cache "
+            f"{gib(parts['kv cache']):.2f} = **{g['peak_gib']:.2f} GiB**, with the allowance "
             f"{g['with_allowance_gib']:.2f}: {'fits' if g['fits'] else 'does not fit'} (margin "
-            f"{g['margin_gib']:+.2f}). The step and the generation do not overlap; the run's peak is the larger."
+            f"{g['margin_gib']:+.2f}); the step and the generation do not overlap."
+        ),
+        "",
+    ]
+    if not explain:
+        lines.append(
+            "--explain: what each row counts, the key / value cache's arithmetic and what the estimate leaves out; "
+            "--out FILE: the numbers as FILE.json, this report in full as FILE.md, a plot as FILE.png."
+        )
+        return "\n".join(lines) + "\n"
+    lines += [
+        (
+            f"The key / value cache: {r['shape']['num_layers']} layers x 2 x {r['shape']['num_kv_heads']} kv heads x "
+            f"{_head_dim(r['shape'])} x {g['sequences']} x {g['tokens']} tokens x "
+            f"{2 if r['dtype'] in ('bfloat16', 'float16') else 4} bytes; the run's peak is the larger of the step's "
+            "and the generation's."
         ),
         "",
     ]
@@ -215,11 +248,15 @@ Estimated: every tensor the step allocates through torch (the tracker sees each 
 steady state of a training loop such as examples/train_gsm8k.py's: the optimizer state of an earlier update, the
 gradients of an earlier micro-batch, one micro-batch's forward and backward at full length (every prompt at the
 recipe's longest, every completion at its maximum: the worst case), then gradient clipping and AdamW's foreach update.
-Categories at the step's peak: weights (the policy's parameters and buffers; LoRA adapters in fp32), reference weights
-(the KL term's frozen copy, full-parameter runs only), gradients, optimizer state (AdamW's two moments and step
-counts), optimizer step temporaries (the foreach update's), activations (the checkpoints, one layer's recomputation,
-the backward's temporaries, the inputs) and the loss head (what the head holds above the memory at its entry, when the
-peak falls inside it). "Loss head's own peak": the same quantity at the head's own peak. The heads: {heads}. Every
+Rows: what is held at the moment of each head's peak ("the peak falls in" says which), so a row compares heads at
+different moments: weights (the policy's parameters and buffers; LoRA adapters in fp32), reference weights (the KL
+term's frozen copy, full-parameter runs only), teacher weights (a distillation head's teacher model in the process),
+gradients, optimizer state (AdamW's two moments and step counts), optimizer step temporaries (the foreach update's),
+model activations held at the peak (everything else the step holds outside the loss head: the checkpoints, the
+inputs, and where the peak falls in the model's backward the layer being recomputed and the backward's temporaries:
+a head that frees its buffers before the model's backward peaks there, with more of these and none of its own) and
+the loss head's buffers held at the peak (what the head holds above the memory at its entry, when the peak falls
+inside it). "Loss head's buffers at its own peak": the same quantity at the head's own peak. The heads: {heads}. Every
 head's log-probs go through grpo_fast's token loss on its Triton path, as training with grpo_fast does; grpo_fast's
 custom ops run their fake implementations, which allocate the outputs, and the tracker adds each op's workspace
 (grpo_fast's workspace_bytes, sized for the {card}'s sm_{arch}) while it runs. The model: no weight is made or
@@ -255,6 +292,11 @@ peak is accounted on its own and the head's peak is the larger of its two passes
 """
 
 
+def _head_dim(shape: dict) -> int:
+    """A report's shape's head dim: its explicit one, else hidden size / heads."""
+    return shape.get("explicit_head_dim") or shape["hidden_size"] // shape["num_heads"]
+
+
 def plot(report: dict, path) -> None:
     """Stacked bars by category per head, the generation phase beside them, and the card's line, as a PNG at
     ``path``. ``report``: ``to_json``'s."""
@@ -268,7 +310,18 @@ def plot(report: dict, path) -> None:
     colors = dict(
         zip(
             CATEGORIES + ("kv cache", "allowance"),
-            ["#4c72b0", "#8172b3", "#dd8452", "#55a868", "#a1c9a4", "#c44e52", "#937860", "#64b5cd", "#dddddd"],
+            [
+                "#4c72b0",
+                "#8172b3",
+                "#da8bc3",
+                "#dd8452",
+                "#55a868",
+                "#a1c9a4",
+                "#c44e52",
+                "#937860",
+                "#64b5cd",
+                "#dddddd",
+            ],
         )
     )
     stacks = [dict(h["categories_bytes"]) | {"allowance": h["allowance_gib"] * GIB} for h in heads]

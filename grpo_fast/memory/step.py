@@ -13,6 +13,7 @@ kernels keep (the output and a log-sum-exp per row and head).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ def _fake_parameters(model: nn.Module, fake_mode) -> None:
 
 
 def build_model(
-    recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = True, checkpointing: bool = True
+    recipe: Recipe, fake_mode=None, *, device="cpu", lora: bool = True, checkpointing: bool = True, shape=None
 ) -> nn.Module:
     """The recipe's model in train mode, with gradient checkpointing (non-reentrant) and PEFT's LoRA on the recipe's
     target modules (``lora`` and a rank > 0; the adapters in fp32, PEFT's default autocast of bf16 adapters).
@@ -58,6 +59,7 @@ def build_model(
         device: where a real model is built.
         lora: apply LoRA when the recipe's rank is > 0 (False: the base model, the KL term's copy).
         checkpointing: enable the recipe's gradient checkpointing.
+        shape: the model's ModelShape; None: the recipe's (the teacher's is ``recipe.teacher_shape``).
 
     Returns:
         The model, in train mode.
@@ -65,7 +67,7 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta" if fake_mode is not None else device):
-        model = AutoModelForCausalLM.from_config(recipe.shape.config(), dtype=recipe.dtype)
+        model = AutoModelForCausalLM.from_config((shape or recipe.shape).config(), dtype=recipe.dtype)
     if checkpointing and recipe.gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):
@@ -195,6 +197,87 @@ def _mem_tracker_class():
     return StepTracker, _MemRefType
 
 
+class Models:
+    """The recipe's models, each built once and shared by every head's step: the policy and its optimizer with the
+    state of an earlier update, the KL term's frozen copy (``Recipe.reference_copy``), a distillation teacher. Over
+    fake tensors building the policy takes seconds (transformers' modules, PEFT's adapters) and the optimizer's first
+    update a few more; a step leaves them as it found them (its gradients and inputs are its own, freed by the update;
+    the optimizer's state keeps its tensors), so the heads' estimates do not depend on their order. On a GPU
+    (``fake_mode`` None) each step builds its own: a real model's memory is what is measured.
+
+    Args:
+        recipe: the step's sizes.
+        fake_mode: the ``FakeTensorMode`` every step of the estimate runs under, or None: real tensors on ``device``.
+        device: where real tensors are built.
+    """
+
+    def __init__(self, recipe: Recipe, fake_mode=None, device="cpu"):
+        self.recipe, self.fake_mode, self.device = recipe, fake_mode, device
+        self._built = {}
+
+    def _model(self, role: str, make):
+        """``make()``'s result, once per role over fake tensors; on a device, a new one each call."""
+        if self.fake_mode is None:
+            return make()
+        if role not in self._built:
+            self._built[role] = make()
+        return self._built[role]
+
+    def policy(self) -> nn.Module:
+        """The policy, in train mode (LoRA, checkpointing)."""
+        return self._model("policy", lambda: build_model(self.recipe, self.fake_mode, device=self.device))
+
+    def reference(self) -> nn.Module | None:
+        """The KL term's frozen copy, or None (``Recipe.reference_copy``)."""
+        if not self.recipe.reference_copy:
+            return None
+        return self._model(
+            "reference",
+            lambda: build_model(
+                self.recipe, self.fake_mode, device=self.device, lora=False, checkpointing=False
+            ).requires_grad_(False),
+        )
+
+    def optimizer(self, trainable: list) -> torch.optim.Optimizer:
+        """AdamW over the policy's ``trainable`` parameters with the state of an earlier update, no gradients (built
+        under the models' fake mode or device, as ``prepare_step`` calls it)."""
+
+        def make():
+            # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, other temporaries)
+            optimizer = torch.optim.AdamW(
+                trainable,
+                lr=self.recipe.lr,
+                betas=self.recipe.betas,
+                weight_decay=self.recipe.weight_decay,
+                foreach=True,
+            )
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return optimizer
+
+        return self._model("optimizer", make)
+
+    def teacher(self) -> nn.Module:
+        """The distillation teacher: ``Recipe.teacher_shape``, frozen, in eval mode (TRL's DistillationTrainer's)."""
+        return self._model(
+            "teacher",
+            lambda: (
+                build_model(
+                    self.recipe,
+                    self.fake_mode,
+                    device=self.device,
+                    lora=False,
+                    checkpointing=False,
+                    shape=self.recipe.teacher_shape,
+                )
+                .requires_grad_(False)
+                .eval()
+            ),
+        )
+
+
 @dataclass
 class Step:
     """One training step's objects: the model (and the KL term's frozen copy), the optimizer, the inputs, the head.
@@ -203,6 +286,7 @@ class Step:
         recipe: the step's sizes.
         model: the policy, in train mode.
         reference: the KL term's frozen copy, or None (``Recipe.reference_copy``).
+        teacher: the distillation teacher model (a head with ``teacher == "model"``), or None.
         trainable: the parameters that train.
         optimizer: AdamW over them, with the state of an earlier update.
         prompt_ids: [B, P] prompt token ids.
@@ -220,6 +304,7 @@ class Step:
     prompt_mask: torch.Tensor
     batch: Batch
     head: LossHead
+    teacher: nn.Module | None = None
 
     def inputs(self) -> list:
         """The micro-batch's input tensors.
@@ -234,18 +319,37 @@ class Step:
             self.batch.advantages,
             self.batch.mask,
             self.batch.num_items,
-        ] + [t for t in (self.batch.ref_logprobs, self.batch.kept_ids) if t is not None]
+        ] + [
+            t
+            for t in (self.batch.ref_logprobs, self.batch.kept_ids, self.batch.teacher_ids, self.batch.teacher_logprobs)
+            if t is not None
+        ]
 
     def forward_backward(self) -> None:
-        """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires), the
-        loss head, backward."""
+        """One micro-batch: completion_hidden_states (every row its own prompt, as checkpointing requires); with a
+        teacher model, its completion hidden states without gradients after the student's (TRL's
+        DistillationTrainer's order: the student's activations are held meanwhile); the loss head, backward."""
         from grpo_fast.integrations.hidden_states import completion_hidden_states
 
         with self.head.on_fake_tensors() if is_fake(self.prompt_ids) else contextlib.nullcontext():
             hidden = completion_hidden_states(
                 self.model, self.prompt_ids, self.prompt_mask, self.batch.targets, self.batch.mask, share_prompts=False
             )
-            self.head(hidden, self.model.get_output_embeddings().weight).backward()
+            if self.teacher is not None:
+                with torch.no_grad():
+                    self.batch.teacher_hidden = completion_hidden_states(
+                        self.teacher,
+                        self.prompt_ids,
+                        self.prompt_mask,
+                        self.batch.targets,
+                        self.batch.mask,
+                        share_prompts=False,
+                    )
+                self.batch.teacher_weight = self.teacher.get_output_embeddings().weight
+            try:
+                self.head(hidden, self.model.get_output_embeddings().weight).backward()
+            finally:  # the teacher's hidden states are this micro-batch's: freed with it
+                self.batch.teacher_hidden = self.batch.teacher_weight = None
 
     def old_policy_pass(self) -> None:
         """The old policy's pass over the micro-batch (TRL's scoring of a rollout, batch by batch, before its
@@ -275,7 +379,15 @@ class Step:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="cpu", *, gradients: bool = True) -> Step:
+def prepare_step(
+    recipe: Recipe,
+    head: type[LossHead],
+    fake_mode=None,
+    device="cpu",
+    *,
+    gradients: bool = True,
+    models: Models | None = None,
+) -> Step:
     """The steady state of a training loop before a micro-batch: the optimizer state of an earlier update, the
     gradients of an earlier micro-batch of this one (it accumulates into them); the micro-batch's inputs at full
     length.
@@ -287,29 +399,23 @@ def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="c
         device: where real tensors are built.
         gradients: keep an earlier micro-batch's gradients (False: freed, as after an update's zero_grad: the old
             policy's pass).
+        models: the models to take (built once for every head of an estimate), of ``fake_mode`` and ``device``;
+            None: built for this step.
 
     Returns:
         The step, ready for ``forward_backward``.
     """
-    model = build_model(recipe, fake_mode, device=device)
-    reference = (
-        build_model(recipe, fake_mode, device=device, lora=False, checkpointing=False).requires_grad_(False)
-        if recipe.reference_copy
-        else None
-    )
+    models = models or Models(recipe, fake_mode, device)
+    model, reference = models.policy(), models.reference()
+    teacher = models.teacher() if head.teacher == "model" else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     B, P, T = recipe.micro_batch_size, recipe.prompt_length, recipe.completion_length
     V = recipe.shape.vocab_size
     with fake_mode if fake_mode is not None else torch.device(device):
-        # foreach: the CUDA default (a CPU parameter list would take the per-tensor loop, with other temporaries)
-        optimizer = torch.optim.AdamW(
-            trainable, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay, foreach=True
-        )
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        if not gradients:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer = models.optimizer(trainable)
+        if gradients:
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
         batch = Batch(
             targets=torch.randint(0, V, (B, T)),
             advantages=torch.randn(B),
@@ -318,11 +424,17 @@ def prepare_step(recipe: Recipe, head: type[LossHead], fake_mode=None, device="c
             num_items=torch.tensor(recipe.prompts_per_step * recipe.num_generations * T),
             kept_ids=torch.randint(0, V, (B, T, head.kept_width)) if head.kept_width else None,
         )
+        if head.teacher == "served":  # the served teacher's top-k, rank-sorted: a rollout input beside the ids
+            K = recipe.teacher_top_k
+            batch.teacher_ids = (torch.randint(0, V, (B, T, 1)) + torch.arange(K)) % V  # K distinct ids a token
+            batch.teacher_logprobs = -(torch.rand(B, T, K).sort(-1).values + math.log(2 * K))  # mass <= 1 / 2
         prompt_ids, prompt_mask = torch.randint(0, V, (B, P)), torch.ones(B, P, dtype=torch.long)
-    return Step(recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch, head(recipe, batch))
+    return Step(
+        recipe, model, reference, trainable, optimizer, prompt_ids, prompt_mask, batch, head(recipe, batch), teacher
+    )
 
 
-def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> dict:
+def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None, models: Models | None = None) -> dict:
     """The step's peak over fake tensors with loss head ``head``: bytes by category at the peak, where it is, and
     the loss head's own peak; one micro-batch's forward and backward, then the update. A head with an old policy's
     pass (``old_policy_pass``): that pass too (``estimate_old_policy_pass``, under ``old_policy_pass``), and where its
@@ -334,6 +446,8 @@ def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> d
         head: the loss head's class.
         gpu: the card grpo_fast's ops size their workspaces for.
         log: called with a progress message; None: silent.
+        models: the estimate's models over fake tensors (``Models`` with a ``FakeTensorMode``), shared by its
+            heads; None: built for this head.
 
     Returns:
         The peak's bytes, by category (``CATEGORIES``) and in all, the phase it is in, the loss head's own peak,
@@ -349,9 +463,10 @@ def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> d
         tracker.phase = "optimizer step"
         step.update()
 
-    result = _tracked(recipe, head, gpu, log, run, gradients=True, what="step")
+    models = models or fake_models(recipe)
+    result = _tracked(recipe, head, gpu, log, run, gradients=True, what="step", models=models)
     if head.old_policy_pass:
-        old = estimate_old_policy_pass(recipe, head, gpu, log)
+        old = estimate_old_policy_pass(recipe, head, gpu, log, models)
         result["old_policy_pass"] = old
         if old["peak_bytes"] > result["peak_bytes"]:  # the step's peak is the old policy's pass
             keys = ("peak_bytes", "categories_bytes", "peak_in", "loss_head_peak_bytes", "tracker_raw_peak_bytes")
@@ -361,7 +476,9 @@ def estimate_step(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> d
     return result
 
 
-def estimate_old_policy_pass(recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None) -> dict:
+def estimate_old_policy_pass(
+    recipe: Recipe, head: type[LossHead], gpu: Gpu, log=None, models: Models | None = None
+) -> dict:
     """The old policy's pass over one micro-batch, over fake tensors: the model's forward and the head's log-probs
     without autograd, after an update (the optimizer state held, no gradients), by category as ``estimate_step``.
 
@@ -370,48 +487,62 @@ def estimate_old_policy_pass(recipe: Recipe, head: type[LossHead], gpu: Gpu, log
         head: the loss head's class (its ``forward`` with ``in_old_policy_pass`` set).
         gpu: the card grpo_fast's ops size their workspaces for.
         log: called with a progress message; None: silent.
+        models: as ``estimate_step``'s.
 
     Returns:
         The pass's peak by category and in all, where it is, the loss head's own peak and the tracker's raw peak.
     """
     result = _tracked(
-        recipe, head, gpu, log or (lambda message: None), lambda step, tracker: step.old_policy_pass(), False, "pass"
+        recipe,
+        head,
+        gpu,
+        log or (lambda message: None),
+        lambda step, tracker: step.old_policy_pass(),
+        False,
+        "pass",
+        models or fake_models(recipe),
     )
     result["peak_in"] = f"old-policy pass: {result['peak_in'].replace(' forward', '')}"
     keys = ("peak_bytes", "categories_bytes", "peak_in", "loss_head_peak_bytes", "tracker_raw_peak_bytes")
     return {key: result[key] for key in keys}
 
 
-def _tracked(recipe, head, gpu, log, run, gradients, what) -> dict:
-    """``run(step, tracker)`` over fake tensors under the step tracker; the peak's bytes by category."""
+def fake_models(recipe: Recipe) -> Models:
+    """The recipe's models over a new ``FakeTensorMode``, for the heads of one estimate to share."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    fake = FakeTensorMode()
+    return Models(recipe, FakeTensorMode())
+
+
+def _tracked(recipe, head, gpu, log, run, gradients, what, models: Models) -> dict:
+    """``run(step, tracker)`` over ``models``' fake tensors under the step tracker; the peak's bytes by category."""
+    fake = models.fake_mode
     start = time.perf_counter()
-    step = prepare_step(recipe, head, fake, gradients=gradients)
-    log(f"built on fake tensors in {time.perf_counter() - start:.0f} s; running the {what}")
+    step = prepare_step(recipe, head, fake, gradients=gradients, models=models)
+    log(f"set up on fake tensors in {time.perf_counter() - start:.0f} s; running the {what}")
     StepTracker, RefType = _mem_tracker_class()
     tracker = StepTracker(step.head, lambda func, args, kwargs: workspace_bytes(func, args, kwargs, gpu))
-    tracker.track_external(
-        step.model, step.optimizer, *step.inputs(), *([step.reference] if step.reference is not None else [])
-    )
+    frozen = [m for m in (step.reference, step.teacher) if m is not None]
+    tracker.track_external(step.model, step.optimizer, *step.inputs(), *frozen)
     optimizer_state = tracker.get_tracker_snapshot()[torch.device("cpu")][RefType.OPT]
     start = time.perf_counter()
     with fake, tracker:
         run(step, tracker)
     log(f"{what} accounted in {time.perf_counter() - start:.0f} s")
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    reference_bytes = 0
-    if step.reference is not None:
-        reference_bytes = tensor_bytes(step.reference.parameters()) + tensor_bytes(step.reference.buffers())
+    reference_bytes, teacher_bytes = (
+        tensor_bytes(m.parameters()) + tensor_bytes(m.buffers()) if m is not None else 0
+        for m in (step.reference, step.teacher)
+    )
     categories = {
-        "weights": peak[RefType.PARAM] + peak[RefType.BUFFER] - reference_bytes,
+        "weights": peak[RefType.PARAM] + peak[RefType.BUFFER] - reference_bytes - teacher_bytes,
         "reference weights": reference_bytes,
+        "teacher weights": teacher_bytes,
         "gradients": peak[RefType.GRAD],
         "optimizer state": min(peak[RefType.OPT], optimizer_state),
         "optimizer step temporaries": max(peak[RefType.OPT] - optimizer_state, 0),
-        "activations": peak[RefType.ACT] + peak[RefType.TEMP] + peak[RefType.OTH] - tracker.head_at_peak,
-        "loss head": tracker.head_at_peak,
+        "model activations": peak[RefType.ACT] + peak[RefType.TEMP] + peak[RefType.OTH] - tracker.head_at_peak,
+        "loss head buffers": tracker.head_at_peak,
     }
     if sum(categories.values()) != peak["Total"]:
         raise RuntimeError(f"the categories sum to {sum(categories.values())} bytes, the peak is {peak['Total']}")
@@ -471,7 +602,7 @@ def measure_step(recipe: Recipe, head: type[LossHead], log=None) -> dict:
 
 
 def generation_phase(recipe: Recipe, step: dict) -> dict:
-    """The rollout's memory beside the step: the weights (policy and reference), the optimizer state (it lives
+    """The rollout's memory beside the step: the weights (policy, reference, teacher), the optimizer state (it lives
     between updates; the gradients do not: zero_grad frees them) and the key / value cache of every completion at
     full length, in the model's dtype.
 
@@ -489,6 +620,7 @@ def generation_phase(recipe: Recipe, step: dict) -> dict:
     parts = {
         "weights": c["weights"],
         "reference weights": c["reference weights"],
+        "teacher weights": c["teacher weights"],
         "optimizer state": step["optimizer_state_bytes"],
         "kv cache": cache,
     }
