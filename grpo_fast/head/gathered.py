@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import HeadGrads, HeadOperands
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands, gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline
 from grpo_fast.head.transform import LogitTransform
@@ -58,7 +58,7 @@ class GatheredOpOperands(NamedTuple):
         lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
         transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
         no_targets = self.ids.new_empty(0)
-        return HeadOperands(self.hidden, self.weight, no_targets, self.bias, transform, lora)
+        return HeadOperands(self.hidden, gemm_weight(self.weight, self.hidden), no_targets, self.bias, transform, lora)
 
     def sources(self):
         """The operands a gradient can reach, in HeadGrads' order."""
