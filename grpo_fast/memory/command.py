@@ -51,6 +51,7 @@ RECIPE_FLAGS = (
     "lora_alpha",
     "beta",
     "gradient_checkpointing",
+    "lm_head_dtype",
 )
 
 
@@ -97,6 +98,15 @@ def parse_args(
     p.add_argument("--lora-alpha", type=int, default=None)
     p.add_argument("--beta", type=float, default=None, help="KL coefficient (0: no reference log-probs)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--lm-head-dtype",
+        type=lambda name: {"float32": torch.float32}[name],
+        metavar="float32",
+        default=None,
+        help="the lm_head weight kept in float32 over the model's dtype (a master weight, as under torch.autocast): "
+        "an fp32 parameter of its own, its gradient and optimizer state fp32, and grpo_fast's ops hold a V x D copy "
+        "in the model's dtype while each runs (default: the model's dtype)",
+    )
     p.add_argument("--heads", default=",".join(heads), help=f"comma-separated, of {', '.join(heads)}")
     p.add_argument(
         "--peer-heads",
