@@ -118,13 +118,13 @@ def _spec(name, h, w, x):
     return (loss, div, entropy), loss
 
 
-def _run(name, hidden, weight, x, backend):
-    """(outputs detached, d hidden, d weight) of ``CALLS[name]`` on leaf copies of ``hidden`` and ``weight`` (or, for
-    a hidden with a graph, hidden itself, its gradient retained)."""
+def _run(call, hidden, weight, x, backend):
+    """(outputs detached, d hidden, d weight) of ``call`` (a CALLS entry's signature) on leaf copies of ``hidden``
+    and ``weight`` (or, for a hidden with a graph, hidden itself, its gradient retained)."""
     h = hidden if hidden.grad_fn is not None else hidden.detach().clone().requires_grad_()
     h.retain_grad()
     w = weight.detach().clone().requires_grad_()
-    outputs, scalar = CALLS[name](h, w, x, backend)
+    outputs, scalar = call(h, w, x, backend)
     if scalar is None:
         return tuple(o.detach() for o in outputs), None, None
     scalar.backward()
@@ -151,11 +151,11 @@ def test_fp32_weight_is_the_precast_weight_with_an_fp32_gradient(name, backend, 
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             hidden = projection(x["hidden"].float())
             assert hidden.dtype == torch.bfloat16
-            mixed = _run(name, hidden, x["weight"], x, backend)
+            mixed = _run(CALLS[name], hidden, x["weight"], x, backend)
         x["hidden"] = hidden.detach()
     else:
-        mixed = _run(name, x["hidden"], x["weight"], x, backend)
-    precast = _run(name, x["hidden"], x["weight"].bfloat16(), x, backend)
+        mixed = _run(CALLS[name], x["hidden"], x["weight"], x, backend)
+    precast = _run(CALLS[name], x["hidden"], x["weight"].bfloat16(), x, backend)
     _assert_equal(mixed[0], precast[0], "output")
     if mixed[1] is None:
         return
@@ -175,7 +175,7 @@ def test_fp32_weight_against_the_spec(name, backend, device):
     dev = backend_device(backend, device)
     x = _inputs(dev)
     with torch.autocast(dev.type, dtype=torch.bfloat16):
-        outputs, grad_hidden, grad_weight = _run(name, x["hidden"], x["weight"], x, backend)
+        outputs, grad_hidden, grad_weight = _run(CALLS[name], x["hidden"], x["weight"], x, backend)
     h = x["hidden"].to(F64).requires_grad_()
     w = x["weight"].bfloat16().to(F64).requires_grad_()
     expected, scalar = _spec(name, h, w, x)
@@ -192,8 +192,8 @@ def test_fp32_weight_against_the_spec(name, backend, device):
 def test_fp16_hidden_states_take_an_fp32_weight_too(device):
     """fp16 hidden states over an fp32 weight: the pre-cast (fp16) call's outputs, d weight fp32."""
     x = _inputs(device, torch.float16)
-    mixed = _run("logprobs_and_entropy", x["hidden"], x["weight"], x, "triton")
-    precast = _run("logprobs_and_entropy", x["hidden"], x["weight"].half(), x, "triton")
+    mixed = _run(_logprobs_and_entropy, x["hidden"], x["weight"], x, "triton")
+    precast = _run(_logprobs_and_entropy, x["hidden"], x["weight"].half(), x, "triton")
     _assert_equal(mixed[0] + (mixed[1],), precast[0] + (precast[1],), "output and d hidden")
     assert mixed[2].dtype == torch.float32 and torch.equal(mixed[2].half(), precast[2])
 
@@ -208,12 +208,40 @@ def test_an_autocast_region_changes_nothing(name, backend, dtype, device):
     dev = backend_device(backend, device)
     x = _inputs(dev, dtype)
     x["weight"], x["teacher_weight"] = x["weight"].to(dtype), x["teacher_weight"].to(dtype)
-    outside = _run(name, x["hidden"], x["weight"], x, backend)
+    outside = _run(CALLS[name], x["hidden"], x["weight"], x, backend)
     with torch.autocast(dev.type, dtype=torch.bfloat16):
-        inside = _run(name, x["hidden"], x["weight"], x, backend)
+        inside = _run(CALLS[name], x["hidden"], x["weight"], x, backend)
     _assert_equal(inside[0], outside[0], "output")
     if inside[1] is not None:
         _assert_equal(inside[1:], outside[1:], "d hidden, d weight")
+
+
+def _sampler_logprobs(h, w, x, backend):
+    y = x["targets"]
+    kept = torch.stack([y, (y + 1) % V, (y + 7) % V], -1)  # replayed kept sets that hold the targets
+    logp, support, kept_mass = grpo_fast.sampler_logprobs(h, w, y, x["mask"], kept_ids=kept, backend=backend)
+    # the support's gradient alone: one op's, so that d weight is one fp32 buffer (the log-probs' is layer 1's)
+    return (logp, support, kept_mass), support.sum()
+
+
+def _served_distillation_loss(h, w, x, backend):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randperm(V, generator=g)[: B * T * 4].view(B, T, 4).to(h.device)
+    teacher = grpo_fast.ServedTeacher(ids, torch.randn(B, T, 4, generator=g).log_softmax(-1).to(h.device))
+    loss, div, entropy = grpo_fast.served_distillation_loss(h, w, teacher, x["mask"], backend=backend)
+    return (loss, div, entropy), loss
+
+
+@pytest.mark.parametrize("call", [_sampler_logprobs, _served_distillation_loss], ids=["sampler", "served"])
+def test_the_other_heads_take_an_fp32_weight(call, device):
+    """The sampler's log-probs and the served teacher's loss, bf16 hidden states over an fp32 weight inside an
+    autocast region: the pre-cast call's outputs and d hidden, d weight fp32 rounding to its."""
+    x = _inputs(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        mixed = _run(call, x["hidden"], x["weight"], x, "triton")
+    precast = _run(call, x["hidden"], x["weight"].bfloat16(), x, "triton")
+    _assert_equal(mixed[0] + (mixed[1],), precast[0] + (precast[1],), "output and d hidden")
+    assert mixed[2].dtype == torch.float32 and torch.equal(mixed[2].bfloat16(), precast[2])
 
 
 def test_lora_under_autocast(device):
@@ -249,3 +277,20 @@ def test_other_dtype_pairs_are_named_errors():
     teacher = grpo_fast.Teacher(x["teacher_hidden"], x["teacher_weight"].half())
     with pytest.raises(TypeError, match="teacher.weight dtype torch.float16 differs from teacher.hidden dtype"):
         grpo_fast.loss(h, w, x["targets"], x["advantages"], x["mask"], teacher=teacher, distillation_coef=COEF)
+
+
+def test_memory_estimate_counts_an_fp32_lm_head():
+    """``python -m grpo_fast.memory --lm-head-dtype float32``: the fp32 head, a parameter of its own beside the
+    tied bf16 embedding (V x D x 4 bytes more weights), and the op's bf16 copy of it while it runs (V x D x 2 bytes
+    more at the loss head's peak)."""
+    from grpo_fast import memory
+
+    hidden_size, vocab = 64, 8192
+    shape = ["--hidden-size", str(hidden_size), "--intermediate-size", "128", "--num-layers", "1", "--num-heads", "4"]
+    sizes = ["--num-kv-heads", "2", "--vocab-size", str(vocab), "--micro-batch-size", "2", "--prompt-length", "8"]
+    rest = ["--completion-length", "32", "--prompts-per-step", "2", "--num-generations", "2", "--lora-r", "4"]
+    argv = shape + sizes + rest + ["--heads", "grpo_fast", "--quiet"]
+    plain = memory.main(argv)["heads"]["grpo_fast"]
+    master = memory.main(argv + ["--lm-head-dtype", "float32"])["heads"]["grpo_fast"]
+    assert master["categories_bytes"]["weights"] - plain["categories_bytes"]["weights"] == vocab * hidden_size * 4
+    assert master["loss_head_peak_bytes"] - plain["loss_head_peak_bytes"] == vocab * hidden_size * 2

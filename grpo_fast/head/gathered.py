@@ -29,7 +29,7 @@ class GatheredOpOperands(NamedTuple):
 
     Attributes:
         hidden: [N, D] the rows, row-contiguous.
-        weight: [V, D] the head's rows, hidden's dtype.
+        weight: [V, D] the head's rows, hidden's dtype or fp32 over bf16 / fp16 hidden (``head`` casts it).
         ids: [N, K] int64 vocabulary ids, -1: no entry.
         bias: [V] or None.
         lora_hidden, lora_weight: LoRA's operand pair ([N, r], [V, r]) or None (both or neither).
