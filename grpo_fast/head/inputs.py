@@ -57,9 +57,9 @@ def check_weight_dtype(weight_name, weight, hidden_name, hidden):
     if weight.dtype == hidden.dtype or (weight.dtype == torch.float32 and hidden.dtype in LOW_PRECISION_DTYPES):
         return
     raise TypeError(
-        f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: an fp32 weight is "
-        f"computed in bf16 / fp16 {hidden_name}'s dtype, no other pair is cast; cast {hidden_name} to "
-        f"{weight.dtype} (the weight's precision) or {weight_name} to {hidden.dtype}"
+        f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: only an fp32 weight "
+        f"over bf16 / fp16 hidden states is cast (to their dtype); cast {hidden_name} to {weight.dtype} or "
+        f"{weight_name} to {hidden.dtype}"
     )
 
 
