@@ -36,6 +36,7 @@ from grpo_fast.kernels.operands import (
     SamplerSupport,
     SupportRecord,
     TokenLossInputs,
+    gemm_weight,
 )
 from grpo_fast.kernels.softmax_stats import BackwardStats, SoftmaxStats
 
@@ -58,6 +59,7 @@ __all__ = [
     "SoftmaxStats",
     "SupportRecord",
     "TokenLossInputs",
+    "gemm_weight",
 ]
 
 

@@ -240,9 +240,9 @@ def divergence_and_entropy(
 
     Args:
         student_hidden: [B, T, Ds] float32, bfloat16 or float16; position t predicts the next token.
-        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype.
+        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype (or fp32 over bf16 / fp16).
         teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
-        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
+        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype (or fp32 over bf16 / fp16).
         completion_mask: [B, T] bool or 0/1: the tokens computed; None: every token.
         beta: in [0, 1]: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the
             generalized JSD (TRL's ``DistillationConfig.beta``).
@@ -273,8 +273,8 @@ def divergence_and_entropy(
 
     Raises:
         TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16, a
-            weight whose dtype is not its hidden states', or a ``student_gemm_dtype`` that is not None, float32,
-            bfloat16 or float16.
+            weight whose dtype is neither its hidden states' nor fp32 over bf16 / fp16 ones, or a
+            ``student_gemm_dtype`` that is not None, float32, bfloat16 or float16.
         ValueError: a shape that does not match (B, T or V differing between the models), tensors on different
             devices, a mask value other than 0/1 (with ``check_values``), a beta outside [0, 1], a bad
             temperature, soft-cap or logit scale, an unknown ``backend`` or ``head_path``, sizes the Triton
@@ -324,9 +324,9 @@ def divergence(
 
     Args:
         student_hidden: [B, T, Ds] float32, bfloat16 or float16.
-        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype.
+        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype (or fp32 over bf16 / fp16).
         teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
-        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
+        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype (or fp32 over bf16 / fp16).
         completion_mask: [B, T] bool or 0/1; None: every token.
         **keywords: ``divergence_and_entropy``'s keywords (DivergenceKeywords), with its defaults.
 
@@ -366,9 +366,9 @@ def distillation_loss(
 
     Args:
         student_hidden: [B, T, Ds] float32, bfloat16 or float16.
-        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype.
+        student_weight: [V, Ds] student lm_head weight, student_hidden's dtype (or fp32 over bf16 / fp16).
         teacher_hidden: [B, T, Dt] float32, bfloat16 or float16.
-        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype.
+        teacher_weight: [V, Dt] teacher lm_head weight, teacher_hidden's dtype (or fp32 over bf16 / fp16).
         completion_mask: [B, T] bool or 0/1: the tokens scored; None: every token.
         num_items_in_batch: the divisor, a number > 0 or a one-element tensor (the gradient-accumulation window's
             token count); None: the scored tokens' count (at least 1).

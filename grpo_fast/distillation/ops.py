@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_fast.backends.protocol import gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
 from grpo_fast.head.transform import LogitTransform
@@ -27,10 +28,10 @@ class OpOperands(NamedTuple):
 
     Attributes:
         student_hidden: [N, Ds] the student's scored rows, row-contiguous.
-        student_weight: [V, Ds] the student's head rows, student_hidden's dtype.
+        student_weight: [V, Ds] the student's head rows, student_hidden's dtype or fp32.
         student_bias: [V] or None.
         teacher_hidden: [N, Dt] the teacher's scored rows (no gradient).
-        teacher_weight: [V, Dt] the teacher's head rows, teacher_hidden's dtype.
+        teacher_weight: [V, Dt] the teacher's head rows, teacher_hidden's dtype or fp32 (``model_heads`` casts it).
         teacher_bias: [V] or None.
         beta: in [0, 1].
         temperature: both models' temperature.
@@ -78,7 +79,8 @@ class OpOperands(NamedTuple):
         )
 
     def model_heads(self) -> tuple[ModelHead, ModelHead]:
-        """(the student's, the teacher's) ModelHead; the student's hidden states and weight in student_gemm_dtype."""
+        """(the student's, the teacher's) ModelHead; the student's hidden states and weight in student_gemm_dtype, the
+        teacher's weight in its hidden states' dtype (``gemm_weight``)."""
         dtype = self.student_gemm_dtype
         student_transform = LogitTransform(self.temperature, self.student_softcap, self.student_logit_scale)
         teacher_transform = LogitTransform(self.temperature, self.teacher_softcap, self.teacher_logit_scale)
@@ -86,7 +88,12 @@ class OpOperands(NamedTuple):
             ModelHead(
                 self.student_hidden.to(dtype), self.student_weight.to(dtype), self.student_bias, student_transform
             ),
-            ModelHead(self.teacher_hidden, self.teacher_weight, self.teacher_bias, teacher_transform),
+            ModelHead(
+                self.teacher_hidden,
+                gemm_weight(self.teacher_weight, self.teacher_hidden),
+                self.teacher_bias,
+                teacher_transform,
+            ),
         )
 
 

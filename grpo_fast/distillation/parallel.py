@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from grpo_fast.backends.divergence_twin import CHUNK_N, FrozenHead
+from grpo_fast.backends.protocol import gemm_weight
 from grpo_fast.backends.resolver import named
+from grpo_fast.head.boundary import without_autocast
 from grpo_fast.head.shard import VocabShard, resolve
 from grpo_fast.kernels import divergence_records
 from grpo_fast.kernels.divergence_records import FORWARD_KL, JSD, REVERSE_KL, ModelHead, Record
@@ -218,6 +220,11 @@ def frozen_grad(acc: FrozenHead, records: tuple[Record, ...], saved: torch.Tenso
     return acc.finish(student, teacher, saved)
 
 
+def _computed(hidden, weight, bias, transform):
+    """A model's ModelHead as the kernels take it: its weight rows in hidden's dtype (``gemm_weight``)."""
+    return ModelHead(hidden, gemm_weight(weight, hidden), bias, transform)
+
+
 class VocabParallelDivergence(torch.autograd.Function):
     """The divergence head over this rank's rows of both heads, differentiable.
 
@@ -230,10 +237,11 @@ class VocabParallelDivergence(torch.autograd.Function):
     """
 
     @staticmethod
+    @without_autocast
     def forward(ctx, *inputs):
         *operands, beta, student_transform, teacher_transform, shard, frozen_head, backend = inputs
-        student = ModelHead(*operands[:3], student_transform)
-        teacher = ModelHead(*operands[3:], teacher_transform)
+        student = _computed(*operands[:3], student_transform)
+        teacher = _computed(*operands[3:], teacher_transform)
         if student.hidden.shape[0] == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=student.hidden.device)
             saved, argmax = empty.new_zeros((len(divergence_records.SAVED_FIELDS), 0)), empty.new_zeros((2, 0)).long()
@@ -247,10 +255,11 @@ class VocabParallelDivergence(torch.autograd.Function):
         return div, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_divergence, _grad_entropy):
         *operands, saved, argmax, hidden_grad = ctx.saved_tensors
-        student = ModelHead(*operands[:3], ctx.transforms[0])
-        teacher = ModelHead(*operands[3:], ctx.transforms[1])
+        student = _computed(*operands[:3], ctx.transforms[0])
+        teacher = _computed(*operands[3:], ctx.transforms[1])
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         no_grads = (None,) * len(ctx.needs_input_grad)
         if ctx.frozen_head:
@@ -278,9 +287,10 @@ class VocabParallelDivergence(torch.autograd.Function):
             )
             if need_h:
                 dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
+        # each in its input's dtype: the weight's own (fp32 over bf16 hidden states), not the GEMMs'
         return (
             grad_hidden.to(student.hidden.dtype) if need_h else None,
-            grad_weight.to(student.weight.dtype) if need_w else None,
+            grad_weight.to(operands[1].dtype) if need_w else None,
             grad_bias.to(student.bias.dtype) if need_b else None,
         ) + no_grads[3:]
 

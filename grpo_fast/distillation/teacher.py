@@ -50,7 +50,8 @@ class Teacher:
 
     Attributes:
         hidden: [B, T, Dt] the teacher's hidden states at the student's positions (Dt may differ from the student's).
-        weight: [V, Dt] the teacher's lm_head, of hidden's dtype; V must be the student's.
+        weight: [V, Dt] the teacher's lm_head, of hidden's dtype or fp32 over bf16 / fp16 hidden; V must be the
+            student's.
         bias: [V] or None.
         softcap: the teacher's own logit soft-cap (None: none), as TRL's DistillationTrainer takes it.
         logit_scale: the teacher's own logit scale.

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import HeadGrads, LossLayer1, ModelHead, TokenLossInputs
+from grpo_fast.backends.protocol import HeadGrads, LossLayer1, ModelHead, TokenLossInputs, gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.grpo_loss.metrics import RowValues, loss_metrics, metric_names
 from grpo_fast.grpo_loss.options import LossOptions
@@ -277,7 +277,7 @@ class TeacherOperands(NamedTuple):
 
     Attributes:
         teacher_hidden: [N, Dt] the teacher's scored rows.
-        teacher_weight: [V, Dt] its head, teacher_hidden's dtype.
+        teacher_weight: [V, Dt] its head, teacher_hidden's dtype or fp32 (cast to it in the op: ``gemm_weight``).
         teacher_bias: [V] or None.
         teacher_softcap: its soft-cap, or None.
         teacher_logit_scale: its logit scale.
@@ -362,7 +362,8 @@ def _trained_head_loss(*arguments):
         transform = LogitTransform.from_floats(
             head.transform.temperature, teacher.teacher_softcap, teacher.teacher_logit_scale
         )
-        teacher_head = ModelHead(teacher.teacher_hidden, teacher.teacher_weight, teacher.teacher_bias, transform)
+        teacher_weight = gemm_weight(teacher.teacher_weight, teacher.teacher_hidden)
+        teacher_head = ModelHead(teacher.teacher_hidden, teacher_weight, teacher.teacher_bias, transform)
         token_weights = options.aggregate_weights(batch.mask, batch.num_items_in_batch).view(-1)
         div_weights = teacher.distillation_coef * scored(token_weights.index_select(0, positions), 0, N)
         div, entropy, logp = backend.divergence_loss(

@@ -43,7 +43,8 @@ def logprobs(
 
     Args:
         hidden: [B, T, D] float32, bfloat16 or float16; hidden[b, t] predicts targets[b, t].
-        weight: [V, D] in hidden's dtype (vocab-parallel: this rank's rows, or a DTensor).
+        weight: [V, D] in hidden's dtype, or fp32 over bf16 / fp16 hidden (vocab-parallel: this rank's rows, or a
+            DTensor).
         targets: [B, T] integer token ids.
         bias: [V] or None.
         temperature: divides the logits.
@@ -119,8 +120,9 @@ def logprobs_and_entropy(
     Args:
         hidden: [B, T, D] float32, bfloat16 or float16: the last hidden states; hidden[b, t] predicts
             targets[b, t].
-        weight: [V, D] lm_head weight, hidden's dtype. Vocab-parallel: this rank's rows [V_local, D] (with
-            ``vocab_parallel``) or a DTensor sharded on dim 0.
+        weight: [V, D] lm_head weight, hidden's dtype, or fp32 over bf16 / fp16 hidden (cast for the GEMMs, its
+            gradient fp32: [mixed precision](../api.md#mixed-precision-autocast)). Vocab-parallel: this rank's rows
+            [V_local, D] (with ``vocab_parallel``) or a DTensor sharded on dim 0.
         targets: [B, T] integer token ids in [0, V); positions where completion_mask is 0 are not read.
         bias: [V] lm_head bias in hidden's dtype (this rank's rows when vocab-parallel), or None.
         temperature: divides the logits (> 0).
@@ -148,8 +150,8 @@ def logprobs_and_entropy(
 
     Raises:
         TypeError: a tensor argument that is not a tensor, a float argument not float32/bfloat16/float16,
-            weight's dtype not hidden's, targets not an integer tensor, or ``lora``, ``vocab_parallel``,
-            ``entropy_grad`` or ``check_values`` of the wrong type.
+            weight's dtype neither hidden's nor fp32 over bf16 / fp16 hidden, targets not an integer tensor, or
+            ``lora``, ``vocab_parallel``, ``entropy_grad`` or ``check_values`` of the wrong type.
         ValueError: a shape that does not match, tensors on different devices, a targets value outside [0, V) or
             a mask value other than 0/1 (with ``check_values``), a bad temperature, softcap or logit_scale, an
             unknown ``backend``, ``head_path`` or ``backward_mode`` or one that cannot run here, sizes the Triton

@@ -1,7 +1,8 @@
 """The boundary with torch that every part's custom ops share: a custom op's schema written from an operand record
 (``op_schema``), the op itself (``custom_op``), the same implementation and autograd formula as an
 ``autograd.Function`` run in Python under a dispatch mode over real tensors (``inline_function``, ``runs_inline``),
-and a gradient formed in a forward scaled by the loss's gradient (``scaled_gradient``).
+and a gradient formed in a forward scaled by the loss's gradient (``scaled_gradient``). Every implementation runs
+with torch.autocast off (``without_autocast``).
 
 torch.compile traces each op as one node (no graph break, no guard on a value); FakeTensorMode and meta tensors run
 the fake implementations, which read no value. Schemas take tensors and numbers only: optional tensors are
@@ -10,6 +11,7 @@ the fake implementations, which read no value. Schemas take tensors and numbers 
 
 from __future__ import annotations
 
+import functools
 import typing
 
 import torch
@@ -45,23 +47,45 @@ def op_schema(record: type, before: str, after: str, returns: str) -> str:
     return f"({arguments}) -> {returns}"
 
 
+def without_autocast(fn):
+    """``fn`` with torch.autocast off on the device of its first tensor argument. The implementations choose their
+    own precision (GEMM operands in the inputs' dtype, fp32 accumulation and records); an autocast region around a
+    call would otherwise reach their torch GEMMs (the torch backend's, the cuBLAS products) and round fp32 operands
+    to its dtype, silently less exact."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        device = next((x.device.type for x in args if isinstance(x, torch.Tensor)), None)
+        if device is None or not torch.is_autocast_enabled(device):
+            return fn(*args)
+        with torch.autocast(device, enabled=False):
+            return fn(*args)
+
+    return run
+
+
 def custom_op(name: str, impl, schema: str):
-    """``impl`` as the custom op ``grpo_fast::<name>`` of ``schema``, mutating none of its arguments."""
-    return torch.library.custom_op(f"grpo_fast::{name}", impl, mutates_args=(), schema=schema)
+    """``impl`` as the custom op ``grpo_fast::<name>`` of ``schema``, mutating none of its arguments, run without
+    autocast."""
+    return torch.library.custom_op(f"grpo_fast::{name}", without_autocast(impl), mutates_args=(), schema=schema)
 
 
 def inline_function(impl, setup_context, backward):
-    """The op's implementation and autograd formula as a torch.autograd.Function, for ``runs_inline``."""
+    """The op's implementation and autograd formula as a torch.autograd.Function, for ``runs_inline``; both run
+    without autocast, as the op's."""
 
     def forward(ctx, *args):
-        output = impl(*args)
+        output = without_autocast(impl)(*args)
         setup_context(ctx, args, output)
         return output
+
+    def backward_without_autocast(ctx, *grads):
+        return without_autocast(backward)(ctx, *grads)
 
     return type(
         f"Inline_{impl.__name__.strip('_')}",
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+        {"forward": staticmethod(forward), "backward": staticmethod(backward_without_autocast)},
     )
 
 

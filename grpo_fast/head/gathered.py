@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import HeadGrads, HeadOperands
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands, gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline
 from grpo_fast.head.transform import LogitTransform
@@ -29,7 +29,7 @@ class GatheredOpOperands(NamedTuple):
 
     Attributes:
         hidden: [N, D] the rows, row-contiguous.
-        weight: [V, D] the head's rows, hidden's dtype.
+        weight: [V, D] the head's rows, hidden's dtype or fp32 over bf16 / fp16 hidden (``head`` casts it).
         ids: [N, K] int64 vocabulary ids, -1: no entry.
         bias: [V] or None.
         lora_hidden, lora_weight: LoRA's operand pair ([N, r], [V, r]) or None (both or neither).
@@ -58,7 +58,7 @@ class GatheredOpOperands(NamedTuple):
         lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
         transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
         no_targets = self.ids.new_empty(0)
-        return HeadOperands(self.hidden, self.weight, no_targets, self.bias, transform, lora)
+        return HeadOperands(self.hidden, gemm_weight(self.weight, self.hidden), no_targets, self.bias, transform, lora)
 
     def sources(self):
         """The operands a gradient can reach, in HeadGrads' order."""

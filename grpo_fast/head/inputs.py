@@ -25,6 +25,9 @@ from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels.config import FLOAT_DTYPES, BackwardMode, HeadPath
 
+# the hidden states' dtypes under which an fp32 weight is taken (and cast to them for the GEMMs)
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
@@ -45,6 +48,19 @@ def check_shape(name, x, expected_shapes, descr):
     # size by size (not tuple membership): symbolic sizes under torch.compile compare as guards
     if not any(x.dim() == len(s) and all(a == b for a, b in zip(x.shape, s)) for s in expected_shapes):
         raise ValueError(f"{name} must have shape {descr()}, got {tuple(x.shape)}")
+
+
+def check_weight_dtype(weight_name, weight, hidden_name, hidden):
+    """The weight's dtype is the hidden states', or fp32 over bf16 / fp16 hidden states (a master weight kept in fp32,
+    as under torch.autocast): the GEMMs then take a copy of it in the hidden states' dtype (``gemm_weight``) and its
+    gradient comes back in fp32. Any other pair is a TypeError: which side to round is the caller's choice."""
+    if weight.dtype == hidden.dtype or (weight.dtype == torch.float32 and hidden.dtype in LOW_PRECISION_DTYPES):
+        return
+    raise TypeError(
+        f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: only an fp32 weight "
+        f"over bf16 / fp16 hidden states is cast (to their dtype); cast {hidden_name} to {weight.dtype} or "
+        f"{weight_name} to {hidden.dtype}"
+    )
 
 
 def check_same_device(named, device, reference_name):
@@ -155,8 +171,7 @@ def check_linear(hidden, weight, targets, bias, completion_mask, checks, shard=N
     if B == 0 or T == 0 or D == 0:
         raise ValueError(f"hidden must be non-empty, got shape {tuple(hidden.shape)}")
     check_weight(("hidden", "weight"), hidden, weight, sharded=shard is not None)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: cast one of them")
+    check_weight_dtype("weight", weight, "hidden", hidden)
     V = weight.shape[0] if shard is None else shard.vocab_size
     if bias is not None:
         check_float_tensor("bias", bias)
@@ -276,18 +291,15 @@ def check_weight(names, hidden, weight, sharded):
 
 
 def check_head(names, hidden, weight, bias, sharded=False):
-    """One model's hidden [B, T, D], weight [V, D] (hidden's dtype; a vocab-parallel shard may hold no row) and bias
-    [V] | None, named ``names`` (hidden's, weight's, bias's) in the errors; returns (B, T, D, V). The divergence
-    head's checks of both models, and ``loss``'s of a teacher."""
+    """One model's hidden [B, T, D], weight [V, D] (``check_weight_dtype``; a vocab-parallel shard may hold no row)
+    and bias [V] | None, named ``names`` (hidden's, weight's, bias's) in the errors; returns (B, T, D, V). The
+    divergence head's checks of both models, and ``loss``'s of a teacher."""
     hidden_name, weight_name, bias_name = names
     check_float_tensor(hidden_name, hidden)
     if hidden.dim() != 3 or 0 in hidden.shape:
         raise ValueError(f"{hidden_name} must have shape [B, T, D] with B, T, D > 0, got {tuple(hidden.shape)}")
     check_weight((hidden_name, weight_name), hidden, weight, sharded)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"{weight_name} dtype {weight.dtype} differs from {hidden_name} dtype {hidden.dtype}: cast one of them"
-        )
+    check_weight_dtype(weight_name, weight, hidden_name, hidden)
     if bias is not None:
         check_float_tensor(bias_name, bias)
         if tuple(bias.shape) != (weight.shape[0],):

@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import BackwardStats, HeadGrads, HeadOperands
+from grpo_fast.backends.protocol import BackwardStats, HeadGrads, HeadOperands, gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.head import paths
-from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline
+from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline, without_autocast
 from grpo_fast.head.paths import ONE_PROCESS
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
@@ -35,7 +35,7 @@ class LinearOpOperands(NamedTuple):
 
     Attributes:
         hidden: [N, D] the scored rows, row-contiguous.
-        weight: [V, D] the head's rows, hidden's dtype.
+        weight: [V, D] the head's rows, hidden's dtype or fp32 over bf16 / fp16 hidden (``head`` casts it).
         targets: [N] int64.
         bias: [V] or None.
         lora_hidden: [N, r] LoRA's first operand, or None.
@@ -64,10 +64,11 @@ class LinearOpOperands(NamedTuple):
         return cls(*head[:4], *lora, *head.transform.as_floats(), backend, backward_mode)
 
     def head(self) -> HeadOperands:
-        """The HeadOperands the backends take."""
+        """The HeadOperands the backends take, the weight in hidden's dtype (``gemm_weight``)."""
         lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
         transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
-        return HeadOperands(self.hidden, self.weight, self.targets, self.bias, transform, lora)
+        weight = gemm_weight(self.weight, self.hidden)
+        return HeadOperands(self.hidden, weight, self.targets, self.bias, transform, lora)
 
     def with_tensors(self, convert) -> LinearOpOperands:
         """The same operands with ``convert`` applied to each tensor (a fake-tensor mode's ``from_tensor``)."""
@@ -297,6 +298,7 @@ class _LinearLogprobsWithReduce(torch.autograd.Function):
     implementation (``_head_forward``, ``_linear_backward``) rather than hidden inside an opaque node."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, *args):
         *args, reduce = args
         output = _head_forward(reduce, *args)
@@ -305,6 +307,7 @@ class _LinearLogprobsWithReduce(torch.autograd.Function):
         return output
 
     @staticmethod
+    @without_autocast
     def backward(ctx, *grads):
         return _linear_backward(ctx, *grads) + (None,)
 

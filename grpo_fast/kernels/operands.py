@@ -16,7 +16,7 @@ class HeadOperands(NamedTuple):
 
     Attributes:
         hidden: [N, D] the scored tokens' last hidden states, rows contiguous.
-        weight: [V, D] the lm_head's rows (a vocab-parallel shard's rows), hidden's dtype.
+        weight: [V, D] the lm_head's rows (a vocab-parallel shard's rows), hidden's dtype (``gemm_weight``).
         targets: [N] int64 vocabulary indices (one outside [0, V): in no column of these rows).
         bias: [V] or None.
         transform: the logit transform (a LogitTransform: ``apply``, ``kernel_scalars``, ``softcap``).
@@ -35,6 +35,15 @@ class HeadOperands(NamedTuple):
         """The same operands over the tokens [start, stop) only."""
         lora = (self.lora[0][start:stop], self.lora[1]) if self.lora is not None else None
         return self._replace(hidden=self.hidden[start:stop], targets=self.targets[start:stop], lora=lora)
+
+
+def gemm_weight(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``weight`` as the GEMMs read it: in ``hidden``'s dtype, since a GEMM takes one dtype. A weight kept in fp32
+    under bf16 / fp16 hidden states (an fp32 master weight under torch.autocast; ``head.inputs.check_weight_dtype``
+    says which pairs are taken) becomes a copy in hidden's dtype, V x D x 2 bytes while the op that casts it runs.
+    The ops take the weight in its own dtype and cast it inside, so that its gradient, accumulated in fp32, comes
+    back in fp32 without a rounding to hidden's dtype."""
+    return weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
 
 
 class HeadGrads(NamedTuple):

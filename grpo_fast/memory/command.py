@@ -53,6 +53,7 @@ RECIPE_FLAGS = (
     "lora_alpha",
     "beta",
     "gradient_checkpointing",
+    "lm_head_dtype",
 )
 
 
@@ -116,6 +117,15 @@ def parse_args(
         action=argparse.BooleanOptionalAction,
         default=None,
         help="keep each layer's input only and recompute its activations in the backward",
+    )
+    p.add_argument(
+        "--lm-head-dtype",
+        type=lambda name: {"float32": torch.float32}[name],
+        metavar="float32",
+        default=None,
+        help="the lm_head weight kept in float32 over the model's dtype (a master weight, as under torch.autocast): "
+        "an fp32 parameter of its own, its gradient and optimizer state fp32, and grpo_fast's ops hold a V x D copy "
+        "in the model's dtype while each runs (default: the model's dtype)",
     )
     p.add_argument(
         "--heads",

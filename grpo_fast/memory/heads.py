@@ -177,7 +177,7 @@ class EagerHead(LossHead):
 
     def forward(self, hidden, weight):
         """The micro-batch's loss (LossHead.forward)."""
-        logits = (hidden @ weight.T).float() / self.recipe.temperature
+        logits = (hidden @ weight.to(hidden.dtype).T).float() / self.recipe.temperature  # autocast's cast
         logp = logits.log_softmax(-1).gather(-1, self.batch.targets.unsqueeze(-1)).squeeze(-1)
         return self.token_loss(logp)
 
@@ -322,14 +322,31 @@ DISTILLATION_HEADS = {
 }
 
 
+def weight_cast_bytes(bound) -> int:
+    """The copy of a weight that a grpo_fast op casts to its hidden states' dtype for the GEMMs (an fp32 master
+    weight over bf16 hidden states: ``kernels.operands.gemm_weight``), held while the op runs: V x D in the hidden
+    states' dtype, the policy's and a teacher's; 0 where the dtypes match. ``bound``: the op's arguments by name."""
+    total = 0
+    for prefix in ("", "student_", "teacher_"):
+        hidden, weight = bound.get(prefix + "hidden"), bound.get(prefix + "weight")
+        if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dtype != hidden.dtype:
+            total += weight.numel() * hidden.element_size()
+    return total
+
+
 def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
     """The bytes a grpo_fast custom op's real implementation allocates besides its outputs on ``gpu`` (its fake
-    implementation allocates the outputs only); 0 for any other op."""
+    implementation allocates the outputs only), its weight's cast copy included (``weight_cast_bytes``); 0 for any
+    other op."""
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.name.startswith("grpo_fast::"):
         return 0
     bound = dict(zip((a.name for a in schema.arguments), args), **kwargs)
-    op = schema.name.split("::", 1)[1]
+    return weight_cast_bytes(bound) + _implementation_bytes(schema.name.split("::", 1)[1], bound, gpu)
+
+
+def _implementation_bytes(op: str, bound: dict, gpu: Gpu) -> int:
+    """``workspace_bytes`` of op ``op`` (its name after ``grpo_fast::``) but the weight's cast copy."""
     if op in ("gathered_logits", "gathered_logits_backward"):
         return 0  # K weight rows gathered into [N, K] logits and their gradient scattered back: outputs only
     if op == "divergence_loss":
@@ -385,8 +402,15 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
 
 
 # grpo_fast's ops whose real implementations' buffers no model here gives (the divergence's general path, the
-# combined RL + distillation head's general path): an estimate that runs one stops rather than leave them out
-UNMODELLED_OPS = ("divergence_forward", "divergence_backward", "loss_head_forward", "loss_head_backward")
+# combined RL + distillation head's general path, several teachers' loss): an estimate that runs one stops rather
+# than leave them out
+UNMODELLED_OPS = (
+    "divergence_forward",
+    "divergence_backward",
+    "loss_head_forward",
+    "loss_head_backward",
+    "routed_divergence_loss",
+)
 
 
 def _backend(name: str):

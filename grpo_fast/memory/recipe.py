@@ -170,6 +170,9 @@ class Recipe:
         beta: the KL coefficient (0: no reference log-probs).
         lr: AdamW's learning rate.
         dtype: the model's dtype.
+        lm_head_dtype: the lm_head weight's own dtype, or None: the model's. torch.float32 over a bf16 model is a
+            master weight kept in fp32 (as a model trained under torch.autocast keeps it): an untied fp32 parameter,
+            which grpo_fast's ops cast to the hidden states' dtype for their GEMMs (a V x D copy while each runs).
         temperature: the sampling temperature the logits are divided by.
         epsilon: the clip range.
         weight_decay: AdamW's weight decay.
@@ -195,6 +198,7 @@ class Recipe:
     beta: float
     lr: float
     dtype: torch.dtype = torch.bfloat16
+    lm_head_dtype: torch.dtype | None = None
     temperature: float = 1.0
     epsilon: float = 0.2
     weight_decay: float = 0.1
@@ -227,8 +231,9 @@ class Recipe:
             The description the report's title and the command's stderr show.
         """
         trains = f"LoRA r {self.lora_r} (alpha {self.lora_alpha})" if self.lora_r else "all parameters"
+        head = "" if self.lm_head_dtype is None else f" (lm_head {str(self.lm_head_dtype).removeprefix('torch.')})"
         return (
-            f"{self.model}, {trains}, {str(self.dtype).removeprefix('torch.')}, AdamW, micro-batch "
+            f"{self.model}, {trains}, {str(self.dtype).removeprefix('torch.')}{head}, AdamW, micro-batch "
             f"{self.micro_batch_size} x ({self.prompt_length} prompt + {self.completion_length} completion "
             f"tokens), gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, beta {self.beta:g}"
             f"{' (a reference copy of the weights)' if self.reference_copy else ''}; rollout "

@@ -68,6 +68,10 @@ def build_model(
 
     with torch.device("meta" if fake_mode is not None else device):
         model = AutoModelForCausalLM.from_config((shape or recipe.shape).config(), dtype=recipe.dtype)
+        if recipe.lm_head_dtype is not None and shape is None:  # the policy's: a parameter of its own (a tied
+            # embedding keeps the model's dtype); a teacher keeps its own
+            head = model.get_output_embeddings()
+            head.weight = nn.Parameter(head.weight.detach().to(recipe.lm_head_dtype))
     if checkpointing and recipe.gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):

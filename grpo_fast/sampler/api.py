@@ -68,7 +68,7 @@ def sampler_logprobs(
 
     Args:
         hidden: [B, T, D] float32, bfloat16 or float16; hidden[b, t] predicts targets[b, t].
-        weight: [V, D] lm_head weight, hidden's dtype.
+        weight: [V, D] lm_head weight, hidden's dtype (or fp32 over bf16 / fp16 hidden).
         targets: [B, T] integer token ids, the sampled tokens.
         completion_mask: [B, T] bool or 0/1: the tokens computed; None: all.
         temperature: the sampling temperature (divides the logits, > 0).

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands, SamplerSupport, SupportRecord, gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline
 from grpo_fast.head.transform import LogitTransform
@@ -64,7 +64,8 @@ class SamplerOpOperands(NamedTuple):
     def head(self) -> HeadOperands:
         lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
         transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
-        return HeadOperands(self.hidden, self.weight, self.targets, self.bias, transform, lora)
+        weight = gemm_weight(self.weight, self.hidden)
+        return HeadOperands(self.hidden, weight, self.targets, self.bias, transform, lora)
 
     def support(self) -> SamplerSupport:
         return SamplerSupport(self.top_k, self.top_p, self.min_p, self.kept_ids)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from grpo_fast.backends.protocol import HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.backends.protocol import HeadOperands, SamplerSupport, SupportRecord, gemm_weight
+from grpo_fast.head.boundary import without_autocast
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.head.vocab_parallel import local_targets
 from grpo_fast.sampler.ops import gradient_buffers, masked_support_gradient, support_outputs
@@ -60,8 +61,9 @@ def local_kept_ids(kept_ids, shard: VocabShard, rows: int):
 
 class _ShardSupport(torch.autograd.Function):
     @staticmethod
+    @without_autocast
     def forward(ctx, backend, support, shard, transform, targets, hidden, weight, bias):
-        head = HeadOperands(hidden, weight, targets, bias, transform, None)
+        head = HeadOperands(hidden, gemm_weight(weight, hidden), targets, bias, transform, None)
         record = backend.support_forward(head, support, shard.vocab_size, GroupReduce(shard.group))
         logp, support_logp, drawable = support_outputs(record, support.kept_ids is not None)
         ctx.backend, ctx.support, ctx.shard, ctx.transform = backend, support, shard, transform
@@ -71,13 +73,14 @@ class _ShardSupport(torch.autograd.Function):
         return logp, support_logp, drawable
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logp, grad_support, _):
         targets, hidden, weight, bias, drawable, *fields = ctx.saved_tensors
         grad_support = masked_support_gradient(grad_support, drawable)
         if grad_logp is not None and grad_logp.numel() == 0:
             grad_logp = None
         grads = gradient_buffers((hidden, weight, bias), ctx.needs_input_grad[5:8])
-        head = HeadOperands(hidden, weight, targets, bias, ctx.transform, None)
+        head = HeadOperands(hidden, gemm_weight(weight, hidden), targets, bias, ctx.transform, None)
         ctx.backend.support_backward(head, ctx.support, SupportRecord(*fields), grad_logp, grad_support, grads)
         if grads.hidden is not None:
             dist.all_reduce(grads.hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)

@@ -313,7 +313,7 @@ def served_divergence_and_entropy(
 
     Args:
         student_hidden: [B, T, D] float32, bfloat16 or float16; position t predicts the token the teacher scored at t.
-        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype.
+        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype (or fp32 over bf16 / fp16).
         teacher: a ``ServedTeacher``: ids and log-probs [B, T, K] (-1 filling), ``add_tail_bucket``.
         completion_mask: [B, T] bool or 0/1: the tokens computed; None: every token.
         targets: [B, T] integer: the sampled tokens; needed at beta != 0 (the support holds them), unread at 0.
@@ -396,7 +396,7 @@ def served_distillation_loss(
 
     Args:
         student_hidden: [B, T, D] float32, bfloat16 or float16.
-        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype.
+        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype (or fp32 over bf16 / fp16).
         teacher: a ``ServedTeacher``.
         completion_mask: [B, T] bool or 0/1: the tokens scored (and counted); None: every token.
         num_items_in_batch: the divisor, a number > 0 or a one-element tensor (the gradient-accumulation window's

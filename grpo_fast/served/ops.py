@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.backends.protocol import HeadGrads, HeadOperands
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands, gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.head.boundary import custom_op, inline_function, op_schema, runs_inline, scaled_gradient
 from grpo_fast.head.transform import LogitTransform
@@ -58,7 +58,7 @@ class ServedLossOperands(NamedTuple):
 
     def head(self) -> HeadOperands:
         transform = LogitTransform.from_floats(self.temperature, self.softcap, self.logit_scale)
-        return HeadOperands(self.hidden, self.weight, self.anchors, self.bias, transform)
+        return HeadOperands(self.hidden, gemm_weight(self.weight, self.hidden), self.anchors, self.bias, transform)
 
 
 def _served_trained_loss(*operands):

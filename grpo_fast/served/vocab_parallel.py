@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from grpo_fast.backends.protocol import HeadGrads, HeadOperands
+from grpo_fast.backends.protocol import HeadGrads, HeadOperands, gemm_weight
+from grpo_fast.head.boundary import without_autocast
 from grpo_fast.head.shard import VocabShard
 
 
@@ -28,8 +29,9 @@ def local_ids(ids, shard: VocabShard, rows: int):
 
 class _ShardGathered(torch.autograd.Function):
     @staticmethod
+    @without_autocast
     def forward(ctx, backend, shard, transform, ids, hidden, weight, bias):
-        head = HeadOperands(hidden, weight, ids.new_empty(0), bias, transform, None)
+        head = HeadOperands(hidden, gemm_weight(weight, hidden), ids.new_empty(0), bias, transform, None)
         logits = backend.gathered_logits(head, ids).contiguous()
         dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=shard.group)
         ctx.backend, ctx.shard, ctx.transform = backend, shard, transform
@@ -37,6 +39,7 @@ class _ShardGathered(torch.autograd.Function):
         return logits
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logits):
         ids, hidden, weight, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:7]
@@ -46,7 +49,7 @@ class _ShardGathered(torch.autograd.Function):
                 for x, need in zip((hidden, weight, bias), needs)
             )
         )
-        head = HeadOperands(hidden, weight, ids.new_empty(0), bias, ctx.transform, None)
+        head = HeadOperands(hidden, gemm_weight(weight, hidden), ids.new_empty(0), bias, ctx.transform, None)
         ctx.backend.gathered_backward(head, ids, grad_logits.float().contiguous(), grads)
         if needs[0]:
             dist.all_reduce(grads.hidden, op=dist.ReduceOp.SUM, group=ctx.shard.group)
