@@ -43,9 +43,9 @@ from grpo_fast.grpo_loss.options import LOSS_TYPES, NUM_ITEMS_LOSS_TYPES, LossOp
 from grpo_fast.head.api import logprobs, logprobs_and_entropy
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
+from grpo_fast.multi_teacher.api import Teachers, multi_teacher_distillation_loss, teacher_metrics
 from grpo_fast.sampler.api import SamplerLogprobs, sampler_logprobs
 from grpo_fast.sampler.replay import pack_kept_ids
-from grpo_fast.multi_teacher.api import Teachers, multi_teacher_distillation_loss, teacher_metrics
 from grpo_fast.served.api import ServedKeywords, served_distillation_loss, served_divergence_and_entropy
 from grpo_fast.served.teacher import ServedTeacher
 

@@ -15,7 +15,18 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_fast"
 # the parts, lowest first: a module may import its own part and the parts before it, never one after it
-PARTS = ("kernels", "backends", "head", "sampler", "distillation", "served", "multi_teacher", "grpo_loss", "integrations", "memory")
+PARTS = (
+    "kernels",
+    "backends",
+    "head",
+    "sampler",
+    "distillation",
+    "served",
+    "multi_teacher",
+    "grpo_loss",
+    "integrations",
+    "memory",
+)
 # the spec may read the option record and the logit transform (plain records), no formula of the product
 SPEC = "reference"
 SPEC_MAY_IMPORT = {"grpo_fast.grpo_loss.options", "grpo_fast.head.transform"}

@@ -275,3 +275,29 @@ def test_compiled_caller_and_tensors_without_data():
         fake = mode.from_tensor(batch["hidden"])
         with pytest.raises(ValueError, match="reading teacher_index on the host"):
             grpo_fast.multi_teacher_distillation_loss(fake, batch["weight"], routed, mask, beta=0.5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_fp32_master_weight_over_bf16_hidden_states(backend, device):
+    """An fp32 student lm_head over bf16 hidden states (torch.autocast's master weight), inside an autocast region:
+    the values of the same call with the weight cast to bf16 first, the weight's gradient fp32 (not rounded; the
+    in-process teachers: one op, so its rounding to bf16 is the bf16 call's)."""
+    dev = backend_device(backend, device)
+    batch, mask, index, teachers, _ = _batch(("dense", "dense", "dense"), dtype=torch.bfloat16, device=dev)
+    runs = []
+    for weight in (batch["weight"].float(), batch["weight"]):
+        hidden, weight = batch["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss, div, _ = grpo_fast.multi_teacher_distillation_loss(
+                hidden, weight, grpo_fast.Teachers(teachers, index), mask, beta=0.5, targets=batch["targets"],
+                backend=backend,
+            )  # fmt: skip
+        loss.backward()
+        runs.append((loss.detach(), div, hidden.grad, weight.grad))
+    (loss, div, dh, dw), (loss_bf16, div_bf16, dh_bf16, dw_bf16) = runs
+    assert dw.dtype == torch.float32 and dw_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, loss_bf16, rtol=0, atol=0)
+    torch.testing.assert_close(div, div_bf16, rtol=0, atol=0)
+    torch.testing.assert_close(dh, dh_bf16, rtol=0, atol=0)
+    torch.testing.assert_close(dw.to(torch.bfloat16), dw_bf16, rtol=0, atol=0)
+    assert (dw != dw.to(torch.bfloat16).float()).any()  # fp32 accumulators, not a bf16 gradient widened

@@ -71,7 +71,9 @@ def _batch(V, B=3, P=6, C=7, seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("beta,top_k,tail", [(0.0, 5, True), (0.0, 5, False), (0.5, 1, True), (0.5, 1, False), (1.0, 1, True)])
+@pytest.mark.parametrize(
+    "beta,top_k,tail", [(0.0, 5, True), (0.0, 5, False), (0.5, 1, True), (0.5, 1, False), (1.0, 1, True)]
+)
 def test_the_trainer_equals_trls(tmp_path, beta, top_k, tail, monkeypatch):
     results = []
     for cls in (server_module.ServerDistillationTrainer, grpo_fast.trl.ServerDistillationTrainer):

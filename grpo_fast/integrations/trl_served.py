@@ -127,8 +127,8 @@ def server_teacher(teacher_result, labels, beta):
     """TRL 1.16's ``ServerDistillationTrainer`` teacher records as a ``ServedTeacher``'s ids and log-probs [B, T, K]
     (TRL's support then follows from ``served_distillation_loss``' rules): at beta 0 the top-k lists, their -inf
     entries unlisted; at 0 < beta < 1 (TRL's top-1 server path) the teacher's top-1 and the sampled token's log-prob
-    (``actual_logprobs``), the sampled token listed where it is not the top-1; at beta 1 the sampled token's alone. TRL's errors for a required position
-    the server left without a log-prob.
+    (``actual_logprobs``), the sampled token listed where it is not the top-1; at beta 1 the sampled token's alone.
+    TRL's errors for a required position the server left without a log-prob.
 
     Args:
         teacher_result: TRL's ``_get_teacher_token_logprobs_from_server`` dict (``actual_logprobs`` [B, T],

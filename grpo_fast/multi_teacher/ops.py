@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_fast.backends.protocol import gemm_weight
 from grpo_fast.backends.resolver import named
 from grpo_fast.distillation.ops import gradient_buffers, loss_backward, loss_setup_context
 from grpo_fast.head.boundary import custom_op, inline_function, runs_inline
@@ -54,11 +55,15 @@ class RoutedOperands(NamedTuple):
     backend: str
 
     def heads(self) -> tuple[ModelHead, TeacherSegments]:
-        """The student's ModelHead and the teachers' TeacherSegments."""
+        """The student's ModelHead and the teachers' TeacherSegments, each weight in its hidden states' dtype
+        (``gemm_weight``: an fp32 master weight over bf16 / fp16 hidden states, cast for the GEMMs)."""
         transform = LogitTransform(self.temperature, self.student_softcap, self.student_logit_scale)
-        student = ModelHead(self.student_hidden, self.student_weight, self.student_bias, transform)
+        student_weight = gemm_weight(self.student_weight, self.student_hidden)
+        student = ModelHead(self.student_hidden, student_weight, self.student_bias, transform)
         teachers = tuple(
-            ModelHead(hidden, weight, bias, LogitTransform(self.temperature, softcap or None, scale))
+            ModelHead(
+                hidden, gemm_weight(weight, hidden), bias, LogitTransform(self.temperature, softcap or None, scale)
+            )
             for hidden, weight, bias, softcap, scale in zip(
                 self.teacher_hidden,
                 self.teacher_weight,
