@@ -121,7 +121,7 @@ def logprobs_and_entropy(
         hidden: [B, T, D] float32, bfloat16 or float16: the last hidden states; hidden[b, t] predicts
             targets[b, t].
         weight: [V, D] lm_head weight, hidden's dtype, or fp32 over bf16 / fp16 hidden (cast for the GEMMs, its
-            gradient fp32: [mixed precision](../api.md#mixed-precision-autocast)). Vocab-parallel: this rank's rows
+            gradient fp32: docs/api.md#mixed-precision-autocast). Vocab-parallel: this rank's rows
             [V_local, D] (with ``vocab_parallel``) or a DTensor sharded on dim 0.
         targets: [B, T] integer token ids in [0, V); positions where completion_mask is 0 are not read.
         bias: [V] lm_head bias in hidden's dtype (this rank's rows when vocab-parallel), or None.
