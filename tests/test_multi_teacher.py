@@ -301,3 +301,22 @@ def test_an_fp32_master_weight_over_bf16_hidden_states(backend, device):
     torch.testing.assert_close(dh, dh_bf16, rtol=0, atol=0)
     torch.testing.assert_close(dw.to(torch.bfloat16), dw_bf16, rtol=0, atol=0)
     assert (dw != dw.to(torch.bfloat16).float()).any()  # fp32 accumulators, not a bf16 gradient widened
+
+
+def test_the_op_on_fake_tensors():
+    """grpo_fast::routed_divergence_loss's fake implementation: the real outputs' shapes and dtypes, no kernel run
+    (the public function reads the index on the host; the op itself traces)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from grpo_fast.multi_teacher import ops
+
+    with FakeTensorMode():
+        hidden, weight = torch.empty(7, DS, dtype=torch.bfloat16), torch.empty(V, DS)
+        teachers = [torch.empty(3, 40, dtype=torch.bfloat16), torch.empty(4, 16)]
+        operands = ops.RoutedOperands(
+            hidden, weight, None, teachers, [torch.empty(V, 40, dtype=torch.bfloat16), torch.empty(V, 16)],
+            [None, None], [0, 3, 7], 0.5, 1.0, None, 1.0, [0.0, 0.0], [1.0, 1.0], "triton",
+        )  # fmt: skip
+        loss, div, entropy = ops.routed_divergence_loss(operands, torch.empty(7), (True, True, False))
+    assert loss.shape == () and div.shape == entropy.shape == (7,)
+    assert loss.dtype == div.dtype == torch.float32

@@ -272,7 +272,9 @@ _loss_op = custom_op(
 
 
 @_loss_op.register_fake
-def _(*arguments):
+def loss_fake(*arguments):
+    """The loss ops' fake outputs (this one's, ``multi_teacher.ops``': their schemas begin with the student's
+    hidden, weight, bias and end in weights, need_hidden, need_weight, need_bias, token_chunk)."""
     *operands, _weights, need_hidden, need_weight, need_bias, _token_chunk = arguments
     hidden, weight, bias = operands[:3]
     per_token = hidden.new_empty(hidden.shape[0], dtype=torch.float32)

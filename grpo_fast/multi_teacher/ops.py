@@ -19,7 +19,7 @@ import torch
 
 from grpo_fast.backends.protocol import gemm_weight
 from grpo_fast.backends.resolver import named
-from grpo_fast.distillation.ops import gradient_buffers, loss_backward, loss_setup_context
+from grpo_fast.distillation.ops import gradient_buffers, loss_backward, loss_fake, loss_setup_context
 from grpo_fast.head.boundary import custom_op, inline_function, runs_inline
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels.divergence_records import ModelHead, TeacherSegments
@@ -105,19 +105,7 @@ def _impl(*arguments):
 _op = custom_op("routed_divergence_loss", _impl, _SCHEMA)
 
 
-@_op.register_fake
-def _(*arguments):
-    *operands, _weights, need_hidden, need_weight, need_bias, _token_chunk = arguments
-    hidden, weight, bias = operands[:3]
-    per_token = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-    return (
-        hidden.new_empty((), dtype=torch.float32),
-        per_token,
-        torch.empty_like(per_token),
-        hidden.new_empty(hidden.shape if need_hidden else (0,), dtype=torch.float32),
-        weight.new_empty(weight.shape if need_weight else (0,), dtype=torch.float32),
-        weight.new_empty(weight.shape[0] if need_bias and bias is not None else 0, dtype=torch.float32),
-    )
+_op.register_fake(loss_fake)
 
 
 def _backward(ctx, grad_loss, *_):
