@@ -185,8 +185,12 @@ def test_step_progress_names_the_phase_and_ticks():
 
     from gsm8k.callbacks import StepProgress
 
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
     model = tiny_qwen2()
-    screen = io.StringIO()
+    screen = Terminal()
     progress = StepProgress(model, refresh_s=0.05, file=screen)
     state = SimpleNamespace(global_step=2, max_steps=8)
     progress.on_step_begin(None, state, None)
@@ -204,3 +208,27 @@ def test_step_progress_names_the_phase_and_ticks():
     progress.on_train_end(None, state, None)
     model(ids)
     assert progress.bar is None and progress.phase == "forward / backward"  # the hook is gone
+
+
+def test_step_progress_off_a_terminal_is_one_line_a_step():
+    """Written to a file or a pipe, the per-step bar draws nothing while the step runs and one line when it ends."""
+    import io
+    from types import SimpleNamespace
+
+    from gsm8k.callbacks import StepProgress
+
+    model = tiny_qwen2()
+    log = io.StringIO()
+    progress = StepProgress(model, refresh_s=0.01, file=log)
+    for step in range(2):
+        state = SimpleNamespace(global_step=step, max_steps=8)
+        progress.on_step_begin(None, state, None)
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        progress.on_step_end(None, state, None)
+    progress.on_train_end(None, state, None)
+    lines = log.getvalue().splitlines()
+    assert [line.split(" in ")[0] for line in lines] == [
+        "optimizer step 1/8: 1/1 step",
+        "optimizer step 2/8: 1/1 step",
+    ]
+    assert "\r" not in log.getvalue()

@@ -16,6 +16,8 @@ import threading
 import torch
 from transformers import TrainerCallback
 
+from gsm8k import progress
+
 __all__ = ["MetricsFile", "StepProgress"]
 
 
@@ -64,16 +66,16 @@ class StepProgress(TrainerCallback):
             self.phase = "scoring log-probs"
 
     def on_step_begin(self, args, state, control, **kwargs):
-        from tqdm.auto import tqdm
-
         self.phase = "starting"
         total = f"/{state.max_steps}" if state.max_steps > 0 else ""
         self.step_name = f"optimizer step {state.global_step + 1}{total}"
-        self.bar = tqdm(
-            desc=self.step_name, bar_format="{desc} ({elapsed})", leave=False, dynamic_ncols=True, file=self.file
+        # a terminal: a bar redrawn with the phase; a file or a pipe: one line when the step ends (gsm8k.progress)
+        self.bar = progress.bar(
+            desc=self.step_name, total=1, unit="step", bar_format="{desc} ({elapsed})", file=self.file
         )
         self.stop = threading.Event()
-        threading.Thread(target=self._tick, args=(self.bar, self.stop), daemon=True).start()
+        if progress.on_terminal(self.file):
+            threading.Thread(target=self._tick, args=(self.bar, self.stop), daemon=True).start()
 
     def _tick(self, bar, stop):
         while not stop.wait(self.refresh_s):
@@ -83,6 +85,7 @@ class StepProgress(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.stop.set()
+            self.bar.update(1)
             self.bar.close()
             self.bar = None
 
