@@ -505,23 +505,26 @@ COMMITTED_CPU_RUN = SCRIPT.parent / "results" / "smollm2-135m-cpu"
 
 
 def test_the_cpu_runs_last_lines_say_what_it_learned_and_what_a_135m_model_cannot():
-    """The committed CPU run's summary (scored with --one-line-format): the format rose, accuracy stayed at 0, and
-    the ending says so, with the recipe that trains accuracy, in place of a bare 0.0 -> 0.0."""
+    """The committed CPU run's summary (README command 1): the format rose, accuracy stayed at 0, and the ending says
+    so, with the recipe that trains accuracy, in place of a bare 0.0 -> 0.0."""
     script = load_script()
     summary = json.loads((COMMITTED_CPU_RUN / "summary.json").read_text())
     rows = read_metrics(COMMITTED_CPU_RUN)
-    args = script.parse_args(["--preset", "cpu", "--one-line-format"])
+    args = script.parse_args(["--preset", "cpu"])
     assert script.what_was_learned(summary, rows, args) == [
         "what this run learned: the answer format",
         "  greedy answers to 8 test questions, before -> after training: strict format 1/8 -> 7/8, soft format "
-        "0/8 -> 0/8, correct 0/8 -> 0/8; mean reward 0.297 -> 1.328",
-        "  training reward 0.131 at step 1 -> 1.324 at step 8",
-        "  soft format: its regex without re.DOTALL (--one-line-format) never matches multi-line reasoning",
+        "1/8 -> 7/8, correct 0/8 -> 0/8; mean reward 0.359 -> 1.766",
+        "  training reward 0.131 at step 1 -> 1.789 at step 8",
         "what it did not learn: correct answers. A 135M model gets GSM8K's arithmetic wrong before and after "
         "training: what GRPO teaches it here is the answer format, not the maths. The recipe that trains accuracy is "
         "the GPU one (--preset gpu on a CUDA GPU: Qwen/Qwen2.5-1.5B-Instruct with LoRA, 300 steps of 4 questions x 16 "
         "completions, the GRPO demo's sizes)",
     ]
+    one_line = script.parse_args(["--preset", "cpu", "--one-line-format"])  # the patterns without re.DOTALL
+    assert script.what_was_learned(summary, rows, one_line)[3] == (
+        "  soft format: its regex without re.DOTALL (--one-line-format) never matches multi-line reasoning"
+    )
     # another model that learned answers too; and a run without evals
     other = script.parse_args(["--preset", "cpu", "--model", "some/model"])
     better = {**summary, "eval_after": {**summary["eval_after"], "accuracy": 0.25}}

@@ -16,8 +16,7 @@ As in the demo, the format regexes are matched with ``re.match(pattern, text, fl
 newline too, so the reasoning and the answer may span lines. Without ``re.DOTALL`` the soft format could never
 match the answer format the demo's system prompt asks for (``<reasoning>`` then a newline); ``ONE_LINE_REWARDS``
 has the patterns without it (``one_line_soft_format_reward``, ``one_line_strict_format_reward``: the reasoning and
-the answer each on one line; ``train_gsm8k.py --one-line-format``), with which the committed CPU run in
-``examples/results/smollm2-135m-cpu/`` was scored.
+the answer each on one line; ``train_gsm8k.py --one-line-format``).
 
 One change from the demo, on purpose: the answer is compared **as a number** when both sides parse as one
 (after removing commas, a leading ``$`` and surrounding spaces), so ``"18.0"``, ``"$18"`` and ``"18"`` all
