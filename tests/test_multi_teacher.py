@@ -320,3 +320,44 @@ def test_the_op_on_fake_tensors():
         loss, div, entropy = ops.routed_divergence_loss(operands, torch.empty(7), (True, True, False))
     assert loss.shape == () and div.shape == entropy.shape == (7,)
     assert loss.dtype == div.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rl_and_several_teachers_in_one_call(backend, device):
+    """grpo_fast.loss(..., teacher=grpo_fast.Teachers(...)): the GRPO loss plus distillation_coef times the dapo
+    reduction of each token's divergence from its row's teacher, equal to the two calls (loss, every gradient, the
+    distillation_loss metric); against the spec's per-token divergence."""
+    dev = backend_device(backend, device)
+    batch, mask, index, teachers, specs = _batch(device=dev)
+    g = torch.Generator().manual_seed(3)
+    advantages = torch.randn(B, generator=g).to(dev)
+    rl = dict(loss_type="dapo", num_items_in_batch=40, backend=backend, temperature=0.8, bias=batch["bias"])
+    routed = grpo_fast.Teachers(teachers, index)
+    runs = []
+    for together in (True, False):
+        hidden, weight = batch["hidden"].clone().requires_grad_(), batch["weight"].clone().requires_grad_()
+        if together:
+            loss, metrics = grpo_fast.loss(
+                hidden, weight, batch["targets"], advantages, mask, teacher=routed, distillation_coef=0.3,
+                distillation_beta=0.5, **rl,
+            )  # fmt: skip
+        else:
+            loss, metrics = grpo_fast.loss(hidden, weight, batch["targets"], advantages, mask, **rl)
+            mopd, div, _ = grpo_fast.multi_teacher_distillation_loss(
+                hidden, weight, routed, mask, num_items_in_batch=40, beta=0.5, temperature=0.8,
+                targets=batch["targets"], student_bias=batch["bias"], backend=backend,
+            )  # fmt: skip
+            loss = loss + 0.3 * mopd
+            metrics["distillation_loss"] = div.sum() / mask.sum()
+        loss.backward()
+        runs.append((loss.detach(), metrics["distillation_loss"], hidden.grad, weight.grad))
+    (loss, metric, dh, dw), (loss2, metric2, dh2, dw2) = runs
+    assert loss.item() == pytest.approx(loss2.item(), rel=1e-5)
+    assert metric.item() == pytest.approx(metric2.item(), rel=1e-5) and metric > 0
+    torch.testing.assert_close(dh, dh2, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(dw, dw2, rtol=1e-4, atol=1e-7)
+    _, div, _, _ = _spec(batch, mask, index, specs, 0.5, temperature=0.8)
+    assert metric.item() == pytest.approx((div.sum() / mask.sum()).item(), rel=1e-5)
+    with pytest.raises(ValueError, match="distillation_beta is required when in-process and served teachers mix"):
+        grpo_fast.loss(batch["hidden"], batch["weight"], batch["targets"], advantages, mask, teacher=routed,
+                       distillation_coef=0.3, **rl)  # fmt: skip

@@ -98,8 +98,9 @@ class Distillation:
             return None
         if not isinstance(teacher, Teacher):
             raise TypeError(
-                f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale) or a "
-                f"grpo_fast.ServedTeacher(ids, logprobs), got {type(teacher).__name__}"
+                f"teacher must be a grpo_fast.Teacher(hidden, weight, bias, softcap, logit_scale), a "
+                f"grpo_fast.ServedTeacher(ids, logprobs) or a grpo_fast.Teachers(teachers, teacher_index), got "
+                f"{type(teacher).__name__}"
             )
         coef, beta = check_coef_and_beta(
             coef, beta, 1.0, "0: forward KL(teacher || student), 1: reverse KL(student || teacher)"

@@ -25,6 +25,7 @@ from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
+from grpo_fast.multi_teacher.api import RoutedDistillation, Teachers
 from grpo_fast.served.api import ServedDistillation
 from grpo_fast.served.teacher import ServedTeacher
 
@@ -58,7 +59,7 @@ def loss(
     vocab_parallel: VocabShard | None = None,
     backend: BackendName = "auto",
     check_values: bool = True,
-    teacher: Teacher | ServedTeacher | None = None,
+    teacher: Teacher | ServedTeacher | Teachers | None = None,
     distillation_coef: float | None = None,
     distillation_beta: float | None = None,
     **option_keywords: Unpack[LossOptionKeywords],
@@ -116,10 +117,13 @@ def loss(
         check_values: one host read of the value checks (also num_items_in_batch >= 0); False: none.
         teacher: a Teacher (its hidden states [B, T, Dt] and head, the student's vocabulary), a ServedTeacher
             (its top-k log-probs at each token: ``served_divergence_and_entropy``'s divergence, ``targets`` the
-            sampled tokens; its own vocabulary sweep beside layer 1's), or None.
+            sampled tokens; its own vocabulary sweep beside layer 1's), a Teachers (each row's own teacher, MOPD:
+            each token's divergence from it, composed beside layer 1's head; a second host read for the routing),
+            or None.
         distillation_coef: the divergence's weight in the per-token loss; required with ``teacher``, only with it.
         distillation_beta: the divergence's beta (0: forward KL, 1: reverse KL, between: the generalized JSD;
-            TRL's DistillationConfig.beta); None: 1.0 (a ServedTeacher: 0.0, TRL's AsyncDistillationConfig's).
+            TRL's DistillationConfig.beta); None: 1.0 (a ServedTeacher: 0.0, TRL's AsyncDistillationConfig's;
+            Teachers: 1.0 if all are Teacher, 0.0 if all are ServedTeacher, required when they mix).
             Only with ``teacher``.
         **option_keywords: the loss options by name, TRL's ``GRPOConfig`` keywords (LossOptionKeywords): they
             apply on top of ``options``.
@@ -145,6 +149,8 @@ def loss(
     options = LossOptions.resolve(options, option_keywords, "loss")
     if isinstance(teacher, ServedTeacher):
         distillation = ServedDistillation.check(teacher, distillation_coef, distillation_beta, vocab_parallel)
+    elif isinstance(teacher, Teachers):
+        distillation = RoutedDistillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     else:
         distillation = Distillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     head = HeadCall.check(

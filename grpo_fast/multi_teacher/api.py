@@ -26,9 +26,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from grpo_fast.backends.resolver import resolve_backend
+from grpo_fast.distillation import ops as divergence_ops
 from grpo_fast.distillation.api import check_num_items_in_batch
-from grpo_fast.distillation.teacher import Teacher
+from grpo_fast.distillation.teacher import Distillation, Teacher, check_coef_and_beta
+from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import (
+    Rows,
     check_float_tensor,
     check_head,
     check_mask,
@@ -38,8 +41,9 @@ from grpo_fast.head.inputs import (
 )
 from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.transform import check_chunk, check_number
+from grpo_fast.kernels.divergence_records import ModelHead
 from grpo_fast.multi_teacher import ops
-from grpo_fast.served.api import ServedSupport, served_distillation_loss
+from grpo_fast.served.api import ServedSupport, served_distillation_loss, served_divergence_rows
 from grpo_fast.served.teacher import ServedTeacher
 
 
@@ -442,3 +446,75 @@ def teacher_metrics(
 
 
 __all__ = ["Teachers", "multi_teacher_distillation_loss", "teacher_metrics"]
+
+
+@dataclass(frozen=True)
+class RoutedDistillation:
+    """``grpo_fast.loss(..., teacher=grpo_fast.Teachers(...))``'s checked teachers: the per-token loss gains ``coef``
+    times each token's divergence from its row's teacher (an in-process teacher's by the divergence head's per-token
+    op, a served one's by the served head's; composed beside layer 1's, as ``ServedDistillation``)."""
+
+    teachers: Teachers
+    coef: float
+    beta: float
+
+    @classmethod
+    def check(cls, teachers, coef, beta, lora, vocab_parallel) -> RoutedDistillation:
+        listed = teachers.teachers if isinstance(teachers, Teachers) else ()
+        kinds = {isinstance(t, ServedTeacher) for t in listed}
+        if beta is None and kinds == {True, False}:
+            raise ValueError(
+                "distillation_beta is required when in-process and served teachers mix (their defaults differ: "
+                "1.0 for a Teacher, 0.0 for a ServedTeacher)"
+            )
+        coef, beta = check_coef_and_beta(
+            coef, beta, 0.0 if kinds == {True} else 1.0, "0: forward KL(teacher || student), 1: reverse KL"
+        )
+        for name, value in (("lora", lora), ("vocab_parallel", vocab_parallel)):
+            if value is not None:
+                raise ValueError(f"{name} with several teachers (grpo_fast.Teachers) is not supported yet")
+        return cls(teachers, coef, beta)
+
+    def check_against(self, head) -> None:
+        """The Teachers record against the student's checked call (the teachers' shapes follow the routing's read)."""
+        if head.shard is not None:
+            raise ValueError("a vocab-parallel head (a sharded DTensor weight) with several teachers is not supported")
+        _check_teachers(self.teachers, head.shape[0], head.hidden.device)
+
+    def logprobs_entropy_divergence(self, head, rows):
+        """(logp, entropy, divergence) [B, T] fp32 of the call's scored ``rows``, differentiable; the routing reads
+        its counts on the host (a second synchronisation)."""
+        logp, entropy = logprobs_and_entropy_rows(head, rows, head.head_path)
+        B, T = head.shape
+        listed = list(self.teachers.teachers)
+        routing = _Routing.read(self.teachers.teacher_index, head.completion_mask, len(listed), T)
+        _check_teacher_shapes(self.teachers, routing, T, head.weight.shape[0], head.hidden.device)
+        div = torch.zeros(B * T, dtype=torch.float32, device=head.hidden.device)
+        dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
+        order = routing.scored_rows_of(dense, len(listed))
+        at = 0
+        for i in dense:  # the divergence head's per-token op on each in-process teacher's rows
+            count, teacher = routing.token_counts[i], listed[i]
+            if count == 0:
+                continue
+            flat = order[at : at + count]
+            at += count
+            student = head.operands(Rows(flat))
+            local = routing.local_flat.index_select(0, flat)
+            teacher_head = Distillation(teacher, self.coef, self.beta).head(Rows(local), head.transform.temperature)
+            operands = divergence_ops.OpOperands.from_heads(
+                ModelHead(student.hidden, student.weight, student.bias, student.transform),
+                teacher_head,
+                self.beta,
+                head.backend.name,
+                student.hidden.dtype,
+            )
+            part, _, _, _, _ = divergence_ops.divergence_forward(operands, False)
+            div = div.index_copy(0, flat, part)
+        served = [i for i, t in enumerate(listed) if isinstance(t, ServedTeacher)]
+        if served and sum(routing.token_counts[i] for i in served):
+            record = _served_record(self.teachers, served, routing, B, T, head.hidden.device)
+            flat = routing.scored_rows_of(served, len(listed))
+            part = served_divergence_rows(head, Rows(flat), record, self.beta, checked=False)
+            div = div.index_copy(0, flat, part)
+        return logp, entropy, div.view(B, T)

@@ -14,6 +14,7 @@ whose frozen-head path (only the hidden states need a gradient) builds d lse / d
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Literal, TypedDict, get_args
@@ -465,8 +466,22 @@ class ServedDistillation:
     def logprobs_entropy_divergence(self, head: inputs.HeadCall, rows: inputs.Rows):
         """(logp, entropy, divergence) [B, T] fp32 of the call's scored ``rows``, differentiable."""
         logp, entropy = logprobs_and_entropy_rows(head, rows, head.head_path)
-        div, _ = _ServedCall.of(head, rows, self.teacher, self.beta, self.beta != 0.0).per_token()
-        return logp, entropy, head.scattered(div, rows)
+        return logp, entropy, head.scattered(served_divergence_rows(head, rows, self.teacher, self.beta), rows)
+
+
+def served_divergence_rows(
+    head: inputs.HeadCall, rows: inputs.Rows, teacher: ServedTeacher, beta: float, checked: bool = True
+):
+    """[N] the served divergence of a checked call's scored ``rows`` (the call's targets the sampled tokens, TRL's
+    support by ``beta``), differentiable: a composed head's (``loss``'s with a served teacher, several teachers').
+    ``checked``: the teacher was checked against the call before its rows were read; False: checked here (its value
+    checks read in a synchronisation of their own)."""
+    if not checked:
+        checks = inputs.ValueChecks(head.checks.run, head.hidden)
+        _check_teacher(teacher, dataclasses.replace(head, checks=checks), beta != 0.0, True)
+        checks.read()
+    div, _ = _ServedCall.of(head, rows, teacher, beta, beta != 0.0).per_token()
+    return div
 
 
 __all__ = ["ServedKeywords", "ServedTeacher", "served_distillation_loss", "served_divergence_and_entropy"]
