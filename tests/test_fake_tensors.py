@@ -6,6 +6,7 @@ engine asks for a CUDA device guard in the backward and the process aborts."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_fast
 
@@ -82,23 +83,24 @@ def test_fake_outputs_have_the_real_sizes():
         assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
 
+class Allocations(TorchDispatchMode):
+    """The bytes of each empty / zeros allocation the dispatched ops make (what an op's real implementation holds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default):
+            self.sizes.append(out.numel() * out.element_size())
+        return out
+
+
 def test_workspace_bytes_is_what_the_kernels_allocate():
     """head_ops.workspace_bytes against the allocations a dispatch mode sees in the real Triton implementations (the
     ops run inline under a mode over real tensors): the chunked backward's g buffer and the forward's records."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from grpo_fast.head import ops as head_ops
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.sizes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default):
-                self.sizes.append(out.numel() * out.element_size())
-            return out
 
     N, D, V = 40, 32, 300
     hidden = torch.randn(N, D, dtype=torch.bfloat16)
@@ -123,21 +125,8 @@ def test_divergence_loss_workspace_is_what_its_kernels_allocate():
     """The Triton backend's divergence_loss_workspace_bytes (the memory estimator's model of the fused distillation
     loss's buffers) against the allocations a dispatch mode sees in the real implementation: both models' fp32
     products of half a chunk and the chunk's g in the student's dtype."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from grpo_fast.backends.resolver import named
     from grpo_fast.kernels.divergence_loss import loss_chunk_rows
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.sizes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default):
-                self.sizes.append(out.numel() * out.element_size())
-            return out
 
     N, Ds, Dt, V = 80, 32, 48, 300
     g = torch.Generator().manual_seed(0)
@@ -164,8 +153,6 @@ def test_workspace_bytes_bounds_the_torch_layer2s_temporaries(loss_type):
     temporaries (every tensor an op returns, counted until it is freed; the returned dL/dlogp excluded), with every
     option on, at each importance level and advantage shape."""
     import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from grpo_fast.backends.resolver import TORCH
     from grpo_fast.grpo_loss import ops as loss_ops
