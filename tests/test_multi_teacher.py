@@ -121,6 +121,8 @@ def test_one_kind_and_its_default_beta(kinds, backend, device):
     loss, got_div, _, ours = _ours(batch, mask, index, teachers, None, backend, num_items_in_batch=40)
     loss.backward()
     assert loss.item() == pytest.approx(spec_loss.item(), rel=1e-5)
+    as_tensor, _, _, _ = _ours(batch, mask, index, teachers, None, backend, num_items_in_batch=torch.tensor(40.0))
+    assert as_tensor.item() == pytest.approx(loss.item(), rel=1e-6)  # a one-element tensor: its value not read
     torch.testing.assert_close(got_div, div.float().to(dev), rtol=1e-5, atol=1e-5)
     for name in ("hidden", "weight", "bias"):
         assert_grad_close(ours[name].grad, leaves[name].grad.float(), torch.float32, name)
