@@ -289,9 +289,9 @@ def test_the_chunk_is_the_callers_choice(monkeypatch):
 
 @pytest.mark.slow
 def test_three_vocabulary_sweeps_against_the_recompute_paths_four():
-    # B 4, T 64, D 64, V 4096, a trained weight: u = H W^T, J's P' W and dW's P'^T (f H), against 2 N D V each
+    # B 4, T 64, D 64, V 1024, a trained weight: u = H W^T, J's P' W and dW's P'^T (f H), against 2 N D V each
     g = torch.Generator().manual_seed(1)
-    B, T, D, V = 4, 64, 64, 4096
+    B, T, D, V = 4, 64, 64, 1024
     hidden, weight = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g) * 0.2
     targets, adv, mask = torch.randint(0, V, (B, T), generator=g), torch.randn(B, generator=g), torch.ones(B, T)
 
