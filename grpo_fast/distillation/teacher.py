@@ -75,6 +75,15 @@ def check_coef_and_beta(coef, beta, default_beta, beta_meaning) -> tuple[float, 
     return float(coef), float(beta)
 
 
+def teacher_head(teacher: Teacher, rows: Rows, temperature: float) -> ModelHead:
+    """A Teacher's ModelHead over ``rows`` of its flat [B T] rows (row-contiguous, detached), with the student's
+    ``temperature``."""
+    hidden = row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows).contiguous()
+    bias = teacher.bias.detach().contiguous() if teacher.bias is not None else None
+    transform = LogitTransform.from_floats(temperature, teacher.softcap, teacher.logit_scale)
+    return ModelHead(hidden.detach(), teacher.weight.detach().contiguous(), bias, transform)
+
+
 @dataclass(frozen=True)
 class Distillation:
     """A call's teacher, checked (``grpo_fast.loss(..., teacher=...)``): the Teacher, the divergence's weight in the
@@ -148,13 +157,8 @@ class Distillation:
         check_number("teacher.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
 
     def head(self, rows: Rows, temperature: float) -> ModelHead:
-        """The teacher's ModelHead over the scored ``rows`` (row-contiguous, detached), with the student's
-        ``temperature``."""
-        teacher = self.teacher
-        hidden = row_values(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]), rows).contiguous()
-        bias = teacher.bias.detach().contiguous() if teacher.bias is not None else None
-        transform = LogitTransform.from_floats(temperature, teacher.softcap, teacher.logit_scale)
-        return ModelHead(hidden.detach(), teacher.weight.detach().contiguous(), bias, transform)
+        """The teacher's ModelHead over the scored ``rows`` (``teacher_head``)."""
+        return teacher_head(self.teacher, rows, temperature)
 
     def logprobs_entropy_divergence(self, head: HeadCall, rows: Rows):
         """The combined head on a checked call's scored ``rows``: (logp, entropy, divergence) [B, T] fp32, each

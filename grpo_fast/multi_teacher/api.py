@@ -19,6 +19,7 @@ Routing reads each teacher's row and token counts on the host: one synchronisati
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,10 +29,11 @@ from torch.distributed.tensor import DTensor
 from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation import ops as divergence_ops
 from grpo_fast.distillation.api import check_num_items_in_batch
-from grpo_fast.distillation.teacher import Distillation, Teacher, check_coef_and_beta
+from grpo_fast.distillation.teacher import Teacher, check_coef_and_beta, teacher_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import (
     Rows,
+    ValueChecks,
     check_float_tensor,
     check_head,
     check_mask,
@@ -115,45 +117,59 @@ class _Routing:
 
     @classmethod
     def read(cls, index, completion_mask, n, T):
-        index = index.long()
+        """The routing of ``index`` [B] over ``n`` teachers, T tokens a row; its value checks (the index's range, the
+        mask's 0/1) read with the counts in one host synchronisation (``ValueChecks``)."""
         B = index.shape[0]
         dev = index.device
+        checks = ValueChecks(True, index, completion_mask)
+        if completion_mask is not None:
+            check_mask(completion_mask, (B, T), checks)
+        index = index.long()
+        checks.add(
+            [((index < 0) | (index >= n)).any(), index.min(), index.max()],
+            lambda _, lo, hi: ValueError(
+                f"teachers.teacher_index must be in [0, {n}) (one of the {n} teachers), got values in [{lo}, {hi}]"
+            ),
+        )
         scored = (
             completion_mask.reshape(-1).bool()
             if completion_mask is not None
             else torch.ones(B * T, dtype=torch.bool, device=dev)
         )
-        bad = ((index < 0) | (index >= n)).any()
         safe = index.clamp(0, n - 1)
         flat_teacher = safe.repeat_interleave(T)
         row_counts = torch.bincount(safe, minlength=n)
         token_counts = torch.bincount(flat_teacher, weights=scored.float(), minlength=n).long()
-        values = [bad.long().reshape(1), index.min().reshape(1), index.max().reshape(1), row_counts, token_counts]
-        if completion_mask is not None and completion_mask.dtype != torch.bool:
-            values.append((~((completion_mask == 0) | (completion_mask == 1)).all()).long().reshape(1))
-        read = torch.cat(values).tolist()  # the call's one host synchronisation
-        if read[0]:
-            raise ValueError(
-                f"teachers.teacher_index must be in [0, {n}) (one of the {n} teachers), got values in "
-                f"[{read[1]}, {read[2]}]"
-            )
-        if len(read) > 3 + 2 * n and read[-1]:
-            raise ValueError("completion_mask must be bool or hold only 0 and 1")
+        counts = checks.read([*row_counts.unbind(), *token_counts.unbind()])  # the call's one host synchronisation
         # each row's rank among its teacher's rows: where its teacher's own tensors hold it
         rank = (torch.nn.functional.one_hot(safe, n).cumsum(0) - 1).gather(1, safe[:, None])[:, 0]
         local_flat = rank.repeat_interleave(T) * T + torch.arange(B * T, device=dev) % T
         batch_order = torch.argsort(safe, stable=True)
-        return cls(read[3 : 3 + n], read[3 + n : 3 + 2 * n], flat_teacher, scored, local_flat, batch_order)
+        return cls(counts[:n], counts[n:], flat_teacher, scored, local_flat, batch_order)
+
+    def scored_mask_of(self, chosen: list[int], n: int) -> torch.Tensor:
+        """[B T] bool: the scored flat rows of the teachers ``chosen``."""
+        pick = torch.zeros(n, dtype=torch.bool, device=self.scored.device)
+        pick[chosen] = True
+        return self.scored & pick[self.flat_teacher]
 
     def scored_rows_of(self, chosen: list[int], n: int) -> torch.Tensor:
         """The scored flat rows of the teachers ``chosen``, grouped by teacher in index order, each group in the
         batch's order."""
-        pick = torch.zeros(n, dtype=torch.bool, device=self.scored.device)
-        pick[chosen] = True
-        keep = self.scored & pick[self.flat_teacher]
-        key = torch.where(keep, self.flat_teacher, n)
+        key = torch.where(self.scored_mask_of(chosen, n), self.flat_teacher, n)
         total = sum(self.token_counts[i] for i in chosen)
         return torch.argsort(key, stable=True)[:total]
+
+    def segments(self, chosen: list[int], n: int):
+        """(i, flat rows [N_i], the same rows in teacher i's own [B_i T] rows) for each teacher of ``chosen`` with
+        scored tokens: ``scored_rows_of(chosen)`` cut by teacher."""
+        order, at = self.scored_rows_of(chosen, n), 0
+        for i in chosen:
+            count = self.token_counts[i]
+            if count:
+                flat = order[at : at + count]
+                at += count
+                yield i, flat, self.local_flat.index_select(0, flat)
 
     def batch_rows_of(self, i: int) -> torch.Tensor:
         """Teacher i's rows of the batch, in its order."""
@@ -205,6 +221,20 @@ def _check_teacher_shapes(teachers, routing, T, V, student_dtype_device):
                     f"{name}.ids and {name}.logprobs must have the same shape, got "
                     f"{tuple(teacher.ids.shape)} and {tuple(teacher.logprobs.shape)}"
                 )
+
+
+def _beta_or_default(listed, beta, name):
+    """``beta``, or the teachers' kind's default where None: 1.0 when all are in-process (``distillation_loss``'),
+    0.0 when all are served (``served_distillation_loss``'); a ValueError naming ``name`` where they mix."""
+    if beta is not None:
+        return beta
+    served = {isinstance(t, ServedTeacher) for t in listed}
+    if served == {True, False}:
+        raise ValueError(
+            f"{name} is required when in-process and served teachers mix (their defaults differ: 1.0 for a "
+            "Teacher, distillation_loss'; 0.0 for a ServedTeacher, served_distillation_loss')"
+        )
+    return 0.0 if served == {True} else 1.0
 
 
 def _served_record(teachers, served, routing, B, T, device):
@@ -305,18 +335,12 @@ def multi_teacher_distillation_loss(
     check_chunk("token_chunk", token_chunk, "tokens per gradient GEMM")
     check_num_items_in_batch(num_items_in_batch)
     if completion_mask is not None:
-        check_mask(completion_mask, (B, T), _NoChecks())
+        check_tensor("completion_mask", completion_mask)
         check_same_device([("completion_mask", completion_mask)], student_hidden.device, "student_hidden")
     listed = list(teachers.teachers)
     dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
     served = [i for i, t in enumerate(listed) if isinstance(t, ServedTeacher)]
-    if beta is None:
-        if dense and served:
-            raise ValueError(
-                "beta is required when in-process and served teachers mix (their defaults differ: "
-                "distillation_loss' 1.0, served_distillation_loss' 0.0)"
-            )
-        beta = 1.0 if dense else 0.0
+    beta = _beta_or_default(listed, beta, "beta")
     check_number("beta", beta, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1] (0: forward KL, 1: reverse KL)")
     check_number("temperature", temperature, lambda v: v > 0, "a positive number")
     if not has_data(student_hidden, teachers.teacher_index):
@@ -347,9 +371,7 @@ def multi_teacher_distillation_loss(
         raise ValueError("token_chunk sizes the in-process teachers' fused loss, and no row has one")
     if served and sum(routing.token_counts[i] for i in served):
         record = _served_record(teachers, served, routing, B, T, student_hidden.device)
-        pick = torch.zeros(len(listed), dtype=torch.bool, device=student_hidden.device)
-        pick[served] = True
-        served_mask = (routing.scored & pick[routing.flat_teacher]).view(B, T)
+        served_mask = routing.scored_mask_of(served, len(listed)).view(B, T)
         part_loss, part_div, part_entropy = served_distillation_loss(
             student_hidden, student_weight, record, served_mask,
             num_items_in_batch=divisor,
@@ -362,42 +384,23 @@ def multi_teacher_distillation_loss(
     return loss, div.view(B, T), entropy.view(B, T)
 
 
-class _NoChecks:
-    """The mask's 0/1 check is read with the routing's counts (``_Routing.read``), not queued."""
-
-    run = False
-
-
 def _dense_loss(
     student_hidden, student_weight, student_bias, teachers, dense, routing, divisor, numbers, backend, token_chunk
 ):
     """The in-process teachers' part: (loss, the flat rows [N], their divergence [N], entropy [N])."""
     beta, temperature, student_softcap, student_logit_scale = numbers
     backend = resolve_backend(backend, student_hidden.device)
-    order = routing.scored_rows_of(dense, len(teachers.teachers))
-    D = student_hidden.shape[-1]
-    hidden = student_hidden.reshape(-1, D).index_select(0, order)
+    segments = list(routing.segments(dense, len(teachers.teachers)))
+    order = torch.cat([flat for _, flat, _ in segments])
+    hidden = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, order)
     backend.check_sizes(hidden.shape[0], student_weight.shape[0])
-    teacher_hidden, weights_, biases, softcaps, scales, starts = [], [], [], [], [], [0]
-    at = 0
-    for i in dense:
-        count = routing.token_counts[i]
-        if count == 0:
-            continue
-        teacher = teachers.teachers[i]
-        rows = routing.local_flat.index_select(0, order[at : at + count])
-        teacher_hidden.append(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]).index_select(0, rows).detach())
-        weights_.append(teacher.weight.detach().contiguous())
-        biases.append(teacher.bias.detach().contiguous() if teacher.bias is not None else None)
-        softcaps.append(float(teacher.softcap) if teacher.softcap is not None else 0.0)
-        scales.append(float(teacher.logit_scale))
-        at += count
-        starts.append(at)
+    heads = [teacher_head(teachers.teachers[i], Rows(local), temperature) for i, _, local in segments]
+    starts = list(itertools.accumulate((routing.token_counts[i] for i, _, _ in segments), initial=0))
     operands = ops.RoutedOperands(
         hidden, student_weight.contiguous(), student_bias.contiguous() if student_bias is not None else None,
-        teacher_hidden, weights_, biases, starts, float(beta), float(temperature),
-        None if student_softcap is None else float(student_softcap), float(student_logit_scale), softcaps, scales,
-        backend.name,
+        [h.hidden for h in heads], [h.weight for h in heads], [h.bias for h in heads], starts, float(beta),
+        float(temperature), None if student_softcap is None else float(student_softcap), float(student_logit_scale),
+        [h.transform.softcap or 0.0 for h in heads], [h.transform.logit_scale for h in heads], backend.name,
     )  # fmt: skip
     grad = torch.is_grad_enabled()
     needs = tuple(grad and x is not None and x.requires_grad for x in (student_hidden, student_weight, student_bias))
@@ -445,9 +448,6 @@ def teacher_metrics(
     return metrics
 
 
-__all__ = ["Teachers", "multi_teacher_distillation_loss", "teacher_metrics"]
-
-
 @dataclass(frozen=True)
 class RoutedDistillation:
     """``grpo_fast.loss(..., teacher=grpo_fast.Teachers(...))``'s checked teachers: the per-token loss gains ``coef``
@@ -461,15 +461,8 @@ class RoutedDistillation:
     @classmethod
     def check(cls, teachers, coef, beta, lora, vocab_parallel) -> RoutedDistillation:
         listed = teachers.teachers if isinstance(teachers, Teachers) else ()
-        kinds = {isinstance(t, ServedTeacher) for t in listed}
-        if beta is None and kinds == {True, False}:
-            raise ValueError(
-                "distillation_beta is required when in-process and served teachers mix (their defaults differ: "
-                "1.0 for a Teacher, 0.0 for a ServedTeacher)"
-            )
-        coef, beta = check_coef_and_beta(
-            coef, beta, 0.0 if kinds == {True} else 1.0, "0: forward KL(teacher || student), 1: reverse KL"
-        )
+        beta = _beta_or_default(listed, beta, "distillation_beta")
+        coef, beta = check_coef_and_beta(coef, beta, beta, "0: forward KL(teacher || student), 1: reverse KL")
         for name, value in (("lora", lora), ("vocab_parallel", vocab_parallel)):
             if value is not None:
                 raise ValueError(f"{name} with several teachers (grpo_fast.Teachers) is not supported yet")
@@ -491,20 +484,12 @@ class RoutedDistillation:
         _check_teacher_shapes(self.teachers, routing, T, head.weight.shape[0], head.hidden.device)
         div = torch.zeros(B * T, dtype=torch.float32, device=head.hidden.device)
         dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
-        order = routing.scored_rows_of(dense, len(listed))
-        at = 0
-        for i in dense:  # the divergence head's per-token op on each in-process teacher's rows
-            count, teacher = routing.token_counts[i], listed[i]
-            if count == 0:
-                continue
-            flat = order[at : at + count]
-            at += count
+        # the divergence head's per-token op on each in-process teacher's rows
+        for i, flat, local in routing.segments(dense, len(listed)):
             student = head.operands(Rows(flat))
-            local = routing.local_flat.index_select(0, flat)
-            teacher_head = Distillation(teacher, self.coef, self.beta).head(Rows(local), head.transform.temperature)
             operands = divergence_ops.OpOperands.from_heads(
                 ModelHead(student.hidden, student.weight, student.bias, student.transform),
-                teacher_head,
+                teacher_head(listed[i], Rows(local), head.transform.temperature),
                 self.beta,
                 head.backend.name,
                 student.hidden.dtype,
@@ -518,3 +503,6 @@ class RoutedDistillation:
             part = served_divergence_rows(head, Rows(flat), record, self.beta, checked=False)
             div = div.index_copy(0, flat, part)
         return logp, entropy, div.view(B, T)
+
+
+__all__ = ["Teachers", "multi_teacher_distillation_loss", "teacher_metrics"]
