@@ -75,6 +75,33 @@ def check_coef_and_beta(coef, beta, default_beta, beta_meaning) -> tuple[float, 
     return float(coef), float(beta)
 
 
+def check_teacher(
+    teacher: Teacher,
+    name: str,
+    shape: tuple[int, int],
+    V: int,
+    device: torch.device,
+    student: tuple[str, str] = ("hidden", "weight"),
+    rows: tuple[str, str] = ("[B, T, Dt] with [B, T]", "hidden's"),
+) -> None:
+    """A Teacher's tensors and numbers against the student's (named errors; ``name``: the teacher's name in them):
+    its hidden states [*shape, D], its weight's V rows, the student's device. ``student``: the student's hidden
+    states' and weight's names; ``rows``: the shape the teacher's hidden states must have and whose rows they are,
+    as the error says them."""
+    names = (f"{name}.hidden", f"{name}.weight", f"{name}.bias")
+    Bt, Tt, _, Vt = check_head(names, teacher.hidden, teacher.weight, teacher.bias)
+    if (Bt, Tt) != tuple(shape):
+        raise ValueError(
+            f"{name}.hidden must have shape {rows[0]} = {list(shape)} ({rows[1]}), got {tuple(teacher.hidden.shape)}"
+        )
+    if Vt != V:
+        raise ValueError(f"{student[1]} has V = {V} rows but {name}.weight has V = {Vt}: the vocabularies must match")
+    check_same_device(zip(names, (teacher.hidden, teacher.weight, teacher.bias)), device, student[0])
+    if teacher.softcap is not None:
+        check_number(f"{name}.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
+    check_number(f"{name}.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
+
+
 def teacher_head(teacher: Teacher, rows: Rows, temperature: float) -> ModelHead:
     """A Teacher's ModelHead over ``rows`` of its flat [B T] rows (row-contiguous, detached), with the student's
     ``temperature``."""
@@ -134,27 +161,7 @@ class Distillation:
                 "a vocab-parallel head (a sharded DTensor weight) with a teacher is not supported: the "
                 "combined head runs on one process (call grpo_fast.loss and grpo_fast.divergence separately)"
             )
-        teacher, (B, T), V = self.teacher, head.shape, head.weight.shape[0]
-        Bt, Tt, _, Vt = check_head(
-            ("teacher.hidden", "teacher.weight", "teacher.bias"), teacher.hidden, teacher.weight, teacher.bias
-        )
-        if (Bt, Tt) != (B, T):
-            raise ValueError(
-                f"teacher.hidden must have shape [B, T, Dt] with [B, T] = {[B, T]} (hidden's), got "
-                f"{tuple(teacher.hidden.shape)}"
-            )
-        if Vt != V:
-            raise ValueError(f"weight has V = {V} rows but teacher.weight has V = {Vt}: the vocabularies must match")
-        check_same_device(
-            [("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight), ("teacher.bias", teacher.bias)],
-            head.hidden.device,
-            "hidden",
-        )
-        if teacher.softcap is not None:
-            check_number(
-                "teacher.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)"
-            )
-        check_number("teacher.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
+        check_teacher(self.teacher, "teacher", head.shape, head.weight.shape[0], head.hidden.device)
 
     def head(self, rows: Rows, temperature: float) -> ModelHead:
         """The teacher's ModelHead over the scored ``rows`` (``teacher_head``)."""

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation import ops as divergence_ops
 from grpo_fast.distillation.api import check_num_items_in_batch
-from grpo_fast.distillation.teacher import Teacher, check_coef_and_beta, teacher_head
+from grpo_fast.distillation.teacher import Teacher, check_coef_and_beta, check_teacher, teacher_head
 from grpo_fast.head.api import logprobs_and_entropy_rows
 from grpo_fast.head.inputs import (
     Rows,
@@ -184,29 +184,10 @@ def _check_teacher_shapes(teachers, routing, T, V, student_dtype_device):
         B_i = routing.row_counts[i]
         name = f"teachers.teachers[{i}]"
         if isinstance(teacher, Teacher):
-            names = (f"{name}.hidden", f"{name}.weight", f"{name}.bias")
             if teacher.hidden.dim() == 3 and teacher.hidden.shape[0] == 0 and B_i == 0:
                 continue  # a teacher with no row this batch: nothing to check against
-            Bt, Tt, _, Vt = check_head(names, teacher.hidden, teacher.weight, teacher.bias)
-            if (Bt, Tt) != (B_i, T):
-                raise ValueError(
-                    f"{name}.hidden must have shape [B_i, T, D] with [B_i, T] = {[B_i, T]} (its rows by "
-                    f"teacher_index, the student's T), got {tuple(teacher.hidden.shape)}"
-                )
-            if Vt != V:
-                raise ValueError(
-                    f"student_weight has V = {V} rows but {name}.weight has V = {Vt}: the vocabularies must match"
-                )
-            check_same_device(
-                [(names[0], teacher.hidden), (names[1], teacher.weight), (names[2], teacher.bias)],
-                device,
-                "student_hidden",
-            )
-            if teacher.softcap is not None:
-                check_number(
-                    f"{name}.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)"
-                )
-            check_number(f"{name}.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
+            rows = ("[B_i, T, D] with [B_i, T]", "its rows by teacher_index, the student's T")
+            check_teacher(teacher, name, (B_i, T), V, device, ("student_hidden", "student_weight"), rows)
         else:
             for field in ("ids", "logprobs"):
                 x = check_tensor(f"{name}.{field}", getattr(teacher, field))
