@@ -111,7 +111,7 @@ class ModelHead(NamedTuple):
 class TeacherSegments(NamedTuple):
     """Several teachers over consecutive row ranges of one call's tokens (multi-teacher distillation, rows routed
     by teacher and sorted by it): ``heads[i]`` scores the tokens [starts[i], starts[i + 1]) (its hidden states hold
-    exactly those rows), each with its own width, bias, soft-cap and logit scale; one temperature, ``temperature``.
+    exactly those rows), each with its own width, bias, soft-cap and logit scale; one temperature, their transforms'.
 
     The fused loss forms a chunk's teacher product a segment at a time (one cuBLAS call per teacher in the chunk,
     into the one fp32 buffer) with each teacher's bias, logit scale and soft-cap applied there
@@ -121,7 +121,6 @@ class TeacherSegments(NamedTuple):
 
     starts: tuple[int, ...]  # len(heads) + 1 row offsets, the first 0, the last the token count
     heads: tuple[ModelHead, ...]
-    temperature: float
 
     def overlapping(self, n0: int, n1: int):
         """(a, b, head, first) for each teacher scoring tokens of [n0, n1): its tokens [a, b) there, ``first`` the
@@ -145,7 +144,8 @@ class TeacherSegments(NamedTuple):
     def kernel_head(self, like: ModelHead) -> ModelHead:
         """The teacher as the kernels see it with its logits in memory: no bias, the temperature alone (``like``:
         any head, for the shapes the kernels' arguments name but never read)."""
-        transform = dataclasses.replace(like.transform, temperature=self.temperature, softcap=None, logit_scale=1.0)
+        temperature = self.heads[0].transform.temperature  # every teacher's, the student's
+        transform = dataclasses.replace(like.transform, temperature=temperature, softcap=None, logit_scale=1.0)
         return ModelHead(like.hidden, like.weight, None, transform)
 
 

@@ -73,7 +73,7 @@ class RoutedOperands(NamedTuple):
                 strict=True,
             )
         )
-        return student, TeacherSegments(tuple(self.starts), teachers, self.temperature)
+        return student, TeacherSegments(tuple(self.starts), teachers)
 
 
 _SCHEMA = (
