@@ -218,6 +218,93 @@ def test_a_teacher_without_rows_and_the_metrics():
     assert math.isnan(metrics["teacher_jsd/code"].item()) and metrics["teacher_token_frac/code"].item() == 0.0
 
 
+def _trl_served_stats(batch, mask, index, teachers, beta, temperature):
+    """TRL 1.16's AsyncDistillationTrainer on the served teachers' rows (their lists -1 padded to one K, as TRL's
+    batch holds them; its support by beta): the per-teacher stats its MOPD metrics divide, [teachers, 3] (tokens,
+    divergence sum, teacher entropy sum), and the [B, T] tokens it scores (masked in, with a teacher entry)."""
+    trainer = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
+    served = [i for i, t in enumerate(teachers) if isinstance(t, grpo_fast.ServedTeacher)]
+    K = max(teachers[i].ids.shape[-1] for i in served)
+    ids = torch.full((B, T, K), -1, dtype=torch.int64)
+    lps = torch.full((B, T, K), -math.inf)
+    for i in served:
+        rows, K_i = (index == i).nonzero()[:, 0], teachers[i].ids.shape[-1]
+        ids[rows, :, :K_i] = teachers[i].ids
+        lps[rows, :, :K_i] = torch.where(teachers[i].ids >= 0, teachers[i].logprobs, -math.inf)
+    ids, lps, wide = ids.reshape(-1, K), lps.reshape(-1, K), ids.reshape(-1, K) >= 0
+    if beta == 0.0:
+        target_ids, teacher_lps, valid = ids, lps, wide
+    else:
+        target_ids, teacher_lps, valid = trainer._narrow_top1_actual_support(
+            ids, lps, batch["targets"].reshape(-1), wide, beta
+        )
+    teacher_of = index.repeat_interleave(T)
+    rows = mask.reshape(-1) & valid.any(-1) & torch.isin(teacher_of, torch.tensor(served))
+    with torch.no_grad():
+        _, _, _, _, stats = trainer._jsd_loss_chunk(
+            batch["hidden"].reshape(B * T, -1)[rows], batch["weight"], batch["bias"], 1.0, None, target_ids[rows],
+            teacher_lps[rows], valid[rows], beta, temperature, True, teacher_of[rows], len(teachers),
+        )  # fmt: skip
+    return stats.view(len(teachers), 3), rows.view(B, T)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("beta", BETAS)
+def test_teacher_entropy_against_the_spec_and_trl(backend, beta, device):
+    """return_teacher_entropy and teacher_metrics' teacher_entropy/<name>: an in-process teacher's entropy over the
+    vocabulary (its bias, soft-cap and logit scale, at the temperature) per token against the fp64 spec, from the
+    fused op's records (token chunks of 4 rows: chunks hold two teachers' rows); two served teachers' per-teacher
+    means (and teacher_jsd/<name>) against TRL 1.16's AsyncDistillationTrainer's MOPD stats over the tokens it
+    scores; NaN for a teacher without tokens; the other outputs unchanged by the flag."""
+    dev = backend_device(backend, device)
+    batch, mask, index, teachers, specs = _batch(("dense", "served", "served"))
+    moved = _batch(("dense", "served", "served"), device=dev)[3]
+    for listed in (teachers, moved):
+        listed[1].ids[1, 2] = -1  # a token its teacher lists nothing for: TRL does not score it
+    stats, trl_rows = _trl_served_stats(batch, mask, index, teachers, beta, 0.8)
+    dense_rows = (index == 0)[:, None]
+    scored = torch.where(dense_rows, mask, trl_rows)  # TRL's tokens on the served rows
+    assert not trl_rows[4, 2] and mask[4, 2]
+    routed = grpo_fast.Teachers(moved, index.to(dev), names=["math", "code", "chat"])
+    options = dict(token_chunk=4) if backend == "triton" else {}
+    call = dict(beta=beta, temperature=0.8, targets=batch["targets"].to(dev), student_bias=batch["bias"].to(dev))
+    hidden, weight = batch["hidden"].to(dev), batch["weight"].to(dev)
+    loss, div, entropy, teacher_entropy = grpo_fast.multi_teacher_distillation_loss(
+        hidden, weight, routed, scored.to(dev), backend=backend, return_teacher_entropy=True, **call, **options
+    )
+    plain = grpo_fast.multi_teacher_distillation_loss(hidden, weight, routed, scored.to(dev), backend=backend, **call)
+    assert len(plain) == 3
+    for ours, theirs in zip((loss, div, entropy), plain, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert not teacher_entropy.requires_grad and (teacher_entropy[~scored.to(dev)] == 0).all()
+    # the in-process teacher: the spec's entropy of its head at the temperature
+    spec = specs[0]
+    _, expected = reference.logprobs_and_entropy(
+        spec["hidden"], spec["weight"], torch.zeros(spec["hidden"].shape[:2], dtype=torch.int64), spec["bias"],
+        0.8, softcap=spec["softcap"], compute_dtype=F64,
+    )  # fmt: skip
+    rows = dense_rows[:, 0].nonzero()[:, 0]
+    got = teacher_entropy.cpu()[rows]
+    torch.testing.assert_close(got, torch.where(mask[rows], expected, 0.0), rtol=1e-5, atol=1e-6)
+    metrics = grpo_fast.teacher_metrics(routed, div, scored.to(dev), teacher_entropy=teacher_entropy)
+    assert list(metrics) == [f"teacher_{m}/{n}" for n in routed.names for m in ("token_frac", "jsd", "entropy")]
+    assert metrics["teacher_entropy/math"].item() == pytest.approx(expected[mask[rows]].mean().item(), rel=1e-5)
+    # the served teachers: TRL's per-teacher means over the tokens it scores
+    for i, name in ((1, "code"), (2, "chat")):
+        count, jsd_sum, entropy_sum = stats[i].tolist()
+        if count == 0:
+            assert math.isnan(metrics[f"teacher_entropy/{name}"].item())
+            continue
+        assert metrics[f"teacher_entropy/{name}"].item() == pytest.approx(entropy_sum / count, rel=1e-5, abs=1e-6)
+        assert metrics[f"teacher_jsd/{name}"].item() == pytest.approx(jsd_sum / count, rel=1e-4, abs=1e-6)
+    assert stats[1:, 0].sum() > 0 and stats[1:, 2].sum() > 0  # TRL scored served tokens with some entropy
+    empty = grpo_fast.Teachers(moved, torch.zeros_like(index).to(dev), names=["math", "code", "chat"])
+    nan = grpo_fast.teacher_metrics(empty, div, scored.to(dev), teacher_entropy=teacher_entropy)
+    assert math.isnan(nan["teacher_entropy/code"].item()) and not math.isnan(nan["teacher_entropy/math"].item())
+    with pytest.raises(ValueError, match=r"teacher_entropy must have shape \[B, T\]"):
+        grpo_fast.teacher_metrics(routed, div, teacher_entropy=teacher_entropy[:, :-1])
+
+
 def _call(batch, mask, routed, **kw):
     return grpo_fast.multi_teacher_distillation_loss(batch["hidden"], batch["weight"], routed, mask, **kw)
 
@@ -319,9 +406,9 @@ def test_the_op_on_fake_tensors():
             hidden, weight, None, teachers, [torch.empty(V, 40, dtype=torch.bfloat16), torch.empty(V, 16)],
             [None, None], [0, 3, 7], 0.5, 1.0, None, 1.0, [0.0, 0.0], [1.0, 1.0], "triton",
         )  # fmt: skip
-        loss, div, entropy = ops.routed_divergence_loss(operands, torch.empty(7), (True, True, False))
-    assert loss.shape == () and div.shape == entropy.shape == (7,)
-    assert loss.dtype == div.dtype == torch.float32
+        loss, div, entropy, teacher_entropy = ops.routed_divergence_loss(operands, torch.empty(7), (True, True, False))
+    assert loss.shape == () and div.shape == entropy.shape == teacher_entropy.shape == (7,)
+    assert loss.dtype == div.dtype == teacher_entropy.dtype == torch.float32
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

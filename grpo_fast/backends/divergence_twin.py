@@ -33,6 +33,7 @@ from grpo_fast.kernels.divergence_records import (
     empty_record,
     finish,
     merge,
+    model_entropy,
     pivot,
     sumexp,
     tile_record,
@@ -73,9 +74,14 @@ def forward(student, teacher, beta, frozen_head=False):
         (divergence [N] fp32, the student's entropy [N] fp32, saved [len(SAVED_FIELDS), N] fp32, argmax [2, N]
         int64, J [N, Ds] fp32 with ``frozen_head``, else None).
     """
+    return _forward(student, teacher, beta, frozen_head)[0]
+
+
+def _forward(student, teacher, beta, frozen_head):
+    """``forward``'s outputs and the teacher's entropy [N] fp32 (its records' ``model_entropy``)."""
     N = student.hidden.shape[0]
     dev = student.hidden.device
-    outputs = []
+    outputs, teacher_entropy = [], []
     for n0 in range(0, N, CHUNK_N):
         n1 = min(n0 + CHUNK_N, N)
         chunk_s, chunk_t = student.tokens(n0, n1), teacher.tokens(n0, n1)
@@ -89,16 +95,18 @@ def forward(student, teacher, beta, frozen_head=False):
 
         out = finish(run_s, run_t, beta, chunk_jsd)
         outputs.append(out + ((frozen.finish(run_s, run_t, out[2]),) if frozen is not None else ()))
+        teacher_entropy.append(model_entropy(run_t))
     if not outputs:
+        empty = torch.zeros(0, device=dev)
         return (
-            torch.zeros(0, device=dev),
-            torch.zeros(0, device=dev),
+            empty,
+            empty.clone(),
             torch.zeros((len(SAVED_FIELDS), 0), device=dev),
             torch.zeros((2, 0), dtype=torch.int64, device=dev),
             torch.zeros((0, student.hidden.shape[1]), device=dev) if frozen_head else None,
-        )
+        ), empty.clone()
     merged = tuple(torch.cat(parts, dim=-1) for parts in zip(*(out[:4] for out in outputs), strict=True))
-    return merged + (torch.cat([out[4] for out in outputs]) if frozen_head else None,)
+    return merged + (torch.cat([out[4] for out in outputs]) if frozen_head else None,), torch.cat(teacher_entropy)
 
 
 def records(student, teacher, offset=0, frozen=None):
@@ -351,9 +359,9 @@ def _log_mixture(log_ps, log_pt, shared_top, student, teacher, beta):
 
 def loss(student, teacher, beta, weights, grads):
     """The loss sum_n weights_n div_n's gradients into ``grads`` (as ``backward``'s) by ``forward`` then ``backward``
-    with ``weights`` as dL/d div: (divergence [N], the student's entropy [N]). ``teacher``: a ModelHead, or
-    TeacherSegments (several teachers, each over a range of the tokens: a teacher at a time, dW and db accumulated in
-    the same buffers)."""
+    with ``weights`` as dL/d div: (divergence [N], the student's entropy [N], the teacher's [N]). ``teacher``: a
+    ModelHead, or TeacherSegments (several teachers, each over a range of the tokens: a teacher at a time, dW and db
+    accumulated in the same buffers)."""
     if isinstance(teacher, TeacherSegments):
         grad_hidden, grad_weight, grad_bias = grads
         parts = [
@@ -367,11 +375,11 @@ def loss(student, teacher, beta, weights, grads):
             for a, b, head, first in teacher.overlapping(0, student.hidden.shape[0])
         ]
         empty = student.hidden.new_zeros(0, dtype=torch.float32)
-        return tuple(torch.cat([part[k] for part in parts]) if parts else empty for k in (0, 1))
-    div, entropy, saved, argmax, _ = forward(student, teacher, beta)
+        return tuple(torch.cat([part[k] for part in parts]) if parts else empty for k in range(3))
+    (div, entropy, saved, argmax, _), teacher_entropy = _forward(student, teacher, beta, False)
     if student.hidden.shape[0] > 0 and any(grad is not None for grad in grads):
         backward(weights, student, teacher, saved, argmax, beta, grads)
-    return div, entropy
+    return div, entropy, teacher_entropy
 
 
 # ----------------------------------------------------------------------------------------------- a shard's records

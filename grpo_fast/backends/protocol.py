@@ -238,8 +238,8 @@ class Backend(Protocol):
     ):
         """The loss sum_n weights_n div_n's gradients into ``grads``, formed in the forward: (divergence [N], the
         student's entropy [N], its log-probs [N] with ``layer1`` (layer 1's term: ``three_sweep_heads`` backends
-        only), else None). ``teacher``: one teacher over all N tokens, or TeacherSegments (several, each over a range
-        of them; no ``layer1``)."""
+        only), else None, the teacher's entropy [N] from its records). ``teacher``: one teacher over all N tokens,
+        or TeacherSegments (several, each over a range of them; no ``layer1``)."""
         ...
 
     def combined_forward(self, student: ModelHead, targets: torch.Tensor, teacher: ModelHead, beta: float):

@@ -106,7 +106,8 @@ class TorchBackend:
         no layer-1 term: ``three_sweep_heads`` false)."""
         if layer1 is not None:
             raise NotImplementedError("the torch backend has no divergence loss with layer 1's term")
-        return (*divergence_twin.loss(student, teacher, beta, weights, grads), None)
+        div, entropy, teacher_entropy = divergence_twin.loss(student, teacher, beta, weights, grads)
+        return div, entropy, None, teacher_entropy
 
     def combined_forward(self, student, targets, teacher, beta):
         return divergence_twin.combined_forward(student, targets, teacher, beta)

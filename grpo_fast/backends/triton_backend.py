@@ -218,7 +218,8 @@ class TritonBackend:
         """``kernels.divergence_loss.loss_gradients``: three student sweeps and one teacher sweep; no scored row: the
         twin's."""
         if student.hidden.shape[0] == 0 and layer1 is None:
-            return (*divergence_twin.loss(student, teacher, beta, weights, grads), None)
+            div, entropy, teacher_entropy = divergence_twin.loss(student, teacher, beta, weights, grads)
+            return div, entropy, None, teacher_entropy
         return divergence_loss.loss_gradients(student, teacher, beta, weights, grads, token_chunk, layer1=layer1)
 
     def combined_forward(self, student, targets, teacher, beta):

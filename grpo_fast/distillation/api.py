@@ -172,7 +172,7 @@ def _operands(call):
 def _per_token(call):
     """(divergence [N], entropy [N]) of the scored rows, the divergence differentiable."""
     if call.shard is not None:
-        return parallel.VocabParallelDivergence.apply(
+        div, entropy, _ = parallel.VocabParallelDivergence.apply(
             *call.student[:3],
             *call.teacher[:3],
             call.beta,
@@ -182,6 +182,7 @@ def _per_token(call):
             call.frozen_head,
             call.backend.name,
         )
+        return div, entropy
     div, entropy, _, _, _ = divergence_ops.divergence_forward(_operands(call), call.frozen_head)
     return div, entropy
 

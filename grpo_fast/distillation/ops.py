@@ -248,12 +248,15 @@ def divergence_forward(operands, frozen_head):
 # student's gradients (the backend's divergence_loss: three student sweeps and one teacher sweep, none recomputed)
 # and the backward only scales them by the loss's gradient.
 _LOSS_ARGUMENTS = "Tensor weights, bool need_hidden, bool need_weight, bool need_bias, int token_chunk"
+# the loss ops' outputs (this one's, ``multi_teacher.ops``'): loss, divergence, the student's and the teacher's
+# entropy, dH, dW, db
+LOSS_OUTPUTS = "(" + ", ".join(["Tensor"] * 7) + ")"
 
 
 def _loss_impl(*arguments):
     """grpo_fast::divergence_loss: (OpOperands' fields, weights [N], need_hidden, need_weight, need_bias,
-    token_chunk (0: the default)) -> (loss [], divergence [N], the student's entropy [N], dH [N, Ds], dW [V, Ds],
-    db [V]), fp32; a gradient not wanted is empty: the backend's ``divergence_loss``."""
+    token_chunk (0: the default)) -> (loss [], divergence [N], the student's entropy [N], the teacher's entropy [N],
+    dH [N, Ds], dW [V, Ds], db [V]), fp32; a gradient not wanted is empty: the backend's ``divergence_loss``."""
     *operands, weights, need_hidden, need_weight, need_bias, token_chunk = arguments
     operands = OpOperands(*operands)
     hidden, weight, bias = operands[:3]
@@ -261,14 +264,14 @@ def _loss_impl(*arguments):
     weights = weights.float().contiguous()
     student, teacher = operands.model_heads()
     backend = named(operands.backend)
-    div, entropy, _ = backend.divergence_loss(student, teacher, operands.beta, weights, grads, token_chunk or None)
+    div, entropy, _, teacher_entropy = backend.divergence_loss(
+        student, teacher, operands.beta, weights, grads, token_chunk or None
+    )
     formed = (grad if grad is not None else hidden.new_empty(0, dtype=torch.float32) for grad in grads)
-    return ((weights * div).sum(), div, entropy, *formed)
+    return ((weights * div).sum(), div, entropy, teacher_entropy, *formed)
 
 
-_loss_op = custom_op(
-    "divergence_loss", _loss_impl, op_schema(OpOperands, "", _LOSS_ARGUMENTS, "(" + ", ".join(["Tensor"] * 6) + ")")
-)
+_loss_op = custom_op("divergence_loss", _loss_impl, op_schema(OpOperands, "", _LOSS_ARGUMENTS, LOSS_OUTPUTS))
 
 
 @_loss_op.register_fake
@@ -282,6 +285,7 @@ def loss_fake(*arguments):
         hidden.new_empty((), dtype=torch.float32),
         per_token,
         torch.empty_like(per_token),
+        torch.empty_like(per_token),
         hidden.new_empty(hidden.shape if need_hidden else (0,), dtype=torch.float32),
         weight.new_empty(weight.shape if need_weight else (0,), dtype=torch.float32),
         weight.new_empty(weight.shape[0] if need_bias and bias is not None else 0, dtype=torch.float32),
@@ -292,7 +296,7 @@ def loss_setup_context(ctx, inputs, output):
     """The loss ops' (this one's, ``multi_teacher.ops``'): the formed gradients saved, the student's dtypes, which
     gradients were formed (the schemas end in need_hidden, need_weight, need_bias, token_chunk)."""
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*output[3:])
+    ctx.save_for_backward(*output[4:])
     ctx.dtypes = tuple(x.dtype if x is not None else None for x in inputs[:3])
     need_hidden, need_weight, need_bias = inputs[-4:-1]
     ctx.formed = (need_hidden, need_weight, need_bias and inputs[2] is not None)
@@ -327,7 +331,8 @@ def divergence_loss(operands, weights, needs, token_chunk=None):
             ``kernels.divergence_loss.loss_chunk_rows``).
 
     Returns:
-        (loss [], divergence [N], entropy [N]) fp32; the last two detached.
+        (loss [], divergence [N], entropy [N]) fp32; the last two detached (the op's teacher entropy is not
+        returned: the one-teacher functions have no metric of it).
     """
     args = (*operands, weights.detach(), *needs, token_chunk or 0)
     return (_LOSS_INLINE.apply if runs_inline(args) else _loss_op)(*args)[:3]

@@ -29,7 +29,7 @@ from grpo_fast.backends.resolver import named
 from grpo_fast.head.boundary import without_autocast
 from grpo_fast.head.shard import VocabShard, resolve
 from grpo_fast.kernels import divergence_records
-from grpo_fast.kernels.divergence_records import FORWARD_KL, JSD, REVERSE_KL, ModelHead, Record
+from grpo_fast.kernels.divergence_records import FORWARD_KL, JSD, REVERSE_KL, ModelHead, Record, model_entropy
 
 _NO_ARGMAX = torch.iinfo(torch.int64).max
 
@@ -144,8 +144,8 @@ def forward(
         backend: the resolved backend's name: its ``divergence_records`` over this rank's rows.
 
     Returns:
-        (divergence [N] fp32, entropy [N] fp32, saved [8, N] fp32, argmax [2, N] int64, J [N, Ds] fp32 or None),
-        equal on every rank.
+        (divergence [N] fp32, entropy [N] fp32, saved [8, N] fp32, argmax [2, N] int64, J [N, Ds] fp32 or None,
+        the teacher's entropy [N] fp32 from its merged record), equal on every rank.
     """
     local, local_jsd, frozen = named(backend).divergence_records(student, teacher, beta, shard.offset, frozen_head)
     merged_s, merged_t = merge_over_group(*local, shard.group)
@@ -156,8 +156,9 @@ def forward(
         return sums[0], sums[1]
 
     out = divergence_records.finish(merged_s, merged_t, beta, jsd_sweep)
+    teacher_entropy = model_entropy(merged_t)
     if not frozen_head:
-        return (*out, None)
+        return (*out, None, teacher_entropy)
     N = student.hidden.shape[0]
     grad = torch.cat(
         [
@@ -170,7 +171,7 @@ def forward(
         ]
     )
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
-    return (*out, grad)
+    return (*out, grad, teacher_entropy)
 
 
 def _rescale(local_max, merged_max):
@@ -230,8 +231,9 @@ class VocabParallelDivergence(torch.autograd.Function):
 
     Inputs: student_hidden [N, Ds], the student's weight rows [V_local, Ds] and bias rows | None, teacher_hidden
     [N, Dt], the teacher's rows [V_local, Dt] and bias rows | None (the tensors apart, for autograd), beta, both
-    LogitTransforms, the VocabShard, frozen_head, the backend's name. Outputs: (divergence, student entropy) [N]
-    fp32, equal on every rank to the unsharded head's; gradients: dH (whole, on every rank), this rank's dW and db
+    LogitTransforms, the VocabShard, frozen_head, the backend's name. Outputs: (divergence, student entropy,
+    teacher entropy) [N] fp32, equal on every rank to the unsharded head's (the entropies not differentiable);
+    gradients: dH (whole, on every rank), this rank's dW and db
     rows. With ``frozen_head`` (only the hidden states need a gradient) the forward builds J and the backward is
     dH = c J, with no collective. N = 0 on every rank: empty outputs, no collective.
     """
@@ -245,18 +247,21 @@ class VocabParallelDivergence(torch.autograd.Function):
         if student.hidden.shape[0] == 0:
             empty = torch.zeros(0, dtype=torch.float32, device=student.hidden.device)
             saved, argmax = empty.new_zeros((len(divergence_records.SAVED_FIELDS), 0)), empty.new_zeros((2, 0)).long()
-            div, entropy, grad = empty, empty.clone(), empty.new_zeros(student.hidden.shape)
+            div, entropy, teacher_entropy = empty, empty.clone(), empty.clone()
+            grad = empty.new_zeros(student.hidden.shape)
         else:
-            div, entropy, saved, argmax, grad = forward(student, teacher, beta, shard, frozen_head, backend)
+            div, entropy, saved, argmax, grad, teacher_entropy = forward(
+                student, teacher, beta, shard, frozen_head, backend
+            )
         ctx.frozen_head = frozen_head
         ctx.save_for_backward(*operands, saved, argmax, grad if frozen_head else None)
         ctx.beta, ctx.transforms, ctx.shard, ctx.backend = beta, (student_transform, teacher_transform), shard, backend
-        ctx.mark_non_differentiable(entropy)
-        return div, entropy
+        ctx.mark_non_differentiable(entropy, teacher_entropy)
+        return div, entropy, teacher_entropy
 
     @staticmethod
     @without_autocast
-    def backward(ctx, grad_divergence, _grad_entropy):
+    def backward(ctx, grad_divergence, _grad_entropy, _grad_teacher_entropy):
         *operands, saved, argmax, hidden_grad = ctx.saved_tensors
         student = _computed(*operands[:3], ctx.transforms[0])
         teacher = _computed(*operands[3:], ctx.transforms[1])

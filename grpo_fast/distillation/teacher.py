@@ -83,13 +83,15 @@ def check_teacher(
     device: torch.device,
     student: tuple[str, str] = ("hidden", "weight"),
     rows: tuple[str, str] = ("[B, T, Dt] with [B, T]", "hidden's"),
+    sharded: bool = False,
 ) -> None:
     """A Teacher's tensors and numbers against the student's (named errors; ``name``: the teacher's name in them):
     its hidden states [*shape, D], its weight's V rows, the student's device. ``student``: the student's hidden
     states' and weight's names; ``rows``: the shape the teacher's hidden states must have and whose rows they are,
-    as the error says them."""
+    as the error says them; ``sharded``: the weight is this rank's rows of a vocab-parallel head (which may hold
+    none)."""
     names = (f"{name}.hidden", f"{name}.weight", f"{name}.bias")
-    Bt, Tt, _, Vt = check_head(names, teacher.hidden, teacher.weight, teacher.bias)
+    Bt, Tt, _, Vt = check_head(names, teacher.hidden, teacher.weight, teacher.bias, sharded)
     if (Bt, Tt) != tuple(shape):
         raise ValueError(
             f"{name}.hidden must have shape {rows[0]} = {list(shape)} ({rows[1]}), got {tuple(teacher.hidden.shape)}"

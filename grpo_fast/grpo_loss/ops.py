@@ -366,7 +366,7 @@ def _trained_head_loss(*arguments):
         teacher_head = ModelHead(teacher.teacher_hidden, teacher_weight, teacher.teacher_bias, transform)
         token_weights = options.aggregate_weights(batch.mask, batch.num_items_in_batch).view(-1)
         div_weights = teacher.distillation_coef * scored(token_weights.index_select(0, positions), 0, N)
-        div, entropy, logp = backend.divergence_loss(
+        div, entropy, logp, _ = backend.divergence_loss(
             ModelHead(hidden, weight, bias, head.transform),
             teacher_head,
             teacher.distillation_beta,

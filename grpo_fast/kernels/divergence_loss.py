@@ -14,7 +14,7 @@ import torch
 from . import softmax_stats
 from .config import stored_configs
 from .divergence_gradient import GScale, launch_g, student_gradients
-from .divergence_records import TeacherSegments, finish, layer1_record
+from .divergence_records import TeacherSegments, finish, layer1_record, model_entropy
 from .divergence_sweep import sweep_records
 from .divergence_tile import local_argmax, pointers, shared_arguments
 from .gemm import mm_fp32
@@ -75,7 +75,8 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
 
     Returns:
         (divergence [N] fp32, the student's entropy [N] fp32 (with ``layer1`` by layer 1's record, as the log-probs),
-        its log-probs [N] fp32 or None without ``layer1``).
+        its log-probs [N] fp32 or None without ``layer1``, the teacher's entropy [N] fp32 from its record: no
+        sweep of its own).
 
     Raises:
         ValueError: no token or no weight row; ``layer1`` with fp16 inputs.
@@ -98,6 +99,7 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
     scale = GScale.of([weights]) if scaled and want_g else None
     divergence = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
+    teacher_entropy = torch.empty(N, dtype=torch.float32, device=dev)
     logp = torch.empty(N, dtype=torch.float32, device=dev) if layer1 is not None else None
     segments = teacher if isinstance(teacher, TeacherSegments) else None
     if segments is not None:
@@ -124,6 +126,7 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
             sweep = sweep_records(operands, sweep_arguments, n1 - n0, V, sweep_config, zs, targets=targets)
             div, ent, saved, argmax = finish(sweep.student, sweep.teacher, beta, sweep.jsd_sweep)
             divergence[n0:n1], entropy[n0:n1] = div, ent
+            teacher_entropy[n0:n1] = model_entropy(sweep.teacher)
             layer1_term = None
             if layer1 is not None:
                 record = layer1_record(sweep.student, targets, sweep.target_logit)
@@ -152,4 +155,4 @@ def loss_gradients(student, teacher, beta, weights, grads, token_chunk=None, con
             student_gradients(g[: r1 - r0], student, r0, r1, grads, scale)
     if scale is not None and grad_weight is not None:
         grad_weight.mul_(scale.unscale)
-    return divergence, entropy, logp
+    return divergence, entropy, logp, teacher_entropy

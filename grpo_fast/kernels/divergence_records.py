@@ -10,7 +10,7 @@ Per token, model X (s: student, t: teacher; Y the other model), z_X its transfor
     rest    R = sum_{v != a} exp(z_X,v - m)           (the argmax's own term, exactly 1, kept out: S = 1 + R)
     cross   C = sum_{v != a} exp(z_X,v - m) (g_X,v - g_X,a)
     other   o = z_Y,a                                  (the other model's logit at X's argmax)
-    zsum    Z = sum_v exp(z_X,v - m) (z_X,v - m)       (for the student's entropy)
+    zsum    Z = sum_v exp(z_X,v - m) (z_X,v - m)       (for the model's entropy)
     unsupported: some entry with p_X > 0 has z_Y = -inf (the KL is +inf)
 An empty record has m = -inf and sums 0. Two records merge in any order: the larger max wins (on a tie the first),
 a = exp(m_l - m_w), and the loser's argmax term joins the rest:
@@ -18,7 +18,7 @@ a = exp(m_l - m_w), and the loser's argmax term joins the rest:
 Finished, with log S = log1p(R) and q = R / S = 1 - p_X,a:
     KL(t || s) = C_t / S_t - log S_t + (m_s - o_t) + log S_s     (beta = 0: the forward KL)
     KL(s || t) = C_s / S_s - log S_s + (m_t - o_s) + log S_t     (beta = 1: the reverse KL)
-    H_s        = log S_s - Z_s / S_s
+    H_X        = log S_X - Z_X / S_X                     (the student's; the teacher's for its metric)
 Each term is a sum of same-signed parts, or an exact zero where a token is confident (o = m when both models share
 their argmax): no 1 - p is formed. The generalized JSD (0 < beta < 1) needs both final normalisers for
 m = (1 - beta) p_s + beta p_t: a second sweep sums beta p_t (log p_t - log m) + (1 - beta) p_s (log p_s - log m),
@@ -249,6 +249,13 @@ def sumexp(record: Record) -> torch.Tensor:
     return (record.max > float("-inf")).float() + record.rest
 
 
+def model_entropy(record: Record) -> torch.Tensor:
+    """The model's entropy H = log S - Z / S from its record over the whole vocabulary, [n] fp32: the student's
+    (``finish``), or the teacher's from its own record (several teachers' ``teacher_entropy`` metric: no sweep of
+    its own)."""
+    return torch.log1p(record.rest) - record.zsum / sumexp(record)
+
+
 def finish(
     student: Record, teacher: Record, beta: float, jsd_sweep: JsdSweep
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,7 +273,7 @@ def finish(
     """
     student_finished, student_sumexp = _finished(student)
     teacher_finished, teacher_sumexp = _finished(teacher)
-    entropy = student_finished.log_sumexp - student.zsum / student_sumexp
+    entropy = model_entropy(student)
     divergence = divergence_of(beta)
     if divergence == FORWARD_KL:
         div = (teacher.cross / teacher_sumexp - teacher_finished.log_sumexp) + (student.max - teacher.other)

@@ -13,8 +13,12 @@ token of its divergence from its own teacher, over ``num_items_in_batch`` (or th
 reduction, whatever the routing. The in-process teachers share one fused op (``multi_teacher.ops``: the student's
 three sweeps over all their rows, each chunk's teacher products a teacher at a time, one dW accumulator); the served
 teachers one served loss over their rows (their top-k lists gathered into one [B, T, K_max] record, -1 padded).
-Routing reads each teacher's row and token counts on the host: one synchronisation, with the index's range check
-(under torch.compile the call runs eagerly: a graph break; fake and meta tensors get an error).
+Vocab-parallel heads take ``multi_teacher.parallel``'s path (each in-process teacher's rows through the
+vocab-parallel divergence head). Each token's teacher entropy (``return_teacher_entropy``, ``teacher_metrics``'
+``teacher_entropy/<name>``) comes from what the divergence already holds: an in-process teacher's merged record
+(log S - Z / S), a served one's support. Routing reads each teacher's row and token counts on the host: one
+synchronisation, with the index's range check (under torch.compile the call runs eagerly: a graph break; fake and
+meta tensors get an error).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from grpo_fast.backends.resolver import resolve_backend
 from grpo_fast.distillation import ops as divergence_ops
@@ -42,10 +45,12 @@ from grpo_fast.head.inputs import (
     has_data,
 )
 from grpo_fast.head.keywords import takes_keywords
-from grpo_fast.head.transform import check_chunk, check_number
+from grpo_fast.head.shard import VocabShard, resolve
+from grpo_fast.head.transform import LogitTransform, check_chunk, check_number
 from grpo_fast.kernels.divergence_records import ModelHead
 from grpo_fast.multi_teacher import ops
-from grpo_fast.served.api import ServedSupport, served_distillation_loss, served_divergence_rows
+from grpo_fast.multi_teacher.parallel import dense_loss, local_teachers
+from grpo_fast.served.api import ServedSupport, served_divergence_rows, served_loss_and_teacher_entropy
 from grpo_fast.served.teacher import ServedTeacher
 
 
@@ -54,9 +59,10 @@ class Teachers:
     """Several teachers and each row's: MOPD's routing.
 
     Attributes:
-        teachers: the teachers, each a ``Teacher`` (hidden [B_i, T, D_i], weight [V, D_i], bias, softcap,
-            logit_scale) or a ``ServedTeacher`` (ids and log-probs [B_i, T, K_i]); B_i is the number of rows
-            ``teacher_index`` gives it, its rows in the batch's order.
+        teachers: the teachers, each a ``Teacher`` (hidden [B_i, T, D_i], weight [V, D_i] (a vocab-parallel head's:
+            this rank's rows, as the student's), bias, softcap, logit_scale) or a ``ServedTeacher`` (ids and
+            log-probs [B_i, T, K_i]); B_i is the number of rows ``teacher_index`` gives it, its rows in the batch's
+            order.
         teacher_index: [B] integer: each row's teacher, an index into ``teachers`` (TRL's ``teacher_id_idx``).
         names: each teacher's name in ``teacher_metrics``' keys (TRL's ``teacher_id``: its server URL); None:
             "0", "1", ...
@@ -177,17 +183,17 @@ class _Routing:
         return self.batch_order[start : start + self.row_counts[i]]
 
 
-def _check_teacher_shapes(teachers, routing, T, V, student_dtype_device):
-    """Each teacher's tensors against its row count, the student's T and V, and device."""
-    device = student_dtype_device
-    for i, teacher in enumerate(teachers.teachers):
+def _check_teacher_shapes(listed, routing, T, V, device, sharded=False):
+    """Each teacher of ``listed`` against its row count, the student's T and V (``sharded``: this rank's rows of a
+    vocab-parallel head, which may hold none), and device."""
+    for i, teacher in enumerate(listed):
         B_i = routing.row_counts[i]
         name = f"teachers.teachers[{i}]"
         if isinstance(teacher, Teacher):
             if teacher.hidden.dim() == 3 and teacher.hidden.shape[0] == 0 and B_i == 0:
                 continue  # a teacher with no row this batch: nothing to check against
             rows = ("[B_i, T, D] with [B_i, T]", "its rows by teacher_index, the student's T")
-            check_teacher(teacher, name, (B_i, T), V, device, ("student_hidden", "student_weight"), rows)
+            check_teacher(teacher, name, (B_i, T), V, device, ("student_hidden", "student_weight"), rows, sharded)
         else:
             for field in ("ids", "logprobs"):
                 x = check_tensor(f"{name}.{field}", getattr(teacher, field))
@@ -218,21 +224,21 @@ def _beta_or_default(listed, beta, name):
     return 0.0 if served == {True} else 1.0
 
 
-def _served_record(teachers, served, routing, B, T, device):
+def _served_record(listed, served, routing, B, T, device):
     """The served teachers' lists as one ServedTeacher [B, T, K_max] (-1 padded; rows of other teachers empty)."""
-    first = teachers.teachers[served[0]]
+    first = listed[served[0]]
     for i in served[1:]:
-        other = teachers.teachers[i]
+        other = listed[i]
         if other.add_tail_bucket != first.add_tail_bucket or other.temperature != first.temperature:
             raise ValueError(
                 "the served teachers must share add_tail_bucket and temperature (one served divergence for their "
                 f"rows): teachers.teachers[{served[0]}] and [{i}] differ"
             )
-    K = max(teachers.teachers[i].ids.shape[-1] for i in served)
+    K = max(listed[i].ids.shape[-1] for i in served)
     ids = torch.full((B, T, K), -1, dtype=torch.int64, device=device)
     logprobs = torch.zeros((B, T, K), dtype=torch.float32, device=device)
     for i in served:
-        teacher, rows = teachers.teachers[i], routing.batch_rows_of(i)
+        teacher, rows = listed[i], routing.batch_rows_of(i)
         K_i = teacher.ids.shape[-1]
         ids[rows, :, :K_i] = teacher.ids.long()
         logprobs[rows, :, :K_i] = teacher.logprobs.float()
@@ -259,7 +265,9 @@ def multi_teacher_distillation_loss(
     backend: str = "auto",
     support: ServedSupport = "trl",
     token_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    vocab_parallel: VocabShard | None = None,
+    return_teacher_entropy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The distillation loss with each row scored by its own teacher (MOPD): the divergence of every scored token
     from its row's teacher, summed, over ``num_items_in_batch`` or the scored tokens' count.
 
@@ -267,12 +275,18 @@ def multi_teacher_distillation_loss(
     generalized JSD), served ones ``served_distillation_loss``' (TRL's support by beta, the tail bucket). A token's
     divergence and its gradient are those of its teacher's one-teacher call, whatever the other rows' teachers;
     the in-process teachers run in one fused op (the student's three sweeps over their rows, the teachers' products
-    a teacher at a time in each chunk), the served ones in one served loss.
+    a teacher at a time in each chunk), the served ones in one served loss. Vocab-parallel heads (``vocab_parallel``,
+    or DTensor weights): the student's and every in-process teacher's weight split by the same vocabulary ranges, the
+    hidden states replicated; each in-process teacher's rows then run through ``distillation_loss``' vocab-parallel
+    head (a teacher at a time: ``multi_teacher.parallel``), the served rows through the served head's; every rank
+    returns what one process returns, dW and db its own rows.
 
     Args:
         student_hidden: [B, T, D] float32, bfloat16 or float16.
-        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype.
-        teachers: the ``Teachers`` (the list and each row's index).
+        student_weight: [V, D] the student's lm_head weight, student_hidden's dtype (or fp32 over bf16 / fp16);
+            this rank's rows [V_local, D] with ``vocab_parallel``, or a DTensor sharded on dim 0.
+        teachers: the ``Teachers`` (the list and each row's index); an in-process teacher's weight (and bias) this
+            rank's rows of its head where the student's are (a DTensor where the student's is one).
         completion_mask: [B, T] bool or 0/1: the tokens scored (and counted); None: every token.
         num_items_in_batch: the divisor, a number > 0 or a one-element tensor; None: the scored tokens' count (at
             least 1).
@@ -280,24 +294,34 @@ def multi_teacher_distillation_loss(
             (``served_distillation_loss``') when every one is served; required when they mix.
         temperature: divides every model's logits (> 0).
         targets: [B, T] the sampled tokens: read by served teachers at beta != 0 (TRL's support holds them).
-        student_bias: [V] in student_hidden's dtype, or None.
+        student_bias: [V] in student_hidden's dtype, or None (this rank's rows where the weight's are).
         student_softcap: the student's soft-cap (> 0), or None.
         student_logit_scale: multiplies the student's raw logits (non-zero).
         backend: "auto", "triton" or "torch".
         support: the served teachers' support ("trl" or "listed", as ``served_divergence_and_entropy``'s).
-        token_chunk: tokens per gradient GEMM of the in-process teachers' fused loss (None: its default).
+        token_chunk: tokens per gradient GEMM of the in-process teachers' fused loss (None: its default); not with
+            vocab-parallel heads (no fused loss there).
+        vocab_parallel: a ``grpo_fast.VocabShard`` when the student's and the in-process teachers' weights hold this
+            rank's rows (the same ranges); None: whole heads, or DTensor weights.
+        return_teacher_entropy: also return each token's teacher's entropy (``teacher_metrics``' third metric).
 
     Returns:
         loss: the differentiable float32 scalar.
         divergence: [B, T] float32, detached: each token's divergence from its teacher (zeros off the mask).
         entropy: [B, T] float32, detached: the student's entropy.
+        teacher_entropy: with ``return_teacher_entropy`` only, [B, T] float32, detached: the entropy of each
+            token's teacher as the divergence sees it (zeros off the mask). An in-process teacher's over the whole
+            vocabulary at the temperature (its soft-cap and logit scale applied), from the divergence's own records
+            of it (log S - Z / S: no sweep of its own, [N] more fp32 values); a served teacher's over the token's
+            support, with the tail bucket or renormalised (TRL's ``teacher_entropy``; 0 where it lists nothing).
 
     Raises:
         TypeError: a ``teachers`` that is not a Teachers of Teacher / ServedTeacher records, an index that is not an
             integer tensor, a tensor argument's dtype, as the one-teacher functions.
         ValueError: an index outside [0, len(teachers)) or not of shape [B], a teacher's tensors not of its rows'
             count or not of the student's T, V or device, no beta where in-process and served teachers mix, served
-            teachers with different tail buckets or temperatures, and the one-teacher functions' errors.
+            teachers with different tail buckets or temperatures, an in-process teacher's head not sharded as the
+            student's, ``token_chunk`` with vocab-parallel heads, and the one-teacher functions' errors.
     """
     check_float_tensor("student_hidden", student_hidden)
     if student_hidden.dim() != 3 or 0 in student_hidden.shape:
@@ -306,105 +330,119 @@ def multi_teacher_distillation_loss(
         )
     B, T, _ = student_hidden.shape
     _check_teachers(teachers, B, student_hidden.device)
-    if isinstance(student_weight, DTensor):
-        raise ValueError(
-            "a vocab-parallel student head (a sharded DTensor weight) is not supported by "
-            "multi_teacher_distillation_loss yet: call distillation_loss / served_distillation_loss per teacher"
-        )
-    check_head(("student_hidden", "student_weight", "student_bias"), student_hidden, student_weight, student_bias)
-    V = student_weight.shape[0]
+    hidden, weight, bias, shard = resolve(student_hidden, student_weight, student_bias, vocab_parallel)
+    names = ("student_hidden", "student_weight", "student_bias")
+    V = check_head(names, hidden, weight, bias, sharded=shard is not None)[3]
     check_chunk("token_chunk", token_chunk, "tokens per gradient GEMM")
+    if shard is not None and token_chunk is not None:
+        raise ValueError("token_chunk sizes the in-process teachers' fused loss, which vocab-parallel heads do not run")
     check_num_items_in_batch(num_items_in_batch)
     if completion_mask is not None:
         check_tensor("completion_mask", completion_mask)
         check_same_device([("completion_mask", completion_mask)], student_hidden.device, "student_hidden")
-    listed = list(teachers.teachers)
+    student = ModelHead(hidden, weight, bias, LogitTransform(temperature, student_softcap, student_logit_scale))
+    public = student._replace(weight=student_weight, bias=student_bias)  # resolve_pair's: DTensors stay as given
+    listed = local_teachers(teachers.teachers, public, vocab_parallel)
     dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
     served = [i for i, t in enumerate(listed) if isinstance(t, ServedTeacher)]
     beta = _beta_or_default(listed, beta, "beta")
     check_number("beta", beta, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1] (0: forward KL, 1: reverse KL)")
     check_number("temperature", temperature, lambda v: v > 0, "a positive number")
+    if student_softcap is not None:
+        check_number("student_softcap", student_softcap, lambda v: v > 0, "None or a positive number")
+    check_number("student_logit_scale", student_logit_scale, lambda v: v != 0, "a finite non-zero number")
     if not has_data(student_hidden, teachers.teacher_index):
         raise ValueError(
             "multi_teacher_distillation_loss routes rows by reading teacher_index on the host: it takes tensors "
             "with data (not fake or meta tensors)"
         )
     routing = _Routing.read(teachers.teacher_index, completion_mask, len(listed), T)
-    _check_teacher_shapes(teachers, routing, T, V, student_hidden.device)
+    _check_teacher_shapes(listed, routing, T, V, student_hidden.device, shard is not None)
     total = sum(routing.token_counts)
     if isinstance(num_items_in_batch, torch.Tensor):
         divisor = num_items_in_batch.to(device=student_hidden.device, dtype=torch.float32).reshape(())
     else:
         divisor = float(num_items_in_batch) if num_items_in_batch is not None else float(max(total, 1))
     loss = student_hidden.new_zeros((), dtype=torch.float32)
-    div = torch.zeros(B * T, dtype=torch.float32, device=student_hidden.device)
-    entropy = torch.zeros_like(div)
-    dense_tokens = sum(routing.token_counts[i] for i in dense)
-    if dense_tokens:
-        part_loss, order, part_div, part_entropy = _dense_loss(
-            student_hidden, student_weight, student_bias, teachers, dense, routing, divisor,
-            (beta, temperature, student_softcap, student_logit_scale), backend, token_chunk,
-        )  # fmt: skip
+    per_token = torch.zeros((3, B * T), dtype=torch.float32, device=student_hidden.device)  # div, both entropies
+    resolved = resolve_backend(backend, student_hidden.device)
+    if sum(routing.token_counts[i] for i in dense):
+        segments = list(routing.segments(dense, len(listed)))
+        if shard is None:
+            part_loss, order, *parts = _dense_loss(student, listed, segments, beta, divisor, resolved, token_chunk)
+        else:
+            resolved.check_sizes(sum(routing.token_counts[i] for i in dense), V)
+            part_loss, order, *parts = dense_loss(student, listed, segments, beta, shard, resolved.name, divisor)
         loss = loss + part_loss
-        div = div.index_copy(0, order, part_div)
-        entropy = entropy.index_copy(0, order, part_entropy)
+        per_token = per_token.index_copy(1, order, torch.stack(parts))
     elif token_chunk is not None:
         raise ValueError("token_chunk sizes the in-process teachers' fused loss, and no row has one")
     if served and sum(routing.token_counts[i] for i in served):
-        record = _served_record(teachers, served, routing, B, T, student_hidden.device)
+        record = _served_record(listed, served, routing, B, T, student_hidden.device)
         served_mask = routing.scored_mask_of(served, len(listed)).view(B, T)
-        part_loss, part_div, part_entropy = served_distillation_loss(
+        part_loss, *parts = served_loss_and_teacher_entropy(
             student_hidden, student_weight, record, served_mask,
-            num_items_in_batch=divisor,
-            targets=targets, beta=beta, temperature=temperature, student_bias=student_bias,
+            num_items_in_batch=divisor, targets=targets, beta=beta, temperature=temperature, student_bias=student_bias,
             student_softcap=student_softcap, student_logit_scale=student_logit_scale, backend=backend, support=support,
+            vocab_parallel=vocab_parallel,
         )  # fmt: skip
         loss = loss + part_loss
-        div = div + part_div.reshape(-1)
-        entropy = entropy + part_entropy.reshape(-1)
-    return loss, div.view(B, T), entropy.view(B, T)
+        per_token = per_token + torch.stack(parts).view(3, -1)
+    div, entropy, teacher_entropy = per_token.view(3, B, T).unbind()
+    return (loss, div, entropy, teacher_entropy) if return_teacher_entropy else (loss, div, entropy)
 
 
-def _dense_loss(
-    student_hidden, student_weight, student_bias, teachers, dense, routing, divisor, numbers, backend, token_chunk
-):
-    """The in-process teachers' part: (loss, the flat rows [N], their divergence [N], entropy [N])."""
-    beta, temperature, student_softcap, student_logit_scale = numbers
-    backend = resolve_backend(backend, student_hidden.device)
-    segments = list(routing.segments(dense, len(teachers.teachers)))
+def _dense_loss(student, teachers, segments, beta, divisor, backend, token_chunk):
+    """The in-process teachers' part on one process, one fused op: (loss, the flat rows [N], their divergence [N],
+    the student's entropy [N], each row's teacher's entropy [N])."""
     order = torch.cat([flat for _, flat, _ in segments])
-    hidden = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, order)
-    backend.check_sizes(hidden.shape[0], student_weight.shape[0])
-    heads = [teacher_head(teachers.teachers[i], Rows(local), temperature) for i, _, local in segments]
-    starts = list(itertools.accumulate((routing.token_counts[i] for i, _, _ in segments), initial=0))
+    hidden = student.hidden.reshape(-1, student.hidden.shape[-1]).index_select(0, order)
+    backend.check_sizes(hidden.shape[0], student.weight.shape[0])
+    heads = [teacher_head(teachers[i], Rows(local), student.transform.temperature) for i, _, local in segments]
+    starts = list(itertools.accumulate((flat.shape[0] for _, flat, _ in segments), initial=0))
+    bias = student.bias.contiguous() if student.bias is not None else None
     operands = ops.RoutedOperands(
-        hidden, student_weight.contiguous(), student_bias.contiguous() if student_bias is not None else None,
-        [h.hidden for h in heads], [h.weight for h in heads], [h.bias for h in heads], starts, float(beta),
-        float(temperature), None if student_softcap is None else float(student_softcap), float(student_logit_scale),
+        hidden, student.weight.contiguous(), bias, [h.hidden for h in heads], [h.weight for h in heads],
+        [h.bias for h in heads], starts, float(beta), *student.transform.as_floats(),
         [h.transform.softcap or 0.0 for h in heads], [h.transform.logit_scale for h in heads], backend.name,
     )  # fmt: skip
     grad = torch.is_grad_enabled()
-    needs = tuple(grad and x is not None and x.requires_grad for x in (student_hidden, student_weight, student_bias))
+    needs = tuple(grad and x is not None and x.requires_grad for x in student[:3])
     weights = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device) / divisor
-    loss, div, entropy = ops.routed_divergence_loss(operands, weights, needs, token_chunk)
-    return loss, order, div, entropy
+    loss, div, entropy, teacher_entropy = ops.routed_divergence_loss(operands, weights, needs, token_chunk)
+    return loss, order, div, entropy, teacher_entropy
 
 
 @takes_keywords()
 def teacher_metrics(
-    teachers: Teachers, divergence: torch.Tensor, completion_mask: torch.Tensor | None = None
+    teachers: Teachers,
+    divergence: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    *,
+    teacher_entropy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """TRL 1.16's per-teacher MOPD metrics of a batch: ``teacher_token_frac/<name>`` (the teacher's share of the
-    scored tokens), ``teacher_jsd/<name>`` (its tokens' mean divergence; NaN without tokens: TRL's), each a 0-dim
-    fp32 tensor on the divergence's device (no host synchronisation).
+    """TRL 1.16's per-teacher MOPD metrics of a batch, each a 0-dim fp32 tensor on the divergence's device (no host
+    synchronisation), each teacher's tokens being its rows' scored ones:
+
+    * ``teacher_token_frac/<name>``: the teacher's share of the scored tokens (0 without tokens);
+    * ``teacher_jsd/<name>``: its tokens' mean divergence (NaN without tokens: TRL's);
+    * ``teacher_entropy/<name>``, given ``teacher_entropy``: its tokens' mean teacher entropy (NaN without tokens):
+      a served teacher's over each token's support (TRL's formula), an in-process one's over the vocabulary
+      (``multi_teacher_distillation_loss``' ``teacher_entropy`` says which). Without it the key is absent (no value
+      stands in for it).
+
+    TRL counts only the tokens with a teacher entry; here a scored token whose served teacher lists nothing counts,
+    with divergence and teacher entropy 0 (pass a mask without them for TRL's means).
 
     Args:
         teachers: the call's ``Teachers``.
         divergence: [B, T] the per-token divergence (``multi_teacher_distillation_loss``' second output).
         completion_mask: [B, T] the scored tokens; None: every token.
+        teacher_entropy: [B, T] each token's teacher's entropy (``multi_teacher_distillation_loss(...,
+            return_teacher_entropy=True)``'s fourth output), or None.
 
     Returns:
-        {name: value}, two entries a teacher.
+        {name: value}, two entries a teacher, three with ``teacher_entropy``.
     """
     if not isinstance(teachers, Teachers):
         raise TypeError(f"teachers must be a grpo_fast.Teachers, got {type(teachers).__name__}")
@@ -417,16 +455,23 @@ def teacher_metrics(
     mask = torch.ones_like(divergence) if completion_mask is None else completion_mask.to(divergence.device).float()
     if tuple(mask.shape) != (B, T):
         raise ValueError(f"completion_mask must have shape [B, T] = {[B, T]}, got {tuple(mask.shape)}")
+    per_token = {"jsd": divergence}
+    if teacher_entropy is not None:
+        check_tensor("teacher_entropy", teacher_entropy)
+        if tuple(teacher_entropy.shape) != (B, T):
+            raise ValueError(f"teacher_entropy must have shape [B, T] = {[B, T]}, got {tuple(teacher_entropy.shape)}")
+        per_token["entropy"] = teacher_entropy.to(divergence.device)
     onehot = torch.nn.functional.one_hot(teachers.teacher_index.long().clamp(0, n - 1), n).float()  # [B, n]
     counts = mask.sum(1) @ onehot
-    sums = (divergence.detach().float() * mask).sum(1) @ onehot
-    share = counts / counts.sum().clamp(min=1.0)
-    mean = torch.where(counts > 0, sums / counts.clamp(min=1.0), float("nan"))
-    metrics = {}
-    for i, name in enumerate(teachers.teacher_names()):
-        metrics[f"teacher_token_frac/{name}"] = share[i]
-        metrics[f"teacher_jsd/{name}"] = mean[i]
-    return metrics
+    metrics = {"token_frac": counts / counts.sum().clamp(min=1.0)}
+    for metric, values in per_token.items():
+        sums = (values.detach().float() * mask).sum(1) @ onehot
+        metrics[metric] = torch.where(counts > 0, sums / counts.clamp(min=1.0), float("nan"))
+    return {
+        f"teacher_{metric}/{name}": values[i]
+        for i, name in enumerate(teachers.teacher_names())
+        for metric, values in metrics.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -462,7 +507,7 @@ class RoutedDistillation:
         B, T = head.shape
         listed = list(self.teachers.teachers)
         routing = _Routing.read(self.teachers.teacher_index, head.completion_mask, len(listed), T)
-        _check_teacher_shapes(self.teachers, routing, T, head.weight.shape[0], head.hidden.device)
+        _check_teacher_shapes(listed, routing, T, head.weight.shape[0], head.hidden.device)
         div = torch.zeros(B * T, dtype=torch.float32, device=head.hidden.device)
         dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
         # the divergence head's per-token op on each in-process teacher's rows
@@ -479,7 +524,7 @@ class RoutedDistillation:
             div = div.index_copy(0, flat, part)
         served = [i for i, t in enumerate(listed) if isinstance(t, ServedTeacher)]
         if served and sum(routing.token_counts[i] for i in served):
-            record = _served_record(self.teachers, served, routing, B, T, head.hidden.device)
+            record = _served_record(listed, served, routing, B, T, head.hidden.device)
             flat = routing.scored_rows_of(served, len(listed))
             part = served_divergence_rows(head, Rows(flat), record, self.beta, checked=False)
             div = div.index_copy(0, flat, part)

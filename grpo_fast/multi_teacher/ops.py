@@ -19,7 +19,7 @@ import torch
 
 from grpo_fast.backends.protocol import gemm_weight
 from grpo_fast.backends.resolver import named
-from grpo_fast.distillation.ops import gradient_buffers, loss_backward, loss_fake, loss_setup_context
+from grpo_fast.distillation.ops import LOSS_OUTPUTS, gradient_buffers, loss_backward, loss_fake, loss_setup_context
 from grpo_fast.head.boundary import custom_op, inline_function, runs_inline
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels.divergence_records import ModelHead, TeacherSegments
@@ -81,25 +81,25 @@ _SCHEMA = (
     "Tensor[] teacher_weight, Tensor?[] teacher_bias, int[] starts, float beta, float temperature, "
     "float? student_softcap, float student_logit_scale, float[] teacher_softcap, float[] teacher_logit_scale, "
     "str backend, Tensor weights, bool need_hidden, bool need_weight, bool need_bias, int token_chunk) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"{LOSS_OUTPUTS}"
 )
 
 
 def _impl(*arguments):
     """(RoutedOperands' fields, weights [N], need_hidden, need_weight, need_bias, token_chunk (0: the default)) ->
-    (loss [], divergence [N], the student's entropy [N], dH [N, Ds], dW [V, Ds], db [V]) fp32, a gradient not
-    wanted empty: the backend's ``divergence_loss`` over the TeacherSegments."""
+    (loss [], divergence [N], the student's entropy [N], each row's teacher's entropy [N], dH [N, Ds], dW [V, Ds],
+    db [V]) fp32, a gradient not wanted empty: the backend's ``divergence_loss`` over the TeacherSegments."""
     *operands, weights, need_hidden, need_weight, need_bias, token_chunk = arguments
     operands = RoutedOperands(*operands)
     hidden, weight, bias = operands[:3]
     grads = gradient_buffers(hidden, weight, bias, (need_hidden, need_weight, need_bias))
     weights = weights.float().contiguous()
     student, teachers = operands.heads()
-    div, entropy, _ = named(operands.backend).divergence_loss(
+    div, entropy, _, teacher_entropy = named(operands.backend).divergence_loss(
         student, teachers, operands.beta, weights, grads, token_chunk or None
     )
     formed = (grad if grad is not None else hidden.new_empty(0, dtype=torch.float32) for grad in grads)
-    return ((weights * div).sum(), div, entropy, *formed)
+    return ((weights * div).sum(), div, entropy, teacher_entropy, *formed)
 
 
 _op = custom_op("routed_divergence_loss", _impl, _SCHEMA)
@@ -133,7 +133,8 @@ def routed_divergence_loss(operands: RoutedOperands, weights, needs, token_chunk
         token_chunk: tokens per gradient GEMM (None: the backend's default).
 
     Returns:
-        (loss [], divergence [N], entropy [N]) fp32; the last two detached.
+        (loss [], divergence [N], the student's entropy [N], each row's teacher's entropy [N]) fp32; the last three
+        detached.
     """
     args = (*operands, weights.detach(), *needs, token_chunk or 0)
-    return (_INLINE.apply if runs_inline(args) else _op)(*args)[:3]
+    return (_INLINE.apply if runs_inline(args) else _op)(*args)[:4]

@@ -262,6 +262,27 @@ class _ServedCall:
             div = torch.where(self.rows.keep, div, 0.0)
         return div, entropy.detach()
 
+    def teacher_entropy(self):
+        """[N] fp32: the teacher's entropy over each scored row's support, as the divergence sees it (with its tail
+        bucket, or renormalised; at the divergence's temperature): TRL's ``teacher_entropy`` metric
+        (``served.teacher.teacher_entropy``); 0 where the teacher lists nothing and on a device partition's padding
+        rows."""
+        return served_teacher.teacher_entropy(self.support, self.add_tail_bucket)
+
+    def loss(self, num_items_in_batch, token_chunk):
+        """``served_distillation_loss``' outputs: (loss, divergence [N], entropy [N]), the last two detached."""
+        weights = token_weights(self.rows, self.head.hidden, num_items_in_batch)
+        fused = self.fused_loss(weights, token_chunk)
+        if fused is not None:
+            return fused
+        if token_chunk is not None:
+            raise ValueError(
+                "token_chunk sizes the three-sweep trained head, which this call does not run (it needs the Triton "
+                "backend, a trained weight, no LoRA, bf16 or fp32, head_path='auto')"
+            )
+        div, entropy = self.per_token()
+        return (weights * div).sum(), div.detach(), entropy
+
     def fused_loss(self, weights, token_chunk):
         """(loss, divergence [N], entropy [N]) by the three-sweep trained head (``served.ops``), or None where it is
         not taken (``paths.takes_trained_head``)."""
@@ -419,20 +440,29 @@ def served_distillation_loss(
     check_chunk("token_chunk", token_chunk, "tokens per chunk of the trained head")
     check_num_items_in_batch(num_items_in_batch)
     served = _ServedCall.check(student_hidden, student_weight, teacher, completion_mask, keywords)
-    weights = token_weights(served.rows, served.head.hidden, num_items_in_batch)
-    fused = served.fused_loss(weights, token_chunk)
-    if fused is None:
-        if token_chunk is not None:
-            raise ValueError(
-                "token_chunk sizes the three-sweep trained head, which this call does not run (it needs the Triton "
-                "backend, a trained weight, no LoRA, bf16 or fp32, head_path='auto')"
-            )
-        div, entropy = served.per_token()
-        loss, div = (weights * div).sum(), div.detach()
-    else:
-        loss, div, entropy = fused
+    loss, div, entropy = served.loss(num_items_in_batch, token_chunk)
     call, rows = served.call, served.rows
     return loss, call.scattered(div, rows), call.scattered(entropy, rows)
+
+
+@takes_keywords(ServedKeywords, "served_divergence_and_entropy's keywords")
+def served_loss_and_teacher_entropy(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher: ServedTeacher,
+    completion_mask: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    **keywords: Unpack[ServedKeywords],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``served_distillation_loss``' (loss, divergence, entropy) and the teacher's entropy over each scored token's
+    support [B, T] fp32, detached (TRL's ``teacher_entropy``: with the tail bucket or renormalised, as the divergence
+    sees the teacher; 0 off the mask and where the teacher lists nothing): several teachers' served rows."""
+    check_num_items_in_batch(num_items_in_batch)
+    served = _ServedCall.check(student_hidden, student_weight, teacher, completion_mask, keywords)
+    loss, div, entropy = served.loss(num_items_in_batch, None)
+    call, rows = served.call, served.rows
+    return loss, *(call.scattered(x, rows) for x in (div, entropy, served.teacher_entropy()))
 
 
 @dataclass(frozen=True)
