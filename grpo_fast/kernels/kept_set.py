@@ -162,9 +162,10 @@ def _sorted_grad_table_kernel(
     # with atomics); any other run is this program's alone (read, added, stored)
     before = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1)
     after = tl.load(sorted_ids_ptr + last, mask=last < M, other=-1)
-    for m0 in range(first, last, BLOCK_M):
-        # the dropped pairs (-1) sort first: a block of them only has nothing to add
-        if tl.load(sorted_ids_ptr + tl.minimum(m0 + BLOCK_M, last) - 1) >= 0:
+    for step in range(0, span, BLOCK_M):  # bounds that are numbers, not tensors (Triton 3.6's interpreter)
+        m0 = first + step
+        # past the pairs' end, nothing; the dropped pairs (-1) sort first: a block of them only has nothing to add
+        if (m0 < last) & (tl.load(sorted_ids_ptr + tl.minimum(m0 + BLOCK_M, last) - 1) >= 0):
             pos = m0 + tl.arange(0, BLOCK_M)
             ids = tl.load(sorted_ids_ptr + pos, mask=pos < last, other=-1)
             live = ids >= 0
