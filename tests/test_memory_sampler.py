@@ -12,6 +12,7 @@ from grpo_fast import memory
 from grpo_fast.backends import support_twin
 from grpo_fast.backends.resolver import named
 from grpo_fast.head.transform import LogitTransform
+from grpo_fast.kernels import kept_set
 from grpo_fast.kernels.operands import HeadGrads, HeadOperands, SamplerSupport
 from grpo_fast.memory import command
 from grpo_fast.memory import support_workspace as sw
@@ -109,13 +110,27 @@ def test_model_covers_the_chunked_twins_buffers(monkeypatch):
 
 def test_model_grows_with_the_tokens_by_per_token_terms_only():
     """Past one chunk of rows the parameters' path holds the same buffers at any N; the backward adds dH's fp32 rows
-    (and dW once); replayed sets grow by K entries a token: nothing of N x V."""
+    (and dW once); replayed sets grow by K entries a token, and their dW's sort by K pairs a token up to one sort's:
+    nothing of N x V."""
     D, Vq = 1536, 151936
     r = sw.chunk_rows(10**9, Vq)
     assert r == 2**27 // (4 * Vq) == 220
+
+    def sort_bytes(op, N, params):
+        backward = op == "sampler_support_backward" and "kept" in params
+        return kept_set.grad_table_workspace_bytes(N, params["kept"]) if backward else 0
+
+    for K in (64, 1024):  # one sort's: linear in N up to PAIRS_PER_SORT pairs, then constant
+        assert (
+            kept_set.grad_table_workspace_bytes(64 * r, K)
+            == min(64 * r * K, kept_set.PAIRS_PER_SORT) * kept_set.SORT_BYTES_PER_PAIR
+        )
     for params in (dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05), dict(kept=64), dict(kept=1024)):
         for op in ("sampler_support", "sampler_support_backward"):
-            sizes = [sw.support_workspace_bytes(op, N, D, Vq, torch.bfloat16, **params) for N in (r, 4 * r, 64 * r)]
+            sizes = [
+                sw.support_workspace_bytes(op, N, D, Vq, torch.bfloat16, **params) - sort_bytes(op, N, params)
+                for N in (r, 4 * r, 64 * r)
+            ]
             per_token = (sizes[2] - sizes[1]) / (60 * r)
             assert per_token == pytest.approx((sizes[1] - sizes[0]) / (3 * r)), (params, op)  # linear in N
             expected = 4 * D * (op == "sampler_support_backward")

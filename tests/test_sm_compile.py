@@ -176,7 +176,7 @@ def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_c
         + _MADE_UP_ROW
         + "for change, want in ((dict(), 0), (dict(LOCAL=8), 1), (dict(STACK=16), 1), (dict(SHARED=2000), 1), "
         "(dict(error='E'), 1)):\n"
-        "    s.compile_all = lambda archs, jobs=None: [dict(row, **change)]\n"
+        "    s.compile_all = lambda archs, jobs=None, only=None: [dict(row, **change)]\n"
         "    assert s.main([]) == want, (change, want)\n"
         "print('verdicts ok')\n"
         # CTAs per SM: 156 registers -> 160 a thread, 3 warps of 8 in each of 4 sub-partitions: one 8-warp CTA on
@@ -198,7 +198,7 @@ def test_allow_spill_passes_small_spills_only():
         + _MADE_UP_ROW
         + "for change, want in ((dict(LOCAL=16), 0), (dict(LOCAL=8, STACK=8), 0), (dict(LOCAL=24), 1), "
         "(dict(SHARED=2000), 1)):\n"
-        "    s.compile_all = lambda archs, jobs=None: [dict(row, **change)]\n"
+        "    s.compile_all = lambda archs, jobs=None, only=None: [dict(row, **change)]\n"
         "    assert s.main(['--allow-spill', '16']) == want, (change, want)\n"
         "print('verdicts ok')\n"
     )

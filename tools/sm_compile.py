@@ -18,7 +18,7 @@ divisibility hint, ints equal to 1 become constants. The stand-in shapes use rea
 the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is cut to 4096, which changes no
 compiled code (V only enters as a loop bound and a mask).
 
-    TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 80 89 90 100 120] [--json rows.json]   # a line a variant
+    TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 80 89 90 100 120] [--json rows.json] [--only TEXT]
 
 It runs with every declared Triton (pyproject.toml: 3.6 to 3.9; .ci/run compiles with both ends). Triton 3.6's
 compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --allow-spill for it, and says which).
@@ -132,12 +132,12 @@ def specialise(launch):
         elif isinstance(value, bool):
             signature[param.name] = "i1"
         elif isinstance(value, int):
-            if value == 1:
+            if value == 1 and not param.do_not_specialize:
                 signature[param.name] = "constexpr"
                 constexprs[(i,)] = 1
                 continue
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
                 attrs[(i,)] = BaseBackend.parse_attr("D")
         elif isinstance(value, float):
             signature[param.name] = "fp32"
@@ -512,7 +512,7 @@ def tuning_launches(arch):
 KEPT_SET_KERNELS = (
     ("kept dot", kept_set.kept_dot, "_kept_dot_kernel"),
     ("kept grad rows", kept_set.kept_grad_rows, "_kept_grad_rows_kernel"),
-    ("kept grad table", kept_set.kept_grad_table, "_kept_grad_table_kernel"),
+    ("kept grad table", kept_set.kept_grad_table, "_sorted_grad_table_kernel"),
 )
 
 
@@ -646,10 +646,13 @@ def _compile_pending(i):
     return compiled_row(*_PENDING[i])
 
 
-def compile_all(archs, jobs=None):
+def compile_all(archs, jobs=None, only=None):
     """[{arch, kernel, family, dtype, num_warps, num_stages, smem_limit, descriptors, error, and compiled_row's}]: a
-    row a variant, each distinct specialisation compiled once, by ``jobs`` processes (default: one a core)."""
-    variants = [(arch, *variant) for arch in archs for variant in all_launches(arch)]
+    row a variant (those whose name holds ``only``, if given), each distinct specialisation compiled once, by ``jobs``
+    processes (default: one a core)."""
+    variants = [
+        (arch, *variant) for arch in archs for variant in all_launches(arch) if only is None or only in variant[0]
+    ]
     keys = [_specialisation(arch, launch) for arch, _, _, _, launch in variants]
     distinct = list(dict.fromkeys(keys))
     _PENDING[:] = [next(v for v, k in zip(variants, keys) if k == key)[::4] for key in distinct]
@@ -682,6 +685,7 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, nargs="+", default=list(CLASSES), choices=list(CLASSES))
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
     parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: one a core)")
+    parser.add_argument("--only", metavar="TEXT", help="only the variants whose name holds TEXT (e.g. 'kept ')")
     parser.add_argument(
         "--allow-spill",
         type=int,
@@ -691,7 +695,7 @@ def main(argv=None):
         "Triton's compiler (.ci/run's lowest declared Triton); default 0",
     )
     args = parser.parse_args(argv)
-    rows = compile_all(args.arch, args.jobs)
+    rows = compile_all(args.arch, args.jobs, args.only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -161,6 +161,11 @@ class Backend(Protocol):
         """Accumulate the gradients of ``gathered_logits`` from dL/dz ``grad_logits`` [N, K] fp32 into ``grads``."""
         ...
 
+    def gathered_backward_workspace_bytes(self, ids_shape: tuple[int, int]) -> int:
+        """What ``gathered_backward`` (and the replayed kept sets' backward) allocates besides ``grads`` to form dW
+        (or LoRA's) at ids [N, K]."""
+        ...
+
     def support_forward(
         self,
         head: HeadOperands,

@@ -72,6 +72,10 @@ class TorchBackend:
     def gathered_backward(self, head, ids, grad_logits, grads):
         support_twin.kept_backward(head, ids, grad_logits, grads)
 
+    def gathered_backward_workspace_bytes(self, ids_shape):
+        """0: the twin's chunks of gathered rows are not modelled (the estimate models the GPU's Triton path)."""
+        return 0
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:

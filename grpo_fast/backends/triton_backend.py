@@ -163,6 +163,10 @@ class TritonBackend:
     def gathered_backward(self, head, ids, grad_logits, grads):
         support_twin.kept_backward(head, ids, grad_logits, grads, KEPT_SET_KERNELS)
 
+    def gathered_backward_workspace_bytes(self, ids_shape):
+        """``kernels.kept_set.grad_table_workspace_bytes``: one sort of dW's pairs."""
+        return kept_set.grad_table_workspace_bytes(*ids_shape)
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters
         without gradients: the log-prob's record sweep with its tiles' candidates (``support_tiles``); otherwise, and

@@ -5,9 +5,10 @@ node under torch.compile, fake implementations for fake and meta tensors).
 Math. z[n, j] = transform(h_n . W_{ids[n, j]} (+ LoRA's product) + b_{ids[n, j]}), a gather of K weight rows a token:
 O(N K D) work, no vocabulary sweep. From G = dL/dz [N, K]: dh_n = sum_j G[n, j] z'[n, j] W_{ids[n, j]} and
 dW_{ids[n, j]} += G[n, j] z'[n, j] h_n (z': the transform's slope), the backend's ``gathered_backward`` (the Triton
-backend's by ``kernels.kept_set``, its dW by fp32 atomics). A row's log-probs at its ids are these logits minus the
-row's log-sum-exp, which layer 1's op gives (its log-prob of a target outside the vocabulary is -lse, with lse's
-gradient): together the log-probs at K ids a token in one vocabulary sweep forward (``grpo_fast.served``).
+backend's by ``kernels.kept_set``, its dW from the pairs sorted by id: each id's row added once a run). A row's
+log-probs at its ids are these logits minus the row's log-sum-exp, which layer 1's op gives (its log-prob of a target
+outside the vocabulary is -lse, with lse's gradient): together the log-probs at K ids a token in one vocabulary sweep
+forward (``grpo_fast.served``).
 """
 
 from __future__ import annotations

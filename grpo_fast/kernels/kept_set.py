@@ -1,27 +1,61 @@
 """Replayed kept sets: the logits of the K entries a sampler kept for each token, and their gradients, without a
-vocabulary sweep (``grpo_fast.sampler_logprobs(kept_ids=...)``).
+vocabulary sweep (``grpo_fast.sampler_logprobs(kept_ids=...)``; a served teacher's top-k, ``grpo_fast.served``).
 
 Math. For token n with kept ids k_1..k_K (-1: no entry) and an operand pair (x [N, E], y [V, E]), the raw logit of
 its j-th kept entry is u[n, j] = x[n] . y[k_j]: the head's pair (hidden, weight) and LoRA's (lora_hidden,
 lora_weight) each add theirs (``kept_dot``); the bias and the transform are elementwise on [N, K] around it. From
-g = dL/du [N, K]: dx[n] = sum_j g[n, j] y[k_j] (``kept_grad_rows``) and dy[k_j] += g[n, j] x[n]
-(``kept_grad_table``, fp32 atomics: the order of the adds, and so dy's last bits, vary from run to run).
+g = dL/du [N, K]: dx[n] = sum_j g[n, j] y[k_j] (``kept_grad_rows``) and dy[v] += sum_{(n, j): k_j = v} g[n, j] x[n]
+(``kept_grad_table``).
 
-Work and memory. Each kernel reads, for each kept entry, one row of y (E elements) and the token's x: O(N K E), in
-place of the O(N V E) of a vocabulary sweep; the filling (-1) is masked off and read from nowhere, so the cost is
-that of the entries kept, whatever K the sets are padded to. Memory-bound (a multiply and an add per element read,
-no tensor-core dot: a gathered row is shared by no other token of the tile), fp32 accumulation; the only buffers are
-the [N, K] fp32 logits and gradients.
+``kept_grad_table`` sorts the M = N K (token, slot) pairs by id (``sorted_pairs``: torch.sort of int32 keys on the
+device, stable; -1 and g = 0 pairs get key -1 and sort first, where a program skips them), so each id's pairs form one
+run. A program takes a span of sorted pairs, SORTED_BLOCK_M rows at a time, all of E in SORTED_BLOCK_E columns: it
+gathers the rows' x[n] (x's rows are the token rows: H, which an H200's L2 holds at 4096 x 1536 bf16), forms g x[n] in
+fp32 and sums each run with a segmented scan along the rows (``_segmented_add``: a thread holds every row of its
+columns, so the scan is a select and an FMA an element, no shuffle), then adds each run's sum to dy[v] once: at the
+run's last row, or at the block's last row for a run that goes on (the next block's part is added to it, read back by
+the same thread). A run held by no other program is read, added and stored (the adds in the sorted order:
+deterministic); the runs that hold the span's first or last id may continue in the neighbouring program and are added
+with relaxed fp32 atomics (their order, and so those rows' last bits, vary from run to run). fp32 products and sums
+throughout.
+
+Work and memory. Each kernel reads, for each kept entry, one row of y or x (E elements): O(N K E), in place of the
+O(N V E) of a vocabulary sweep; the filling (-1) is masked off and read from nowhere (the sort reads and writes its
+keys), so the cost is that of the entries kept, whatever K the sets are padded to. Memory-bound (a multiply and an
+add per element read, no tensor-core dot: a gathered row is shared by no other token of the tile). ``kept_dot`` and
+``kept_grad_rows`` read N K rows of y (the weight: from HBM unless the ids repeat); ``kept_grad_table`` reads N K
+rows of x and reads and writes E fp32 of dy once a (block, id) run: each distinct id's row once (at most V rows: dy
+through HBM once), plus a partial row for each block whose last run goes on (read back from L2; at most
+N K / SORTED_BLOCK_M), where one fp32 atomic an element, N K E of them, added them before; atomics only for the runs
+at a span's two ends. Its issue: ~40 warp instructions a pair and 128 columns (sm_90 SASS), ~3x the atomic kernel's.
+Buffers: the [N, K] fp32 logits and gradients, and the sort's keys and outputs (``grad_table_workspace_bytes``:
+SORT_BYTES_PER_PAIR a pair, PAIRS_PER_SORT pairs at a time).
 """
 
+import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import on_first_argument_device
+from grpo_fast.kernels.launch import interpreting, on_first_argument_device
 
 BLOCK_K = 16
 BLOCK_E = 128
 NUM_WARPS = 4
+# kept_grad_table: a block of SORTED_BLOCK_M sorted pairs x SORTED_BLOCK_E columns on one warp (its 32 lanes x 4
+# contiguous columns: every row of a column in one thread, 32 fp32 values a thread at 8 rows; sm_compile: no spill);
+# a span of up to SORTED_BLOCKS blocks a program, fewer while that would leave under SORTED_PROGRAMS programs
+SORTED_BLOCK_M = 8
+# under the interpreter (numpy), where each operation's cost is its call: 4x the rows, a quarter of the calls
+INTERPRETER_SORTED_BLOCK_M = 32
+SORTED_BLOCK_E = 128
+SORTED_WARPS = 1
+SORTED_BLOCKS = 16
+SORTED_PROGRAMS = 1024
+# a sort takes at most PAIRS_PER_SORT pairs (whole tokens; n K + j fits int32); torch.sort of int32 keys holds about
+# SORT_BYTES_PER_PAIR a pair at its peak: the keys (4), its int64 index input (8), the sorted keys and order (4 + 8)
+# and the radix sort's alternate buffers of both (12)
+PAIRS_PER_SORT = 2**21
+SORT_BYTES_PER_PAIR = 36
 
 
 @triton.jit
@@ -98,37 +132,69 @@ def _kept_grad_rows_kernel(
 
 
 @triton.jit
-def _kept_grad_table_kernel(
+def _segmented_add(a, a_starts, b, b_starts):
+    """The combine of a segmented sum: b's sum, plus a's unless b starts a segment."""
+    return b + tl.where(b_starts, 0.0, a), a_starts | b_starts
+
+
+@triton.jit(do_not_specialize_on_alignment=["x_row_units"])
+def _sorted_grad_table_kernel(
     g_ptr,
     x_ptr,
-    ids_ptr,
+    sorted_ids_ptr,
+    order_ptr,
     out_ptr,
+    M,
     K,
     E,
+    span,
     stride_g,
-    stride_x,
-    stride_ids,
+    x_row_units,
     stride_out,
-    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    X_ROW_UNIT: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_set = slots < K
-    ids = _kept_ids(ids_ptr, row, slots, in_set, stride_ids)
-    g = tl.load(g_ptr + row.to(tl.int64) * stride_g + slots, mask=in_set, other=0.0)
-    live = (ids >= 0) & (g != 0.0)
-    for e0 in range(0, E, BLOCK_E):
-        cols = e0 + tl.arange(0, BLOCK_E)
-        in_cols = cols < E
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
-        # relaxed: the adds need no ordering (an acq_rel atomic costs a GPU-scope fence and a value return each)
-        tl.atomic_add(
-            out_ptr + ids[:, None] * stride_out + cols[None, :],
-            g[:, None] * x[None, :],
-            mask=live[:, None] & in_cols[None, :],
-            sem="relaxed",
-        )
+    # this program's pairs [first, last) of the sorted list, BLOCK_M at a time
+    first = tl.program_id(0) * span
+    last = tl.minimum(first + span, M)
+    # the ids just outside the span: a run holding either may go on in the program before or the next one (added
+    # with atomics); any other run is this program's alone (read, added, stored)
+    before = tl.load(sorted_ids_ptr + first - 1, mask=first > 0, other=-1)
+    after = tl.load(sorted_ids_ptr + last, mask=last < M, other=-1)
+    for step in range(0, span, BLOCK_M):  # bounds that are numbers, not tensors (Triton 3.6's interpreter)
+        m0 = first + step
+        # past the pairs' end, nothing; the dropped pairs (-1) sort first: a block of them only has nothing to add
+        if (m0 < last) & (tl.load(sorted_ids_ptr + tl.minimum(m0 + BLOCK_M, last) - 1) >= 0):
+            pos = m0 + tl.arange(0, BLOCK_M)
+            ids = tl.load(sorted_ids_ptr + pos, mask=pos < last, other=-1)
+            live = ids >= 0
+            previous = tl.load(sorted_ids_ptr + pos - 1, mask=live & (pos > 0), other=-1)
+            following = tl.load(sorted_ids_ptr + pos + 1, mask=live & (pos + 1 < M), other=-1)
+            pair = tl.load(order_ptr + pos, mask=live, other=0).to(tl.int32)  # n K + j < PAIRS_PER_SORT
+            row = pair // K
+            g = tl.load(g_ptr + row * stride_g + (pair - row * K), mask=live, other=0.0)
+            # x's row unit (4 where its stride allows) tells the compiler its rows' alignment: x and dy then share
+            # one layout of 4 columns a thread (no exchange of values between lanes)
+            x_rows = x_ptr + row.to(tl.int64) * x_row_units * X_ROW_UNIT
+            out_rows = out_ptr + ids.to(tl.int64) * stride_out
+            # a segment starts at each run's first pair (and the scan at the block's first row); its sum, at its last
+            # pair or the block's last row, is added to the id's row (a run over several blocks: a part a block; a
+            # span is whole blocks, so its last row is a block's)
+            starts = tl.broadcast_to((ids != previous)[:, None], (BLOCK_M, BLOCK_E))
+            ends = live & ((ids != following) | (pos == m0 + BLOCK_M - 1))
+            shared = (ids == before) | (ids == after)
+            for e0 in range(0, E, BLOCK_E):
+                cols = e0 + tl.arange(0, BLOCK_E)
+                in_cols = cols < E
+                # masked lanes hold any value: a dead row's segment and the columns past E are never written
+                x = tl.load(x_rows[:, None] + cols[None, :], mask=live[:, None] & in_cols[None, :])
+                sums, _ = tl.associative_scan((g[:, None] * x.to(tl.float32), starts), 0, _segmented_add)
+                at = out_rows[:, None] + cols[None, :]
+                alone = (ends & ~shared)[:, None] & in_cols[None, :]
+                tl.store(at, tl.load(at, mask=alone) + sums, mask=alone)
+                # relaxed: the adds need no ordering (an acq_rel atomic costs a GPU-scope fence and a value return)
+                tl.atomic_add(at, sums, mask=(ends & shared)[:, None] & in_cols[None, :], sem="relaxed")
 
 
 def _launch(kernel, grid, a, b, ids, out, E):
@@ -158,7 +224,63 @@ def kept_grad_rows(g, y, ids, out):
     return _launch(_kept_grad_rows_kernel, grid, g, y, ids, out, y.shape[1])
 
 
+def sorted_pairs(g, ids):
+    """The (token, slot) pairs of ``ids`` [N, K] in the order of their vocabulary ids: (the ids, int32 [N K]
+    ascending; the pairs' flat indices n K + j, int64 [N K]); a pair with id -1 or g == 0 gets -1 (they sort first).
+    Stable: the pairs of one id in token order."""
+    keys = ids.to(torch.int32).masked_fill_((ids < 0) | (g == 0), -1).reshape(-1)
+    return torch.sort(keys, stable=True)
+
+
+def _tokens_per_sort(K):
+    """The tokens of one sort: PAIRS_PER_SORT pairs' worth, at least one."""
+    return max(1, PAIRS_PER_SORT // max(K, 1))
+
+
+def grad_table_workspace_bytes(N, K):
+    """The bytes ``kept_grad_table`` allocates at [N, K] (one sort's, ``SORT_BYTES_PER_PAIR`` a pair)."""
+    return min(N, _tokens_per_sort(K)) * K * SORT_BYTES_PER_PAIR
+
+
+def _block_m():
+    return INTERPRETER_SORTED_BLOCK_M if interpreting() else SORTED_BLOCK_M
+
+
+def _span(M, block_m):
+    """A program's sorted pairs: SORTED_BLOCKS blocks, fewer where M would give under SORTED_PROGRAMS programs."""
+    return block_m * max(1, min(SORTED_BLOCKS, M // (block_m * SORTED_PROGRAMS)))
+
+
 @on_first_argument_device
 def kept_grad_table(g, x, ids, out):
-    """out [V, E] fp32, out[ids[n, j]] += g[n, j] x[n] (fp32 atomics; g [N, K] fp32, x [N, E])."""
-    return _launch(_kept_grad_table_kernel, _slots(ids), g, x, ids, out, x.shape[1])
+    """out [V, E] fp32, out[ids[n, j]] += g[n, j] x[n] (g [N, K] fp32, x [N, E]): the pairs sorted by id
+    (``sorted_pairs``, PAIRS_PER_SORT at a time), each id's run summed in registers and added once a block."""
+    N, K = ids.shape
+    E = x.shape[1]
+    block_m = _block_m()
+    unit = 4 if x.stride(0) % 4 == 0 else 1
+    rows = _tokens_per_sort(K)
+    for n0 in range(0, N if K and E else 0, rows):
+        n1 = min(N, n0 + rows)
+        sorted_ids, order = sorted_pairs(g[n0:n1], ids[n0:n1])
+        M = sorted_ids.numel()
+        span = _span(M, block_m)
+        _sorted_grad_table_kernel[(triton.cdiv(M, span),)](
+            g[n0:n1],
+            x[n0:n1],
+            sorted_ids,
+            order,
+            out,
+            M,
+            K,
+            E,
+            span,
+            g.stride(0),
+            x.stride(0) // unit,
+            out.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_E=SORTED_BLOCK_E,
+            X_ROW_UNIT=unit,
+            num_warps=SORTED_WARPS,
+        )
+    return out

@@ -347,8 +347,11 @@ def workspace_bytes(func, args, kwargs, gpu: Gpu) -> int:
 
 def _implementation_bytes(op: str, bound: dict, gpu: Gpu) -> int:
     """``workspace_bytes`` of op ``op`` (its name after ``grpo_fast::``) but the weight's cast copy."""
-    if op in ("gathered_logits", "gathered_logits_backward"):
-        return 0  # K weight rows gathered into [N, K] logits and their gradient scattered back: outputs only
+    if op == "gathered_logits":
+        return 0  # K weight rows gathered into [N, K] logits: the output only
+    if op == "gathered_logits_backward":  # the gradients scattered back: the sort of dW's pairs (Triton's)
+        dw = bound["need_weight"] or bound["need_lora_weight"]
+        return _backend(bound["backend"]).gathered_backward_workspace_bytes(tuple(bound["ids"].shape)) if dw else 0
     if op == "divergence_loss":
         return _divergence_loss_workspace(bound, bound["backend"], bound["token_chunk"])
     if op == "served_trained_loss":
@@ -356,7 +359,10 @@ def _implementation_bytes(op: str, bound: dict, gpu: Gpu) -> int:
         head = _backend(bound["backend"]).trained_head_workspace_bytes(
             tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype, bound["token_chunk"] or None
         )
-        return head + 2 * bound["ids"].numel() * 4  # the gathered logits [N, K'] and their sparse gradient, fp32
+        # the gathered logits [N, K'] and their sparse gradient, fp32; after the head's sweeps, dW's sort
+        ids = tuple(bound["ids"].shape)
+        dw = _backend(bound["backend"]).gathered_backward_workspace_bytes(ids) if bound["need_weight"] else 0
+        return max(head, dw) + 2 * bound["ids"].numel() * 4
     if op in UNMODELLED_OPS:
         raise NotImplementedError(
             f"grpo_fast::{op} has no workspace model here (the estimate would leave its buffers out): the memory "

@@ -15,8 +15,10 @@ The memory model (``support_workspace_bytes``): over fake tensors the ops ``grpo
   (the recompute, the gradient of the logits, the exp temporaries; on a GPU also the gradient's copy in the weight's
   half dtype that cuBLAS reads); the buffer does not grow with the tokens past r rows;
 * replayed kept sets (``kept_ids`` [N, K]): [N, K] fp32 logits and gradients, ``REPLAYED_FORWARD`` /
-  ``REPLAYED_BACKWARD`` of them (Triton's kernels write in place), linear in N; the full log-prob is layer 1's op,
-  whose own workspace the estimate already adds;
+  ``REPLAYED_BACKWARD`` of them (Triton's kernels write in place), linear in N, and where dW is formed the
+  backend's ``gathered_backward_workspace_bytes`` (Triton's sort of the [N, K] pairs by id, ``kernels.kept_set``:
+  at most ``PAIRS_PER_SORT`` pairs at a time); the full log-prob is layer 1's op, whose own workspace the estimate
+  already adds;
 * the backward's fp32 gradients of the operands it differentiates (dH [N, D], and dW [V, D] where the lm_head
   trains), cast to their dtypes at the end.
 

@@ -10,6 +10,7 @@ import math
 import torch
 
 from grpo_fast.backends import support_twin
+from grpo_fast.backends.resolver import named
 
 # [r, V] fp32 buffers at the peak of the parameters' path, by rule (their largest when several apply)
 FORWARD_BUFFERS = {"top_k": 4.5, "min_p": 4.5, "top_p": 16.0}
@@ -48,6 +49,7 @@ def support_workspace_bytes(
     need_bias: bool = False,
     lora_rank: int = 0,
     device_type: str = "cuda",
+    backend: str = "triton",
 ) -> int:
     """The bytes a sampler op's implementation allocates besides its outputs (module docstring).
 
@@ -62,6 +64,8 @@ def support_workspace_bytes(
         need_hidden, need_weight, need_bias: the backward's gradients.
         lora_rank: the rank of LoRA on the head (0: none); its gradients' fp32 buffers.
         device_type: "cuda" (the GPU's: the gradient's half copy) or "cpu".
+        backend: the backend that runs the op (with replayed sets its dW's workspace:
+            ``gathered_backward_workspace_bytes``).
 
     Returns:
         The workspace's bytes.
@@ -86,6 +90,8 @@ def support_workspace_bytes(
     if op != "sampler_support_backward":
         raise ValueError(f"op must be 'sampler_support' or 'sampler_support_backward', got {op!r}")
     grads = 4 * (need_hidden * N * D + need_weight * V * D + need_bias * V + lora_rank * (N + V))
+    if kept and (need_weight or lora_rank):
+        chunk += named(backend).gathered_backward_workspace_bytes((N, kept))
     return math.ceil(chunk) + grads
 
 
@@ -110,4 +116,5 @@ def workspace_of(op: str, bound: dict, device_type: str = "cuda") -> int:
         need_bias=bool(bound.get("need_bias", False)) if backward else False,
         lora_rank=lora_weight.shape[1] if backward and lora_weight is not None and bound.get("need_lora_hidden") else 0,
         device_type=device_type,
+        backend=bound["backend"],
     )
