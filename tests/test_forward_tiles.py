@@ -145,3 +145,43 @@ def test_a_target_outside_the_rows_leaves_the_record_without_one(device):
     torch.testing.assert_close(
         record.sumexp[inside], record.rest[inside] + torch.exp(record.target[inside] - record.max[inside])
     )
+
+
+def test_tile_candidates_are_each_tiles_four_largest_logits(monkeypatch, device):
+    # the sampler's pass without gradients (backends.support_tiles): each vocabulary tile's 4 largest logits a row,
+    # ties repeated, beside the record, which is the plain pass's bit for bit (its max is the candidates' first).
+    # Small integers make every product exact in fp32 and tie many logits; a bias of -inf masks columns; rows in two
+    # launches and a partial last tile
+    cfg = _config(device, torch.float32)
+    N, D, V = 40, 16, 2 * cfg.block_v + 22
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randint(-2, 3, (N, D), generator=g).float().to(device)
+    weight = torch.randint(-1, 2, (V, D), generator=g).float().to(device)
+    targets = torch.randint(0, V, (N,), generator=g).to(device)
+    bias = torch.zeros(V, device=device)
+    bias[3:20:2] = -torch.inf  # a few in the first tile
+    bias[cfg.block_v : 2 * cfg.block_v - 2] = -torch.inf  # all but 2 of the second tile's
+    head = HeadOperands(hidden, weight, targets, bias, LogitTransform())
+    tiles, patches = -(-V // cfg.block_v), -(-V // (cfg.block_v * cfg.tiles))
+    row_bytes = (2 * patches + kforward.candidate_fields() * tiles) * 4
+    monkeypatch.setattr(kforward, "PARTS_BYTES", row_bytes * cfg.block_n)
+    assert kforward.parts_shape(N, V, False, cfg, candidates=True)[2] == cfg.block_n
+    seen = []
+
+    def keep(n0, n1, candidates, record):
+        seen.append((n0, n1, candidates.clone(), record.clone()))
+
+    record = kforward.forward_record(head, False, cfg, tile_candidates=keep)
+    assert [(n0, n1) for n0, n1, _, _ in seen] == [(n, min(n + cfg.block_n, N)) for n in range(0, N, cfg.block_n)]
+    z = hidden.cpu() @ weight.cpu().T + bias.cpu()  # exact: integers
+    padded = torch.full((N, tiles * cfg.block_v), -torch.inf)
+    padded[:, :V] = z
+    four = padded.view(N, tiles, cfg.block_v).topk(4, dim=-1).values.permute(2, 1, 0)
+    assert kforward.candidate_fields() == 4
+    for n0, n1, candidates, part in seen:
+        assert torch.equal(candidates.cpu(), four[:, :, n0:n1]), (n0, n1)
+        assert torch.equal(part.cpu(), torch.stack(list(record))[:, n0:n1].cpu())
+    assert bool((four[1] == four[0]).any()) and bool((four[2] == -torch.inf).any())  # ties listed, -inf listed
+    plain = kforward.forward_record(head, False, cfg)
+    for field, a, b in zip(plain._fields, plain, record):
+        assert torch.equal(a, b), field

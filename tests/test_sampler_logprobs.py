@@ -196,9 +196,9 @@ def tile_selections(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rule", ["top_k", "top_p", "min_p", "all-three"])
 def test_without_gradients_from_the_tile_candidates(dtype, rule, tile_selections, device):
-    # no gradient: the Triton backend's record sweep keeps each tile's 3 largest distinct logits and counts; the rows
-    # they resolve are the spec's, the others go to the rows' path (the same numbers), and a row's values do not
-    # depend on which way its neighbours went
+    # no gradient: the Triton backend's record sweep lists each tile's 3 largest logits and the 4th; the rows they
+    # resolve are the spec's, the others go to the rows' path (the same numbers), and a row's values do not depend
+    # on which way its neighbours went
     dev = backend_device("triton", device)
     h, w, b, y, params = _case(rule, dtype, dev, shape=(2, 7, 40, 257))
     ref = _spec(h, w, y, b, temperature=0.8, **params)
@@ -236,20 +236,45 @@ def test_rows_the_tile_candidates_cannot_show_take_the_rows_path(tile_selections
         assert tile_selections["passed"] >= 6, params
 
 
-def _tile_candidates(z, columns, rounds):
-    """kernels.forward's tile candidates of rows z [n, V] (fp32) in torch: per tile of ``columns``, ``rounds`` of the
-    largest remaining value and how many equal it, then the largest left out ([2 rounds + 1, tiles, n])."""
+@pytest.mark.parametrize("tied, top_k", [(2, 2), (5, 3)])
+def test_ties_in_a_tile_are_listed_or_take_the_rows_path(tied, top_k, tile_selections, device):
+    # ``tied`` logits of the first vocabulary tile are equal (zero weight rows, one bias: exactly 9.0) and above all
+    # the others. Two fit in the tile's 3 entries, each listed once: every row resolved there. Five do not: the
+    # tile's 4th logit, the bound of its rest, equals them, and every row goes to the rows' path. Either way the kept
+    # set holds every tied logit (ties at top-k's threshold are kept), the spec's; each target is one of them, so
+    # its kept non-target mass is (tied - 1) / tied
+    from grpo_fast.backends.triton_backend import TritonBackend
+    from grpo_fast.head.transform import LogitTransform
+    from grpo_fast.kernels.operands import HeadOperands, SamplerSupport
+
+    dev = backend_device("triton", device)
+    N, D, V = 6, 16, 100
+    h, w, b, _ = head_inputs(1, N, D, V, torch.float32, scale=0.2, device=dev)
+    h = h[0]
+    w[1 : 1 + tied], b[1 : 1 + tied] = 0.0, 9.0
+    y = torch.ones(N, dtype=torch.int64, device=dev)
+    head = HeadOperands(h, w, y, b, LogitTransform())
+    record = TritonBackend().support_forward(head, SamplerSupport(top_k=top_k), V, differentiable=False)
+    assert tile_selections == (dict(resolved=N, passed=0) if tied <= 3 else dict(resolved=0, passed=N))
+    z = _z(h.cpu(), w.cpu(), b.cpu(), 1.0)
+    keep = reference.kept_mask(z, top_k=top_k)
+    assert bool(keep[:, 1 : 1 + tied].all()) and bool((keep.sum(-1) == tied).all())
+    kept_lse = torch.logsumexp(z.masked_fill(~keep, -math.inf), -1)
+    assert torch.equal(record.threshold.cpu(), torch.where(keep, z, math.inf).amin(-1).float())
+    torch.testing.assert_close(record.kept_lse.cpu().double(), kept_lse, rtol=0, atol=1e-6)
+    torch.testing.assert_close(record.lse.cpu().double(), torch.logsumexp(z, -1), rtol=0, atol=1e-6)
+    rest = -torch.expm1(z[:, 1] - kept_lse)
+    torch.testing.assert_close(record.kept_nontarget_mass.cpu().double(), rest, rtol=1e-6, atol=0)
+    assert torch.equal(record.kept_nontarget_mass.cpu(), torch.full((N,), (tied - 1) / tied))
+
+
+def _tile_candidates(z, columns, entries):
+    """kernels.forward's tile candidates of rows z [n, V] (fp32) in torch: per tile of ``columns``, its ``entries``
+    largest logits, ties repeated, then the next ([entries + 1, tiles, n])."""
     n, V = z.shape
     tiles = -(-V // columns)
-    rest = torch.full((n, tiles * columns), -math.inf).index_copy(1, torch.arange(V), z).view(n, tiles, columns)
-    out = torch.empty(2 * rounds + 1, tiles, n)
-    for c in range(rounds):
-        top = rest.amax(-1)
-        hit = rest >= top[..., None]
-        out[2 * c], out[2 * c + 1] = top.T, hit.sum(-1).float().T
-        rest = rest.masked_fill(hit, -math.inf)
-    out[2 * rounds] = rest.amax(-1).T
-    return out
+    padded = torch.full((n, tiles * columns), -math.inf).index_copy(1, torch.arange(V), z).view(n, tiles, columns)
+    return padded.topk(entries + 1, dim=-1).values.permute(2, 1, 0).contiguous()
 
 
 @pytest.mark.parametrize("params", [dict(top_k=50), dict(top_k=64), dict(top_p=0.9), dict(min_p=0.05)], ids=str)

@@ -169,6 +169,23 @@ def test_the_rows_of_the_copy_engine_read_through_it(compiled):
         assert described == (half and row_reads_by_descriptor), r["kernel"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_tile_candidates_cost_a_few_instructions_a_logit(compiled, arch):
+    # the sampler's pass without gradients is the log-prob pass's record sweep plus a top-four network of min / max
+    # a row and tile (kernels.forward._tile_candidates): its SASS outside the K loop, a logit a thread holds, beside
+    # the same sweep without it. The network took 8.4 to 13.6 more instructions a logit on Triton 3.9 and 3.6 (sm_90
+    # 9.5 and 8.4); the three rounds of max, compare, count and select before it 15.8 to 23.3
+    rows, _ = compiled
+    by_name = {r["kernel"]: r for r in rows if r["arch"] == arch}
+    plain, candidates = by_name["fwd bf16 no entropy"], by_name["fwd candidates bf16"]
+    assert plain["logits_per_thread"] == candidates["logits_per_thread"] >= 32
+    per_logit = [sum(r["instructions"]["outside"].values()) / r["logits_per_thread"] for r in (plain, candidates)]
+    assert 20 < per_logit[0] and 0 < per_logit[1] - per_logit[0] < 15, per_logit
+    for r in (plain, candidates):  # the K loop found (sm_100 peels its first step's 4 MMAs out of it)
+        assert r["instructions"]["loop"].get("mma", 0) >= max(4, r["instructions"]["outside"].get("mma", 0)), r
+
+
 def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_counts_ctas_per_sm():
     # main()'s verdict on rows as compile_all returns them: a clean row passes, a spill or an overflow fails
     code = (

@@ -19,6 +19,11 @@ the Qwen2.5-1.5B hidden size) so the hints match a real run; the vocabulary is c
 compiled code (V only enters as a loop bound and a mask).
 
     TRITON_INTERPRET=0 python tools/sm_compile.py [--arch 80 89 90 100 120] [--json rows.json] [--only TEXT]
+    TRITON_INTERPRET=0 python tools/sm_compile.py --arch 90 --mix   # and the forwards' SASS by pipe, a logit
+
+``--mix`` counts the static SASS instructions outside the K loop by the pipe that runs them (``sass_instruction_mix``)
+over the logits a thread holds: the epilogue's cost a logit, from which the sampler's tile candidates are argued
+(docs/sampler-support.md).
 
 It runs with every declared Triton (pyproject.toml: 3.6 to 3.9; .ci/run compiles with both ends). Triton 3.6's
 compiler spills a few bytes in variants that 3.9's does not (.ci/run passes --allow-spill for it, and says which).
@@ -166,20 +171,31 @@ def ctas_per_sm(arch, regs, shared, num_warps):
     return min(by_regs, by_smem, by_warps, card.max_ctas_per_sm)
 
 
-def sass_memory_ops(cubin):
-    """{'MEMBAR_GPU': .., 'MEMBAR_CTA': .., 'ATOM': .., 'RED': ..} in the cubin's SASS: the memory fences of GPU or
-    system scope (an acq_rel / seq_cst atomic compiles to one, with an L1 invalidation), those of CTA scope (Hopper
-    emits them beside the async-proxy fence that hands shared memory to wgmma), the value-returning global atomics
-    (ATOM / ATOMG; not shared memory's ATOMS) and the global reductions (RED / REDG)."""
+def _sass(cubin):
+    """The cubin's SASS as [(address, opcode split at its dots, branch target or None)], in address order."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    # an instruction line: /*0a30*/  [@P0 | @!UP1]  OPCODE.MODIFIERS ...
-    ops = [
-        op.split(".") for op in re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    # an instruction line: /*0a30*/  [@P0 | @!UP1]  OPCODE.MODIFIERS operands ;
+    lines = re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass, re.M)
+    return [
+        (
+            int(at, 16),
+            op.split("."),
+            int(m.group(1), 16) if op == "BRA" and (m := re.search(r"0x([0-9a-f]+)", rest)) else None,
+        )
+        for at, op, rest in lines
     ]
+
+
+def sass_memory_ops(code):
+    """{'MEMBAR_GPU': .., 'MEMBAR_CTA': .., 'ATOM': .., 'RED': ..} in the cubin's SASS: the memory fences of GPU or
+    system scope (an acq_rel / seq_cst atomic compiles to one, with an L1 invalidation), those of CTA scope (Hopper
+    emits them beside the async-proxy fence that hands shared memory to wgmma), the value-returning global atomics
+    (ATOM / ATOMG; not shared memory's ATOMS) and the global reductions (RED / REDG); ``code``: ``_sass``'s."""
+    ops = [op for _, op, _ in code]
     fences = [op for op in ops if op[0] == "MEMBAR"]
     return {
         "MEMBAR_GPU": sum(op[-1] != "CTA" for op in fences),
@@ -187,6 +203,51 @@ def sass_memory_ops(cubin):
         "ATOM": sum(op[0] in ("ATOM", "ATOMG") for op in ops),
         "RED": sum(op[0] in ("RED", "REDG") for op in ops),
     }
+
+
+# SASS opcodes by the pipe that runs them (sass_instruction_mix; anything else is "other": control, barriers). A
+# scheduler issues one warp instruction a clock; the FMA pipe takes one a clock (FP32 add, multiply, FMA: 128 lanes
+# a clock an SM from sm_86 on, 64 on sm_80), the ALU pipe one every other (FP32 min / max / compare / select,
+# integer and logic: 64 lanes), IMAD the FMA pipe's heavy half (64 lanes), MUFU 16 lanes a clock an SM
+INSTRUCTION_CLASSES = {
+    "fp32 fma": "FADD FADD2 FMUL FMUL2 FFMA FFMA2 FSWZADD".split(),
+    "fp32 alu": "FMNMX FMNMX3 FSETP FSEL FSET FCHK".split(),
+    "int alu": "IADD IADD3 ISETP LOP3 SHF LEA SEL IABS IMNMX VIADD VIMNMX PLOP3 P2R R2P PRMT POPC FLO MOV CS2R SGXT"
+    " S2R BMSK".split(),
+    "imad": ["IMAD"],
+    "mufu": ["MUFU"],
+    "convert": "F2F F2I I2F F2FP I2FP FRND".split(),
+    "shuffle": ["SHFL"],
+    "memory": "LDG STG LDS STS LDSM STSM LDC LDCU LDGSTS LDTM STTM ATOM ATOMG ATOMS RED REDG UTMALDG UTMASTG".split(),
+    "mma": "HMMA HGMMA IMMA UTCHMMA UTCQMMA UTCMMA".split(),
+}
+_CLASS_OF = {op: name for name, ops in INSTRUCTION_CLASSES.items() for op in ops}
+
+
+def sass_instruction_mix(code):
+    """{region: {class: static SASS instructions}} of a GEMM kernel (``code``: ``_sass``'s): "loop" the K loop (the
+    innermost backward branches' spans that hold a tensor-core instruction), "outside" everything else (its
+    prologue and the epilogue, straight code where a program computes one tile); classes as INSTRUCTION_CLASSES,
+    the uniform datapath's U* (and R2UR, S2UR, VOTEU) as "uniform"."""
+    # the K loop's mark: its tensor-core instructions, or an IEEE fp32 dot's FFMA (fp32 operands: no tensor core)
+    mma = [at for at, op, _ in code if op[0] in INSTRUCTION_CLASSES["mma"]]
+    mma = mma or [at for at, op, _ in code if op[0] == "FFMA"]
+    # each mark's innermost backward branch: a loop's. The blocks placed after the last EXIT (out-of-line waits)
+    # branch back into the code without being loops
+    end = max((at for at, op, _ in code if op[0] == "EXIT"), default=code[-1][0] if code else 0)
+    spans = sorted(((to, at) for at, _, to in code if to is not None and to <= at < end), key=lambda s: s[1] - s[0])
+    loops = {next((lo, hi) for lo, hi in spans if lo <= a <= hi) for a in mma if any(lo <= a <= hi for lo, hi in spans)}
+    mix = {"loop": {}, "outside": {}}
+    for at, op, _ in code:
+        uniform = (
+            op[0] != "UTMALDG"
+            and op[0] not in INSTRUCTION_CLASSES["mma"]
+            and (op[0].startswith("U") or op[0] in ("R2UR", "S2UR", "VOTEU"))
+        )
+        name = "uniform" if uniform else _CLASS_OF.get(op[0], "other")
+        region = mix["loop" if any(lo <= at <= hi for lo, hi in loops) else "outside"]
+        region[name] = region.get(name, 0) + 1
+    return mix
 
 
 def tensor_core_instruction(ptx):
@@ -553,8 +614,13 @@ def kept_rows_launches():
 def tile_candidate_launches(arch):
     """[(variant, family, dtype name, Launch)] of the forward with tile candidates (the sampler's pass without
     gradients, backends.support_tiles: no entropy, the log-prob pass's tile), bf16 with and without a bias (the
-    wide epilogue's tile), fp32."""
-    out = []
+    wide epilogue's tile), fp32; and first the same forward without them, bf16 (the plain log-prob pass the
+    candidates extend: ``--mix fwd "fwd candidates"`` compares their instructions)."""
+    hidden, weight, targets, _, _, _ = _inputs(torch.bfloat16)
+    head = HeadOperands(hidden, weight, targets, None, LogitTransform(temperature=0.7))
+    with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel"):
+        forward.forward_record(head, False, kconfig.gpu_record_config(torch.bfloat16, arch))
+    out = [("fwd bf16 no entropy", "fwd", "bf16", launches[0])]
     for label, dtype, bias in (
         ("bf16", torch.bfloat16, False),
         ("bf16 +bias", torch.bfloat16, True),
@@ -607,7 +673,8 @@ def all_launches(arch):
 
 def compiled_row(arch, launch):
     """One launch compiled for ``arch``: {REG, SHARED (static + dynamic, bytes), LOCAL, STACK, ctas_per_sm,
-    MEMBAR_GPU, MEMBAR_CTA, ATOM, RED (sass_memory_ops), tensor_cores}, or {error}."""
+    MEMBAR_GPU, MEMBAR_CTA, ATOM, RED (sass_memory_ops), tensor_cores, instructions (sass_instruction_mix),
+    logits_per_thread (a tile kernel's BLOCK_N x BLOCK_V over its threads, else None)}, or {error}."""
     signature, constexprs, attrs, options = specialise(launch)
     try:
         compiled = triton.compile(
@@ -626,7 +693,12 @@ def compiled_row(arch, launch):
         SHARED=usage["SHARED"] + compiled.metadata.shared,
     )
     row["ctas_per_sm"] = ctas_per_sm(arch, row["REG"], row["SHARED"], options["num_warps"])
-    return row | sass_memory_ops(compiled.asm["cubin"])
+    code = _sass(compiled.asm["cubin"])
+    row["instructions"] = sass_instruction_mix(code)
+    # a tile kernel's logits a thread holds: what the instructions outside its K loop are spent on (--mix)
+    tile = [launch.kwargs.get(k, 0) for k in ("BLOCK_N", "BLOCK_V")]
+    row["logits_per_thread"] = tile[0] * tile[1] // (32 * options["num_warps"]) or None
+    return row | sass_memory_ops(code)
 
 
 def _specialisation(arch, launch):
@@ -694,6 +766,13 @@ def main(argv=None):
         help="a variant spilling at most BYTES (local + stack) is reported, not failed: for an older "
         "Triton's compiler (.ci/run's lowest declared Triton); default 0",
     )
+    parser.add_argument(
+        "--mix",
+        nargs="*",
+        metavar="FAMILY",
+        help='also print the SASS instructions by class of these families\' variants (default: "fwd" and "fwd '
+        'candidates"), outside the K loop and per logit a thread holds',
+    )
     args = parser.parse_args(argv)
     rows = compile_all(args.arch, args.jobs, args.only)
     if args.json:
@@ -720,9 +799,28 @@ def main(argv=None):
             f"{r['tensor_cores']:>5} "
             f"{r['ctas_per_sm']:>6} {r['MEMBAR_GPU']:>5} {r['MEMBAR_CTA']:>3} {r['ATOM']:>4} {r['RED']:>4}  {status}"
         )
+    if args.mix is not None:
+        print_mix([r for r in rows if r["family"] in (args.mix or ("fwd", "fwd candidates")) and not r["error"]])
     if bad:
         print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers", file=sys.stderr)
     return 1 if bad else 0
+
+
+def print_mix(rows):
+    """A line a variant: its static SASS instructions in the K loop and outside it, and outside it per logit a thread
+    holds (a program computes one tile: the epilogue's cost a logit, its prologue's share included), by class."""
+    classes = [*INSTRUCTION_CLASSES, "uniform", "other"]
+    print(
+        f"\n{'arch':>4}  {'kernel':<36} {'logits':>6} {'loop':>5} {'outside':>7} {'a logit':>7}  "
+        + " ".join(f"{c:>7}" for c in classes)
+    )
+    for r in rows:
+        outside, per = r["instructions"]["outside"], r["logits_per_thread"] or 1
+        print(
+            f"sm{r['arch']:<2}  {r['kernel']:<36} {r['logits_per_thread'] or '-':>6} "
+            f"{sum(r['instructions']['loop'].values()):>5} {sum(outside.values()):>7} "
+            f"{sum(outside.values()) / per:>7.2f}  " + " ".join(f"{outside.get(c, 0) / per:>7.2f}" for c in classes)
+        )
 
 
 if __name__ == "__main__":

@@ -1,33 +1,38 @@
 """The sampling parameters' log-prob pass without gradients from the record sweep's tile candidates: the log-prob's
-own forward (``kernels.forward``: one GEMM sweep, no logits in memory) also keeps, of each vocabulary tile, a row's
-largest distinct logits with their counts and the largest logit they leave out; the kept set is chosen from those.
-The Triton backend's path for the old and reference policies' support log-probs (``grpo_fast.sampler_logprobs``
-under ``torch.no_grad``, or of tensors that need no gradient).
+own forward (``kernels.forward``: one GEMM sweep, no logits in memory) also lists, of each vocabulary tile, a row's 3
+largest logits (ties repeated) and the 4th, which bounds the tile's others; the kept set is chosen from those. The
+Triton backend's path for the old and reference policies' support log-probs (``grpo_fast.sampler_logprobs`` under
+``torch.no_grad``, or of tensors that need no gradient).
 
-Math. Per row: each tile's candidates (value v, count c: how many of the tile's logits equal v), b the largest logit
-no candidate holds (over every tile), and the record's m, s = sum exp(z - m), its non-target part, z_y. Of the
-largest ``LISTED`` candidate entries, sorted:
-* min-p's floor m + log(min_p) (as ``support_rows``); top-k's k-th logit: the value where the counts' running sum
-  reaches k; top-p over the survivors' masses c exp(v - m), summed in fp64 from the top (a tie group shares the mass
-  strictly above it), against their total: s, or after a floor the candidates' mass at or above it;
-* a row is resolved where b lies below what the candidates must show: tau (every logit >= tau is a candidate, with
-  its count), a floor before top-p (the survivors' total), and with top-p the first listed survivor that falls out
-  (the cut lies in the list; b equal to it adds nothing strictly above it), or every survivor listed and kept.
-Then kept = sum_{v >= tau} c exp(v - m) and its non-target part, the same sum with the target's count one less (the
-target's logit is bitwise a candidate's: the same tile computed both): a sum over the others, never a difference.
+Math. Per row: the entries (every tile's 3 largest logits: each entry one logit, a tie as often as it lies in its
+tile's 3), b_t the largest logit no tile lists (the tiles' 4th), the record's m, s = sum exp(z - m), its non-target
+part, z_y; sorted, the ``LISTED`` largest entries and b_l, the larger of b_t and the next entry (every logit above
+b_l is listed, once).
+* min-p's floor m + log(min_p) (as ``support_rows``); top-k's k-th logit: the k-th listed; top-p over the listed
+  survivors' masses exp(v - m), summed in fp64 from the top (a tie group shares the mass strictly above it),
+  against their total: s, or after a floor the entries' mass at or above it;
+* a row is resolved where no logit outside the sums could change them: tau and a floor before top-p above b_l (with
+  min-p above b_t, the sums over every entry: its survivors may outnumber the list); with top-p the first listed
+  survivor that falls out at or above b_t (the cut lies in the list), or every survivor listed (b_l below the floor).
+Then kept = sum_{v >= tau} exp(v - m) over the listed entries (with min-p every entry) and its non-target part, the
+same over the entries off the target's logit plus exp(z_y - m) once for each tie with it beyond the target's own (the
+target's logit is bitwise an entry's: the same tile computed both): sums of positive terms, never a difference.
 
-Rows not resolved (a tile that holds more of the top than its candidates: ~4e-4 of the rows at random placement;
-more with many ties, and under top-p where the cut lies past the list; a NaN or an all -inf row) go whole to the
-rows' path (``support_rows``): each row's record comes from one path, so its log-prob, threshold and sums agree.
+Rows not resolved (a tile holding 4 or more of the kept set: at random placement 3.5e-4 of the rows for top-k = 64
+at V = 151936 in 128-column tiles, 2.7e-3 in 256-column ones; ties past a tile's 3 or the list's end at the
+threshold; top-p's cut past the list; a NaN or infinite record) go whole to the rows' path (``support_rows``): each
+row's record comes from one path, so its log-prob, threshold and sums agree.
 
 Only without gradients: a backward recomputes the rows by cuBLAS (``support_twin.parameter_backward``), whose
 rounding is not the tile's, so a logit at tau could leave the set it was counted in. With gradients the rows' path
 gives the forward in the backward's arithmetic. Vocab-parallel heads take the rows' path too.
 
-Cost (argued from the compiled code until a GPU times it, ``docs/sampler-support.md``): the log-prob's record sweep
-with 3 rounds of a row max, a compare and a count per tile (~4 operations a logit beside the GEMM's 2 D), 7 fp32 a
-row and tile written (7 / 128 of the logits' count, within ``kernels.forward.PARTS_BYTES`` a launch), then a top-64
-of 3 x tiles entries a row (3561 at V = 151936 in 128 columns) and a few [rows, 3 x tiles] passes a chunk.
+Cost (argued from the compiled code until a GPU times it: ``docs/sampler-support.md``, ``tools/sm_compile.py
+--mix``): the log-prob's record sweep with one more row reduction, a top-four network of min / max (~8 SASS
+instructions a logit more on sm_90, most on the ALU pipe), 4 fp32 a row and tile written (4 / 128 of the logits'
+count in 128-column tiles, within ``kernels.forward.PARTS_BYTES`` a launch), then a top-65 of 3 x tiles entries a
+row, a copy and a max over the tiles, and ~30 small [rows, 65] operations a launch (top-p: ~80; min-p: ~10 over the
+entries).
 """
 
 from __future__ import annotations
@@ -77,9 +82,15 @@ def _rows_of(head: HeadOperands, index) -> HeadOperands:
     return head._replace(hidden=head.hidden[index].contiguous(), targets=head.targets[index].contiguous(), lora=lora)
 
 
-def _mass_at_or_above(values, weights, floor):
-    """[n] sum of ``weights`` over the entries v >= floor."""
-    return torch.where(values >= floor[:, None], weights, 0.0).sum(-1)
+def _kept_sums(values, e, tau, target_logit, m):
+    """(kept, kept_rest) [n]: the sum of ``e`` (each entry's exp(v - m)) over the entries v >= tau, and the same
+    with one entry at the target's logit left out (z_y: ties with it stay): sums of positive terms."""
+    at = values >= tau[:, None]
+    is_target = values == target_logit[:, None]
+    kept = torch.where(at, e, 0.0).sum(-1)
+    ties = (at & is_target).sum(-1).sub(1).clamp(min=0)
+    kept_rest = torch.where(at & ~is_target, e, 0.0).sum(-1) + ties * torch.exp(target_logit - m)
+    return kept, kept_rest
 
 
 def _at(x, index):
@@ -90,38 +101,41 @@ def _select(candidates, m, s, target_logit, support: SamplerSupport, vocab_size)
     """(tau, kept, kept_rest, resolved) [n] of a launch's rows from its tiles' candidates [fields, tiles, n]."""
     C = kforward.TILE_CANDIDATES
     n = m.shape[0]
-    values = candidates[0 : 2 * C : 2].permute(2, 0, 1).reshape(n, -1)
-    counts = candidates[1 : 2 * C : 2].permute(2, 0, 1).reshape(n, -1)
-    beyond = candidates[2 * C].amax(0)
-    listed, index = values.topk(min(LISTED, values.shape[-1]), dim=-1)
-    listed_counts = counts.gather(-1, index)
+    values = candidates[:C].permute(2, 0, 1).reshape(n, -1)  # every tile's entries, a row's
+    outside = candidates[C].amax(0)  # the largest logit no tile lists
+    top = values.topk(min(LISTED + 1, values.shape[-1]), dim=-1).values
+    listed = top[:, :LISTED]
     L = listed.shape[-1]
-    e = torch.exp(values - m[:, None])  # each candidate's exp(v - m), once
-    resolved = torch.isfinite(m) & torch.isfinite(s) & ~torch.isnan(target_logit)
+    # the largest logit the list leaves out: every logit above it is listed, once a logit
+    unlisted = torch.maximum(outside, top[:, L]) if top.shape[-1] > L else outside
+    # min-p's survivors may outnumber the list: its sums run over every entry (their bound: ``outside``); the other
+    # parameters' thresholds lie in the list, and so do their sums (bound: ``unlisted``)
+    over, bound = (values, outside) if support.min_p > 0 else (listed, unlisted)
+    e = torch.exp(over - m[:, None])
+    # a NaN or infinite record (a NaN logit makes m NaN), or a target at -inf: the rows' path (one sum: few kernels)
+    resolved = torch.isfinite(m + s + target_logit)
     floor = torch.full_like(m, -math.inf)
     if support.min_p > 0:
         floor = m + math.log(support.min_p)
     if 0 < support.top_k < vocab_size:
-        at = (listed_counts.cumsum(-1) < support.top_k).sum(-1)
-        resolved &= at < L
-        floor = torch.maximum(floor, _at(listed, at.clamp(max=L - 1)))
+        if support.top_k > L:  # fewer entries than k (a small vocabulary)
+            resolved = torch.zeros_like(resolved)
+        floor = torch.maximum(floor, listed[:, min(support.top_k, L) - 1])
     tau = floor
     if support.top_p < 1:
         cut = floor > -math.inf
-        resolved &= ~cut | (beyond < floor)
-        total = torch.where(cut, _mass_at_or_above(values, counts * e, floor).double(), s.double())
+        resolved &= ~cut | (bound < floor)
+        total = torch.where(cut, torch.where(over >= floor[:, None], e, 0.0).sum(-1).double(), s.double())
         survivors = listed >= floor[:, None]
-        mass = torch.where(survivors, listed_counts.double() * torch.exp(listed - m[:, None]).double(), 0.0)
+        mass = torch.where(survivors, torch.exp(listed - m[:, None]).double(), 0.0)
         kept = survivors & (support_twin.mass_strictly_above(listed, mass) < support.top_p * total[:, None])
         j = kept.sum(-1)
         out = j.clamp(max=L - 1)
-        falls_out = (j < L) & _at(survivors, out) & (beyond <= _at(listed, out))
-        every_survivor = (beyond < floor) & (survivors.sum(-1) == (values >= floor[:, None]).sum(-1))
-        resolved &= (j >= 1) & (falls_out | every_survivor)
+        # the first listed survivor that falls out: no logit outside the list lies above it (the entries below the
+        # list lie below it, the others at most ``outside``), so the cut is the list's; or every survivor is listed
+        falls_out = (j < L) & _at(survivors, out) & (outside <= _at(listed, out))
+        resolved &= (j >= 1) & (falls_out | (unlisted < floor))
         tau = _at(listed, (j - 1).clamp(min=0))
-    resolved &= beyond < tau
-    first = values == target_logit[:, None]
-    first &= first.cumsum(-1) == 1
-    kept = _mass_at_or_above(values, counts * e, tau)
-    kept_rest = _mass_at_or_above(values, (counts - first.float()) * e, tau)
+    resolved &= bound < tau
+    kept, kept_rest = _kept_sums(over, e, tau, target_logit, m)
     return tau, kept, kept_rest, resolved

@@ -34,25 +34,45 @@ PADDING_LOGIT = tl.constexpr(1e30)
 # the most bytes the partial records of one launch take: the rows of a launch are chosen to fit (at Qwen2.5's
 # V = 151936 in 256-column tiles, 4096 rows with the entropy)
 PARTS_BYTES = 32 * 2**20
-# the distinct logits a tile keeps a row for the sampler's kept set (``forward_record``'s ``tile_candidates``): with
-# 3, a row's 64 largest logits spread over 1187 tiles (V = 151936, 128 columns) put 4 in one tile with probability
-# ~4e-4 if placed at random; such a row's candidates do not show its cut, and its caller takes another path
+# the logits a tile lists a row for the sampler's kept set (``forward_record``'s ``tile_candidates``): its 3 largest,
+# ties repeated, beside the 4th largest, which bounds the rest. A row's 64 largest logits spread over V = 151936 in
+# 128-column tiles (1187) put 4 in one tile with probability 3.5e-4 if placed at random (256 columns: 2.7e-3); such a
+# row's entries do not show its cut, and its caller takes another path. Two entries a tile: 2.7e-2 (1.0e-1).
 TILE_CANDIDATES = 3
 
 
 @triton.jit
-def _store_tile_candidates(z, out, n_mask, stride_field, CANDIDATES: tl.constexpr):
-    """A tile's CANDIDATES largest distinct logits a row, descending, each with how many of the tile's logits equal
-    it (fields 2c, 2c + 1), then the largest logit they leave out (field 2 CANDIDATES). A round removes every logit
-    equal to its value, so ties are counted, never dropped; past a row's last distinct value a round finds -inf."""
-    rest = z
-    for c in tl.static_range(CANDIDATES):
-        top = tl.max(rest, axis=1)
-        hit = rest >= top[:, None]
-        tl.store(out + (2 * c) * stride_field, top, mask=n_mask)
-        tl.store(out + (2 * c + 1) * stride_field, tl.sum(hit.to(tl.float32), axis=1), mask=n_mask)
-        rest = tl.where(hit, float("-inf"), rest)
-    tl.store(out + (2 * CANDIDATES) * stride_field, tl.max(rest, axis=1), mask=n_mask)
+def _max_nan(a, b):
+    """max(a, b), NaN if either is: a NaN logit reaches its tile's largest (the row's record, then the caller's
+    fallback), and max(x, -inf) folds to x in the compiled network (maxnum's does not: NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _top_four(a1, a2, a3, a4, b1, b2, b3, b4):
+    """The 4 largest of two descending quadruples' 8 values, descending, ties repeated: a bitonic merge. d_i =
+    max(a_i, b_{5-i}) holds the 4 largest (a half-cleaner: a descends, b reversed ascends, so d falls then rises),
+    then two levels of compare-exchange sort d: 12 min / max (the formula c_k = max over i + j = k of min(a_i, b_j)
+    takes 16), fewer where -inf's fold (a logit's quadruple: 9 into a full one, 2 with another logit's)."""
+    d1 = _max_nan(a1, b4)
+    d2 = _max_nan(a2, b3)
+    d3 = _max_nan(a3, b2)
+    d4 = _max_nan(a4, b1)
+    e1 = _max_nan(d1, d3)
+    e3 = tl.minimum(d1, d3)
+    e2 = _max_nan(d2, d4)
+    e4 = tl.minimum(d2, d4)
+    return _max_nan(e1, e2), tl.minimum(e1, e2), _max_nan(e3, e4), tl.minimum(e3, e4)
+
+
+@triton.jit
+def _tile_candidates(z):
+    """A tile's 4 largest logits a row, descending, ties repeated ([BLOCK_N] each): one reduction whose combine
+    merges top-four quadruples (each logit enters as (z, -inf, -inf, -inf)). The first is the tile's max (the
+    record's), the first 3 are the tile's entries, the 4th bounds every other logit of the tile: no count, no
+    distinct values, so a tie is listed as often as it occurs or lies at or below the bound."""
+    none = tl.full(z.shape, float("-inf"), tl.float32)
+    return tl.reduce((z, none, none, none), 1, _top_four)
 
 
 @triton.jit
@@ -160,7 +180,11 @@ def _tile_records_kernel(
             )
             offs_v = v0 + tl.arange(0, BLOCK_V)
             is_target = offs_v[None, :] == targets[:, None]
-            new_max = tl.maximum(run_max, tl.max(z, axis=1))
+            if CANDIDATES > 0:
+                top1, top2, top3, top4 = _tile_candidates(z)
+                new_max = tl.maximum(run_max, top1)
+            else:
+                new_max = tl.maximum(run_max, tl.max(z, axis=1))
             # a row whose logits so far are all -inf (a bias that masks the vocab) keeps a finite pivot: no inf - inf
             pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
             rescale = tl.exp(run_max - pivot)
@@ -176,9 +200,12 @@ def _tile_records_kernel(
             target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             run_max = new_max
             if CANDIDATES > 0:
-                _store_tile_candidates(
-                    z, candidates_ptr + (patch * TILES + t) * N + offs_n, n_mask, stride_candidate_field, CANDIDATES
-                )
+                tl.static_assert(CANDIDATES == 3, "the network lists 3 logits a tile and their bound")
+                listed = candidates_ptr + (patch * TILES + t) * N + offs_n
+                tl.store(listed, top1, mask=n_mask)
+                tl.store(listed + stride_candidate_field, top2, mask=n_mask)
+                tl.store(listed + 2 * stride_candidate_field, top3, mask=n_mask)
+                tl.store(listed + 3 * stride_candidate_field, top4, mask=n_mask)
     tl.store(out, run_max, mask=n_mask)
     tl.store(out + stride_field, run_rest, mask=n_mask)
     if COMPUTE_ENTROPY:
@@ -262,8 +289,9 @@ def parts_shape(N, V, compute_entropy, config, candidates=False):
 
 
 def candidate_fields():
-    """The fp32 fields of a tile's candidates (``_store_tile_candidates``): a value and a count each, the rest's max."""
-    return 2 * TILE_CANDIDATES + 1
+    """The fp32 fields of a tile's candidates (``_tile_candidates``): its TILE_CANDIDATES largest logits, then the
+    next, the bound of the rest."""
+    return TILE_CANDIDATES + 1
 
 
 def workspace_bytes(N, V, compute_entropy, config, candidates=False):
@@ -285,9 +313,9 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
     no tile (their records are placeholders whose finished values are finite: logp 0, entropy 0).
 
     ``tile_candidates``: None, or a callable of (n0, n1, candidates, record) called once a launch's rows n0:n1 are
-    merged: candidates [candidate_fields(), tiles, n1 - n0] fp32 (each vocabulary tile's ``_store_tile_candidates``
-    a row; the buffer is the next launch's), record [5, n1 - n0] (the SoftmaxStats fields of those rows). No
-    ``row_count`` with it."""
+    merged: candidates [candidate_fields(), tiles, n1 - n0] fp32 (each vocabulary tile's ``_tile_candidates`` a row:
+    its 3 largest logits, ties repeated, then the 4th; the buffer is the next launch's), record [5, n1 - n0] (the
+    SoftmaxStats fields of those rows: the plain pass's, bit for bit). No ``row_count`` with it."""
     hidden, weight, targets, bias, transform, lora = head
     if tile_candidates is not None and row_count is not None:
         raise ValueError("forward_record takes tile_candidates or row_count, not both")
