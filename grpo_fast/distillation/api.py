@@ -42,7 +42,7 @@ from grpo_fast.head.inputs import (
 )
 from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.shard import VocabShard
-from grpo_fast.head.transform import LogitTransform, check_chunk, check_number
+from grpo_fast.head.transform import LogitTransform, check_chunk, check_number, check_softcap_and_scale
 from grpo_fast.kernels.config import HEAD_PATHS, HeadPath
 
 
@@ -78,14 +78,8 @@ def _checked(student, teacher, completion_mask, beta, backend, checks, sharded):
         "a number in [0, 1] (0: forward KL(teacher || student), 1: reverse KL(student || teacher))",
     )
     check_number("temperature", student.transform.temperature, lambda v: v > 0, "a positive number")
-    named = (("student", student.transform), ("teacher", teacher.transform))
-    for name, transform in named:
-        if transform.softcap is not None:
-            check_number(
-                f"{name}_softcap", transform.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)"
-            )
-    for name, transform in named:
-        check_number(f"{name}_logit_scale", transform.logit_scale, lambda v: v != 0, "a finite non-zero number")
+    for name, transform in (("student", student.transform), ("teacher", teacher.transform)):
+        check_softcap_and_scale(transform.softcap, transform.logit_scale, (f"{name}_softcap", f"{name}_logit_scale"))
     backend = resolve_backend(backend, student.hidden.device)
     backend.check_sizes(B * T, V)  # a vocab-parallel shard: V is its rows, all the kernels index
     return backend

@@ -37,7 +37,7 @@ from grpo_fast.distillation.ops import (
 )
 from grpo_fast.head import boundary
 from grpo_fast.head.inputs import HeadCall, Rows, check_head, check_same_device, row_values
-from grpo_fast.head.transform import LogitTransform, check_number
+from grpo_fast.head.transform import LogitTransform, check_number, check_softcap_and_scale
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS
 
 # layer 1's per-token values the forward saves for the backward (one [len, N] fp32 tensor, in this order)
@@ -99,9 +99,7 @@ def check_teacher(
     if Vt != V:
         raise ValueError(f"{student[1]} has V = {V} rows but {name}.weight has V = {Vt}: the vocabularies must match")
     check_same_device(zip(names, (teacher.hidden, teacher.weight, teacher.bias)), device, student[0])
-    if teacher.softcap is not None:
-        check_number(f"{name}.softcap", teacher.softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
-    check_number(f"{name}.logit_scale", teacher.logit_scale, lambda v: v != 0, "a finite non-zero number")
+    check_softcap_and_scale(teacher.softcap, teacher.logit_scale, (f"{name}.softcap", f"{name}.logit_scale"))
 
 
 def teacher_head(teacher: Teacher, rows: Rows, temperature: float) -> ModelHead:

@@ -28,6 +28,14 @@ def check_chunk(name, x, unit):
         raise ValueError(f"{name} must be a positive int ({unit}) or None, got {x!r}")
 
 
+def check_softcap_and_scale(softcap, logit_scale, names=("softcap", "logit_scale")):
+    """A model's soft-cap (None or > 0) and logit scale (non-zero), each a named error under ``names``: every
+    model's transform keywords, the policy's, a student's or a teacher's."""
+    if softcap is not None:
+        check_number(names[0], softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
+    check_number(names[1], logit_scale, lambda v: v != 0, "a finite non-zero number")
+
+
 @dataclass(frozen=True)
 class LogitTransform:
     """z = softcap * tanh(logit_scale * (h . W + b) / softcap) / temperature, TRL 1.16's order (no tanh: softcap None).
@@ -75,7 +83,5 @@ class LogitTransform:
     def from_keywords(cls, temperature=1.0, softcap=None, logit_scale=1.0):
         """The public keywords, checked (a named error for each bad number), as one transform."""
         check_number("temperature", temperature, lambda v: v > 0, "a positive number")
-        if softcap is not None:
-            check_number("softcap", softcap, lambda v: v > 0, "None or a positive number (Gemma 2: 30.0)")
-        check_number("logit_scale", logit_scale, lambda v: v != 0, "a finite non-zero number")
+        check_softcap_and_scale(softcap, logit_scale)
         return cls.from_floats(temperature, softcap, logit_scale)

@@ -46,7 +46,7 @@ from grpo_fast.head.inputs import (
 )
 from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.shard import VocabShard, resolve
-from grpo_fast.head.transform import LogitTransform, check_chunk, check_number
+from grpo_fast.head.transform import LogitTransform, check_chunk, check_number, check_softcap_and_scale
 from grpo_fast.kernels.divergence_records import ModelHead
 from grpo_fast.multi_teacher import ops
 from grpo_fast.multi_teacher.parallel import dense_loss, local_teachers
@@ -348,9 +348,7 @@ def multi_teacher_distillation_loss(
     beta = _beta_or_default(listed, beta, "beta")
     check_number("beta", beta, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1] (0: forward KL, 1: reverse KL)")
     check_number("temperature", temperature, lambda v: v > 0, "a positive number")
-    if student_softcap is not None:
-        check_number("student_softcap", student_softcap, lambda v: v > 0, "None or a positive number")
-    check_number("student_logit_scale", student_logit_scale, lambda v: v != 0, "a finite non-zero number")
+    check_softcap_and_scale(student_softcap, student_logit_scale, ("student_softcap", "student_logit_scale"))
     if not has_data(student_hidden, teachers.teacher_index):
         raise ValueError(
             "multi_teacher_distillation_loss routes rows by reading teacher_index on the host: it takes tensors "
