@@ -95,3 +95,51 @@ def test_four_ranks_with_an_empty_shard_and_traffic_that_does_not_grow_with_the_
             assert max(errors.values()) <= ATOL, errors
         traffic.append(results[0][1])
     assert traffic[0] == traffic[1]  # the same bytes for twice the vocabulary
+
+
+def _loss_call(inputs, backend, **shard):
+    """grpo_fast.loss with the served divergence beside the policy-gradient loss (RL + distillation in one call):
+    the loss, the per-token log-probs, the distillation metric, dH, dW and db."""
+    hidden, weight, bias, mask, targets, teacher = inputs
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    advantages = torch.linspace(-1.0, 1.0, B)
+    loss, metrics = grpo_fast.loss(
+        h, w, targets, advantages, mask, bias=b, temperature=0.8, backend=backend, teacher=teacher,
+        distillation_coef=0.5, distillation_beta=0.0, **shard,
+    )  # fmt: skip
+    loss.backward()
+    values = (loss, metrics.logprobs, metrics["distillation_loss"])
+    return values, (h.grad, w.grad, b.grad)
+
+
+def _loss_rank(rank, port, out_dir, world, V):
+    with gloo_group(rank, world, port):
+        import torch.distributed as dist
+
+        edges = splits(V, world)
+        rows = slice(edges[rank], edges[rank + 1])
+        inputs = _inputs(V)
+        hidden, weight, bias, mask, targets, teacher = inputs
+        errors = {}
+        for backend in ("torch", "triton"):
+            whole, whole_grads = _loss_call(inputs, backend)
+            shard = grpo_fast.VocabShard(dist.group.WORLD, edges[rank], V)
+            part, part_grads = _loss_call(
+                (hidden, weight[rows], bias[rows], mask, targets, teacher), backend, vocab_parallel=shard
+            )
+            errors[backend] = max(
+                [max_error(a, e) for a, e in zip(part, whole)]
+                + [max_error(part_grads[0], whole_grads[0])]
+                + [max_error(p, e[rows]) for p, e in zip(part_grads[1:], whole_grads[1:])]
+            )
+            errors[backend + "/scale"] = float(whole_grads[1].abs().max())  # the gradients are not all zero
+        torch.save(errors, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_loss_with_a_served_teacher_on_two_ranks_equals_one_process(tmp_path):
+    spawn_ranks(_loss_rank, 2, str(tmp_path), TIMEOUT_S, 2, 301)
+    for rank in range(2):
+        errors = torch.load(tmp_path / f"rank{rank}.pt")
+        for backend in ("torch", "triton"):
+            assert errors[backend + "/scale"] > 1e-3, errors
+            assert errors[backend] <= ATOL, errors

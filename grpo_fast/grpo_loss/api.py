@@ -142,13 +142,14 @@ def loss(
             ``off_policy_mask_threshold``, ``entropy_threshold`` without ``top_entropy_quantile < 1``, vespo
             with importance weights that are not [B, T], ``num_items_in_batch`` < 0; ``distillation_coef`` or
             ``distillation_beta`` without a teacher, a teacher without ``distillation_coef``, a teacher whose
-            shapes, vocabulary or device differ from the student's, or one with ``lora`` or ``vocab_parallel``;
+            shapes, vocabulary or device differ from the student's, a Teacher or Teachers with ``lora`` or
+            ``vocab_parallel``, a ServedTeacher with both;
             ``sampling_correction`` with ``importance_weights``, or with ``old_logprobs`` but no
             ``old_support_logprobs``, or with bad sampling parameters.
     """
     options = LossOptions.resolve(options, option_keywords, "loss")
     if isinstance(teacher, ServedTeacher):
-        distillation = ServedDistillation.check(teacher, distillation_coef, distillation_beta, vocab_parallel)
+        distillation = ServedDistillation.check(teacher, distillation_coef, distillation_beta)
     elif isinstance(teacher, Teachers):
         distillation = RoutedDistillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     else:

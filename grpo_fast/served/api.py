@@ -476,21 +476,18 @@ class ServedDistillation:
     beta: float
 
     @classmethod
-    def check(cls, teacher, coef, beta, vocab_parallel) -> ServedDistillation:
+    def check(cls, teacher, coef, beta) -> ServedDistillation:
         coef, beta = check_coef_and_beta(
             coef, beta, 0.0, "0: forward KL over the teacher's top-k, 1: reverse KL at the sampled token"
         )
-        if vocab_parallel is not None:
-            raise ValueError(
-                "vocab_parallel with a served teacher is not supported yet (call grpo_fast.loss and "
-                "grpo_fast.served_divergence_and_entropy separately on one process)"
-            )
         return cls(teacher, coef, beta)
 
     def check_against(self, head: inputs.HeadCall) -> None:
-        """The teacher against the student's checked call (its value checks queued with the call's)."""
-        if head.shard is not None:
-            raise ValueError("a vocab-parallel head (a sharded DTensor weight) with a served teacher is not supported")
+        """The teacher against the student's checked call (its value checks queued with the call's). A
+        vocab-parallel student head (``vocab_parallel`` or a sharded DTensor weight) takes the served head's
+        vocab-parallel path (``served.vocab_parallel``), as ``served_divergence_and_entropy`` does."""
+        if head.shard is not None and head.lora is not None:
+            raise ValueError("lora with vocab_parallel is not supported by the served divergence")
         _check_teacher(self.teacher, head, self.beta != 0.0, True)
 
     def logprobs_entropy_divergence(self, head: inputs.HeadCall, rows: inputs.Rows):
