@@ -2,7 +2,8 @@
 weights: ``grpo_fast.multi_teacher.parallel``) on 2 CPU processes (gloo) equal one process: the loss, the per-token
 divergence, the student's and the teachers' entropy, dH and the rank's dW and db rows, with in-process teachers of
 different widths and transforms and a served one routed by row; plain shards (uneven) and DTensors (never gathered),
-a frozen student head, the torch backend and the Triton kernels (the interpreter); and the named errors on one rank.
+a frozen student head, the torch backend and the Triton kernels (the interpreter); ``grpo_fast.loss`` with the same
+teachers (RL and MOPD in one call) likewise; and the named errors on one rank.
 """
 
 import os
@@ -78,6 +79,36 @@ def _call(case, rows=None, mesh=None, shard=None):
     return (out[0].detach(), *out[1:], h.grad, local(w.grad), local(b.grad))
 
 
+def _loss_call(case, rows=None, mesh=None, shard=None):
+    """``grpo_fast.loss`` with the teachers beside the policy-gradient loss (RL and several teachers in one call) on
+    fresh leaves, and its backward: (loss, log-probs, the distillation metric, dH, this rank's dW, db)."""
+    layout, backend, beta, frozen, _ = case
+    batch, mask, index, teachers, _ = _batch()
+    weight, bias = batch["weight"], batch["bias"]
+    if mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        weight, bias = (distribute_tensor(x, mesh, [Shard(0)]) for x in (weight, bias))
+    elif rows is not None:
+        weight, bias = weight[rows], bias[rows]
+    h = batch["hidden"].clone().requires_grad_()
+    w, b = (torch.nn.Parameter(x.detach().clone(), requires_grad=not frozen) for x in (weight, bias))
+    if rows is not None or mesh is not None:
+        teachers = _sharded(teachers, rows, mesh)
+    advantages = torch.linspace(-1.0, 1.0, h.shape[0])
+    loss, metrics = grpo_fast.loss(
+        h, w, batch["targets"], advantages, mask, bias=b, temperature=0.8, softcap=4.0, backend=backend,
+        teacher=grpo_fast.Teachers(teachers, index), distillation_coef=0.3, distillation_beta=beta,
+        vocab_parallel=shard,
+    )  # fmt: skip
+    (10.0 * loss).backward()
+
+    def local(x):
+        return None if x is None else (x.to_local() if type(x).__name__ == "DTensor" else x)
+
+    return (loss.detach(), metrics.logprobs, metrics["distillation_loss"], h.grad, local(w.grad), local(b.grad))
+
+
 def _rank(rank, port, out_dir, world):
     with gloo_group(rank, world, port):
         from torch.distributed.device_mesh import init_device_mesh
@@ -99,6 +130,16 @@ def _rank(rank, port, out_dir, world):
             names = ("loss", "div", "entropy", "teacher_entropy", "dH", "dW", "db")
             errors[case] = {n: max_error(a, e) for n, a, e in zip(names, part, expected, strict=True)}
             errors[case]["teacher_entropy_scale"] = float(whole[3].abs().max())
+            # RL and the teachers in one call, grpo_fast.loss, on the same layout
+            whole = _loss_call(case)
+            if case[0] == "dtensor":
+                with dtensors_never_gathered("the loss with several teachers on a vocab-parallel head"):
+                    part = _loss_call(case, mesh=init_device_mesh("cpu", (world,)))
+            else:
+                part = _loss_call(case, rows, shard=grpo_fast.VocabShard(None, rows.start, V))
+            expected = (*whole[:4], *(None if x is None else x[rows] for x in whole[4:]))
+            names = ("rl loss", "rl logprobs", "rl distillation_loss", "rl dH", "rl dW", "rl db")
+            errors[case].update({n: max_error(a, e) for n, a, e in zip(names, part, expected, strict=True)})
         torch.save(errors, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -137,9 +178,9 @@ def test_named_errors(one_rank_mesh):  # noqa: F811 (the fixture)
             hidden, weight, grpo_fast.Teachers([*dtensor, *teachers[1:]], index), mask, beta=0.5,
             targets=batch["targets"],
         )  # fmt: skip
-    with pytest.raises(ValueError, match="vocab_parallel with several teachers"):
+    with pytest.raises(ValueError, match=r"teachers.teachers\[0\] .*same vocabulary ranges"):
         grpo_fast.loss(
             hidden, weight, batch["targets"], torch.zeros(hidden.shape[0]), mask,
-            teacher=grpo_fast.Teachers(teachers, index), distillation_coef=0.3, distillation_beta=0.5,
+            teacher=grpo_fast.Teachers(other_rows, index), distillation_coef=0.3, distillation_beta=0.5,
             vocab_parallel=shard,
         )  # fmt: skip

@@ -25,6 +25,7 @@ from grpo_fast.head.keywords import takes_keywords
 from grpo_fast.head.lora import HeadLora
 from grpo_fast.head.shard import VocabShard
 from grpo_fast.kernels.config import BackwardMode, HeadPath
+from grpo_fast.kernels.divergence_records import ModelHead
 from grpo_fast.multi_teacher.api import RoutedDistillation, Teachers
 from grpo_fast.served.api import ServedDistillation
 from grpo_fast.served.teacher import ServedTeacher
@@ -151,7 +152,9 @@ def loss(
     if isinstance(teacher, ServedTeacher):
         distillation = ServedDistillation.check(teacher, distillation_coef, distillation_beta)
     elif isinstance(teacher, Teachers):
-        distillation = RoutedDistillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
+        distillation = RoutedDistillation.check(
+            teacher, distillation_coef, distillation_beta, lora, ModelHead(hidden, weight, bias, None), vocab_parallel
+        )
     else:
         distillation = Distillation.check(teacher, distillation_coef, distillation_beta, lora, vocab_parallel)
     head = HeadCall.check(

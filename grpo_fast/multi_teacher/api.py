@@ -23,6 +23,7 @@ meta tensors get an error).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from grpo_fast.head.shard import VocabShard, resolve
 from grpo_fast.head.transform import LogitTransform, check_chunk, check_number, check_softcap_and_scale
 from grpo_fast.kernels.divergence_records import ModelHead
 from grpo_fast.multi_teacher import ops
-from grpo_fast.multi_teacher.parallel import dense_loss, local_teachers
+from grpo_fast.multi_teacher.parallel import dense_divergences, dense_loss, local_teachers
 from grpo_fast.served.api import ServedSupport, served_divergence_rows, served_loss_and_teacher_entropy
 from grpo_fast.served.teacher import ServedTeacher
 
@@ -483,19 +484,23 @@ class RoutedDistillation:
     beta: float
 
     @classmethod
-    def check(cls, teachers, coef, beta, lora, vocab_parallel) -> RoutedDistillation:
+    def check(cls, teachers, coef, beta, lora, student: ModelHead, vocab_parallel) -> RoutedDistillation:
+        """``student``: the call's public hidden states, weight and bias (DTensors as given): with a vocab-parallel
+        head (``vocab_parallel``, or a DTensor weight) each in-process teacher's weight is taken as this rank's
+        rows, checked to be split by the student's ranges (``multi_teacher.parallel.local_teachers``)."""
         listed = teachers.teachers if isinstance(teachers, Teachers) else ()
         beta = _beta_or_default(listed, beta, "distillation_beta")
         coef, beta = check_coef_and_beta(coef, beta, beta, "0: forward KL(teacher || student), 1: reverse KL")
-        for name, value in (("lora", lora), ("vocab_parallel", vocab_parallel)):
-            if value is not None:
-                raise ValueError(f"{name} with several teachers (grpo_fast.Teachers) is not supported yet")
+        if lora is not None:
+            raise ValueError("lora with several teachers (grpo_fast.Teachers) is not supported yet")
+        if listed and (vocab_parallel is not None or type(student.weight).__name__ == "DTensor"):
+            teachers = dataclasses.replace(teachers, teachers=local_teachers(listed, student, vocab_parallel))
         return cls(teachers, coef, beta)
 
     def check_against(self, head) -> None:
         """The Teachers record against the student's checked call (the teachers' shapes follow the routing's read)."""
-        if head.shard is not None:
-            raise ValueError("a vocab-parallel head (a sharded DTensor weight) with several teachers is not supported")
+        if head.shard is not None and head.lora is not None:
+            raise ValueError("lora with vocab_parallel is not supported with several teachers")
         _check_teachers(self.teachers, head.shape[0], head.hidden.device)
 
     def logprobs_entropy_divergence(self, head, rows):
@@ -508,6 +513,14 @@ class RoutedDistillation:
         _check_teacher_shapes(listed, routing, T, head.weight.shape[0], head.hidden.device)
         div = torch.zeros(B * T, dtype=torch.float32, device=head.hidden.device)
         dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
+        if head.shard is not None:  # each in-process teacher's rows through the vocab-parallel divergence head
+            student = ModelHead(head.hidden, head.weight, head.bias, head.transform)
+            segments = routing.segments(dense, len(listed))
+            for flat, part, _, _ in dense_divergences(
+                student, listed, segments, self.beta, head.shard, head.backend.name
+            ):
+                div = div.index_copy(0, flat, part)
+            dense = []
         # the divergence head's per-token op on each in-process teacher's rows
         for i, flat, local in routing.segments(dense, len(listed)):
             student = head.operands(Rows(flat))

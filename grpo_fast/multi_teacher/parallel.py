@@ -55,23 +55,22 @@ def local_teachers(listed, student: ModelHead, vocab_parallel: VocabShard | None
     return local
 
 
-def dense_loss(student: ModelHead, teachers, segments, beta, shard: VocabShard, backend: str, divisor):
-    """The in-process teachers' part on vocab-parallel heads (module docstring), a teacher at a time.
+def dense_divergences(student: ModelHead, teachers, segments, beta, shard: VocabShard, backend: str):
+    """The in-process teachers' per-token divergences on vocab-parallel heads (module docstring), a teacher at a time.
 
     Args:
-        student: the student's hidden states [B, T, Ds] (replicated), this rank's weight and bias rows, and its
-            LogitTransform.
+        student: the student's hidden states [N, Ds] or [B, T, Ds] (replicated; rows as ``segments`` index them),
+            this rank's weight and bias rows, and its LogitTransform.
         teachers: the local teachers (``local_teachers``).
         segments: (i, flat rows [N_i], the same rows in teacher i's own rows) of each in-process teacher with scored
             tokens (``_Routing.segments``).
         beta: the divergence's beta.
         shard: this rank's VocabShard.
         backend: the resolved backend's name (each rank's records over its rows).
-        divisor: the loss's divisor (a number, or a 0-dim fp32 tensor).
 
     Returns:
-        (loss, the flat rows [N], their divergence [N], the student's entropy [N], each row's teacher's entropy [N]),
-        equal on every rank; the divergence detached.
+        A list of (flat rows [N_i], their divergence [N_i] (differentiable), the student's entropy [N_i], the
+        teacher's entropy [N_i]) a teacher, equal on every rank.
     """
     hidden = student.hidden.reshape(-1, student.hidden.shape[-1])
     weight = student.weight.contiguous()
@@ -84,16 +83,30 @@ def dense_loss(student: ModelHead, teachers, segments, beta, shard: VocabShard, 
         and not (bias is not None and bias.requires_grad)
     )
     temperature = student.transform.temperature
-    loss, parts = hidden.new_zeros((), dtype=torch.float32), []
+    parts = []
     for i, flat, local in segments:
         teacher = teacher_head(teachers[i], Rows(local), temperature)
         div, entropy, teacher_entropy = VocabParallelDivergence.apply(
             hidden.index_select(0, flat), weight, bias, *teacher[:3], float(beta),
             LogitTransform.from_floats(*student.transform.as_floats()), teacher.transform, shard, frozen_head, backend,
         )  # fmt: skip
+        parts.append((flat, div, entropy, teacher_entropy))
+    return parts
+
+
+def dense_loss(student: ModelHead, teachers, segments, beta, shard: VocabShard, backend: str, divisor):
+    """``dense_divergences`` summed into the loss (``divisor``: a number, or a 0-dim fp32 tensor).
+
+    Returns:
+        (loss, the flat rows [N], their divergence [N], the student's entropy [N], each row's teacher's entropy [N]),
+        equal on every rank; the divergence detached.
+    """
+    loss = student.hidden.new_zeros((), dtype=torch.float32)
+    parts = []
+    for flat, div, entropy, teacher_entropy in dense_divergences(student, teachers, segments, beta, shard, backend):
         loss = loss + div.sum() / divisor
         parts.append((flat, div.detach(), entropy, teacher_entropy))
     return (loss, *(torch.cat(x) for x in zip(*parts, strict=True)))
 
 
-__all__ = ["dense_loss", "local_teachers"]
+__all__ = ["dense_divergences", "dense_loss", "local_teachers"]
