@@ -180,3 +180,64 @@ def test_the_interpreters_scan_by_position_is_tritons(axis, monkeypatch):
         acc = v[i] + np.where((s[i] != 0) | (i == 0), np.float32(0), acc)
         np.moveaxis(expected, axis, 0)[i] = acc
     assert np.array_equal(ours.numpy(), expected)
+
+
+def _dot_rows_spec(x, y, bias, ids, weights, transform):
+    """``kept_dot_rows``' outputs in fp64 from the fp32 values of its operands."""
+    x, y, weights = x.double(), y.double(), weights.double()
+    live = ids >= 0
+    rows = y[ids.clamp(min=0)]
+    u = (x[:, None, :] * rows).sum(-1) + (bias.double()[ids.clamp(min=0)] if bias is not None else 0.0)
+    z, slope = transform.apply(u, slope=True)
+    slope = torch.broadcast_to(torch.as_tensor(slope, dtype=torch.float64), u.shape)
+    z = z.masked_fill(~live, -float("inf"))
+    pivot = z.amax(-1)
+    pivot = torch.where(pivot == -float("inf"), 0.0, pivot)
+    e = torch.where(live, torch.exp(z - pivot[:, None]) * slope, 0.0)
+    t = torch.where(live, weights * slope, 0.0)
+    return z, slope, pivot, (e[:, :, None] * rows).sum(1), (t[:, :, None] * rows).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("kernels", ["triton", "twin"])
+def test_kept_dot_rows_read_each_row_once_for_logits_and_both_sums(dtype, softcap, kernels, device):
+    """``kept_dot_rows`` (one read of the kept rows for the logits, the softmax-weighted and the given-weighted sums
+    of the rows: a served teacher's student side at beta 0) and the torch twin's ``kept_logits_and_rows`` against
+    fp64: K over three steps of rows (the running max rescaling P), E not a power of two, -1 filling, a token
+    without entries, a bias, a soft-cap; the sums to fp32 accuracy relative to their rows' scale."""
+    from grpo_fast.backends import support_twin
+    from grpo_fast.head.transform import LogitTransform
+    from grpo_fast.kernels.operands import HeadOperands
+
+    gen = torch.Generator().manual_seed(3)
+    E, V = kept_set.BLOCK_E + 21, 97
+    N, K = 5, 2 * kept_set.dot_rows_block(E) + 5  # three steps of rows, the last partial
+    x = torch.randn(N, E, generator=gen).to(dtype)
+    y = (torch.randn(V, E, generator=gen) * 0.3).to(dtype)
+    bias = torch.randn(V, generator=gen).to(dtype)
+    ids = torch.randint(0, V, (N, K), generator=gen)
+    ids[1, 9:] = -1
+    ids[3] = -1
+    ids[4, :3] = -1  # filling before entries: the running max starts at a later block's
+    weights = torch.randn(N, K, generator=gen)
+    transform = LogitTransform(0.7, softcap, 1.3)
+    expected = _dot_rows_spec(x, y, bias, ids, weights, transform)
+    x, y, bias, ids, weights = (t.to(device) for t in (x, y, bias, ids, weights))
+    if kernels == "triton":
+        got = kept_set.kept_dot_rows(x, y, bias, ids, weights, transform)
+    else:
+        head = HeadOperands(x, y, ids[:, 0].clamp(min=0), bias, transform, None)
+        got = support_twin.kept_logits_and_rows(head, ids, weights)
+    z, slope, pivot, P, T = (t.cpu().double() for t in got)
+    live = ids.cpu() >= 0
+    scale = float(expected[0][live].abs().max())
+    assert (z[~live] == -float("inf")).all() and (expected[0][~live] == -float("inf")).all()
+    assert (z[live] - expected[0][live]).abs().max() <= 1e-5 * scale
+    assert (slope[live] - expected[1][live]).abs().max() <= 1e-5 * float(expected[1][live].abs().max())
+    assert (pivot - expected[2]).abs().max() <= 1e-5 * scale
+    assert pivot[3] == 0.0 and (P[3] == 0).all() and (T[3] == 0).all()  # no entries: no mass
+    for got_sum, want in ((P, expected[3]), (T, expected[4])):
+        magnitude = float(want.abs().max())
+        assert magnitude > 0.1
+        assert (got_sum - want).abs().max() <= 1e-5 * magnitude

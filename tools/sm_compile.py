@@ -574,11 +574,12 @@ KEPT_SET_KERNELS = (
     ("kept dot", kept_set.kept_dot, "_kept_dot_kernel"),
     ("kept grad rows", kept_set.kept_grad_rows, "_kept_grad_rows_kernel"),
     ("kept grad table", kept_set.kept_grad_table, "_sorted_grad_table_kernel"),
+    ("kept dot rows", kept_set.kept_dot_rows, "_kept_dot_rows_kernel"),
 )
 
 
 def kept_set_launches():
-    """[(variant, family, dtype name, Launch)] of the replayed kept sets' three kernels, bf16 and fp32 operands."""
+    """[(variant, family, dtype name, Launch)] of the replayed kept sets' kernels, bf16 and fp32 operands."""
     N, K, E, V = 8, 40, 1536, 4096
     out = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -588,6 +589,8 @@ def kept_set_launches():
             "kept dot": (x, y, ids, torch.zeros(N, K)),
             "kept grad rows": (g, y, ids, torch.zeros(N, E)),
             "kept grad table": (g, x, ids, torch.zeros(V, E)),
+            # a served teacher's student side at beta 0 (a bias, a soft-cap: the widest variant)
+            "kept dot rows": (x, y, torch.randn(V).to(dtype), ids, g, LogitTransform(0.7, 30.0)),
         }
         for family, launcher, kernel in KEPT_SET_KERNELS:
             with recording(kept_set, kernel) as launches:

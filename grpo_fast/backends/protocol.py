@@ -140,9 +140,15 @@ class Backend(Protocol):
         ...
 
     def trained_head_workspace_bytes(
-        self, hidden_shape: tuple[int, int], vocab_size: int, dtype: torch.dtype, token_chunk: int | None
+        self,
+        hidden_shape: tuple[int, int],
+        vocab_size: int,
+        dtype: torch.dtype,
+        token_chunk: int | None,
+        chunk_row_bytes: int = 0,
     ) -> int:
-        """What ``forward_trained_head`` allocates besides its outputs and ``grads``."""
+        """What ``forward_trained_head`` allocates besides its outputs and ``grads``, plus ``chunk_row_bytes`` for
+        each token of one chunk (a caller's buffers a chunk, as its coefficients' callback holds them)."""
         ...
 
     def divergence_loss_workspace_bytes(
@@ -157,8 +163,17 @@ class Backend(Protocol):
         weight rows a token, O(N K D), no vocabulary sweep (``grpo_fast.served``' student side)."""
         ...
 
-    def gathered_backward(self, head: HeadOperands, ids: torch.Tensor, grad_logits: torch.Tensor, grads: HeadGrads):
-        """Accumulate the gradients of ``gathered_logits`` from dL/dz ``grad_logits`` [N, K] fp32 into ``grads``."""
+    def gathered_backward(
+        self, head: HeadOperands, ids: torch.Tensor, grad_logits: torch.Tensor, grads: HeadGrads, slope=None
+    ):
+        """Accumulate the gradients of ``gathered_logits`` from dL/dz ``grad_logits`` [N, K] fp32 into ``grads``
+        (``slope``: dz/du at ``ids`` where the caller has it, else recomputed)."""
+        ...
+
+    def gathered_logits_and_rows(self, head: HeadOperands, ids: torch.Tensor, weights: torch.Tensor):
+        """``gathered_logits`` and two sums of the same weight rows (no LoRA): (z [N, K], dz/du [N, K], pivot [N],
+        P [N, D], T [N, D]), ``support_twin.kept_logits_and_rows``' contract; the Triton backend reads each row
+        once (``kernels.kept_set.kept_dot_rows``)."""
         ...
 
     def gathered_backward_workspace_bytes(self, ids_shape: tuple[int, int]) -> int:

@@ -329,6 +329,33 @@ def kept_backward(head, kept_ids, grad_logits, grads: HeadGrads, dots=TORCH_DOTS
         dots.grad_table(g, lora[0], kept_ids, grads.lora_weight)
 
 
+def check_no_lora(head):
+    """``kept_logits_and_rows`` sums the weight's rows alone: LoRA's would be left out."""
+    if head.lora is not None:
+        raise ValueError("the gathered logits' row sums take no LoRA (the served loss's fused path runs without it)")
+
+
+def kept_logits_and_rows(head, kept_ids, weights, dots=TORCH_DOTS):
+    """(z [N, K] (-inf at -1), dz/du [N, K], pivot [N], P [N, D], T [N, D]), fp32: the logits at ``kept_ids``, the
+    row's largest of them (0 where none), P = sum_k exp(z_k - pivot) dz_k/du_k W[k] and T = sum_k weights_k
+    dz_k/du_k W[k] (``weights`` [N, K] fp32), by ``dots``: the logits' gather and one a sum (the Triton backend's
+    ``kernels.kept_set.kept_dot_rows`` reads each row once for all three)."""
+    check_no_lora(head)
+    weight = head.weight
+    z, dz_du = kept_logits(head, kept_ids, dots, slope=True)
+    dz_du = torch.broadcast_to(torch.as_tensor(dz_du, dtype=torch.float32, device=z.device), z.shape)
+    live = kept_ids >= 0
+    pivot = _row_max(z)
+    pivot = torch.where(pivot == -math.inf, 0.0, pivot)
+    sums = []
+    for w in (torch.exp(z - pivot[:, None]), weights):
+        out = torch.zeros((z.shape[0], weight.shape[1]), dtype=torch.float32, device=z.device)
+        if weight.shape[0]:
+            dots.grad_rows((w * dz_du).masked_fill_(~live, 0.0).contiguous(), weight, kept_ids, out)
+        sums.append(out)
+    return z, dz_du.contiguous(), pivot, *sums
+
+
 def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
     """The support's record with replayed kept sets (``kept_ids`` [N, K] int64, this shard's columns: -1 where
     another shard's or no entry), their logits by ``dots``."""

@@ -58,7 +58,7 @@ class TorchBackend:
         (N, _), V = hidden_shape, vocab_size
         return 4 * min(N, head_twin.CHUNK_N) * min(V, head_twin.CHUNK_V) * 4
 
-    def trained_head_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
+    def trained_head_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk, chunk_row_bytes=0):
         """0: no three-sweep trained head here."""
         return 0
 
@@ -69,8 +69,11 @@ class TorchBackend:
     def gathered_logits(self, head, ids):
         return support_twin.kept_logits(head, ids)
 
-    def gathered_backward(self, head, ids, grad_logits, grads):
-        support_twin.kept_backward(head, ids, grad_logits, grads)
+    def gathered_backward(self, head, ids, grad_logits, grads, slope=None):
+        support_twin.kept_backward(head, ids, grad_logits, grads, slope=slope)
+
+    def gathered_logits_and_rows(self, head, ids, weights):
+        return support_twin.kept_logits_and_rows(head, ids, weights)
 
     def gathered_backward_workspace_bytes(self, ids_shape):
         """0: the twin's chunks of gathered rows are not modelled (the estimate models the GPU's Triton path)."""

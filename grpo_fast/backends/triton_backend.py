@@ -143,13 +143,13 @@ class TritonBackend:
             return gemm.chunk_size(N, D) * V * itemsize if backward_mode == "chunked" else 0
         raise ValueError(f"op must be 'linear_logprobs' or 'linear_logprobs_backward', got {op!r}")
 
-    def trained_head_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
+    def trained_head_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk, chunk_row_bytes=0):
         """The three-sweep head's fp32 logits of one token chunk over the vocabulary, J (N x D fp32), its state and
-        one chunk's GEMM operand."""
+        one chunk's GEMM operand (and the caller's ``chunk_row_bytes`` a token of a chunk)."""
         (N, D), V = hidden_shape, vocab_size
         itemsize = torch.empty(0, dtype=dtype).element_size()
         chunk = min(N, token_chunk or kfrozen.trained_chunk_size(N, V, D, itemsize))
-        return chunk * V * 4 + N * D * 4 + kfrozen.STATE_ROWS * N * 4 + chunk * D * itemsize
+        return chunk * (V * 4 + D * itemsize + chunk_row_bytes) + N * D * 4 + kfrozen.STATE_ROWS * N * 4
 
     def divergence_loss_workspace_bytes(self, hidden_shape, vocab_size, dtype, token_chunk):
         """``kernels.divergence_loss.loss_workspace_bytes``: a chunk's two fp32 products and its g."""
@@ -160,8 +160,13 @@ class TritonBackend:
         """``kernels.kept_set``'s gathers (the replayed kept sets' products)."""
         return support_twin.kept_logits(head, ids, KEPT_SET_KERNELS)
 
-    def gathered_backward(self, head, ids, grad_logits, grads):
-        support_twin.kept_backward(head, ids, grad_logits, grads, KEPT_SET_KERNELS)
+    def gathered_backward(self, head, ids, grad_logits, grads, slope=None):
+        support_twin.kept_backward(head, ids, grad_logits, grads, KEPT_SET_KERNELS, slope)
+
+    def gathered_logits_and_rows(self, head, ids, weights):
+        """``kernels.kept_set.kept_dot_rows``: each kept row read once for the logits and both sums."""
+        support_twin.check_no_lora(head)
+        return kept_set.kept_dot_rows(head.hidden, head.weight, head.bias, ids, weights, head.transform)
 
     def gathered_backward_workspace_bytes(self, ids_shape):
         """``kernels.kept_set.grad_table_workspace_bytes``: one sort of dW's pairs."""

@@ -5,7 +5,10 @@ Math. For token n with kept ids k_1..k_K (-1: no entry) and an operand pair (x [
 its j-th kept entry is u[n, j] = x[n] . y[k_j]: the head's pair (hidden, weight) and LoRA's (lora_hidden,
 lora_weight) each add theirs (``kept_dot``); the bias and the transform are elementwise on [N, K] around it. From
 g = dL/du [N, K]: dx[n] = sum_j g[n, j] y[k_j] (``kept_grad_rows``) and dy[v] += sum_{(n, j): k_j = v} g[n, j] x[n]
-(``kept_grad_table``).
+(``kept_grad_table``). ``kept_dot_rows`` (a served teacher's student side at beta 0) reads a token's kept rows once for
+its logits z (bias and transform inside) and two sums of the same rows, P = sum_j exp(z_j - max z) dz_j/du_j y[k_j]
+(rescaled to the running max, an online softmax's sum) and T = sum_j w_j dz_j/du_j y[k_j] for given weights w: dx of
+any g = w + c exp(z - max z), a row's scalar c known only once z is, as T + c P.
 
 ``kept_grad_table`` sorts the M = N K (token, slot) pairs by id (``sorted_pairs``: torch.sort of int32 keys on the
 device, stable; -1 and g = 0 pairs get key -1 and sort first, where a program skips them), so each id's pairs form one
@@ -37,6 +40,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import interpreting, on_first_argument_device
+from grpo_fast.kernels.tile import transform_and_slope
 
 BLOCK_K = 16
 BLOCK_E = 128
@@ -51,6 +55,11 @@ SORTED_BLOCK_E = 128
 SORTED_WARPS = 1
 SORTED_BLOCKS = 16
 SORTED_PROGRAMS = 1024
+# kept_dot_rows: a step's whole rows in registers, DOT_ROWS_ELEMENTS fp32 over DOT_ROWS_WARPS warps (32 a thread; 4
+# rows at D = 1536 padded to 2048, 1 at D = 8192; sm_90: 96 registers, no spill, 2 programs an SM: 48 KiB of bf16
+# rows in flight an SM)
+DOT_ROWS_ELEMENTS = 8192
+DOT_ROWS_WARPS = 8
 # a sort takes at most PAIRS_PER_SORT pairs (whole tokens; n K + j fits int32); torch.sort of int32 keys holds about
 # SORT_BYTES_PER_PAIR a pair at its peak: the keys (4), its int64 index input (8), the sorted keys and order (4 + 8)
 # and the radix sort's alternate buffers of both (12)
@@ -129,6 +138,71 @@ def _kept_grad_rows_kernel(
         acc += tl.sum(y * g[:, None], axis=0)
     out = out_ptr + row.to(tl.int64) * stride_out + cols
     tl.store(out, tl.load(out, mask=in_cols, other=0.0) + acc, mask=in_cols)
+
+
+@triton.jit
+def _kept_dot_rows_kernel(
+    x_ptr,
+    y_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    z_ptr,
+    slope_ptr,
+    pivot_ptr,
+    p_ptr,
+    t_ptr,
+    K,
+    E,
+    stride_x,
+    stride_y,
+    stride_ids,
+    stride_k,
+    stride_e,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0)
+    k_row = row.to(tl.int64) * stride_k
+    cols = tl.arange(0, BLOCK_E)
+    in_cols = cols < E
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
+    p = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    m = -float("inf")
+    for k0 in range(0, K, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        in_set = slots < K
+        ids = _kept_ids(ids_ptr, row, slots, in_set, stride_ids)
+        live = ids >= 0
+        # BLOCK_K whole rows of y in registers: their logits, then both sums, from the one read
+        y = tl.load(
+            y_ptr + ids[:, None] * stride_y + cols[None, :], mask=live[:, None] & in_cols[None, :], other=0.0
+        ).to(tl.float32)
+        u = tl.sum(y * x[None, :], axis=1)
+        if HAS_BIAS:
+            u += tl.load(bias_ptr + ids, mask=live, other=0.0).to(tl.float32)
+        z, slope = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
+        slope = slope + tl.zeros((BLOCK_K,), dtype=tl.float32)
+        z = tl.where(live, z, -float("inf"))
+        tl.store(z_ptr + k_row + slots, z, mask=in_set)
+        tl.store(slope_ptr + k_row + slots, slope, mask=in_set)
+        # P so far rescaled to the running max (an all -inf prefix: no mass, no inf - inf)
+        new_m = tl.maximum(m, tl.max(z, axis=0))
+        pivot = tl.where(new_m == -float("inf"), 0.0, new_m)
+        w_p = tl.where(live, tl.exp(z - pivot) * slope, 0.0)
+        w_t = tl.load(weights_ptr + k_row + slots, mask=live, other=0.0) * slope
+        p = p * tl.exp(m - pivot) + tl.sum(y * w_p[:, None], axis=0)
+        t += tl.sum(y * w_t[:, None], axis=0)
+        m = new_m
+    tl.store(p_ptr + row.to(tl.int64) * stride_e + cols, p, mask=in_cols)
+    tl.store(t_ptr + row.to(tl.int64) * stride_e + cols, t, mask=in_cols)
+    tl.store(pivot_ptr + row, tl.where(m == -float("inf"), 0.0, m))
 
 
 @triton.jit
@@ -284,3 +358,41 @@ def kept_grad_table(g, x, ids, out):
             num_warps=SORTED_WARPS,
         )
     return out
+
+
+def dot_rows_block(E):
+    """``kept_dot_rows``' rows a step: DOT_ROWS_ELEMENTS elements of whole rows (E padded to a power of two), at
+    least one."""
+    return max(1, DOT_ROWS_ELEMENTS // triton.next_power_of_2(E))
+
+
+@on_first_argument_device
+def kept_dot_rows(x, y, bias, ids, weights, transform):
+    """One gather of the kept rows for a token's logits and two weighted sums of the same rows (a served teacher's
+    student side at beta 0, ``served.ops``): with u = x[n] . y[k] + bias[k] and (z, dz/du) = ``transform`` of u,
+
+        z [N, K] (-inf at -1), dz/du [N, K], pivot [N] (the largest z of a row, 0 where it has none),
+        P [N, E] = sum_k exp(z_k - pivot) dz_k/du_k y[k],   T [N, E] = sum_k weights_k dz_k/du_k y[k],
+
+    all fp32 (x [N, E], y [V, E] rows contiguous; ids [N, K] int64, -1 off; weights [N, K] fp32). A program takes a
+    token and ``dot_rows_block`` whole rows of y at a time into registers (E padded to a power of two): their logits,
+    then both sums from the same registers, P rescaled to the running max as an online softmax's sum: each kept row
+    read once, where the logits' gather and a later ``kept_grad_rows`` read it twice."""
+    N, K = ids.shape
+    E = x.shape[1]
+    dev = x.device
+    z = torch.empty((N, K), dtype=torch.float32, device=dev)
+    slope = torch.empty((N, K), dtype=torch.float32, device=dev)
+    pivot = torch.zeros(N, dtype=torch.float32, device=dev)
+    P = torch.zeros((N, E), dtype=torch.float32, device=dev)
+    T = torch.zeros((N, E), dtype=torch.float32, device=dev)
+    if N and K:
+        inv_temperature, logit_scale, softcap = transform.kernel_scalars()
+        _kept_dot_rows_kernel[(N,)](
+            x, y, bias if bias is not None else x, ids, weights.contiguous(), z, slope, pivot, P, T, K, E,
+            x.stride(0), y.stride(0), ids.stride(0), z.stride(0), P.stride(0),
+            inv_temperature, logit_scale, softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=transform.softcap is not None,
+            BLOCK_K=dot_rows_block(E), BLOCK_E=triton.next_power_of_2(E), num_warps=DOT_ROWS_WARPS,
+        )  # fmt: skip
+    return z, slope, pivot, P, T

@@ -355,14 +355,19 @@ def _implementation_bytes(op: str, bound: dict, gpu: Gpu) -> int:
     if op == "divergence_loss":
         return _divergence_loss_workspace(bound, bound["backend"], bound["token_chunk"])
     if op == "served_trained_loss":
-        hidden = bound["hidden"]
+        hidden, ids = bound["hidden"], tuple(bound["ids"].shape)
+        (N, D), rows_once = tuple(hidden.shape), bound["beta"] == 0.0
+        # beta 0 (served.ops: the rows read once a chunk): a chunk's logits, dz/du and row sums P and T beside the
+        # head's chunk, then dH's sparse part [N, D] fp32 and the live ids (int64) and teacher's entry gradient
+        # (fp32) over [N, K']
         head = _backend(bound["backend"]).trained_head_workspace_bytes(
-            tuple(hidden.shape), bound["weight"].shape[0], hidden.dtype, bound["token_chunk"] or None
-        )
-        # the gathered logits [N, K'] and their sparse gradient, fp32; after the head's sweeps, dW's sort
-        ids = tuple(bound["ids"].shape)
+            (N, D), bound["weight"].shape[0], hidden.dtype, bound["token_chunk"] or None,
+            (2 * D + 2 * ids[1]) * 4 if rows_once else 0,
+        )  # fmt: skip
+        # the gathered logits [N, K'] (at beta 0: dz/du) and their sparse gradient, fp32; then dW's sort
         dw = _backend(bound["backend"]).gathered_backward_workspace_bytes(ids) if bound["need_weight"] else 0
-        return max(head, dw) + 2 * bound["ids"].numel() * 4
+        held = N * D * 4 + bound["ids"].numel() * (8 + 4) if rows_once else 0
+        return max(head, dw) + 2 * bound["ids"].numel() * 4 + held
     if op in UNMODELLED_OPS:
         raise NotImplementedError(
             f"grpo_fast::{op} has no workspace model here (the estimate would leave its buffers out): the memory "

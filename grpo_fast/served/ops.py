@@ -7,6 +7,13 @@ gathered), the chunk's divergence and its gradients with respect to the gathered
 [chunk, K + 1] formulas (``served.teacher.divergence_and_gradients``): dL/dlogp_a is the trained head's
 coefficient (its dense part -c p and its anchor column), dL/dz at the K ids the sparse part, added afterwards through
 the gathered rows (``Backend.gathered_backward``). The op's backward scales the formed gradients by the loss's.
+
+At beta 0 the sparse part is dD/dz = G + c exp(z - pivot) with G = -p_t, the teacher's alone
+(``served.teacher.gradient_factors``): each chunk's kept rows are read once, in the trained head's callback, for
+both the logits and dH's sparse part sum_k dD/dz_k dz_k/du_k W_k = T + c P (``Backend.gathered_logits_and_rows``:
+T the rows summed with G, P with the student's softmax weights), the anchor's row once more for dL/dlse; the sorted
+dW pass then adds dW and db alone. Otherwise G holds the student's log-probs: the logits' gather before the sweeps,
+dH's after. Memory: at beta 0 dH's sparse part [N, D] and a chunk's P and T [chunk, D], fp32.
 """
 
 from __future__ import annotations
@@ -69,23 +76,45 @@ def _served_trained_loss(*operands):
     hidden, weight, bias = head.hidden, head.weight, head.bias
     dev = hidden.device
     support = served_teacher.Support(operands.ids, operands.teacher, operands.valid)
-    logits = backend.gathered_logits(head, support.ids)
     first = support.valid.int().argmax(-1, keepdim=True)
     signal = support.valid.any(-1)
-    sparse = torch.zeros_like(logits)
+    live = support.valid & signal[:, None]
+    ids = torch.where(live, support.ids, -1)
+    sparse = torch.zeros(ids.shape, dtype=FP32, device=dev)
+    slope = torch.empty(ids.shape, dtype=FP32, device=dev)
     divergence = torch.zeros(hidden.shape[0], dtype=FP32, device=dev)
+    # at beta 0 the entry gradient is the teacher's alone: each chunk's kept rows are read once, for the logits and
+    # the sparse part of dH (``kernels.kept_set.kept_dot_rows``); otherwise the logits now, dH's rows after the sweeps
+    rows_once = operands.beta == 0.0
+    teacher_gradient = served_teacher.teacher_entry_gradient(support, operands.add_tail_bucket) if rows_once else None
+    logits = None if rows_once else backend.gathered_logits(head, ids)
+    sparse_hidden = torch.zeros(hidden.shape, dtype=FP32, device=dev) if rows_once else None
 
     def coefficients(n0, n1, logp, entropy):
         rows = served_teacher.Support(*(x[n0:n1] for x in support))
-        z = logits[n0:n1]
-        lse = torch.where(signal[n0:n1], z.gather(-1, first[n0:n1])[:, 0] - logp.float(), 0.0)
-        div, grad_z, grad_lse = served_teacher.divergence_and_gradients(
-            z, lse, rows, operands.beta, operands.add_tail_bucket
-        )
         weights = operands.weights[n0:n1]
+        if rows_once:
+            chunk = head._replace(hidden=hidden[n0:n1], targets=head.targets[n0:n1])
+            z, slope[n0:n1], pivot, P, T = backend.gathered_logits_and_rows(chunk, ids[n0:n1], teacher_gradient[n0:n1])
+        else:
+            z = logits[n0:n1]
+            pivot = served_teacher.support_pivot(z, rows)
+        lse = torch.where(signal[n0:n1], z.gather(-1, first[n0:n1])[:, 0] - logp.float(), 0.0)
+        div, G, c = served_teacher.gradient_factors(z, lse, rows, operands.beta, operands.add_tail_bucket, pivot)
+        grad_z = served_teacher.assembled_gradient(G, c, z, pivot, rows)
+        grad_lse = -grad_z.sum(-1) if operands.add_tail_bucket else torch.zeros_like(div)
         divergence[n0:n1] = div
-        # lse = z_a - logp_a: dL/dlogp_a = -dL/dlse, and z_a's column takes dL/dlse
-        sparse[n0:n1] = (grad_z * weights[:, None]).scatter_add_(1, first[n0:n1], (grad_lse * weights)[:, None])
+        if rows_once:  # sum_k dD/dz_k dz_k/du_k W_k = T + c P (G fixed at the teacher's)
+            sparse_hidden[n0:n1] = T.add_(P.mul_(c[:, None])).mul_(weights[:, None])
+            # lse = z_a - logp_a: z_a's column takes dL/dlse; its row read once more (one of K)
+            anchor = torch.zeros_like(sparse[n0:n1]).scatter_(1, first[n0:n1], (grad_lse * weights)[:, None])
+            sparse[n0:n1] = grad_z * weights[:, None] + anchor
+            backend.gathered_backward(
+                chunk, ids[n0:n1].gather(1, first[n0:n1]), anchor.gather(1, first[n0:n1]),
+                HeadGrads(sparse_hidden[n0:n1]), slope[n0:n1].gather(1, first[n0:n1]),
+            )  # fmt: skip
+        else:
+            sparse[n0:n1] = (grad_z * weights[:, None]).scatter_add_(1, first[n0:n1], (grad_lse * weights)[:, None])
         return -grad_lse * weights
 
     grads = HeadGrads(
@@ -94,7 +123,12 @@ def _served_trained_loss(*operands):
         torch.zeros(weight.shape[0], dtype=FP32, device=dev) if operands.need_weight and bias is not None else None,
     )
     _, entropy, _ = backend.forward_trained_head(head, coefficients, grads, operands.token_chunk or None)
-    backend.gathered_backward(head, support.ids, sparse, grads)
+    if rows_once:
+        grads.hidden.add_(sparse_hidden)
+        if operands.need_weight:  # dW and db alone: dH's sparse part is in
+            backend.gathered_backward(head, ids, sparse, grads._replace(hidden=None), slope)
+    else:
+        backend.gathered_backward(head, ids, sparse, grads)
     loss = (operands.weights * divergence).sum()
     dw, db = (grad if grad is not None else torch.empty(0, dtype=FP32, device=dev) for grad in grads[1:3])
     return loss, divergence, entropy, grads.hidden, dw, db

@@ -182,11 +182,17 @@ def _entry_gradient(log_ps, log_pt, valid, beta):
     return (1.0 - beta) * ps * (log_ps - log_m + torch.where(clamped, 1.0, 0.0))
 
 
-def divergence_and_gradients(student_logits, lse, rows: Support, beta, add_tail_bucket):
-    """``divergence`` [N] and its gradients, dD/dz at the support's ids [N, K'] and dD/dlse [N] (zeros without the
-    tail bucket), written out (module docstring)."""
+def gradient_factors(student_logits, lse, rows: Support, beta, add_tail_bucket, pivot):
+    """(divergence [N], G [N, K'], c [N]): the divergence and its gradient at the support's ids factored as
+
+        dD/dz = G + c exp(z - pivot)   on the support's entries (0 elsewhere; module docstring),
+
+    G the entry gradient dD/d log p_s (at beta 0, -p_t: the teacher's alone, so that the student's rows can be summed
+    with it before the student's logits are known, ``served.ops``), c a row's multiple of the student's softmax
+    weights over the support (the tail bucket's slope, or the renormalisation), ``pivot`` [N] the largest of a row's
+    logits there (0 where it has none: c exp(z - pivot) never overflows). dD/dlse = -sum dD/dz with the tail bucket,
+    0 renormalised."""
     signal = rows.valid.any(-1)
-    live = rows.valid & signal[:, None]
     log_ps, log_pt, valid, _ = _sides(student_logits, lse, rows, add_tail_bucket)
     div = torch.where(signal, _entry_terms(log_ps, log_pt, valid, beta).sum(-1), 0.0)
     G = _entry_gradient(log_ps, log_pt, valid, beta)
@@ -197,9 +203,40 @@ def divergence_and_gradients(student_logits, lse, rows: Support, beta, add_tail_
         held = log_mass > TAIL_LOG_MASS_MAX
         L = log_mass.clamp(max=TAIL_LOG_MASS_MAX)
         tail_slope = torch.where(held, 0.0, -torch.exp(L) / -torch.expm1(L))
-        g = G[:, :-1] + (G[:, -1] * tail_slope)[:, None] * torch.exp(s - log_mass[:, None])
-        grad_z = torch.where(live, g, 0.0)
-        return div, grad_z, -grad_z.sum(-1)
-    q = torch.where(valid, log_ps.exp(), 0.0)
-    grad_z = torch.where(live, G - q * G.sum(-1, keepdim=True), 0.0)
-    return div, grad_z, torch.zeros_like(div)
+        # the support's softmax exp(s - log_mass) = exp(z - pivot) exp(pivot - lse - log_mass), the last <= 1
+        c = G[:, -1] * tail_slope * torch.exp(pivot - lse - log_mass)
+        return div, G[:, :-1], torch.where(signal, c, 0.0)
+    z = torch.where(rows.valid & signal[:, None], student_logits, -math.inf)
+    # q = exp(z - logsumexp z) over the support = exp(z - pivot) exp(pivot - logsumexp z), the last <= 1
+    c = -torch.exp(pivot - torch.logsumexp(z, dim=-1)) * G.sum(-1)
+    return div, G, torch.where(signal, c, 0.0)
+
+
+def support_pivot(student_logits, rows: Support):
+    """[N] the largest of each row's logits at its support's entries, 0 where it has none."""
+    top = torch.where(rows.valid, student_logits, -math.inf).amax(-1)
+    return torch.where(top == -math.inf, 0.0, top)
+
+
+def assembled_gradient(G, c, student_logits, pivot, rows: Support):
+    """dD/dz [N, K'] from ``gradient_factors``' G and c: G + c exp(z - pivot) on the entries of rows with any, 0
+    elsewhere."""
+    live = rows.valid & rows.valid.any(-1, keepdim=True)
+    return torch.where(live, G + c[:, None] * torch.exp(student_logits - pivot[:, None]), 0.0)
+
+
+def teacher_entry_gradient(rows: Support, add_tail_bucket):
+    """G at beta 0 over the support's entries [N, K'] before the student's logits are known: -p_t (the teacher's
+    side with its tail bucket or renormalised), 0 where not an entry; ``gradient_factors``' G at beta 0."""
+    signal = rows.valid.any(-1)
+    log_pt = _side(rows.teacher, rows, signal, add_tail_bucket)[:, : rows.ids.shape[-1]]
+    return -torch.where(rows.valid, log_pt.exp(), 0.0)
+
+
+def divergence_and_gradients(student_logits, lse, rows: Support, beta, add_tail_bucket):
+    """``divergence`` [N] and its gradients, dD/dz at the support's ids [N, K'] and dD/dlse [N] (zeros without the
+    tail bucket), written out (``gradient_factors``)."""
+    pivot = support_pivot(student_logits, rows)
+    div, G, c = gradient_factors(student_logits, lse, rows, beta, add_tail_bucket, pivot)
+    grad_z = assembled_gradient(G, c, student_logits, pivot, rows)
+    return div, grad_z, -grad_z.sum(-1) if add_tail_bucket else torch.zeros_like(div)
