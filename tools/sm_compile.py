@@ -637,7 +637,7 @@ def tile_selection_launches():
         outputs = (*torch.empty(3, n), torch.zeros(n, dtype=torch.bool))
         with recording(tile_selection, "_select_kernel") as launches:
             tile_selection.select(candidates, m, s, target_logit, SamplerSupport(**params), V, outputs)
-        out.append((f"tile selection {label}", "tile selection", "fp32", launches[0]))
+        out.append((f"kept tile selection {label}", "kept tile selection", "fp32", launches[0]))
     return out
 
 
