@@ -42,7 +42,7 @@ _COUNT_VARIANTS = (
     "div = sum(3 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.DIVERGENCE_VARIANTS)\n"
     "div += sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.STORED_VARIANTS)\n"
     "base = 5 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div\n"
-    "base += len(s.kept_set_launches()) + len(s.kept_rows_launches())\n"
+    "base += len(s.kept_set_launches()) + len(s.kept_rows_launches()) + len(s.tile_selection_launches())\n"
     "print(*(f'{arch}:{base + len(s.tuning_launches(arch)) + len(s.tile_candidate_launches(arch))}' "
     "for arch in s.CLASSES))\n"
 )

@@ -64,13 +64,21 @@ from grpo_fast.kernels import (  # noqa: E402
     forward_frozen,
     kept_rows,
     kept_set,
+    tile_selection,
     tiles,
     token_loss,
     tuning,
 )
 from grpo_fast.kernels import config as kconfig  # noqa: E402
 from grpo_fast.kernels.divergence_records import SAVED_FIELDS, ModelHead, divergence_of, finish  # noqa: E402
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands, Layer1Gradient, LossLayer1, TokenLossInputs  # noqa: E402
+from grpo_fast.kernels.operands import (  # noqa: E402
+    HeadGrads,
+    HeadOperands,
+    Layer1Gradient,
+    LossLayer1,
+    SamplerSupport,
+    TokenLossInputs,
+)
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
 
 # The architectures compiled: each class's reference card's capability (tiles.ARCH_CLASSES), and its facts (shared
@@ -85,6 +93,7 @@ TRITON_TYPES = {
     torch.float32: "fp32",
     torch.int64: "i64",
     torch.int32: "i32",
+    torch.uint8: "u8",  # a flag a row (kernels.tile_selection's resolved)
 }
 
 
@@ -614,6 +623,27 @@ def kept_rows_launches():
     return out + [("kept rows sums", "kept rows sums", "fp32", launches[0])]
 
 
+def tile_selection_launches():
+    """[(variant, family, dtype name, Launch)] of the tile candidates' selection (kernels.tile_selection, one launch
+    a launch of the sweep without gradients) at Qwen2.5's vocabulary in 256-column tiles: top-k, top-p, min-p (its
+    sweeps over every entry), the three together."""
+    n, tiles, V = 64, 594, 151936
+    candidates = torch.randn(forward.candidate_fields(), tiles, n)
+    m, s, target_logit = torch.zeros(n), torch.ones(n), torch.zeros(n)
+    out = []
+    for label, params in (
+        ("top_k", dict(top_k=50)),
+        ("top_p", dict(top_p=0.9)),
+        ("min_p", dict(min_p=0.05)),
+        ("all", dict(top_k=50, top_p=0.9, min_p=0.05)),
+    ):
+        outputs = (*torch.empty(3, n), torch.zeros(n, dtype=torch.bool))
+        with recording(tile_selection, "_select_kernel") as launches:
+            tile_selection.select(candidates, m, s, target_logit, SamplerSupport(**params), V, outputs)
+        out.append((f"kept tile selection {label}", "kept tile selection", "fp32", launches[0]))
+    return out
+
+
 def tile_candidate_launches(arch):
     """[(variant, family, dtype name, Launch)] of the forward with tile candidates (the sampler's pass without
     gradients, backends.support_tiles: no entropy, the log-prob pass's tile), bf16 with and without a bias (the
@@ -670,7 +700,7 @@ def all_launches(arch):
         for name, dtype, kw in STORED_VARIANTS
         for family, launch in stored_launches(arch, dtype, **kw)
     ]
-    out += kept_set_launches() + kept_rows_launches() + tile_candidate_launches(arch)
+    out += kept_set_launches() + kept_rows_launches() + tile_selection_launches() + tile_candidate_launches(arch)
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 

@@ -24,6 +24,7 @@ from grpo_fast.kernels import (
     kept_rows,
     kept_set,
     softmax_stats,
+    tile_selection,
     tuning,
 )
 from grpo_fast.kernels import forward as kforward
@@ -37,6 +38,8 @@ from grpo_fast.kernels.operands import Layer1Gradient
 KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
 # replayed kept sets' three products (support_twin.KeptDots)
 KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_rows, kept_set.kept_grad_table)
+# the tile candidates' selection (support_tiles._select's kernel)
+TILE_SELECTION_KERNEL = tile_selection.select
 
 
 def support_record_config(head):
@@ -185,7 +188,9 @@ class TritonBackend:
             return support_rows.parameter_forward(rows_head, rows_support, vocab_size, reduce, KEPT_ROW_KERNELS)
 
         if support_tiles.serves(support, reduce, differentiable) and head.hidden.shape[0] and head.weight.shape[0]:
-            return support_tiles.parameter_forward(head, support, support_record_config(head), rows_forward)
+            return support_tiles.parameter_forward(
+                head, support, support_record_config(head), rows_forward, TILE_SELECTION_KERNEL
+            )
         return rows_forward(head, support)
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
