@@ -80,7 +80,11 @@ class TorchBackend:
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)
-        return support_twin.replayed_forward(head, support.kept_ids, reduce=reduce)
+        record = support_twin.replayed_forward(head, support.kept_ids, reduce=reduce)
+        if differentiable or reduce is not support_twin.ONE_PROCESS:
+            return record
+        # the op's log-prob too (``sampler.ops.computes_logprob``), from layer 1's chunked record
+        return support_twin.with_logprob(record, head_twin.forward_record(head, False))
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads)
