@@ -166,6 +166,13 @@ class Backend(Protocol):
         (or LoRA's) at ids [N, K]."""
         ...
 
+    def replayed_record_workspace_bytes(
+        self, hidden_shape: tuple[int, int], vocab_size: int, kept: int, dtype: torch.dtype, device_type: str
+    ) -> tuple[int, bool]:
+        """Replayed kept sets [N, K] without gradients (``support_forward``'s whole record): (the bytes its log-prob's
+        record allocates besides the outputs, whether the sets' logits are gathered as [N, K] buffers too)."""
+        ...
+
     def support_forward(
         self,
         head: HeadOperands,

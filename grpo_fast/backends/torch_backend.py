@@ -76,6 +76,11 @@ class TorchBackend:
         """0: the twin's chunks of gathered rows are not modelled (the estimate models the GPU's Triton path)."""
         return 0
 
+    def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
+        """Layer 1's chunked record (``workspace_bytes``) and the gathers."""
+        args = ("linear_logprobs", hidden_shape, vocab_size, dtype, False, None, device_type, None)
+        return self.workspace_bytes(*args), True
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:

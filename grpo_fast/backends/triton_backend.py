@@ -183,6 +183,15 @@ class TritonBackend:
         """``kernels.kept_set.grad_table_workspace_bytes``: one sort of dW's pairs."""
         return kept_set.grad_table_workspace_bytes(*ids_shape)
 
+    def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
+        """``replayed_record``'s: the record sweep's workspace (``kforward.workspace_bytes``: wide sets' bitmaps of a
+        launch's rows within its PARTS_BYTES, and their kept record's 3 x N fp32 before the op's copy), the gathers
+        only for narrow sets (``kforward.kept_bits_pay``)."""
+        (N, D), V = hidden_shape, vocab_size
+        config = kconfig.forward_config(torch.device(device_type), dtype)
+        bits = kforward.kept_bits_pay(kept, D, V, torch.empty(0, dtype=dtype).element_size())
+        return kforward.workspace_bytes(N, V, False, config, kept_bits=bits) + (3 * N * 4 if bits else 0), not bits
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep); without gradients (one
         process) the log-prob's record sweep too, which reads wide sets' bitmaps instead (``replayed_record``). The

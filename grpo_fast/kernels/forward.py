@@ -11,14 +11,23 @@ a row's partials into softmax_stats's record against the merged max M:
 so 1 - p_y = R / S is a sum of positive terms, never a difference (exact where a token is confident), and
 ``softmax_stats.finish`` turns the record into logp, H and what the backward reads.
 
+With replayed kept sets (``kept_record``: the sampler's support without gradients) each tile also folds the kept
+logits but the target, by the bit of each logit in its row's bitmap, into a second partial record against their own
+max: m_k = max over kept v != y of z_v, R_k = sum exp(z_v - m_k) (-inf and 0 where a patch holds none), merged the
+same way; the merge then adds the target where its bit is set (to the max too: M_k = max(m_k's, z_y)), giving
+kept_lse = M_k + log(R_k + e_y) and kept_nontarget_mass = R_k / (R_k + e_y), e_y = exp(z_y - M_k): sums of positive
+terms, exact whether or not the tile's max is kept.
+
 Every program is independent (the tile, not the row, is the unit of parallel work): they run in grouped order
 (``tl.swizzle2d``: GROUP_N token blocks walk each patch before the next) so that the programs resident at once
 share H and W tiles in L2. On Hopper the tiles come through tensor descriptors (the copy engine; ``USE_TMA``),
 elsewhere through pointers.
 
-Memory: the partials, 2 or 3 fields x patches x rows fp32, are kept under PARTS_BYTES by taking the rows in chunks
-(one launch each); the merged record is 5 x N fp32. No tensor of size N x V exists, in any dtype. fp32 inputs use
-IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``, ``tile``).
+Memory: the partials, 2 or 3 fields x patches x rows fp32 (2 more with kept sets, and their bitmaps, ceil(V / 32)
+int32 a row, built per launch from the kept ids), are kept under PARTS_BYTES by taking the rows in chunks (one launch
+each); the merged record is 5 x N fp32 (and the kept sets' 3 x N). No tensor of size N x V exists, in any dtype.
+fp32 inputs use IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``,
+``tile``).
 """
 
 import torch
@@ -254,6 +263,10 @@ def _tile_records_kernel(
             )
             offs_v = v0 + tl.arange(0, BLOCK_V)
             is_target = offs_v[None, :] == targets[:, None]
+            if KEPT_BITS:
+                run_kept_max, run_kept_rest = _kept_tile(
+                    z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row, run_kept_max, run_kept_rest
+                )
             if CANDIDATES > 0:
                 top1, top2, top3, top4 = _tile_candidates(z)
                 new_max = tl.maximum(run_max, top1)
@@ -273,10 +286,6 @@ def _tile_records_kernel(
             run_rest = run_rest * rescale + tl.sum(e, axis=1)
             target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             run_max = new_max
-            if KEPT_BITS:
-                run_kept_max, run_kept_rest = _kept_tile(
-                    z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row, run_kept_max, run_kept_rest
-                )
             if CANDIDATES > 0:
                 tl.static_assert(CANDIDATES == 3, "the network lists 3 logits a tile and their bound")
                 listed = candidates_ptr + (patch * TILES + t) * N + offs_n
