@@ -192,7 +192,7 @@ def test_the_tile_candidates_cost_a_few_instructions_a_logit(compiled, arch):
 def test_the_kept_bits_cost_a_bounded_number_of_instructions_a_logit(compiled, arch):
     # replayed sets without gradients: the record sweep plus each logit's bit of its row's bitmap (a word broadcast to
     # its 32 logits), a select, a max and a second exponential (kernels.forward._kept_tile). Triton 3.9 took 17.5 to
-    # 25.9 more SASS instructions a logit outside the K loop (sm_90 18.1); a load of each logit's word took 77
+    # 20.1 more SASS instructions a logit outside the K loop (sm_90 18.1); a load of each logit's word took 77
     rows, _ = compiled
     by_name = {r["kernel"]: r for r in rows if r["arch"] == arch}
     plain, kept = by_name["fwd bf16 no entropy"], by_name["fwd kept bits bf16"]
