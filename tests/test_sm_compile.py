@@ -25,6 +25,7 @@ TENSOR_CORES = {80: "mma", 89: "mma", 90: "wgmma", 100: "tcgen05", 120: "mma"}
 DESCRIBED_FAMILIES = {
     "fwd": tiles.RECORD,
     "fwd candidates": tiles.RECORD,  # the sampler's pass without gradients: the forward's own tile
+    "fwd kept bits": tiles.RECORD,  # replayed sets without gradients: the forward's own tile
     "bwd chunked": tiles.CHUNKED_BACKWARD,
     "div fwd": tiles.SWEEP,
     "div jsd": tiles.SWEEP,
@@ -43,8 +44,8 @@ _COUNT_VARIANTS = (
     "div += sum(2 + (0.0 < kw['beta'] < 1.0) for _, _, kw in s.STORED_VARIANTS)\n"
     "base = 5 * (3 + len(s.LAYER1_EXTRA)) + len(s.FROZEN_VARIANTS) + len(s.TOKEN_LOSS_VARIANTS) + div\n"
     "base += len(s.kept_set_launches()) + len(s.kept_rows_launches()) + len(s.tile_selection_launches())\n"
-    "print(*(f'{arch}:{base + len(s.tuning_launches(arch)) + len(s.tile_candidate_launches(arch))}' "
-    "for arch in s.CLASSES))\n"
+    "print(*(f'{arch}:{base + len(s.tuning_launches(arch)) + len(s.tile_candidate_launches(arch))"
+    " + len(s.kept_bits_launches(arch))}' for arch in s.CLASSES))\n"
 )
 
 
@@ -184,6 +185,20 @@ def test_the_tile_candidates_cost_a_few_instructions_a_logit(compiled, arch):
     assert 20 < per_logit[0] and 0 < per_logit[1] - per_logit[0] < 15, per_logit
     for r in (plain, candidates):  # the K loop found (sm_100 peels its first step's 4 MMAs out of it)
         assert r["instructions"]["loop"].get("mma", 0) >= max(4, r["instructions"]["outside"].get("mma", 0)), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_kept_bits_cost_a_bounded_number_of_instructions_a_logit(compiled, arch):
+    # replayed sets without gradients: the record sweep plus each logit's bit of its row's bitmap (a word broadcast to
+    # its 32 logits), a select, a max and a second exponential (kernels.forward._kept_tile). Triton 3.9 took 17.5 to
+    # 20.1 more SASS instructions a logit outside the K loop (sm_90 18.1); a load of each logit's word took 77
+    rows, _ = compiled
+    by_name = {r["kernel"]: r for r in rows if r["arch"] == arch}
+    plain, kept = by_name["fwd bf16 no entropy"], by_name["fwd kept bits bf16"]
+    assert plain["logits_per_thread"] == kept["logits_per_thread"] >= 32
+    per_logit = [sum(r["instructions"]["outside"].values()) / r["logits_per_thread"] for r in (plain, kept)]
+    assert 20 < per_logit[0] and 0 < per_logit[1] - per_logit[0] < 32, per_logit
 
 
 def test_run_by_hand_it_exits_non_zero_on_spills_or_shared_memory_overflow_and_counts_ctas_per_sm():

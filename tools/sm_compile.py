@@ -670,6 +670,34 @@ def tile_candidate_launches(arch):
     return out
 
 
+def kept_bits_launches(arch):
+    """[(variant, family, dtype name, Launch)] of the forward with replayed kept sets' bitmaps (the replayed sets'
+    pass without gradients, ``forward.kept_record``: no entropy, the tile candidates' tile, bf16 with and without a
+    bias, fp32; ``--mix fwd "fwd kept bits"`` compares their instructions with the plain pass's), their merge and the
+    bitmaps' builder."""
+    out = []
+    for label, dtype, bias in (
+        ("bf16", torch.bfloat16, False),
+        ("bf16 +bias", torch.bfloat16, True),
+        ("fp32", torch.float32, False),
+    ):
+        hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
+        head = HeadOperands(hidden, weight, targets, b, LogitTransform(temperature=0.7))
+        cfg = kconfig.gpu_record_config(dtype, arch, kconfig.wide_record_epilogue(False, bias, False))
+        if dtype == torch.float32:  # as triton_backend.support_record_config
+            cfg = dataclasses.replace(cfg, num_warps=8)
+        kept_ids = torch.randint(-1, weight.shape[0], (hidden.shape[0], 1024))
+        with (
+            recording(forward, "_tile_records_kernel") as launches,
+            recording(forward, "_merge_parts_kernel") as merges,
+            recording(forward, "_kept_bits_kernel") as builds,
+        ):
+            forward.kept_record(head, kept_ids, cfg)
+        out.append((f"fwd kept bits {label}", "fwd kept bits", TRITON_TYPES[dtype], launches[0]))
+    out.append(("kept bits merge", "kept bits merge", "fp32", merges[0]))
+    return out + [("kept bits build", "kept bits build", "int32", builds[0])]
+
+
 def all_launches(arch):
     """[(variant name, kernel family, dtype name, Launch)]: a family is one kernel at one launch configuration
     ("fwd", "bwd fused", "fwd frozen", ...), its variants the constexpr paths compiled for it."""
@@ -700,7 +728,8 @@ def all_launches(arch):
         for name, dtype, kw in STORED_VARIANTS
         for family, launch in stored_launches(arch, dtype, **kw)
     ]
-    out += kept_set_launches() + kept_rows_launches() + tile_selection_launches() + tile_candidate_launches(arch)
+    out += kept_set_launches() + kept_rows_launches() + tile_selection_launches()
+    out += tile_candidate_launches(arch) + kept_bits_launches(arch)
     return out + [(name, "token_loss", "fp32", launch) for name, launch in token_loss_launches()]
 
 
@@ -803,8 +832,8 @@ def main(argv=None):
         "--mix",
         nargs="*",
         metavar="FAMILY",
-        help='also print the SASS instructions by class of these families\' variants (default: "fwd" and "fwd '
-        'candidates"), outside the K loop and per logit a thread holds',
+        help='also print the SASS instructions by class of these families\' variants (default: "fwd", "fwd '
+        'candidates" and "fwd kept bits"), outside the K loop and per logit a thread holds',
     )
     args = parser.parse_args(argv)
     rows = compile_all(args.arch, args.jobs, args.only)
@@ -833,7 +862,8 @@ def main(argv=None):
             f"{r['ctas_per_sm']:>6} {r['MEMBAR_GPU']:>5} {r['MEMBAR_CTA']:>3} {r['ATOM']:>4} {r['RED']:>4}  {status}"
         )
     if args.mix is not None:
-        print_mix([r for r in rows if r["family"] in (args.mix or ("fwd", "fwd candidates")) and not r["error"]])
+        families = args.mix or ("fwd", "fwd candidates", "fwd kept bits")
+        print_mix([r for r in rows if r["family"] in families and not r["error"]])
     if bad:
         print(f"{bad} kernel variant(s) failed to compile, overflow shared memory or spill registers", file=sys.stderr)
     return 1 if bad else 0

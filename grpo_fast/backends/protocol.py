@@ -181,6 +181,13 @@ class Backend(Protocol):
         (or LoRA's) at ids [N, K]."""
         ...
 
+    def replayed_record_workspace_bytes(
+        self, hidden_shape: tuple[int, int], vocab_size: int, kept: int, dtype: torch.dtype, device_type: str
+    ) -> tuple[int, bool]:
+        """Replayed kept sets [N, K] without gradients (``support_forward``'s whole record): (the bytes its log-prob's
+        record allocates besides the outputs, whether the sets' logits are gathered as [N, K] buffers too)."""
+        ...
+
     def support_forward(
         self,
         head: HeadOperands,
@@ -190,7 +197,8 @@ class Backend(Protocol):
         differentiable: bool = True,
     ) -> SupportRecord:
         """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``); with
-        the sampling parameters also the log-prob's, from the same rows of logits. A vocab-parallel shard's: the
+        the sampling parameters also the log-prob's, from the same rows of logits, and with replayed sets without
+        gradients (one process) too (``support_twin.with_logprob``). A vocab-parallel shard's: the
         whole head's ``vocab_size`` and its group's ``reduce`` (``support_twin.OneProcess``'s methods).
         ``differentiable``: a backward may follow (its recompute's arithmetic must give the forward's kept set)."""
         ...

@@ -21,7 +21,8 @@ Two ways to the kept set:
   backward for both gradients (``parameter_backward``: then dH = g W and dW = g^T H, two more);
 * the replayed sets (``replayed_forward``, ``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone
   (``KeptDots``: a gather of K weight rows a token, O(N K D), no vocabulary sweep), the log-prob left to layer 1's
-  own op.
+  own op; without gradients (one process) the op computes the log-prob too (``with_logprob``: the Triton backend's
+  wide sets from one record sweep that reads their bitmaps, ``kernels.forward.kept_record``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_fast.kernels import gemm
+from grpo_fast.kernels import gemm, softmax_stats
 from grpo_fast.kernels.operands import HeadGrads, SamplerSupport, SupportRecord
 
 # the fp32 bytes of one chunk's logit rows (and as much again for the temporaries): at V = 152k, 220 rows a chunk
@@ -369,6 +370,15 @@ def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
     total, rest = reduce.sum(torch.stack([e.sum(-1), e.masked_fill(at_target, 0.0).sum(-1)])).unbind(0)
     kept_lse = top + torch.log(total)
     return SupportRecord(target_logit, kept_lse, rest / total, *(torch.empty(0, device=z.device) for _ in range(3)))
+
+
+def with_logprob(record: SupportRecord, layer1: softmax_stats.SoftmaxStats) -> SupportRecord:
+    """A replayed set's record (``replayed_forward``'s fields) completed without gradients by layer 1's record of the
+    same rows (``softmax_stats``, merged): lse and nontarget_mass, and in ``threshold`` (which a replayed set has no
+    use for) layer 1's log-prob itself, finished as layer 1 finishes it (exact where the token is confident), whether
+    or not the set holds the target."""
+    logp, _, stats = softmax_stats.finish(layer1, False)
+    return record._replace(threshold=logp, lse=stats.lse, nontarget_mass=stats.nontarget_mass)
 
 
 def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DOTS):

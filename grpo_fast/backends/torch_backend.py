@@ -79,11 +79,20 @@ class TorchBackend:
         """0: the twin's chunks of gathered rows are not modelled (the estimate models the GPU's Triton path)."""
         return 0
 
+    def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
+        """Layer 1's chunked record (``workspace_bytes``) and the gathers."""
+        args = ("linear_logprobs", hidden_shape, vocab_size, dtype, False, None, device_type, None)
+        return self.workspace_bytes(*args), True
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)
-        return support_twin.replayed_forward(head, support.kept_ids, reduce=reduce)
+        record = support_twin.replayed_forward(head, support.kept_ids, reduce=reduce)
+        if differentiable or reduce is not support_twin.ONE_PROCESS:
+            return record
+        # the op's log-prob too (``sampler.ops.computes_logprob``), from layer 1's chunked record
+        return support_twin.with_logprob(record, head_twin.forward_record(head, False))
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads)

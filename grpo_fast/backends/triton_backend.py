@@ -32,7 +32,7 @@ from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as ktoken_loss
 from grpo_fast.kernels.divergence_records import finish, layer1_record
 from grpo_fast.kernels.loss_statistics import SLOTS
-from grpo_fast.kernels.operands import Layer1Gradient
+from grpo_fast.kernels.operands import Layer1Gradient, SupportRecord
 
 # the sampling parameters' row sweeps (support_rows.RowSweeps)
 KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
@@ -43,14 +43,30 @@ TILE_SELECTION_KERNEL = tile_selection.select
 
 
 def support_record_config(head):
-    """The record sweep with tile candidates: the log-prob pass's table tile (``tools/sm_compile.py``: the candidates'
-    rounds compile in it without a spill; fp32's 64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton
-    3.6 and 3.9); the timed choice is not taken: its candidates were timed without the rounds."""
+    """The record sweep with tile candidates or replayed sets' bitmaps: the log-prob pass's table tile
+    (``tools/sm_compile.py``: the candidates' rounds and the bitmaps' epilogue compile in it without a spill; fp32's
+    64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton 3.6 and 3.9); the timed choice is not taken:
+    its candidates were timed without the rounds."""
     wide = kconfig.wide_record_epilogue(
         head.transform.softcap is not None, head.bias is not None, head.lora is not None
     )
     config = kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
     return replace(config, num_warps=8) if head.hidden.dtype == torch.float32 else config
+
+
+def replayed_record(head, kept_ids):
+    """Replayed kept sets without gradients: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's
+    record sweep. Sets as wide as ``kforward.kept_bits_pay`` says: the sweep reads each launch's bitmaps of them
+    (``kforward.kept_record``), no gather; narrower ones: the plain sweep and the gathers of their K weight rows."""
+    config = support_record_config(head)
+    N, D = head.hidden.shape
+    if kforward.kept_bits_pay(kept_ids.shape[1], D, head.weight.shape[0], head.hidden.element_size()):
+        layer1, kept = kforward.kept_record(head, kept_ids, config)
+        # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
+        fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(3)]
+        return support_twin.with_logprob(SupportRecord(*fields), layer1)
+    layer1 = kforward.forward_record(head, False, config)
+    return support_twin.with_logprob(support_twin.replayed_forward(head, kept_ids, KEPT_SET_KERNELS), layer1)
 
 
 class TritonBackend:
@@ -175,14 +191,26 @@ class TritonBackend:
         """``kernels.kept_set.grad_table_workspace_bytes``: one sort of dW's pairs."""
         return kept_set.grad_table_workspace_bytes(*ids_shape)
 
+    def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
+        """``replayed_record``'s: the record sweep's workspace (``kforward.workspace_bytes``: wide sets' bitmaps of a
+        launch's rows within its PARTS_BYTES, and their kept record's 3 x N fp32 before the op's copy), the gathers
+        only for narrow sets (``kforward.kept_bits_pay``)."""
+        (N, D), V = hidden_shape, vocab_size
+        config = kconfig.forward_config(torch.device(device_type), dtype)
+        bits = kforward.kept_bits_pay(kept, D, V, torch.empty(0, dtype=dtype).element_size())
+        return kforward.workspace_bytes(N, V, False, config, kept_bits=bits) + (3 * N * 4 if bits else 0), not bits
+
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
-        """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep). The sampling parameters
-        without gradients: the log-prob's record sweep with its tiles' candidates (``support_tiles``); otherwise, and
-        for the rows those do not resolve, each chunk's rows of logits from cuBLAS, then ``kernels.kept_rows``' row
-        sweeps (``support_rows``)."""
+        """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep); without gradients (one
+        process) the log-prob's record sweep too, which reads wide sets' bitmaps instead (``replayed_record``). The
+        sampling parameters without gradients: the log-prob's record sweep with its tiles' candidates
+        (``support_tiles``); otherwise, and for the rows those do not resolve, each chunk's rows of logits from
+        cuBLAS, then ``kernels.kept_rows``' row sweeps (``support_rows``)."""
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is not None:
-            return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
+            if differentiable or reduce is not support_twin.ONE_PROCESS:
+                return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
+            return replayed_record(head, support.kept_ids)
 
         def rows_forward(rows_head, rows_support):
             return support_rows.parameter_forward(rows_head, rows_support, vocab_size, reduce, KEPT_ROW_KERNELS)

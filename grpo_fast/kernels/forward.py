@@ -11,14 +11,23 @@ a row's partials into softmax_stats's record against the merged max M:
 so 1 - p_y = R / S is a sum of positive terms, never a difference (exact where a token is confident), and
 ``softmax_stats.finish`` turns the record into logp, H and what the backward reads.
 
+With replayed kept sets (``kept_record``: the sampler's support without gradients) each tile also folds the kept
+logits but the target, by the bit of each logit in its row's bitmap, into a second partial record against their own
+max: m_k = max over kept v != y of z_v, R_k = sum exp(z_v - m_k) (-inf and 0 where a patch holds none), merged the
+same way; the merge then adds the target where its bit is set (to the max too: M_k = max(m_k's, z_y)), giving
+kept_lse = M_k + log(R_k + e_y) and kept_nontarget_mass = R_k / (R_k + e_y), e_y = exp(z_y - M_k): sums of positive
+terms, exact whether or not the tile's max is kept.
+
 Every program is independent (the tile, not the row, is the unit of parallel work): they run in grouped order
 (``tl.swizzle2d``: GROUP_N token blocks walk each patch before the next) so that the programs resident at once
 share H and W tiles in L2. On Hopper the tiles come through tensor descriptors (the copy engine; ``USE_TMA``),
 elsewhere through pointers.
 
-Memory: the partials, 2 or 3 fields x patches x rows fp32, are kept under PARTS_BYTES by taking the rows in chunks
-(one launch each); the merged record is 5 x N fp32. No tensor of size N x V exists, in any dtype. fp32 inputs use
-IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``, ``tile``).
+Memory: the partials, 2 or 3 fields x patches x rows fp32 (2 more with kept sets, and their bitmaps, ceil(V / 32)
+int32 a row, built per launch from the kept ids), are kept under PARTS_BYTES by taking the rows in chunks (one launch
+each); the merged record is 5 x N fp32 (and the kept sets' 3 x N). No tensor of size N x V exists, in any dtype.
+fp32 inputs use IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``,
+``tile``).
 """
 
 import torch
@@ -39,6 +48,23 @@ PARTS_BYTES = 32 * 2**20
 # 128-column tiles (1187) put 4 in one tile with probability 3.5e-4 if placed at random (256 columns: 2.7e-3); such a
 # row's entries do not show its cut, and its caller takes another path. Two entries a tile: 2.7e-2 (1.0e-1).
 TILE_CANDIDATES = 3
+
+# Replayed kept sets without gradients (``kept_bits_pay``): the record sweep reading a launch's bitmaps costs the
+# epilogue KEPT_BITS_SLOTS more issue slots a logit (sm_90 bf16, tools/sm_compile.py --mix, Triton 3.9: 44.3 SASS
+# instructions a logit, 24.3 on the ALU pipe, against the plain pass's 26.1 and 13.4; a logit costs max(instructions,
+# 2 x ALU) slots: 48.7 against 26.8) and a token's bitmap (V / 8 bytes) written and read; a set's gathers read its K
+# weight rows, K x D x itemsize bytes a token. A slot is worth BYTES_PER_SLOT bytes of row reads (an H200: ~5 TB/s
+# over 132 SMs x 4 schedulers x 32 lanes at 1.98 GHz, the plain pass at ~0.8 of that issue rate). Argued, not
+# measured.
+KEPT_BITS_SLOTS = 21.9
+BYTES_PER_SLOT = 0.15
+
+
+def kept_bits_pay(K, D, V, itemsize):
+    """Whether replayed sets [N, K] cost less through the record sweep's bitmaps than through gathers of their
+    weight rows (the constants above; K the sets' width, the filling's slots counted: no host read of the widest
+    set): at the Qwen2.5-1.5B head (D 1536, V 151936, bf16) from K = 175 on."""
+    return K * D * itemsize >= V * (KEPT_BITS_SLOTS * BYTES_PER_SLOT + 2 / 8)
 
 
 @triton.jit
@@ -76,6 +102,52 @@ def _tile_candidates(z):
 
 
 @triton.jit
+def _kept_bit(kept_bits_ptr, stride_kept_row, rows, columns, mask):
+    """Whether column ``columns`` is in row ``rows``' kept set: bit (v & 31) of the row's word v >> 5 (0 where
+    masked)."""
+    word = tl.load(kept_bits_ptr + rows * stride_kept_row + (columns >> 5), mask=mask, other=0)
+    return ((word >> (columns & 31)) & 1) != 0
+
+
+@triton.jit
+def _kept_tile(z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row, run_max, run_rest):
+    """A tile's logits folded into the kept set's running record (m_k, R_k) over its entries but the target (the
+    merge adds the target's term, and its logit to the max): R_k = sum exp(z_v - m_k), its own max and exp (the
+    tile's max need not be kept; a kept logit 100 nats below it keeps its relative precision). A row without such
+    entries so far: m_k = -inf, R_k = 0; exp(-inf - pivot) = 0 with a finite pivot, never inf - inf."""
+    tl.static_assert(z.shape[1] % 32 == 0, "a tile covers whole words of the bitmap")
+    WORDS: tl.constexpr = z.shape[1] // 32
+    # the tile's words of each row, each broadcast to its 32 logits ([BLOCK_N, WORDS, 32] as the tile: on sm_90
+    # 18.1 SASS instructions a logit more than the plain pass; the load of each logit's word, z then converted to
+    # the load's layout, took 77, a tl.gather of the words through shared memory 24)
+    offs_w = v0 // 32 + tl.arange(0, WORDS)
+    words = tl.load(
+        kept_bits_ptr + offs_n[:, None] * stride_kept_row + offs_w[None, :],
+        mask=n_mask[:, None] & (offs_w[None, :] * 32 < V),
+        other=0,
+    )
+    column = tl.arange(0, z.shape[1])
+    word = tl.reshape(tl.broadcast_to(words[:, :, None], (z.shape[0], WORDS, 32)), z.shape)
+    kept = (word & (1 << (column & 31))[None, :]) != 0
+    kept_z = tl.where(kept & ~is_target, z, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(kept_z, axis=1))
+    pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, run_rest * tl.exp(run_max - pivot) + tl.sum(tl.exp(kept_z - pivot[:, None]), axis=1)
+
+
+@triton.jit
+def _kept_bits_kernel(kept_ids_ptr, bits_ptr, K, V, stride_ids, stride_bits, BLOCK_K: tl.constexpr):
+    """A launch's rows' kept sets as bitmaps: bit v & 31 of word v >> 5 of row n set for each id v of
+    kept_ids[n] (-1 and ids outside [0, V) skipped; an id twice sets its bit once). The words start at 0."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ids = tl.load(kept_ids_ptr + row * stride_ids + offs, mask=offs < K, other=-1)
+    valid = (ids >= 0) & (ids < V)
+    bit = tl.full((BLOCK_K,), 1, tl.int32) << (ids & 31).to(tl.int32)
+    tl.atomic_or(bits_ptr + row * stride_bits + (ids >> 5), bit, mask=valid, sem="relaxed")
+
+
+@triton.jit
 def _tile_records_kernel(
     hidden,
     weight,
@@ -85,6 +157,7 @@ def _tile_records_kernel(
     target_logit_ptr,
     row_count_ptr,
     candidates_ptr,
+    kept_bits_ptr,
     lora_hidden_ptr,
     lora_weight_ptr,
     N,
@@ -96,6 +169,7 @@ def _tile_records_kernel(
     stride_wv,
     stride_field,
     stride_candidate_field,
+    stride_kept_row,
     inv_temperature,
     logit_scale,
     softcap,
@@ -115,6 +189,7 @@ def _tile_records_kernel(
     TILES: tl.constexpr,
     GROUP_N: tl.constexpr,
     CANDIDATES: tl.constexpr,
+    KEPT_BITS: tl.constexpr,
 ):
     patches = tl.cdiv(V, TILES * BLOCK_V)
     pid = tl.program_id(0)
@@ -126,6 +201,8 @@ def _tile_records_kernel(
     v_lo = patch * TILES * BLOCK_V
     out = parts_ptr + patch * N + offs_n
     holds_target = n_mask & (targets >= v_lo) & (targets < v_lo + TILES * BLOCK_V)
+    # with KEPT_BITS the kept set's partial record (m_k, R_k) follows the plain fields
+    kept_out = out + (3 if COMPUTE_ENTROPY else 2) * stride_field
     if HAS_ROW_COUNT:
         # a block of padding rows only (past the scored count, a device value) computes no tile; its record is a
         # certain token at a far logit (patch 0: m = z_y = PADDING_LOGIT, R = 0; the other patches: empty), so
@@ -139,6 +216,10 @@ def _tile_records_kernel(
             if COMPUTE_ENTROPY:
                 tl.store(out + 2 * stride_field, nothing, mask=n_mask)
             tl.store(target_logit_ptr + offs_n, far, mask=n_mask & first)
+            if KEPT_BITS:
+                # no kept entry here: the merge's kept record holds at most the target (the far logit), finite
+                tl.store(kept_out, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=n_mask)
+                tl.store(kept_out + stride_field, nothing, mask=n_mask)
             return
 
     # the running record of the patch, its sums against the pivot: m, or 0 while m is -inf
@@ -146,6 +227,8 @@ def _tile_records_kernel(
     run_rest = tl.zeros((BLOCK_N,), tl.float32)
     run_zrest = tl.zeros((BLOCK_N,), tl.float32)
     target_logit = tl.zeros((BLOCK_N,), tl.float32)
+    run_kept_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    run_kept_rest = tl.zeros((BLOCK_N,), tl.float32)
     for t in range(TILES):
         v0 = v_lo + t * BLOCK_V
         if v0 < V:
@@ -180,6 +263,10 @@ def _tile_records_kernel(
             )
             offs_v = v0 + tl.arange(0, BLOCK_V)
             is_target = offs_v[None, :] == targets[:, None]
+            if KEPT_BITS:
+                run_kept_max, run_kept_rest = _kept_tile(
+                    z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row, run_kept_max, run_kept_rest
+                )
             if CANDIDATES > 0:
                 top1, top2, top3, top4 = _tile_candidates(z)
                 new_max = tl.maximum(run_max, top1)
@@ -210,7 +297,19 @@ def _tile_records_kernel(
     tl.store(out + stride_field, run_rest, mask=n_mask)
     if COMPUTE_ENTROPY:
         tl.store(out + 2 * stride_field, run_zrest, mask=n_mask)
+    if KEPT_BITS:
+        tl.store(kept_out, run_kept_max, mask=n_mask)
+        tl.store(kept_out + stride_field, run_kept_rest, mask=n_mask)
     tl.store(target_logit_ptr + offs_n, target_logit, mask=holds_target)
+
+
+@triton.jit
+def _merged(run_max, run_rest, part_max, part_rest):
+    """Two (max, sum of exp(z - max)) records of disjoint sets as one, against the larger max (an empty one: -inf
+    and 0; no inf - inf)."""
+    new_max = tl.maximum(run_max, part_max)
+    pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, run_rest * tl.exp(run_max - pivot) + part_rest * tl.exp(part_max - pivot)
 
 
 @triton.jit
@@ -219,24 +318,40 @@ def _merge_parts_kernel(
     target_logit_ptr,
     targets_ptr,
     record_ptr,
+    kept_bits_ptr,
+    kept_record_ptr,
     N,
     V,
     patches,
     stride_field,
     stride_record,
+    stride_kept_row,
     COMPUTE_ENTROPY: tl.constexpr,
+    KEPT_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Each row's partials folded into softmax_stats.SoftmaxStats's five fields (the module docstring's merge)."""
+    """Each row's partials folded into softmax_stats.SoftmaxStats's five fields (the module docstring's merge); with
+    KEPT_BITS the kept set's partials too, into (the target's logit, -inf where the set lacks it; kept_lse;
+    kept_nontarget_mass) at ``kept_record_ptr``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     run_rest = tl.zeros((BLOCK,), tl.float32)
     run_zrest = tl.zeros((BLOCK,), tl.float32)
+    run_kept_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    run_kept_rest = tl.zeros((BLOCK,), tl.float32)
     for k in range(patches):
         part = parts_ptr + k * N + offs
         part_max = tl.load(part, mask=mask, other=float("-inf"))
         part_rest = tl.load(part + stride_field, mask=mask, other=0.0)
+        if KEPT_BITS:
+            kept_part = part + (3 if COMPUTE_ENTROPY else 2) * stride_field
+            run_kept_max, run_kept_rest = _merged(
+                run_kept_max,
+                run_kept_rest,
+                tl.load(kept_part, mask=mask, other=float("-inf")),
+                tl.load(kept_part + stride_field, mask=mask, other=0.0),
+            )
         new_max = tl.maximum(run_max, part_max)
         pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
         scale_run = tl.exp(run_max - pivot)
@@ -266,6 +381,20 @@ def _merge_parts_kernel(
         zsum = run_zrest + tl.where(has_target, target_exp * (target_logit - pivot), 0.0)
     tl.store(out + 3 * stride_record, zsum, mask=mask)
     tl.store(out + 4 * stride_record, target_logit, mask=mask)
+    if KEPT_BITS:
+        # the target's own term, where its bit is set: folded into the max as well (a padding row's far logit)
+        kept_target = has_target & _kept_bit(kept_bits_ptr, stride_kept_row, offs, targets, mask & has_target)
+        kept_target_logit = tl.where(kept_target, target_logit, float("-inf"))
+        kept_max, kept_rest = _merged(run_kept_max, run_kept_rest, kept_target_logit, tl.zeros((BLOCK,), tl.float32))
+        kept_pivot = tl.where(kept_max == float("-inf"), 0.0, kept_max)
+        kept_total = kept_rest + tl.where(kept_target, tl.exp(target_logit - kept_pivot), 0.0)
+        kept_out = kept_record_ptr + offs
+        tl.store(kept_out, kept_target_logit, mask=mask)
+        # an empty set: kept_lse = -inf (the support then NaN: its target is not in it), its mass 0, not 0 / 0
+        nonempty = kept_total > 0
+        divisor = tl.where(nonempty, kept_total, 1.0)
+        tl.store(kept_out + stride_record, tl.where(nonempty, kept_pivot + tl.log(divisor), float("-inf")), mask=mask)
+        tl.store(kept_out + 2 * stride_record, kept_rest / divisor, mask=mask)
 
 
 def forward(head, compute_entropy, config, row_count=None):
@@ -277,13 +406,15 @@ def forward(head, compute_entropy, config, row_count=None):
     return softmax_stats.finish(forward_record(head, compute_entropy, config, row_count), compute_entropy)
 
 
-def parts_shape(N, V, compute_entropy, config, candidates=False):
+def parts_shape(N, V, compute_entropy, config, candidates=False, kept_bits=False):
     """(fields, patches, rows) of one launch's partial records (fp32): 2 fields (m, R) or 3 (Zr with the entropy),
-    one record a patch of ``config.tiles`` vocabulary tiles, the rows a launch takes (their records, and with
-    ``candidates`` their tiles' candidates, within PARTS_BYTES, a multiple of BLOCK_N, at least one block)."""
+    2 more with ``kept_bits`` (the kept set's m_k, R_k), one record a patch of ``config.tiles`` vocabulary tiles, the
+    rows a launch takes (their records, with ``candidates`` their tiles' candidates, with ``kept_bits`` their kept
+    sets' bitmaps: within PARTS_BYTES, a multiple of BLOCK_N, at least one block)."""
     patches = triton.cdiv(V, config.block_v * config.tiles)
-    fields = 3 if compute_entropy else 2
+    fields = (3 if compute_entropy else 2) + (2 if kept_bits else 0)
     row_bytes = fields * patches * 4 + (candidate_fields() * triton.cdiv(V, config.block_v) * 4 if candidates else 0)
+    row_bytes += kept_words(V) * 4 if kept_bits else 0
     rows = PARTS_BYTES // row_bytes // config.block_n * config.block_n
     return fields, patches, min(N, max(config.block_n, rows))
 
@@ -294,14 +425,21 @@ def candidate_fields():
     return TILE_CANDIDATES + 1
 
 
-def workspace_bytes(N, V, compute_entropy, config, candidates=False):
-    """The bytes ``forward_record`` allocates besides the finished outputs: the partial records of one launch (and
-    with ``candidates`` its tiles' candidates), the target logits and the merged record (5 + 1 fields of N fp32)."""
+def kept_words(V):
+    """The int32 words of a row's kept-set bitmap: one bit a vocabulary entry."""
+    return triton.cdiv(V, 32)
+
+
+def workspace_bytes(N, V, compute_entropy, config, candidates=False, kept_bits=False):
+    """The bytes ``forward_record`` (``kept_record`` with ``kept_bits``) allocates besides the finished outputs: the
+    partial records of one launch (and with ``candidates`` its tiles' candidates, with ``kept_bits`` its rows'
+    bitmaps), the target logits and the merged record (5 + 1 fields of N fp32)."""
     if N == 0:
         return 0
-    fields, patches, rows = parts_shape(N, V, compute_entropy, config, candidates)
+    fields, patches, rows = parts_shape(N, V, compute_entropy, config, candidates, kept_bits)
     tiles = triton.cdiv(V, config.block_v) if candidates else 0
-    return (fields * patches + candidate_fields() * tiles) * rows * 4 + 6 * N * 4
+    words = kept_words(V) if kept_bits else 0
+    return (fields * patches + candidate_fields() * tiles + words) * rows * 4 + 6 * N * 4
 
 
 @on_first_argument_device
@@ -316,21 +454,42 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
     merged: candidates [candidate_fields(), tiles, n1 - n0] fp32 (each vocabulary tile's ``_tile_candidates`` a row:
     its 3 largest logits, ties repeated, then the 4th; the buffer is the next launch's), record [5, n1 - n0] (the
     SoftmaxStats fields of those rows: the plain pass's, bit for bit). No ``row_count`` with it."""
-    hidden, weight, targets, bias, transform, lora = head
     if tile_candidates is not None and row_count is not None:
         raise ValueError("forward_record takes tile_candidates or row_count, not both")
+    return _record_sweep(head, compute_entropy, config, row_count, tile_candidates, None)[0]
+
+
+@on_first_argument_device
+def kept_record(head, kept_ids, config, row_count=None):
+    """(record, kept): the log-prob's record as ``forward_record``'s (no entropy) and, from the same sweep, the
+    replayed kept sets' ``kept_ids`` [N, K] (ids in [0, V) or -1; others skipped): kept [3, N] fp32 of the target's
+    logit (-inf where its set lacks it), kept_lse = log sum_{v kept} exp(z_v) (-inf: an empty set) and
+    kept_nontarget_mass = R_kept / S_kept (0: an empty set). Each launch's rows' sets as a bitmap
+    (``_kept_bits_kernel``, [rows, kept_words(V)] int32 within PARTS_BYTES with the partials), read in the tiles'
+    epilogue: an id twice in a set counts once (the gathers count it twice)."""
+    return _record_sweep(head, False, config, row_count, None, kept_ids)
+
+
+def _record_sweep(head, compute_entropy, config, row_count, tile_candidates, kept_ids):
+    """(record, kept [3, N] or None): ``forward_record``'s launches, with ``kept_ids`` the kept sets' too."""
+    hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
     record = torch.empty((5, N), dtype=torch.float32, device=hidden.device)
+    with_kept = kept_ids is not None
+    kept = torch.empty((3, N), dtype=torch.float32, device=hidden.device) if with_kept else None
     if N == 0:
-        return softmax_stats.SoftmaxStats(*record.unbind(0))
+        return softmax_stats.SoftmaxStats(*record.unbind(0)), kept
     with_candidates = tile_candidates is not None
-    fields, patches, chunk = parts_shape(N, V, compute_entropy, config, with_candidates)
+    fields, patches, chunk = parts_shape(N, V, compute_entropy, config, with_candidates, with_kept)
     parts = torch.empty((fields, patches, chunk), dtype=torch.float32, device=hidden.device)
     tiles = triton.cdiv(V, config.block_v) if with_candidates else 0
     candidates = None  # with tile_candidates: one launch's, laid out per launch below
     if with_candidates:
         candidates = torch.empty(candidate_fields() * tiles * chunk, dtype=torch.float32, device=hidden.device)
+    bits = None  # with kept_ids: one launch's bitmaps, rows of kept_words(V) int32
+    if with_kept:
+        bits = torch.empty((chunk, kept_words(V)), dtype=torch.int32, device=hidden.device)
     target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
     use_tma = config.use_tma and tensor_descriptors_fit(hidden, weight)
     w = tile_operand(weight, use_tma, config.block_v, config.block_d)
@@ -349,6 +508,14 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
         if with_candidates:
             candidate_rows = candidates[: candidate_fields() * tiles * rows].view(candidate_fields(), tiles, rows)
         lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
+        bit_rows = None
+        if with_kept:
+            bit_rows = bits[:rows].zero_()
+            ids = part(kept_ids)
+            block_k = min(triton.next_power_of_2(ids.shape[1]), 1024)
+            _kept_bits_kernel[(rows, triton.cdiv(ids.shape[1], block_k))](
+                ids, bit_rows, ids.shape[1], V, ids.stride(0), bit_rows.stride(0), BLOCK_K=block_k
+            )
         _tile_records_kernel[(triton.cdiv(rows, config.block_n) * patches,)](
             tile_operand(part(hidden), use_tma, config.block_n, config.block_d),
             w,
@@ -358,6 +525,7 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
             part(target_logit),
             row_count if row_count is not None else targets,
             candidate_rows if with_candidates else targets,
+            bit_rows if with_kept else targets,
             N=rows,
             V=V,
             D=D,
@@ -366,6 +534,7 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
             stride_wv=weight.stride(0),
             stride_field=part_rows.stride(0),
             stride_candidate_field=candidate_rows.stride(0) if with_candidates else 0,
+            stride_kept_row=bit_rows.stride(0) if with_kept else 0,
             inv_temperature=inv_temperature,
             logit_scale=logit_scale,
             softcap=softcap,
@@ -383,6 +552,7 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
             TILES=config.tiles,
             GROUP_N=config.group_n,
             CANDIDATES=TILE_CANDIDATES if with_candidates else 0,
+            KEPT_BITS=with_kept,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -392,15 +562,19 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
             part(target_logit),
             part(targets),
             part(record, 1),
+            bit_rows if with_kept else targets,
+            part(kept, 1) if with_kept else record,
             rows,
             V,
             patches,
             part_rows.stride(0),
             record.stride(0),
+            bit_rows.stride(0) if with_kept else 0,
             COMPUTE_ENTROPY=compute_entropy,
+            KEPT_BITS=with_kept,
             BLOCK=merge_block,
             num_warps=4,
         )
         if with_candidates:
             tile_candidates(n0, n0 + rows, candidate_rows, part(record, 1))
-    return softmax_stats.SoftmaxStats(*record.unbind(0))
+    return softmax_stats.SoftmaxStats(*record.unbind(0)), kept

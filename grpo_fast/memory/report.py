@@ -285,7 +285,8 @@ rows' whole fp32 logits [r, V] and the rules' temporaries of that shape ({rules:
 {top_p:g} for top-p's worst case: rows whose 1024 largest logits do not hold top_p, sorted whole), {backward:g} in the
 backward (with the logits' gradient in the weight's half dtype), constant in the tokens past r rows; with replayed
 kept sets, [N, K] fp32 logits and gradients ({replayed_forward:g} and {replayed_backward:g} of them) beside the plain
-layer-1 op's own; and the backward's fp32 gradients (dH [N, D], and dW [V, D] where the lm_head trains). The buffer
+layer-1 op's own (without gradients the op's own record sweep, for wide sets with their bitmaps a launch and no [N, K]
+buffer); and the backward's fp32 gradients (dH [N, D], and dW [V, D] where the lm_head trains). The buffer
 counts are measured on a CPU (tests/test_memory_sampler.py); the GPU's sort workspaces are not in them. The old
 policy's pass runs one micro-batch without autograd after the update (the optimizer state held, no gradients): its
 peak is accounted on its own and the head's peak is the larger of its two passes'.

@@ -50,6 +50,7 @@ def support_workspace_bytes(
     lora_rank: int = 0,
     device_type: str = "cuda",
     backend: str = "triton",
+    differentiable: bool = True,
 ) -> int:
     """The bytes a sampler op's implementation allocates besides its outputs (module docstring).
 
@@ -66,6 +67,8 @@ def support_workspace_bytes(
         device_type: "cuda" (the GPU's: the gradient's half copy) or "cpu".
         backend: the backend that runs the op (with replayed sets its dW's workspace:
             ``gathered_backward_workspace_bytes``).
+        differentiable: the forward's operands need gradients (replayed sets without: the op's record sweep too,
+            ``replayed_sweep_bytes``).
 
     Returns:
         The workspace's bytes.
@@ -73,7 +76,9 @@ def support_workspace_bytes(
     N, D, V = tokens, hidden_size, vocab_size
     if N == 0:
         return 0
-    if kept:
+    if kept and op == "sampler_support" and not differentiable:
+        chunk = replayed_sweep_bytes(N, D, V, dtype, kept, device_type, backend)
+    elif kept:
         per_token = N * kept * 4
         chunk = per_token * (REPLAYED_FORWARD if op == "sampler_support" else REPLAYED_BACKWARD)
     else:
@@ -93,6 +98,14 @@ def support_workspace_bytes(
     if kept and (need_weight or lora_rank):
         chunk += named(backend).gathered_backward_workspace_bytes((N, kept))
     return math.ceil(chunk) + grads
+
+
+def replayed_sweep_bytes(N, D, V, dtype, kept, device_type="cuda", backend="triton"):
+    """Replayed sets without gradients: the log-prob's record (the backend's ``replayed_record_workspace_bytes``: on
+    the Triton backend its record sweep, with wide sets' bitmaps of a launch's rows within PARTS_BYTES, no [N, K]
+    buffer) and, where the sets are gathered, REPLAYED_FORWARD [N, K] fp32 buffers."""
+    sweep, gathered = named(backend).replayed_record_workspace_bytes((N, D), V, kept, dtype, device_type)
+    return sweep + (math.ceil(N * kept * 4 * REPLAYED_FORWARD) if gathered else 0)
 
 
 def workspace_of(op: str, bound: dict, device_type: str = "cuda") -> int:
@@ -117,4 +130,5 @@ def workspace_of(op: str, bound: dict, device_type: str = "cuda") -> int:
         lora_rank=lora_weight.shape[1] if backward and lora_weight is not None and bound.get("need_lora_hidden") else 0,
         device_type=device_type,
         backend=bound["backend"],
+        differentiable=bool(bound.get("differentiable", True)),
     )

@@ -94,7 +94,8 @@ class SamplerCall:
 
     def logprobs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp, support) [B, T] fp32 of the scored ``rows`` (read), differentiable, exact zeros elsewhere: with the
-        sampling parameters both from one op (the same rows of logits); replayed sets' log-prob from layer 1's op.
+        sampling parameters both from one op (the same rows of logits); replayed sets' log-prob from layer 1's op,
+        or without gradients from the support's op (``ops.computes_logprob``: one record sweep).
         With the parameters and the checks on, a target outside its kept set raises (the call's second host read)."""
         head = self.head
         if not self.support.truncates:
@@ -106,7 +107,10 @@ class SamplerCall:
         else:
             logp, support, drawable = ops.sampler_support(operands, head.backend.name, kept)
         if self.support.kept_ids is not None:
-            logp = logprobs_and_entropy_rows(head, rows, head.head_path)[0]
+            # without gradients the op's one record sweep gave the log-prob (``ops.computes_logprob``); a shard's
+            # replayed sets leave it to layer 1
+            computed = logp is not None and head.shard is None
+            logp = head.scattered(logp, rows) if computed else logprobs_and_entropy_rows(head, rows, head.head_path)[0]
         else:
             logp = head.scattered(logp, rows)
             if head.checks.run:

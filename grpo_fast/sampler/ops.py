@@ -79,12 +79,20 @@ def drawable_targets(record: SupportRecord, replayed: bool) -> torch.Tensor:
     return ~(record.target_logit < record.threshold)
 
 
+def computes_logprob(operands: SamplerOpOperands) -> bool:
+    """Whether the forward op computes the log-prob too: with the sampling parameters (the same rows of logits), and
+    with replayed sets without gradients (one record sweep: ``support_twin.with_logprob``); with gradients replayed
+    sets leave it to layer 1's op (their backward is the support's alone). Operands only: the fake decides alike."""
+    return operands.kept_ids is None or not operands.differentiable
+
+
 def support_outputs(record: SupportRecord, replayed: bool):
-    """(logp, support, drawable) [N] of a support's record: support NaN where the target is not drawable; logp
-    empty with replayed sets (layer 1's op gives their log-prob)."""
+    """(logp, support, drawable) [N] of a support's record: support NaN where the target is not drawable; with
+    replayed sets logp is the record's (``support_twin.with_logprob``'s, in its threshold field), empty where the
+    backend left the log-prob to layer 1's op."""
     drawable = drawable_targets(record, replayed)
     support = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
-    logp = record.target_logit[:0].clone() if replayed else record.target_logit - record.lse
+    logp = record.threshold.clone() if replayed else record.target_logit - record.lse
     return logp, support, drawable
 
 
@@ -108,8 +116,8 @@ def gradient_buffers(sources, needs) -> HeadGrads:
 
 
 def _sampler_support(*operands):
-    """(logp, support, drawable, *SupportRecord), [N] each (``support_outputs``; the record's threshold, lse and
-    nontarget_mass empty with replayed sets)."""
+    """(logp, support, drawable, *SupportRecord), [N] each (``support_outputs``; logp and the record's threshold, lse
+    and nontarget_mass empty with replayed sets where the op does not compute the log-prob: ``computes_logprob``)."""
     operands = SamplerOpOperands(*operands)
     record = named(operands.backend).support_forward(
         operands.head(), operands.support(), differentiable=operands.differentiable
@@ -128,14 +136,14 @@ _sampler_support_op = custom_op(
 def _(*operands):
     operands = SamplerOpOperands(*operands)
     N = operands.hidden.shape[0]
-    replayed = operands.kept_ids is not None
+    full = computes_logprob(operands)
 
     def per_token(computed=True, dtype=FP32):
         return operands.hidden.new_empty((N,) if computed else (0,), dtype=dtype)
 
-    # the record: target_logit, kept_lse, kept_nontarget_mass, then threshold, lse, nontarget_mass (parameters)
-    record = [per_token() for _ in range(3)] + [per_token(not replayed) for _ in range(3)]
-    return (per_token(not replayed), per_token(), per_token(dtype=torch.bool), *record)
+    # the record: target_logit, kept_lse, kept_nontarget_mass, then threshold (replayed: logp), lse, nontarget_mass
+    record = [per_token() for _ in range(3)] + [per_token(full) for _ in range(3)]
+    return (per_token(full), per_token(), per_token(dtype=torch.bool), *record)
 
 
 def _setup_context(ctx, inputs, output):
@@ -212,8 +220,9 @@ _INLINE = inline_function(_sampler_support, _setup_context, _backward)
 
 
 def sampler_support(head: HeadOperands, backend: str, support: SamplerSupport):
-    """(logp, support, drawable) [N] of ``head``'s rows, logp and support differentiable (logp empty with replayed
-    sets: layer 1's op computes it)."""
-    args = tuple(SamplerOpOperands.of(head, support, backend))
+    """(logp, support, drawable) [N] of ``head``'s rows, logp and support differentiable (logp None where the op
+    does not compute it, ``computes_logprob``: layer 1's op does)."""
+    operands = SamplerOpOperands.of(head, support, backend)
+    args = tuple(operands)
     outputs = _INLINE.apply(*args) if runs_inline(args) else _sampler_support_op(*args)
-    return outputs[:3]
+    return (outputs[0] if computes_logprob(operands) else None, *outputs[1:3])

@@ -1,0 +1,279 @@
+"""Replayed kept sets without gradients from the log-prob's own record sweep (kernels/forward.py ``kept_record``: each
+launch's rows' sets as a bitmap read in the tiles' epilogue) against the fp64 spec, at the launch and through
+``grpo_fast.sampler_logprobs``; and its agreement with the gathers' path (``kernels.kept_set``), which the Triton
+backend takes for narrow sets (``kforward.kept_bits_pay``; forced either way here).
+
+Odd shapes (V not a multiple of 32 nor of the tiles, partial token blocks) in fp32 / bf16 / fp16, one launch holding
+every kind of row: a set of one entry, every entry, sets without the row's max, kept entries ~100 nats below their
+tile's max, -inf logits in a set, a target outside its set, an empty set; padding rows past a device count, rows in
+several launches, an id twice in a set (check_values=False: the bitmap counts it once, the gathers twice), masked
+rows, the fake implementation's shapes and no host read.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from conftest import backend_device
+from test_host_syncs import count_syncs
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import grpo_fast
+from grpo_fast import reference
+from grpo_fast.head.transform import LogitTransform
+from grpo_fast.kernels import config as kconfig
+from grpo_fast.kernels import forward as kforward
+from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.operands import HeadOperands
+from grpo_fast.memory import support_workspace
+
+F64 = torch.float64
+IDENTITY = LogitTransform()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+N, D, V = 37, 40, 301  # a partial token block; V = 9 words and 13 bits, a partial tile and patch
+# columns the bias moves: HIGH far above every logit, LOW and LOWER ~100 nats below HIGH (their tile's max: the
+# same 32-column tile on the interpreter's tiles), GONE at -inf
+HIGH, LOW, LOWER, GONE = 3, 7, 9, (11, 250)
+
+
+def _head(dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * D**-0.5 * 2).to(dtype)
+    bias = (torch.randn(V, generator=g) * 0.5).to(dtype)
+    bias[HIGH], bias[LOW], bias[LOWER] = 50.0, -50.0, -49.0
+    bias[list(GONE)] = -math.inf
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets = torch.where((targets == GONE[0]) | (targets == GONE[1]), 0, targets)  # no target at -inf
+    return hidden.to(device), weight.to(device), bias.to(device), targets.to(device)
+
+
+def _kept_ids(targets, generator):
+    """[N, K] sets, -1 filling, one kind of row each (module docstring); row 6's set lacks its target."""
+    K = V + 2
+    ids = torch.full((N, K), -1, dtype=torch.int64)
+    for n, y in enumerate(targets.tolist()):
+        others = [v for v in torch.randperm(V, generator=generator).tolist() if v not in (y, HIGH)]
+        size = int(torch.randint(1, 40, (1,), generator=generator))
+        row = {
+            0: [y],  # the target alone
+            1: list(range(V)),  # every entry (the row's max, -inf ones included)
+            2: [y, *others[:20]],  # not the row's max
+            3: [LOW, LOWER],  # ~100 nats below the tile's max, the target among them
+            4: [y, *GONE, *others[:5]],  # -inf logits
+            5: [y, *GONE],  # the target and -inf logits
+            6: others[:10],  # the target outside
+            7: [],  # empty
+        }.get(n, [*others[:size], y])
+        ids[n, : len(row)] = torch.tensor(row, dtype=torch.int64)[torch.randperm(len(row), generator=generator)]
+    targets = targets.clone()
+    targets[3] = LOW
+    return ids, targets
+
+
+def _truth(hidden, weight, bias, targets, ids, transform=IDENTITY):
+    """(kept target logit, kept_lse, kept_nontarget_mass, logp, lse) in fp64; an empty set: -inf, -inf, 0."""
+    z = reference.logits(hidden.cpu(), weight.cpu(), bias.cpu(), compute_dtype=F64, transform=transform)
+    ids, targets = ids.cpu(), targets.cpu()
+    keep = torch.zeros(z.shape[0], V + 1, dtype=torch.bool).scatter(1, torch.where(ids >= 0, ids, V), True)[:, :V]
+    rows = torch.arange(z.shape[0])
+    kept_z = z.masked_fill(~keep, -math.inf)
+    kept_lse = torch.logsumexp(kept_z, 1)
+    rest = torch.exp(kept_z - kept_lse[:, None])
+    rest[rows, targets] = 0.0
+    mass = torch.nan_to_num(rest, nan=0.0).sum(1)
+    target = torch.where(keep[rows, targets], z[rows, targets], -math.inf)
+    lse = torch.logsumexp(z, 1)
+    return target, kept_lse, mass, z[rows, targets] - lse, lse
+
+
+def _config(device, dtype, **changes):
+    return dataclasses.replace(kconfig.forward_config(device, dtype), **changes)
+
+
+def _assert_matches(kept, layer1, truth):
+    target, kept_lse, mass, logp, lse = (x.to(F64) for x in truth)
+    got_target, got_lse, got_mass = (x.cpu().to(F64) for x in kept)
+    finite = target.isfinite()
+    assert torch.equal(got_target.isfinite(), finite) and bool((got_target[~finite] == -math.inf).all())
+    torch.testing.assert_close(got_target[finite], target[finite], rtol=1e-6, atol=5e-6)
+    assert torch.equal(got_lse.isfinite(), kept_lse.isfinite())
+    torch.testing.assert_close(got_lse[kept_lse.isfinite()], kept_lse[kept_lse.isfinite()], rtol=1e-6, atol=5e-6)
+    assert bool(got_lse[~kept_lse.isfinite()].eq(-math.inf).all())
+    # a sum of positive terms: relative precision where the mass is small (the target dominant)
+    torch.testing.assert_close(got_mass, mass, rtol=2e-5, atol=1e-7)
+    got_logp, _, stats = softmax_stats.finish(layer1, False)
+    torch.testing.assert_close(got_logp.cpu().to(F64), logp, rtol=1e-6, atol=5e-6)
+    torch.testing.assert_close(stats.lse.cpu().to(F64), lse, rtol=1e-6, atol=5e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kept_record_matches_fp64(dtype, device):
+    hidden, weight, bias, targets = _head(dtype, device)
+    ids, targets = _kept_ids(targets.cpu(), torch.Generator().manual_seed(1))
+    ids, targets = ids.to(device), targets.to(device)
+    transform = LogitTransform(temperature=0.8)
+    head = HeadOperands(hidden, weight, targets, bias, transform)
+    layer1, kept = kforward.kept_record(head, ids, _config(device, dtype))
+    truth = _truth(hidden, weight, bias, targets, ids, transform)
+    _assert_matches(kept, layer1, truth)
+    # the plain fields are the plain sweep's
+    plain = kforward.forward_record(head, False, _config(device, dtype))
+    for name, x, y in zip(plain._fields, layer1, plain):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    # the rows built to test something: ~100 nats below the tile's max, kept to relative precision; empty; outside
+    assert kept[1][3].item() < -40 and kept[2][7].item() == 0.0 and kept[0][6].item() == -math.inf
+    assert kept[0][7].item() == -math.inf and kept[1][7].item() == -math.inf
+    assert not bool(kept.isnan().any())
+
+
+def test_padding_rows_and_several_launches(monkeypatch, device):
+    hidden, weight, bias, targets = _head(torch.float32, device, seed=2)
+    ids, targets = _kept_ids(targets.cpu(), torch.Generator().manual_seed(3))
+    ids, targets = ids.to(device), targets.to(device)
+    head = HeadOperands(hidden, weight, targets, bias, IDENTITY)
+    cfg = _config(device, torch.float32)
+    layer1, kept = kforward.kept_record(head, ids, cfg)
+    _assert_matches(kept, layer1, _truth(hidden, weight, bias, targets, ids))
+    # the bitmap counts in the launch's rows: one token block a launch where the plain partials take two or more
+    patches = -(-V // (cfg.block_v * cfg.tiles))
+    monkeypatch.setattr(kforward, "PARTS_BYTES", (4 * patches + kforward.kept_words(V)) * 4 * cfg.block_n)
+    assert kforward.parts_shape(N, V, False, cfg)[2] >= 2 * cfg.block_n
+    assert kforward.parts_shape(N, V, False, cfg, kept_bits=True)[2] == cfg.block_n
+    several = kforward.kept_record(head, ids, cfg)  # 3 launches, the last one short
+    assert all(torch.equal(x, y) for x, y in zip(several[0], layer1)) and torch.equal(several[1], kept)
+    monkeypatch.undo()
+    # rows from the device count on are padding: the blocks wholly past it write placeholders, finite, no NaN
+    count = cfg.block_n
+    padded, padded_kept = kforward.kept_record(head, ids, cfg, torch.tensor([count], dtype=torch.int32, device=device))
+    assert all(torch.equal(x[:count], y[:count]) for x, y in zip(padded, layer1))
+    assert torch.equal(padded_kept[:, :count], kept[:, :count])
+    past = padded_kept[:, count:]
+    assert not bool(past.isnan().any()) and bool((past[2] == 0).all())
+    logp, _, stats = softmax_stats.finish(softmax_stats.SoftmaxStats(*(x[count:] for x in padded)), False)
+    assert bool((logp == 0).all()) and bool(stats.lse.isfinite().all())
+
+
+def _sampler_inputs(dtype, device, seed=0):
+    """[2, 5] tokens, V = 150 (4 words and 22 bits), sets of the target and up to 30 others, -1 filling; the second
+    sequence's last tokens masked with sets outside [0, V) (never read)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 5, 24, generator=g).to(device, dtype)
+    weight = (torch.randn(150, 24, generator=g) * 0.4).to(device, dtype)
+    bias = (torch.randn(150, generator=g) * 0.3).to(device, dtype)
+    targets = torch.randint(0, 150, (2, 5), generator=g)
+    ids = torch.full((2, 5, 40), -1, dtype=torch.int64)
+    for b in range(2):
+        for t in range(5):
+            others = [v for v in torch.randperm(150, generator=g).tolist() if v != targets[b, t]]
+            row = [int(targets[b, t]), *others[: int(torch.randint(0, 31, (1,), generator=g))]]
+            ids[b, t, : len(row)] = torch.tensor(row)[torch.randperm(len(row), generator=g)]
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    ids[1, 3:] = 10**6
+    return hidden, weight, bias, targets.to(device), mask.to(device), ids.to(device)
+
+
+def _no_grad_sampler(backend, bits, monkeypatch, *inputs, **kwargs):
+    monkeypatch.setattr(kforward, "kept_bits_pay", lambda *_: bits)
+    hidden, weight, bias, targets, mask, ids = inputs
+    with torch.no_grad():
+        return grpo_fast.sampler_logprobs(
+            hidden, weight, targets, mask, bias=bias, temperature=0.9, backend=backend, kept_ids=ids, **kwargs
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, bits", [("triton", True), ("triton", False), ("torch", None)])
+def test_sampler_logprobs_without_gradients_match_fp64(backend, bits, dtype, monkeypatch, device):
+    inputs = _sampler_inputs(dtype, backend_device(backend, device))
+    hidden, weight, bias, targets, mask, ids = inputs
+    out = _no_grad_sampler(backend, bits, monkeypatch, *inputs)
+    spec = reference.sampler_logprobs(
+        hidden, weight, targets, bias, 0.9, kept_ids=ids.clamp(max=149), compute_dtype=F64
+    )
+    for name, x, r in zip(out._fields, out, spec):
+        assert x.dtype == torch.float32, name
+        assert torch.equal(x[~mask], torch.zeros_like(x[~mask])), name
+        torch.testing.assert_close(x[mask], r[mask].float(), rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_bitmap_equals_the_gathers_and_layer1(monkeypatch, device):
+    inputs = _sampler_inputs(torch.float32, device, seed=1)
+    bitmap, gathers = (_no_grad_sampler("triton", bits, monkeypatch, *inputs) for bits in (True, False))
+    for name, x, y in zip(bitmap._fields, bitmap, gathers):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    hidden, weight, bias, targets, mask, _ = inputs
+    layer1 = grpo_fast.logprobs_and_entropy(
+        hidden, weight, targets, bias=bias, temperature=0.9, completion_mask=mask, backend="triton"
+    )[0]
+    torch.testing.assert_close(bitmap.logprobs, layer1, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, bits", [("triton", True), ("triton", False), ("torch", None)])
+def test_a_target_outside_its_set_and_an_id_twice(backend, bits, monkeypatch, device):
+    hidden, weight, bias, targets, mask, ids = _sampler_inputs(torch.float32, backend_device(backend, device), seed=2)
+    outside = ids.clone()
+    outside[0, 1] = torch.where(outside[0, 1] == targets[0, 1], -1, outside[0, 1])
+    inputs = (hidden, weight, bias, targets, mask)
+    with pytest.raises(ValueError, match=r"targets\[0, 1\] is not in its kept set"):
+        _no_grad_sampler(backend, bits, monkeypatch, *inputs, outside)
+    out = _no_grad_sampler(backend, bits, monkeypatch, *inputs, outside, check_values=False)
+    spec = reference.sampler_logprobs(hidden, weight, targets, bias, 0.9, compute_dtype=F64)
+    assert math.isnan(out.support_logprobs[0, 1].item())
+    # the log-prob stays the target's over the vocabulary: a finite number, the spec's
+    torch.testing.assert_close(out.logprobs[mask], spec[0][mask].float(), rtol=1e-5, atol=2e-5)
+    # the target twice (no check): the bitmap keeps the set {ids} (as the spec's mask does), the gathers sum the list
+    twice = ids.clone()
+    twice[0, 2, -1] = targets[0, 2]
+    with pytest.raises(ValueError, match="an id twice"):
+        _no_grad_sampler(backend, bits, monkeypatch, *inputs, twice)
+    out = _no_grad_sampler(backend, bits, monkeypatch, *inputs, twice, check_values=False)
+    z = reference.logits(hidden, weight, bias, 0.9, compute_dtype=F64)[0, 2]
+    row = twice[0, 2][twice[0, 2] >= 0]
+    as_set, as_list = torch.logsumexp(z[row.unique()], 0), torch.logsumexp(z[row], 0)
+    expected = z[targets[0, 2]] - (as_set if bits else as_list)
+    torch.testing.assert_close(out.support_logprobs[0, 2], expected.float(), rtol=1e-5, atol=2e-5)
+    assert abs((as_set - as_list).item()) > 1e-3  # the two readings differ
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("bits", [True, False])
+def test_fake_tensors_and_no_host_read(backend, bits, monkeypatch, device):
+    monkeypatch.setattr(kforward, "kept_bits_pay", lambda *_: bits)
+    with FakeTensorMode(), torch.no_grad():
+        hidden, weight = torch.empty(2, 5, 16), torch.empty(40, 16)
+        targets, ids = torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, 5, 300, dtype=torch.int64)
+        out = grpo_fast.sampler_logprobs(hidden, weight, targets, backend=backend, kept_ids=ids, check_values=False)
+        assert all(x.shape == (2, 5) and x.dtype == torch.float32 for x in out)
+    dev = backend_device(backend, device)
+    hidden, weight, bias, targets, mask, ids = _sampler_inputs(torch.float32, dev)
+
+    def run(fn=grpo_fast.sampler_logprobs, **kept):
+        with torch.no_grad():
+            fn(hidden, weight, targets, completion_mask=mask, backend=backend, check_values=False, **kept)
+
+    # as layer 1's own (the torch twin's record reads the host): none on the Triton backend
+    syncs, layer1 = (count_syncs(f, monkeypatch)[1] for f in (lambda: run(kept_ids=ids), run))
+    assert syncs == layer1 and (backend == "torch" or syncs == [])
+
+
+def test_the_memory_model_counts_the_bitmap_sweep():
+    # the no-grad forward of wide replayed sets: the record sweep's workspace with the bitmaps, no [N, K] buffers;
+    # narrow ones: the plain sweep's and the gathers'
+    N, D, V = 4096, 1536, 151936
+    assert kforward.kept_bits_pay(1024, D, V, 2) and not kforward.kept_bits_pay(64, D, V, 2)
+    config = kconfig.forward_config(torch.device("cuda"), torch.bfloat16)
+    bits, plain = (kforward.workspace_bytes(N, V, False, config, kept_bits=k) for k in (True, False))
+    # the bitmaps within the launch's bytes: fewer rows a launch
+    assert kforward.parts_shape(N, V, False, config, kept_bits=True)[2] < kforward.parts_shape(N, V, False, config)[2]
+
+    def model(kept, differentiable):
+        return support_workspace.support_workspace_bytes(
+            "sampler_support", N, D, V, torch.bfloat16, kept=kept, differentiable=differentiable
+        )
+
+    assert model(1024, False) == bits + 3 * N * 4
+    assert model(64, False) == plain + math.ceil(N * 64 * 4 * support_workspace.REPLAYED_FORWARD)
+    assert model(1024, True) == math.ceil(N * 1024 * 4 * support_workspace.REPLAYED_FORWARD)
