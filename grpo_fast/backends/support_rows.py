@@ -156,3 +156,4 @@ def fill_record(record: SupportRecord, rows, target_logit, top, sums, tau, kept_
     record.kept_lse[rows] = top + torch.log(kept)
     record.kept_nontarget_mass[rows] = kept_rest / kept
     record.threshold[rows] = tau
+    record.logprob[rows] = record.target_logit[rows] - record.lse[rows]

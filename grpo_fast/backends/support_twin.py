@@ -369,16 +369,15 @@ def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
     e = torch.exp(z - top[:, None])
     total, rest = reduce.sum(torch.stack([e.sum(-1), e.masked_fill(at_target, 0.0).sum(-1)])).unbind(0)
     kept_lse = top + torch.log(total)
-    return SupportRecord(target_logit, kept_lse, rest / total, *(torch.empty(0, device=z.device) for _ in range(3)))
+    return SupportRecord(target_logit, kept_lse, rest / total, *(torch.empty(0, device=z.device) for _ in range(4)))
 
 
 def with_logprob(record: SupportRecord, layer1: softmax_stats.SoftmaxStats) -> SupportRecord:
     """A replayed set's record (``replayed_forward``'s fields) completed without gradients by layer 1's record of the
-    same rows (``softmax_stats``, merged): lse and nontarget_mass, and in ``threshold`` (which a replayed set has no
-    use for) layer 1's log-prob itself, finished as layer 1 finishes it (exact where the token is confident), whether
-    or not the set holds the target."""
+    same rows (``softmax_stats``, merged): lse, nontarget_mass and layer 1's log-prob itself, finished as layer 1
+    finishes it (exact where the token is confident), whether or not the set holds the target."""
     logp, _, stats = softmax_stats.finish(layer1, False)
-    return record._replace(threshold=logp, lse=stats.lse, nontarget_mass=stats.nontarget_mass)
+    return record._replace(logprob=logp, lse=stats.lse, nontarget_mass=stats.nontarget_mass)
 
 
 def replayed_backward(head, kept_ids, record, grad_support, grads, dots=TORCH_DOTS):

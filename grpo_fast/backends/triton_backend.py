@@ -63,7 +63,7 @@ def replayed_record(head, kept_ids):
     if kforward.kept_bits_pay(kept_ids.shape[1], D, head.weight.shape[0], head.hidden.element_size()):
         layer1, kept = kforward.kept_record(head, kept_ids, config)
         # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
-        fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(3)]
+        fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(4)]
         return support_twin.with_logprob(SupportRecord(*fields), layer1)
     layer1 = kforward.forward_record(head, False, config)
     return support_twin.with_logprob(support_twin.replayed_forward(head, kept_ids, KEPT_SET_KERNELS), layer1)

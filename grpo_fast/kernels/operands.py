@@ -129,11 +129,13 @@ class SupportRecord(NamedTuple):
         kept_lse: log sum_{v kept} exp(z_v).
         kept_nontarget_mass: sum_{v kept, v != y} exp(z_v - kept_lse) = 1 - q_y, the support's target column
             carried exactly (never 1 - q_y by cancellation).
-        threshold: with the parameters, tau: the kept set is {v : z_v >= tau}; with replayed sets without gradients
-            (``support_twin.with_logprob``; a replayed set has no threshold) the log-prob itself, layer 1's.
+        threshold: with the parameters, tau: the kept set is {v : z_v >= tau}.
         lse: with the parameters (and replayed sets without gradients), log sum_v exp(z_v) over the vocabulary (the
             log-prob's; the same rows' logits).
         nontarget_mass: with the parameters (and replayed sets without gradients), 1 - p_y, carried.
+        logprob: the log-prob over the vocabulary where the forward computes it: with the parameters z_y - lse, with
+            replayed sets without gradients layer 1's (``support_twin.with_logprob``: finite where the set lacks the
+            target, exact where the token is confident).
     """
 
     target_logit: torch.Tensor
@@ -142,3 +144,4 @@ class SupportRecord(NamedTuple):
     threshold: torch.Tensor
     lse: torch.Tensor
     nontarget_mass: torch.Tensor
+    logprob: torch.Tensor

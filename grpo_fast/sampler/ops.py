@@ -88,11 +88,11 @@ def computes_logprob(operands: SamplerOpOperands) -> bool:
 
 def support_outputs(record: SupportRecord, replayed: bool):
     """(logp, support, drawable) [N] of a support's record: support NaN where the target is not drawable; with
-    replayed sets logp is the record's (``support_twin.with_logprob``'s, in its threshold field), empty where the
-    backend left the log-prob to layer 1's op."""
+    replayed sets logp is the record's (``support_twin.with_logprob``'s), empty where the backend left the log-prob to
+    layer 1's op."""
     drawable = drawable_targets(record, replayed)
     support = torch.where(drawable, record.target_logit - record.kept_lse, math.nan)
-    logp = record.threshold.clone() if replayed else record.target_logit - record.lse
+    logp = record.logprob.clone()
     return logp, support, drawable
 
 
@@ -116,8 +116,9 @@ def gradient_buffers(sources, needs) -> HeadGrads:
 
 
 def _sampler_support(*operands):
-    """(logp, support, drawable, *SupportRecord), [N] each (``support_outputs``; logp and the record's threshold, lse
-    and nontarget_mass empty with replayed sets where the op does not compute the log-prob: ``computes_logprob``)."""
+    """(logp, support, drawable, *SupportRecord), [N] each (``support_outputs``; the threshold empty with replayed
+    sets; logp and the record's lse, nontarget_mass and logprob empty where the op does not compute the log-prob:
+    ``computes_logprob``)."""
     operands = SamplerOpOperands(*operands)
     record = named(operands.backend).support_forward(
         operands.head(), operands.support(), differentiable=operands.differentiable
@@ -136,13 +137,14 @@ _sampler_support_op = custom_op(
 def _(*operands):
     operands = SamplerOpOperands(*operands)
     N = operands.hidden.shape[0]
-    full = computes_logprob(operands)
+    full, replayed = computes_logprob(operands), operands.kept_ids is not None
 
     def per_token(computed=True, dtype=FP32):
         return operands.hidden.new_empty((N,) if computed else (0,), dtype=dtype)
 
-    # the record: target_logit, kept_lse, kept_nontarget_mass, then threshold (replayed: logp), lse, nontarget_mass
-    record = [per_token() for _ in range(3)] + [per_token(full) for _ in range(3)]
+    # the record: target_logit, kept_lse, kept_nontarget_mass, threshold (the parameters'), then lse, nontarget_mass
+    # and logprob where the op computes the log-prob
+    record = [per_token() for _ in range(3)] + [per_token(not replayed)] + [per_token(full) for _ in range(3)]
     return (per_token(full), per_token(), per_token(dtype=torch.bool), *record)
 
 
@@ -173,10 +175,11 @@ def _backward(ctx, grad_logp, grad_support, *_):
 def _sampler_support_backward(*arguments):
     """(dH, dW, db, d lora_hidden, d lora_weight) in their operands' dtypes (empty where not needed): the support's
     (and with the parameters the log-prob's) gradients from dL/dlogp and dL/ds ([N] fp32, or None)."""
-    *operands, target_logit, kept_lse, kept_rest, threshold, lse, rest, grad_logp, grad_support = arguments[:-5]
+    count = len(SamplerOpOperands._fields)
+    operands = SamplerOpOperands(*arguments[:count])
+    record = SupportRecord(*arguments[count : count + _RECORD])
+    grad_logp, grad_support = arguments[count + _RECORD : count + _RECORD + 2]
     needs = arguments[-5:]
-    operands = SamplerOpOperands(*operands)
-    record = SupportRecord(target_logit, kept_lse, kept_rest, threshold, lse, rest)
     sources = (operands.hidden, operands.weight, operands.bias, operands.lora_hidden, operands.lora_weight)
     grads = gradient_buffers(sources, needs)
     named(operands.backend).support_backward(
