@@ -5,7 +5,7 @@ for the callee on every call (``interpreter._patch_lang``: ``inspect.getmembers`
 keeps them patched until it ends. One sampler call of tests/test_batch_invariance.py made 40 000 of them: 110 s of its
 152 s under cProfile.
 
-``install()`` skips a device call's patch when every language module the callee sees is one its launch already
+``install()`` skips a nested call's patch when every language module the callee sees is one its launch already
 patched; the kernels run the same code on the same numpy values, so every number a test asserts is unchanged. A
 callee that sees a module its launch did not patch (``tl.core`` under another name) is patched as before. Imported by
 conftest (this session) and helpers (the ranks ``spawn_ranks`` starts import it from their test module).
@@ -84,8 +84,8 @@ def install():
     def once_a_launch(fn):
         seen = _language_modules(fn, tl)
         if launches and launches[-1] is not None and seen <= launches[-1]:
-            return interpreter._LangPatchScope()  # a device call: nothing to patch, nothing to restore
-        scope = patch_lang(fn)  # the launch's own patch, or a device call that sees another module: as Triton does
+            return interpreter._LangPatchScope()  # a nested call: nothing to patch, nothing to restore
+        scope = patch_lang(fn)  # the launch's own patch, or a nested call that sees another module: as Triton does
         if launches:
             launches[-1] = seen if launches[-1] is None else launches[-1] | seen
         return scope
