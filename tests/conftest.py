@@ -18,6 +18,10 @@ if _ROOT not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import interpreter_calls  # noqa: E402
+
+interpreter_calls.install()
+
 import pytest  # noqa: E402
 
 # `pytest -n N` (pytest-xdist: the README's test command): N worker processes share the cores, so each takes its share

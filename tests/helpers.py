@@ -9,11 +9,14 @@ import sys
 import time
 import warnings
 
+import interpreter_calls
 import pytest
 import torch
 
 import grpo_fast
 from grpo_fast import reference
+
+interpreter_calls.install()  # in a rank spawn_ranks starts too (conftest installs it in the session)
 
 
 @contextlib.contextmanager

@@ -62,20 +62,22 @@ def _call(hidden, weight, bias, targets, mask, kept_ids, backend, params, **shar
 
 
 def _rank(rank, port, out_dir, world, V, names, backends, triton_names=None):
+    """``V``: the head's rows, or a case's rows by its name."""
     with gloo_group(rank, world, port):
         import torch.distributed as dist
 
-        edges = splits(V, world)
-        rows = slice(edges[rank], edges[rank + 1])
         errors, traffic = {}, {}
         for name in names:
+            vocab = V[name] if isinstance(V, dict) else V
+            edges = splits(vocab, world)
+            rows = slice(edges[rank], edges[rank + 1])
             scale, params = CASES[name]
-            hidden, weight, bias, targets, mask, kept_ids = _inputs(V, scale)
+            hidden, weight, bias, targets, mask, kept_ids = _inputs(vocab, scale)
             for backend in backends:
                 if backend == "triton" and triton_names is not None and name not in triton_names:
                     continue
                 whole, whole_grads = _call(hidden, weight, bias, targets, mask, kept_ids, backend, params)
-                shard = grpo_fast.VocabShard(dist.group.WORLD, edges[rank], V)
+                shard = grpo_fast.VocabShard(dist.group.WORLD, edges[rank], vocab)
                 with CollectiveBytes() as counted:
                     part, part_grads = _call(
                         hidden, weight[rows], bias[rows], targets, mask, kept_ids, backend, params, vocab_parallel=shard
@@ -97,6 +99,14 @@ def _spawn(tmp_path, world, V, names, backends=("torch", "triton"), triton_names
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
+# the head's rows by case (splits: a third on rank 0, the rest on rank 1). Top-p's candidates come 64, then 1024 a
+# shard: at 2207 rows rank 1's 1472 rows outnumber both counts, so top-p resolves rows at 64 and at 1024 candidates
+# with a finite bound on rank 1 and the flat case takes the bisection past both. The other rules' paths are the same
+# at 307 rows (each shard past top-p's 64 candidates and every top-k here), at a seventh of the Triton kernels' work
+# (the rows' sweeps, one program a row, 128 columns a step under the interpreter)
+VOCAB = {"top_p": 2 * 1100 + 7, "top_p-bisected": 2 * 1100 + 7}
+SMALL_VOCAB = 307
+
 # the fast tier: one rule of each path (the candidates, the bisection, replayed sets), the Triton kernels (under the
 # interpreter: minutes) on the candidates' path only; the rest, and the Triton kernels on every rule, in the slow one
 FAST = ["top_p", "top_p-bisected", "kept_ids"]
@@ -113,8 +123,7 @@ FAST_TRITON = ["top_p"]
     ids=["fast", "rest", "fast-rules-triton"],
 )
 def test_two_ranks_equal_one_process(tmp_path, names, backends, triton_names):
-    V = 2 * 1100 + 7  # each shard's rows past 1024 candidates: the flat case is bisected
-    results = _spawn(tmp_path, 2, V, names, backends, triton_names)
+    results = _spawn(tmp_path, 2, {name: VOCAB.get(name, SMALL_VOCAB) for name in names}, names, backends, triton_names)
     for errors, _ in results:
         assert max(errors.values()) <= ATOL, errors
 
