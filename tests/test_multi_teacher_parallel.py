@@ -50,10 +50,11 @@ def _sharded(teachers, rows, mesh):
     return out
 
 
-def _call(case, rows=None, mesh=None, shard=None):
-    """The call on fresh leaves of the student's hidden states and weight / bias rows ``rows`` (None: whole heads),
-    and its backward: (loss, divergence, entropy, teacher entropy, dH, this rank's dW, db)."""
-    layout, backend, beta, frozen, num_items = case
+def _leaves(case, rows=None, mesh=None):
+    """The batch, its mask, routing and teachers (each in-process one's weight rows ``rows``, or DTensors on
+    ``mesh``), and fresh leaves of the student's hidden states and weight / bias (those rows; frozen as the case
+    says)."""
+    frozen = case[3]
     batch, mask, index, teachers, _ = _batch()
     weight, bias = batch["weight"], batch["bias"]
     if mesh is not None:
@@ -66,6 +67,14 @@ def _call(case, rows=None, mesh=None, shard=None):
     w, b = (torch.nn.Parameter(x.detach().clone(), requires_grad=not frozen) for x in (weight, bias))
     if rows is not None or mesh is not None:
         teachers = _sharded(teachers, rows, mesh)
+    return batch, mask, index, teachers, h, w, b
+
+
+def _call(case, rows=None, mesh=None, shard=None):
+    """The call on fresh leaves of the student's hidden states and weight / bias rows ``rows`` (None: whole heads),
+    and its backward: (loss, divergence, entropy, teacher entropy, dH, this rank's dW, db)."""
+    _, backend, beta, _, num_items = case
+    batch, mask, index, teachers, h, w, b = _leaves(case, rows, mesh)
     out = grpo_fast.multi_teacher_distillation_loss(
         h, w, grpo_fast.Teachers(teachers, index), mask, beta=beta, temperature=0.8, targets=batch["targets"],
         student_bias=b, student_softcap=4.0, backend=backend, num_items_in_batch=num_items,
@@ -82,19 +91,8 @@ def _call(case, rows=None, mesh=None, shard=None):
 def _loss_call(case, rows=None, mesh=None, shard=None):
     """``grpo_fast.loss`` with the teachers beside the policy-gradient loss (RL and several teachers in one call) on
     fresh leaves, and its backward: (loss, log-probs, the distillation metric, dH, this rank's dW, db)."""
-    layout, backend, beta, frozen, _ = case
-    batch, mask, index, teachers, _ = _batch()
-    weight, bias = batch["weight"], batch["bias"]
-    if mesh is not None:
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        weight, bias = (distribute_tensor(x, mesh, [Shard(0)]) for x in (weight, bias))
-    elif rows is not None:
-        weight, bias = weight[rows], bias[rows]
-    h = batch["hidden"].clone().requires_grad_()
-    w, b = (torch.nn.Parameter(x.detach().clone(), requires_grad=not frozen) for x in (weight, bias))
-    if rows is not None or mesh is not None:
-        teachers = _sharded(teachers, rows, mesh)
+    _, backend, beta, _, _ = case
+    batch, mask, index, teachers, h, w, b = _leaves(case, rows, mesh)
     advantages = torch.linspace(-1.0, 1.0, h.shape[0])
     loss, metrics = grpo_fast.loss(
         h, w, batch["targets"], advantages, mask, bias=b, temperature=0.8, softcap=4.0, backend=backend,
