@@ -644,10 +644,10 @@ def tile_selection_launches():
     return out
 
 
-def _sampler_sweep_variants(arch):
+def _sampler_sweep_variants(arch, kept_bits=False):
     """(label, dtype, head, config) of the sampler's record sweeps without gradients (tile candidates, kept bits):
     bf16 with and without a bias (the wide epilogue's tile), fp32 on 8 warps, each in
-    ``triton_backend.support_record_config``'s tile."""
+    ``triton_backend.support_record_config``'s tile (``kept_bits``: the wide epilogue's columns)."""
     for label, dtype, bias in (
         ("bf16", torch.bfloat16, False),
         ("bf16 +bias", torch.bfloat16, True),
@@ -655,7 +655,7 @@ def _sampler_sweep_variants(arch):
     ):
         hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
         head = HeadOperands(hidden, weight, targets, b, LogitTransform(temperature=0.7))
-        cfg = kconfig.gpu_record_config(dtype, arch, kconfig.wide_record_epilogue(False, bias, False))
+        cfg = kconfig.gpu_record_config(dtype, arch, kept_bits or kconfig.wide_record_epilogue(False, bias, False))
         if dtype == torch.float32:  # as triton_backend.support_record_config
             cfg = dataclasses.replace(cfg, num_warps=8)
         yield label, dtype, head, cfg
@@ -684,7 +684,7 @@ def kept_bits_launches(arch):
     bias, fp32; ``--mix fwd "fwd kept bits"`` compares their instructions with the plain pass's), their merge and the
     bitmaps' builder."""
     out = []
-    for label, dtype, head, cfg in _sampler_sweep_variants(arch):
+    for label, dtype, head, cfg in _sampler_sweep_variants(arch, kept_bits=True):
         hidden, weight = head.hidden, head.weight
         kept_ids = torch.randint(-1, weight.shape[0], (hidden.shape[0], 1024))
         with (

@@ -42,12 +42,13 @@ KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_r
 TILE_SELECTION_KERNEL = tile_selection.select
 
 
-def support_record_config(head):
-    """The record sweep with tile candidates or replayed sets' bitmaps: the log-prob pass's table tile
-    (``tools/sm_compile.py``: the candidates' rounds and the bitmaps' epilogue compile in it without a spill; fp32's
-    64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton 3.6 and 3.9); the timed choice is not taken:
-    its candidates were timed without the rounds."""
-    wide = kconfig.wide_record_epilogue(
+def support_record_config(head, kept_bits=False):
+    """The record sweep with tile candidates or replayed sets' bitmaps (``kept_bits``): the log-prob pass's table
+    tile, the bitmaps' in the wide epilogue's columns (``tools/sm_compile.py``: the candidates' rounds and the
+    bitmaps' epilogue compile there without a spill, where Triton 3.6's 256-column tile spills the bitmaps' 120 bytes
+    on sm_90; fp32's 64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton 3.6 and 3.9); the timed choice
+    is not taken: its candidates were timed without the rounds."""
+    wide = kept_bits or kconfig.wide_record_epilogue(
         head.transform.softcap is not None, head.bias is not None, head.lora is not None
     )
     config = kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
@@ -58,14 +59,13 @@ def replayed_record(head, kept_ids):
     """Replayed kept sets without gradients: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's
     record sweep. Sets as wide as ``kforward.kept_bits_pay`` says: the sweep reads each launch's bitmaps of them
     (``kforward.kept_record``), no gather; narrower ones: the plain sweep and the gathers of their K weight rows."""
-    config = support_record_config(head)
     N, D = head.hidden.shape
     if kforward.kept_bits_pay(kept_ids.shape[1], D, head.weight.shape[0], head.hidden.element_size()):
-        layer1, kept = kforward.kept_record(head, kept_ids, config)
+        layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, kept_bits=True))
         # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
         fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(4)]
         return support_twin.with_logprob(SupportRecord(*fields), layer1)
-    layer1 = kforward.forward_record(head, False, config)
+    layer1 = kforward.forward_record(head, False, support_record_config(head))
     return support_twin.with_logprob(support_twin.replayed_forward(head, kept_ids, KEPT_SET_KERNELS), layer1)
 
 
@@ -196,8 +196,8 @@ class TritonBackend:
         launch's rows within its PARTS_BYTES, and their kept record's 3 x N fp32 before the op's copy), the gathers
         only for narrow sets (``kforward.kept_bits_pay``)."""
         (N, D), V = hidden_shape, vocab_size
-        config = kconfig.forward_config(torch.device(device_type), dtype)
         bits = kforward.kept_bits_pay(kept, D, V, torch.empty(0, dtype=dtype).element_size())
+        config = kconfig.forward_config(torch.device(device_type), dtype, bits)  # support_record_config's columns
         return kforward.workspace_bytes(N, V, False, config, kept_bits=bits) + (3 * N * 4 if bits else 0), not bits
 
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
