@@ -1,7 +1,7 @@
 """Replayed kept sets without gradients from the log-prob's own record sweep (kernels/forward.py ``kept_record``: each
 launch's rows' sets as a bitmap read in the tiles' epilogue) against the fp64 spec, at the launch and through
 ``grpo_fast.sampler_logprobs``; and its agreement with the gathers' path (``kernels.kept_set``), which the Triton
-backend takes for narrow sets (``kforward.kept_bits_pay``; forced either way here).
+backend takes with gradients; a row's values whatever the sets' padding.
 
 Odd shapes (V not a multiple of 32 nor of the tiles, partial token blocks) in fp32 / bf16 / fp16, one launch holding
 every kind of row: a set of one entry, every entry, sets without the row's max, kept entries ~100 nats below their
@@ -175,21 +175,23 @@ def _sampler_inputs(dtype, device, seed=0):
     return hidden, weight, bias, targets.to(device), mask.to(device), ids.to(device)
 
 
-def _no_grad_sampler(backend, bits, monkeypatch, *inputs, **kwargs):
-    monkeypatch.setattr(kforward, "kept_bits_pay", lambda *_: bits)
+def _sampler(backend, *inputs, grad=False, **kwargs):
+    """``sampler_logprobs`` without gradients (the bitmap sweep on the Triton backend), or with (the gathers)."""
     hidden, weight, bias, targets, mask, ids = inputs
-    with torch.no_grad():
-        return grpo_fast.sampler_logprobs(
+    with torch.set_grad_enabled(grad):
+        hidden = hidden.clone().requires_grad_(grad)
+        out = grpo_fast.sampler_logprobs(
             hidden, weight, targets, mask, bias=bias, temperature=0.9, backend=backend, kept_ids=ids, **kwargs
         )
+    return type(out)(*(x.detach() for x in out))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend, bits", [("triton", True), ("triton", False), ("torch", None)])
-def test_sampler_logprobs_without_gradients_match_fp64(backend, bits, dtype, monkeypatch, device):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_sampler_logprobs_without_gradients_match_fp64(backend, dtype, device):
     inputs = _sampler_inputs(dtype, backend_device(backend, device))
     hidden, weight, bias, targets, mask, ids = inputs
-    out = _no_grad_sampler(backend, bits, monkeypatch, *inputs)
+    out = _sampler(backend, *inputs)
     spec = reference.sampler_logprobs(
         hidden, weight, targets, bias, 0.9, kept_ids=ids.clamp(max=149), compute_dtype=F64
     )
@@ -199,9 +201,9 @@ def test_sampler_logprobs_without_gradients_match_fp64(backend, bits, dtype, mon
         torch.testing.assert_close(x[mask], r[mask].float(), rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_the_bitmap_equals_the_gathers_and_layer1(monkeypatch, device):
+def test_the_bitmap_equals_the_gathers_and_layer1(device):
     inputs = _sampler_inputs(torch.float32, device, seed=1)
-    bitmap, gathers = (_no_grad_sampler("triton", bits, monkeypatch, *inputs) for bits in (True, False))
+    bitmap, gathers = (_sampler("triton", *inputs, grad=grad) for grad in (False, True))
     for name, x, y in zip(bitmap._fields, bitmap, gathers):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     hidden, weight, bias, targets, mask, _ = inputs
@@ -211,15 +213,15 @@ def test_the_bitmap_equals_the_gathers_and_layer1(monkeypatch, device):
     torch.testing.assert_close(bitmap.logprobs, layer1, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend, bits", [("triton", True), ("triton", False), ("torch", None)])
-def test_a_target_outside_its_set_and_an_id_twice(backend, bits, monkeypatch, device):
+@pytest.mark.parametrize("backend, grad", [("triton", False), ("triton", True), ("torch", False)])
+def test_a_target_outside_its_set_and_an_id_twice(backend, grad, device):
     hidden, weight, bias, targets, mask, ids = _sampler_inputs(torch.float32, backend_device(backend, device), seed=2)
     outside = ids.clone()
     outside[0, 1] = torch.where(outside[0, 1] == targets[0, 1], -1, outside[0, 1])
     inputs = (hidden, weight, bias, targets, mask)
     with pytest.raises(ValueError, match=r"targets\[0, 1\] is not in its kept set"):
-        _no_grad_sampler(backend, bits, monkeypatch, *inputs, outside)
-    out = _no_grad_sampler(backend, bits, monkeypatch, *inputs, outside, check_values=False)
+        _sampler(backend, *inputs, outside, grad=grad)
+    out = _sampler(backend, *inputs, outside, grad=grad, check_values=False)
     spec = reference.sampler_logprobs(hidden, weight, targets, bias, 0.9, compute_dtype=F64)
     assert math.isnan(out.support_logprobs[0, 1].item())
     # the log-prob stays the target's over the vocabulary: a finite number, the spec's
@@ -228,20 +230,19 @@ def test_a_target_outside_its_set_and_an_id_twice(backend, bits, monkeypatch, de
     twice = ids.clone()
     twice[0, 2, -1] = targets[0, 2]
     with pytest.raises(ValueError, match="an id twice"):
-        _no_grad_sampler(backend, bits, monkeypatch, *inputs, twice)
-    out = _no_grad_sampler(backend, bits, monkeypatch, *inputs, twice, check_values=False)
+        _sampler(backend, *inputs, twice, grad=grad)
+    out = _sampler(backend, *inputs, twice, grad=grad, check_values=False)
     z = reference.logits(hidden, weight, bias, 0.9, compute_dtype=F64)[0, 2]
     row = twice[0, 2][twice[0, 2] >= 0]
     as_set, as_list = torch.logsumexp(z[row.unique()], 0), torch.logsumexp(z[row], 0)
+    bits = backend == "triton" and not grad  # the bitmap sweep; else the gathers
     expected = z[targets[0, 2]] - (as_set if bits else as_list)
     torch.testing.assert_close(out.support_logprobs[0, 2], expected.float(), rtol=1e-5, atol=2e-5)
     assert abs((as_set - as_list).item()) > 1e-3  # the two readings differ
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("bits", [True, False])
-def test_fake_tensors_and_no_host_read(backend, bits, monkeypatch, device):
-    monkeypatch.setattr(kforward, "kept_bits_pay", lambda *_: bits)
+def test_fake_tensors_and_no_host_read(backend, monkeypatch, device):
     with FakeTensorMode(), torch.no_grad():
         hidden, weight = torch.empty(2, 5, 16), torch.empty(40, 16)
         targets, ids = torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, 5, 300, dtype=torch.int64)
@@ -260,12 +261,11 @@ def test_fake_tensors_and_no_host_read(backend, bits, monkeypatch, device):
 
 
 def test_the_memory_model_counts_the_bitmap_sweep():
-    # the no-grad forward of wide replayed sets: the record sweep's workspace with the bitmaps, no [N, K] buffers;
-    # narrow ones: the plain sweep's and the gathers'
+    # the no-grad forward of replayed sets: the record sweep's workspace with the bitmaps, no [N, K] buffers (at any
+    # K); with gradients the gathers' [N, K] buffers
     N, D, V = 4096, 1536, 151936
-    assert kforward.kept_bits_pay(1024, D, V, 2) and not kforward.kept_bits_pay(64, D, V, 2)
-    config = kconfig.forward_config(torch.device("cuda"), torch.bfloat16)
-    bits, plain = (kforward.workspace_bytes(N, V, False, config, kept_bits=k) for k in (True, False))
+    config = kconfig.forward_config(torch.device("cuda"), torch.bfloat16, True)  # the bitmaps' columns
+    bits = kforward.workspace_bytes(N, V, False, config, kept_bits=True)
     # the bitmaps within the launch's bytes: fewer rows a launch
     assert kforward.parts_shape(N, V, False, config, kept_bits=True)[2] < kforward.parts_shape(N, V, False, config)[2]
 
@@ -274,6 +274,24 @@ def test_the_memory_model_counts_the_bitmap_sweep():
             "sampler_support", N, D, V, torch.bfloat16, kept=kept, differentiable=differentiable
         )
 
-    assert model(1024, False) == bits + 3 * N * 4
-    assert model(64, False) == plain + math.ceil(N * 64 * 4 * support_workspace.REPLAYED_FORWARD)
+    assert model(1024, False) == model(64, False) == bits + 3 * N * 4
     assert model(1024, True) == math.ceil(N * 1024 * 4 * support_workspace.REPLAYED_FORWARD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_values_do_not_depend_on_the_sets_padding(dtype, device):
+    """Batch invariance (docs/batch-invariance.md) over the kept sets' padding: the same sets padded to a narrow and
+    a wide K (the width pack_kept_ids gives a batch: its widest set's) give every row bitwise the same log-prob and
+    support log-prob, without gradients (one path whatever K)."""
+    hidden, weight, bias, targets = _head(dtype, device)
+    narrow = (targets[:, None] + torch.arange(6, device=targets.device) * 37) % V  # 6 distinct ids, the target's first
+    wide = torch.cat([narrow, torch.full((N, 200), -1, dtype=torch.int64, device=device)], dim=1)
+    out = []
+    with torch.no_grad():
+        for kept in (narrow, wide):
+            res = grpo_fast.sampler_logprobs(
+                hidden[None], weight, targets[None], kept_ids=kept[None], bias=bias, backend="triton"
+            )
+            out.append(res)
+    for a, b in zip(out[0], out[1]):
+        assert torch.equal(a, b)

@@ -57,16 +57,13 @@ def support_record_config(head, kept_bits=False):
 
 def replayed_record(head, kept_ids):
     """Replayed kept sets without gradients: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's
-    record sweep. Sets as wide as ``kforward.kept_bits_pay`` says: the sweep reads each launch's bitmaps of them
-    (``kforward.kept_record``), no gather; narrower ones: the plain sweep and the gathers of their K weight rows."""
-    N, D = head.hidden.shape
-    if kforward.kept_bits_pay(kept_ids.shape[1], D, head.weight.shape[0], head.hidden.element_size()):
-        layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, kept_bits=True))
-        # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
-        fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(4)]
-        return support_twin.with_logprob(SupportRecord(*fields), layer1)
-    layer1 = kforward.forward_record(head, False, support_record_config(head))
-    return support_twin.with_logprob(support_twin.replayed_forward(head, kept_ids, KEPT_SET_KERNELS), layer1)
+    record sweep reading each launch's bitmaps of the sets (``kforward.kept_record``), no gather. One path whatever the
+    sets' width K: a row's values do not depend on how far a batch pads its sets (batch invariance; the gathers cost
+    less for narrow sets, but a batch's K is its widest set's)."""
+    layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, kept_bits=True))
+    # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
+    fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(4)]
+    return support_twin.with_logprob(SupportRecord(*fields), layer1)
 
 
 class TritonBackend:
@@ -192,13 +189,11 @@ class TritonBackend:
         return kept_set.grad_table_workspace_bytes(*ids_shape)
 
     def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
-        """``replayed_record``'s: the record sweep's workspace (``kforward.workspace_bytes``: wide sets' bitmaps of a
-        launch's rows within its PARTS_BYTES, and their kept record's 3 x N fp32 before the op's copy), the gathers
-        only for narrow sets (``kforward.kept_bits_pay``)."""
-        (N, D), V = hidden_shape, vocab_size
-        bits = kforward.kept_bits_pay(kept, D, V, torch.empty(0, dtype=dtype).element_size())
-        config = kconfig.forward_config(torch.device(device_type), dtype, bits)  # support_record_config's columns
-        return kforward.workspace_bytes(N, V, False, config, kept_bits=bits) + (3 * N * 4 if bits else 0), not bits
+        """``replayed_record``'s: the record sweep's workspace (``kforward.workspace_bytes``: the bitmaps of a launch's
+        rows within its PARTS_BYTES) and the kept record's 3 x N fp32 before the op's copy; no gathered buffers."""
+        (N, _), V = hidden_shape, vocab_size
+        config = kconfig.forward_config(torch.device(device_type), dtype, True)  # support_record_config's columns
+        return kforward.workspace_bytes(N, V, False, config, kept_bits=True) + 3 * N * 4, False
 
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep); without gradients (one

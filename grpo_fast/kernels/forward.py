@@ -49,23 +49,6 @@ PARTS_BYTES = 32 * 2**20
 # row's entries do not show its cut, and its caller takes another path. Two entries a tile: 2.7e-2 (1.0e-1).
 TILE_CANDIDATES = 3
 
-# Replayed kept sets without gradients (``kept_bits_pay``): the record sweep reading a launch's bitmaps costs the
-# epilogue KEPT_BITS_SLOTS more issue slots a logit (sm_90 bf16, tools/sm_compile.py --mix, Triton 3.9: 44.3 SASS
-# instructions a logit, 24.3 on the ALU pipe, against the plain pass's 26.1 and 13.4; a logit costs max(instructions,
-# 2 x ALU) slots: 48.7 against 26.8) and a token's bitmap (V / 8 bytes) written and read; a set's gathers read its K
-# weight rows, K x D x itemsize bytes a token. A slot is worth BYTES_PER_SLOT bytes of row reads (an H200: ~5 TB/s
-# over 132 SMs x 4 schedulers x 32 lanes at 1.98 GHz, the plain pass at ~0.8 of that issue rate). Argued, not
-# measured.
-KEPT_BITS_SLOTS = 21.9
-BYTES_PER_SLOT = 0.15
-
-
-def kept_bits_pay(K, D, V, itemsize):
-    """Whether replayed sets [N, K] cost less through the record sweep's bitmaps than through gathers of their
-    weight rows (the constants above; K the sets' width, the filling's slots counted: no host read of the widest
-    set): at the Qwen2.5-1.5B head (D 1536, V 151936, bf16) from K = 175 on."""
-    return K * D * itemsize >= V * (KEPT_BITS_SLOTS * BYTES_PER_SLOT + 2 / 8)
-
 
 @triton.jit
 def _max_nan(a, b):

@@ -19,9 +19,8 @@ The memory model (``support_workspace_bytes``): over fake tensors the ops ``grpo
   backend's ``gathered_backward_workspace_bytes`` (Triton's sort of the [N, K] pairs by id, ``kernels.kept_set``:
   at most ``PAIRS_PER_SORT`` pairs at a time); the full log-prob is layer 1's op, whose own workspace the estimate
   already adds. Without gradients (the old policy's pass) the op computes the log-prob itself, by the record sweep
-  (``support_workspace.replayed_sweep_bytes``): its partials and, for sets as wide as ``kernels.forward.kept_bits_pay``
-  says, the bitmaps of a launch's rows (V / 8 bytes a row, within the launch's PARTS_BYTES) instead of the [N, K]
-  buffers;
+  (``support_workspace.replayed_sweep_bytes``): its partials and the bitmaps of a launch's rows (V / 8 bytes a row,
+  within the launch's PARTS_BYTES; on the Triton backend, at any K) instead of the [N, K] buffers;
 * the backward's fp32 gradients of the operands it differentiates (dH [N, D], and dW [V, D] where the lm_head
   trains), cast to their dtypes at the end.
 
