@@ -513,26 +513,25 @@ class RoutedDistillation:
         _check_teacher_shapes(listed, routing, T, head.weight.shape[0], head.hidden.device)
         div = torch.zeros(B * T, dtype=torch.float32, device=head.hidden.device)
         dense = [i for i, t in enumerate(listed) if isinstance(t, Teacher)]
+        segments = routing.segments(dense, len(listed))
         if head.shard is not None:  # each in-process teacher's rows through the vocab-parallel divergence head
             student = ModelHead(head.hidden, head.weight, head.bias, head.transform)
-            segments = routing.segments(dense, len(listed))
             for flat, part, _, _ in dense_divergences(
                 student, listed, segments, self.beta, head.shard, head.backend.name
             ):
                 div = div.index_copy(0, flat, part)
-            dense = []
-        # the divergence head's per-token op on each in-process teacher's rows
-        for i, flat, local in routing.segments(dense, len(listed)):
-            student = head.operands(Rows(flat))
-            operands = divergence_ops.OpOperands.from_heads(
-                ModelHead(student.hidden, student.weight, student.bias, student.transform),
-                teacher_head(listed[i], Rows(local), head.transform.temperature),
-                self.beta,
-                head.backend.name,
-                student.hidden.dtype,
-            )
-            part, _, _, _, _ = divergence_ops.divergence_forward(operands, False)
-            div = div.index_copy(0, flat, part)
+        else:  # the divergence head's per-token op on each in-process teacher's rows
+            for i, flat, local in segments:
+                student = head.operands(Rows(flat))
+                operands = divergence_ops.OpOperands.from_heads(
+                    ModelHead(student.hidden, student.weight, student.bias, student.transform),
+                    teacher_head(listed[i], Rows(local), head.transform.temperature),
+                    self.beta,
+                    head.backend.name,
+                    student.hidden.dtype,
+                )
+                part, _, _, _, _ = divergence_ops.divergence_forward(operands, False)
+                div = div.index_copy(0, flat, part)
         served = [i for i, t in enumerate(listed) if isinstance(t, ServedTeacher)]
         if served and sum(routing.token_counts[i] for i in served):
             record = _served_record(listed, served, routing, B, T, head.hidden.device)

@@ -81,7 +81,6 @@ def _served_trained_loss(*operands):
     live = support.valid & signal[:, None]
     ids = torch.where(live, support.ids, -1)
     sparse = torch.zeros(ids.shape, dtype=FP32, device=dev)
-    slope = torch.empty(ids.shape, dtype=FP32, device=dev)
     divergence = torch.zeros(hidden.shape[0], dtype=FP32, device=dev)
     # at beta 0 the entry gradient is the teacher's alone: each chunk's kept rows are read once, for the logits and
     # the sparse part of dH (``kernels.kept_set.kept_dot_rows``); otherwise the logits now, dH's rows after the sweeps
@@ -89,6 +88,7 @@ def _served_trained_loss(*operands):
     teacher_gradient = served_teacher.teacher_entry_gradient(support, operands.add_tail_bucket) if rows_once else None
     logits = None if rows_once else backend.gathered_logits(head, ids)
     sparse_hidden = torch.zeros(hidden.shape, dtype=FP32, device=dev) if rows_once else None
+    slope = torch.empty(ids.shape, dtype=FP32, device=dev) if rows_once else None  # dz/du at the ids, for dW
 
     def coefficients(n0, n1, logp, entropy):
         rows = served_teacher.Support(*(x[n0:n1] for x in support))
@@ -100,21 +100,19 @@ def _served_trained_loss(*operands):
             z = logits[n0:n1]
             pivot = served_teacher.support_pivot(z, rows)
         lse = torch.where(signal[n0:n1], z.gather(-1, first[n0:n1])[:, 0] - logp.float(), 0.0)
-        div, G, c = served_teacher.gradient_factors(z, lse, rows, operands.beta, operands.add_tail_bucket, pivot)
-        grad_z = served_teacher.assembled_gradient(G, c, z, pivot, rows)
-        grad_lse = -grad_z.sum(-1) if operands.add_tail_bucket else torch.zeros_like(div)
+        div, grad_z, grad_lse, c = served_teacher.gradients_at_pivot(
+            z, lse, rows, operands.beta, operands.add_tail_bucket, pivot
+        )
         divergence[n0:n1] = div
-        if rows_once:  # sum_k dD/dz_k dz_k/du_k W_k = T + c P (G fixed at the teacher's)
+        # lse = z_a - logp_a: dL/dlogp_a = -dL/dlse, and z_a's column takes dL/dlse
+        anchor = (grad_lse * weights)[:, None]
+        sparse[n0:n1] = (grad_z * weights[:, None]).scatter_add_(1, first[n0:n1], anchor)
+        if rows_once:  # sum_k dD/dz_k dz_k/du_k W_k = T + c P (G fixed at the teacher's); the anchor's row once more
             sparse_hidden[n0:n1] = T.add_(P.mul_(c[:, None])).mul_(weights[:, None])
-            # lse = z_a - logp_a: z_a's column takes dL/dlse; its row read once more (one of K)
-            anchor = torch.zeros_like(sparse[n0:n1]).scatter_(1, first[n0:n1], (grad_lse * weights)[:, None])
-            sparse[n0:n1] = grad_z * weights[:, None] + anchor
+            at = first[n0:n1]
             backend.gathered_backward(
-                chunk, ids[n0:n1].gather(1, first[n0:n1]), anchor.gather(1, first[n0:n1]),
-                HeadGrads(sparse_hidden[n0:n1]), slope[n0:n1].gather(1, first[n0:n1]),
-            )  # fmt: skip
-        else:
-            sparse[n0:n1] = (grad_z * weights[:, None]).scatter_add_(1, first[n0:n1], (grad_lse * weights)[:, None])
+                chunk, ids[n0:n1].gather(1, at), anchor, HeadGrads(sparse_hidden[n0:n1]), slope[n0:n1].gather(1, at)
+            )
         return -grad_lse * weights
 
     grads = HeadGrads(

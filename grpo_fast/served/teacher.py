@@ -218,11 +218,14 @@ def support_pivot(student_logits, rows: Support):
     return torch.where(top == -math.inf, 0.0, top)
 
 
-def assembled_gradient(G, c, student_logits, pivot, rows: Support):
-    """dD/dz [N, K'] from ``gradient_factors``' G and c: G + c exp(z - pivot) on the entries of rows with any, 0
-    elsewhere."""
+def gradients_at_pivot(student_logits, lse, rows: Support, beta, add_tail_bucket, pivot):
+    """(divergence [N], dD/dz [N, K'], dD/dlse [N], c [N]): ``gradient_factors``' G and c assembled, dD/dz = G +
+    c exp(z - pivot) on the entries of rows with any (0 elsewhere), dD/dlse = -sum dD/dz with the tail bucket (zeros
+    renormalised); c kept for a caller that sums the rows with G and the softmax weights apart (``served.ops``)."""
+    div, G, c = gradient_factors(student_logits, lse, rows, beta, add_tail_bucket, pivot)
     live = rows.valid & rows.valid.any(-1, keepdim=True)
-    return torch.where(live, G + c[:, None] * torch.exp(student_logits - pivot[:, None]), 0.0)
+    grad_z = torch.where(live, G + c[:, None] * torch.exp(student_logits - pivot[:, None]), 0.0)
+    return div, grad_z, -grad_z.sum(-1) if add_tail_bucket else torch.zeros_like(div), c
 
 
 def teacher_entry_gradient(rows: Support, add_tail_bucket):
@@ -235,8 +238,6 @@ def teacher_entry_gradient(rows: Support, add_tail_bucket):
 
 def divergence_and_gradients(student_logits, lse, rows: Support, beta, add_tail_bucket):
     """``divergence`` [N] and its gradients, dD/dz at the support's ids [N, K'] and dD/dlse [N] (zeros without the
-    tail bucket), written out (``gradient_factors``)."""
+    tail bucket), written out (``gradients_at_pivot``)."""
     pivot = support_pivot(student_logits, rows)
-    div, G, c = gradient_factors(student_logits, lse, rows, beta, add_tail_bucket, pivot)
-    grad_z = assembled_gradient(G, c, student_logits, pivot, rows)
-    return div, grad_z, -grad_z.sum(-1) if add_tail_bucket else torch.zeros_like(div)
+    return gradients_at_pivot(student_logits, lse, rows, beta, add_tail_bucket, pivot)[:3]
