@@ -372,6 +372,12 @@ def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
     return SupportRecord(target_logit, kept_lse, rest / total, *(torch.empty(0, device=z.device) for _ in range(4)))
 
 
+def takes_logprob(differentiable: bool, reduce) -> bool:
+    """Whether a replayed set's forward gives the log-prob too (``with_logprob``): without gradients, on one process
+    (``sampler.ops.computes_logprob`` gives the op's shapes alike)."""
+    return not differentiable and reduce is ONE_PROCESS
+
+
 def with_logprob(record: SupportRecord, layer1: softmax_stats.SoftmaxStats) -> SupportRecord:
     """A replayed set's record (``replayed_forward``'s fields) completed without gradients by layer 1's record of the
     same rows (``softmax_stats``, merged): lse, nontarget_mass and layer 1's log-prob itself, finished as layer 1

@@ -89,7 +89,7 @@ class TorchBackend:
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)
         record = support_twin.replayed_forward(head, support.kept_ids, reduce=reduce)
-        if differentiable or reduce is not support_twin.ONE_PROCESS:
+        if not support_twin.takes_logprob(differentiable, reduce):
             return record
         # the op's log-prob too (``sampler.ops.computes_logprob``), from layer 1's chunked record
         return support_twin.with_logprob(record, head_twin.forward_record(head, False))

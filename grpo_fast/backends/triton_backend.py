@@ -203,9 +203,9 @@ class TritonBackend:
         cuBLAS, then ``kernels.kept_rows``' row sweeps (``support_rows``)."""
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is not None:
-            if differentiable or reduce is not support_twin.ONE_PROCESS:
-                return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
-            return replayed_record(head, support.kept_ids)
+            if support_twin.takes_logprob(differentiable, reduce):
+                return replayed_record(head, support.kept_ids)
+            return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
 
         def rows_forward(rows_head, rows_support):
             return support_rows.parameter_forward(rows_head, rows_support, vocab_size, reduce, KEPT_ROW_KERNELS)
