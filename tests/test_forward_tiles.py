@@ -165,7 +165,7 @@ def test_tile_candidates_are_each_tiles_four_largest_logits(monkeypatch, device)
     tiles, patches = -(-V // cfg.block_v), -(-V // (cfg.block_v * cfg.tiles))
     row_bytes = (2 * patches + kforward.candidate_fields() * tiles) * 4
     monkeypatch.setattr(kforward, "PARTS_BYTES", row_bytes * cfg.block_n)
-    assert kforward.parts_shape(N, V, False, cfg, candidates=True)[2] == cfg.block_n
+    assert kforward.parts_shape(N, V, False, cfg, candidates=kforward.candidate_fields())[2] == cfg.block_n
     seen = []
 
     def keep(n0, n1, candidates, record):

@@ -644,10 +644,11 @@ def tile_selection_launches():
     return out
 
 
-def _sampler_sweep_variants(arch, kept_bits=False):
-    """(label, dtype, head, config) of the sampler's record sweeps without gradients (tile candidates, kept bits):
-    bf16 with and without a bias (the wide epilogue's tile), fp32 on 8 warps, each in
-    ``triton_backend.support_record_config``'s tile (``kept_bits``: the wide epilogue's columns)."""
+def _sampler_sweep_variants(arch, wide=False):
+    """(label, dtype, head, config) of the sampler's record sweeps (tile candidates, their columns, kept bits): bf16
+    with and without a bias (the wide epilogue's tile), fp32 on 8 warps, each in
+    ``triton_backend.support_record_config``'s tile (``wide``: the wide epilogue's columns, the columns' and kept
+    bits')."""
     for label, dtype, bias in (
         ("bf16", torch.bfloat16, False),
         ("bf16 +bias", torch.bfloat16, True),
@@ -655,26 +656,28 @@ def _sampler_sweep_variants(arch, kept_bits=False):
     ):
         hidden, weight, targets, b, _, _ = _inputs(dtype, bias=bias)
         head = HeadOperands(hidden, weight, targets, b, LogitTransform(temperature=0.7))
-        cfg = kconfig.gpu_record_config(dtype, arch, kept_bits or kconfig.wide_record_epilogue(False, bias, False))
+        cfg = kconfig.gpu_record_config(dtype, arch, wide or kconfig.wide_record_epilogue(False, bias, False))
         if dtype == torch.float32:  # as triton_backend.support_record_config
             cfg = dataclasses.replace(cfg, num_warps=8)
         yield label, dtype, head, cfg
 
 
 def tile_candidate_launches(arch):
-    """[(variant, family, dtype name, Launch)] of the forward with tile candidates (the sampler's pass without
-    gradients, backends.support_tiles: no entropy, the log-prob pass's tile), bf16 with and without a bias (the
-    wide epilogue's tile), fp32; and first the same forward without them, bf16 (the plain log-prob pass the
-    candidates extend: ``--mix fwd "fwd candidates"`` compares their instructions)."""
+    """[(variant, family, dtype name, Launch)] of the forward with tile candidates (the sampler's pass,
+    backends.support_tiles: no entropy, the log-prob pass's tile), bf16 with and without a bias (the wide epilogue's
+    tile), fp32, without and with their columns (the pass with gradients); and first the same forward without them,
+    bf16 (the plain log-prob pass the candidates extend: ``--mix fwd "fwd candidates"`` compares their
+    instructions)."""
     hidden, weight, targets, _, _, _ = _inputs(torch.bfloat16)
     head = HeadOperands(hidden, weight, targets, None, LogitTransform(temperature=0.7))
     with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel"):
         forward.forward_record(head, False, kconfig.gpu_record_config(torch.bfloat16, arch))
     out = [("fwd bf16 no entropy", "fwd", "bf16", launches[0])]
-    for label, dtype, head, cfg in _sampler_sweep_variants(arch):
-        with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel"):
-            forward.forward_record(head, False, cfg, tile_candidates=lambda *_: None)
-        out.append((f"fwd candidates {label}", "fwd candidates", TRITON_TYPES[dtype], launches[0]))
+    for columns, family in ((False, "fwd candidates"), (True, "fwd candidates columns")):
+        for label, dtype, head, cfg in _sampler_sweep_variants(arch, wide=columns):
+            with recording(forward, "_tile_records_kernel") as launches, recording(forward, "_merge_parts_kernel"):
+                forward.forward_record(head, False, cfg, tile_candidates=lambda *_: None, candidate_columns=columns)
+            out.append((f"{family} {label}", family, TRITON_TYPES[dtype], launches[0]))
     return out
 
 
@@ -684,7 +687,7 @@ def kept_bits_launches(arch):
     bias, fp32; ``--mix fwd "fwd kept bits"`` compares their instructions with the plain pass's), their merge and the
     bitmaps' builder."""
     out = []
-    for label, dtype, head, cfg in _sampler_sweep_variants(arch, kept_bits=True):
+    for label, dtype, head, cfg in _sampler_sweep_variants(arch, wide=True):
         hidden, weight = head.hidden, head.weight
         kept_ids = torch.randint(-1, weight.shape[0], (hidden.shape[0], 1024))
         with (

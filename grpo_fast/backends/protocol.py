@@ -203,6 +203,12 @@ class Backend(Protocol):
         ``differentiable``: a backward may follow (its recompute's arithmetic must give the forward's kept set)."""
         ...
 
+    def carried_kept_width(self, support: SamplerSupport, reduce=None, differentiable: bool = True) -> int:
+        """K where ``support_forward``'s record carries each row's kept ids to the backward
+        (``SupportRecord.carried_ids`` [N, K]), else 0: decided from the arguments alone (the op's fake decides
+        alike)."""
+        ...
+
     def support_backward(
         self,
         head: HeadOperands,

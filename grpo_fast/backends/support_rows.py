@@ -131,7 +131,7 @@ def parameter_forward(head: HeadOperands, support: SamplerSupport, vocab_size, r
     N = head.hidden.shape[0]
     vocab_size = head.weight.shape[0] if vocab_size is None else vocab_size
     count = _candidate_count(support, vocab_size)
-    record = SupportRecord(*(torch.empty(N, device=head.hidden.device) for _ in SupportRecord._fields))
+    record = SupportRecord.to_fill(N, head.hidden.device)
     for n0, n1 in support_twin._rows(head):
         z = support_twin._row_logits(head, n0, n1).contiguous()
         targets = head.targets[n0:n1].contiguous()

@@ -46,40 +46,111 @@ import torch
 
 from grpo_fast.backends import support_rows, support_twin
 from grpo_fast.kernels import forward as kforward
-from grpo_fast.kernels.operands import HeadOperands, SamplerSupport, SupportRecord
+from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels.operands import HeadGrads, HeadOperands, SamplerSupport, SupportRecord
 from grpo_fast.kernels.tile_selection import LISTED
 
 
-def serves(support: SamplerSupport, reduce, differentiable: bool) -> bool:
+def serves(support: SamplerSupport, reduce) -> bool:
     """Whether this path computes the support: the sampling parameters with top-k 0 or up to ``LISTED``, one
-    process's whole head, no gradient."""
+    process's whole head."""
     one_process = reduce is None or reduce is support_twin.ONE_PROCESS
-    return support.kept_ids is None and support.top_k <= LISTED and one_process and not differentiable
+    return support.kept_ids is None and support.top_k <= LISTED and one_process
 
 
-def parameter_forward(head: HeadOperands, support: SamplerSupport, config, rows_forward, kernel=None) -> SupportRecord:
+def parameter_forward(
+    head: HeadOperands, support: SamplerSupport, config, rows_forward, kernel=None, carry=False
+) -> SupportRecord:
     """The SupportRecord of ``head``'s rows (module docstring); ``config``: ``kernels.forward``'s launch;
     ``rows_forward(head, support) -> SupportRecord``: the rows' path, for the rows the candidates do not resolve;
     ``kernel``: None (``_select``'s torch form) or the backend's selection kernel (``kernels.tile_selection.select``),
-    one launch a launch of the sweep."""
+    one launch a launch of the sweep. ``carry`` (a backward follows): the sweep lists its entries' columns too and the
+    record carries each resolved row's kept ids (``kept_columns``), a row of -1 for those the rows' path took."""
     N, V = head.hidden.shape[0], head.weight.shape[0]
     device = head.hidden.device
-    record = SupportRecord(*(torch.empty(N, dtype=torch.float32, device=device) for _ in SupportRecord._fields))
+    ids = torch.full((N, LISTED), -1, dtype=torch.int64, device=device) if carry else None
+    record = SupportRecord.to_fill(N, device, ids)
     tau, kept, kept_rest = torch.empty((3, N), dtype=torch.float32, device=device)
     resolved = torch.zeros(N, dtype=torch.bool, device=device)
 
     def select(n0, n1, candidates, stats):
         m, s, _, _, target_logit = stats.unbind(0)
         out = tuple(x[n0:n1] for x in (tau, kept, kept_rest, resolved))
-        _select(candidates, m, s, target_logit, support, V, kernel, out)
+        _select(candidates[: kforward.candidate_fields()], m, s, target_logit, support, V, kernel, out)
+        if carry:
+            kept_columns(candidates, tau[n0:n1], resolved[n0:n1], config.block_v, ids[n0:n1])
 
-    m, s, rest, _, target_logit = kforward.forward_record(head, False, config, tile_candidates=select)
+    m, s, rest, _, target_logit = kforward.forward_record(
+        head, False, config, tile_candidates=select, candidate_columns=carry
+    )
     support_rows.fill_record(record, slice(None), target_logit, m, (s, rest), tau, (kept, kept_rest))
     pending = (~resolved).nonzero().squeeze(-1)
     if pending.numel():
-        for field, values in zip(record, rows_forward(_rows_of(head, pending), support)):
+        rows = rows_forward(_rows_of(head, pending), support)
+        for field, values in zip(record[:-1], rows[:-1]):  # the rows' path carries no ids: theirs stay -1
             field[pending] = values
     return record
+
+
+def kept_columns(candidates, tau, resolved, block_v, ids):
+    """Each resolved row's kept ids from its tiles' candidates with their columns (``candidates`` [5, tiles, n]: the
+    entries, the bound, then ``kforward._tile_columns``' int32 in fp32 bits), written into ``ids`` [n, LISTED] (-1
+    after them); ``resolved`` [n] cleared in place where the columns cannot name the set: a tie among a tile's kept
+    entries (the sums name tied columns together), or more kept entries than ``LISTED`` (min-p's).
+
+    A tile keeping r of its entries (v_1 >= v_2 >= v_3 its 3 largest): r = 1: v_1 > v_2 (v_2 < tau), the column F_1;
+    r = 2: v_2 > v_3, the columns F_1 and F_2 - F_1 where v_1 > v_2; r = 3: v_3 above the tile's 4th (it bounds no
+    kept logit in a resolved row), F_1, F_2 - F_1, F_3 - F_2 where v_1 > v_2 > v_3."""
+    C = kforward.TILE_CANDIDATES
+    tiles = candidates.shape[1]
+    values = candidates[:C].permute(2, 1, 0)  # [n, tiles, C]
+    packed = candidates[C + 1].view(torch.int32).T.long()  # [n, tiles]
+    bits = kforward.COLUMN_FIELD_BITS
+    sums = [(packed >> (k * bits)) & ((1 << bits) - 1) for k in range(C)]  # F_1, F_2, F_3
+    columns = torch.stack([sums[0], sums[1] - sums[0], sums[2] - sums[1]], dim=-1)
+    kept = values >= tau[:, None, None]
+    tied = (kept[..., 1] & (values[..., 0] == values[..., 1])) | (kept[..., 2] & (values[..., 1] == values[..., 2]))
+    resolved &= ~tied.any(-1) & (kept.sum((1, 2)) <= LISTED)
+    vocab_ids = torch.arange(tiles, device=values.device)[None, :, None] * block_v + columns
+    order = torch.where(kept, values, -math.inf).reshape(kept.shape[0], -1)
+    top = order.topk(min(LISTED, order.shape[-1]), dim=-1)
+    chosen = kept.reshape(kept.shape[0], -1).gather(1, top.indices) & resolved[:, None]
+    ids.fill_(-1)
+    ids[:, : top.indices.shape[-1]] = torch.where(
+        chosen, vocab_ids.reshape(kept.shape[0], -1).gather(1, top.indices), -1
+    )
+    return ids
+
+
+def carried_backward(
+    head: HeadOperands, record: SupportRecord, grad_logp, grad_support, grads: HeadGrads, layer1, dots
+):
+    """The gradients of a record that carries its kept ids (``parameter_forward`` with ``carry``) into ``grads``
+    (fp32 zeros): the log-prob's by ``layer1(stats, grad_logp, grads)`` (the backend's layer-1 backward, first: it
+    may write dH and take dW zero on entry), the support's over each row's carried set by ``dots``' gathers
+    (``support_twin.replayed_backward``: the set is the forward's, whatever the gathers' rounding), and the rows the
+    rows' path took (no ids: a host read of which) by its own recompute of their rows."""
+    if head.hidden.shape[0] == 0:  # no row: nothing to add
+        return
+    if grad_logp is not None:
+        layer1(softmax_stats.BackwardStats(record.lse, record.nontarget_mass, None, None), grad_logp, grads)
+    if grad_support is None:
+        return
+    support_twin.replayed_backward(head, record.carried_ids, record, grad_support, grads, dots)
+    rows = (record.carried_ids[:, 0] < 0).nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return
+    # dH's rows (and LoRA's) into buffers of their own, added back; dW, db and LoRA's weight into the call's
+    own = [
+        torch.zeros((rows.numel(), g.shape[1]), dtype=g.dtype, device=g.device) if g is not None else None
+        for g in (grads.hidden, grads.lora_hidden)
+    ]
+    rows_grads = grads._replace(hidden=own[0], lora_hidden=own[1])
+    rows_record = SupportRecord(*(x[rows] for x in record[:-1]), record.carried_ids[rows])
+    support_twin.parameter_backward(_rows_of(head, rows), rows_record, None, grad_support[rows], rows_grads)
+    for buffer, part in zip((grads.hidden, grads.lora_hidden), own):
+        if part is not None:
+            buffer.index_add_(0, rows, part)
 
 
 def _rows_of(head: HeadOperands, index) -> HeadOperands:

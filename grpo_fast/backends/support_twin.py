@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.kernels import gemm, softmax_stats
-from grpo_fast.kernels.operands import HeadGrads, SamplerSupport, SupportRecord
+from grpo_fast.kernels.operands import HeadGrads, SamplerSupport, SupportRecord, no_kept_ids
 
 # the fp32 bytes of one chunk's logit rows (and as much again for the temporaries): at V = 152k, 220 rows a chunk
 ROW_BUDGET_BYTES = 1 << 27
@@ -369,7 +369,8 @@ def replayed_forward(head, kept_ids, dots=TORCH_DOTS, reduce=ONE_PROCESS):
     e = torch.exp(z - top[:, None])
     total, rest = reduce.sum(torch.stack([e.sum(-1), e.masked_fill(at_target, 0.0).sum(-1)])).unbind(0)
     kept_lse = top + torch.log(total)
-    return SupportRecord(target_logit, kept_lse, rest / total, *(torch.empty(0, device=z.device) for _ in range(4)))
+    empty = [torch.empty(0, device=z.device) for _ in range(4)]
+    return SupportRecord(target_logit, kept_lse, rest / total, *empty, no_kept_ids(z.device))
 
 
 def takes_logprob(differentiable: bool, reduce) -> bool:

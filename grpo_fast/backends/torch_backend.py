@@ -94,6 +94,10 @@ class TorchBackend:
         # the op's log-prob too (``sampler.ops.computes_logprob``), from layer 1's chunked record
         return support_twin.with_logprob(record, head_twin.forward_record(head, False))
 
+    def carried_kept_width(self, support, reduce=None, differentiable=True):
+        """None carried: the backward recomputes the rows in the forward's arithmetic."""
+        return 0
+
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         support_twin.backward(head, support, record, grad_logp, grad_support, grads)
 

@@ -32,7 +32,7 @@ from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as ktoken_loss
 from grpo_fast.kernels.divergence_records import finish, layer1_record
 from grpo_fast.kernels.loss_statistics import SLOTS
-from grpo_fast.kernels.operands import Layer1Gradient, SupportRecord
+from grpo_fast.kernels.operands import Layer1Gradient, SupportRecord, no_kept_ids
 
 # the sampling parameters' row sweeps (support_rows.RowSweeps)
 KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
@@ -42,13 +42,13 @@ KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_r
 TILE_SELECTION_KERNEL = tile_selection.select
 
 
-def support_record_config(head, kept_bits=False):
-    """The record sweep with tile candidates or replayed sets' bitmaps (``kept_bits``): the log-prob pass's table
-    tile, the bitmaps' in the wide epilogue's columns (``tools/sm_compile.py``: the candidates' rounds and the
-    bitmaps' epilogue compile there without a spill, where Triton 3.6's 256-column tile spills the bitmaps' 120 bytes
-    on sm_90; fp32's 64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton 3.6 and 3.9); the timed choice
-    is not taken: its candidates were timed without the rounds."""
-    wide = kept_bits or kconfig.wide_record_epilogue(
+def support_record_config(head, wide=False):
+    """The record sweep with tile candidates, with their columns or replayed sets' bitmaps (``wide``): the log-prob
+    pass's table tile, or the wide epilogue's columns (``tools/sm_compile.py``: the candidates' rounds, their columns
+    and the bitmaps' epilogue compile there without a spill, where Triton 3.6's 256-column tile spills the bitmaps'
+    120 bytes on sm_90 and the columns' 8; fp32's 64 x 64 tile on 8 warps, where 4 spill 16 bytes on sm_120, Triton
+    3.6 and 3.9); the timed choice is not taken: its candidates were timed without the rounds."""
+    wide = wide or kconfig.wide_record_epilogue(
         head.transform.softcap is not None, head.bias is not None, head.lora is not None
     )
     config = kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
@@ -60,10 +60,10 @@ def replayed_record(head, kept_ids):
     record sweep reading each launch's bitmaps of the sets (``kforward.kept_record``), no gather. One path whatever the
     sets' width K: a row's values do not depend on how far a batch pads its sets (batch invariance; the gathers cost
     less for narrow sets, but a batch's K is its widest set's)."""
-    layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, kept_bits=True))
+    layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, wide=True))
     # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
     fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(4)]
-    return support_twin.with_logprob(SupportRecord(*fields), layer1)
+    return support_twin.with_logprob(SupportRecord(*fields, no_kept_ids(kept.device)), layer1)
 
 
 class TritonBackend:
@@ -210,13 +210,33 @@ class TritonBackend:
         def rows_forward(rows_head, rows_support):
             return support_rows.parameter_forward(rows_head, rows_support, vocab_size, reduce, KEPT_ROW_KERNELS)
 
-        if support_tiles.serves(support, reduce, differentiable) and head.hidden.shape[0] and head.weight.shape[0]:
-            return support_tiles.parameter_forward(
-                head, support, support_record_config(head), rows_forward, TILE_SELECTION_KERNEL
+        carry = self.carried_kept_width(support, reduce, differentiable) > 0
+        if support_tiles.serves(support, reduce) and head.hidden.shape[0] and head.weight.shape[0]:
+            config = support_record_config(head, wide=carry)
+            return support_tiles.parameter_forward(head, support, config, rows_forward, TILE_SELECTION_KERNEL, carry)
+        record = rows_forward(head, support)
+        if carry:  # no row to sweep: the carried ids' shape all the same
+            return record._replace(
+                carried_ids=torch.full((0, tile_selection.LISTED), -1, dtype=torch.int64, device=head.hidden.device)
             )
-        return rows_forward(head, support)
+        return record
+
+    def carried_kept_width(self, support, reduce=None, differentiable=True):
+        """The parameters' tile path with gradients (``support_tiles``): its record carries LISTED kept ids a row."""
+        return tile_selection.LISTED if differentiable and support_tiles.serves(support, reduce) else 0
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
+        """Carried kept ids: layer 1's backward for the log-prob and the kept entries' gathers for the support
+        (``support_tiles.carried_backward``); otherwise the twin's (``support_twin.backward``)."""
+        if record.carried_ids.dim() == 2:
+
+            def layer1_backward(stats, grad_logp, grads):
+                self.backward(head, stats, grad_logp, None, grads, "chunked")
+
+            support_tiles.carried_backward(
+                head, record, grad_logp, grad_support, grads, layer1_backward, KEPT_SET_KERNELS
+            )
+            return
         support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)
 
     # ------------------------------------------------------------------------------------------- layer 2

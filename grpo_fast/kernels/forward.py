@@ -84,6 +84,32 @@ def _tile_candidates(z):
     return tl.reduce((z, none, none, none), 1, _top_four)
 
 
+# a tile's column field (``_tile_columns``): the sums over A_1, A_2, A_3 in bits 0-9, 10-19 and 20-31
+COLUMN_FIELD_BITS = 10
+_SECOND_FIELD = tl.constexpr(1 << COLUMN_FIELD_BITS)
+_THIRD_FIELD = tl.constexpr(1 << (2 * COLUMN_FIELD_BITS))
+
+
+@triton.jit
+def _tile_columns(z, top1, top2, top3):
+    """Where a tile's 3 entries lie, one int32 a row: F_k = sum of the columns j (0 .. BLOCK_V - 1) over A_k = {j :
+    z_j >= top_k}, k = 1, 2, 3, in bits 0-9, 10-19 and 20-31 (A_1 within A_2 within A_3: a column of A_1 adds j to
+    all three). Where |A_k| = k (top_k above the tile's next logit), the k-th entry's column is F_k - F_(k-1)
+    (``support_tiles.kept_columns``). A larger A_k (a tie, or a tile of -inf) carries only into the fields above it,
+    which a tie leaves undecoded too. Per logit: 3 compares, selects of constants, a multiply and an integer sum
+    (written as a select of the product over A_3: Triton 3.6 and 3.9 compile it without a spill on every class,
+    where other forms spilled on sm_90 or sm_100)."""
+    tl.static_assert(z.shape[1] * 3 <= _SECOND_FIELD, "3 columns' sum fits a field")
+    column = tl.arange(0, z.shape[1])[None, :]
+    in3 = z >= top3[:, None]
+    fields = tl.where(
+        z >= top2[:, None],
+        tl.where(z >= top1[:, None], 1 + _SECOND_FIELD + _THIRD_FIELD, _SECOND_FIELD + _THIRD_FIELD),
+        _THIRD_FIELD,
+    )
+    return tl.sum(tl.where(in3, column * fields, 0), axis=1)
+
+
 @triton.jit
 def _kept_bit(kept_bits_ptr, stride_kept_row, rows, columns, mask):
     """Whether column ``columns`` is in row ``rows``' kept set: bit (v & 31) of the row's word v >> 5 (0 where
@@ -172,6 +198,7 @@ def _tile_records_kernel(
     TILES: tl.constexpr,
     GROUP_N: tl.constexpr,
     CANDIDATES: tl.constexpr,
+    CANDIDATE_COLUMNS: tl.constexpr,
     KEPT_BITS: tl.constexpr,
 ):
     patches = tl.cdiv(V, TILES * BLOCK_V)
@@ -252,6 +279,10 @@ def _tile_records_kernel(
                 )
             if CANDIDATES > 0:
                 top1, top2, top3, top4 = _tile_candidates(z)
+                if CANDIDATE_COLUMNS:  # stored here, before the exponentials are live (the bias's tile spilled after)
+                    columns = _tile_columns(z, top1, top2, top3).to(tl.float32, bitcast=True)
+                    listed = candidates_ptr + (patch * TILES + t) * N + offs_n
+                    tl.store(listed + 4 * stride_candidate_field, columns, mask=n_mask)
                 new_max = tl.maximum(run_max, top1)
             else:
                 new_max = tl.maximum(run_max, tl.max(z, axis=1))
@@ -389,23 +420,24 @@ def forward(head, compute_entropy, config, row_count=None):
     return softmax_stats.finish(forward_record(head, compute_entropy, config, row_count), compute_entropy)
 
 
-def parts_shape(N, V, compute_entropy, config, candidates=False, kept_bits=False):
+def parts_shape(N, V, compute_entropy, config, candidates=0, kept_bits=False):
     """(fields, patches, rows) of one launch's partial records (fp32): 2 fields (m, R) or 3 (Zr with the entropy),
     2 more with ``kept_bits`` (the kept set's m_k, R_k), one record a patch of ``config.tiles`` vocabulary tiles, the
-    rows a launch takes (their records, with ``candidates`` their tiles' candidates, with ``kept_bits`` their kept
-    sets' bitmaps: within PARTS_BYTES, a multiple of BLOCK_N, at least one block)."""
+    rows a launch takes (their records, with ``candidates`` (``candidate_fields``' count, 0: none) their tiles'
+    candidates, with ``kept_bits`` their kept sets' bitmaps: within PARTS_BYTES, a multiple of BLOCK_N, at least one
+    block)."""
     patches = triton.cdiv(V, config.block_v * config.tiles)
     fields = (3 if compute_entropy else 2) + (2 if kept_bits else 0)
-    row_bytes = fields * patches * 4 + (candidate_fields() * triton.cdiv(V, config.block_v) * 4 if candidates else 0)
+    row_bytes = fields * patches * 4 + candidates * triton.cdiv(V, config.block_v) * 4
     row_bytes += kept_words(V) * 4 if kept_bits else 0
     rows = PARTS_BYTES // row_bytes // config.block_n * config.block_n
     return fields, patches, min(N, max(config.block_n, rows))
 
 
-def candidate_fields():
+def candidate_fields(columns=False):
     """The fp32 fields of a tile's candidates (``_tile_candidates``): its TILE_CANDIDATES largest logits, then the
-    next, the bound of the rest."""
-    return TILE_CANDIDATES + 1
+    next, the bound of the rest; with ``columns`` their columns (``_tile_columns``' int32 in an fp32 field's bits)."""
+    return TILE_CANDIDATES + 1 + (1 if columns else 0)
 
 
 def kept_words(V):
@@ -413,20 +445,19 @@ def kept_words(V):
     return triton.cdiv(V, 32)
 
 
-def workspace_bytes(N, V, compute_entropy, config, candidates=False, kept_bits=False):
+def workspace_bytes(N, V, compute_entropy, config, candidates=0, kept_bits=False):
     """The bytes ``forward_record`` (``kept_record`` with ``kept_bits``) allocates besides the finished outputs: the
-    partial records of one launch (and with ``candidates`` its tiles' candidates, with ``kept_bits`` its rows'
-    bitmaps), the target logits and the merged record (5 + 1 fields of N fp32)."""
+    partial records of one launch (and with ``candidates`` fields (``candidate_fields``) its tiles' candidates, with
+    ``kept_bits`` its rows' bitmaps), the target logits and the merged record (5 + 1 fields of N fp32)."""
     if N == 0:
         return 0
     fields, patches, rows = parts_shape(N, V, compute_entropy, config, candidates, kept_bits)
-    tiles = triton.cdiv(V, config.block_v) if candidates else 0
     words = kept_words(V) if kept_bits else 0
-    return (fields * patches + candidate_fields() * tiles + words) * rows * 4 + 6 * N * 4
+    return (fields * patches + candidates * triton.cdiv(V, config.block_v) + words) * rows * 4 + 6 * N * 4
 
 
 @on_first_argument_device
-def forward_record(head, compute_entropy, config, row_count=None, tile_candidates=None):
+def forward_record(head, compute_entropy, config, row_count=None, tile_candidates=None, candidate_columns=False):
     """The unfinished per-token record (softmax_stats.SoftmaxStats, [N] fp32 fields) over these weight rows (V >= 1);
     ``forward`` finishes it. zsum is 0 without ``compute_entropy``. A target outside [0, V) (a vocab-parallel shard
     that does not hold it) leaves the record's target 0 and its rest equal to its sumexp. ``row_count``: None, or a
@@ -436,10 +467,12 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
     ``tile_candidates``: None, or a callable of (n0, n1, candidates, record) called once a launch's rows n0:n1 are
     merged: candidates [candidate_fields(), tiles, n1 - n0] fp32 (each vocabulary tile's ``_tile_candidates`` a row:
     its 3 largest logits, ties repeated, then the 4th; the buffer is the next launch's), record [5, n1 - n0] (the
-    SoftmaxStats fields of those rows: the plain pass's, bit for bit). No ``row_count`` with it."""
+    SoftmaxStats fields of those rows: the plain pass's, bit for bit). No ``row_count`` with it. With
+    ``candidate_columns`` the candidates' fifth field is where the tile's entries lie (``_tile_columns``)."""
     if tile_candidates is not None and row_count is not None:
         raise ValueError("forward_record takes tile_candidates or row_count, not both")
-    return _record_sweep(head, compute_entropy, config, row_count, tile_candidates, None)[0]
+    fields = candidate_fields(candidate_columns) if tile_candidates is not None else 0
+    return _record_sweep(head, compute_entropy, config, row_count, (tile_candidates, fields), None)[0]
 
 
 @on_first_argument_device
@@ -450,11 +483,13 @@ def kept_record(head, kept_ids, config, row_count=None):
     kept_nontarget_mass = R_kept / S_kept (0: an empty set). Each launch's rows' sets as a bitmap
     (``_kept_bits_kernel``, [rows, kept_words(V)] int32 within PARTS_BYTES with the partials), read in the tiles'
     epilogue: an id twice in a set counts once (the gathers count it twice)."""
-    return _record_sweep(head, False, config, row_count, None, kept_ids)
+    return _record_sweep(head, False, config, row_count, (None, 0), kept_ids)
 
 
-def _record_sweep(head, compute_entropy, config, row_count, tile_candidates, kept_ids):
-    """(record, kept [3, N] or None): ``forward_record``'s launches, with ``kept_ids`` the kept sets' too."""
+def _record_sweep(head, compute_entropy, config, row_count, listing, kept_ids):
+    """(record, kept [3, N] or None): ``forward_record``'s launches (``listing``: its tile_candidates callable and
+    their fields, or (None, 0)), with ``kept_ids`` the kept sets' too."""
+    tile_candidates, candidate_count = listing
     hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
@@ -464,12 +499,12 @@ def _record_sweep(head, compute_entropy, config, row_count, tile_candidates, kep
     if N == 0:
         return softmax_stats.SoftmaxStats(*record.unbind(0)), kept
     with_candidates = tile_candidates is not None
-    fields, patches, chunk = parts_shape(N, V, compute_entropy, config, with_candidates, with_kept)
+    fields, patches, chunk = parts_shape(N, V, compute_entropy, config, candidate_count, with_kept)
     parts = torch.empty((fields, patches, chunk), dtype=torch.float32, device=hidden.device)
     tiles = triton.cdiv(V, config.block_v) if with_candidates else 0
     candidates = None  # with tile_candidates: one launch's, laid out per launch below
     if with_candidates:
-        candidates = torch.empty(candidate_fields() * tiles * chunk, dtype=torch.float32, device=hidden.device)
+        candidates = torch.empty(candidate_count * tiles * chunk, dtype=torch.float32, device=hidden.device)
     bits = None  # with kept_ids: one launch's bitmaps, rows of kept_words(V) int32
     if with_kept:
         bits = torch.empty((chunk, kept_words(V)), dtype=torch.int32, device=hidden.device)
@@ -489,7 +524,7 @@ def _record_sweep(head, compute_entropy, config, row_count, tile_candidates, kep
         # laid out for its rows too: tile t's field f of row n at (f * tiles + t) * rows + n
         candidate_rows = None
         if with_candidates:
-            candidate_rows = candidates[: candidate_fields() * tiles * rows].view(candidate_fields(), tiles, rows)
+            candidate_rows = candidates[: candidate_count * tiles * rows].view(candidate_count, tiles, rows)
         lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
         bit_rows = None
         if with_kept:
@@ -535,6 +570,7 @@ def _record_sweep(head, compute_entropy, config, row_count, tile_candidates, kep
             TILES=config.tiles,
             GROUP_N=config.group_n,
             CANDIDATES=TILE_CANDIDATES if with_candidates else 0,
+            CANDIDATE_COLUMNS=candidate_count > candidate_fields(),
             KEPT_BITS=with_kept,
             num_warps=config.num_warps,
             num_stages=config.num_stages,

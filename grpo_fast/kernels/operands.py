@@ -136,6 +136,9 @@ class SupportRecord(NamedTuple):
         logprob: the log-prob over the vocabulary where the forward computes it: with the parameters z_y - lse, with
             replayed sets without gradients layer 1's (``support_twin.with_logprob``: finite where the set lacks the
             target, exact where the token is confident).
+        carried_ids: [N, LISTED] int64 where the forward carries the kept set out to its backward (the parameters'
+            tile path with gradients, ``support_tiles``): each row's kept ids, -1 after them; a row of -1 alone took
+            the rows' path (a kept set is never empty). Empty (int64) on the other paths.
     """
 
     target_logit: torch.Tensor
@@ -145,3 +148,16 @@ class SupportRecord(NamedTuple):
     lse: torch.Tensor
     nontarget_mass: torch.Tensor
     logprob: torch.Tensor
+    carried_ids: torch.Tensor
+
+    @classmethod
+    def to_fill(cls, rows: int, device, carried_ids=None) -> SupportRecord:
+        """A record of ``rows`` tokens for a path to fill: [rows] fp32 fields (uninitialised), ``carried_ids`` as
+        given (None: none carried)."""
+        fields = [torch.empty(rows, dtype=torch.float32, device=device) for _ in cls._fields[:-1]]
+        return cls(*fields, no_kept_ids(device) if carried_ids is None else carried_ids)
+
+
+def no_kept_ids(device) -> torch.Tensor:
+    """``SupportRecord.carried_ids`` of a path that carries no kept set to its backward."""
+    return torch.empty(0, dtype=torch.int64, device=device)

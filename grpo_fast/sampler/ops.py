@@ -143,9 +143,11 @@ def _(*operands):
         return operands.hidden.new_empty((N,) if computed else (0,), dtype=dtype)
 
     # the record: target_logit, kept_lse, kept_nontarget_mass, threshold (the parameters'), then lse, nontarget_mass
-    # and logprob where the op computes the log-prob
+    # and logprob where the op computes the log-prob, then the kept ids where the backend carries them
     record = [per_token() for _ in range(3)] + [per_token(not replayed)] + [per_token(full) for _ in range(3)]
-    return (per_token(full), per_token(), per_token(dtype=torch.bool), *record)
+    width = named(operands.backend).carried_kept_width(operands.support(), None, operands.differentiable)
+    ids = operands.hidden.new_empty((N, width) if width else (0,), dtype=torch.int64)
+    return (per_token(full), per_token(), per_token(dtype=torch.bool), *record, ids)
 
 
 def _setup_context(ctx, inputs, output):
