@@ -209,7 +209,7 @@ def test_without_gradients_from_the_tile_candidates(dtype, rule, tile_selections
     assert tile_selections["resolved"] > 0
     if dtype != torch.float32:
         return
-    # the same rows with gradients take the rows' path: equal within fp32's rounding of the two GEMMs
+    # the same rows with gradients: the same sweep, with the entries' columns; equal within fp32's rounding
     with_grad = grpo_fast.sampler_logprobs(h, w.clone().requires_grad_(), y, bias=b, temperature=0.8, **params)
     for x, g in zip(out, with_grad):
         torch.testing.assert_close(x, g.detach(), rtol=0, atol=1e-5)
@@ -266,6 +266,78 @@ def test_ties_in_a_tile_are_listed_or_take_the_rows_path(tied, top_k, tile_selec
     rest = -torch.expm1(z[:, 1] - kept_lse)
     torch.testing.assert_close(record.kept_nontarget_mass.cpu().double(), rest, rtol=1e-6, atol=0)
     assert torch.equal(record.kept_nontarget_mass.cpu(), torch.full((N,), (tied - 1) / tied))
+
+
+def _carried(h, w, b, y, support, temperature=1.0):
+    """The Triton backend's record of the parameters' support with gradients (the carried kept ids)."""
+    from grpo_fast.backends.triton_backend import TritonBackend
+    from grpo_fast.head.transform import LogitTransform
+    from grpo_fast.kernels.operands import HeadOperands
+
+    head = HeadOperands(h, w, y, b, LogitTransform(temperature=temperature))
+    return TritonBackend().support_forward(head, support, w.shape[0], differentiable=True)
+
+
+@pytest.mark.parametrize("rule", ["top_k", "top_p", "all-three"])
+def test_with_gradients_the_tile_candidates_carry_the_kept_set(rule, device):
+    # with gradients the record sweep's candidates (and their columns) name each row's kept set: the record carries
+    # the spec's ids, whose gathers give the support's gradient (the spec's, test_matches_the_spec)
+    from grpo_fast.kernels.operands import SamplerSupport
+
+    dev = backend_device("triton", device)
+    h, w, b, y, params = _case(rule, torch.float32, dev, shape=(1, 12, 40, 300))
+    h = h[0]
+    record = _carried(h, w, b, y[0], SamplerSupport(**params), temperature=0.8)
+    keep = reference.kept_mask(_z(h, w, b, 0.8), **params)
+    ids = record.carried_ids.cpu()
+    assert ids.shape == (12, 64)
+    carried = 0
+    for row in range(12):
+        listed = ids[row][ids[row] >= 0]
+        if listed.numel():  # else the rows' path (top-p's cut past the candidates' list)
+            assert sorted(listed.tolist()) == keep[row].nonzero().squeeze(-1).tolist(), row
+            carried += 1
+    assert carried == 12 if rule == "top_k" else carried > 0
+
+
+@pytest.mark.parametrize("params", [dict(top_k=5), dict(top_p=0.999)], ids=str)
+def test_with_gradients_rows_the_candidates_leave_take_the_rows_path(params, device):
+    # a bias puts half the rows' 6 largest logits in the first tile (its 3 entries cannot show the cut): those rows
+    # carry no ids and take the rows' path in both passes, the others carry theirs; every gradient the spec's
+    from grpo_fast.kernels.operands import SamplerSupport
+
+    dev = backend_device("triton", device)
+    h, w, b, _ = head_inputs(2, 6, 24, 200, torch.float32, scale=0.2, device=dev)
+    b = b.clone()
+    b[:6] = torch.arange(20.0, 14.0, -1.0, device=dev)
+    on_top = torch.zeros(2, 6, dtype=torch.bool, device=dev)
+    on_top[0] = True
+    h = torch.where(on_top[..., None], h, h * 40.0)
+    y = torch.where(on_top, 2, _z(h, w, b, 1.0).argmax(-1))
+    record = _carried(h.reshape(12, -1), w, b, y.reshape(-1), SamplerSupport(**params))
+    carried = (record.carried_ids[:, 0] >= 0).reshape(2, 6).cpu()
+    assert not bool(carried[0].any()) and bool(carried[1].any()), carried
+    g = torch.Generator().manual_seed(3)
+    coefficients = (randn(2, 6, generator=g, device=dev), randn(2, 6, generator=g, device=dev))
+    _check("triton", torch.float32, h, w, b, y, coefficients, **params)
+
+
+def test_with_gradients_a_tie_among_a_tiles_kept_entries_takes_the_rows_path(device):
+    # two equal logits on top of one tile (zero weight rows, one bias): without gradients the candidates list both,
+    # with gradients their columns cannot be told apart (one sum names both), so every row takes the rows' path;
+    # the support and its gradients the spec's either way
+    from grpo_fast.kernels.operands import SamplerSupport
+
+    dev = backend_device("triton", device)
+    h, w, b, _ = head_inputs(1, 6, 16, 100, torch.float32, scale=0.2, device=dev)
+    w, b = w.clone(), b.clone()
+    w[1:3], b[1:3] = 0.0, 9.0
+    y = torch.ones(1, 6, dtype=torch.int64, device=dev)
+    record = _carried(h[0], w, b, y[0], SamplerSupport(top_k=3))
+    assert bool((record.carried_ids[:, 0] < 0).all())
+    g = torch.Generator().manual_seed(4)
+    coefficients = (randn(1, 6, generator=g, device=dev), randn(1, 6, generator=g, device=dev))
+    _check("triton", torch.float32, h, w, b, y, coefficients, top_k=3)
 
 
 def _tile_candidates(z, columns, entries):

@@ -200,7 +200,8 @@ class Backend(Protocol):
         the sampling parameters also the log-prob's, from the same rows of logits, and with replayed sets without
         gradients (one process) too (``support_twin.with_logprob``). A vocab-parallel shard's: the
         whole head's ``vocab_size`` and its group's ``reduce`` (``support_twin.OneProcess``'s methods).
-        ``differentiable``: a backward may follow (its recompute's arithmetic must give the forward's kept set)."""
+        ``differentiable``: a backward may follow (it must differentiate the forward's kept set: its recompute in the
+        forward's arithmetic, or the set carried, ``carried_kept_width``)."""
         ...
 
     def carried_kept_width(self, support: SamplerSupport, reduce=None, differentiable: bool = True) -> int:

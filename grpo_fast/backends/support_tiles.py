@@ -1,8 +1,8 @@
-"""The sampling parameters' log-prob pass without gradients from the record sweep's tile candidates: the log-prob's
-own forward (``kernels.forward``: one GEMM sweep, no logits in memory) also lists, of each vocabulary tile, a row's 3
-largest logits (ties repeated) and the 4th, which bounds the tile's others; the kept set is chosen from those. The
-Triton backend's path for the old and reference policies' support log-probs (``grpo_fast.sampler_logprobs`` under
-``torch.no_grad``, or of tensors that need no gradient).
+"""The sampling parameters' log-prob pass from the record sweep's tile candidates: the log-prob's own forward
+(``kernels.forward``: one GEMM sweep, no logits in memory) also lists, of each vocabulary tile, a row's 3 largest
+logits (ties repeated) and the 4th, which bounds the tile's others; the kept set is chosen from those. The Triton
+backend's path (one process, top-k 0 or up to ``LISTED``) for the old and reference policies' support log-probs and,
+with the entries' columns, for the trained policy's (gradients: ``carried_backward``).
 
 Math. Per row: the entries (every tile's 3 largest logits: each entry one logit, a tie as often as it lies in its
 tile's 3), b_t the largest logit no tile lists (the tiles' 4th), the record's m, s = sum exp(z - m), its non-target
@@ -23,9 +23,11 @@ at V = 151936 in 128-column tiles, 2.7e-3 in 256-column ones; ties past a tile's
 threshold; top-p's cut past the list; a NaN or infinite record) go whole to the rows' path (``support_rows``): each
 row's record comes from one path, so its log-prob, threshold and sums agree.
 
-Only without gradients: a backward recomputes the rows by cuBLAS (``support_twin.parameter_backward``), whose
-rounding is not the tile's, so a logit at tau could leave the set it was counted in. With gradients the rows' path
-gives the forward in the backward's arithmetic. Vocab-parallel heads take the rows' path too.
+With gradients the set must not change between the passes, and a backward's recompute rounds otherwise than the
+tile (a logit at tau could leave the set it was counted in): the sweep then also lists where each tile's entries lie
+(``kforward._tile_columns``), and the record carries each resolved row's kept ids (``kept_columns``; a tie among a
+tile's kept entries or more than ``LISTED`` of them: the rows' path) to a backward of layer 1's for the log-prob and
+the ids' gathers for the support. Vocab-parallel heads take the rows' path.
 
 Cost (argued from the compiled code until a GPU times it: ``docs/sampler-support.md``, ``tools/sm_compile.py
 --mix``): the log-prob's record sweep with one more row reduction, a top-four network of min / max (~8 SASS
@@ -35,7 +37,8 @@ backend one kernel a launch (``kernels.tile_selection``: a running top-64 and th
 row, reading the 4 x tiles fp32 once, then the rule above in registers), in torch (``_select``, the twin) ~47 small
 operations a launch over [rows, 65] (top-p ~95); the record's fields from the sums once a call (~12 operations over
 [N]). At the Qwen2.5-1.5B head, N 16384, on an H200: the kernel's selection ~0.15-0.3 ms (the torch one's 0.9-1.6),
-the pass ~1.07-1.15x the plain log-prob pass (argued, not measured).
+the pass ~1.07-1.15x the plain log-prob pass; with gradients the columns' ~8 instructions a logit more, forward and
+backward ~1.06-1.11x the plain pass's (argued, not measured).
 """
 
 from __future__ import annotations

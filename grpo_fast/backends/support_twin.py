@@ -18,7 +18,9 @@ Two ways to the kept set:
   p / max p = exp(z - max z), top-k on the k-th largest survivor (``topk``), top-p on the survivors' masses sorted
   and summed in fp64 from the top, over each row's largest 64 logits where the cut lies among them, else 1024, else
   the whole row (a vocab-parallel shard: a bisection). One GEMM sweep forward for both outputs, one recompute in the
-  backward for both gradients (``parameter_backward``: then dH = g W and dW = g^T H, two more);
+  backward for both gradients (``parameter_backward``: then dH = g W and dW = g^T H, two more). The Triton backend's
+  one-process path (``support_tiles``) takes the log-prob's record sweep instead, and with gradients carries the kept
+  ids to a backward of gathers (``replayed_backward``'s);
 * the replayed sets (``replayed_forward``, ``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone
   (``KeptDots``: a gather of K weight rows a token, O(N K D), no vocabulary sweep), the log-prob left to layer 1's
   own op; without gradients (one process) the op computes the log-prob too (``with_logprob``: the Triton backend's

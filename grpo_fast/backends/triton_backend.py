@@ -198,9 +198,10 @@ class TritonBackend:
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep); without gradients (one
         process) the log-prob's record sweep too, which reads wide sets' bitmaps instead (``replayed_record``). The
-        sampling parameters without gradients: the log-prob's record sweep with its tiles' candidates
-        (``support_tiles``); otherwise, and for the rows those do not resolve, each chunk's rows of logits from
-        cuBLAS, then ``kernels.kept_rows``' row sweeps (``support_rows``)."""
+        sampling parameters (one process, top-k 0 or up to LISTED): the log-prob's record sweep with its tiles'
+        candidates (``support_tiles``; with gradients their columns too, and the record carries the kept ids);
+        otherwise, and for the rows those do not resolve, each chunk's rows of logits from cuBLAS, then
+        ``kernels.kept_rows``' row sweeps (``support_rows``)."""
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is not None:
             if support_twin.takes_logprob(differentiable, reduce):

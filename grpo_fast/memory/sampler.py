@@ -13,7 +13,10 @@ The memory model (``support_workspace_bytes``): over fake tensors the ops ``grpo
   shape: ``FORWARD_BUFFERS`` such buffers at the forward's peak (top-p's worst case: rows whose 1024 largest logits do
   not hold top_p, each sorted whole, with its fp64 masses and int64 indices), ``BACKWARD_BUFFERS`` in the backward
   (the recompute, the gradient of the logits, the exp temporaries; on a GPU also the gradient's copy in the weight's
-  half dtype that cuBLAS reads); the buffer does not grow with the tokens past r rows;
+  half dtype that cuBLAS reads); the buffer does not grow with the tokens past r rows. A bound on the Triton
+  backend's one-process path (``support_tiles``: the log-prob's record sweep with its tiles' candidates, and with
+  gradients layer 1's backward and the carried kept ids' gathers), which holds such buffers only for the rows the
+  candidates leave (at top-k 50 ~1e-4 of them), at most a chunk of them;
 * replayed kept sets (``kept_ids`` [N, K]): [N, K] fp32 logits and gradients, ``REPLAYED_FORWARD`` /
   ``REPLAYED_BACKWARD`` of them (Triton's kernels write in place), linear in N, and where dW is formed the
   backend's ``gathered_backward_workspace_bytes`` (Triton's sort of the [N, K] pairs by id, ``kernels.kept_set``:
