@@ -18,6 +18,10 @@ same way; the merge then adds the target where its bit is set (to the max too: M
 kept_lse = M_k + log(R_k + e_y) and kept_nontarget_mass = R_k / (R_k + e_y), e_y = exp(z_y - M_k): sums of positive
 terms, exact whether or not the tile's max is kept.
 
+With tile candidates (``forward_record``'s ``tile_candidates``: the sampler's parameters, ``backends.support_tiles``)
+each tile lists a row's 3 largest logits and the 4th (``_tile_candidates``), and with gradients where the 3 lie
+(``_tile_columns``).
+
 Every program is independent (the tile, not the row, is the unit of parallel work): they run in grouped order
 (``tl.swizzle2d``: GROUP_N token blocks walk each patch before the next) so that the programs resident at once
 share H and W tiles in L2. On Hopper the tiles come through tensor descriptors (the copy engine; ``USE_TMA``),
