@@ -625,8 +625,9 @@ def kept_rows_launches():
 
 def tile_selection_launches():
     """[(variant, family, dtype name, Launch)] of the tile candidates' selection (kernels.tile_selection, one launch
-    a launch of the sweep without gradients) at Qwen2.5's vocabulary in 256-column tiles: top-k, top-p, min-p (its
-    sweeps over every entry), the three together."""
+    a launch of the sweep) at Qwen2.5's vocabulary in 256-column tiles: top-k, top-p, min-p (its sweeps over every
+    entry), the three together; then the kept columns (with gradients: the tile width a runtime factor, one
+    variant)."""
     n, tiles, V = 64, 594, 151936
     candidates = torch.randn(forward.candidate_fields(), tiles, n)
     m, s, target_logit = torch.zeros(n), torch.ones(n), torch.zeros(n)
@@ -641,7 +642,11 @@ def tile_selection_launches():
         with recording(tile_selection, "_select_kernel") as launches:
             tile_selection.select(candidates, m, s, target_logit, SamplerSupport(**params), V, outputs)
         out.append((f"kept tile selection {label}", "kept tile selection", "fp32", launches[0]))
-    return out
+    columns = torch.randn(forward.candidate_fields(columns=True), tiles, n)
+    ids, resolved = torch.empty((n, tile_selection.LISTED), dtype=torch.int64), torch.ones(n, dtype=torch.bool)
+    with recording(tile_selection, "_kept_columns_kernel") as launches:
+        tile_selection.kept_columns(columns, torch.zeros(n), resolved, 256, ids)
+    return out + [("kept columns", "kept columns", "fp32", launches[0])]
 
 
 def _sampler_sweep_variants(arch, wide=False):

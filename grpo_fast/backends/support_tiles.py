@@ -62,13 +62,14 @@ def serves(support: SamplerSupport, reduce) -> bool:
 
 
 def parameter_forward(
-    head: HeadOperands, support: SamplerSupport, config, rows_forward, kernel=None, carry=False
+    head: HeadOperands, support: SamplerSupport, config, rows_forward, kernel=None, carry=False, columns_kernel=None
 ) -> SupportRecord:
     """The SupportRecord of ``head``'s rows (module docstring); ``config``: ``kernels.forward``'s launch;
     ``rows_forward(head, support) -> SupportRecord``: the rows' path, for the rows the candidates do not resolve;
     ``kernel``: None (``_select``'s torch form) or the backend's selection kernel (``kernels.tile_selection.select``),
     one launch a launch of the sweep. ``carry`` (a backward follows): the sweep lists its entries' columns too and the
-    record carries each resolved row's kept ids (``kept_columns``), a row of -1 for those the rows' path took."""
+    record carries each resolved row's kept ids (``kept_columns``; ``columns_kernel``: None, its torch form, or the
+    backend's kernel, ``kernels.tile_selection.kept_columns``), a row of -1 for those the rows' path took."""
     N, V = head.hidden.shape[0], head.weight.shape[0]
     device = head.hidden.device
     ids = torch.full((N, LISTED), -1, dtype=torch.int64, device=device) if carry else None
@@ -81,7 +82,7 @@ def parameter_forward(
         out = tuple(x[n0:n1] for x in (tau, kept, kept_rest, resolved))
         _select(candidates[: kforward.candidate_fields()], m, s, target_logit, support, V, kernel, out)
         if carry:
-            kept_columns(candidates, tau[n0:n1], resolved[n0:n1], config.block_v, ids[n0:n1])
+            kept_columns(candidates, tau[n0:n1], resolved[n0:n1], config.block_v, ids[n0:n1], columns_kernel)
 
     m, s, rest, _, target_logit = kforward.forward_record(
         head, False, config, tile_candidates=select, candidate_columns=carry
@@ -95,7 +96,7 @@ def parameter_forward(
     return record
 
 
-def kept_columns(candidates, tau, resolved, block_v, ids):
+def kept_columns(candidates, tau, resolved, block_v, ids, kernel=None):
     """Each resolved row's kept ids from its tiles' candidates with their columns (``candidates`` [5, tiles, n]: the
     entries, the bound, then ``kforward._tile_columns``' int32 in fp32 bits), written into ``ids`` [n, LISTED] (-1
     after them); ``resolved`` [n] cleared in place where the columns cannot name the set: a tie among a tile's kept
@@ -103,7 +104,11 @@ def kept_columns(candidates, tau, resolved, block_v, ids):
 
     A tile keeping r of its entries (v_1 >= v_2 >= v_3 its 3 largest): r = 1: v_1 > v_2 (v_2 < tau), the column F_1;
     r = 2: v_2 > v_3, the columns F_1 and F_2 - F_1 where v_1 > v_2; r = 3: v_3 above the tile's 4th (it bounds no
-    kept logit in a resolved row), F_1, F_2 - F_1, F_3 - F_2 where v_1 > v_2 > v_3."""
+    kept logit in a resolved row), F_1, F_2 - F_1, F_3 - F_2 where v_1 > v_2 > v_3. The ids by value descending
+    (torch's topk: ties across tiles in its own order). ``kernel``: None (this torch form, the kernel's twin) or the
+    kernel (``parameter_forward``), which writes the same."""
+    if kernel is not None:
+        return kernel(candidates, tau, resolved, block_v, ids)
     C = kforward.TILE_CANDIDATES
     tiles = candidates.shape[1]
     values = candidates[:C].permute(2, 1, 0)  # [n, tiles, C]

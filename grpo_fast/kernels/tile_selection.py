@@ -1,6 +1,8 @@
 """The sampler's kept set from the record sweep's tile candidates, one kernel a launch: each row's threshold tau, its
 kept sums and whether the candidates resolve it (``backends.support_tiles``'s selection, whose torch form,
-``support_tiles._select``, is its twin and the statement of the rule; the Triton backend passes ``select`` in).
+``support_tiles._select``, is its twin and the statement of the rule; the Triton backend passes ``select`` in). With
+gradients a second kernel a launch names each resolved row's kept ids from the tiles' columns (``kept_columns``:
+its docstring; the twin ``support_tiles.kept_columns``).
 
 Math. Per row, from ``kernels.forward``'s candidates [4, tiles, n] (each vocabulary tile's 3 largest logits, ties
 repeated, and its 4th, the bound of its others) and the row's record (m, s, z_y): the running list of the ``LISTED``
@@ -42,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.forward import TILE_CANDIDATES
+from grpo_fast.kernels.forward import COLUMN_FIELD_BITS, TILE_CANDIDATES
 from grpo_fast.kernels.launch import interpreting, on_first_argument_device
 
 # the largest entries a row's selection lists (a power of two): top-k up to it can be resolved from the candidates
@@ -53,6 +55,11 @@ BLOCK_N = 8
 # under the interpreter (numpy) a sort costs per call, not per element: more rows a program
 INTERPRETER_BLOCK_N = 64
 NUM_WARPS = 8
+# the kept columns' launch (``kept_columns``): rows a program (8 rows' fp32 of a tile and field: a 32-byte sector;
+# a launch's ~900 rows at V 151936 make ~112 programs, about one an SM), tiles a step (32 KB of loads; 8 a thread)
+COLUMNS_BLOCK_N = 8
+COLUMNS_BLOCK_T = 256
+COLUMNS_NUM_WARPS = 8
 
 
 @triton.jit
@@ -89,13 +96,13 @@ def _bitonic_stage(h, stage: tl.constexpr, n_dims: tl.constexpr, order: tl.const
 
 
 @triton.jit
-def _sort_ascending(x, N_DIMS: tl.constexpr, LOG_N: tl.constexpr):
-    """x [BLOCK_N, 2^LOG_N] (2^N_DIMS values) sorted ascending along its rows: ``tl.sort``'s bitonic network, each
-    compare-and-swap a max and a min over a pair's axis (Triton's takes the partner by an xor reduction, which its
-    interpreter runs one scalar at a time: ~40 s a call at [64, 128])."""
+def _sort(x, N_DIMS: tl.constexpr, LOG_N: tl.constexpr, ORDER: tl.constexpr):
+    """x [BLOCK_N, 2^LOG_N] (2^N_DIMS values) sorted along its rows, ascending (``ORDER`` 0) or descending (1):
+    ``tl.sort``'s bitonic network, each compare-and-swap a max and a min over a pair's axis (Triton's takes the
+    partner by an xor reduction, which its interpreter runs one scalar at a time: ~40 s a call at [64, 128])."""
     h = tl.reshape(x, [2] * N_DIMS)
     for stage in tl.static_range(1, LOG_N + 1):
-        h = _bitonic_stage(h, stage, N_DIMS, 2 if stage < LOG_N else 0)
+        h = _bitonic_stage(h, stage, N_DIMS, 2 if stage < LOG_N else ORDER)
     return tl.reshape(h, x.shape)
 
 
@@ -181,7 +188,7 @@ def _select_kernel(
         outside = tl.maximum(outside, tl.max(tl.where(is_entry, -float("inf"), x), axis=1))
         # Batcher's half-cleaner: against the block sorted ascending, the larger of each pair is the union's top
         # LISTED (a bitonic run), the smaller the rest
-        x = _sort_ascending(tl.where(is_entry, x, -float("inf")), N_DIMS, LOG_LISTED)
+        x = _sort(tl.where(is_entry, x, -float("inf")), N_DIMS, LOG_LISTED, 0)
         dropped = tl.maximum(dropped, tl.max(tl.minimum(listed, x), axis=1))
         listed = _merge_descending(tl.maximum(listed, x), N_DIMS, LOG_LISTED)
     L = tl.minimum(3 * tiles, LISTED)  # the listed entries (fewer in a small vocabulary)
@@ -282,3 +289,161 @@ def select(candidates, m, s, target_logit, support, vocab_size, out):
             num_warps=NUM_WARPS,
         )
     return out
+
+
+# below every sort key (``_sort_keys``' high word of a non-NaN value is above int32's least)
+_EMPTY_KEY = tl.constexpr(-(2**63))
+
+
+@triton.jit
+def _entry_word(value, column, tile, block_v):
+    """An entry's 64-bit word (int64): its logit's fp32 bits high, its vocabulary id (tile x block_v + column) low;
+    a register pair, no arithmetic but the id's."""
+    vocab_id = tile * block_v + column
+    return (value.to(tl.int32, bitcast=True).to(tl.int64) << 32) | vocab_id.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _sort_keys(words):
+    """``_entry_word``'s words as int64 keys whose order is the values' then the ids' reversed (descending keys:
+    values descending, ties by ascending id): the fp32 bits made monotone as a signed int32 (a negative float's
+    magnitude bits flipped) high, the id's complement (unsigned) low."""
+    bits = (words >> 32).to(tl.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (~words.to(tl.int32)).to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _key_ids(keys):
+    """The vocabulary ids of ``_sort_keys``' keys (int64; the id's own 32 bits, whatever the column sums held)."""
+    return (~keys.to(tl.int32)).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["stride_row"])
+def _kept_columns_kernel(
+    candidates_ptr,
+    columns_ptr,
+    tau_ptr,
+    resolved_ptr,
+    ids_ptr,
+    n,
+    tiles,
+    stride_field,
+    stride_tile,
+    stride_row,
+    stride_ids,
+    block_v,
+    LISTED: tl.constexpr,
+    COLUMN_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    N_DIMS: tl.constexpr,
+    LOG_LISTED: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < n
+    tau = tl.load(tau_ptr + rows, mask=in_rows, other=0.0)
+    resolved = tl.load(resolved_ptr + rows, mask=in_rows, other=0) != 0
+    count = tl.zeros((BLOCK_N,), tl.int32)  # a row's kept entries so far
+    tied = tl.zeros((BLOCK_T, BLOCK_N), tl.int1)  # a tile whose kept entries tie
+    row_slots = ids_ptr + rows[None, :] * stride_ids  # [1, BLOCK_N], as the tiles' tensors
+    field_mask: tl.constexpr = (1 << COLUMN_BITS) - 1
+    for t0 in range(0, tiles, BLOCK_T):
+        tile = t0 + tl.arange(0, BLOCK_T)
+        live = (tile < tiles)[:, None] & in_rows[None, :]
+        counted = live & resolved[None, :]  # a row the selection left keeps nothing: its ids are -1
+        # the rows' stride (1) unspecialised: the loads not vectorised, in the scatter stores' layout (no conversion)
+        at = tile[:, None] * stride_tile + rows[None, :] * stride_row
+        v1 = tl.load(candidates_ptr + at, mask=live, other=-float("inf"))
+        v2 = tl.load(candidates_ptr + stride_field + at, mask=live, other=-float("inf"))
+        v3 = tl.load(candidates_ptr + 2 * stride_field + at, mask=live, other=-float("inf"))
+        packed = tl.load(columns_ptr + at, mask=live, other=0)
+        # NaN >= tau is False: a NaN entry is not kept (nor is a lane past the tiles, whatever tau)
+        k1 = counted & (v1 >= tau[None, :])
+        k2 = counted & (v2 >= tau[None, :])
+        k3 = counted & (v3 >= tau[None, :])
+        tied = tied | (k2 & (v1 == v2)) | (k3 & (v2 == v3))
+        f1 = packed & field_mask
+        f2 = (packed >> COLUMN_BITS) & field_mask
+        f3 = (packed >> (2 * COLUMN_BITS)) & field_mask
+        # each kept entry's slot in its row: the entries kept before it, this step's by a prefix sum over the tiles
+        r = k1.to(tl.int32) + k2.to(tl.int32) + k3.to(tl.int32)
+        p1 = count[None, :] + tl.cumsum(r, axis=0) - r
+        p2 = p1 + k1.to(tl.int32)
+        p3 = p2 + k2.to(tl.int32)
+        tl.store(row_slots + p1, _entry_word(v1, f1, tile[:, None], block_v), mask=k1 & (p1 < LISTED))
+        tl.store(row_slots + p2, _entry_word(v2, f2 - f1, tile[:, None], block_v), mask=k2 & (p2 < LISTED))
+        tl.store(row_slots + p3, _entry_word(v3, f3 - f2, tile[:, None], block_v), mask=k3 & (p3 < LISTED))
+        count += tl.sum(r, axis=0)
+    tied = tl.max(tied.to(tl.int32), axis=0)
+    slots = ids_ptr + rows[:, None] * stride_ids
+    resolved = resolved & (tied == 0) & (count <= LISTED)
+    # the words other threads stored, read back: the CTA's barrier orders their global stores before these loads
+    tl.debug_barrier()
+    lanes = tl.arange(0, LISTED)[None, :]
+    filled = (in_rows & resolved)[:, None] & (lanes < count[:, None])
+    words = tl.load(slots + lanes, mask=filled, other=0)
+    keys = _sort(tl.where(filled, _sort_keys(words), _EMPTY_KEY), N_DIMS, LOG_LISTED, 1)  # the empty slots last
+    tl.store(slots + lanes, tl.where(filled, _key_ids(keys), -1), mask=in_rows[:, None])
+    tl.store(resolved_ptr + rows, resolved.to(tl.uint8), mask=in_rows)
+
+
+@on_first_argument_device
+def kept_columns(candidates, tau, resolved, block_v, ids):
+    """The kernel of ``support_tiles.kept_columns`` (its twin, the statement of the rule; same arguments and
+    outputs): each resolved row's kept vocabulary ids written into ``ids`` [n, LISTED] int64 (rows contiguous) by
+    value descending (ties by ascending id), -1 after them and in every other row; ``resolved`` [n] bool cleared in
+    place where a tile's kept entries tie or more than LISTED are kept. ``candidates`` [5, tiles, n] fp32 (rows
+    contiguous: ``kernels.forward``'s with their columns), ``tau`` [n] fp32.
+
+    Math. A tile's entries v_1 >= v_2 >= v_3 are kept where v >= tau (NaN never); the k-th's column is
+    F_k - F_(k-1) (F_0 = 0; ``kforward._tile_columns``' fields), its id tile x block_v + column. Each kept entry goes
+    to its row's slot count + (kept entries before it in this step: an exclusive prefix sum over the step's tiles of
+    their kept counts r, plus those before it in its tile) as a word of its value's bits and its id
+    (``_entry_word``), slots past LISTED not stored; after the tiles the row's count and its ties (a kept v_2 = v_1
+    or v_3 = v_2) decide ``resolved``, and its words read back (the CTA's barrier between) as keys (``_sort_keys``)
+    and sorted descending (one bitonic sort of LISTED lanes a row) give its ids. The twin orders by torch's topk,
+    which leaves ties across tiles in an order of its own: the ids are the twin's bit for bit where the kept values
+    differ, the same set in the same value order where they tie.
+
+    Work and memory (argued, not measured). One program a COLUMNS_BLOCK_N rows, COLUMNS_BLOCK_T tiles a step, the
+    tiles the tensors' first axis (the loads' and the scatter stores' layouts then agree: no conversion through
+    shared memory; the rows' stride unspecialised, so that the loads are not vectorised into another layout). A row
+    reads its 3 entries and column field a tile, 16 bytes (the bound is not read), writes and reads back 8 bytes a
+    kept entry and writes 512 bytes of ids: at N 16384 and V 151936 in 128-column tiles (1187), 19 KB a row, 311 MB
+    in all, ~0.065 ms at the H200's 4.8 TB/s (a launch's candidates were just written by the sweep: partly in L2).
+    ``tools/sm_compile.py``: 128 registers on sm_89-120 (sm_80 149) under Triton 3.9, 128-191 under 3.6 (8 bytes
+    spilled on sm_120 there); the loop ~120 SASS instructions a tile and row (sm_90: the loads' and stores'
+    addresses, the compares, the column fields, the in-thread prefix sum and predicates held in registers; 6
+    barriers a step), 2.3e9 a thread's over N 16384 (7e7 warp instructions, ~0.08 ms at 4 a clock an SM). The
+    sweep's launches (``kforward.PARTS_BYTES``: 896 rows each in bf16, 19) give ~112 programs, about one an SM, each
+    5 steps of 256 tiles with a load round trip and ~1000 instructions a warp: ~2 us a step, ~12 us a launch, ~0.2
+    ms in all, where the torch twin's ~10 operations over [rows, tiles, 3] ran ~1 ms (both argued)."""
+    fields, tiles, n = candidates.shape
+    if fields != TILE_CANDIDATES + 2 or candidates.stride(2) != 1:
+        raise ValueError(f"candidates: [{TILE_CANDIDATES + 2}, tiles, n] with rows contiguous, got {candidates.shape}")
+    if ids.shape != (n, LISTED) or ids.dtype != torch.int64 or ids.stride(1) != 1:
+        raise ValueError(f"ids: [{n}, {LISTED}] int64 with contiguous rows, got {tuple(ids.shape)} {ids.dtype}")
+    if n:
+        _kept_columns_kernel[(triton.cdiv(n, COLUMNS_BLOCK_N),)](
+            candidates,
+            candidates[TILE_CANDIDATES + 1].view(torch.int32),
+            tau,
+            resolved.view(torch.uint8),
+            ids,
+            n,
+            tiles,
+            candidates.stride(0),
+            candidates.stride(1),
+            candidates.stride(2),
+            ids.stride(0),
+            block_v,
+            LISTED=LISTED,
+            COLUMN_BITS=COLUMN_FIELD_BITS,
+            BLOCK_N=COLUMNS_BLOCK_N,
+            BLOCK_T=COLUMNS_BLOCK_T,
+            N_DIMS=(COLUMNS_BLOCK_N * LISTED).bit_length() - 1,
+            LOG_LISTED=LISTED.bit_length() - 1,
+            num_warps=COLUMNS_NUM_WARPS,
+        )
+    return ids
