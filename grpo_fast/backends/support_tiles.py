@@ -38,12 +38,14 @@ row, reading the 4 x tiles fp32 once, then the rule above in registers), in torc
 operations a launch over [rows, 65] (top-p ~95); the record's fields from the sums once a call (~12 operations over
 [N]). At the Qwen2.5-1.5B head, N 16384, on an H200: the kernel's selection ~0.15-0.3 ms (the torch one's 0.9-1.6),
 the pass ~1.07-1.15x the plain log-prob pass; with gradients the columns' ~8 instructions a logit more, forward and
-backward ~1.06-1.11x the plain pass's (argued, not measured).
+backward ~1.07-1.12x the plain pass's (argued, not measured).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -61,15 +63,31 @@ def serves(support: SamplerSupport, reduce) -> bool:
     return support.kept_ids is None and support.top_k <= LISTED and one_process
 
 
+class SelectionKernels(NamedTuple):
+    """The kernels a backend passes for the selection's steps (None: their torch forms here, the twins):
+    ``select`` for ``_select`` (``kernels.tile_selection.select``), ``kept_columns`` for ``kept_columns``
+    (``kernels.tile_selection.kept_columns``); each one launch a launch of the sweep."""
+
+    select: Callable | None = None
+    kept_columns: Callable | None = None
+
+
+TORCH_FORMS = SelectionKernels()
+
+
 def parameter_forward(
-    head: HeadOperands, support: SamplerSupport, config, rows_forward, kernel=None, carry=False, columns_kernel=None
+    head: HeadOperands,
+    support: SamplerSupport,
+    config,
+    rows_forward,
+    kernels: SelectionKernels = TORCH_FORMS,
+    carry=False,
 ) -> SupportRecord:
     """The SupportRecord of ``head``'s rows (module docstring); ``config``: ``kernels.forward``'s launch;
     ``rows_forward(head, support) -> SupportRecord``: the rows' path, for the rows the candidates do not resolve;
-    ``kernel``: None (``_select``'s torch form) or the backend's selection kernel (``kernels.tile_selection.select``),
-    one launch a launch of the sweep. ``carry`` (a backward follows): the sweep lists its entries' columns too and the
-    record carries each resolved row's kept ids (``kept_columns``; ``columns_kernel``: None, its torch form, or the
-    backend's kernel, ``kernels.tile_selection.kept_columns``), a row of -1 for those the rows' path took."""
+    ``kernels``: the selection's (``SelectionKernels``). ``carry`` (a backward follows): the sweep lists its entries'
+    columns too and the record carries each resolved row's kept ids (``kept_columns``), a row of -1 for those the
+    rows' path took."""
     N, V = head.hidden.shape[0], head.weight.shape[0]
     device = head.hidden.device
     ids = torch.full((N, LISTED), -1, dtype=torch.int64, device=device) if carry else None
@@ -80,9 +98,9 @@ def parameter_forward(
     def select(n0, n1, candidates, stats):
         m, s, _, _, target_logit = stats.unbind(0)
         out = tuple(x[n0:n1] for x in (tau, kept, kept_rest, resolved))
-        _select(candidates[: kforward.candidate_fields()], m, s, target_logit, support, V, kernel, out)
+        _select(candidates[: kforward.candidate_fields()], m, s, target_logit, support, V, kernels.select, out)
         if carry:
-            kept_columns(candidates, tau[n0:n1], resolved[n0:n1], config.block_v, ids[n0:n1], columns_kernel)
+            kept_columns(candidates, tau[n0:n1], resolved[n0:n1], config.block_v, ids[n0:n1], kernels.kept_columns)
 
     m, s, rest, _, target_logit = kforward.forward_record(
         head, False, config, tile_candidates=select, candidate_columns=carry

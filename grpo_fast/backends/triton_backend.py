@@ -38,10 +38,8 @@ from grpo_fast.kernels.operands import Layer1Gradient, SupportRecord, no_kept_id
 KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
 # replayed kept sets' three products (support_twin.KeptDots)
 KEPT_SET_KERNELS = support_twin.KeptDots(kept_set.kept_dot, kept_set.kept_grad_rows, kept_set.kept_grad_table)
-# the tile candidates' selection (support_tiles._select's kernel)
-TILE_SELECTION_KERNEL = tile_selection.select
-# the kept ids of the rows it resolves, with gradients (support_tiles.kept_columns' kernel)
-KEPT_COLUMNS_KERNEL = tile_selection.kept_columns
+# the tile candidates' selection and, with gradients, the kept ids of the rows it resolves
+TILE_SELECTION_KERNELS = support_tiles.SelectionKernels(tile_selection.select, tile_selection.kept_columns)
 
 
 def support_record_config(head, wide=False):
@@ -216,9 +214,7 @@ class TritonBackend:
         carry = self.carried_kept_width(support, reduce, differentiable) > 0
         if support_tiles.serves(support, reduce) and head.hidden.shape[0] and head.weight.shape[0]:
             config = support_record_config(head, wide=carry)
-            return support_tiles.parameter_forward(
-                head, support, config, rows_forward, TILE_SELECTION_KERNEL, carry, KEPT_COLUMNS_KERNEL
-            )
+            return support_tiles.parameter_forward(head, support, config, rows_forward, TILE_SELECTION_KERNELS, carry)
         record = rows_forward(head, support)
         if carry:  # no row to sweep: the carried ids' shape all the same
             return record._replace(
