@@ -215,17 +215,23 @@ def test_without_gradients_from_the_tile_candidates(dtype, rule, tile_selections
         torch.testing.assert_close(x, g.detach(), rtol=0, atol=1e-5)
 
 
-def test_rows_the_tile_candidates_cannot_show_take_the_rows_path(tile_selections, device):
-    # a bias puts each row's 6 largest logits in the first vocabulary tile: its 3 candidates cannot show top_k=5's
-    # threshold (the 4th largest there is above it), so those rows go to the rows' path; the others are resolved
-    dev = backend_device("triton", device)
-    h, w, b, y = head_inputs(2, 6, 24, 200, torch.float32, scale=0.2, device=dev)
+def _six_in_the_first_tile(dev):
+    """(h, w, b, y): a bias puts the first sequence's 6 largest logits in the first vocabulary tile; the second's own
+    logits dwarf it."""
+    h, w, b, _ = head_inputs(2, 6, 24, 200, torch.float32, scale=0.2, device=dev)
     b = b.clone()
     b[:6] = torch.arange(20.0, 14.0, -1.0, device=dev)
     on_top = torch.zeros(2, 6, dtype=torch.bool, device=dev)
     on_top[0] = True  # row 0's tokens: the bias's six on top; row 1's: no bias
     h = torch.where(on_top[..., None], h, h * 40.0)  # row 1's own logits dwarf the bias
-    y = torch.where(on_top, 2, _z(h, w, b, 1.0).argmax(-1))
+    return h, w, b, torch.where(on_top, 2, _z(h, w, b, 1.0).argmax(-1))
+
+
+def test_rows_the_tile_candidates_cannot_show_take_the_rows_path(tile_selections, device):
+    # a bias puts each row's 6 largest logits in the first vocabulary tile: its 3 candidates cannot show top_k=5's
+    # threshold (the 4th largest there is above it), so those rows go to the rows' path; the others are resolved
+    dev = backend_device("triton", device)
+    h, w, b, y = _six_in_the_first_tile(dev)
     for params in (dict(top_k=5), dict(top_p=0.999), dict(min_p=1e-8)):
         tile_selections.update(resolved=0, passed=0)
         with torch.no_grad():
@@ -307,13 +313,7 @@ def test_with_gradients_rows_the_candidates_leave_take_the_rows_path(params, dev
     from grpo_fast.kernels.operands import SamplerSupport
 
     dev = backend_device("triton", device)
-    h, w, b, _ = head_inputs(2, 6, 24, 200, torch.float32, scale=0.2, device=dev)
-    b = b.clone()
-    b[:6] = torch.arange(20.0, 14.0, -1.0, device=dev)
-    on_top = torch.zeros(2, 6, dtype=torch.bool, device=dev)
-    on_top[0] = True
-    h = torch.where(on_top[..., None], h, h * 40.0)
-    y = torch.where(on_top, 2, _z(h, w, b, 1.0).argmax(-1))
+    h, w, b, y = _six_in_the_first_tile(dev)
     record = _carried(h.reshape(12, -1), w, b, y.reshape(-1), SamplerSupport(**params))
     carried = (record.carried_ids[:, 0] >= 0).reshape(2, 6).cpu()
     assert not bool(carried[0].any()) and bool(carried[1].any()), carried
