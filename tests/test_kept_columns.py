@@ -246,3 +246,29 @@ def test_bad_operands_are_refused(device):
         tile_selection.kept_columns(candidates[:4], tau, resolved, 128, torch.zeros(4, LISTED, dtype=torch.int64))
     with pytest.raises(ValueError, match="ids"):
         tile_selection.kept_columns(candidates, tau, resolved, 128, torch.zeros(4, LISTED, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("block_v", [128, 256])
+@pytest.mark.parametrize("params", [dict(top_k=50), dict(top_p=0.3)], ids=str)
+def test_at_a_real_vocabulary_the_selected_rows_ids_are_their_kept_logits(block_v, params, device):
+    # Qwen2.5's vocabulary (1187 or 594 tiles): the selection's threshold (support_tiles._select), then the kept ids
+    # by the twin and the kernel: on every row both resolve, {v : z_v >= tau} read from the whole row
+    from grpo_fast import reference
+    from grpo_fast.kernels.operands import SamplerSupport
+
+    g = torch.Generator().manual_seed(0)
+    n, V = 8, 151936
+    z = torch.randn(n, V, generator=g) * 6.0
+    m, y = z.max(-1)
+    s = torch.exp(z - m[:, None]).sum(-1)
+    candidates = _candidates(z, block_v)
+    support = SamplerSupport(**params)
+    tau, _, _, resolved = support_tiles._select(candidates[:4], m, s, z.gather(1, y[:, None])[:, 0], support, V)
+    assert bool(resolved.all())
+    twin, got = _both(candidates, tau, resolved, block_v, device)
+    assert _check(candidates, tau, twin, got) == (n, 0)
+    keep = reference.kept_mask(z.double(), **params)
+    for row in range(n):
+        truth = keep[row].nonzero().squeeze(-1)
+        assert 1 <= truth.numel() <= LISTED
+        assert torch.equal(got[0][row, : truth.numel()].sort().values, truth), row
