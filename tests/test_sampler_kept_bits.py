@@ -1,7 +1,9 @@
-"""Replayed kept sets without gradients from the log-prob's own record sweep (kernels/forward.py ``kept_record``: each
-launch's rows' sets as a bitmap read in the tiles' epilogue) against the fp64 spec, at the launch and through
-``grpo_fast.sampler_logprobs``; and its agreement with the gathers' path (``kernels.kept_set``), which the Triton
-backend takes with gradients; a row's values whatever the sets' padding.
+"""Replayed kept sets from the log-prob's own record sweep (kernels/forward.py ``kept_record``: each launch's rows'
+sets as a bitmap read in the tiles' epilogue) against the fp64 spec, at the launch and through
+``grpo_fast.sampler_logprobs``, without gradients and with a trained head (then layer 1's chunked backward with the
+support's term in its g, kernels/backward.py KEPT_BITS); its agreement with the gathers' path (``kernels.kept_set``),
+which the Triton backend takes where only the hidden states train (beside layer 1's frozen head); a row's values
+and gradients whatever the sets' padding.
 
 Odd shapes (V not a multiple of 32 nor of the tiles, partial token blocks) in fp32 / bf16 / fp16, one launch holding
 every kind of row: a set of one entry, every entry, sets without the row's max, kept entries ~100 nats below their
@@ -24,7 +26,7 @@ from grpo_fast import reference
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
-from grpo_fast.kernels import softmax_stats
+from grpo_fast.kernels import gemm, softmax_stats
 from grpo_fast.kernels.operands import HeadOperands
 from grpo_fast.memory import support_workspace
 
@@ -262,20 +264,26 @@ def test_fake_tensors_and_no_host_read(backend, monkeypatch, device):
 
 def test_the_memory_model_counts_the_bitmap_sweep():
     # the no-grad forward of replayed sets: the record sweep's workspace with the bitmaps, no [N, K] buffers (at any
-    # K); with gradients the gathers' [N, K] buffers
+    # K); with gradients of hidden states alone (layer 1's frozen head beside) the gathers' [N, K] buffers
     N, D, V = 4096, 1536, 151936
     config = kconfig.forward_config(torch.device("cuda"), torch.bfloat16, True)  # the bitmaps' columns
     bits = kforward.workspace_bytes(N, V, False, config, kept_bits=True)
     # the bitmaps within the launch's bytes: fewer rows a launch
     assert kforward.parts_shape(N, V, False, config, kept_bits=True)[2] < kforward.parts_shape(N, V, False, config)[2]
 
-    def model(kept, differentiable):
+    def model(kept, differentiable, trains_head=False, op="sampler_support"):
         return support_workspace.support_workspace_bytes(
-            "sampler_support", N, D, V, torch.bfloat16, kept=kept, differentiable=differentiable
+            op, N, D, V, torch.bfloat16, kept=kept, differentiable=differentiable, trains_head=trains_head
         )
 
     assert model(1024, False) == model(64, False) == bits + 3 * N * 4
     assert model(1024, True) == math.ceil(N * 1024 * 4 * support_workspace.REPLAYED_FORWARD)
+    # a trained head: the same sweep forward, and a backward of layer 1's chunked g and a chunk's bitmaps (any K)
+    assert model(1024, True, True) == model(64, True, True) == bits + 3 * N * 4
+    backward = model(1024, True, True, "sampler_support_backward") - 4 * (N * D + V * D)
+    chunk = gemm.chunk_size(N, D)
+    assert backward == chunk * (V * 2 + kforward.kept_words(V) * 4) + N * 4
+    assert backward == model(64, True, True, "sampler_support_backward") - 4 * (N * D + V * D)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -295,3 +303,121 @@ def test_a_rows_values_do_not_depend_on_the_sets_padding(dtype, device):
             out.append(res)
     for a, b in zip(out[0], out[1]):
         assert torch.equal(a, b)
+
+
+def _trained(backend, hidden, weight, bias, targets, mask, ids, coefficients, **kwargs):
+    """(outputs, (dH, dW, db)) of sum c logp + d support with every head tensor trained (the Triton backend: the
+    bitmap sweep forward, layer 1's chunked backward with the support's term in its g)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (hidden, weight, bias)]
+    out = grpo_fast.sampler_logprobs(
+        leaves[0], leaves[1], targets, mask, bias=leaves[2], temperature=0.9, backend=backend, kept_ids=ids, **kwargs
+    )
+    sum((c * x).sum() for c, x in zip(coefficients, out[:2])).backward()
+    return type(out)(*(x.detach() for x in out)), [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_a_trained_head_both_gradients_match_fp64(dtype, device):
+    from conftest import assert_grad_close
+
+    dev = backend_device("triton", device)
+    hidden, weight, bias, targets, mask, ids = _sampler_inputs(dtype, dev)
+    g = torch.Generator().manual_seed(3)
+    coefficients = [torch.randn(2, 5, generator=g).to(dev) * mask for _ in range(2)]
+    out, grads = _trained("triton", hidden, weight, bias, targets, mask, ids, coefficients)
+    leaves = [x.detach().clone().double().requires_grad_() for x in (hidden, weight, bias)]
+    spec = reference.sampler_logprobs(
+        leaves[0], leaves[1], targets, leaves[2], 0.9, kept_ids=ids.clamp(max=149), compute_dtype=F64
+    )
+    sum((c.double() * x.masked_fill(~mask, 0.0)).sum() for c, x in zip(coefficients, spec[:2])).backward()
+    for name, x, r in zip(out._fields, out, spec):
+        torch.testing.assert_close(x[mask], r[mask].float(), rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for name, got, leaf in zip(("hidden", "weight", "bias"), grads, leaves):
+        assert_grad_close(got, leaf.grad.to(dtype), dtype, name)
+
+
+def test_with_a_trained_head_every_kind_of_set(device):
+    # the hard rows (module docstring): sets without the row's max, entries ~100 nats below their tile's max, -inf
+    # logits in a set, an empty set and a target outside its set (check_values=False: their support NaN); the
+    # gradients of rows whose support is a number are the spec's, the others' rows NaN, never a number that hides it
+    dev = backend_device("triton", device)
+    hidden, weight, bias, targets = _head(torch.float32, dev)
+    ids, targets = _kept_ids(targets, torch.Generator().manual_seed(1))
+    ids, targets = ids.to(dev), targets.to(dev)
+    truth = _truth(hidden, weight, bias, targets, ids)
+    drawable = truth[0].isfinite().to(dev)
+    assert not bool(drawable.all()) and bool(drawable.sum() > N - 3)
+    g = torch.Generator().manual_seed(4)
+    c, d = (torch.randn(N, generator=g).to(dev) for _ in range(2))
+    d_drawn = torch.where(drawable, d, 0.0)  # a NaN support takes no gradient here: the others' checked
+    mask = torch.ones(1, N, dtype=torch.bool, device=dev)
+    out, grads = _trained(
+        "triton",
+        hidden[None],
+        weight,
+        bias,
+        targets[None],
+        mask,
+        ids[None],
+        (c[None], d_drawn[None]),
+        check_values=False,
+    )
+    leaves = [x.detach().clone().double().requires_grad_() for x in (hidden, weight, bias)]
+    logp, support, _ = reference.sampler_logprobs(
+        leaves[0], leaves[1], targets, leaves[2], 0.9, kept_ids=ids, compute_dtype=F64
+    )
+    support = torch.where(drawable, support, 0.0)
+    ((c.double() * logp).sum() + (d_drawn.double() * support).sum()).backward()
+    for name, got, leaf in zip(("hidden", "weight", "bias"), grads, leaves):
+        scale = leaf.grad.abs().max().item()
+        err = (got.double().cpu() - leaf.grad.cpu()).abs().max().item()
+        assert err <= 1e-5 * scale, (name, err, scale)
+    # a row whose support is NaN and gets a gradient: its dH row NaN, the others finite
+    _, nan_grads = _trained(
+        "triton", hidden[None], weight, bias, targets[None], mask, ids[None], (c[None], d[None]), check_values=False
+    )
+    rows_nan = nan_grads[0][0].isnan().any(-1)
+    assert torch.equal(rows_nan, ~drawable)
+
+
+def test_with_a_trained_head_a_rows_gradients_do_not_depend_on_the_sets_padding(device):
+    # batch invariance with gradients: the same sets padded to K 6 and 206 give bitwise equal values and gradients
+    dev = backend_device("triton", device)
+    hidden, weight, bias, targets = _head(torch.float32, dev)
+    narrow = (targets[:, None] + torch.arange(6, device=targets.device) * 37) % V
+    wide = torch.cat([narrow, torch.full((N, 200), -1, dtype=torch.int64, device=dev)], dim=1)
+    g = torch.Generator().manual_seed(5)
+    coefficients = [torch.randn(1, N, generator=g).to(dev) for _ in range(2)]
+    mask = torch.ones(1, N, dtype=torch.bool, device=dev)
+    runs = [
+        _trained("triton", hidden[None], weight, bias, targets[None], mask, kept[None], coefficients)
+        for kept in (narrow, wide)
+    ]
+    for a, b in zip(runs[0][0] + tuple(runs[0][1]), runs[1][0] + tuple(runs[1][1])):
+        assert torch.equal(a, b)
+
+
+def test_a_frozen_head_keeps_layer1s_frozen_path_and_the_gathers(monkeypatch, device):
+    # the bitmap backward only where layer 1 would take its general path (the head trains); a frozen lm_head keeps
+    # layer 1's frozen-head path for the log-prob and the gathers for the support: both the spec's
+    from grpo_fast.kernels import backward as kbackward
+
+    dev = backend_device("triton", device)
+    inputs = _sampler_inputs(torch.float32, dev, seed=1)
+    calls = []
+    chunked = kbackward.backward_chunked
+
+    def counted(*args, support=None, **kwargs):
+        calls.append(support is not None)
+        return chunked(*args, support=support, **kwargs)
+
+    monkeypatch.setattr(kbackward, "backward_chunked", counted)
+    g = torch.Generator().manual_seed(6)
+    coefficients = [torch.randn(2, 5, generator=g).to(dev) * inputs[4] for _ in range(2)]
+    trained, trained_grads = _trained("triton", *inputs, coefficients)
+    assert calls == [True]
+    calls.clear()
+    frozen = _sampler("triton", *inputs, grad=True)
+    assert True not in calls
+    for x, y in zip(trained, frozen):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)

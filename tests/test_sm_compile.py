@@ -28,6 +28,7 @@ DESCRIBED_FAMILIES = {
     "fwd candidates columns": tiles.RECORD,  # with gradients: the wide epilogue's
     "fwd kept bits": tiles.RECORD,  # replayed sets without gradients: the forward's own tile
     "bwd chunked": tiles.CHUNKED_BACKWARD,
+    "bwd chunked kept bits": tiles.CHUNKED_BACKWARD,  # replayed sets with a trained head: the wide epilogue's
     "div fwd": tiles.SWEEP,
     "div jsd": tiles.SWEEP,
     "div bwd": tiles.G,

@@ -77,6 +77,7 @@ from grpo_fast.kernels.operands import (  # noqa: E402
     Layer1Gradient,
     LossLayer1,
     SamplerSupport,
+    SupportGradient,
     TokenLossInputs,
 )
 from grpo_fast.kernels.softmax_stats import BackwardStats  # noqa: E402
@@ -702,6 +703,18 @@ def kept_bits_launches(arch):
         ):
             forward.kept_record(head, kept_ids, cfg)
         out.append((f"fwd kept bits {label}", "fwd kept bits", TRITON_TYPES[dtype], launches[0]))
+        # the replayed sets' pass with gradients: layer 1's chunked backward with the support's term in its g, in
+        # triton_backend.kept_backward_config's tile
+        N, D = hidden.shape
+        stats = BackwardStats(*(torch.randn(N) for _ in range(2)), None, None)
+        support = SupportGradient(kept_ids, torch.randn(N), torch.randn(N), torch.rand(N))
+        bwd = kconfig.gpu_backward_config(dtype, "chunked", arch, True, False)
+        if dtype == torch.float32:  # as triton_backend.kept_backward_config
+            bwd = dataclasses.replace(bwd, num_warps=8)
+        grads = HeadGrads(torch.empty(N, D), torch.zeros(weight.shape[0], D))
+        with recording(backward, "_backward_kernel") as launches, recording(forward, "_kept_bits_kernel"):
+            backward.backward_chunked(head, stats, torch.randn(N), None, grads, bwd, support=support)
+        out.append((f"bwd chunked kept bits {label}", "bwd chunked kept bits", TRITON_TYPES[dtype], launches[0]))
     out.append(("kept bits merge", "kept bits merge", "fp32", merges[0]))
     return out + [("kept bits build", "kept bits build", "int32", builds[0])]
 

@@ -188,6 +188,13 @@ class Backend(Protocol):
         record allocates besides the outputs, whether the sets' logits are gathered as [N, K] buffers too)."""
         ...
 
+    def replayed_backward_workspace_bytes(
+        self, hidden_shape: tuple[int, int], vocab_size: int, dtype: torch.dtype
+    ) -> int:
+        """Replayed kept sets whose forward gave the log-prob with gradients (``replayed_takes_logprob``): what
+        their backward allocates besides ``grads`` (backends where it can hold)."""
+        ...
+
     def support_forward(
         self,
         head: HeadOperands,
@@ -195,6 +202,7 @@ class Backend(Protocol):
         vocab_size: int | None = None,
         reduce=None,
         differentiable: bool = True,
+        trains_head: bool = False,
     ) -> SupportRecord:
         """The sampler's kept set of each row and the log-sum-exp over it (``grpo_fast.sampler_logprobs``); with
         the sampling parameters also the log-prob's, from the same rows of logits, and with replayed sets without
@@ -202,6 +210,12 @@ class Backend(Protocol):
         whole head's ``vocab_size`` and its group's ``reduce`` (``support_twin.OneProcess``'s methods).
         ``differentiable``: a backward may follow (it must differentiate the forward's kept set: its recompute in the
         forward's arithmetic, or the set carried, ``carried_kept_width``)."""
+        ...
+
+    def replayed_takes_logprob(self, differentiable: bool, trains_head: bool) -> bool:
+        """Whether one process's ``support_forward`` of replayed sets gives the log-prob too (its record's lse,
+        nontarget_mass and logprob; its backward then both log-probs' gradients), where layer 1's op would otherwise
+        (``trains_head``: layer 1 would take its general path, not the frozen head's)."""
         ...
 
     def carried_kept_width(self, support: SamplerSupport, reduce=None, differentiable: bool = True) -> int:

@@ -24,7 +24,8 @@ Two ways to the kept set:
 * the replayed sets (``replayed_forward``, ``kept_ids`` [N, K], -1 filling): the logits of the K kept entries alone
   (``KeptDots``: a gather of K weight rows a token, O(N K D), no vocabulary sweep), the log-prob left to layer 1's
   own op; without gradients (one process) the op computes the log-prob too (``with_logprob``: the Triton backend's
-  wide sets from one record sweep that reads their bitmaps, ``kernels.forward.kept_record``).
+  sets from one record sweep that reads their bitmaps, ``kernels.forward.kept_record``), and on the Triton backend
+  with a trained head too (``Backend.replayed_takes_logprob``: its backward layer 1's with the support's term).
 """
 
 from __future__ import annotations

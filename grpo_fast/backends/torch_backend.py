@@ -84,7 +84,7 @@ class TorchBackend:
         args = ("linear_logprobs", hidden_shape, vocab_size, dtype, False, None, device_type, None)
         return self.workspace_bytes(*args), True
 
-    def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
+    def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True, trains_head=False):
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is None:
             return support_rows.parameter_forward(head, support, vocab_size, reduce, support_rows.TORCH_ROW_SWEEPS)
@@ -93,6 +93,10 @@ class TorchBackend:
             return record
         # the op's log-prob too (``sampler.ops.computes_logprob``), from layer 1's chunked record
         return support_twin.with_logprob(record, head_twin.forward_record(head, False))
+
+    def replayed_takes_logprob(self, differentiable, trains_head):
+        """Without gradients (``support_twin.takes_logprob``)."""
+        return support_twin.takes_logprob(differentiable, support_twin.ONE_PROCESS)
 
     def carried_kept_width(self, support, reduce=None, differentiable=True):
         """None carried: the backward recomputes the rows in the forward's arithmetic."""

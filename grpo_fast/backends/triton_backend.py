@@ -32,7 +32,7 @@ from grpo_fast.kernels import forward_frozen as kfrozen
 from grpo_fast.kernels import token_loss as ktoken_loss
 from grpo_fast.kernels.divergence_records import finish, layer1_record
 from grpo_fast.kernels.loss_statistics import SLOTS
-from grpo_fast.kernels.operands import Layer1Gradient, SupportRecord, no_kept_ids
+from grpo_fast.kernels.operands import Layer1Gradient, SupportGradient, SupportRecord, no_kept_ids
 
 # the sampling parameters' row sweeps (support_rows.RowSweeps)
 KEPT_ROW_KERNELS = support_rows.RowSweeps(kept_rows.row_records, kept_rows.kept_sums)
@@ -53,6 +53,16 @@ def support_record_config(head, wide=False):
     )
     config = kconfig.forward_config(head.hidden.device, head.hidden.dtype, wide)
     return replace(config, num_warps=8) if head.hidden.dtype == torch.float32 else config
+
+
+def kept_backward_config(head):
+    """Layer 1's chunked backward with a replayed set's support term (``kernels.backward``, KEPT_BITS): the wide
+    epilogue's tile (``tools/sm_compile.py``: the bitmaps' term compiles there without a spill on every class under
+    Triton 3.9, where the 128 x 256 tile spills 424 bytes on sm_90 under 3.6), fp32's on 8 warps (4 spilled 8 bytes
+    on sm_90)."""
+    hidden = head.hidden
+    config = kconfig.backward_config(hidden.device, hidden.dtype, "chunked", True, head.lora is not None)
+    return replace(config, num_warps=8) if hidden.dtype == torch.float32 else config
 
 
 def replayed_record(head, kept_ids):
@@ -195,7 +205,14 @@ class TritonBackend:
         config = kconfig.forward_config(torch.device(device_type), dtype, True)  # support_record_config's columns
         return kforward.workspace_bytes(N, V, False, config, kept_bits=True) + 3 * N * 4, False
 
-    def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True):
+    def replayed_backward_workspace_bytes(self, hidden_shape, vocab_size, dtype):
+        """``_replayed_backward``'s: layer 1's chunked g (a token chunk x V in the input dtype), the sets' bitmaps of a
+        chunk (``kforward.kept_words``) and a zero dL/dlogp [N] fp32 where none arrives."""
+        (N, D), V = hidden_shape, vocab_size
+        chunk, itemsize = gemm.chunk_size(N, D), torch.empty(0, dtype=dtype).element_size()
+        return chunk * (V * itemsize + kforward.kept_words(V) * 4) + N * 4
+
+    def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True, trains_head=False):
         """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep); without gradients (one
         process) the log-prob's record sweep too, which reads wide sets' bitmaps instead (``replayed_record``). The
         sampling parameters (one process, top-k 0 or up to LISTED): the log-prob's record sweep with its tiles'
@@ -204,7 +221,7 @@ class TritonBackend:
         ``kernels.kept_rows``' row sweeps (``support_rows``)."""
         reduce = reduce or support_twin.ONE_PROCESS
         if support.kept_ids is not None:
-            if support_twin.takes_logprob(differentiable, reduce):
+            if reduce is support_twin.ONE_PROCESS and self.replayed_takes_logprob(differentiable, trains_head):
                 return replayed_record(head, support.kept_ids)
             return support_twin.replayed_forward(head, support.kept_ids, KEPT_SET_KERNELS, reduce)
 
@@ -222,6 +239,13 @@ class TritonBackend:
             )
         return record
 
+    def replayed_takes_logprob(self, differentiable, trains_head):
+        """Without gradients, and with a trained head: one record sweep reading the sets' bitmaps gives both
+        log-probs (``replayed_record``), and the backward both gradients from layer 1's chunked backward with the
+        support's term in its g (``kernels.backward``, KEPT_BITS): any K at the cost of the bitmaps, where the gathers
+        of K rows a token cost ~2x at K = 1024. A frozen head keeps layer 1's frozen path and the gathers."""
+        return not differentiable or trains_head
+
     def carried_kept_width(self, support, reduce=None, differentiable=True):
         """The parameters' tile path with gradients (``support_tiles``): its record carries LISTED kept ids a row."""
         return tile_selection.LISTED if differentiable and support_tiles.serves(support, reduce) else 0
@@ -229,6 +253,9 @@ class TritonBackend:
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
         """Carried kept ids: layer 1's backward for the log-prob and the kept entries' gathers for the support
         (``support_tiles.carried_backward``); otherwise the twin's (``support_twin.backward``)."""
+        if support.kept_ids is not None and record.lse.numel():
+            self._replayed_backward(head, support.kept_ids, record, grad_logp, grad_support, grads)
+            return
         if record.carried_ids.dim() == 2:
 
             def layer1_backward(stats, grad_logp, grads):
@@ -239,6 +266,21 @@ class TritonBackend:
             )
             return
         support_twin.backward(head, support, record, grad_logp, grad_support, grads, KEPT_SET_KERNELS)
+
+    def _replayed_backward(self, head, kept_ids, record, grad_logp, grad_support, grads):
+        """Both log-probs' gradients of a replayed record that holds the log-prob's (``replayed_takes_logprob``):
+        layer 1's chunked backward with the support's term in its g, the sets as bitmaps a chunk."""
+        if head.hidden.shape[0] == 0:
+            return
+        zeros = torch.zeros(head.hidden.shape[0], dtype=torch.float32, device=head.hidden.device)
+        stats = softmax_stats.BackwardStats(record.lse, record.nontarget_mass, None, None)
+        support_term = None
+        if grad_support is not None:
+            support_term = SupportGradient(kept_ids, grad_support, record.kept_lse, record.kept_nontarget_mass)
+        grad_logp = grad_logp if grad_logp is not None else zeros
+        kbackward.backward_chunked(
+            head, stats, grad_logp, None, grads, kept_backward_config(head), support=support_term
+        )
 
     # ------------------------------------------------------------------------------------------- layer 2
     def token_loss(self, inputs, options, *, scale, entropy_threshold):

@@ -23,6 +23,11 @@ Two modes (config.BACKWARD_MODES, the caller's choice):
   About N V D (1/BLOCK_V + 1/BLOCK_N) atomic adds and a summation order that varies run to run: why chunked is the
   default.
 
+With a replayed kept set's support s = z_y - L_kept (``backward_chunked``'s ``support``, the sampler's replayed sets
+with a trained head) g also takes its term, d = dL/ds: -d q_v on each kept v != y (q_v = exp(z_v - L_kept), the sets
+as bitmaps a chunk, read in the tile: ``tile.kept_bits_tile``), d (1 - q_y) at the target, carried; memory: a chunk's
+bitmaps, ceil(V / 32) int32 a row.
+
 A frozen lm_head skips every dW product. LoRA (z recomputed from h W^T + l B^T) adds dl = g B [N, r] and
 dB = g^T l [V, r] from the same tiles g: two more GEMMs per chunk (the adapter operands in g's dtype), or a walk over
 r in BLOCK_R steps with atomics in the fused mode; memory: the fp32 dl (N x r) and dB (V x r).
@@ -32,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .forward import kept_bitmaps, kept_words
 from .gemm import chunk_size, mm_fp32, mm_token_rows
 from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
 from .operands import HeadGrads
@@ -50,6 +56,10 @@ def _backward_kernel(
     mean_minus_target_ptr,
     grad_logp_ptr,
     grad_entropy_ptr,
+    grad_support_ptr,
+    kept_bits_ptr,
+    kept_lse_ptr,
+    kept_nontarget_mass_ptr,
     g_ptr,
     grad_hidden_ptr,
     grad_weight_ptr,
@@ -59,6 +69,7 @@ def _backward_kernel(
     N,
     V,
     D,
+    stride_kept_row,
     stride_hn,
     stride_hd,
     stride_wv,
@@ -76,6 +87,7 @@ def _backward_kernel(
     HAS_LORA: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     ENTROPY_GRAD: tl.constexpr,
+    KEPT_BITS: tl.constexpr,
     FUSED: tl.constexpr,
     USE_TMA: tl.constexpr,
     COMPUTE_DH: tl.constexpr,
@@ -107,8 +119,8 @@ def _backward_kernel(
         g_ptr, stride_gn, pid_n, pid_v, N, V, BLOCK_N, BLOCK_V
     )
 
-    grad_logp, grad_entropy, coefficient_sum = row_coefficients(
-        grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD
+    grad_logp, grad_entropy, grad_support, coefficient_sum = row_coefficients(
+        grad_logp_ptr, grad_entropy_ptr, grad_support_ptr, offs_n, n_mask, ENTROPY_GRAD, KEPT_BITS
     )
     if SCALE_G:
         # g's scale (tile.gemm_scale): |c| + |e| bounds the coefficients (the block's sum, fused; the call's max,
@@ -137,6 +149,11 @@ def _backward_kernel(
         mean_minus_target_ptr,
         grad_logp,
         grad_entropy,
+        kept_bits_ptr,
+        stride_kept_row,
+        kept_lse_ptr,
+        kept_nontarget_mass_ptr,
+        grad_support,
         pid_n * BLOCK_N,
         pid_v * BLOCK_V,
         offs_n,
@@ -156,6 +173,7 @@ def _backward_kernel(
         HAS_LORA,
         HAS_SOFTCAP,
         ENTROPY_GRAD,
+        KEPT_BITS,
         USE_TMA,
         DOT_FP32,
         DOT_PRECISION,
@@ -234,10 +252,13 @@ def _backward_kernel(
                     )
 
 
-def _launch(head, stats, grad_logp, grad_entropy, grads, config, g=None, coefficient_max=None, g_unscale=None):
+def _launch(
+    head, stats, grad_logp, grad_entropy, grads, config, g=None, coefficient_max=None, g_unscale=None, support=None
+):
     """One launch over hidden's rows; g (chunked: scaled by the power of two its kernel takes from
     ``coefficient_max`` [1] and writes the inverse of into ``g_unscale`` [1]) or the fp32 dH / dW / dl / dB (fused)
-    receive the result (``grads``: an operands.HeadGrads)."""
+    receive the result (``grads``: an operands.HeadGrads). ``support``: None, or (bitmaps [rows, words] int32,
+    SupportGradient) of these rows: a replayed kept set's support term (chunked only)."""
     hidden, weight, targets, bias, transform, lora = head
     N, D = hidden.shape
     V = weight.shape[0]
@@ -262,6 +283,10 @@ def _launch(head, stats, grad_logp, grad_entropy, grads, config, g=None, coeffic
         stats.mean_minus_target if entropy_grad else dummy,
         grad_logp,
         grad_entropy if entropy_grad else dummy,
+        support[1].grad_support if support is not None else dummy,
+        support[0] if support is not None else dummy,
+        support[1].kept_lse if support is not None else dummy,
+        support[1].kept_nontarget_mass if support is not None else dummy,
         g if g is not None else dummy,
         grads.hidden if grads.hidden is not None else dummy,
         grads.weight if grads.weight is not None else dummy,
@@ -271,6 +296,7 @@ def _launch(head, stats, grad_logp, grad_entropy, grads, config, g=None, coeffic
         N,
         V,
         D,
+        support[0].stride(0) if support is not None else 0,
         hidden.stride(0),
         hidden.stride(1),
         weight.stride(0),
@@ -283,6 +309,7 @@ def _launch(head, stats, grad_logp, grad_entropy, grads, config, g=None, coeffic
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=transform.softcap is not None,
         ENTROPY_GRAD=entropy_grad,
+        KEPT_BITS=support is not None,
         FUSED=g is None,
         USE_TMA=use_tma,
         COMPUTE_DH=grads.hidden is not None,
@@ -307,14 +334,16 @@ def _rows(stats, n0, n1):
 
 
 @on_first_argument_device
-def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config):
+def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config, support=None):
     """Into ``grads`` (an operands.HeadGrads of fp32 buffers, any None): dH written, dW zero on entry, db added to;
     with LoRA d lora_hidden written, d lora_weight zero on entry. ``head``: the operands.HeadOperands.
 
     ``stats``: the forward's softmax_stats.BackwardStats; ``grad_logp`` = dL/dlogp [N] fp32; ``grad_entropy`` =
     dL/dentropy [N] fp32 or None (then the stats' entropy values are unused); ``config``: a config.BackwardConfig.
-    bf16 / fp16 g is scaled by one power of two for the whole call (tile.gemm_scale, from max |c| + |e|, on the
-    device: no host read); dH is unscaled per chunk, dW once at the end (hence zero on entry).
+    ``support``: None, or an operands.SupportGradient: a replayed kept set's support term in the same g (each
+    chunk's sets as bitmaps, ``forward.kept_bitmaps``, [chunk, ceil(V / 32)] int32).
+    bf16 / fp16 g is scaled by one power of two for the whole call (tile.gemm_scale, from max |c| + |e| + |d|, on
+    the device: no host read); dH is unscaled per chunk, dW once at the end (hence zero on entry).
     """
     hidden, weight, lora = head.hidden, head.weight, head.lora
     N, D = hidden.shape
@@ -333,10 +362,18 @@ def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config):
     coefficient_max = g_unscale = None
     if scaled:
         coefficients = grad_logp.abs() if grad_entropy is None else grad_logp.abs() + grad_entropy.abs()
+        if support is not None:
+            coefficients = coefficients + support.grad_support.abs()
         coefficient_max = coefficients.amax().reshape(1)
         g_unscale = torch.empty(1, dtype=torch.float32, device=hidden.device)
+    bits = None
+    if support is not None:
+        bits = torch.empty((chunk, kept_words(V)), dtype=torch.int32, device=hidden.device)
     for n0 in range(0, N, chunk):
         n1 = min(n0 + chunk, N)
+        chunk_support = None
+        if support is not None:
+            chunk_support = (kept_bitmaps(support.kept_ids[n0:n1], V, bits[: n1 - n0]), _rows(support, n0, n1))
         _launch(
             head.tokens(n0, n1),
             _rows(stats, n0, n1),
@@ -347,6 +384,7 @@ def backward_chunked(head, stats, grad_logp, grad_entropy, grads, config):
             g,
             coefficient_max,
             g_unscale,
+            chunk_support,
         )
         rows = n1 - n0
         g_rows = g[:rows]

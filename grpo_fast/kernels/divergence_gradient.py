@@ -102,8 +102,8 @@ def _g_kernel(
     # a sum, not a max: a NaN coefficient must reach the gradient (tile.row_coefficients)
     coefficient_sum = tl.sum(tl.abs(c), axis=0)
     if LAYER1:
-        grad_logp, grad_entropy, layer1_sum = row_coefficients(
-            grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD
+        grad_logp, grad_entropy, _, layer1_sum = row_coefficients(
+            grad_logp_ptr, grad_entropy_ptr, grad_logp_ptr, offs_n, n_mask, ENTROPY_GRAD, False
         )
         coefficient_sum += layer1_sum
     if SCALE_G:

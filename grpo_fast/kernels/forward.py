@@ -40,7 +40,7 @@ import triton.language as tl
 
 from . import softmax_stats
 from .launch import on_first_argument_device, tensor_descriptors_fit, tile_operand
-from .tile import logit_tile_at, lora_kernel_args
+from .tile import kept_bits_tile, logit_tile_at, lora_kernel_args
 
 # a padding row's logit (rows past the scored count): far above any real logit, far below fp32's overflow
 PADDING_LOGIT = tl.constexpr(1e30)
@@ -128,20 +128,7 @@ def _kept_tile(z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_r
     merge adds the target's term, and its logit to the max): R_k = sum exp(z_v - m_k), its own max and exp (the
     tile's max need not be kept; a kept logit 100 nats below it keeps its relative precision). A row without such
     entries so far: m_k = -inf, R_k = 0; exp(-inf - pivot) = 0 with a finite pivot, never inf - inf."""
-    tl.static_assert(z.shape[1] % 32 == 0, "a tile covers whole words of the bitmap")
-    WORDS: tl.constexpr = z.shape[1] // 32
-    # the tile's words of each row, each broadcast to its 32 logits ([BLOCK_N, WORDS, 32] as the tile: on sm_90
-    # 18.1 SASS instructions a logit more than the plain pass; the load of each logit's word, z then converted to
-    # the load's layout, took 77, a tl.gather of the words through shared memory 24)
-    offs_w = v0 // 32 + tl.arange(0, WORDS)
-    words = tl.load(
-        kept_bits_ptr + offs_n[:, None] * stride_kept_row + offs_w[None, :],
-        mask=n_mask[:, None] & (offs_w[None, :] * 32 < V),
-        other=0,
-    )
-    column = tl.arange(0, z.shape[1])
-    word = tl.reshape(tl.broadcast_to(words[:, :, None], (z.shape[0], WORDS, 32)), z.shape)
-    kept = (word & (1 << (column & 31))[None, :]) != 0
+    kept = kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, z.shape[0], z.shape[1])
     kept_z = tl.where(kept & ~is_target, z, float("-inf"))
     new_max = tl.maximum(run_max, tl.max(kept_z, axis=1))
     pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -449,6 +436,19 @@ def kept_words(V):
     return triton.cdiv(V, 32)
 
 
+def kept_bitmaps(kept_ids, V, out):
+    """``out`` [rows, kept_words(V)] int32 (rows' strides free, words contiguous): the rows' kept sets ``kept_ids``
+    [rows, K] as bitmaps (``_kept_bits_kernel``; zeroed first), returned."""
+    out.zero_()
+    rows, K = kept_ids.shape
+    if rows and K:
+        block_k = min(triton.next_power_of_2(K), 1024)
+        _kept_bits_kernel[(rows, triton.cdiv(K, block_k))](
+            kept_ids, out, K, V, kept_ids.stride(0), out.stride(0), BLOCK_K=block_k
+        )
+    return out
+
+
 def workspace_bytes(N, V, compute_entropy, config, candidates=0, kept_bits=False):
     """The bytes ``forward_record`` (``kept_record`` with ``kept_bits``) allocates besides the finished outputs: the
     partial records of one launch (and with ``candidates`` fields (``candidate_fields``) its tiles' candidates, with
@@ -532,12 +532,7 @@ def _record_sweep(head, compute_entropy, config, row_count, listing, kept_ids):
         lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
         bit_rows = None
         if with_kept:
-            bit_rows = bits[:rows].zero_()
-            ids = part(kept_ids)
-            block_k = min(triton.next_power_of_2(ids.shape[1]), 1024)
-            _kept_bits_kernel[(rows, triton.cdiv(ids.shape[1], block_k))](
-                ids, bit_rows, ids.shape[1], V, ids.stride(0), bit_rows.stride(0), BLOCK_K=block_k
-            )
+            bit_rows = kept_bitmaps(part(kept_ids), V, bits[:rows])
         _tile_records_kernel[(triton.cdiv(rows, config.block_n) * patches,)](
             tile_operand(part(hidden), use_tma, config.block_n, config.block_d),
             w,

@@ -121,6 +121,23 @@ class SamplerSupport(NamedTuple):
         return self.kept_ids is not None or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
+class SupportGradient(NamedTuple):
+    """A replayed kept set's support term in layer 1's backward (``kernels.backward.backward_chunked``): dL/ds of
+    s = z_y - L_kept, [N] fp32 each but the ids.
+
+    Attributes:
+        kept_ids: [N, K] int64, -1 filling (ids outside [0, V) skipped).
+        grad_support: dL/ds (NaN where the target is outside its set: ``sampler.ops.masked_support_gradient``).
+        kept_lse: L_kept = log sum_{v kept} exp(z_v).
+        kept_nontarget_mass: 1 - q_y, carried.
+    """
+
+    kept_ids: torch.Tensor
+    grad_support: torch.Tensor
+    kept_lse: torch.Tensor
+    kept_nontarget_mass: torch.Tensor
+
+
 class SupportRecord(NamedTuple):
     """What the support's forward leaves for its backward, [N] fp32 each (an empty tensor where a path has none).
 

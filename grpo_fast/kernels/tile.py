@@ -473,17 +473,50 @@ def gradient_tile(g_ptr, stride_g, pid_n, pid_v, N, V, BLOCK_N: tl.constexpr, BL
 
 
 @triton.jit
-def row_coefficients(grad_logp_ptr, grad_entropy_ptr, offs_n, n_mask, ENTROPY_GRAD: tl.constexpr):
-    """A token block's dL/dlogp and dL/dentropy (the latter only with ENTROPY_GRAD), and the sum of their
-    magnitudes: 0 means the block has no gradient (masked rows), which the kernels skip exactly. A sum, not a max:
-    a NaN coefficient must make the block's gradient NaN, and max (the interpreter's nanmax, PTX max.f32) drops it."""
+def row_coefficients(
+    grad_logp_ptr,
+    grad_entropy_ptr,
+    grad_support_ptr,
+    offs_n,
+    n_mask,
+    ENTROPY_GRAD: tl.constexpr,
+    KEPT_BITS: tl.constexpr,
+):
+    """A token block's dL/dlogp, dL/dentropy (only with ENTROPY_GRAD) and a kept set's dL/ds (only with KEPT_BITS),
+    and the sum of their magnitudes: 0 means the block has no gradient (masked rows), which the kernels skip exactly.
+    A sum, not a max: a NaN coefficient must make the block's gradient NaN, and max (the interpreter's nanmax, PTX
+    max.f32) drops it."""
     grad_logp = tl.load(grad_logp_ptr + offs_n, mask=n_mask, other=0.0)
     scale = tl.sum(tl.abs(grad_logp), axis=0)
     grad_entropy = grad_logp
     if ENTROPY_GRAD:
         grad_entropy = tl.load(grad_entropy_ptr + offs_n, mask=n_mask, other=0.0)
         scale += tl.sum(tl.abs(grad_entropy), axis=0)
-    return grad_logp, grad_entropy, scale
+    grad_support = grad_logp
+    if KEPT_BITS:
+        grad_support = tl.load(grad_support_ptr + offs_n, mask=n_mask, other=0.0)
+        scale += tl.sum(tl.abs(grad_support), axis=0)
+    return grad_logp, grad_entropy, grad_support, scale
+
+
+@triton.jit
+def kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """[BLOCK_N, BLOCK_V] bool: whether each column v0 + j is in its row's kept set, bit v & 31 of word v >> 5 of the
+    row's bitmap (``forward.kept_bitmaps``; 0 where masked). The tile's words of each row are loaded once and each
+    broadcast to its 32 logits ([BLOCK_N, WORDS, 32] as the tile: on sm_90 a bit test and a select a logit; the
+    load of each logit's word, the tile then converted to the load's layout, took 77 SASS instructions a logit, a
+    tl.gather of the words through shared memory 24)."""
+    tl.static_assert(BLOCK_V % 32 == 0, "a tile covers whole words of the bitmap")
+    WORDS: tl.constexpr = BLOCK_V // 32
+    offs_w = v0 // 32 + tl.arange(0, WORDS)
+    words = tl.load(
+        kept_bits_ptr + offs_n[:, None] * stride_kept_row + offs_w[None, :],
+        mask=n_mask[:, None] & (offs_w[None, :] * 32 < V),
+        other=0,
+    )
+    column = tl.arange(0, BLOCK_V)
+    word = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_N, WORDS, 32)), (BLOCK_N, BLOCK_V))
+    return (word & (1 << (column & 31))[None, :]) != 0
 
 
 @triton.jit
@@ -500,6 +533,11 @@ def tile_grad(
     mean_minus_target_ptr,
     grad_logp,
     grad_entropy,
+    kept_bits_ptr,
+    stride_kept_row,
+    kept_lse_ptr,
+    kept_nontarget_mass_ptr,
+    grad_support,
     n0,
     v0,
     offs_n,
@@ -519,6 +557,7 @@ def tile_grad(
     HAS_LORA: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     ENTROPY_GRAD: tl.constexpr,
+    KEPT_BITS: tl.constexpr,
     USE_TMA: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -530,7 +569,10 @@ def tile_grad(
 ):
     """g = dL/du for one tile (rows ``offs_n`` from n0, columns ``offs_v`` from v0), from the recomputed logits
     (``logit_tile_at``: ``hidden`` and ``weight`` are tensor descriptors with USE_TMA) and the forward's per-token
-    values (module docstring). ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy."""
+    values (module docstring). ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy.
+    With KEPT_BITS also a replayed kept set's support s = z_y - L_kept (``grad_support``: the rows' dL/ds; the sets as
+    bitmaps, ``kept_bits_tile``): -d q_v on each kept v != y, q_v = exp(z_v - L_kept) its own exponential (exact
+    whatever the set's mass), and d (1 - q_y) carried at the target (``kept_nontarget_mass``)."""
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     # rows past the batch: lse +inf makes their p exactly 0 (with 0 their exp(z) overflows, and 0 x inf is a NaN in db)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
@@ -574,4 +616,13 @@ def tile_grad(
         # p is 0 where z is -inf: keep 0 * inf from forming a NaN
         dz += grad_entropy[:, None] * p * tl.where(p > 0.0, mean_logit[:, None] - z, 0.0)
         target_dz += grad_entropy[:, None] * p * mean_minus_target[:, None]
+    if KEPT_BITS:
+        kept = kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, BLOCK_N, BLOCK_V)
+        # an empty set's L_kept is -inf: a finite pivot (no kept lane reads it; -inf - -inf is never formed)
+        kept_lse = tl.load(kept_lse_ptr + offs_n, mask=n_mask, other=0.0)
+        kept_lse = tl.where(kept_lse == float("-inf"), 0.0, kept_lse)
+        kept_nontarget_mass = tl.load(kept_nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
+        # the exponent -inf off the set: no exp(z - L_kept) of a logit far above the set (an overflow) is formed
+        dz -= grad_support[:, None] * tl.exp(tl.where(kept, z - kept_lse[:, None], float("-inf")))
+        target_dz += grad_support[:, None] * kept_nontarget_mass[:, None]
     return tl.where(is_target, target_dz, dz) * slope

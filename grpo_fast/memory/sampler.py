@@ -23,7 +23,9 @@ The memory model (``support_workspace_bytes``): over fake tensors the ops ``grpo
   at most ``PAIRS_PER_SORT`` pairs at a time); the full log-prob is layer 1's op, whose own workspace the estimate
   already adds. Without gradients (the old policy's pass) the op computes the log-prob itself, by the record sweep
   (``support_workspace.replayed_sweep_bytes``): its partials and the bitmaps of a launch's rows (V / 8 bytes a row,
-  within the launch's PARTS_BYTES; on the Triton backend, at any K) instead of the [N, K] buffers;
+  within the launch's PARTS_BYTES; on the Triton backend, at any K) instead of the [N, K] buffers, and so does the
+  Triton backend's with a trained head, whose backward is layer 1's chunked one with the support's term (its g of a
+  token chunk and the chunk's bitmaps: ``Backend.replayed_backward_workspace_bytes``);
 * the backward's fp32 gradients of the operands it differentiates (dH [N, D], and dW [V, D] where the lm_head
   trains), cast to their dtypes at the end.
 

@@ -51,6 +51,7 @@ def support_workspace_bytes(
     device_type: str = "cuda",
     backend: str = "triton",
     differentiable: bool = True,
+    trains_head: bool = False,
 ) -> int:
     """The bytes a sampler op's implementation allocates besides its outputs (module docstring).
 
@@ -69,6 +70,8 @@ def support_workspace_bytes(
             ``gathered_backward_workspace_bytes``).
         differentiable: the forward's operands need gradients (replayed sets without: the op's record sweep too,
             ``replayed_sweep_bytes``).
+        trains_head: the weight, bias or LoRA's weight needs a gradient (replayed sets on the Triton backend: the
+            record sweep forward and layer 1's chunked backward, ``Backend.replayed_takes_logprob``).
 
     Returns:
         The workspace's bytes.
@@ -76,8 +79,11 @@ def support_workspace_bytes(
     N, D, V = tokens, hidden_size, vocab_size
     if N == 0:
         return 0
-    if kept and op == "sampler_support" and not differentiable:
+    swept = kept and named(backend).replayed_takes_logprob(differentiable, trains_head)
+    if swept and op == "sampler_support":
         chunk = replayed_sweep_bytes(N, D, V, dtype, kept, device_type, backend)
+    elif swept:  # layer 1's chunked backward with the support's term: its g and a chunk's bitmaps
+        chunk = named(backend).replayed_backward_workspace_bytes((N, D), V, dtype)
     elif kept:
         per_token = N * kept * 4
         chunk = per_token * (REPLAYED_FORWARD if op == "sampler_support" else REPLAYED_BACKWARD)
@@ -95,7 +101,7 @@ def support_workspace_bytes(
     if op != "sampler_support_backward":
         raise ValueError(f"op must be 'sampler_support' or 'sampler_support_backward', got {op!r}")
     grads = 4 * (need_hidden * N * D + need_weight * V * D + need_bias * V + lora_rank * (N + V))
-    if kept and (need_weight or lora_rank):
+    if kept and not swept and (need_weight or lora_rank):
         chunk += named(backend).gathered_backward_workspace_bytes((N, kept))
     return math.ceil(chunk) + grads
 
@@ -131,4 +137,5 @@ def workspace_of(op: str, bound: dict, device_type: str = "cuda") -> int:
         device_type=device_type,
         backend=bound["backend"],
         differentiable=bool(bound.get("differentiable", True)),
+        trains_head=bool(bound.get("trains_head", False)),
     )

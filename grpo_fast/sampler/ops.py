@@ -34,6 +34,8 @@ class SamplerOpOperands(NamedTuple):
         temperature, softcap, logit_scale: the logit transform.
         top_k, top_p, min_p: the sampling parameters (``SamplerSupport``).
         differentiable: a backward may follow (``Backend.support_forward``'s).
+        trains_head: the weight, bias or LoRA's weight takes a gradient (layer 1's general path, not its frozen head:
+            ``Backend.replayed_takes_logprob``).
         backend: a resolved backend's name.
     """
 
@@ -51,6 +53,7 @@ class SamplerOpOperands(NamedTuple):
     top_p: float
     min_p: float
     differentiable: bool
+    trains_head: bool
     backend: str
 
     @classmethod
@@ -58,8 +61,11 @@ class SamplerOpOperands(NamedTuple):
         lora = head.lora if head.lora is not None else (None, None)
         transform = head.transform.as_floats()
         tensors = (head.hidden, head.weight, head.bias, *lora)
-        differentiable = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-        return cls(*head[:4], *lora, support.kept_ids, *transform, *support[:3], differentiable, backend)
+        grad = torch.is_grad_enabled()
+        differentiable = grad and any(x is not None and x.requires_grad for x in tensors)
+        trains_head = grad and any(x is not None and x.requires_grad for x in (head.weight, head.bias, lora[1]))
+        fields = (support.kept_ids, *transform, *support[:3], differentiable, trains_head, backend)
+        return cls(*head[:4], *lora, *fields)
 
     def head(self) -> HeadOperands:
         lora = (self.lora_hidden, self.lora_weight) if self.lora_hidden is not None else None
@@ -81,9 +87,12 @@ def drawable_targets(record: SupportRecord, replayed: bool) -> torch.Tensor:
 
 def computes_logprob(operands: SamplerOpOperands) -> bool:
     """Whether the forward op computes the log-prob too: with the sampling parameters (the same rows of logits), and
-    with replayed sets without gradients (one record sweep: ``support_twin.with_logprob``); with gradients replayed
-    sets leave it to layer 1's op (their backward is the support's alone). Operands only: the fake decides alike."""
-    return operands.kept_ids is None or not operands.differentiable
+    with replayed sets where the backend's one record sweep gives both (``Backend.replayed_takes_logprob``);
+    otherwise replayed sets leave it to layer 1's op (their backward is the support's alone). Operands only: the
+    fake decides alike."""
+    if operands.kept_ids is None:
+        return True
+    return named(operands.backend).replayed_takes_logprob(operands.differentiable, operands.trains_head)
 
 
 def support_outputs(record: SupportRecord, replayed: bool):
@@ -121,7 +130,7 @@ def _sampler_support(*operands):
     ``computes_logprob``)."""
     operands = SamplerOpOperands(*operands)
     record = named(operands.backend).support_forward(
-        operands.head(), operands.support(), differentiable=operands.differentiable
+        operands.head(), operands.support(), differentiable=operands.differentiable, trains_head=operands.trains_head
     )
     return (*support_outputs(record, operands.kept_ids is not None), *record)
 
