@@ -5,7 +5,9 @@ policy's pass, ``sampler``) and forward + backward (``sampler_fwdbwd``).
 The rows (``VARIANTS``): the sampling parameters' path at top_k=50, top_p=0.9 and min_p=0.05 (the kept set by
 vLLM's rules: on the Triton backend from the record sweep's tile candidates, with gradients carried to the backward as
 kept ids; the rows they leave from chunks of token rows' whole fp32 logits), and replayed kept sets of K=64 and
-K=1024 entries (the logits of the K kept entries alone, the full log-prob by the plain op). ``grpo_fast`` and
+K=1024 entries (on the Triton backend the log-prob's record sweep reading the sets as bitmaps, with a trained head
+its backward layer 1's with the support's term; elsewhere the logits of the K kept entries alone, the full log-prob
+by the plain op). ``grpo_fast`` and
 ``trl`` are the plain log-prob pass, run on the same batch.
 
 The batch (``make_inputs``) is the point's batch (bench/inputs.py: hidden states, lm_head, completion mask) with
