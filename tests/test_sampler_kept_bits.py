@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from conftest import backend_device
+from conftest import assert_grad_close, backend_device
 from test_host_syncs import count_syncs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -318,8 +318,6 @@ def _trained(backend, hidden, weight, bias, targets, mask, ids, coefficients, **
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_with_a_trained_head_both_gradients_match_fp64(dtype, device):
-    from conftest import assert_grad_close
-
     dev = backend_device("triton", device)
     hidden, weight, bias, targets, mask, ids = _sampler_inputs(dtype, dev)
     g = torch.Generator().manual_seed(3)
