@@ -172,7 +172,7 @@ def carried_backward(
         for g in (grads.hidden, grads.lora_hidden)
     ]
     rows_grads = grads._replace(hidden=own[0], lora_hidden=own[1])
-    rows_record = SupportRecord(*(x[rows] for x in record[:-1]), record.carried_ids[rows])
+    rows_record = SupportRecord(*(x[rows] for x in record))
     support_twin.parameter_backward(_rows_of(head, rows), rows_record, None, grad_support[rows], rows_grads)
     for buffer, part in zip((grads.hidden, grads.lora_hidden), own):
         if part is not None:

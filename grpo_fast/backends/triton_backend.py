@@ -213,8 +213,9 @@ class TritonBackend:
         return chunk * (V * itemsize + kforward.kept_words(V) * 4) + N * 4
 
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True, trains_head=False):
-        """Replayed kept sets: their logits by ``kernels.kept_set`` (no vocabulary sweep); without gradients (one
-        process) the log-prob's record sweep too, which reads wide sets' bitmaps instead (``replayed_record``). The
+        """Replayed kept sets: on one process without gradients or with a trained head (``replayed_takes_logprob``)
+        the log-prob's record sweep reading the sets' bitmaps gives both (``replayed_record``); otherwise their logits
+        by ``kernels.kept_set`` (no vocabulary sweep), the log-prob left to layer 1's op. The
         sampling parameters (one process, top-k 0 or up to LISTED): the log-prob's record sweep with its tiles'
         candidates (``support_tiles``; with gradients their columns too, and the record carries the kept ids);
         otherwise, and for the rows those do not resolve, each chunk's rows of logits from cuBLAS, then
@@ -251,8 +252,9 @@ class TritonBackend:
         return tile_selection.LISTED if differentiable and support_tiles.serves(support, reduce) else 0
 
     def support_backward(self, head, support, record, grad_logp, grad_support, grads):
-        """Carried kept ids: layer 1's backward for the log-prob and the kept entries' gathers for the support
-        (``support_tiles.carried_backward``); otherwise the twin's (``support_twin.backward``)."""
+        """Replayed sets whose record holds the log-prob's: layer 1's chunked backward with the support's term
+        (``_replayed_backward``). Carried kept ids: layer 1's backward for the log-prob and the kept entries' gathers
+        for the support (``support_tiles.carried_backward``). Otherwise the twin's (``support_twin.backward``)."""
         if support.kept_ids is not None and record.lse.numel():
             self._replayed_backward(head, support.kept_ids, record, grad_logp, grad_support, grads)
             return
@@ -272,12 +274,12 @@ class TritonBackend:
         layer 1's chunked backward with the support's term in its g, the sets as bitmaps a chunk."""
         if head.hidden.shape[0] == 0:
             return
-        zeros = torch.zeros(head.hidden.shape[0], dtype=torch.float32, device=head.hidden.device)
         stats = softmax_stats.BackwardStats(record.lse, record.nontarget_mass, None, None)
         support_term = None
         if grad_support is not None:
             support_term = SupportGradient(kept_ids, grad_support, record.kept_lse, record.kept_nontarget_mass)
-        grad_logp = grad_logp if grad_logp is not None else zeros
+        if grad_logp is None:  # the support's gradient alone: a zero dL/dlogp
+            grad_logp = torch.zeros(head.hidden.shape[0], dtype=torch.float32, device=head.hidden.device)
         kbackward.backward_chunked(
             head, stats, grad_logp, None, grads, kept_backward_config(head), support=support_term
         )
