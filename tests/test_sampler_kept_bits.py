@@ -6,8 +6,10 @@ which the Triton backend takes where only the hidden states train (beside layer 
 and gradients whatever the sets' padding.
 
 Odd shapes (V not a multiple of 32 nor of the tiles, partial token blocks) in fp32 / bf16 / fp16, one launch holding
-every kind of row: a set of one entry, every entry, sets without the row's max, kept entries ~100 nats below their
-tile's max, -inf logits in a set, a target outside its set, an empty set; padding rows past a device count, rows in
+every kind of row: a set of one entry, every entry, sets without the row's max (~20 nats below it: the sums against
+the max serve them), kept entries ~100 nats below their tile's max (past KEPT_RANGE: the row recomputed from its
+gathers forward, its own exponential backward, its neighbours' values bit for bit unchanged), -inf logits in a set,
+a target outside its set, an empty set; padding rows past a device count, rows in
 several launches, an id twice in a set (check_values=False: the bitmap counts it once, the gathers twice), masked
 rows, the fake implementation's shapes and no host read.
 """
@@ -26,7 +28,7 @@ from grpo_fast import reference
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward as kforward
-from grpo_fast.kernels import gemm, softmax_stats
+from grpo_fast.kernels import gemm, kept_set, softmax_stats
 from grpo_fast.kernels.operands import HeadOperands
 from grpo_fast.memory import support_workspace
 
@@ -34,8 +36,9 @@ F64 = torch.float64
 IDENTITY = LogitTransform()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 N, D, V = 37, 40, 301  # a partial token block; V = 9 words and 13 bits, a partial tile and patch
-# columns the bias moves: HIGH far above every logit, LOW and LOWER ~100 nats below HIGH (their tile's max: the
-# same 32-column tile on the interpreter's tiles), GONE at -inf
+# columns the bias moves: HIGH ~20 nats above every other logit (a set without it lies that far below its row's max:
+# the sums against the max serve it), LOW and LOWER ~100 nats below HIGH (their tile's max: the same 32-column tile
+# on the interpreter's tiles; past kforward.KEPT_RANGE, the row recomputed), GONE at -inf
 HIGH, LOW, LOWER, GONE = 3, 7, 9, (11, 250)
 
 
@@ -44,7 +47,7 @@ def _head(dtype, device, seed=0):
     hidden = torch.randn(N, D, generator=g).to(dtype)
     weight = (torch.randn(V, D, generator=g) * D**-0.5 * 2).to(dtype)
     bias = (torch.randn(V, generator=g) * 0.5).to(dtype)
-    bias[HIGH], bias[LOW], bias[LOWER] = 50.0, -50.0, -49.0
+    bias[HIGH], bias[LOW], bias[LOWER] = 20.0, -80.0, -79.0
     bias[list(GONE)] = -math.inf
     targets = torch.randint(0, V, (N,), generator=g)
     targets = torch.where((targets == GONE[0]) | (targets == GONE[1]), 0, targets)  # no target at -inf
@@ -94,6 +97,20 @@ def _config(device, dtype, **changes):
     return dataclasses.replace(kconfig.forward_config(device, dtype), **changes)
 
 
+def _recomputed(head, ids, kept, transform=IDENTITY):
+    """The kept record with the rows the sums do not serve recomputed (``kept_set.kept_record_rows``), checked to be
+    those whose set's mass lies more than KEPT_RANGE nats below the row's max (the sums against that max would lose
+    it; a row within a thousandth of a nat of the bound either way): row 3's, ~100 below."""
+    hidden, weight, targets, bias, _, _ = head
+    z = reference.logits(hidden.cpu(), weight.cpu(), bias.cpu(), compute_dtype=F64, transform=transform)
+    kept_lse = _truth(hidden, weight, bias, targets, ids, transform)[1]
+    below = kept_lse - z.amax(1) + kforward.KEPT_RANGE.value
+    flagged, clear = (below < 0) & kept_lse.isfinite(), below.abs() > 1e-3
+    assert flagged.nonzero().flatten().tolist() == [3] and bool(clear.all())
+    assert torch.equal(kept[3].cpu()[clear], (~flagged).float()[clear])
+    return kept_set.kept_record_rows(head, ids, kept.clone())[:3]
+
+
 def _assert_matches(kept, layer1, truth):
     target, kept_lse, mass, logp, lse = (x.to(F64) for x in truth)
     got_target, got_lse, got_mass = (x.cpu().to(F64) for x in kept)
@@ -117,9 +134,12 @@ def test_kept_record_matches_fp64(dtype, device):
     ids, targets = ids.to(device), targets.to(device)
     transform = LogitTransform(temperature=0.8)
     head = HeadOperands(hidden, weight, targets, bias, transform)
-    layer1, kept = kforward.kept_record(head, ids, _config(device, dtype))
+    layer1, swept = kforward.kept_record(head, ids, _config(device, dtype))
     truth = _truth(hidden, weight, bias, targets, ids, transform)
+    kept = _recomputed(head, ids, swept, transform)
     _assert_matches(kept, layer1, truth)
+    served = swept[3] == 1
+    assert torch.equal(kept[:, served], swept[:3, served])  # the served rows untouched
     # the plain fields are the plain sweep's
     plain = kforward.forward_record(head, False, _config(device, dtype))
     for name, x, y in zip(plain._fields, layer1, plain):
@@ -137,7 +157,7 @@ def test_padding_rows_and_several_launches(monkeypatch, device):
     head = HeadOperands(hidden, weight, targets, bias, IDENTITY)
     cfg = _config(device, torch.float32)
     layer1, kept = kforward.kept_record(head, ids, cfg)
-    _assert_matches(kept, layer1, _truth(hidden, weight, bias, targets, ids))
+    _assert_matches(_recomputed(head, ids, kept), layer1, _truth(hidden, weight, bias, targets, ids))
     # the bitmap counts in the launch's rows: one token block a launch where the plain partials take two or more
     patches = -(-V // (cfg.block_v * cfg.tiles))
     monkeypatch.setattr(kforward, "PARTS_BYTES", (4 * patches + kforward.kept_words(V)) * 4 * cfg.block_n)
@@ -276,13 +296,13 @@ def test_the_memory_model_counts_the_bitmap_sweep():
             op, N, D, V, torch.bfloat16, kept=kept, differentiable=differentiable, trains_head=trains_head
         )
 
-    assert model(1024, False) == model(64, False) == bits + 3 * N * 4
+    assert model(1024, False) == model(64, False) == bits + 4 * N * 4
     assert model(1024, True) == math.ceil(N * 1024 * 4 * support_workspace.REPLAYED_FORWARD)
     # a trained head: the same sweep forward, and a backward of layer 1's chunked g and a chunk's bitmaps (any K)
-    assert model(1024, True, True) == model(64, True, True) == bits + 3 * N * 4
+    assert model(1024, True, True) == model(64, True, True) == bits + 4 * N * 4
     backward = model(1024, True, True, "sampler_support_backward") - 4 * (N * D + V * D)
     chunk = gemm.chunk_size(N, D)
-    assert backward == chunk * (V * 2 + kforward.kept_words(V) * 4) + N * 4
+    assert backward == chunk * (V * 2 + kforward.kept_words(V) * 4) + 7 * N * 4
     assert backward == model(64, True, True, "sampler_support_backward") - 4 * (N * D + V * D)
 
 
@@ -419,3 +439,26 @@ def test_a_frozen_head_keeps_layer1s_frozen_path_and_the_gathers(monkeypatch, de
     assert True not in calls
     for x, y in zip(trained, frozen):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_a_rows_gradients_do_not_depend_on_a_far_set_beside_it(device):
+    # batch invariance through the backward's exact branch: a token block holding a set far below its row's max
+    # (row 3, past KEPT_RANGE: its own exponential) gives every other row bitwise the values and dH rows it has in a
+    # block without one (row 3's set then the target alone)
+    dev = backend_device("triton", device)
+    hidden, weight, bias, targets = _head(torch.float32, dev)
+    ids, targets = _kept_ids(targets, torch.Generator().manual_seed(1))
+    ids, targets = ids.to(dev), targets.to(dev)
+    near = ids.clone()
+    near[3] = -1
+    near[3, 0] = targets[3]
+    g = torch.Generator().manual_seed(7)
+    drawable = _truth(hidden, weight, bias, targets, ids)[0].isfinite().to(dev)
+    coefficients = [torch.where(drawable, torch.randn(N, generator=g).to(dev), 0.0)[None] for _ in range(2)]
+    inputs = (hidden[None], weight, bias, targets[None], torch.ones(1, N, dtype=torch.bool, device=dev))
+    runs = [_trained("triton", *inputs, kept[None], coefficients, check_values=False) for kept in (ids, near)]
+    others = torch.arange(N, device=dev) != 3
+    for a, b in zip(runs[0][0], runs[1][0]):  # bitwise (rows 6 and 7: NaN support)
+        torch.testing.assert_close(a[0, others], b[0, others], rtol=0, atol=0, equal_nan=True)
+    dH = [run[1][0][0] for run in runs]
+    assert torch.equal(dH[0][others], dH[1][others]) and not torch.equal(dH[0][3], dH[1][3])

@@ -585,6 +585,7 @@ KEPT_SET_KERNELS = (
     ("kept grad rows", kept_set.kept_grad_rows, "_kept_grad_rows_kernel"),
     ("kept grad table", kept_set.kept_grad_table, "_sorted_grad_table_kernel"),
     ("kept dot rows", kept_set.kept_dot_rows, "_kept_dot_rows_kernel"),
+    ("kept record rows", kept_set.kept_record_rows, "_kept_record_rows_kernel"),
 )
 
 
@@ -601,6 +602,14 @@ def kept_set_launches():
             "kept grad table": (g, x, ids, torch.zeros(V, E)),
             # a served teacher's student side at beta 0 (a bias, a soft-cap: the widest variant)
             "kept dot rows": (x, y, torch.randn(V).to(dtype), ids, g, LogitTransform(0.7, 30.0)),
+            # the replayed record's rows a set far below its row's max (LoRA, a bias, a soft-cap: the widest)
+            "kept record rows": (
+                HeadOperands(
+                    x, y, ids[:, 0], torch.randn(V).to(dtype), LogitTransform(0.7, 30.0), (x[:, :16], y[:, :16])
+                ),
+                ids,
+                torch.zeros(4, N),
+            ),
         }
         for family, launcher, kernel in KEPT_SET_KERNELS:
             with recording(kept_set, kernel) as launches:
@@ -707,7 +716,7 @@ def kept_bits_launches(arch):
         # triton_backend.kept_backward_config's tile
         N, D = hidden.shape
         stats = BackwardStats(*(torch.randn(N) for _ in range(2)), None, None)
-        support = SupportGradient(kept_ids, torch.randn(N), torch.randn(N), torch.rand(N))
+        support = SupportGradient(kept_ids, *(torch.randn(N) for _ in range(5)))
         bwd = kconfig.gpu_backward_config(dtype, "chunked", arch, True, False)
         if dtype == torch.float32:  # as triton_backend.kept_backward_config
             bwd = dataclasses.replace(bwd, num_warps=8)

@@ -108,7 +108,7 @@ def parameter_forward(
     support_rows.fill_record(record, slice(None), target_logit, m, (s, rest), tau, (kept, kept_rest))
     pending = (~resolved).nonzero().squeeze(-1)
     if pending.numel():
-        rows = rows_forward(_rows_of(head, pending), support)
+        rows = rows_forward(head.rows(pending), support)
         for field, values in zip(record[:-1], rows[:-1]):  # the rows' path carries no ids: theirs stay -1
             field[pending] = values
     return record
@@ -173,15 +173,10 @@ def carried_backward(
     ]
     rows_grads = grads._replace(hidden=own[0], lora_hidden=own[1])
     rows_record = SupportRecord(*(x[rows] for x in record))
-    support_twin.parameter_backward(_rows_of(head, rows), rows_record, None, grad_support[rows], rows_grads)
+    support_twin.parameter_backward(head.rows(rows), rows_record, None, grad_support[rows], rows_grads)
     for buffer, part in zip((grads.hidden, grads.lora_hidden), own):
         if part is not None:
             buffer.index_add_(0, rows, part)
-
-
-def _rows_of(head: HeadOperands, index) -> HeadOperands:
-    lora = (head.lora[0][index].contiguous(), head.lora[1]) if head.lora is not None else None
-    return head._replace(hidden=head.hidden[index].contiguous(), targets=head.targets[index].contiguous(), lora=lora)
 
 
 def _kept_sums(values, e, tau, target_logit, m):

@@ -66,13 +66,16 @@ def kept_backward_config(head):
 
 
 def replayed_record(head, kept_ids):
-    """Replayed kept sets without gradients: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's
-    record sweep reading each launch's bitmaps of the sets (``kforward.kept_record``), no gather. One path whatever the
-    sets' width K: a row's values do not depend on how far a batch pads its sets (batch invariance; the gathers cost
-    less for narrow sets, but a batch's K is its widest set's)."""
+    """Replayed kept sets: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's record sweep
+    reading each launch's bitmaps of the sets (``kforward.kept_record``). One path whatever the sets' width K: a
+    row's values do not depend on how far a batch pads its sets (batch invariance; the gathers cost less for narrow
+    sets, but a batch's K is its widest set's). The rows whose sums the sweep flags (a set far below the row's max,
+    ``kforward.KEPT_RANGE``) take their kept entries' gathers (``kept_set.kept_record_rows``: no host read), by
+    their own values alone."""
     layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, wide=True))
+    kept_set.kept_record_rows(head, kept_ids, kept)
     # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
-    fields = [x.clone() for x in kept.unbind(0)] + [kept.new_empty(0) for _ in range(4)]
+    fields = [x.clone() for x in kept[:3].unbind(0)] + [kept.new_empty(0) for _ in range(4)]
     return support_twin.with_logprob(SupportRecord(*fields, no_kept_ids(kept.device)), layer1)
 
 
@@ -200,17 +203,20 @@ class TritonBackend:
 
     def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
         """``replayed_record``'s: the record sweep's workspace (``kforward.workspace_bytes``: the bitmaps of a launch's
-        rows within its PARTS_BYTES) and the kept record's 3 x N fp32 before the op's copy; no gathered buffers."""
+        rows within its PARTS_BYTES) and the kept record's 4 x N fp32 (its flags too) before the op's copy; no
+        gathered buffers."""
         (N, _), V = hidden_shape, vocab_size
         config = kconfig.forward_config(torch.device(device_type), dtype, True)  # support_record_config's columns
-        return kforward.workspace_bytes(N, V, False, config, kept_bits=True) + 3 * N * 4, False
+        return kforward.workspace_bytes(N, V, False, config, kept_bits=True) + 4 * N * 4, False
 
     def replayed_backward_workspace_bytes(self, hidden_shape, vocab_size, dtype):
         """``_replayed_backward``'s: layer 1's chunked g (a token chunk x V in the input dtype), the sets' bitmaps of a
-        chunk (``kforward.kept_words``) and a zero dL/dlogp [N] fp32 where none arrives."""
+        chunk (``kforward.kept_words``), the support's coefficients with their temporaries (6 x N fp32: the spread,
+        the factor, the three ``SupportGradient`` coefficients, a comparison's bytes rounded up) and a zero dL/dlogp
+        [N] fp32 where none arrives."""
         (N, D), V = hidden_shape, vocab_size
         chunk, itemsize = gemm.chunk_size(N, D), torch.empty(0, dtype=dtype).element_size()
-        return chunk * (V * itemsize + kforward.kept_words(V) * 4) + N * 4
+        return chunk * (V * itemsize + kforward.kept_words(V) * 4) + 7 * N * 4
 
     def support_forward(self, head, support, vocab_size=None, reduce=None, differentiable=True, trains_head=False):
         """Replayed kept sets: on one process without gradients or with a trained head (``replayed_takes_logprob``)
@@ -277,7 +283,20 @@ class TritonBackend:
         stats = softmax_stats.BackwardStats(record.lse, record.nontarget_mass, None, None)
         support_term = None
         if grad_support is not None:
-            support_term = SupportGradient(kept_ids, grad_support, record.kept_lse, record.kept_nontarget_mass)
+            # q_v = p_v exp(L - L_kept) in the sweep's g where exp(L - L_kept) <= exp(KEPT_RANGE) (the p_v it scales
+            # that fp32 flushes then weigh under 2^-62); the other rows (a set far below the row's max, an empty
+            # set, a NaN) by their own exponential, in the blocks that hold one; a NaN d stays NaN
+            spread, reach = record.lse - record.kept_lse, kforward.KEPT_RANGE.value
+            swept = spread <= reach
+            factor = torch.where(swept, torch.exp(spread.clamp(max=reach)), 0.0)
+            support_term = SupportGradient(
+                kept_ids,
+                grad_support,
+                grad_support * factor,
+                grad_support * record.kept_nontarget_mass,
+                torch.where(swept, 0.0, grad_support),
+                record.kept_lse,
+            )
         if grad_logp is None:  # the support's gradient alone: a zero dL/dlogp
             grad_logp = torch.zeros(head.hidden.shape[0], dtype=torch.float32, device=head.hidden.device)
         kbackward.backward_chunked(

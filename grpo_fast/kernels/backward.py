@@ -24,9 +24,11 @@ Two modes (config.BACKWARD_MODES, the caller's choice):
   default.
 
 With a replayed kept set's support s = z_y - L_kept (``backward_chunked``'s ``support``, the sampler's replayed sets
-with a trained head) g also takes its term, d = dL/ds: -d q_v on each kept v != y (q_v = exp(z_v - L_kept), the sets
-as bitmaps a chunk, read in the tile: ``tile.kept_bits_tile``), d (1 - q_y) at the target, carried; memory: a chunk's
-bitmaps, ceil(V / 32) int32 a row.
+with a trained head) g also takes its term, d = dL/ds: -d q_v on each kept v != y, q_v = p_v exp(L - L_kept) (the
+row's coefficient d exp(L - L_kept) on the tile's own p: a select a logit; the sets as bitmaps a chunk, read in the
+tile: ``tile.kept_bits_tile``), d (1 - q_y) at the target, carried (``operands.SupportGradient``); a token block
+holding a set far below its row's max takes q_v = exp(z_v - L_kept) for those rows, its own exponential, the other
+rows' values unchanged bit for bit (a term of 0 subtracted); memory: a chunk's bitmaps, ceil(V / 32) + 1 int32 a row.
 
 A frozen lm_head skips every dW product. LoRA (z recomputed from h W^T + l B^T) adds dl = g B [N, r] and
 dB = g^T l [V, r] from the same tiles g: two more GEMMs per chunk (the adapter operands in g's dtype), or a walk over
@@ -56,10 +58,11 @@ def _backward_kernel(
     mean_minus_target_ptr,
     grad_logp_ptr,
     grad_entropy_ptr,
-    grad_support_ptr,
+    kept_coefficient_ptr,
     kept_bits_ptr,
+    target_coefficient_ptr,
+    exact_coefficient_ptr,
     kept_lse_ptr,
-    kept_nontarget_mass_ptr,
     g_ptr,
     grad_hidden_ptr,
     grad_weight_ptr,
@@ -119,8 +122,15 @@ def _backward_kernel(
         g_ptr, stride_gn, pid_n, pid_v, N, V, BLOCK_N, BLOCK_V
     )
 
-    grad_logp, grad_entropy, grad_support, coefficient_sum = row_coefficients(
-        grad_logp_ptr, grad_entropy_ptr, grad_support_ptr, offs_n, n_mask, ENTROPY_GRAD, KEPT_BITS
+    grad_logp, grad_entropy, kept_coefficients, coefficient_sum = row_coefficients(
+        grad_logp_ptr,
+        grad_entropy_ptr,
+        kept_coefficient_ptr,
+        exact_coefficient_ptr,
+        offs_n,
+        n_mask,
+        ENTROPY_GRAD,
+        KEPT_BITS,
     )
     if SCALE_G:
         # g's scale (tile.gemm_scale): |c| + |e| bounds the coefficients (the block's sum, fused; the call's max,
@@ -151,9 +161,9 @@ def _backward_kernel(
         grad_entropy,
         kept_bits_ptr,
         stride_kept_row,
+        kept_coefficients,
+        target_coefficient_ptr,
         kept_lse_ptr,
-        kept_nontarget_mass_ptr,
-        grad_support,
         pid_n * BLOCK_N,
         pid_v * BLOCK_V,
         offs_n,
@@ -283,10 +293,11 @@ def _launch(
         stats.mean_minus_target if entropy_grad else dummy,
         grad_logp,
         grad_entropy if entropy_grad else dummy,
-        support[1].grad_support if support is not None else dummy,
+        support[1].kept_coefficient if support is not None else dummy,
         support[0] if support is not None else dummy,
+        support[1].target_coefficient if support is not None else dummy,
+        support[1].exact_coefficient if support is not None else dummy,
         support[1].kept_lse if support is not None else dummy,
-        support[1].kept_nontarget_mass if support is not None else dummy,
         g if g is not None else dummy,
         grads.hidden if grads.hidden is not None else dummy,
         grads.weight if grads.weight is not None else dummy,

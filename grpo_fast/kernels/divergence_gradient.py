@@ -103,7 +103,7 @@ def _g_kernel(
     coefficient_sum = tl.sum(tl.abs(c), axis=0)
     if LAYER1:
         grad_logp, grad_entropy, _, layer1_sum = row_coefficients(
-            grad_logp_ptr, grad_entropy_ptr, grad_logp_ptr, offs_n, n_mask, ENTROPY_GRAD, False
+            grad_logp_ptr, grad_entropy_ptr, grad_logp_ptr, grad_logp_ptr, offs_n, n_mask, ENTROPY_GRAD, False
         )
         coefficient_sum += layer1_sum
     if SCALE_G:

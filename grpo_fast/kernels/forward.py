@@ -11,12 +11,14 @@ a row's partials into softmax_stats's record against the merged max M:
 so 1 - p_y = R / S is a sum of positive terms, never a difference (exact where a token is confident), and
 ``softmax_stats.finish`` turns the record into logp, H and what the backward reads.
 
-With replayed kept sets (``kept_record``: the sampler's support without gradients) each tile also folds the kept
-logits but the target, by the bit of each logit in its row's bitmap, into a second partial record against their own
-max: m_k = max over kept v != y of z_v, R_k = sum exp(z_v - m_k) (-inf and 0 where a patch holds none), merged the
-same way; the merge then adds the target where its bit is set (to the max too: M_k = max(m_k's, z_y)), giving
-kept_lse = M_k + log(R_k + e_y) and kept_nontarget_mass = R_k / (R_k + e_y), e_y = exp(z_y - M_k): sums of positive
-terms, exact whether or not the tile's max is kept.
+With replayed kept sets (``kept_record``: the sampler's support) each tile also sums the plain sum's own terms over
+its kept logits but the target, by the bit of each logit in its row's bitmap: R_k = sum exp(z_v - m) over kept
+v != y, against the patch's m (a bit test and a select a logit, no exponential of its own), merged with the plain
+sums' scales; the merge then adds e_y = exp(z_y - M) where the target's bit is set, giving kept_lse = M + log(R_k +
+e_y) and kept_nontarget_mass = R_k / (R_k + e_y): sums of positive terms. They keep fp32's precision while the set's
+sum against M is at least exp(-KEPT_RANGE); a set below it (all its logits some 44 nats under the row's max: the
+sampler kept a set the trainer finds that unlikely) is flagged per row and recomputed by the caller
+(``backends.triton_backend.replayed_record``: the kept entries' gathers), a choice by the row's own values alone.
 
 With tile candidates (``forward_record``'s ``tile_candidates``: the sampler's parameters, ``backends.support_tiles``)
 each tile lists a row's 3 largest logits and the 4th (``_tile_candidates``), and with gradients where the 3 lie
@@ -27,9 +29,9 @@ Every program is independent (the tile, not the row, is the unit of parallel wor
 share H and W tiles in L2. On Hopper the tiles come through tensor descriptors (the copy engine; ``USE_TMA``),
 elsewhere through pointers.
 
-Memory: the partials, 2 or 3 fields x patches x rows fp32 (2 more with kept sets, and their bitmaps, ceil(V / 32)
+Memory: the partials, 2 or 3 fields x patches x rows fp32 (1 more with kept sets, and their bitmaps, ceil(V / 32) + 1
 int32 a row, built per launch from the kept ids), are kept under PARTS_BYTES by taking the rows in chunks (one launch
-each); the merged record is 5 x N fp32 (and the kept sets' 3 x N). No tensor of size N x V exists, in any dtype.
+each); the merged record is 5 x N fp32 (and the kept sets' 4 x N). No tensor of size N x V exists, in any dtype.
 fp32 inputs use IEEE fp32 dots (no TF32); under TRITON_INTERPRET=1 the dot operands are upcast to fp32 (``DOT_FP32``,
 ``tile``).
 """
@@ -47,6 +49,10 @@ PADDING_LOGIT = tl.constexpr(1e30)
 # the most bytes the partial records of one launch take: the rows of a launch are chosen to fit (at Qwen2.5's
 # V = 151936 in 256-column tiles, 4096 rows with the entropy)
 PARTS_BYTES = 32 * 2**20
+# the kept set's sums share the plain record's pivot M (the row's max): a set whose sum against it is at least
+# exp(-KEPT_RANGE) keeps its precision (a term fp32 flushes, below 2^-126, weighs under 2^-62 of it), one below is
+# recomputed by the caller (``kept_record``); a backward's q_v = p_v exp(lse - kept_lse) likewise
+KEPT_RANGE = tl.constexpr(44.0)
 # the logits a tile lists a row for the sampler's kept set (``forward_record``'s ``tile_candidates``): its 3 largest,
 # ties repeated, beside the 4th largest, which bounds the rest. A row's 64 largest logits spread over V = 151936 in
 # 128-column tiles (1187) put 4 in one tile with probability 3.5e-4 if placed at random (256 columns: 2.7e-3); such a
@@ -123,28 +129,28 @@ def _kept_bit(kept_bits_ptr, stride_kept_row, rows, columns, mask):
 
 
 @triton.jit
-def _kept_tile(z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row, run_max, run_rest):
-    """A tile's logits folded into the kept set's running record (m_k, R_k) over its entries but the target (the
-    merge adds the target's term, and its logit to the max): R_k = sum exp(z_v - m_k), its own max and exp (the
-    tile's max need not be kept; a kept logit 100 nats below it keeps its relative precision). A row without such
-    entries so far: m_k = -inf, R_k = 0; exp(-inf - pivot) = 0 with a finite pivot, never inf - inf."""
-    kept = kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, z.shape[0], z.shape[1])
-    kept_z = tl.where(kept & ~is_target, z, float("-inf"))
-    new_max = tl.maximum(run_max, tl.max(kept_z, axis=1))
-    pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
-    return new_max, run_rest * tl.exp(run_max - pivot) + tl.sum(tl.exp(kept_z - pivot[:, None]), axis=1)
+def _kept_tile(e, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row):
+    """A tile's sum of ``e`` (the plain record's exp(z - pivot), 0 at the target) over its row's kept entries: the
+    kept set's non-target sum against the plain record's own pivot (a bit test and a select a logit, no exponential
+    of its own)."""
+    kept = kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, e.shape[0], e.shape[1])
+    return tl.sum(tl.where(kept, e, 0.0), axis=1)
 
 
 @triton.jit
-def _kept_bits_kernel(kept_ids_ptr, bits_ptr, K, V, stride_ids, stride_bits, BLOCK_K: tl.constexpr):
+def _kept_bits_kernel(kept_ids_ptr, bits_ptr, K, V, stride_ids, stride_bits, held_word, BLOCK_K: tl.constexpr):
     """A launch's rows' kept sets as bitmaps: bit v & 31 of word v >> 5 of row n set for each id v of
-    kept_ids[n] (-1 and ids outside [0, V) skipped; an id twice sets its bit once). The words start at 0."""
+    kept_ids[n] (-1 and ids outside [0, V) skipped; an id twice sets its bit once), and word ``held_word`` nonzero
+    where the row holds any. The words start at 0."""
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ids = tl.load(kept_ids_ptr + row * stride_ids + offs, mask=offs < K, other=-1)
     valid = (ids >= 0) & (ids < V)
     bit = tl.full((BLOCK_K,), 1, tl.int32) << (ids & 31).to(tl.int32)
-    tl.atomic_or(bits_ptr + row * stride_bits + (ids >> 5), bit, mask=valid, sem="relaxed")
+    bits_row = bits_ptr + row * stride_bits
+    tl.atomic_or(bits_row + (ids >> 5), bit, mask=valid, sem="relaxed")
+    if tl.max(valid.to(tl.int32), axis=0) > 0:
+        tl.atomic_or(bits_row + held_word, 1, sem="relaxed")
 
 
 @triton.jit
@@ -202,7 +208,7 @@ def _tile_records_kernel(
     v_lo = patch * TILES * BLOCK_V
     out = parts_ptr + patch * N + offs_n
     holds_target = n_mask & (targets >= v_lo) & (targets < v_lo + TILES * BLOCK_V)
-    # with KEPT_BITS the kept set's partial record (m_k, R_k) follows the plain fields
+    # with KEPT_BITS the kept set's partial sum R_k (against the patch's m) follows the plain fields
     kept_out = out + (3 if COMPUTE_ENTROPY else 2) * stride_field
     if HAS_ROW_COUNT:
         # a block of padding rows only (past the scored count, a device value) computes no tile; its record is a
@@ -218,9 +224,8 @@ def _tile_records_kernel(
                 tl.store(out + 2 * stride_field, nothing, mask=n_mask)
             tl.store(target_logit_ptr + offs_n, far, mask=n_mask & first)
             if KEPT_BITS:
-                # no kept entry here: the merge's kept record holds at most the target (the far logit), finite
-                tl.store(kept_out, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=n_mask)
-                tl.store(kept_out + stride_field, nothing, mask=n_mask)
+                # no kept entry here: the merge's kept sum holds at most the target (the far logit), finite
+                tl.store(kept_out, nothing, mask=n_mask)
             return
 
     # the running record of the patch, its sums against the pivot: m, or 0 while m is -inf
@@ -228,7 +233,6 @@ def _tile_records_kernel(
     run_rest = tl.zeros((BLOCK_N,), tl.float32)
     run_zrest = tl.zeros((BLOCK_N,), tl.float32)
     target_logit = tl.zeros((BLOCK_N,), tl.float32)
-    run_kept_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     run_kept_rest = tl.zeros((BLOCK_N,), tl.float32)
     for t in range(TILES):
         v0 = v_lo + t * BLOCK_V
@@ -264,10 +268,6 @@ def _tile_records_kernel(
             )
             offs_v = v0 + tl.arange(0, BLOCK_V)
             is_target = offs_v[None, :] == targets[:, None]
-            if KEPT_BITS:
-                run_kept_max, run_kept_rest = _kept_tile(
-                    z, is_target, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row, run_kept_max, run_kept_rest
-                )
             if CANDIDATES > 0:
                 top1, top2, top3, top4 = _tile_candidates(z)
                 if CANDIDATE_COLUMNS:  # stored here, before the exponentials are live (the bias's tile spilled after)
@@ -289,6 +289,10 @@ def _tile_records_kernel(
                     e * tl.where(z == float("-inf"), 0.0, z - pivot[:, None]), axis=1
                 )
             run_rest = run_rest * rescale + tl.sum(e, axis=1)
+            if KEPT_BITS:
+                run_kept_rest = run_kept_rest * rescale + _kept_tile(
+                    e, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row
+                )
             target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             run_max = new_max
             if CANDIDATES > 0:
@@ -303,18 +307,8 @@ def _tile_records_kernel(
     if COMPUTE_ENTROPY:
         tl.store(out + 2 * stride_field, run_zrest, mask=n_mask)
     if KEPT_BITS:
-        tl.store(kept_out, run_kept_max, mask=n_mask)
-        tl.store(kept_out + stride_field, run_kept_rest, mask=n_mask)
+        tl.store(kept_out, run_kept_rest, mask=n_mask)
     tl.store(target_logit_ptr + offs_n, target_logit, mask=holds_target)
-
-
-@triton.jit
-def _merged(run_max, run_rest, part_max, part_rest):
-    """Two (max, sum of exp(z - max)) records of disjoint sets as one, against the larger max (an empty one: -inf
-    and 0; no inf - inf)."""
-    new_max = tl.maximum(run_max, part_max)
-    pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
-    return new_max, run_rest * tl.exp(run_max - pivot) + part_rest * tl.exp(part_max - pivot)
 
 
 @triton.jit
@@ -331,32 +325,25 @@ def _merge_parts_kernel(
     stride_field,
     stride_record,
     stride_kept_row,
+    kept_words_count,
     COMPUTE_ENTROPY: tl.constexpr,
     KEPT_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Each row's partials folded into softmax_stats.SoftmaxStats's five fields (the module docstring's merge); with
-    KEPT_BITS the kept set's partials too, into (the target's logit, -inf where the set lacks it; kept_lse;
-    kept_nontarget_mass) at ``kept_record_ptr``."""
+    KEPT_BITS the kept set's partial sums too (against the same pivots), into (the target's logit, -inf where the
+    set lacks it; kept_lse; kept_nontarget_mass; 1 where these serve, 0 where the caller recomputes the row) at
+    ``kept_record_ptr``; ``kept_words_count``: a bitmap row's words (``kept_words``)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     run_rest = tl.zeros((BLOCK,), tl.float32)
     run_zrest = tl.zeros((BLOCK,), tl.float32)
-    run_kept_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     run_kept_rest = tl.zeros((BLOCK,), tl.float32)
     for k in range(patches):
         part = parts_ptr + k * N + offs
         part_max = tl.load(part, mask=mask, other=float("-inf"))
         part_rest = tl.load(part + stride_field, mask=mask, other=0.0)
-        if KEPT_BITS:
-            kept_part = part + (3 if COMPUTE_ENTROPY else 2) * stride_field
-            run_kept_max, run_kept_rest = _merged(
-                run_kept_max,
-                run_kept_rest,
-                tl.load(kept_part, mask=mask, other=float("-inf")),
-                tl.load(kept_part + stride_field, mask=mask, other=0.0),
-            )
         new_max = tl.maximum(run_max, part_max)
         pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
         scale_run = tl.exp(run_max - pivot)
@@ -370,6 +357,9 @@ def _merge_parts_kernel(
                 part_zrest + shift_part * part_rest
             ) * scale_part
         run_rest = run_rest * scale_run + part_rest * scale_part
+        if KEPT_BITS:  # against the same pivots as the plain sums
+            kept_part = tl.load(part + (3 if COMPUTE_ENTROPY else 2) * stride_field, mask=mask, other=0.0)
+            run_kept_rest = run_kept_rest * scale_run + kept_part * scale_part
         run_max = new_max
     # a target outside these weight rows (a vocab-parallel shard's) adds nothing: its record keeps z_y = 0, S = R
     targets = tl.load(targets_ptr + offs, mask=mask, other=-1)
@@ -387,19 +377,21 @@ def _merge_parts_kernel(
     tl.store(out + 3 * stride_record, zsum, mask=mask)
     tl.store(out + 4 * stride_record, target_logit, mask=mask)
     if KEPT_BITS:
-        # the target's own term, where its bit is set: folded into the max as well (a padding row's far logit)
+        # the target's own term where its bit is set, against the same pivot M
         kept_target = has_target & _kept_bit(kept_bits_ptr, stride_kept_row, offs, targets, mask & has_target)
-        kept_target_logit = tl.where(kept_target, target_logit, float("-inf"))
-        kept_max, kept_rest = _merged(run_kept_max, run_kept_rest, kept_target_logit, tl.zeros((BLOCK,), tl.float32))
-        kept_pivot = tl.where(kept_max == float("-inf"), 0.0, kept_max)
-        kept_total = kept_rest + tl.where(kept_target, tl.exp(target_logit - kept_pivot), 0.0)
+        kept_total = run_kept_rest + tl.where(kept_target, target_exp, 0.0)
         kept_out = kept_record_ptr + offs
-        tl.store(kept_out, kept_target_logit, mask=mask)
+        tl.store(kept_out, tl.where(kept_target, target_logit, float("-inf")), mask=mask)
         # an empty set: kept_lse = -inf (the support then NaN: its target is not in it), its mass 0, not 0 / 0
         nonempty = kept_total > 0
         divisor = tl.where(nonempty, kept_total, 1.0)
-        tl.store(kept_out + stride_record, tl.where(nonempty, kept_pivot + tl.log(divisor), float("-inf")), mask=mask)
-        tl.store(kept_out + 2 * stride_record, kept_rest / divisor, mask=mask)
+        tl.store(kept_out + stride_record, tl.where(nonempty, pivot + tl.log(divisor), float("-inf")), mask=mask)
+        tl.store(kept_out + 2 * stride_record, run_kept_rest / divisor, mask=mask)
+        # the sums serve a set whose sum against M is at least exp(-KEPT_RANGE) (or that holds no entry); below,
+        # or NaN, the caller recomputes the row (a set that lies far below the row's max)
+        held = tl.load(kept_bits_ptr + offs * stride_kept_row + kept_words_count - 1, mask=mask, other=0) != 0
+        served = ~held | (nonempty & (tl.log(divisor) >= -KEPT_RANGE))
+        tl.store(kept_out + 3 * stride_record, served.to(tl.float32), mask=mask)
 
 
 def forward(head, compute_entropy, config, row_count=None):
@@ -413,12 +405,12 @@ def forward(head, compute_entropy, config, row_count=None):
 
 def parts_shape(N, V, compute_entropy, config, candidates=0, kept_bits=False):
     """(fields, patches, rows) of one launch's partial records (fp32): 2 fields (m, R) or 3 (Zr with the entropy),
-    2 more with ``kept_bits`` (the kept set's m_k, R_k), one record a patch of ``config.tiles`` vocabulary tiles, the
+    1 more with ``kept_bits`` (the kept set's R_k), one record a patch of ``config.tiles`` vocabulary tiles, the
     rows a launch takes (their records, with ``candidates`` (``candidate_fields``' count, 0: none) their tiles'
     candidates, with ``kept_bits`` their kept sets' bitmaps: within PARTS_BYTES, a multiple of BLOCK_N, at least one
     block)."""
     patches = triton.cdiv(V, config.block_v * config.tiles)
-    fields = (3 if compute_entropy else 2) + (2 if kept_bits else 0)
+    fields = (3 if compute_entropy else 2) + (1 if kept_bits else 0)
     row_bytes = fields * patches * 4 + candidates * triton.cdiv(V, config.block_v) * 4
     row_bytes += kept_words(V) * 4 if kept_bits else 0
     rows = PARTS_BYTES // row_bytes // config.block_n * config.block_n
@@ -432,8 +424,9 @@ def candidate_fields(columns=False):
 
 
 def kept_words(V):
-    """The int32 words of a row's kept-set bitmap: one bit a vocabulary entry."""
-    return triton.cdiv(V, 32)
+    """The int32 words of a row's kept-set bitmap: one bit a vocabulary entry, then one word nonzero where the set
+    holds any entry (an empty set told from one whose sum underflows)."""
+    return triton.cdiv(V, 32) + 1
 
 
 def kept_bitmaps(kept_ids, V, out):
@@ -444,7 +437,7 @@ def kept_bitmaps(kept_ids, V, out):
     if rows and K:
         block_k = min(triton.next_power_of_2(K), 1024)
         _kept_bits_kernel[(rows, triton.cdiv(K, block_k))](
-            kept_ids, out, K, V, kept_ids.stride(0), out.stride(0), BLOCK_K=block_k
+            kept_ids, out, K, V, kept_ids.stride(0), out.stride(0), kept_words(V) - 1, BLOCK_K=block_k
         )
     return out
 
@@ -482,16 +475,18 @@ def forward_record(head, compute_entropy, config, row_count=None, tile_candidate
 @on_first_argument_device
 def kept_record(head, kept_ids, config, row_count=None):
     """(record, kept): the log-prob's record as ``forward_record``'s (no entropy) and, from the same sweep, the
-    replayed kept sets' ``kept_ids`` [N, K] (ids in [0, V) or -1; others skipped): kept [3, N] fp32 of the target's
-    logit (-inf where its set lacks it), kept_lse = log sum_{v kept} exp(z_v) (-inf: an empty set) and
-    kept_nontarget_mass = R_kept / S_kept (0: an empty set). Each launch's rows' sets as a bitmap
-    (``_kept_bits_kernel``, [rows, kept_words(V)] int32 within PARTS_BYTES with the partials), read in the tiles'
-    epilogue: an id twice in a set counts once (the gathers count it twice)."""
+    replayed kept sets' ``kept_ids`` [N, K] (ids in [0, V) or -1; others skipped): kept [4, N] fp32 of the target's
+    logit (-inf where its set lacks it), kept_lse = log sum_{v kept} exp(z_v) (-inf: an empty set),
+    kept_nontarget_mass = R_kept / S_kept (0: an empty set), and 1 where these serve, 0 where the set's sum against
+    the row's max fell below exp(-KEPT_RANGE) (or is NaN): the caller recomputes those rows (a set far below the
+    row's max; the module docstring). Each launch's rows' sets as a bitmap (``_kept_bits_kernel``, [rows,
+    kept_words(V)] int32 within PARTS_BYTES with the partials), read in the tiles' epilogue: an id twice in a set
+    counts once (the gathers count it twice)."""
     return _record_sweep(head, False, config, row_count, (None, 0), kept_ids)
 
 
 def _record_sweep(head, compute_entropy, config, row_count, listing, kept_ids):
-    """(record, kept [3, N] or None): ``forward_record``'s launches (``listing``: its tile_candidates callable and
+    """(record, kept [4, N] or None): ``forward_record``'s launches (``listing``: its tile_candidates callable and
     their fields, or (None, 0)), with ``kept_ids`` the kept sets' too."""
     tile_candidates, candidate_count = listing
     hidden, weight, targets, bias, transform, lora = head
@@ -499,7 +494,7 @@ def _record_sweep(head, compute_entropy, config, row_count, listing, kept_ids):
     V = weight.shape[0]
     record = torch.empty((5, N), dtype=torch.float32, device=hidden.device)
     with_kept = kept_ids is not None
-    kept = torch.empty((3, N), dtype=torch.float32, device=hidden.device) if with_kept else None
+    kept = torch.empty((4, N), dtype=torch.float32, device=hidden.device) if with_kept else None
     if N == 0:
         return softmax_stats.SoftmaxStats(*record.unbind(0)), kept
     with_candidates = tile_candidates is not None
@@ -588,6 +583,7 @@ def _record_sweep(head, compute_entropy, config, row_count, listing, kept_ids):
             part_rows.stride(0),
             record.stride(0),
             bit_rows.stride(0) if with_kept else 0,
+            kept_words(V),
             COMPUTE_ENTROPY=compute_entropy,
             KEPT_BITS=with_kept,
             BLOCK=merge_block,

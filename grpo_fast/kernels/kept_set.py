@@ -74,6 +74,21 @@ def _kept_ids(ids_ptr, row, slots, in_set, stride_ids):
 
 
 @triton.jit
+def _gathered_raw(x_ptr, y_ptr, row, ids, live, E, stride_x, stride_y, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """x[row] . y[ids] for BLOCK_K ids (0 where not ``live``), fp32, BLOCK_E columns a step."""
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for e0 in range(0, E, BLOCK_E):
+        cols = e0 + tl.arange(0, BLOCK_E)
+        in_cols = cols < E
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
+        y = tl.load(
+            y_ptr + ids[:, None] * stride_y + cols[None, :], mask=live[:, None] & in_cols[None, :], other=0.0
+        ).to(tl.float32)
+        acc += tl.sum(y * x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _kept_dot_kernel(
     x_ptr,
     y_ptr,
@@ -92,16 +107,7 @@ def _kept_dot_kernel(
     slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_set = slots < K
     ids = _kept_ids(ids_ptr, row, slots, in_set, stride_ids)
-    live = ids >= 0
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for e0 in range(0, E, BLOCK_E):
-        cols = e0 + tl.arange(0, BLOCK_E)
-        in_cols = cols < E
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=in_cols, other=0.0).to(tl.float32)
-        y = tl.load(
-            y_ptr + ids[:, None] * stride_y + cols[None, :], mask=live[:, None] & in_cols[None, :], other=0.0
-        ).to(tl.float32)
-        acc += tl.sum(y * x[None, :], axis=1)
+    acc = _gathered_raw(x_ptr, y_ptr, row, ids, ids >= 0, E, stride_x, stride_y, BLOCK_K, BLOCK_E)
     out = out_ptr + row.to(tl.int64) * stride_out + slots
     acc += tl.load(out, mask=in_set, other=0.0)
     tl.store(out, acc, mask=in_set)
@@ -203,6 +209,73 @@ def _kept_dot_rows_kernel(
     tl.store(p_ptr + row.to(tl.int64) * stride_e + cols, p, mask=in_cols)
     tl.store(t_ptr + row.to(tl.int64) * stride_e + cols, t, mask=in_cols)
     tl.store(pivot_ptr + row, tl.where(m == -float("inf"), 0.0, m))
+
+
+@triton.jit
+def _kept_record_rows_kernel(
+    x_ptr,
+    y_ptr,
+    lora_x_ptr,
+    lora_y_ptr,
+    bias_ptr,
+    ids_ptr,
+    targets_ptr,
+    record_ptr,
+    K,
+    V,
+    E,
+    R,
+    stride_x,
+    stride_y,
+    stride_lora_x,
+    stride_lora_y,
+    stride_ids,
+    stride_record,
+    inv_temperature,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if tl.load(record_ptr + 3 * stride_record + row) != 0.0:  # the sweep's sums serve this row
+        return
+    target = tl.load(targets_ptr + row)
+    m = -float("inf")
+    s = 0.0
+    rest = 0.0
+    target_logit = -float("inf")
+    for k0 in range(0, K, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        ids = _kept_ids(ids_ptr, row, slots, slots < K, stride_ids)
+        live = (ids >= 0) & (ids < V)  # as the bitmaps read the set
+        u = _gathered_raw(x_ptr, y_ptr, row, ids, live, E, stride_x, stride_y, BLOCK_K, BLOCK_E)
+        if HAS_LORA:
+            u += _gathered_raw(
+                lora_x_ptr, lora_y_ptr, row, ids, live, R, stride_lora_x, stride_lora_y, BLOCK_K, BLOCK_E
+            )
+        if HAS_BIAS:
+            u += tl.load(bias_ptr + ids, mask=live, other=0.0).to(tl.float32)
+        z, _ = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
+        z = tl.where(live, z, -float("inf"))
+        at_target = live & (ids == target)
+        new_m = tl.maximum(m, tl.max(z, axis=0))
+        pivot = tl.where(new_m == -float("inf"), 0.0, new_m)  # an all -inf prefix: no mass, no inf - inf
+        e = tl.exp(z - pivot)
+        rescale = tl.exp(m - pivot)
+        s = s * rescale + tl.sum(e, axis=0)
+        rest = rest * rescale + tl.sum(tl.where(at_target, 0.0, e), axis=0)
+        target_logit = tl.maximum(target_logit, tl.max(tl.where(at_target, z, -float("inf")), axis=0))
+        m = new_m
+    pivot = tl.where(m == -float("inf"), 0.0, m)
+    nonempty = s > 0.0
+    divisor = tl.where(nonempty, s, 1.0)
+    tl.store(record_ptr + row, target_logit)
+    tl.store(record_ptr + stride_record + row, tl.where(nonempty, pivot + tl.log(divisor), -float("inf")))
+    tl.store(record_ptr + 2 * stride_record + row, rest / divisor)
 
 
 @triton.jit
@@ -396,3 +469,27 @@ def kept_dot_rows(x, y, bias, ids, weights, transform):
             BLOCK_K=dot_rows_block(E), BLOCK_E=triton.next_power_of_2(E), num_warps=DOT_ROWS_WARPS,
         )  # fmt: skip
     return z, slope, pivot, P, T
+
+
+@on_first_argument_device
+def kept_record_rows(head, kept_ids, kept):
+    """The rows of a kept record whose sums the record sweep does not serve (``forward.kept_record``'s kept [4, N]:
+    its flag 0, a set far below its row's max), recomputed in place from their kept entries' gathers: the target's
+    logit (-inf where the set lacks it), kept_lse (its own max: exact however far the set lies) and
+    kept_nontarget_mass (``head``: an operands.HeadOperands; ``kept_ids`` [N, K] int64, ids outside [0, V) skipped as
+    the bitmaps skip them, an id twice counted twice). One program a row; a served row reads its flag and returns,
+    so the launch costs ~N flag reads beside the flagged rows' K weight rows each: no host read."""
+    hidden, weight, targets, bias, transform, lora = head
+    N, K = kept_ids.shape
+    if N and K:
+        lora_x, lora_y = lora if lora is not None else (hidden, weight)
+        inv_temperature, logit_scale, softcap = transform.kernel_scalars()
+        _kept_record_rows_kernel[(N,)](
+            hidden, weight, lora_x, lora_y, bias if bias is not None else hidden, kept_ids, targets, kept,
+            K, weight.shape[0], hidden.shape[1], lora_x.shape[1],
+            hidden.stride(0), weight.stride(0), lora_x.stride(0), lora_y.stride(0), kept_ids.stride(0), kept.stride(0),
+            inv_temperature, logit_scale, softcap,
+            HAS_BIAS=bias is not None, HAS_LORA=lora is not None, HAS_SOFTCAP=transform.softcap is not None,
+            BLOCK_K=BLOCK_K, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return kept

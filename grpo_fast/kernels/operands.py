@@ -36,6 +36,12 @@ class HeadOperands(NamedTuple):
         lora = (self.lora[0][start:stop], self.lora[1]) if self.lora is not None else None
         return self._replace(hidden=self.hidden[start:stop], targets=self.targets[start:stop], lora=lora)
 
+    def rows(self, index: torch.Tensor) -> HeadOperands:
+        """The same operands over the tokens ``index`` ([n] int64) only, their rows copied contiguous."""
+        lora = (self.lora[0][index].contiguous(), self.lora[1]) if self.lora is not None else None
+        hidden, targets = self.hidden[index].contiguous(), self.targets[index].contiguous()
+        return self._replace(hidden=hidden, targets=targets, lora=lora)
+
 
 def gemm_weight(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """``weight`` as the GEMMs read it: in ``hidden``'s dtype, since a GEMM takes one dtype. A weight kept in fp32
@@ -122,20 +128,27 @@ class SamplerSupport(NamedTuple):
 
 
 class SupportGradient(NamedTuple):
-    """A replayed kept set's support term in layer 1's backward (``kernels.backward.backward_chunked``): dL/ds of
-    s = z_y - L_kept, [N] fp32 each but the ids.
+    """A replayed kept set's support term in layer 1's backward (``kernels.backward.backward_chunked``): d = dL/ds of
+    s = z_y - L_kept, as -d q_v on each kept v != y and d (1 - q_y) at the target, [N] fp32 each but the ids.
 
     Attributes:
         kept_ids: [N, K] int64, -1 filling (ids outside [0, V) skipped).
-        grad_support: dL/ds (NaN where the target is outside its set: ``sampler.ops.masked_support_gradient``).
-        kept_lse: L_kept = log sum_{v kept} exp(z_v).
-        kept_nontarget_mass: 1 - q_y, carried.
+        grad_support: d (NaN where the target is outside its set: ``sampler.ops.masked_support_gradient``): |d|
+            bounds the term's |dL/dz| (g's power of two).
+        kept_coefficient: d exp(L - L_kept), q_v's factor on the softmax's p_v, where that factor is at most
+            exp(``forward.KEPT_RANGE``); 0 (NaN with d) on the other rows.
+        target_coefficient: d (1 - q_y), carried.
+        exact_coefficient: d on the other rows (a set far below its row's max: q_v its own exponential
+            exp(z_v - L_kept)), 0 elsewhere.
+        kept_lse: L_kept (read on those rows).
     """
 
     kept_ids: torch.Tensor
     grad_support: torch.Tensor
+    kept_coefficient: torch.Tensor
+    target_coefficient: torch.Tensor
+    exact_coefficient: torch.Tensor
     kept_lse: torch.Tensor
-    kept_nontarget_mass: torch.Tensor
 
 
 class SupportRecord(NamedTuple):

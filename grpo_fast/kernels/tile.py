@@ -476,14 +476,16 @@ def gradient_tile(g_ptr, stride_g, pid_n, pid_v, N, V, BLOCK_N: tl.constexpr, BL
 def row_coefficients(
     grad_logp_ptr,
     grad_entropy_ptr,
-    grad_support_ptr,
+    kept_coefficient_ptr,
+    exact_coefficient_ptr,
     offs_n,
     n_mask,
     ENTROPY_GRAD: tl.constexpr,
     KEPT_BITS: tl.constexpr,
 ):
-    """A token block's dL/dlogp, dL/dentropy (only with ENTROPY_GRAD) and a kept set's dL/ds (only with KEPT_BITS),
-    and the sum of their magnitudes: 0 means the block has no gradient (masked rows), which the kernels skip exactly.
+    """A token block's dL/dlogp, dL/dentropy (only with ENTROPY_GRAD) and a kept set's coefficients (only with
+    KEPT_BITS: ``operands.SupportGradient``'s kept and exact ones, a pair; 0 where d is), and the sum of their
+    magnitudes: 0 means the block has no gradient (masked rows), which the kernels skip exactly.
     A sum, not a max: a NaN coefficient must make the block's gradient NaN, and max (the interpreter's nanmax, PTX
     max.f32) drops it."""
     grad_logp = tl.load(grad_logp_ptr + offs_n, mask=n_mask, other=0.0)
@@ -492,11 +494,14 @@ def row_coefficients(
     if ENTROPY_GRAD:
         grad_entropy = tl.load(grad_entropy_ptr + offs_n, mask=n_mask, other=0.0)
         scale += tl.sum(tl.abs(grad_entropy), axis=0)
-    grad_support = grad_logp
+    kept_coefficients = (grad_logp, grad_logp)
     if KEPT_BITS:
-        grad_support = tl.load(grad_support_ptr + offs_n, mask=n_mask, other=0.0)
-        scale += tl.sum(tl.abs(grad_support), axis=0)
-    return grad_logp, grad_entropy, grad_support, scale
+        kept_coefficients = (
+            tl.load(kept_coefficient_ptr + offs_n, mask=n_mask, other=0.0),
+            tl.load(exact_coefficient_ptr + offs_n, mask=n_mask, other=0.0),
+        )
+        scale += tl.sum(tl.abs(kept_coefficients[0]) + tl.abs(kept_coefficients[1]), axis=0)
+    return grad_logp, grad_entropy, kept_coefficients, scale
 
 
 @triton.jit
@@ -535,9 +540,9 @@ def tile_grad(
     grad_entropy,
     kept_bits_ptr,
     stride_kept_row,
+    kept_coefficients,
+    target_coefficient_ptr,
     kept_lse_ptr,
-    kept_nontarget_mass_ptr,
-    grad_support,
     n0,
     v0,
     offs_n,
@@ -570,9 +575,12 @@ def tile_grad(
     """g = dL/du for one tile (rows ``offs_n`` from n0, columns ``offs_v`` from v0), from the recomputed logits
     (``logit_tile_at``: ``hidden`` and ``weight`` are tensor descriptors with USE_TMA) and the forward's per-token
     values (module docstring). ``grad_logp`` and ``grad_entropy`` are this tile's rows of dL/dlogp and dL/dentropy.
-    With KEPT_BITS also a replayed kept set's support s = z_y - L_kept (``grad_support``: the rows' dL/ds; the sets as
-    bitmaps, ``kept_bits_tile``): -d q_v on each kept v != y, q_v = exp(z_v - L_kept) its own exponential (exact
-    whatever the set's mass), and d (1 - q_y) carried at the target (``kept_nontarget_mass``)."""
+    With KEPT_BITS also a replayed kept set's support s = z_y - L_kept (the sets as bitmaps, ``kept_bits_tile``):
+    -d q_v on each kept v != y, q_v = p_v exp(L - L_kept), the row's kept coefficient d exp(L - L_kept) on the
+    tile's own p (no exponential of its own), and d (1 - q_y) carried at the target (``target_coefficient_ptr``);
+    ``kept_coefficients``: (kept, exact) of the rows (``operands.SupportGradient``): a block with an exact one (a set
+    far below its row's max) also subtracts d exp(z_v - L_kept) on those rows' kept logits, its own exponential (0
+    on the other rows: their values bit for bit the same)."""
     targets = tl.load(targets_ptr + offs_n, mask=n_mask, other=-1)
     # rows past the batch: lse +inf makes their p exactly 0 (with 0 their exp(z) overflows, and 0 x inf is a NaN in db)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=float("inf"))
@@ -608,21 +616,26 @@ def tile_grad(
     )
     p = tl.exp(z - lse[:, None])
     is_target = offs_v[None, :] == targets[:, None]
-    dz = -grad_logp[:, None] * p
-    target_dz = grad_logp[:, None] * nontarget_mass[:, None]
+    if KEPT_BITS:
+        kept_coefficient, exact_coefficient = kept_coefficients
+        kept = kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, BLOCK_N, BLOCK_V)
+        dz = -(grad_logp[:, None] + tl.where(kept, kept_coefficient[:, None], 0.0)) * p
+        if tl.sum((exact_coefficient != 0.0).to(tl.int32), axis=0) > 0:  # NaN too
+            # an empty set's L_kept is -inf: a finite pivot (no kept lane reads it); the exponent -inf off the set,
+            # so no exp(z - L_kept) of a logit far above the set (an overflow) forms
+            kept_lse = tl.load(kept_lse_ptr + offs_n, mask=n_mask, other=0.0)
+            kept_lse = tl.where(kept_lse == float("-inf"), 0.0, kept_lse)
+            q = tl.exp(tl.where(kept, z - kept_lse[:, None], float("-inf")))
+            dz -= exact_coefficient[:, None] * q
+        target_dz = grad_logp * nontarget_mass + tl.load(target_coefficient_ptr + offs_n, mask=n_mask, other=0.0)
+        target_dz = target_dz[:, None]
+    else:
+        dz = -grad_logp[:, None] * p
+        target_dz = grad_logp[:, None] * nontarget_mass[:, None]
     if ENTROPY_GRAD:
         mean_logit = tl.load(mean_logit_ptr + offs_n, mask=n_mask, other=0.0)
         mean_minus_target = tl.load(mean_minus_target_ptr + offs_n, mask=n_mask, other=0.0)
         # p is 0 where z is -inf: keep 0 * inf from forming a NaN
         dz += grad_entropy[:, None] * p * tl.where(p > 0.0, mean_logit[:, None] - z, 0.0)
         target_dz += grad_entropy[:, None] * p * mean_minus_target[:, None]
-    if KEPT_BITS:
-        kept = kept_bits_tile(kept_bits_ptr, stride_kept_row, offs_n, v0, n_mask, V, BLOCK_N, BLOCK_V)
-        # an empty set's L_kept is -inf: a finite pivot (no kept lane reads it; -inf - -inf is never formed)
-        kept_lse = tl.load(kept_lse_ptr + offs_n, mask=n_mask, other=0.0)
-        kept_lse = tl.where(kept_lse == float("-inf"), 0.0, kept_lse)
-        kept_nontarget_mass = tl.load(kept_nontarget_mass_ptr + offs_n, mask=n_mask, other=0.0)
-        # the exponent -inf off the set: no exp(z - L_kept) of a logit far above the set (an overflow) is formed
-        dz -= grad_support[:, None] * tl.exp(tl.where(kept, z - kept_lse[:, None], float("-inf")))
-        target_dz += grad_support[:, None] * kept_nontarget_mass[:, None]
     return tl.where(is_target, target_dz, dz) * slope
