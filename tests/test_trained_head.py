@@ -14,7 +14,7 @@ from grpo_fast import reference
 from grpo_fast.head.transform import LogitTransform
 from grpo_fast.kernels import config as kconfig
 from grpo_fast.kernels import forward_frozen as kfrozen
-from grpo_fast.kernels.operands import HeadGrads, HeadOperands
+from grpo_fast.kernels.operands import GradientColumns, HeadGrads, HeadOperands
 
 F64 = torch.float64
 
@@ -354,3 +354,40 @@ def test_a_compiled_step_is_one_graph_with_the_eager_loss_and_gradients(trained_
     assert trained_calls == [1, 1]
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_entries_fold_into_the_weights_product(dtype, device):
+    # a served teacher's entries at a few ids a row (operands.GradientColumns): dW and db take them in the chunk's
+    # own product, on every row with a nonzero coefficient; the rows without one (c[::5] = 0: f = 0) go to ``rest``
+    N, D, V, K = 37, 29, 203, 5
+    h, w, b, y, c = _head(N, D, V, dtype, bias=True, device=device)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    ids[1, 3:] = -1
+    ids[2, 0] = y[2].cpu()  # the target among them
+    ids = ids.to(device)
+    grad = torch.randn(N, K, generator=g).to(device)
+    temperature = 0.7
+    columns = GradientColumns(ids, grad, 1.0 / temperature, torch.full((N, K), float("nan"), device=device))
+    grads = HeadGrads(torch.empty(N, D, device=device), torch.zeros(V, D, device=device), torch.zeros(V, device=device))
+    head = HeadOperands(h, w, y, b, LogitTransform(temperature=temperature))
+    config = kconfig.frozen_head_config(h.device)
+    kfrozen.forward_trained_head(head, False, config, lambda n0, n1, *_: c[n0:n1], grads, 16, columns=columns)
+    folded = c != 0
+    live = ids >= 0
+    assert torch.equal(columns.rest[folded], torch.zeros_like(columns.rest[folded]))
+    assert torch.equal(columns.rest[~folded], grad[~folded])
+    # the caller's part: the rest's dW and db rows
+    rest_u = torch.where(live, columns.rest / temperature, 0.0)
+    weight = grads.weight.index_add(
+        0, ids.clamp(min=0).flatten(), (rest_u[:, :, None] * h.float()[:, None]).flatten(0, 1)
+    )
+    bias = grads.bias.index_add(0, ids.clamp(min=0).flatten(), rest_u.flatten())
+    leaves = [x.to(F64).requires_grad_() for x in (h, w, b)]
+    z = reference.logits(leaves[0], leaves[1], leaves[2], temperature, compute_dtype=F64)
+    logp = z.log_softmax(-1).gather(-1, y[:, None])[:, 0]
+    at_ids = z.gather(-1, ids.clamp(min=0)).masked_fill(~live, 0.0)
+    ((c.to(F64) * logp).sum() + (grad.to(F64) * at_ids).sum()).backward()
+    assert_grad_close(weight.to(dtype), leaves[1].grad.float(), dtype, "weight")
+    assert_grad_close(bias.to(dtype), leaves[2].grad.float(), dtype, "bias")

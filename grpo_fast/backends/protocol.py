@@ -29,6 +29,7 @@ import torch
 from grpo_fast.kernels.config import BackwardMode
 from grpo_fast.kernels.divergence_records import ModelHead, TeacherSegments
 from grpo_fast.kernels.operands import (
+    GradientColumns,
     HeadGrads,
     HeadOperands,
     Layer1Gradient,
@@ -103,9 +104,18 @@ class Backend(Protocol):
         """``forward_frozen_head`` unfinished: (SoftmaxStats, acc [N, D], target slope [N]) over these rows."""
         ...
 
-    def forward_trained_head(self, head: HeadOperands, coefficients, grads: HeadGrads, token_chunk: int | None = None):
+    def forward_trained_head(
+        self,
+        head: HeadOperands,
+        coefficients,
+        grads: HeadGrads,
+        token_chunk: int | None = None,
+        columns: GradientColumns | None = None,
+    ):
         """The three-sweep trained head: (logp, entropy, BackwardStats), and dH / dW / db of the loss whose
-        dL/dlogp ``coefficients(n0, n1, logp, entropy)`` gives token chunk by chunk, into ``grads``."""
+        dL/dlogp ``coefficients(n0, n1, logp, entropy)`` gives token chunk by chunk, into ``grads``; with
+        ``columns`` (an operands.GradientColumns) dW and db also take those entries, on the rows it does not leave to
+        the caller in ``columns.rest``."""
         ...
 
     def grad_hidden_buffer(self, hidden: torch.Tensor, backward_mode: BackwardMode) -> torch.Tensor:

@@ -130,10 +130,10 @@ class TritonBackend:
     def forward_frozen_record(self, head):
         return kfrozen.forward_frozen_record(head, True, kconfig.frozen_head_config(head.hidden.device))[:3]
 
-    def forward_trained_head(self, head, coefficients, grads, token_chunk=None):
+    def forward_trained_head(self, head, coefficients, grads, token_chunk=None, columns=None):
         """``kernels.forward_frozen.forward_trained_head``: three vocabulary sweeps."""
         config = kconfig.frozen_head_config(head.hidden.device)
-        return kfrozen.forward_trained_head(head, True, config, coefficients, grads, token_chunk)
+        return kfrozen.forward_trained_head(head, True, config, coefficients, grads, token_chunk, columns=columns)
 
     def grad_hidden_buffer(self, hidden, backward_mode):
         """The chunked backward's GEMMs write dH once (fp32 output, never a K = V reduction rounded to the input

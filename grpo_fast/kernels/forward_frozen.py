@@ -41,6 +41,9 @@ from .gemm import OUT_DTYPE_GEMM, chunk_rows, chunk_size, mm_fp32, mm_token_rows
 from .launch import on_first_argument_device
 from .tile import GRAD_SCALE_CEILING, gemm_scale, to_gemm, transform_and_slope
 
+# a column entry folds into P' while |dL/du / f| < 2^COLUMN_FOLD_EXP and |f| >= 2^-COLUMN_FOLD_EXP
+# (``forward_trained_head``'s ``columns``): P' stays far inside bf16's range and f H (bf16) far above its subnormals
+COLUMN_FOLD_EXP = 60
 # the vocabulary chunk is a multiple of this: P' rows (bf16 / fp16, row stride 2 x chunk) stay 16-byte aligned
 VOCAB_ALIGN = 128
 # the rows of the running state [8, N] fp32 (``state.unbind(0)`` on the host, in this order): running max m,
@@ -332,6 +335,23 @@ def forward_frozen_record(
     return softmax_stats.SoftmaxStats(row_max, sumexp, rest, zsum, target_logit), grad, target_slope, lora_grad
 
 
+def _fold_columns(columns, n0, n1, factor, p):
+    """A chunk's column entries dL/du into P' (``p`` [n1 - n0, V]) as dL/du / f where they fold
+    (``forward_trained_head``), the rest into ``columns.rest``."""
+    ids, grad = columns.ids[n0:n1], columns.grad[n0:n1]
+    slope = columns.slope
+    slope = slope[n0:n1] if isinstance(slope, torch.Tensor) and slope.ndim else slope
+    live = ids >= 0
+    grad_u = torch.where(live, grad * slope, 0.0)
+    inverse = 1.0 / factor
+    bound = 2.0**COLUMN_FOLD_EXP
+    folds = (factor != 0) & (grad_u.abs().amax(-1) * inverse.abs() < bound) & (factor.abs() >= 1.0 / bound)
+    values = torch.where(folds[:, None] & live, grad_u * inverse[:, None], 0.0)
+    rows = torch.arange(n1 - n0, device=ids.device)[:, None].expand_as(ids)
+    p.index_put_((rows, ids.clamp(min=0)), values.to(p.dtype), accumulate=True)
+    columns.rest[n0:n1] = torch.where(folds[:, None], 0.0, grad)
+
+
 def trained_chunk_size(N, V, D, weight_bytes_per_entry):
     """Tokens per chunk of ``forward_trained_head``: its fp32 logits over the whole vocabulary (chunk x V) about the
     size of W (V x D; 467 MB at the Qwen2.5-1.5B head in bf16: 768 tokens), a multiple of gemm.TOKEN_CHUNK_ALIGN
@@ -339,7 +359,9 @@ def trained_chunk_size(N, V, D, weight_bytes_per_entry):
     return min(N, token_chunk_rows(D * weight_bytes_per_entry // 4))
 
 
-def forward_trained_head(head, compute_entropy, config, coefficients, grads, token_chunk=None, gemm_dtype=None):
+def forward_trained_head(
+    head, compute_entropy, config, coefficients, grads, token_chunk=None, gemm_dtype=None, columns=None
+):
     """The trained head in three vocabulary GEMM sweeps, for a loss whose dL/dlogp is known token by token as soon
     as the token's log-prob is (``coefficients``): (logp, entropy, softmax_stats.BackwardStats) as ``forward``'s,
     and the gradients of that loss in ``grads`` (an operands.HeadGrads: hidden written, weight and bias added to).
@@ -354,6 +376,12 @@ def forward_trained_head(head, compute_entropy, config, coefficients, grads, tok
     zero; fp16's does not, hence no fp16), and dH = c J (J the frozen head's, exact on confident tokens). Nothing
     is recomputed: three sweeps against the recompute path's four. No LoRA
     (``head.lora`` None) and no entropy gradient (dL/dentropy is not part of g).
+
+    ``columns`` (an operands.GradientColumns, or None): g's entries at a few columns a row besides the softmax's,
+    dL/du = grad slope at ids: dW and db take them in product (3) itself, as entries of P' (each dL/du / f added to
+    P' at its column, rounded once to P''s dtype: an id twice adds twice), on the rows where f is nonzero and every
+    |dL/du / f| under 2^COLUMN_FOLD_EXP (f H then keeps its precision); the other rows' entries go to
+    ``columns.rest`` for the caller. dH's entries are the caller's (J is summed before they are known).
 
     Memory: the u buffer (chunk x V fp32), J (N x D fp32), 8 N fp32 of state, one chunk's operand (chunk x D); the
     fp32 dH, dW and db are the caller's (``grads``).
@@ -375,6 +403,8 @@ def forward_trained_head(head, compute_entropy, config, coefficients, grads, tok
             return
         sumexp, rest, target_slope, unscale = state[1], state[2], state[5], state[7]
         factor = -(c / sumexp) * unscale  # g = factor P' off the target column
+        if columns is not None:
+            _fold_columns(columns, n0, n1, factor, p)
         target_g = c * (rest / sumexp) * target_slope  # g at the target column, never 1 - p_y by cancellation
         rows = hidden[n0:n1].float()
         y = targets[n0:n1]

@@ -63,6 +63,24 @@ class HeadGrads(NamedTuple):
     lora_weight: torch.Tensor | None = None
 
 
+class GradientColumns(NamedTuple):
+    """A token-local loss's gradient entries at a few columns a row besides the softmax's (a served teacher's
+    support): dL/du = ``grad`` x ``slope`` at ``ids``, for the three-sweep trained head's dW and db
+    (``kernels.forward_frozen.forward_trained_head``).
+
+    Attributes:
+        ids: [N, K] int64, -1: no entry.
+        grad: [N, K] fp32 dL/dz there, each chunk's rows written by the head's ``coefficients`` before it returns.
+        slope: dz/du there, [N, K] fp32 (likewise written by then), or a number (a 0-d tensor too).
+        rest: [N, K] fp32, written: ``grad`` on the rows the head left to the caller, 0 on those it took.
+    """
+
+    ids: torch.Tensor
+    grad: torch.Tensor
+    slope: torch.Tensor | float
+    rest: torch.Tensor
+
+
 class TokenLossInputs(NamedTuple):
     """Layer 2's prepared per-batch tensors: fp32, contiguous, on one device, a sequence a row.
 
