@@ -168,9 +168,10 @@ class Backend(Protocol):
         gradients formed)."""
         ...
 
-    def gathered_logits(self, head: HeadOperands, ids: torch.Tensor) -> torch.Tensor:
+    def gathered_logits(self, head: HeadOperands, ids: torch.Tensor, slope: bool = False):
         """The logits z of each row at ``ids`` [N, K] int64 (-1: no entry), fp32 [N, K] (-inf at -1): a gather of K
-        weight rows a token, O(N K D), no vocabulary sweep (``grpo_fast.served``' student side)."""
+        weight rows a token, O(N K D), no vocabulary sweep (``grpo_fast.served``' student side); with ``slope``
+        (z, dz/du there: [N, K] fp32 with a soft-cap, else a number) from the same gather."""
         ...
 
     def gathered_backward(

@@ -66,8 +66,8 @@ class TorchBackend:
         """0: the fused divergence loss (a three-sweep head) does not run here."""
         return 0
 
-    def gathered_logits(self, head, ids):
-        return support_twin.kept_logits(head, ids)
+    def gathered_logits(self, head, ids, slope=False):
+        return support_twin.kept_logits(head, ids, slope=slope)
 
     def gathered_backward(self, head, ids, grad_logits, grads, slope=None):
         support_twin.kept_backward(head, ids, grad_logits, grads, slope=slope)

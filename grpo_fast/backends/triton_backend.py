@@ -185,9 +185,9 @@ class TritonBackend:
         (N, D), itemsize = hidden_shape, torch.empty(0, dtype=dtype).element_size()
         return divergence_loss.loss_workspace_bytes(N, D, vocab_size, itemsize, token_chunk)
 
-    def gathered_logits(self, head, ids):
+    def gathered_logits(self, head, ids, slope=False):
         """``kernels.kept_set``'s gathers (the replayed kept sets' products)."""
-        return support_twin.kept_logits(head, ids, KEPT_SET_KERNELS)
+        return support_twin.kept_logits(head, ids, KEPT_SET_KERNELS, slope=slope)
 
     def gathered_backward(self, head, ids, grad_logits, grads, slope=None):
         support_twin.kept_backward(head, ids, grad_logits, grads, KEPT_SET_KERNELS, slope)

@@ -4,21 +4,19 @@ the logits once, J = d logp / d hidden, dW), against four for the log-prob head 
 
 Per token chunk, once its log-sum-exp is known (the trained head's record, at an anchor a: lse = z_a - logp_a, z_a
 gathered), the chunk's divergence and its gradients with respect to the gathered logits and to logp_a follow from the
-[chunk, K + 1] formulas (``served.teacher.divergence_and_gradients``): dL/dlogp_a is the trained head's
-coefficient (its dense part -c p and its anchor column), dL/dz at the K ids the sparse part. Its dW and db go into
-the trained head's own dW product where the slope at the ids is known by then (``operands.GradientColumns``: the
-entries folded into P' of the chunk, on every row with a nonzero coefficient), the rows it leaves and dH's part
-through the gathered rows (``Backend.gathered_backward``). The op's backward scales the formed gradients by the
-loss's.
+[chunk, K + 1] formulas (``served.teacher.divergence_and_gradients``): dL/dlogp_a is the trained head's coefficient (its
+dense part -c p and its anchor column), dL/dz at the K ids the sparse part. Its dW and db go into the trained head's own
+dW product (``operands.GradientColumns``: the entries folded into P' of the chunk, on every row with a nonzero
+coefficient), the rows it leaves and dH's part through the gathered rows (``Backend.gathered_backward``). The op's
+backward scales the formed gradients by the loss's.
 
 At beta 0 the sparse part is dD/dz = G + c exp(z - pivot) with G = -p_t, the teacher's alone
-(``served.teacher.gradient_factors``): each chunk's kept rows are read once, in the trained head's callback, for
-both the logits and dH's sparse part sum_k dD/dz_k dz_k/du_k W_k = T + c P (``Backend.gathered_logits_and_rows``:
-T the rows summed with G, P with the student's softmax weights), the anchor's row once more for dL/dlse; the sorted
-dW pass adds dW and db of the rows the product left (none but rows without a coefficient). Otherwise G holds the
-student's log-probs: the logits' gather before the sweeps, dH's after (and dW's too with a soft-cap: its slope at
-the ids is not known in the sweeps). Memory: at beta 0 dH's sparse part [N, D] and a chunk's P and T [chunk, D],
-the rows left [N, K], fp32.
+(``served.teacher.gradient_factors``): each chunk's kept rows are read once, in the trained head's callback, for both
+the logits and dH's sparse part sum_k dD/dz_k dz_k/du_k W_k = T + c P (``Backend.gathered_logits_and_rows``: T the rows
+summed with G, P with the student's softmax weights), the anchor's row once more for dL/dlse; the sorted dW pass adds dW
+and db of the rows the product left (none but rows without a coefficient). Otherwise G holds the student's log-probs:
+the logits' gather (with their slope) before the sweeps, dH's after. Memory: at beta 0 dH's sparse part [N, D] and a
+chunk's P and T [chunk, D], the rows left [N, K], fp32.
 """
 
 from __future__ import annotations
@@ -91,9 +89,11 @@ def _served_trained_loss(*operands):
     # the sparse part of dH (``kernels.kept_set.kept_dot_rows``); otherwise the logits now, dH's rows after the sweeps
     rows_once = operands.beta == 0.0
     teacher_gradient = served_teacher.teacher_entry_gradient(support, operands.add_tail_bucket) if rows_once else None
-    logits = None if rows_once else backend.gathered_logits(head, ids)
+    # otherwise the logits and their slope (dW's entries need dz/du) from one gather
+    logits, at_slope = (None, None) if rows_once else backend.gathered_logits(head, ids, slope=True)
     sparse_hidden = torch.zeros(hidden.shape, dtype=FP32, device=dev) if rows_once else None
-    slope = torch.empty(ids.shape, dtype=FP32, device=dev) if rows_once else None  # dz/du at the ids, for dW
+    # dz/du at the ids, for dW: at beta 0 written by the rows' pass
+    slope = torch.empty(ids.shape, dtype=FP32, device=dev) if rows_once else at_slope
 
     def coefficients(n0, n1, logp, entropy):
         rows = served_teacher.Support(*(x[n0:n1] for x in support))
@@ -125,23 +125,18 @@ def _served_trained_loss(*operands):
         torch.zeros(weight.shape, dtype=FP32, device=dev) if operands.need_weight else None,
         torch.zeros(weight.shape[0], dtype=FP32, device=dev) if operands.need_weight and bias is not None else None,
     )
-    # dW's and db's sparse part in the trained head's own product where the slope at the ids is known by then (at
-    # beta 0 the rows' pass gives it; otherwise a constant without a soft-cap): no sorted pass over the pairs but
-    # for the rows it leaves (``columns.rest``)
-    fold_slope = slope if rows_once else None
-    if not rows_once and head.transform.softcap is None:
-        fold_slope = head.transform.apply(torch.zeros((), device=dev), slope=True)[1]
+    # dW's and db's sparse part in the trained head's own product (the slope at the ids known by then): no sorted
+    # pass over the pairs but for the rows it leaves (``columns.rest``)
     columns = None
-    if operands.need_weight and fold_slope is not None:
-        columns = GradientColumns(ids, sparse, fold_slope, torch.empty(ids.shape, dtype=FP32, device=dev))
+    if operands.need_weight:
+        columns = GradientColumns(ids, sparse, slope, torch.empty(ids.shape, dtype=FP32, device=dev))
     _, entropy, _ = backend.forward_trained_head(head, coefficients, grads, operands.token_chunk or None, columns)
-    rest = columns.rest if columns is not None else sparse
     if rows_once:
         grads.hidden.add_(sparse_hidden)
-    else:  # dH's sparse part (with dW's and db's where not folded)
-        backend.gathered_backward(head, ids, sparse, grads if columns is None else HeadGrads(grads.hidden))
-    if operands.need_weight and (rows_once or columns is not None):  # the rows the product left: dW and db alone
-        backend.gathered_backward(head, ids, rest, grads._replace(hidden=None), slope)
+    else:  # dH's sparse part
+        backend.gathered_backward(head, ids, sparse, HeadGrads(grads.hidden), slope)
+    if columns is not None:  # the rows the product left: dW and db alone
+        backend.gathered_backward(head, ids, columns.rest, grads._replace(hidden=None), slope)
     loss = (operands.weights * divergence).sum()
     dw, db = (grad if grad is not None else torch.empty(0, dtype=FP32, device=dev) for grad in grads[1:3])
     return loss, divergence, entropy, grads.hidden, dw, db
