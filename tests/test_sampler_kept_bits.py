@@ -99,16 +99,26 @@ def _config(device, dtype, **changes):
 
 def _recomputed(head, ids, kept, transform=IDENTITY):
     """The kept record with the rows the sums do not serve recomputed (``kept_set.kept_record_rows``), checked to be
-    those whose set's mass lies more than KEPT_RANGE nats below the row's max (the sums against that max would lose
-    it; a row within a thousandth of a nat of the bound either way): row 3's, ~100 below."""
+    the narrow sets (at most kforward.KEPT_GATHERED ids: their gathers), the empty ones, and those whose set's mass
+    lies more than KEPT_RANGE nats below the row's max (the sums against that max would lose it; a row within a
+    thousandth of a nat of the bound either way): row 3's, ~100 below."""
     hidden, weight, targets, bias, _, _ = head
     z = reference.logits(hidden.cpu(), weight.cpu(), bias.cpu(), compute_dtype=F64, transform=transform)
     kept_lse = _truth(hidden, weight, bias, targets, ids, transform)[1]
     below = kept_lse - z.amax(1) + kforward.KEPT_RANGE.value
-    flagged, clear = (below < 0) & kept_lse.isfinite(), below.abs() > 1e-3
-    assert flagged.nonzero().flatten().tolist() == [3] and bool(clear.all())
-    assert torch.equal(kept[3].cpu()[clear], (~flagged).float()[clear])
+    far, clear = (below < 0) & kept_lse.isfinite(), below.abs() > 1e-3
+    assert far.nonzero().flatten().tolist() == [3] and bool(clear.all())
+    wide = ((ids >= 0) & (ids < z.shape[1])).sum(-1).cpu() > kforward.KEPT_GATHERED
+    served = wide & ~far & kept_lse.isfinite()
+    assert torch.equal(kept[3].cpu(), served.float())
     return kept_set.kept_record_rows(head, ids, kept.clone())[:3]
+
+
+def _same_served(a, b):
+    """Two kept records [4, n] alike: their flags, and every field of the rows the sums serve (a row set aside holds
+    what its tiles summed of words no kernel wrote: its gathers replace it)."""
+    served = b[3] == 1
+    return torch.equal(a[3], b[3]) and torch.equal(a[:, served], b[:, served])
 
 
 def _assert_matches(kept, layer1, truth):
@@ -128,7 +138,11 @@ def _assert_matches(kept, layer1, truth):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kept_record_matches_fp64(dtype, device):
+@pytest.mark.parametrize("gathered", [0, kforward.KEPT_GATHERED], ids=["bitmaps", "narrow sets gathered"])
+def test_kept_record_matches_fp64(dtype, gathered, monkeypatch, device):
+    # every nonempty set read from the bitmaps (KEPT_GATHERED 0), or the narrow ones from their gathers (all but row
+    # 1's, every entry: its token block's epilogue sums, the other blocks skip it)
+    monkeypatch.setattr(kforward, "KEPT_GATHERED", gathered)
     hidden, weight, bias, targets = _head(dtype, device)
     ids, targets = _kept_ids(targets.cpu(), torch.Generator().manual_seed(1))
     ids, targets = ids.to(device), targets.to(device)
@@ -139,6 +153,7 @@ def test_kept_record_matches_fp64(dtype, device):
     kept = _recomputed(head, ids, swept, transform)
     _assert_matches(kept, layer1, truth)
     served = swept[3] == 1
+    assert int(served.sum()) == (1 if gathered else N - 2)  # row 1 alone; all but the far and the empty
     assert torch.equal(kept[:, served], swept[:3, served])  # the served rows untouched
     # the plain fields are the plain sweep's
     plain = kforward.forward_record(head, False, _config(device, dtype))
@@ -151,6 +166,7 @@ def test_kept_record_matches_fp64(dtype, device):
 
 
 def test_padding_rows_and_several_launches(monkeypatch, device):
+    monkeypatch.setattr(kforward, "KEPT_GATHERED", 0)  # every nonempty set from the bitmaps
     hidden, weight, bias, targets = _head(torch.float32, device, seed=2)
     ids, targets = _kept_ids(targets.cpu(), torch.Generator().manual_seed(3))
     ids, targets = ids.to(device), targets.to(device)
@@ -164,13 +180,15 @@ def test_padding_rows_and_several_launches(monkeypatch, device):
     assert kforward.parts_shape(N, V, False, cfg)[2] >= 2 * cfg.block_n
     assert kforward.parts_shape(N, V, False, cfg, kept_bits=True)[2] == cfg.block_n
     several = kforward.kept_record(head, ids, cfg)  # 3 launches, the last one short
-    assert all(torch.equal(x, y) for x, y in zip(several[0], layer1)) and torch.equal(several[1], kept)
+    assert all(torch.equal(x, y) for x, y in zip(several[0], layer1)) and _same_served(several[1], kept)
+    monkeypatch.setattr(kforward, "PARTS_BYTES", kforward.PARTS_BYTES)
     monkeypatch.undo()
+    monkeypatch.setattr(kforward, "KEPT_GATHERED", 0)
     # rows from the device count on are padding: the blocks wholly past it write placeholders, finite, no NaN
     count = cfg.block_n
     padded, padded_kept = kforward.kept_record(head, ids, cfg, torch.tensor([count], dtype=torch.int32, device=device))
     assert all(torch.equal(x[:count], y[:count]) for x, y in zip(padded, layer1))
-    assert torch.equal(padded_kept[:, :count], kept[:, :count])
+    assert _same_served(padded_kept[:, :count], kept[:, :count])
     past = padded_kept[:, count:]
     assert not bool(past.isnan().any()) and bool((past[2] == 0).all())
     logp, _, stats = softmax_stats.finish(softmax_stats.SoftmaxStats(*(x[count:] for x in padded)), False)
@@ -235,8 +253,12 @@ def test_the_bitmap_equals_the_gathers_and_layer1(device):
     torch.testing.assert_close(bitmap.logprobs, layer1, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend, grad", [("triton", False), ("triton", True), ("torch", False)])
-def test_a_target_outside_its_set_and_an_id_twice(backend, grad, device):
+@pytest.mark.parametrize(
+    "backend, grad, gathered",
+    [("triton", False, 0), ("triton", False, kforward.KEPT_GATHERED), ("triton", True, 0), ("torch", False, 0)],
+)
+def test_a_target_outside_its_set_and_an_id_twice(backend, grad, gathered, monkeypatch, device):
+    monkeypatch.setattr(kforward, "KEPT_GATHERED", gathered)  # 0: every nonempty set from the bitmaps
     hidden, weight, bias, targets, mask, ids = _sampler_inputs(torch.float32, backend_device(backend, device), seed=2)
     outside = ids.clone()
     outside[0, 1] = torch.where(outside[0, 1] == targets[0, 1], -1, outside[0, 1])
@@ -248,7 +270,8 @@ def test_a_target_outside_its_set_and_an_id_twice(backend, grad, device):
     assert math.isnan(out.support_logprobs[0, 1].item())
     # the log-prob stays the target's over the vocabulary: a finite number, the spec's
     torch.testing.assert_close(out.logprobs[mask], spec[0][mask].float(), rtol=1e-5, atol=2e-5)
-    # the target twice (no check): the bitmap keeps the set {ids} (as the spec's mask does), the gathers sum the list
+    # the target twice (no check): the bitmap keeps the set {ids} (as the spec's mask does), the gathers (a narrow
+    # set's, a frozen head's, the torch backend's) sum the list
     twice = ids.clone()
     twice[0, 2, -1] = targets[0, 2]
     with pytest.raises(ValueError, match="an id twice"):
@@ -257,7 +280,7 @@ def test_a_target_outside_its_set_and_an_id_twice(backend, grad, device):
     z = reference.logits(hidden, weight, bias, 0.9, compute_dtype=F64)[0, 2]
     row = twice[0, 2][twice[0, 2] >= 0]
     as_set, as_list = torch.logsumexp(z[row.unique()], 0), torch.logsumexp(z[row], 0)
-    bits = backend == "triton" and not grad  # the bitmap sweep; else the gathers
+    bits = backend == "triton" and not grad and not gathered  # the bitmap sweep; else the gathers
     expected = z[targets[0, 2]] - (as_set if bits else as_list)
     torch.testing.assert_close(out.support_logprobs[0, 2], expected.float(), rtol=1e-5, atol=2e-5)
     assert abs((as_set - as_list).item()) > 1e-3  # the two readings differ
@@ -296,10 +319,12 @@ def test_the_memory_model_counts_the_bitmap_sweep():
             op, N, D, V, torch.bfloat16, kept=kept, differentiable=differentiable, trains_head=trains_head
         )
 
-    assert model(1024, False) == model(64, False) == bits + 4 * N * 4
+    rows = kforward.parts_shape(N, V, False, config, kept_bits=True)[2]
+    assert model(1024, False) == bits + rows * (3 * 1024 + 12) + 4 * N * 4  # a launch's width count: [rows, K] bools
+    assert model(64, False) == bits + rows * (3 * 64 + 12) + 4 * N * 4
     assert model(1024, True) == math.ceil(N * 1024 * 4 * support_workspace.REPLAYED_FORWARD)
     # a trained head: the same sweep forward, and a backward of layer 1's chunked g and a chunk's bitmaps (any K)
-    assert model(1024, True, True) == model(64, True, True) == bits + 4 * N * 4
+    assert model(1024, True, True) == model(1024, False) and model(64, True, True) == model(64, False)
     backward = model(1024, True, True, "sampler_support_backward") - 4 * (N * D + V * D)
     chunk = gemm.chunk_size(N, D)
     assert backward == chunk * (V * 2 + kforward.kept_words(V) * 4) + 7 * N * 4

@@ -700,7 +700,7 @@ def kept_bits_launches(arch):
     """[(variant, family, dtype name, Launch)] of the forward with replayed kept sets' bitmaps (the replayed sets'
     pass without gradients, ``forward.kept_record``: no entropy, the tile candidates' tile, bf16 with and without a
     bias, fp32; ``--mix fwd "fwd kept bits"`` compares their instructions with the plain pass's), their merge and the
-    bitmaps' builder."""
+    bitmaps' builder and the wide rows' clearing."""
     out = []
     for label, dtype, head, cfg in _sampler_sweep_variants(arch, wide=True):
         hidden, weight = head.hidden, head.weight
@@ -709,6 +709,7 @@ def kept_bits_launches(arch):
             recording(forward, "_tile_records_kernel") as launches,
             recording(forward, "_merge_parts_kernel") as merges,
             recording(forward, "_kept_bits_kernel") as builds,
+            recording(forward, "_clear_wide_rows_kernel") as clears,
         ):
             forward.kept_record(head, kept_ids, cfg)
         out.append((f"fwd kept bits {label}", "fwd kept bits", TRITON_TYPES[dtype], launches[0]))
@@ -725,6 +726,7 @@ def kept_bits_launches(arch):
             backward.backward_chunked(head, stats, torch.randn(N), None, grads, bwd, support=support)
         out.append((f"bwd chunked kept bits {label}", "bwd chunked kept bits", TRITON_TYPES[dtype], launches[0]))
     out.append(("kept bits merge", "kept bits merge", "fp32", merges[0]))
+    out.append(("kept bits clear", "kept bits clear", "int32", clears[0]))
     return out + [("kept bits build", "kept bits build", "int32", builds[0])]
 
 

@@ -69,9 +69,9 @@ def replayed_record(head, kept_ids):
     """Replayed kept sets: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's record sweep
     reading each launch's bitmaps of the sets (``kforward.kept_record``). One path whatever the sets' width K: a
     row's values do not depend on how far a batch pads its sets (batch invariance; the gathers cost less for narrow
-    sets, but a batch's K is its widest set's). The rows whose sums the sweep flags (a set far below the row's max,
-    ``kforward.KEPT_RANGE``) take their kept entries' gathers (``kept_set.kept_record_rows``: no host read), by
-    their own values alone."""
+    sets, but a batch's K is its widest set's). The rows whose sums the sweep does not serve (a narrow set,
+    ``kforward.KEPT_GATHERED``; a set far below the row's max, ``kforward.KEPT_RANGE``) take their kept entries'
+    gathers (``kept_set.kept_record_rows``: no host read), by their own values alone."""
     layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, wide=True))
     kept_set.kept_record_rows(head, kept_ids, kept)
     # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)
@@ -203,11 +203,12 @@ class TritonBackend:
 
     def replayed_record_workspace_bytes(self, hidden_shape, vocab_size, kept, dtype, device_type):
         """``replayed_record``'s: the record sweep's workspace (``kforward.workspace_bytes``: the bitmaps of a launch's
-        rows within its PARTS_BYTES) and the kept record's 4 x N fp32 (its flags too) before the op's copy; no
-        gathered buffers."""
+        rows within its PARTS_BYTES), a launch's width count (three [rows, K] bool temporaries and a row's int64 and
+        int32) and the kept record's 4 x N fp32 (its flags too) before the op's copy; no gathered buffers."""
         (N, _), V = hidden_shape, vocab_size
         config = kconfig.forward_config(torch.device(device_type), dtype, True)  # support_record_config's columns
-        return kforward.workspace_bytes(N, V, False, config, kept_bits=True) + 4 * N * 4, False
+        rows = kforward.parts_shape(N, V, False, config, kept_bits=True)[2] if N else 0
+        return kforward.workspace_bytes(N, V, False, config, kept_bits=True) + rows * (3 * kept + 12) + 4 * N * 4, False
 
     def replayed_backward_workspace_bytes(self, hidden_shape, vocab_size, dtype):
         """``_replayed_backward``'s: layer 1's chunked g (a token chunk x V in the input dtype), the sets' bitmaps of a

@@ -11,14 +11,16 @@ a row's partials into softmax_stats's record against the merged max M:
 so 1 - p_y = R / S is a sum of positive terms, never a difference (exact where a token is confident), and
 ``softmax_stats.finish`` turns the record into logp, H and what the backward reads.
 
-With replayed kept sets (``kept_record``: the sampler's support) each tile also sums the plain sum's own terms over
-its kept logits but the target, by the bit of each logit in its row's bitmap: R_k = sum exp(z_v - m) over kept
-v != y, against the patch's m (a bit test and a select a logit, no exponential of its own), merged with the plain
-sums' scales; the merge then adds e_y = exp(z_y - M) where the target's bit is set, giving kept_lse = M + log(R_k +
-e_y) and kept_nontarget_mass = R_k / (R_k + e_y): sums of positive terms. They keep fp32's precision while the set's
-sum against M is at least exp(-KEPT_RANGE); a set below it (all its logits some 44 nats under the row's max: the
-sampler kept a set the trainer finds that unlikely) is flagged per row and recomputed by the caller
-(``backends.triton_backend.replayed_record``: the kept entries' gathers), a choice by the row's own values alone.
+With replayed kept sets (``kept_record``: the sampler's support; the wide ones, of more than KEPT_GATHERED ids, as
+bitmaps: a token block of narrow sets alone skips this, their caller sums their gathers) each tile also sums the
+plain sum's own terms over its kept logits but the target, by the bit of each logit in its row's bitmap: R_k = sum
+exp(z_v - m) over kept v != y, against the patch's m (a bit test and a select a logit, no exponential of its own),
+merged with the plain sums' scales; the merge then adds e_y = exp(z_y - M) where the target's bit is set, giving
+kept_lse = M + log(R_k + e_y) and kept_nontarget_mass = R_k / (R_k + e_y): sums of positive terms. They keep fp32's
+precision while the set's sum against M is at least exp(-KEPT_RANGE); a set below it (all its logits some 44 nats
+under the row's max: the sampler kept a set the trainer finds that unlikely) is flagged per row and recomputed by the
+caller (``backends.triton_backend.replayed_record``: the kept entries' gathers), a choice by the row's own values
+alone.
 
 With tile candidates (``forward_record``'s ``tile_candidates``: the sampler's parameters, ``backends.support_tiles``)
 each tile lists a row's 3 largest logits and the 4th (``_tile_candidates``), and with gradients where the 3 lie
@@ -53,6 +55,10 @@ PARTS_BYTES = 32 * 2**20
 # exp(-KEPT_RANGE) keeps its precision (a term fp32 flushes, below 2^-126, weighs under 2^-62 of it), one below is
 # recomputed by the caller (``kept_record``); a backward's q_v = p_v exp(lse - kept_lse) likewise
 KEPT_RANGE = tl.constexpr(44.0)
+# a replayed set of at most KEPT_GATHERED ids is summed from its gathers (``kept_set.kept_record_rows``: K weight
+# rows, ~3 KiB each at D 1536, cost less than a token's share of the bitmap epilogue up to some 80 entries); a wider
+# one from the bitmap sweep, whose epilogue a token block of narrow sets alone skips
+KEPT_GATHERED = 64
 # the logits a tile lists a row for the sampler's kept set (``forward_record``'s ``tile_candidates``): its 3 largest,
 # ties repeated, beside the 4th largest, which bounds the rest. A row's 64 largest logits spread over V = 151936 in
 # 128-column tiles (1187) put 4 in one tile with probability 3.5e-4 if placed at random (256 columns: 2.7e-3); such a
@@ -138,11 +144,26 @@ def _kept_tile(e, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row):
 
 
 @triton.jit
-def _kept_bits_kernel(kept_ids_ptr, bits_ptr, K, V, stride_ids, stride_bits, held_word, BLOCK_K: tl.constexpr):
+def _kept_bits_kernel(
+    kept_ids_ptr,
+    bits_ptr,
+    wide_ptr,
+    K,
+    V,
+    stride_ids,
+    stride_bits,
+    held_word,
+    WIDE_ONLY: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """A launch's rows' kept sets as bitmaps: bit v & 31 of word v >> 5 of row n set for each id v of
     kept_ids[n] (-1 and ids outside [0, V) skipped; an id twice sets its bit once), and word ``held_word`` nonzero
-    where the row holds any. The words start at 0."""
+    where the row holds any; with WIDE_ONLY the rows whose ``wide_ptr`` flag is 0 are left empty. The words start at
+    0."""
     row = tl.program_id(0)
+    if WIDE_ONLY:
+        if tl.load(wide_ptr + row) == 0:
+            return
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ids = tl.load(kept_ids_ptr + row * stride_ids + offs, mask=offs < K, other=-1)
     valid = (ids >= 0) & (ids < V)
@@ -151,6 +172,20 @@ def _kept_bits_kernel(kept_ids_ptr, bits_ptr, K, V, stride_ids, stride_bits, hel
     tl.atomic_or(bits_row + (ids >> 5), bit, mask=valid, sem="relaxed")
     if tl.max(valid.to(tl.int32), axis=0) > 0:
         tl.atomic_or(bits_row + held_word, 1, sem="relaxed")
+
+
+@triton.jit
+def _clear_wide_rows_kernel(bits_ptr, wide_ptr, words, stride_bits, BLOCK: tl.constexpr):
+    """A wide row's bitmap words zeroed; a narrow one's held word alone (its sums come from its gathers: a tile that
+    reads its other words, beside a wide row, sums what they hold and the merge sets the row aside)."""
+    row = tl.program_id(0)
+    row_ptr = bits_ptr + row * stride_bits
+    if tl.load(wide_ptr + row) == 0:
+        tl.store(row_ptr + words - 1, 0)
+    else:
+        for w0 in range(0, words, BLOCK):
+            offs = w0 + tl.arange(0, BLOCK)
+            tl.store(row_ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=offs < words)
 
 
 @triton.jit
@@ -234,6 +269,9 @@ def _tile_records_kernel(
     run_zrest = tl.zeros((BLOCK_N,), tl.float32)
     target_logit = tl.zeros((BLOCK_N,), tl.float32)
     run_kept_rest = tl.zeros((BLOCK_N,), tl.float32)
+    if KEPT_BITS:  # a token block of narrow sets alone (no bitmap: their gathers sum them) skips the epilogue's sums
+        held = tl.load(kept_bits_ptr + offs_n * stride_kept_row + (V + 31) // 32, mask=n_mask, other=0)
+        block_wide = tl.max(held, axis=0) != 0
     for t in range(TILES):
         v0 = v_lo + t * BLOCK_V
         if v0 < V:
@@ -290,9 +328,10 @@ def _tile_records_kernel(
                 )
             run_rest = run_rest * rescale + tl.sum(e, axis=1)
             if KEPT_BITS:
-                run_kept_rest = run_kept_rest * rescale + _kept_tile(
-                    e, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row
-                )
+                if block_wide:
+                    run_kept_rest = run_kept_rest * rescale + _kept_tile(
+                        e, offs_n, v0, n_mask, V, kept_bits_ptr, stride_kept_row
+                    )
             target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             run_max = new_max
             if CANDIDATES > 0:
@@ -387,10 +426,10 @@ def _merge_parts_kernel(
         divisor = tl.where(nonempty, kept_total, 1.0)
         tl.store(kept_out + stride_record, tl.where(nonempty, pivot + tl.log(divisor), float("-inf")), mask=mask)
         tl.store(kept_out + 2 * stride_record, run_kept_rest / divisor, mask=mask)
-        # the sums serve a set whose sum against M is at least exp(-KEPT_RANGE) (or that holds no entry); below,
-        # or NaN, the caller recomputes the row (a set that lies far below the row's max)
+        # the sums serve a wide set (its bitmap holds it) whose sum against M is at least exp(-KEPT_RANGE); a
+        # narrow or empty one, one below, or NaN, the caller computes from its gathers
         held = tl.load(kept_bits_ptr + offs * stride_kept_row + kept_words_count - 1, mask=mask, other=0) != 0
-        served = ~held | (nonempty & (tl.log(divisor) >= -KEPT_RANGE))
+        served = held & nonempty & (tl.log(divisor) >= -KEPT_RANGE)
         tl.store(kept_out + 3 * stride_record, served.to(tl.float32), mask=mask)
 
 
@@ -429,16 +468,24 @@ def kept_words(V):
     return triton.cdiv(V, 32) + 1
 
 
-def kept_bitmaps(kept_ids, V, out):
+def kept_bitmaps(kept_ids, V, out, wide_only=False):
     """``out`` [rows, kept_words(V)] int32 (rows' strides free, words contiguous): the rows' kept sets ``kept_ids``
-    [rows, K] as bitmaps (``_kept_bits_kernel``; zeroed first), returned."""
-    out.zero_()
+    [rows, K] as bitmaps (``_kept_bits_kernel``; zeroed first), returned; with ``wide_only`` only the rows of more
+    than KEPT_GATHERED ids in [0, V): the others' held word 0, their other words left as they were (no tile's sums of
+    them are read; ``_clear_wide_rows_kernel``), so a launch of narrow sets writes a word a row."""
     rows, K = kept_ids.shape
+    wide = kept_ids
+    if wide_only and rows:
+        wide = (((kept_ids >= 0) & (kept_ids < V)).sum(-1) > KEPT_GATHERED).to(torch.int32)
+        _clear_wide_rows_kernel[(rows,)](out, wide, out.shape[1], out.stride(0), BLOCK=1024)
+    else:
+        out.zero_()
     if rows and K:
         block_k = min(triton.next_power_of_2(K), 1024)
         _kept_bits_kernel[(rows, triton.cdiv(K, block_k))](
-            kept_ids, out, K, V, kept_ids.stride(0), out.stride(0), kept_words(V) - 1, BLOCK_K=block_k
-        )
+            kept_ids, out, wide, K, V, kept_ids.stride(0), out.stride(0), kept_words(V) - 1,
+            WIDE_ONLY=wide_only, BLOCK_K=block_k,
+        )  # fmt: skip
     return out
 
 
@@ -527,7 +574,7 @@ def _record_sweep(head, compute_entropy, config, row_count, listing, kept_ids):
         lora_rows = (part(lora[0]), lora[1]) if lora is not None else None
         bit_rows = None
         if with_kept:
-            bit_rows = kept_bitmaps(part(kept_ids), V, bits[:rows])
+            bit_rows = kept_bitmaps(part(kept_ids), V, bits[:rows], wide_only=True)
         _tile_records_kernel[(triton.cdiv(rows, config.block_n) * patches,)](
             tile_operand(part(hidden), use_tma, config.block_n, config.block_d),
             w,

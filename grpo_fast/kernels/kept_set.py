@@ -252,24 +252,25 @@ def _kept_record_rows_kernel(
         slots = k0 + tl.arange(0, BLOCK_K)
         ids = _kept_ids(ids_ptr, row, slots, slots < K, stride_ids)
         live = (ids >= 0) & (ids < V)  # as the bitmaps read the set
-        u = _gathered_raw(x_ptr, y_ptr, row, ids, live, E, stride_x, stride_y, BLOCK_K, BLOCK_E)
-        if HAS_LORA:
-            u += _gathered_raw(
-                lora_x_ptr, lora_y_ptr, row, ids, live, R, stride_lora_x, stride_lora_y, BLOCK_K, BLOCK_E
-            )
-        if HAS_BIAS:
-            u += tl.load(bias_ptr + ids, mask=live, other=0.0).to(tl.float32)
-        z, _ = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
-        z = tl.where(live, z, -float("inf"))
-        at_target = live & (ids == target)
-        new_m = tl.maximum(m, tl.max(z, axis=0))
-        pivot = tl.where(new_m == -float("inf"), 0.0, new_m)  # an all -inf prefix: no mass, no inf - inf
-        e = tl.exp(z - pivot)
-        rescale = tl.exp(m - pivot)
-        s = s * rescale + tl.sum(e, axis=0)
-        rest = rest * rescale + tl.sum(tl.where(at_target, 0.0, e), axis=0)
-        target_logit = tl.maximum(target_logit, tl.max(tl.where(at_target, z, -float("inf")), axis=0))
-        m = new_m
+        if tl.max(live.to(tl.int32), axis=0) > 0:  # a block of filling only reads no row (a narrow set in a wide K)
+            u = _gathered_raw(x_ptr, y_ptr, row, ids, live, E, stride_x, stride_y, BLOCK_K, BLOCK_E)
+            if HAS_LORA:
+                u += _gathered_raw(
+                    lora_x_ptr, lora_y_ptr, row, ids, live, R, stride_lora_x, stride_lora_y, BLOCK_K, BLOCK_E
+                )
+            if HAS_BIAS:
+                u += tl.load(bias_ptr + ids, mask=live, other=0.0).to(tl.float32)
+            z, _ = transform_and_slope(u, inv_temperature, logit_scale, softcap, HAS_SOFTCAP)
+            z = tl.where(live, z, -float("inf"))
+            at_target = live & (ids == target)
+            new_m = tl.maximum(m, tl.max(z, axis=0))
+            pivot = tl.where(new_m == -float("inf"), 0.0, new_m)  # an all -inf prefix: no mass, no inf - inf
+            e = tl.exp(z - pivot)
+            rescale = tl.exp(m - pivot)
+            s = s * rescale + tl.sum(e, axis=0)
+            rest = rest * rescale + tl.sum(tl.where(at_target, 0.0, e), axis=0)
+            target_logit = tl.maximum(target_logit, tl.max(tl.where(at_target, z, -float("inf")), axis=0))
+            m = new_m
     pivot = tl.where(m == -float("inf"), 0.0, m)
     nonempty = s > 0.0
     divisor = tl.where(nonempty, s, 1.0)
