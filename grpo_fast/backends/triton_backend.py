@@ -67,11 +67,11 @@ def kept_backward_config(head):
 
 def replayed_record(head, kept_ids):
     """Replayed kept sets: the whole SupportRecord (``support_twin.with_logprob``) from the log-prob's record sweep
-    reading each launch's bitmaps of the sets (``kforward.kept_record``). One path whatever the sets' width K: a
-    row's values do not depend on how far a batch pads its sets (batch invariance; the gathers cost less for narrow
-    sets, but a batch's K is its widest set's). The rows whose sums the sweep does not serve (a narrow set,
-    ``kforward.KEPT_GATHERED``; a set far below the row's max, ``kforward.KEPT_RANGE``) take their kept entries'
-    gathers (``kept_set.kept_record_rows``: no host read), by their own values alone."""
+    reading each launch's bitmaps of the wide sets (``kforward.kept_record``). A row's path is its own set's width
+    (its ids in [0, V)), never the batch's K: its values do not depend on how far a batch pads its sets (batch
+    invariance). The rows whose sums the sweep does not serve (a narrow set, ``kforward.KEPT_GATHERED``; a set far
+    below the row's max, ``kforward.KEPT_RANGE``) take their kept entries' gathers (``kept_set.kept_record_rows``: no
+    host read), by their own values alone."""
     layer1, kept = kforward.kept_record(head, kept_ids, support_record_config(head, wide=True))
     kept_set.kept_record_rows(head, kept_ids, kept)
     # the op's outputs alias nothing: each field its own tensor (3 x N fp32 copied)

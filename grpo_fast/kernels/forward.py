@@ -158,8 +158,8 @@ def _kept_bits_kernel(
 ):
     """A launch's rows' kept sets as bitmaps: bit v & 31 of word v >> 5 of row n set for each id v of
     kept_ids[n] (-1 and ids outside [0, V) skipped; an id twice sets its bit once), and word ``held_word`` nonzero
-    where the row holds any; with WIDE_ONLY the rows whose ``wide_ptr`` flag is 0 are left empty. The words start at
-    0."""
+    where the row holds any; with WIDE_ONLY the rows whose ``wide_ptr`` flag is 0 are skipped. The words start at 0
+    (``kept_bitmaps``; with WIDE_ONLY a skipped row's held word alone)."""
     row = tl.program_id(0)
     if WIDE_ONLY:
         if tl.load(wide_ptr + row) == 0:
