@@ -474,12 +474,12 @@ def kept_dot_rows(x, y, bias, ids, weights, transform):
 
 @on_first_argument_device
 def kept_record_rows(head, kept_ids, kept):
-    """The rows of a kept record whose sums the record sweep does not serve (``forward.kept_record``'s kept [4, N]:
-    its flag 0: a narrow set, an empty one, a set far below its row's max), recomputed in place from their kept entries' gathers: the target's
-    logit (-inf where the set lacks it), kept_lse (its own max: exact however far the set lies) and
-    kept_nontarget_mass (``head``: an operands.HeadOperands; ``kept_ids`` [N, K] int64, ids outside [0, V) skipped as
-    the bitmaps skip them, an id twice counted twice). One program a row; a served row reads its flag and returns,
-    so the launch costs ~N flag reads beside the flagged rows' K weight rows each: no host read."""
+    """The rows of a kept record whose sums the record sweep does not serve (``forward.kept_record``'s kept [4, N]: its
+    flag 0: a narrow set, an empty one, a set far below its row's max), recomputed in place from their kept entries'
+    gathers: the target's logit (-inf where the set lacks it), kept_lse (its own max: exact however far the set
+    lies) and kept_nontarget_mass (``head``: an operands.HeadOperands; ``kept_ids`` [N, K] int64, ids outside [0, V)
+    skipped as the bitmaps skip them, an id twice counted twice). One program a row; a served row reads its flag and
+    returns, so the launch costs ~N flag reads beside the flagged rows' K weight rows each: no host read."""
     hidden, weight, targets, bias, transform, lora = head
     N, K = kept_ids.shape
     if N and K:
