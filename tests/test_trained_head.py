@@ -391,3 +391,18 @@ def test_column_entries_fold_into_the_weights_product(dtype, device):
     ((c.to(F64) * logp).sum() + (grad.to(F64) * at_ids).sum()).backward()
     assert_grad_close(weight.to(dtype), leaves[1].grad.float(), dtype, "weight")
     assert_grad_close(bias.to(dtype), leaves[2].grad.float(), dtype, "bias")
+
+
+def test_column_entries_without_a_weight_gradient_stay_the_callers(device):
+    # no dW nor db to take them: every entry goes to ``rest``; no column at all (K 0) folds nothing
+    N, D, V = 9, 8, 40
+    h, w, _, y, c = _head(N, D, V, torch.float32, bias=False, device=device)
+    head = HeadOperands(h, w, y, None, LogitTransform())
+    config = kconfig.frozen_head_config(h.device)
+    for K, weight in ((3, None), (0, torch.zeros(V, D, device=device))):
+        ids = torch.randint(0, V, (N, K), device=device)
+        grad = torch.randn(N, K, device=device)
+        columns = GradientColumns(ids, grad, 1.0, torch.full((N, K), float("nan"), device=device))
+        grads = HeadGrads(torch.empty(N, D, device=device), weight)
+        kfrozen.forward_trained_head(head, False, config, lambda n0, n1, *_: c[n0:n1], grads, 4, columns=columns)
+        assert torch.equal(columns.rest, grad)

@@ -339,6 +339,8 @@ def _fold_columns(columns, n0, n1, factor, p):
     """A chunk's column entries dL/du into P' (``p`` [n1 - n0, V]) as dL/du / f where they fold
     (``forward_trained_head``), the rest into ``columns.rest``."""
     ids, grad = columns.ids[n0:n1], columns.grad[n0:n1]
+    if ids.shape[1] == 0:  # no column: nothing to fold
+        return
     slope = columns.slope
     slope = slope[n0:n1] if isinstance(slope, torch.Tensor) and slope.ndim else slope
     live = ids >= 0
@@ -400,6 +402,8 @@ def forward_trained_head(
         c = coefficients(n0, n1, logp, entropy).float()
         coefficient_rows[n0:n1] = c
         if grads.weight is None and grads.bias is None:
+            if columns is not None:  # no product to take them: every entry the caller's
+                columns.rest[n0:n1] = columns.grad[n0:n1]
             return
         sumexp, rest, target_slope, unscale = state[1], state[2], state[5], state[7]
         factor = -(c / sumexp) * unscale  # g = factor P' off the target column
